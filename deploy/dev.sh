@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# kvdepot developer entry point.
+#
+#   deploy/dev.sh run    install what is missing, build, start kvdepotd on its
+#                        embedded defaults (127.0.0.1:50051, ./kvdepot-data)
+#   deploy/dev.sh test   install what is missing (test tools included), build,
+#                        run the whole test suite with ctest
+#   deploy/dev.sh build  install build dependencies and build only
+#   deploy/dev.sh deps [--test]  install dependencies only
+#
+# Works on Debian 12 as root or as a user with sudo. Environment:
+#   KVD_BUILD_DIR   build directory (default: <repo>/build)
+#   KVD_JOBS        parallel build jobs (default: nproc)
+#   KVD_CMAKE_ARGS  extra arguments for cmake configure
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${KVD_BUILD_DIR:-$root/build}
+jobs=${KVD_JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+build_pkgs=(build-essential cmake pkg-config ca-certificates
+            libgrpc-dev grpc-proto protobuf-c-compiler libprotobuf-c-dev
+            librocksdb-dev libxxhash-dev)
+test_pkgs=(libcmocka-dev python3 python3-grpcio python3-protobuf protobuf-compiler
+           redis-server redis-tools procps)
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+install_pkgs() {
+    local missing=()
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+            missing+=("$p")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "kvdepot: installing ${missing[*]}" >&2
+        as_root apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+}
+
+deps() {
+    install_pkgs "${build_pkgs[@]}"
+    if [ "${1:-}" = "--test" ]; then
+        install_pkgs "${test_pkgs[@]}"
+        # Node interop test: Debian's nodejs/npm only when no node is present.
+        if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+            install_pkgs nodejs npm
+        fi
+        if [ ! -d "$root/tests/interop/node/node_modules/@grpc/grpc-js" ]; then
+            (cd "$root/tests/interop/node" && npm install --no-audit --no-fund --silent)
+        fi
+    fi
+}
+
+configure_and_build() {
+    # shellcheck disable=SC2086
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${KVD_CMAKE_ARGS:-} >/dev/null
+    cmake --build "$build" -j "$jobs"
+}
+
+case "${1:-}" in
+run)
+    shift
+    deps
+    configure_and_build
+    exec "$build/service/kvdepotd" "$@"
+    ;;
+test)
+    shift
+    deps --test
+    configure_and_build
+    cd "$build"
+    exec ctest --output-on-failure -j "$jobs" "$@"
+    ;;
+build)
+    deps
+    configure_and_build
+    ;;
+deps)
+    shift
+    deps "$@"
+    ;;
+*)
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac

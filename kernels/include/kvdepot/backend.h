@@ -1,0 +1,91 @@
+/*
+ * The kvdepot compute backend interface.
+ *
+ * A backend is a table of function pointers plus a context. The table is
+ * grouped by op family; each family table is defined in its own header
+ * (kvdepot/convert.h, quant.h, kmeans.h, vq.h, pq.h, svd.h, attention.h).
+ * A NULL family pointer, or a NULL member inside a family table, means the
+ * backend does not support that op: callers go through the checked wrappers
+ * declared in the family headers, which validate arguments and return
+ * KVD_EUNSUPP for a missing op.
+ *
+ * Memory: every tensor passed to an op of a backend lives in memory of that
+ * backend (host memory for the CPU backend, device memory for CUDA), obtained
+ * with kvd_backend_alloc(). Copies between host and backend memory go through
+ * kvd_backend_upload()/download(). A backend may run ops asynchronously on its
+ * own streams; kvd_backend_sync() waits for everything issued so far. The CPU
+ * backend is synchronous and its alloc is an aligned malloc.
+ *
+ * Interfaces grow only by appending members.
+ */
+#ifndef KVDEPOT_BACKEND_H
+#define KVDEPOT_BACKEND_H
+
+#include <stddef.h>
+
+#include "kvdepot/status.h"
+#include "kvdepot/tensor.h"
+
+typedef struct kvd_backend kvd_backend;
+
+/* Family tables, defined in the family headers. */
+struct kvd_convert_ops;
+struct kvd_quant_ops;
+struct kvd_kmeans_ops;
+struct kvd_vq_ops;
+struct kvd_pq_ops;
+struct kvd_svd_ops;
+struct kvd_attn_ops;
+
+typedef struct kvd_backend_iface {
+    const char *name; /* "cpu", "cuda" */
+
+    void (*free)(kvd_backend *be);
+    int (*alloc)(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
+    void (*dealloc)(kvd_backend *be, void *ptr);
+    int (*upload)(kvd_backend *be, void *dst, const void *host_src, size_t bytes, kvd_error *err);
+    int (*download)(kvd_backend *be, void *host_dst, const void *src, size_t bytes, kvd_error *err);
+    int (*sync)(kvd_backend *be, kvd_error *err);
+
+    const struct kvd_convert_ops *convert;
+    const struct kvd_quant_ops *quant;
+    const struct kvd_kmeans_ops *kmeans;
+    const struct kvd_vq_ops *vq;
+    const struct kvd_pq_ops *pq;
+    const struct kvd_svd_ops *svd;
+    const struct kvd_attn_ops *attn;
+} kvd_backend_iface;
+
+struct kvd_backend {
+    const kvd_backend_iface *iface;
+    void *ctx;    /* backend private state (threads, device, streams) */
+    int nthreads; /* worker threads a CPU op may use (>= 1) */
+};
+
+typedef struct kvd_cpu_options {
+    int nthreads;  /* 0 = number of online CPUs */
+    int force_ref; /* 1 = use the scalar reference for every op (tests) */
+} kvd_cpu_options;
+
+/* Create the CPU backend. *out is NULL on failure. Free with kvd_backend_free. */
+int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_error *err);
+
+/* Create the CUDA backend on device `device` (-1 = first). Returns KVD_EUNSUPP
+ * when kvdepot was built without CUDA and KVD_EUNAVAIL when no device is
+ * present. *out is NULL on failure. */
+int kvd_backend_cuda_create(int device, kvd_backend **out, kvd_error *err);
+
+/* Free a backend; NULL is a no-op. */
+void kvd_backend_free(kvd_backend *be);
+
+int kvd_backend_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
+void kvd_backend_dealloc(kvd_backend *be, void *ptr);
+int kvd_backend_upload(kvd_backend *be, void *dst, const void *host_src, size_t bytes, kvd_error *err);
+int kvd_backend_download(kvd_backend *be, void *host_dst, const void *src, size_t bytes,
+                         kvd_error *err);
+int kvd_backend_sync(kvd_backend *be, kvd_error *err);
+
+/* Runtime CPU features (cached after the first call). */
+int kvd_cpu_has_avx2_fma(void);
+
+#endif /* KVDEPOT_BACKEND_H */

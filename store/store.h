@@ -1,0 +1,183 @@
+/*
+ * kvdepot store: models, sequences and pages persisted in RocksDB.
+ *
+ * The store knows nothing about gRPC. It is thread-safe: any number of
+ * threads may call into one kvd_store at once. Every function returns 0 or a
+ * negative kvd_status and, on failure, fills `err` (which may be NULL) with a
+ * message naming the problem. A failed call changes nothing.
+ *
+ * Tensor layout of Append and Read bytes (the wire layout): K then V, each
+ * [layer][token][kv_head][head_dim] in the model dtype, little-endian.
+ */
+#ifndef KVDEPOT_STORE_H
+#define KVDEPOT_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvdepot/status.h"
+#include "kvdepot/tensor.h"
+
+#define KVD_MODEL_NAME_MAX 128  /* bytes, [A-Za-z0-9._-] */
+#define KVD_REVISION_MAX 128    /* bytes */
+#define KVD_SEQ_ID_MAX 256      /* bytes, any value */
+#define KVD_DEFAULT_PAGE_TOKENS 256
+
+typedef struct kvd_store kvd_store;
+
+typedef struct kvd_store_options {
+    const char *data_dir;      /* created if missing */
+    uint32_t page_tokens;      /* 0 = KVD_DEFAULT_PAGE_TOKENS; fixed at creation */
+    int sync_writes;           /* 1 = fsync the WAL before an append is acknowledged */
+    size_t block_cache_bytes;  /* RocksDB block cache; 0 = default */
+    uint64_t max_seq_tokens;   /* 0 = no limit */
+} kvd_store_options;
+
+/* Open (creating if needed) the store in opt->data_dir. Fails with KVD_EINVAL
+ * for bad options, KVD_EPRECOND if the directory was created with another
+ * page size, KVD_ECORRUPT / KVD_EINTERNAL if RocksDB cannot open it.
+ * *out is NULL on failure. */
+int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err);
+
+/* Flush and close; NULL is a no-op. No call may be in flight. */
+void kvd_store_close(kvd_store *st);
+
+uint32_t kvd_store_page_tokens(const kvd_store *st);
+
+/* ---- models ------------------------------------------------------------ */
+
+typedef struct kvd_model_info {
+    char name[KVD_MODEL_NAME_MAX + 1];
+    char revision[KVD_REVISION_MAX + 1];
+    uint32_t num_layers, num_kv_heads, num_q_heads, head_dim, hidden_size;
+    kvd_dtype dtype; /* F16, BF16 or F32 */
+    uint64_t created_unix_ms;
+} kvd_model_info;
+
+/* Validate a model description (name charset, bounds, GQA divisibility,
+ * dtype). num_q_heads 0 is normalised to num_kv_heads. */
+int kvd_model_validate(kvd_model_info *m, kvd_error *err);
+
+/* Register a model. Identical re-put: OK with *created = 0. Different shape:
+ * KVD_EEXIST unless replace and the model has no sequences (KVD_EPRECOND). */
+int kvd_store_model_put(kvd_store *st, const kvd_model_info *m, int replace,
+                        kvd_model_info *out, int *created, kvd_error *err);
+int kvd_store_model_get(kvd_store *st, const char *name, kvd_model_info *out, kvd_error *err);
+/* *out is a malloc'd array the caller frees with free(); NULL when *n == 0. */
+int kvd_store_model_list(kvd_store *st, kvd_model_info **out, size_t *n, kvd_error *err);
+/* KVD_EPRECOND if it has sequences and !force; force deletes them too. */
+int kvd_store_model_delete(kvd_store *st, const char *name, int force, uint64_t *deleted_seqs,
+                           kvd_error *err);
+
+/* ---- sequences --------------------------------------------------------- */
+
+typedef struct kvd_seq_info {
+    uint8_t id[KVD_SEQ_ID_MAX];
+    size_t id_len;
+    char model[KVD_MODEL_NAME_MAX + 1];
+    uint64_t num_tokens;     /* min over layer_tokens */
+    uint32_t num_layers;
+    uint64_t *layer_tokens;  /* num_layers entries; owned by the info, see below */
+    uint32_t page_tokens;
+    uint64_t sealed_pages;
+    uint64_t stored_bytes;
+    uint64_t created_unix_ms;
+    uint64_t prefix_blocks;
+    uint64_t *block_hashes;  /* n_block_hashes entries; owned by the info */
+    size_t n_block_hashes;
+} kvd_seq_info;
+
+/* Release the arrays inside an info filled by the store (not the struct). */
+void kvd_seq_info_clear(kvd_seq_info *info);
+
+/* Create a sequence, optionally starting from a stored prefix chain (every
+ * hash must be registered for the model: else KVD_ENOTFOUND). prefix_token_ids
+ * (n_prefix * page_tokens ids, or NULL) are checked against the hashes.
+ * KVD_EEXIST if the id is taken, KVD_ENOTFOUND for an unknown model. */
+int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const char *model,
+                         const uint64_t *prefix_hashes, size_t n_prefix,
+                         const uint32_t *prefix_token_ids, size_t n_prefix_token_ids,
+                         kvd_seq_info *out, kvd_error *err);
+int kvd_store_seq_stat(kvd_store *st, const void *id, size_t id_len, kvd_seq_info *out,
+                       kvd_error *err);
+/* List sequences (of `model`, or all when NULL/empty) in id order, starting
+ * after `after` (NULL = from the start), at most `limit`. *out is a malloc'd
+ * array; free each with kvd_seq_info_clear and the array with free(). *more is
+ * 1 when sequences remain after the last one returned. */
+int kvd_store_seq_list(kvd_store *st, const char *model, const void *after, size_t after_len,
+                       size_t limit, kvd_seq_info **out, size_t *n, int *more, kvd_error *err);
+int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t *freed_pages,
+                         kvd_error *err);
+
+/* ---- append: a transaction fed with bytes ------------------------------- */
+
+typedef struct kvd_append kvd_append;
+
+typedef struct kvd_append_spec {
+    const void *seq_id;
+    size_t seq_id_len;
+    uint32_t layer_start;
+    uint32_t num_layers;   /* 0 = all from layer_start */
+    uint64_t token_start;  /* must equal the stored token count of each layer */
+    uint64_t num_tokens;   /* >= 1 */
+    kvd_dtype dtype;       /* must equal the model dtype */
+    const uint32_t *token_ids; /* num_tokens ids or NULL */
+    size_t n_token_ids;
+    const uint64_t *block_hashes; /* hashes of blocks completed by this append, or NULL */
+    size_t n_block_hashes;
+} kvd_append_spec;
+
+/* Start an append; validates the spec against the sequence and model.
+ * *expected_bytes is the exact byte count write() must receive. */
+int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_append **out,
+                           uint64_t *expected_bytes, kvd_error *err);
+/* Feed the next bytes (any split). More bytes than expected: KVD_EINVAL. */
+int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_error *err);
+/* Make the append durable and visible atomically. Fewer bytes than expected:
+ * KVD_EINVAL. Fills *info (if not NULL). Frees ap in every case. */
+int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err);
+/* Drop an append; nothing becomes visible. NULL is a no-op. */
+void kvd_store_append_abort(kvd_append *ap);
+
+/* ---- read: a cursor producing bytes ------------------------------------- */
+
+typedef struct kvd_read kvd_read;
+
+typedef struct kvd_read_spec {
+    const void *seq_id;
+    size_t seq_id_len;
+    uint32_t layer_start;
+    uint32_t num_layers;   /* 0 = all from layer_start */
+    uint64_t token_start;
+    uint64_t num_tokens;   /* 0 = to the sequence's num_tokens */
+} kvd_read_spec;
+
+typedef struct kvd_read_shape {
+    uint32_t layer_start, num_layers;
+    uint64_t token_start, num_tokens;
+    uint32_t num_kv_heads, head_dim;
+    kvd_dtype dtype;
+    uint64_t total_bytes; /* K + V */
+} kvd_read_shape;
+
+/* Start a read (a consistent snapshot: later appends or deletes do not change
+ * what it returns). Range past the stored tokens: KVD_ERANGE. */
+int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **out,
+                         kvd_read_shape *shape, kvd_error *err);
+/* Copy up to cap next bytes into buf; *len = 0 at the end. A page failing its
+ * checksum: KVD_ECORRUPT (no bytes of it are returned). */
+int kvd_store_read_next(kvd_read *rd, void *buf, size_t cap, size_t *len, kvd_error *err);
+void kvd_store_read_end(kvd_read *rd);
+
+/* ---- prefix index ------------------------------------------------------- */
+
+/* How many leading hashes of the chain are stored for the model (all layers
+ * of the block sealed and registered). */
+int kvd_store_lookup(kvd_store *st, const char *model, const uint64_t *hashes, size_t n,
+                     uint64_t *matched, kvd_error *err);
+
+/* The documented prefix hash of one block (see kvdepot.proto):
+ * XXH3_64bits_withSeed(le32 token ids, 4 * n, parent). */
+uint64_t kvd_prefix_hash(uint64_t parent, const uint32_t *token_ids, size_t n);
+
+#endif /* KVDEPOT_STORE_H */
