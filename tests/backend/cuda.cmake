@@ -1,0 +1,9 @@
+# CUDA backend tests: built whenever nvcc is present, skipped (exit 77)
+# when no GPU is found at run time.
+if(KVD_HAVE_CUDA)
+  add_executable(test_cuda_backend ${CMAKE_CURRENT_LIST_DIR}/test_cuda_backend.c)
+  target_link_libraries(test_cuda_backend PRIVATE kvd_kernels_cuda)
+  set_target_properties(test_cuda_backend PROPERTIES LINKER_LANGUAGE CUDA)
+  add_test(NAME cuda_backend COMMAND test_cuda_backend)
+  set_tests_properties(cuda_backend PROPERTIES LABELS "backend;gpu" SKIP_RETURN_CODE 77)
+endif()
