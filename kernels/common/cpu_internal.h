@@ -1,0 +1,84 @@
+/*
+ * Internal helpers shared by the CPU backend's op families (not installed).
+ *
+ * Every CPU op has a scalar reference and, where it pays, an AVX2/FMA/F16C
+ * fast path compiled with __attribute__((target(...))) so the library stays
+ * baseline x86-64. An op takes the fast path when kvd__cpu_fast(be) is true:
+ * the CPU has the features and the backend was not created with force_ref.
+ */
+#ifndef KVDEPOT_CPU_INTERNAL_H
+#define KVDEPOT_CPU_INTERNAL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "kvdepot/backend.h"
+#include "kvdepot/tensor.h"
+
+/* be->ctx of the CPU backend. */
+typedef struct kvd__cpu_ctx {
+    int force_ref; /* 1: every op runs its scalar reference */
+    int fast;      /* 1: AVX2 + FMA + F16C present and force_ref == 0 */
+} kvd__cpu_ctx;
+
+/* 1 when `be` is a CPU backend whose ops should take their fast paths. */
+static inline int kvd__cpu_fast(const kvd_backend *be)
+{
+    return be && be->ctx && ((const kvd__cpu_ctx *)be->ctx)->fast;
+}
+
+/* Threads a CPU op may use (>= 1). */
+static inline int kvd__cpu_threads(const kvd_backend *be)
+{
+    return (be && be->nthreads > 0) ? be->nthreads : 1;
+}
+
+/* 1 when the CPU has AVX2, FMA and F16C (the fast paths use all three). */
+int kvd__cpu_has_avx2_fma_f16c(void);
+
+/* Read / write one float element of dtype f32, f16 or bf16. */
+static inline float kvd__load_float(const void *p, kvd_dtype t)
+{
+    uint16_t h;
+    float f;
+    switch (t) {
+    case KVD_DTYPE_F16:
+        memcpy(&h, p, 2);
+        return kvd_f16_to_f32(h);
+    case KVD_DTYPE_BF16:
+        memcpy(&h, p, 2);
+        return kvd_bf16_to_f32(h);
+    default:
+        memcpy(&f, p, 4);
+        return f;
+    }
+}
+
+static inline void kvd__store_float(void *p, kvd_dtype t, float v)
+{
+    uint16_t h;
+    switch (t) {
+    case KVD_DTYPE_F16:
+        h = kvd_f32_to_f16(v);
+        memcpy(p, &h, 2);
+        break;
+    case KVD_DTYPE_BF16:
+        h = kvd_f32_to_bf16(v);
+        memcpy(p, &h, 2);
+        break;
+    default:
+        memcpy(p, &v, 4);
+        break;
+    }
+}
+
+/* Address of element (i0, i1, ...) of a tensor: data + sum(idx[k] * stride[k]). */
+static inline char *kvd__elem_ptr(const kvd_tensor *t, const int64_t *idx)
+{
+    char *p = (char *)t->data;
+    for (int k = 0; k < t->ndim; k++)
+        p += idx[k] * t->stride[k];
+    return p;
+}
+
+#endif /* KVDEPOT_CPU_INTERNAL_H */
