@@ -1,0 +1,247 @@
+/*
+ * Decode attention on every cache form kvdepot stores.
+ *
+ * One call computes, for one sequence at one layer and one decode step,
+ *
+ *     s_t   = softmax_scale * (q_h . k_t)            for every token t
+ *     lse_h = ln sum_t exp(s_t)
+ *     out_h = sum_t exp(s_t - lse_h) * v_t
+ *
+ * for every query head h, with grouped-query attention: Hq query heads share
+ * Hkv key/value heads, G = Hq / Hkv, and query head h reads kv head h / G.
+ * Results are returned as (output, log-sum-exp) so attention over disjoint
+ * token ranges (pages held by different tiers, the raw tail held by the
+ * engine) combines exactly with kvd_attn_merge().
+ *
+ * An empty token range gives lse = -inf and out = 0: the neutral element of
+ * the merge, so an empty page never changes a merged result.
+ *
+ * Shapes shared by every form (all row-major, see kvdepot/tensor.h):
+ *   q    (Hq, D)   f32       query of the current step (D = head_dim)
+ *   out  (Hq, Dv)  f32       Dv = v_dim
+ *   lse  (Hq)      f32       natural logarithm
+ * Dense K/V are (Hkv, T, D) and (Hkv, T, Dv), f32, f16 or bf16; the two outer
+ * dimensions may have any stride, the innermost must be contiguous.
+ *
+ * Every entry point takes an array of items (one per sequence) so a backend
+ * can batch sequences into one launch; the CPU backend parallelises over
+ * (item, kv head) pairs.
+ *
+ * NaN/Inf: a NaN anywhere in q, K or V propagates to the affected outputs as
+ * NaN, as in plain float attention; no form hides it.
+ */
+#ifndef KVDEPOT_ATTENTION_H
+#define KVDEPOT_ATTENTION_H
+
+#include <stdint.h>
+
+#include "kvdepot/backend.h"
+#include "kvdepot/status.h"
+#include "kvdepot/tensor.h"
+
+typedef struct kvd_attn_dims {
+    int n_q_heads;       /* Hq, a multiple of n_kv_heads */
+    int n_kv_heads;      /* Hkv */
+    int head_dim;        /* D: width of q and K */
+    int v_dim;           /* Dv: width of V and out */
+    float softmax_scale; /* usually 1/sqrt(D) of the original model */
+} kvd_attn_dims;
+
+/* (a) Dense float K/V. T = k.shape[1] (may be 0; data may then be NULL). */
+typedef struct kvd_attn_dense_args {
+    kvd_attn_dims dims;
+    kvd_tensor q;   /* (Hq, D) f32 */
+    kvd_tensor k;   /* (Hkv, T, D)  f32 | f16 | bf16 */
+    kvd_tensor v;   /* (Hkv, T, Dv) f32 | f16 | bf16 */
+    kvd_tensor out; /* (Hq, Dv) f32, written */
+    kvd_tensor lse; /* (Hq) f32, written */
+} kvd_attn_dense_args;
+
+/* (e) Sparse: attention over the tokens listed per kv head, gathered from
+ * dense K/V. idx (Hkv, n) i32 holds token positions in [0, T); each entry
+ * counts once per occurrence (pass distinct indices). n = 0 gives the empty
+ * result. Typical input: the top-k list of a PQ search. */
+typedef struct kvd_attn_sparse_args {
+    kvd_attn_dims dims;
+    kvd_tensor q;   /* (Hq, D) f32 */
+    kvd_tensor k;   /* (Hkv, T, D)  f32 | f16 | bf16 */
+    kvd_tensor v;   /* (Hkv, T, Dv) f32 | f16 | bf16 */
+    kvd_tensor idx; /* (Hkv, n) i32 */
+    kvd_tensor out; /* (Hq, Dv) f32 */
+    kvd_tensor lse; /* (Hq) f32 */
+} kvd_attn_sparse_args;
+
+/* Grouping axis of an INT2/INT4 block (layouts agreed with kvdepot/quant.h).
+ *
+ * KVD_ATTN_AXIS_TOKEN: groups of P consecutive channels of one token
+ *   (keys, and values in KIVI mode).
+ *   codes (Hkv, T, W*bits/8) u8: value j of a row sits in byte j/(8/bits) at
+ *         bit offset (j % (8/bits)) * bits.
+ *   min, scale (Hkv, T, W/P) f16;  sum (Hkv, T, W/P) u16 = sum of the codes
+ * KVD_ATTN_AXIS_CHANNEL: groups of P consecutive tokens of one channel
+ *   (values, HACK). T must be a multiple of P.
+ *   codes (Hkv, W, T*bits/8) u8 packed along tokens in the same bit order;
+ *   min, scale (Hkv, W, T/P) f16;  sum (Hkv, W, T/P) u16.
+ * W is D for keys and Dv for values; x ~ min + scale * code. */
+typedef enum kvd_attn_axis {
+    KVD_ATTN_AXIS_TOKEN = 0,
+    KVD_ATTN_AXIS_CHANNEL = 1,
+} kvd_attn_axis;
+
+typedef struct kvd_attn_qdata {
+    int bits;     /* 2 or 4 */
+    int group;    /* P: 32, 64 or 128 (any multiple of 8/bits that divides the axis) */
+    int axis;     /* kvd_attn_axis */
+    kvd_tensor codes, min, scale, sum;
+} kvd_attn_qdata;
+
+/* (b) Homomorphic INT2/INT4 attention (HACK Eq. 4) over n_tokens quantized
+ * tokens followed by the raw tail tokens k_tail/v_tail (the page that is not
+ * sealed yet; shape (Hkv, Tt, D) / (Hkv, Tt, Dv), any float dtype, Tt >= 0).
+ *
+ * Scores: q_h is quantized per head to int8, symmetric: s_q = max|q_h| / 127,
+ * q8 = round(q_h / s_q). For each K group g (P channels of token t),
+ *     q.k ~ s_q * sum_g ( scale_g * sum_{j in g} q8_j c_j
+ *                       +   min_g * sum_{j in g} q8_j )
+ * i.e. Eq. 4 with a zero query minimum; the integer dot products run on the
+ * 2/4-bit codes directly.
+ * Values, channel axis: the unnormalised probabilities P_t = exp(s_t - max)
+ * are quantized per group of P tokens to uint8, asymmetric
+ * (mP = min, sP = (max - min) / 255, p8 = round((P - mP) / sP)); then per
+ * channel d and group g
+ *     sum_t P_t v_td ~ sP*scale * sum_t p8_t c_td + mP*scale * sum_t c_td (stored sum)
+ *                    + sP*min * sum_t p8_t + P*mP*min                    (Eq. 4)
+ * Values, token axis (KIVI): the per-token scale is folded into the
+ * probability, out_d += (P_t*scale_tg) * c_td + P_t*min_tg, in float (there
+ * is no long integer axis to multiply along).
+ * Neither K nor V is ever dequantized into a buffer. */
+typedef struct kvd_attn_int_args {
+    kvd_attn_dims dims;
+    kvd_tensor q;         /* (Hq, D) f32 */
+    int64_t n_tokens;     /* T quantized tokens */
+    kvd_attn_qdata k;     /* axis must be TOKEN */
+    kvd_attn_qdata v;     /* TOKEN or CHANNEL */
+    kvd_tensor k_tail;    /* (Hkv, Tt, D), Tt may be 0 */
+    kvd_tensor v_tail;    /* (Hkv, Tt, Dv) */
+    kvd_tensor out;       /* (Hq, Dv) f32 */
+    kvd_tensor lse;       /* (Hq) f32 */
+} kvd_attn_int_args;
+
+/* (c) Fused VQ attention.
+ *   k_codes (Hkv, T, D/dk) u8 (bits <= 8) or u16; k_codebook (Hkv, 2^bk, dk) f32
+ *   v_codes (Hkv, T, Dv/dv) u8 or u16;            v_codebook (Hkv, 2^bv, dv) f32
+ * Keys were coded after smoothing and rotation: k~ = H (k / lambda), with
+ * lambda (Hkv, D) f32 (k_lambda.data NULL = no smoothing) and H the
+ * orthonormal Walsh-Hadamard matrix (k_hadamard = 0: no rotation). The kernel
+ * transforms the query to match, q~ = H (q * lambda), so q~.k~ = q.k.
+ * Scores: s_t = sum_pos LUT[pos][code_t,pos] with LUT[pos][c] = q~_pos . C_k[c].
+ * Output: probabilities are accumulated per (position, value code), then one
+ * pass over the value codebook: out_pos = sum_c A[pos][c] * C_v[c].
+ * Raw tail tokens (untransformed keys) may follow, as in the INT form. */
+typedef struct kvd_attn_vq_args {
+    kvd_attn_dims dims;
+    kvd_tensor q;          /* (Hq, D) f32, untransformed */
+    int64_t n_tokens;      /* T coded tokens */
+    int k_sub_dim, k_bits; /* dk, bk */
+    kvd_tensor k_codes, k_codebook, k_lambda;
+    int k_hadamard;        /* 1: keys were Hadamard-rotated (D a power of two) */
+    int v_sub_dim, v_bits; /* dv, bv */
+    kvd_tensor v_codes, v_codebook;
+    kvd_tensor k_tail, v_tail; /* raw (Hkv, Tt, D) / (Hkv, Tt, Dv), Tt may be 0 */
+    kvd_tensor out, lse;
+} kvd_attn_vq_args;
+
+/* (d) Reduced-dimension attention (ZACK). Keys and values are stored rotated
+ * and truncated per kv head h: k' = k R_k[h][:, :rk_h], v' = v R_v[h][:, :rv_h]
+ * (see kvdepot/svd.h). The query is projected with the key rotation of its kv
+ * head, scores are computed in rk_h dims, the output is accumulated in rv_h
+ * dims and rotated back: out = (sum_t p_t v'_t) R_v[h][:, :rv_h]^T.
+ * Reduced K/V are ragged: the block of kv head h is (T, rk_h) and starts after
+ * the blocks of heads 0..h-1 (element offset T * sum_{h'<h} rk_h'); the same
+ * for V with rv_h. For codec compositions (SVD then INT2/VQ) callers project q
+ * with kvd_svd_project(), run the codec's attention at the reduced width and
+ * rotate the output back with kvd_svd_unproject(). */
+typedef struct kvd_attn_svd_args {
+    kvd_attn_dims dims;    /* head_dim, v_dim: the full widths D, Dv */
+    kvd_tensor q;          /* (Hq, D) f32 */
+    kvd_tensor rk;         /* (Hkv, D, D) f32, columns by descending singular value */
+    kvd_tensor rv;         /* (Hkv, Dv, Dv) f32 */
+    const int32_t *k_width; /* (Hkv) rk_h in [0, D] */
+    const int32_t *v_width; /* (Hkv) rv_h in [0, Dv] */
+    int64_t n_tokens;      /* T */
+    kvd_dtype dtype;       /* of k_red/v_red: f32, f16 or bf16 */
+    const void *k_red;     /* ragged, see above */
+    const void *v_red;
+    kvd_tensor out, lse;
+} kvd_attn_svd_args;
+
+/* (f) Merge of two partial results over disjoint token sets:
+ *   lse = ln(exp(lse_a) + exp(lse_b)),
+ *   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b.
+ * A side with lse = -inf contributes nothing. out/lse may alias a or b. */
+typedef struct kvd_attn_merge_args {
+    kvd_tensor out_a, lse_a; /* (Hq, Dv), (Hq) f32 */
+    kvd_tensor out_b, lse_b;
+    kvd_tensor out, lse;
+} kvd_attn_merge_args;
+
+/* Backend family table. Each op takes n items; NULL = unsupported. */
+typedef struct kvd_attn_ops {
+    int (*dense)(kvd_backend *be, int n, const kvd_attn_dense_args *a, kvd_error *err);
+    int (*sparse)(kvd_backend *be, int n, const kvd_attn_sparse_args *a, kvd_error *err);
+    int (*quant)(kvd_backend *be, int n, const kvd_attn_int_args *a, kvd_error *err);
+    int (*vq)(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err);
+    int (*svd)(kvd_backend *be, int n, const kvd_attn_svd_args *a, kvd_error *err);
+    int (*merge)(kvd_backend *be, int n, const kvd_attn_merge_args *a, kvd_error *err);
+} kvd_attn_ops;
+
+/*
+ * Checked wrappers: validate every item (dtypes, shapes, strides, head
+ * counts, group sizes), then run the backend's op.
+ * @param[in] be   backend whose memory holds every tensor
+ * @param[in] n    number of items (n = 0 is a no-op)
+ * @param[in] a    n items
+ * @return 0, KVD_EINVAL (bad argument, err names the item and field) or
+ *         KVD_EUNSUPP (backend lacks the op).
+ */
+int kvd_attn_dense(kvd_backend *be, int n, const kvd_attn_dense_args *a, kvd_error *err);
+int kvd_attn_sparse(kvd_backend *be, int n, const kvd_attn_sparse_args *a, kvd_error *err);
+int kvd_attn_quant(kvd_backend *be, int n, const kvd_attn_int_args *a, kvd_error *err);
+int kvd_attn_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err);
+int kvd_attn_svd(kvd_backend *be, int n, const kvd_attn_svd_args *a, kvd_error *err);
+int kvd_attn_merge(kvd_backend *be, int n, const kvd_attn_merge_args *a, kvd_error *err);
+
+/* Validation alone (the wrappers call these; exposed for other backends). */
+int kvd_attn_dense_check(const kvd_attn_dense_args *a, kvd_error *err);
+int kvd_attn_sparse_check(const kvd_attn_sparse_args *a, kvd_error *err);
+int kvd_attn_int_check(const kvd_attn_int_args *a, kvd_error *err);
+int kvd_attn_vq_check(const kvd_attn_vq_args *a, kvd_error *err);
+int kvd_attn_svd_check(const kvd_attn_svd_args *a, kvd_error *err);
+int kvd_attn_merge_check(const kvd_attn_merge_args *a, kvd_error *err);
+
+/*
+ * CPU implementations, one item each, on validated arguments. The *_ref
+ * functions are the specification (scalar, double accumulation where it
+ * matters); the *_fast ones are what the CPU backend runs (AVX2/FMA/F16C when
+ * the CPU has them, scalar otherwise) with up to nthreads OpenMP threads.
+ * Return 0 or KVD_ENOMEM.
+ */
+int kvd_cpu_attn_dense_ref(const kvd_attn_dense_args *a);
+int kvd_cpu_attn_dense_fast(const kvd_attn_dense_args *a, int nthreads);
+int kvd_cpu_attn_sparse_ref(const kvd_attn_sparse_args *a);
+int kvd_cpu_attn_sparse_fast(const kvd_attn_sparse_args *a, int nthreads);
+int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a);
+int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads);
+int kvd_cpu_attn_vq_ref(const kvd_attn_vq_args *a);
+int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads);
+int kvd_cpu_attn_svd_ref(const kvd_attn_svd_args *a);
+int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads);
+int kvd_cpu_attn_merge_ref(const kvd_attn_merge_args *a);
+int kvd_cpu_attn_merge_fast(const kvd_attn_merge_args *a);
+
+/* The int8 query quantization both INT paths use (exposed so tests can
+ * rebuild the exact rounding): s = max|x| / 127 (0 when x is all zero),
+ * q8_j = round-half-even(x_j / s). Returns s. */
+float kvd_attn_quantize_q8(const float *x, int n, int8_t *q8);
+
+#endif /* KVDEPOT_ATTENTION_H */
