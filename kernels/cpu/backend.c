@@ -1,0 +1,202 @@
+/*
+ * The CPU backend: host memory, synchronous ops, OpenMP worker threads.
+ *
+ * Op families plug in by defining their table (kvd__cpu_<family>_ops) in
+ * kernels/cpu/<family>.c. The references below are weak so the library links
+ * while a family is missing; a missing family reads as NULL, i.e. "not
+ * supported", and its checked wrapper answers KVD_EUNSUPP.
+ *
+ * Static-archive caveat: a weak reference does not make the linker pull an
+ * object out of libkvd_kernels.a. A family table is therefore defined in the
+ * same .c file as that family's checked wrappers, so any program calling the
+ * family links its table too.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/cpu_internal.h"
+#include "kvdepot/backend.h"
+
+extern const struct kvd_convert_ops kvd__cpu_convert_ops __attribute__((weak));
+extern const struct kvd_quant_ops kvd__cpu_quant_ops __attribute__((weak));
+extern const struct kvd_kmeans_ops kvd__cpu_kmeans_ops __attribute__((weak));
+extern const struct kvd_vq_ops kvd__cpu_vq_ops __attribute__((weak));
+extern const struct kvd_pq_ops kvd__cpu_pq_ops __attribute__((weak));
+extern const struct kvd_svd_ops kvd__cpu_svd_ops __attribute__((weak));
+extern const struct kvd_attn_ops kvd__cpu_attn_ops __attribute__((weak));
+
+/* Alignment of kvd_backend_alloc on the CPU: a cache line, which also suits
+ * every vector load the fast paths issue. */
+#define KVD_CPU_ALIGN 64
+
+int kvd_cpu_has_avx2_fma(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+int kvd__cpu_has_avx2_fma_f16c(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        /* __builtin_cpu_supports has no "f16c" on every compiler we build
+         * with, so read CPUID leaf 1, ECX bit 29, directly. */
+        unsigned a, b, c, d;
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+        v = kvd_cpu_has_avx2_fma() && ((c >> 29) & 1u);
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+static void cpu_free(kvd_backend *be)
+{
+    free(be->ctx);
+    free(be);
+}
+
+static int cpu_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
+{
+    (void)be;
+    *out = NULL;
+    /* aligned_alloc wants a multiple of the alignment; also never ask for 0. */
+    size_t rounded = (bytes + KVD_CPU_ALIGN - 1) & ~(size_t)(KVD_CPU_ALIGN - 1);
+    if (rounded < bytes) /* overflow */
+        return kvd_error_set(err, KVD_ENOMEM, "cpu: cannot allocate %zu bytes", bytes);
+    if (rounded == 0)
+        rounded = KVD_CPU_ALIGN;
+    void *p = NULL;
+    if (posix_memalign(&p, KVD_CPU_ALIGN, rounded) != 0 || !p)
+        return kvd_error_set(err, KVD_ENOMEM, "cpu: cannot allocate %zu bytes", bytes);
+    *out = p;
+    return KVD_OK;
+}
+
+static void cpu_dealloc(kvd_backend *be, void *ptr)
+{
+    (void)be;
+    free(ptr);
+}
+
+static int cpu_copy(kvd_backend *be, void *dst, const void *src, size_t bytes, kvd_error *err)
+{
+    (void)be;
+    if (bytes && (!dst || !src))
+        return kvd_error_set(err, KVD_EINVAL, "cpu: copy of %zu bytes with a NULL pointer", bytes);
+    if (bytes)
+        memmove(dst, src, bytes);
+    return KVD_OK;
+}
+
+static int cpu_sync(kvd_backend *be, kvd_error *err)
+{
+    (void)be;
+    (void)err;
+    return KVD_OK; /* every CPU op has finished when it returns */
+}
+
+static const kvd_backend_iface cpu_iface = {
+    .name = "cpu",
+    .free = cpu_free,
+    .alloc = cpu_alloc,
+    .dealloc = cpu_dealloc,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .sync = cpu_sync,
+    .convert = &kvd__cpu_convert_ops,
+    .quant = &kvd__cpu_quant_ops,
+    .kmeans = &kvd__cpu_kmeans_ops,
+    .vq = &kvd__cpu_vq_ops,
+    .pq = &kvd__cpu_pq_ops,
+    .svd = &kvd__cpu_svd_ops,
+    .attn = &kvd__cpu_attn_ops,
+};
+
+int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_error *err)
+{
+    if (!out)
+        return kvd_error_set(err, KVD_EINVAL, "cpu: out is NULL");
+    *out = NULL;
+    int nthreads = opt ? opt->nthreads : 0;
+    if (nthreads < 0)
+        return kvd_error_set(err, KVD_EINVAL, "cpu: nthreads must be >= 0 (0 = all CPUs), got %d",
+                             nthreads);
+    if (nthreads == 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        nthreads = n > 0 ? (int)n : 1;
+    }
+    kvd_backend *be = calloc(1, sizeof *be);
+    kvd__cpu_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!be || !ctx) {
+        free(be);
+        free(ctx);
+        return kvd_error_set(err, KVD_ENOMEM, "cpu: out of memory creating the backend");
+    }
+    ctx->force_ref = opt ? (opt->force_ref != 0) : 0;
+    ctx->fast = !ctx->force_ref && kvd__cpu_has_avx2_fma_f16c();
+    be->iface = &cpu_iface;
+    be->ctx = ctx;
+    be->nthreads = nthreads;
+    *out = be;
+    return KVD_OK;
+}
+
+/* ---- generic wrappers: any backend ---- */
+
+void kvd_backend_free(kvd_backend *be)
+{
+    if (be && be->iface && be->iface->free)
+        be->iface->free(be);
+}
+
+int kvd_backend_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
+{
+    if (!out)
+        return kvd_error_set(err, KVD_EINVAL, "backend alloc: out is NULL");
+    *out = NULL;
+    if (!be || !be->iface || !be->iface->alloc)
+        return kvd_error_set(err, KVD_EINVAL, "backend alloc: no backend");
+    return be->iface->alloc(be, bytes, out, err);
+}
+
+void kvd_backend_dealloc(kvd_backend *be, void *ptr)
+{
+    if (be && ptr && be->iface && be->iface->dealloc)
+        be->iface->dealloc(be, ptr);
+}
+
+int kvd_backend_upload(kvd_backend *be, void *dst, const void *host_src, size_t bytes,
+                       kvd_error *err)
+{
+    if (!be || !be->iface || !be->iface->upload)
+        return kvd_error_set(err, KVD_EINVAL, "backend upload: no backend");
+    if (bytes && (!dst || !host_src))
+        return kvd_error_set(err, KVD_EINVAL, "backend upload: NULL pointer for %zu bytes", bytes);
+    return bytes ? be->iface->upload(be, dst, host_src, bytes, err) : KVD_OK;
+}
+
+int kvd_backend_download(kvd_backend *be, void *host_dst, const void *src, size_t bytes,
+                         kvd_error *err)
+{
+    if (!be || !be->iface || !be->iface->download)
+        return kvd_error_set(err, KVD_EINVAL, "backend download: no backend");
+    if (bytes && (!host_dst || !src))
+        return kvd_error_set(err, KVD_EINVAL, "backend download: NULL pointer for %zu bytes",
+                             bytes);
+    return bytes ? be->iface->download(be, host_dst, src, bytes, err) : KVD_OK;
+}
+
+int kvd_backend_sync(kvd_backend *be, kvd_error *err)
+{
+    if (!be || !be->iface || !be->iface->sync)
+        return kvd_error_set(err, KVD_EINVAL, "backend sync: no backend");
+    return be->iface->sync(be, err);
+}
