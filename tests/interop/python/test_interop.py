@@ -1,0 +1,955 @@
+#!/usr/bin/python3
+"""kvdepot interop test: Python grpcio against a real kvdepotd.
+
+The client side shares no code with kvdepot: message classes are generated at
+run time by protoc from proto/kvdepot/v1/kvdepot.proto (and the standard
+grpc/health/v1/health.proto) into a temporary directory, and calls go through
+grpcio's generic channel methods with the generated serializers. The prefix
+hash is computed with libxxhash through ctypes, from the definition in the
+.proto.
+
+Usage:
+    test_interop.py --kvdepotd PATH --proto-dir DIR --health-proto-dir DIR
+                    [--protoc PATH] [--large-mib N] [--keep]
+
+Each check prints "ok" or "FAIL" with the reason; the last line is
+"interop-python: N passed, N failed" and the exit status is non-zero when a
+check failed or a prerequisite is missing.
+"""
+
+import argparse
+import ctypes
+import ctypes.util
+import hashlib
+import importlib.util
+import os
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+PREFIX = "interop-python"
+
+
+def fatal(msg):
+    # A missing prerequisite is a failure, never a skip: CI installs them.
+    print("%s: FATAL: %s" % (PREFIX, msg), file=sys.stderr, flush=True)
+    print("%s: 0 passed, 1 failed" % PREFIX, flush=True)
+    sys.exit(1)
+
+
+try:
+    import grpc
+except ImportError as e:
+    fatal("python module grpc missing (Debian package python3-grpcio): %s" % e)
+try:
+    import google.protobuf  # noqa: F401
+except ImportError as e:
+    fatal("python module google.protobuf missing (Debian package python3-protobuf): %s" % e)
+
+MiB = 1 << 20
+CALL_TIMEOUT = 60.0
+SC = grpc.StatusCode
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise CheckFailed(msg)
+
+
+def eq(got, want, what):
+    if got != want:
+        raise CheckFailed("%s: got %r, want %r" % (what, got, want))
+
+
+# --------------------------------------------------------------------------
+# Generated code and the prefix hash
+
+
+def load_generated(protoc, proto_dir, health_dir, gen_dir):
+    """Runs protoc --python_out and imports the two generated modules by path.
+
+    They are loaded under private names: the health module's natural package
+    name, grpc.health.v1, would collide with the grpc package itself.
+    """
+    for include, rel in ((proto_dir, "kvdepot/v1/kvdepot.proto"),
+                         (health_dir, "grpc/health/v1/health.proto")):
+        if not os.path.isfile(os.path.join(include, rel)):
+            fatal("%s not found under %s" % (rel, include))
+        try:
+            subprocess.run([protoc, "--python_out=" + gen_dir, "-I" + include, rel],
+                           check=True, capture_output=True, text=True)
+        except FileNotFoundError:
+            fatal("protoc not found at %r (Debian package protobuf-compiler)" % protoc)
+        except subprocess.CalledProcessError as e:
+            fatal("protoc failed on %s: %s" % (rel, e.stderr.strip()))
+
+    def load(name, rel):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(gen_dir, rel))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return (load("kvd_interop_kvdepot_pb2", "kvdepot/v1/kvdepot_pb2.py"),
+            load("kvd_interop_health_pb2", "grpc/health/v1/health_pb2.py"))
+
+
+class PrefixHash:
+    """h_i = XXH3_64bits_withSeed(le32 token ids of block i, 4*B, h_{i-1}), h_{-1} = 0."""
+
+    def __init__(self):
+        name = ctypes.util.find_library("xxhash") or "libxxhash.so.0"
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError as e:
+            fatal("cannot load libxxhash (Debian package libxxhash0): %s" % e)
+        self.fn = lib.XXH3_64bits_withSeed
+        self.fn.restype = ctypes.c_uint64
+        self.fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64]
+        # Known answer: xxh3-64 of the empty input with seed 0.
+        if self.fn(b"", 0, 0) != 0x2D06800538D394C2:
+            fatal("libxxhash XXH3_64bits_withSeed gives a wrong known answer")
+
+    def chain(self, token_ids, page_tokens, parent=0):
+        out = []
+        h = parent
+        for i in range(len(token_ids) // page_tokens):
+            block = token_ids[i * page_tokens:(i + 1) * page_tokens]
+            data = struct.pack("<%dI" % page_tokens, *block)
+            h = self.fn(data, len(data), h)
+            out.append(h)
+        return out
+
+
+# --------------------------------------------------------------------------
+# The server under test
+
+
+class Server:
+    def __init__(self, exe, workdir):
+        self.exe = exe
+        self.workdir = workdir
+        self.data_dir = os.path.join(workdir, "data")
+        self.log_path = os.path.join(workdir, "kvdepotd.log")
+        self.proc = None
+        self.addr = None
+
+    def start(self, timeout=60.0):
+        port_file = os.path.join(self.workdir, "port")
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+        os.makedirs(self.data_dir, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [self.exe, "--listen", "127.0.0.1:0", "--data-dir", self.data_dir,
+                 "--port-file", port_file],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        except OSError as e:
+            fatal("cannot start kvdepotd %r: %s" % (self.exe, e))
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise CheckFailed("kvdepotd exited with %d before serving; log:\n%s"
+                                  % (self.proc.returncode, self.log_tail()))
+            try:
+                with open(port_file) as f:
+                    text = f.read()
+                if text.endswith("\n") and text.strip().isdigit():
+                    self.addr = "127.0.0.1:%d" % int(text)
+                    return
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise CheckFailed("kvdepotd wrote no port file within %.0f s; log:\n%s"
+                                  % (timeout, self.log_tail()))
+            time.sleep(0.05)
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout=30.0):
+        """SIGTERM and wait; returns the exit status (None after a forced kill)."""
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            rc = None
+        self.proc = None
+        return rc
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def log_tail(self, lines=40):
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+# --------------------------------------------------------------------------
+# Client side: generic grpcio calls with the generated serializers
+
+
+class Api:
+    SVC = "/kvdepot.v1.KVDepot/"
+
+    def __init__(self, addr, pb, hpb):
+        self.pb = pb
+        self.hpb = hpb
+        opts = [("grpc.max_receive_message_length", 16 * MiB),
+                ("grpc.max_send_message_length", 16 * MiB)]
+        self.channel = grpc.insecure_channel(addr, options=opts)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+
+        def uu(name, req, resp):
+            return self.channel.unary_unary(self.SVC + name,
+                                            request_serializer=req.SerializeToString,
+                                            response_deserializer=resp.FromString)
+
+        for name in ("PutModel", "GetModel", "ListModels", "DeleteModel", "CreateSequence",
+                     "Lookup", "StatSequence", "ListSequences", "DeleteSequence"):
+            setattr(self, name, uu(name, getattr(pb, name + "Request"),
+                                   getattr(pb, name + "Response")))
+        self.Append = self.channel.stream_unary(
+            self.SVC + "Append", request_serializer=pb.AppendRequest.SerializeToString,
+            response_deserializer=pb.AppendResponse.FromString)
+        self.Read = self.channel.unary_stream(
+            self.SVC + "Read", request_serializer=pb.ReadRequest.SerializeToString,
+            response_deserializer=pb.ReadResponse.FromString)
+        self.HealthCheck = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=hpb.HealthCheckRequest.SerializeToString,
+            response_deserializer=hpb.HealthCheckResponse.FromString)
+
+    def raw_unary(self, method):
+        # No serializers: the request goes out as the given bytes.
+        return self.channel.unary_unary(self.SVC + method)
+
+    def raw_stream_unary(self, method):
+        return self.channel.stream_unary(self.SVC + method)
+
+    def raw_unary_stream(self, method):
+        return self.channel.unary_stream(self.SVC + method)
+
+    def close(self):
+        self.channel.close()
+
+    # -- helpers ---------------------------------------------------------
+
+    def append(self, seq_id, data, token_start, num_tokens, layer_start=0, num_layers=0,
+               dtype=None, chunks=None, token_ids=None, block_hashes=None, timeout=CALL_TIMEOUT):
+        """One Append stream: header in the first message, data in `chunks` pieces."""
+        pb = self.pb
+        hdr = pb.AppendHeader(sequence_id=seq_id, layer_start=layer_start,
+                              num_layers=num_layers, token_start=token_start,
+                              num_tokens=num_tokens,
+                              dtype=pb.DTYPE_F16 if dtype is None else dtype)
+        if token_ids is not None:
+            hdr.token_ids.extend(token_ids)
+        if block_hashes is not None:
+            hdr.block_hashes.extend(block_hashes)
+        msgs = [pb.AppendRequest(header=hdr)]
+        for piece in split(data, chunks):
+            msgs.append(pb.AppendRequest(data=piece))
+        return self.Append(iter(msgs), timeout=timeout)
+
+    def read(self, seq_id, layer_start=0, num_layers=0, token_start=0, num_tokens=0,
+             max_chunk_bytes=0, timeout=CALL_TIMEOUT):
+        """Reads a range; checks the stream's framing; returns (header, bytes)."""
+        req = self.pb.ReadRequest(sequence_id=seq_id, layer_start=layer_start,
+                                  num_layers=num_layers, token_start=token_start,
+                                  num_tokens=num_tokens, max_chunk_bytes=max_chunk_bytes)
+        limit = max_chunk_bytes if max_chunk_bytes else MiB
+        header = None
+        parts = []
+        for i, resp in enumerate(self.Read(req, timeout=timeout)):
+            if i == 0:
+                check(resp.HasField("header"), "first Read response carries no header")
+                header = resp.header
+            else:
+                check(not resp.HasField("header"), "Read response %d repeats the header" % i)
+            check(len(resp.data) <= limit, "Read chunk of %d bytes exceeds max_chunk_bytes %d"
+                  % (len(resp.data), limit))
+            parts.append(resp.data)
+        check(header is not None, "Read stream carried no message")
+        data = b"".join(parts)
+        eq(len(data), header.total_bytes, "Read bytes vs header.total_bytes")
+        return header, data
+
+
+def split(data, chunks):
+    """Splits data into pieces: chunks is None (one piece), an int (piece size)
+    or a list of sizes (the rest goes in a last piece)."""
+    if chunks is None:
+        return [data] if data else []
+    if isinstance(chunks, int):
+        return [data[i:i + chunks] for i in range(0, len(data), chunks)]
+    out, pos = [], 0
+    for n in chunks:
+        if pos >= len(data):
+            break
+        out.append(data[pos:pos + n])
+        pos += n
+    if pos < len(data):
+        out.append(data[pos:])
+    return out
+
+
+def expect_code(code, fn, *args, **kwargs):
+    """Calls fn and requires it to fail with `code` (or one of a tuple) and a message."""
+    codes = code if isinstance(code, tuple) else (code,)
+    try:
+        result = fn(*args, **kwargs)
+        # Server streams fail lazily: drain them.
+        if hasattr(result, "__iter__") and not isinstance(result, (bytes, str)):
+            for _ in result:
+                pass
+    except grpc.RpcError as e:
+        got = e.code()
+        if got not in codes:
+            raise CheckFailed("expected %s, got %s: %s"
+                              % ("/".join(c.name for c in codes), got.name, e.details()))
+        check(bool(e.details()), "status %s without a message" % got.name)
+        return e
+    raise CheckFailed("expected %s, call succeeded" % "/".join(c.name for c in codes))
+
+
+# --------------------------------------------------------------------------
+# Reference copy of what a sequence should hold
+
+
+class Reference:
+    """K and V of every layer as bytes in token order: k[layer] = token rows."""
+
+    def __init__(self, num_layers, kv_heads, head_dim, esize, seed):
+        self.num_layers = num_layers
+        self.row = kv_heads * head_dim * esize
+        self.k = [bytearray() for _ in range(num_layers)]
+        self.v = [bytearray() for _ in range(num_layers)]
+        self.rng = random.Random(seed)
+
+    def tokens(self, layer):
+        return len(self.k[layer]) // self.row
+
+    def wire(self, layer_start, num_layers, token_start, num_tokens):
+        """Bytes of the range in the wire layout: K [layer][token][head][dim], then V."""
+        a, b = token_start * self.row, (token_start + num_tokens) * self.row
+        ls = range(layer_start, layer_start + num_layers)
+        return b"".join(bytes(self.k[l][a:b]) for l in ls) + \
+            b"".join(bytes(self.v[l][a:b]) for l in ls)
+
+    def make_append(self, layer_start, num_layers, num_tokens):
+        """Random K/V for the next num_tokens of the layers; returns the wire bytes
+        without recording them (see commit)."""
+        return self.rng.randbytes(2 * num_layers * num_tokens * self.row)
+
+    def commit(self, layer_start, num_layers, num_tokens, data):
+        per = num_tokens * self.row
+        half = num_layers * per
+        for i, l in enumerate(range(layer_start, layer_start + num_layers)):
+            self.k[l] += data[i * per:(i + 1) * per]
+            self.v[l] += data[half + i * per:half + (i + 1) * per]
+
+
+# --------------------------------------------------------------------------
+# The checks
+
+
+class Suite:
+    def __init__(self, args):
+        self.args = args
+        self.passed = 0
+        self.failed = 0
+        self.workdir = tempfile.mkdtemp(prefix="kvd-interop-py-")
+        gen_dir = os.path.join(self.workdir, "gen")
+        os.makedirs(gen_dir)
+        self.pb, self.hpb = load_generated(args.protoc, args.proto_dir,
+                                           args.health_proto_dir, gen_dir)
+        self.hash = PrefixHash()
+        self.server = Server(args.kvdepotd, self.workdir)
+        self.api = None
+        self.refs = {}     # sequence id -> Reference
+        self.B = None      # page_tokens reported by the server
+        self.large_digest = None
+
+    def connect(self):
+        self.server.start()
+        self.api = Api(self.server.addr, self.pb, self.hpb)
+
+    def run(self, name, fn):
+        t0 = time.monotonic()
+        try:
+            fn()
+            self.passed += 1
+            print("ok   %-28s (%.2f s)" % (name, time.monotonic() - t0), flush=True)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, then we go on
+            self.failed += 1
+            if isinstance(e, CheckFailed):
+                why = str(e)
+            elif isinstance(e, grpc.RpcError):
+                why = "unexpected status %s: %s" % (e.code().name, e.details())
+            else:
+                why = traceback.format_exc()
+            print("FAIL %-28s %s" % (name, why), flush=True)
+            if self.server.proc is not None and not self.server.alive():
+                print("     kvdepotd died (exit %s); log tail:\n%s"
+                      % (self.server.proc.returncode, self.server.log_tail()), flush=True)
+
+    # -- helpers used by several checks ------------------------------------
+
+    def model(self, name, layers, kv_heads, head_dim, dtype=None, q_heads=0):
+        pb = self.pb
+        return pb.Model(name=name, revision="interop", num_layers=layers,
+                        num_kv_heads=kv_heads, num_q_heads=q_heads, head_dim=head_dim,
+                        dtype=pb.DTYPE_F16 if dtype is None else dtype)
+
+    def put_model(self, m):
+        return self.api.PutModel(self.pb.PutModelRequest(model=m), timeout=CALL_TIMEOUT)
+
+    def create(self, seq_id, model, **kw):
+        r = self.api.CreateSequence(self.pb.CreateSequenceRequest(
+            sequence_id=seq_id, model=model, **kw), timeout=CALL_TIMEOUT)
+        return r.sequence
+
+    def stat(self, seq_id):
+        return self.api.StatSequence(self.pb.StatSequenceRequest(sequence_id=seq_id),
+                                     timeout=CALL_TIMEOUT).sequence
+
+    def append_ref(self, seq_id, ref, layer_start, num_layers, num_tokens, **kw):
+        token_start = ref.tokens(layer_start)
+        data = ref.make_append(layer_start, num_layers, num_tokens)
+        r = self.api.append(seq_id, data, token_start, num_tokens, layer_start=layer_start,
+                            num_layers=num_layers, **kw)
+        ref.commit(layer_start, num_layers, num_tokens, data)
+        eq(r.bytes_received, len(data), "AppendResponse.bytes_received")
+        eq(list(r.sequence.layer_tokens)[layer_start:layer_start + num_layers],
+           [ref.tokens(l) for l in range(layer_start, layer_start + num_layers)],
+           "layer_tokens after Append")
+        return r
+
+    def verify(self, seq_id, what="sequence"):
+        """The stored sequence equals its reference: stat and a full read."""
+        ref = self.refs[seq_id]
+        n = min(ref.tokens(l) for l in range(ref.num_layers))
+        info = self.stat(seq_id)
+        eq(info.num_tokens, n, "%s num_tokens" % what)
+        eq(list(info.layer_tokens), [ref.tokens(l) for l in range(ref.num_layers)],
+           "%s layer_tokens" % what)
+        if n == 0:
+            return
+        hdr, data = self.api.read(seq_id)
+        eq((hdr.layer_start, hdr.num_layers, hdr.token_start, hdr.num_tokens),
+           (0, ref.num_layers, 0, n), "%s read header range" % what)
+        check(data == ref.wire(0, ref.num_layers, 0, n),
+              "%s: bytes read back differ from what was appended" % what)
+
+    def expect_unchanged(self, code, seq_id, fn, *args, **kwargs):
+        expect_code(code, fn, *args, **kwargs)
+        check(self.server.alive(), "kvdepotd died")
+        self.verify(seq_id, "after the failed call, sequence")
+
+    # -- checks ------------------------------------------------------------
+
+    def t_health(self):
+        hpb = self.hpb
+        r = self.api.HealthCheck(hpb.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT)
+        eq(r.status, hpb.HealthCheckResponse.SERVING, "Health/Check status")
+        expect_code(SC.NOT_FOUND, self.api.HealthCheck,
+                    hpb.HealthCheckRequest(service="no.such.Service"), timeout=CALL_TIMEOUT)
+
+    def t_models(self):
+        pb = self.pb
+        m = self.model("py-f16", 3, 2, 64, q_heads=4)
+        r = self.put_model(m)
+        check(r.created, "first PutModel reports created=false")
+        eq((r.model.name, r.model.num_layers, r.model.num_kv_heads, r.model.head_dim,
+            r.model.dtype), ("py-f16", 3, 2, 64, pb.DTYPE_F16), "PutModel echo")
+        r2 = self.put_model(m)
+        check(not r2.created, "identical PutModel again reports created=true")
+        g = self.api.GetModel(pb.GetModelRequest(name="py-f16"), timeout=CALL_TIMEOUT).model
+        eq((g.num_layers, g.num_kv_heads, g.num_q_heads, g.head_dim, g.dtype),
+           (3, 2, 4, 64, pb.DTYPE_F16), "GetModel shape")
+        check(g.created_unix_ms > 0, "GetModel created_unix_ms not set")
+        names = [x.name for x in self.api.ListModels(pb.ListModelsRequest(),
+                                                     timeout=CALL_TIMEOUT).models]
+        check("py-f16" in names, "ListModels lacks py-f16: %r" % names)
+
+    def t_model_errors(self):
+        pb = self.pb
+        expect_code(SC.ALREADY_EXISTS, self.put_model, self.model("py-f16", 4, 2, 64, q_heads=4))
+        expect_code(SC.NOT_FOUND, self.api.GetModel, pb.GetModelRequest(name="py-nope"),
+                    timeout=CALL_TIMEOUT)
+        for bad, why in ((self.model("py-bad", 0, 2, 64), "num_layers 0"),
+                         (self.model("py-bad", 2, 0, 64), "num_kv_heads 0"),
+                         (self.model("py-bad", 2, 2, 0), "head_dim 0"),
+                         (self.model("py-bad", 2, 2, 64, dtype=pb.DTYPE_UNSPECIFIED),
+                          "dtype unspecified"),
+                         (self.model("py-bad", 2, 2, 64, q_heads=3), "q_heads not multiple"),
+                         (self.model("bad name!", 2, 2, 64), "bad name"),
+                         (self.model("", 2, 2, 64), "empty name")):
+            try:
+                expect_code(SC.INVALID_ARGUMENT, self.put_model, bad)
+            except CheckFailed as e:
+                raise CheckFailed("%s: %s" % (why, e))
+        g = self.api.GetModel(pb.GetModelRequest(name="py-f16"), timeout=CALL_TIMEOUT).model
+        eq((g.num_layers, g.num_kv_heads, g.head_dim), (3, 2, 64),
+           "py-f16 shape after failed PutModels")
+        names = [x.name for x in self.api.ListModels(pb.ListModelsRequest(),
+                                                     timeout=CALL_TIMEOUT).models]
+        check("py-bad" not in names, "a rejected model was stored")
+
+    def t_roundtrip(self):
+        info = self.create(b"py-seq", "py-f16")
+        eq(info.num_tokens, 0, "new sequence num_tokens")
+        check(info.page_tokens > 0, "page_tokens not reported")
+        self.B = B = info.page_tokens
+        ref = self.refs[b"py-seq"] = Reference(3, 2, 64, 2, seed=1)
+        # Two appends over all layers, data in odd-sized chunks, crossing pages.
+        self.append_ref(b"py-seq", ref, 0, 3, B + 37, chunks=[1, 4093, 65536, 3])
+        self.append_ref(b"py-seq", ref, 0, 3, B + 63, chunks=100000)
+        n = 2 * B + 100
+        self.verify(b"py-seq")
+        info = self.stat(b"py-seq")
+        eq(info.num_tokens, n, "num_tokens")
+        eq(info.sealed_pages, 3 * (n // B), "sealed_pages (full pages over all layers)")
+        # Sub-ranges: one layer across a page boundary, small chunks.
+        hdr, data = self.api.read(b"py-seq", layer_start=1, num_layers=1, token_start=B - 5,
+                                  num_tokens=65, max_chunk_bytes=777)
+        eq((hdr.num_kv_heads, hdr.head_dim, hdr.dtype), (2, 64, self.pb.DTYPE_F16),
+           "read header shape")
+        check(data == ref.wire(1, 1, B - 5, 65), "layer 1 tokens [B-5, B+60) differ")
+        # num_tokens 0 = up to the end; num_layers 0 = all layers from layer_start.
+        hdr, data = self.api.read(b"py-seq", layer_start=1, token_start=10,
+                                  max_chunk_bytes=4 * MiB)
+        eq((hdr.num_layers, hdr.num_tokens), (2, n - 10), "open-ended read range")
+        check(data == ref.wire(1, 2, 10, n - 10), "layers 1.. tokens 10.. differ")
+
+    def t_layerwise(self):
+        ref = self.refs[b"py-layers"] = Reference(3, 2, 64, 2, seed=2)
+        self.create(b"py-layers", "py-f16")
+        self.append_ref(b"py-layers", ref, 0, 1, 50)
+        info = self.stat(b"py-layers")
+        eq(list(info.layer_tokens), [50, 0, 0], "layer_tokens after layer 0")
+        eq(info.num_tokens, 0, "num_tokens with layers 1,2 empty")
+        self.append_ref(b"py-layers", ref, 1, 2, 50, chunks=999)
+        self.verify(b"py-layers")
+
+    def t_errors_unknown(self):
+        pb, api = self.pb, self.api
+        S = b"py-seq"
+        self.expect_unchanged(SC.NOT_FOUND, S, api.StatSequence,
+                              pb.StatSequenceRequest(sequence_id=b"py-none"), timeout=CALL_TIMEOUT)
+        self.expect_unchanged(SC.NOT_FOUND, S, api.read, b"py-none")
+        self.expect_unchanged(SC.NOT_FOUND, S, api.append, b"py-none", b"\0" * (2 * 3 * 256),
+                              0, 1)
+        self.expect_unchanged(SC.NOT_FOUND, S, api.DeleteSequence,
+                              pb.DeleteSequenceRequest(sequence_id=b"py-none"),
+                              timeout=CALL_TIMEOUT)
+        self.expect_unchanged(SC.NOT_FOUND, S, self.create, b"py-new", "py-no-model")
+        expect_code(SC.NOT_FOUND, api.StatSequence, pb.StatSequenceRequest(sequence_id=b"py-new"),
+                    timeout=CALL_TIMEOUT)
+
+    def t_errors_create(self):
+        S = b"py-seq"
+        self.expect_unchanged(SC.ALREADY_EXISTS, S, self.create, S, "py-f16")
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.create, b"", "py-f16")
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.create, b"x" * 257, "py-f16")
+
+    def t_errors_append(self):
+        pb, api = self.pb, self.api
+        S = b"py-seq"
+        ref = self.refs[S]
+        n = ref.tokens(0)
+        good = ref.make_append(0, 3, 10)
+        # Wrong total size: one byte short, one byte over.
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good[:-1], n, 10,
+                              chunks=[7])
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good + b"\0", n, 10)
+        # Header promising more than is sent (truncated stream).
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good, n, 11)
+        # dtype mismatch with the model's f16.
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good, n, 10,
+                              dtype=pb.DTYPE_BF16)
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good + good, n, 10,
+                              dtype=pb.DTYPE_F32)
+        # Not at the layer's end.
+        self.expect_unchanged(SC.FAILED_PRECONDITION, S, api.append, S, good, n + 1, 10)
+        self.expect_unchanged(SC.FAILED_PRECONDITION, S, api.append, S, good, 0, 10)
+        # Layers outside the model.
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good[:len(good) // 3],
+                              n, 10, layer_start=3, num_layers=1)
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good[:2 * len(good) // 3],
+                              n, 10, layer_start=2, num_layers=2)
+        # token_ids of the wrong count.
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.append, S, good, n, 10,
+                              token_ids=list(range(9)))
+        # No header at all, and an empty stream.
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.Append,
+                              iter([pb.AppendRequest(data=good)]), timeout=CALL_TIMEOUT)
+        self.expect_unchanged(SC.INVALID_ARGUMENT, S, api.Append, iter([]), timeout=CALL_TIMEOUT)
+        # A good append still works after all that.
+        self.append_ref(S, ref, 0, 3, 10)
+        self.verify(S)
+
+    def t_errors_read(self):
+        api = self.api
+        S = b"py-seq"
+        n = self.refs[S].tokens(0)
+        self.expect_unchanged(SC.OUT_OF_RANGE, S, api.read, S, token_start=n, num_tokens=1)
+        self.expect_unchanged(SC.OUT_OF_RANGE, S, api.read, S, token_start=0, num_tokens=n + 1)
+        self.expect_unchanged(SC.OUT_OF_RANGE, S, api.read, S, token_start=n + 5)
+        # token_start + num_tokens wraps around 2^64: must not wrap into range.
+        self.expect_unchanged((SC.OUT_OF_RANGE, SC.INVALID_ARGUMENT), S, api.read, S,
+                              token_start=(1 << 63), num_tokens=(1 << 63))
+        # A layer range outside the model is a bad range either way.
+        self.expect_unchanged((SC.INVALID_ARGUMENT, SC.OUT_OF_RANGE), S, api.read, S,
+                              layer_start=3)
+        self.expect_unchanged((SC.INVALID_ARGUMENT, SC.OUT_OF_RANGE), S, api.read, S,
+                              layer_start=1, num_layers=3)
+
+    GARBAGE = (
+        b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",  # over-long varint tag
+        b"\x0a\x7fshort",                                   # length past the end
+        b"\x0f\x01",                                        # wire type 7
+        b"\x0a",                                            # tag without a value
+        bytes(range(256)),                                  # noise
+    )
+
+    def t_errors_garbage(self):
+        pb = self.pb
+        S = b"py-seq"
+        for method in ("StatSequence", "CreateSequence", "PutModel", "Lookup", "GetModel",
+                       "DeleteSequence", "ListSequences"):
+            for g in self.GARBAGE:
+                try:
+                    self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.api.raw_unary(method), g,
+                                          timeout=CALL_TIMEOUT)
+                except CheckFailed as e:
+                    raise CheckFailed("%s with %r: %s" % (method, g[:12], e))
+        for g in self.GARBAGE:
+            self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.api.raw_unary_stream("Read"), g,
+                                  timeout=CALL_TIMEOUT)
+        # Garbage inside an Append stream after a valid header and some data.
+        ref = self.refs[S]
+        n = ref.tokens(0)
+        data = ref.make_append(0, 3, 4)
+        hdr = pb.AppendRequest(header=pb.AppendHeader(
+            sequence_id=S, token_start=n, num_tokens=4, dtype=pb.DTYPE_F16))
+        for g in self.GARBAGE:
+            msgs = [hdr.SerializeToString(),
+                    pb.AppendRequest(data=data[:100]).SerializeToString(), g]
+            self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.api.raw_stream_unary("Append"),
+                                  iter(msgs), timeout=CALL_TIMEOUT)
+            # Garbage as the very first message.
+            self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.api.raw_stream_unary("Append"),
+                                  iter([g]), timeout=CALL_TIMEOUT)
+
+    def t_cancelled_append(self):
+        pb = self.pb
+        S = b"py-seq"
+        ref = self.refs[S]
+        n = ref.tokens(0)
+        data = ref.make_append(0, 3, 40)
+        release = threading.Event()
+
+        def msgs():
+            yield pb.AppendRequest(header=pb.AppendHeader(
+                sequence_id=S, token_start=n, num_tokens=40, dtype=pb.DTYPE_F16),
+                data=data[:len(data) // 2])
+            release.wait(30)
+
+        fut = self.api.Append.future(msgs(), timeout=CALL_TIMEOUT)
+        time.sleep(0.5)
+        fut.cancel()
+        release.set()
+        check(fut.cancelled() or fut.exception() is not None, "cancelled Append succeeded")
+        time.sleep(0.5)
+        check(self.server.alive(), "kvdepotd died")
+        self.verify(S, "after a cancelled Append, sequence")
+        # The sequence still takes the append that was cancelled.
+        self.append_ref(S, ref, 0, 3, 40)
+        self.verify(S)
+
+    def t_prefix(self):
+        pb, api = self.pb, self.api
+        self.put_model(self.model("py-prefix", 2, 2, 32))
+        B = self.B or self.create(b"py-prefix-probe", "py-prefix").page_tokens
+        rng = random.Random(3)
+        ids = [rng.getrandbits(32) for _ in range(3 * B + 10)]
+        src = self.refs[b"py-prefix-src"] = Reference(2, 2, 32, 2, seed=4)
+        self.create(b"py-prefix-src", "py-prefix")
+        # Block 0 completes in the second append: the server has to keep the
+        # token ids of the first one.
+        self.append_ref(b"py-prefix-src", src, 0, 2, B - 56, token_ids=ids[:B - 56])
+        self.append_ref(b"py-prefix-src", src, 0, 2, B + 66, chunks=5000,
+                        token_ids=ids[B - 56:2 * B + 10])
+        h = self.hash.chain(ids, B)
+        info = self.stat(b"py-prefix-src")
+        eq(list(info.block_hashes), h[:2], "block_hashes vs the documented xxh3-64 chain")
+
+        def lookup(model, hashes):
+            r = api.Lookup(pb.LookupRequest(model=model, block_hashes=hashes),
+                           timeout=CALL_TIMEOUT)
+            return (r.matched_blocks, r.matched_tokens)
+
+        bogus = (h[1] ^ 0x5A5A5A5A5A5A5A5A) or 1
+        eq(lookup("py-prefix", h[:2]), (2, 2 * B), "Lookup of the stored chain")
+        eq(lookup("py-prefix", h[:3]), (2, 2 * B), "Lookup of chain + unstored block")
+        eq(lookup("py-prefix", [h[0], bogus]), (1, B), "Lookup with a wrong second hash")
+        eq(lookup("py-prefix", [bogus, h[1]]), (0, 0), "Lookup with a wrong first hash")
+        eq(lookup("py-prefix", []), (0, 0), "Lookup of an empty chain")
+        eq(lookup("py-f16", h[:2]), (0, 0), "Lookup under another model")
+        expect_code(SC.NOT_FOUND, api.Lookup,
+                    pb.LookupRequest(model="py-no-model", block_hashes=h[:1]),
+                    timeout=CALL_TIMEOUT)
+
+        # A new sequence from the stored prefix, then grown by one block.
+        dst = self.refs[b"py-prefix-dst"] = Reference(2, 2, 32, 2, seed=5)
+        for l in range(2):
+            dst.k[l] += src.k[l][:2 * B * src.row]
+            dst.v[l] += src.v[l][:2 * B * src.row]
+        info = self.create(b"py-prefix-dst", "py-prefix", prefix_hashes=h[:2],
+                           prefix_token_ids=ids[:2 * B])
+        eq((info.num_tokens, info.prefix_blocks), (2 * B, 2), "sequence created from prefix")
+        self.verify(b"py-prefix-dst")
+        self.append_ref(b"py-prefix-dst", dst, 0, 2, B, token_ids=ids[2 * B:3 * B])
+        self.verify(b"py-prefix-dst")
+        eq(list(self.stat(b"py-prefix-dst").block_hashes), h[:3],
+           "block_hashes of the grown sequence")
+        eq(lookup("py-prefix", h[:3]), (3, 3 * B), "Lookup after growing from the prefix")
+
+        # Bad prefixes.
+        self.expect_unchanged(SC.NOT_FOUND, b"py-prefix-dst", self.create, b"py-prefix-bad",
+                              "py-prefix", prefix_hashes=[h[0], bogus])
+        wrong_ids = list(ids[:2 * B])
+        wrong_ids[7] ^= 1
+        self.expect_unchanged(SC.INVALID_ARGUMENT, b"py-prefix-dst", self.create,
+                              b"py-prefix-bad", "py-prefix", prefix_hashes=h[:2],
+                              prefix_token_ids=wrong_ids)
+        self.expect_unchanged(SC.INVALID_ARGUMENT, b"py-prefix-dst", self.create,
+                              b"py-prefix-bad", "py-prefix", prefix_hashes=h[:2],
+                              prefix_token_ids=ids[:2 * B - 1])
+        expect_code(SC.NOT_FOUND, api.StatSequence,
+                    pb.StatSequenceRequest(sequence_id=b"py-prefix-bad"), timeout=CALL_TIMEOUT)
+
+        # Shared pages outlive the sequence they came from.
+        r = api.DeleteSequence(pb.DeleteSequenceRequest(sequence_id=b"py-prefix-src"),
+                               timeout=CALL_TIMEOUT)
+        del self.refs[b"py-prefix-src"]
+        check(r.freed_pages >= 0, "freed_pages")
+        self.verify(b"py-prefix-dst", "prefix sequence after deleting its source:")
+
+    def t_engine_hashes(self):
+        B = self.B
+        ref = self.refs[b"py-engine"] = Reference(2, 2, 32, 2, seed=6)
+        self.create(b"py-engine", "py-prefix")
+        e = [0x0123456789ABCDEF, 0xFEDCBA9876543210]
+        self.append_ref(b"py-engine", ref, 0, 2, 2 * B + 3, block_hashes=e)
+        eq(list(self.stat(b"py-engine").block_hashes), e, "engine-supplied block_hashes")
+        r = self.api.Lookup(self.pb.LookupRequest(model="py-prefix", block_hashes=e),
+                            timeout=CALL_TIMEOUT)
+        eq((r.matched_blocks, r.matched_tokens), (2, 2 * B), "Lookup of engine hashes")
+        self.verify(b"py-engine")
+
+    def t_list_delete(self):
+        pb, api = self.pb, self.api
+        ids = []
+        token = b""
+        for _ in range(100):
+            r = api.ListSequences(pb.ListSequencesRequest(model="py-f16", page_size=1,
+                                                          page_token=token),
+                                  timeout=CALL_TIMEOUT)
+            check(len(r.sequences) <= 1, "page_size 1 returned %d" % len(r.sequences))
+            ids += [s.sequence_id for s in r.sequences]
+            token = r.next_page_token
+            if not token:
+                break
+        eq(sorted(ids), [b"py-layers", b"py-seq"], "ListSequences(py-f16) paged by 1")
+        all_ids = [s.sequence_id for s in api.ListSequences(
+            pb.ListSequencesRequest(), timeout=CALL_TIMEOUT).sequences]
+        check(b"py-prefix-dst" in all_ids and b"py-seq" in all_ids,
+              "ListSequences() lacks sequences: %r" % all_ids)
+        self.expect_unchanged(SC.FAILED_PRECONDITION, b"py-seq", api.DeleteModel,
+                              pb.DeleteModelRequest(name="py-f16"), timeout=CALL_TIMEOUT)
+        api.DeleteSequence(pb.DeleteSequenceRequest(sequence_id=b"py-layers"),
+                           timeout=CALL_TIMEOUT)
+        del self.refs[b"py-layers"]
+        expect_code(SC.NOT_FOUND, api.StatSequence,
+                    pb.StatSequenceRequest(sequence_id=b"py-layers"), timeout=CALL_TIMEOUT)
+        expect_code(SC.NOT_FOUND, api.read, b"py-layers")
+        self.verify(b"py-seq", "py-seq after deleting py-layers:")
+        # Forced model deletion takes its sequences along, and nothing else.
+        self.put_model(self.model("py-tmp", 1, 1, 8))
+        self.create(b"py-tmp-1", "py-tmp")
+        self.create(b"py-tmp-2", "py-tmp")
+        r = api.DeleteModel(pb.DeleteModelRequest(name="py-tmp", force=True),
+                            timeout=CALL_TIMEOUT)
+        eq(r.deleted_sequences, 2, "DeleteModel(force) deleted_sequences")
+        expect_code(SC.NOT_FOUND, api.GetModel, pb.GetModelRequest(name="py-tmp"),
+                    timeout=CALL_TIMEOUT)
+        expect_code(SC.NOT_FOUND, api.StatSequence,
+                    pb.StatSequenceRequest(sequence_id=b"py-tmp-1"), timeout=CALL_TIMEOUT)
+        self.verify(b"py-seq", "py-seq after deleting model py-tmp:")
+
+    def t_large(self):
+        """A model the size of an 8B-class LLM (32 layers x 8 KV heads x 128, f16):
+        128 KiB of K+V per token; --large-mib MiB appended in one stream of 1 MiB
+        messages and read back in 4 MiB chunks."""
+        pb = self.pb
+        mib = self.args.large_mib
+        tokens = mib * 8
+        self.put_model(self.model("py-large", 32, 8, 128, q_heads=32))
+        self.create(b"py-large", "py-large")
+        total = 2 * 32 * tokens * 8 * 128 * 2
+        sent = hashlib.sha256()
+        rng = random.Random(7)
+
+        def msgs():
+            yield pb.AppendRequest(header=pb.AppendHeader(
+                sequence_id=b"py-large", num_tokens=tokens, dtype=pb.DTYPE_F16))
+            left = total
+            while left:
+                piece = rng.randbytes(min(MiB, left))
+                sent.update(piece)
+                left -= len(piece)
+                yield pb.AppendRequest(data=piece)
+
+        t0 = time.monotonic()
+        r = self.api.Append(msgs(), timeout=600)
+        t_append = time.monotonic() - t0
+        eq(r.bytes_received, total, "large Append bytes_received")
+        eq(r.sequence.num_tokens, tokens, "large Append num_tokens")
+        self.large_digest = sent.digest()
+        t_read = self.read_large(tokens, total)
+        print("     large: %d MiB, append %.0f MB/s, read %.0f MB/s (python client)"
+              % (mib, total / t_append / 1e6, total / t_read / 1e6), flush=True)
+
+    def read_large(self, tokens, total):
+        req = self.pb.ReadRequest(sequence_id=b"py-large", max_chunk_bytes=4 * MiB)
+        got = hashlib.sha256()
+        size = 0
+        t0 = time.monotonic()
+        for i, resp in enumerate(self.api.Read(req, timeout=600)):
+            if i == 0:
+                check(resp.HasField("header"), "first Read response carries no header")
+                eq((resp.header.num_layers, resp.header.num_tokens, resp.header.total_bytes),
+                   (32, tokens, total), "large read header")
+            check(len(resp.data) <= 4 * MiB, "Read chunk over max_chunk_bytes")
+            got.update(resp.data)
+            size += len(resp.data)
+        elapsed = time.monotonic() - t0
+        eq(size, total, "large read size")
+        check(got.digest() == self.large_digest, "large sequence read back differs (sha256)")
+        return elapsed
+
+    def t_restart(self):
+        """SIGTERM exits 0; a restarted server serves everything acknowledged."""
+        self.api.close()
+        self.api = None
+        rc = self.server.stop()
+        eq(rc, 0, "kvdepotd exit status on SIGTERM")
+        self.connect()
+        for seq_id in sorted(self.refs):
+            self.verify(seq_id, "after restart, %r" % seq_id)
+        if self.large_digest is not None:
+            self.read_large(self.args.large_mib * 8, self.args.large_mib * 8 * 128 * 1024)
+
+    def t_shutdown(self):
+        self.api.close()
+        self.api = None
+        rc = self.server.stop()
+        eq(rc, 0, "kvdepotd exit status on SIGTERM")
+
+    def main(self):
+        try:
+            self.connect()
+        except CheckFailed as e:
+            print("FAIL %-28s %s" % ("start kvdepotd", e), flush=True)
+            self.failed += 1
+            return
+        checks = [
+            ("health", self.t_health),
+            ("models", self.t_models),
+            ("model errors", self.t_model_errors),
+            ("append/read round trip", self.t_roundtrip),
+            ("append layer by layer", self.t_layerwise),
+            ("unknown ids", self.t_errors_unknown),
+            ("create errors", self.t_errors_create),
+            ("append errors", self.t_errors_append),
+            ("read errors", self.t_errors_read),
+            ("garbage messages", self.t_errors_garbage),
+            ("cancelled append", self.t_cancelled_append),
+            ("prefix hash and lookup", self.t_prefix),
+            ("engine-supplied hashes", self.t_engine_hashes),
+            ("list and delete", self.t_list_delete),
+            ("large %d MiB" % self.args.large_mib, self.t_large),
+            ("restart", self.t_restart),
+            ("shutdown", self.t_shutdown),
+        ]
+        for name, fn in checks:
+            if not self.server.alive():
+                # Without a server the rest cannot say anything: count them failed.
+                if name not in ("restart",):
+                    self.failed += 1
+                    print("FAIL %-28s kvdepotd is not running" % name, flush=True)
+                    continue
+            self.run(name, fn)
+
+    def cleanup(self):
+        if self.api is not None:
+            self.api.close()
+        self.server.kill()
+        if self.args.keep:
+            print("%s: kept %s" % (PREFIX, self.workdir))
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kvdepotd", required=True)
+    ap.add_argument("--proto-dir", required=True, help="directory holding kvdepot/v1/kvdepot.proto")
+    ap.add_argument("--health-proto-dir", default="/usr/share/grpc-proto",
+                    help="directory holding grpc/health/v1/health.proto")
+    ap.add_argument("--protoc", default=shutil.which("protoc") or "protoc")
+    ap.add_argument("--large-mib", type=int, default=64, help="size of the large case (MiB)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args()
+    if args.large_mib < 1:
+        ap.error("--large-mib must be at least 1")
+    if not os.access(args.kvdepotd, os.X_OK):
+        fatal("kvdepotd not found or not executable: %s" % args.kvdepotd)
+
+    suite = Suite(args)
+    try:
+        suite.main()
+    finally:
+        suite.cleanup()
+    print("%s: %d passed, %d failed" % (PREFIX, suite.passed, suite.failed), flush=True)
+    return 1 if suite.failed or not suite.passed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
