@@ -1,0 +1,510 @@
+/*
+ * K-means on the CPU: scalar reference, AVX2 path, checked wrappers and the
+ * backend's kmeans table.
+ *
+ * Both paths share one driver (sub-sampling, k-means++, Lloyd, repair,
+ * inertia); they differ only in the distance kernel. The AVX2 kernel works
+ * on blocks of 32 points transposed to (d, 32), one centroid at a time, and
+ * evaluates sum_t (x_t - c_t)^2 with separate multiply and add in the same
+ * order as the scalar one. Expanding |x|^2 - 2x.c + |c|^2 would need a third
+ * of the instructions, but it rounds differently (and cancels badly for
+ * points near a centroid); with the direct form the fast path reproduces the
+ * reference bit for bit, so encode results and trained centroids do not
+ * depend on the CPU or the thread count, and the tests compare for equality.
+ */
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_internal.h"
+#include "kvdepot/kmeans.h"
+
+/* ---- deterministic generator (splitmix64) ------------------------------ */
+
+typedef struct km_rng {
+    uint64_t s;
+} km_rng;
+
+static uint64_t km_next(km_rng *r)
+{
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform double in [0, 1) with 53 random bits. */
+static double km_uniform(km_rng *r) { return (double)(km_next(r) >> 11) * 0x1.0p-53; }
+
+/* ---- distance kernels -------------------------------------------------- */
+
+static inline float dist2_scalar(int d, const float *x, const float *c)
+{
+    float acc = 0.0f;
+    for (int t = 0; t < d; t++) {
+        float diff = x[t] - c[t];
+        acc = acc + diff * diff;
+    }
+    return acc;
+}
+
+/* For nb points x (rows of stride ldx): best[i]/bidx[i] updated with the
+ * centroids c0..c0+nc-1 that are strictly closer (ties keep the lower index). */
+static void argmin_rows_scalar(int64_t nb, int d, const float *x, int64_t ldx, int c0, int nc,
+                               const float *centroids, float *best, uint32_t *bidx)
+{
+    for (int64_t i = 0; i < nb; i++) {
+        const float *xi = x + i * ldx;
+        float b = best[i];
+        uint32_t bi = bidx[i];
+        for (int c = c0; c < c0 + nc; c++) {
+            float dd = dist2_scalar(d, xi, centroids + (int64_t)c * d);
+            if (dd < b) {
+                b = dd;
+                bi = (uint32_t)c;
+            }
+        }
+        best[i] = b;
+        bidx[i] = bi;
+    }
+}
+
+#define KM_BLOCK 32
+
+/* xt: (d, 32) transposed block of points. Same arithmetic as dist2_scalar. */
+__attribute__((target("avx2,fma"))) static void argmin_block_avx2(int d, const float *xt, int c0,
+                                                                  int nc, const float *centroids,
+                                                                  float *best, uint32_t *bidx)
+{
+    __m256 b0 = _mm256_loadu_ps(best), b1 = _mm256_loadu_ps(best + 8);
+    __m256 b2 = _mm256_loadu_ps(best + 16), b3 = _mm256_loadu_ps(best + 24);
+    __m256i i0 = _mm256_loadu_si256((const __m256i *)bidx);
+    __m256i i1 = _mm256_loadu_si256((const __m256i *)(bidx + 8));
+    __m256i i2 = _mm256_loadu_si256((const __m256i *)(bidx + 16));
+    __m256i i3 = _mm256_loadu_si256((const __m256i *)(bidx + 24));
+    for (int c = c0; c < c0 + nc; c++) {
+        const float *cc = centroids + (int64_t)c * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int t = 0; t < d; t++) {
+            __m256 ct = _mm256_broadcast_ss(cc + t);
+            const float *xr = xt + (int64_t)t * KM_BLOCK;
+            __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(xr), ct);
+            __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(xr + 8), ct);
+            __m256 d2 = _mm256_sub_ps(_mm256_loadu_ps(xr + 16), ct);
+            __m256 d3 = _mm256_sub_ps(_mm256_loadu_ps(xr + 24), ct);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(d0, d0));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(d1, d1));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(d2, d2));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(d3, d3));
+        }
+        __m256i ci = _mm256_set1_epi32(c);
+        __m256 m0 = _mm256_cmp_ps(a0, b0, _CMP_LT_OQ), m1 = _mm256_cmp_ps(a1, b1, _CMP_LT_OQ);
+        __m256 m2 = _mm256_cmp_ps(a2, b2, _CMP_LT_OQ), m3 = _mm256_cmp_ps(a3, b3, _CMP_LT_OQ);
+        b0 = _mm256_blendv_ps(b0, a0, m0);
+        b1 = _mm256_blendv_ps(b1, a1, m1);
+        b2 = _mm256_blendv_ps(b2, a2, m2);
+        b3 = _mm256_blendv_ps(b3, a3, m3);
+        i0 = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(i0), _mm256_castsi256_ps(ci), m0));
+        i1 = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(i1), _mm256_castsi256_ps(ci), m1));
+        i2 = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(i2), _mm256_castsi256_ps(ci), m2));
+        i3 = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(i3), _mm256_castsi256_ps(ci), m3));
+    }
+    _mm256_storeu_ps(best, b0);
+    _mm256_storeu_ps(best + 8, b1);
+    _mm256_storeu_ps(best + 16, b2);
+    _mm256_storeu_ps(best + 24, b3);
+    _mm256_storeu_si256((__m256i *)bidx, i0);
+    _mm256_storeu_si256((__m256i *)(bidx + 8), i1);
+    _mm256_storeu_si256((__m256i *)(bidx + 16), i2);
+    _mm256_storeu_si256((__m256i *)(bidx + 24), i3);
+}
+
+/*
+ * Update best/bidx of points [0, n) with centroids [c0, c0+nc): the one
+ * routine both the driver and encode use. simd selects the AVX2 block kernel
+ * (bitwise equal to the scalar one); threads split the points.
+ */
+static void argmin_update(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,
+                          int c0, int nc, const float *centroids, float *best, uint32_t *bidx)
+{
+    int64_t nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
+    int nt = nthreads;
+    if ((int64_t)nc * n * d < 200000 || nblocks < 2)
+        nt = 1;
+    if (!simd) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t blk = 0; blk < nblocks; blk++) {
+            int64_t i0 = blk * KM_BLOCK;
+            int64_t nb = n - i0 < KM_BLOCK ? n - i0 : KM_BLOCK;
+            argmin_rows_scalar(nb, d, x + i0 * ldx, ldx, c0, nc, centroids, best + i0, bidx + i0);
+        }
+        return;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        float *xt = malloc(sizeof(float) * (size_t)d * KM_BLOCK);
+        float bb[KM_BLOCK];
+        uint32_t bi[KM_BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < nblocks; blk++) {
+            int64_t i0 = blk * KM_BLOCK;
+            int64_t nb = n - i0 < KM_BLOCK ? n - i0 : KM_BLOCK;
+            if (!xt) { /* no scratch: the scalar kernel gives the same bits */
+                argmin_rows_scalar(nb, d, x + i0 * ldx, ldx, c0, nc, centroids, best + i0,
+                                   bidx + i0);
+                continue;
+            }
+            /* Transpose the block; a short tail repeats its last point. */
+            for (int l = 0; l < KM_BLOCK; l++) {
+                const float *xr = x + (i0 + (l < nb ? l : nb - 1)) * ldx;
+                for (int t = 0; t < d; t++)
+                    xt[t * KM_BLOCK + l] = xr[t];
+                bb[l] = l < nb ? best[i0 + l] : INFINITY;
+                bi[l] = l < nb ? bidx[i0 + l] : 0;
+            }
+            argmin_block_avx2(d, xt, c0, nc, centroids, bb, bi);
+            memcpy(best + i0, bb, sizeof(float) * (size_t)nb);
+            memcpy(bidx + i0, bi, sizeof(uint32_t) * (size_t)nb);
+        }
+        free(xt);
+    }
+}
+
+static void assign_impl(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,
+                        int k, const float *centroids, uint32_t *assign, float *dist2)
+{
+    float *best = dist2;
+    float *tmp = NULL;
+    if (!best) {
+        tmp = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+        best = tmp;
+    }
+    if (!best) { /* keep going without the scratch: scalar, point by point */
+        for (int64_t i = 0; i < n; i++) {
+            float b = INFINITY;
+            uint32_t bi = 0;
+            argmin_rows_scalar(1, d, x + i * ldx, ldx, 0, k, centroids, &b, &bi);
+            assign[i] = bi;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        best[i] = INFINITY;
+        assign[i] = 0;
+    }
+    argmin_update(nthreads, simd, n, d, x, ldx, 0, k, centroids, best, assign);
+    free(tmp);
+}
+
+/* ---- the driver -------------------------------------------------------- */
+
+/* Empty-cluster repair: see kmeans.h. count[] is updated as if the split
+ * cluster's points were shared evenly. */
+static void repair_empty(int k, int d, float *centroids, int64_t *count, km_rng *rng)
+{
+    for (int j = 0; j < k; j++) {
+        if (count[j] > 0)
+            continue;
+        int big = 0;
+        for (int c = 1; c < k; c++)
+            if (count[c] > count[big])
+                big = c;
+        float *cb = centroids + (int64_t)big * d;
+        float *cj = centroids + (int64_t)j * d;
+        double ss = 0.0;
+        for (int t = 0; t < d; t++)
+            ss += (double)cb[t] * cb[t];
+        float rms = (float)sqrt(ss / (d > 0 ? d : 1));
+        for (int t = 0; t < d; t++) {
+            float eps = (1.0f / 1024.0f) * (fabsf(cb[t]) + rms + FLT_MIN);
+            if (km_next(rng) & 1)
+                eps = -eps;
+            cj[t] = cb[t] + eps;
+            cb[t] = cb[t] - eps;
+        }
+        count[j] = count[big] / 2;
+        count[big] -= count[j];
+    }
+}
+
+static int kmeans_driver(int nthreads, int simd, const kvd_kmeans_params *p, int64_t n, int d,
+                         const float *x, int64_t ldx, float *centroids, double *inertia)
+{
+    const int k = p->k;
+    km_rng rng = {p->seed};
+    int rc = KVD_OK;
+
+    /* 1. points to cluster: all (in place) or a seeded subset (copied). */
+    const float *xs = x;
+    int64_t lds = ldx, ns = n;
+    float *sub = NULL;
+    if (p->max_points > 0 && n > p->max_points) {
+        ns = p->max_points;
+        int64_t *perm = malloc(sizeof(int64_t) * (size_t)n);
+        sub = malloc(sizeof(float) * (size_t)ns * (size_t)d);
+        if (!perm || !sub) {
+            free(perm);
+            free(sub);
+            return KVD_ENOMEM;
+        }
+        for (int64_t i = 0; i < n; i++)
+            perm[i] = i;
+        for (int64_t i = 0; i < ns; i++) { /* partial Fisher-Yates */
+            int64_t j = i + (int64_t)(km_next(&rng) % (uint64_t)(n - i));
+            int64_t tmp = perm[i];
+            perm[i] = perm[j];
+            perm[j] = tmp;
+            memcpy(sub + i * d, x + perm[i] * ldx, sizeof(float) * (size_t)d);
+        }
+        free(perm);
+        xs = sub;
+        lds = d;
+    }
+
+    float *mind = malloc(sizeof(float) * (size_t)ns);
+    uint32_t *asg = malloc(sizeof(uint32_t) * (size_t)ns);
+    uint32_t *prev = malloc(sizeof(uint32_t) * (size_t)ns);
+    int64_t *count = calloc((size_t)k, sizeof(int64_t));
+    double *sums = malloc(sizeof(double) * (size_t)k * (size_t)d);
+    if (!mind || !asg || !prev || !count || !sums) {
+        rc = KVD_ENOMEM;
+        goto out;
+    }
+
+    /* 2. k-means++ seeding (D^2 sampling). */
+    int64_t first = (int64_t)(km_next(&rng) % (uint64_t)ns);
+    memcpy(centroids, xs + first * lds, sizeof(float) * (size_t)d);
+    int chosen = 1;
+    for (int64_t i = 0; i < ns; i++) {
+        mind[i] = INFINITY;
+        asg[i] = 0;
+    }
+    argmin_update(nthreads, simd, ns, d, xs, lds, 0, 1, centroids, mind, asg);
+    while (chosen < k) {
+        double total = 0.0;
+        for (int64_t i = 0; i < ns; i++)
+            total += isfinite(mind[i]) ? (double)mind[i] : 0.0;
+        if (!(total > 0.0))
+            break; /* every point already sits on a centroid */
+        double r = km_uniform(&rng) * total, acc = 0.0;
+        int64_t pick = -1;
+        for (int64_t i = 0; i < ns; i++) {
+            if (!(isfinite(mind[i]) && mind[i] > 0.0f))
+                continue;
+            pick = i; /* last eligible point catches rounding at the end */
+            acc += (double)mind[i];
+            if (acc > r)
+                break;
+        }
+        memcpy(centroids + (int64_t)chosen * d, xs + pick * lds, sizeof(float) * (size_t)d);
+        argmin_update(nthreads, simd, ns, d, xs, lds, chosen, 1, centroids, mind, asg);
+        chosen++;
+    }
+    if (chosen < k) { /* fewer distinct points than k: fill by splitting */
+        for (int c = 0; c < k; c++)
+            count[c] = c < chosen ? 1 : 0;
+        repair_empty(k, d, centroids, count, &rng);
+    }
+
+    /* 3. Lloyd iterations. */
+    for (int it = 0; it < p->niter; it++) {
+        assign_impl(nthreads, simd, ns, d, xs, lds, k, centroids, asg, mind);
+        if (it > 0 && memcmp(asg, prev, sizeof(uint32_t) * (size_t)ns) == 0)
+            break;
+        memcpy(prev, asg, sizeof(uint32_t) * (size_t)ns);
+        memset(count, 0, sizeof(int64_t) * (size_t)k);
+        memset(sums, 0, sizeof(double) * (size_t)k * (size_t)d);
+        for (int64_t i = 0; i < ns; i++) { /* fixed order: thread-count independent */
+            const float *xi = xs + i * lds;
+            double *s = sums + (int64_t)asg[i] * d;
+            for (int t = 0; t < d; t++)
+                s[t] += xi[t];
+            count[asg[i]]++;
+        }
+        for (int c = 0; c < k; c++) {
+            if (count[c] == 0)
+                continue;
+            for (int t = 0; t < d; t++)
+                centroids[(int64_t)c * d + t] = (float)(sums[(int64_t)c * d + t] / (double)count[c]);
+        }
+        repair_empty(k, d, centroids, count, &rng);
+    }
+
+    /* 4. inertia against the returned centroids. */
+    if (inertia) {
+        assign_impl(nthreads, simd, ns, d, xs, lds, k, centroids, asg, mind);
+        double in = 0.0;
+        for (int64_t i = 0; i < ns; i++)
+            in += (double)mind[i];
+        *inertia = in;
+    }
+out:
+    free(mind);
+    free(asg);
+    free(prev);
+    free(count);
+    free(sums);
+    free(sub);
+    return rc;
+}
+
+static int check_plain(const kvd_kmeans_params *p, int64_t n, int d, const float *x, int64_t ldx,
+                       const float *centroids)
+{
+    if (!p || p->k < 1 || p->niter < 0 || p->max_points < 0 || n < 1 || d < 1 || ldx < d || !x ||
+        !centroids)
+        return KVD_EINVAL;
+    return KVD_OK;
+}
+
+int kvd_kmeans_train_ref(const kvd_kmeans_params *p, int64_t n, int d, const float *x,
+                         int64_t ldx, float *centroids, double *inertia)
+{
+    int rc = check_plain(p, n, d, x, ldx, centroids);
+    return rc ? rc : kmeans_driver(1, 0, p, n, d, x, ldx, centroids, inertia);
+}
+
+void kvd_kmeans_assign_ref(int64_t n, int d, const float *x, int64_t ldx, int k,
+                           const float *centroids, uint32_t *assign, float *dist2)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float b = INFINITY;
+        uint32_t bi = 0;
+        argmin_rows_scalar(1, d, x + i * ldx, ldx, 0, k, centroids, &b, &bi);
+        assign[i] = bi;
+        if (dist2)
+            dist2[i] = b;
+    }
+}
+
+int kvd__kmeans_train_cpu(int nthreads, int simd, const kvd_kmeans_params *p, int64_t n, int d,
+                          const float *x, int64_t ldx, float *centroids, double *inertia)
+{
+    int rc = check_plain(p, n, d, x, ldx, centroids);
+    if (rc)
+        return rc;
+    return kmeans_driver(nthreads < 1 ? 1 : nthreads, simd && kvd_cpu_has_avx2_fma(), p, n, d, x,
+                         ldx, centroids, inertia);
+}
+
+int kvd__kmeans_assign_cpu(int nthreads, int simd, int64_t n, int d, const float *x,
+                           int64_t ldx, int k, const float *centroids, uint32_t *assign,
+                           float *dist2)
+{
+    if (n < 0 || d < 1 || k < 1 || ldx < d)
+        return KVD_EINVAL;
+    assign_impl(nthreads < 1 ? 1 : nthreads, simd && kvd_cpu_has_avx2_fma(), n, d, x, ldx, k,
+                centroids, assign, dist2);
+    return KVD_OK;
+}
+
+/* ---- tensors, wrappers, backend table ---------------------------------- */
+
+/* (n, d) f32 with contiguous rows of any stride. */
+static int check_points(const kvd_tensor *x, const char *name, kvd_error *err)
+{
+    if (!x || x->dtype != KVD_DTYPE_F32 || x->ndim != 2 || x->shape[0] < 0 || x->shape[1] < 1 ||
+        x->shape[1] > INT32_MAX || x->stride[1] != 4 || x->stride[0] % 4 != 0 ||
+        x->stride[0] < 4 * x->shape[1] || (x->shape[0] > 0 && !x->data))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "kmeans: %s must be a (n, d) f32 tensor with contiguous rows", name);
+    return KVD_OK;
+}
+
+static int cpu_train(kvd_backend *be, const kvd_kmeans_params *p, const kvd_tensor *x,
+                     kvd_tensor *centroids, double *inertia, kvd_error *err)
+{
+    int rc = kvd__kmeans_train_cpu(kvd__cpu_threads(be), kvd__cpu_fast(be), p, x->shape[0],
+                                   (int)x->shape[1], (const float *)x->data, x->stride[0] / 4,
+                                   (float *)centroids->data, inertia);
+    if (rc)
+        return kvd_error_set(err, rc, "kmeans: %s", kvd_strerror(rc));
+    return KVD_OK;
+}
+
+static int cpu_assign(kvd_backend *be, const kvd_tensor *x, const kvd_tensor *centroids,
+                      kvd_tensor *assign, kvd_tensor *dist2, kvd_error *err)
+{
+    int rc = kvd__kmeans_assign_cpu(kvd__cpu_threads(be), kvd__cpu_fast(be), x->shape[0],
+                                    (int)x->shape[1], (const float *)x->data, x->stride[0] / 4,
+                                    (int)centroids->shape[0], (const float *)centroids->data,
+                                    (uint32_t *)assign->data,
+                                    dist2 ? (float *)dist2->data : NULL);
+    if (rc)
+        return kvd_error_set(err, rc, "kmeans: %s", kvd_strerror(rc));
+    return KVD_OK;
+}
+
+const struct kvd_kmeans_ops kvd__cpu_kmeans_ops = {
+    .train = cpu_train,
+    .assign = cpu_assign,
+};
+
+static int get_ops(kvd_backend *be, const struct kvd_kmeans_ops **ops, kvd_error *err)
+{
+    if (!be || !be->iface)
+        return kvd_error_set(err, KVD_EINVAL, "kmeans: backend is NULL");
+    *ops = be->iface->kmeans;
+    if (!*ops)
+        return kvd_error_set(err, KVD_EUNSUPP, "kmeans: not supported by the %s backend",
+                             be->iface->name);
+    return KVD_OK;
+}
+
+int kvd_kmeans_train(kvd_backend *be, const kvd_kmeans_params *p, const kvd_tensor *x,
+                     kvd_tensor *centroids, double *inertia, kvd_error *err)
+{
+    const struct kvd_kmeans_ops *ops;
+    int rc = get_ops(be, &ops, err);
+    if (rc)
+        return rc;
+    if (!ops->train)
+        return kvd_error_set(err, KVD_EUNSUPP, "kmeans: train not supported by the %s backend",
+                             be->iface->name);
+    if (!p || p->k < 1 || p->niter < 0 || p->max_points < 0)
+        return kvd_error_set(err, KVD_EINVAL, "kmeans: need k >= 1, niter >= 0, max_points >= 0");
+    if ((rc = check_points(x, "x", err)))
+        return rc;
+    if (x->shape[0] < 1)
+        return kvd_error_set(err, KVD_EINVAL, "kmeans: no points to cluster");
+    if (!centroids || centroids->dtype != KVD_DTYPE_F32 || centroids->ndim != 2 ||
+        centroids->shape[0] != p->k || centroids->shape[1] != x->shape[1] ||
+        !kvd_tensor_is_contiguous(centroids) || !centroids->data)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "kmeans: centroids must be a contiguous (k=%d, d=%lld) f32 tensor",
+                             p->k, (long long)x->shape[1]);
+    return ops->train(be, p, x, centroids, inertia, err);
+}
+
+int kvd_kmeans_assign(kvd_backend *be, const kvd_tensor *x, const kvd_tensor *centroids,
+                      kvd_tensor *assign, kvd_tensor *dist2, kvd_error *err)
+{
+    const struct kvd_kmeans_ops *ops;
+    int rc = get_ops(be, &ops, err);
+    if (rc)
+        return rc;
+    if (!ops->assign)
+        return kvd_error_set(err, KVD_EUNSUPP, "kmeans: assign not supported by the %s backend",
+                             be->iface->name);
+    if ((rc = check_points(x, "x", err)))
+        return rc;
+    if (!centroids || centroids->dtype != KVD_DTYPE_F32 || centroids->ndim != 2 ||
+        centroids->shape[0] < 1 || centroids->shape[0] > INT32_MAX ||
+        centroids->shape[1] != x->shape[1] || !kvd_tensor_is_contiguous(centroids) ||
+        !centroids->data)
+        return kvd_error_set(err, KVD_EINVAL, "kmeans: centroids must be a contiguous (k, d) f32 tensor");
+    int64_t n = x->shape[0];
+    if (!assign || assign->dtype != KVD_DTYPE_U32 || assign->ndim != 1 || assign->shape[0] != n ||
+        !kvd_tensor_is_contiguous(assign) || (n && !assign->data))
+        return kvd_error_set(err, KVD_EINVAL, "kmeans: assign must be a contiguous (n) u32 tensor");
+    if (dist2 && (dist2->dtype != KVD_DTYPE_F32 || dist2->ndim != 1 || dist2->shape[0] != n ||
+                  !kvd_tensor_is_contiguous(dist2) || (n && !dist2->data)))
+        return kvd_error_set(err, KVD_EINVAL, "kmeans: dist2 must be a contiguous (n) f32 tensor");
+    return ops->assign(be, x, centroids, assign, dist2, err);
+}
