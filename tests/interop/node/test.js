@@ -1,0 +1,1015 @@
+#!/usr/bin/env node
+// kvdepot interop test: Node @grpc/grpc-js + @grpc/proto-loader against a real
+// kvdepotd.
+//
+// The client shares no code with kvdepot: proto-loader reads
+// proto/kvdepot/v1/kvdepot.proto and the standard grpc/health/v1/health.proto
+// at run time. Prefix hashes are checked against kvd_prefix_hash, a helper
+// that computes the hash documented in the .proto with libxxhash.
+//
+// Usage:
+//   node test.js --kvdepotd PATH --proto-dir DIR [--health-proto-dir DIR]
+//                --hash-tool PATH [--large-mib N] [--keep]
+//
+// Each check prints "ok" or "FAIL" with the reason; the last line is
+// "interop-node: N passed, N failed"; the exit status is non-zero when a check
+// failed or a prerequisite is missing.
+'use strict';
+
+const PREFIX = 'interop-node';
+
+function fatal(msg) {
+  // A missing prerequisite is a failure, never a skip: CI installs them.
+  process.stderr.write(`${PREFIX}: FATAL: ${msg}\n`);
+  process.stdout.write(`${PREFIX}: 0 passed, 1 failed\n`);
+  process.exit(1);
+}
+
+let grpc, protoLoader;
+try {
+  grpc = require('@grpc/grpc-js');
+  protoLoader = require('@grpc/proto-loader');
+} catch (e) {
+  fatal(`@grpc/grpc-js or @grpc/proto-loader missing: run "npm ci" (or "npm install") ` +
+        `in ${__dirname}: ${e.message}`);
+}
+
+const assert = require('node:assert/strict');
+const crypto = require('node:crypto');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+const { spawn, execFileSync } = require('node:child_process');
+
+const MiB = 1 << 20;
+const CALL_TIMEOUT_MS = 60000;
+const S = grpc.status;
+const statusName = (code) => Object.keys(S).find((k) => S[k] === code) || String(code);
+
+class CheckFailed extends Error {}
+
+function check(cond, msg) {
+  if (!cond) throw new CheckFailed(msg);
+}
+
+function eq(got, want, what) {
+  try {
+    assert.deepStrictEqual(got, want);
+  } catch (e) {
+    throw new CheckFailed(`${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`);
+  }
+}
+
+function parseArgs(argv) {
+  const args = {
+    healthProtoDir: '/usr/share/grpc-proto',
+    largeMib: 64,
+    keep: false,
+  };
+  for (let i = 0; i < argv.length; i++) {
+    const a = argv[i];
+    const val = () => {
+      if (i + 1 >= argv.length) fatal(`${a} needs a value`);
+      return argv[++i];
+    };
+    if (a === '--kvdepotd') args.kvdepotd = val();
+    else if (a === '--proto-dir') args.protoDir = val();
+    else if (a === '--health-proto-dir') args.healthProtoDir = val();
+    else if (a === '--hash-tool') args.hashTool = val();
+    else if (a === '--large-mib') args.largeMib = Number(val());
+    else if (a === '--keep') args.keep = true;
+    else fatal(`unknown argument ${a}`);
+  }
+  if (!args.kvdepotd || !args.protoDir || !args.hashTool) {
+    fatal('usage: test.js --kvdepotd PATH --proto-dir DIR --hash-tool PATH ' +
+          '[--health-proto-dir DIR] [--large-mib N] [--keep]');
+  }
+  if (!Number.isInteger(args.largeMib) || args.largeMib < 1) fatal('--large-mib must be >= 1');
+  for (const [what, p] of [['kvdepotd', args.kvdepotd], ['hash tool', args.hashTool]]) {
+    try {
+      fs.accessSync(p, fs.constants.X_OK);
+    } catch (e) {
+      fatal(`${what} not found or not executable: ${p}`);
+    }
+  }
+  return args;
+}
+
+// ---------------------------------------------------------------------------
+// Prefix hash through the helper: h_i = xxh3-64(le32 ids of block i, seed h_{i-1}).
+
+function prefixChain(hashTool, tokenIds, pageTokens) {
+  const out = execFileSync(hashTool, [], { input: `${pageTokens} ${tokenIds.join(' ')}\n` });
+  return out.toString().split('\n').filter((l) => l.length > 0);
+}
+
+// ---------------------------------------------------------------------------
+// The server under test
+
+class Server {
+  constructor(exe, workdir) {
+    this.exe = exe;
+    this.workdir = workdir;
+    this.dataDir = path.join(workdir, 'data');
+    this.logPath = path.join(workdir, 'kvdepotd.log');
+    this.proc = null;
+    this.exitCode = null;
+    this.addr = null;
+  }
+
+  async start(timeoutMs = 60000) {
+    const portFile = path.join(this.workdir, 'port');
+    fs.rmSync(portFile, { force: true });
+    fs.mkdirSync(this.dataDir, { recursive: true });
+    const log = fs.openSync(this.logPath, 'a');
+    const proc = spawn(this.exe, ['--listen', '127.0.0.1:0', '--data-dir', this.dataDir,
+                                  '--port-file', portFile],
+                       { stdio: ['ignore', log, log] });
+    fs.closeSync(log);
+    this.proc = proc;
+    this.exitCode = null;
+    proc.exited = new Promise((resolve) => {
+      proc.on('exit', (code, signal) => {
+        this.exitCode = code === null ? `signal ${signal}` : code;
+        resolve(this.exitCode);
+      });
+      proc.on('error', (e) => {
+        this.exitCode = `spawn error ${e.message}`;
+        resolve(this.exitCode);
+      });
+    });
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      if (this.exitCode !== null) {
+        this.proc = null;
+        throw new CheckFailed(`kvdepotd exited (${this.exitCode}) before serving; log:\n` +
+                              this.logTail());
+      }
+      let text = null;
+      try {
+        text = fs.readFileSync(portFile, 'utf8');
+      } catch (e) { /* not written yet */ }
+      if (text && text.endsWith('\n') && /^\d+\n$/.test(text)) {
+        this.addr = `127.0.0.1:${parseInt(text, 10)}`;
+        return;
+      }
+      if (Date.now() > deadline) {
+        await this.kill();
+        throw new CheckFailed(`kvdepotd wrote no port file in ${timeoutMs / 1000} s; log:\n` +
+                              this.logTail());
+      }
+      await sleep(50);
+    }
+  }
+
+  alive() {
+    return this.proc !== null && this.exitCode === null;
+  }
+
+  // SIGTERM and wait; resolves to the exit status, or null after a forced kill.
+  async stop(timeoutMs = 30000) {
+    const proc = this.proc;
+    if (proc === null) return null;
+    if (this.exitCode === null) proc.kill('SIGTERM');
+    const rc = await Promise.race([proc.exited, sleep(timeoutMs).then(() => undefined)]);
+    if (rc === undefined) {
+      await this.kill();
+      return null;
+    }
+    this.proc = null;
+    return rc;
+  }
+
+  async kill() {
+    const proc = this.proc;
+    if (proc === null) return;
+    if (this.exitCode === null) {
+      proc.kill('SIGKILL');
+      await proc.exited;
+    }
+    this.proc = null;
+  }
+
+  logTail(lines = 40) {
+    try {
+      return fs.readFileSync(this.logPath, 'utf8').split('\n').slice(-lines).join('\n');
+    } catch (e) {
+      return '(no log)';
+    }
+  }
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+// ---------------------------------------------------------------------------
+// Client side
+
+const LOADER_OPTS = {
+  keepCase: true,
+  longs: String,   // uint64 / fixed64 as decimal strings: exact beyond 2^53
+  enums: Number,
+  defaults: true,
+  oneofs: true,
+};
+
+class Api {
+  constructor(addr, protoDir, healthProtoDir) {
+    const kv = grpc.loadPackageDefinition(
+      protoLoader.loadSync('kvdepot/v1/kvdepot.proto', { ...LOADER_OPTS, includeDirs: [protoDir] }));
+    const health = grpc.loadPackageDefinition(
+      protoLoader.loadSync('grpc/health/v1/health.proto',
+                           { ...LOADER_OPTS, includeDirs: [healthProtoDir] }));
+    const opts = {
+      'grpc.max_receive_message_length': 16 * MiB,
+      'grpc.max_send_message_length': 16 * MiB,
+    };
+    const creds = grpc.credentials.createInsecure();
+    this.client = new kv.kvdepot.v1.KVDepot(addr, creds, opts);
+    this.health = new health.grpc.health.v1.Health(addr, creds, opts);
+    this.enums = {
+      F16: 1, BF16: 2, F32: 3, UNSPECIFIED: 0,
+    };
+  }
+
+  close() {
+    this.client.close();
+    this.health.close();
+  }
+
+  static deadline(ms = CALL_TIMEOUT_MS) {
+    return { deadline: new Date(Date.now() + ms) };
+  }
+
+  unary(method, req, ms) {
+    return new Promise((resolve, reject) => {
+      this.client[method](req, Api.deadline(ms), (err, resp) => (err ? reject(err) : resolve(resp)));
+    });
+  }
+
+  healthCheck(service) {
+    return new Promise((resolve, reject) => {
+      this.health.Check({ service }, Api.deadline(), (err, r) => (err ? reject(err) : resolve(r)));
+    });
+  }
+
+  // Writes messages into a client stream, honouring back-pressure; `msgs` may
+  // be an array or a generator. `hold` (a promise) delays end() until it resolves.
+  static async pump(call, msgs) {
+    for (const m of msgs) {
+      if (!call.write(m)) {
+        await new Promise((resolve) => {
+          call.once('drain', resolve);
+          call.once('error', resolve);
+        });
+      }
+    }
+    call.end();
+  }
+
+  appendMsgs(seqId, data, tokenStart, numTokens, o = {}) {
+    const header = {
+      sequence_id: Buffer.from(seqId),
+      layer_start: o.layerStart || 0,
+      num_layers: o.numLayers || 0,
+      token_start: String(tokenStart),
+      num_tokens: String(numTokens),
+      dtype: o.dtype === undefined ? this.enums.F16 : o.dtype,
+      token_ids: o.tokenIds || [],
+      block_hashes: o.blockHashes || [],
+    };
+    const msgs = [{ header }];
+    for (const piece of split(data, o.chunks)) msgs.push({ data: piece });
+    return msgs;
+  }
+
+  appendStream(msgs, ms = CALL_TIMEOUT_MS) {
+    return new Promise((resolve, reject) => {
+      const call = this.client.Append(Api.deadline(ms), (err, r) => (err ? reject(err) : resolve(r)));
+      Api.pump(call, msgs).catch(reject);
+    });
+  }
+
+  append(seqId, data, tokenStart, numTokens, o = {}) {
+    return this.appendStream(this.appendMsgs(seqId, data, tokenStart, numTokens, o));
+  }
+
+  // Reads a range, checking the stream framing; resolves to { header, data }.
+  read(seqId, o = {}, ms = CALL_TIMEOUT_MS) {
+    const req = {
+      sequence_id: Buffer.from(seqId),
+      layer_start: o.layerStart || 0,
+      num_layers: o.numLayers || 0,
+      token_start: String(o.tokenStart || 0),
+      num_tokens: String(o.numTokens || 0),
+      max_chunk_bytes: o.maxChunk || 0,
+    };
+    const limit = o.maxChunk || MiB;
+    return new Promise((resolve, reject) => {
+      const call = this.client.Read(req, Api.deadline(ms));
+      let header = null;
+      let n = 0;
+      let bad = null;
+      const parts = [];
+      const hash = o.hash ? crypto.createHash('sha256') : null;
+      let size = 0;
+      call.on('data', (resp) => {
+        if (n === 0) {
+          if (!resp.header) bad = bad || 'first Read response carries no header';
+          header = resp.header;
+        } else if (resp.header) {
+          bad = bad || `Read response ${n} repeats the header`;
+        }
+        if (resp.data.length > limit) {
+          bad = bad || `Read chunk of ${resp.data.length} bytes exceeds ${limit}`;
+        }
+        size += resp.data.length;
+        if (hash) hash.update(resp.data);
+        else parts.push(resp.data);
+        n++;
+      });
+      call.on('error', reject);
+      call.on('end', () => {
+        if (bad) return reject(new CheckFailed(bad));
+        if (header === null) return reject(new CheckFailed('Read stream carried no message'));
+        if (String(size) !== header.total_bytes) {
+          return reject(new CheckFailed(
+            `Read bytes ${size} vs header.total_bytes ${header.total_bytes}`));
+        }
+        resolve({ header, data: hash ? null : Buffer.concat(parts), size,
+                  digest: hash ? hash.digest('hex') : null });
+      });
+    });
+  }
+
+  // Raw calls: the request goes out as the given bytes.
+  rawUnary(method, buf) {
+    return new Promise((resolve, reject) => {
+      this.client.makeUnaryRequest(`/kvdepot.v1.KVDepot/${method}`, (x) => x, (x) => x, buf,
+                                   Api.deadline(), (err, r) => (err ? reject(err) : resolve(r)));
+    });
+  }
+
+  rawServerStream(method, buf) {
+    return new Promise((resolve, reject) => {
+      const call = this.client.makeServerStreamRequest(`/kvdepot.v1.KVDepot/${method}`,
+                                                       (x) => x, (x) => x, buf, Api.deadline());
+      call.on('data', () => {});
+      call.on('error', reject);
+      call.on('end', resolve);
+    });
+  }
+
+  rawClientStream(method, bufs) {
+    return new Promise((resolve, reject) => {
+      const call = this.client.makeClientStreamRequest(
+        `/kvdepot.v1.KVDepot/${method}`, (x) => x, (x) => x, Api.deadline(),
+        (err, r) => (err ? reject(err) : resolve(r)));
+      Api.pump(call, bufs).catch(reject);
+    });
+  }
+}
+
+function split(data, chunks) {
+  if (chunks === undefined) return data.length ? [data] : [];
+  const out = [];
+  if (typeof chunks === 'number') {
+    for (let i = 0; i < data.length; i += chunks) out.push(data.subarray(i, i + chunks));
+    return out;
+  }
+  let pos = 0;
+  for (const n of chunks) {
+    if (pos >= data.length) break;
+    out.push(data.subarray(pos, pos + n));
+    pos += n;
+  }
+  if (pos < data.length) out.push(data.subarray(pos));
+  return out;
+}
+
+// Requires `p` to fail with `code` (or one of an array) and a message.
+async function expectCode(code, p) {
+  const codes = Array.isArray(code) ? code : [code];
+  const want = codes.map(statusName).join('/');
+  let resp;
+  try {
+    resp = await p;
+  } catch (e) {
+    if (e instanceof CheckFailed) throw e;
+    if (typeof e.code !== 'number') throw e;
+    if (!codes.includes(e.code)) {
+      throw new CheckFailed(`expected ${want}, got ${statusName(e.code)}: ${e.details}`);
+    }
+    check(typeof e.details === 'string' && e.details.length > 0,
+          `status ${statusName(e.code)} without a message`);
+    return e;
+  }
+  throw new CheckFailed(`expected ${want}, call succeeded (${JSON.stringify(resp)?.slice(0, 200)})`);
+}
+
+// ---------------------------------------------------------------------------
+// Reference copy of what a sequence should hold: K and V per layer, token rows.
+
+class Reference {
+  constructor(numLayers, kvHeads, headDim, esize) {
+    this.numLayers = numLayers;
+    this.row = kvHeads * headDim * esize;
+    this.k = Array.from({ length: numLayers }, () => Buffer.alloc(0));
+    this.v = Array.from({ length: numLayers }, () => Buffer.alloc(0));
+  }
+
+  tokens(layer) {
+    return this.k[layer].length / this.row;
+  }
+
+  minTokens() {
+    return Math.min(...this.k.map((b) => b.length / this.row));
+  }
+
+  // Bytes of a range in the wire layout: K [layer][token][head][dim], then V.
+  wire(layerStart, numLayers, tokenStart, numTokens) {
+    const a = tokenStart * this.row;
+    const b = (tokenStart + numTokens) * this.row;
+    const ks = [];
+    const vs = [];
+    for (let l = layerStart; l < layerStart + numLayers; l++) {
+      ks.push(this.k[l].subarray(a, b));
+      vs.push(this.v[l].subarray(a, b));
+    }
+    return Buffer.concat([...ks, ...vs]);
+  }
+
+  makeAppend(numLayers, numTokens) {
+    return crypto.randomBytes(2 * numLayers * numTokens * this.row);
+  }
+
+  commit(layerStart, numLayers, numTokens, data) {
+    const per = numTokens * this.row;
+    const half = numLayers * per;
+    for (let i = 0; i < numLayers; i++) {
+      const l = layerStart + i;
+      this.k[l] = Buffer.concat([this.k[l], data.subarray(i * per, (i + 1) * per)]);
+      this.v[l] = Buffer.concat([this.v[l], data.subarray(half + i * per, half + (i + 1) * per)]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The checks
+
+const GARBAGE = [
+  Buffer.from([0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]), // long varint
+  Buffer.concat([Buffer.from([0x0a, 0x7f]), Buffer.from('short')]), // length past the end
+  Buffer.from([0x0f, 0x01]),                                        // wire type 7
+  Buffer.from([0x0a]),                                              // tag without a value
+  Buffer.from(Array.from({ length: 256 }, (_, i) => i)),            // noise
+];
+
+class Suite {
+  constructor(args) {
+    this.args = args;
+    this.passed = 0;
+    this.failed = 0;
+    this.workdir = fs.mkdtempSync(path.join(os.tmpdir(), 'kvd-interop-node-'));
+    this.server = new Server(args.kvdepotd, this.workdir);
+    this.api = null;
+    this.refs = new Map(); // sequence id (string) -> Reference
+    this.B = null;
+    this.largeDigest = null;
+  }
+
+  async connect() {
+    await this.server.start();
+    this.api = new Api(this.server.addr, this.args.protoDir, this.args.healthProtoDir);
+    await new Promise((resolve, reject) => {
+      this.api.client.waitForReady(new Date(Date.now() + 30000),
+                                   (err) => (err ? reject(err) : resolve()));
+    });
+  }
+
+  async run(name, fn) {
+    const t0 = Date.now();
+    try {
+      await fn.call(this);
+      this.passed++;
+      console.log(`ok   ${name.padEnd(28)} (${((Date.now() - t0) / 1000).toFixed(2)} s)`);
+    } catch (e) {
+      this.failed++;
+      let why;
+      if (e instanceof CheckFailed) why = e.message;
+      else if (typeof e.code === 'number') why = `unexpected status ${statusName(e.code)}: ${e.details}`;
+      else why = e.stack || String(e);
+      console.log(`FAIL ${name.padEnd(28)} ${why}`);
+      if (this.server.proc !== null && !this.server.alive()) {
+        console.log(`     kvdepotd died (${this.server.exitCode}); log tail:\n${this.server.logTail()}`);
+      }
+    }
+  }
+
+  // -- helpers --------------------------------------------------------------
+
+  model(name, layers, kvHeads, headDim, o = {}) {
+    return {
+      name, revision: 'interop', num_layers: layers, num_kv_heads: kvHeads,
+      num_q_heads: o.qHeads || 0, head_dim: headDim,
+      dtype: o.dtype === undefined ? this.api.enums.F16 : o.dtype,
+    };
+  }
+
+  putModel(m) {
+    return this.api.unary('PutModel', { model: m });
+  }
+
+  async create(seqId, model, extra = {}) {
+    const r = await this.api.unary('CreateSequence',
+                                   { sequence_id: Buffer.from(seqId), model, ...extra });
+    return r.sequence;
+  }
+
+  async stat(seqId) {
+    return (await this.api.unary('StatSequence', { sequence_id: Buffer.from(seqId) })).sequence;
+  }
+
+  async appendRef(seqId, ref, layerStart, numLayers, numTokens, o = {}) {
+    const tokenStart = ref.tokens(layerStart);
+    const data = ref.makeAppend(numLayers, numTokens);
+    const r = await this.api.append(seqId, data, tokenStart, numTokens,
+                                    { ...o, layerStart, numLayers });
+    ref.commit(layerStart, numLayers, numTokens, data);
+    eq(r.bytes_received, String(data.length), 'AppendResponse.bytes_received');
+    const want = [];
+    for (let l = layerStart; l < layerStart + numLayers; l++) want.push(String(ref.tokens(l)));
+    eq(r.sequence.layer_tokens.slice(layerStart, layerStart + numLayers), want,
+       'layer_tokens after Append');
+    return r;
+  }
+
+  // The stored sequence equals its reference: stat and a full read.
+  async verify(seqId, what = 'sequence') {
+    const ref = this.refs.get(seqId);
+    const n = ref.minTokens();
+    const info = await this.stat(seqId);
+    eq(info.num_tokens, String(n), `${what} num_tokens`);
+    eq(info.layer_tokens, ref.k.map((_, l) => String(ref.tokens(l))), `${what} layer_tokens`);
+    if (n === 0) return;
+    const { header, data } = await this.api.read(seqId);
+    eq([header.layer_start, header.num_layers, header.token_start, header.num_tokens],
+       [0, ref.numLayers, '0', String(n)], `${what} read header range`);
+    check(data.equals(ref.wire(0, ref.numLayers, 0, n)),
+          `${what}: bytes read back differ from what was appended`);
+  }
+
+  async expectUnchanged(code, seqId, p) {
+    await expectCode(code, p);
+    check(this.server.alive(), 'kvdepotd died');
+    await this.verify(seqId, 'after the failed call, sequence');
+  }
+
+  async lookup(model, hashes) {
+    const r = await this.api.unary('Lookup', { model, block_hashes: hashes });
+    return [Number(r.matched_blocks), Number(r.matched_tokens)];
+  }
+
+  // -- checks ---------------------------------------------------------------
+
+  async tHealth() {
+    const r = await this.api.healthCheck('');
+    eq(r.status, 1, 'Health/Check status (1 = SERVING)');
+    await expectCode(S.NOT_FOUND, this.api.healthCheck('no.such.Service'));
+  }
+
+  async tModels() {
+    const m = this.model('js-f16', 3, 2, 64, { qHeads: 4 });
+    const r = await this.putModel(m);
+    check(r.created, 'first PutModel reports created=false');
+    eq([r.model.name, r.model.num_layers, r.model.num_kv_heads, r.model.head_dim, r.model.dtype],
+       ['js-f16', 3, 2, 64, 1], 'PutModel echo');
+    const r2 = await this.putModel(m);
+    check(!r2.created, 'identical PutModel again reports created=true');
+    const g = (await this.api.unary('GetModel', { name: 'js-f16' })).model;
+    eq([g.num_layers, g.num_kv_heads, g.num_q_heads, g.head_dim, g.dtype], [3, 2, 4, 64, 1],
+       'GetModel shape');
+    check(BigInt(g.created_unix_ms) > 0n, 'GetModel created_unix_ms not set');
+    const names = (await this.api.unary('ListModels', {})).models.map((x) => x.name);
+    check(names.includes('js-f16'), `ListModels lacks js-f16: ${names}`);
+  }
+
+  async tModelErrors() {
+    const E = this.api.enums;
+    await expectCode(S.ALREADY_EXISTS, this.putModel(this.model('js-f16', 4, 2, 64, { qHeads: 4 })));
+    await expectCode(S.NOT_FOUND, this.api.unary('GetModel', { name: 'js-nope' }));
+    const bad = [
+      [this.model('js-bad', 0, 2, 64), 'num_layers 0'],
+      [this.model('js-bad', 2, 0, 64), 'num_kv_heads 0'],
+      [this.model('js-bad', 2, 2, 0), 'head_dim 0'],
+      [this.model('js-bad', 2, 2, 64, { dtype: E.UNSPECIFIED }), 'dtype unspecified'],
+      [this.model('js-bad', 2, 2, 64, { qHeads: 3 }), 'q_heads not multiple'],
+      [this.model('bad name!', 2, 2, 64), 'bad name'],
+      [this.model('', 2, 2, 64), 'empty name'],
+    ];
+    for (const [m, why] of bad) {
+      try {
+        await expectCode(S.INVALID_ARGUMENT, this.putModel(m));
+      } catch (e) {
+        throw new CheckFailed(`${why}: ${e.message}`);
+      }
+    }
+    const g = (await this.api.unary('GetModel', { name: 'js-f16' })).model;
+    eq([g.num_layers, g.num_kv_heads, g.head_dim], [3, 2, 64], 'js-f16 shape after failed PutModels');
+    const names = (await this.api.unary('ListModels', {})).models.map((x) => x.name);
+    check(!names.includes('js-bad'), 'a rejected model was stored');
+  }
+
+  async tRoundtrip() {
+    const info = await this.create('js-seq', 'js-f16');
+    eq(info.num_tokens, '0', 'new sequence num_tokens');
+    check(info.page_tokens > 0, 'page_tokens not reported');
+    const B = this.B = info.page_tokens;
+    const ref = new Reference(3, 2, 64, 2);
+    this.refs.set('js-seq', ref);
+    await this.appendRef('js-seq', ref, 0, 3, B + 37, { chunks: [1, 4093, 65536, 3] });
+    await this.appendRef('js-seq', ref, 0, 3, B + 63, { chunks: 100000 });
+    const n = 2 * B + 100;
+    await this.verify('js-seq');
+    const st = await this.stat('js-seq');
+    eq(st.num_tokens, String(n), 'num_tokens');
+    eq(st.sealed_pages, String(3 * Math.floor(n / B)), 'sealed_pages (full pages over all layers)');
+    let r = await this.api.read('js-seq', { layerStart: 1, numLayers: 1, tokenStart: B - 5,
+                                            numTokens: 65, maxChunk: 777 });
+    eq([r.header.num_kv_heads, r.header.head_dim, r.header.dtype], [2, 64, 1], 'read header shape');
+    check(r.data.equals(ref.wire(1, 1, B - 5, 65)), 'layer 1 tokens [B-5, B+60) differ');
+    r = await this.api.read('js-seq', { layerStart: 1, tokenStart: 10, maxChunk: 4 * MiB });
+    eq([r.header.num_layers, r.header.num_tokens], [2, String(n - 10)], 'open-ended read range');
+    check(r.data.equals(ref.wire(1, 2, 10, n - 10)), 'layers 1.. tokens 10.. differ');
+  }
+
+  async tLayerwise() {
+    const ref = new Reference(3, 2, 64, 2);
+    this.refs.set('js-layers', ref);
+    await this.create('js-layers', 'js-f16');
+    await this.appendRef('js-layers', ref, 0, 1, 50);
+    const info = await this.stat('js-layers');
+    eq(info.layer_tokens, ['50', '0', '0'], 'layer_tokens after layer 0');
+    eq(info.num_tokens, '0', 'num_tokens with layers 1,2 empty');
+    await this.appendRef('js-layers', ref, 1, 2, 50, { chunks: 999 });
+    await this.verify('js-layers');
+  }
+
+  async tErrorsUnknown() {
+    const api = this.api;
+    const X = 'js-seq';
+    const none = Buffer.from('js-none');
+    await this.expectUnchanged(S.NOT_FOUND, X, api.unary('StatSequence', { sequence_id: none }));
+    await this.expectUnchanged(S.NOT_FOUND, X, api.read('js-none'));
+    await this.expectUnchanged(S.NOT_FOUND, X, api.append('js-none', Buffer.alloc(2 * 3 * 256), 0, 1));
+    await this.expectUnchanged(S.NOT_FOUND, X, api.unary('DeleteSequence', { sequence_id: none }));
+    await this.expectUnchanged(S.NOT_FOUND, X, this.create('js-new', 'js-no-model'));
+    await expectCode(S.NOT_FOUND, api.unary('StatSequence', { sequence_id: Buffer.from('js-new') }));
+  }
+
+  async tErrorsCreate() {
+    const X = 'js-seq';
+    await this.expectUnchanged(S.ALREADY_EXISTS, X, this.create(X, 'js-f16'));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X, this.create('', 'js-f16'));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X, this.create('x'.repeat(257), 'js-f16'));
+  }
+
+  async tErrorsAppend() {
+    const api = this.api;
+    const E = api.enums;
+    const X = 'js-seq';
+    const ref = this.refs.get(X);
+    const n = ref.tokens(0);
+    const good = ref.makeAppend(3, 10);
+    const third = good.length / 3;
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X,
+                               api.append(X, good.subarray(0, good.length - 1), n, 10, { chunks: [7] }));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X,
+                               api.append(X, Buffer.concat([good, Buffer.alloc(1)]), n, 10));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X, api.append(X, good, n, 11));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X, api.append(X, good, n, 10, { dtype: E.BF16 }));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X,
+                               api.append(X, Buffer.concat([good, good]), n, 10, { dtype: E.F32 }));
+    await this.expectUnchanged(S.FAILED_PRECONDITION, X, api.append(X, good, n + 1, 10));
+    await this.expectUnchanged(S.FAILED_PRECONDITION, X, api.append(X, good, 0, 10));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X,
+                               api.append(X, good.subarray(0, third), n, 10,
+                                          { layerStart: 3, numLayers: 1 }));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X,
+                               api.append(X, good.subarray(0, 2 * third), n, 10,
+                                          { layerStart: 2, numLayers: 2 }));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X,
+                               api.append(X, good, n, 10, { tokenIds: [0, 1, 2, 3, 4, 5, 6, 7, 8] }));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X, api.appendStream([{ data: good }]));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, X, api.appendStream([]));
+    await this.appendRef(X, ref, 0, 3, 10);
+    await this.verify(X);
+  }
+
+  async tErrorsRead() {
+    const api = this.api;
+    const X = 'js-seq';
+    const n = this.refs.get(X).tokens(0);
+    await this.expectUnchanged(S.OUT_OF_RANGE, X, api.read(X, { tokenStart: n, numTokens: 1 }));
+    await this.expectUnchanged(S.OUT_OF_RANGE, X, api.read(X, { tokenStart: 0, numTokens: n + 1 }));
+    await this.expectUnchanged(S.OUT_OF_RANGE, X, api.read(X, { tokenStart: n + 5 }));
+    // token_start + num_tokens wraps around 2^64: must not wrap into range.
+    await this.expectUnchanged([S.OUT_OF_RANGE, S.INVALID_ARGUMENT], X,
+                               api.read(X, { tokenStart: '9223372036854775808',
+                                             numTokens: '9223372036854775808' }));
+    await this.expectUnchanged([S.INVALID_ARGUMENT, S.OUT_OF_RANGE], X, api.read(X, { layerStart: 3 }));
+    await this.expectUnchanged([S.INVALID_ARGUMENT, S.OUT_OF_RANGE], X,
+                               api.read(X, { layerStart: 1, numLayers: 3 }));
+  }
+
+  async tErrorsGarbage() {
+    const X = 'js-seq';
+    for (const method of ['StatSequence', 'CreateSequence', 'PutModel', 'Lookup', 'GetModel',
+                          'DeleteSequence', 'ListSequences']) {
+      for (const g of GARBAGE) {
+        try {
+          await this.expectUnchanged(S.INVALID_ARGUMENT, X, this.api.rawUnary(method, g));
+        } catch (e) {
+          throw new CheckFailed(`${method} with ${g.subarray(0, 12).toString('hex')}: ${e.message}`);
+        }
+      }
+    }
+    for (const g of GARBAGE) {
+      await this.expectUnchanged(S.INVALID_ARGUMENT, X, this.api.rawServerStream('Read', g));
+    }
+    // Garbage inside an Append stream after a valid header and some data.
+    const ref = this.refs.get(X);
+    const data = ref.makeAppend(3, 4);
+    const msgs = this.api.appendMsgs(X, data.subarray(0, 100), ref.tokens(0), 4);
+    const type = this.api.client.constructor.service.Append;
+    const encoded = msgs.map((m) => type.requestSerialize(m));
+    for (const g of GARBAGE) {
+      await this.expectUnchanged(S.INVALID_ARGUMENT, X,
+                                 this.api.rawClientStream('Append', [...encoded, g]));
+      await this.expectUnchanged(S.INVALID_ARGUMENT, X, this.api.rawClientStream('Append', [g]));
+    }
+  }
+
+  async tCancelledAppend() {
+    const X = 'js-seq';
+    const ref = this.refs.get(X);
+    const n = ref.tokens(0);
+    const data = ref.makeAppend(3, 40);
+    const msgs = this.api.appendMsgs(X, data.subarray(0, data.length / 2), n, 40);
+    let result = null;
+    const done = new Promise((resolve) => {
+      const call = this.api.client.Append(Api.deadline(), (err) => {
+        result = err ? err.code : 'ok';
+        resolve();
+      });
+      for (const m of msgs) call.write(m);
+      setTimeout(() => call.cancel(), 500);
+    });
+    await done;
+    check(result !== 'ok', 'cancelled Append succeeded');
+    await sleep(500);
+    check(this.server.alive(), 'kvdepotd died');
+    await this.verify(X, 'after a cancelled Append, sequence');
+    await this.appendRef(X, ref, 0, 3, 40);
+    await this.verify(X);
+  }
+
+  async tPrefix() {
+    const api = this.api;
+    const hashTool = this.args.hashTool;
+    await this.putModel(this.model('js-prefix', 2, 2, 32));
+    const B = this.B || (await this.create('js-prefix-probe', 'js-prefix')).page_tokens;
+    const ids = Array.from({ length: 3 * B + 10 }, () => crypto.randomBytes(4).readUInt32LE(0));
+    const src = new Reference(2, 2, 32, 2);
+    this.refs.set('js-prefix-src', src);
+    await this.create('js-prefix-src', 'js-prefix');
+    // Block 0 completes in the second append: the server has to keep the
+    // token ids of the first one.
+    await this.appendRef('js-prefix-src', src, 0, 2, B - 56, { tokenIds: ids.slice(0, B - 56) });
+    await this.appendRef('js-prefix-src', src, 0, 2, B + 66,
+                         { chunks: 5000, tokenIds: ids.slice(B - 56, 2 * B + 10) });
+    const h = prefixChain(hashTool, ids, B);
+    eq(h.length, 3, 'helper block count');
+    const info = await this.stat('js-prefix-src');
+    eq(info.block_hashes, h.slice(0, 2), 'block_hashes vs the documented xxh3-64 chain');
+
+    const bogus = String(BigInt(h[1]) ^ 0x5a5a5a5a5a5a5a5an);
+    eq(await this.lookup('js-prefix', h.slice(0, 2)), [2, 2 * B], 'Lookup of the stored chain');
+    eq(await this.lookup('js-prefix', h), [2, 2 * B], 'Lookup of chain + unstored block');
+    eq(await this.lookup('js-prefix', [h[0], bogus]), [1, B], 'Lookup with a wrong second hash');
+    eq(await this.lookup('js-prefix', [bogus, h[1]]), [0, 0], 'Lookup with a wrong first hash');
+    eq(await this.lookup('js-prefix', []), [0, 0], 'Lookup of an empty chain');
+    eq(await this.lookup('js-f16', h.slice(0, 2)), [0, 0], 'Lookup under another model');
+    await expectCode(S.NOT_FOUND, api.unary('Lookup', { model: 'js-no-model', block_hashes: [h[0]] }));
+
+    const dst = new Reference(2, 2, 32, 2);
+    this.refs.set('js-prefix-dst', dst);
+    for (let l = 0; l < 2; l++) {
+      dst.k[l] = Buffer.from(src.k[l].subarray(0, 2 * B * src.row));
+      dst.v[l] = Buffer.from(src.v[l].subarray(0, 2 * B * src.row));
+    }
+    const created = await this.create('js-prefix-dst', 'js-prefix',
+                                      { prefix_hashes: h.slice(0, 2), prefix_token_ids: ids.slice(0, 2 * B) });
+    eq([created.num_tokens, created.prefix_blocks], [String(2 * B), '2'], 'sequence created from prefix');
+    await this.verify('js-prefix-dst');
+    await this.appendRef('js-prefix-dst', dst, 0, 2, B, { tokenIds: ids.slice(2 * B, 3 * B) });
+    await this.verify('js-prefix-dst');
+    eq((await this.stat('js-prefix-dst')).block_hashes, h, 'block_hashes of the grown sequence');
+    eq(await this.lookup('js-prefix', h), [3, 3 * B], 'Lookup after growing from the prefix');
+
+    await this.expectUnchanged(S.NOT_FOUND, 'js-prefix-dst',
+                               this.create('js-prefix-bad', 'js-prefix', { prefix_hashes: [h[0], bogus] }));
+    const wrongIds = ids.slice(0, 2 * B);
+    wrongIds[7] ^= 1;
+    await this.expectUnchanged(S.INVALID_ARGUMENT, 'js-prefix-dst',
+                               this.create('js-prefix-bad', 'js-prefix',
+                                           { prefix_hashes: h.slice(0, 2), prefix_token_ids: wrongIds }));
+    await this.expectUnchanged(S.INVALID_ARGUMENT, 'js-prefix-dst',
+                               this.create('js-prefix-bad', 'js-prefix',
+                                           { prefix_hashes: h.slice(0, 2),
+                                             prefix_token_ids: ids.slice(0, 2 * B - 1) }));
+    await expectCode(S.NOT_FOUND, api.unary('StatSequence', { sequence_id: Buffer.from('js-prefix-bad') }));
+
+    await api.unary('DeleteSequence', { sequence_id: Buffer.from('js-prefix-src') });
+    this.refs.delete('js-prefix-src');
+    await this.verify('js-prefix-dst', 'prefix sequence after deleting its source:');
+  }
+
+  async tEngineHashes() {
+    const B = this.B;
+    const ref = new Reference(2, 2, 32, 2);
+    this.refs.set('js-engine', ref);
+    await this.create('js-engine', 'js-prefix');
+    // Above 2^63 on purpose: fixed64 must travel unsigned and exact.
+    const e = ['81985529216486895', '18364758544493064720'];
+    await this.appendRef('js-engine', ref, 0, 2, 2 * B + 3, { blockHashes: e });
+    eq((await this.stat('js-engine')).block_hashes, e, 'engine-supplied block_hashes');
+    eq(await this.lookup('js-prefix', e), [2, 2 * B], 'Lookup of engine hashes');
+    await this.verify('js-engine');
+  }
+
+  async tListDelete() {
+    const api = this.api;
+    let ids = [];
+    let token = Buffer.alloc(0);
+    for (let i = 0; i < 100; i++) {
+      const r = await api.unary('ListSequences', { model: 'js-f16', page_size: 1, page_token: token });
+      check(r.sequences.length <= 1, `page_size 1 returned ${r.sequences.length}`);
+      ids = ids.concat(r.sequences.map((s) => s.sequence_id.toString()));
+      token = r.next_page_token;
+      if (!token.length) break;
+    }
+    eq(ids.sort(), ['js-layers', 'js-seq'], 'ListSequences(js-f16) paged by 1');
+    const all = (await api.unary('ListSequences', {})).sequences.map((s) => s.sequence_id.toString());
+    check(all.includes('js-prefix-dst') && all.includes('js-seq'), `ListSequences() lacks sequences: ${all}`);
+    await this.expectUnchanged(S.FAILED_PRECONDITION, 'js-seq',
+                               api.unary('DeleteModel', { name: 'js-f16' }));
+    await api.unary('DeleteSequence', { sequence_id: Buffer.from('js-layers') });
+    this.refs.delete('js-layers');
+    await expectCode(S.NOT_FOUND, api.unary('StatSequence', { sequence_id: Buffer.from('js-layers') }));
+    await expectCode(S.NOT_FOUND, api.read('js-layers'));
+    await this.verify('js-seq', 'js-seq after deleting js-layers:');
+    await this.putModel(this.model('js-tmp', 1, 1, 8));
+    await this.create('js-tmp-1', 'js-tmp');
+    await this.create('js-tmp-2', 'js-tmp');
+    const r = await api.unary('DeleteModel', { name: 'js-tmp', force: true });
+    eq(r.deleted_sequences, '2', 'DeleteModel(force) deleted_sequences');
+    await expectCode(S.NOT_FOUND, api.unary('GetModel', { name: 'js-tmp' }));
+    await expectCode(S.NOT_FOUND, api.unary('StatSequence', { sequence_id: Buffer.from('js-tmp-1') }));
+    await this.verify('js-seq', 'js-seq after deleting model js-tmp:');
+  }
+
+  // A model the size of an 8B-class LLM (32 layers x 8 KV heads x 128, f16):
+  // 128 KiB of K+V per token; --large-mib MiB appended in one stream of 1 MiB
+  // messages and read back in 4 MiB chunks.
+  async tLarge() {
+    const mib = this.args.largeMib;
+    const tokens = mib * 8;
+    const total = mib * MiB;
+    await this.putModel(this.model('js-large', 32, 8, 128, { qHeads: 32 }));
+    await this.create('js-large', 'js-large');
+    const sent = crypto.createHash('sha256');
+    const api = this.api;
+    function* msgs() {
+      yield api.appendMsgs('js-large', Buffer.alloc(0), 0, tokens)[0];
+      for (let left = total; left > 0; left -= MiB) {
+        const piece = crypto.randomBytes(Math.min(MiB, left));
+        sent.update(piece);
+        yield { data: piece };
+      }
+    }
+    let t0 = Date.now();
+    const r = await api.appendStream(msgs(), 600000);
+    const tAppend = (Date.now() - t0) / 1000;
+    eq(r.bytes_received, String(total), 'large Append bytes_received');
+    eq(r.sequence.num_tokens, String(tokens), 'large Append num_tokens');
+    this.largeDigest = sent.digest('hex');
+    t0 = Date.now();
+    await this.readLarge();
+    const tRead = (Date.now() - t0) / 1000;
+    console.log(`     large: ${mib} MiB, append ${(total / tAppend / 1e6).toFixed(0)} MB/s, ` +
+                `read ${(total / tRead / 1e6).toFixed(0)} MB/s (node client)`);
+  }
+
+  async readLarge() {
+    const mib = this.args.largeMib;
+    const r = await this.api.read('js-large', { maxChunk: 4 * MiB, hash: true }, 600000);
+    eq([r.header.num_layers, r.header.num_tokens, r.header.total_bytes],
+       [32, String(mib * 8), String(mib * MiB)], 'large read header');
+    check(r.digest === this.largeDigest, 'large sequence read back differs (sha256)');
+  }
+
+  async tRestart() {
+    this.api.close();
+    this.api = null;
+    const rc = await this.server.stop();
+    eq(rc, 0, 'kvdepotd exit status on SIGTERM');
+    await this.connect();
+    for (const id of [...this.refs.keys()].sort()) await this.verify(id, `after restart, ${id}`);
+    if (this.largeDigest !== null) await this.readLarge();
+  }
+
+  async tShutdown() {
+    this.api.close();
+    this.api = null;
+    const rc = await this.server.stop();
+    eq(rc, 0, 'kvdepotd exit status on SIGTERM');
+  }
+
+  async main() {
+    try {
+      await this.connect();
+    } catch (e) {
+      this.failed++;
+      console.log(`FAIL ${'start kvdepotd'.padEnd(28)} ${e.message}`);
+      return;
+    }
+    const checks = [
+      ['health', this.tHealth],
+      ['models', this.tModels],
+      ['model errors', this.tModelErrors],
+      ['append/read round trip', this.tRoundtrip],
+      ['append layer by layer', this.tLayerwise],
+      ['unknown ids', this.tErrorsUnknown],
+      ['create errors', this.tErrorsCreate],
+      ['append errors', this.tErrorsAppend],
+      ['read errors', this.tErrorsRead],
+      ['garbage messages', this.tErrorsGarbage],
+      ['cancelled append', this.tCancelledAppend],
+      ['prefix hash and lookup', this.tPrefix],
+      ['engine-supplied hashes', this.tEngineHashes],
+      ['list and delete', this.tListDelete],
+      [`large ${this.args.largeMib} MiB`, this.tLarge],
+      ['restart', this.tRestart],
+      ['shutdown', this.tShutdown],
+    ];
+    for (const [name, fn] of checks) {
+      if (!this.server.alive() && name !== 'restart') {
+        this.failed++;
+        console.log(`FAIL ${name.padEnd(28)} kvdepotd is not running`);
+        continue;
+      }
+      await this.run(name, fn);
+    }
+  }
+
+  async cleanup() {
+    if (this.api !== null) this.api.close();
+    await this.server.kill();
+    if (this.args.keep) console.log(`${PREFIX}: kept ${this.workdir}`);
+    else fs.rmSync(this.workdir, { recursive: true, force: true });
+  }
+}
+
+async function main() {
+  const args = parseArgs(process.argv.slice(2));
+  for (const [dir, rel] of [[args.protoDir, 'kvdepot/v1/kvdepot.proto'],
+                            [args.healthProtoDir, 'grpc/health/v1/health.proto']]) {
+    if (!fs.existsSync(path.join(dir, rel))) fatal(`${rel} not found under ${dir}`);
+  }
+  try {
+    execFileSync(args.hashTool, [], { input: '1\n' });
+  } catch (e) {
+    fatal(`hash tool ${args.hashTool} does not run: ${e.message}`);
+  }
+  const suite = new Suite(args);
+  // A hung call must not hang ctest forever: the whole run has a ceiling.
+  const guard = setTimeout(() => {
+    console.log(`${PREFIX}: FATAL: overall time limit reached`);
+    suite.server.kill().finally(() => process.exit(1));
+  }, 1800 * 1000);
+  try {
+    await suite.main();
+  } finally {
+    await suite.cleanup();
+    clearTimeout(guard);
+  }
+  console.log(`${PREFIX}: ${suite.passed} passed, ${suite.failed} failed`);
+  process.exitCode = suite.failed || !suite.passed ? 1 : 0;
+}
+
+main().catch((e) => {
+  console.error(e.stack || String(e));
+  process.exit(1);
+});
