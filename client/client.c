@@ -1,0 +1,888 @@
+/*
+ * libkvdepot: connection, errors, the per-call machinery shared by every RPC,
+ * and the unary RPCs. Streaming RPCs (Append, Read) are in stream.c.
+ */
+#include "internal.h"
+
+#include "kvdepot/status.h"
+#include "kvdepot/v1/kvdepot.pb-c.h"
+#include "grpc/health/v1/health.pb-c.h"
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/time.h>
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+/* The public header cannot include status.h, so it repeats the codes; keep
+ * them in lockstep with the one table the server uses. */
+_Static_assert(KVDEPOT_ECANCELLED == (int)KVD_CANCELLED, "CANCELLED");
+_Static_assert(KVDEPOT_EUNKNOWN == (int)KVD_EUNKNOWN, "UNKNOWN");
+_Static_assert(KVDEPOT_EINVAL == (int)KVD_EINVAL, "INVALID_ARGUMENT");
+_Static_assert(KVDEPOT_ETIMEDOUT == (int)KVD_ETIMEDOUT, "DEADLINE_EXCEEDED");
+_Static_assert(KVDEPOT_ENOTFOUND == (int)KVD_ENOTFOUND, "NOT_FOUND");
+_Static_assert(KVDEPOT_EEXIST == (int)KVD_EEXIST, "ALREADY_EXISTS");
+_Static_assert(KVDEPOT_EPERM == (int)KVD_EPERM, "PERMISSION_DENIED");
+_Static_assert(KVDEPOT_ENOMEM == (int)KVD_ENOMEM, "RESOURCE_EXHAUSTED");
+_Static_assert(KVDEPOT_EPRECOND == (int)KVD_EPRECOND, "FAILED_PRECONDITION");
+_Static_assert(KVDEPOT_EABORTED == (int)KVD_EABORTED, "ABORTED");
+_Static_assert(KVDEPOT_ERANGE == (int)KVD_ERANGE, "OUT_OF_RANGE");
+_Static_assert(KVDEPOT_EUNSUPP == (int)KVD_EUNSUPP, "UNIMPLEMENTED");
+_Static_assert(KVDEPOT_EINTERNAL == (int)KVD_EINTERNAL, "INTERNAL");
+_Static_assert(KVDEPOT_EUNAVAIL == (int)KVD_EUNAVAIL, "UNAVAILABLE");
+_Static_assert(KVDEPOT_ECORRUPT == (int)KVD_ECORRUPT, "DATA_LOSS");
+_Static_assert(KVDEPOT_EAUTH == (int)KVD_EAUTH, "UNAUTHENTICATED");
+/* The wire dtype numbers are the public ones. */
+_Static_assert(KVDEPOT_DTYPE_F16 == (int)KVDEPOT__V1__DTYPE__DTYPE_F16, "f16");
+_Static_assert(KVDEPOT_DTYPE_BF16 == (int)KVDEPOT__V1__DTYPE__DTYPE_BF16, "bf16");
+_Static_assert(KVDEPOT_DTYPE_F32 == (int)KVDEPOT__V1__DTYPE__DTYPE_F32, "f32");
+
+static const char *const method_paths[KVDEPOT__METHOD_COUNT] = {
+    [KVDEPOT__PUT_MODEL] = "/kvdepot.v1.KVDepot/PutModel",
+    [KVDEPOT__GET_MODEL] = "/kvdepot.v1.KVDepot/GetModel",
+    [KVDEPOT__LIST_MODELS] = "/kvdepot.v1.KVDepot/ListModels",
+    [KVDEPOT__DELETE_MODEL] = "/kvdepot.v1.KVDepot/DeleteModel",
+    [KVDEPOT__CREATE_SEQUENCE] = "/kvdepot.v1.KVDepot/CreateSequence",
+    [KVDEPOT__APPEND] = "/kvdepot.v1.KVDepot/Append",
+    [KVDEPOT__READ] = "/kvdepot.v1.KVDepot/Read",
+    [KVDEPOT__LOOKUP] = "/kvdepot.v1.KVDepot/Lookup",
+    [KVDEPOT__STAT_SEQUENCE] = "/kvdepot.v1.KVDepot/StatSequence",
+    [KVDEPOT__LIST_SEQUENCES] = "/kvdepot.v1.KVDepot/ListSequences",
+    [KVDEPOT__DELETE_SEQUENCE] = "/kvdepot.v1.KVDepot/DeleteSequence",
+    [KVDEPOT__HEALTH_CHECK] = "/grpc.health.v1.Health/Check",
+};
+
+/* ------------------------------------------------------------------------ */
+/* Errors and logging                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Per thread, so that concurrent calls on one client keep their own message. */
+static _Thread_local char tls_errmsg[512];
+
+const char *kvdepot_errmsg(const kvdepot_client *client)
+{
+    (void)client;
+    return tls_errmsg;
+}
+
+const char *kvdepot_strerror(int status) { return kvd_strerror(status); }
+
+const char *kvdepot_status_name(int status) { return kvd_status_name(status); }
+
+void kvdepot_free(void *ptr) { free(ptr); }
+
+void kvdepot__clear_error(void) { tls_errmsg[0] = '\0'; }
+
+void kvdepot__log(kvdepot_client *c, kvdepot_log_level level, const char *fmt, ...)
+{
+    if (!c || !c->log || level > c->log_level)
+        return;
+    char buf[640];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    c->log(c->log_user, level, buf);
+}
+
+int kvdepot__fail(kvdepot_client *c, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tls_errmsg, sizeof tls_errmsg, fmt, ap);
+    va_end(ap);
+    kvdepot__log(c, KVDEPOT_LOG_DEBUG, "%s: %s", kvd_status_name(code), tls_errmsg);
+    return code;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Element types                                                             */
+/* ------------------------------------------------------------------------ */
+
+size_t kvdepot_dtype_size(kvdepot_dtype dtype)
+{
+    switch (dtype) {
+    case KVDEPOT_DTYPE_F16:
+    case KVDEPOT_DTYPE_BF16:
+        return 2;
+    case KVDEPOT_DTYPE_F32:
+        return 4;
+    default:
+        return 0;
+    }
+}
+
+const char *kvdepot_dtype_name(kvdepot_dtype dtype)
+{
+    switch (dtype) {
+    case KVDEPOT_DTYPE_F16:
+        return "f16";
+    case KVDEPOT_DTYPE_BF16:
+        return "bf16";
+    case KVDEPOT_DTYPE_F32:
+        return "f32";
+    default:
+        return "unspecified";
+    }
+}
+
+int kvdepot_dtype_parse(const char *name, kvdepot_dtype *out)
+{
+    static const struct {
+        const char *name;
+        kvdepot_dtype dtype;
+    } names[] = {
+        {"f16", KVDEPOT_DTYPE_F16},       {"float16", KVDEPOT_DTYPE_F16},
+        {"fp16", KVDEPOT_DTYPE_F16},      {"bf16", KVDEPOT_DTYPE_BF16},
+        {"bfloat16", KVDEPOT_DTYPE_BF16}, {"f32", KVDEPOT_DTYPE_F32},
+        {"float32", KVDEPOT_DTYPE_F32},   {"fp32", KVDEPOT_DTYPE_F32},
+    };
+    kvdepot__clear_error();
+    for (size_t i = 0; name && i < sizeof names / sizeof names[0]; i++) {
+        if (strcmp(name, names[i].name) == 0) {
+            if (out)
+                *out = names[i].dtype;
+            return KVDEPOT_OK;
+        }
+    }
+    return kvdepot__fail(NULL, KVDEPOT_EINVAL, "unknown dtype \"%s\" (want f16, bf16 or f32)",
+                         name ? name : "");
+}
+
+size_t kvdepot_kv_bytes(const kvdepot_model *m, uint32_t num_layers, uint64_t num_tokens)
+{
+    if (!m)
+        return 0;
+    uint64_t f[5] = {num_layers, num_tokens, m->num_kv_heads, m->head_dim,
+                     kvdepot_dtype_size(m->dtype)};
+    uint64_t n = 1;
+    for (int i = 0; i < 5; i++) {
+        if (f[i] != 0 && n > SIZE_MAX / f[i])
+            return 0;
+        n *= f[i];
+    }
+    return (size_t)n;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Connecting                                                                */
+/* ------------------------------------------------------------------------ */
+
+void kvdepot_options_init(kvdepot_options *opt)
+{
+    if (!opt)
+        return;
+    memset(opt, 0, sizeof *opt);
+    opt->address = "127.0.0.1:50051";
+    opt->deadline_ms = 60000;
+    opt->max_message_bytes = 8u << 20;
+    opt->chunk_bytes = 1u << 20;
+    opt->log_level = KVDEPOT_LOG_WARN;
+}
+
+int kvdepot_connect(const kvdepot_options *opt_in, kvdepot_client **out)
+{
+    kvdepot__clear_error();
+    if (!out)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "kvdepot_connect: out is NULL");
+    *out = NULL;
+    kvdepot_options opt;
+    if (opt_in)
+        opt = *opt_in;
+    else
+        kvdepot_options_init(&opt);
+    if (!opt.address || !opt.address[0])
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "kvdepot_connect: no address");
+    if (opt.chunk_bytes < 4096 || opt.chunk_bytes > (4u << 20))
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL,
+                             "kvdepot_connect: chunk_bytes %zu not in 4 KiB..4 MiB",
+                             opt.chunk_bytes);
+    /* Room for the Append header (token ids) beside a full chunk. */
+    if (opt.max_message_bytes < opt.chunk_bytes + (64u << 10) ||
+        opt.max_message_bytes > (size_t)INT_MAX)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL,
+                             "kvdepot_connect: max_message_bytes %zu must be in "
+                             "chunk_bytes + 64 KiB..2 GiB",
+                             opt.max_message_bytes);
+
+    kvdepot_client *c = calloc(1, sizeof *c);
+    if (!c || !(c->address = strdup(opt.address))) {
+        free(c);
+        return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "kvdepot_connect: out of memory");
+    }
+    c->deadline_ms = opt.deadline_ms;
+    c->max_message_bytes = opt.max_message_bytes;
+    c->chunk_bytes = opt.chunk_bytes;
+    c->wait_for_ready = opt.wait_for_ready;
+    c->log = opt.log;
+    c->log_user = opt.log_user;
+    c->log_level = opt.log_level;
+
+    grpc_init();
+    grpc_arg args[] = {
+        {.type = GRPC_ARG_INTEGER,
+         .key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+         .value.integer = (int)c->max_message_bytes},
+        {.type = GRPC_ARG_INTEGER,
+         .key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+         .value.integer = (int)c->max_message_bytes},
+        /* Each client gets its own connection instead of sharing one with
+         * every other channel to the same target in the process. */
+        {.type = GRPC_ARG_INTEGER,
+         .key = (char *)GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL,
+         .value.integer = 1},
+        /* A restarted server should be found again quickly. */
+        {.type = GRPC_ARG_INTEGER,
+         .key = (char *)GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+         .value.integer = 100},
+        {.type = GRPC_ARG_INTEGER,
+         .key = (char *)GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+         .value.integer = 100},
+        {.type = GRPC_ARG_INTEGER,
+         .key = (char *)GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+         .value.integer = 2000},
+    };
+    grpc_channel_args cargs = {.num_args = sizeof args / sizeof args[0], .args = args};
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    c->channel = grpc_channel_create(c->address, creds, &cargs);
+    grpc_channel_credentials_release(creds);
+    if (!c->channel) {
+        free(c->address);
+        free(c);
+        grpc_shutdown();
+        return kvdepot__fail(NULL, KVDEPOT_EINTERNAL, "kvdepot_connect: cannot create a channel to %s",
+                             opt.address);
+    }
+    for (int i = 0; i < KVDEPOT__METHOD_COUNT; i++)
+        c->methods[i] = grpc_channel_register_call(c->channel, method_paths[i], NULL, NULL);
+    kvdepot__log(c, KVDEPOT_LOG_INFO, "kvdepot: client for %s", c->address);
+    *out = c;
+    return KVDEPOT_OK;
+}
+
+void kvdepot_close(kvdepot_client *c)
+{
+    if (!c)
+        return;
+    grpc_channel_destroy(c->channel);
+    free(c->address);
+    free(c);
+    grpc_shutdown();
+}
+
+/* ------------------------------------------------------------------------ */
+/* Calls                                                                     */
+/* ------------------------------------------------------------------------ */
+
+static gpr_timespec call_deadline(const kvdepot_client *c)
+{
+    if (!c->deadline_ms)
+        return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                        gpr_time_from_millis((int64_t)c->deadline_ms, GPR_TIMESPAN));
+}
+
+int kvdepot__call_start(kvdepot_client *c, int method, const char *path, kvdepot__call *k)
+{
+    memset(k, 0, sizeof *k);
+    k->client = c;
+    k->name = method >= 0 ? method_paths[method] : path;
+    k->status = GRPC_STATUS_UNKNOWN;
+    k->details = grpc_empty_slice();
+    grpc_metadata_array_init(&k->initial_md);
+    grpc_metadata_array_init(&k->trailing_md);
+    k->cq = grpc_completion_queue_create_for_pluck(NULL);
+    if (!k->cq)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: cannot create a completion queue", k->name);
+    gpr_timespec dl = call_deadline(c);
+    if (method >= 0) {
+        k->call = grpc_channel_create_registered_call(c->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
+                                                      k->cq, c->methods[method], dl, NULL);
+    } else {
+        grpc_slice m = grpc_slice_from_copied_string(path);
+        k->call = grpc_channel_create_call(c->channel, NULL, GRPC_PROPAGATE_DEFAULTS, k->cq, m,
+                                           NULL, dl, NULL);
+        grpc_slice_unref(m);
+    }
+    if (!k->call)
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: cannot create a call", k->name);
+    return KVDEPOT_OK;
+}
+
+int kvdepot__call_start_batch(kvdepot__call *k, const grpc_op *ops, size_t nops, void *tag)
+{
+    grpc_call_error e = grpc_call_start_batch(k->call, ops, nops, tag, NULL);
+    if (e != GRPC_CALL_OK) {
+        kvdepot__log(k->client, KVDEPOT_LOG_ERROR, "%s: grpc_call_start_batch: %s", k->name,
+                     grpc_call_error_to_string(e));
+        return -1;
+    }
+    return 0;
+}
+
+int kvdepot__call_wait(kvdepot__call *k, void *tag)
+{
+    grpc_event ev = grpc_completion_queue_pluck(k->cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    return ev.type == GRPC_OP_COMPLETE ? ev.success : 0;
+}
+
+int kvdepot__call_batch(kvdepot__call *k, const grpc_op *ops, size_t nops, void *tag)
+{
+    if (kvdepot__call_start_batch(k, ops, nops, tag) != 0)
+        return -1;
+    return kvdepot__call_wait(k, tag);
+}
+
+int kvdepot__call_result(kvdepot__call *k)
+{
+    if (k->status == GRPC_STATUS_OK)
+        return KVDEPOT_OK;
+    int code = (int)k->status;
+    int rc = (code > 0 && code <= 16) ? -code : KVDEPOT_EUNKNOWN;
+    size_t len = GRPC_SLICE_LENGTH(k->details);
+    if (len)
+        return kvdepot__fail(k->client, rc, "%.*s", (int)len,
+                             (const char *)GRPC_SLICE_START_PTR(k->details));
+    return kvdepot__fail(k->client, rc, "%s: %s", k->name, kvd_strerror(rc));
+}
+
+void kvdepot__call_end(kvdepot__call *k)
+{
+    if (k->call)
+        grpc_call_unref(k->call);
+    k->call = NULL;
+    if (k->cq) {
+        grpc_completion_queue_shutdown(k->cq);
+        /* Every batch was waited for, so this only sees the shutdown. */
+        for (;;) {
+            grpc_event ev = grpc_completion_queue_pluck(k->cq, NULL,
+                                                        gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+            if (ev.type == GRPC_QUEUE_SHUTDOWN)
+                break;
+        }
+        grpc_completion_queue_destroy(k->cq);
+        k->cq = NULL;
+    }
+    grpc_metadata_array_destroy(&k->initial_md);
+    grpc_metadata_array_destroy(&k->trailing_md);
+    grpc_slice_unref(k->details);
+    k->details = grpc_empty_slice();
+}
+
+grpc_byte_buffer *kvdepot__pack(const ProtobufCMessage *msg)
+{
+    size_t n = protobuf_c_message_get_packed_size(msg);
+    grpc_slice s = grpc_slice_malloc(n);
+    protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(s));
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    return bb;
+}
+
+/* Contiguous copy of a received message; the caller unrefs the slice. */
+static grpc_slice byte_buffer_flatten(grpc_byte_buffer *bb)
+{
+    grpc_byte_buffer_reader r;
+    if (!grpc_byte_buffer_reader_init(&r, bb))
+        return grpc_empty_slice();
+    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+    grpc_byte_buffer_reader_destroy(&r);
+    return s;
+}
+
+static uint32_t md_flags(const kvdepot_client *c)
+{
+    return c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+}
+
+/*
+ * One unary RPC: send req, wait for the status, unpack the response with
+ * rdesc. On success *resp is the unpacked response (free with
+ * protobuf_c_message_free_unpacked); on failure it is NULL and the thread's
+ * error message is set.
+ */
+static int unary(kvdepot_client *c, int method, const ProtobufCMessage *req,
+                 const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **resp)
+{
+    *resp = NULL;
+    kvdepot__call k;
+    int rc = kvdepot__call_start(c, method, NULL, &k);
+    if (rc) {
+        kvdepot__call_end(&k);
+        return rc;
+    }
+    grpc_byte_buffer *send = kvdepot__pack(req);
+    grpc_byte_buffer *recv = NULL;
+    grpc_op ops[6];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = md_flags(c);
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &recv;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &k.trailing_md;
+    ops[5].data.recv_status_on_client.status = &k.status;
+    ops[5].data.recv_status_on_client.status_details = &k.details;
+    if (kvdepot__call_batch(&k, ops, 6, &k) < 0)
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: gRPC refused the call", k.name);
+    else
+        rc = kvdepot__call_result(&k);
+    if (rc == KVDEPOT_OK) {
+        if (!recv) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: server sent no response", k.name);
+        } else {
+            grpc_slice s = byte_buffer_flatten(recv);
+            *resp = protobuf_c_message_unpack(rdesc, NULL, GRPC_SLICE_LENGTH(s),
+                                              GRPC_SLICE_START_PTR(s));
+            grpc_slice_unref(s);
+            if (!*resp)
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", k.name);
+        }
+    }
+    grpc_byte_buffer_destroy(send);
+    if (recv)
+        grpc_byte_buffer_destroy(recv);
+    kvdepot__call_end(&k);
+    kvdepot__log(c, KVDEPOT_LOG_DEBUG, "%s: %s", k.name, kvd_status_name(rc));
+    return rc;
+}
+
+#define UNARY(c, m, req, type, resp) \
+    unary((c), (m), &(req)->base, &type##__descriptor, (ProtobufCMessage **)(resp))
+
+/* ------------------------------------------------------------------------ */
+/* Health                                                                    */
+/* ------------------------------------------------------------------------ */
+
+int kvdepot_health_check(kvdepot_client *c, const char *service, kvdepot_serving *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        *out = KVDEPOT_SERVING_UNKNOWN;
+    if (!c)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "health check: client is NULL");
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    req.service = (char *)(service ? service : "");
+    Grpc__Health__V1__HealthCheckResponse *resp;
+    int rc = UNARY(c, KVDEPOT__HEALTH_CHECK, &req, grpc__health__v1__health_check_response, &resp);
+    if (rc)
+        return rc;
+    if (out)
+        *out = (kvdepot_serving)resp->status;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Models                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void copy_str(char *dst, size_t cap, const char *src)
+{
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+static void model_from_pb(const Kvdepot__V1__Model *pb, kvdepot_model *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!pb)
+        return;
+    copy_str(out->name, sizeof out->name, pb->name);
+    copy_str(out->revision, sizeof out->revision, pb->revision);
+    out->num_layers = pb->num_layers;
+    out->num_kv_heads = pb->num_kv_heads;
+    out->num_q_heads = pb->num_q_heads;
+    out->head_dim = pb->head_dim;
+    out->hidden_size = pb->hidden_size;
+    out->dtype = (kvdepot_dtype)pb->dtype;
+    out->created_unix_ms = pb->created_unix_ms;
+}
+
+int kvdepot_model_put(kvdepot_client *c, const kvdepot_model *m, int replace, kvdepot_model *out,
+                      int *created)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (created)
+        *created = 0;
+    if (!c || !m)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "model put: NULL argument");
+    /* Copies bound the strings even if the caller did not terminate them. */
+    char name[KVDEPOT_NAME_MAX + 1], rev[KVDEPOT_NAME_MAX + 1];
+    snprintf(name, sizeof name, "%.*s", KVDEPOT_NAME_MAX, m->name);
+    snprintf(rev, sizeof rev, "%.*s", KVDEPOT_NAME_MAX, m->revision);
+    Kvdepot__V1__Model pm = KVDEPOT__V1__MODEL__INIT;
+    pm.name = name;
+    pm.revision = rev;
+    pm.num_layers = m->num_layers;
+    pm.num_kv_heads = m->num_kv_heads;
+    pm.num_q_heads = m->num_q_heads;
+    pm.head_dim = m->head_dim;
+    pm.hidden_size = m->hidden_size;
+    pm.dtype = (Kvdepot__V1__DType)m->dtype;
+    Kvdepot__V1__PutModelRequest req = KVDEPOT__V1__PUT_MODEL_REQUEST__INIT;
+    req.model = &pm;
+    req.replace = replace != 0;
+    Kvdepot__V1__PutModelResponse *resp;
+    int rc = UNARY(c, KVDEPOT__PUT_MODEL, &req, kvdepot__v1__put_model_response, &resp);
+    if (rc)
+        return rc;
+    if (out)
+        model_from_pb(resp->model, out);
+    if (created)
+        *created = resp->created != 0;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+int kvdepot_model_get(kvdepot_client *c, const char *name, kvdepot_model *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !name)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "model get: NULL argument");
+    Kvdepot__V1__GetModelRequest req = KVDEPOT__V1__GET_MODEL_REQUEST__INIT;
+    req.name = (char *)name;
+    Kvdepot__V1__GetModelResponse *resp;
+    int rc = UNARY(c, KVDEPOT__GET_MODEL, &req, kvdepot__v1__get_model_response, &resp);
+    if (rc)
+        return rc;
+    if (out)
+        model_from_pb(resp->model, out);
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+int kvdepot_model_list(kvdepot_client *c, kvdepot_model **out, size_t *count)
+{
+    kvdepot__clear_error();
+    if (out)
+        *out = NULL;
+    if (count)
+        *count = 0;
+    if (!c || !out || !count)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "model list: NULL argument");
+    Kvdepot__V1__ListModelsRequest req = KVDEPOT__V1__LIST_MODELS_REQUEST__INIT;
+    Kvdepot__V1__ListModelsResponse *resp;
+    int rc = UNARY(c, KVDEPOT__LIST_MODELS, &req, kvdepot__v1__list_models_response, &resp);
+    if (rc)
+        return rc;
+    if (resp->n_models) {
+        kvdepot_model *list = calloc(resp->n_models, sizeof *list);
+        if (!list) {
+            protobuf_c_message_free_unpacked(&resp->base, NULL);
+            return kvdepot__fail(c, KVDEPOT_ENOMEM, "model list: out of memory");
+        }
+        for (size_t i = 0; i < resp->n_models; i++)
+            model_from_pb(resp->models[i], &list[i]);
+        *out = list;
+        *count = resp->n_models;
+    }
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+int kvdepot_model_delete(kvdepot_client *c, const char *name, int force, uint64_t *deleted)
+{
+    kvdepot__clear_error();
+    if (deleted)
+        *deleted = 0;
+    if (!c || !name)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "model delete: NULL argument");
+    Kvdepot__V1__DeleteModelRequest req = KVDEPOT__V1__DELETE_MODEL_REQUEST__INIT;
+    req.name = (char *)name;
+    req.force = force != 0;
+    Kvdepot__V1__DeleteModelResponse *resp;
+    int rc = UNARY(c, KVDEPOT__DELETE_MODEL, &req, kvdepot__v1__delete_model_response, &resp);
+    if (rc)
+        return rc;
+    if (deleted)
+        *deleted = resp->deleted_sequences;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sequences                                                                 */
+/* ------------------------------------------------------------------------ */
+
+void kvdepot_sequence_info_clear(kvdepot_sequence_info *info)
+{
+    if (!info)
+        return;
+    free(info->layer_tokens);
+    free(info->block_hashes);
+    memset(info, 0, sizeof *info);
+}
+
+void kvdepot_sequence_list_free(kvdepot_sequence_info *list, size_t count)
+{
+    if (!list)
+        return;
+    for (size_t i = 0; i < count; i++)
+        kvdepot_sequence_info_clear(&list[i]);
+    free(list);
+}
+
+int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequence_info *out)
+{
+    const Kvdepot__V1__SequenceInfo *pb = pb_info;
+    memset(out, 0, sizeof *out);
+    if (!pb)
+        return KVDEPOT_OK;
+    out->id_len = pb->sequence_id.len < KVDEPOT_ID_MAX ? pb->sequence_id.len : KVDEPOT_ID_MAX;
+    if (out->id_len)
+        memcpy(out->id, pb->sequence_id.data, out->id_len);
+    copy_str(out->model, sizeof out->model, pb->model);
+    out->num_tokens = pb->num_tokens;
+    out->page_tokens = pb->page_tokens;
+    out->sealed_pages = pb->sealed_pages;
+    out->stored_bytes = pb->stored_bytes;
+    out->created_unix_ms = pb->created_unix_ms;
+    out->prefix_blocks = pb->prefix_blocks;
+    if (pb->n_layer_tokens) {
+        out->layer_tokens = malloc(pb->n_layer_tokens * sizeof(uint64_t));
+        if (!out->layer_tokens)
+            goto nomem;
+        memcpy(out->layer_tokens, pb->layer_tokens, pb->n_layer_tokens * sizeof(uint64_t));
+        out->num_layers = pb->n_layer_tokens;
+    }
+    if (pb->n_block_hashes) {
+        out->block_hashes = malloc(pb->n_block_hashes * sizeof(uint64_t));
+        if (!out->block_hashes)
+            goto nomem;
+        memcpy(out->block_hashes, pb->block_hashes, pb->n_block_hashes * sizeof(uint64_t));
+        out->num_block_hashes = pb->n_block_hashes;
+    }
+    return KVDEPOT_OK;
+nomem:
+    kvdepot_sequence_info_clear(out);
+    return kvdepot__fail(c, KVDEPOT_ENOMEM, "sequence info: out of memory");
+}
+
+int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
+                            kvdepot_sequence_info *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !a || !a->model || (!a->id && a->id_len) ||
+        (!a->prefix_hashes && a->num_prefix_hashes) ||
+        (!a->prefix_token_ids && a->num_prefix_token_ids))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "sequence create: NULL argument");
+    Kvdepot__V1__CreateSequenceRequest req = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)a->id;
+    req.sequence_id.len = a->id_len;
+    req.model = (char *)a->model;
+    req.prefix_hashes = (uint64_t *)a->prefix_hashes;
+    req.n_prefix_hashes = a->num_prefix_hashes;
+    req.prefix_token_ids = (uint32_t *)a->prefix_token_ids;
+    req.n_prefix_token_ids = a->num_prefix_token_ids;
+    Kvdepot__V1__CreateSequenceResponse *resp;
+    int rc = UNARY(c, KVDEPOT__CREATE_SEQUENCE, &req, kvdepot__v1__create_sequence_response, &resp);
+    if (rc)
+        return rc;
+    if (out)
+        rc = kvdepot__info_from_pb(c, resp->sequence, out);
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return rc;
+}
+
+int kvdepot_sequence_stat(kvdepot_client *c, const void *id, size_t id_len,
+                          kvdepot_sequence_info *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || (!id && id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "sequence stat: NULL argument");
+    Kvdepot__V1__StatSequenceRequest req = KVDEPOT__V1__STAT_SEQUENCE_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)id;
+    req.sequence_id.len = id_len;
+    Kvdepot__V1__StatSequenceResponse *resp;
+    int rc = UNARY(c, KVDEPOT__STAT_SEQUENCE, &req, kvdepot__v1__stat_sequence_response, &resp);
+    if (rc)
+        return rc;
+    if (out)
+        rc = kvdepot__info_from_pb(c, resp->sequence, out);
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return rc;
+}
+
+int kvdepot_sequence_list(kvdepot_client *c, const char *model, kvdepot_sequence_info **out,
+                          size_t *count)
+{
+    kvdepot__clear_error();
+    if (out)
+        *out = NULL;
+    if (count)
+        *count = 0;
+    if (!c || !out || !count)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "sequence list: NULL argument");
+    kvdepot_sequence_info *list = NULL;
+    size_t n = 0, cap = 0;
+    uint8_t *token = NULL;
+    size_t token_len = 0;
+    int rc = KVDEPOT_OK;
+    for (;;) {
+        Kvdepot__V1__ListSequencesRequest req = KVDEPOT__V1__LIST_SEQUENCES_REQUEST__INIT;
+        req.model = (char *)(model ? model : "");
+        req.page_token.data = token;
+        req.page_token.len = token_len;
+        Kvdepot__V1__ListSequencesResponse *resp;
+        rc = UNARY(c, KVDEPOT__LIST_SEQUENCES, &req, kvdepot__v1__list_sequences_response, &resp);
+        if (rc)
+            break;
+        if (n + resp->n_sequences > cap) {
+            size_t ncap = cap ? cap * 2 : 16;
+            while (ncap < n + resp->n_sequences)
+                ncap *= 2;
+            kvdepot_sequence_info *nl = realloc(list, ncap * sizeof *nl);
+            if (!nl) {
+                protobuf_c_message_free_unpacked(&resp->base, NULL);
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "sequence list: out of memory");
+                break;
+            }
+            list = nl;
+            cap = ncap;
+        }
+        for (size_t i = 0; i < resp->n_sequences && rc == KVDEPOT_OK; i++) {
+            rc = kvdepot__info_from_pb(c, resp->sequences[i], &list[n]);
+            if (rc == KVDEPOT_OK)
+                n++;
+        }
+        int more = resp->next_page_token.len > 0;
+        /* A server that hands back the token it was given would loop forever. */
+        if (more && token_len == resp->next_page_token.len &&
+            memcmp(token, resp->next_page_token.data, token_len) == 0)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "sequence list: server repeated its page token");
+        if (rc == KVDEPOT_OK && more) {
+            uint8_t *nt = malloc(resp->next_page_token.len);
+            if (!nt) {
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "sequence list: out of memory");
+            } else {
+                memcpy(nt, resp->next_page_token.data, resp->next_page_token.len);
+                free(token);
+                token = nt;
+                token_len = resp->next_page_token.len;
+            }
+        }
+        protobuf_c_message_free_unpacked(&resp->base, NULL);
+        if (rc || !more)
+            break;
+    }
+    free(token);
+    if (rc) {
+        kvdepot_sequence_list_free(list, n);
+        return rc;
+    }
+    if (n == 0) {
+        free(list);
+        list = NULL;
+    }
+    *out = list;
+    *count = n;
+    return KVDEPOT_OK;
+}
+
+int kvdepot_sequence_delete(kvdepot_client *c, const void *id, size_t id_len, uint64_t *freed)
+{
+    kvdepot__clear_error();
+    if (freed)
+        *freed = 0;
+    if (!c || (!id && id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "sequence delete: NULL argument");
+    Kvdepot__V1__DeleteSequenceRequest req = KVDEPOT__V1__DELETE_SEQUENCE_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)id;
+    req.sequence_id.len = id_len;
+    Kvdepot__V1__DeleteSequenceResponse *resp;
+    int rc = UNARY(c, KVDEPOT__DELETE_SEQUENCE, &req, kvdepot__v1__delete_sequence_response, &resp);
+    if (rc)
+        return rc;
+    if (freed)
+        *freed = resp->freed_pages;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Prefix sharing                                                            */
+/* ------------------------------------------------------------------------ */
+
+uint64_t kvdepot_prefix_hash(uint64_t parent, const uint32_t *token_ids, size_t n)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return XXH3_64bits_withSeed(token_ids, n * sizeof(uint32_t), parent);
+#else
+    /* The hash is defined over little-endian ids; swap in small batches. */
+    XXH3_state_t *st = XXH3_createState();
+    XXH3_64bits_reset_withSeed(st, parent);
+    uint32_t buf[256];
+    for (size_t i = 0; i < n;) {
+        size_t m = n - i < 256 ? n - i : 256;
+        for (size_t j = 0; j < m; j++)
+            buf[j] = __builtin_bswap32(token_ids[i + j]);
+        XXH3_64bits_update(st, buf, m * sizeof(uint32_t));
+        i += m;
+    }
+    uint64_t h = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    return h;
+#endif
+}
+
+size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t page_tokens,
+                                 uint64_t *out)
+{
+    if (!page_tokens)
+        return 0;
+    size_t blocks = n / page_tokens;
+    if (out) {
+        uint64_t h = 0;
+        for (size_t i = 0; i < blocks; i++) {
+            h = kvdepot_prefix_hash(h, token_ids + i * page_tokens, page_tokens);
+            out[i] = h;
+        }
+    }
+    return blocks;
+}
+
+int kvdepot_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes, size_t n,
+                          uint64_t *matched_blocks, uint64_t *matched_tokens)
+{
+    kvdepot__clear_error();
+    if (matched_blocks)
+        *matched_blocks = 0;
+    if (matched_tokens)
+        *matched_tokens = 0;
+    if (!c || !model || (!hashes && n))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "lookup: NULL argument");
+    Kvdepot__V1__LookupRequest req = KVDEPOT__V1__LOOKUP_REQUEST__INIT;
+    req.model = (char *)model;
+    req.block_hashes = (uint64_t *)hashes;
+    req.n_block_hashes = n;
+    Kvdepot__V1__LookupResponse *resp;
+    int rc = UNARY(c, KVDEPOT__LOOKUP, &req, kvdepot__v1__lookup_response, &resp);
+    if (rc)
+        return rc;
+    if (matched_blocks)
+        *matched_blocks = resp->matched_blocks;
+    if (matched_tokens)
+        *matched_tokens = resp->matched_tokens;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}

@@ -1,0 +1,530 @@
+/*
+ * kvdepot.h — C client library for the kvdepot key/value cache service.
+ *
+ * libkvdepot talks to a kvdepotd server over gRPC (wire API kvdepot.v1, see
+ * proto/kvdepot/v1/kvdepot.proto). One C function per RPC; streams are
+ * chunked inside the library, so callers pass and receive whole tensors.
+ *
+ * Conventions
+ *   - Every fallible function returns KVDEPOT_OK (0) or a negative
+ *     kvdepot_status: the negated gRPC status code the server answered with
+ *     (KVDEPOT_ENOTFOUND = -NOT_FOUND, ...) or one the library chose for a
+ *     local failure (KVDEPOT_EINVAL for bad arguments, KVDEPOT_ENOMEM when
+ *     an allocation failed, KVDEPOT_EINTERNAL for a malformed response).
+ *   - After a failure, kvdepot_errmsg() returns a message naming the problem
+ *     (the server's status details, or the library's own description). The
+ *     message is kept per thread, so concurrent callers never see each
+ *     other's errors.
+ *   - Out-parameters are left zeroed / NULL on failure.
+ *   - Memory the library returns is owned by the caller and freed with the
+ *     function named in each description; nothing returned points into the
+ *     client, so it stays valid after kvdepot_close().
+ *   - A kvdepot_client is thread-safe: any number of threads may issue calls
+ *     on one handle at the same time. Each call is independent (its own gRPC
+ *     call and completion queue) and blocks until it finishes or its
+ *     deadline passes.
+ *   - The library never prints; it reports through an optional log callback.
+ *
+ * Tensor layout (Append and Read): K and V are each laid out as
+ *     [layer][token][kv_head][head_dim]      row-major, little-endian
+ * in the model's dtype, for the layer range and token range of the call.
+ * K and V of one call therefore have the same size, kvdepot_kv_bytes().
+ */
+#ifndef KVDEPOT_H
+#define KVDEPOT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVDEPOT_VERSION_MAJOR 0
+#define KVDEPOT_VERSION_MINOR 1
+#define KVDEPOT_VERSION_PATCH 0
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* Return codes: 0 or a negated gRPC status code. */
+typedef enum kvdepot_status {
+    KVDEPOT_OK = 0,
+    KVDEPOT_ECANCELLED = -1,  /* CANCELLED: the call was cancelled */
+    KVDEPOT_EUNKNOWN = -2,    /* UNKNOWN */
+    KVDEPOT_EINVAL = -3,      /* INVALID_ARGUMENT: malformed request, bad shape/size/range */
+    KVDEPOT_ETIMEDOUT = -4,   /* DEADLINE_EXCEEDED: the per-call deadline passed */
+    KVDEPOT_ENOTFOUND = -5,   /* NOT_FOUND: unknown model, sequence or prefix page */
+    KVDEPOT_EEXIST = -6,      /* ALREADY_EXISTS: model or sequence id taken */
+    KVDEPOT_EPERM = -7,       /* PERMISSION_DENIED */
+    KVDEPOT_ENOMEM = -8,      /* RESOURCE_EXHAUSTED: a limit was hit, or out of memory */
+    KVDEPOT_EPRECOND = -9,    /* FAILED_PRECONDITION: e.g. append not at the layer's end */
+    KVDEPOT_EABORTED = -10,   /* ABORTED */
+    KVDEPOT_ERANGE = -11,     /* OUT_OF_RANGE: read past the stored tokens */
+    KVDEPOT_EUNSUPP = -12,    /* UNIMPLEMENTED: the server lacks the RPC */
+    KVDEPOT_EINTERNAL = -13,  /* INTERNAL: server fault, or a malformed response */
+    KVDEPOT_EUNAVAIL = -14,   /* UNAVAILABLE: cannot reach the server, or it is stopping */
+    KVDEPOT_ECORRUPT = -15,   /* DATA_LOSS: a stored page failed its checksum */
+    KVDEPOT_EAUTH = -16       /* UNAUTHENTICATED */
+} kvdepot_status;
+
+typedef struct kvdepot_client kvdepot_client;
+
+/*
+ * Generic description of a status ("not found"); "ok" for 0. Never NULL;
+ * the string is static.
+ */
+const char *kvdepot_strerror(int status);
+
+/*
+ * gRPC name of a status ("NOT_FOUND"); "OK" for 0, "UNKNOWN" for values that
+ * are not a kvdepot_status. Never NULL; the string is static.
+ */
+const char *kvdepot_status_name(int status);
+
+/*
+ * The message of the last failed kvdepot call made by the calling thread,
+ * e.g. `no such sequence "abc"` (without the status name). Empty string when
+ * the last call on this thread succeeded.
+ *
+ * @param[in] client  the handle the call was made on, or NULL (kvdepot_connect
+ *                    failures). The message is per thread, not per client:
+ *                    the argument only documents intent.
+ * @return a NUL-terminated string in thread-local storage, valid until the
+ *         next kvdepot call on the same thread. Never NULL.
+ */
+const char *kvdepot_errmsg(const kvdepot_client *client);
+
+/* Release memory the library returned (model lists, read buffers). NULL is a
+ * no-op. */
+void kvdepot_free(void *ptr);
+
+/* ------------------------------------------------------------------------ */
+/* Element types                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Element type of K and V, with the numbers of kvdepot.v1.DType. */
+typedef enum kvdepot_dtype {
+    KVDEPOT_DTYPE_UNSPECIFIED = 0,
+    KVDEPOT_DTYPE_F16 = 1,   /* IEEE binary16 */
+    KVDEPOT_DTYPE_BF16 = 2,  /* bfloat16 */
+    KVDEPOT_DTYPE_F32 = 3    /* IEEE binary32 */
+} kvdepot_dtype;
+
+/* Bytes per element (2, 2, 4); 0 for KVDEPOT_DTYPE_UNSPECIFIED or an unknown value. */
+size_t kvdepot_dtype_size(kvdepot_dtype dtype);
+
+/* "f16", "bf16", "f32"; "unspecified" otherwise. Static string. */
+const char *kvdepot_dtype_name(kvdepot_dtype dtype);
+
+/*
+ * Parse "f16", "bf16" or "f32" (also "float16", "bfloat16", "float32").
+ * @param[in]  name  the text
+ * @param[out] out   the dtype
+ * @return KVDEPOT_OK, or KVDEPOT_EINVAL for any other text.
+ */
+int kvdepot_dtype_parse(const char *name, kvdepot_dtype *out);
+
+/* ------------------------------------------------------------------------ */
+/* Connecting                                                                */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvdepot_log_level {
+    KVDEPOT_LOG_ERROR = 0,
+    KVDEPOT_LOG_WARN = 1,
+    KVDEPOT_LOG_INFO = 2,
+    KVDEPOT_LOG_DEBUG = 3
+} kvdepot_log_level;
+
+/*
+ * Log callback. Called from the thread that made the call, possibly from
+ * several threads at once; `msg` is valid only during the callback.
+ */
+typedef void (*kvdepot_log_fn)(void *user, kvdepot_log_level level, const char *msg);
+
+typedef struct kvdepot_options {
+    /* gRPC target, e.g. "127.0.0.1:50051", "dns:///kv.example:50051",
+     * "unix:/run/kvdepot.sock". Copied by kvdepot_connect. */
+    const char *address;
+    /* Deadline of each call in milliseconds, covering the whole stream of an
+     * Append or Read; 0 = no deadline. Default 60000. */
+    uint32_t deadline_ms;
+    /* Largest gRPC message sent or received, in bytes. Must be at least the
+     * server's Read chunk size and at least chunk_bytes + 64 KiB. Default 8 MiB. */
+    size_t max_message_bytes;
+    /* Bytes of K/V data per Append message, and the max_chunk_bytes asked of
+     * the server on Read. 4 KiB..4 MiB. Default 1 MiB. */
+    size_t chunk_bytes;
+    /* When nonzero, calls made while the server is unreachable wait (up to
+     * their deadline) for it to come back instead of failing at once with
+     * KVDEPOT_EUNAVAIL. Default 0. */
+    int wait_for_ready;
+    /* Optional log callback, its user pointer, and the most verbose level
+     * passed to it. Default: none, KVDEPOT_LOG_WARN. */
+    kvdepot_log_fn log;
+    void *log_user;
+    kvdepot_log_level log_level;
+} kvdepot_options;
+
+/*
+ * Fill opt with the defaults listed in kvdepot_options.
+ * @param[out] opt  options to initialise
+ */
+void kvdepot_options_init(kvdepot_options *opt);
+
+/*
+ * Create a client for one server. Creates the gRPC channel but does not
+ * contact the server: the connection is made by the first call (use
+ * kvdepot_health_check to probe it).
+ *
+ * @param[in]  opt  options (see kvdepot_options_init); NULL = defaults.
+ *                  Not referenced after the call returns.
+ * @param[out] out  the new client, to be released with kvdepot_close();
+ *                  NULL on failure.
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL for a missing address or out-of-range
+ *         sizes; KVDEPOT_ENOMEM; KVDEPOT_EINTERNAL when gRPC refuses the
+ *         channel.
+ */
+int kvdepot_connect(const kvdepot_options *opt, kvdepot_client **out);
+
+/*
+ * Close the client and free its resources. No call may be in progress on
+ * the handle. NULL is a no-op.
+ */
+void kvdepot_close(kvdepot_client *client);
+
+/* ------------------------------------------------------------------------ */
+/* Health                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* grpc.health.v1.HealthCheckResponse.ServingStatus */
+typedef enum kvdepot_serving {
+    KVDEPOT_SERVING_UNKNOWN = 0,
+    KVDEPOT_SERVING = 1,
+    KVDEPOT_NOT_SERVING = 2,
+    KVDEPOT_SERVICE_UNKNOWN = 3
+} kvdepot_serving;
+
+/*
+ * grpc.health.v1.Health/Check.
+ * @param[in]  client
+ * @param[in]  service  service name, or NULL / "" for the whole server
+ * @param[out] out      the serving status (may be NULL)
+ * @return KVDEPOT_OK when the server answered (whatever the status);
+ *         KVDEPOT_EUNAVAIL when it cannot be reached; KVDEPOT_ENOTFOUND for
+ *         an unknown service name; KVDEPOT_ETIMEDOUT.
+ */
+int kvdepot_health_check(kvdepot_client *client, const char *service, kvdepot_serving *out);
+
+/* ------------------------------------------------------------------------ */
+/* Models                                                                    */
+/* ------------------------------------------------------------------------ */
+
+#define KVDEPOT_NAME_MAX 128  /* bytes of a model name or revision */
+
+/* A registered shape profile (kvdepot.v1.Model). */
+typedef struct kvdepot_model {
+    char name[KVDEPOT_NAME_MAX + 1];      /* [A-Za-z0-9._-]{1,128} */
+    char revision[KVDEPOT_NAME_MAX + 1];  /* free text */
+    uint32_t num_layers;                  /* 1..1024 */
+    uint32_t num_kv_heads;                /* 1..1024 */
+    uint32_t num_q_heads;                 /* multiple of num_kv_heads; 0 = num_kv_heads */
+    uint32_t head_dim;                    /* 1..1024 */
+    uint32_t hidden_size;                 /* 0 = unknown */
+    kvdepot_dtype dtype;
+    uint64_t created_unix_ms;             /* set by the server */
+} kvdepot_model;
+
+/*
+ * Bytes of K (equal to the bytes of V) for num_layers × num_tokens of the
+ * model: num_layers * num_tokens * num_kv_heads * head_dim * dtype size.
+ * 0 when the product overflows size_t or the dtype is unknown.
+ */
+size_t kvdepot_kv_bytes(const kvdepot_model *model, uint32_t num_layers, uint64_t num_tokens);
+
+/*
+ * PutModel: register a model. Putting an identical model again succeeds
+ * (created = 0).
+ * @param[in]  client
+ * @param[in]  model    the profile; created_unix_ms is ignored
+ * @param[in]  replace  nonzero: replace a model of the same name with a
+ *                      different shape (allowed only without sequences)
+ * @param[out] out      the stored model (may be NULL)
+ * @param[out] created  1 if newly created, 0 if it existed (may be NULL)
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL for a bad name or shape;
+ *         KVDEPOT_EEXIST when a different model has the name;
+ *         KVDEPOT_EPRECOND when replacing a model that has sequences;
+ *         transport errors (KVDEPOT_EUNAVAIL, KVDEPOT_ETIMEDOUT).
+ */
+int kvdepot_model_put(kvdepot_client *client, const kvdepot_model *model, int replace,
+                      kvdepot_model *out, int *created);
+
+/*
+ * GetModel.
+ * @param[in]  client
+ * @param[in]  name
+ * @param[out] out     the model
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND; KVDEPOT_EINVAL for a bad name;
+ *         transport errors.
+ */
+int kvdepot_model_get(kvdepot_client *client, const char *name, kvdepot_model *out);
+
+/*
+ * ListModels.
+ * @param[in]  client
+ * @param[out] out    array of *count models, to be freed with kvdepot_free();
+ *                    NULL when there are none
+ * @param[out] count  number of models
+ * @return KVDEPOT_OK; KVDEPOT_ENOMEM; transport errors.
+ */
+int kvdepot_model_list(kvdepot_client *client, kvdepot_model **out, size_t *count);
+
+/*
+ * DeleteModel.
+ * @param[in]  client
+ * @param[in]  name
+ * @param[in]  force              nonzero: delete its sequences too
+ * @param[out] deleted_sequences  sequences deleted with it (may be NULL)
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND; KVDEPOT_EPRECOND when the model
+ *         has sequences and force is 0; transport errors.
+ */
+int kvdepot_model_delete(kvdepot_client *client, const char *name, int force,
+                         uint64_t *deleted_sequences);
+
+/* ------------------------------------------------------------------------ */
+/* Sequences                                                                 */
+/* ------------------------------------------------------------------------ */
+
+#define KVDEPOT_ID_MAX 256  /* bytes of a sequence id */
+
+/*
+ * State of a sequence (kvdepot.v1.SequenceInfo). Filled by the library; the
+ * arrays are owned by the struct and released by kvdepot_sequence_info_clear().
+ */
+typedef struct kvdepot_sequence_info {
+    uint8_t id[KVDEPOT_ID_MAX];
+    size_t id_len;
+    char model[KVDEPOT_NAME_MAX + 1];
+    uint64_t num_tokens;       /* tokens readable on every layer */
+    uint64_t *layer_tokens;    /* [num_layers] tokens stored per layer */
+    size_t num_layers;
+    uint32_t page_tokens;      /* tokens per page on the server */
+    uint64_t sealed_pages;     /* over all layers */
+    uint64_t stored_bytes;
+    uint64_t created_unix_ms;
+    uint64_t prefix_blocks;    /* leading blocks shared from the prefix index */
+    uint64_t *block_hashes;    /* [num_block_hashes] registered block hashes */
+    size_t num_block_hashes;
+} kvdepot_sequence_info;
+
+/* Free the arrays of info and zero it. NULL, or a zeroed info, is a no-op. */
+void kvdepot_sequence_info_clear(kvdepot_sequence_info *info);
+
+/* Arguments of kvdepot_sequence_create. Zero-initialise, then set. */
+typedef struct kvdepot_create_args {
+    const void *id;            /* sequence id, 1..KVDEPOT_ID_MAX bytes */
+    size_t id_len;
+    const char *model;         /* model name */
+    /* Optional: start from a stored prefix named by its block-hash chain
+     * (see kvdepot_prefix_lookup); every hash must be stored. */
+    const uint64_t *prefix_hashes;
+    size_t num_prefix_hashes;
+    /* Optional: the prefix's token ids (num_prefix_hashes * page_tokens of
+     * them); checked against the hashes and kept for chaining later blocks. */
+    const uint32_t *prefix_token_ids;
+    size_t num_prefix_token_ids;
+} kvdepot_create_args;
+
+/*
+ * CreateSequence.
+ * @param[in]  client
+ * @param[in]  args
+ * @param[out] out     the new sequence (may be NULL); clear it with
+ *                     kvdepot_sequence_info_clear()
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL for a bad id or prefix token ids that
+ *         do not match the hashes; KVDEPOT_ENOTFOUND for an unknown model or
+ *         a prefix hash that is not stored; KVDEPOT_EEXIST when the id is
+ *         taken; transport errors.
+ */
+int kvdepot_sequence_create(kvdepot_client *client, const kvdepot_create_args *args,
+                            kvdepot_sequence_info *out);
+
+/*
+ * StatSequence.
+ * @param[in]  client
+ * @param[in]  id, id_len  sequence id
+ * @param[out] out         clear it with kvdepot_sequence_info_clear()
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND; KVDEPOT_EINVAL for a bad id;
+ *         transport errors.
+ */
+int kvdepot_sequence_stat(kvdepot_client *client, const void *id, size_t id_len,
+                          kvdepot_sequence_info *out);
+
+/*
+ * ListSequences, all pages of it.
+ * @param[in]  client
+ * @param[in]  model  only this model's sequences; NULL or "" = all
+ * @param[out] out    array of *count infos, to be freed with
+ *                    kvdepot_sequence_list_free(); NULL when there are none
+ * @param[out] count
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND for an unknown model; KVDEPOT_ENOMEM;
+ *         transport errors.
+ */
+int kvdepot_sequence_list(kvdepot_client *client, const char *model,
+                          kvdepot_sequence_info **out, size_t *count);
+
+/* Free a list from kvdepot_sequence_list(). NULL is a no-op. */
+void kvdepot_sequence_list_free(kvdepot_sequence_info *list, size_t count);
+
+/*
+ * DeleteSequence.
+ * @param[in]  client
+ * @param[in]  id, id_len
+ * @param[out] freed_pages  pages released (may be NULL)
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND; transport errors.
+ */
+int kvdepot_sequence_delete(kvdepot_client *client, const void *id, size_t id_len,
+                            uint64_t *freed_pages);
+
+/* Arguments of kvdepot_sequence_append. Zero-initialise, then set. */
+typedef struct kvdepot_append_args {
+    const void *id;            /* sequence id */
+    size_t id_len;
+    uint32_t layer_start;      /* first layer */
+    uint32_t num_layers;       /* 0 = all layers from layer_start */
+    uint64_t token_start;      /* must equal the stored token count of each layer */
+    uint64_t num_tokens;       /* tokens appended to each layer */
+    kvdepot_dtype dtype;       /* must equal the model's dtype */
+    /* K and V for [layer_start, +num_layers) × [token_start, +num_tokens),
+     * each in the wire layout. Separate pointers: they need not be adjacent.
+     * Only read during the call. */
+    const void *k;
+    size_t k_bytes;
+    const void *v;
+    size_t v_bytes;
+    /* Optional token ids of the appended tokens (num_tokens of them), so the
+     * server can hash the blocks this append completes. */
+    const uint32_t *token_ids;
+    size_t num_token_ids;
+    /* Optional engine-supplied hashes of the blocks whose last token is in
+     * this append, in order (overrides token_ids hashing). */
+    const uint64_t *block_hashes;
+    size_t num_block_hashes;
+} kvdepot_append_args;
+
+/*
+ * Append: stream K then V to the server in messages of chunk_bytes. All or
+ * nothing: on any failure the sequence is left as it was.
+ *
+ * @param[in]  client
+ * @param[in]  args
+ * @param[out] out     the sequence after the append (may be NULL); clear it
+ *                     with kvdepot_sequence_info_clear()
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL for wrong sizes (k_bytes/v_bytes not
+ *         the size of the range), a dtype other than the model's, a layer
+ *         range outside the model, token id or block hash counts that do not
+ *         match; KVDEPOT_ENOTFOUND for an unknown sequence;
+ *         KVDEPOT_EPRECOND when token_start is not the end of a layer;
+ *         KVDEPOT_ENOMEM for a server limit; transport errors.
+ */
+int kvdepot_sequence_append(kvdepot_client *client, const kvdepot_append_args *args,
+                            kvdepot_sequence_info *out);
+
+/* Arguments of kvdepot_sequence_read. Zero-initialise, then set. */
+typedef struct kvdepot_read_args {
+    const void *id;
+    size_t id_len;
+    uint32_t layer_start;
+    uint32_t num_layers;       /* 0 = all layers from layer_start */
+    uint64_t token_start;
+    uint64_t num_tokens;       /* 0 = up to the sequence's num_tokens */
+    /* Destination for K and V, each with room for `capacity` bytes; or both
+     * NULL to have the library allocate them. */
+    void *k;
+    void *v;
+    size_t capacity;
+} kvdepot_read_args;
+
+/* What kvdepot_sequence_read returned (kvdepot.v1.ReadHeader + buffers). */
+typedef struct kvdepot_read_result {
+    uint32_t layer_start;
+    uint32_t num_layers;
+    uint64_t token_start;
+    uint64_t num_tokens;
+    uint32_t num_kv_heads;
+    uint32_t head_dim;
+    kvdepot_dtype dtype;
+    size_t kv_bytes;           /* bytes of K, and of V */
+    void *k;                   /* the caller's buffer, or the library's */
+    void *v;
+    /* When the library allocated: the single block holding K then V, to be
+     * freed with kvdepot_free() (k == owned, v == owned + kv_bytes).
+     * NULL when the caller supplied buffers. */
+    void *owned;
+} kvdepot_read_result;
+
+/*
+ * Read: fetch K and V of a layer range × token range, bit-exact as appended.
+ *
+ * @param[in]  client
+ * @param[in]  args
+ * @param[out] out     header and buffers. On failure everything is zero and
+ *                     nothing is allocated, except that on KVDEPOT_EINVAL for
+ *                     a too small capacity the header fields and kv_bytes are
+ *                     set, so the caller can retry with larger buffers.
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND for an unknown sequence;
+ *         KVDEPOT_ERANGE for tokens past the stored ones; KVDEPOT_EINVAL for
+ *         a layer range outside the model, or capacity too small (caller's
+ *         buffers may have been partly written); KVDEPOT_ECORRUPT when the
+ *         server found a damaged page; KVDEPOT_EINTERNAL when the server's
+ *         stream is malformed; KVDEPOT_ENOMEM; transport errors.
+ */
+int kvdepot_sequence_read(kvdepot_client *client, const kvdepot_read_args *args,
+                          kvdepot_read_result *out);
+
+/* ------------------------------------------------------------------------ */
+/* Prefix sharing                                                            */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * The documented block hash: xxh3-64 over the token ids as little-endian
+ * uint32, seeded with the parent block's hash (0 for the first block).
+ * @param[in] parent     hash of the previous block, 0 for the first
+ * @param[in] token_ids  the block's token ids (page_tokens of them)
+ * @param[in] n          number of token ids
+ * @return the block hash.
+ */
+uint64_t kvdepot_prefix_hash(uint64_t parent, const uint32_t *token_ids, size_t n);
+
+/*
+ * Hash chain of every complete block of a token sequence.
+ * @param[in]  token_ids    n token ids
+ * @param[in]  n
+ * @param[in]  page_tokens  tokens per block (the server's page_tokens, 256)
+ * @param[out] out          room for n / page_tokens hashes (may be NULL to
+ *                          only count)
+ * @return the number of complete blocks, n / page_tokens (0 if page_tokens is 0).
+ */
+size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t page_tokens,
+                                 uint64_t *out);
+
+/*
+ * Lookup: how many leading blocks of a hash chain the server stores for a
+ * model.
+ * @param[in]  client
+ * @param[in]  model
+ * @param[in]  hashes          the chain, n entries
+ * @param[in]  n
+ * @param[out] matched_blocks  (may be NULL)
+ * @param[out] matched_tokens  (may be NULL)
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND for an unknown model; transport errors.
+ */
+int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint64_t *hashes,
+                          size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVDEPOT_H */

@@ -1,0 +1,117 @@
+/*
+ * libkvdepot internals shared by client.c and stream.c, and the test-only
+ * raw call entry point. Not installed.
+ */
+#ifndef KVDEPOT_CLIENT_INTERNAL_H
+#define KVDEPOT_CLIENT_INTERNAL_H
+
+#include "kvdepot.h"
+
+#include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
+
+/* RPC methods, index into the client's registered-call table. */
+enum kvdepot__method {
+    KVDEPOT__PUT_MODEL,
+    KVDEPOT__GET_MODEL,
+    KVDEPOT__LIST_MODELS,
+    KVDEPOT__DELETE_MODEL,
+    KVDEPOT__CREATE_SEQUENCE,
+    KVDEPOT__APPEND,
+    KVDEPOT__READ,
+    KVDEPOT__LOOKUP,
+    KVDEPOT__STAT_SEQUENCE,
+    KVDEPOT__LIST_SEQUENCES,
+    KVDEPOT__DELETE_SEQUENCE,
+    KVDEPOT__HEALTH_CHECK,
+    KVDEPOT__METHOD_COUNT
+};
+
+struct kvdepot_client {
+    grpc_channel *channel;
+    void *methods[KVDEPOT__METHOD_COUNT]; /* grpc_channel_register_call handles */
+    char *address;
+    uint32_t deadline_ms;
+    size_t max_message_bytes;
+    size_t chunk_bytes;
+    int wait_for_ready;
+    kvdepot_log_fn log;
+    void *log_user;
+    kvdepot_log_level log_level;
+};
+
+/*
+ * One in-flight call: its own pluck completion queue, so any number of
+ * threads can run calls on one channel without sharing a queue.
+ */
+typedef struct kvdepot__call {
+    kvdepot_client *client;
+    const char *name; /* method name for messages */
+    grpc_completion_queue *cq;
+    grpc_call *call;
+    grpc_metadata_array initial_md;
+    grpc_metadata_array trailing_md;
+    grpc_status_code status;
+    grpc_slice details;
+} kvdepot__call;
+
+/* Start a call of a registered method (method >= 0) or of an arbitrary path
+ * (method < 0, path used). Returns 0 or a status with the error set. */
+int kvdepot__call_start(kvdepot_client *c, int method, const char *path, kvdepot__call *k);
+/* Run one batch and wait for it; returns the completion's success flag, or
+ * -1 when gRPC refused the batch. */
+int kvdepot__call_batch(kvdepot__call *k, const grpc_op *ops, size_t nops, void *tag);
+/* Wait for a batch started earlier with kvdepot__call_start_batch. */
+int kvdepot__call_wait(kvdepot__call *k, void *tag);
+/* Start a batch without waiting; 0 or -1. */
+int kvdepot__call_start_batch(kvdepot__call *k, const grpc_op *ops, size_t nops, void *tag);
+/* Map the received status to a return code, setting the thread's error
+ * message from the status details. */
+int kvdepot__call_result(kvdepot__call *k);
+/* Release everything the call holds. Safe after a failed start. */
+void kvdepot__call_end(kvdepot__call *k);
+
+/* Serialize a protobuf message into a byte buffer; NULL on allocation failure. */
+grpc_byte_buffer *kvdepot__pack(const ProtobufCMessage *msg);
+
+/* Set the thread's error message and return code. */
+int kvdepot__fail(kvdepot_client *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Clear the thread's error message (start of every call). */
+void kvdepot__clear_error(void);
+/* Log through the client's callback when level is enabled. */
+void kvdepot__log(kvdepot_client *c, kvdepot_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Fill a public sequence info from the wire form; 0 or KVDEPOT_ENOMEM. */
+int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequence_info *out);
+
+/*
+ * Test-only: a client-streaming or unary call with arbitrary message bytes,
+ * used to send what libkvdepot itself never sends (truncated or oversized
+ * Append streams, garbage bytes, messages over the size limit, streams
+ * cancelled half-way).
+ *
+ * Sends msgs[0..n) as raw messages to `path` (e.g.
+ * "/kvdepot.v1.KVDepot/Append"). When cancel is nonzero the call is
+ * cancelled after the last message instead of half-closed. The response
+ * message, if any, is returned in *resp (malloc'ed, free()) with its length.
+ * Returns the call's status as a kvdepot return code.
+ */
+typedef struct kvdepot__raw_msg {
+    const void *data;
+    size_t len;
+} kvdepot__raw_msg;
+
+int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_msg *msgs,
+                      size_t n, int cancel, void **resp, size_t *resp_len);
+
+/*
+ * Test-only: encode the first Append message (header + the first data
+ * bytes), as libkvdepot does, so tests can build malformed streams from
+ * well-formed pieces. Returns a malloc'ed buffer (free()) and its length.
+ */
+void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, size_t data_len,
+                             int with_header, size_t *len);
+
+#endif /* KVDEPOT_CLIENT_INTERNAL_H */

@@ -1,0 +1,689 @@
+/*
+ * libkvdepot: the streaming RPCs. Append sends K then V in messages of
+ * chunk_bytes; Read receives the server's chunks straight into the caller's
+ * K and V buffers.
+ *
+ * The data fields are encoded and decoded by hand rather than through
+ * protobuf-c, which would copy every chunk once more: an AppendRequest is
+ *     0x0a varint(len) AppendHeader      (field 1, first message only)
+ *     0x12 varint(len) data bytes        (field 2)
+ * and a ReadResponse has the same shape with ReadHeader.
+ */
+#include "internal.h"
+
+#include "kvdepot/status.h"
+#include "kvdepot/v1/kvdepot.pb-c.h"
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#define TAG_HEADER 0x0a /* field 1, length-delimited */
+#define TAG_DATA 0x12   /* field 2, length-delimited */
+
+/* Distinct addresses used as completion-queue tags within one call. */
+static char tag_send, tag_recv, tag_close, tag_status;
+
+static size_t varint_put(uint8_t *p, uint64_t v)
+{
+    size_t n = 0;
+    while (v >= 0x80) {
+        p[n++] = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    p[n++] = (uint8_t)v;
+    return n;
+}
+
+static size_t varint_len(uint64_t v)
+{
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Append                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* K then V seen as one byte range, without concatenating them. */
+typedef struct kv_src {
+    const uint8_t *k, *v;
+    size_t k_bytes, v_bytes;
+} kv_src;
+
+static void kv_copy_out(const kv_src *s, uint64_t off, uint8_t *dst, size_t n)
+{
+    if (off < s->k_bytes) {
+        size_t m = s->k_bytes - off < n ? (size_t)(s->k_bytes - off) : n;
+        memcpy(dst, s->k + off, m);
+        dst += m;
+        off += m;
+        n -= m;
+    }
+    if (n)
+        memcpy(dst, s->v + (off - s->k_bytes), n);
+}
+
+/* Bytes of one AppendRequest carrying (optionally) the header and dlen data bytes. */
+static size_t append_msg_len(size_t hlen, int with_header, size_t dlen)
+{
+    size_t n = 0;
+    if (with_header)
+        n += 1 + varint_len(hlen) + hlen;
+    if (dlen)
+        n += 1 + varint_len(dlen) + dlen;
+    return n;
+}
+
+static size_t append_msg_write(uint8_t *p, const uint8_t *hdr, size_t hlen, int with_header,
+                               const kv_src *src, uint64_t off, size_t dlen)
+{
+    size_t n = 0;
+    if (with_header) {
+        p[n++] = TAG_HEADER;
+        n += varint_put(p + n, hlen);
+        memcpy(p + n, hdr, hlen);
+        n += hlen;
+    }
+    if (dlen) {
+        p[n++] = TAG_DATA;
+        n += varint_put(p + n, dlen);
+        kv_copy_out(src, off, p + n, dlen);
+        n += dlen;
+    }
+    return n;
+}
+
+static void header_from_args(const kvdepot_append_args *a, Kvdepot__V1__AppendHeader *h)
+{
+    kvdepot__v1__append_header__init(h);
+    h->sequence_id.data = (uint8_t *)a->id;
+    h->sequence_id.len = a->id_len;
+    h->layer_start = a->layer_start;
+    h->num_layers = a->num_layers;
+    h->token_start = a->token_start;
+    h->num_tokens = a->num_tokens;
+    h->dtype = (Kvdepot__V1__DType)a->dtype;
+    h->token_ids = (uint32_t *)a->token_ids;
+    h->n_token_ids = a->num_token_ids;
+    h->block_hashes = (uint64_t *)a->block_hashes;
+    h->n_block_hashes = a->num_block_hashes;
+}
+
+void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, size_t data_len,
+                             int with_header, size_t *len)
+{
+    Kvdepot__V1__AppendHeader h;
+    header_from_args(a, &h);
+    size_t hlen = protobuf_c_message_get_packed_size(&h.base);
+    uint8_t *hdr = malloc(hlen ? hlen : 1);
+    if (!hdr)
+        return NULL;
+    protobuf_c_message_pack(&h.base, hdr);
+    kv_src src = {.k = data, .k_bytes = data_len};
+    size_t n = append_msg_len(hlen, with_header, data_len);
+    uint8_t *p = malloc(n ? n : 1);
+    if (p)
+        *len = append_msg_write(p, hdr, hlen, with_header, &src, 0, data_len);
+    free(hdr);
+    return p;
+}
+
+int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
+                            kvdepot_sequence_info *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !a)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "append: NULL argument");
+    if ((!a->id && a->id_len) || (!a->k && a->k_bytes) || (!a->v && a->v_bytes) ||
+        (!a->token_ids && a->num_token_ids) || (!a->block_hashes && a->num_block_hashes))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "append: NULL pointer with a nonzero length");
+
+    Kvdepot__V1__AppendHeader h;
+    header_from_args(a, &h);
+    size_t hlen = protobuf_c_message_get_packed_size(&h.base);
+    uint8_t *hdr = malloc(hlen ? hlen : 1);
+    if (!hdr)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "append: out of memory");
+    protobuf_c_message_pack(&h.base, hdr);
+
+    kvdepot__call k;
+    int rc = kvdepot__call_start(c, KVDEPOT__APPEND, NULL, &k);
+    if (rc) {
+        kvdepot__call_end(&k);
+        free(hdr);
+        return rc;
+    }
+
+    /* The response and status are awaited from the start, so a server that
+     * rejects the header early ends the stream instead of letting us send
+     * every byte first. */
+    grpc_byte_buffer *resp_bb = NULL;
+    grpc_op rops[3];
+    memset(rops, 0, sizeof rops);
+    rops[0].op = GRPC_OP_RECV_INITIAL_METADATA;
+    rops[0].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
+    rops[1].op = GRPC_OP_RECV_MESSAGE;
+    rops[1].data.recv_message.recv_message = &resp_bb;
+    rops[2].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    rops[2].data.recv_status_on_client.trailing_metadata = &k.trailing_md;
+    rops[2].data.recv_status_on_client.status = &k.status;
+    rops[2].data.recv_status_on_client.status_details = &k.details;
+    if (kvdepot__call_start_batch(&k, rops, 3, &tag_recv) != 0) {
+        kvdepot__call_end(&k);
+        free(hdr);
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "append: gRPC refused the call");
+    }
+
+    kv_src src = {.k = a->k, .v = a->v, .k_bytes = a->k_bytes, .v_bytes = a->v_bytes};
+    uint64_t total = (uint64_t)a->k_bytes + a->v_bytes;
+    uint64_t off = 0;
+    int first = 1, send_ok = 1, started = 0;
+    grpc_byte_buffer *in_flight = NULL;
+    /* A header too big to share a message with a full chunk goes alone. */
+    int header_alone = hlen + 16 + c->chunk_bytes > c->max_message_bytes;
+    while (send_ok && (first || off < total)) {
+        size_t dlen = total - off < c->chunk_bytes ? (size_t)(total - off) : c->chunk_bytes;
+        if (first && header_alone)
+            dlen = 0;
+        size_t mlen = append_msg_len(hlen, first, dlen);
+        grpc_slice s = grpc_slice_malloc(mlen);
+        append_msg_write(GRPC_SLICE_START_PTR(s), hdr, hlen, first, &src, off, dlen);
+        grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+        grpc_slice_unref(s);
+        /* The next message was built while the previous one was on its way;
+         * gRPC takes one send at a time, so wait for it now. */
+        if (in_flight) {
+            send_ok = kvdepot__call_wait(&k, &tag_send) == 1;
+            grpc_byte_buffer_destroy(in_flight);
+            in_flight = NULL;
+            if (!send_ok) {
+                grpc_byte_buffer_destroy(bb);
+                break;
+            }
+        }
+        grpc_op ops[2];
+        memset(ops, 0, sizeof ops);
+        size_t nops = 0;
+        if (!started) {
+            ops[nops].op = GRPC_OP_SEND_INITIAL_METADATA;
+            ops[nops].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+            nops++;
+            started = 1;
+        }
+        ops[nops].op = GRPC_OP_SEND_MESSAGE;
+        ops[nops].data.send_message.send_message = bb;
+        nops++;
+        if (kvdepot__call_start_batch(&k, ops, nops, &tag_send) != 0) {
+            grpc_byte_buffer_destroy(bb);
+            /* Nothing else would end the call: the server waits for data. */
+            grpc_call_cancel(k.call, NULL);
+            send_ok = 0;
+            break;
+        }
+        in_flight = bb;
+        off += dlen;
+        first = 0;
+    }
+    if (in_flight) {
+        send_ok = kvdepot__call_wait(&k, &tag_send) == 1 && send_ok;
+        grpc_byte_buffer_destroy(in_flight);
+    }
+    if (send_ok) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+        if (kvdepot__call_batch(&k, &op, 1, &tag_close) != 1)
+            send_ok = 0;
+    }
+    free(hdr);
+    /* When a send failed the call is over (the server answered early, the
+     * deadline passed or the connection dropped); its status says which. */
+    kvdepot__call_wait(&k, &tag_recv);
+    rc = kvdepot__call_result(&k);
+    if (rc == KVDEPOT_OK) {
+        if (!resp_bb) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "append: server sent no response");
+        } else if (out) {
+            grpc_byte_buffer_reader r;
+            grpc_slice s = grpc_empty_slice();
+            if (grpc_byte_buffer_reader_init(&r, resp_bb)) {
+                s = grpc_byte_buffer_reader_readall(&r);
+                grpc_byte_buffer_reader_destroy(&r);
+            }
+            Kvdepot__V1__AppendResponse *resp =
+                kvdepot__v1__append_response__unpack(NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+            grpc_slice_unref(s);
+            if (!resp) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "append: malformed response");
+            } else {
+                rc = kvdepot__info_from_pb(c, resp->sequence, out);
+                kvdepot__v1__append_response__free_unpacked(resp, NULL);
+            }
+        }
+    }
+    if (resp_bb)
+        grpc_byte_buffer_destroy(resp_bb);
+    kvdepot__call_end(&k);
+    kvdepot__log(c, KVDEPOT_LOG_DEBUG, "Append %llu bytes: %s", (unsigned long long)total,
+                 kvd_status_name(rc));
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Read                                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Walks a received message slice by slice, so data is copied once, from the
+ * transport's slices into the destination. */
+typedef struct bb_cursor {
+    grpc_byte_buffer_reader reader;
+    grpc_slice slice;
+    size_t off;
+    int have;
+} bb_cursor;
+
+static int cur_init(bb_cursor *cu, grpc_byte_buffer *bb)
+{
+    memset(cu, 0, sizeof *cu);
+    return grpc_byte_buffer_reader_init(&cu->reader, bb) ? 0 : -1;
+}
+
+static void cur_destroy(bb_cursor *cu)
+{
+    if (cu->have)
+        grpc_slice_unref(cu->slice);
+    grpc_byte_buffer_reader_destroy(&cu->reader);
+}
+
+/* Make sure the current slice has unread bytes; 0 at the end of the message. */
+static int cur_fill(bb_cursor *cu)
+{
+    while (!cu->have || cu->off == GRPC_SLICE_LENGTH(cu->slice)) {
+        if (cu->have)
+            grpc_slice_unref(cu->slice);
+        cu->have = grpc_byte_buffer_reader_next(&cu->reader, &cu->slice);
+        cu->off = 0;
+        if (!cu->have)
+            return 0;
+    }
+    return 1;
+}
+
+static int cur_varint(bb_cursor *cu, uint64_t *v)
+{
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        if (!cur_fill(cu))
+            return -1;
+        uint8_t b = GRPC_SLICE_START_PTR(cu->slice)[cu->off++];
+        *v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80))
+            return 0;
+    }
+    return -1;
+}
+
+/* Hand the next n bytes to fn (NULL = skip them). */
+typedef void (*cur_sink)(void *user, const uint8_t *p, size_t n);
+
+static int cur_take(bb_cursor *cu, uint64_t n, cur_sink fn, void *user)
+{
+    while (n) {
+        if (!cur_fill(cu))
+            return -1;
+        size_t avail = GRPC_SLICE_LENGTH(cu->slice) - cu->off;
+        size_t m = n < avail ? (size_t)n : avail;
+        if (fn)
+            fn(user, GRPC_SLICE_START_PTR(cu->slice) + cu->off, m);
+        cu->off += m;
+        n -= m;
+    }
+    return 0;
+}
+
+typedef struct read_state {
+    kvdepot_client *c;
+    kvdepot_read_result *out;
+    int have_header;
+    uint64_t total;     /* K + V bytes announced */
+    uint64_t received;  /* data bytes so far */
+    uint8_t *hdr_buf;   /* gathers the header's bytes */
+    size_t hdr_len;
+    int too_small;      /* the caller's buffers cannot hold the range */
+} read_state;
+
+static void sink_header(void *user, const uint8_t *p, size_t n)
+{
+    read_state *st = user;
+    memcpy(st->hdr_buf + st->hdr_len, p, n);
+    st->hdr_len += n;
+}
+
+static void sink_data(void *user, const uint8_t *p, size_t n)
+{
+    read_state *st = user;
+    kvdepot_read_result *o = st->out;
+    uint64_t off = st->received;
+    if (off < o->kv_bytes) {
+        size_t m = o->kv_bytes - off < n ? (size_t)(o->kv_bytes - off) : n;
+        memcpy((uint8_t *)o->k + off, p, m);
+        p += m;
+        off += m;
+        n -= m;
+    }
+    if (n)
+        memcpy((uint8_t *)o->v + (off - o->kv_bytes), p, n);
+    st->received = off + n;
+}
+
+/* Accept the stream's header: check it describes what follows and set up
+ * the destination. Returns 0 or a status with the error set. */
+static int read_header(read_state *st, const kvdepot_read_args *a, const Kvdepot__V1__ReadHeader *h)
+{
+    kvdepot_client *c = st->c;
+    kvdepot_read_result *o = st->out;
+    o->layer_start = h->layer_start;
+    o->num_layers = h->num_layers;
+    o->token_start = h->token_start;
+    o->num_tokens = h->num_tokens;
+    o->num_kv_heads = h->num_kv_heads;
+    o->head_dim = h->head_dim;
+    o->dtype = (kvdepot_dtype)h->dtype;
+    kvdepot_model shape = {.num_kv_heads = h->num_kv_heads, .head_dim = h->head_dim,
+                           .dtype = o->dtype};
+    size_t kv = kvdepot_kv_bytes(&shape, h->num_layers, h->num_tokens);
+    int empty = h->num_layers == 0 || h->num_tokens == 0 || h->num_kv_heads == 0 || h->head_dim == 0;
+    if ((kv == 0 && !empty) || kvdepot_dtype_size(o->dtype) == 0 || h->total_bytes != 2 * (uint64_t)kv)
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL,
+                             "read: server header announces %llu bytes for %u layers x %llu tokens "
+                             "x %u heads x %u dims of %s",
+                             (unsigned long long)h->total_bytes, h->num_layers,
+                             (unsigned long long)h->num_tokens, h->num_kv_heads, h->head_dim,
+                             kvdepot_dtype_name(o->dtype));
+    o->kv_bytes = kv;
+    st->total = h->total_bytes;
+    if (a->k) {
+        if (a->capacity < kv) {
+            st->too_small = 1;
+            return kvdepot__fail(c, KVDEPOT_EINVAL,
+                                 "read: buffers hold %zu bytes, K and V need %zu each",
+                                 a->capacity, kv);
+        }
+        o->k = a->k;
+        o->v = a->v;
+    } else {
+        o->owned = malloc(kv ? 2 * kv : 1);
+        if (!o->owned)
+            return kvdepot__fail(c, KVDEPOT_ENOMEM, "read: cannot allocate %zu bytes", 2 * kv);
+        o->k = o->owned;
+        o->v = (uint8_t *)o->owned + kv;
+    }
+    st->have_header = 1;
+    return KVDEPOT_OK;
+}
+
+/* Parse one ReadResponse. Returns 0 or a status with the error set. */
+static int read_message(read_state *st, const kvdepot_read_args *a, grpc_byte_buffer *bb)
+{
+    kvdepot_client *c = st->c;
+    bb_cursor cu;
+    if (cur_init(&cu, bb) != 0)
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: cannot read a response message");
+    int rc = KVDEPOT_OK;
+    while (rc == KVDEPOT_OK && cur_fill(&cu)) {
+        uint64_t key, len;
+        if (cur_varint(&cu, &key) != 0) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+            break;
+        }
+        uint32_t field = (uint32_t)(key >> 3), wt = (uint32_t)(key & 7);
+        if (wt == 2) {
+            if (cur_varint(&cu, &len) != 0) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+                break;
+            }
+        } else if (wt == 0) {
+            uint64_t ignored;
+            if (cur_varint(&cu, &ignored) != 0)
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+            continue;
+        } else if (wt == 1 || wt == 5) {
+            len = wt == 1 ? 8 : 4;
+            if (cur_take(&cu, len, NULL, NULL) != 0)
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+            continue;
+        } else {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response (wire type %u)", wt);
+            break;
+        }
+        if (field == 1) {
+            if (st->have_header) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: server sent a second header");
+                break;
+            }
+            if (len > (1u << 20)) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: oversized header");
+                break;
+            }
+            st->hdr_buf = malloc(len ? len : 1);
+            st->hdr_len = 0;
+            if (!st->hdr_buf) {
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read: out of memory");
+                break;
+            }
+            if (cur_take(&cu, len, sink_header, st) != 0) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: truncated header");
+                break;
+            }
+            Kvdepot__V1__ReadHeader *h = kvdepot__v1__read_header__unpack(NULL, st->hdr_len, st->hdr_buf);
+            free(st->hdr_buf);
+            st->hdr_buf = NULL;
+            if (!h) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed header");
+                break;
+            }
+            rc = read_header(st, a, h);
+            kvdepot__v1__read_header__free_unpacked(h, NULL);
+        } else if (field == 2) {
+            if (!st->have_header) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: data before the header");
+                break;
+            }
+            if (len > st->total - st->received) {
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL,
+                                   "read: server sent more than the %llu bytes it announced",
+                                   (unsigned long long)st->total);
+                break;
+            }
+            if (cur_take(&cu, len, sink_data, st) != 0)
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: truncated data");
+        } else if (cur_take(&cu, len, NULL, NULL) != 0) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+        }
+    }
+    free(st->hdr_buf);
+    st->hdr_buf = NULL;
+    cur_destroy(&cu);
+    return rc;
+}
+
+int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot_read_result *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !a || !out)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "read: NULL argument");
+    if ((!a->id && a->id_len) || (!a->k != !a->v))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "read: give both K and V buffers or neither");
+
+    Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)a->id;
+    req.sequence_id.len = a->id_len;
+    req.layer_start = a->layer_start;
+    req.num_layers = a->num_layers;
+    req.token_start = a->token_start;
+    req.num_tokens = a->num_tokens;
+    req.max_chunk_bytes = (uint32_t)c->chunk_bytes;
+
+    kvdepot__call k;
+    int rc = kvdepot__call_start(c, KVDEPOT__READ, NULL, &k);
+    if (rc) {
+        kvdepot__call_end(&k);
+        return rc;
+    }
+    grpc_byte_buffer *send = kvdepot__pack(&req.base);
+    grpc_op ops[4];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
+    int ok = kvdepot__call_batch(&k, ops, 4, &tag_send);
+    grpc_byte_buffer_destroy(send);
+
+    read_state st = {.c = c, .out = out};
+    int local = KVDEPOT_OK; /* a failure found here rather than by the server */
+    if (ok < 0)
+        local = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: gRPC refused the call");
+    while (ok == 1 && local == KVDEPOT_OK) {
+        grpc_byte_buffer *bb = NULL;
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_MESSAGE;
+        op.data.recv_message.recv_message = &bb;
+        if (kvdepot__call_batch(&k, &op, 1, &tag_recv) != 1 || !bb) {
+            if (bb)
+                grpc_byte_buffer_destroy(bb);
+            break; /* end of stream or failure: the status tells */
+        }
+        local = read_message(&st, a, bb);
+        grpc_byte_buffer_destroy(bb);
+    }
+    if (local != KVDEPOT_OK && ok >= 0)
+        grpc_call_cancel(k.call, NULL);
+    if (ok >= 0) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+        op.data.recv_status_on_client.trailing_metadata = &k.trailing_md;
+        op.data.recv_status_on_client.status = &k.status;
+        op.data.recv_status_on_client.status_details = &k.details;
+        kvdepot__call_batch(&k, &op, 1, &tag_status);
+    }
+    if (local != KVDEPOT_OK) {
+        rc = local;
+    } else {
+        rc = kvdepot__call_result(&k);
+        if (rc == KVDEPOT_OK && !st.have_header)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: server sent no header");
+        else if (rc == KVDEPOT_OK && st.received != st.total)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL,
+                               "read: stream ended after %llu of %llu bytes",
+                               (unsigned long long)st.received, (unsigned long long)st.total);
+    }
+    kvdepot__call_end(&k);
+    if (rc != KVDEPOT_OK) {
+        free(out->owned);
+        /* A too-small buffer keeps the header so the caller can size a retry. */
+        if (st.too_small)
+            out->k = out->v = out->owned = NULL;
+        else
+            memset(out, 0, sizeof *out);
+    }
+    kvdepot__log(c, KVDEPOT_LOG_DEBUG, "Read %llu bytes: %s", (unsigned long long)st.received,
+                 kvd_status_name(rc));
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Raw calls for tests                                                       */
+/* ------------------------------------------------------------------------ */
+
+int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_msg *msgs, size_t n,
+                      int cancel, void **resp, size_t *resp_len)
+{
+    kvdepot__clear_error();
+    if (resp)
+        *resp = NULL;
+    if (resp_len)
+        *resp_len = 0;
+    kvdepot__call k;
+    int rc = kvdepot__call_start(c, -1, path, &k);
+    if (rc) {
+        kvdepot__call_end(&k);
+        return rc;
+    }
+    grpc_byte_buffer *resp_bb = NULL;
+    grpc_op rops[3];
+    memset(rops, 0, sizeof rops);
+    rops[0].op = GRPC_OP_RECV_INITIAL_METADATA;
+    rops[0].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
+    rops[1].op = GRPC_OP_RECV_MESSAGE;
+    rops[1].data.recv_message.recv_message = &resp_bb;
+    rops[2].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    rops[2].data.recv_status_on_client.trailing_metadata = &k.trailing_md;
+    rops[2].data.recv_status_on_client.status = &k.status;
+    rops[2].data.recv_status_on_client.status_details = &k.details;
+    if (kvdepot__call_start_batch(&k, rops, 3, &tag_recv) != 0) {
+        kvdepot__call_end(&k);
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "raw call: gRPC refused the call");
+    }
+    grpc_op op0;
+    memset(&op0, 0, sizeof op0);
+    op0.op = GRPC_OP_SEND_INITIAL_METADATA;
+    op0.flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    int ok = kvdepot__call_batch(&k, &op0, 1, &tag_send) == 1;
+    for (size_t i = 0; ok && i < n; i++) {
+        grpc_slice s = grpc_slice_from_copied_buffer(msgs[i].data, msgs[i].len);
+        grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+        grpc_slice_unref(s);
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_SEND_MESSAGE;
+        op.data.send_message.send_message = bb;
+        ok = kvdepot__call_batch(&k, &op, 1, &tag_send) == 1;
+        grpc_byte_buffer_destroy(bb);
+    }
+    if (cancel) {
+        grpc_call_cancel(k.call, NULL);
+    } else if (ok) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+        kvdepot__call_batch(&k, &op, 1, &tag_close);
+    }
+    kvdepot__call_wait(&k, &tag_recv);
+    rc = kvdepot__call_result(&k);
+    if (resp_bb) {
+        grpc_byte_buffer_reader r;
+        if (resp && grpc_byte_buffer_reader_init(&r, resp_bb)) {
+            grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+            grpc_byte_buffer_reader_destroy(&r);
+            size_t len = GRPC_SLICE_LENGTH(s);
+            *resp = malloc(len ? len : 1);
+            if (*resp) {
+                memcpy(*resp, GRPC_SLICE_START_PTR(s), len);
+                if (resp_len)
+                    *resp_len = len;
+            }
+            grpc_slice_unref(s);
+        }
+        grpc_byte_buffer_destroy(resp_bb);
+    }
+    kvdepot__call_end(&k);
+    return rc;
+}
