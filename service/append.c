@@ -1,0 +1,388 @@
+/*
+ * Append: client-streaming K/V upload into one store append transaction.
+ *
+ * The first message must carry the header; the store then says exactly how
+ * many data bytes the stream must carry. Data is fed to the store straight
+ * from the received gRPC slices: AppendRequest is scanned at the wire level
+ * (tag, length) so the payload is never copied into an unpacked message
+ * first. Messages a standard encoder would not produce (a field repeated, a
+ * group) take the slow path through protobuf-c, which merges them as the
+ * protobuf rules say. Any error aborts the transaction, so the sequence is
+ * left as it was.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+
+#include "convert.h"
+#include "rpc.h"
+#include "validate.h"
+
+typedef struct append_state {
+    kvd_append *ap;
+    /* Kept until the append ends: the store spec points into it. */
+    Kvdepot__V1__AppendHeader *hdr;
+    uint64_t expected, received;
+    uint64_t messages;
+} append_state;
+
+/* ---- wire-level scan of one AppendRequest -------------------------------- */
+
+typedef struct cursor {
+    const grpc_slice *s;
+    size_t n;   /* slices */
+    size_t i;   /* current slice */
+    size_t off; /* offset in it */
+} cursor;
+
+typedef struct span {
+    size_t i, off; /* where it starts */
+    uint64_t len;
+    int present;
+} span;
+
+static int cur_getc(cursor *c, uint8_t *b)
+{
+    while (c->i < c->n && c->off >= GRPC_SLICE_LENGTH(c->s[c->i])) {
+        c->i++;
+        c->off = 0;
+    }
+    if (c->i >= c->n)
+        return -1;
+    *b = GRPC_SLICE_START_PTR(c->s[c->i])[c->off++];
+    return 0;
+}
+
+static int cur_at_end(cursor *c)
+{
+    while (c->i < c->n && c->off >= GRPC_SLICE_LENGTH(c->s[c->i])) {
+        c->i++;
+        c->off = 0;
+    }
+    return c->i >= c->n;
+}
+
+static int cur_varint(cursor *c, uint64_t *v)
+{
+    uint64_t r = 0;
+    for (unsigned shift = 0; shift < 64; shift += 7) {
+        uint8_t b;
+        if (cur_getc(c, &b))
+            return -1;
+        r |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *v = r;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static int cur_skip(cursor *c, uint64_t len)
+{
+    while (len) {
+        if (c->i >= c->n)
+            return -1;
+        size_t avail = GRPC_SLICE_LENGTH(c->s[c->i]) - c->off;
+        if (avail == 0) {
+            c->i++;
+            c->off = 0;
+            continue;
+        }
+        size_t take = len < avail ? (size_t)len : avail;
+        c->off += take;
+        len -= take;
+    }
+    return 0;
+}
+
+enum scan_result { SCAN_OK, SCAN_SLOW, SCAN_BAD };
+
+/* Find the header (field 1) and data (field 2) of an AppendRequest. */
+static enum scan_result scan_append(const grpc_slice *s, size_t n, span *hdr, span *data)
+{
+    cursor c = {s, n, 0, 0};
+    memset(hdr, 0, sizeof *hdr);
+    memset(data, 0, sizeof *data);
+    while (!cur_at_end(&c)) {
+        uint64_t tag, v;
+        if (cur_varint(&c, &tag))
+            return SCAN_BAD;
+        uint64_t field = tag >> 3;
+        unsigned wt = (unsigned)(tag & 7);
+        if (field == 0 || field > 0x1fffffff)
+            return SCAN_BAD;
+        switch (wt) {
+        case 0:
+            if (cur_varint(&c, &v))
+                return SCAN_BAD;
+            break;
+        case 1:
+            if (cur_skip(&c, 8))
+                return SCAN_BAD;
+            break;
+        case 5:
+            if (cur_skip(&c, 4))
+                return SCAN_BAD;
+            break;
+        case 2: {
+            if (cur_varint(&c, &v))
+                return SCAN_BAD;
+            span *sp = field == 1 ? hdr : field == 2 ? data : NULL;
+            if (sp) {
+                if (sp->present)
+                    return SCAN_SLOW;
+                cur_at_end(&c); /* normalise the position onto a non-empty slice */
+                sp->present = 1;
+                sp->i = c.i;
+                sp->off = c.off;
+                sp->len = v;
+            }
+            if (cur_skip(&c, v))
+                return SCAN_BAD;
+            break;
+        }
+        default: /* groups and invalid wire types */
+            return SCAN_SLOW;
+        }
+        if ((field == 1 || field == 2) && wt != 2)
+            return SCAN_BAD;
+    }
+    return SCAN_OK;
+}
+
+/* Call fn on each contiguous piece of a span. */
+static int span_each(const grpc_slice *s, const span *sp,
+                     int (*fn)(void *arg, const uint8_t *p, size_t len, kvd_error *err),
+                     void *arg, kvd_error *err)
+{
+    size_t i = sp->i, off = sp->off;
+    uint64_t left = sp->len;
+    while (left) {
+        size_t avail = GRPC_SLICE_LENGTH(s[i]) - off;
+        size_t take = left < avail ? (size_t)left : avail;
+        if (take) {
+            int rc = fn(arg, GRPC_SLICE_START_PTR(s[i]) + off, take, err);
+            if (rc)
+                return rc;
+        }
+        left -= take;
+        i++;
+        off = 0;
+    }
+    return 0;
+}
+
+static int copy_piece(void *arg, const uint8_t *p, size_t len, kvd_error *err)
+{
+    (void)err;
+    uint8_t **dst = arg;
+    memcpy(*dst, p, len);
+    *dst += len;
+    return 0;
+}
+
+static int write_piece(void *arg, const uint8_t *p, size_t len, kvd_error *err)
+{
+    return kvd_store_append_write(arg, p, len, err);
+}
+
+/* ---- the handler ------------------------------------------------------- */
+
+static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *h,
+                 kvd_error *err)
+{
+    int rc;
+    if ((rc = kvd_check_seq_id(h->sequence_id.data, h->sequence_id.len, "header.sequence_id",
+                               err)) ||
+        (rc = kvd_check_dtype(h->dtype, "header.dtype", err)))
+        return rc;
+    if (h->num_tokens == 0)
+        return kvd_error_set(err, KVD_EINVAL, "header.num_tokens: must be at least 1");
+    if ((rc = kvd_check_range(h->token_start, h->num_tokens, 64, "header.token_start",
+                              "header.num_tokens", err)) ||
+        (rc = kvd_check_range(h->layer_start, h->num_layers, 32, "header.layer_start",
+                              "header.num_layers", err)))
+        return rc;
+    if (h->n_token_ids && h->n_token_ids != h->num_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "header.token_ids: %zu ids for %llu tokens (give all or none)",
+                             h->n_token_ids, (unsigned long long)h->num_tokens);
+    kvd_append_spec spec = {
+        .seq_id = h->sequence_id.data,
+        .seq_id_len = h->sequence_id.len,
+        .layer_start = h->layer_start,
+        .num_layers = h->num_layers,
+        .token_start = h->token_start,
+        .num_tokens = h->num_tokens,
+        .dtype = (kvd_dtype)h->dtype,
+        .token_ids = h->n_token_ids ? h->token_ids : NULL,
+        .n_token_ids = h->n_token_ids,
+        .block_hashes = h->n_block_hashes ? h->block_hashes : NULL,
+        .n_block_hashes = h->n_block_hashes,
+    };
+    kvd_append *ap = NULL;
+    uint64_t expected = 0;
+    if ((rc = kvd_store_append_begin(ctx->svc->store, &spec, &ap, &expected, err)))
+        return rc;
+    uint64_t limit = ctx->svc->cfg->max_append_bytes;
+    if (expected > limit) {
+        kvd_store_append_abort(ap);
+        return kvd_error_set(err, KVD_ENOMEM,
+                             "header: append of %llu bytes exceeds max-append-bytes (%llu); "
+                             "split it into several appends",
+                             (unsigned long long)expected, (unsigned long long)limit);
+    }
+    st->ap = ap;
+    st->hdr = h;
+    st->expected = expected;
+    return 0;
+}
+
+static int check_header_order(append_state *st, int has_header, kvd_error *err)
+{
+    if (has_header && st->messages > 0)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "header: only the first message of an Append may carry it "
+                             "(message %llu does)",
+                             (unsigned long long)st->messages + 1);
+    if (!has_header && st->messages == 0)
+        return kvd_error_set(err, KVD_EINVAL, "header: missing from the first Append message");
+    return 0;
+}
+
+static int check_room(append_state *st, uint64_t len, kvd_error *err)
+{
+    if (len > st->expected - st->received)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "data: stream carries more than the %llu bytes the header "
+                             "implies (%llu received, %llu more in this message)",
+                             (unsigned long long)st->expected,
+                             (unsigned long long)st->received, (unsigned long long)len);
+    return 0;
+}
+
+/* The slow path: a full protobuf-c decode with its merge rules. */
+static int recv_slow(kvd_req_ctx *ctx, append_state *st, grpc_byte_buffer *msg, kvd_error *err)
+{
+    Kvdepot__V1__AppendRequest *req =
+        (Kvdepot__V1__AppendRequest *)kvd_bb_unpack(&kvdepot__v1__append_request__descriptor, msg);
+    if (!req)
+        return kvd_error_set(err, KVD_EINVAL, "AppendRequest: message %llu does not parse",
+                             (unsigned long long)st->messages + 1);
+    int rc = check_header_order(st, req->header != NULL, err);
+    if (!rc && req->header) {
+        rc = begin(ctx, st, req->header, err);
+        if (!rc)
+            req->header = NULL; /* now owned by st */
+    }
+    if (!rc && req->data.len && !(rc = check_room(st, req->data.len, err))) {
+        rc = kvd_store_append_write(st->ap, req->data.data, req->data.len, err);
+        if (!rc)
+            st->received += req->data.len;
+    }
+    if (!rc)
+        st->messages++;
+    kvdepot__v1__append_request__free_unpacked(req, NULL);
+    return rc;
+}
+
+static int append_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd_error *err)
+{
+    append_state *st = *state;
+    if (!st) {
+        st = calloc(1, sizeof *st);
+        if (!st)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        *state = st;
+    }
+    if (msg->type != GRPC_BB_RAW || msg->data.raw.compression != GRPC_COMPRESS_NONE)
+        return recv_slow(ctx, st, msg, err);
+    const grpc_slice *s = msg->data.raw.slice_buffer.slices;
+    size_t n = msg->data.raw.slice_buffer.count;
+    span hs, ds;
+    switch (scan_append(s, n, &hs, &ds)) {
+    case SCAN_BAD:
+        return kvd_error_set(err, KVD_EINVAL, "AppendRequest: message %llu does not parse",
+                             (unsigned long long)st->messages + 1);
+    case SCAN_SLOW:
+        return recv_slow(ctx, st, msg, err);
+    case SCAN_OK:
+        break;
+    }
+    int rc = check_header_order(st, hs.present, err);
+    if (rc)
+        return rc;
+    if (hs.present) {
+        uint8_t *buf = malloc(hs.len ? hs.len : 1), *p = buf;
+        if (!buf)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        span_each(s, &hs, copy_piece, &p, err);
+        Kvdepot__V1__AppendHeader *h = kvdepot__v1__append_header__unpack(NULL, hs.len, buf);
+        free(buf);
+        if (!h)
+            return kvd_error_set(err, KVD_EINVAL, "header: does not parse");
+        if ((rc = begin(ctx, st, h, err))) {
+            kvdepot__v1__append_header__free_unpacked(h, NULL);
+            return rc;
+        }
+    }
+    if (ds.present && ds.len) {
+        if ((rc = check_room(st, ds.len, err)) ||
+            (rc = span_each(s, &ds, write_piece, st->ap, err)))
+            return rc;
+        st->received += ds.len;
+    }
+    st->messages++;
+    return 0;
+}
+
+static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply,
+                         kvd_error *err)
+{
+    append_state *st = *state;
+    if (!st || !st->ap)
+        return kvd_error_set(err, KVD_EINVAL, "header: the Append stream ended without one");
+    if (st->received < st->expected)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "data: stream ended after %llu of the %llu bytes the header "
+                             "implies",
+                             (unsigned long long)st->received, (unsigned long long)st->expected);
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    kvd_append *ap = st->ap;
+    st->ap = NULL; /* commit frees it in every case */
+    int rc = kvd_store_append_commit(ap, &info, err);
+    if (rc)
+        return rc;
+    Kvdepot__V1__SequenceInfo si;
+    kvd_seq_info_to_pb(&info, &si);
+    Kvdepot__V1__AppendResponse resp = KVDEPOT__V1__APPEND_RESPONSE__INIT;
+    resp.sequence = &si;
+    resp.bytes_received = st->received;
+    (void)ctx;
+    *reply = kvd_pack(&resp.base);
+    kvd_seq_info_clear(&info);
+    if (!*reply)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+    return 0;
+}
+
+static void append_release(void *state)
+{
+    append_state *st = state;
+    if (!st)
+        return;
+    kvd_store_append_abort(st->ap);
+    if (st->hdr)
+        kvdepot__v1__append_header__free_unpacked(st->hdr, NULL);
+    free(st);
+}
+
+const kvd_stream_ops kvd_append_ops = {
+    .recv = append_recv,
+    .finish = append_finish,
+    .release = append_release,
+};

@@ -1,0 +1,307 @@
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+enum setting_type {
+    T_STRING,   /* char *, malloc'd */
+    T_OPTSTRING, /* char *, empty value = unset (NULL) */
+    T_UINT,     /* uint64_t, decimal */
+    T_SIZE,     /* uint64_t, bytes with optional K/M/G/T suffix (powers of 1024) */
+    T_BOOL,     /* int 0/1; a bare flag means true */
+    T_LOGLEVEL, /* int, kvd_log_level */
+};
+
+typedef struct setting {
+    const char *name;    /* flag name without "--"; also the config-file key */
+    enum setting_type type;
+    size_t offset;       /* field in kvd_config */
+    const char *def;     /* default in text form, parsed like user input */
+    uint64_t min, max;   /* inclusive bounds for T_UINT / T_SIZE */
+    const char *metavar; /* shown in --help */
+    const char *help;
+} setting;
+
+#define F(field) offsetof(kvd_config, field)
+#define MiB (1024ull * 1024)
+#define GiB (1024ull * MiB)
+
+/* The one table. Defaults are text so that they go through the same parser
+ * and bounds checks as every user-supplied value. */
+static const setting settings[] = {
+    {"listen", T_STRING, F(listen), "127.0.0.1:50051", 0, 0, "ADDR",
+     "address to serve on, host:port (port 0 picks a free port; see --port-file)"},
+    {"data-dir", T_STRING, F(data_dir), "./kvdepot-data", 0, 0, "DIR",
+     "directory of the RocksDB store; created if missing"},
+    {"threads", T_UINT, F(threads), "0", 0, 256, "N",
+     "worker threads, each with its own completion queue (0 = number of CPUs)"},
+    {"page-tokens", T_UINT, F(page_tokens), "256", 1, 65536, "N",
+     "tokens per page; fixed when the data directory is created"},
+    {"sync", T_BOOL, F(sync), "false", 0, 0, "BOOL",
+     "fsync the write-ahead log before acknowledging each append"},
+    {"max-message-bytes", T_SIZE, F(max_message_bytes), "8MiB", 64 * 1024, 2 * GiB - 1, "SIZE",
+     "largest gRPC message received or sent (applies to every call)"},
+    {"max-append-bytes", T_SIZE, F(max_append_bytes), "2GiB", 1, 1ull << 50, "SIZE",
+     "largest K+V payload of one Append; larger appends fail with RESOURCE_EXHAUSTED"},
+    {"log-level", T_LOGLEVEL, F(log_level), "info", 0, 0, "LEVEL",
+     "debug (one line per request), info, warn (every failed request) or error"},
+    {"port-file", T_OPTSTRING, F(port_file), "", 0, 0, "FILE",
+     "once serving, write the bound port and a newline to FILE (atomically)"},
+    {"shutdown-grace-ms", T_UINT, F(shutdown_grace_ms), "2000", 0, 600000, "MS",
+     "on SIGTERM/SIGINT, time in-flight calls get before they are cancelled"},
+};
+#define NSETTINGS (sizeof settings / sizeof settings[0])
+
+size_t kvd_config_count(void) { return NSETTINGS; }
+
+const char *kvd_config_name(size_t i) { return i < NSETTINGS ? settings[i].name : NULL; }
+
+static int fail(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int fail(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+static const setting *find(const char *name, size_t len)
+{
+    for (size_t i = 0; i < NSETTINGS; i++)
+        if (strlen(settings[i].name) == len && strncmp(settings[i].name, name, len) == 0)
+            return &settings[i];
+    return NULL;
+}
+
+/* Unsigned decimal with an optional size suffix; rejects signs, blanks,
+ * overflow and trailing garbage. */
+static int parse_u64(const char *s, int allow_suffix, uint64_t *out)
+{
+    if (!isdigit((unsigned char)s[0]))
+        return -1;
+    errno = 0;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno == ERANGE)
+        return -1;
+    if (*end && allow_suffix) {
+        static const char units[] = "KMGT";
+        const char *u = strchr(units, toupper((unsigned char)*end));
+        if (u) {
+            unsigned shift = 10u * (unsigned)(u - units + 1);
+            end++;
+            if (*end == 'i' || *end == 'I')
+                end++;
+            if (v > (UINT64_MAX >> shift))
+                return -1;
+            v <<= shift;
+        }
+        if (*end == 'B' || *end == 'b')
+            end++;
+    }
+    if (*end)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_bool(const char *s, int *out)
+{
+    static const char *const yes[] = {"1", "true", "yes", "on"};
+    static const char *const no[] = {"0", "false", "no", "off"};
+    for (int i = 0; i < 4; i++) {
+        if (strcasecmp(s, yes[i]) == 0)
+            return *out = 1, 0;
+        if (strcasecmp(s, no[i]) == 0)
+            return *out = 0, 0;
+    }
+    return -1;
+}
+
+static int set_one(kvd_config *c, const setting *st, const char *value, char *err,
+                   size_t errlen)
+{
+    char *base = (char *)c + st->offset;
+    switch (st->type) {
+    case T_STRING:
+    case T_OPTSTRING: {
+        if (st->type == T_STRING && value[0] == '\0')
+            return fail(err, errlen, "--%s: must not be empty", st->name);
+        char *dup = NULL;
+        if (value[0] && !(dup = strdup(value)))
+            return fail(err, errlen, "--%s: out of memory", st->name);
+        char **field = (char **)(void *)base;
+        free(*field);
+        *field = dup;
+        return 0;
+    }
+    case T_UINT:
+    case T_SIZE: {
+        uint64_t v;
+        if (parse_u64(value, st->type == T_SIZE, &v) != 0)
+            return fail(err, errlen, "--%s: '%s' is not %s", st->name, value,
+                        st->type == T_SIZE ? "a size (e.g. 8MiB, 4096, 2G)"
+                                           : "a non-negative integer");
+        if (v < st->min || v > st->max)
+            return fail(err, errlen, "--%s: %llu is out of range [%llu, %llu]", st->name,
+                        (unsigned long long)v, (unsigned long long)st->min,
+                        (unsigned long long)st->max);
+        *(uint64_t *)(void *)base = v;
+        return 0;
+    }
+    case T_BOOL: {
+        int v;
+        if (parse_bool(value, &v) != 0)
+            return fail(err, errlen, "--%s: '%s' is not a boolean (true/false)", st->name,
+                        value);
+        *(int *)(void *)base = v;
+        return 0;
+    }
+    case T_LOGLEVEL: {
+        int v = kvd_log_level_parse(value);
+        if (v < 0)
+            return fail(err, errlen, "--%s: '%s' is not one of debug, info, warn, error",
+                        st->name, value);
+        *(int *)(void *)base = v;
+        return 0;
+    }
+    }
+    return fail(err, errlen, "--%s: unknown setting type", st->name);
+}
+
+int kvd_config_set(kvd_config *c, const char *name, const char *value, char *err,
+                   size_t errlen)
+{
+    const setting *st = find(name, strlen(name));
+    if (!st)
+        return fail(err, errlen, "unknown setting '%s' (see --help)", name);
+    return set_one(c, st, value, err, errlen);
+}
+
+int kvd_config_defaults(kvd_config *c)
+{
+    memset(c, 0, sizeof *c);
+    for (size_t i = 0; i < NSETTINGS; i++)
+        if (set_one(c, &settings[i], settings[i].def, NULL, 0) != 0) {
+            kvd_config_free(c);
+            return -1;
+        }
+    return 0;
+}
+
+void kvd_config_free(kvd_config *c)
+{
+    if (!c)
+        return;
+    for (size_t i = 0; i < NSETTINGS; i++) {
+        if (settings[i].type == T_STRING || settings[i].type == T_OPTSTRING) {
+            char **field = (char **)(void *)((char *)c + settings[i].offset);
+            free(*field);
+            *field = NULL;
+        }
+    }
+}
+
+int kvd_config_apply_env(kvd_config *c, char *(*getenv_fn)(const char *), char *err,
+                         size_t errlen)
+{
+    for (size_t i = 0; i < NSETTINGS; i++) {
+        char var[64] = "KVDEPOT_";
+        size_t o = strlen(var);
+        for (const char *p = settings[i].name; *p && o + 1 < sizeof var; p++)
+            var[o++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+        var[o] = '\0';
+        const char *v = getenv_fn(var);
+        if (!v)
+            continue;
+        char inner[256];
+        if (set_one(c, &settings[i], v, inner, sizeof inner) != 0)
+            return fail(err, errlen, "%s: %s", var, inner);
+    }
+    return 0;
+}
+
+int kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *action, char *err,
+                          size_t errlen)
+{
+    *action = KVD_CONFIG_RUN;
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
+            *action = KVD_CONFIG_HELP;
+            return 0;
+        }
+        if (strcmp(arg, "--version") == 0 || strcmp(arg, "-V") == 0) {
+            *action = KVD_CONFIG_VERSION;
+            return 0;
+        }
+        if (strncmp(arg, "--", 2) != 0 || arg[2] == '\0')
+            return fail(err, errlen, "unexpected argument '%s' (see --help)", arg);
+        const char *name = arg + 2;
+        const char *eq = strchr(name, '=');
+        size_t nlen = eq ? (size_t)(eq - name) : strlen(name);
+        const setting *st = find(name, nlen);
+        if (!st && !eq && strncmp(name, "no-", 3) == 0) {
+            /* --no-sync for booleans */
+            const setting *neg = find(name + 3, nlen - 3);
+            if (neg && neg->type == T_BOOL) {
+                *(int *)(void *)((char *)c + neg->offset) = 0;
+                continue;
+            }
+        }
+        if (!st)
+            return fail(err, errlen, "unknown option '--%.*s' (see --help)", (int)nlen, name);
+        const char *value;
+        if (eq) {
+            value = eq + 1;
+        } else if (st->type == T_BOOL) {
+            value = "true";
+        } else {
+            if (i + 1 >= argc)
+                return fail(err, errlen, "--%s needs a value (%s)", st->name, st->metavar);
+            value = argv[++i];
+        }
+        if (set_one(c, st, value, err, errlen) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+void kvd_config_usage(FILE *f, const char *prog)
+{
+    fprintf(f,
+            "usage: %s [OPTION]...\n"
+            "\n"
+            "kvdepot server: stores LLM key/value caches and serves them over gRPC\n"
+            "(kvdepot.v1.KVDepot and grpc.health.v1.Health).\n"
+            "\n"
+            "Options (also read from the environment as KVDEPOT_<NAME>, e.g.\n"
+            "KVDEPOT_DATA_DIR; flags win). SIZE takes K, M, G, T suffixes (powers of\n"
+            "1024, e.g. 8MiB); BOOL is true/false (a bare flag means true, --no-NAME\n"
+            "false).\n"
+            "\n",
+            prog);
+    for (size_t i = 0; i < NSETTINGS; i++) {
+        const setting *st = &settings[i];
+        char head[96];
+        snprintf(head, sizeof head, "--%s %s", st->name, st->metavar);
+        fprintf(f, "  %-28s %s\n", head, st->help);
+        fprintf(f, "  %-28s (default: %s", "", st->def[0] ? st->def : "none");
+        if (st->type == T_UINT || st->type == T_SIZE)
+            fprintf(f, "; range %llu..%llu", (unsigned long long)st->min,
+                    (unsigned long long)st->max);
+        fprintf(f, ")\n");
+    }
+    fprintf(f, "  %-28s %s\n", "--help", "print this help and exit");
+    fprintf(f, "  %-28s %s\n", "--version", "print the version and exit");
+    fprintf(f, "\nExit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the\n"
+               "server cannot start, 2 for bad options.\n");
+}

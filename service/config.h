@@ -1,0 +1,73 @@
+/*
+ * kvdepotd settings.
+ *
+ * Every setting lives in one table (config.c): name, type, field, default,
+ * bounds and help. The same table drives the command line, the environment
+ * (KVDEPOT_<NAME>, dashes as underscores) and --help, so a config file can be
+ * layered on later by feeding its name = value pairs to kvd_config_set().
+ * Precedence, lowest first: built-in defaults, environment, flags.
+ */
+#ifndef KVDEPOT_SERVICE_CONFIG_H
+#define KVDEPOT_SERVICE_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "log.h"
+
+typedef struct kvd_config {
+    char *listen;               /* host:port; port 0 picks a free one */
+    char *data_dir;
+    uint64_t threads;           /* 0 until resolved = number of CPUs */
+    uint64_t page_tokens;
+    int sync;                   /* fsync the WAL before acknowledging an append */
+    uint64_t max_message_bytes; /* max receive and send message length */
+    uint64_t max_append_bytes;  /* K+V bytes of one Append */
+    int log_level;              /* a kvd_log_level */
+    char *port_file;            /* NULL = none */
+    uint64_t shutdown_grace_ms; /* in-flight calls get this long at shutdown */
+} kvd_config;
+
+/* What the command line asked for besides settings. */
+enum kvd_config_action {
+    KVD_CONFIG_RUN = 0,
+    KVD_CONFIG_HELP = 1,
+    KVD_CONFIG_VERSION = 2,
+};
+
+/* Fill c with the built-in defaults. Strings are malloc'd; release with
+ * kvd_config_free(). Returns 0, or -1 when out of memory. */
+int kvd_config_defaults(kvd_config *c);
+
+/* Free the strings held by c (not c itself); c may be reused after
+ * kvd_config_defaults(). */
+void kvd_config_free(kvd_config *c);
+
+/* Set one setting by its name ("max-message-bytes") from its text form,
+ * checking type and bounds. Returns 0, or -1 with a message in err naming the
+ * setting and the accepted values. */
+int kvd_config_set(kvd_config *c, const char *name, const char *value, char *err,
+                   size_t errlen);
+
+/* Apply KVDEPOT_<NAME> environment variables for every setting that has one.
+ * `getenv_fn` is getenv in production (tests pass their own). Returns 0 or -1
+ * with a message in err. */
+int kvd_config_apply_env(kvd_config *c, char *(*getenv_fn)(const char *), char *err,
+                         size_t errlen);
+
+/* Parse command-line flags (`--name value`, `--name=value`, bare `--flag` for
+ * booleans, `--help`, `--version`). Returns 0 and sets *action, or -1 with a
+ * message in err for an unknown flag, a missing or bad value, or a stray
+ * argument. */
+int kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *action, char *err,
+                          size_t errlen);
+
+/* Print the usage text, one paragraph per setting, to f. */
+void kvd_config_usage(FILE *f, const char *prog);
+
+/* Number of settings in the table and the name of the i-th (for tests). */
+size_t kvd_config_count(void);
+const char *kvd_config_name(size_t i);
+
+#endif /* KVDEPOT_SERVICE_CONFIG_H */

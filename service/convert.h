@@ -1,0 +1,32 @@
+/*
+ * Conversions between store structs and wire messages, and byte-buffer
+ * helpers shared by the handlers.
+ */
+#ifndef KVDEPOT_SERVICE_CONVERT_H
+#define KVDEPOT_SERVICE_CONVERT_H
+
+#include <grpc/grpc.h>
+
+#include "kvdepot/v1/kvdepot.pb-c.h"
+#include "store.h"
+
+/* Fill `out` (initialised here) so that it points into `in`: no copies, so
+ * `in` must outlive every use of `out` (typically until it is packed). */
+void kvd_seq_info_to_pb(const kvd_seq_info *in, Kvdepot__V1__SequenceInfo *out);
+void kvd_model_to_pb(const kvd_model_info *in, Kvdepot__V1__Model *out);
+
+/* Copy a wire model into a store model, checking string lengths (the store
+ * checks the rest). Returns 0 or KVD_EINVAL naming the field. */
+int kvd_model_from_pb(const Kvdepot__V1__Model *in, kvd_model_info *out, kvd_error *err);
+
+/* The contents of a received message as one contiguous slice: a new
+ * reference to the single slice when there is one, else a merged copy.
+ * Unref the result with grpc_slice_unref. Returns 0, or -1 when the buffer
+ * cannot be read (e.g. it fails to decompress). */
+int kvd_bb_flatten(grpc_byte_buffer *bb, grpc_slice *out);
+
+/* Decode a received message of the given type; NULL when it does not parse.
+ * Free with protobuf_c_message_free_unpacked(msg, NULL). */
+ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb);
+
+#endif /* KVDEPOT_SERVICE_CONVERT_H */

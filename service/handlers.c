@@ -1,0 +1,273 @@
+/*
+ * Unary kvdepot.v1.KVDepot handlers: validate every field, call the store,
+ * pack the reply. Replies point into store structs until packed, so nothing
+ * is copied twice.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "convert.h"
+#include "rpc.h"
+#include "validate.h"
+
+#define LIST_PAGE_DEFAULT 1000
+#define LIST_PAGE_MAX 10000
+
+/* A reply that no longer fits the send limit is an error for the caller to
+ * page around, never a truncated message. */
+static int reply_or_oom(grpc_byte_buffer **reply, const ProtobufCMessage *m, kvd_req_ctx *ctx,
+                        kvd_error *err)
+{
+    size_t n = protobuf_c_message_get_packed_size(m);
+    if (n > ctx->svc->cfg->max_message_bytes)
+        return kvd_error_set(err, KVD_ENOMEM,
+                             "reply of %zu bytes exceeds max-message-bytes (%llu)", n,
+                             (unsigned long long)ctx->svc->cfg->max_message_bytes);
+    *reply = kvd_pack(m);
+    if (!*reply)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+    return 0;
+}
+
+int kvd_h_put_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                    kvd_error *err)
+{
+    const Kvdepot__V1__PutModelRequest *req = (const Kvdepot__V1__PutModelRequest *)msg;
+    if (!req->model)
+        return kvd_error_set(err, KVD_EINVAL, "model: missing");
+    kvd_model_info in, out;
+    int rc = kvd_model_from_pb(req->model, &in, err);
+    if (rc)
+        return rc;
+    if ((rc = kvd_check_model_name(in.name, "model.name", err)) ||
+        (rc = kvd_check_dtype(in.dtype, "model.dtype", err)))
+        return rc;
+    if ((rc = kvd_model_validate(&in, err)))
+        return rc;
+    int created = 0;
+    if ((rc = kvd_store_model_put(ctx->svc->store, &in, req->replace, &out, &created, err)))
+        return rc;
+    Kvdepot__V1__Model pm;
+    kvd_model_to_pb(&out, &pm);
+    Kvdepot__V1__PutModelResponse resp = KVDEPOT__V1__PUT_MODEL_RESPONSE__INIT;
+    resp.model = &pm;
+    resp.created = created != 0;
+    return reply_or_oom(reply, &resp.base, ctx, err);
+}
+
+int kvd_h_get_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                    kvd_error *err)
+{
+    const Kvdepot__V1__GetModelRequest *req = (const Kvdepot__V1__GetModelRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_model_name(req->name, "name", err)))
+        return rc;
+    kvd_model_info out;
+    if ((rc = kvd_store_model_get(ctx->svc->store, req->name, &out, err)))
+        return rc;
+    Kvdepot__V1__Model pm;
+    kvd_model_to_pb(&out, &pm);
+    Kvdepot__V1__GetModelResponse resp = KVDEPOT__V1__GET_MODEL_RESPONSE__INIT;
+    resp.model = &pm;
+    return reply_or_oom(reply, &resp.base, ctx, err);
+}
+
+int kvd_h_list_models(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                      kvd_error *err)
+{
+    (void)msg;
+    kvd_model_info *models = NULL;
+    size_t n = 0;
+    int rc = kvd_store_model_list(ctx->svc->store, &models, &n, err);
+    if (rc)
+        return rc;
+    Kvdepot__V1__Model *pms = n ? calloc(n, sizeof *pms) : NULL;
+    Kvdepot__V1__Model **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
+    if (n && (!pms || !ptrs)) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory listing %zu models", n);
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            kvd_model_to_pb(&models[i], &pms[i]);
+            ptrs[i] = &pms[i];
+        }
+        Kvdepot__V1__ListModelsResponse resp = KVDEPOT__V1__LIST_MODELS_RESPONSE__INIT;
+        resp.n_models = n;
+        resp.models = ptrs;
+        rc = reply_or_oom(reply, &resp.base, ctx, err);
+    }
+    free(ptrs);
+    free(pms);
+    free(models);
+    return rc;
+}
+
+int kvd_h_delete_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                       kvd_error *err)
+{
+    const Kvdepot__V1__DeleteModelRequest *req = (const Kvdepot__V1__DeleteModelRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_model_name(req->name, "name", err)))
+        return rc;
+    uint64_t deleted = 0;
+    if ((rc = kvd_store_model_delete(ctx->svc->store, req->name, req->force, &deleted, err)))
+        return rc;
+    Kvdepot__V1__DeleteModelResponse resp = KVDEPOT__V1__DELETE_MODEL_RESPONSE__INIT;
+    resp.deleted_sequences = deleted;
+    return reply_or_oom(reply, &resp.base, ctx, err);
+}
+
+int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
+                          grpc_byte_buffer **reply, kvd_error *err)
+{
+    const Kvdepot__V1__CreateSequenceRequest *req =
+        (const Kvdepot__V1__CreateSequenceRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
+                               err)) ||
+        (rc = kvd_check_model_name(req->model, "model", err)))
+        return rc;
+    uint32_t pt = ctx->svc->page_tokens;
+    if (req->n_prefix_token_ids && req->n_prefix_token_ids != req->n_prefix_hashes * pt)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "prefix_token_ids: %zu ids given, %zu prefix blocks of %u tokens "
+                             "need %llu (or none)",
+                             req->n_prefix_token_ids, req->n_prefix_hashes, pt,
+                             (unsigned long long)req->n_prefix_hashes * pt);
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    rc = kvd_store_seq_create(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                              req->model, req->prefix_hashes, req->n_prefix_hashes,
+                              req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
+                              req->n_prefix_token_ids, &info, err);
+    if (rc)
+        return rc;
+    Kvdepot__V1__SequenceInfo si;
+    kvd_seq_info_to_pb(&info, &si);
+    Kvdepot__V1__CreateSequenceResponse resp = KVDEPOT__V1__CREATE_SEQUENCE_RESPONSE__INIT;
+    resp.sequence = &si;
+    rc = reply_or_oom(reply, &resp.base, ctx, err);
+    kvd_seq_info_clear(&info);
+    return rc;
+}
+
+int kvd_h_lookup(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                 kvd_error *err)
+{
+    const Kvdepot__V1__LookupRequest *req = (const Kvdepot__V1__LookupRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_model_name(req->model, "model", err)))
+        return rc;
+    uint64_t matched = 0;
+    if (req->n_block_hashes) {
+        rc = kvd_store_lookup(ctx->svc->store, req->model, req->block_hashes,
+                              req->n_block_hashes, &matched, err);
+    } else {
+        /* An empty chain still names a model that must exist. */
+        kvd_model_info mi;
+        rc = kvd_store_model_get(ctx->svc->store, req->model, &mi, err);
+    }
+    if (rc)
+        return rc;
+    Kvdepot__V1__LookupResponse resp = KVDEPOT__V1__LOOKUP_RESPONSE__INIT;
+    resp.matched_blocks = matched;
+    resp.matched_tokens = matched * ctx->svc->page_tokens;
+    return reply_or_oom(reply, &resp.base, ctx, err);
+}
+
+int kvd_h_stat_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
+                        grpc_byte_buffer **reply, kvd_error *err)
+{
+    const Kvdepot__V1__StatSequenceRequest *req = (const Kvdepot__V1__StatSequenceRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
+                               err)))
+        return rc;
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                 &info, err)))
+        return rc;
+    Kvdepot__V1__SequenceInfo si;
+    kvd_seq_info_to_pb(&info, &si);
+    Kvdepot__V1__StatSequenceResponse resp = KVDEPOT__V1__STAT_SEQUENCE_RESPONSE__INIT;
+    resp.sequence = &si;
+    rc = reply_or_oom(reply, &resp.base, ctx, err);
+    kvd_seq_info_clear(&info);
+    return rc;
+}
+
+int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
+                         grpc_byte_buffer **reply, kvd_error *err)
+{
+    const Kvdepot__V1__ListSequencesRequest *req =
+        (const Kvdepot__V1__ListSequencesRequest *)msg;
+    int rc;
+    if (req->model && req->model[0] && (rc = kvd_check_model_name(req->model, "model", err)))
+        return rc;
+    if (req->page_token.len > KVD_SEQ_ID_MAX)
+        return kvd_error_set(err, KVD_EINVAL, "page_token: %zu bytes, not one this server issued",
+                             req->page_token.len);
+    size_t limit = req->page_size ? req->page_size : LIST_PAGE_DEFAULT;
+    if (limit > LIST_PAGE_MAX)
+        limit = LIST_PAGE_MAX;
+    kvd_seq_info *seqs = NULL;
+    size_t n = 0;
+    int more = 0;
+    rc = kvd_store_seq_list(ctx->svc->store, req->model && req->model[0] ? req->model : NULL,
+                            req->page_token.len ? req->page_token.data : NULL,
+                            req->page_token.len, limit, &seqs, &n, &more, err);
+    if (rc)
+        return rc;
+    Kvdepot__V1__SequenceInfo *sis = n ? calloc(n, sizeof *sis) : NULL;
+    Kvdepot__V1__SequenceInfo **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
+    if (n && (!sis || !ptrs)) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory listing %zu sequences", n);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvd_seq_info_to_pb(&seqs[i], &sis[i]);
+        ptrs[i] = &sis[i];
+    }
+    Kvdepot__V1__ListSequencesResponse resp = KVDEPOT__V1__LIST_SEQUENCES_RESPONSE__INIT;
+    resp.sequences = ptrs;
+    resp.n_sequences = n;
+    /* Long page-token chains of big sequences can outgrow the send limit:
+     * return fewer per page rather than fail. */
+    size_t keep = n;
+    for (;;) {
+        resp.n_sequences = keep;
+        int cut = keep < n || more;
+        resp.next_page_token.data = cut && keep ? (uint8_t *)seqs[keep - 1].id : NULL;
+        resp.next_page_token.len = cut && keep ? seqs[keep - 1].id_len : 0;
+        size_t sz = protobuf_c_message_get_packed_size(&resp.base);
+        if (sz <= ctx->svc->cfg->max_message_bytes || keep <= 1)
+            break;
+        keep /= 2;
+    }
+    rc = reply_or_oom(reply, &resp.base, ctx, err);
+out:
+    for (size_t i = 0; i < n; i++)
+        kvd_seq_info_clear(&seqs[i]);
+    free(seqs);
+    free(sis);
+    free(ptrs);
+    return rc;
+}
+
+int kvd_h_delete_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
+                          grpc_byte_buffer **reply, kvd_error *err)
+{
+    const Kvdepot__V1__DeleteSequenceRequest *req =
+        (const Kvdepot__V1__DeleteSequenceRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
+                               err)))
+        return rc;
+    uint64_t freed = 0;
+    if ((rc = kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                   &freed, err)))
+        return rc;
+    Kvdepot__V1__DeleteSequenceResponse resp = KVDEPOT__V1__DELETE_SEQUENCE_RESPONSE__INIT;
+    resp.freed_pages = freed;
+    return reply_or_oom(reply, &resp.base, ctx, err);
+}

@@ -1,0 +1,163 @@
+/*
+ * Read: server-streaming download of a layer range x token range.
+ *
+ * The first message carries only the header; then each message carries one
+ * chunk of data. A data message is built in place: the store copies the
+ * chunk into a slice we allocate with room in front, and the protobuf tag and
+ * length are written just before the bytes once their count is known. The
+ * slice goes to gRPC as is, so the payload is copied once (store -> slice).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/slice.h>
+
+#include "convert.h"
+#include "rpc.h"
+#include "validate.h"
+
+#define CHUNK_DEFAULT (1u << 20)
+#define CHUNK_MAX (4u << 20)
+/* Tag byte plus the longest varint length of a chunk (< 2^35). */
+#define PREFIX_ROOM 6
+/* Bytes of framing besides the payload that a send limit must leave room for. */
+#define MESSAGE_SLACK 64
+
+typedef struct read_state {
+    kvd_read *rd;
+    kvd_read_shape shape;
+    uint8_t id[KVD_SEQ_ID_MAX];
+    size_t id_len;
+    size_t chunk;
+    uint64_t sent;
+    int header_sent;
+} read_state;
+
+static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **state,
+                      kvd_error *err)
+{
+    const Kvdepot__V1__ReadRequest *req = (const Kvdepot__V1__ReadRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
+                               err)) ||
+        (rc = kvd_check_range(req->token_start, req->num_tokens, 64, "token_start",
+                              "num_tokens", err)) ||
+        (rc = kvd_check_range(req->layer_start, req->num_layers, 32, "layer_start",
+                              "num_layers", err)))
+        return rc;
+    if (req->max_chunk_bytes > CHUNK_MAX)
+        return kvd_error_set(err, KVD_EINVAL, "max_chunk_bytes: %u exceeds the limit %u",
+                             req->max_chunk_bytes, CHUNK_MAX);
+    size_t chunk = req->max_chunk_bytes ? req->max_chunk_bytes : CHUNK_DEFAULT;
+    uint64_t send_limit = ctx->svc->cfg->max_message_bytes;
+    if (chunk > send_limit - MESSAGE_SLACK)
+        chunk = (size_t)(send_limit - MESSAGE_SLACK);
+
+    read_state *st = calloc(1, sizeof *st);
+    if (!st)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    kvd_read_spec spec = {
+        .seq_id = req->sequence_id.data,
+        .seq_id_len = req->sequence_id.len,
+        .layer_start = req->layer_start,
+        .num_layers = req->num_layers,
+        .token_start = req->token_start,
+        .num_tokens = req->num_tokens,
+    };
+    if ((rc = kvd_store_read_begin(ctx->svc->store, &spec, &st->rd, &st->shape, err))) {
+        free(st);
+        return rc;
+    }
+    memcpy(st->id, req->sequence_id.data, req->sequence_id.len);
+    st->id_len = req->sequence_id.len;
+    st->chunk = chunk;
+    *state = st;
+    return 0;
+}
+
+static size_t put_varint(uint8_t *p, uint64_t v)
+{
+    size_t n = 0;
+    do {
+        uint8_t b = v & 0x7f;
+        v >>= 7;
+        p[n++] = b | (v ? 0x80 : 0);
+    } while (v);
+    return n;
+}
+
+static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_error *err)
+{
+    (void)ctx;
+    read_state *st = state;
+    *msg = NULL;
+    if (!st->header_sent) {
+        Kvdepot__V1__ReadHeader h = KVDEPOT__V1__READ_HEADER__INIT;
+        h.sequence_id.data = st->id;
+        h.sequence_id.len = st->id_len;
+        h.layer_start = st->shape.layer_start;
+        h.num_layers = st->shape.num_layers;
+        h.token_start = st->shape.token_start;
+        h.num_tokens = st->shape.num_tokens;
+        h.num_kv_heads = st->shape.num_kv_heads;
+        h.head_dim = st->shape.head_dim;
+        h.dtype = (Kvdepot__V1__DType)st->shape.dtype;
+        h.total_bytes = st->shape.total_bytes;
+        Kvdepot__V1__ReadResponse r = KVDEPOT__V1__READ_RESPONSE__INIT;
+        r.header = &h;
+        *msg = kvd_pack(&r.base);
+        st->header_sent = 1;
+        return *msg ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    uint64_t left = st->shape.total_bytes - st->sent;
+    if (left == 0)
+        return 0;
+    size_t want = left < st->chunk ? (size_t)left : st->chunk;
+    grpc_slice s = grpc_slice_malloc_large(PREFIX_ROOM + want);
+    uint8_t *base = GRPC_SLICE_START_PTR(s);
+    size_t got = 0;
+    while (got < want) {
+        size_t n = 0;
+        int rc = kvd_store_read_next(st->rd, base + PREFIX_ROOM + got, want - got, &n, err);
+        if (rc) {
+            grpc_slice_unref(s);
+            return rc;
+        }
+        if (n == 0)
+            break;
+        got += n;
+    }
+    if (got == 0) {
+        grpc_slice_unref(s);
+        return kvd_error_set(err, KVD_EINTERNAL,
+                             "store ended the read after %llu of %llu bytes",
+                             (unsigned long long)st->sent,
+                             (unsigned long long)st->shape.total_bytes);
+    }
+    /* ReadResponse.data = field 2, wire type 2 (length-delimited). */
+    uint8_t prefix[PREFIX_ROOM];
+    prefix[0] = (2 << 3) | 2;
+    size_t plen = 1 + put_varint(prefix + 1, got);
+    memcpy(base + PREFIX_ROOM - plen, prefix, plen);
+    grpc_slice msg_slice = grpc_slice_sub(s, PREFIX_ROOM - plen, PREFIX_ROOM + got);
+    grpc_slice_unref(s);
+    *msg = grpc_raw_byte_buffer_create(&msg_slice, 1);
+    grpc_slice_unref(msg_slice);
+    st->sent += got;
+    return 0;
+}
+
+static void read_release(void *state)
+{
+    read_state *st = state;
+    if (!st)
+        return;
+    kvd_store_read_end(st->rd);
+    free(st);
+}
+
+const kvd_stream_ops kvd_read_ops = {
+    .start = read_start,
+    .next = read_next,
+    .release = read_release,
+};

@@ -1,0 +1,117 @@
+/*
+ * kvdepotd method table: how a request path maps to a handler.
+ *
+ * The server loop (server.c) owns the gRPC calls and their state machines;
+ * handlers only see decoded requests and hand back packed replies, so they can
+ * be exercised without a network. Three shapes exist:
+ *
+ *   unary             one request message -> one reply message
+ *   client streaming  messages fed one at a time to recv(), then finish()
+ *                     at half-close produces the single reply
+ *   server streaming  one request message -> start(), then next() is asked
+ *                     for one message at a time (the server keeps at most one
+ *                     send in flight and one message prepared)
+ *
+ * Every handler returns 0 or a negative kvd_status with `err` filled; the
+ * server turns that into the gRPC status -rc with err->msg as details.
+ */
+#ifndef KVDEPOT_SERVICE_RPC_H
+#define KVDEPOT_SERVICE_RPC_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
+
+#include "config.h"
+#include "kvdepot/status.h"
+#include "store.h"
+
+/* State shared by every call: set up by main() before the server starts. */
+typedef struct kvd_service {
+    kvd_store *store;
+    const kvd_config *cfg;
+    uint32_t page_tokens;
+    atomic_int serving; /* 1 until shutdown begins: health reports it */
+} kvd_service;
+
+/* Per-call context handed to handlers. */
+typedef struct kvd_req_ctx {
+    kvd_service *svc;
+    uint64_t req_id;
+} kvd_req_ctx;
+
+typedef enum kvd_rpc_kind {
+    KVD_RPC_UNARY,
+    KVD_RPC_CLIENT_STREAM,
+    KVD_RPC_SERVER_STREAM,
+} kvd_rpc_kind;
+
+/* Returned by a server-streaming next() that has nothing to send now and
+ * wants the call kept open until the client or the shutdown ends it. */
+#define KVD_STREAM_HOLD 1
+
+typedef int (*kvd_unary_fn)(kvd_req_ctx *ctx, const ProtobufCMessage *req,
+                            grpc_byte_buffer **reply, kvd_error *err);
+
+typedef struct kvd_stream_ops {
+    /* Client streaming. recv() is given each message as received (the server
+     * destroys it afterwards); finish() runs at half-close and fills *reply. */
+    int (*recv)(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd_error *err);
+    int (*finish)(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, kvd_error *err);
+    /* Server streaming. start() sees the decoded request (freed after it
+     * returns, so copy what must outlive it); next() fills *msg with the next
+     * message, or NULL at the end of the stream, or returns KVD_STREAM_HOLD. */
+    int (*start)(kvd_req_ctx *ctx, const ProtobufCMessage *req, void **state, kvd_error *err);
+    int (*next)(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_error *err);
+    /* Called exactly once when the call ends, however it ends (NULL state is
+     * possible): an unfinished append is aborted here. */
+    void (*release)(void *state);
+} kvd_stream_ops;
+
+typedef struct kvd_method {
+    const char *path; /* "/kvdepot.v1.KVDepot/Append" */
+    const char *name; /* "Append", for logs */
+    kvd_rpc_kind kind;
+    /* Request type for unary and server-streaming methods (the server
+     * decodes it); client-streaming handlers decode their own messages. */
+    const ProtobufCMessageDescriptor *request;
+    kvd_unary_fn unary;
+    const kvd_stream_ops *stream;
+} kvd_method;
+
+/* The method table (methods.c). */
+extern const kvd_method kvd_methods[];
+extern const size_t kvd_methods_count;
+
+/* Find a method by its full path; NULL when unknown. */
+const kvd_method *kvd_method_find(const char *path, size_t len);
+
+/* Pack a message into a fresh byte buffer (one slice, one copy). Returns NULL
+ * when out of memory. */
+grpc_byte_buffer *kvd_pack(const ProtobufCMessage *msg);
+
+/* Handlers, by file. */
+int kvd_h_put_model(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_get_model(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_list_models(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_delete_model(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                       kvd_error *);
+int kvd_h_create_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                          kvd_error *);
+int kvd_h_lookup(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_stat_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                        kvd_error *);
+int kvd_h_list_sequences(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                         kvd_error *);
+int kvd_h_delete_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                          kvd_error *);
+int kvd_h_health_check(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                       kvd_error *);
+extern const kvd_stream_ops kvd_append_ops;
+extern const kvd_stream_ops kvd_read_ops;
+extern const kvd_stream_ops kvd_health_watch_ops;
+
+#endif /* KVDEPOT_SERVICE_RPC_H */

@@ -1,0 +1,26 @@
+/*
+ * kvdepotd server loop on the gRPC C core completion-queue API.
+ */
+#ifndef KVDEPOT_SERVICE_SERVER_H
+#define KVDEPOT_SERVICE_SERVER_H
+
+#include <stddef.h>
+
+#include "rpc.h"
+
+typedef struct kvd_server kvd_server;
+
+/* Bind cfg->listen, start cfg->threads workers (each with its own completion
+ * queue) and begin serving the method table with svc. *port is the bound port
+ * (useful when the configured port is 0). Returns 0, or -1 with a message in
+ * err; nothing is left running on failure. grpc_init() must have been
+ * called. */
+int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, size_t errlen);
+
+/* Stop accepting calls, give in-flight calls grace_ms to finish, cancel the
+ * rest, drain and destroy the completion queues, join the workers and free
+ * the server. svc->serving must already be 0. The store is not touched:
+ * close it afterwards. */
+void kvd_server_shutdown(kvd_server *srv, uint64_t grace_ms);
+
+#endif /* KVDEPOT_SERVICE_SERVER_H */
