@@ -1,0 +1,701 @@
+/*
+ * kvdepot — command-line client for a kvdepotd server, built on libkvdepot.
+ *
+ * Exit status: 0 on success, 1 when the server or a file operation failed,
+ * 2 for a usage error. Errors go to stderr as
+ *     kvdepot: NOT_FOUND: no such sequence "abc"
+ */
+#include "kvdepot.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char usage_text[] =
+    "usage: kvdepot [--addr ADDR] [--deadline-ms MS] COMMAND [ARGS]\n"
+    "\n"
+    "Talks to a kvdepotd server (ADDR, default $KVDEPOT_ADDR or 127.0.0.1:50051).\n"
+    "\n"
+    "commands:\n"
+    "  health                               is the server serving?\n"
+    "  models                               list models\n"
+    "  model put NAME --layers N --kv-heads N --head-dim N --dtype f16|bf16|f32\n"
+    "            [--q-heads N] [--revision R] [--hidden N] [--replace]\n"
+    "                                       register a model\n"
+    "  model get NAME                       show a model\n"
+    "  model rm NAME [--force]              delete a model (--force: and its sequences)\n"
+    "  seqs [--model M]                     list sequences\n"
+    "  seq stat ID                          show a sequence\n"
+    "  seq rm ID                            delete a sequence\n"
+    "  put ID --model M --tokens N --file F [--layer-start L] [--layers N]\n"
+    "         [--token-ids FILE]\n"
+    "                                       append N tokens from F (K then V, raw, in\n"
+    "                                       [layer][token][kv_head][head_dim] layout and\n"
+    "                                       the model dtype), creating the sequence if\n"
+    "                                       needed; appends at each layer's end\n"
+    "  get ID --file F [--layer-start L] [--layers N] [--token-start T] [--tokens N]\n"
+    "                                       write K then V of the range to F ('-' = stdout)\n"
+    "  lookup --model M HASH...             how many leading blocks of a hash chain\n"
+    "                                       are cached (hashes in hex)\n"
+    "  hash --token-ids FILE [--page-tokens N]\n"
+    "                                       print the prefix hash of every complete block\n"
+    "\n"
+    "A token-id FILE holds whitespace-separated decimal token ids.\n";
+
+static void usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void usage_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("kvdepot: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputs("\n(run 'kvdepot --help' for usage)\n", stderr);
+    va_end(ap);
+    exit(2);
+}
+
+/* Report a failed library call and return the exit status for it. */
+static int fail(const kvdepot_client *c, int rc)
+{
+    const char *msg = kvdepot_errmsg(c);
+    fprintf(stderr, "kvdepot: %s: %s\n", kvdepot_status_name(rc), msg[0] ? msg : kvdepot_strerror(rc));
+    return 1;
+}
+
+static int fail_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail_msg(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("kvdepot: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Argument parsing                                                          */
+/* ------------------------------------------------------------------------ */
+
+typedef struct opt {
+    const char *name;  /* without the dashes */
+    int has_arg;
+    const char *val;   /* argument, or "" for a flag that was given */
+} opt;
+
+/*
+ * Split args into options from `opts` (--name VALUE, --name=VALUE, --flag)
+ * and positional arguments. Unknown options are usage errors.
+ */
+static int parse_args(int argc, char **argv, opt *opts, const char **pos, int max_pos)
+{
+    int npos = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (a[0] == '-' && a[1] == '-' && a[2]) {
+            const char *name = a + 2;
+            const char *eq = strchr(name, '=');
+            size_t len = eq ? (size_t)(eq - name) : strlen(name);
+            opt *o = NULL;
+            for (opt *p = opts; p && p->name; p++)
+                if (strlen(p->name) == len && strncmp(p->name, name, len) == 0)
+                    o = p;
+            if (!o)
+                usage_error("unknown option --%.*s", (int)len, name);
+            if (o->has_arg) {
+                if (eq)
+                    o->val = eq + 1;
+                else if (i + 1 < argc)
+                    o->val = argv[++i];
+                else
+                    usage_error("--%s needs a value", o->name);
+            } else {
+                if (eq)
+                    usage_error("--%s takes no value", o->name);
+                o->val = "";
+            }
+        } else {
+            if (npos == max_pos)
+                usage_error("unexpected argument \"%s\"", a);
+            pos[npos++] = a;
+        }
+    }
+    return npos;
+}
+
+static const char *opt_get(const opt *opts, const char *name)
+{
+    for (const opt *p = opts; p->name; p++)
+        if (strcmp(p->name, name) == 0)
+            return p->val;
+    return NULL;
+}
+
+static uint64_t parse_u64(const char *what, const char *s, uint64_t max)
+{
+    char *end;
+    errno = 0;
+    if (!s || !*s || *s == '-')
+        usage_error("%s: expected a number, got \"%s\"", what, s ? s : "");
+    unsigned long long v = strtoull(s, &end, 0);
+    if (errno || *end || v > max)
+        usage_error("%s: bad number \"%s\"", what, s);
+    return v;
+}
+
+static uint64_t opt_u64(const opt *opts, const char *name, uint64_t def, uint64_t max)
+{
+    const char *v = opt_get(opts, name);
+    if (!v)
+        return def;
+    char what[64];
+    snprintf(what, sizeof what, "--%s", name);
+    return parse_u64(what, v, max);
+}
+
+static const char *opt_required(const opt *opts, const char *name)
+{
+    const char *v = opt_get(opts, name);
+    if (!v || !*v)
+        usage_error("--%s is required", name);
+    return v;
+}
+
+/* Read whitespace-separated decimal token ids; returns a malloc'ed array. */
+static uint32_t *read_token_ids(const char *path, size_t *n)
+{
+    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");
+    if (!f) {
+        fail_msg("%s: %s", path, strerror(errno));
+        exit(1);
+    }
+    size_t cap = 1024, len = 0;
+    uint32_t *ids = malloc(cap * sizeof *ids);
+    unsigned long long v;
+    int r;
+    while (ids && (r = fscanf(f, "%llu", &v)) == 1) {
+        if (v > UINT32_MAX) {
+            fail_msg("%s: token id %llu does not fit in 32 bits", path, v);
+            exit(1);
+        }
+        if (len == cap) {
+            cap *= 2;
+            uint32_t *n2 = realloc(ids, cap * sizeof *ids);
+            if (!n2) {
+                free(ids);
+                ids = NULL;
+                break;
+            }
+            ids = n2;
+        }
+        ids[len++] = (uint32_t)v;
+    }
+    if (!ids) {
+        fail_msg("out of memory reading %s", path);
+        exit(1);
+    }
+    if (!feof(f)) {
+        fail_msg("%s: not a list of decimal token ids (after %zu ids)", path, len);
+        exit(1);
+    }
+    if (f != stdin)
+        fclose(f);
+    *n = len;
+    return ids;
+}
+
+/* Print a sequence id: as text when printable, else with \xNN escapes. */
+static void print_id(FILE *f, const uint8_t *id, size_t len)
+{
+    for (size_t i = 0; i < len; i++) {
+        if (id[i] >= 0x20 && id[i] < 0x7f && id[i] != '\\')
+            fputc(id[i], f);
+        else
+            fprintf(f, "\\x%02x", id[i]);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Commands                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static int cmd_health(kvdepot_client *c, int argc, char **argv)
+{
+    const char *pos[1];
+    int n = parse_args(argc, argv, NULL, pos, 1);
+    kvdepot_serving s;
+    int rc = kvdepot_health_check(c, n ? pos[0] : "", &s);
+    if (rc)
+        return fail(c, rc);
+    static const char *names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+    printf("%s\n", (unsigned)s < 4 ? names[s] : "UNKNOWN");
+    return s == KVDEPOT_SERVING ? 0 : 1;
+}
+
+static void print_model(const kvdepot_model *m)
+{
+    printf("name:          %s\n", m->name);
+    printf("revision:      %s\n", m->revision);
+    printf("layers:        %u\n", m->num_layers);
+    printf("kv_heads:      %u\n", m->num_kv_heads);
+    printf("q_heads:       %u\n", m->num_q_heads);
+    printf("head_dim:      %u\n", m->head_dim);
+    printf("hidden_size:   %u\n", m->hidden_size);
+    printf("dtype:         %s\n", kvdepot_dtype_name(m->dtype));
+    printf("bytes/token:   %zu (K+V, all layers)\n", 2 * kvdepot_kv_bytes(m, m->num_layers, 1));
+    printf("created_ms:    %" PRIu64 "\n", m->created_unix_ms);
+}
+
+static int cmd_models(kvdepot_client *c, int argc, char **argv)
+{
+    parse_args(argc, argv, NULL, NULL, 0);
+    kvdepot_model *list;
+    size_t n;
+    int rc = kvdepot_model_list(c, &list, &n);
+    if (rc)
+        return fail(c, rc);
+    printf("%-32s %6s %8s %7s %8s %5s  %s\n", "NAME", "LAYERS", "KV_HEADS", "Q_HEADS", "HEAD_DIM",
+           "DTYPE", "REVISION");
+    for (size_t i = 0; i < n; i++)
+        printf("%-32s %6u %8u %7u %8u %5s  %s\n", list[i].name, list[i].num_layers,
+               list[i].num_kv_heads, list[i].num_q_heads, list[i].head_dim,
+               kvdepot_dtype_name(list[i].dtype), list[i].revision);
+    kvdepot_free(list);
+    return 0;
+}
+
+static int cmd_model(kvdepot_client *c, int argc, char **argv)
+{
+    if (argc < 1)
+        usage_error("model: expected put, get or rm");
+    const char *sub = argv[0];
+    argc--, argv++;
+    if (strcmp(sub, "put") == 0) {
+        opt opts[] = {{"layers", 1, 0},   {"kv-heads", 1, 0}, {"q-heads", 1, 0},
+                      {"head-dim", 1, 0}, {"dtype", 1, 0},    {"revision", 1, 0},
+                      {"hidden", 1, 0},   {"replace", 0, 0},  {0, 0, 0}};
+        const char *pos[1];
+        if (parse_args(argc, argv, opts, pos, 1) != 1)
+            usage_error("model put: expected NAME");
+        kvdepot_model m;
+        memset(&m, 0, sizeof m);
+        if (strlen(pos[0]) > KVDEPOT_NAME_MAX)
+            usage_error("model name longer than %d bytes", KVDEPOT_NAME_MAX);
+        snprintf(m.name, sizeof m.name, "%s", pos[0]);
+        const char *rev = opt_get(opts, "revision");
+        if (rev && strlen(rev) > KVDEPOT_NAME_MAX)
+            usage_error("revision longer than %d bytes", KVDEPOT_NAME_MAX);
+        snprintf(m.revision, sizeof m.revision, "%s", rev ? rev : "");
+        m.num_layers = (uint32_t)parse_u64("--layers", opt_required(opts, "layers"), UINT32_MAX);
+        m.num_kv_heads = (uint32_t)parse_u64("--kv-heads", opt_required(opts, "kv-heads"), UINT32_MAX);
+        m.head_dim = (uint32_t)parse_u64("--head-dim", opt_required(opts, "head-dim"), UINT32_MAX);
+        m.num_q_heads = (uint32_t)opt_u64(opts, "q-heads", 0, UINT32_MAX);
+        m.hidden_size = (uint32_t)opt_u64(opts, "hidden", 0, UINT32_MAX);
+        if (kvdepot_dtype_parse(opt_required(opts, "dtype"), &m.dtype) != KVDEPOT_OK)
+            usage_error("%s", kvdepot_errmsg(NULL));
+        kvdepot_model out;
+        int created;
+        int rc = kvdepot_model_put(c, &m, opt_get(opts, "replace") != NULL, &out, &created);
+        if (rc)
+            return fail(c, rc);
+        printf("model %s %s\n", out.name, created ? "created" : "already registered, unchanged");
+        return 0;
+    }
+    if (strcmp(sub, "get") == 0) {
+        const char *pos[1];
+        if (parse_args(argc, argv, NULL, pos, 1) != 1)
+            usage_error("model get: expected NAME");
+        kvdepot_model m;
+        int rc = kvdepot_model_get(c, pos[0], &m);
+        if (rc)
+            return fail(c, rc);
+        print_model(&m);
+        return 0;
+    }
+    if (strcmp(sub, "rm") == 0) {
+        opt opts[] = {{"force", 0, 0}, {0, 0, 0}};
+        const char *pos[1];
+        if (parse_args(argc, argv, opts, pos, 1) != 1)
+            usage_error("model rm: expected NAME");
+        uint64_t deleted;
+        int rc = kvdepot_model_delete(c, pos[0], opt_get(opts, "force") != NULL, &deleted);
+        if (rc)
+            return fail(c, rc);
+        printf("model %s deleted (%" PRIu64 " sequences with it)\n", pos[0], deleted);
+        return 0;
+    }
+    usage_error("model: unknown subcommand \"%s\" (expected put, get or rm)", sub);
+}
+
+static int cmd_seqs(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"model", 1, 0}, {0, 0, 0}};
+    parse_args(argc, argv, opts, NULL, 0);
+    kvdepot_sequence_info *list;
+    size_t n;
+    int rc = kvdepot_sequence_list(c, opt_get(opts, "model"), &list, &n);
+    if (rc)
+        return fail(c, rc);
+    printf("%-40s %-24s %10s %8s %12s\n", "ID", "MODEL", "TOKENS", "SEALED", "BYTES");
+    for (size_t i = 0; i < n; i++) {
+        char id[64];
+        FILE *f = fmemopen(id, sizeof id, "w");
+        if (f) {
+            print_id(f, list[i].id, list[i].id_len);
+            fclose(f);
+        } else {
+            id[0] = '\0';
+        }
+        printf("%-40s %-24s %10" PRIu64 " %8" PRIu64 " %12" PRIu64 "\n", id, list[i].model,
+               list[i].num_tokens, list[i].sealed_pages, list[i].stored_bytes);
+    }
+    kvdepot_sequence_list_free(list, n);
+    return 0;
+}
+
+static void print_info(const kvdepot_sequence_info *s)
+{
+    printf("id:            ");
+    print_id(stdout, s->id, s->id_len);
+    printf("\nmodel:         %s\n", s->model);
+    printf("num_tokens:    %" PRIu64 "\n", s->num_tokens);
+    printf("layer_tokens: ");
+    /* Runs of equal counts print once, so a 32-layer model stays one line. */
+    for (size_t i = 0; i < s->num_layers;) {
+        size_t j = i;
+        while (j + 1 < s->num_layers && s->layer_tokens[j + 1] == s->layer_tokens[i])
+            j++;
+        if (j == i)
+            printf(" [%zu]=%" PRIu64, i, s->layer_tokens[i]);
+        else
+            printf(" [%zu-%zu]=%" PRIu64, i, j, s->layer_tokens[i]);
+        i = j + 1;
+    }
+    printf("\npage_tokens:   %u\n", s->page_tokens);
+    printf("sealed_pages:  %" PRIu64 "\n", s->sealed_pages);
+    printf("stored_bytes:  %" PRIu64 "\n", s->stored_bytes);
+    printf("prefix_blocks: %" PRIu64 "\n", s->prefix_blocks);
+    printf("block_hashes: ");
+    for (size_t i = 0; i < s->num_block_hashes; i++)
+        printf(" %016" PRIx64, s->block_hashes[i]);
+    printf("\ncreated_ms:    %" PRIu64 "\n", s->created_unix_ms);
+}
+
+static int cmd_seq(kvdepot_client *c, int argc, char **argv)
+{
+    if (argc < 1)
+        usage_error("seq: expected stat or rm");
+    const char *sub = argv[0];
+    const char *pos[1];
+    if (parse_args(argc - 1, argv + 1, NULL, pos, 1) != 1)
+        usage_error("seq %s: expected ID", sub);
+    if (strcmp(sub, "stat") == 0) {
+        kvdepot_sequence_info s;
+        int rc = kvdepot_sequence_stat(c, pos[0], strlen(pos[0]), &s);
+        if (rc)
+            return fail(c, rc);
+        print_info(&s);
+        kvdepot_sequence_info_clear(&s);
+        return 0;
+    }
+    if (strcmp(sub, "rm") == 0) {
+        uint64_t freed;
+        int rc = kvdepot_sequence_delete(c, pos[0], strlen(pos[0]), &freed);
+        if (rc)
+            return fail(c, rc);
+        printf("sequence %s deleted (%" PRIu64 " pages freed)\n", pos[0], freed);
+        return 0;
+    }
+    usage_error("seq: unknown subcommand \"%s\" (expected stat or rm)", sub);
+}
+
+static int cmd_put(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"model", 1, 0},  {"tokens", 1, 0},    {"layer-start", 1, 0},
+                  {"layers", 1, 0}, {"file", 1, 0},      {"token-ids", 1, 0},
+                  {0, 0, 0}};
+    const char *pos[1];
+    if (parse_args(argc, argv, opts, pos, 1) != 1)
+        usage_error("put: expected ID");
+    const char *id = pos[0];
+    const char *model_name = opt_required(opts, "model");
+    const char *path = opt_required(opts, "file");
+    uint64_t tokens = parse_u64("--tokens", opt_required(opts, "tokens"), UINT64_MAX);
+    uint32_t layer_start = (uint32_t)opt_u64(opts, "layer-start", 0, UINT32_MAX);
+
+    kvdepot_model m;
+    int rc = kvdepot_model_get(c, model_name, &m);
+    if (rc)
+        return fail(c, rc);
+    if (layer_start >= m.num_layers)
+        usage_error("--layer-start %u: model %s has %u layers", layer_start, m.name, m.num_layers);
+    uint32_t layers = (uint32_t)opt_u64(opts, "layers", m.num_layers - layer_start, UINT32_MAX);
+    size_t kv = kvdepot_kv_bytes(&m, layers, tokens);
+
+    int fd = open(path, O_RDONLY);
+    if (fd < 0)
+        return fail_msg("%s: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        close(fd);
+        return fail_msg("%s: %s", path, strerror(errno));
+    }
+    if ((uint64_t)sb.st_size != 2 * (uint64_t)kv) {
+        close(fd);
+        return fail_msg("%s has %lld bytes; K then V for %u layers x %" PRIu64
+                        " tokens x %u kv heads x %u dims of %s is %zu bytes",
+                        path, (long long)sb.st_size, layers, tokens, m.num_kv_heads, m.head_dim,
+                        kvdepot_dtype_name(m.dtype), 2 * kv);
+    }
+    void *data = NULL;
+    if (kv) {
+        data = mmap(NULL, 2 * kv, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (data == MAP_FAILED) {
+            close(fd);
+            return fail_msg("%s: %s", path, strerror(errno));
+        }
+    }
+    close(fd);
+
+    uint32_t *ids = NULL;
+    size_t nids = 0;
+    const char *ids_path = opt_get(opts, "token-ids");
+    if (ids_path) {
+        ids = read_token_ids(ids_path, &nids);
+        if (nids != tokens)
+            return fail_msg("%s has %zu token ids, expected --tokens %" PRIu64, ids_path, nids, tokens);
+    }
+
+    /* Create the sequence on first use; otherwise append at the end of the
+     * first layer of the range (the server checks every layer of it). */
+    uint64_t token_start = 0;
+    kvdepot_sequence_info s;
+    rc = kvdepot_sequence_stat(c, id, strlen(id), &s);
+    if (rc == KVDEPOT_ENOTFOUND) {
+        kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = m.name};
+        rc = kvdepot_sequence_create(c, &ca, &s);
+    }
+    if (rc)
+        return fail(c, rc);
+    if (strcmp(s.model, m.name) != 0) {
+        kvdepot_sequence_info_clear(&s);
+        return fail_msg("sequence %s belongs to model %s, not %s", id, s.model, m.name);
+    }
+    if (layer_start < s.num_layers)
+        token_start = s.layer_tokens[layer_start];
+    kvdepot_sequence_info_clear(&s);
+
+    kvdepot_append_args a = {
+        .id = id,
+        .id_len = strlen(id),
+        .layer_start = layer_start,
+        .num_layers = layers,
+        .token_start = token_start,
+        .num_tokens = tokens,
+        .dtype = m.dtype,
+        .k = data,
+        .k_bytes = kv,
+        .v = data ? (const uint8_t *)data + kv : NULL,
+        .v_bytes = kv,
+        .token_ids = ids,
+        .num_token_ids = nids,
+    };
+    rc = kvdepot_sequence_append(c, &a, &s);
+    if (data)
+        munmap(data, 2 * kv);
+    free(ids);
+    if (rc)
+        return fail(c, rc);
+    printf("appended %" PRIu64 " tokens at %" PRIu64 " to layers %u..%u of %s: %" PRIu64
+           " tokens readable\n",
+           tokens, token_start, layer_start, layer_start + layers - 1, id, s.num_tokens);
+    kvdepot_sequence_info_clear(&s);
+    return 0;
+}
+
+static int write_all(int fd, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    while (n) {
+        ssize_t w = write(fd, b, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        b += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int cmd_get(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"file", 1, 0},        {"layer-start", 1, 0}, {"layers", 1, 0},
+                  {"token-start", 1, 0}, {"tokens", 1, 0},      {0, 0, 0}};
+    const char *pos[1];
+    if (parse_args(argc, argv, opts, pos, 1) != 1)
+        usage_error("get: expected ID");
+    const char *path = opt_required(opts, "file");
+    kvdepot_read_args a = {
+        .id = pos[0],
+        .id_len = strlen(pos[0]),
+        .layer_start = (uint32_t)opt_u64(opts, "layer-start", 0, UINT32_MAX),
+        .num_layers = (uint32_t)opt_u64(opts, "layers", 0, UINT32_MAX),
+        .token_start = opt_u64(opts, "token-start", 0, UINT64_MAX),
+        .num_tokens = opt_u64(opts, "tokens", 0, UINT64_MAX),
+    };
+    kvdepot_read_result r;
+    int rc = kvdepot_sequence_read(c, &a, &r);
+    if (rc)
+        return fail(c, rc);
+    int to_stdout = strcmp(path, "-") == 0;
+    int fd = to_stdout ? STDOUT_FILENO : open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) {
+        kvdepot_free(r.owned);
+        return fail_msg("%s: %s", path, strerror(errno));
+    }
+    int bad = write_all(fd, r.k, r.kv_bytes) != 0 || write_all(fd, r.v, r.kv_bytes) != 0;
+    int err = errno;
+    if (!to_stdout && close(fd) != 0 && !bad) {
+        bad = 1;
+        err = errno;
+    }
+    kvdepot_free(r.owned);
+    if (bad)
+        return fail_msg("%s: %s", path, strerror(err));
+    if (!to_stdout)
+        printf("wrote %zu bytes (K then V: layers %u..%u, tokens %" PRIu64 "..%" PRIu64
+               ", %u kv heads x %u dims, %s) to %s\n",
+               2 * r.kv_bytes, r.layer_start, r.layer_start + r.num_layers - 1, r.token_start,
+               r.token_start + r.num_tokens - 1, r.num_kv_heads, r.head_dim,
+               kvdepot_dtype_name(r.dtype), path);
+    return 0;
+}
+
+static int cmd_lookup(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"model", 1, 0}, {0, 0, 0}};
+    const char **pos = calloc((size_t)argc + 1, sizeof *pos);
+    uint64_t *hashes = calloc((size_t)argc + 1, sizeof *hashes);
+    if (!pos || !hashes)
+        return fail_msg("out of memory");
+    int n = parse_args(argc, argv, opts, pos, argc);
+    const char *model = opt_required(opts, "model");
+    for (int i = 0; i < n; i++) {
+        const char *h = pos[i];
+        if (h[0] == '0' && (h[1] == 'x' || h[1] == 'X'))
+            h += 2;
+        char *end;
+        errno = 0;
+        hashes[i] = strtoull(h, &end, 16);
+        if (!*h || *end || errno || strlen(h) > 16)
+            usage_error("bad hash \"%s\" (want up to 16 hex digits)", pos[i]);
+    }
+    uint64_t blocks, tokens;
+    int rc = kvdepot_prefix_lookup(c, model, hashes, (size_t)n, &blocks, &tokens);
+    free(pos);
+    free(hashes);
+    if (rc)
+        return fail(c, rc);
+    printf("matched_blocks: %" PRIu64 "\nmatched_tokens: %" PRIu64 "\n", blocks, tokens);
+    return 0;
+}
+
+static int cmd_hash(int argc, char **argv)
+{
+    opt opts[] = {{"token-ids", 1, 0}, {"page-tokens", 1, 0}, {0, 0, 0}};
+    parse_args(argc, argv, opts, NULL, 0);
+    size_t page = (size_t)opt_u64(opts, "page-tokens", 256, 1u << 24);
+    if (!page)
+        usage_error("--page-tokens must be positive");
+    size_t n;
+    uint32_t *ids = read_token_ids(opt_required(opts, "token-ids"), &n);
+    size_t blocks = kvdepot_prefix_hash_chain(ids, n, page, NULL);
+    uint64_t *h = malloc((blocks ? blocks : 1) * sizeof *h);
+    if (!h)
+        return fail_msg("out of memory");
+    kvdepot_prefix_hash_chain(ids, n, page, h);
+    for (size_t i = 0; i < blocks; i++)
+        printf("%016" PRIx64 "\n", h[i]);
+    free(h);
+    free(ids);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *addr = getenv("KVDEPOT_ADDR");
+    uint32_t deadline_ms = 0;
+    int i = 1;
+    /* Global options come before the command. */
+    for (; i < argc && argv[i][0] == '-'; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            fputs(usage_text, stdout);
+            return 0;
+        } else if (strcmp(a, "--addr") == 0 && i + 1 < argc) {
+            addr = argv[++i];
+        } else if (strncmp(a, "--addr=", 7) == 0) {
+            addr = a + 7;
+        } else if (strcmp(a, "--deadline-ms") == 0 && i + 1 < argc) {
+            deadline_ms = (uint32_t)parse_u64("--deadline-ms", argv[++i], UINT32_MAX);
+        } else if (strncmp(a, "--deadline-ms=", 14) == 0) {
+            deadline_ms = (uint32_t)parse_u64("--deadline-ms", a + 14, UINT32_MAX);
+        } else {
+            usage_error("unknown option %s", a);
+        }
+    }
+    if (i == argc) {
+        fputs(usage_text, stderr);
+        return 2;
+    }
+    const char *cmd = argv[i++];
+    int cargc = argc - i;
+    char **cargv = argv + i;
+    if (strcmp(cmd, "help") == 0) {
+        fputs(usage_text, stdout);
+        return 0;
+    }
+    if (strcmp(cmd, "hash") == 0)
+        return cmd_hash(cargc, cargv);
+
+    static const struct {
+        const char *name;
+        int (*fn)(kvdepot_client *, int, char **);
+    } cmds[] = {
+        {"health", cmd_health}, {"models", cmd_models}, {"model", cmd_model},
+        {"seqs", cmd_seqs},     {"seq", cmd_seq},       {"put", cmd_put},
+        {"get", cmd_get},       {"lookup", cmd_lookup},
+    };
+    int (*fn)(kvdepot_client *, int, char **) = NULL;
+    for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++)
+        if (strcmp(cmd, cmds[k].name) == 0)
+            fn = cmds[k].fn;
+    if (!fn)
+        usage_error("unknown command \"%s\"", cmd);
+
+    kvdepot_options opt;
+    kvdepot_options_init(&opt);
+    if (addr && *addr)
+        opt.address = addr;
+    if (deadline_ms)
+        opt.deadline_ms = deadline_ms;
+    else
+        opt.deadline_ms = 600000; /* whole-file transfers can be large */
+    kvdepot_client *c;
+    int rc = kvdepot_connect(&opt, &c);
+    if (rc)
+        return fail(NULL, rc);
+    int status = fn(c, cargc, cargv);
+    kvdepot_close(c);
+    return status;
+}
