@@ -66,9 +66,10 @@ int kvd_channel_scale(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *
                       const kvd_tensor *s, int divide, kvd_error *err);
 
 /* Scalar references on host memory: the specification. Arguments must be
- * valid. kvd_hadamard_ref is the O(n^2) matrix product of the definition. */
+ * valid. kvd_hadamard_ref is the O(n^2) matrix product of the definition,
+ * summed in double; it returns KVD_OK or KVD_ENOMEM (row scratch). */
 void kvd_convert_ref(const kvd_tensor *dst, const kvd_tensor *src);
-void kvd_hadamard_ref(const kvd_tensor *dst, const kvd_tensor *src);
+int kvd_hadamard_ref(const kvd_tensor *dst, const kvd_tensor *src);
 void kvd_channel_scale_ref(const kvd_tensor *dst, const kvd_tensor *src, const kvd_tensor *s,
                            int divide);
 

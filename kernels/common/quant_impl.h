@@ -1,0 +1,120 @@
+/*
+ * Pieces of the INT2/INT4 quantizer shared by the scalar reference and the
+ * fast paths (internal). Sharing them, rather than re-deriving them per path,
+ * is what makes every path produce the same bytes: the per-group parameters
+ * come from the same scalar code and the per-element arithmetic is the same
+ * IEEE sequence (sub, mul, add, floor) in every path. See kvdepot/quant.h for
+ * the specification.
+ */
+#ifndef KVDEPOT_QUANT_IMPL_H
+#define KVDEPOT_QUANT_IMPL_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "kvdepot/quant.h"
+#include "kvdepot/tensor.h"
+
+#define KVD__F16_MAX 65504.0f
+
+/* Largest f16 <= v (v finite and within the f16 range). */
+static inline uint16_t kvd__f16_round_down(float v)
+{
+    uint16_t h = kvd_f32_to_f16(v);
+    if (kvd_f16_to_f32(h) > v) {
+        /* one f16 step toward -inf: magnitude up for negatives, down for
+         * positives (a positive h > 0 here since 0 <= v would not round up to
+         * a value above v unless h > 0) */
+        h = (h & 0x8000u) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
+    }
+    return h;
+}
+
+/* Smallest f16 >= v (v >= 0 and finite, at most 65504). */
+static inline uint16_t kvd__f16_round_up(float v)
+{
+    uint16_t h = kvd_f32_to_f16(v);
+    if (kvd_f16_to_f32(h) < v)
+        h = (uint16_t)(h + 1); /* v >= 0: h is non-negative, one step up */
+    return h;
+}
+
+/* Per-group parameters from the finite min/max (lo > hi when the group had no
+ * finite value). Outputs the stored f16 min and scale and the f32 values the
+ * element loop uses: mn = min and inv = 1 / scale (0 for a zero scale). */
+typedef struct kvd__qgroup {
+    uint16_t min_h, scale_h;
+    float mn, inv;
+} kvd__qgroup;
+
+static inline kvd__qgroup kvd__qgroup_make(float lo, float hi, int bits)
+{
+    kvd__qgroup g;
+    if (!(lo <= hi)) /* no finite value */
+        lo = hi = 0.0f;
+    if (lo < -KVD__F16_MAX)
+        lo = -KVD__F16_MAX;
+    if (lo > KVD__F16_MAX)
+        lo = KVD__F16_MAX;
+    if (hi < -KVD__F16_MAX)
+        hi = -KVD__F16_MAX;
+    if (hi > KVD__F16_MAX)
+        hi = KVD__F16_MAX;
+    float qmax = (float)((1 << bits) - 1);
+    g.min_h = kvd__f16_round_down(lo);
+    g.mn = kvd_f16_to_f32(g.min_h);
+    float s = (hi - g.mn) / qmax;
+    if (!(s > 0.0f))
+        s = 0.0f;
+    g.scale_h = kvd__f16_round_up(s);
+    float sc = kvd_f16_to_f32(g.scale_h);
+    g.inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+    return g;
+}
+
+/* Stochastic rounding hash (see kvdepot/quant.h). */
+static inline uint32_t kvd__qmix(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline uint32_t kvd__qkey(uint64_t seed)
+{
+    return kvd__qmix((uint32_t)seed ^ kvd__qmix((uint32_t)(seed >> 32) + 0x9e3779b9u));
+}
+
+static inline float kvd__qdraw(uint32_t key, uint32_t index)
+{
+    uint32_t h = kvd__qmix(index * 0x9e3779b9u + key);
+    return (float)(h >> 8) * (1.0f / 16777216.0f);
+}
+
+/* One code, exactly as the specification: r = v + 0.5 or v + u. */
+static inline uint32_t kvd__qcode(float x, float mn, float inv, float add, float qmax)
+{
+    float v = (x - mn) * inv;
+    float c = floorf(v + add);
+    if (!(c > 0.0f)) /* also NaN */
+        c = 0.0f;
+    if (c > qmax)
+        c = qmax;
+    return (uint32_t)c;
+}
+
+/*
+ * Fast-path row kernels (kernels/cpu/quant_avx2.c). A "row" is n = ngroups*PI
+ * f32 values forming consecutive groups of one row of the code layout:
+ * element k of the row has stochastic index idx0 + k * idx_step.
+ */
+void kvd__quant_row_avx2(const float *x, int64_t n, int bits, int group, int stochastic,
+                         uint32_t key, uint32_t idx0, uint32_t idx_step, uint8_t *codes,
+                         uint16_t *min, uint16_t *scale, uint16_t *sum);
+void kvd__dequant_row_avx2(float *y, int64_t n, int bits, int group, const uint8_t *codes,
+                           const uint16_t *min, const uint16_t *scale);
+
+#endif /* KVDEPOT_QUANT_IMPL_H */

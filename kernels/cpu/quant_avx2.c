@@ -1,0 +1,162 @@
+/*
+ * AVX2 row kernels of the INT2/INT4 quantizer. Same arithmetic as the scalar
+ * reference (kvdepot/quant.h): per-group parameters from the shared scalar
+ * kvd__qgroup_make, then per element sub, mul, add, floor, clamp; no fused
+ * multiply-add anywhere, so the bytes equal the reference's.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common/quant_impl.h"
+#include "common/simd_avx2.h"
+
+KVD_AVX2_TARGET static inline float hmin8(__m256 v)
+{
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+KVD_AVX2_TARGET static inline float hmax8(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+KVD_AVX2_TARGET static inline uint32_t hsum8_epi32(__m256i v)
+{
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return (uint32_t)_mm_cvtsi128_si32(s);
+}
+
+/* kvd__qmix on 8 lanes */
+KVD_AVX2_TARGET static inline __m256i mix8(__m256i x)
+{
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x7feb352du));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    return x;
+}
+
+/* kvd__qdraw on 8 lanes of indices */
+KVD_AVX2_TARGET static inline __m256 draw8(__m256i idx, __m256i key)
+{
+    __m256i h = _mm256_add_epi32(_mm256_mullo_epi32(idx, _mm256_set1_epi32((int)0x9e3779b9u)), key);
+    h = _mm256_srli_epi32(mix8(h), 8);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(1.0f / 16777216.0f));
+}
+
+KVD_AVX2_TARGET
+void kvd__quant_row_avx2(const float *x, int64_t n, int bits, int group, int stochastic,
+                         uint32_t key, uint32_t idx0, uint32_t idx_step, uint8_t *codes,
+                         uint16_t *min, uint16_t *scale, uint16_t *sum)
+{
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 pinf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
+    const __m256 vq = _mm256_set1_ps((float)((1 << bits) - 1));
+    const __m256i vkey = _mm256_set1_epi32((int)key);
+    const __m256i lane_step = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                 _mm256_set1_epi32((int)idx_step));
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i pick4 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                           -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                           -1, -1, -1, -1);
+    const int64_t ng = n / group;
+
+    for (int64_t g = 0; g < ng; g++) {
+        const float *xg = x + g * group;
+        __m256 lo = pinf, hi = ninf;
+        for (int k = 0; k < group; k += 8) {
+            __m256 v = _mm256_loadu_ps(xg + k);
+            __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), pinf, _CMP_LT_OQ);
+            lo = _mm256_min_ps(lo, _mm256_blendv_ps(pinf, v, fin));
+            hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
+        }
+        kvd__qgroup G = kvd__qgroup_make(hmin8(lo), hmax8(hi), bits);
+        min[g] = G.min_h;
+        scale[g] = G.scale_h;
+        const __m256 vmn = _mm256_set1_ps(G.mn), vinv = _mm256_set1_ps(G.inv);
+        __m256i vsum = _mm256_setzero_si256();
+        uint8_t *out = codes + g * group * bits / 8;
+
+        for (int k = 0; k < group; k += 32) {
+            __m256i ci[4];
+            for (int j = 0; j < 4; j++) {
+                __m256 v = _mm256_loadu_ps(xg + k + 8 * j);
+                v = _mm256_mul_ps(_mm256_sub_ps(v, vmn), vinv);
+                __m256 add = half;
+                if (stochastic) {
+                    uint32_t base = idx0 + (uint32_t)(g * group + k + 8 * j) * idx_step;
+                    add = draw8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lane_step), vkey);
+                }
+                __m256 c = _mm256_floor_ps(_mm256_add_ps(v, add));
+                c = _mm256_max_ps(c, zero); /* NaN -> 0 (second operand wins) */
+                c = _mm256_min_ps(c, vq);
+                ci[j] = _mm256_cvttps_epi32(c);
+                vsum = _mm256_add_epi32(vsum, ci[j]);
+            }
+            /* 32 codes -> 32 bytes in order */
+            __m256i p = _mm256_packus_epi16(_mm256_packs_epi32(ci[0], ci[1]),
+                                            _mm256_packs_epi32(ci[2], ci[3]));
+            p = _mm256_permutevar8x32_epi32(p, perm);
+            if (bits == 2) {
+                /* bytes (c0,c1) -> c0 + 4 c1; pairs of those -> + 16 (c2 + 4 c3) */
+                __m256i m = _mm256_maddubs_epi16(p, _mm256_set1_epi16(0x0401));
+                m = _mm256_madd_epi16(m, _mm256_set1_epi32(0x00100001));
+                m = _mm256_shuffle_epi8(m, pick4);
+                uint32_t a = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(m));
+                uint32_t b = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(m, 1));
+                memcpy(out + k / 4, &a, 4);
+                memcpy(out + k / 4 + 4, &b, 4);
+            } else {
+                __m256i m = _mm256_maddubs_epi16(p, _mm256_set1_epi16(0x1001));
+                m = _mm256_packus_epi16(m, m);
+                m = _mm256_permute4x64_epi64(m, 0x08);
+                _mm_storeu_si128((__m128i *)(out + k / 2), _mm256_castsi256_si128(m));
+            }
+        }
+        sum[g] = (uint16_t)hsum8_epi32(vsum);
+    }
+}
+
+KVD_AVX2_TARGET
+void kvd__dequant_row_avx2(float *y, int64_t n, int bits, int group, const uint8_t *codes,
+                           const uint16_t *min, const uint16_t *scale)
+{
+    const int64_t ng = n / group;
+    const __m256i sh2 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i sh4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i m2 = _mm256_set1_epi32(3), m4 = _mm256_set1_epi32(15);
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256 vmn = _mm256_set1_ps(kvd_f16_to_f32(min[g]));
+        const __m256 vsc = _mm256_set1_ps(kvd_f16_to_f32(scale[g]));
+        const uint8_t *cg = codes + g * group * bits / 8;
+        float *yg = y + g * group;
+        if (bits == 2) {
+            for (int k = 0; k < group; k += 8) {
+                uint16_t w;
+                memcpy(&w, cg + k / 4, 2);
+                __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh2), m2);
+                __m256 f = _mm256_cvtepi32_ps(c);
+                _mm256_storeu_ps(yg + k, _mm256_add_ps(vmn, _mm256_mul_ps(vsc, f)));
+            }
+        } else {
+            for (int k = 0; k < group; k += 8) {
+                uint32_t w;
+                memcpy(&w, cg + k / 2, 4);
+                __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh4), m4);
+                __m256 f = _mm256_cvtepi32_ps(c);
+                _mm256_storeu_ps(yg + k, _mm256_add_ps(vmn, _mm256_mul_ps(vsc, f)));
+            }
+        }
+    }
+}
