@@ -1,0 +1,557 @@
+/*
+ * Append: a transaction fed with bytes.
+ *
+ * begin validates the spec and returns the exact byte count; write buffers
+ * the bytes (no lock held); commit, under the sequence's lock:
+ *   1. re-checks the spec against the current sequence,
+ *   2. plans the new block hashes and pending token ids,
+ *   3. builds the pages of each appended layer: the old raw tail page (read
+ *      back and checksum-verified) merged with the new tokens, cut at page
+ *      boundaries, transposed from the wire layout [token][kv_head][head_dim]
+ *      to the page layout [kv_head][token][head_dim],
+ *   4. writes pages and the new sequence record in one RocksDB WriteBatch,
+ *   5. only then publishes the new page tables under st->lock.
+ * Any failure before step 5 leaves the sequence exactly as it was. The raw
+ * tail page keeps its page id when rewritten, so a concurrent read snapshot
+ * sees either the old or the new bytes under that id, both valid for the
+ * tokens it reads.
+ */
+#include "store_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct kvd_append {
+    kvd_store *st;
+    kvd__seq *s; /* holds a reference */
+    uint32_t ls, nl;
+    uint64_t ts, n;
+    uint32_t H, D;
+    size_t es;
+    kvd_dtype dtype;
+    uint32_t *ids;
+    size_t n_ids;
+    uint64_t *bh;
+    size_t n_bh;
+    uint8_t *buf;
+    uint64_t have, expected, cap;
+    int failed;
+};
+
+/* New hash and token-id state of a sequence after an append. */
+typedef struct id_plan {
+    uint64_t *hashes, n_hashes;
+    uint32_t *ids;
+    uint64_t n_ids;
+} id_plan;
+
+static void plan_free(id_plan *p)
+{
+    free(p->hashes);
+    free(p->ids);
+    memset(p, 0, sizeof *p);
+}
+
+/* Drop the ids of the oldest pending block once its hash is known. */
+static void plan_shift(id_plan *p, uint32_t B)
+{
+    if (p->n_ids > B) {
+        memmove(p->ids, p->ids + B, (p->n_ids - B) * sizeof *p->ids);
+        p->n_ids -= B;
+    } else {
+        p->n_ids = 0;
+    }
+}
+
+/*
+ * Compute the block hashes and pending ids the sequence will have after the
+ * append (read-only on s; the caller holds s->mu or st->lock).
+ * Engine-supplied hashes come first (they override token-id hashing for
+ * their blocks); then token ids extend the pending window and every block it
+ * completes is hashed with kvd_prefix_hash, chained from the previous block.
+ */
+static int plan_ids(const kvd_store *st, const kvd__seq *s, const kvd_append *ap, id_plan *p,
+                    kvd_error *err)
+{
+    uint32_t B = st->page_tokens;
+    memset(p, 0, sizeof *p);
+    uint64_t end = ap->ts + ap->n;
+    uint64_t hcap = s->n_hashes + ap->n_bh + end / B + 1;
+    uint64_t icap = s->n_ids + ap->n + 1;
+    p->hashes = malloc(hcap * sizeof *p->hashes);
+    p->ids = malloc(icap * sizeof *p->ids);
+    if (!p->hashes || !p->ids) {
+        plan_free(p);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    if (s->n_hashes)
+        memcpy(p->hashes, s->hashes, s->n_hashes * sizeof *p->hashes);
+    p->n_hashes = s->n_hashes;
+    if (s->n_ids)
+        memcpy(p->ids, s->ids, s->n_ids * sizeof *p->ids);
+    p->n_ids = s->n_ids;
+
+    if (ap->n_bh) {
+        uint64_t first = ap->ts / B, count = end / B - first;
+        if (ap->n_bh != count) {
+            plan_free(p);
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "%zu block hashes given, but tokens %llu..%llu complete %llu "
+                                 "blocks of %u tokens",
+                                 ap->n_bh, (unsigned long long)ap->ts,
+                                 (unsigned long long)end, (unsigned long long)count, B);
+        }
+        for (uint64_t k = 0; k < count; k++) {
+            uint64_t i = first + k;
+            if (i < p->n_hashes) {
+                if (p->hashes[i] != ap->bh[k]) {
+                    int rc = kvd_error_set(err, KVD_EINVAL,
+                                           "hash %016llx given for block %llu differs from the "
+                                           "stored %016llx",
+                                           (unsigned long long)ap->bh[k], (unsigned long long)i,
+                                           (unsigned long long)p->hashes[i]);
+                    plan_free(p);
+                    return rc;
+                }
+            } else if (i == p->n_hashes) {
+                p->hashes[p->n_hashes++] = ap->bh[k];
+                plan_shift(p, B);
+            } else {
+                int rc = kvd_error_set(err, KVD_EINVAL,
+                                       "hash given for block %llu but block %llu has none",
+                                       (unsigned long long)i, (unsigned long long)p->n_hashes);
+                plan_free(p);
+                return rc;
+            }
+        }
+    }
+    if (ap->n_ids) {
+        uint64_t base = p->n_hashes * B, idpos = base + p->n_ids;
+        if (ap->ts > idpos) {
+            int rc = kvd_error_set(err, KVD_EINVAL,
+                                   "token ids given from token %llu, but ids are known only "
+                                   "for the first %llu tokens",
+                                   (unsigned long long)ap->ts, (unsigned long long)idpos);
+            plan_free(p);
+            return rc;
+        }
+        for (uint64_t t = ap->ts; t < end; t++) {
+            uint32_t id = ap->ids[t - ap->ts];
+            if (t < base)
+                continue; /* already hashed */
+            if (t < idpos) {
+                if (p->ids[t - base] != id) {
+                    int rc = kvd_error_set(err, KVD_EINVAL,
+                                           "token id %u at token %llu differs from the id %u "
+                                           "given before",
+                                           id, (unsigned long long)t, p->ids[t - base]);
+                    plan_free(p);
+                    return rc;
+                }
+                continue;
+            }
+            p->ids[p->n_ids++] = id;
+        }
+        while (p->n_ids >= B) {
+            uint64_t parent = p->n_hashes ? p->hashes[p->n_hashes - 1] : 0;
+            p->hashes[p->n_hashes++] = kvd_prefix_hash(parent, p->ids, B);
+            plan_shift(p, B);
+        }
+    }
+    return 0;
+}
+
+/* Check the spec against the sequence's current state (s->mu or st->lock held). */
+static int check_state(const kvd_store *st, const kvd__seq *s, const kvd_append *ap,
+                       kvd_error *err)
+{
+    for (uint32_t l = ap->ls; l < ap->ls + ap->nl; l++) {
+        if (s->layers[l].tokens != ap->ts)
+            return kvd_error_set(err, KVD_EPRECOND, "token_start %llu != layer %u length %llu",
+                                 (unsigned long long)ap->ts, l,
+                                 (unsigned long long)s->layers[l].tokens);
+    }
+    if (st->max_seq_tokens && ap->ts + ap->n > st->max_seq_tokens)
+        return kvd_error_set(err, KVD_ENOMEM,
+                             "appending %llu tokens at %llu exceeds the limit of %llu tokens",
+                             (unsigned long long)ap->n, (unsigned long long)ap->ts,
+                             (unsigned long long)st->max_seq_tokens);
+    return 0;
+}
+
+void kvd_store_append_abort(kvd_append *ap)
+{
+    if (!ap)
+        return;
+    kvd__seq_unref(ap->s);
+    free(ap->ids);
+    free(ap->bh);
+    free(ap->buf);
+    free(ap);
+}
+
+int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_append **out,
+                           uint64_t *expected_bytes, kvd_error *err)
+{
+    if (out)
+        *out = NULL;
+    if (expected_bytes)
+        *expected_bytes = 0;
+    if (!st || !spec || !out)
+        return kvd_error_set(err, KVD_EINVAL, "append: NULL argument");
+    int rc = kvd__check_seq_id(spec->seq_id, spec->seq_id_len, err);
+    if (rc)
+        return rc;
+    if (spec->num_tokens == 0)
+        return kvd_error_set(err, KVD_EINVAL, "append of 0 tokens");
+    if (spec->n_token_ids && spec->n_token_ids != spec->num_tokens)
+        return kvd_error_set(err, KVD_EINVAL, "%zu token ids given for %llu tokens",
+                             spec->n_token_ids, (unsigned long long)spec->num_tokens);
+    if ((spec->n_token_ids && !spec->token_ids) || (spec->n_block_hashes && !spec->block_hashes))
+        return kvd_error_set(err, KVD_EINVAL, "append: token ids or block hashes are NULL");
+    if (spec->token_start > UINT64_MAX / 2 || spec->num_tokens > UINT64_MAX / 2)
+        return kvd_error_set(err, KVD_EINVAL, "append: token range too large");
+
+    kvd_append *ap = calloc(1, sizeof *ap);
+    if (!ap)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    ap->st = st;
+    ap->ts = spec->token_start;
+    ap->n = spec->num_tokens;
+    ap->ls = spec->layer_start;
+
+    pthread_rwlock_rdlock(&st->lock);
+    kvd__seq *s = kvd__seq_find(st, spec->seq_id, spec->seq_id_len, NULL);
+    if (!s) {
+        pthread_rwlock_unlock(&st->lock);
+        free(ap);
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+    }
+    const kvd_model_info *mi = &s->model->info;
+    if (spec->dtype != mi->dtype) {
+        rc = kvd_error_set(err, KVD_EINVAL, "dtype %s does not match model dtype %s",
+                           kvd_dtype_name(spec->dtype), kvd_dtype_name(mi->dtype));
+        goto fail;
+    }
+    if (spec->layer_start >= mi->num_layers) {
+        rc = kvd_error_set(err, KVD_EINVAL, "layer_start %u out of the model's %u layers",
+                           spec->layer_start, mi->num_layers);
+        goto fail;
+    }
+    ap->nl = spec->num_layers ? spec->num_layers : mi->num_layers - spec->layer_start;
+    if (ap->nl > mi->num_layers - spec->layer_start) {
+        rc = kvd_error_set(err, KVD_EINVAL, "layers %u..%u exceed the model's %u layers",
+                           spec->layer_start, spec->layer_start + ap->nl - 1, mi->num_layers);
+        goto fail;
+    }
+    ap->H = mi->num_kv_heads;
+    ap->D = mi->head_dim;
+    ap->dtype = mi->dtype;
+    ap->es = kvd_dtype_size(mi->dtype);
+    uint64_t row = 2ull * ap->nl * ap->H * ap->D * ap->es; /* K and V bytes per token */
+    if (ap->n > UINT64_MAX / row) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "append of %llu tokens is too large",
+                           (unsigned long long)ap->n);
+        goto fail;
+    }
+    ap->expected = row * ap->n;
+    if ((rc = check_state(st, s, ap, err)))
+        goto fail;
+    if (spec->n_token_ids) {
+        ap->ids = malloc(spec->n_token_ids * sizeof *ap->ids);
+        if (!ap->ids)
+            goto oom;
+        memcpy(ap->ids, spec->token_ids, spec->n_token_ids * sizeof *ap->ids);
+        ap->n_ids = spec->n_token_ids;
+    }
+    if (spec->n_block_hashes) {
+        ap->bh = malloc(spec->n_block_hashes * sizeof *ap->bh);
+        if (!ap->bh)
+            goto oom;
+        memcpy(ap->bh, spec->block_hashes, spec->n_block_hashes * sizeof *ap->bh);
+        ap->n_bh = spec->n_block_hashes;
+    }
+    /* Check hashes and ids now for an early error; commit checks again. */
+    id_plan pl;
+    if ((rc = plan_ids(st, s, ap, &pl, err)))
+        goto fail;
+    plan_free(&pl);
+    atomic_fetch_add(&s->refs, 1);
+    ap->s = s;
+    pthread_rwlock_unlock(&st->lock);
+    *out = ap;
+    if (expected_bytes)
+        *expected_bytes = ap->expected;
+    return 0;
+oom:
+    rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+fail:
+    pthread_rwlock_unlock(&st->lock);
+    kvd_store_append_abort(ap);
+    return rc;
+}
+
+int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_error *err)
+{
+    if (!ap || (len && !data))
+        return kvd_error_set(err, KVD_EINVAL, "append write: NULL argument");
+    if (ap->failed)
+        return kvd_error_set(err, KVD_EINVAL, "append already failed");
+    if (len > ap->expected - ap->have) {
+        ap->failed = 1;
+        return kvd_error_set(err, KVD_EINVAL, "append data exceeds the expected %llu bytes",
+                             (unsigned long long)ap->expected);
+    }
+    if (ap->have + len > ap->cap) {
+        /* Grow with the data actually received, so a header announcing a
+         * huge append costs nothing until the bytes arrive. */
+        uint64_t nc = ap->cap ? ap->cap : (64u << 20);
+        while (nc < ap->have + len)
+            nc *= 2;
+        if (nc > ap->expected)
+            nc = ap->expected;
+        uint8_t *nb = nc <= SIZE_MAX ? realloc(ap->buf, (size_t)nc) : NULL;
+        if (!nb) {
+            ap->failed = 1;
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory buffering %llu append bytes",
+                                 (unsigned long long)nc);
+        }
+        ap->buf = nb;
+        ap->cap = nc;
+    }
+    memcpy(ap->buf + ap->have, data, len);
+    ap->have += len;
+    return 0;
+}
+
+/* Build the new pages of one layer into batch and return the layer's new
+ * page table in *nl (new kvd__page structs for the rewritten tail and the
+ * new pages; older entries are shared with the current table). */
+static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_writebatch_t *b,
+                       kvd__layer *nl, kvd_error *err)
+{
+    kvd_store *st = ap->st;
+    kvd__seq *s = ap->s;
+    const kvd__layer *L = &s->layers[l];
+    uint32_t B = st->page_tokens;
+    uint64_t end = ap->ts + ap->n;
+    uint64_t first = L->tokens / B;
+    uint32_t tail_n = (uint32_t)(L->tokens % B);
+    uint64_t npages = (end + B - 1) / B;
+    size_t row = (size_t)ap->D * ap->es; /* one head of one token */
+    int rc = 0;
+    char *old = NULL;
+    size_t old_len = 0;
+    kvd_page_view ov = {0};
+    uint8_t *page = NULL;
+
+    memset(nl, 0, sizeof *nl);
+    if (npages > UINT32_MAX)
+        return kvd_error_set(err, KVD_ENOMEM, "layer %u would have too many pages", l);
+    nl->pages = calloc(npages, sizeof *nl->pages);
+    if (!nl->pages)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    nl->tokens = end;
+    nl->npages = nl->cap = (uint32_t)npages;
+    memcpy(nl->pages, L->pages, first * sizeof *nl->pages);
+
+    if (tail_n) {
+        uint8_t key[KVD__PAGE_KEY_LEN];
+        kvd__page_key(key, L->pages[first]->id);
+        char *e = NULL;
+        old = rocksdb_get(st->db, st->ropt, (const char *)key, sizeof key, &old_len, &e);
+        if (e) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb read of a tail page failed: %s", e);
+            rocksdb_free(e);
+            goto fail;
+        }
+        if (!old) {
+            rc = kvd_error_set(err, KVD_ECORRUPT, "tail page %llu of layer %u is missing",
+                               (unsigned long long)L->pages[first]->id, l);
+            goto fail;
+        }
+        if ((rc = kvd_page_decode(old, old_len, &ov, err)))
+            goto fail;
+        if (ov.h.layer != l || ov.h.token_start != first * B || ov.h.num_tokens != tail_n ||
+            ov.h.num_kv_heads != ap->H || ov.h.head_dim != ap->D || ov.h.dtype != ap->dtype ||
+            ov.h.k_codec != KVD_CODEC_RAW || ov.h.v_codec != KVD_CODEC_RAW) {
+            rc = kvd_error_set(err, KVD_ECORRUPT,
+                               "tail page %llu does not hold layer %u tokens %llu+%u",
+                               (unsigned long long)L->pages[first]->id, l,
+                               (unsigned long long)(first * B), tail_n);
+            goto fail;
+        }
+    }
+
+    /* Wire K and V blocks of this layer: [token][kv_head][head_dim]. */
+    size_t tok_bytes = (size_t)ap->H * row;
+    const uint8_t *wk = ap->buf + (size_t)(l - ap->ls) * ap->n * tok_bytes;
+    const uint8_t *wv = wk + (size_t)ap->nl * ap->n * tok_bytes;
+
+    for (uint64_t pi = first; pi < npages; pi++) {
+        uint64_t p0 = pi * B, p1 = p0 + B < end ? p0 + B : end;
+        kvd_page_desc d = {.dtype = ap->dtype,
+                           .layer = l,
+                           .token_start = p0,
+                           .num_tokens = (uint32_t)(p1 - p0),
+                           .page_tokens = B,
+                           .num_kv_heads = ap->H,
+                           .head_dim = ap->D};
+        if (d.num_tokens == B && pi < pl->n_hashes) {
+            d.has_prefix_hash = 1;
+            d.prefix_hash = pl->hashes[pi];
+        }
+        uint64_t size = kvd_page_raw_size(&d);
+        kvd__page *np = calloc(1, sizeof *np);
+        page = malloc((size_t)size);
+        if (!np || !page) {
+            free(np);
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
+            goto fail;
+        }
+        nl->pages[pi] = np;
+        np->id = (pi == first && tail_n) ? L->pages[first]->id
+                                         : atomic_fetch_add(&st->next_page_id, 1);
+        np->refs = 1;
+        np->num_tokens = d.num_tokens;
+        np->bytes = size;
+        uint8_t *kp, *vp;
+        if ((rc = kvd_page_init_raw(&d, page, (size_t)size, &kp, &vp, err)))
+            goto fail;
+        for (int part = 0; part < 2; part++) {
+            uint8_t *dst = part ? vp : kp;
+            const uint8_t *w = part ? wv : wk;
+            const uint8_t *o = part ? ov.v : ov.k;
+            for (uint32_t h = 0; h < ap->H; h++) {
+                for (uint64_t t = p0; t < p1; t++) {
+                    const uint8_t *src;
+                    if (t < L->tokens) /* only in the old tail page */
+                        src = o + ((size_t)h * tail_n + (size_t)(t - p0)) * row;
+                    else
+                        src = w + (size_t)(t - ap->ts) * tok_bytes + (size_t)h * row;
+                    memcpy(dst, src, row);
+                    dst += row;
+                }
+            }
+        }
+        kvd_page_finish(page, (size_t)size);
+        uint8_t key[KVD__PAGE_KEY_LEN];
+        kvd__page_key(key, np->id);
+        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page,
+                               (size_t)size);
+        free(page);
+        page = NULL;
+    }
+    rocksdb_free(old);
+    return 0;
+fail:
+    free(page);
+    rocksdb_free(old);
+    for (uint64_t pi = first; pi < npages; pi++)
+        free(nl->pages[pi]);
+    free(nl->pages);
+    memset(nl, 0, sizeof *nl);
+    return rc;
+}
+
+int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
+{
+    if (info)
+        memset(info, 0, sizeof *info);
+    if (!ap)
+        return kvd_error_set(err, KVD_EINVAL, "append commit: NULL append");
+    kvd_store *st = ap->st;
+    kvd__seq *s = ap->s;
+    int rc = 0;
+    if (ap->failed) {
+        rc = kvd_error_set(err, KVD_EINVAL, "append failed earlier; nothing was stored");
+        kvd_store_append_abort(ap);
+        return rc;
+    }
+    if (ap->have != ap->expected) {
+        rc = kvd_error_set(err, KVD_EINVAL,
+                           "append received %llu of %llu bytes; nothing was stored",
+                           (unsigned long long)ap->have, (unsigned long long)ap->expected);
+        kvd_store_append_abort(ap);
+        return rc;
+    }
+
+    pthread_mutex_lock(&s->mu);
+    id_plan pl = {0};
+    kvd__layer *nls = NULL;
+    uint8_t *rec = NULL;
+    size_t rlen = 0;
+    rocksdb_writebatch_t *b = NULL;
+    if (s->dead) {
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence was deleted during the append");
+        goto out;
+    }
+    if ((rc = check_state(st, s, ap, err)) || (rc = plan_ids(st, s, ap, &pl, err)))
+        goto out;
+    nls = calloc(s->num_layers, sizeof *nls);
+    if (!nls) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto out;
+    }
+    b = rocksdb_writebatch_create();
+    for (uint32_t l = 0; l < s->num_layers; l++) {
+        if (l < ap->ls || l >= ap->ls + ap->nl) {
+            nls[l] = s->layers[l]; /* shallow: unchanged */
+            continue;
+        }
+        if ((rc = build_layer(ap, l, &pl, b, &nls[l], err)))
+            goto out;
+    }
+    if ((rc = kvd__seq_encode(st, s, nls, pl.hashes, pl.n_hashes, pl.ids, pl.n_ids, &rec, &rlen,
+                              err)))
+        goto out;
+    uint8_t key[1 + KVD_SEQ_ID_MAX];
+    size_t klen;
+    kvd__seq_key(s, key, &klen);
+    rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, rlen);
+    if ((rc = kvd__db_write(st, b, err)))
+        goto out;
+
+    /* Durable: publish. Nothing below can fail. */
+    pthread_rwlock_wrlock(&st->lock);
+    for (uint32_t l = ap->ls; l < ap->ls + ap->nl; l++) {
+        kvd__layer *L = &s->layers[l];
+        uint64_t first = L->tokens / st->page_tokens;
+        if (L->tokens % st->page_tokens)
+            free(L->pages[first]); /* the old tail, private to this sequence */
+        free(L->pages);
+        *L = nls[l];
+    }
+    free(s->hashes);
+    free(s->ids);
+    s->hashes = pl.hashes;
+    s->n_hashes = s->cap_hashes = pl.n_hashes;
+    s->ids = pl.ids;
+    s->n_ids = s->cap_ids = pl.n_ids;
+    memset(&pl, 0, sizeof pl);
+    free(nls);
+    nls = NULL;
+    kvd__prefix_register(st, s);
+    if (info)
+        rc = kvd__seq_fill_info(st, s, info, err);
+    pthread_rwlock_unlock(&st->lock);
+out:
+    if (nls) {
+        for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < s->num_layers; l++) {
+            if (!nls[l].pages)
+                continue;
+            uint64_t first = s->layers[l].tokens / st->page_tokens;
+            for (uint32_t i = (uint32_t)first; i < nls[l].npages; i++)
+                free(nls[l].pages[i]);
+            free(nls[l].pages);
+        }
+        free(nls);
+    }
+    if (b)
+        rocksdb_writebatch_destroy(b);
+    free(rec);
+    plan_free(&pl);
+    pthread_mutex_unlock(&s->mu);
+    kvd_store_append_abort(ap);
+    return rc;
+}

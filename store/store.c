@@ -1,0 +1,341 @@
+/*
+ * kvd_store: opening, closing and recovering the RocksDB database, plus the
+ * small u64 map the store's indexes use.
+ */
+#include "store_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+/* The streaming state lives on the stack; its layout is in the header. */
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
+#define META_VERSION 1
+
+uint64_t kvd__now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+void kvd__page_key(uint8_t key[KVD__PAGE_KEY_LEN], uint64_t id)
+{
+    /* Big-endian so pages sort by id in RocksDB. */
+    key[0] = KVD__KEY_PAGE;
+    for (int i = 0; i < 8; i++)
+        key[1 + i] = (uint8_t)(id >> (56 - 8 * i));
+}
+
+uint64_t kvd_prefix_hash(uint64_t parent, const uint32_t *token_ids, size_t n)
+{
+    /* The hash is defined over little-endian u32 ids; convert in chunks so a
+     * big-endian host computes the same value. */
+    XXH3_state_t s;
+    uint8_t buf[1024];
+    XXH3_64bits_reset_withSeed(&s, parent);
+    size_t i = 0;
+    while (i < n) {
+        size_t k = 0;
+        for (; i < n && k + 4 <= sizeof buf; i++, k += 4) {
+            uint32_t t = token_ids[i];
+            buf[k] = (uint8_t)t;
+            buf[k + 1] = (uint8_t)(t >> 8);
+            buf[k + 2] = (uint8_t)(t >> 16);
+            buf[k + 3] = (uint8_t)(t >> 24);
+        }
+        XXH3_64bits_update(&s, buf, k);
+    }
+    return XXH3_64bits_digest(&s);
+}
+
+uint32_t kvd_store_page_tokens(const kvd_store *st) { return st->page_tokens; }
+
+/* ---- u64 -> pointer map (linear probing; key 0 is stored like any other,
+ * emptiness is a NULL value) ------------------------------------------- */
+
+static size_t map_slot(uint64_t key, size_t cap)
+{
+    key ^= key >> 33;
+    key *= 0xff51afd7ed558ccdull;
+    key ^= key >> 33;
+    return (size_t)key & (cap - 1);
+}
+
+void *kvd__map_get(const kvd__map *m, uint64_t key)
+{
+    if (m->cap == 0)
+        return NULL;
+    for (size_t i = map_slot(key, m->cap);; i = (i + 1) & (m->cap - 1)) {
+        if (!m->vals[i])
+            return NULL;
+        if (m->keys[i] == key)
+            return m->vals[i];
+    }
+}
+
+static int map_grow(kvd__map *m)
+{
+    size_t ncap = m->cap ? m->cap * 2 : 16;
+    uint64_t *nk = calloc(ncap, sizeof *nk);
+    void **nv = calloc(ncap, sizeof *nv);
+    if (!nk || !nv) {
+        free(nk);
+        free(nv);
+        return KVD_ENOMEM;
+    }
+    for (size_t i = 0; i < m->cap; i++) {
+        if (!m->vals[i])
+            continue;
+        size_t j = map_slot(m->keys[i], ncap);
+        while (nv[j])
+            j = (j + 1) & (ncap - 1);
+        nk[j] = m->keys[i];
+        nv[j] = m->vals[i];
+    }
+    free(m->keys);
+    free(m->vals);
+    m->keys = nk;
+    m->vals = nv;
+    m->cap = ncap;
+    return 0;
+}
+
+int kvd__map_put(kvd__map *m, uint64_t key, void *val)
+{
+    if ((m->n + 1) * 4 > m->cap * 3 && map_grow(m))
+        return KVD_ENOMEM;
+    size_t i = map_slot(key, m->cap);
+    while (m->vals[i] && m->keys[i] != key)
+        i = (i + 1) & (m->cap - 1);
+    if (!m->vals[i])
+        m->n++;
+    m->keys[i] = key;
+    m->vals[i] = val;
+    return 0;
+}
+
+void kvd__map_del(kvd__map *m, uint64_t key)
+{
+    if (m->cap == 0)
+        return;
+    size_t i = map_slot(key, m->cap);
+    while (m->vals[i] && m->keys[i] != key)
+        i = (i + 1) & (m->cap - 1);
+    if (!m->vals[i])
+        return;
+    m->vals[i] = NULL;
+    m->n--;
+    /* Re-insert the rest of the probe run so look-ups never stop early. */
+    for (size_t j = (i + 1) & (m->cap - 1); m->vals[j]; j = (j + 1) & (m->cap - 1)) {
+        uint64_t k = m->keys[j];
+        void *v = m->vals[j];
+        m->vals[j] = NULL;
+        size_t s = map_slot(k, m->cap);
+        while (m->vals[s])
+            s = (s + 1) & (m->cap - 1);
+        m->keys[s] = k;
+        m->vals[s] = v;
+    }
+}
+
+void kvd__map_free(kvd__map *m)
+{
+    free(m->keys);
+    free(m->vals);
+    memset(m, 0, sizeof *m);
+}
+
+/* ---- RocksDB ------------------------------------------------------------ */
+
+int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err)
+{
+    char *e = NULL;
+    rocksdb_write(st->db, st->wopt, b, &e);
+    if (e) {
+        kvd_error_set(err, KVD_EINTERNAL, "rocksdb write failed: %s", e);
+        rocksdb_free(e);
+        return KVD_EINTERNAL;
+    }
+    return 0;
+}
+
+static int mkdir_p(const char *path, kvd_error *err)
+{
+    char *tmp = strdup(path);
+    if (!tmp)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    for (char *p = tmp + 1;; p++) {
+        if (*p == '/' || *p == '\0') {
+            char c = *p;
+            *p = '\0';
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+                int e = errno;
+                kvd_error_set(err, KVD_EINTERNAL, "cannot create directory %s: %s", tmp,
+                              strerror(e));
+                free(tmp);
+                return KVD_EINTERNAL;
+            }
+            *p = c;
+            if (c == '\0')
+                break;
+        }
+    }
+    free(tmp);
+    return 0;
+}
+
+/* Read or create the store record; it pins the page size for the directory. */
+static int load_meta(kvd_store *st, uint32_t want_page_tokens, kvd_error *err)
+{
+    char *e = NULL;
+    size_t len = 0;
+    char *v = rocksdb_get(st->db, st->ropt, KVD__META_KEY, KVD__META_KEY_LEN, &len, &e);
+    if (e) {
+        kvd_error_set(err, KVD_EINTERNAL, "rocksdb read of the store record failed: %s", e);
+        rocksdb_free(e);
+        return KVD_EINTERNAL;
+    }
+    if (v) {
+        const uint8_t *p = (const uint8_t *)v;
+        int rc = 0;
+        if (len != 5 || p[0] != META_VERSION) {
+            rc = kvd_error_set(err, KVD_ECORRUPT, "store record: version %u, %zu bytes",
+                               len ? p[0] : 0, len);
+        } else {
+            uint32_t pt = (uint32_t)p[1] | ((uint32_t)p[2] << 8) | ((uint32_t)p[3] << 16) |
+                          ((uint32_t)p[4] << 24);
+            if (pt == 0 || pt > KVD_PAGE_MAX_TOKENS)
+                rc = kvd_error_set(err, KVD_ECORRUPT, "store record: page_tokens %u", pt);
+            else if (want_page_tokens && want_page_tokens != pt)
+                rc = kvd_error_set(err, KVD_EPRECOND,
+                                   "data directory was created with page_tokens %u, not %u", pt,
+                                   want_page_tokens);
+            else
+                st->page_tokens = pt;
+        }
+        rocksdb_free(v);
+        return rc;
+    }
+    st->page_tokens = want_page_tokens ? want_page_tokens : KVD_DEFAULT_PAGE_TOKENS;
+    uint8_t rec[5] = {META_VERSION, (uint8_t)st->page_tokens, (uint8_t)(st->page_tokens >> 8),
+                      (uint8_t)(st->page_tokens >> 16), (uint8_t)(st->page_tokens >> 24)};
+    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    rocksdb_writebatch_put(b, KVD__META_KEY, KVD__META_KEY_LEN, (const char *)rec, sizeof rec);
+    int rc = kvd__db_write(st, b, err);
+    rocksdb_writebatch_destroy(b);
+    return rc;
+}
+
+int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err)
+{
+    if (!out)
+        return kvd_error_set(err, KVD_EINVAL, "store open: out is NULL");
+    *out = NULL;
+    if (!opt || !opt->data_dir || !opt->data_dir[0])
+        return kvd_error_set(err, KVD_EINVAL, "store open: data_dir is not set");
+    if (opt->page_tokens > KVD_PAGE_MAX_TOKENS)
+        return kvd_error_set(err, KVD_EINVAL, "page_tokens %u exceeds %d", opt->page_tokens,
+                             KVD_PAGE_MAX_TOKENS);
+    int rc = mkdir_p(opt->data_dir, err);
+    if (rc)
+        return rc;
+
+    kvd_store *st = calloc(1, sizeof *st);
+    if (!st)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    pthread_rwlock_init(&st->lock, NULL);
+    st->max_seq_tokens = opt->max_seq_tokens;
+
+    st->dbopt = rocksdb_options_create();
+    rocksdb_options_set_create_if_missing(st->dbopt, 1);
+    rocksdb_options_increase_parallelism(st->dbopt, 2);
+    /* Pages are large, incompressible floats: keep them in blob files so
+     * compaction moves only the small keys and metadata. */
+    rocksdb_options_set_enable_blob_files(st->dbopt, 1);
+    rocksdb_options_set_min_blob_size(st->dbopt, 4096);
+    rocksdb_options_set_enable_blob_gc(st->dbopt, 1);
+    rocksdb_options_set_compression(st->dbopt, rocksdb_no_compression);
+    rocksdb_options_set_write_buffer_size(st->dbopt, 64u << 20);
+    st->bbopt = rocksdb_block_based_options_create();
+    st->cache = rocksdb_cache_create_lru(opt->block_cache_bytes ? opt->block_cache_bytes
+                                                                 : (size_t)64 << 20);
+    rocksdb_block_based_options_set_block_cache(st->bbopt, st->cache);
+    rocksdb_options_set_block_based_table_factory(st->dbopt, st->bbopt);
+    st->wopt = rocksdb_writeoptions_create();
+    rocksdb_writeoptions_set_sync(st->wopt, opt->sync_writes ? 1 : 0);
+    st->ropt = rocksdb_readoptions_create();
+
+    char *e = NULL;
+    st->db = rocksdb_open(st->dbopt, opt->data_dir, &e);
+    if (e) {
+        rc = kvd_error_set(err, strstr(e, "Corruption") ? KVD_ECORRUPT : KVD_EINTERNAL,
+                           "cannot open RocksDB in %s: %s", opt->data_dir, e);
+        rocksdb_free(e);
+        st->db = NULL;
+        kvd_store_close(st);
+        return rc;
+    }
+    if ((rc = load_meta(st, opt->page_tokens, err)) || (rc = kvd__load_models(st, err)) ||
+        (rc = kvd__load_sequences(st, err))) {
+        kvd_store_close(st);
+        return rc;
+    }
+    *out = st;
+    return 0;
+}
+
+void kvd_store_close(kvd_store *st)
+{
+    if (!st)
+        return;
+    for (size_t i = 0; i < st->nseqs; i++) {
+        kvd__seq *s = st->seqs[i];
+        for (uint32_t l = 0; l < s->num_layers; l++)
+            for (uint32_t j = 0; j < s->layers[l].npages; j++)
+                if (--s->layers[l].pages[j]->refs == 0)
+                    free(s->layers[l].pages[j]);
+        s->dead = 1;
+        kvd__seq_unref(s);
+    }
+    free(st->seqs);
+    for (size_t i = 0; i < st->nmodels; i++) {
+        kvd__model *m = st->models[i];
+        for (size_t j = 0; j < m->prefixes.cap; j++) {
+            kvd__prefix *p = m->prefixes.vals[j];
+            if (p) {
+                free(p->pages);
+                free(p);
+            }
+        }
+        kvd__map_free(&m->prefixes);
+        free(m);
+    }
+    free(st->models);
+    if (st->db) {
+        /* Make acknowledged but unsynced writes durable before exit. */
+        rocksdb_flushoptions_t *fo = rocksdb_flushoptions_create();
+        rocksdb_flushoptions_set_wait(fo, 1);
+        char *e = NULL;
+        rocksdb_flush(st->db, fo, &e);
+        rocksdb_free(e);
+        rocksdb_flushoptions_destroy(fo);
+        rocksdb_close(st->db);
+    }
+    if (st->ropt)
+        rocksdb_readoptions_destroy(st->ropt);
+    if (st->wopt)
+        rocksdb_writeoptions_destroy(st->wopt);
+    if (st->dbopt)
+        rocksdb_options_destroy(st->dbopt);
+    if (st->bbopt)
+        rocksdb_block_based_options_destroy(st->bbopt);
+    if (st->cache)
+        rocksdb_cache_destroy(st->cache);
+    pthread_rwlock_destroy(&st->lock);
+    free(st);
+}
