@@ -1,0 +1,811 @@
+/*
+ * PQ index on the CPU: train, encode, top-k search (scalar reference, AVX2
+ * scan), checked wrappers and the backend's pq table. Semantics and layouts
+ * are in kvdepot/pq.h.
+ *
+ * The fast search:
+ *   - lookup table: the reference formula, vectorised across 8 centroids
+ *     (gathered with stride dsub) with the same per-entry summation order,
+ *     so the table is bitwise the reference table;
+ *   - scan: 8 tokens per step. The codes of 8 rows are loaded and transposed
+ *     in registers (m = 1, 2, 4, 8, 16 have their own shuffles; other
+ *     multiples of 4 use dword gathers), every sub-space's 8 table entries
+ *     are fetched with one gather and added in sub-space order, which gives
+ *     bitwise the reference score;
+ *   - top-k: no heap. A token enters a small buffer only when its score
+ *     beats the running threshold (the k-th best key seen so far); when the
+ *     buffer fills it is cut back to its k best by quickselect and the
+ *     threshold rises. After the first few thousand tokens almost every
+ *     token fails the single vector compare, which is what makes k = 2048
+ *     nearly as cheap as k = 256;
+ *   - threads split the middle tokens into contiguous ranges, each with its
+ *     own buffer; the per-thread winners are merged by one more selection.
+ *     Selection is exact, so the result does not depend on the split.
+ *
+ * Ordering keys: a (score, index) pair is packed into a u64 whose unsigned
+ * order is the result order: high 32 bits = the score mapped to an
+ * order-preserving u32 (NaN -> 0, below every number; -0 -> +0), low 32 bits
+ * = ~index, so among equal scores the lower index has the larger key. All
+ * keys are distinct, "best first" is "largest key first".
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_internal.h"
+#include "kvdepot/pq.h"
+
+/* ---- ordering keys and selection --------------------------------------- */
+
+static inline uint32_t key_ord(float s)
+{
+    if (isnan(s))
+        return 0;
+    if (s == 0.0f)
+        s = 0.0f;
+    uint32_t u;
+    memcpy(&u, &s, 4);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+static inline float key_unord(uint32_t o)
+{
+    uint32_t u = (o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o;
+    float s;
+    memcpy(&s, &u, 4);
+    return s;
+}
+
+static inline uint64_t make_key(float s, uint32_t idx)
+{
+    return ((uint64_t)key_ord(s) << 32) | (uint64_t)(~idx);
+}
+
+static inline uint32_t key_idx(uint64_t key) { return ~(uint32_t)key; }
+static inline float key_score(uint64_t key) { return key_unord((uint32_t)(key >> 32)); }
+
+static inline void swap_u64(uint64_t *a, uint64_t *b)
+{
+    uint64_t t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Move the k largest keys to keys[0..k), the k-th largest to keys[k-1].
+ * 1 <= k <= n; keys are distinct (quickselect, median-of-three pivots). */
+static void select_topk(uint64_t *keys, int64_t n, int64_t k)
+{
+    int64_t lo = 0, hi = n - 1, target = k - 1;
+    while (hi > lo) {
+        if (hi - lo < 16) { /* insertion sort, descending */
+            for (int64_t i = lo + 1; i <= hi; i++) {
+                uint64_t v = keys[i];
+                int64_t j = i - 1;
+                while (j >= lo && keys[j] < v) {
+                    keys[j + 1] = keys[j];
+                    j--;
+                }
+                keys[j + 1] = v;
+            }
+            return;
+        }
+        int64_t mid = lo + (hi - lo) / 2;
+        if (keys[mid] > keys[lo])
+            swap_u64(&keys[mid], &keys[lo]);
+        if (keys[hi] > keys[lo])
+            swap_u64(&keys[hi], &keys[lo]);
+        if (keys[hi] > keys[mid])
+            swap_u64(&keys[hi], &keys[mid]);
+        /* now keys[lo] >= keys[mid] >= keys[hi]; pivot = median */
+        uint64_t pivot = keys[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (keys[i] > pivot)
+                i++;
+            while (keys[j] < pivot)
+                j--;
+            if (i <= j) {
+                swap_u64(&keys[i], &keys[j]);
+                i++;
+                j--;
+            }
+        }
+        if (target <= j)
+            hi = j;
+        else if (target >= i)
+            lo = i;
+        else
+            return;
+    }
+}
+
+/* Sort keys largest first: LSD radix sort on the complemented keys, 8 bits
+ * a pass, skipping passes where every key has the same byte. */
+static void sort_desc(uint64_t *keys, int64_t n, uint64_t *tmp)
+{
+    if (n < 2)
+        return;
+    if (n < 64) { /* insertion sort */
+        for (int64_t i = 1; i < n; i++) {
+            uint64_t v = keys[i];
+            int64_t j = i - 1;
+            while (j >= 0 && keys[j] < v) {
+                keys[j + 1] = keys[j];
+                j--;
+            }
+            keys[j + 1] = v;
+        }
+        return;
+    }
+    uint64_t *src = keys, *dst = tmp;
+    for (int pass = 0; pass < 8; pass++) {
+        int shift = pass * 8;
+        int64_t cnt[256] = {0};
+        for (int64_t i = 0; i < n; i++)
+            cnt[(~src[i] >> shift) & 0xFF]++;
+        int skip = 0;
+        for (int b = 0; b < 256; b++)
+            if (cnt[b] == n)
+                skip = 1;
+        if (skip)
+            continue;
+        int64_t pos = 0;
+        for (int b = 0; b < 256; b++) {
+            int64_t c = cnt[b];
+            cnt[b] = pos;
+            pos += c;
+        }
+        for (int64_t i = 0; i < n; i++)
+            dst[cnt[(~src[i] >> shift) & 0xFF]++] = src[i];
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != keys)
+        memcpy(keys, src, sizeof(uint64_t) * (size_t)n);
+}
+
+/* Candidate buffer with a running threshold. thr is NaN until the k-th best
+ * key is a number; the scan's test !(score <= thr) then admits everything. */
+typedef struct topk_buf {
+    uint64_t *keys;
+    int64_t n, cap, k;
+    float thr;
+} topk_buf;
+
+static void tb_compact(topk_buf *tb)
+{
+    if (tb->n <= tb->k)
+        return;
+    select_topk(tb->keys, tb->n, tb->k);
+    tb->n = tb->k;
+    uint64_t kth = tb->keys[tb->k - 1];
+    if ((kth >> 32) != 0)
+        tb->thr = key_score(kth);
+}
+
+static inline void tb_push(topk_buf *tb, float s, uint32_t idx)
+{
+    tb->keys[tb->n++] = make_key(s, idx);
+}
+
+/* ---- lookup tables ----------------------------------------------------- */
+
+void kvd_pq_lut_ref(int m, int b, int D, const float *centroids, const float *q, float *lut)
+{
+    const int ksub = 1 << b, dsub = D / m;
+    for (int j = 0; j < m; j++) {
+        const float *qj = q + j * dsub;
+        for (int c = 0; c < 256; c++) {
+            if (c >= ksub) {
+                lut[j * 256 + c] = -INFINITY;
+                continue;
+            }
+            const float *cc = centroids + ((int64_t)j * ksub + c) * dsub;
+            float acc = 0.0f;
+            for (int t = 0; t < dsub; t++)
+                acc = acc + qj[t] * cc[t];
+            lut[j * 256 + c] = acc;
+        }
+    }
+}
+
+/* Same bits as kvd_pq_lut_ref: 16 centroids at a time, one lane each. */
+__attribute__((target("avx2,fma"))) static void lut_avx2(int m, int b, int D,
+                                                         const float *centroids, const float *q,
+                                                         float *lut)
+{
+    const int ksub = 1 << b, dsub = D / m;
+    const __m256i off = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(dsub));
+    for (int j = 0; j < m; j++) {
+        const float *qj = q + j * dsub;
+        const float *cj = centroids + (int64_t)j * ksub * dsub;
+        for (int c = 0; c < ksub; c += 16) {
+            const float *c0 = cj + (int64_t)c * dsub, *c1 = c0 + 8 * dsub;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int t = 0; t < dsub; t++) {
+                __m256 qt = _mm256_broadcast_ss(qj + t);
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(qt, _mm256_i32gather_ps(c0 + t, off, 4)));
+                a1 = _mm256_add_ps(a1, _mm256_mul_ps(qt, _mm256_i32gather_ps(c1 + t, off, 4)));
+            }
+            _mm256_storeu_ps(lut + j * 256 + c, a0);
+            _mm256_storeu_ps(lut + j * 256 + c + 8, a1);
+        }
+        for (int c = ksub; c < 256; c++)
+            lut[j * 256 + c] = -INFINITY;
+    }
+}
+
+/* qbar = q_0 + ... + q_{G-1}, in that order. */
+static void sum_queries(int G, int D, const float *q, float *qbar)
+{
+    for (int t = 0; t < D; t++) {
+        float s = q[t];
+        for (int h = 1; h < G; h++)
+            s = s + q[(int64_t)h * D + t];
+        qbar[t] = s;
+    }
+}
+
+/* ---- scores ------------------------------------------------------------ */
+
+static inline float score_one(int m, const uint8_t *code, const float *lut)
+{
+    float s = lut[code[0]];
+    for (int j = 1; j < m; j++)
+        s = s + lut[j * 256 + code[j]];
+    return s;
+}
+
+/* KVD_PQ_AGG_MAX: the largest per-head score; NaN heads are skipped unless
+ * all are NaN. */
+static inline float score_max(int m, int G, const uint8_t *code, const float *luts)
+{
+    float best = score_one(m, code, luts);
+    for (int h = 1; h < G; h++) {
+        float v = score_one(m, code, luts + (int64_t)h * m * 256);
+        if (isnan(best) || v > best)
+            best = v;
+    }
+    return best;
+}
+
+static inline float score_agg(int m, int G, kvd_pq_agg agg, const uint8_t *code,
+                              const float *luts)
+{
+    return agg == KVD_PQ_AGG_MAX ? score_max(m, G, code, luts) : score_one(m, code, luts);
+}
+
+/* Tables for a search: SUM -> one table of qbar; MAX -> G tables. */
+static int build_luts(int simd, int m, int b, int D, const float *centroids, int G,
+                      const float *queries, kvd_pq_agg agg, float **out)
+{
+    int ntab = agg == KVD_PQ_AGG_MAX ? G : 1;
+    float *luts = malloc(sizeof(float) * (size_t)ntab * (size_t)m * 256);
+    float *qbar = malloc(sizeof(float) * (size_t)D);
+    if (!luts || !qbar) {
+        free(luts);
+        free(qbar);
+        return KVD_ENOMEM;
+    }
+    for (int h = 0; h < ntab; h++) {
+        const float *q = queries + (int64_t)h * D;
+        if (agg != KVD_PQ_AGG_MAX) {
+            sum_queries(G, D, queries, qbar);
+            q = qbar;
+        }
+        if (simd)
+            lut_avx2(m, b, D, centroids, q, luts + (int64_t)h * m * 256);
+        else
+            kvd_pq_lut_ref(m, b, D, centroids, q, luts + (int64_t)h * m * 256);
+    }
+    free(qbar);
+    *out = luts;
+    return KVD_OK;
+}
+
+int64_t kvd_pq_search_count(int64_t n, const kvd_pq_search_params *p)
+{
+    if (n <= 0 || !p)
+        return 0;
+    int64_t s = p->sink < n ? (p->sink > 0 ? p->sink : 0) : n;
+    int64_t w = p->window < n - s ? (p->window > 0 ? p->window : 0) : n - s;
+    int64_t mid = n - s - w;
+    int64_t k = p->k > 0 ? p->k : 0;
+    return s + w + (k < mid ? k : mid);
+}
+
+/* Forced tokens + the middle's winners -> sorted output. mid holds nmid keys
+ * (already cut to k). */
+static int finish(int64_t n, int m, int G, kvd_pq_agg agg, const uint8_t *codes,
+                  const float *luts, const kvd_pq_search_params *p, const uint64_t *mid,
+                  int64_t nmid, uint32_t *idx, float *scores, int64_t *nout)
+{
+    int64_t s = p->sink < n ? (p->sink > 0 ? p->sink : 0) : n;
+    int64_t w = p->window < n - s ? (p->window > 0 ? p->window : 0) : n - s;
+    int64_t total = s + w + nmid;
+    uint64_t *all = malloc(sizeof(uint64_t) * (size_t)(total > 0 ? total : 1) * 2);
+    if (!all)
+        return KVD_ENOMEM;
+    int64_t c = 0;
+    for (int64_t i = 0; i < s; i++)
+        all[c++] = make_key(score_agg(m, G, agg, codes + i * m, luts), (uint32_t)i);
+    for (int64_t i = n - w; i < n; i++)
+        all[c++] = make_key(score_agg(m, G, agg, codes + i * m, luts), (uint32_t)i);
+    memcpy(all + c, mid, sizeof(uint64_t) * (size_t)nmid);
+    c += nmid;
+    sort_desc(all, c, all + total);
+    for (int64_t i = 0; i < c; i++) {
+        idx[i] = key_idx(all[i]);
+        if (scores)
+            scores[i] = key_score(all[i]);
+    }
+    *nout = c;
+    free(all);
+    return KVD_OK;
+}
+
+/* ---- reference search -------------------------------------------------- */
+
+int kvd_pq_search_ref(int64_t n, int m, int b, int D, const float *centroids,
+                      const uint8_t *codes, int G, const float *queries,
+                      const kvd_pq_search_params *p, uint32_t *idx, float *scores,
+                      int64_t *nout)
+{
+    *nout = 0;
+    float *luts = NULL;
+    int rc = build_luts(0, m, b, D, centroids, G, queries, p->agg, &luts);
+    if (rc)
+        return rc;
+    int64_t s = p->sink < n ? (p->sink > 0 ? p->sink : 0) : n;
+    int64_t w = p->window < n - s ? (p->window > 0 ? p->window : 0) : n - s;
+    int64_t lo = s, hi = n - w, nm = hi - lo;
+    int64_t k = p->k > 0 ? (p->k < nm ? p->k : nm) : 0;
+    uint64_t *keys = malloc(sizeof(uint64_t) * (size_t)(nm > 0 ? nm : 1) * 2);
+    if (!keys) {
+        free(luts);
+        return KVD_ENOMEM;
+    }
+    /* every middle token's score, all sorted, the first k kept */
+    for (int64_t i = lo; i < hi; i++)
+        keys[i - lo] = make_key(score_agg(m, G, p->agg, codes + i * m, luts), (uint32_t)i);
+    sort_desc(keys, nm, keys + nm);
+    rc = finish(n, m, G, p->agg, codes, luts, p, keys, k, idx, scores, nout);
+    free(keys);
+    free(luts);
+    return rc;
+}
+
+/* ---- fast scan --------------------------------------------------------- */
+
+/* Scalar scan of tokens [i0, i1) into tb (exact scores, threshold test). */
+static void scan_scalar(int m, int G, kvd_pq_agg agg, const uint8_t *codes, const float *luts,
+                        int64_t i0, int64_t i1, topk_buf *tb)
+{
+    for (int64_t i = i0; i < i1; i++) {
+        float sc = score_agg(m, G, agg, codes + i * m, luts);
+        if (!(sc <= tb->thr)) {
+            if (tb->n == tb->cap)
+                tb_compact(tb);
+            tb_push(tb, sc, (uint32_t)i);
+        }
+    }
+}
+
+#define G8(lut, j, ix) _mm256_i32gather_ps((lut) + (j) * 256, (ix), 4)
+
+/* acc (+)= the 4 sub-spaces whose codes are the 4 bytes of each dword of v. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256
+add4(__m256 acc, __m256i v, const float *lut, int j0, int first)
+{
+    const __m256i ff = _mm256_set1_epi32(0xFF);
+    __m256i x0 = _mm256_and_si256(v, ff);
+    __m256i x1 = _mm256_and_si256(_mm256_srli_epi32(v, 8), ff);
+    __m256i x2 = _mm256_and_si256(_mm256_srli_epi32(v, 16), ff);
+    __m256i x3 = _mm256_srli_epi32(v, 24);
+    acc = first ? G8(lut, j0, x0) : _mm256_add_ps(acc, G8(lut, j0, x0));
+    acc = _mm256_add_ps(acc, G8(lut, j0 + 1, x1));
+    acc = _mm256_add_ps(acc, G8(lut, j0 + 2, x2));
+    acc = _mm256_add_ps(acc, G8(lut, j0 + 3, x3));
+    return acc;
+}
+
+/* Scores of the 8 tokens whose code rows start at p (M sub-spaces). */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256
+score8(const uint8_t *p, int M, const float *lut)
+{
+    __m256 acc = _mm256_setzero_ps();
+    if (M == 1) {
+        __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        acc = G8(lut, 0, x);
+    } else if (M == 2) {
+        const __m128i sh = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p), sh);
+        __m256i x0 = _mm256_cvtepu8_epi32(v);
+        __m256i x1 = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+        acc = _mm256_add_ps(G8(lut, 0, x0), G8(lut, 1, x1));
+    } else if (M == 4) {
+        acc = add4(acc, _mm256_loadu_si256((const __m256i *)p), lut, 0, 1);
+    } else if (M == 8) {
+        __m256 a = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)p));
+        __m256 b = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        /* dwords in token order 0,1,4,5 | 2,3,6,7; permute4x64 restores 0..7 */
+        __m256i lo = _mm256_castps_si256(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+        __m256i hi = _mm256_castps_si256(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+        lo = _mm256_permute4x64_epi64(lo, _MM_SHUFFLE(3, 1, 2, 0));
+        hi = _mm256_permute4x64_epi64(hi, _MM_SHUFFLE(3, 1, 2, 0));
+        acc = add4(acc, lo, lut, 0, 1);
+        acc = add4(acc, hi, lut, 4, 0);
+    } else if (M == 16) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)p);        /* t0 | t1 */
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(p + 32)); /* t2 | t3 */
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(p + 64)); /* t4 | t5 */
+        __m256i x3 = _mm256_loadu_si256((const __m256i *)(p + 96)); /* t6 | t7 */
+        __m256i u01 = _mm256_unpacklo_epi32(x0, x1), v01 = _mm256_unpackhi_epi32(x0, x1);
+        __m256i u23 = _mm256_unpacklo_epi32(x2, x3), v23 = _mm256_unpackhi_epi32(x2, x3);
+        /* token order in every r: 0,2,4,6 | 1,3,5,7 (fixed on the sum) */
+        acc = add4(acc, _mm256_unpacklo_epi64(u01, u23), lut, 0, 1);
+        acc = add4(acc, _mm256_unpackhi_epi64(u01, u23), lut, 4, 0);
+        acc = add4(acc, _mm256_unpacklo_epi64(v01, v23), lut, 8, 0);
+        acc = add4(acc, _mm256_unpackhi_epi64(v01, v23), lut, 12, 0);
+        acc = _mm256_permutevar8x32_ps(acc, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    } else { /* any other multiple of 4: dword gathers straight from the rows */
+        const __m256i off = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                               _mm256_set1_epi32(M));
+        for (int g = 0; g < M; g += 4) {
+            __m256i v = _mm256_i32gather_epi32((const int *)(p + g), off, 1);
+            acc = add4(acc, v, lut, g, g == 0);
+        }
+    }
+    return acc;
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+scan_avx2_m(int M, const uint8_t *codes, const float *lut, int64_t i0, int64_t i1, topk_buf *tb)
+{
+    int64_t i = i0;
+    __m256 thr = _mm256_set1_ps(tb->thr);
+    float tmp[8];
+    for (; i + 8 <= i1; i += 8) {
+        __m256 sc = score8(codes + i * M, M, lut);
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(sc, thr, _CMP_NLE_UQ));
+        if (__builtin_expect(mask != 0, 0)) {
+            if (tb->n + 8 > tb->cap) {
+                tb_compact(tb);
+                thr = _mm256_set1_ps(tb->thr);
+                mask = _mm256_movemask_ps(_mm256_cmp_ps(sc, thr, _CMP_NLE_UQ));
+            }
+            _mm256_storeu_ps(tmp, sc);
+            while (mask) {
+                int l = __builtin_ctz((unsigned)mask);
+                tb_push(tb, tmp[l], (uint32_t)(i + l));
+                mask &= mask - 1;
+            }
+        }
+    }
+    scan_scalar(M, 1, KVD_PQ_AGG_SUM, codes, lut, i, i1, tb);
+}
+
+__attribute__((target("avx2,fma"))) static void scan_avx2(int m, const uint8_t *codes,
+                                                          const float *lut, int64_t i0,
+                                                          int64_t i1, topk_buf *tb)
+{
+    switch (m) {
+    case 1: scan_avx2_m(1, codes, lut, i0, i1, tb); break;
+    case 2: scan_avx2_m(2, codes, lut, i0, i1, tb); break;
+    case 4: scan_avx2_m(4, codes, lut, i0, i1, tb); break;
+    case 8: scan_avx2_m(8, codes, lut, i0, i1, tb); break;
+    case 16: scan_avx2_m(16, codes, lut, i0, i1, tb); break;
+    default: scan_avx2_m(m, codes, lut, i0, i1, tb); break;
+    }
+}
+
+static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
+
+int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
+                       const float *centroids, const uint8_t *codes, int G,
+                       const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
+                       float *scores, int64_t *nout)
+{
+    *nout = 0;
+    simd = simd && kvd_cpu_has_avx2_fma();
+    float *luts = NULL;
+    int rc = build_luts(simd, m, b, D, centroids, G, queries, p->agg, &luts);
+    if (rc)
+        return rc;
+    int64_t s = p->sink < n ? (p->sink > 0 ? p->sink : 0) : n;
+    int64_t w = p->window < n - s ? (p->window > 0 ? p->window : 0) : n - s;
+    int64_t lo = s, hi = n - w, nm = hi - lo;
+    int64_t k = p->k > 0 ? (p->k < nm ? p->k : nm) : 0;
+
+    /* Threads only pay off on long ranges; each needs >= 16K tokens. */
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (k == 0)
+        nt = 1;
+    while (nt > 1 && nm / nt < 16384)
+        nt--;
+    /* buffer: k winners + room for many candidates between cuts; when every
+     * middle token fits, no cut ever happens */
+    int64_t cap = k + (k > 256 ? k : 256) + 8;
+    int64_t per = (nm + nt - 1) / nt;
+    if (cap > per + 8)
+        cap = per + 8;
+    uint64_t *bufs = malloc(sizeof(uint64_t) * (size_t)cap * (size_t)nt);
+    int64_t *counts = calloc((size_t)nt, sizeof(int64_t));
+    if (!bufs || !counts) {
+        free(bufs);
+        free(counts);
+        free(luts);
+        return KVD_ENOMEM;
+    }
+    int use_simd = simd && p->agg != KVD_PQ_AGG_MAX && simd_ok(m);
+    if (k > 0) {
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+        for (int t = 0; t < nt; t++) {
+            int64_t a = lo + (int64_t)t * per, e = a + per < hi ? a + per : hi;
+            topk_buf tb = {bufs + (int64_t)t * cap, 0, cap, k, NAN};
+            if (a < e) {
+                if (use_simd)
+                    scan_avx2(m, codes, luts, a, e, &tb);
+                else
+                    scan_scalar(m, G, p->agg, codes, luts, a, e, &tb);
+            }
+            tb_compact(&tb);
+            counts[t] = tb.n;
+        }
+    }
+    /* gather the per-thread winners at the front, cut to k */
+    int64_t c = 0;
+    for (int t = 0; t < nt; t++) {
+        memmove(bufs + c, bufs + (int64_t)t * cap, sizeof(uint64_t) * (size_t)counts[t]);
+        c += counts[t];
+    }
+    if (c > k && k > 0)
+        select_topk(bufs, c, k);
+    if (c > k)
+        c = k;
+    rc = finish(n, m, G, p->agg, codes, luts, p, bufs, c, idx, scores, nout);
+    free(bufs);
+    free(counts);
+    free(luts);
+    return rc;
+}
+
+/* ---- train and encode -------------------------------------------------- */
+
+void kvd_pq_encode_ref(int64_t n, int m, int b, int D, const float *keys, const float *centroids,
+                       uint8_t *codes)
+{
+    const int ksub = 1 << b, dsub = D / m;
+    for (int64_t i = 0; i < n; i++)
+        for (int j = 0; j < m; j++) {
+            uint32_t a;
+            kvd_kmeans_assign_ref(1, dsub, keys + i * D + (int64_t)j * dsub, D, ksub,
+                                  centroids + (int64_t)j * ksub * dsub, &a, NULL);
+            codes[i * m + j] = (uint8_t)a;
+        }
+}
+
+void kvd__pq_encode_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
+                        const float *keys, const float *centroids, uint8_t *codes)
+{
+    const int ksub = 1 << b, dsub = D / m;
+    const int64_t chunk = 4096; /* bounded scratch, any n */
+    uint32_t *a = malloc(sizeof(uint32_t) * chunk);
+    if (!a) {
+        kvd_pq_encode_ref(n, m, b, D, keys, centroids, codes);
+        return;
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+        int64_t nb = n - i0 < chunk ? n - i0 : chunk;
+        for (int j = 0; j < m; j++) {
+            kvd__kmeans_assign_cpu(nthreads, simd, nb, dsub, keys + i0 * D + (int64_t)j * dsub, D,
+                                   ksub, centroids + (int64_t)j * ksub * dsub, a, NULL);
+            for (int64_t i = 0; i < nb; i++)
+                codes[(i0 + i) * m + j] = (uint8_t)a[i];
+        }
+    }
+    free(a);
+}
+
+int kvd__pq_train_cpu(int nthreads, int simd, const kvd_kmeans_params *km, int64_t n, int m,
+                      int b, int D, const float *keys, float *centroids)
+{
+    const int ksub = 1 << b, dsub = D / m;
+    for (int j = 0; j < m; j++) {
+        kvd_kmeans_params p = *km;
+        p.k = ksub;
+        p.seed = km->seed + (uint64_t)j;
+        int rc = simd || nthreads > 1
+                     ? kvd__kmeans_train_cpu(nthreads, simd, &p, n, dsub, keys + (int64_t)j * dsub,
+                                             D, centroids + (int64_t)j * ksub * dsub, NULL)
+                     : kvd_kmeans_train_ref(&p, n, dsub, keys + (int64_t)j * dsub, D,
+                                            centroids + (int64_t)j * ksub * dsub, NULL);
+        if (rc)
+            return rc;
+    }
+    return KVD_OK;
+}
+
+/* ---- tensors, wrappers, backend table ---------------------------------- */
+
+typedef struct pq_shape {
+    int m, b, D;
+} pq_shape;
+
+static int check_centroids(const kvd_tensor *c, pq_shape *sh, kvd_error *err)
+{
+    if (!c || c->dtype != KVD_DTYPE_F32 || c->ndim != 3 || !kvd_tensor_is_contiguous(c) ||
+        !c->data || c->shape[0] < 1 || c->shape[0] > 4096 || c->shape[2] < 1 ||
+        c->shape[2] > 4096)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: centroids must be a contiguous (m, 2^b, D/m) f32 tensor");
+    int64_t ks = c->shape[1];
+    if (ks != 16 && ks != 64 && ks != 256)
+        return kvd_error_set(err, KVD_EINVAL, "pq: 2^b must be 16, 64 or 256 (b = 4, 6, 8), got %lld",
+                             (long long)ks);
+    sh->m = (int)c->shape[0];
+    sh->b = ks == 16 ? 4 : ks == 64 ? 6 : 8;
+    sh->D = (int)(c->shape[0] * c->shape[2]);
+    return KVD_OK;
+}
+
+static int check_mat(const kvd_tensor *t, kvd_dtype dt, int64_t cols, const char *what,
+                     kvd_error *err)
+{
+    if (!t || t->dtype != dt || t->ndim != 2 || t->shape[0] < 0 || t->shape[1] != cols ||
+        !kvd_tensor_is_contiguous(t) || (t->shape[0] > 0 && !t->data))
+        return kvd_error_set(err, KVD_EINVAL, "pq: %s must be a contiguous (rows, %lld) %s tensor",
+                             what, (long long)cols, kvd_dtype_name(dt));
+    return KVD_OK;
+}
+
+static int cpu_train(kvd_backend *be, const kvd_tensor *keys, const kvd_kmeans_params *km,
+                     kvd_tensor *centroids, kvd_error *err)
+{
+    pq_shape sh;
+    check_centroids(centroids, &sh, NULL);
+    int rc = kvd__pq_train_cpu(kvd__cpu_threads(be), kvd__cpu_fast(be), km, keys->shape[0], sh.m,
+                               sh.b, sh.D, (const float *)keys->data, (float *)centroids->data);
+    return rc ? kvd_error_set(err, rc, "pq: train: %s", kvd_strerror(rc)) : KVD_OK;
+}
+
+static int cpu_encode(kvd_backend *be, const kvd_tensor *keys, const kvd_tensor *centroids,
+                      kvd_tensor *codes, kvd_error *err)
+{
+    (void)err;
+    pq_shape sh;
+    check_centroids(centroids, &sh, NULL);
+    int64_t n = keys->shape[0];
+    if (!kvd__cpu_fast(be))
+        kvd_pq_encode_ref(n, sh.m, sh.b, sh.D, (const float *)keys->data,
+                          (const float *)centroids->data, (uint8_t *)codes->data);
+    else
+        kvd__pq_encode_cpu(kvd__cpu_threads(be), 1, n, sh.m, sh.b, sh.D,
+                           (const float *)keys->data, (const float *)centroids->data,
+                           (uint8_t *)codes->data);
+    return KVD_OK;
+}
+
+static int cpu_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor *codes,
+                      const kvd_tensor *queries, const kvd_pq_search_params *p,
+                      kvd_tensor *indices, kvd_tensor *scores, int64_t *nout, kvd_error *err)
+{
+    pq_shape sh;
+    check_centroids(centroids, &sh, NULL);
+    int rc;
+    if (kvd__cpu_fast(be))
+        rc = kvd__pq_search_cpu(kvd__cpu_threads(be), kvd__cpu_fast(be), codes->shape[0], sh.m,
+                                sh.b, sh.D, (const float *)centroids->data,
+                                (const uint8_t *)codes->data, (int)queries->shape[0],
+                                (const float *)queries->data, p, (uint32_t *)indices->data,
+                                scores ? (float *)scores->data : NULL, nout);
+    else
+        rc = kvd_pq_search_ref(codes->shape[0], sh.m, sh.b, sh.D, (const float *)centroids->data,
+                               (const uint8_t *)codes->data, (int)queries->shape[0],
+                               (const float *)queries->data, p, (uint32_t *)indices->data,
+                               scores ? (float *)scores->data : NULL, nout);
+    return rc ? kvd_error_set(err, rc, "pq: search: %s", kvd_strerror(rc)) : KVD_OK;
+}
+
+const struct kvd_pq_ops kvd__cpu_pq_ops = {
+    .train = cpu_train,
+    .encode = cpu_encode,
+    .search = cpu_search,
+};
+
+static int get_ops(kvd_backend *be, const struct kvd_pq_ops **ops, kvd_error *err)
+{
+    if (!be || !be->iface)
+        return kvd_error_set(err, KVD_EINVAL, "pq: backend is NULL");
+    *ops = be->iface->pq;
+    if (!*ops)
+        return kvd_error_set(err, KVD_EUNSUPP, "pq: not supported by the %s backend",
+                             be->iface->name);
+    return KVD_OK;
+}
+
+int kvd_pq_train(kvd_backend *be, const kvd_tensor *keys, const kvd_kmeans_params *km,
+                 kvd_tensor *centroids, kvd_error *err)
+{
+    const struct kvd_pq_ops *ops;
+    pq_shape sh;
+    int rc = get_ops(be, &ops, err);
+    if (rc)
+        return rc;
+    if (!ops->train)
+        return kvd_error_set(err, KVD_EUNSUPP, "pq: train not supported by the %s backend",
+                             be->iface->name);
+    if (!km || km->niter < 0 || km->max_points < 0)
+        return kvd_error_set(err, KVD_EINVAL, "pq: train needs niter >= 0 and max_points >= 0");
+    if ((rc = check_centroids(centroids, &sh, err)) || (rc = check_mat(keys, KVD_DTYPE_F32, sh.D, "keys", err)))
+        return rc;
+    if (keys->shape[0] < 1)
+        return kvd_error_set(err, KVD_EINVAL, "pq: train needs at least one key");
+    return ops->train(be, keys, km, centroids, err);
+}
+
+int kvd_pq_encode(kvd_backend *be, const kvd_tensor *keys, const kvd_tensor *centroids,
+                  kvd_tensor *codes, kvd_error *err)
+{
+    const struct kvd_pq_ops *ops;
+    pq_shape sh;
+    int rc = get_ops(be, &ops, err);
+    if (rc)
+        return rc;
+    if (!ops->encode)
+        return kvd_error_set(err, KVD_EUNSUPP, "pq: encode not supported by the %s backend",
+                             be->iface->name);
+    if ((rc = check_centroids(centroids, &sh, err)) || (rc = check_mat(keys, KVD_DTYPE_F32, sh.D, "keys", err)) ||
+        (rc = check_mat(codes, KVD_DTYPE_U8, sh.m, "codes", err)))
+        return rc;
+    if (codes->shape[0] != keys->shape[0])
+        return kvd_error_set(err, KVD_EINVAL, "pq: codes has %lld rows, keys %lld",
+                             (long long)codes->shape[0], (long long)keys->shape[0]);
+    return ops->encode(be, keys, centroids, codes, err);
+}
+
+int kvd_pq_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor *codes,
+                  const kvd_tensor *queries, const kvd_pq_search_params *p,
+                  kvd_tensor *indices, kvd_tensor *scores, int64_t *nout, kvd_error *err)
+{
+    const struct kvd_pq_ops *ops;
+    pq_shape sh;
+    if (nout)
+        *nout = 0;
+    int rc = get_ops(be, &ops, err);
+    if (rc)
+        return rc;
+    if (!ops->search)
+        return kvd_error_set(err, KVD_EUNSUPP, "pq: search not supported by the %s backend",
+                             be->iface->name);
+    if (!p || !nout || p->k < 0 || p->sink < 0 || p->window < 0 ||
+        (p->agg != KVD_PQ_AGG_SUM && p->agg != KVD_PQ_AGG_MAX))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: search needs params with k, sink, window >= 0, a known agg, nout");
+    if ((rc = check_centroids(centroids, &sh, err)) ||
+        (rc = check_mat(codes, KVD_DTYPE_U8, sh.m, "codes", err)) ||
+        (rc = check_mat(queries, KVD_DTYPE_F32, sh.D, "queries", err)))
+        return rc;
+    if (queries->shape[0] < 1 || queries->shape[0] > 4096)
+        return kvd_error_set(err, KVD_EINVAL, "pq: search needs 1..4096 query heads, got %lld",
+                             (long long)queries->shape[0]);
+    if (codes->shape[0] > (int64_t)UINT32_MAX)
+        return kvd_error_set(err, KVD_EINVAL, "pq: more than 2^32-1 tokens");
+    int64_t need = kvd_pq_search_count(codes->shape[0], p);
+    if (!indices || indices->dtype != KVD_DTYPE_U32 || indices->ndim != 1 ||
+        !kvd_tensor_is_contiguous(indices) || indices->shape[0] < need ||
+        (need > 0 && !indices->data))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: indices must be a contiguous u32 vector of >= %lld entries",
+                             (long long)need);
+    if (scores && (scores->dtype != KVD_DTYPE_F32 || scores->ndim != 1 ||
+                   !kvd_tensor_is_contiguous(scores) || scores->shape[0] < need ||
+                   (need > 0 && !scores->data)))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: scores must be a contiguous f32 vector of >= %lld entries",
+                             (long long)need);
+    return ops->search(be, centroids, codes, queries, p, indices, scores, nout, err);
+}

@@ -1,0 +1,364 @@
+/*
+ * PQ index tests: the fast search against the reference and against an
+ * independent brute force (exact equality, ties included), forced sink and
+ * window tokens, GQA aggregation, wrappers with guard bytes, train/encode.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvdepot/pq.h"
+#include "testutil.h"
+
+/* Independent brute force of the documented semantics. */
+typedef struct bf_ent {
+    float s;
+    uint32_t i;
+} bf_ent;
+
+static int bf_cmp(const void *a, const void *b)
+{
+    const bf_ent *x = a, *y = b;
+    int xn = isnan(x->s), yn = isnan(y->s);
+    if (xn != yn)
+        return xn ? 1 : -1;
+    if (!xn && x->s != y->s)
+        return x->s > y->s ? -1 : 1;
+    return x->i < y->i ? -1 : (x->i > y->i);
+}
+
+static float bf_score(int m, int b, int D, const float *C, const uint8_t *code, const float *q)
+{
+    int ksub = 1 << b, dsub = D / m;
+    float s = 0;
+    for (int j = 0; j < m; j++) {
+        float e = 0.0f;
+        if (code[j] >= ksub) {
+            e = -INFINITY;
+        } else {
+            const float *c = C + ((size_t)j * ksub + code[j]) * dsub;
+            for (int t = 0; t < dsub; t++)
+                e = e + q[j * dsub + t] * c[t];
+        }
+        s = j == 0 ? e : s + e;
+    }
+    return s;
+}
+
+static int64_t brute(int64_t n, int m, int b, int D, const float *C, const uint8_t *codes, int G,
+                     const float *Q, const kvd_pq_search_params *p, uint32_t *idx, float *sc)
+{
+    float *qbar = malloc(sizeof(float) * D);
+    for (int t = 0; t < D; t++) {
+        float s = Q[t];
+        for (int h = 1; h < G; h++)
+            s = s + Q[h * D + t];
+        qbar[t] = s;
+    }
+    bf_ent *all = malloc(sizeof(bf_ent) * (n + 1));
+    for (int64_t i = 0; i < n; i++) {
+        float s;
+        if (p->agg == KVD_PQ_AGG_MAX) {
+            s = bf_score(m, b, D, C, codes + i * m, Q);
+            for (int h = 1; h < G; h++) {
+                float v = bf_score(m, b, D, C, codes + i * m, Q + h * D);
+                if (isnan(s) || v > s)
+                    s = v;
+            }
+        } else {
+            s = bf_score(m, b, D, C, codes + i * m, qbar);
+        }
+        all[i].s = s == 0.0f ? 0.0f : s;
+        all[i].i = (uint32_t)i;
+    }
+    int64_t s0 = p->sink < n ? p->sink : n;
+    int64_t w = p->window < n - s0 ? p->window : n - s0;
+    int64_t nm = n - s0 - w;
+    qsort(all + s0, nm, sizeof(bf_ent), bf_cmp);
+    int64_t k = p->k < nm ? p->k : nm;
+    /* result set: forced + first k of the sorted middle */
+    bf_ent *res = malloc(sizeof(bf_ent) * (n + 1));
+    int64_t c = 0;
+    for (int64_t i = 0; i < s0; i++)
+        res[c++] = all[i];
+    for (int64_t i = n - w; i < n; i++)
+        res[c++] = all[i];
+    for (int64_t i = 0; i < k; i++)
+        res[c++] = all[s0 + i];
+    qsort(res, c, sizeof(bf_ent), bf_cmp);
+    for (int64_t i = 0; i < c; i++) {
+        idx[i] = res[i].i;
+        sc[i] = res[i].s;
+    }
+    free(res);
+    free(all);
+    free(qbar);
+    return c;
+}
+
+static int same_scores(const float *a, const float *b, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(a[i]) && isnan(b[i]))
+            continue;
+        if (memcmp(&a[i], &b[i], 4) != 0 && !(a[i] == 0 && b[i] == 0))
+            return 0;
+    }
+    return 1;
+}
+
+/* ties: small integer centroids and queries make many equal scores */
+static void gen(tu_rng *r, int m, int b, int D, int G, int64_t n, int ties, float *C, uint8_t *codes,
+                float *Q)
+{
+    int ksub = 1 << b;
+    for (int64_t i = 0; i < (int64_t)m * ksub * (D / m); i++)
+        C[i] = ties ? (float)((int)tu_rng_below(r, 3) - 1) : tu_rng_normal(r);
+    for (int64_t i = 0; i < n * m; i++)
+        codes[i] = (uint8_t)tu_rng_below(r, (uint32_t)ksub);
+    for (int i = 0; i < G * D; i++)
+        Q[i] = ties ? (float)((int)tu_rng_below(r, 3) - 1) : tu_rng_normal(r);
+}
+
+static void one_case(tu_rng *r, int64_t n, int m, int b, int D, int G, int64_t k, int64_t sink,
+                     int64_t window, kvd_pq_agg agg, int ties, int nan_query)
+{
+    int ksub = 1 << b;
+    float *C = malloc(sizeof(float) * (size_t)m * ksub * (D / m));
+    uint8_t *codes = malloc((size_t)(n * m + 1));
+    float *Q = malloc(sizeof(float) * G * D);
+    gen(r, m, b, D, G, n, ties, C, codes, Q);
+    if (nan_query)
+        Q[D / 2] = NAN;
+    kvd_pq_search_params p = {k, sink, window, agg};
+    int64_t cnt = kvd_pq_search_count(n, &p);
+    size_t cap = (size_t)cnt + 1;
+    uint32_t *bi = malloc(sizeof(uint32_t) * cap), *ri = malloc(sizeof(uint32_t) * cap);
+    float *bs = malloc(sizeof(float) * cap), *rs = malloc(sizeof(float) * cap);
+    int64_t bn = brute(n, m, b, D, C, codes, G, Q, &p, bi, bs);
+    int64_t rn = -1;
+    int rc = kvd_pq_search_ref(n, m, b, D, C, codes, G, Q, &p, ri, rs, &rn);
+    TU_CHECK(rc == 0 && rn == bn && bn == cnt, "ref n=%lld m=%d b=%d: rc=%d rn=%lld bn=%lld cnt=%lld",
+             (long long)n, m, b, rc, (long long)rn, (long long)bn, (long long)cnt);
+    if (rn == bn) {
+        TU_CHECK(memcmp(ri, bi, sizeof(uint32_t) * bn) == 0 && same_scores(rs, bs, bn),
+                 "ref != brute force n=%lld m=%d b=%d G=%d k=%lld s=%lld w=%lld ties=%d",
+                 (long long)n, m, b, G, (long long)k, (long long)sink, (long long)window, ties);
+    }
+    for (int threads = 1; threads <= 3; threads += 2) {
+        for (int simd = 0; simd <= 1; simd++) {
+            tu_buf oi = tu_buf_new(sizeof(uint32_t) * cap), os = tu_buf_new(sizeof(float) * cap);
+            int64_t fn = -1;
+            rc = kvd__pq_search_cpu(threads, simd, n, m, b, D, C, codes, G, Q, &p, oi.data,
+                                    os.data, &fn);
+            TU_CHECK(rc == 0 && fn == bn, "fast count n=%lld m=%d: %lld vs %lld", (long long)n, m,
+                     (long long)fn, (long long)bn);
+            if (fn == bn)
+                TU_CHECK(memcmp(oi.data, bi, sizeof(uint32_t) * bn) == 0 &&
+                             same_scores(os.data, bs, bn),
+                         "fast != brute n=%lld m=%d b=%d G=%d k=%lld s=%lld w=%lld ties=%d thr=%d "
+                         "simd=%d agg=%d",
+                         (long long)n, m, b, G, (long long)k, (long long)sink, (long long)window,
+                         ties, threads, simd, agg);
+            TU_CHECK(tu_guard_ok(&oi) && tu_guard_ok(&os), "guard bytes");
+            tu_buf_free(&oi);
+            tu_buf_free(&os);
+        }
+    }
+    free(C);
+    free(codes);
+    free(Q);
+    free(bi);
+    free(ri);
+    free(bs);
+    free(rs);
+}
+
+static void test_search_shapes(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 42);
+    const int ms[] = {1, 2, 4, 8, 16, 32};
+    const int bs[] = {4, 6, 8};
+    const int64_t ns[] = {0, 1, 7, 9, 33, 1001};
+    for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++)
+        for (size_t bi = 0; bi < 3; bi++)
+            for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+                int64_t n = ns[ni];
+                one_case(&r, n, ms[mi], bs[bi], 128, 4, 5, 0, 0, KVD_PQ_AGG_SUM, 0, 0);
+                one_case(&r, n, ms[mi], bs[bi], 128, 4, n + 3, 2, 1, KVD_PQ_AGG_SUM, 1, 0);
+                one_case(&r, n, ms[mi], bs[bi], 128, 1, 3, 4, 5, KVD_PQ_AGG_SUM, 1, 0);
+            }
+    /* m not a power of two: generic gathers (12) and scalar scan (3, 6) */
+    one_case(&r, 777, 12, 8, 96, 4, 20, 1, 1, KVD_PQ_AGG_SUM, 1, 0);
+    one_case(&r, 777, 3, 6, 96, 4, 20, 1, 1, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 777, 6, 4, 96, 2, 20, 0, 0, KVD_PQ_AGG_SUM, 1, 0);
+}
+
+static void test_search_large(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 7);
+    /* long enough for several threads and many buffer cuts; k = 2048 */
+    one_case(&r, 50001, 2, 8, 128, 4, 2048, 4, 64, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 50001, 16, 4, 128, 4, 256, 0, 0, KVD_PQ_AGG_SUM, 1, 0);
+    one_case(&r, 40000, 8, 8, 128, 4, 2048, 100, 100, KVD_PQ_AGG_SUM, 1, 0);
+    one_case(&r, 40000, 4, 6, 128, 4, 1, 0, 0, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 40000, 4, 8, 128, 4, 39999, 0, 0, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 3000, 4, 8, 128, 4, 100, 2, 2, KVD_PQ_AGG_MAX, 1, 0);
+    one_case(&r, 35000, 2, 8, 128, 3, 300, 2, 2, KVD_PQ_AGG_MAX, 0, 0);
+    /* a NaN in the query: every score NaN, ranked by index */
+    one_case(&r, 2000, 4, 8, 128, 4, 50, 1, 1, KVD_PQ_AGG_SUM, 0, 1);
+    /* forced ranges covering everything, overlapping each other */
+    one_case(&r, 100, 4, 8, 128, 4, 10, 60, 60, KVD_PQ_AGG_SUM, 1, 0);
+    one_case(&r, 100, 4, 8, 128, 4, 2048, 200, 0, KVD_PQ_AGG_SUM, 1, 0);
+}
+
+/* 2 sub-spaces of 1 dim, 16 centroids c = value of the index: hand-checked. */
+static void test_hand(void)
+{
+    float C[2 * 16];
+    for (int j = 0; j < 2; j++)
+        for (int c = 0; c < 16; c++)
+            C[j * 16 + c] = (float)c * (j == 0 ? 1.0f : -1.0f);
+    uint8_t codes[5 * 2] = {3, 1, 0, 0, 5, 2, 3, 0, 15, 15};
+    /* q0 = (1, 1), q1 = (1, 0): qbar = (2, 1);
+     * scores: t0 = 6-1 = 5, t1 = 0, t2 = 10-2 = 8, t3 = 6, t4 = 30-15 = 15 */
+    float Q[4] = {1, 1, 1, 0};
+    kvd_pq_search_params p = {2, 1, 0, KVD_PQ_AGG_SUM};
+    uint32_t idx[4];
+    float sc[4];
+    int64_t no = 0;
+    int rc = kvd__pq_search_cpu(1, 1, 5, 2, 4, 2, C, codes, 2, Q, &p, idx, sc, &no);
+    TU_CHECK(rc == 0 && no == 3, "hand: rc %d n %lld", rc, (long long)no);
+    TU_CHECK(idx[0] == 4 && sc[0] == 15.0f && idx[1] == 2 && sc[1] == 8.0f && idx[2] == 0 &&
+                 sc[2] == 5.0f,
+             "hand: got %u:%g %u:%g %u:%g", idx[0], sc[0], idx[1], sc[1], idx[2], sc[2]);
+    /* MAX: per head q0=(1,1): 2,0,3,3,0 ; q1=(1,0): 3,0,5,3,15 -> max 3,0,5,3,15 */
+    kvd_pq_search_params pm = {5, 0, 0, KVD_PQ_AGG_MAX};
+    uint32_t idx5[5];
+    float sc5[5];
+    kvd__pq_search_cpu(1, 1, 5, 2, 4, 2, C, codes, 2, Q, &pm, idx5, sc5, &no);
+    TU_CHECK(no == 5 && idx5[0] == 4 && idx5[1] == 2 && idx5[2] == 0 && idx5[3] == 3 &&
+                 idx5[4] == 1 && sc5[2] == 3.0f && sc5[3] == 3.0f,
+             "hand max: %u %u %u %u %u", idx5[0], idx5[1], idx5[2], idx5[3], idx5[4]);
+}
+
+static void test_train_encode(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 99);
+    const int D = 64, m = 4, b = 6, ksub = 1 << b;
+    int64_t n = 3000;
+    float *keys = malloc(sizeof(float) * n * D);
+    tu_kv_opts o = {2, 10.0f, 0.3f, 1};
+    tu_gen_kv(&r, keys, n, D, &o);
+    float *c_ref = malloc(sizeof(float) * m * ksub * (D / m));
+    float *c_fast = malloc(sizeof(float) * m * ksub * (D / m));
+    float *c_fast3 = malloc(sizeof(float) * m * ksub * (D / m));
+    kvd_kmeans_params km = {0, 10, 1234, 0};
+    TU_CHECK(kvd__pq_train_cpu(1, 0, &km, n, m, b, D, keys, c_ref) == 0, "train ref");
+    TU_CHECK(kvd__pq_train_cpu(1, 1, &km, n, m, b, D, keys, c_fast) == 0, "train fast");
+    TU_CHECK(kvd__pq_train_cpu(3, 1, &km, n, m, b, D, keys, c_fast3) == 0, "train fast 3 thr");
+    size_t cb = sizeof(float) * m * ksub * (D / m);
+    TU_CHECK(memcmp(c_ref, c_fast, cb) == 0, "train: fast centroids differ from the reference");
+    TU_CHECK(memcmp(c_fast, c_fast3, cb) == 0, "train: centroids depend on the thread count");
+    uint8_t *e_ref = malloc(n * m), *e_fast = malloc(n * m);
+    kvd_pq_encode_ref(n, m, b, D, keys, c_ref, e_ref);
+    kvd__pq_encode_cpu(2, 1, n, m, b, D, keys, c_ref, e_fast);
+    TU_CHECK(memcmp(e_ref, e_fast, n * m) == 0, "encode fast != ref");
+    /* encoding is the argmin: reconstruction error below a random code's */
+    double err_enc = 0, err_rand = 0;
+    for (int64_t i = 0; i < n; i++)
+        for (int j = 0; j < m; j++) {
+            int ds = D / m, cr = (int)tu_rng_below(&r, ksub);
+            for (int t = 0; t < ds; t++) {
+                float x = keys[i * D + j * ds + t];
+                float a = c_ref[((size_t)j * ksub + e_ref[i * m + j]) * ds + t];
+                float z = c_ref[((size_t)j * ksub + cr) * ds + t];
+                err_enc += (x - a) * (x - a);
+                err_rand += (x - z) * (x - z);
+            }
+        }
+    TU_CHECK(err_enc < 0.5 * err_rand, "encode error %g vs random %g", err_enc, err_rand);
+    free(keys);
+    free(c_ref);
+    free(c_fast);
+    free(c_fast3);
+    free(e_ref);
+    free(e_fast);
+}
+
+static void test_wrappers(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 5);
+    const int D = 128, m = 8, b = 8, G = 4;
+    int64_t n = 5000;
+    float *keys = malloc(sizeof(float) * n * D);
+    tu_kv_opts o = {4, 20.0f, 0.3f, 1};
+    tu_gen_kv(&r, keys, n, D, &o);
+    float *q = malloc(sizeof(float) * G * D);
+    tu_fill_normal(&r, q, G * D, 1.0f);
+    for (int fr = 0; fr <= 1; fr++) {
+        kvd_backend *be = tu_cpu_backend(2, fr);
+        kvd_error err;
+        float *cent = malloc(sizeof(float) * 256 * D);
+        int64_t cs[3] = {m, 256, D / m}, ks[2] = {n, D}, qs[2] = {G, D}, cds[2] = {n, m};
+        kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, cent, 3, cs);
+        kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
+        kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qs);
+        kvd_kmeans_params km = {0, 8, 1, 20000};
+        int rc = kvd_pq_train(be, &tk, &km, &tc, &err);
+        TU_CHECK(rc == 0, "pq_train: %s", err.msg);
+        tu_buf codes = tu_buf_new(n * m);
+        kvd_tensor tcode = kvd_tensor_make(KVD_DTYPE_U8, codes.data, 2, cds);
+        rc = kvd_pq_encode(be, &tk, &tc, &tcode, &err);
+        TU_CHECK(rc == 0 && tu_guard_ok(&codes), "pq_encode: %s", err.msg);
+        kvd_pq_search_params p = {300, 4, 32, KVD_PQ_AGG_SUM};
+        int64_t cnt = kvd_pq_search_count(n, &p), nout = 0;
+        TU_CHECK(cnt == 336, "count %lld", (long long)cnt);
+        tu_buf bi = tu_buf_new(4 * cnt), bs = tu_buf_new(4 * cnt);
+        kvd_tensor ti = kvd_tensor_make(KVD_DTYPE_U32, bi.data, 1, &cnt);
+        kvd_tensor ts = kvd_tensor_make(KVD_DTYPE_F32, bs.data, 1, &cnt);
+        rc = kvd_pq_search(be, &tc, &tcode, &tq, &p, &ti, &ts, &nout, &err);
+        TU_CHECK(rc == 0 && nout == cnt && tu_guard_ok(&bi) && tu_guard_ok(&bs), "search: %s",
+                 err.msg);
+        uint32_t *ri = malloc(4 * cnt);
+        float *rs = malloc(4 * cnt);
+        int64_t rn;
+        kvd_pq_search_ref(n, m, b, D, cent, codes.data, G, q, &p, ri, rs, &rn);
+        TU_CHECK(rn == nout && memcmp(ri, bi.data, 4 * rn) == 0, "wrapper result != ref");
+        /* errors */
+        int64_t small = cnt - 1;
+        kvd_tensor tsmall = kvd_tensor_make(KVD_DTYPE_U32, bi.data, 1, &small);
+        TU_CHECK(kvd_pq_search(be, &tc, &tcode, &tq, &p, &tsmall, NULL, &nout, &err) == KVD_EINVAL,
+                 "cap too small accepted");
+        int64_t bad[3] = {m, 32, D / m};
+        kvd_tensor tbad = kvd_tensor_make(KVD_DTYPE_F32, cent, 3, bad);
+        TU_CHECK(kvd_pq_search(be, &tbad, &tcode, &tq, &p, &ti, NULL, &nout, &err) == KVD_EINVAL,
+                 "b=5 accepted");
+        kvd_pq_search_params pn = {-1, 0, 0, KVD_PQ_AGG_SUM};
+        TU_CHECK(kvd_pq_search(be, &tc, &tcode, &tq, &pn, &ti, NULL, &nout, &err) == KVD_EINVAL,
+                 "k < 0 accepted");
+        free(ri);
+        free(rs);
+        tu_buf_free(&bi);
+        tu_buf_free(&bs);
+        tu_buf_free(&codes);
+        free(cent);
+        kvd_backend_free(be);
+    }
+    free(keys);
+    free(q);
+}
+
+int main(void)
+{
+    test_hand();
+    test_search_shapes();
+    test_search_large();
+    test_train_encode();
+    test_wrappers();
+    return tu_report("kernels_pq");
+}
