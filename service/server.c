@@ -458,6 +458,12 @@ static void on_stream_message(kvd_call *c, int ok)
         finish(c, KVD_CANCELLED, "stream broken before it ended", NULL);
         return;
     }
+    if (!bb && !c->close_pending && c->cancelled) {
+        /* A cancelled stream also ends with "no message"; when the close op
+         * has already told us so, do not mistake it for a half-close. */
+        finish(c, KVD_CANCELLED, "client cancelled the stream", NULL);
+        return;
+    }
     if (!bb) { /* half-close: the client sent everything */
         grpc_byte_buffer *reply = NULL;
         int rc = m->stream->finish(&c->ctx, &c->stream_state, &reply, &err);

@@ -1,0 +1,315 @@
+/*
+ * Unit tests of kvdepotd's settings table and flag parser, request field
+ * checks, log quoting and method table.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "log.h"
+#include "rpc.h"
+#include "validate.h"
+
+static int failures;
+
+#define CHECK(cond)                                                         \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                     \
+        }                                                                   \
+    } while (0)
+
+#define MiB (1024ull * 1024)
+
+/* Parse a NULL-terminated list of arguments into c (on top of defaults). */
+static int parse(kvd_config *c, int *action, char *err, size_t errlen, ...)
+{
+    char *argv[32];
+    int argc = 0;
+    argv[argc++] = "kvdepotd";
+    va_list ap;
+    va_start(ap, errlen);
+    char *a;
+    while ((a = va_arg(ap, char *)) != NULL && argc < 31)
+        argv[argc++] = a;
+    va_end(ap);
+    argv[argc] = NULL;
+    kvd_config_free(c);
+    if (kvd_config_defaults(c) != 0)
+        return -2;
+    err[0] = '\0';
+    return kvd_config_parse_args(c, argc, argv, action, err, errlen);
+}
+
+static void test_defaults(void)
+{
+    kvd_config c;
+    CHECK(kvd_config_defaults(&c) == 0);
+    CHECK(strcmp(c.listen, "127.0.0.1:50051") == 0);
+    CHECK(strcmp(c.data_dir, "./kvdepot-data") == 0);
+    CHECK(c.threads == 0);
+    CHECK(c.page_tokens == 256);
+    CHECK(c.sync == 0);
+    CHECK(c.max_message_bytes == 8 * MiB);
+    CHECK(c.max_append_bytes == 2048 * MiB);
+    CHECK(c.log_level == KVD_LOG_INFO);
+    CHECK(c.port_file == NULL);
+    CHECK(c.shutdown_grace_ms > 0);
+    kvd_config_free(&c);
+    kvd_config_free(&c); /* idempotent */
+}
+
+static void test_flags(void)
+{
+    kvd_config c;
+    memset(&c, 0, sizeof c);
+    char err[256];
+    int action = -1;
+
+    CHECK(parse(&c, &action, err, sizeof err, "--listen", "0.0.0.0:7000", "--data-dir=/tmp/x",
+                "--threads", "3", "--page-tokens=64", "--sync", "--max-message-bytes", "16MiB",
+                "--max-append-bytes=1G", "--log-level", "debug", "--port-file", "/tmp/p",
+                NULL) == 0);
+    CHECK(action == KVD_CONFIG_RUN);
+    CHECK(strcmp(c.listen, "0.0.0.0:7000") == 0);
+    CHECK(strcmp(c.data_dir, "/tmp/x") == 0);
+    CHECK(c.threads == 3);
+    CHECK(c.page_tokens == 64);
+    CHECK(c.sync == 1);
+    CHECK(c.max_message_bytes == 16 * MiB);
+    CHECK(c.max_append_bytes == 1024 * MiB);
+    CHECK(c.log_level == KVD_LOG_DEBUG);
+    CHECK(c.port_file && strcmp(c.port_file, "/tmp/p") == 0);
+
+    /* Size spellings. */
+    CHECK(parse(&c, &action, err, sizeof err, "--max-message-bytes=65536B", NULL) == 0 &&
+          c.max_message_bytes == 65536);
+    CHECK(parse(&c, &action, err, sizeof err, "--max-message-bytes=65536", NULL) == 0 &&
+          c.max_message_bytes == 65536);
+    CHECK(parse(&c, &action, err, sizeof err, "--max-message-bytes=64k", NULL) == 0 &&
+          c.max_message_bytes == 65536);
+    CHECK(parse(&c, &action, err, sizeof err, "--max-message-bytes=2M", NULL) == 0 &&
+          c.max_message_bytes == 2 * MiB);
+    CHECK(parse(&c, &action, err, sizeof err, "--max-message-bytes=3MB", NULL) == 0 &&
+          c.max_message_bytes == 3 * MiB);
+
+    /* Booleans. */
+    CHECK(parse(&c, &action, err, sizeof err, "--sync=false", NULL) == 0 && c.sync == 0);
+    CHECK(parse(&c, &action, err, sizeof err, "--sync=yes", NULL) == 0 && c.sync == 1);
+    CHECK(parse(&c, &action, err, sizeof err, "--sync", "--no-sync", NULL) == 0 && c.sync == 0);
+
+    /* Later flags win. */
+    CHECK(parse(&c, &action, err, sizeof err, "--threads=2", "--threads=5", NULL) == 0 &&
+          c.threads == 5);
+
+    /* Actions. */
+    CHECK(parse(&c, &action, err, sizeof err, "--help", NULL) == 0 && action == KVD_CONFIG_HELP);
+    CHECK(parse(&c, &action, err, sizeof err, "--version", NULL) == 0 &&
+          action == KVD_CONFIG_VERSION);
+    kvd_config_free(&c);
+}
+
+static void test_bad_values(void)
+{
+    kvd_config c;
+    memset(&c, 0, sizeof c);
+    char err[256];
+    int action;
+    struct {
+        const char *a, *b;
+        const char *mention; /* the message must name the option */
+    } bad[] = {
+        {"--threads", "257", "threads"},
+        {"--threads", "-1", "threads"},
+        {"--threads", "two", "threads"},
+        {"--threads", "", "threads"},
+        {"--threads", "3x", "threads"},
+        {"--page-tokens", "0", "page-tokens"},
+        {"--page-tokens", "99999999999999999999999", "page-tokens"},
+        {"--max-message-bytes", "1K", "max-message-bytes"},
+        {"--max-message-bytes", "4G", "max-message-bytes"},
+        {"--max-message-bytes", "17179869184T", "max-message-bytes"},
+        {"--max-message-bytes", "8Q", "max-message-bytes"},
+        {"--max-append-bytes", "0", "max-append-bytes"},
+        {"--log-level", "loud", "log-level"},
+        {"--listen", "", "listen"},
+        {"--data-dir", "", "data-dir"},
+        {"--sync=maybe", NULL, "sync"},
+        {"--shutdown-grace-ms", "9999999", "shutdown-grace-ms"},
+        {"--bogus", NULL, "bogus"},
+        {"--no-listen", NULL, "no-listen"},
+        {"stray", NULL, "stray"},
+        {"--listen", NULL, "listen"}, /* missing value */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = bad[i].b ? parse(&c, &action, err, sizeof err, bad[i].a, bad[i].b, NULL)
+                          : parse(&c, &action, err, sizeof err, bad[i].a, NULL);
+        if (rc != -1 || !strstr(err, bad[i].mention)) {
+            fprintf(stderr, "bad value accepted or message unclear: %s %s -> rc %d '%s'\n",
+                    bad[i].a, bad[i].b ? bad[i].b : "", rc, err);
+            failures++;
+        }
+    }
+    /* A failed set leaves the old value. */
+    CHECK(kvd_config_set(&c, "threads", "7", err, sizeof err) == 0 && c.threads == 7);
+    CHECK(kvd_config_set(&c, "threads", "700", err, sizeof err) == -1 && c.threads == 7);
+    CHECK(kvd_config_set(&c, "nonsense", "1", err, sizeof err) == -1);
+    kvd_config_free(&c);
+}
+
+static char *fake_env(const char *name)
+{
+    if (strcmp(name, "KVDEPOT_DATA_DIR") == 0)
+        return "/env/dir";
+    if (strcmp(name, "KVDEPOT_MAX_MESSAGE_BYTES") == 0)
+        return "1M";
+    if (strcmp(name, "KVDEPOT_THREADS") == 0)
+        return "4";
+    return NULL;
+}
+
+static char *bad_env(const char *name)
+{
+    return strcmp(name, "KVDEPOT_PAGE_TOKENS") == 0 ? "lots" : NULL;
+}
+
+static void test_env(void)
+{
+    kvd_config c;
+    char err[256];
+    CHECK(kvd_config_defaults(&c) == 0);
+    CHECK(kvd_config_apply_env(&c, fake_env, err, sizeof err) == 0);
+    CHECK(strcmp(c.data_dir, "/env/dir") == 0);
+    CHECK(c.max_message_bytes == MiB);
+    CHECK(c.threads == 4);
+    char *argv[] = {"kvdepotd", "--threads", "2", NULL};
+    int action;
+    CHECK(kvd_config_parse_args(&c, 3, argv, &action, err, sizeof err) == 0);
+    CHECK(c.threads == 2); /* flags win over the environment */
+    CHECK(kvd_config_apply_env(&c, bad_env, err, sizeof err) == -1);
+    CHECK(strstr(err, "KVDEPOT_PAGE_TOKENS") != NULL);
+    kvd_config_free(&c);
+}
+
+static void test_help_lists_everything(void)
+{
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    CHECK(f != NULL);
+    if (!f)
+        return;
+    kvd_config_usage(f, "kvdepotd");
+    fclose(f);
+    CHECK(kvd_config_count() >= 10);
+    for (size_t i = 0; i < kvd_config_count(); i++) {
+        char flag[96];
+        snprintf(flag, sizeof flag, "--%s ", kvd_config_name(i));
+        if (!strstr(text, flag)) {
+            fprintf(stderr, "--help does not list %s\n", flag);
+            failures++;
+        }
+    }
+    const char *required[] = {"--listen", "--data-dir", "--threads", "--page-tokens", "--sync",
+                              "--max-message-bytes", "--max-append-bytes", "--log-level",
+                              "--port-file", "--help", "--version"};
+    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+        if (!strstr(text, required[i])) {
+            fprintf(stderr, "--help does not mention %s\n", required[i]);
+            failures++;
+        }
+    free(text);
+}
+
+static void test_validate(void)
+{
+    kvd_error e;
+    uint8_t id[300] = {0};
+    CHECK(kvd_check_seq_id(id, 1, "sequence_id", &e) == 0);
+    CHECK(kvd_check_seq_id(id, 256, "sequence_id", &e) == 0);
+    CHECK(kvd_check_seq_id(id, 0, "sequence_id", &e) == KVD_EINVAL &&
+          strstr(e.msg, "sequence_id"));
+    CHECK(kvd_check_seq_id(id, 257, "header.sequence_id", &e) == KVD_EINVAL &&
+          strstr(e.msg, "header.sequence_id"));
+    CHECK(kvd_check_model_name("llama-3.1_8B", "model", &e) == 0);
+    CHECK(kvd_check_model_name("", "model", &e) == KVD_EINVAL);
+    CHECK(kvd_check_model_name("a/b", "model", &e) == KVD_EINVAL && strstr(e.msg, "model"));
+    char longname[200];
+    memset(longname, 'a', sizeof longname - 1);
+    longname[sizeof longname - 1] = '\0';
+    CHECK(kvd_check_model_name(longname, "name", &e) == KVD_EINVAL);
+    CHECK(kvd_check_dtype(1, "dtype", &e) == 0 && kvd_check_dtype(3, "dtype", &e) == 0);
+    CHECK(kvd_check_dtype(0, "dtype", &e) == KVD_EINVAL);
+    CHECK(kvd_check_dtype(4, "dtype", &e) == KVD_EINVAL);
+    CHECK(kvd_check_dtype(-1, "dtype", &e) == KVD_EINVAL);
+    CHECK(kvd_check_range(UINT64_MAX - 5, 5, 64, "a", "b", &e) == 0);
+    CHECK(kvd_check_range(UINT64_MAX - 5, 6, 64, "a", "b", &e) == KVD_EINVAL &&
+          strstr(e.msg, "a + b"));
+    CHECK(kvd_check_range(UINT32_MAX, 0, 32, "l", "n", &e) == 0);
+    CHECK(kvd_check_range(UINT32_MAX, 1, 32, "l", "n", &e) == KVD_EINVAL);
+}
+
+static void test_log_quote(void)
+{
+    char buf[64];
+    kvd_log_quote(buf, sizeof buf, "plain", 5);
+    CHECK(strcmp(buf, "plain") == 0);
+    kvd_log_quote(buf, sizeof buf, "two words", 9);
+    CHECK(strcmp(buf, "\"two words\"") == 0);
+    kvd_log_quote(buf, sizeof buf, "a\"b\nc\x01", 6);
+    CHECK(strcmp(buf, "\"a\\\"b\\nc\\x01\"") == 0);
+    kvd_log_quote(buf, sizeof buf, "", 0);
+    CHECK(strcmp(buf, "\"\"") == 0);
+    char small[4];
+    kvd_log_quote(small, sizeof small, "abcdef", 6);
+    CHECK(strlen(small) == 3);
+    CHECK(kvd_log_level_parse("warn") == KVD_LOG_WARN && kvd_log_level_parse("x") == -1);
+}
+
+static void test_method_table(void)
+{
+    CHECK(kvd_methods_count >= 13);
+    for (size_t i = 0; i < kvd_methods_count; i++) {
+        const kvd_method *m = &kvd_methods[i];
+        CHECK(m->path[0] == '/');
+        CHECK(kvd_method_find(m->path, strlen(m->path)) == m);
+        if (m->kind == KVD_RPC_UNARY)
+            CHECK(m->unary && m->request);
+        else if (m->kind == KVD_RPC_SERVER_STREAM)
+            CHECK(m->stream && m->stream->start && m->stream->next && m->request);
+        else
+            CHECK(m->stream && m->stream->recv && m->stream->finish);
+    }
+    const char *p = "/kvdepot.v1.KVDepot/Append";
+    const kvd_method *m = kvd_method_find(p, strlen(p));
+    CHECK(m && m->kind == KVD_RPC_CLIENT_STREAM);
+    p = "/kvdepot.v1.KVDepot/Read";
+    m = kvd_method_find(p, strlen(p));
+    CHECK(m && m->kind == KVD_RPC_SERVER_STREAM);
+    p = "/grpc.health.v1.Health/Check";
+    CHECK(kvd_method_find(p, strlen(p)) != NULL);
+    p = "/kvdepot.v1.KVDepot/Appendx";
+    CHECK(kvd_method_find(p, strlen(p)) == NULL);
+    CHECK(kvd_method_find(p, 0) == NULL);
+}
+
+int main(void)
+{
+    test_defaults();
+    test_flags();
+    test_bad_values();
+    test_env();
+    test_help_lists_everything();
+    test_validate();
+    test_log_quote();
+    test_method_table();
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("service config tests passed\n");
+    return 0;
+}
