@@ -244,4 +244,39 @@ int kvd_cpu_attn_merge_fast(const kvd_attn_merge_args *a);
  * q8_j = round-half-even(x_j / s). Returns s. */
 float kvd_attn_quantize_q8(const float *x, int n, int8_t *q8);
 
+/* ---- CPU backend internals shared by kernels/cpu/attention*.c ---------- */
+
+#define KVD__ATTN_BLOCK 256 /* tokens per block of the online softmax (multiple of every group) */
+#define KVD__ATTN_MAXG 16   /* query heads per kv head handled by the fast paths */
+
+/* A run of tokens of one kv head, consumed block by block. scores() writes
+ * the scaled scores of tokens [t0, t0+n) for the G query heads (row g at
+ * s + g*ld); values() adds sum_i p[g*ld + i] * v_{t0+i} into acc (G, Dv). */
+typedef struct kvd__attn_src {
+    void *ctx;
+    int64_t n;
+    int block; /* tokens per call, <= KVD__ATTN_BLOCK */
+    void (*scores)(void *ctx, int64_t t0, int n, float *s, int ld);
+    void (*values)(void *ctx, int64_t t0, int n, const float *p, int ld, float *acc);
+    /* optional (NULL): a source that keeps its own partial sums outside acc
+     * (VQ's per-code accumulators) is told when query head g's sums are
+     * scaled by f (the running max grew), and folds them into acc at the end */
+    void (*rescale)(void *ctx, int g, float f);
+    void (*finish)(void *ctx, float *acc);
+} kvd__attn_src;
+
+int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float *const *out,
+                       float *const *lse, int simd);
+int kvd__attn_simd(void);
+/* ctxbuf: at least 64 bytes, 8-aligned, alive while src is used. */
+#define KVD__ATTN_DENSE_CTX_BYTES 64
+void kvd__attn_dense_src(kvd__attn_src *src, void *ctxbuf, const kvd_tensor *k,
+                         const kvd_tensor *v, const int32_t *idx, int64_t n, const float *qs,
+                         int G, int D, int Dv, int h, int simd);
+void kvd__attn_scaled_q(const kvd_attn_dims *d, const kvd_tensor *q, int h, float *qs);
+void kvd__attn_out_ptrs(const kvd_attn_dims *d, const kvd_tensor *out, const kvd_tensor *lse,
+                        int h, float **o, float **l);
+void kvd__attn_ref_finish(const double *s, int64_t n, const float *vals, int Dv, float *out,
+                          float *lse);
+
 #endif /* KVDEPOT_ATTENTION_H */

@@ -1,0 +1,963 @@
+/*
+ * Decode attention on the CPU: argument checks and wrappers for every form,
+ * the blocked online-softmax driver the fast paths share, dense and sparse
+ * float attention, and the log-sum-exp merge. The INT, VQ and SVD forms live
+ * in attention_int.c, attention_vq.c and attention_svd.c.
+ *
+ * Fast-path shape: one task per (item, kv head). The task streams the kv
+ * head's tokens once in blocks of KVD__ATTN_BLOCK, computing the scores of
+ * all G query heads of the group from each key row while it is in registers
+ * (K is read once, not G times), then folds the block into G running
+ * (max, sum, accumulator) triples and streams the V rows of the block the
+ * same way. No buffer grows with T.
+ */
+#include "kvdepot/attention.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_internal.h"
+
+/* ---------------------------------------------------------------------- */
+/* Argument checks                                                        */
+/* ---------------------------------------------------------------------- */
+
+static int check_dims(const kvd_attn_dims *d, int item, kvd_error *err)
+{
+    if (d->n_kv_heads <= 0 || d->n_q_heads <= 0 || d->n_q_heads % d->n_kv_heads)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "attention item %d: %d query heads not a positive multiple of %d kv heads",
+                             item, d->n_q_heads, d->n_kv_heads);
+    if (d->head_dim < 0 || d->v_dim < 0 || d->head_dim > 4096 || d->v_dim > 4096)
+        return kvd_error_set(err, KVD_EINVAL, "attention item %d: head_dim %d / v_dim %d out of range",
+                             item, d->head_dim, d->v_dim);
+    if (!isfinite(d->softmax_scale))
+        return kvd_error_set(err, KVD_EINVAL, "attention item %d: softmax_scale not finite", item);
+    return 0;
+}
+
+/* Tensor of dtype (or any float dtype when dt == 0), rank nd, given shape
+ * (-1 = any), innermost dimension contiguous, data non-NULL unless empty. */
+static int check_tensor(const kvd_tensor *t, kvd_dtype dt, int nd, const int64_t *shape,
+                        const char *name, int item, kvd_error *err)
+{
+    if (dt ? t->dtype != dt : !kvd_dtype_is_float(t->dtype))
+        return kvd_error_set(err, KVD_EINVAL, "attention item %d: %s has dtype %s, want %s", item,
+                             name, kvd_dtype_name(t->dtype), dt ? kvd_dtype_name(dt) : "f32|f16|bf16");
+    if (t->ndim != nd)
+        return kvd_error_set(err, KVD_EINVAL, "attention item %d: %s has %d dims, want %d", item,
+                             name, t->ndim, nd);
+    int64_t n = 1;
+    for (int i = 0; i < nd; i++) {
+        if (t->shape[i] < 0 || (shape[i] >= 0 && t->shape[i] != shape[i]))
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "attention item %d: %s dim %d is %lld, want %lld", item, name, i,
+                                 (long long)t->shape[i], (long long)shape[i]);
+        n *= t->shape[i];
+    }
+    if (nd > 0 && t->shape[nd - 1] > 1 && t->stride[nd - 1] != (int64_t)kvd_dtype_size(t->dtype))
+        return kvd_error_set(err, KVD_EINVAL, "attention item %d: %s innermost dim not contiguous",
+                             item, name);
+    if (n > 0 && !t->data)
+        return kvd_error_set(err, KVD_EINVAL, "attention item %d: %s data is NULL", item, name);
+    return 0;
+}
+
+static int check_qol(const kvd_attn_dims *d, const kvd_tensor *q, const kvd_tensor *out,
+                     const kvd_tensor *lse, int item, kvd_error *err)
+{
+    int rc;
+    int64_t qs[2] = {d->n_q_heads, d->head_dim}, os[2] = {d->n_q_heads, d->v_dim},
+            ls[1] = {d->n_q_heads};
+    if ((rc = check_dims(d, item, err)) || (rc = check_tensor(q, KVD_DTYPE_F32, 2, qs, "q", item, err)) ||
+        (rc = check_tensor(out, KVD_DTYPE_F32, 2, os, "out", item, err)) ||
+        (rc = check_tensor(lse, KVD_DTYPE_F32, 1, ls, "lse", item, err)))
+        return rc;
+    return 0;
+}
+
+static int check_kv(const kvd_attn_dims *d, const kvd_tensor *k, const kvd_tensor *v,
+                    int64_t T, const char *kn, const char *vn, int item, kvd_error *err)
+{
+    int rc;
+    int64_t ks[3] = {d->n_kv_heads, T, d->head_dim}, vs[3] = {d->n_kv_heads, T, d->v_dim};
+    if ((rc = check_tensor(k, 0, 3, ks, kn, item, err)) || (rc = check_tensor(v, 0, 3, vs, vn, item, err)))
+        return rc;
+    return 0;
+}
+
+static int check_items(int n, const void *a, kvd_error *err)
+{
+    if (n < 0 || (n > 0 && !a))
+        return kvd_error_set(err, KVD_EINVAL, "attention: %d items at %p", n, a);
+    return 0;
+}
+
+int kvd_attn_dense_check(const kvd_attn_dense_args *a, kvd_error *err)
+{
+    int rc = check_qol(&a->dims, &a->q, &a->out, &a->lse, 0, err);
+    if (rc)
+        return rc;
+    if (a->k.ndim != 3)
+        return kvd_error_set(err, KVD_EINVAL, "attention: k must be (Hkv, T, D)");
+    return check_kv(&a->dims, &a->k, &a->v, a->k.shape[1], "k", "v", 0, err);
+}
+
+int kvd_attn_sparse_check(const kvd_attn_sparse_args *a, kvd_error *err)
+{
+    int rc = check_qol(&a->dims, &a->q, &a->out, &a->lse, 0, err);
+    if (rc)
+        return rc;
+    if (a->k.ndim != 3)
+        return kvd_error_set(err, KVD_EINVAL, "sparse attention: k must be (Hkv, T, D)");
+    int64_t T = a->k.shape[1];
+    if ((rc = check_kv(&a->dims, &a->k, &a->v, T, "k", "v", 0, err)))
+        return rc;
+    int64_t is[2] = {a->dims.n_kv_heads, -1};
+    if ((rc = check_tensor(&a->idx, KVD_DTYPE_I32, 2, is, "idx", 0, err)))
+        return rc;
+    for (int64_t h = 0; h < a->idx.shape[0]; h++)
+        for (int64_t i = 0; i < a->idx.shape[1]; i++) {
+            int32_t t;
+            memcpy(&t, (const char *)a->idx.data + h * a->idx.stride[0] + i * 4, 4);
+            if (t < 0 || t >= T)
+                return kvd_error_set(err, KVD_EINVAL,
+                                     "sparse attention: idx[%lld][%lld] = %d outside [0, %lld)",
+                                     (long long)h, (long long)i, t, (long long)T);
+        }
+    return 0;
+}
+
+static int check_qdata(const kvd_attn_qdata *qd, int Hkv, int64_t T, int W, const char *name,
+                       kvd_error *err)
+{
+    int rc;
+    if (qd->bits != 2 && qd->bits != 4)
+        return kvd_error_set(err, KVD_EINVAL, "INT attention: %s bits %d (want 2 or 4)", name, qd->bits);
+    int per = 8 / qd->bits;
+    int64_t along = qd->axis == KVD_ATTN_AXIS_TOKEN ? W : T;
+    if (qd->axis != KVD_ATTN_AXIS_TOKEN && qd->axis != KVD_ATTN_AXIS_CHANNEL)
+        return kvd_error_set(err, KVD_EINVAL, "INT attention: %s axis %d", name, qd->axis);
+    if (qd->group <= 0 || qd->group % per || along % qd->group)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "INT attention: %s group %d does not divide %lld or is not a multiple of %d",
+                             name, qd->group, (long long)along, per);
+    int64_t rows = qd->axis == KVD_ATTN_AXIS_TOKEN ? T : W;
+    int64_t cs[3] = {Hkv, rows, along / per}, ps[3] = {Hkv, rows, along / qd->group};
+    if ((rc = check_tensor(&qd->codes, KVD_DTYPE_U8, 3, cs, "codes", 0, err)) ||
+        (rc = check_tensor(&qd->min, KVD_DTYPE_F16, 3, ps, "min", 0, err)) ||
+        (rc = check_tensor(&qd->scale, KVD_DTYPE_F16, 3, ps, "scale", 0, err)) ||
+        (rc = check_tensor(&qd->sum, KVD_DTYPE_U16, 3, ps, "sum", 0, err)))
+        return rc;
+    return 0;
+}
+
+int kvd_attn_int_check(const kvd_attn_int_args *a, kvd_error *err)
+{
+    int rc = check_qol(&a->dims, &a->q, &a->out, &a->lse, 0, err);
+    if (rc)
+        return rc;
+    if (a->n_tokens < 0)
+        return kvd_error_set(err, KVD_EINVAL, "INT attention: n_tokens %lld", (long long)a->n_tokens);
+    if (a->k.axis != KVD_ATTN_AXIS_TOKEN)
+        return kvd_error_set(err, KVD_EINVAL, "INT attention: keys must be grouped along head_dim");
+    if (a->n_tokens > 0 &&
+        ((rc = check_qdata(&a->k, a->dims.n_kv_heads, a->n_tokens, a->dims.head_dim, "k", err)) ||
+         (rc = check_qdata(&a->v, a->dims.n_kv_heads, a->n_tokens, a->dims.v_dim, "v", err))))
+        return rc;
+    int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
+    if (a->k_tail.ndim == 0 && a->v_tail.ndim == 0)
+        return 0;
+    return check_kv(&a->dims, &a->k_tail, &a->v_tail, Tt, "k_tail", "v_tail", 0, err);
+}
+
+int kvd_attn_vq_check(const kvd_attn_vq_args *a, kvd_error *err)
+{
+    int rc = check_qol(&a->dims, &a->q, &a->out, &a->lse, 0, err);
+    if (rc)
+        return rc;
+    const kvd_attn_dims *d = &a->dims;
+    if (a->n_tokens < 0)
+        return kvd_error_set(err, KVD_EINVAL, "VQ attention: n_tokens %lld", (long long)a->n_tokens);
+    if (a->n_tokens > 0) {
+        int sub[2] = {a->k_sub_dim, a->v_sub_dim}, bits[2] = {a->k_bits, a->v_bits},
+            W[2] = {d->head_dim, d->v_dim};
+        const kvd_tensor *codes[2] = {&a->k_codes, &a->v_codes}, *cb[2] = {&a->k_codebook, &a->v_codebook};
+        for (int s = 0; s < 2; s++) {
+            const char *nm = s ? "v" : "k";
+            if (sub[s] <= 0 || W[s] % sub[s] || bits[s] < 1 || bits[s] > 16)
+                return kvd_error_set(err, KVD_EINVAL, "VQ attention: %s sub_dim %d / bits %d invalid for width %d",
+                                     nm, sub[s], bits[s], W[s]);
+            int64_t cs[3] = {d->n_kv_heads, a->n_tokens, W[s] / sub[s]};
+            int64_t bs[3] = {d->n_kv_heads, (int64_t)1 << bits[s], sub[s]};
+            if ((rc = check_tensor(codes[s], bits[s] <= 8 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, 3, cs,
+                                   s ? "v_codes" : "k_codes", 0, err)) ||
+                (rc = check_tensor(cb[s], KVD_DTYPE_F32, 3, bs, s ? "v_codebook" : "k_codebook", 0, err)))
+                return rc;
+        }
+        if (a->k_lambda.data) {
+            int64_t ls[2] = {d->n_kv_heads, d->head_dim};
+            if ((rc = check_tensor(&a->k_lambda, KVD_DTYPE_F32, 2, ls, "k_lambda", 0, err)))
+                return rc;
+        }
+        if (a->k_hadamard && (d->head_dim & (d->head_dim - 1)))
+            return kvd_error_set(err, KVD_EINVAL, "VQ attention: Hadamard needs a power-of-two head_dim, got %d",
+                                 d->head_dim);
+    }
+    if (a->k_tail.ndim == 0 && a->v_tail.ndim == 0)
+        return 0;
+    int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
+    return check_kv(d, &a->k_tail, &a->v_tail, Tt, "k_tail", "v_tail", 0, err);
+}
+
+int kvd_attn_svd_check(const kvd_attn_svd_args *a, kvd_error *err)
+{
+    int rc = check_qol(&a->dims, &a->q, &a->out, &a->lse, 0, err);
+    if (rc)
+        return rc;
+    const kvd_attn_dims *d = &a->dims;
+    int64_t rk[3] = {d->n_kv_heads, d->head_dim, d->head_dim}, rv[3] = {d->n_kv_heads, d->v_dim, d->v_dim};
+    if ((rc = check_tensor(&a->rk, KVD_DTYPE_F32, 3, rk, "rk", 0, err)) ||
+        (rc = check_tensor(&a->rv, KVD_DTYPE_F32, 3, rv, "rv", 0, err)))
+        return rc;
+    if (!kvd_tensor_is_contiguous(&a->rk) || !kvd_tensor_is_contiguous(&a->rv))
+        return kvd_error_set(err, KVD_EINVAL, "SVD attention: rotations must be contiguous");
+    if (a->n_tokens < 0 || !kvd_dtype_is_float(a->dtype) || !a->k_width || !a->v_width)
+        return kvd_error_set(err, KVD_EINVAL, "SVD attention: bad n_tokens, dtype or widths");
+    for (int h = 0; h < d->n_kv_heads; h++)
+        if (a->k_width[h] < 0 || a->k_width[h] > d->head_dim || a->v_width[h] < 0 ||
+            a->v_width[h] > d->v_dim)
+            return kvd_error_set(err, KVD_EINVAL, "SVD attention: kv head %d widths %d/%d out of range",
+                                 h, a->k_width[h], a->v_width[h]);
+    if (a->n_tokens > 0 && (!a->k_red || !a->v_red))
+        return kvd_error_set(err, KVD_EINVAL, "SVD attention: reduced K/V data is NULL");
+    return 0;
+}
+
+int kvd_attn_merge_check(const kvd_attn_merge_args *a, kvd_error *err)
+{
+    int rc;
+    int64_t os[2] = {-1, -1};
+    if ((rc = check_tensor(&a->out_a, KVD_DTYPE_F32, 2, os, "out_a", 0, err)))
+        return rc;
+    os[0] = a->out_a.shape[0];
+    os[1] = a->out_a.shape[1];
+    int64_t ls[1] = {os[0]};
+    if ((rc = check_tensor(&a->out_b, KVD_DTYPE_F32, 2, os, "out_b", 0, err)) ||
+        (rc = check_tensor(&a->out, KVD_DTYPE_F32, 2, os, "out", 0, err)) ||
+        (rc = check_tensor(&a->lse_a, KVD_DTYPE_F32, 1, ls, "lse_a", 0, err)) ||
+        (rc = check_tensor(&a->lse_b, KVD_DTYPE_F32, 1, ls, "lse_b", 0, err)) ||
+        (rc = check_tensor(&a->lse, KVD_DTYPE_F32, 1, ls, "lse", 0, err)))
+        return rc;
+    return 0;
+}
+
+#define KVD__ATTN_WRAPPER(fn, argt, check, member)                                         \
+    int fn(kvd_backend *be, int n, const argt *a, kvd_error *err)                          \
+    {                                                                                      \
+        int rc;                                                                            \
+        if (!be || !be->iface)                                                             \
+            return kvd_error_set(err, KVD_EINVAL, #fn ": no backend");                     \
+        if ((rc = check_items(n, a, err)))                                                 \
+            return rc;                                                                     \
+        for (int i = 0; i < n; i++)                                                        \
+            if ((rc = check(&a[i], err))) {                                                \
+                if (err && n > 1) {                                                        \
+                    char m[sizeof err->msg];                                               \
+                    memcpy(m, err->msg, sizeof m);                                         \
+                    kvd_error_set(err, rc, "item %d: %s", i, m);                           \
+                }                                                                          \
+                return rc;                                                                 \
+            }                                                                              \
+        if (!be->iface->attn || !be->iface->attn->member)                                  \
+            return kvd_error_set(err, KVD_EUNSUPP, "backend %s: no " #member " attention", \
+                                 be->iface->name);                                         \
+        if (n == 0)                                                                        \
+            return 0;                                                                      \
+        return be->iface->attn->member(be, n, a, err);                                     \
+    }
+
+KVD__ATTN_WRAPPER(kvd_attn_dense, kvd_attn_dense_args, kvd_attn_dense_check, dense)
+KVD__ATTN_WRAPPER(kvd_attn_sparse, kvd_attn_sparse_args, kvd_attn_sparse_check, sparse)
+KVD__ATTN_WRAPPER(kvd_attn_quant, kvd_attn_int_args, kvd_attn_int_check, quant)
+KVD__ATTN_WRAPPER(kvd_attn_vq, kvd_attn_vq_args, kvd_attn_vq_check, vq)
+KVD__ATTN_WRAPPER(kvd_attn_svd, kvd_attn_svd_args, kvd_attn_svd_check, svd)
+KVD__ATTN_WRAPPER(kvd_attn_merge, kvd_attn_merge_args, kvd_attn_merge_check, merge)
+
+/* ---------------------------------------------------------------------- */
+/* Shared helpers                                                         */
+/* ---------------------------------------------------------------------- */
+
+float kvd_attn_quantize_q8(const float *x, int n, int8_t *q8)
+{
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        if (a > amax || a != a)
+            amax = a;
+    }
+    if (!(amax > 0.0f) || !isfinite(amax)) {
+        /* all zero, or NaN/Inf in q: codes 0; the caller's scale carries the
+         * NaN/Inf into every score so the result is NaN, as for float q. */
+        for (int i = 0; i < n; i++)
+            q8[i] = 0;
+        return amax > 0.0f || amax != amax ? amax : 0.0f;
+    }
+    float s = amax / 127.0f;
+    for (int i = 0; i < n; i++) {
+        float v = rintf(x[i] / s);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        q8[i] = (int8_t)v;
+    }
+    return s;
+}
+
+static inline float row_elem(const void *row, kvd_dtype t, int64_t j)
+{
+    switch (t) {
+    case KVD_DTYPE_F16:
+        return kvd_f16_to_f32(((const uint16_t *)row)[j]);
+    case KVD_DTYPE_BF16:
+        return kvd_bf16_to_f32(((const uint16_t *)row)[j]);
+    default:
+        return ((const float *)row)[j];
+    }
+}
+
+/* Row (h, t) of a (H, T, W) tensor. */
+static inline const void *row3(const kvd_tensor *x, int64_t h, int64_t t)
+{
+    return (const char *)x->data + h * x->stride[0] + t * x->stride[1];
+}
+
+static inline float *out_row(const kvd_tensor *o, int64_t h)
+{
+    return (float *)((char *)o->data + h * o->stride[0]);
+}
+
+static inline float *lse_at(const kvd_tensor *l, int64_t h)
+{
+    return (float *)((char *)l->data + h * l->stride[0]);
+}
+
+/*
+ * Reference softmax-and-sum for one query head given its scores over n
+ * tokens (double): writes out (Dv) and lse. vrow(i) returns the value row
+ * of token i as f32 via `vals` (n, Dv) already converted. Empty or all -inf
+ * scores give lse = -inf and out = 0.
+ */
+void kvd__attn_ref_finish(const double *s, int64_t n, const float *vals, int Dv, float *out,
+                          float *lse)
+{
+    double m = -INFINITY;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (s[i] != s[i])
+            nan = 1;
+        else if (s[i] > m)
+            m = s[i];
+    }
+    if (nan) {
+        *lse = NAN;
+        for (int j = 0; j < Dv; j++)
+            out[j] = NAN;
+        return;
+    }
+    if (m == -INFINITY) {
+        *lse = -INFINITY;
+        memset(out, 0, sizeof(float) * (size_t)Dv);
+        return;
+    }
+    double l = 0.0;
+    double *acc = calloc((size_t)Dv + 1, sizeof *acc);
+    for (int64_t i = 0; i < n; i++) {
+        double p = exp(s[i] - m); /* NaN when s[i] = m = +inf, as float code */
+        l += p;
+        if (p != 0.0 || p != p)
+            for (int j = 0; j < Dv; j++)
+                acc[j] += p * (double)vals[i * Dv + j];
+    }
+    *lse = (float)(m + log(l));
+    for (int j = 0; j < Dv; j++)
+        out[j] = (float)(acc[j] / l);
+    free(acc);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Dense / sparse references                                              */
+/* ---------------------------------------------------------------------- */
+
+static int dense_ref_common(const kvd_attn_dims *d, const kvd_tensor *q, const kvd_tensor *k,
+                            const kvd_tensor *v, const kvd_tensor *idx, const kvd_tensor *out,
+                            const kvd_tensor *lse)
+{
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    int64_t n = idx ? idx->shape[1] : k->shape[1];
+    double *s = malloc(sizeof(double) * (size_t)(n + 1));
+    float *vals = malloc(sizeof(float) * (size_t)(n * Dv + 1));
+    if (!s || !vals) {
+        free(s);
+        free(vals);
+        return KVD_ENOMEM;
+    }
+    for (int h = 0; h < d->n_kv_heads; h++) {
+        const int32_t *ix = idx ? (const int32_t *)((const char *)idx->data + h * idx->stride[0]) : NULL;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = ix ? ix[i] : i;
+            const void *vr = row3(v, h, t);
+            for (int j = 0; j < Dv; j++)
+                vals[i * Dv + j] = row_elem(vr, v->dtype, j);
+        }
+        for (int g = 0; g < G; g++) {
+            int hq = h * G + g;
+            const float *qr = (const float *)((const char *)q->data + hq * q->stride[0]);
+            for (int64_t i = 0; i < n; i++) {
+                int64_t t = ix ? ix[i] : i;
+                const void *kr = row3(k, h, t);
+                double dot = 0.0;
+                for (int j = 0; j < D; j++)
+                    dot += (double)qr[j] * (double)row_elem(kr, k->dtype, j);
+                s[i] = dot * (double)d->softmax_scale;
+            }
+            kvd__attn_ref_finish(s, n, vals, Dv, out_row(out, hq), lse_at(lse, hq));
+        }
+    }
+    free(s);
+    free(vals);
+    return 0;
+}
+
+int kvd_cpu_attn_dense_ref(const kvd_attn_dense_args *a)
+{
+    return dense_ref_common(&a->dims, &a->q, &a->k, &a->v, NULL, &a->out, &a->lse);
+}
+
+int kvd_cpu_attn_sparse_ref(const kvd_attn_sparse_args *a)
+{
+    return dense_ref_common(&a->dims, &a->q, &a->k, &a->v, &a->idx, &a->out, &a->lse);
+}
+
+/* ---------------------------------------------------------------------- */
+/* The blocked online-softmax driver                                      */
+/* ---------------------------------------------------------------------- */
+
+/* exp(x) for 8 floats: range reduction by ln 2, degree-6 polynomial,
+ * relative error ~2 ulp; x < -87 gives 0, NaN stays NaN. */
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 xc = _mm256_min_ps(hi, _mm256_max_ps(lo, x)); /* NaN x passes through */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
+/* p[i] = exp(s[i] - m) for i < n; returns sum p. */
+static float exp_sub_sum(float *p, const float *s, int n, float m, int simd);
+
+__attribute__((target("avx2,fma"))) static float exp_sub_sum_avx2(float *p, const float *s, int n,
+                                                                  float m)
+{
+    __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(p + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float buf[8];
+    _mm256_storeu_ps(buf, acc);
+    float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
+    for (; i < n; i++) {
+        p[i] = expf(s[i] - m);
+        sum += p[i];
+    }
+    return sum;
+}
+
+static float exp_sub_sum(float *p, const float *s, int n, float m, int simd)
+{
+    if (simd)
+        return exp_sub_sum_avx2(p, s, n, m);
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        p[i] = expf(s[i] - m);
+        sum += p[i];
+    }
+    return sum;
+}
+
+/*
+ * Run one kv head over nsrc token sources in order (e.g. quantized blocks,
+ * then the raw tail). For every block: src->scores writes G x n scaled
+ * scores (row stride KVD__ATTN_BLOCK), the driver turns them into
+ * probabilities relative to the running max (rescaling earlier sums when the
+ * max grows), src->values adds sum_i p[g][i] v_i into acc (G x Dv). At the
+ * end out_g = acc_g / l_g, lse_g = m_g + ln l_g.
+ */
+int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float *const *out,
+                       float *const *lse, int simd)
+{
+    float *s = malloc(sizeof(float) * ((size_t)2 * G * KVD__ATTN_BLOCK + (size_t)G * Dv + 16));
+    if (!s)
+        return KVD_ENOMEM;
+    float *p = s + (size_t)G * KVD__ATTN_BLOCK, *acc = p + (size_t)G * KVD__ATTN_BLOCK;
+    float m[KVD__ATTN_MAXG], l[KVD__ATTN_MAXG];
+    memset(acc, 0, sizeof(float) * (size_t)G * Dv);
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int si = 0; si < nsrc; si++) {
+        const kvd__attn_src *src = &srcs[si];
+        int B = src->block > 0 && src->block <= KVD__ATTN_BLOCK ? src->block : KVD__ATTN_BLOCK;
+        for (int64_t t0 = 0; t0 < src->n; t0 += B) {
+            int n = (int)(src->n - t0 < B ? src->n - t0 : B);
+            src->scores(src->ctx, t0, n, s, KVD__ATTN_BLOCK);
+            int any = 0;
+            for (int g = 0; g < G; g++) {
+                float *sg = s + (size_t)g * KVD__ATTN_BLOCK, *pg = p + (size_t)g * KVD__ATTN_BLOCK;
+                float bm = -INFINITY;
+                int nan = 0;
+                for (int i = 0; i < n; i++) {
+                    if (sg[i] > bm)
+                        bm = sg[i];
+                    nan |= sg[i] != sg[i];
+                }
+                if (nan)
+                    bm = NAN;
+                float nm = (m[g] != m[g] || bm != bm) ? NAN : bm > m[g] ? bm : m[g];
+                if (nm == -INFINITY) {
+                    memset(pg, 0, sizeof(float) * (size_t)n);
+                    continue; /* nothing so far counts */
+                }
+                if (!(nm == m[g])) {
+                    /* the max grew (or became NaN): rescale what was summed */
+                    float f = m[g] == -INFINITY ? 0.0f : expf(m[g] - nm);
+                    l[g] *= f;
+                    float *ag = acc + (size_t)g * Dv;
+                    for (int j = 0; j < Dv; j++)
+                        ag[j] *= f;
+                    if (src->rescale)
+                        src->rescale(src->ctx, g, f);
+                    m[g] = nm;
+                }
+                l[g] += exp_sub_sum(pg, sg, n, m[g], simd);
+                any = 1;
+            }
+            if (any)
+                src->values(src->ctx, t0, n, p, KVD__ATTN_BLOCK, acc);
+        }
+        if (src->finish)
+            src->finish(src->ctx, acc);
+    }
+    for (int g = 0; g < G; g++) {
+        float *o = out[g], *ag = acc + (size_t)g * Dv;
+        if (m[g] == -INFINITY) {
+            *lse[g] = -INFINITY;
+            memset(o, 0, sizeof(float) * (size_t)Dv);
+            continue;
+        }
+        float inv = 1.0f / l[g];
+        for (int j = 0; j < Dv; j++)
+            o[j] = ag[j] * inv;
+        *lse[g] = m[g] + logf(l[g]);
+    }
+    free(s);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Dense / sparse fast path                                               */
+/* ---------------------------------------------------------------------- */
+
+typedef struct dense_ctx dense_ctx;
+_Static_assert(sizeof(void *) * 4 + 16 <= KVD__ATTN_DENSE_CTX_BYTES, "dense ctx size");
+struct dense_ctx {
+    const kvd_tensor *k, *v;
+    const int32_t *idx; /* NULL: dense */
+    const float *q;     /* G x D, already multiplied by softmax_scale */
+    int G, D, Dv, h;
+};
+
+/* Convert 8 elements at p (dtype t) to f32. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const void *p, kvd_dtype t)
+{
+    if (t == KVD_DTYPE_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (t == KVD_DTYPE_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+/* Horizontal sums of 8 vectors into one: r[i] = sum(v[i]). */
+__attribute__((target("avx2,fma"))) static inline __m256 hsum8x8(const __m256 *v)
+{
+    __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    /* ab = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves) */
+    __m256 lo = _mm256_permute2f128_ps(ab, cd, 0x20), hi = _mm256_permute2f128_ps(ab, cd, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+/* Scores of n rows for up to 8 query heads at a time, rows given by the
+ * token positions t0.. (or idx[t0..]). D % 8 == 0. */
+__attribute__((target("avx2,fma,f16c"))) static void dense_scores_avx2(void *vctx, int64_t t0, int n,
+                                                                       float *s, int ld)
+{
+    const dense_ctx *c = vctx;
+    kvd_dtype dt = c->k->dtype;
+    int esz = (int)kvd_dtype_size(dt), D = c->D;
+    for (int g0 = 0; g0 < c->G; g0 += 8) {
+        int gn = c->G - g0 < 8 ? c->G - g0 : 8;
+        for (int i = 0; i < n; i++) {
+            int64_t t = c->idx ? c->idx[t0 + i] : t0 + i;
+            const char *kr = row3(c->k, c->h, t);
+            __m256 acc[8];
+            for (int g = 0; g < 8; g++)
+                acc[g] = _mm256_setzero_ps();
+            if (gn == 8) {
+                for (int j = 0; j < D; j += 8) {
+                    __m256 kv = load8(kr + (size_t)j * esz, dt);
+                    const float *qj = c->q + (size_t)g0 * D + j;
+                    for (int g = 0; g < 8; g++)
+                        acc[g] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qj + (size_t)g * D), acc[g]);
+                }
+            } else {
+                for (int j = 0; j < D; j += 8) {
+                    __m256 kv = load8(kr + (size_t)j * esz, dt);
+                    const float *qj = c->q + (size_t)g0 * D + j;
+                    for (int g = 0; g < gn; g++)
+                        acc[g] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qj + (size_t)g * D), acc[g]);
+                }
+            }
+            float r[8];
+            _mm256_storeu_ps(r, hsum8x8(acc));
+            for (int g = 0; g < gn; g++)
+                s[(size_t)(g0 + g) * ld + i] = r[g];
+        }
+    }
+}
+
+/* acc[g][:] += sum_i p[g][i] v_i for Dv % 8 == 0: tiles of 32 output dims x
+ * up to 4 query heads live in registers while the block's rows stream by. */
+__attribute__((target("avx2,fma,f16c"))) static void dense_values_avx2(void *vctx, int64_t t0, int n,
+                                                                       const float *p, int ld,
+                                                                       float *acc)
+{
+    const dense_ctx *c = vctx;
+    kvd_dtype dt = c->v->dtype;
+    int esz = (int)kvd_dtype_size(dt), Dv = c->Dv;
+    const char *rows[KVD__ATTN_BLOCK];
+    for (int i = 0; i < n; i++)
+        rows[i] = row3(c->v, c->h, c->idx ? c->idx[t0 + i] : t0 + i);
+    for (int g0 = 0; g0 < c->G; g0 += 4) {
+        int gn = c->G - g0 < 4 ? c->G - g0 : 4;
+        for (int j0 = 0; j0 < Dv; j0 += 32) {
+            int jn = Dv - j0 < 32 ? (Dv - j0) / 8 : 4;
+            __m256 a[4][4];
+            for (int g = 0; g < gn; g++)
+                for (int jj = 0; jj < jn; jj++)
+                    a[g][jj] = _mm256_loadu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj);
+            if (gn == 4 && jn == 4) {
+                const float *p0 = p + (size_t)g0 * ld, *p1 = p0 + ld, *p2 = p1 + ld, *p3 = p2 + ld;
+                for (int i = 0; i < n; i++) {
+                    const char *vr = rows[i] + (size_t)j0 * esz;
+                    __m256 v0 = load8(vr, dt), v1 = load8(vr + 8 * esz, dt),
+                           v2 = load8(vr + 16 * esz, dt), v3 = load8(vr + 24 * esz, dt);
+                    __m256 b0 = _mm256_broadcast_ss(p0 + i), b1 = _mm256_broadcast_ss(p1 + i),
+                           b2 = _mm256_broadcast_ss(p2 + i), b3 = _mm256_broadcast_ss(p3 + i);
+                    a[0][0] = _mm256_fmadd_ps(b0, v0, a[0][0]);
+                    a[0][1] = _mm256_fmadd_ps(b0, v1, a[0][1]);
+                    a[0][2] = _mm256_fmadd_ps(b0, v2, a[0][2]);
+                    a[0][3] = _mm256_fmadd_ps(b0, v3, a[0][3]);
+                    a[1][0] = _mm256_fmadd_ps(b1, v0, a[1][0]);
+                    a[1][1] = _mm256_fmadd_ps(b1, v1, a[1][1]);
+                    a[1][2] = _mm256_fmadd_ps(b1, v2, a[1][2]);
+                    a[1][3] = _mm256_fmadd_ps(b1, v3, a[1][3]);
+                    a[2][0] = _mm256_fmadd_ps(b2, v0, a[2][0]);
+                    a[2][1] = _mm256_fmadd_ps(b2, v1, a[2][1]);
+                    a[2][2] = _mm256_fmadd_ps(b2, v2, a[2][2]);
+                    a[2][3] = _mm256_fmadd_ps(b2, v3, a[2][3]);
+                    a[3][0] = _mm256_fmadd_ps(b3, v0, a[3][0]);
+                    a[3][1] = _mm256_fmadd_ps(b3, v1, a[3][1]);
+                    a[3][2] = _mm256_fmadd_ps(b3, v2, a[3][2]);
+                    a[3][3] = _mm256_fmadd_ps(b3, v3, a[3][3]);
+                }
+            } else {
+                for (int i = 0; i < n; i++) {
+                    const char *vr = rows[i] + (size_t)j0 * esz;
+                    __m256 vv[4];
+                    for (int jj = 0; jj < jn; jj++)
+                        vv[jj] = load8(vr + (size_t)8 * jj * esz, dt);
+                    for (int g = 0; g < gn; g++) {
+                        __m256 b = _mm256_broadcast_ss(p + (size_t)(g0 + g) * ld + i);
+                        for (int jj = 0; jj < jn; jj++)
+                            a[g][jj] = _mm256_fmadd_ps(b, vv[jj], a[g][jj]);
+                    }
+                }
+            }
+            for (int g = 0; g < gn; g++)
+                for (int jj = 0; jj < jn; jj++)
+                    _mm256_storeu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj, a[g][jj]);
+        }
+    }
+}
+
+/* Portable block callbacks (any D, Dv, dtype). */
+static void dense_scores_scalar(void *vctx, int64_t t0, int n, float *s, int ld)
+{
+    const dense_ctx *c = vctx;
+    for (int i = 0; i < n; i++) {
+        int64_t t = c->idx ? c->idx[t0 + i] : t0 + i;
+        const void *kr = row3(c->k, c->h, t);
+        for (int g = 0; g < c->G; g++) {
+            const float *qg = c->q + (size_t)g * c->D;
+            float dot = 0.0f;
+            for (int j = 0; j < c->D; j++)
+                dot += qg[j] * row_elem(kr, c->k->dtype, j);
+            s[(size_t)g * ld + i] = dot;
+        }
+    }
+}
+
+static void dense_values_scalar(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    const dense_ctx *c = vctx;
+    for (int i = 0; i < n; i++) {
+        int64_t t = c->idx ? c->idx[t0 + i] : t0 + i;
+        const void *vr = row3(c->v, c->h, t);
+        for (int g = 0; g < c->G; g++) {
+            float pg = p[(size_t)g * ld + i];
+            if (pg == 0.0f)
+                continue;
+            float *ag = acc + (size_t)g * c->Dv;
+            for (int j = 0; j < c->Dv; j++)
+                ag[j] += pg * row_elem(vr, c->v->dtype, j);
+        }
+    }
+}
+
+int kvd__attn_simd(void)
+{
+    return kvd__cpu_has_avx2_fma_f16c();
+}
+
+/* Fill a dense/sparse token source for kv head h (also used for raw tails). */
+void kvd__attn_dense_src(kvd__attn_src *src, void *ctxbuf, const kvd_tensor *k,
+                         const kvd_tensor *v, const int32_t *idx, int64_t n, const float *qs,
+                         int G, int D, int Dv, int h, int simd)
+{
+    dense_ctx *c = ctxbuf;
+    c->k = k;
+    c->v = v;
+    c->idx = idx;
+    c->q = qs;
+    c->G = G;
+    c->D = D;
+    c->Dv = Dv;
+    c->h = h;
+    src->ctx = c;
+    src->n = n;
+    src->block = KVD__ATTN_BLOCK;
+    int vec = simd && D % 8 == 0 && Dv % 8 == 0 && G <= KVD__ATTN_MAXG;
+    src->scores = vec ? dense_scores_avx2 : dense_scores_scalar;
+    src->values = vec ? dense_values_avx2 : dense_values_scalar;
+    src->rescale = NULL;
+    src->finish = NULL;
+}
+
+/* Scaled queries of kv head h: qs[g][j] = softmax_scale * q[h*G+g][j]. */
+void kvd__attn_scaled_q(const kvd_attn_dims *d, const kvd_tensor *q, int h, float *qs)
+{
+    int G = d->n_q_heads / d->n_kv_heads;
+    for (int g = 0; g < G; g++) {
+        const float *qr = (const float *)((const char *)q->data + (int64_t)(h * G + g) * q->stride[0]);
+        for (int j = 0; j < d->head_dim; j++)
+            qs[(size_t)g * d->head_dim + j] = qr[j] * d->softmax_scale;
+    }
+}
+
+void kvd__attn_out_ptrs(const kvd_attn_dims *d, const kvd_tensor *out, const kvd_tensor *lse,
+                        int h, float **o, float **l)
+{
+    int G = d->n_q_heads / d->n_kv_heads;
+    for (int g = 0; g < G; g++) {
+        o[g] = out_row(out, h * G + g);
+        l[g] = lse_at(lse, h * G + g);
+    }
+}
+
+static int dense_fast_common(const kvd_attn_dims *d, const kvd_tensor *q, const kvd_tensor *k,
+                             const kvd_tensor *v, const kvd_tensor *idx, const kvd_tensor *out,
+                             const kvd_tensor *lse, int nthreads)
+{
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    if (G > KVD__ATTN_MAXG) {
+        kvd_attn_dense_args a = {*d, *q, *k, *v, *out, *lse};
+        if (!idx)
+            return kvd_cpu_attn_dense_ref(&a);
+        kvd_attn_sparse_args sa = {*d, *q, *k, *v, *idx, *out, *lse};
+        return kvd_cpu_attn_sparse_ref(&sa);
+    }
+    int simd = kvd__attn_simd(), rc = 0;
+    int64_t n = idx ? idx->shape[1] : k->shape[1];
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
+    for (int h = 0; h < d->n_kv_heads; h++) {
+        float *qs = malloc(sizeof(float) * (size_t)G * D + 32);
+        if (!qs) {
+#pragma omp atomic write
+            rc = KVD_ENOMEM;
+            continue;
+        }
+        kvd__attn_scaled_q(d, q, h, qs);
+        dense_ctx c;
+        kvd__attn_src src;
+        const int32_t *ix = idx ? (const int32_t *)((const char *)idx->data + h * idx->stride[0]) : NULL;
+        kvd__attn_dense_src(&src, &c, k, v, ix, n, qs, G, D, Dv, h, simd);
+        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+        kvd__attn_out_ptrs(d, out, lse, h, o, l);
+        int r = kvd__attn_head_run(&src, 1, G, Dv, o, l, simd);
+        if (r) {
+#pragma omp atomic write
+            rc = r;
+        }
+        free(qs);
+    }
+    return rc;
+}
+
+int kvd_cpu_attn_dense_fast(const kvd_attn_dense_args *a, int nthreads)
+{
+    return dense_fast_common(&a->dims, &a->q, &a->k, &a->v, NULL, &a->out, &a->lse, nthreads);
+}
+
+int kvd_cpu_attn_sparse_fast(const kvd_attn_sparse_args *a, int nthreads)
+{
+    return dense_fast_common(&a->dims, &a->q, &a->k, &a->v, &a->idx, &a->out, &a->lse, nthreads);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Merge                                                                  */
+/* ---------------------------------------------------------------------- */
+
+int kvd_cpu_attn_merge_ref(const kvd_attn_merge_args *a)
+{
+    int64_t H = a->out_a.shape[0], Dv = a->out_a.shape[1];
+    for (int64_t h = 0; h < H; h++) {
+        double la = *lse_at(&a->lse_a, h), lb = *lse_at(&a->lse_b, h);
+        const float *oa = out_row(&a->out_a, h), *ob = out_row(&a->out_b, h);
+        float *o = out_row(&a->out, h);
+        double m = la > lb ? la : lb, wa, wb, l;
+        if (la != la || lb != lb) {
+            m = NAN;
+        }
+        if (m == -INFINITY) {
+            wa = wb = 0.0;
+            l = -INFINITY;
+        } else {
+            double ea = exp(la - m), eb = exp(lb - m); /* -inf side -> 0 */
+            l = m + log(ea + eb);
+            wa = ea / (ea + eb);
+            wb = eb / (ea + eb);
+        }
+        for (int64_t j = 0; j < Dv; j++) {
+            double x = 0.0;
+            if (wa != 0.0 || wa != wa)
+                x += wa * oa[j];
+            if (wb != 0.0 || wb != wb)
+                x += wb * ob[j];
+            o[j] = (float)x;
+        }
+        *lse_at(&a->lse, h) = (float)l;
+    }
+    return 0;
+}
+
+int kvd_cpu_attn_merge_fast(const kvd_attn_merge_args *a)
+{
+    /* O(Hq * Dv) per step: the reference in float is already at memory speed. */
+    int64_t H = a->out_a.shape[0], Dv = a->out_a.shape[1];
+    for (int64_t h = 0; h < H; h++) {
+        float la = *lse_at(&a->lse_a, h), lb = *lse_at(&a->lse_b, h);
+        const float *oa = out_row(&a->out_a, h), *ob = out_row(&a->out_b, h);
+        float *o = out_row(&a->out, h);
+        float m = la > lb ? la : lb, wa, wb, l;
+        if (la != la || lb != lb)
+            m = NAN;
+        if (m == -INFINITY) {
+            wa = wb = 0.0f;
+            l = -INFINITY;
+        } else {
+            float ea = expf(la - m), eb = expf(lb - m);
+            l = m + logf(ea + eb);
+            wa = ea / (ea + eb);
+            wb = eb / (ea + eb);
+        }
+        for (int64_t j = 0; j < Dv; j++) {
+            float x = 0.0f;
+            if (wa != 0.0f || wa != wa)
+                x += wa * oa[j];
+            if (wb != 0.0f || wb != wb)
+                x += wb * ob[j];
+            o[j] = x;
+        }
+        *lse_at(&a->lse, h) = l;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* The CPU backend's table                                                */
+/* ---------------------------------------------------------------------- */
+
+#define KVD__CPU_ATTN_OP(name, argt, ref, fast)                                  \
+    static int name(kvd_backend *be, int n, const argt *a, kvd_error *err)     \
+    {                                                                          \
+        int use_fast = kvd__cpu_fast(be), nt = kvd__cpu_threads(be);           \
+        for (int i = 0; i < n; i++) {                                          \
+            int rc = use_fast ? fast : ref;                                    \
+            if (rc)                                                            \
+                return kvd_error_set(err, rc, "attention item %d: %s", i,      \
+                                     kvd_strerror(rc));                        \
+        }                                                                      \
+        (void)nt;                                                              \
+        return 0;                                                              \
+    }
+
+KVD__CPU_ATTN_OP(cpu_dense, kvd_attn_dense_args, kvd_cpu_attn_dense_ref(&a[i]),
+                 kvd_cpu_attn_dense_fast(&a[i], nt))
+KVD__CPU_ATTN_OP(cpu_sparse, kvd_attn_sparse_args, kvd_cpu_attn_sparse_ref(&a[i]),
+                 kvd_cpu_attn_sparse_fast(&a[i], nt))
+KVD__CPU_ATTN_OP(cpu_quant, kvd_attn_int_args, kvd_cpu_attn_int_ref(&a[i]),
+                 kvd_cpu_attn_int_fast(&a[i], nt))
+KVD__CPU_ATTN_OP(cpu_vq, kvd_attn_vq_args, kvd_cpu_attn_vq_ref(&a[i]), kvd_cpu_attn_vq_fast(&a[i], nt))
+KVD__CPU_ATTN_OP(cpu_svd, kvd_attn_svd_args, kvd_cpu_attn_svd_ref(&a[i]),
+                 kvd_cpu_attn_svd_fast(&a[i], nt))
+KVD__CPU_ATTN_OP(cpu_merge, kvd_attn_merge_args, kvd_cpu_attn_merge_ref(&a[i]),
+                 kvd_cpu_attn_merge_fast(&a[i]))
+
+const struct kvd_attn_ops kvd__cpu_attn_ops = {
+    .dense = cpu_dense,
+    .sparse = cpu_sparse,
+    .quant = cpu_quant,
+    .vq = cpu_vq,
+    .svd = cpu_svd,
+    .merge = cpu_merge,
+};

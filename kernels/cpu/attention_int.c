@@ -1,0 +1,575 @@
+/*
+ * Homomorphic decode attention on INT2/INT4 blocks (HACK Eq. 4), see
+ * kvdepot/attention.h for the equations and layouts.
+ *
+ * Fast path (AVX2): everything is computed "vertically" so no horizontal
+ * reduction is needed per token or per channel.
+ *
+ *  scores  A tile of 8 tokens is transposed so that 32-bit lane i holds 4
+ *          code bytes of token i. A code byte packs 8/bits values; shifting
+ *          and masking gives one "plane" per value slot (plane k holds the
+ *          values j = 4*byte*per + k ...). The int8 query is pre-arranged in
+ *          the same plane order and broadcast, so _mm256_maddubs_epi16 of a
+ *          plane with the query pattern, summed over planes and columns of a
+ *          group, leaves lane i = sum_{j in group} q8_j c_ij. The float
+ *          correction (scale, min, query sums) then runs on 8 tokens at once.
+ *  values  (channel axis) The same trick with lanes = 8 channels: the uint8
+ *          probabilities of a group of P tokens are the broadcast operand and
+ *          the code planes of 8 channels the other; lane d ends up with
+ *          sum_t p8_t c_dt, corrected with the stored code sums.
+ *
+ * Integer ranges: |q8| <= 127 and codes <= 3 (INT2) / 15 (INT4), so a
+ * maddubs pair is <= 762 / 3810 and the int16 partial sums below are flushed
+ * to int32 before they could pass 32767 (INT2: 8 columns = 24384, INT4: 4
+ * columns = 30480; values: p8 <= 255, INT2 4 columns = 24480, INT4 2 = 30600).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_internal.h"
+#include "kvdepot/attention.h"
+
+static inline int code_at(const uint8_t *row, int64_t j, int bits)
+{
+    int per = 8 / bits;
+    return (row[j / per] >> ((j % per) * bits)) & ((1 << bits) - 1);
+}
+
+static inline const uint8_t *qrow(const kvd_tensor *t, int64_t h, int64_t r)
+{
+    return (const uint8_t *)t->data + h * t->stride[0] + r * t->stride[1];
+}
+
+static inline float f16_at(const kvd_tensor *t, int64_t h, int64_t r, int64_t g)
+{
+    uint16_t x;
+    memcpy(&x, (const char *)t->data + h * t->stride[0] + r * t->stride[1] + g * 2, 2);
+    return kvd_f16_to_f32(x);
+}
+
+static inline uint16_t u16_at(const kvd_tensor *t, int64_t h, int64_t r, int64_t g)
+{
+    uint16_t x;
+    memcpy(&x, (const char *)t->data + h * t->stride[0] + r * t->stride[1] + g * 2, 2);
+    return x;
+}
+
+static inline float tail_elem(const kvd_tensor *x, int64_t h, int64_t t, int64_t j)
+{
+    const char *p = (const char *)x->data + h * x->stride[0] + t * x->stride[1];
+    return kvd__load_float(p + j * (int64_t)kvd_dtype_size(x->dtype), x->dtype);
+}
+
+/* Quantize the probabilities of one group (uint8, asymmetric); shared by the
+ * reference and the fast path so both round the same numbers the same way. */
+static inline void quantize_p8(const float *p, int n, uint8_t *p8, float *mP, float *sP, int *sum8)
+{
+    float lo = p[0], hi = p[0];
+    for (int i = 1; i < n; i++) {
+        lo = p[i] < lo ? p[i] : lo;
+        hi = p[i] > hi ? p[i] : hi;
+    }
+    float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < n; i++) {
+        float v = rintf((p[i] - lo) * inv);
+        v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
+        p8[i] = (uint8_t)v;
+        sum += p8[i];
+    }
+    *mP = lo;
+    *sP = s;
+    *sum8 = sum;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Reference                                                              */
+/* ---------------------------------------------------------------------- */
+
+int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
+{
+    const kvd_attn_dims *d = &a->dims;
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    int64_t T = a->n_tokens, Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0, N = T + Tt;
+    double *s = malloc(sizeof(double) * (size_t)(N + 1));
+    float *p = malloc(sizeof(float) * (size_t)(N + 1));
+    int8_t *q8 = malloc((size_t)D + 1);
+    uint8_t *p8 = malloc((size_t)(a->v.group > 0 ? a->v.group : 1));
+    double *acc = malloc(sizeof(double) * ((size_t)Dv + 1));
+    if (!s || !p || !q8 || !p8 || !acc) {
+        free(s), free(p), free(q8), free(p8), free(acc);
+        return KVD_ENOMEM;
+    }
+    for (int h = 0; h < d->n_kv_heads; h++)
+        for (int g = 0; g < G; g++) {
+            int hq = h * G + g;
+            const float *qr = (const float *)((const char *)a->q.data + hq * a->q.stride[0]);
+            float *out = (float *)((char *)a->out.data + hq * a->out.stride[0]);
+            float *lse = (float *)((char *)a->lse.data + hq * a->lse.stride[0]);
+            double sq = kvd_attn_quantize_q8(qr, D, q8);
+            /* scores: s_q * sum_g (scale_g sum q8 c + min_g sum q8) */
+            for (int64_t t = 0; t < T; t++) {
+                const uint8_t *cr = qrow(&a->k.codes, h, t);
+                double dot = 0.0;
+                for (int grp = 0; grp < D / a->k.group; grp++) {
+                    long ic = 0, iq = 0;
+                    for (int j = grp * a->k.group; j < (grp + 1) * a->k.group; j++) {
+                        ic += (long)q8[j] * code_at(cr, j, a->k.bits);
+                        iq += q8[j];
+                    }
+                    dot += (double)f16_at(&a->k.scale, h, t, grp) * (double)ic +
+                           (double)f16_at(&a->k.min, h, t, grp) * (double)iq;
+                }
+                s[t] = sq * dot * d->softmax_scale;
+            }
+            for (int64_t t = 0; t < Tt; t++) {
+                double dot = 0.0;
+                for (int j = 0; j < D; j++)
+                    dot += (double)qr[j] * tail_elem(&a->k_tail, h, t, j);
+                s[T + t] = dot * d->softmax_scale;
+            }
+            double m = -INFINITY;
+            int nan = 0;
+            for (int64_t t = 0; t < N; t++) {
+                nan |= s[t] != s[t];
+                if (s[t] > m)
+                    m = s[t];
+            }
+            if (nan || m == -INFINITY) {
+                *lse = nan ? NAN : -INFINITY;
+                for (int j = 0; j < Dv; j++)
+                    out[j] = nan ? NAN : 0.0f;
+                continue;
+            }
+            double l = 0.0;
+            for (int64_t t = 0; t < N; t++) {
+                p[t] = (float)exp(s[t] - m);
+                l += p[t];
+            }
+            memset(acc, 0, sizeof(double) * (size_t)Dv);
+            if (a->v.axis == KVD_ATTN_AXIS_CHANNEL) {
+                int P = a->v.group;
+                for (int64_t t0 = 0; t0 < T; t0 += P) {
+                    float mP, sP;
+                    int sum8;
+                    quantize_p8(p + t0, P, p8, &mP, &sP, &sum8);
+                    int64_t grp = t0 / P;
+                    for (int dd = 0; dd < Dv; dd++) {
+                        const uint8_t *cr = qrow(&a->v.codes, h, dd);
+                        long ic = 0;
+                        for (int i = 0; i < P; i++)
+                            ic += (long)p8[i] * code_at(cr, t0 + i, a->v.bits);
+                        double sc = f16_at(&a->v.scale, h, dd, grp), mn = f16_at(&a->v.min, h, dd, grp);
+                        double cs = u16_at(&a->v.sum, h, dd, grp);
+                        /* Eq. 4 with A = P (sP, mP) and B = V (scale, min), Z = P */
+                        acc[dd] += (double)sP * sc * (double)ic + (double)mP * sc * cs +
+                                   (double)sP * mn * (double)sum8 + (double)P * mP * mn;
+                    }
+                }
+            } else {
+                for (int64_t t = 0; t < T; t++) {
+                    const uint8_t *cr = qrow(&a->v.codes, h, t);
+                    for (int dd = 0; dd < Dv; dd++) {
+                        int grp = dd / a->v.group;
+                        acc[dd] += (double)p[t] * ((double)f16_at(&a->v.scale, h, t, grp) *
+                                                       code_at(cr, dd, a->v.bits) +
+                                                   (double)f16_at(&a->v.min, h, t, grp));
+                    }
+                }
+            }
+            for (int64_t t = 0; t < Tt; t++)
+                for (int dd = 0; dd < Dv; dd++)
+                    acc[dd] += (double)p[T + t] * tail_elem(&a->v_tail, h, t, dd);
+            for (int dd = 0; dd < Dv; dd++)
+                out[dd] = (float)(acc[dd] / l);
+            *lse = (float)(m + log(l));
+        }
+    free(s), free(p), free(q8), free(p8), free(acc);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Fast path                                                              */
+/* ---------------------------------------------------------------------- */
+
+typedef struct int_ctx {
+    const kvd_attn_int_args *a;
+    int h, G, D, Dv, simd;
+    int kbits, kper, kP, kng, kcols; /* kcols: 32-bit code columns per K row */
+    float *sq;                       /* (G) s_q * softmax_scale */
+    int8_t *q8;                      /* (G, D) */
+    float *qsum;                     /* (G, kng) sum of q8 per group */
+    int32_t *qpat;                   /* (G, kcols, kper) plane-ordered q8 patterns */
+    float *ktmp;                     /* (2 * kng * 8) scales/mins of a tile */
+} int_ctx;
+
+/* Pattern of column c, plane k: byte b holds q8[(4c + b) * per + k]. */
+static void build_patterns_i8(const int8_t *x, int cols, int bits, int32_t *pat)
+{
+    int per = 8 / bits;
+    for (int c = 0; c < cols; c++)
+        for (int k = 0; k < per; k++) {
+            uint32_t w = 0;
+            for (int b = 0; b < 4; b++)
+                w |= (uint32_t)(uint8_t)x[(4 * c + b) * per + k] << (8 * b);
+            pat[c * per + k] = (int32_t)w;
+        }
+}
+
+static void build_patterns_u8(const uint8_t *x, int cols, int bits, int32_t *pat)
+{
+    build_patterns_i8((const int8_t *)x, cols, bits, pat);
+}
+
+/* Scalar scores of tokens [t0, t0+n) into s (row g at s + g*ld). */
+static void int_scores_scalar(const int_ctx *c, int64_t t0, int n, float *s, int ld)
+{
+    const kvd_attn_int_args *a = c->a;
+    for (int i = 0; i < n; i++) {
+        int64_t t = t0 + i;
+        const uint8_t *cr = qrow(&a->k.codes, c->h, t);
+        for (int g = 0; g < c->G; g++) {
+            const int8_t *q8 = c->q8 + (size_t)g * c->D;
+            float dot = 0.0f;
+            for (int grp = 0; grp < c->kng; grp++) {
+                int ic = 0;
+                for (int j = grp * c->kP; j < (grp + 1) * c->kP; j++)
+                    ic += q8[j] * code_at(cr, j, c->kbits);
+                dot += f16_at(&a->k.scale, c->h, t, grp) * (float)ic +
+                       f16_at(&a->k.min, c->h, t, grp) * c->qsum[g * c->kng + grp];
+            }
+            s[(size_t)g * ld + i] = dot * c->sq[g];
+        }
+    }
+}
+
+__attribute__((target("avx2"))) static inline void transpose8x8(__m256i *r)
+{
+    __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    r[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+    r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    r[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+    r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    r[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+    r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+    r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+#define KVD__INT_MAXCOLS 128 /* D * bits / 32 <= 128: D <= 2048 (INT2) / 1024 (INT4) */
+
+__attribute__((target("avx2,fma,f16c"))) static void int_scores_avx2(void *vctx, int64_t t0, int n,
+                                                                     float *s, int ld)
+{
+    const int_ctx *c = vctx;
+    const kvd_attn_int_args *a = c->a;
+    int cols = c->kcols, per = c->kper, ng = c->kng, cpg = cols / ng;
+    int flush = c->kbits == 2 ? 8 : 4;
+    const __m256i mask = _mm256_set1_epi8((char)((1 << c->kbits) - 1)), ones = _mm256_set1_epi16(1);
+    __m256i X[KVD__INT_MAXCOLS];
+    __m256i planes[4];
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        int64_t t = t0 + i;
+        /* columns of the 8 rows, transposed: X[col] lane r = dword col of row r */
+        for (int c0 = 0; c0 < cols; c0 += 8) {
+            if (cols - c0 >= 8) {
+                for (int r = 0; r < 8; r++)
+                    X[c0 + r] = _mm256_loadu_si256((const __m256i *)(qrow(&a->k.codes, c->h, t + r) + 4 * c0));
+                transpose8x8(X + c0);
+            } else {
+                int32_t tmp[8][8];
+                for (int cc = c0; cc < cols; cc++)
+                    for (int r = 0; r < 8; r++)
+                        memcpy(&tmp[cc - c0][r], qrow(&a->k.codes, c->h, t + r) + 4 * cc, 4);
+                for (int cc = c0; cc < cols; cc++)
+                    X[cc] = _mm256_loadu_si256((const __m256i *)tmp[cc - c0]);
+            }
+        }
+        /* scales and mins of the tile, per group as 8-token vectors */
+        float *sc = c->ktmp, *mn = c->ktmp + 8 * ng;
+        for (int r = 0; r < 8; r++)
+            for (int grp = 0; grp < ng; grp++) {
+                sc[grp * 8 + r] = f16_at(&a->k.scale, c->h, t + r, grp);
+                mn[grp * 8 + r] = f16_at(&a->k.min, c->h, t + r, grp);
+            }
+        for (int g = 0; g < c->G; g++) {
+            const int32_t *pat = c->qpat + (size_t)g * cols * per;
+            __m256 dot = _mm256_setzero_ps();
+            for (int grp = 0; grp < ng; grp++) {
+                __m256i acc32 = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
+                for (int cc = grp * cpg, k = 0; cc < (grp + 1) * cpg; cc++) {
+                    __m256i x = X[cc];
+                    for (int pl = 0; pl < per; pl++) {
+                        planes[pl] = _mm256_and_si256(_mm256_srli_epi16(x, pl * c->kbits), mask);
+                        acc16 = _mm256_add_epi16(
+                            acc16, _mm256_maddubs_epi16(planes[pl], _mm256_set1_epi32(pat[cc * per + pl])));
+                    }
+                    if (++k == flush) {
+                        acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
+                        acc16 = _mm256_setzero_si256();
+                        k = 0;
+                    }
+                }
+                acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
+                __m256 fs = _mm256_cvtepi32_ps(acc32);
+                dot = _mm256_fmadd_ps(fs, _mm256_loadu_ps(sc + grp * 8), dot);
+                dot = _mm256_fmadd_ps(_mm256_set1_ps(c->qsum[g * ng + grp]), _mm256_loadu_ps(mn + grp * 8), dot);
+            }
+            _mm256_storeu_ps(s + (size_t)g * ld + i, _mm256_mul_ps(dot, _mm256_set1_ps(c->sq[g])));
+        }
+    }
+    if (i < n) {
+        float tmp[KVD__ATTN_MAXG * 8];
+        int_scores_scalar(c, t0 + i, n - i, tmp, 8);
+        for (int g = 0; g < c->G; g++)
+            for (int r = 0; r < n - i; r++)
+                s[(size_t)g * ld + i + r] = tmp[g * 8 + r];
+    }
+}
+
+static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
+{
+    const int_ctx *c = vctx;
+    if (c->simd && (c->D * c->kbits) % 32 == 0 && (c->kP * c->kbits) % 32 == 0 &&
+        c->kcols <= KVD__INT_MAXCOLS)
+        int_scores_avx2(vctx, t0, n, s, ld);
+    else
+        int_scores_scalar(c, t0, n, s, ld);
+}
+
+/* Channel-axis values, scalar: the same equation as the reference. */
+static void int_values_channel_scalar(const int_ctx *c, int64_t t0, int n, const float *p, int ld,
+                                      float *acc)
+{
+    const kvd_attn_int_args *a = c->a;
+    int P = a->v.group;
+    uint8_t p8[256];
+    for (int off = 0; off < n; off += P) {
+        int64_t grp = (t0 + off) / P;
+        for (int g = 0; g < c->G; g++) {
+            float mP, sP;
+            int sum8;
+            quantize_p8(p + (size_t)g * ld + off, P, p8, &mP, &sP, &sum8);
+            float *ag = acc + (size_t)g * c->Dv;
+            for (int dd = 0; dd < c->Dv; dd++) {
+                const uint8_t *cr = qrow(&a->v.codes, c->h, dd);
+                int ic = 0;
+                for (int i = 0; i < P; i++)
+                    ic += p8[i] * code_at(cr, t0 + off + i, a->v.bits);
+                float sc = f16_at(&a->v.scale, c->h, dd, grp), mn = f16_at(&a->v.min, c->h, dd, grp);
+                float cs = u16_at(&a->v.sum, c->h, dd, grp);
+                ag[dd] += sc * (sP * (float)ic + mP * cs) + mn * (sP * (float)sum8 + (float)P * mP);
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void
+int_values_channel_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    const kvd_attn_int_args *a = c->a;
+    int P = a->v.group, bits = a->v.bits, per = 8 / bits, cols = P * bits / 32;
+    int flush = bits == 2 ? 4 : 2;
+    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1)), ones = _mm256_set1_epi16(1);
+    uint8_t p8[256];
+    int32_t pat[KVD__ATTN_MAXG][16 * 4]; /* cols <= 16 (INT4, P = 128) */
+    float mP[KVD__ATTN_MAXG], sP[KVD__ATTN_MAXG], corr[KVD__ATTN_MAXG];
+    for (int off = 0; off < n; off += P) {
+        int64_t grp = (t0 + off) / P, byte0 = (t0 + off) / per;
+        for (int g = 0; g < c->G; g++) {
+            int sum8;
+            quantize_p8(p + (size_t)g * ld + off, P, p8, &mP[g], &sP[g], &sum8);
+            build_patterns_u8(p8, cols, bits, pat[g]);
+            corr[g] = sP[g] * (float)sum8 + (float)P * mP[g];
+        }
+        for (int d0 = 0; d0 < c->Dv; d0 += 8) {
+            int32_t tmp[16][8];
+            float sc[8], mn[8], cs[8];
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *cr = qrow(&a->v.codes, c->h, d0 + r) + byte0;
+                for (int cc = 0; cc < cols; cc++)
+                    memcpy(&tmp[cc][r], cr + 4 * cc, 4);
+                sc[r] = f16_at(&a->v.scale, c->h, d0 + r, grp);
+                mn[r] = f16_at(&a->v.min, c->h, d0 + r, grp);
+                cs[r] = (float)u16_at(&a->v.sum, c->h, d0 + r, grp);
+            }
+            __m256i planes[16][4];
+            for (int cc = 0; cc < cols; cc++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)tmp[cc]);
+                for (int pl = 0; pl < per; pl++)
+                    planes[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(x, pl * bits), mask);
+            }
+            __m256 vsc = _mm256_loadu_ps(sc), vmn = _mm256_loadu_ps(mn), vcs = _mm256_loadu_ps(cs);
+            for (int g = 0; g < c->G; g++) {
+                __m256i acc32 = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
+                for (int cc = 0, k = 0; cc < cols; cc++) {
+                    for (int pl = 0; pl < per; pl++)
+                        acc16 = _mm256_add_epi16(
+                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(pat[g][cc * per + pl]), planes[cc][pl]));
+                    if (++k == flush) {
+                        acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
+                        acc16 = _mm256_setzero_si256();
+                        k = 0;
+                    }
+                }
+                acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
+                /* sc * (sP*S + mP*cs) + mn * (sP*sum8 + P*mP) */
+                __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(sP[g]), _mm256_cvtepi32_ps(acc32),
+                                           _mm256_mul_ps(_mm256_set1_ps(mP[g]), vcs));
+                float *ag = acc + (size_t)g * c->Dv + d0;
+                __m256 o = _mm256_fmadd_ps(vsc, t, _mm256_loadu_ps(ag));
+                o = _mm256_fmadd_ps(vmn, _mm256_set1_ps(corr[g]), o);
+                _mm256_storeu_ps(ag, o);
+            }
+        }
+    }
+}
+
+/* Token-axis values (KIVI): out_d += (p*scale) * c_d + p*min, codes of one
+ * row unpacked to floats once for all G heads. */
+static void int_values_token(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    const kvd_attn_int_args *a = c->a;
+    int Dv = c->Dv, P = a->v.group, ng = Dv / P;
+    float cf[4096];
+    for (int i = 0; i < n; i++) {
+        int64_t t = t0 + i;
+        const uint8_t *cr = qrow(&a->v.codes, c->h, t);
+        for (int dd = 0; dd < Dv; dd++)
+            cf[dd] = (float)code_at(cr, dd, a->v.bits);
+        for (int grp = 0; grp < ng; grp++) {
+            float sc = f16_at(&a->v.scale, c->h, t, grp), mn = f16_at(&a->v.min, c->h, t, grp);
+            for (int g = 0; g < c->G; g++) {
+                float pg = p[(size_t)g * ld + i];
+                if (pg == 0.0f)
+                    continue;
+                float w = pg * sc, b = pg * mn;
+                float *ag = acc + (size_t)g * Dv + grp * P;
+                const float *cg = cf + grp * P;
+                for (int j = 0; j < P; j++)
+                    ag[j] += w * cg[j] + b;
+            }
+        }
+    }
+}
+
+static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    const int_ctx *c = vctx;
+    if (c->a->v.axis == KVD_ATTN_AXIS_CHANNEL) {
+        if (c->simd && c->Dv % 8 == 0 && c->a->v.group <= 128 && (c->a->v.group * c->a->v.bits) % 32 == 0)
+            int_values_channel_avx2(c, t0, n, p, ld, acc);
+        else
+            int_values_channel_scalar(c, t0, n, p, ld, acc);
+    } else {
+        int_values_token(c, t0, n, p, ld, acc);
+    }
+}
+
+int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
+{
+    const kvd_attn_dims *d = &a->dims;
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    /* channel-axis blocks hold whole groups: a block is the largest multiple
+     * of P that fits KVD__ATTN_BLOCK */
+    int vblock = KVD__ATTN_BLOCK;
+    if (a->n_tokens > 0 && a->v.axis == KVD_ATTN_AXIS_CHANNEL)
+        vblock = a->v.group <= KVD__ATTN_BLOCK ? KVD__ATTN_BLOCK / a->v.group * a->v.group : 0;
+    if (G > KVD__ATTN_MAXG || Dv > 4096 || vblock == 0)
+        return kvd_cpu_attn_int_ref(a);
+    int simd = kvd__attn_simd(), rc = 0;
+    int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
+    for (int h = 0; h < d->n_kv_heads; h++) {
+        int_ctx c;
+        memset(&c, 0, sizeof c);
+        c.a = a;
+        c.h = h;
+        c.G = G;
+        c.D = D;
+        c.Dv = Dv;
+        c.simd = simd;
+        int kb = a->k.bits ? a->k.bits : 2;
+        c.kbits = kb;
+        c.kper = 8 / kb;
+        c.kP = a->k.group > 0 ? a->k.group : D;
+        c.kng = c.kP > 0 ? D / c.kP : 0;
+        c.kcols = D * kb / 32;
+        size_t need = sizeof(float) * (size_t)G                                /* sq */
+                      + (size_t)G * D                                          /* q8 */
+                      + sizeof(float) * (size_t)G * (c.kng + 1)                /* qsum */
+                      + sizeof(int32_t) * (size_t)G * (c.kcols + 1) * c.kper   /* qpat */
+                      + sizeof(float) * (size_t)16 * (c.kng + 1)               /* ktmp */
+                      + sizeof(float) * (size_t)G * D                          /* scaled q */
+                      + 64;
+        char *buf = malloc(need);
+        if (!buf) {
+#pragma omp atomic write
+            rc = KVD_ENOMEM;
+            continue;
+        }
+        char *b = buf;
+        c.sq = (float *)b;
+        b += sizeof(float) * (size_t)G;
+        c.qsum = (float *)b;
+        b += sizeof(float) * (size_t)G * (c.kng + 1);
+        c.qpat = (int32_t *)b;
+        b += sizeof(int32_t) * (size_t)G * (c.kcols + 1) * c.kper;
+        c.ktmp = (float *)b;
+        b += sizeof(float) * (size_t)16 * (c.kng + 1);
+        float *qs = (float *)b;
+        b += sizeof(float) * (size_t)G * D;
+        c.q8 = (int8_t *)b;
+        for (int g = 0; g < G; g++) {
+            const float *qr = (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
+            int8_t *q8 = c.q8 + (size_t)g * D;
+            c.sq[g] = kvd_attn_quantize_q8(qr, D, q8) * d->softmax_scale;
+            for (int grp = 0; grp < c.kng; grp++) {
+                int sum = 0;
+                for (int j = grp * c.kP; j < (grp + 1) * c.kP; j++)
+                    sum += q8[j];
+                c.qsum[g * c.kng + grp] = (float)sum;
+            }
+            if ((D * kb) % 32 == 0 && c.kcols <= KVD__INT_MAXCOLS)
+                build_patterns_i8(q8, c.kcols, kb, c.qpat + (size_t)g * c.kcols * c.kper);
+        }
+        kvd__attn_scaled_q(d, &a->q, h, qs);
+        kvd__attn_src src[2];
+        int nsrc = 0;
+        if (a->n_tokens > 0) {
+            src[nsrc].ctx = &c;
+            src[nsrc].n = a->n_tokens;
+            src[nsrc].block = vblock;
+            src[nsrc].scores = int_scores_cb;
+            src[nsrc].values = int_values_cb;
+            src[nsrc].rescale = NULL;
+            src[nsrc].finish = NULL;
+            nsrc++;
+        }
+        _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
+        if (Tt > 0) {
+            kvd__attn_dense_src(&src[nsrc], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv, h,
+                                simd);
+            nsrc++;
+        }
+        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+        kvd__attn_out_ptrs(d, &a->out, &a->lse, h, o, l);
+        int r = kvd__attn_head_run(src, nsrc, G, Dv, o, l, simd);
+        if (r) {
+#pragma omp atomic write
+            rc = r;
+        }
+        free(buf);
+    }
+    return rc;
+}

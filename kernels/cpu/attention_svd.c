@@ -1,0 +1,133 @@
+/*
+ * Reduced-dimension attention (ZACK), see kvdepot/attention.h: the query is
+ * rotated into the key space of its kv head and truncated to rk_h dims, the
+ * scores are taken there without decompressing K, the output is summed in
+ * the rv_h-dim value space and rotated back once per query head.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_internal.h"
+#include "kvdepot/attention.h"
+#include "kvdepot/svd.h"
+
+static int64_t width_offset(const int32_t *w, int h)
+{
+    int64_t o = 0;
+    for (int i = 0; i < h; i++)
+        o += w[i];
+    return o;
+}
+
+int kvd_cpu_attn_svd_ref(const kvd_attn_svd_args *a)
+{
+    const kvd_attn_dims *d = &a->dims;
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    int64_t T = a->n_tokens;
+    size_t es = kvd_dtype_size(a->dtype);
+    double *s = malloc(sizeof(double) * (size_t)(T + 1));
+    float *vals = malloc(sizeof(float) * (size_t)(T * Dv + 1));
+    float *qr = malloc(sizeof(float) * (size_t)(D + Dv + 1)), *ored = qr + D;
+    if (!s || !vals || !qr) {
+        free(s), free(vals), free(qr);
+        return KVD_ENOMEM;
+    }
+    for (int h = 0; h < d->n_kv_heads; h++) {
+        int rk = a->k_width[h], rv = a->v_width[h];
+        const float *Rk = (const float *)a->rk.data + (size_t)h * D * D;
+        const float *Rv = (const float *)a->rv.data + (size_t)h * Dv * Dv;
+        const char *kb = (const char *)a->k_red + (size_t)(T * width_offset(a->k_width, h)) * es;
+        const char *vb = (const char *)a->v_red + (size_t)(T * width_offset(a->v_width, h)) * es;
+        for (int64_t t = 0; t < T; t++)
+            for (int j = 0; j < rv; j++)
+                vals[t * rv + j] = kvd__load_float(vb + (size_t)(t * rv + j) * es, a->dtype);
+        for (int g = 0; g < G; g++) {
+            int hq = h * G + g;
+            const float *q = (const float *)((const char *)a->q.data + hq * a->q.stride[0]);
+            float *out = (float *)((char *)a->out.data + hq * a->out.stride[0]);
+            float *lse = (float *)((char *)a->lse.data + hq * a->lse.stride[0]);
+            /* q' = q R_k[:, :rk] */
+            for (int j = 0; j < rk; j++) {
+                double acc = 0.0;
+                for (int i = 0; i < D; i++)
+                    acc += (double)q[i] * Rk[(size_t)i * D + j];
+                qr[j] = (float)acc;
+            }
+            for (int64_t t = 0; t < T; t++) {
+                double dot = 0.0;
+                for (int j = 0; j < rk; j++)
+                    dot += (double)qr[j] * kvd__load_float(kb + (size_t)(t * rk + j) * es, a->dtype);
+                s[t] = dot * d->softmax_scale;
+            }
+            kvd__attn_ref_finish(s, T, vals, rv, ored, lse);
+            /* out = o' R_v[:, :rv]^T */
+            for (int i = 0; i < Dv; i++) {
+                double acc = 0.0;
+                for (int j = 0; j < rv; j++)
+                    acc += (double)ored[j] * Rv[(size_t)i * Dv + j];
+                out[i] = (float)acc;
+            }
+        }
+    }
+    free(s), free(vals), free(qr);
+    return 0;
+}
+
+int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads)
+{
+    const kvd_attn_dims *d = &a->dims;
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    if (G > KVD__ATTN_MAXG)
+        return kvd_cpu_attn_svd_ref(a);
+    int64_t T = a->n_tokens;
+    int64_t es = (int64_t)kvd_dtype_size(a->dtype);
+    int simd = kvd__attn_simd(), rc = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
+    for (int h = 0; h < d->n_kv_heads; h++) {
+        int rk = a->k_width[h], rv = a->v_width[h];
+        const float *Rk = (const float *)a->rk.data + (size_t)h * D * D;
+        const float *Rv = (const float *)a->rv.data + (size_t)h * Dv * Dv;
+        float *buf = malloc(sizeof(float) * ((size_t)G * (rk + rv + 1) + 16));
+        if (!buf) {
+#pragma omp atomic write
+            rc = KVD_ENOMEM;
+            continue;
+        }
+        float *qp = buf, *ored = buf + (size_t)G * rk + 8;
+        for (int g = 0; g < G; g++) {
+            const float *q = (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
+            kvd_cpu_svd_project_fast(Rk, D, rk, q, KVD_DTYPE_F32, 1, D * 4, qp + (size_t)g * rk, 1);
+            for (int j = 0; j < rk; j++)
+                qp[(size_t)g * rk + j] *= d->softmax_scale;
+        }
+        /* views of this head's ragged blocks as (1, T, r) tensors */
+        int64_t ks[3] = {1, T, rk}, vs[3] = {1, T, rv};
+        kvd_tensor kv = kvd_tensor_make(a->dtype,
+                                        (char *)a->k_red + T * width_offset(a->k_width, h) * es, 3, ks);
+        kvd_tensor vv = kvd_tensor_make(a->dtype,
+                                        (char *)a->v_red + T * width_offset(a->v_width, h) * es, 3, vs);
+        _Alignas(8) char ctx[KVD__ATTN_DENSE_CTX_BYTES];
+        kvd__attn_src src;
+        kvd__attn_dense_src(&src, ctx, &kv, &vv, NULL, T, qp, G, rk, rv, 0, simd);
+        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG], *ofull[KVD__ATTN_MAXG];
+        kvd__attn_out_ptrs(d, &a->out, &a->lse, h, ofull, l);
+        for (int g = 0; g < G; g++)
+            o[g] = ored + (size_t)g * rv;
+        int r = kvd__attn_head_run(&src, 1, G, rv, o, l, simd);
+        if (r) {
+#pragma omp atomic write
+            rc = r;
+        }
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < Dv; i++) {
+                float acc = 0.0f;
+                const float *Ri = Rv + (size_t)i * Dv;
+                for (int j = 0; j < rv; j++)
+                    acc += o[g][j] * Ri[j];
+                ofull[g][i] = acc;
+            }
+        free(buf);
+    }
+    return rc;
+}

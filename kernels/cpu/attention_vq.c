@@ -1,0 +1,402 @@
+/*
+ * Fused VQ attention (VecInfer), see kvdepot/attention.h.
+ *
+ * Per kv head the fast path builds, for the G query heads of the group,
+ *   LUT[pos][c][g] = q~_g[pos*dk : (pos+1)*dk] . C_k[c]     (npos x 2^bk x GP)
+ * so a token's G scores are npos vector loads and adds (GP = 4 or 8 lanes,
+ * one per query head), and accumulates probabilities per value code,
+ *   A[pos][c][g] += p_g(t)   for c = vcode[t][pos]
+ * so the output is a single pass over the value codebook at the end,
+ *   out_g[pos*dv + i] = sum_c A[pos][c][g] * C_v[c][i].
+ * Neither K nor V is decoded. The online softmax of the driver rescales its
+ * accumulator when the running max grows; A is kept in units of a per-head
+ * multiplier instead (A_true = A * mult_g) so a rescale costs nothing, and A
+ * is folded into the driver's accumulator if mult_g gets tiny and at the end.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_internal.h"
+#include "kvdepot/attention.h"
+
+/* In-place orthonormal Walsh-Hadamard transform (Sylvester order), n = 2^k. */
+static void fwht(float *x, int n)
+{
+    for (int len = 1; len < n; len <<= 1)
+        for (int i = 0; i < n; i += 2 * len)
+            for (int j = i; j < i + len; j++) {
+                float a = x[j], b = x[j + len];
+                x[j] = a + b;
+                x[j + len] = a - b;
+            }
+    float s = 1.0f / sqrtf((float)n);
+    for (int i = 0; i < n; i++)
+        x[i] *= s;
+}
+
+/* q~ = H (q * lambda) of query head hq, kv head h. */
+static void transform_query(const kvd_attn_vq_args *a, int h, int hq, float *qt)
+{
+    int D = a->dims.head_dim;
+    const float *q = (const float *)((const char *)a->q.data + (int64_t)hq * a->q.stride[0]);
+    const float *lam = a->k_lambda.data
+                           ? (const float *)((const char *)a->k_lambda.data + (int64_t)h * a->k_lambda.stride[0])
+                           : NULL;
+    for (int j = 0; j < D; j++)
+        qt[j] = lam ? q[j] * lam[j] : q[j];
+    if (a->k_hadamard)
+        fwht(qt, D);
+}
+
+static inline uint32_t code_at(const kvd_tensor *c, int bits, int64_t h, int64_t t, int pos)
+{
+    const char *p = (const char *)c->data + h * c->stride[0] + t * c->stride[1];
+    if (bits <= 8)
+        return ((const uint8_t *)p)[pos];
+    uint16_t v;
+    memcpy(&v, p + 2 * pos, 2);
+    return v;
+}
+
+static inline const float *cb_row(const kvd_tensor *cb, int64_t h, uint32_t c)
+{
+    return (const float *)((const char *)cb->data + h * cb->stride[0] + (int64_t)c * cb->stride[1]);
+}
+
+static inline float tail_elem(const kvd_tensor *x, int64_t h, int64_t t, int64_t j)
+{
+    const char *p = (const char *)x->data + h * x->stride[0] + t * x->stride[1];
+    return kvd__load_float(p + j * (int64_t)kvd_dtype_size(x->dtype), x->dtype);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Reference: decode-free but written as the equation, in double          */
+/* ---------------------------------------------------------------------- */
+
+int kvd_cpu_attn_vq_ref(const kvd_attn_vq_args *a)
+{
+    const kvd_attn_dims *d = &a->dims;
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    int64_t T = a->n_tokens, Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0, N = T + Tt;
+    double *s = malloc(sizeof(double) * (size_t)(N + 1));
+    float *vals = malloc(sizeof(float) * (size_t)(N * Dv + 1));
+    float *qt = malloc(sizeof(float) * (size_t)(D + 1));
+    if (!s || !vals || !qt) {
+        free(s), free(vals), free(qt);
+        return KVD_ENOMEM;
+    }
+    int dk = a->k_sub_dim, dv = a->v_sub_dim;
+    for (int h = 0; h < d->n_kv_heads; h++) {
+        for (int64_t t = 0; t < T; t++)
+            for (int pos = 0; pos < Dv / dv; pos++) {
+                const float *cv = cb_row(&a->v_codebook, h, code_at(&a->v_codes, a->v_bits, h, t, pos));
+                for (int i = 0; i < dv; i++)
+                    vals[t * Dv + pos * dv + i] = cv[i];
+            }
+        for (int64_t t = 0; t < Tt; t++)
+            for (int j = 0; j < Dv; j++)
+                vals[(T + t) * Dv + j] = tail_elem(&a->v_tail, h, t, j);
+        for (int g = 0; g < G; g++) {
+            int hq = h * G + g;
+            const float *q = (const float *)((const char *)a->q.data + (int64_t)hq * a->q.stride[0]);
+            transform_query(a, h, hq, qt);
+            for (int64_t t = 0; t < T; t++) {
+                double dot = 0.0;
+                for (int pos = 0; pos < D / dk; pos++) {
+                    const float *ck = cb_row(&a->k_codebook, h, code_at(&a->k_codes, a->k_bits, h, t, pos));
+                    for (int i = 0; i < dk; i++)
+                        dot += (double)qt[pos * dk + i] * ck[i];
+                }
+                s[t] = dot * d->softmax_scale;
+            }
+            for (int64_t t = 0; t < Tt; t++) {
+                double dot = 0.0;
+                for (int j = 0; j < D; j++)
+                    dot += (double)q[j] * tail_elem(&a->k_tail, h, t, j);
+                s[T + t] = dot * d->softmax_scale;
+            }
+            kvd__attn_ref_finish(s, N, vals, Dv,
+                                 (float *)((char *)a->out.data + (int64_t)hq * a->out.stride[0]),
+                                 (float *)((char *)a->lse.data + (int64_t)hq * a->lse.stride[0]));
+        }
+    }
+    free(s), free(vals), free(qt);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Fast path                                                              */
+/* ---------------------------------------------------------------------- */
+
+typedef struct vq_ctx {
+    const kvd_attn_vq_args *a;
+    int h, G, GP, D, Dv, simd;
+    int kpos, vpos, kK, vK; /* positions, codebook sizes */
+    float *lut;             /* (kpos, kK, GP) */
+    float *A;               /* (vpos, vK, GP) */
+    float mult[KVD__ATTN_MAXG];
+    int dirty;
+} vq_ctx;
+
+static void vq_fold(vq_ctx *c, float *acc)
+{
+    const kvd_attn_vq_args *a = c->a;
+    int dv = a->v_sub_dim, GP = c->GP;
+    for (int pos = 0; pos < c->vpos; pos++)
+        for (int code = 0; code < c->vK; code++) {
+            const float *w = c->A + ((size_t)pos * c->vK + code) * GP;
+            const float *cv = cb_row(&a->v_codebook, c->h, (uint32_t)code);
+            for (int g = 0; g < c->G; g++) {
+                float wg = w[g] * c->mult[g];
+                if (wg == 0.0f)
+                    continue;
+                float *ag = acc + (size_t)g * c->Dv + pos * dv;
+                for (int i = 0; i < dv; i++)
+                    ag[i] += wg * cv[i];
+            }
+        }
+    memset(c->A, 0, sizeof(float) * (size_t)c->vpos * c->vK * GP);
+    for (int g = 0; g < c->G; g++)
+        c->mult[g] = 1.0f;
+    c->dirty = 0;
+}
+
+static void vq_rescale(void *vctx, int g, float f)
+{
+    vq_ctx *c = vctx;
+    c->mult[g] *= f;
+}
+
+static void vq_finish(void *vctx, float *acc)
+{
+    vq_ctx *c = vctx;
+    if (c->dirty)
+        vq_fold(c, acc);
+}
+
+__attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64_t t0, int n,
+                                                               float *s, int ld)
+{
+    const vq_ctx *c = vctx;
+    const kvd_attn_vq_args *a = c->a;
+    int kpos = c->kpos, K = c->kK, G = c->G;
+    const char *base = (const char *)a->k_codes.data + c->h * a->k_codes.stride[0];
+    int64_t rs = a->k_codes.stride[1];
+    float r[8];
+    for (int i = 0; i < n; i++) {
+        const char *row = base + (t0 + i) * rs;
+        if (c->GP == 8) {
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            int pos = 0;
+            if (a->k_bits <= 8) {
+                const uint8_t *cr = (const uint8_t *)row;
+                for (; pos + 2 <= kpos; pos += 2) {
+                    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 8));
+                    s1 = _mm256_add_ps(s1, _mm256_loadu_ps(c->lut + ((size_t)(pos + 1) * K + cr[pos + 1]) * 8));
+                }
+                for (; pos < kpos; pos++)
+                    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 8));
+            } else {
+                const uint16_t *cr = (const uint16_t *)row;
+                for (; pos < kpos; pos++)
+                    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 8));
+            }
+            _mm256_storeu_ps(r, _mm256_add_ps(s0, s1));
+        } else {
+            __m128 s0 = _mm_setzero_ps(), s1 = _mm_setzero_ps(), s2 = _mm_setzero_ps(), s3 = _mm_setzero_ps();
+            int pos = 0;
+            if (a->k_bits <= 8) {
+                const uint8_t *cr = (const uint8_t *)row;
+                for (; pos + 4 <= kpos; pos += 4) {
+                    s0 = _mm_add_ps(s0, _mm_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 4));
+                    s1 = _mm_add_ps(s1, _mm_loadu_ps(c->lut + ((size_t)(pos + 1) * K + cr[pos + 1]) * 4));
+                    s2 = _mm_add_ps(s2, _mm_loadu_ps(c->lut + ((size_t)(pos + 2) * K + cr[pos + 2]) * 4));
+                    s3 = _mm_add_ps(s3, _mm_loadu_ps(c->lut + ((size_t)(pos + 3) * K + cr[pos + 3]) * 4));
+                }
+                for (; pos < kpos; pos++)
+                    s0 = _mm_add_ps(s0, _mm_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 4));
+            } else {
+                const uint16_t *cr = (const uint16_t *)row;
+                for (; pos + 2 <= kpos; pos += 2) {
+                    s0 = _mm_add_ps(s0, _mm_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 4));
+                    s1 = _mm_add_ps(s1, _mm_loadu_ps(c->lut + ((size_t)(pos + 1) * K + cr[pos + 1]) * 4));
+                }
+                for (; pos < kpos; pos++)
+                    s0 = _mm_add_ps(s0, _mm_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 4));
+            }
+            _mm_storeu_ps(r, _mm_add_ps(_mm_add_ps(s0, s1), _mm_add_ps(s2, s3)));
+        }
+        for (int g = 0; g < G; g++)
+            s[(size_t)g * ld + i] = r[g];
+    }
+}
+
+static void vq_scores_scalar(void *vctx, int64_t t0, int n, float *s, int ld)
+{
+    const vq_ctx *c = vctx;
+    const kvd_attn_vq_args *a = c->a;
+    for (int i = 0; i < n; i++)
+        for (int g = 0; g < c->G; g++) {
+            float acc = 0.0f;
+            for (int pos = 0; pos < c->kpos; pos++)
+                acc += c->lut[((size_t)pos * c->kK + code_at(&a->k_codes, a->k_bits, c->h, t0 + i, pos)) * c->GP + g];
+            s[(size_t)g * ld + i] = acc;
+        }
+}
+
+__attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64_t t0, int n,
+                                                               const float *p, int ld, float *acc)
+{
+    vq_ctx *c = vctx;
+    const kvd_attn_vq_args *a = c->a;
+    int G = c->G, GP = c->GP, vpos = c->vpos, K = c->vK;
+    float inv[KVD__ATTN_MAXG];
+    for (int g = 0; g < G; g++) {
+        if (c->mult[g] < 1e-20f) { /* keep p / mult finite: fold now */
+            vq_fold(c, acc);
+            break;
+        }
+    }
+    for (int g = 0; g < G; g++)
+        inv[g] = 1.0f / c->mult[g];
+    c->dirty = 1;
+    const char *base = (const char *)a->v_codes.data + c->h * a->v_codes.stride[0];
+    int64_t rs = a->v_codes.stride[1];
+    float pt[8] = {0};
+    for (int i = 0; i < n; i++) {
+        for (int g = 0; g < G; g++)
+            pt[g] = p[(size_t)g * ld + i] * inv[g];
+        const char *row = base + (t0 + i) * rs;
+        if (GP == 8) {
+            __m256 pv = _mm256_loadu_ps(pt);
+            for (int pos = 0; pos < vpos; pos++) {
+                uint32_t code = a->v_bits <= 8 ? ((const uint8_t *)row)[pos] : ((const uint16_t *)row)[pos];
+                float *dst = c->A + ((size_t)pos * K + code) * 8;
+                _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), pv));
+            }
+        } else {
+            __m128 pv = _mm_loadu_ps(pt);
+            if (a->v_bits <= 8) {
+                const uint8_t *cr = (const uint8_t *)row;
+                for (int pos = 0; pos < vpos; pos++) {
+                    float *dst = c->A + ((size_t)pos * K + cr[pos]) * 4;
+                    _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), pv));
+                }
+            } else {
+                const uint16_t *cr = (const uint16_t *)row;
+                for (int pos = 0; pos < vpos; pos++) {
+                    float *dst = c->A + ((size_t)pos * K + cr[pos]) * 4;
+                    _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), pv));
+                }
+            }
+        }
+    }
+}
+
+static void vq_values_scalar(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    vq_ctx *c = vctx;
+    const kvd_attn_vq_args *a = c->a;
+    for (int g = 0; g < c->G; g++)
+        if (c->mult[g] < 1e-20f) {
+            vq_fold(c, acc);
+            break;
+        }
+    c->dirty = 1;
+    for (int i = 0; i < n; i++)
+        for (int pos = 0; pos < c->vpos; pos++) {
+            uint32_t code = code_at(&a->v_codes, a->v_bits, c->h, t0 + i, pos);
+            float *dst = c->A + ((size_t)pos * c->vK + code) * c->GP;
+            for (int g = 0; g < c->G; g++)
+                dst[g] += p[(size_t)g * ld + i] / c->mult[g];
+        }
+}
+
+int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)
+{
+    const kvd_attn_dims *d = &a->dims;
+    int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    if (G > 8)
+        return kvd_cpu_attn_vq_ref(a);
+    int simd = kvd__attn_simd(), rc = 0;
+    int GP = G <= 4 ? 4 : 8;
+    int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
+    for (int h = 0; h < d->n_kv_heads; h++) {
+        vq_ctx c;
+        memset(&c, 0, sizeof c);
+        c.a = a;
+        c.h = h;
+        c.G = G;
+        c.GP = GP;
+        c.D = D;
+        c.Dv = Dv;
+        c.simd = simd;
+        int T = a->n_tokens > 0;
+        c.kpos = T ? D / a->k_sub_dim : 0;
+        c.vpos = T ? Dv / a->v_sub_dim : 0;
+        c.kK = T ? 1 << a->k_bits : 0;
+        c.vK = T ? 1 << a->v_bits : 0;
+        size_t nl = (size_t)c.kpos * c.kK * GP, na = (size_t)c.vpos * c.vK * GP;
+        float *buf = malloc(sizeof(float) * (nl + na + (size_t)2 * G * D + 16));
+        if (!buf) {
+#pragma omp atomic write
+            rc = KVD_ENOMEM;
+            continue;
+        }
+        c.lut = buf;
+        c.A = buf + nl;
+        float *qt = c.A + na, *qs = qt + (size_t)G * D;
+        memset(c.A, 0, sizeof(float) * na);
+        for (int g = 0; g < KVD__ATTN_MAXG; g++)
+            c.mult[g] = 1.0f;
+        if (T) {
+            int dk = a->k_sub_dim;
+            for (int g = 0; g < G; g++) {
+                transform_query(a, h, h * G + g, qt + (size_t)g * D);
+                for (int j = 0; j < D; j++)
+                    qt[(size_t)g * D + j] *= d->softmax_scale;
+            }
+            for (int pos = 0; pos < c.kpos; pos++)
+                for (int code = 0; code < c.kK; code++) {
+                    const float *ck = cb_row(&a->k_codebook, h, (uint32_t)code);
+                    float *dst = c.lut + ((size_t)pos * c.kK + code) * GP;
+                    for (int g = 0; g < GP; g++) {
+                        float dot = 0.0f;
+                        if (g < G)
+                            for (int i = 0; i < dk; i++)
+                                dot += qt[(size_t)g * D + pos * dk + i] * ck[i];
+                        dst[g] = dot;
+                    }
+                }
+        }
+        kvd__attn_scaled_q(d, &a->q, h, qs);
+        kvd__attn_src src[2];
+        int nsrc = 0;
+        if (a->n_tokens > 0) {
+            src[0].ctx = &c;
+            src[0].n = a->n_tokens;
+            src[0].block = KVD__ATTN_BLOCK;
+            src[0].scores = simd ? vq_scores_avx2 : vq_scores_scalar;
+            src[0].values = simd ? vq_values_avx2 : vq_values_scalar;
+            src[0].rescale = vq_rescale;
+            src[0].finish = vq_finish;
+            nsrc = 1;
+        }
+        _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
+        if (Tt > 0)
+            kvd__attn_dense_src(&src[nsrc++], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv, h,
+                                simd);
+        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+        kvd__attn_out_ptrs(d, &a->out, &a->lse, h, o, l);
+        int r = kvd__attn_head_run(src, nsrc, G, Dv, o, l, simd);
+        if (r) {
+#pragma omp atomic write
+            rc = r;
+        }
+        free(buf);
+    }
+    return rc;
+}

@@ -1,0 +1,333 @@
+/*
+ * SVD dimension reduction (ZACK): Gram accumulation, symmetric
+ * eigen-decomposition, rotation, kept width, projection. See kvdepot/svd.h.
+ *
+ * The eigen-decomposition is offline (once per model calibration) on
+ * head_dim x head_dim matrices, so a cyclic Jacobi in double precision is
+ * used: simple, unconditionally stable for symmetric input, and accurate to
+ * a few ulps of the largest eigenvalue. (LAPACK's dsyev would do the same
+ * work; it is not a dependency of kvdepot.)
+ */
+#include "kvdepot/svd.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_internal.h"
+
+int kvd_svd_gram_accumulate(double *gram, int D, const void *x, kvd_dtype dtype, int64_t n,
+                            int64_t row_stride, double weight, kvd_error *err)
+{
+    if (!gram || D <= 0 || n < 0 || !kvd_dtype_is_float(dtype) || (n > 0 && !x))
+        return kvd_error_set(err, KVD_EINVAL, "svd gram: bad arguments (D %d, n %lld, dtype %s)", D,
+                             (long long)n, kvd_dtype_name(dtype));
+    size_t es = kvd_dtype_size(dtype);
+    double *row = malloc(sizeof(double) * (size_t)D);
+    if (!row)
+        return kvd_error_set(err, KVD_ENOMEM, "svd gram: out of memory");
+    for (int64_t t = 0; t < n; t++) {
+        const char *xr = (const char *)x + t * row_stride;
+        for (int i = 0; i < D; i++)
+            row[i] = kvd__load_float(xr + (size_t)i * es, dtype);
+        /* upper triangle, mirrored below */
+        for (int i = 0; i < D; i++) {
+            double wi = weight * row[i];
+            if (wi == 0.0)
+                continue;
+            double *gi = gram + (size_t)i * D;
+            for (int j = i; j < D; j++)
+                gi[j] += wi * row[j];
+        }
+    }
+    for (int i = 0; i < D; i++)
+        for (int j = 0; j < i; j++)
+            gram[(size_t)i * D + j] = gram[(size_t)j * D + i];
+    free(row);
+    return 0;
+}
+
+int kvd_svd_eigh(const double *a, int n, double *evals, double *evecs, kvd_error *err)
+{
+    if (!a || n <= 0 || n > 1024 || !evals || !evecs)
+        return kvd_error_set(err, KVD_EINVAL, "svd eigh: bad arguments (n %d)", n);
+    for (size_t i = 0; i < (size_t)n * n; i++)
+        if (!isfinite(a[i]))
+            return kvd_error_set(err, KVD_EINVAL, "svd eigh: matrix has a non-finite entry");
+    double *m = malloc(sizeof(double) * (size_t)n * n);
+    if (!m)
+        return kvd_error_set(err, KVD_ENOMEM, "svd eigh: out of memory");
+    memcpy(m, a, sizeof(double) * (size_t)n * n);
+    double *v = evecs;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            v[(size_t)i * n + j] = i == j;
+    int converged = 0;
+    for (int sweep = 0; sweep < 100 && !converged; sweep++) {
+        double off = 0.0, diag = 0.0;
+        for (int i = 0; i < n; i++) {
+            diag += m[(size_t)i * n + i] * m[(size_t)i * n + i];
+            for (int j = i + 1; j < n; j++)
+                off += m[(size_t)i * n + j] * m[(size_t)i * n + j];
+        }
+        if (off <= 1e-30 * diag || off == 0.0) {
+            converged = 1;
+            break;
+        }
+        for (int p = 0; p < n - 1; p++)
+            for (int q = p + 1; q < n; q++) {
+                double apq = m[(size_t)p * n + q];
+                if (fabs(apq) < 1e-300)
+                    continue;
+                double app = m[(size_t)p * n + p], aqq = m[(size_t)q * n + q];
+                /* rotation angle that zeroes m[p][q] (Golub & Van Loan 8.4) */
+                double tau = (aqq - app) / (2.0 * apq);
+                double t = (tau >= 0 ? 1.0 : -1.0) / (fabs(tau) + sqrt(1.0 + tau * tau));
+                double c = 1.0 / sqrt(1.0 + t * t), s = t * c;
+                for (int k = 0; k < n; k++) { /* columns p, q */
+                    double mkp = m[(size_t)k * n + p], mkq = m[(size_t)k * n + q];
+                    m[(size_t)k * n + p] = c * mkp - s * mkq;
+                    m[(size_t)k * n + q] = s * mkp + c * mkq;
+                }
+                for (int k = 0; k < n; k++) { /* rows p, q */
+                    double mpk = m[(size_t)p * n + k], mqk = m[(size_t)q * n + k];
+                    m[(size_t)p * n + k] = c * mpk - s * mqk;
+                    m[(size_t)q * n + k] = s * mpk + c * mqk;
+                }
+                for (int k = 0; k < n; k++) {
+                    double vkp = v[(size_t)k * n + p], vkq = v[(size_t)k * n + q];
+                    v[(size_t)k * n + p] = c * vkp - s * vkq;
+                    v[(size_t)k * n + q] = s * vkp + c * vkq;
+                }
+            }
+    }
+    if (!converged) {
+        free(m);
+        return kvd_error_set(err, KVD_EINTERNAL, "svd eigh: Jacobi did not converge");
+    }
+    for (int i = 0; i < n; i++)
+        evals[i] = m[(size_t)i * n + i];
+    free(m);
+    /* sort descending (selection sort: n is small), columns follow */
+    for (int i = 0; i < n; i++) {
+        int best = i;
+        for (int j = i + 1; j < n; j++)
+            if (evals[j] > evals[best])
+                best = j;
+        if (best != i) {
+            double e = evals[i];
+            evals[i] = evals[best];
+            evals[best] = e;
+            for (int k = 0; k < n; k++) {
+                double x = v[(size_t)k * n + i];
+                v[(size_t)k * n + i] = v[(size_t)k * n + best];
+                v[(size_t)k * n + best] = x;
+            }
+        }
+    }
+    /* deterministic sign: the largest |entry| of each column is positive */
+    for (int i = 0; i < n; i++) {
+        int arg = 0;
+        for (int k = 1; k < n; k++)
+            if (fabs(v[(size_t)k * n + i]) > fabs(v[(size_t)arg * n + i]))
+                arg = k;
+        if (v[(size_t)arg * n + i] < 0)
+            for (int k = 0; k < n; k++)
+                v[(size_t)k * n + i] = -v[(size_t)k * n + i];
+    }
+    return 0;
+}
+
+int kvd_svd_rotation(const double *gram, int D, float *R, float *sv, kvd_error *err)
+{
+    if (!R || !sv)
+        return kvd_error_set(err, KVD_EINVAL, "svd rotation: NULL output");
+    double *ev = malloc(sizeof(double) * (size_t)D), *vec = malloc(sizeof(double) * (size_t)D * D);
+    if (!ev || !vec) {
+        free(ev);
+        free(vec);
+        return kvd_error_set(err, KVD_ENOMEM, "svd rotation: out of memory");
+    }
+    int rc = kvd_svd_eigh(gram, D, ev, vec, err);
+    if (!rc) {
+        for (int i = 0; i < D; i++)
+            sv[i] = (float)sqrt(ev[i] > 0.0 ? ev[i] : 0.0);
+        for (size_t i = 0; i < (size_t)D * D; i++)
+            R[i] = (float)vec[i];
+    }
+    free(ev);
+    free(vec);
+    return rc;
+}
+
+int kvd_svd_kept_width(const float *sv, int D, double rate, int align)
+{
+    if (D <= 0)
+        return 0;
+    if (align < 1)
+        align = 1;
+    if (!(rate > 0.0))
+        return D;
+    double total = 0.0;
+    for (int i = 0; i < D; i++)
+        total += sv[i] > 0 ? sv[i] : 0;
+    if (total <= 0.0)
+        return align < D ? align : D;
+    /* smallest r with sum_{i >= r} s_i <= rate * total */
+    int r = D;
+    double tail = 0.0;
+    for (int i = D - 1; i >= 0; i--) {
+        double s = sv[i] > 0 ? sv[i] : 0;
+        if (tail + s > rate * total)
+            break;
+        tail += s;
+        r = i;
+    }
+    r = (r + align - 1) / align * align;
+    if (r < align)
+        r = align;
+    return r > D ? D : r;
+}
+
+void kvd_cpu_svd_project_ref(const float *R, int D, int r, const void *x, kvd_dtype dtype,
+                             int64_t n, int64_t x_stride, float *y)
+{
+    size_t es = kvd_dtype_size(dtype);
+    for (int64_t t = 0; t < n; t++) {
+        const char *xr = (const char *)x + t * x_stride;
+        for (int j = 0; j < r; j++) {
+            double acc = 0.0;
+            for (int i = 0; i < D; i++)
+                acc += (double)kvd__load_float(xr + (size_t)i * es, dtype) * R[(size_t)i * D + j];
+            y[t * r + j] = (float)acc;
+        }
+    }
+}
+
+/* y_t = sum_i x_ti R[i, :r]: rows of R stream contiguously, the compiler
+ * vectorises the inner loop with AVX2/FMA. */
+__attribute__((target("avx2,fma"))) static void project_rows_avx2(const float *R, int D, int r,
+                                                                  const float *x, float *y)
+{
+    for (int j = 0; j < r; j++)
+        y[j] = 0.0f;
+    for (int i = 0; i < D; i++) {
+        float xi = x[i];
+        const float *Ri = R + (size_t)i * D;
+        for (int j = 0; j < r; j++)
+            y[j] += xi * Ri[j];
+    }
+}
+
+static void project_rows_plain(const float *R, int D, int r, const float *x, float *y)
+{
+    for (int j = 0; j < r; j++)
+        y[j] = 0.0f;
+    for (int i = 0; i < D; i++) {
+        float xi = x[i];
+        const float *Ri = R + (size_t)i * D;
+        for (int j = 0; j < r; j++)
+            y[j] += xi * Ri[j];
+    }
+}
+
+void kvd_cpu_svd_project_fast(const float *R, int D, int r, const void *x, kvd_dtype dtype,
+                              int64_t n, int64_t x_stride, float *y, int nthreads)
+{
+    int simd = kvd__cpu_has_avx2_fma_f16c();
+    size_t es = kvd_dtype_size(dtype);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= 256)
+    {
+        float *row = malloc(sizeof(float) * (size_t)D + 4);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n; t++) {
+            const char *xr = (const char *)x + t * x_stride;
+            const float *xf = (const float *)xr;
+            if (dtype != KVD_DTYPE_F32 || !row) {
+                for (int i = 0; i < D && row; i++)
+                    row[i] = kvd__load_float(xr + (size_t)i * es, dtype);
+                xf = row;
+            }
+            if (!xf) { /* no memory for the conversion row: go element-wise */
+                kvd_cpu_svd_project_ref(R, D, r, xr, dtype, 1, x_stride, y + t * r);
+                continue;
+            }
+            if (simd)
+                project_rows_avx2(R, D, r, xf, y + t * r);
+            else
+                project_rows_plain(R, D, r, xf, y + t * r);
+        }
+        free(row);
+    }
+}
+
+void kvd_cpu_svd_unproject_ref(const float *R, int D, int r, const float *y, int64_t n, float *x)
+{
+    for (int64_t t = 0; t < n; t++)
+        for (int i = 0; i < D; i++) {
+            double acc = 0.0;
+            for (int j = 0; j < r; j++)
+                acc += (double)y[t * r + j] * R[(size_t)i * D + j];
+            x[t * D + i] = (float)acc;
+        }
+}
+
+static int check_proj(const float *R, int D, int r, const void *a, const void *b, int64_t n,
+                      kvd_error *err)
+{
+    if (!R || D <= 0 || r < 0 || r > D || n < 0 || (n > 0 && (!a || !b)))
+        return kvd_error_set(err, KVD_EINVAL, "svd projection: bad arguments (D %d, r %d, n %lld)", D,
+                             r, (long long)n);
+    return 0;
+}
+
+static int cpu_project(kvd_backend *be, const float *R, int D, int r, const void *x, kvd_dtype dtype,
+                       int64_t n, int64_t x_stride, float *y, kvd_error *err)
+{
+    (void)err;
+    if (kvd__cpu_fast(be))
+        kvd_cpu_svd_project_fast(R, D, r, x, dtype, n, x_stride, y, kvd__cpu_threads(be));
+    else
+        kvd_cpu_svd_project_ref(R, D, r, x, dtype, n, x_stride, y);
+    return 0;
+}
+
+static int cpu_unproject(kvd_backend *be, const float *R, int D, int r, const float *y, int64_t n,
+                         float *x, kvd_error *err)
+{
+    (void)be;
+    (void)err;
+    kvd_cpu_svd_unproject_ref(R, D, r, y, n, x);
+    return 0;
+}
+
+const struct kvd_svd_ops kvd__cpu_svd_ops = {
+    .project = cpu_project,
+    .unproject = cpu_unproject,
+};
+
+int kvd_svd_project(kvd_backend *be, const float *R, int D, int r, const void *x, kvd_dtype dtype,
+                    int64_t n, int64_t x_stride, float *y, kvd_error *err)
+{
+    int rc = check_proj(R, D, r, x, y, n, err);
+    if (rc)
+        return rc;
+    if (!kvd_dtype_is_float(dtype) || x_stride < (int64_t)(D * kvd_dtype_size(dtype)))
+        return kvd_error_set(err, KVD_EINVAL, "svd project: dtype %s / row stride %lld",
+                             kvd_dtype_name(dtype), (long long)x_stride);
+    if (!be || !be->iface || !be->iface->svd || !be->iface->svd->project)
+        return kvd_error_set(err, KVD_EUNSUPP, "svd project: not supported by backend");
+    return be->iface->svd->project(be, R, D, r, x, dtype, n, x_stride, y, err);
+}
+
+int kvd_svd_unproject(kvd_backend *be, const float *R, int D, int r, const float *y, int64_t n,
+                      float *x, kvd_error *err)
+{
+    int rc = check_proj(R, D, r, y, x, n, err);
+    if (rc)
+        return rc;
+    if (!be || !be->iface || !be->iface->svd || !be->iface->svd->unproject)
+        return kvd_error_set(err, KVD_EUNSUPP, "svd unproject: not supported by backend");
+    return be->iface->svd->unproject(be, R, D, r, y, n, x, err);
+}
