@@ -353,7 +353,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     nl->tokens = end;
     nl->npages = nl->cap = (uint32_t)npages;
-    memcpy(nl->pages, L->pages, first * sizeof *nl->pages);
+    if (first)
+        memcpy(nl->pages, L->pages, first * sizeof *nl->pages);
 
     if (tail_n) {
         uint8_t key[KVD__PAGE_KEY_LEN];
