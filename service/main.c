@@ -100,8 +100,6 @@ int main(int argc, char **argv)
     kvd_error_clear(&serr);
     int rc = kvd_store_open(&sopt, &store, &serr);
     if (rc) {
-        KVD_LOG(KVD_LOG_ERROR, serr.msg[0] ? serr.msg : kvd_strerror(rc),
-                "event=store_open status=%s data_dir=%s", kvd_status_name(rc), cfg.data_dir);
         fprintf(stderr, "%s: cannot open the store in %s: %s\n", prog, cfg.data_dir,
                 serr.msg[0] ? serr.msg : kvd_strerror(rc));
         close(sfd);
