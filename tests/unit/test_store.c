@@ -6,6 +6,7 @@
  * Every test uses a fresh directory under $TMPDIR (or /tmp) and a small
  * page size (4 tokens) so that pages seal and tails rewrite often.
  */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -648,6 +649,160 @@ static void test_corruption(void)
     remove_dir();
 }
 
+/* A read started before later appends and a delete returns the snapshot. */
+static void test_snapshot(void)
+{
+    make_dir("snap");
+    kvd_store *st = open_store(B);
+    kvd_error err;
+    put_model(st, "m");
+    create(st, "s", "m");
+    CHECK(append(st, "s", 9, 0, 0, 0, 6, NULL, &err) == 0, "append: %s", err.msg);
+    kvd_read_spec sp = {.seq_id = "s", .seq_id_len = 1};
+    kvd_read *rd;
+    kvd_read_shape sh;
+    REQUIRE(kvd_store_read_begin(st, &sp, &rd, &sh, &err) == 0, "begin: %s", err.msg);
+    CHECK(sh.num_tokens == 6, "snapshot tokens");
+    /* Rewrites the tail page in place (same id), then deletes everything. */
+    CHECK(append(st, "s", 9, 0, 0, 6, 5, NULL, &err) == 0, "append 2: %s", err.msg);
+    CHECK(kvd_store_seq_delete(st, "s", 1, NULL, &err) == 0, "delete: %s", err.msg);
+    size_t bytes;
+    uint16_t *w = wire(9, 0, L, 0, 6, &bytes);
+    uint8_t *got = malloc(bytes);
+    size_t have = 0, len;
+    while (kvd_store_read_next(rd, got + have, bytes - have, &len, &err) == 0 && len)
+        have += len;
+    CHECK(have == bytes && memcmp(got, w, bytes) == 0, "snapshot read %zu of %zu", have, bytes);
+    kvd_store_read_end(rd);
+    free(got);
+    free(w);
+    kvd_store_close(st);
+    remove_dir();
+}
+
+typedef struct worker {
+    kvd_store *st;
+    int idx;
+    int errors;
+} worker;
+
+/* Each writer grows its own sequence in small appends, reading back as it
+ * goes, and creates and deletes sequences sharing a common prefix. */
+static void *writer(void *arg)
+{
+    worker *wk = arg;
+    kvd_error err;
+    char id[16];
+    snprintf(id, sizeof id, "w%d", wk->idx);
+    if (kvd_store_seq_create(wk->st, id, strlen(id), "m", NULL, 0, NULL, 0, NULL, &err)) {
+        wk->errors++;
+        return NULL;
+    }
+    uint64_t t = 0;
+    for (int i = 0; i < 12; i++) {
+        uint64_t n = 1 + (uint64_t)(i % 5);
+        if (append(wk->st, id, 20 + wk->idx, 0, 0, t, n, NULL, &err)) {
+            fprintf(stderr, "%s append: %s\n", id, err.msg);
+            wk->errors++;
+            return NULL;
+        }
+        t += n;
+        if (read_check(wk->st, id, 20 + wk->idx, 0, 0, 0, 0, 13, id)) {
+            wk->errors++;
+            return NULL;
+        }
+    }
+    uint64_t h[2] = {0xabc, 0xdef};
+    for (int i = 0; i < 6; i++) {
+        char cid[24];
+        snprintf(cid, sizeof cid, "c%d-%d", wk->idx, i);
+        int rc = kvd_store_seq_create(wk->st, cid, strlen(cid), "m", h, 2, NULL, 0, NULL, &err);
+        if (rc == 0) {
+            if (read_check(wk->st, cid, 30, 0, 0, 0, 0, 1000, cid))
+                wk->errors++;
+            if (kvd_store_seq_delete(wk->st, cid, strlen(cid), NULL, &err))
+                wk->errors++;
+        } else if (rc != KVD_ENOTFOUND) {
+            wk->errors++;
+        }
+    }
+    return NULL;
+}
+
+static void *lister(void *arg)
+{
+    worker *wk = arg;
+    kvd_error err;
+    for (int i = 0; i < 50; i++) {
+        kvd_seq_info *arr;
+        size_t n;
+        int more;
+        if (kvd_store_seq_list(wk->st, NULL, NULL, 0, 0, &arr, &n, &more, &err)) {
+            wk->errors++;
+            break;
+        }
+        for (size_t j = 0; j < n; j++)
+            kvd_seq_info_clear(&arr[j]);
+        free(arr);
+        uint64_t h[2] = {0xabc, 0xdef}, matched;
+        if (kvd_store_lookup(wk->st, "m", h, 2, &matched, &err))
+            wk->errors++;
+    }
+    return NULL;
+}
+
+static void test_concurrency(void)
+{
+    make_dir("conc");
+    kvd_store *st = open_store(B);
+    kvd_error err;
+    put_model(st, "m");
+    /* The shared prefix: two blocks with engine-supplied hashes. */
+    create(st, "base", "m");
+    uint64_t h[2] = {0xabc, 0xdef};
+    kvd_append_spec sp = {.seq_id = "base", .seq_id_len = 4, .num_tokens = 2 * B,
+                          .dtype = KVD_DTYPE_F16, .block_hashes = h, .n_block_hashes = 2};
+    kvd_append *ap;
+    uint64_t exp;
+    REQUIRE(kvd_store_append_begin(st, &sp, &ap, &exp, &err) == 0, "begin: %s", err.msg);
+    size_t bytes;
+    uint16_t *w = wire(30, 0, L, 0, 2 * B, &bytes);
+    CHECK(kvd_store_append_write(ap, w, bytes, &err) == 0, "write");
+    CHECK(kvd_store_append_commit(ap, NULL, &err) == 0, "commit: %s", err.msg);
+    free(w);
+
+    enum { NW = 4 };
+    pthread_t th[NW + 1];
+    worker wk[NW + 1];
+    for (int i = 0; i <= NW; i++) {
+        wk[i] = (worker){.st = st, .idx = i};
+        pthread_create(&th[i], NULL, i < NW ? writer : lister, &wk[i]);
+    }
+    for (int i = 0; i <= NW; i++) {
+        pthread_join(th[i], NULL);
+        CHECK(wk[i].errors == 0, "worker %d: %d errors", i, wk[i].errors);
+    }
+    kvd_store_close(st);
+    st = open_store(B);
+    for (int i = 0; i < NW; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "w%d", i);
+        CHECK(read_check(st, id, 20 + i, 0, 0, 0, 0, 100, id) == 0, "reread %s", id);
+    }
+    uint64_t matched;
+    CHECK(kvd_store_lookup(st, "m", h, 2, &matched, &err) == 0 && matched == 2, "prefix kept");
+    kvd_seq_info *arr;
+    size_t n;
+    int more;
+    CHECK(kvd_store_seq_list(st, NULL, NULL, 0, 0, &arr, &n, &more, &err) == 0 && n == NW + 1,
+          "%zu sequences left", n);
+    for (size_t j = 0; j < n; j++)
+        kvd_seq_info_clear(&arr[j]);
+    free(arr);
+    kvd_store_close(st);
+    remove_dir();
+}
+
 int main(void)
 {
     test_persistence();
@@ -656,6 +811,8 @@ int main(void)
     test_prefix();
     test_list_and_model_delete();
     test_corruption();
+    test_snapshot();
+    test_concurrency();
     if (failures) {
         fprintf(stderr, "test_store: %d check(s) failed\n", failures);
         return 1;
