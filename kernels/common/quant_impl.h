@@ -117,4 +117,14 @@ void kvd__quant_row_avx2(const float *x, int64_t n, int bits, int group, int sto
 void kvd__dequant_row_avx2(float *y, int64_t n, int bits, int group, const uint8_t *codes,
                            const uint16_t *min, const uint16_t *scale);
 
+/* Channel-axis tile kernels (D % 8 == 0, contiguous channels); see
+ * kernels/cpu/quant_avx2.c for the arguments. */
+void kvd__quant_tile_channel_avx2(const char *x0, int64_t xs, kvd_dtype dt, int64_t D, int bits,
+                                  int group, int stochastic, uint32_t key, uint32_t idx0,
+                                  uint8_t *codes, int64_t crow, uint16_t *min, uint16_t *scale,
+                                  uint16_t *sum, int64_t prow);
+void kvd__dequant_tile_channel_avx2(char *y0, int64_t ys, kvd_dtype dt, int64_t D, int bits,
+                                    int group, const uint8_t *codes, int64_t crow,
+                                    const uint16_t *min, const uint16_t *scale, int64_t prow);
+
 #endif /* KVDEPOT_QUANT_IMPL_H */

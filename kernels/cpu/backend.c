@@ -69,7 +69,9 @@ static int cpu_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
     *out = NULL;
     /* aligned_alloc wants a multiple of the alignment; also never ask for 0. */
     size_t rounded = (bytes + KVD_CPU_ALIGN - 1) & ~(size_t)(KVD_CPU_ALIGN - 1);
-    if (rounded < bytes) /* overflow */
+    /* Beyond 2^48 bytes no host can answer; refuse without asking the
+     * allocator (which may abort instead of failing under sanitizers). */
+    if (rounded < bytes || bytes > ((size_t)1 << 48))
         return kvd_error_set(err, KVD_ENOMEM, "cpu: cannot allocate %zu bytes", bytes);
     if (rounded == 0)
         rounded = KVD_CPU_ALIGN;

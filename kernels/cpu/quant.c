@@ -238,7 +238,7 @@ static int quantize_fast(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor
             float *rowf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) & ~(size_t)63);
             if (!rowf)
                 failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 16)
             for (int64_t t = 0; t < T; t++) {
                 if (!rowf)
                     continue;
@@ -249,9 +249,21 @@ static int quantize_fast(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor
             }
             free(rowf);
         }
+    } else if (D % 8 == 0 && x->stride[1] == (int64_t)kvd_dtype_size(x->dtype)) {
+        /* Tiles of P tokens, vectors across channels, input read in place. */
+        const int64_t ntile = T / P, rowbytes = T * bits / 8;
+#pragma omp parallel for num_threads(nth) if (par) schedule(dynamic, 1)
+        for (int64_t i = 0; i < ntile; i++) {
+            const int64_t t0 = i * P;
+            kvd__quant_tile_channel_avx2((const char *)x->data + t0 * x->stride[0], x->stride[0],
+                                         x->dtype, D, bits, P, stochastic, key,
+                                         (uint32_t)(t0 * D), q->codes + t0 * bits / 8, rowbytes,
+                                         q->min + i, q->scale + i, q->sum + i, ntile);
+        }
     } else {
-        /* Tiles of P tokens: convert each token row, transpose the tile to
-         * channel-major, then each channel is one group of the code layout. */
+        /* Odd channel counts or strided channels: convert each token row,
+         * transpose the tile to channel-major, then each channel is one group
+         * of the code layout. */
         const int64_t ntile = T / P, rowbytes = T * bits / 8;
 #pragma omp parallel num_threads(nth) if (par) reduction(| : failed)
         {
@@ -301,7 +313,7 @@ static int dequantize_fast(kvd_backend *be, const kvd_qtensor *q, const kvd_tens
             float *rowf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) & ~(size_t)63);
             if (!rowf)
                 failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 16)
             for (int64_t t = 0; t < T; t++) {
                 if (!rowf)
                     continue;
@@ -310,6 +322,15 @@ static int dequantize_fast(kvd_backend *be, const kvd_qtensor *q, const kvd_tens
                 store_row(y, t, rowf, D);
             }
             free(rowf);
+        }
+    } else if (D % 8 == 0 && y->stride[1] == (int64_t)kvd_dtype_size(y->dtype)) {
+        const int64_t ntile = T / P, rowbytes = T * bits / 8;
+#pragma omp parallel for num_threads(nth) if (par) schedule(dynamic, 1)
+        for (int64_t i = 0; i < ntile; i++) {
+            const int64_t t0 = i * P;
+            kvd__dequant_tile_channel_avx2((char *)y->data + t0 * y->stride[0], y->stride[0],
+                                           y->dtype, D, bits, P, q->codes + t0 * bits / 8,
+                                           rowbytes, q->min + i, q->scale + i, ntile);
         }
     } else {
         const int64_t ntile = T / P, rowbytes = T * bits / 8;

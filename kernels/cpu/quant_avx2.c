@@ -160,3 +160,115 @@ void kvd__dequant_row_avx2(float *y, int64_t n, int bits, int group, const uint8
         }
     }
 }
+
+/*
+ * Channel-axis kernels: one tile of `group` tokens, all D channels, vectors
+ * across 8 channels at a time so the token-major input is read in place (no
+ * transpose). Requires D % 8 == 0 and contiguous channels. Codes of one
+ * channel are gathered into 32-bit words (32/bits tokens each) and stored
+ * into that channel's code row.
+ *
+ *   x0: row of the tile's first token; xs: bytes between token rows
+ *   idx0: t0 * D, the stochastic index of element (t0, 0)
+ *   codes: channel 0's code row at the tile's first byte; crow: bytes per
+ *          code row (T * bits / 8)
+ *   min/scale/sum: channel 0's parameter of this tile; prow: parameters per
+ *          channel row (T / group)
+ */
+KVD_AVX2_TARGET
+void kvd__quant_tile_channel_avx2(const char *x0, int64_t xs, kvd_dtype dt, int64_t D, int bits,
+                                  int group, int stochastic, uint32_t key, uint32_t idx0,
+                                  uint8_t *codes, int64_t crow, uint16_t *min, uint16_t *scale,
+                                  uint16_t *sum, int64_t prow)
+{
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 pinf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
+    const __m256 vq = _mm256_set1_ps((float)((1 << bits) - 1));
+    const __m256i vkey = _mm256_set1_epi32((int)key);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t es = (int64_t)kvd_dtype_size(dt);
+    const int per = 32 / bits; /* tokens per 32-bit code word */
+
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        const char *xc = x0 + d0 * es;
+        __m256 lo = pinf, hi = ninf;
+        for (int k = 0; k < group; k++) {
+            __m256 v = kvd__ld8(xc + k * xs, dt);
+            __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), pinf, _CMP_LT_OQ);
+            lo = _mm256_min_ps(lo, _mm256_blendv_ps(pinf, v, fin));
+            hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
+        }
+        float lo8[8], hi8[8], mn8[8], inv8[8];
+        _mm256_storeu_ps(lo8, lo);
+        _mm256_storeu_ps(hi8, hi);
+        for (int l = 0; l < 8; l++) {
+            kvd__qgroup G = kvd__qgroup_make(lo8[l], hi8[l], bits);
+            min[(d0 + l) * prow] = G.min_h;
+            scale[(d0 + l) * prow] = G.scale_h;
+            mn8[l] = G.mn;
+            inv8[l] = G.inv;
+        }
+        const __m256 vmn = _mm256_loadu_ps(mn8), vinv = _mm256_loadu_ps(inv8);
+        __m256i vsum = _mm256_setzero_si256();
+        for (int k0 = 0; k0 < group; k0 += per) {
+            __m256i acc = _mm256_setzero_si256();
+            for (int kk = 0; kk < per; kk++) {
+                const int k = k0 + kk;
+                __m256 v = kvd__ld8(xc + k * xs, dt);
+                v = _mm256_mul_ps(_mm256_sub_ps(v, vmn), vinv);
+                __m256 add = half;
+                if (stochastic) {
+                    uint32_t base = idx0 + (uint32_t)k * (uint32_t)D + (uint32_t)d0;
+                    add = draw8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lanes), vkey);
+                }
+                __m256 c = _mm256_floor_ps(_mm256_add_ps(v, add));
+                c = _mm256_max_ps(c, zero); /* NaN -> 0 */
+                c = _mm256_min_ps(c, vq);
+                __m256i ci = _mm256_cvttps_epi32(c);
+                vsum = _mm256_add_epi32(vsum, ci);
+                acc = _mm256_or_si256(acc, _mm256_sll_epi32(ci, _mm_cvtsi32_si128(kk * bits)));
+            }
+            uint32_t w[8];
+            _mm256_storeu_si256((__m256i *)w, acc);
+            for (int l = 0; l < 8; l++)
+                memcpy(codes + (d0 + l) * crow + k0 * bits / 8, &w[l], 4);
+        }
+        uint32_t s8[8];
+        _mm256_storeu_si256((__m256i *)s8, vsum);
+        for (int l = 0; l < 8; l++)
+            sum[(d0 + l) * prow] = (uint16_t)s8[l];
+    }
+}
+
+/* Inverse of the above: writes `group` token rows (y0, ys bytes apart,
+ * dtype dt, contiguous channels) of the tile. */
+KVD_AVX2_TARGET
+void kvd__dequant_tile_channel_avx2(char *y0, int64_t ys, kvd_dtype dt, int64_t D, int bits,
+                                    int group, const uint8_t *codes, int64_t crow,
+                                    const uint16_t *min, const uint16_t *scale, int64_t prow)
+{
+    const int64_t es = (int64_t)kvd_dtype_size(dt);
+    const int per = 32 / bits;
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        float mn8[8], sc8[8];
+        for (int l = 0; l < 8; l++) {
+            mn8[l] = kvd_f16_to_f32(min[(d0 + l) * prow]);
+            sc8[l] = kvd_f16_to_f32(scale[(d0 + l) * prow]);
+        }
+        const __m256 vmn = _mm256_loadu_ps(mn8), vsc = _mm256_loadu_ps(sc8);
+        char *yc = y0 + d0 * es;
+        for (int k0 = 0; k0 < group; k0 += per) {
+            uint32_t w[8];
+            for (int l = 0; l < 8; l++)
+                memcpy(&w[l], codes + (d0 + l) * crow + k0 * bits / 8, 4);
+            const __m256i vw = _mm256_loadu_si256((const __m256i *)w);
+            for (int kk = 0; kk < per; kk++) {
+                __m256i c = _mm256_and_si256(_mm256_srl_epi32(vw, _mm_cvtsi32_si128(kk * bits)), mask);
+                __m256 y = _mm256_add_ps(vmn, _mm256_mul_ps(vsc, _mm256_cvtepi32_ps(c)));
+                kvd__st8(yc + (k0 + kk) * ys, dt, y);
+            }
+        }
+    }
+}

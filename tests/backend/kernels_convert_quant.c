@@ -658,6 +658,11 @@ static void test_quant_random(void)
                     quant_case(&r, P * (di % 2 ? 2 : 1), Ds[di], bits, P, KVD_QAXIS_CHANNEL, rnd,
                                float_types[(di + 1) % 3], (int)(di & 1), di == 2);
                 quant_case(&r, 0, 5, bits, P, KVD_QAXIS_CHANNEL, rnd, KVD_DTYPE_F16, 0, 0);
+                /* channel counts a multiple of 8 with contiguous channels take
+                 * the in-place tile kernels */
+                quant_case(&r, P * 3, 8, bits, P, KVD_QAXIS_CHANNEL, rnd, KVD_DTYPE_F32, 0, 1);
+                quant_case(&r, P, 64, bits, P, KVD_QAXIS_CHANNEL, rnd, KVD_DTYPE_BF16, 0, 0);
+                quant_case(&r, P * 2, 128, bits, P, KVD_QAXIS_CHANNEL, rnd, KVD_DTYPE_F16, 0, 1);
             }
     /* big enough to run on several threads: bytes must not depend on them */
     for (int axis = 0; axis < 2; axis++)

@@ -1,0 +1,210 @@
+/*
+ * Encode throughput of the CPU backend core ops, in GB/s of input bytes
+ * (fp16 input for the codecs, as engines hand it over).
+ *
+ *   bench_encode [--tokens T] [--min-time S] [--csv]
+ *
+ * One block is T tokens x 128 dims of one kv head (default T = 4096, 1 MiB
+ * of fp16). Each op runs on the CPU backend with 1 thread and with all
+ * threads; "ref" rows run the scalar reference for scale. Quote ratios from
+ * one run: the machine's load moves absolute figures.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvdepot/backend.h"
+#include "kvdepot/convert.h"
+#include "kvdepot/quant.h"
+#include "testutil.h"
+
+static double min_time = 0.25;
+static int csv = 0;
+
+typedef int (*bench_fn)(kvd_backend *be, void *arg);
+
+/* Seconds per call: repeat until min_time has passed (at least 3 calls). */
+static double time_op(kvd_backend *be, bench_fn fn, void *arg)
+{
+    if (fn(be, arg) != KVD_OK) { /* warm-up, and fail loudly */
+        fprintf(stderr, "op failed\n");
+        exit(1);
+    }
+    int reps = 0;
+    double t0 = tu_now(), t;
+    do {
+        fn(be, arg);
+        reps++;
+        t = tu_now() - t0;
+    } while (t < min_time || reps < 3);
+    return t / reps;
+}
+
+typedef struct qarg {
+    kvd_tensor x;
+    kvd_qtensor q;
+    kvd_tensor y;
+    kvd_rounding rnd;
+} qarg;
+
+static int run_quant(kvd_backend *be, void *a)
+{
+    qarg *p = a;
+    return kvd_quantize(be, &p->x, &p->q, p->rnd, 42, NULL);
+}
+
+static int run_dequant(kvd_backend *be, void *a)
+{
+    qarg *p = a;
+    return kvd_dequantize(be, &p->q, &p->y, NULL);
+}
+
+typedef struct carg {
+    kvd_tensor dst, src, s;
+    int which; /* 0 convert, 1 hadamard, 2 channel scale */
+} carg;
+
+static int run_conv(kvd_backend *be, void *a)
+{
+    carg *p = a;
+    if (p->which == 0)
+        return kvd_convert(be, &p->dst, &p->src, NULL);
+    if (p->which == 1)
+        return kvd_hadamard(be, &p->dst, &p->src, NULL);
+    return kvd_channel_scale(be, &p->dst, &p->src, &p->s, 0, NULL);
+}
+
+static void row(const char *op, const char *detail, int threads, double bytes, double sec,
+                double base_sec)
+{
+    double gbs = bytes / sec / 1e9;
+    if (csv)
+        printf("%s,%s,%d,%.3f,%.3f\n", op, detail, threads, gbs, base_sec > 0 ? base_sec / sec : 0);
+    else
+        printf("%-18s %-26s %7d %9.2f %9.2f\n", op, detail, threads, gbs,
+               base_sec > 0 ? base_sec / sec : 0.0);
+}
+
+int main(int argc, char **argv)
+{
+    int64_t T = 4096;
+    const int64_t D = 128;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
+            T = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--min-time") && i + 1 < argc)
+            min_time = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--csv"))
+            csv = 1;
+        else {
+            fprintf(stderr, "usage: %s [--tokens T] [--min-time S] [--csv]\n", argv[0]);
+            return 2;
+        }
+    }
+    T = (T + 127) / 128 * 128;
+    kvd_backend *ref = tu_cpu_backend(1, 1), *one = tu_cpu_backend(1, 0), *all = tu_cpu_backend(0, 0);
+    const int nall = all->nthreads;
+
+    size_t n = (size_t)(T * D);
+    float *xf = malloc(n * 4);
+    uint16_t *xh = malloc(n * 2), *yh = malloc(n * 2);
+    float *yf = malloc(n * 4);
+    tu_rng r;
+    tu_rng_seed(&r, 1);
+    tu_kv_opts o = {4, 20.0f, 0.3f, 1};
+    tu_gen_kv(&r, xf, T, D, &o);
+    tu_f32_to_f16(xh, xf, n);
+    unsigned char *qbuf = malloc(n + 4 * n / 32 * 6);
+
+    if (csv)
+        printf("op,detail,threads,GB_per_s,speedup_vs_ref\n");
+    else {
+        printf("kvdepot encode throughput: block %lld tokens x %lld dims (one kv head), fp16 "
+               "input = %.2f MiB; CPU fast path %s; all threads = %d\n",
+               (long long)T, (long long)D, (double)n * 2 / 1048576.0,
+               kvd_cpu_has_avx2_fma() ? "AVX2/FMA/F16C" : "unavailable (reference)", nall);
+        printf("%-18s %-26s %7s %9s %9s\n", "op", "detail", "threads", "GB/s", "x ref");
+        printf("%-18s %-26s %7s %9s %9s\n", "------------------", "--------------------------",
+               "-------", "---------", "---------");
+    }
+
+    int64_t shape[2] = {T, D};
+    const int Ps[3] = {32, 64, 128};
+    for (int axis = 0; axis < 2; axis++)
+        for (int bits = 2; bits <= 4; bits += 2)
+            for (int pi = 0; pi < 3; pi++) {
+                qarg a;
+                a.x = kvd_tensor_make(KVD_DTYPE_F16, xh, 2, shape);
+                a.y = kvd_tensor_make(KVD_DTYPE_F16, yh, 2, shape);
+                a.rnd = KVD_ROUND_NEAREST;
+                kvd_qtensor_init(&a.q, T, D, bits, Ps[pi], (kvd_quant_axis)axis, qbuf, NULL);
+                char detail[64];
+                snprintf(detail, sizeof detail, "INT%d %s P=%d", bits,
+                         axis == KVD_QAXIS_TOKEN ? "token (K)" : "channel (V)", Ps[pi]);
+                double tr = time_op(ref, run_quant, &a);
+                row("quantize", detail, 1, (double)n * 2, time_op(one, run_quant, &a), tr);
+                row("quantize", detail, nall, (double)n * 2, time_op(all, run_quant, &a), tr);
+                if (pi == 1) {
+                    a.rnd = KVD_ROUND_STOCHASTIC;
+                    char d2[80];
+                    snprintf(d2, sizeof d2, "%s stoch", detail);
+                    double trs = time_op(ref, run_quant, &a);
+                    row("quantize", d2, 1, (double)n * 2, time_op(one, run_quant, &a), trs);
+                    row("quantize", d2, nall, (double)n * 2, time_op(all, run_quant, &a), trs);
+                    a.rnd = KVD_ROUND_NEAREST;
+                    kvd_quantize(one, &a.x, &a.q, a.rnd, 42, NULL);
+                    double trd = time_op(ref, run_dequant, &a);
+                    row("dequantize->f16", detail, 1, (double)n * 2, time_op(one, run_dequant, &a), trd);
+                    row("dequantize->f16", detail, nall, (double)n * 2, time_op(all, run_dequant, &a), trd);
+                }
+            }
+
+    /* conversions and transforms on the same block */
+    struct {
+        const char *op, *detail;
+        int which;
+        kvd_dtype sd, dd;
+    } cs[] = {
+        {"convert", "f16 -> f32", 0, KVD_DTYPE_F16, KVD_DTYPE_F32},
+        {"convert", "f32 -> f16", 0, KVD_DTYPE_F32, KVD_DTYPE_F16},
+        {"convert", "bf16 -> f32", 0, KVD_DTYPE_BF16, KVD_DTYPE_F32},
+        {"convert", "f32 -> bf16", 0, KVD_DTYPE_F32, KVD_DTYPE_BF16},
+        {"hadamard", "f16 -> f16, n=128", 1, KVD_DTYPE_F16, KVD_DTYPE_F16},
+        {"hadamard", "f32 in place, n=128", 1, KVD_DTYPE_F32, KVD_DTYPE_F32},
+        {"channel_scale", "f16 -> f16 (multiply)", 2, KVD_DTYPE_F16, KVD_DTYPE_F16},
+    };
+    float sc[128];
+    for (int j = 0; j < 128; j++)
+        sc[j] = 0.5f + (float)j / 128.0f;
+    int64_t s1[1] = {128};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        carg a;
+        void *src = cs[i].sd == KVD_DTYPE_F32 ? (void *)xf : (void *)xh;
+        void *dst = cs[i].dd == KVD_DTYPE_F32 ? (void *)yf : (void *)yh;
+        if (cs[i].which == 1 && cs[i].sd == KVD_DTYPE_F32)
+            dst = src = yf;
+        if (cs[i].sd == KVD_DTYPE_F32)
+            memcpy(yf, xf, n * 4);
+        a.src = kvd_tensor_make(cs[i].sd, src, 2, shape);
+        a.dst = kvd_tensor_make(cs[i].dd, dst, 2, shape);
+        a.s = kvd_tensor_make(KVD_DTYPE_F32, sc, 1, s1);
+        a.which = cs[i].which;
+        double bytes = (double)n * (double)kvd_dtype_size(cs[i].sd);
+        /* the Hadamard reference is the O(n^2) definition: time it on less */
+        double tr = time_op(ref, run_conv, &a);
+        row(cs[i].op, cs[i].detail, 1, bytes, time_op(one, run_conv, &a), tr);
+        row(cs[i].op, cs[i].detail, nall, bytes, time_op(all, run_conv, &a), tr);
+    }
+    if (!csv)
+        printf("GB/s = input bytes per second (fp16 = 2 bytes per value unless the detail "
+               "says f32); target for INT2/INT4 encode: >= 1 GB/s per core\n");
+    free(xf);
+    free(xh);
+    free(yh);
+    free(yf);
+    free(qbuf);
+    kvd_backend_free(ref);
+    kvd_backend_free(one);
+    kvd_backend_free(all);
+    return 0;
+}
