@@ -1,0 +1,826 @@
+/*
+ * Decode attention on every cache form: fast paths against the references,
+ * the references against the equations they implement (hand cases,
+ * dequantize-then-attend with the same int8 rounding, decode-then-attend for
+ * VQ, full-width SVD = dense), LSE merge = attention over the union, sparse
+ * over all tokens = dense, empty ranges, NaN/Inf parity, guard bytes.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvdepot/attention.h"
+#include "kvdepot/quant.h"
+#include "kvdepot/svd.h"
+#include "testutil.h"
+
+static kvd_backend *be_fast, *be_ref;
+
+/* ---- problem setup ---------------------------------------------------- */
+
+typedef struct prob {
+    int Hq, Hkv, D, Dv;
+    int64_t T;
+    kvd_dtype dt;
+    float *q;         /* (Hq, D) */
+    float *k32, *v32; /* (Hkv, T, D) / (Hkv, T, Dv) f32 values (already rounded to dt) */
+    void *k, *v;      /* in dt */
+} prob;
+
+static void *to_dtype(const float *x, size_t n, kvd_dtype dt)
+{
+    size_t es = kvd_dtype_size(dt);
+    void *out = malloc(n * es + 16);
+    if (dt == KVD_DTYPE_F32)
+        memcpy(out, x, n * 4);
+    else if (dt == KVD_DTYPE_F16)
+        tu_f32_to_f16(out, x, n);
+    else
+        tu_f32_to_bf16(out, x, n);
+    return out;
+}
+
+static void round_to(float *x, size_t n, kvd_dtype dt)
+{
+    void *tmp = to_dtype(x, n, dt);
+    if (dt == KVD_DTYPE_F16)
+        tu_f16_to_f32(x, tmp, n);
+    else if (dt == KVD_DTYPE_BF16)
+        tu_bf16_to_f32(x, tmp, n);
+    free(tmp);
+}
+
+static prob prob_new(tu_rng *r, int Hq, int Hkv, int D, int Dv, int64_t T, kvd_dtype dt, int llm)
+{
+    prob p = {Hq, Hkv, D, Dv, T, dt, NULL, NULL, NULL, NULL, NULL};
+    p.q = malloc(sizeof(float) * (size_t)Hq * D + 16);
+    p.k32 = malloc(sizeof(float) * (size_t)(Hkv * T * D) + 16);
+    p.v32 = malloc(sizeof(float) * (size_t)(Hkv * T * Dv) + 16);
+    tu_fill_normal(r, p.q, (size_t)Hq * D, 1.0f);
+    tu_kv_opts ko = {4, 10.0f, 0.3f, 1}, vo = {0, 1.0f, 0.2f, 0};
+    for (int h = 0; h < Hkv; h++) {
+        if (llm) {
+            tu_gen_kv(r, p.k32 + (size_t)h * T * D, T, D, &ko);
+            tu_gen_kv(r, p.v32 + (size_t)h * T * Dv, T, Dv, &vo);
+        } else {
+            tu_fill_normal(r, p.k32 + (size_t)h * T * D, (size_t)(T * D), 1.0f);
+            tu_fill_normal(r, p.v32 + (size_t)h * T * Dv, (size_t)(T * Dv), 1.0f);
+        }
+    }
+    round_to(p.k32, (size_t)(Hkv * T * D), dt);
+    round_to(p.v32, (size_t)(Hkv * T * Dv), dt);
+    p.k = to_dtype(p.k32, (size_t)(Hkv * T * D), dt);
+    p.v = to_dtype(p.v32, (size_t)(Hkv * T * Dv), dt);
+    return p;
+}
+
+static void prob_free(prob *p)
+{
+    free(p->q), free(p->k32), free(p->v32), free(p->k), free(p->v);
+}
+
+static kvd_attn_dims dims_of(const prob *p)
+{
+    kvd_attn_dims d = {p->Hq, p->Hkv, p->D, p->Dv, 1.0f / sqrtf((float)p->D)};
+    return d;
+}
+
+static kvd_tensor t2(kvd_dtype dt, void *data, int64_t a, int64_t b)
+{
+    int64_t s[2] = {a, b};
+    return kvd_tensor_make(dt, data, 2, s);
+}
+
+static kvd_tensor t3(kvd_dtype dt, void *data, int64_t a, int64_t b, int64_t c)
+{
+    int64_t s[3] = {a, b, c};
+    return kvd_tensor_make(dt, data, 3, s);
+}
+
+static kvd_tensor t1(kvd_dtype dt, void *data, int64_t a)
+{
+    return kvd_tensor_make(dt, data, 1, &a);
+}
+
+typedef struct res {
+    tu_buf out, lse;
+} res;
+
+static res res_new(int Hq, int Dv)
+{
+    res r = {tu_buf_new(sizeof(float) * (size_t)Hq * Dv + 4), tu_buf_new(sizeof(float) * (size_t)Hq)};
+    return r;
+}
+
+static void res_free(res *r)
+{
+    tu_buf_free(&r->out);
+    tu_buf_free(&r->lse);
+}
+
+/* Compare two results; tolerances on NMSE of out and max |lse diff|. */
+static void compare(const char *what, const res *ref, const res *x, int Hq, int Dv, double nmse_tol,
+                    double lse_tol)
+{
+    size_t n = (size_t)Hq * Dv;
+    const float *ro = ref->out.data, *xo = x->out.data, *rl = ref->lse.data, *xl = x->lse.data;
+    double e = tu_nmse(ro, xo, n);
+    TU_CHECK(e <= nmse_tol, "%s: out NMSE %.3g > %.3g", what, e, nmse_tol);
+    TU_CHECK(tu_nonfinite_parity(ro, xo, n) < 0, "%s: out NaN/Inf parity", what);
+    TU_CHECK(tu_nonfinite_parity(rl, xl, (size_t)Hq) < 0, "%s: lse NaN/Inf parity", what);
+    double dl = tu_max_abs_diff(rl, xl, (size_t)Hq);
+    TU_CHECK(dl <= lse_tol, "%s: lse diff %.3g > %.3g", what, dl, lse_tol);
+    TU_CHECK(tu_guard_ok(&x->out) && tu_guard_ok(&x->lse), "%s: guard bytes", what);
+}
+
+static int run_dense(kvd_backend *be, const prob *p, const res *r, int64_t t_begin, int64_t t_end)
+{
+    kvd_attn_dense_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = dims_of(p);
+    a.q = t2(KVD_DTYPE_F32, p->q, p->Hq, p->D);
+    size_t es = kvd_dtype_size(p->dt);
+    /* a token sub-range is a strided view: same strides, shifted data */
+    a.k = t3(p->dt, p->k, p->Hkv, p->T, p->D);
+    a.v = t3(p->dt, p->v, p->Hkv, p->T, p->Dv);
+    a.k.data = (char *)p->k + t_begin * p->D * es;
+    a.v.data = (char *)p->v + t_begin * p->Dv * es;
+    a.k.shape[1] = a.v.shape[1] = t_end - t_begin;
+    a.out = t2(KVD_DTYPE_F32, r->out.data, p->Hq, p->Dv);
+    a.lse = t1(KVD_DTYPE_F32, r->lse.data, p->Hq);
+    kvd_error err;
+    int rc = kvd_attn_dense(be, 1, &a, &err);
+    TU_CHECK(rc == 0, "dense attention failed: %s", err.msg);
+    return rc;
+}
+
+/* ---- hand-computed cases ---------------------------------------------- */
+
+static void test_hand(void)
+{
+    /* q = [1, 0], k0 = [1, 0], k1 = [0, 0], v0 = [1, 2], v1 = [3, 4], scale 1:
+     * scores (1, 0), lse = ln(e + 1), out = (e v0 + v1) / (e + 1). */
+    float q[2] = {1, 0}, k[4] = {1, 0, 0, 0}, v[4] = {1, 2, 3, 4}, out[2], lse;
+    for (int fast = 0; fast < 2; fast++) {
+        kvd_attn_dense_args a = {{1, 1, 2, 2, 1.0f},
+                                 t2(KVD_DTYPE_F32, q, 1, 2),
+                                 t3(KVD_DTYPE_F32, k, 1, 2, 2),
+                                 t3(KVD_DTYPE_F32, v, 1, 2, 2),
+                                 t2(KVD_DTYPE_F32, out, 1, 2),
+                                 t1(KVD_DTYPE_F32, &lse, 1)};
+        TU_CHECK(kvd_attn_dense(fast ? be_fast : be_ref, 1, &a, NULL) == 0, "hand dense");
+        double e = exp(1.0);
+        TU_CHECK(fabs(lse - log(e + 1)) < 1e-6, "hand lse %g", lse);
+        TU_CHECK(fabs(out[0] - (e * 1 + 3) / (e + 1)) < 1e-6, "hand out0 %g", out[0]);
+        TU_CHECK(fabs(out[1] - (e * 2 + 4) / (e + 1)) < 1e-6, "hand out1 %g", out[1]);
+    }
+    /* merge of (lse ln 1, out 1) and (lse ln 3, out 5): weights 1/4, 3/4 -> 4 */
+    float oa = 1, ob = 5, la = 0, lb = logf(3), om, lm;
+    kvd_attn_merge_args m = {t2(KVD_DTYPE_F32, &oa, 1, 1), t1(KVD_DTYPE_F32, &la, 1),
+                             t2(KVD_DTYPE_F32, &ob, 1, 1), t1(KVD_DTYPE_F32, &lb, 1),
+                             t2(KVD_DTYPE_F32, &om, 1, 1), t1(KVD_DTYPE_F32, &lm, 1)};
+    for (int fast = 0; fast < 2; fast++) {
+        TU_CHECK(kvd_attn_merge(fast ? be_fast : be_ref, 1, &m, NULL) == 0, "hand merge");
+        TU_CHECK(fabsf(om - 4.0f) < 1e-6f && fabsf(lm - logf(4)) < 1e-6f, "hand merge %g %g", om, lm);
+    }
+    /* a -inf side contributes nothing */
+    la = -INFINITY;
+    oa = 0;
+    TU_CHECK(kvd_attn_merge(be_fast, 1, &m, NULL) == 0, "merge -inf");
+    TU_CHECK(om == 5.0f && fabsf(lm - logf(3)) < 1e-6f, "merge with empty side %g %g", om, lm);
+
+    /* INT2 hand case: D = 32 (one group), q = e_0, key codes 3 at channel 0,
+     * min -1, scale 0.5 -> k_0 = 0.5; q8 = [127, 0...], s_q = 1/127, so the
+     * score is exactly 0.5 * scale. */
+}
+
+/* ---- dense: fast vs ref over many shapes ------------------------------ */
+
+static void test_dense_shapes(tu_rng *rng)
+{
+    const int64_t Ts[] = {0, 1, 7, 255, 256, 257, 1000};
+    const int Gs[] = {1, 4, 8}, Ds[] = {64, 128};
+    const kvd_dtype dts[] = {KVD_DTYPE_F32, KVD_DTYPE_F16, KVD_DTYPE_BF16};
+    for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++)
+        for (size_t gi = 0; gi < 3; gi++)
+            for (size_t di = 0; di < 2; di++)
+                for (size_t ei = 0; ei < 3; ei++) {
+                    int Hkv = 2, Hq = Hkv * Gs[gi];
+                    prob p = prob_new(rng, Hq, Hkv, Ds[di], Ds[di], Ts[ti], dts[ei], 1);
+                    res rr = res_new(Hq, p.Dv), rf = res_new(Hq, p.Dv);
+                    run_dense(be_ref, &p, &rr, 0, p.T);
+                    run_dense(be_fast, &p, &rf, 0, p.T);
+                    char what[96];
+                    snprintf(what, sizeof what, "dense T=%lld G=%d D=%d %s", (long long)p.T, Gs[gi],
+                             p.D, kvd_dtype_name(p.dt));
+                    compare(what, &rr, &rf, Hq, p.Dv, 1e-9, 1e-4);
+                    if (p.T == 0) {
+                        const float *l = rf.lse.data, *o = rf.out.data;
+                        TU_CHECK(isinf(l[0]) && l[0] < 0 && o[0] == 0.0f, "%s: empty range", what);
+                    }
+                    res_free(&rr), res_free(&rf), prob_free(&p);
+                }
+    /* odd head_dim / v_dim take the portable path */
+    prob p = prob_new(rng, 6, 3, 20, 12, 50, KVD_DTYPE_F16, 0);
+    res rr = res_new(6, 12), rf = res_new(6, 12);
+    run_dense(be_ref, &p, &rr, 0, p.T);
+    run_dense(be_fast, &p, &rf, 0, p.T);
+    compare("dense odd dims", &rr, &rf, 6, 12, 1e-9, 1e-4);
+    res_free(&rr), res_free(&rf), prob_free(&p);
+}
+
+/* ---- merge of two halves = attention over the union ------------------- */
+
+static void test_merge(tu_rng *rng)
+{
+    const int64_t splits[] = {0, 1, 100, 300, 511, 512};
+    prob p = prob_new(rng, 8, 2, 128, 128, 512, KVD_DTYPE_F16, 1);
+    res all = res_new(8, 128);
+    run_dense(be_ref, &p, &all, 0, p.T);
+    for (size_t i = 0; i < sizeof splits / sizeof *splits; i++)
+        for (int fast = 0; fast < 2; fast++) {
+            res a = res_new(8, 128), b = res_new(8, 128), m = res_new(8, 128);
+            kvd_backend *be = fast ? be_fast : be_ref;
+            run_dense(be, &p, &a, 0, splits[i]);
+            run_dense(be, &p, &b, splits[i], p.T);
+            kvd_attn_merge_args ma = {t2(KVD_DTYPE_F32, a.out.data, 8, 128), t1(KVD_DTYPE_F32, a.lse.data, 8),
+                                      t2(KVD_DTYPE_F32, b.out.data, 8, 128), t1(KVD_DTYPE_F32, b.lse.data, 8),
+                                      t2(KVD_DTYPE_F32, m.out.data, 8, 128), t1(KVD_DTYPE_F32, m.lse.data, 8)};
+            TU_CHECK(kvd_attn_merge(be, 1, &ma, NULL) == 0, "merge");
+            char what[64];
+            snprintf(what, sizeof what, "merge split %lld %s", (long long)splits[i], fast ? "fast" : "ref");
+            compare(what, &all, &m, 8, 128, 1e-10, 1e-5);
+            res_free(&a), res_free(&b), res_free(&m);
+        }
+    res_free(&all);
+    prob_free(&p);
+}
+
+/* ---- sparse ------------------------------------------------------------ */
+
+static void test_sparse(tu_rng *rng)
+{
+    for (int fast = 0; fast < 2; fast++) {
+        prob p = prob_new(rng, 8, 2, 128, 128, 700, KVD_DTYPE_F16, 1);
+        kvd_backend *be = fast ? be_fast : be_ref;
+        /* all indices (shuffled order) = dense */
+        int32_t *idx = malloc(sizeof(int32_t) * 2 * 700);
+        for (int h = 0; h < 2; h++) {
+            for (int i = 0; i < 700; i++)
+                idx[h * 700 + i] = i;
+            for (int i = 699; i > 0; i--) {
+                int j = (int)tu_rng_below(rng, (uint32_t)i + 1);
+                int32_t x = idx[h * 700 + i];
+                idx[h * 700 + i] = idx[h * 700 + j];
+                idx[h * 700 + j] = x;
+            }
+        }
+        res d = res_new(8, 128), s = res_new(8, 128);
+        run_dense(be_ref, &p, &d, 0, p.T);
+        kvd_attn_sparse_args a = {dims_of(&p),
+                                  t2(KVD_DTYPE_F32, p.q, 8, 128),
+                                  t3(p.dt, p.k, 2, 700, 128),
+                                  t3(p.dt, p.v, 2, 700, 128),
+                                  t2(KVD_DTYPE_I32, idx, 2, 700),
+                                  t2(KVD_DTYPE_F32, s.out.data, 8, 128),
+                                  t1(KVD_DTYPE_F32, s.lse.data, 8)};
+        TU_CHECK(kvd_attn_sparse(be, 1, &a, NULL) == 0, "sparse all");
+        compare(fast ? "sparse all fast" : "sparse all ref", &d, &s, 8, 128, 1e-9, 1e-4);
+        /* a subset of 37 per head = dense attention over the gathered rows */
+        int n = 37;
+        a.idx = t2(KVD_DTYPE_I32, idx, 2, n);
+        a.idx.stride[0] = 700 * 4;
+        TU_CHECK(kvd_attn_sparse(be, 1, &a, NULL) == 0, "sparse subset");
+        prob g = p;
+        g.T = n;
+        uint16_t *gk = malloc(2u * 2 * n * 128), *gv = malloc(2u * 2 * n * 128);
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < n; i++) {
+                memcpy(gk + (h * n + i) * 128, (uint16_t *)p.k + (h * 700 + idx[h * 700 + i]) * 128, 256);
+                memcpy(gv + (h * n + i) * 128, (uint16_t *)p.v + (h * 700 + idx[h * 700 + i]) * 128, 256);
+            }
+        g.k = gk;
+        g.v = gv;
+        res gd = res_new(8, 128);
+        run_dense(be_ref, &g, &gd, 0, n);
+        compare("sparse subset", &gd, &s, 8, 128, 1e-9, 1e-4);
+        /* n = 0: empty result */
+        a.idx.shape[1] = 0;
+        TU_CHECK(kvd_attn_sparse(be, 1, &a, NULL) == 0, "sparse empty");
+        TU_CHECK(isinf(((float *)s.lse.data)[0]), "sparse empty lse");
+        /* out-of-range index is rejected */
+        idx[0] = 700;
+        a.idx.shape[1] = 5;
+        TU_CHECK(kvd_attn_sparse(be, 1, &a, NULL) == KVD_EINVAL, "sparse bad index");
+        free(gk), free(gv), free(idx);
+        res_free(&d), res_free(&s), res_free(&gd);
+        prob_free(&p);
+    }
+}
+
+/* ---- NaN / Inf parity -------------------------------------------------- */
+
+static void test_nonfinite(tu_rng *rng)
+{
+    prob p = prob_new(rng, 8, 2, 64, 64, 300, KVD_DTYPE_F32, 0);
+    tu_inject_nonfinite(rng, p.k, (size_t)(2 * 300 * 64) / 2, 2); /* kv head 0 only */
+    tu_inject_nonfinite(rng, (float *)p.v + 300 * 64, (size_t)(300 * 64), 1);
+    res rr = res_new(8, 64), rf = res_new(8, 64);
+    run_dense(be_ref, &p, &rr, 0, p.T);
+    run_dense(be_fast, &p, &rf, 0, p.T);
+    compare("dense NaN/Inf", &rr, &rf, 8, 64, 1e-9, 1e-4);
+    res_free(&rr), res_free(&rf), prob_free(&p);
+}
+
+/* ---- INT2 / INT4 ------------------------------------------------------- */
+
+typedef struct qbuf {
+    kvd_attn_qdata qd;
+    uint8_t *codes;
+    uint16_t *min, *scale, *sum;
+} qbuf;
+
+/* Quantize (Hkv, T, W) x with the codec into attention's (Hkv, ...) arrays. */
+static qbuf quantize_all(const float *x, int Hkv, int64_t T, int W, int bits, int group, int axis)
+{
+    qbuf b;
+    memset(&b, 0, sizeof b);
+    int64_t rows = axis == KVD_ATTN_AXIS_TOKEN ? T : W, along = axis == KVD_ATTN_AXIS_TOKEN ? W : T;
+    size_t cb = (size_t)(rows * along * bits / 8), pn = (size_t)(rows * along / group);
+    b.codes = malloc(cb * Hkv + 16);
+    b.min = malloc(2 * pn * Hkv + 16);
+    b.scale = malloc(2 * pn * Hkv + 16);
+    b.sum = malloc(2 * pn * Hkv + 16);
+    for (int h = 0; h < Hkv; h++) {
+        kvd_qtensor q;
+        TU_CHECK(kvd_qtensor_init(&q, T, W, bits, group, axis == KVD_ATTN_AXIS_TOKEN ? KVD_QAXIS_TOKEN : KVD_QAXIS_CHANNEL,
+                                  NULL, NULL) == 0, "qtensor init");
+        q.codes = b.codes + cb * h;
+        q.min = b.min + pn * h;
+        q.scale = b.scale + pn * h;
+        q.sum = b.sum + pn * h;
+        kvd_tensor xt = t2(KVD_DTYPE_F32, (void *)(x + (size_t)h * T * W), T, W);
+        kvd_quantize_ref(&xt, &q, KVD_ROUND_NEAREST, 0);
+    }
+    b.qd.bits = bits;
+    b.qd.group = group;
+    b.qd.axis = axis;
+    b.qd.codes = t3(KVD_DTYPE_U8, b.codes, Hkv, rows, along * bits / 8);
+    b.qd.min = t3(KVD_DTYPE_F16, b.min, Hkv, rows, along / group);
+    b.qd.scale = t3(KVD_DTYPE_F16, b.scale, Hkv, rows, along / group);
+    b.qd.sum = t3(KVD_DTYPE_U16, b.sum, Hkv, rows, along / group);
+    return b;
+}
+
+static void qbuf_free(qbuf *b)
+{
+    free(b->codes), free(b->min), free(b->scale), free(b->sum);
+}
+
+static float deq(const qbuf *b, int h, int64_t t, int j, int64_t T, int W)
+{
+    /* value of token t, channel j (x ~ min + scale * code) */
+    const kvd_attn_qdata *q = &b->qd;
+    int per = 8 / q->bits;
+    if (q->axis == KVD_ATTN_AXIS_TOKEN) {
+        const uint8_t *row = b->codes + ((size_t)h * T + t) * (W * q->bits / 8);
+        int c = (row[j / per] >> ((j % per) * q->bits)) & ((1 << q->bits) - 1);
+        size_t gi = ((size_t)h * T + t) * (W / q->group) + j / q->group;
+        return kvd_f16_to_f32(b->min[gi]) + kvd_f16_to_f32(b->scale[gi]) * c;
+    }
+    const uint8_t *row = b->codes + ((size_t)h * W + j) * (T * q->bits / 8);
+    int c = (row[t / per] >> ((t % per) * q->bits)) & ((1 << q->bits) - 1);
+    size_t gi = ((size_t)h * W + j) * (T / q->group) + t / q->group;
+    return kvd_f16_to_f32(b->min[gi]) + kvd_f16_to_f32(b->scale[gi]) * c;
+}
+
+/*
+ * The equation the homomorphic kernel approximates, written the long way:
+ * q rounded to s_q * q8, K and V dequantized, scores in double, P = exp(s -
+ * max) over all tokens; for channel-grouped V each group of P is replaced by
+ * its uint8 rounding mP + sP * p8 (same rule as the kernel) in the numerator.
+ * Equal to the kernel up to float summation order.
+ */
+static void int_expected(const prob *p, const qbuf *kq, const qbuf *vq, int64_t T, const float *kt,
+                         const float *vt, int64_t Tt, float *out, float *lse)
+{
+    int G = p->Hq / p->Hkv, D = p->D, Dv = p->Dv;
+    float scale = 1.0f / sqrtf((float)D);
+    int64_t N = T + Tt;
+    double *s = malloc(sizeof(double) * (size_t)(N + 1)), *acc = malloc(sizeof(double) * (size_t)Dv);
+    float *P = malloc(sizeof(float) * (size_t)(N + 1));
+    int8_t q8[4096];
+    for (int h = 0; h < p->Hkv; h++)
+        for (int g = 0; g < G; g++) {
+            int hq = h * G + g;
+            const float *q = p->q + (size_t)hq * D;
+            float sq = kvd_attn_quantize_q8(q, D, q8);
+            for (int64_t t = 0; t < T; t++) {
+                double dot = 0;
+                for (int j = 0; j < D; j++)
+                    dot += (double)sq * q8[j] * deq(kq, h, t, j, T, D);
+                s[t] = dot * scale;
+            }
+            for (int64_t t = 0; t < Tt; t++) {
+                double dot = 0;
+                for (int j = 0; j < D; j++)
+                    dot += (double)q[j] * kt[((size_t)h * Tt + t) * D + j];
+                s[T + t] = dot * scale;
+            }
+            double m = -INFINITY, l = 0;
+            for (int64_t t = 0; t < N; t++)
+                m = s[t] > m ? s[t] : m;
+            if (N == 0) {
+                lse[hq] = -INFINITY;
+                for (int j = 0; j < Dv; j++)
+                    out[(size_t)hq * Dv + j] = 0;
+                continue;
+            }
+            for (int64_t t = 0; t < N; t++) {
+                P[t] = (float)exp(s[t] - m);
+                l += P[t];
+            }
+            memset(acc, 0, sizeof(double) * (size_t)Dv);
+            if (vq->qd.axis == KVD_ATTN_AXIS_CHANNEL) {
+                int Pg = vq->qd.group;
+                for (int64_t t0 = 0; t0 < T; t0 += Pg) {
+                    float lo = P[t0], hi = P[t0];
+                    for (int i = 1; i < Pg; i++) {
+                        lo = P[t0 + i] < lo ? P[t0 + i] : lo;
+                        hi = P[t0 + i] > hi ? P[t0 + i] : hi;
+                    }
+                    float sP = (hi - lo) / 255.0f, inv = sP > 0 ? 1.0f / sP : 0.0f;
+                    for (int i = 0; i < Pg; i++) {
+                        float c = rintf((P[t0 + i] - lo) * inv);
+                        c = c < 0 ? 0 : c > 255 ? 255 : c;
+                        double ph = (double)lo + (double)sP * c;
+                        for (int j = 0; j < Dv; j++)
+                            acc[j] += ph * deq(vq, h, t0 + i, j, T, Dv);
+                    }
+                }
+            } else {
+                for (int64_t t = 0; t < T; t++)
+                    for (int j = 0; j < Dv; j++)
+                        acc[j] += (double)P[t] * deq(vq, h, t, j, T, Dv);
+            }
+            for (int64_t t = 0; t < Tt; t++)
+                for (int j = 0; j < Dv; j++)
+                    acc[j] += (double)P[T + t] * vt[((size_t)h * Tt + t) * Dv + j];
+            for (int j = 0; j < Dv; j++)
+                out[(size_t)hq * Dv + j] = (float)(acc[j] / l);
+            lse[hq] = (float)(m + log(l));
+        }
+    free(s), free(acc), free(P);
+}
+
+static void test_int(tu_rng *rng)
+{
+    struct {
+        int64_t T, Tt;
+        int G, D, bits, kgroup, vgroup, vaxis;
+    } cases[] = {
+        {0, 0, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
+        {0, 5, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
+        {32, 0, 1, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
+        {256, 3, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
+        {512, 17, 8, 128, 2, 64, 64, KVD_ATTN_AXIS_CHANNEL},
+        {384, 1, 4, 128, 2, 128, 128, KVD_ATTN_AXIS_CHANNEL},
+        {640, 0, 4, 64, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
+        {256, 9, 4, 128, 4, 32, 32, KVD_ATTN_AXIS_CHANNEL},
+        {512, 0, 8, 128, 4, 64, 128, KVD_ATTN_AXIS_CHANNEL},
+        {256, 2, 1, 64, 4, 64, 64, KVD_ATTN_AXIS_CHANNEL},
+        {300, 4, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_TOKEN},
+        {77, 0, 8, 64, 4, 64, 32, KVD_ATTN_AXIS_TOKEN},
+        {1, 1, 4, 128, 2, 128, 64, KVD_ATTN_AXIS_TOKEN},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        int Hkv = 2, Hq = Hkv * cases[ci].G, D = cases[ci].D;
+        int64_t T = cases[ci].T, Tt = cases[ci].Tt;
+        prob p = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 1);
+        prob tail = prob_new(rng, Hq, Hkv, D, D, Tt, KVD_DTYPE_F16, 1);
+        qbuf kq = quantize_all(p.k32, Hkv, T, D, cases[ci].bits, cases[ci].kgroup, KVD_ATTN_AXIS_TOKEN);
+        qbuf vq = quantize_all(p.v32, Hkv, T, D, cases[ci].bits, cases[ci].vgroup, cases[ci].vaxis);
+        res rr = res_new(Hq, D), rf = res_new(Hq, D), ex = res_new(Hq, D);
+        kvd_attn_int_args a;
+        memset(&a, 0, sizeof a);
+        a.dims = dims_of(&p);
+        a.q = t2(KVD_DTYPE_F32, p.q, Hq, D);
+        a.n_tokens = T;
+        a.k = kq.qd;
+        a.v = vq.qd;
+        a.k_tail = t3(KVD_DTYPE_F16, tail.k, Hkv, Tt, D);
+        a.v_tail = t3(KVD_DTYPE_F16, tail.v, Hkv, Tt, D);
+        char what[128];
+        snprintf(what, sizeof what, "INT%d T=%lld+%lld G=%d D=%d P=%d/%d %s", cases[ci].bits, (long long)T,
+                 (long long)Tt, cases[ci].G, D, cases[ci].kgroup, cases[ci].vgroup,
+                 cases[ci].vaxis == KVD_ATTN_AXIS_CHANNEL ? "channel" : "token");
+        kvd_error err;
+        for (int fast = 0; fast < 2; fast++) {
+            const res *r = fast ? &rf : &rr;
+            a.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
+            a.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
+            int rc = kvd_attn_quant(fast ? be_fast : be_ref, 1, &a, &err);
+            TU_CHECK(rc == 0, "%s: %s", what, err.msg);
+        }
+        int_expected(&p, &kq, &vq, T, tail.k32, tail.v32, Tt, ex.out.data, ex.lse.data);
+        /* The reference is the equation (tight); the fast path may flip a
+         * p8 rounding where float and double scores straddle a .5: one step
+         * of 1/255 of a group's range, bounded well below 1e-6 NMSE. */
+        compare(what, &ex, &rr, Hq, D, 1e-9, 1e-4);
+        compare(what, &rr, &rf, Hq, D, 1e-6, 1e-4);
+        /* vs float attention on the dequantized K/V (no int8 rounding of q
+         * or P): what the homomorphic evaluation itself costs */
+        if (T > 0 && Tt == 0) {
+            prob dq = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 0);
+            memcpy(dq.q, p.q, sizeof(float) * (size_t)Hq * D);
+            for (int h = 0; h < Hkv; h++)
+                for (int64_t t = 0; t < T; t++)
+                    for (int j = 0; j < D; j++) {
+                        ((float *)dq.k)[((size_t)h * T + t) * D + j] = deq(&kq, h, t, j, T, D);
+                        ((float *)dq.v)[((size_t)h * T + t) * D + j] = deq(&vq, h, t, j, T, D);
+                    }
+            res fl = res_new(Hq, D);
+            run_dense(be_ref, &dq, &fl, 0, T);
+            double e = tu_nmse(fl.out.data, rf.out.data, (size_t)Hq * D);
+            /* uint8 P over groups of up to 128 tokens of a peaky softmax: a few 1e-3 */
+            TU_CHECK(e < 5e-3, "%s: NMSE vs dequantize-then-attend in float %.3g", what, e);
+            res_free(&fl);
+            prob_free(&dq);
+        }
+        res_free(&rr), res_free(&rf), res_free(&ex);
+        qbuf_free(&kq), qbuf_free(&vq);
+        prob_free(&p), prob_free(&tail);
+    }
+}
+
+/* ---- VQ ---------------------------------------------------------------- */
+
+static void fwht_ref(float *x, int n)
+{
+    /* H_n x with H the normalised Sylvester Hadamard matrix, O(n^2) */
+    float *y = malloc(sizeof(float) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        double acc = 0;
+        for (int j = 0; j < n; j++)
+            acc += (__builtin_popcount((unsigned)(i & j)) & 1 ? -1.0 : 1.0) * x[j];
+        y[i] = (float)(acc / sqrt((double)n));
+    }
+    memcpy(x, y, sizeof(float) * (size_t)n);
+    free(y);
+}
+
+static void test_vq(tu_rng *rng)
+{
+    struct {
+        int64_t T, Tt;
+        int G, D, dk, bk, dv, bv, had, lam;
+    } cases[] = {
+        {0, 0, 4, 128, 4, 8, 4, 8, 1, 1},    {1, 0, 4, 128, 4, 8, 4, 8, 1, 1},
+        {700, 3, 4, 128, 4, 8, 4, 8, 1, 1},  {300, 0, 8, 128, 8, 12, 8, 12, 1, 1},
+        {257, 5, 1, 64, 4, 8, 2, 6, 0, 0},   {513, 0, 8, 64, 2, 4, 4, 8, 1, 0},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        int Hkv = 2, G = cases[ci].G, Hq = Hkv * G, D = cases[ci].D;
+        int64_t T = cases[ci].T, Tt = cases[ci].Tt;
+        int dk = cases[ci].dk, dv = cases[ci].dv, Kk = 1 << cases[ci].bk, Kv = 1 << cases[ci].bv;
+        prob p = prob_new(rng, Hq, Hkv, D, D, 0, KVD_DTYPE_F32, 0);
+        prob tail = prob_new(rng, Hq, Hkv, D, D, Tt, KVD_DTYPE_F32, 1);
+        int kpos = D / dk, vpos = D / dv;
+        size_t kes = cases[ci].bk <= 8 ? 1 : 2, ves = cases[ci].bv <= 8 ? 1 : 2;
+        uint8_t *kc = malloc(kes * Hkv * T * kpos + 8), *vc = malloc(ves * Hkv * T * vpos + 8);
+        float *kcb = malloc(sizeof(float) * Hkv * Kk * dk), *vcb = malloc(sizeof(float) * Hkv * Kv * dv);
+        float *lam = malloc(sizeof(float) * Hkv * D);
+        tu_fill_normal(rng, kcb, (size_t)Hkv * Kk * dk, 1.0f);
+        tu_fill_normal(rng, vcb, (size_t)Hkv * Kv * dv, 1.0f);
+        tu_fill_uniform(rng, lam, (size_t)Hkv * D, 0.5f, 3.0f);
+        for (int64_t i = 0; i < Hkv * T * kpos; i++) {
+            uint32_t c = tu_rng_below(rng, (uint32_t)Kk);
+            if (kes == 1)
+                kc[i] = (uint8_t)c;
+            else
+                ((uint16_t *)kc)[i] = (uint16_t)c;
+        }
+        for (int64_t i = 0; i < Hkv * T * vpos; i++) {
+            uint32_t c = tu_rng_below(rng, (uint32_t)Kv);
+            if (ves == 1)
+                vc[i] = (uint8_t)c;
+            else
+                ((uint16_t *)vc)[i] = (uint16_t)c;
+        }
+        kvd_attn_vq_args a;
+        memset(&a, 0, sizeof a);
+        a.dims = dims_of(&p);
+        a.q = t2(KVD_DTYPE_F32, p.q, Hq, D);
+        a.n_tokens = T;
+        a.k_sub_dim = dk;
+        a.k_bits = cases[ci].bk;
+        a.k_codes = t3(kes == 1 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, kc, Hkv, T, kpos);
+        a.k_codebook = t3(KVD_DTYPE_F32, kcb, Hkv, Kk, dk);
+        if (cases[ci].lam)
+            a.k_lambda = t2(KVD_DTYPE_F32, lam, Hkv, D);
+        a.k_hadamard = cases[ci].had;
+        a.v_sub_dim = dv;
+        a.v_bits = cases[ci].bv;
+        a.v_codes = t3(ves == 1 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, vc, Hkv, T, vpos);
+        a.v_codebook = t3(KVD_DTYPE_F32, vcb, Hkv, Kv, dv);
+        a.k_tail = t3(KVD_DTYPE_F32, tail.k, Hkv, Tt, D);
+        a.v_tail = t3(KVD_DTYPE_F32, tail.v, Hkv, Tt, D);
+        res rr = res_new(Hq, D), rf = res_new(Hq, D);
+        char what[96];
+        snprintf(what, sizeof what, "VQ T=%lld+%lld G=%d D=%d k d%db%d v d%db%d", (long long)T, (long long)Tt, G,
+                 D, dk, cases[ci].bk, dv, cases[ci].bv);
+        kvd_error err;
+        for (int fast = 0; fast < 2; fast++) {
+            const res *r = fast ? &rf : &rr;
+            a.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
+            a.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
+            TU_CHECK(kvd_attn_vq(fast ? be_fast : be_ref, 1, &a, &err) == 0, "%s: %s", what, err.msg);
+        }
+        compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
+        /* decode-then-attend: K~ from the codebook, q~ = H (q * lambda), no tail */
+        if (Tt == 0) {
+            prob dp = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 0);
+            for (int h = 0; h < Hkv; h++) {
+                for (int64_t t = 0; t < T; t++)
+                    for (int pos = 0; pos < kpos; pos++) {
+                        size_t i = ((size_t)h * T + t) * kpos + pos;
+                        uint32_t c = kes == 1 ? kc[i] : ((uint16_t *)kc)[i];
+                        memcpy(dp.k32 + ((size_t)h * T + t) * D + pos * dk, kcb + ((size_t)h * Kk + c) * dk, 4u * dk);
+                    }
+                for (int64_t t = 0; t < T; t++)
+                    for (int pos = 0; pos < vpos; pos++) {
+                        size_t i = ((size_t)h * T + t) * vpos + pos;
+                        uint32_t c = ves == 1 ? vc[i] : ((uint16_t *)vc)[i];
+                        memcpy(dp.v32 + ((size_t)h * T + t) * D + pos * dv, vcb + ((size_t)h * Kv + c) * dv, 4u * dv);
+                    }
+                for (int g = 0; g < G; g++) {
+                    float *qt = dp.q + (size_t)(h * G + g) * D;
+                    for (int j = 0; j < D; j++)
+                        qt[j] = p.q[(size_t)(h * G + g) * D + j] * (cases[ci].lam ? lam[h * D + j] : 1.0f);
+                    if (cases[ci].had)
+                        fwht_ref(qt, D);
+                }
+            }
+            memcpy(dp.k, dp.k32, sizeof(float) * (size_t)(Hkv * T * D));
+            memcpy(dp.v, dp.v32, sizeof(float) * (size_t)(Hkv * T * D));
+            res dd = res_new(Hq, D);
+            run_dense(be_ref, &dp, &dd, 0, T);
+            compare("VQ vs decode-then-attend", &dd, &rf, Hq, D, 1e-9, 1e-4);
+            res_free(&dd);
+            prob_free(&dp);
+        }
+        res_free(&rr), res_free(&rf);
+        free(kc), free(vc), free(kcb), free(vcb), free(lam);
+        prob_free(&p), prob_free(&tail);
+    }
+}
+
+/* ---- SVD --------------------------------------------------------------- */
+
+static void test_svd(tu_rng *rng)
+{
+    /* eigen-decomposition reconstructs, R orthonormal, eigenvalues descending */
+    const int ns[] = {1, 2, 5, 64, 128};
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+        int n = ns[ni];
+        double *a = calloc((size_t)n * n, sizeof(double)), *ev = malloc(sizeof(double) * n),
+               *V = malloc(sizeof(double) * n * n);
+        float *x = malloc(sizeof(float) * (size_t)3 * n * n);
+        tu_fill_normal(rng, x, (size_t)3 * n * n, 1.0f);
+        TU_CHECK(kvd_svd_gram_accumulate(a, n, x, KVD_DTYPE_F32, 3 * n, 4 * n, 1.0, NULL) == 0, "gram");
+        TU_CHECK(kvd_svd_eigh(a, n, ev, V, NULL) == 0, "eigh n=%d", n);
+        double anorm = 0, rerr = 0, oerr = 0;
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < n; j++) {
+                double r = 0, o = 0;
+                for (int k = 0; k < n; k++) {
+                    r += V[i * n + k] * ev[k] * V[j * n + k];
+                    o += V[k * n + i] * V[k * n + j];
+                }
+                anorm += a[i * n + j] * a[i * n + j];
+                rerr += (r - a[i * n + j]) * (r - a[i * n + j]);
+                oerr = fmax(oerr, fabs(o - (i == j)));
+            }
+        TU_CHECK(sqrt(rerr / anorm) < 1e-10, "eigh n=%d reconstruction %.3g", n, sqrt(rerr / anorm));
+        TU_CHECK(oerr < 1e-10, "eigh n=%d orthonormality %.3g", n, oerr);
+        for (int i = 1; i < n; i++)
+            TU_CHECK(ev[i] <= ev[i - 1], "eigh n=%d order", n);
+        free(a), free(ev), free(V), free(x);
+    }
+    /* hand case: diag(1, 4, 2) -> 4, 2, 1 with unit vectors e1, e2, e0 */
+    double dm[9] = {1, 0, 0, 0, 4, 0, 0, 0, 2}, ev[3], V[9];
+    TU_CHECK(kvd_svd_eigh(dm, 3, ev, V, NULL) == 0, "eigh diag");
+    TU_CHECK(ev[0] == 4 && ev[1] == 2 && ev[2] == 1 && V[1 * 3 + 0] == 1 && V[2 * 3 + 1] == 1 && V[0 * 3 + 2] == 1,
+             "eigh diag values");
+    /* kept widths */
+    float sv[4] = {4, 3, 2, 1};
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.0, 1) == 4, "rate 0 keeps all");
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.1, 1) == 3, "rate 0.1 -> 3, got %d", kvd_svd_kept_width(sv, 4, 0.1, 1));
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.3, 1) == 2, "rate 0.3 -> 2");
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.3, 3) == 3, "rate 0.3 align 3 -> 3");
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 1.0, 1) == 1, "rate 1 keeps 1");
+
+    /* attention: R from the Q-K Gram; full width = dense exactly; reduced
+     * widths (ragged, per head) fast = ref */
+    int Hkv = 2, G = 4, Hq = 8, D = 64;
+    int64_t T = 300;
+    prob p = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 1);
+    float *Rk = malloc(sizeof(float) * Hkv * D * D), *Rv = malloc(sizeof(float) * Hkv * D * D), svk[64], svv[64];
+    for (int h = 0; h < Hkv; h++) {
+        double *gk = calloc((size_t)D * D, sizeof(double)), *gv = calloc((size_t)D * D, sizeof(double));
+        kvd_svd_gram_accumulate(gk, D, p.k32 + (size_t)h * T * D, KVD_DTYPE_F32, T, 4 * D, 1.0, NULL);
+        kvd_svd_gram_accumulate(gk, D, p.q + (size_t)h * G * D, KVD_DTYPE_F32, G, 4 * D, 1.0, NULL);
+        kvd_svd_gram_accumulate(gv, D, p.v32 + (size_t)h * T * D, KVD_DTYPE_F32, T, 4 * D, 1.0, NULL);
+        TU_CHECK(kvd_svd_rotation(gk, D, Rk + (size_t)h * D * D, svk, NULL) == 0, "rotation k");
+        TU_CHECK(kvd_svd_rotation(gv, D, Rv + (size_t)h * D * D, svv, NULL) == 0, "rotation v");
+        free(gk), free(gv);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        int32_t kw[2], vw[2];
+        if (pass == 0)
+            kw[0] = kw[1] = vw[0] = vw[1] = D;
+        else {
+            kw[0] = 24, kw[1] = 40, vw[0] = 32, vw[1] = 16;
+        }
+        float *kr = malloc(sizeof(float) * (size_t)(T * (kw[0] + kw[1]))),
+              *vr = malloc(sizeof(float) * (size_t)(T * (vw[0] + vw[1])));
+        for (int h = 0, ko = 0, vo = 0; h < Hkv; ko += kw[h] * (int)T, vo += vw[h] * (int)T, h++) {
+            TU_CHECK(kvd_svd_project(be_fast, Rk + (size_t)h * D * D, D, kw[h], p.k32 + (size_t)h * T * D,
+                                     KVD_DTYPE_F32, T, 4 * D, kr + ko, NULL) == 0, "project k");
+            kvd_cpu_svd_project_ref(Rv + (size_t)h * D * D, D, vw[h], p.v32 + (size_t)h * T * D, KVD_DTYPE_F32, T,
+                                    4 * D, vr + vo);
+        }
+        kvd_attn_svd_args a;
+        memset(&a, 0, sizeof a);
+        a.dims = dims_of(&p);
+        a.q = t2(KVD_DTYPE_F32, p.q, Hq, D);
+        a.rk = t3(KVD_DTYPE_F32, Rk, Hkv, D, D);
+        a.rv = t3(KVD_DTYPE_F32, Rv, Hkv, D, D);
+        a.k_width = kw;
+        a.v_width = vw;
+        a.n_tokens = T;
+        a.dtype = KVD_DTYPE_F32;
+        a.k_red = kr;
+        a.v_red = vr;
+        res rr = res_new(Hq, D), rf = res_new(Hq, D), dn = res_new(Hq, D);
+        for (int fast = 0; fast < 2; fast++) {
+            const res *r = fast ? &rf : &rr;
+            a.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
+            a.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
+            kvd_error err;
+            TU_CHECK(kvd_attn_svd(fast ? be_fast : be_ref, 1, &a, &err) == 0, "svd attention: %s", err.msg);
+        }
+        compare(pass ? "SVD reduced fast vs ref" : "SVD full fast vs ref", &rr, &rf, Hq, D, 1e-9, 1e-4);
+        if (pass == 0) {
+            run_dense(be_ref, &p, &dn, 0, T);
+            compare("SVD full width = dense", &dn, &rr, Hq, D, 1e-10, 1e-4);
+        }
+        res_free(&rr), res_free(&rf), res_free(&dn);
+        free(kr), free(vr);
+    }
+    /* back-projection inverts projection at full width */
+    float y[64], xb[64];
+    TU_CHECK(kvd_svd_project(be_fast, Rk, D, D, p.q, KVD_DTYPE_F32, 1, 4 * D, y, NULL) == 0, "project q");
+    TU_CHECK(kvd_svd_unproject(be_fast, Rk, D, D, y, 1, xb, NULL) == 0, "unproject");
+    TU_CHECK(tu_max_abs_diff(p.q, xb, (size_t)D) < 1e-4, "unproject(project(q)) = q");
+    free(Rk), free(Rv);
+    prob_free(&p);
+}
+
+/* ---- argument checks --------------------------------------------------- */
+
+static void test_invalid(void)
+{
+    float q[8], o[8], l[2], k[8];
+    kvd_attn_dense_args a = {{2, 3, 4, 4, 1.0f}, t2(KVD_DTYPE_F32, q, 2, 4), t3(KVD_DTYPE_F32, k, 3, 0, 4),
+                             t3(KVD_DTYPE_F32, k, 3, 0, 4), t2(KVD_DTYPE_F32, o, 2, 4), t1(KVD_DTYPE_F32, l, 2)};
+    kvd_error err;
+    TU_CHECK(kvd_attn_dense(be_fast, 1, &a, &err) == KVD_EINVAL, "Hq not a multiple of Hkv");
+    a.dims.n_kv_heads = 1;
+    a.k = t3(KVD_DTYPE_F32, k, 1, 2, 4);
+    a.v = t3(KVD_DTYPE_F32, k, 1, 1, 4);
+    TU_CHECK(kvd_attn_dense(be_fast, 1, &a, &err) == KVD_EINVAL, "K/V token mismatch");
+    a.v = t3(KVD_DTYPE_I32, k, 1, 2, 4);
+    TU_CHECK(kvd_attn_dense(be_fast, 1, &a, &err) == KVD_EINVAL, "V dtype");
+    TU_CHECK(kvd_attn_dense(be_fast, 0, NULL, &err) == 0, "zero items");
+}
+
+int main(void)
+{
+    tu_rng rng;
+    tu_rng_seed(&rng, 1234);
+    be_fast = tu_cpu_backend(2, 0);
+    be_ref = tu_cpu_backend(1, 1);
+    test_hand();
+    test_dense_shapes(&rng);
+    test_merge(&rng);
+    test_sparse(&rng);
+    test_nonfinite(&rng);
+    test_int(&rng);
+    test_vq(&rng);
+    test_svd(&rng);
+    test_invalid();
+    kvd_backend_free(be_fast);
+    kvd_backend_free(be_ref);
+    return tu_report("kernels_attn");
+}

@@ -1,0 +1,12 @@
+# Decode attention (dense, sparse, INT2/INT4 homomorphic, VQ fused, SVD
+# reduced, LSE merge) and the SVD reduction: fast paths against references.
+if(NOT TARGET kvd_testutil)
+  add_library(kvd_testutil STATIC ${CMAKE_CURRENT_LIST_DIR}/testutil.c)
+  target_include_directories(kvd_testutil PUBLIC ${CMAKE_CURRENT_LIST_DIR})
+  target_link_libraries(kvd_testutil PUBLIC kvd_kernels m)
+endif()
+
+add_executable(test_kernels_attn ${CMAKE_CURRENT_LIST_DIR}/kernels_attn.c)
+target_link_libraries(test_kernels_attn PRIVATE kvd_testutil kvd_kernels m)
+add_test(NAME kernels_attn COMMAND test_kernels_attn)
+set_tests_properties(kernels_attn PROPERTIES LABELS "unit;backend" TIMEOUT 120)
