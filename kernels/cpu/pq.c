@@ -17,7 +17,8 @@
  *     buffer fills it is cut back to its k best by quickselect and the
  *     threshold rises. After the first few thousand tokens almost every
  *     token fails the single vector compare, which is what makes k = 2048
- *     nearly as cheap as k = 256;
+ *     nearly as cheap as k = 256. For long ranges the threshold starts from
+ *     an estimate taken on a sample (guess_threshold), checked afterwards;
  *   - threads split the middle tokens into contiguous ranges, each with its
  *     own buffer; the per-thread winners are merged by one more selection.
  *     Selection is exact, so the result does not depend on the split.
@@ -502,6 +503,37 @@ __attribute__((target("avx2,fma"))) static void scan_avx2(int m, const uint8_t *
     }
 }
 
+/*
+ * Starting threshold for the scan, from the exact scores of a strided sample
+ * of 1024 middle tokens: the sample's r-th best, with r well above the
+ * k * 1024 / nm sample tokens expected above the true k-th best. Starting
+ * there, only ~1.3 k + O(sqrt k) tokens enter the buffer whatever the order
+ * of the scores (a rising trend along positions would otherwise push nearly
+ * every token). The guess is only a filter: the caller checks that at least
+ * k tokens passed it and rescans from scratch otherwise. NaN = no guess.
+ */
+static float guess_threshold(int m, int G, kvd_pq_agg agg, const uint8_t *codes,
+                             const float *luts, int64_t lo, int64_t nm, int64_t k)
+{
+    enum { S = 1024 };
+    if (nm < 16 * S)
+        return NAN;
+    double e = (double)S * (double)k / (double)nm;
+    int64_t r = (int64_t)ceil(1.3 * e + 3.0 * sqrt(e) + 4.0);
+    if (r > S / 2)
+        return NAN;
+    uint64_t keys[S];
+    int64_t step = nm / S;
+    for (int64_t i = 0; i < S; i++) {
+        int64_t t = lo + i * step + step / 2;
+        keys[i] = make_key(score_agg(m, G, agg, codes + t * m, luts), (uint32_t)t);
+    }
+    select_topk(keys, S, r);
+    if ((keys[r - 1] >> 32) == 0)
+        return NAN;
+    return key_score(keys[r - 1]);
+}
+
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
 
 int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
@@ -541,11 +573,12 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         return KVD_ENOMEM;
     }
     int use_simd = simd && p->agg != KVD_PQ_AGG_MAX && simd_ok(m);
-    if (k > 0) {
+    float thr0 = k > 0 ? guess_threshold(m, G, p->agg, codes, luts, lo, nm, k) : NAN;
+    for (int attempt = 0; k > 0 && attempt < 2; attempt++) {
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
         for (int t = 0; t < nt; t++) {
             int64_t a = lo + (int64_t)t * per, e = a + per < hi ? a + per : hi;
-            topk_buf tb = {bufs + (int64_t)t * cap, 0, cap, k, NAN};
+            topk_buf tb = {bufs + (int64_t)t * cap, 0, cap, k, thr0};
             if (a < e) {
                 if (use_simd)
                     scan_avx2(m, codes, luts, a, e, &tb);
@@ -555,6 +588,15 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
             tb_compact(&tb);
             counts[t] = tb.n;
         }
+        int64_t total = 0;
+        for (int t = 0; t < nt; t++)
+            total += counts[t];
+        /* Exact when at least k tokens beat the starting threshold: every
+         * token left out scored <= thr0 < the k-th best kept. Otherwise the
+         * guess was too high: scan again admitting everything. */
+        if (total >= k || isnan(thr0))
+            break;
+        thr0 = NAN;
     }
     /* gather the per-thread winners at the front, cut to k */
     int64_t c = 0;

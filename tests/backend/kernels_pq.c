@@ -353,8 +353,39 @@ static void test_wrappers(void)
     free(q);
 }
 
+/* Every score equal: the sampled starting threshold admits nothing and the
+ * search must rescan; the result is then the lowest indices. */
+static void test_all_equal(void)
+{
+    const int D = 128, m = 4, b = 8;
+    int64_t n = 40000;
+    float *C = calloc((size_t)m * 256 * (D / m), sizeof(float));
+    uint8_t *codes = calloc((size_t)n * m, 1);
+    float Q[2 * 128];
+    for (int i = 0; i < 2 * D; i++)
+        Q[i] = 1.0f;
+    for (int i = 0; i < m * 256 * (D / m); i++)
+        C[i] = 0.25f;
+    kvd_pq_search_params p = {300, 2, 2, KVD_PQ_AGG_SUM};
+    uint32_t idx[304];
+    float sc[304];
+    int64_t no = 0;
+    for (int thr = 1; thr <= 2; thr++) {
+        int rc = kvd__pq_search_cpu(thr, 1, n, m, b, D, C, codes, 2, Q, &p, idx, sc, &no);
+        int ok = rc == 0 && no == 304;
+        for (int64_t i = 0; ok && i < 302; i++)
+            ok = idx[i] == (uint32_t)i;
+        ok = ok && idx[302] == 39998 && idx[303] == 39999 && sc[0] == 64.0f;
+        TU_CHECK(ok, "all-equal scores: rc %d n %lld idx[0..2] %u %u %u", rc, (long long)no,
+                 idx[0], idx[1], idx[2]);
+    }
+    free(C);
+    free(codes);
+}
+
 int main(void)
 {
+    test_all_equal();
     test_hand();
     test_search_shapes();
     test_search_large();
