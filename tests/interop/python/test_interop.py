@@ -259,8 +259,11 @@ class Api:
     # -- helpers ---------------------------------------------------------
 
     def append(self, seq_id, data, token_start, num_tokens, layer_start=0, num_layers=0,
-               dtype=None, chunks=None, token_ids=None, block_hashes=None, timeout=CALL_TIMEOUT):
-        """One Append stream: header in the first message, data in `chunks` pieces."""
+               dtype=None, chunks=None, token_ids=None, block_hashes=None, timeout=CALL_TIMEOUT,
+               data_with_header=False, empty_between=False):
+        """One Append stream: header in the first message, data in `chunks` pieces.
+        data_with_header puts the first piece in the header's message;
+        empty_between sends a message without data after every piece."""
         pb = self.pb
         hdr = pb.AppendHeader(sequence_id=seq_id, layer_start=layer_start,
                               num_layers=num_layers, token_start=token_start,
@@ -272,7 +275,12 @@ class Api:
             hdr.block_hashes.extend(block_hashes)
         msgs = [pb.AppendRequest(header=hdr)]
         for piece in split(data, chunks):
-            msgs.append(pb.AppendRequest(data=piece))
+            if data_with_header and len(msgs) == 1 and not msgs[0].data:
+                msgs[0].data = piece
+            else:
+                msgs.append(pb.AppendRequest(data=piece))
+            if empty_between:
+                msgs.append(pb.AppendRequest())
         return self.Append(iter(msgs), timeout=timeout)
 
     def read(self, seq_id, layer_start=0, num_layers=0, token_start=0, num_tokens=0,
@@ -528,7 +536,8 @@ class Suite:
         ref = self.refs[b"py-seq"] = Reference(3, 2, 64, 2, seed=1)
         # Two appends over all layers, data in odd-sized chunks, crossing pages.
         self.append_ref(b"py-seq", ref, 0, 3, B + 37, chunks=[1, 4093, 65536, 3])
-        self.append_ref(b"py-seq", ref, 0, 3, B + 63, chunks=100000)
+        self.append_ref(b"py-seq", ref, 0, 3, B + 63, chunks=100000, data_with_header=True,
+                        empty_between=True)
         n = 2 * B + 100
         self.verify(b"py-seq")
         info = self.stat(b"py-seq")
@@ -545,6 +554,26 @@ class Suite:
                                   max_chunk_bytes=4 * MiB)
         eq((hdr.num_layers, hdr.num_tokens), (2, n - 10), "open-ended read range")
         check(data == ref.wire(1, 2, 10, n - 10), "layers 1.. tokens 10.. differ")
+
+    def t_dtypes(self):
+        """f32 and bf16 models round-trip too; sequence ids are bytes, not text."""
+        pb = self.pb
+        for name, dtype, esize in (("py-f32", pb.DTYPE_F32, 4), ("py-bf16", pb.DTYPE_BF16, 2)):
+            self.put_model(self.model(name, 2, 1, 16, dtype=dtype))
+            seq_id = b"\x00\xff" + name.encode() + b"\x00\n"
+            ref = self.refs[seq_id] = Reference(2, 1, 16, esize, seed=len(name) + dtype)
+            self.create(seq_id, name)
+            self.append_ref(seq_id, ref, 0, 2, self.B + 3, dtype=dtype, chunks=1000)
+            self.append_ref(seq_id, ref, 0, 2, 7, dtype=dtype)
+            self.verify(seq_id, name)
+            hdr, _ = self.api.read(seq_id, num_tokens=1)
+            eq(hdr.dtype, dtype, "%s read header dtype" % name)
+            self.expect_unchanged(SC.INVALID_ARGUMENT, seq_id, self.api.append, seq_id,
+                                  b"\0" * (2 * 2 * 16 * 2), ref.tokens(0), 1,
+                                  dtype=pb.DTYPE_F16)
+            listed = [s.sequence_id for s in self.api.ListSequences(
+                pb.ListSequencesRequest(model=name), timeout=CALL_TIMEOUT).sequences]
+            eq(listed, [seq_id], "ListSequences(%s) ids, byte for byte" % name)
 
     def t_layerwise(self):
         ref = self.refs[b"py-layers"] = Reference(3, 2, 64, 2, seed=2)
@@ -612,6 +641,63 @@ class Suite:
         # A good append still works after all that.
         self.append_ref(S, ref, 0, 3, 10)
         self.verify(S)
+
+    def t_errors_limits(self):
+        pb, api = self.pb, self.api
+        S = b"py-seq"
+        n = self.refs[S].tokens(0)
+        per_token = 2 * 3 * 2 * 64 * 2
+        # One 12 MiB message: over the server's default 8 MiB message limit.
+        tokens = 12 * MiB // per_token
+        self.expect_unchanged(SC.RESOURCE_EXHAUSTED, S, api.append, S, b"\1" * (12 * MiB), n,
+                              tokens)
+        # Sizes that overflow: 2^55 + 1 tokens of 1536 bytes is 1536 modulo 2^64.
+        self.expect_unchanged((SC.INVALID_ARGUMENT, SC.RESOURCE_EXHAUSTED), S, api.append, S,
+                              b"\2" * per_token, n, (1 << 55) + 1)
+        self.expect_unchanged((SC.INVALID_ARGUMENT, SC.RESOURCE_EXHAUSTED), S, api.append, S,
+                              b"\3" * 1024, n, 1 << 40)
+        self.expect_unchanged((SC.INVALID_ARGUMENT, SC.RESOURCE_EXHAUSTED), S, api.append, S,
+                              b"\4" * per_token, n, (1 << 64) - 1)
+        # Replacing the shape of a model that has sequences is refused.
+        self.expect_unchanged((SC.FAILED_PRECONDITION, SC.ALREADY_EXISTS), S, api.PutModel,
+                              pb.PutModelRequest(model=self.model("py-f16", 4, 2, 64, q_heads=4),
+                                                 replace=True), timeout=CALL_TIMEOUT)
+        g = api.GetModel(pb.GetModelRequest(name="py-f16"), timeout=CALL_TIMEOUT).model
+        eq(g.num_layers, 3, "py-f16 num_layers after a refused replace")
+        # ... and allowed without sequences.
+        self.put_model(self.model("py-rep", 2, 2, 8))
+        api.PutModel(pb.PutModelRequest(model=self.model("py-rep", 5, 2, 8), replace=True),
+                     timeout=CALL_TIMEOUT)
+        g = api.GetModel(pb.GetModelRequest(name="py-rep"), timeout=CALL_TIMEOUT).model
+        eq(g.num_layers, 5, "py-rep num_layers after replace")
+
+    def t_concurrent(self):
+        """Appends and reads from several threads at once, on one channel."""
+        seqs = [b"py-conc-%d" % i for i in range(4)]
+        for i, seq_id in enumerate(seqs):
+            self.refs[seq_id] = Reference(3, 2, 64, 2, seed=100 + i)
+            self.create(seq_id, "py-f16")
+        errors = []
+
+        def worker(seq_id):
+            try:
+                ref = self.refs[seq_id]
+                for _ in range(3):
+                    self.append_ref(seq_id, ref, 0, 3, 97, chunks=20000)
+                    self.api.read(b"py-seq", max_chunk_bytes=65536)
+                    self.verify(seq_id)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append("%r: %s" % (seq_id, e if isinstance(e, CheckFailed) else repr(e)))
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in seqs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        check(not errors, "; ".join(errors))
+        for seq_id in seqs:
+            self.verify(seq_id)
+        self.verify(b"py-seq")
 
     def t_errors_read(self):
         api = self.api
@@ -846,11 +932,25 @@ class Suite:
         eq(r.sequence.num_tokens, tokens, "large Append num_tokens")
         self.large_digest = sent.digest()
         t_read = self.read_large(tokens, total)
+        # A Read cancelled after its first chunks leaves the server healthy.
+        call = self.api.Read(pb.ReadRequest(sequence_id=b"py-large"), timeout=600)
+        for i, _ in enumerate(call):
+            if i == 2:
+                call.cancel()
+                break
+        h = self.api.HealthCheck(self.hpb.HealthCheckRequest(), timeout=CALL_TIMEOUT)
+        eq(h.status, self.hpb.HealthCheckResponse.SERVING, "health after a cancelled Read")
+        # max_chunk_bytes is capped at 4 MiB (or refused).
+        try:
+            self.read_large(tokens, total, max_chunk=64 * MiB)
+        except grpc.RpcError as e:
+            check(e.code() == SC.INVALID_ARGUMENT,
+                  "max_chunk_bytes 64 MiB: %s %s" % (e.code().name, e.details()))
         print("     large: %d MiB, append %.0f MB/s, read %.0f MB/s (python client)"
               % (mib, total / t_append / 1e6, total / t_read / 1e6), flush=True)
 
-    def read_large(self, tokens, total):
-        req = self.pb.ReadRequest(sequence_id=b"py-large", max_chunk_bytes=4 * MiB)
+    def read_large(self, tokens, total, max_chunk=4 * MiB):
+        req = self.pb.ReadRequest(sequence_id=b"py-large", max_chunk_bytes=max_chunk)
         got = hashlib.sha256()
         size = 0
         t0 = time.monotonic()
@@ -871,9 +971,12 @@ class Suite:
         """SIGTERM exits 0; a restarted server serves everything acknowledged."""
         self.api.close()
         self.api = None
+        t0 = time.monotonic()
         rc = self.server.stop()
+        t1 = time.monotonic()
         eq(rc, 0, "kvdepotd exit status on SIGTERM")
         self.connect()
+        print("     stop %.2f s, start %.2f s" % (t1 - t0, time.monotonic() - t1), flush=True)
         for seq_id in sorted(self.refs):
             self.verify(seq_id, "after restart, %r" % seq_id)
         if self.large_digest is not None:
@@ -898,15 +1001,18 @@ class Suite:
             ("model errors", self.t_model_errors),
             ("append/read round trip", self.t_roundtrip),
             ("append layer by layer", self.t_layerwise),
+            ("f32, bf16, binary ids", self.t_dtypes),
             ("unknown ids", self.t_errors_unknown),
             ("create errors", self.t_errors_create),
             ("append errors", self.t_errors_append),
             ("read errors", self.t_errors_read),
+            ("limits and overflow", self.t_errors_limits),
             ("garbage messages", self.t_errors_garbage),
             ("cancelled append", self.t_cancelled_append),
             ("prefix hash and lookup", self.t_prefix),
             ("engine-supplied hashes", self.t_engine_hashes),
             ("list and delete", self.t_list_delete),
+            ("concurrent clients", self.t_concurrent),
             ("large %d MiB" % self.args.large_mib, self.t_large),
             ("restart", self.t_restart),
             ("shutdown", self.t_shutdown),
