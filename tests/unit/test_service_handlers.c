@@ -1,0 +1,351 @@
+/*
+ * Handler-level tests of kvdepotd against a real store in a temporary
+ * directory, without a network: the Append wire scan over messages split
+ * into many slices, its slow path, every way an Append stream can be wrong
+ * (and that the sequence is unchanged afterwards), and Read chunking.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/slice.h>
+
+#include "convert.h"
+#include "kvdepot/v1/kvdepot.pb-c.h"
+#include "rpc.h"
+
+static int failures;
+
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                              \
+        }                                                                            \
+    } while (0)
+
+#define L 3
+#define H 2
+#define D 8
+#define ROW (H * D * 2) /* f16 */
+
+static kvd_service svc;
+static kvd_config cfg;
+
+/* A byte buffer holding `len` bytes split into slices of `piece` bytes. */
+static grpc_byte_buffer *bb_split(const uint8_t *p, size_t len, size_t piece)
+{
+    size_t n = piece ? (len + piece - 1) / piece : 1;
+    if (n == 0)
+        n = 1;
+    grpc_slice *s = calloc(n, sizeof *s);
+    for (size_t i = 0; i < n; i++) {
+        size_t off = i * piece, take = len - off < piece ? len - off : piece;
+        s[i] = grpc_slice_from_copied_buffer((const char *)p + off, piece ? take : len);
+    }
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(s, n);
+    for (size_t i = 0; i < n; i++)
+        grpc_slice_unref(s[i]);
+    free(s);
+    return bb;
+}
+
+static grpc_byte_buffer *msg_split(const ProtobufCMessage *m, size_t piece)
+{
+    size_t n = protobuf_c_message_get_packed_size(m);
+    uint8_t *buf = malloc(n ? n : 1);
+    protobuf_c_message_pack(m, buf);
+    grpc_byte_buffer *bb = bb_split(buf, n, piece);
+    free(buf);
+    return bb;
+}
+
+static int unary(kvd_unary_fn fn, const ProtobufCMessage *req, kvd_error *err)
+{
+    kvd_req_ctx ctx = {&svc, 1};
+    grpc_byte_buffer *reply = NULL;
+    /* Round-trip the request through the wire, as the server does. */
+    grpc_byte_buffer *bb = msg_split(req, 3);
+    ProtobufCMessage *m = kvd_bb_unpack(req->descriptor, bb);
+    grpc_byte_buffer_destroy(bb);
+    int rc = fn(&ctx, m, &reply, err);
+    protobuf_c_message_free_unpacked(m, NULL);
+    if (reply)
+        grpc_byte_buffer_destroy(reply);
+    return rc;
+}
+
+static uint64_t stat_tokens(const char *id)
+{
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    kvd_error err;
+    if (kvd_store_seq_stat(svc.store, id, strlen(id), &info, &err) != 0)
+        return UINT64_MAX;
+    uint64_t n = info.num_tokens;
+    kvd_seq_info_clear(&info);
+    return n;
+}
+
+/* Run one Append stream of already-encoded messages; returns its status. */
+static int run_append(grpc_byte_buffer **msgs, size_t n, kvd_error *err)
+{
+    kvd_req_ctx ctx = {&svc, 2};
+    void *state = NULL;
+    int rc = 0;
+    kvd_error_clear(err);
+    for (size_t i = 0; i < n && rc == 0; i++)
+        rc = kvd_append_ops.recv(&ctx, &state, msgs[i], err);
+    if (rc == 0) {
+        grpc_byte_buffer *reply = NULL;
+        rc = kvd_append_ops.finish(&ctx, &state, &reply, err);
+        if (reply)
+            grpc_byte_buffer_destroy(reply);
+    }
+    kvd_append_ops.release(state);
+    for (size_t i = 0; i < n; i++)
+        grpc_byte_buffer_destroy(msgs[i]);
+    return rc;
+}
+
+static grpc_byte_buffer *append_msg(const Kvdepot__V1__AppendHeader *h, const uint8_t *data,
+                                    size_t len, size_t piece)
+{
+    Kvdepot__V1__AppendRequest r = KVDEPOT__V1__APPEND_REQUEST__INIT;
+    r.header = (Kvdepot__V1__AppendHeader *)h;
+    r.data.data = (uint8_t *)data;
+    r.data.len = len;
+    return msg_split(&r.base, piece);
+}
+
+/* Read the whole sequence back through the Read handler. */
+static uint8_t *read_all(const char *id, uint64_t token_start, uint64_t num_tokens,
+                         uint32_t chunk, size_t *len, int *nmsgs)
+{
+    kvd_req_ctx ctx = {&svc, 3};
+    Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)id;
+    req.sequence_id.len = strlen(id);
+    req.token_start = token_start;
+    req.num_tokens = num_tokens;
+    req.max_chunk_bytes = chunk;
+    void *state = NULL;
+    kvd_error err;
+    *len = 0;
+    *nmsgs = 0;
+    if (kvd_read_ops.start(&ctx, &req.base, &state, &err) != 0) {
+        fprintf(stderr, "read start: %s\n", err.msg);
+        return NULL;
+    }
+    uint8_t *out = NULL;
+    uint64_t total = 0;
+    for (;;) {
+        grpc_byte_buffer *m = NULL;
+        if (kvd_read_ops.next(&ctx, state, &m, &err) != 0) {
+            fprintf(stderr, "read next: %s\n", err.msg);
+            break;
+        }
+        if (!m)
+            break;
+        Kvdepot__V1__ReadResponse *r = (Kvdepot__V1__ReadResponse *)kvd_bb_unpack(
+            &kvdepot__v1__read_response__descriptor, m);
+        grpc_byte_buffer_destroy(m);
+        CHECK(r != NULL);
+        if (!r)
+            break;
+        if (*nmsgs == 0) {
+            CHECK(r->header != NULL && r->data.len == 0);
+            total = r->header ? r->header->total_bytes : 0;
+            out = malloc(total ? total : 1);
+        } else {
+            CHECK(r->header == NULL);
+            CHECK(chunk == 0 || r->data.len <= chunk);
+            CHECK(*len + r->data.len <= total);
+            if (*len + r->data.len <= total)
+                memcpy(out + *len, r->data.data, r->data.len);
+            *len += r->data.len;
+        }
+        (*nmsgs)++;
+        kvdepot__v1__read_response__free_unpacked(r, NULL);
+    }
+    kvd_read_ops.release(state);
+    CHECK(*len == total);
+    return out;
+}
+
+int main(void)
+{
+    grpc_init();
+    char dir[] = "/tmp/kvd-service-test.XXXXXX";
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    kvd_config_defaults(&cfg);
+    cfg.max_append_bytes = 1u << 20;
+    kvd_store_options so = {.data_dir = dir, .page_tokens = 16};
+    kvd_error err;
+    if (kvd_store_open(&so, &svc.store, &err) != 0) {
+        fprintf(stderr, "store open: %s\n", err.msg);
+        return 1;
+    }
+    svc.cfg = &cfg;
+    svc.page_tokens = kvd_store_page_tokens(svc.store);
+    atomic_init(&svc.serving, 1);
+
+    Kvdepot__V1__Model model = KVDEPOT__V1__MODEL__INIT;
+    model.name = "tm";
+    model.num_layers = L;
+    model.num_kv_heads = H;
+    model.head_dim = D;
+    model.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
+    Kvdepot__V1__PutModelRequest pm = KVDEPOT__V1__PUT_MODEL_REQUEST__INIT;
+    pm.model = &model;
+    CHECK(unary(kvd_h_put_model, &pm.base, &err) == 0);
+    Kvdepot__V1__CreateSequenceRequest cs = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    cs.sequence_id.data = (uint8_t *)"s";
+    cs.sequence_id.len = 1;
+    cs.model = "tm";
+    CHECK(unary(kvd_h_create_sequence, &cs.base, &err) == 0);
+    CHECK(unary(kvd_h_create_sequence, &cs.base, &err) == KVD_EEXIST);
+
+    const uint64_t T = 40;
+    size_t total = 2 * L * T * ROW;
+    uint8_t *data = calloc(1, total + 16); /* slack: one test sends a byte too many */
+    for (size_t i = 0; i < total; i++)
+        data[i] = (uint8_t)(i * 131 + (i >> 8));
+    Kvdepot__V1__AppendHeader h = KVDEPOT__V1__APPEND_HEADER__INIT;
+    h.sequence_id.data = (uint8_t *)"s";
+    h.sequence_id.len = 1;
+    h.num_tokens = T;
+    h.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
+
+    /* Bad streams: each fails with INVALID_ARGUMENT and changes nothing. */
+    {
+        grpc_byte_buffer *m[3];
+        m[0] = append_msg(&h, data, total / 2, 7);
+        m[1] = append_msg(NULL, data + total / 2, total - total / 2 + 1, 5); /* one too many */
+        CHECK(run_append(m, 2, &err) == KVD_EINVAL && strstr(err.msg, "data:"));
+        m[0] = append_msg(&h, data, total - 1, 1000); /* one short */
+        CHECK(run_append(m, 1, &err) == KVD_EINVAL && strstr(err.msg, "data:"));
+        m[0] = append_msg(NULL, data, 10, 1000); /* no header */
+        CHECK(run_append(m, 1, &err) == KVD_EINVAL && strstr(err.msg, "header"));
+        m[0] = append_msg(&h, data, 10, 1000);
+        m[1] = append_msg(&h, data + 10, 10, 1000); /* second header */
+        CHECK(run_append(m, 2, &err) == KVD_EINVAL && strstr(err.msg, "header"));
+        static const uint8_t garbage[] = {0x12, 0xff, 0xff, 0xff, 0x0f, 1, 2};
+        m[0] = append_msg(&h, data, 10, 1000);
+        m[1] = bb_split(garbage, sizeof garbage, 2);
+        CHECK(run_append(m, 2, &err) == KVD_EINVAL && strstr(err.msg, "parse"));
+        Kvdepot__V1__AppendHeader bad = h;
+        bad.num_tokens = 0;
+        m[0] = append_msg(&bad, NULL, 0, 1000);
+        CHECK(run_append(m, 1, &err) == KVD_EINVAL && strstr(err.msg, "num_tokens"));
+        bad = h;
+        bad.token_start = UINT64_MAX;
+        m[0] = append_msg(&bad, NULL, 0, 1000);
+        CHECK(run_append(m, 1, &err) == KVD_EINVAL && strstr(err.msg, "token_start"));
+        bad = h;
+        bad.dtype = 42;
+        m[0] = append_msg(&bad, NULL, 0, 1000);
+        CHECK(run_append(m, 1, &err) == KVD_EINVAL && strstr(err.msg, "dtype"));
+        bad = h;
+        bad.num_tokens = 100000; /* above max_append_bytes */
+        m[0] = append_msg(&bad, NULL, 0, 1000);
+        CHECK(run_append(m, 1, &err) == KVD_ENOMEM);
+        CHECK(run_append(m, 0, &err) == KVD_EINVAL); /* empty stream */
+        CHECK(stat_tokens("s") == 0);
+    }
+
+    /* Good stream: header message with some data, then slices of odd sizes
+     * (including 1-byte slices that split tags and varints). */
+    {
+        grpc_byte_buffer *m[8];
+        size_t n = 0, off = 0;
+        size_t sizes[] = {5, 1000, 1, 333, 4096};
+        size_t pieces[] = {1, 2, 1, 7, 4095};
+        m[n++] = append_msg(&h, data, sizes[0], pieces[0]);
+        off = sizes[0];
+        for (int i = 1; i < 5; i++) {
+            m[n++] = append_msg(NULL, data + off, sizes[i], pieces[i]);
+            off += sizes[i];
+        }
+        m[n++] = append_msg(NULL, data + off, total - off, 64);
+        CHECK(run_append(m, n, &err) == 0);
+        if (err.code)
+            fprintf(stderr, "append: %s\n", err.msg);
+        CHECK(stat_tokens("s") == T);
+    }
+
+    /* Slow path: the data field twice in one message (the last wins), as a
+     * protobuf parser must accept. */
+    {
+        uint8_t one[2 * L * ROW];
+        memset(one, 0xab, sizeof one);
+        Kvdepot__V1__AppendHeader h2 = h;
+        h2.token_start = T;
+        h2.num_tokens = 1;
+        Kvdepot__V1__AppendRequest a = KVDEPOT__V1__APPEND_REQUEST__INIT, b = a;
+        a.header = &h2;
+        a.data.data = (uint8_t *)"junk";
+        a.data.len = 4;
+        b.data.data = one;
+        b.data.len = sizeof one;
+        size_t na = protobuf_c_message_get_packed_size(&a.base);
+        size_t nb = protobuf_c_message_get_packed_size(&b.base);
+        uint8_t *buf = malloc(na + nb);
+        protobuf_c_message_pack(&a.base, buf);
+        protobuf_c_message_pack(&b.base, buf + na);
+        grpc_byte_buffer *m[1] = {bb_split(buf, na + nb, 9)};
+        free(buf);
+        CHECK(run_append(m, 1, &err) == 0);
+        CHECK(stat_tokens("s") == T + 1);
+    }
+
+    /* Read back the first T tokens in chunks of several sizes. */
+    uint32_t chunks[] = {0, 1, 100, 4096};
+    for (size_t i = 0; i < sizeof chunks / sizeof chunks[0]; i++) {
+        size_t len;
+        int nmsgs;
+        uint8_t *out = read_all("s", 0, T, chunks[i], &len, &nmsgs);
+        CHECK(out && len == total && memcmp(out, data, total) == 0);
+        if (chunks[i])
+            CHECK((size_t)nmsgs == 1 + (total + chunks[i] - 1) / chunks[i]);
+        free(out);
+    }
+    {
+        kvd_req_ctx ctx = {&svc, 4};
+        Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
+        void *state = NULL;
+        req.sequence_id.data = (uint8_t *)"s";
+        req.sequence_id.len = 1;
+        req.max_chunk_bytes = (4u << 20) + 1;
+        CHECK(kvd_read_ops.start(&ctx, &req.base, &state, &err) == KVD_EINVAL &&
+              strstr(err.msg, "max_chunk_bytes"));
+        req.max_chunk_bytes = 0;
+        req.token_start = 1000;
+        CHECK(kvd_read_ops.start(&ctx, &req.base, &state, &err) == KVD_ERANGE);
+        req.sequence_id.len = 0;
+        CHECK(kvd_read_ops.start(&ctx, &req.base, &state, &err) == KVD_EINVAL &&
+              strstr(err.msg, "sequence_id"));
+    }
+
+    free(data);
+    kvd_store_close(svc.store);
+    kvd_config_free(&cfg);
+    grpc_shutdown();
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("service handler tests passed\n");
+    return 0;
+}
