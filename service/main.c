@@ -131,10 +131,13 @@ int main(int argc, char **argv)
                 strerror(errno));
         exit_code = 1;
     } else {
+        char qlisten[300], qdir[1100];
+        kvd_log_quote(qlisten, sizeof qlisten, cfg.listen, strlen(cfg.listen));
+        kvd_log_quote(qdir, sizeof qdir, cfg.data_dir, strlen(cfg.data_dir));
         KVD_LOG(KVD_LOG_INFO, "serving",
                 "listen=%s port=%d data_dir=%s threads=%llu page_tokens=%u sync=%d "
                 "max_message_bytes=%llu version=%s",
-                cfg.listen, port, cfg.data_dir, (unsigned long long)cfg.threads,
+                qlisten, port, qdir, (unsigned long long)cfg.threads,
                 svc.page_tokens, cfg.sync, (unsigned long long)cfg.max_message_bytes,
                 KVD_VERSION);
         for (;;) {
