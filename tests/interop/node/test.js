@@ -270,7 +270,7 @@ class Api {
 
   appendMsgs(seqId, data, tokenStart, numTokens, o = {}) {
     const header = {
-      sequence_id: Buffer.from(seqId),
+      sequence_id: idBuf(seqId),
       layer_start: o.layerStart || 0,
       num_layers: o.numLayers || 0,
       token_start: String(tokenStart),
@@ -279,8 +279,14 @@ class Api {
       token_ids: o.tokenIds || [],
       block_hashes: o.blockHashes || [],
     };
+    // dataWithHeader: the first piece rides in the header's message;
+    // emptyBetween: a message without data after every piece.
     const msgs = [{ header }];
-    for (const piece of split(data, o.chunks)) msgs.push({ data: piece });
+    for (const piece of split(data, o.chunks)) {
+      if (o.dataWithHeader && msgs.length === 1 && !msgs[0].data) msgs[0].data = piece;
+      else msgs.push({ data: piece });
+      if (o.emptyBetween) msgs.push({});
+    }
     return msgs;
   }
 
@@ -298,14 +304,14 @@ class Api {
   // Reads a range, checking the stream framing; resolves to { header, data }.
   read(seqId, o = {}, ms = CALL_TIMEOUT_MS) {
     const req = {
-      sequence_id: Buffer.from(seqId),
+      sequence_id: idBuf(seqId),
       layer_start: o.layerStart || 0,
       num_layers: o.numLayers || 0,
       token_start: String(o.tokenStart || 0),
       num_tokens: String(o.numTokens || 0),
       max_chunk_bytes: o.maxChunk || 0,
     };
-    const limit = o.maxChunk || MiB;
+    const limit = o.limit || o.maxChunk || MiB;
     return new Promise((resolve, reject) => {
       const call = this.client.Read(req, Api.deadline(ms));
       let header = null;
@@ -369,6 +375,11 @@ class Api {
       Api.pump(call, bufs).catch(reject);
     });
   }
+}
+
+// Sequence ids are bytes: a Buffer as is, a string as latin1 (one byte per char).
+function idBuf(id) {
+  return Buffer.isBuffer(id) ? id : Buffer.from(id, 'latin1');
 }
 
 function split(data, chunks) {
@@ -527,12 +538,12 @@ class Suite {
 
   async create(seqId, model, extra = {}) {
     const r = await this.api.unary('CreateSequence',
-                                   { sequence_id: Buffer.from(seqId), model, ...extra });
+                                   { sequence_id: idBuf(seqId), model, ...extra });
     return r.sequence;
   }
 
   async stat(seqId) {
-    return (await this.api.unary('StatSequence', { sequence_id: Buffer.from(seqId) })).sequence;
+    return (await this.api.unary('StatSequence', { sequence_id: idBuf(seqId) })).sequence;
   }
 
   async appendRef(seqId, ref, layerStart, numLayers, numTokens, o = {}) {
@@ -633,7 +644,8 @@ class Suite {
     const ref = new Reference(3, 2, 64, 2);
     this.refs.set('js-seq', ref);
     await this.appendRef('js-seq', ref, 0, 3, B + 37, { chunks: [1, 4093, 65536, 3] });
-    await this.appendRef('js-seq', ref, 0, 3, B + 63, { chunks: 100000 });
+    await this.appendRef('js-seq', ref, 0, 3, B + 63,
+                         { chunks: 100000, dataWithHeader: true, emptyBetween: true });
     const n = 2 * B + 100;
     await this.verify('js-seq');
     const st = await this.stat('js-seq');
@@ -658,6 +670,30 @@ class Suite {
     eq(info.num_tokens, '0', 'num_tokens with layers 1,2 empty');
     await this.appendRef('js-layers', ref, 1, 2, 50, { chunks: 999 });
     await this.verify('js-layers');
+  }
+
+  // f32 and bf16 models round-trip too; sequence ids are bytes, not text.
+  async tDtypes() {
+    const E = this.api.enums;
+    for (const [name, dtype, esize] of [['js-f32', E.F32, 4], ['js-bf16', E.BF16, 2]]) {
+      await this.putModel(this.model(name, 2, 1, 16, { dtype }));
+      const id = Buffer.concat([Buffer.from([0, 0xff]), Buffer.from(name), Buffer.from([0, 10])]);
+      const key = id.toString('latin1');
+      const ref = new Reference(2, 1, 16, esize);
+      this.refs.set(key, ref);
+      await this.create(id, name);
+      await this.appendRef(id, ref, 0, 2, this.B + 3, { dtype, chunks: 1000 });
+      await this.appendRef(id, ref, 0, 2, 7, { dtype });
+      await this.verify(key, name);
+      const r = await this.api.read(id, { numTokens: 1 });
+      eq(r.header.dtype, dtype, `${name} read header dtype`);
+      await this.expectUnchanged(S.INVALID_ARGUMENT, key,
+                                 this.api.append(id, Buffer.alloc(2 * 2 * 16 * 2), ref.tokens(0), 1,
+                                                 { dtype: E.F16 }));
+      const listed = (await this.api.unary('ListSequences', { model: name })).sequences;
+      check(listed.length === 1 && listed[0].sequence_id.equals(id),
+            `ListSequences(${name}) ids, byte for byte: ${listed.map((x) => x.sequence_id.toString('hex'))}`);
+    }
   }
 
   async tErrorsUnknown() {
@@ -725,6 +761,58 @@ class Suite {
     await this.expectUnchanged([S.INVALID_ARGUMENT, S.OUT_OF_RANGE], X, api.read(X, { layerStart: 3 }));
     await this.expectUnchanged([S.INVALID_ARGUMENT, S.OUT_OF_RANGE], X,
                                api.read(X, { layerStart: 1, numLayers: 3 }));
+  }
+
+  async tErrorsLimits() {
+    const api = this.api;
+    const X = 'js-seq';
+    const n = this.refs.get(X).tokens(0);
+    const perToken = 2 * 3 * 2 * 64 * 2;
+    const RE = S.RESOURCE_EXHAUSTED;
+    // One 12 MiB message: over the server's default 8 MiB message limit.
+    await this.expectUnchanged(RE, X, api.append(X, Buffer.alloc(12 * MiB, 1), n, 12 * MiB / perToken));
+    // Sizes that overflow: 2^55 + 1 tokens of 1536 bytes is 1536 modulo 2^64.
+    await this.expectUnchanged([S.INVALID_ARGUMENT, RE], X,
+                               api.append(X, Buffer.alloc(perToken, 2), n, '36028797018963969'));
+    await this.expectUnchanged([S.INVALID_ARGUMENT, RE], X,
+                               api.append(X, Buffer.alloc(1024, 3), n, '1099511627776'));
+    await this.expectUnchanged([S.INVALID_ARGUMENT, RE], X,
+                               api.append(X, Buffer.alloc(perToken, 4), n, '18446744073709551615'));
+    // Replacing the shape of a model that has sequences is refused ...
+    await this.expectUnchanged([S.FAILED_PRECONDITION, S.ALREADY_EXISTS], X,
+                               api.unary('PutModel', { model: this.model('js-f16', 4, 2, 64, { qHeads: 4 }),
+                                                       replace: true }));
+    let g = (await api.unary('GetModel', { name: 'js-f16' })).model;
+    eq(g.num_layers, 3, 'js-f16 num_layers after a refused replace');
+    // ... and allowed without sequences.
+    await this.putModel(this.model('js-rep', 2, 2, 8));
+    await api.unary('PutModel', { model: this.model('js-rep', 5, 2, 8), replace: true });
+    g = (await api.unary('GetModel', { name: 'js-rep' })).model;
+    eq(g.num_layers, 5, 'js-rep num_layers after replace');
+  }
+
+  // Appends and reads from several concurrent streams on one channel.
+  async tConcurrent() {
+    const ids = [0, 1, 2, 3].map((i) => `js-conc-${i}`);
+    for (const id of ids) {
+      this.refs.set(id, new Reference(3, 2, 64, 2));
+      await this.create(id, 'js-f16');
+    }
+    const errors = [];
+    await Promise.all(ids.map(async (id) => {
+      try {
+        for (let i = 0; i < 3; i++) {
+          await this.appendRef(id, this.refs.get(id), 0, 3, 97, { chunks: 20000 });
+          await this.api.read('js-seq', { maxChunk: 65536 });
+          await this.verify(id);
+        }
+      } catch (e) {
+        errors.push(`${id}: ${e.message || e.details}`);
+      }
+    }));
+    check(errors.length === 0, errors.join('; '));
+    for (const id of ids) await this.verify(id);
+    await this.verify('js-seq');
   }
 
   async tErrorsGarbage() {
@@ -912,13 +1000,32 @@ class Suite {
     t0 = Date.now();
     await this.readLarge();
     const tRead = (Date.now() - t0) / 1000;
+    // A Read cancelled after its first chunks leaves the server healthy.
+    await new Promise((resolve) => {
+      const call = api.client.Read({ sequence_id: Buffer.from('js-large') }, Api.deadline());
+      let n = 0;
+      call.on('data', () => {
+        if (++n === 3) call.cancel();
+      });
+      call.on('error', resolve);
+      call.on('end', resolve);
+    });
+    eq((await api.healthCheck('')).status, 1, 'health after a cancelled Read');
+    // max_chunk_bytes is capped at 4 MiB (or refused).
+    try {
+      await this.readLarge(64 * MiB);
+    } catch (e) {
+      if (typeof e.code !== 'number') throw e;
+      check(e.code === S.INVALID_ARGUMENT, `max_chunk_bytes 64 MiB: ${statusName(e.code)} ${e.details}`);
+    }
     console.log(`     large: ${mib} MiB, append ${(total / tAppend / 1e6).toFixed(0)} MB/s, ` +
                 `read ${(total / tRead / 1e6).toFixed(0)} MB/s (node client)`);
   }
 
-  async readLarge() {
+  async readLarge(maxChunk = 4 * MiB) {
     const mib = this.args.largeMib;
-    const r = await this.api.read('js-large', { maxChunk: 4 * MiB, hash: true }, 600000);
+    // Chunks beyond 4 MiB never come, whatever was asked.
+    const r = await this.api.read('js-large', { maxChunk, hash: true, limit: 4 * MiB }, 600000);
     eq([r.header.num_layers, r.header.num_tokens, r.header.total_bytes],
        [32, String(mib * 8), String(mib * MiB)], 'large read header');
     check(r.digest === this.largeDigest, 'large sequence read back differs (sha256)');
@@ -927,9 +1034,12 @@ class Suite {
   async tRestart() {
     this.api.close();
     this.api = null;
+    const t0 = Date.now();
     const rc = await this.server.stop();
+    const t1 = Date.now();
     eq(rc, 0, 'kvdepotd exit status on SIGTERM');
     await this.connect();
+    console.log(`     stop ${((t1 - t0) / 1000).toFixed(2)} s, start ${((Date.now() - t1) / 1000).toFixed(2)} s`);
     for (const id of [...this.refs.keys()].sort()) await this.verify(id, `after restart, ${id}`);
     if (this.largeDigest !== null) await this.readLarge();
   }
@@ -955,15 +1065,18 @@ class Suite {
       ['model errors', this.tModelErrors],
       ['append/read round trip', this.tRoundtrip],
       ['append layer by layer', this.tLayerwise],
+      ['f32, bf16, binary ids', this.tDtypes],
       ['unknown ids', this.tErrorsUnknown],
       ['create errors', this.tErrorsCreate],
       ['append errors', this.tErrorsAppend],
       ['read errors', this.tErrorsRead],
+      ['limits and overflow', this.tErrorsLimits],
       ['garbage messages', this.tErrorsGarbage],
       ['cancelled append', this.tCancelledAppend],
       ['prefix hash and lookup', this.tPrefix],
       ['engine-supplied hashes', this.tEngineHashes],
       ['list and delete', this.tListDelete],
+      ['concurrent clients', this.tConcurrent],
       [`large ${this.args.largeMib} MiB`, this.tLarge],
       ['restart', this.tRestart],
       ['shutdown', this.tShutdown],
