@@ -17,60 +17,51 @@
 
 #define KVD__F16_MAX 65504.0f
 
-/* Largest f16 <= v (v finite and within the f16 range). */
-static inline uint16_t kvd__f16_round_down(float v)
-{
-    uint16_t h = kvd_f32_to_f16(v);
-    if (kvd_f16_to_f32(h) > v) {
-        /* one f16 step toward -inf: magnitude up for negatives, down for
-         * positives (a positive h > 0 here since 0 <= v would not round up to
-         * a value above v unless h > 0) */
-        h = (h & 0x8000u) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
-    }
-    return h;
-}
-
-/* Smallest f16 >= v (v >= 0 and finite, at most 65504). */
-static inline uint16_t kvd__f16_round_up(float v)
-{
-    uint16_t h = kvd_f32_to_f16(v);
-    if (kvd_f16_to_f32(h) < v)
-        h = (uint16_t)(h + 1); /* v >= 0: h is non-negative, one step up */
-    return h;
-}
-
-/* Per-group parameters from the finite min/max (lo > hi when the group had no
+/*
+ * Per-group parameters from the finite min/max (lo > hi when the group had no
  * finite value). Outputs the stored f16 min and scale and the f32 values the
- * element loop uses: mn = min and inv = 1 / scale (0 for a zero scale). */
+ * element loop uses: mn = min and inv = 1 / scale (0 for a zero scale).
+ *
+ * The function is generated from one body for each pair of f16 conversions:
+ * the portable scalar ones for the reference, F16C instructions for the fast
+ * path. Both round to nearest even and agree on every finite value, which is
+ * all this code converts, so both produce the same parameters.
+ *
+ * min is lo rounded DOWN to f16 (one f16 step toward -inf when round-to-
+ * nearest went above lo); scale is (hi - min) / qmax rounded UP to f16.
+ */
 typedef struct kvd__qgroup {
     uint16_t min_h, scale_h;
     float mn, inv;
 } kvd__qgroup;
 
-static inline kvd__qgroup kvd__qgroup_make(float lo, float hi, int bits)
-{
-    kvd__qgroup g;
-    if (!(lo <= hi)) /* no finite value */
-        lo = hi = 0.0f;
-    if (lo < -KVD__F16_MAX)
-        lo = -KVD__F16_MAX;
-    if (lo > KVD__F16_MAX)
-        lo = KVD__F16_MAX;
-    if (hi < -KVD__F16_MAX)
-        hi = -KVD__F16_MAX;
-    if (hi > KVD__F16_MAX)
-        hi = KVD__F16_MAX;
-    float qmax = (float)((1 << bits) - 1);
-    g.min_h = kvd__f16_round_down(lo);
-    g.mn = kvd_f16_to_f32(g.min_h);
-    float s = (hi - g.mn) / qmax;
-    if (!(s > 0.0f))
-        s = 0.0f;
-    g.scale_h = kvd__f16_round_up(s);
-    float sc = kvd_f16_to_f32(g.scale_h);
-    g.inv = sc > 0.0f ? 1.0f / sc : 0.0f;
-    return g;
-}
+#define KVD__DEFINE_QGROUP_MAKE(NAME, ATTR, TO16, FROM16)                             \
+    ATTR static inline kvd__qgroup NAME(float lo, float hi, int bits)                 \
+    {                                                                                 \
+        kvd__qgroup g;                                                                \
+        if (!(lo <= hi)) /* no finite value */                                        \
+            lo = hi = 0.0f;                                                           \
+        lo = lo < -KVD__F16_MAX ? -KVD__F16_MAX : lo > KVD__F16_MAX ? KVD__F16_MAX : lo; \
+        hi = hi < -KVD__F16_MAX ? -KVD__F16_MAX : hi > KVD__F16_MAX ? KVD__F16_MAX : hi; \
+        const float qmax = (float)((1 << bits) - 1);                                  \
+        uint16_t h = TO16(lo);                                                        \
+        if (FROM16(h) > lo) /* toward -inf: magnitude up if negative, down if not */  \
+            h = (h & 0x8000u) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);                \
+        g.min_h = h;                                                                  \
+        g.mn = FROM16(h);                                                             \
+        float s = (hi - g.mn) / qmax;                                                 \
+        if (!(s > 0.0f))                                                              \
+            s = 0.0f;                                                                 \
+        h = TO16(s);                                                                  \
+        if (FROM16(h) < s) /* s >= 0: one step up */                                  \
+            h = (uint16_t)(h + 1);                                                    \
+        g.scale_h = h;                                                                \
+        const float sc = FROM16(h);                                                   \
+        g.inv = sc > 0.0f ? 1.0f / sc : 0.0f;                                         \
+        return g;                                                                     \
+    }
+
+KVD__DEFINE_QGROUP_MAKE(kvd__qgroup_make, , kvd_f32_to_f16, kvd_f16_to_f32)
 
 /* Stochastic rounding hash (see kvdepot/quant.h). */
 static inline uint32_t kvd__qmix(uint32_t x)
@@ -108,10 +99,12 @@ static inline uint32_t kvd__qcode(float x, float mn, float inv, float add, float
 
 /*
  * Fast-path row kernels (kernels/cpu/quant_avx2.c). A "row" is n = ngroups*PI
- * f32 values forming consecutive groups of one row of the code layout:
+ * contiguous values (f32/f16/bf16 for quantize, f32 out for dequantize)
+ * forming consecutive groups of one row of the code layout:
  * element k of the row has stochastic index idx0 + k * idx_step.
  */
-void kvd__quant_row_avx2(const float *x, int64_t n, int bits, int group, int stochastic,
+void kvd__quant_row_avx2(const void *x, kvd_dtype dt, int64_t n, int bits, int group,
+                         int stochastic,
                          uint32_t key, uint32_t idx0, uint32_t idx_step, uint8_t *codes,
                          uint16_t *min, uint16_t *scale, uint16_t *sum);
 void kvd__dequant_row_avx2(float *y, int64_t n, int bits, int group, const uint8_t *codes,

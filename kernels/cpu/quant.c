@@ -242,8 +242,15 @@ static int quantize_fast(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor
             for (int64_t t = 0; t < T; t++) {
                 if (!rowf)
                     continue;
-                load_row(rowf, x, t, D);
-                kvd__quant_row_avx2(rowf, D, bits, P, stochastic, key, (uint32_t)(t * D), 1,
+                const void *src = rowf;
+                kvd_dtype st = KVD_DTYPE_F32;
+                if (x->stride[1] == (int64_t)kvd_dtype_size(x->dtype)) {
+                    src = (const char *)x->data + t * x->stride[0]; /* read in place */
+                    st = x->dtype;
+                } else {
+                    load_row(rowf, x, t, D);
+                }
+                kvd__quant_row_avx2(src, st, D, bits, P, stochastic, key, (uint32_t)(t * D), 1,
                                     q->codes + t * rowbytes, q->min + t * ng, q->scale + t * ng,
                                     q->sum + t * ng);
             }
@@ -282,7 +289,7 @@ static int quantize_fast(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor
                         tile[d * P + k] = rowf[d];
                 }
                 for (int64_t d = 0; d < D; d++)
-                    kvd__quant_row_avx2(tile + d * P, P, bits, P, stochastic, key,
+                    kvd__quant_row_avx2(tile + d * P, KVD_DTYPE_F32, P, bits, P, stochastic, key,
                                         (uint32_t)(t0 * D + d), (uint32_t)D,
                                         q->codes + d * rowbytes + t0 * bits / 8,
                                         q->min + d * ntile + i, q->scale + d * ntile + i,

@@ -11,6 +11,15 @@
 #include "common/quant_impl.h"
 #include "common/simd_avx2.h"
 
+KVD_AVX2_TARGET static inline uint16_t f16c_from_f32(float f)
+{
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+}
+
+KVD_AVX2_TARGET static inline float f16c_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+KVD__DEFINE_QGROUP_MAKE(qgroup_make_f16c, KVD_AVX2_TARGET, f16c_from_f32, f16c_to_f32)
+
 KVD_AVX2_TARGET static inline float hmin8(__m256 v)
 {
     __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -55,8 +64,8 @@ KVD_AVX2_TARGET static inline __m256 draw8(__m256i idx, __m256i key)
 }
 
 KVD_AVX2_TARGET
-void kvd__quant_row_avx2(const float *x, int64_t n, int bits, int group, int stochastic,
-                         uint32_t key, uint32_t idx0, uint32_t idx_step, uint8_t *codes,
+void kvd__quant_row_avx2(const void *x, kvd_dtype dt, int64_t n, int bits, int group,
+                         int stochastic, uint32_t key, uint32_t idx0, uint32_t idx_step, uint8_t *codes,
                          uint16_t *min, uint16_t *scale, uint16_t *sum)
 {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -71,17 +80,18 @@ void kvd__quant_row_avx2(const float *x, int64_t n, int bits, int group, int sto
                                            -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
                                            -1, -1, -1, -1);
     const int64_t ng = n / group;
+    const int64_t es = (int64_t)kvd_dtype_size(dt);
 
     for (int64_t g = 0; g < ng; g++) {
-        const float *xg = x + g * group;
+        const char *xg = (const char *)x + g * group * es;
         __m256 lo = pinf, hi = ninf;
         for (int k = 0; k < group; k += 8) {
-            __m256 v = _mm256_loadu_ps(xg + k);
+            __m256 v = kvd__ld8(xg + k * es, dt);
             __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), pinf, _CMP_LT_OQ);
             lo = _mm256_min_ps(lo, _mm256_blendv_ps(pinf, v, fin));
             hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
         }
-        kvd__qgroup G = kvd__qgroup_make(hmin8(lo), hmax8(hi), bits);
+        kvd__qgroup G = qgroup_make_f16c(hmin8(lo), hmax8(hi), bits);
         min[g] = G.min_h;
         scale[g] = G.scale_h;
         const __m256 vmn = _mm256_set1_ps(G.mn), vinv = _mm256_set1_ps(G.inv);
@@ -91,7 +101,7 @@ void kvd__quant_row_avx2(const float *x, int64_t n, int bits, int group, int sto
         for (int k = 0; k < group; k += 32) {
             __m256i ci[4];
             for (int j = 0; j < 4; j++) {
-                __m256 v = _mm256_loadu_ps(xg + k + 8 * j);
+                __m256 v = kvd__ld8(xg + (k + 8 * j) * es, dt);
                 v = _mm256_mul_ps(_mm256_sub_ps(v, vmn), vinv);
                 __m256 add = half;
                 if (stochastic) {
@@ -137,8 +147,8 @@ void kvd__dequant_row_avx2(float *y, int64_t n, int bits, int group, const uint8
     const __m256i sh4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i m2 = _mm256_set1_epi32(3), m4 = _mm256_set1_epi32(15);
     for (int64_t g = 0; g < ng; g++) {
-        const __m256 vmn = _mm256_set1_ps(kvd_f16_to_f32(min[g]));
-        const __m256 vsc = _mm256_set1_ps(kvd_f16_to_f32(scale[g]));
+        const __m256 vmn = _mm256_set1_ps(f16c_to_f32(min[g]));
+        const __m256 vsc = _mm256_set1_ps(f16c_to_f32(scale[g]));
         const uint8_t *cg = codes + g * group * bits / 8;
         float *yg = y + g * group;
         if (bits == 2) {
@@ -203,7 +213,7 @@ void kvd__quant_tile_channel_avx2(const char *x0, int64_t xs, kvd_dtype dt, int6
         _mm256_storeu_ps(lo8, lo);
         _mm256_storeu_ps(hi8, hi);
         for (int l = 0; l < 8; l++) {
-            kvd__qgroup G = kvd__qgroup_make(lo8[l], hi8[l], bits);
+            kvd__qgroup G = qgroup_make_f16c(lo8[l], hi8[l], bits);
             min[(d0 + l) * prow] = G.min_h;
             scale[(d0 + l) * prow] = G.scale_h;
             mn8[l] = G.mn;
@@ -254,8 +264,8 @@ void kvd__dequant_tile_channel_avx2(char *y0, int64_t ys, kvd_dtype dt, int64_t 
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
         float mn8[8], sc8[8];
         for (int l = 0; l < 8; l++) {
-            mn8[l] = kvd_f16_to_f32(min[(d0 + l) * prow]);
-            sc8[l] = kvd_f16_to_f32(scale[(d0 + l) * prow]);
+            mn8[l] = f16c_to_f32(min[(d0 + l) * prow]);
+            sc8[l] = f16c_to_f32(scale[(d0 + l) * prow]);
         }
         const __m256 vmn = _mm256_loadu_ps(mn8), vsc = _mm256_loadu_ps(sc8);
         char *yc = y0 + d0 * es;

@@ -670,6 +670,36 @@ static void test_quant_random(void)
             quant_case(&r, 1024, 128, 2 + 2 * axis, 64, (kvd_quant_axis)axis, rnd, KVD_DTYPE_F16, 0, 1);
 }
 
+/* Tiny values (f16 subnormal min/scale), huge ones (near the f16 limit) and
+ * mixed signs: the parameter rounding must agree between paths. */
+static void test_quant_extremes(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 16);
+    const float mags[] = {1e-9f, 1e-7f, 3e-5f, 1.0f, 2e4f, 6.5e4f, 1e6f};
+    for (size_t mi = 0; mi < sizeof mags / sizeof mags[0]; mi++)
+        for (int axis = 0; axis < 2; axis++)
+            for (int bits = 2; bits <= 4; bits += 2) {
+                int64_t T = 64, D = 64;
+                float *x = malloc((size_t)(T * D) * 4);
+                for (int64_t i = 0; i < T * D; i++)
+                    x[i] = mags[mi] * (tu_rng_uniform(&r) - (mi & 1 ? 0.2f : 0.0f));
+                int64_t shape[2] = {T, D};
+                kvd_tensor tx = kvd_tensor_make(KVD_DTYPE_F32, x, 2, shape);
+                qbufs q[3];
+                kvd_backend *bes[3] = {be_ref, be_fast1, be_fastN};
+                for (int b = 0; b < 3; b++) {
+                    qbufs_init(&q[b], T, D, bits, 32, (kvd_quant_axis)axis);
+                    TU_CHECK(kvd_quantize(bes[b], &tx, &q[b].q, KVD_ROUND_STOCHASTIC, mi, NULL) == KVD_OK, "q");
+                }
+                TU_CHECK(qbufs_equal(&q[0], &q[1]) && qbufs_equal(&q[0], &q[2]),
+                         "extreme magnitude %g axis %d bits %d: fast == ref", mags[mi], axis, bits);
+                for (int b = 0; b < 3; b++)
+                    qbufs_free(&q[b]);
+                free(x);
+            }
+}
+
 static void test_quant_stochastic(void)
 {
     /* rows [0, 3, 1.3 x 30]: min 0, scale 1; E[code of 1.3] = 1.3 */
@@ -805,6 +835,7 @@ int main(void)
     test_quant_args();
     test_quant_random();
     test_quant_stochastic();
+    test_quant_extremes();
     kvd_backend_free(be_ref);
     kvd_backend_free(be_fast1);
     kvd_backend_free(be_fastN);
