@@ -6,8 +6,9 @@
  *
  *   lambda_i = sqrt(max_t |K_t,i|)           smoothing factors, (D) f32,
  *                                            from calibration keys K (T, D);
- *                                            a channel whose max is 0 (or
- *                                            not finite) gets lambda_i = 1
+ *                                            non-finite values are ignored,
+ *                                            a channel whose max is 0 gets
+ *                                            lambda_i = 1
  *   K~ = K diag(lambda)^-1 H_D               keys:    K~_t,: = H_D (K_t,: / lambda)
  *   q~ = q diag(lambda)    H_D               queries: q~ = H_D (q * lambda)
  *
