@@ -765,6 +765,36 @@ static int test_bad_appends(kvd_harness *h)
     CHECK_RC(kvdepot_sequence_append(c, &a, NULL), KVDEPOT_EINVAL);
     UNCHANGED(&e);
 
+    /* Long appends that fail only at their very end, after the server has
+     * taken in many messages and whole pages' worth of tokens: one byte
+     * short, and one byte over. */
+    {
+        kvdepot_options opt;
+        kvdepot_options_init(&opt);
+        opt.deadline_ms = 120000;
+        opt.chunk_bytes = 64u << 10;
+        kvdepot_client *cc = harness_client_opts(h, &opt);
+        REQUIRE(cc);
+        uint8_t *lk, *lv;
+        kvdepot_append_args la = next_append(&e, 3 * (uint64_t)e.P + 17, &lk, &lv);
+        REQUIRE(lk && lv);
+        la.v_bytes -= 1;
+        CHECK_RC(kvdepot_sequence_append(cc, &la, NULL), KVDEPOT_EINVAL);
+        UNCHANGED(&e);
+        uint8_t *lv2 = malloc(la.k_bytes + 1);
+        REQUIRE(lv2);
+        memcpy(lv2, lv, la.k_bytes);
+        lv2[la.k_bytes] = 0x5a;
+        la.v = lv2;
+        la.v_bytes = la.k_bytes + 1;
+        CHECK_RC(kvdepot_sequence_append(cc, &la, NULL), KVDEPOT_EINVAL);
+        UNCHANGED(&e);
+        free(lk);
+        free(lv);
+        free(lv2);
+        kvdepot_close(cc);
+    }
+
     /* After all that, the good append goes in at the same place. */
     a = good;
     CHECK_RC(kvdepot_sequence_append(c, &a, NULL), KVDEPOT_OK);
@@ -1155,6 +1185,31 @@ static int test_errors(kvd_harness *h)
     CHECK_RC(kvdepot_health_check(c, NULL, &sv), KVDEPOT_OK);
     CHECK(kvdepot_errmsg(c)[0] == '\0'); /* cleared by a successful call */
     CHECK(strcmp(kvdepot_status_name(KVDEPOT_EPRECOND), "FAILED_PRECONDITION") == 0);
+    /* The standard health service answers NOT_FOUND for a service it does
+     * not know. */
+    CHECK_RC(kvdepot_health_check(c, "no.such.Service", &sv), KVDEPOT_ENOTFOUND);
+
+    /* The per-call deadline covers a whole stream: 16 MiB cannot be read
+     * in 1 ms. */
+    kvdepot_model dm = small_model("deadline");
+    REQUIRE_RC(kvdepot_model_put(c, &dm, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(create_seq(c, "slow", "deadline"), KVDEPOT_OK);
+    ref_seq r;
+    REQUIRE(ref_init(&r, "slow", &dm, 16384) == 0);
+    REQUIRE_RC(ref_append(c, &r, 0, 4, 16384, 9, NULL), KVDEPOT_OK);
+    kvdepot_options dopt;
+    kvdepot_options_init(&dopt);
+    dopt.deadline_ms = 1;
+    dopt.wait_for_ready = 1;
+    kvdepot_client *dc = harness_client_opts(h, &dopt);
+    REQUIRE(dc);
+    kvdepot_read_args ra = {.id = "slow", .id_len = 4};
+    kvdepot_read_result rr;
+    CHECK_RC(kvdepot_sequence_read(dc, &ra, &rr), KVDEPOT_ETIMEDOUT);
+    CHECK(rr.owned == NULL);
+    kvdepot_close(dc);
+    CHECK(ref_verify(c, &r) == 0);
+    ref_free(&r);
     kvdepot_close(c);
 
     /* Unreachable server: UNAVAILABLE, promptly, without wait_for_ready. */
