@@ -616,109 +616,169 @@ __attribute__((target("avx2,fma"))) static inline __m256 hsum8x8(const __m256 *v
     return _mm256_add_ps(lo, hi);
 }
 
-/* Scores of n rows for up to 8 query heads at a time, rows given by the
- * token positions t0.. (or idx[t0..]). D % 8 == 0. */
-__attribute__((target("avx2,fma,f16c"))) static void dense_scores_avx2(void *vctx, int64_t t0, int n,
-                                                                       float *s, int ld)
+/*
+ * Scores of a block. TOK = 8/GB tokens times GB query heads make 8
+ * accumulators that stay in registers; every K chunk is converted once and
+ * every q chunk loaded once per TOK tokens. GB and DT are compile-time
+ * constants at every call (always_inline), so the loops unroll and the
+ * dtype switch disappears.
+ */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+scores_tile(const dense_ctx *c, int64_t t0, int n, float *s, int ld, int g0, const int GB,
+            const kvd_dtype DT)
 {
-    const dense_ctx *c = vctx;
-    kvd_dtype dt = c->k->dtype;
-    int esz = (int)kvd_dtype_size(dt), D = c->D;
-    for (int g0 = 0; g0 < c->G; g0 += 8) {
-        int gn = c->G - g0 < 8 ? c->G - g0 : 8;
-        for (int i = 0; i < n; i++) {
-            int64_t t = c->idx ? c->idx[t0 + i] : t0 + i;
-            const char *kr = row3(c->k, c->h, t);
-            __m256 acc[8];
-            for (int g = 0; g < 8; g++)
-                acc[g] = _mm256_setzero_ps();
-            if (gn == 8) {
-                for (int j = 0; j < D; j += 8) {
-                    __m256 kv = load8(kr + (size_t)j * esz, dt);
-                    const float *qj = c->q + (size_t)g0 * D + j;
-                    for (int g = 0; g < 8; g++)
-                        acc[g] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qj + (size_t)g * D), acc[g]);
-                }
-            } else {
-                for (int j = 0; j < D; j += 8) {
-                    __m256 kv = load8(kr + (size_t)j * esz, dt);
-                    const float *qj = c->q + (size_t)g0 * D + j;
-                    for (int g = 0; g < gn; g++)
-                        acc[g] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qj + (size_t)g * D), acc[g]);
+    const int TOK = 8 / GB, esz = DT == KVD_DTYPE_F32 ? 4 : 2, D = c->D;
+    int i = 0;
+    for (; i + TOK <= n; i += TOK) {
+        const char *kr[8];
+        _Pragma("GCC unroll 8")
+        for (int u = 0; u < TOK; u++)
+            kr[u] = row3(c->k, c->h, c->idx ? c->idx[t0 + i + u] : t0 + i + u);
+        __m256 acc[8];
+        _Pragma("GCC unroll 8")
+        for (int a = 0; a < 8; a++)
+            acc[a] = _mm256_setzero_ps();
+        for (int j = 0; j < D; j += 8) {
+            __m256 kv[8], qv[8];
+            _Pragma("GCC unroll 8")
+            for (int u = 0; u < TOK; u++)
+                kv[u] = load8(kr[u] + (size_t)j * esz, DT);
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < GB; g++)
+                qv[g] = _mm256_loadu_ps(c->q + (size_t)(g0 + g) * D + j);
+            _Pragma("GCC unroll 8")
+            for (int u = 0; u < TOK; u++)
+                _Pragma("GCC unroll 8")
+                for (int g = 0; g < GB; g++)
+                    acc[u * GB + g] = _mm256_fmadd_ps(kv[u], qv[g], acc[u * GB + g]);
+        }
+        float r[8];
+        _mm256_storeu_ps(r, hsum8x8(acc));
+        _Pragma("GCC unroll 8")
+        for (int u = 0; u < TOK; u++)
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < GB; g++)
+                s[(size_t)(g0 + g) * ld + i + u] = r[u * GB + g];
+    }
+    for (; i < n; i++) { /* leftover tokens, one at a time */
+        const char *kr = row3(c->k, c->h, c->idx ? c->idx[t0 + i] : t0 + i);
+        __m256 acc[8];
+        _Pragma("GCC unroll 8")
+        for (int a = 0; a < 8; a++)
+            acc[a] = _mm256_setzero_ps();
+        for (int j = 0; j < D; j += 8) {
+            __m256 kv = load8(kr + (size_t)j * esz, DT);
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < GB; g++)
+                acc[g] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(c->q + (size_t)(g0 + g) * D + j), acc[g]);
+        }
+        float r[8];
+        _mm256_storeu_ps(r, hsum8x8(acc));
+        _Pragma("GCC unroll 8")
+        for (int g = 0; g < GB; g++)
+            s[(size_t)(g0 + g) * ld + i] = r[g];
+    }
+}
+
+#define KVD__SCORES_DT(DT)                                                 \
+    __attribute__((target("avx2,fma,f16c"))) static void scores_##DT(     \
+        void *vctx, int64_t t0, int n, float *s, int ld)                   \
+    {                                                                      \
+        const dense_ctx *c = vctx;                                         \
+        int g0 = 0;                                                        \
+        for (; g0 + 8 <= c->G; g0 += 8)                                    \
+            scores_tile(c, t0, n, s, ld, g0, 8, KVD_DTYPE_##DT);           \
+        if (c->G - g0 >= 4) {                                              \
+            scores_tile(c, t0, n, s, ld, g0, 4, KVD_DTYPE_##DT);           \
+            g0 += 4;                                                       \
+        }                                                                  \
+        if (c->G - g0 >= 2) {                                              \
+            scores_tile(c, t0, n, s, ld, g0, 2, KVD_DTYPE_##DT);           \
+            g0 += 2;                                                       \
+        }                                                                  \
+        if (c->G - g0 >= 1)                                                \
+            scores_tile(c, t0, n, s, ld, g0, 1, KVD_DTYPE_##DT);           \
+    }
+KVD__SCORES_DT(F16)
+KVD__SCORES_DT(BF16)
+KVD__SCORES_DT(F32)
+
+/* acc[g][:] += sum_i p[g][i] v_i for Dv % 8 == 0: tiles of 32 output dims x
+ * GB <= 4 query heads live in registers while the block's rows stream by. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+values_tile(const dense_ctx *c, const char *const *rows, int n, const float *p, int ld, float *acc,
+            int g0, const int GB, const kvd_dtype DT)
+{
+    const int esz = DT == KVD_DTYPE_F32 ? 4 : 2, Dv = c->Dv;
+    for (int j0 = 0; j0 < Dv; j0 += 32) {
+        int jn = Dv - j0 < 32 ? (Dv - j0) / 8 : 4;
+        __m256 a[4][4];
+        if (jn == 4) {
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < GB; g++)
+                _Pragma("GCC unroll 8")
+                for (int jj = 0; jj < 4; jj++)
+                    a[g][jj] = _mm256_loadu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj);
+            for (int i = 0; i < n; i++) {
+                const char *vr = rows[i] + (size_t)j0 * esz;
+                __m256 v[4];
+                _Pragma("GCC unroll 8")
+                for (int jj = 0; jj < 4; jj++)
+                    v[jj] = load8(vr + (size_t)8 * jj * esz, DT);
+                _Pragma("GCC unroll 8")
+                for (int g = 0; g < GB; g++) {
+                    __m256 b = _mm256_broadcast_ss(p + (size_t)(g0 + g) * ld + i);
+                    _Pragma("GCC unroll 8")
+                    for (int jj = 0; jj < 4; jj++)
+                        a[g][jj] = _mm256_fmadd_ps(b, v[jj], a[g][jj]);
                 }
             }
-            float r[8];
-            _mm256_storeu_ps(r, hsum8x8(acc));
-            for (int g = 0; g < gn; g++)
-                s[(size_t)(g0 + g) * ld + i] = r[g];
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < GB; g++)
+                _Pragma("GCC unroll 8")
+                for (int jj = 0; jj < 4; jj++)
+                    _mm256_storeu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj, a[g][jj]);
+        } else {
+            _Pragma("GCC unroll 8")
+            for (int jj = 0; jj < jn; jj++) {
+                _Pragma("GCC unroll 8")
+                for (int g = 0; g < GB; g++)
+                    a[g][0] = _mm256_loadu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj);
+                for (int i = 0; i < n; i++) {
+                    __m256 v = load8(rows[i] + (size_t)(j0 + 8 * jj) * esz, DT);
+                    _Pragma("GCC unroll 8")
+                    for (int g = 0; g < GB; g++)
+                        a[g][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + (size_t)(g0 + g) * ld + i), v, a[g][0]);
+                }
+                _Pragma("GCC unroll 8")
+                for (int g = 0; g < GB; g++)
+                    _mm256_storeu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj, a[g][0]);
+            }
         }
     }
 }
 
-/* acc[g][:] += sum_i p[g][i] v_i for Dv % 8 == 0: tiles of 32 output dims x
- * up to 4 query heads live in registers while the block's rows stream by. */
-__attribute__((target("avx2,fma,f16c"))) static void dense_values_avx2(void *vctx, int64_t t0, int n,
-                                                                       const float *p, int ld,
-                                                                       float *acc)
-{
-    const dense_ctx *c = vctx;
-    kvd_dtype dt = c->v->dtype;
-    int esz = (int)kvd_dtype_size(dt), Dv = c->Dv;
-    const char *rows[KVD__ATTN_BLOCK];
-    for (int i = 0; i < n; i++)
-        rows[i] = row3(c->v, c->h, c->idx ? c->idx[t0 + i] : t0 + i);
-    for (int g0 = 0; g0 < c->G; g0 += 4) {
-        int gn = c->G - g0 < 4 ? c->G - g0 : 4;
-        for (int j0 = 0; j0 < Dv; j0 += 32) {
-            int jn = Dv - j0 < 32 ? (Dv - j0) / 8 : 4;
-            __m256 a[4][4];
-            for (int g = 0; g < gn; g++)
-                for (int jj = 0; jj < jn; jj++)
-                    a[g][jj] = _mm256_loadu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj);
-            if (gn == 4 && jn == 4) {
-                const float *p0 = p + (size_t)g0 * ld, *p1 = p0 + ld, *p2 = p1 + ld, *p3 = p2 + ld;
-                for (int i = 0; i < n; i++) {
-                    const char *vr = rows[i] + (size_t)j0 * esz;
-                    __m256 v0 = load8(vr, dt), v1 = load8(vr + 8 * esz, dt),
-                           v2 = load8(vr + 16 * esz, dt), v3 = load8(vr + 24 * esz, dt);
-                    __m256 b0 = _mm256_broadcast_ss(p0 + i), b1 = _mm256_broadcast_ss(p1 + i),
-                           b2 = _mm256_broadcast_ss(p2 + i), b3 = _mm256_broadcast_ss(p3 + i);
-                    a[0][0] = _mm256_fmadd_ps(b0, v0, a[0][0]);
-                    a[0][1] = _mm256_fmadd_ps(b0, v1, a[0][1]);
-                    a[0][2] = _mm256_fmadd_ps(b0, v2, a[0][2]);
-                    a[0][3] = _mm256_fmadd_ps(b0, v3, a[0][3]);
-                    a[1][0] = _mm256_fmadd_ps(b1, v0, a[1][0]);
-                    a[1][1] = _mm256_fmadd_ps(b1, v1, a[1][1]);
-                    a[1][2] = _mm256_fmadd_ps(b1, v2, a[1][2]);
-                    a[1][3] = _mm256_fmadd_ps(b1, v3, a[1][3]);
-                    a[2][0] = _mm256_fmadd_ps(b2, v0, a[2][0]);
-                    a[2][1] = _mm256_fmadd_ps(b2, v1, a[2][1]);
-                    a[2][2] = _mm256_fmadd_ps(b2, v2, a[2][2]);
-                    a[2][3] = _mm256_fmadd_ps(b2, v3, a[2][3]);
-                    a[3][0] = _mm256_fmadd_ps(b3, v0, a[3][0]);
-                    a[3][1] = _mm256_fmadd_ps(b3, v1, a[3][1]);
-                    a[3][2] = _mm256_fmadd_ps(b3, v2, a[3][2]);
-                    a[3][3] = _mm256_fmadd_ps(b3, v3, a[3][3]);
-                }
-            } else {
-                for (int i = 0; i < n; i++) {
-                    const char *vr = rows[i] + (size_t)j0 * esz;
-                    __m256 vv[4];
-                    for (int jj = 0; jj < jn; jj++)
-                        vv[jj] = load8(vr + (size_t)8 * jj * esz, dt);
-                    for (int g = 0; g < gn; g++) {
-                        __m256 b = _mm256_broadcast_ss(p + (size_t)(g0 + g) * ld + i);
-                        for (int jj = 0; jj < jn; jj++)
-                            a[g][jj] = _mm256_fmadd_ps(b, vv[jj], a[g][jj]);
-                    }
-                }
-            }
-            for (int g = 0; g < gn; g++)
-                for (int jj = 0; jj < jn; jj++)
-                    _mm256_storeu_ps(acc + (size_t)(g0 + g) * Dv + j0 + 8 * jj, a[g][jj]);
-        }
+#define KVD__VALUES_DT(DT)                                                        \
+    __attribute__((target("avx2,fma,f16c"))) static void values_##DT(            \
+        void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)        \
+    {                                                                             \
+        const dense_ctx *c = vctx;                                                \
+        const char *rows[KVD__ATTN_BLOCK];                                        \
+        for (int i = 0; i < n; i++)                                               \
+            rows[i] = row3(c->v, c->h, c->idx ? c->idx[t0 + i] : t0 + i);         \
+        int g0 = 0;                                                               \
+        for (; g0 + 4 <= c->G; g0 += 4)                                           \
+            values_tile(c, rows, n, p, ld, acc, g0, 4, KVD_DTYPE_##DT);           \
+        if (c->G - g0 >= 2) {                                                     \
+            values_tile(c, rows, n, p, ld, acc, g0, 2, KVD_DTYPE_##DT);           \
+            g0 += 2;                                                              \
+        }                                                                         \
+        if (c->G - g0 >= 1)                                                       \
+            values_tile(c, rows, n, p, ld, acc, g0, 1, KVD_DTYPE_##DT);           \
     }
-}
+KVD__VALUES_DT(F16)
+KVD__VALUES_DT(BF16)
+KVD__VALUES_DT(F32)
 
 /* Portable block callbacks (any D, Dv, dtype). */
 static void dense_scores_scalar(void *vctx, int64_t t0, int n, float *s, int ld)
@@ -777,8 +837,12 @@ void kvd__attn_dense_src(kvd__attn_src *src, void *ctxbuf, const kvd_tensor *k,
     src->n = n;
     src->block = KVD__ATTN_BLOCK;
     int vec = simd && D % 8 == 0 && Dv % 8 == 0 && G <= KVD__ATTN_MAXG;
-    src->scores = vec ? dense_scores_avx2 : dense_scores_scalar;
-    src->values = vec ? dense_values_avx2 : dense_values_scalar;
+    src->scores = dense_scores_scalar;
+    src->values = dense_values_scalar;
+    if (vec) {
+        src->scores = k->dtype == KVD_DTYPE_F16 ? scores_F16 : k->dtype == KVD_DTYPE_BF16 ? scores_BF16 : scores_F32;
+        src->values = v->dtype == KVD_DTYPE_F16 ? values_F16 : v->dtype == KVD_DTYPE_BF16 ? values_BF16 : values_F32;
+    }
     src->rescale = NULL;
     src->finish = NULL;
 }

@@ -1,0 +1,276 @@
+/*
+ * Decode-attention benchmark: one decode step of a Llama-8B-like layer
+ * (32 query heads, 8 kv heads, head_dim 128) over 4K, 32K and 128K cached
+ * tokens, for every cache form: fp16 (the vectorised yardstick), INT2 with
+ * P = 32/64/128, INT4, VQ d4b8, SVD (half width) + INT2. Prints time per
+ * step, GB/s of cache bytes read, and the speedup over fp16, with one thread
+ * and with all threads.
+ *
+ *   bench_attn [max_tokens]      (default 131072)
+ *
+ * Timings are the minimum over repetitions (the machine may be shared).
+ * Cache contents are random: the kernels' cost does not depend on values.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvdepot/attention.h"
+#include "kvdepot/svd.h"
+#include "testutil.h"
+
+enum { HQ = 32, HKV = 8, D = 128 };
+
+static kvd_tensor tn(kvd_dtype dt, void *data, int nd, int64_t a, int64_t b, int64_t c)
+{
+    int64_t s[3] = {a, b, c};
+    return kvd_tensor_make(dt, data, nd, s);
+}
+
+static void fill_bytes(tu_rng *r, void *p, size_t n)
+{
+    uint8_t *b = p;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x = tu_rng_u64(r);
+        memcpy(b + i, &x, 8);
+    }
+    for (; i < n; i++)
+        b[i] = (uint8_t)tu_rng_u64(r);
+}
+
+/* f16 params: small positive scales, mins around -1 */
+static void fill_params(tu_rng *r, uint16_t *mn, uint16_t *sc, uint16_t *sm, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        mn[i] = kvd_f32_to_f16(-1.0f - tu_rng_uniform(r));
+        sc[i] = kvd_f32_to_f16(0.3f + 0.5f * tu_rng_uniform(r));
+        sm[i] = (uint16_t)tu_rng_below(r, 64);
+    }
+}
+
+typedef struct qcache {
+    kvd_attn_qdata qd;
+    void *mem;
+    size_t bytes;
+} qcache;
+
+static qcache make_q(tu_rng *r, int64_t T, int W, int bits, int group, int axis)
+{
+    qcache c;
+    memset(&c, 0, sizeof c);
+    int64_t rows = axis == KVD_ATTN_AXIS_TOKEN ? T : W, along = axis == KVD_ATTN_AXIS_TOKEN ? W : T;
+    size_t cb = (size_t)(HKV * rows * along * bits / 8), pn = (size_t)(HKV * rows * along / group);
+    c.bytes = cb + 6 * pn;
+    c.mem = malloc(c.bytes + 64);
+    uint8_t *codes = c.mem;
+    uint16_t *mn = (uint16_t *)(codes + cb), *sc = mn + pn, *sm = sc + pn;
+    fill_bytes(r, codes, cb);
+    fill_params(r, mn, sc, sm, pn);
+    c.qd.bits = bits;
+    c.qd.group = group;
+    c.qd.axis = axis;
+    c.qd.codes = tn(KVD_DTYPE_U8, codes, 3, HKV, rows, along * bits / 8);
+    c.qd.min = tn(KVD_DTYPE_F16, mn, 3, HKV, rows, along / group);
+    c.qd.scale = tn(KVD_DTYPE_F16, sc, 3, HKV, rows, along / group);
+    c.qd.sum = tn(KVD_DTYPE_U16, sm, 3, HKV, rows, along / group);
+    return c;
+}
+
+typedef int (*step_fn)(kvd_backend *be, void *arg);
+
+#include <time.h>
+
+static double cpu_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static double last_cpu; /* CPU seconds (all threads) of the best repetition */
+
+static double time_step(kvd_backend *be, step_fn fn, void *arg)
+{
+    if (fn(be, arg) != 0) {
+        fprintf(stderr, "step failed\n");
+        exit(1);
+    }
+    double best = 1e30, total = 0;
+    for (int rep = 0; rep < 50 && (rep < 3 || total < 0.6); rep++) {
+        double t0 = tu_now(), c0 = cpu_now();
+        fn(be, arg);
+        double dt = tu_now() - t0, dc = cpu_now() - c0;
+        total += dt;
+        if (dt < best) {
+            best = dt;
+            last_cpu = dc;
+        }
+    }
+    return best;
+}
+
+static int step_dense(kvd_backend *be, void *arg)
+{
+    return kvd_attn_dense(be, 1, arg, NULL);
+}
+static int step_int(kvd_backend *be, void *arg)
+{
+    return kvd_attn_quant(be, 1, arg, NULL);
+}
+static int step_vq(kvd_backend *be, void *arg)
+{
+    return kvd_attn_vq(be, 1, arg, NULL);
+}
+
+/* SVD + INT2: rotate q into the reduced key space, INT2 attention at width
+ * r, rotate the output back. The rotation here is one shared (D, D) matrix
+ * applied per query head. */
+typedef struct svd_step {
+    kvd_attn_int_args a;
+    const float *R, *q;
+    float *qr, *ored, *out;
+    int r;
+} svd_step;
+
+static int step_svd(kvd_backend *be, void *arg)
+{
+    svd_step *s = arg;
+    int rc = kvd_svd_project(be, s->R, D, s->r, s->q, KVD_DTYPE_F32, HQ, 4 * D, s->qr, NULL);
+    if (!rc)
+        rc = kvd_attn_quant(be, 1, &s->a, NULL);
+    if (!rc)
+        rc = kvd_svd_unproject(be, s->R, D, s->r, s->ored, HQ, s->out, NULL);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    int64_t maxT = argc > 1 ? atoll(argv[1]) : 131072;
+    int nall = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    tu_rng rng;
+    tu_rng_seed(&rng, 7);
+    float *q = malloc(sizeof(float) * HQ * D), *out = malloc(sizeof(float) * HQ * D), lse[HQ];
+    tu_fill_normal(&rng, q, HQ * D, 1.0f);
+    int threads[2] = {1, nall};
+    printf("decode attention, Hq=%d Hkv=%d D=%d; cache bytes read per step / time; speedup vs fp16 at the same T and threads\n",
+           HQ, HKV, D);
+    printf("%-14s %8s %3s %10s %10s %8s %8s\n", "form", "tokens", "thr", "ms/step", "cpu ms", "GB/s", "vs fp16");
+    const int64_t Ts[3] = {4096, 32768, 131072};
+    for (int ti = 0; ti < 3; ti++) {
+        int64_t T = Ts[ti];
+        if (T > maxT)
+            break;
+        /* fp16 K/V */
+        size_t nkv = (size_t)HKV * T * D;
+        uint16_t *k16 = malloc(nkv * 2), *v16 = malloc(nkv * 2);
+        for (size_t i = 0; i < nkv; i++) {
+            k16[i] = kvd_f32_to_f16(tu_rng_normal(&rng));
+            v16[i] = kvd_f32_to_f16(tu_rng_normal(&rng));
+        }
+        kvd_attn_dims dims = {HQ, HKV, D, D, 1.0f / sqrtf((float)D)};
+        kvd_attn_dense_args da = {dims, tn(KVD_DTYPE_F32, q, 2, HQ, D, 0), tn(KVD_DTYPE_F16, k16, 3, HKV, T, D),
+                                  tn(KVD_DTYPE_F16, v16, 3, HKV, T, D), tn(KVD_DTYPE_F32, out, 2, HQ, D, 0),
+                                  tn(KVD_DTYPE_F32, lse, 1, HQ, 0, 0)};
+        /* INT forms */
+        struct {
+            const char *name;
+            int bits, kg, vg;
+        } iforms[] = {{"int2 P=32", 2, 32, 32}, {"int2 P=64", 2, 64, 64}, {"int2 P=128", 2, 128, 128},
+                      {"int4 P=64", 4, 64, 64}};
+        qcache kq[4], vq[4];
+        for (int f = 0; f < 4; f++) {
+            kq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].kg, KVD_ATTN_AXIS_TOKEN);
+            vq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].vg, KVD_ATTN_AXIS_CHANNEL);
+        }
+        /* VQ d4b8 */
+        uint8_t *kc = malloc((size_t)HKV * T * (D / 4)), *vc = malloc((size_t)HKV * T * (D / 4));
+        fill_bytes(&rng, kc, (size_t)HKV * T * (D / 4));
+        fill_bytes(&rng, vc, (size_t)HKV * T * (D / 4));
+        float *kcb = malloc(sizeof(float) * HKV * 256 * 4), *vcb = malloc(sizeof(float) * HKV * 256 * 4),
+              *lam = malloc(sizeof(float) * HKV * D);
+        tu_fill_normal(&rng, kcb, HKV * 256 * 4, 1.0f);
+        tu_fill_normal(&rng, vcb, HKV * 256 * 4, 1.0f);
+        tu_fill_uniform(&rng, lam, HKV * D, 0.5f, 2.0f);
+        kvd_attn_vq_args va;
+        memset(&va, 0, sizeof va);
+        va.dims = dims;
+        va.q = da.q;
+        va.n_tokens = T;
+        va.k_sub_dim = 4;
+        va.k_bits = 8;
+        va.k_codes = tn(KVD_DTYPE_U8, kc, 3, HKV, T, D / 4);
+        va.k_codebook = tn(KVD_DTYPE_F32, kcb, 3, HKV, 256, 4);
+        va.k_lambda = tn(KVD_DTYPE_F32, lam, 2, HKV, D, 0);
+        va.k_hadamard = 1;
+        va.v_sub_dim = 4;
+        va.v_bits = 8;
+        va.v_codes = tn(KVD_DTYPE_U8, vc, 3, HKV, T, D / 4);
+        va.v_codebook = tn(KVD_DTYPE_F32, vcb, 3, HKV, 256, 4);
+        va.out = da.out;
+        va.lse = da.lse;
+        size_t vq_bytes = 2 * (size_t)HKV * T * (D / 4);
+        /* SVD (r = 64) + INT2 P=32 */
+        int r = 64;
+        qcache sk = make_q(&rng, T, r, 2, 32, KVD_ATTN_AXIS_TOKEN), sv = make_q(&rng, T, r, 2, 32, KVD_ATTN_AXIS_CHANNEL);
+        float *R = malloc(sizeof(float) * D * D);
+        tu_fill_normal(&rng, R, D * D, 0.1f);
+        svd_step ss;
+        memset(&ss, 0, sizeof ss);
+        ss.R = R;
+        ss.q = q;
+        ss.r = r;
+        ss.qr = malloc(sizeof(float) * HQ * r);
+        ss.ored = malloc(sizeof(float) * HQ * r);
+        ss.out = out;
+        ss.a.dims = dims;
+        ss.a.dims.head_dim = ss.a.dims.v_dim = r;
+        ss.a.q = tn(KVD_DTYPE_F32, ss.qr, 2, HQ, r, 0);
+        ss.a.n_tokens = T;
+        ss.a.k = sk.qd;
+        ss.a.v = sv.qd;
+        ss.a.out = tn(KVD_DTYPE_F32, ss.ored, 2, HQ, r, 0);
+        ss.a.lse = da.lse;
+
+        for (int th = 0; th < 2; th++) {
+            if (th == 1 && threads[1] == 1)
+                break;
+            kvd_backend *be = tu_cpu_backend(threads[th], 0);
+            double t16 = time_step(be, step_dense, &da);
+            size_t b16 = 2 * nkv * 2;
+            printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx\n", "fp16", (long long)T, threads[th], t16 * 1e3, last_cpu * 1e3,
+                   b16 / t16 / 1e9, 1.0);
+            for (int f = 0; f < 4; f++) {
+                kvd_attn_int_args ia;
+                memset(&ia, 0, sizeof ia);
+                ia.dims = dims;
+                ia.q = da.q;
+                ia.n_tokens = T;
+                ia.k = kq[f].qd;
+                ia.v = vq[f].qd;
+                ia.out = da.out;
+                ia.lse = da.lse;
+                double t = time_step(be, step_int, &ia);
+                size_t b = kq[f].bytes + vq[f].bytes;
+                printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx\n", iforms[f].name, (long long)T, threads[th], t * 1e3, last_cpu * 1e3,
+                       b / t / 1e9, t16 / t);
+            }
+            double tv = time_step(be, step_vq, &va);
+            printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx\n", "vq d4b8", (long long)T, threads[th], tv * 1e3, last_cpu * 1e3,
+                   vq_bytes / tv / 1e9, t16 / tv);
+            double ts = time_step(be, step_svd, &ss);
+            printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx\n", "svd64+int2/32", (long long)T, threads[th], ts * 1e3, last_cpu * 1e3,
+                   (sk.bytes + sv.bytes) / ts / 1e9, t16 / ts);
+            fflush(stdout);
+            kvd_backend_free(be);
+        }
+        free(k16), free(v16), free(kc), free(vc), free(kcb), free(vcb), free(lam), free(R);
+        free(ss.qr), free(ss.ored), free(sk.mem), free(sv.mem);
+        for (int f = 0; f < 4; f++)
+            free(kq[f].mem), free(vq[f].mem);
+    }
+    free(q), free(out);
+    return 0;
+}
