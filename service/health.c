@@ -80,10 +80,22 @@ static int watch_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd
     return 0;
 }
 
+/* At shutdown a watcher of a known service learns NOT_SERVING before the
+ * stream ends. */
+static grpc_byte_buffer *watch_last(kvd_req_ctx *ctx, void *state)
+{
+    (void)ctx;
+    watch_state *w = state;
+    if (w->unknown)
+        return NULL;
+    return pack_status(GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING);
+}
+
 static void watch_release(void *state) { free(state); }
 
 const kvd_stream_ops kvd_health_watch_ops = {
     .start = watch_start,
     .next = watch_next,
+    .last = watch_last,
     .release = watch_release,
 };

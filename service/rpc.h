@@ -66,6 +66,9 @@ typedef struct kvd_stream_ops {
      * message, or NULL at the end of the stream, or returns KVD_STREAM_HOLD. */
     int (*start)(kvd_req_ctx *ctx, const ProtobufCMessage *req, void **state, kvd_error *err);
     int (*next)(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_error *err);
+    /* For a stream held open (KVD_STREAM_HOLD): the message to send when the
+     * server shuts down, or NULL for none. Called from the shutdown thread. */
+    grpc_byte_buffer *(*last)(kvd_req_ctx *ctx, void *state);
     /* Called exactly once when the call ends, however it ends (NULL state is
      * possible): an unfinished append is aborted here. */
     void (*release)(void *state);

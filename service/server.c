@@ -85,7 +85,13 @@ typedef struct kvd_call {
     int have_details;
     uint64_t bytes_in, bytes_out;
 
-    struct kvd_call *hold_prev, *hold_next; /* held calls, cancelled at shutdown */
+    /* Held calls (CALL_HOLDING) sit in a list so that shutdown can end them.
+     * `held` and the links are guarded by the server mutex: whichever of the
+     * worker (close op) and the shutdown thread takes a call off the list
+     * owns its ending. */
+    int held;
+    int end_on_close; /* the close op ends the main chain (see finish_held) */
+    struct kvd_call *hold_prev, *hold_next;
 } kvd_call;
 
 struct worker {
@@ -120,6 +126,21 @@ static void live_add(kvd_server *s, int delta)
     pthread_mutex_unlock(&s->mu);
 }
 
+/* Take c off the held list; the caller holds the mutex. */
+static void hold_remove(kvd_server *s, kvd_call *c)
+{
+    if (c->hold_prev)
+        c->hold_prev->hold_next = c->hold_next;
+    else
+        s->held = c->hold_next;
+    if (c->hold_next)
+        c->hold_next->hold_prev = c->hold_prev;
+    c->hold_prev = c->hold_next = NULL;
+    c->held = 0;
+}
+
+static void finish_held(kvd_call *c);
+
 static void hold_link(kvd_call *c)
 {
     kvd_server *s = c->w->srv;
@@ -129,24 +150,12 @@ static void hold_link(kvd_call *c)
     if (s->held)
         s->held->hold_prev = c;
     s->held = c;
-    pthread_mutex_unlock(&s->mu);
+    c->held = 1;
     /* Shutdown may have swept the list just before we joined it. */
-    if (atomic_load(&s->shutting_down))
-        grpc_call_cancel_with_status(c->call, GRPC_STATUS_UNAVAILABLE, "server shutting down",
-                                     NULL);
-}
-
-static void hold_unlink(kvd_call *c)
-{
-    kvd_server *s = c->w->srv;
-    pthread_mutex_lock(&s->mu);
-    if (c->hold_prev)
-        c->hold_prev->hold_next = c->hold_next;
-    else if (s->held == c)
-        s->held = c->hold_next;
-    if (c->hold_next)
-        c->hold_next->hold_prev = c->hold_prev;
-    c->hold_prev = c->hold_next = NULL;
+    if (atomic_load(&s->shutting_down)) {
+        hold_remove(s, c);
+        finish_held(c);
+    }
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -264,8 +273,9 @@ static void add_initial_md(kvd_call *c, grpc_op *ops, size_t *n)
     c->md_sent = 1;
 }
 
-/* Send the final status (and the reply, if any); takes ownership of reply. */
-static void finish(kvd_call *c, int status, const char *details, grpc_byte_buffer *reply)
+/* Start the batch sending the final status (and the reply, if any); takes
+ * ownership of reply. Returns start_batch's result. */
+static int start_finish(kvd_call *c, int status, const char *details, grpc_byte_buffer *reply)
 {
     grpc_op ops[3];
     size_t n = 0;
@@ -290,8 +300,31 @@ static void finish(kvd_call *c, int status, const char *details, grpc_byte_buffe
     }
     n++;
     c->state = CALL_FINISHING;
-    if (start_batch(c, ops, n, c) != 0)
+    return start_batch(c, ops, n, c);
+}
+
+static void finish(kvd_call *c, int status, const char *details, grpc_byte_buffer *reply)
+{
+    if (start_finish(c, status, details, reply) != 0)
         main_end(c);
+}
+
+/* End a held stream at shutdown: the handler's last word (health Watch sends
+ * NOT_SERVING), then UNAVAILABLE. Called with the server mutex held, right
+ * after the call left the held list: from then on its worker leaves the main
+ * chain alone (on_close sees held == 0), and the batch's completion hands it
+ * back. Should the batch not start, the call is cancelled and its close op
+ * ends it instead. */
+static void finish_held(kvd_call *c)
+{
+    grpc_byte_buffer *last = NULL;
+    if (c->method->stream->last)
+        last = c->method->stream->last(&c->ctx, c->stream_state);
+    if (start_finish(c, KVD_EUNAVAIL, "server shutting down", last) != 0) {
+        c->end_on_close = 1;
+        grpc_call_cancel_with_status(c->call, GRPC_STATUS_UNAVAILABLE, "server shutting down",
+                                     NULL);
+    }
 }
 
 static void finish_err(kvd_call *c, const kvd_error *err, int rc)
@@ -536,15 +569,22 @@ static void on_event(kvd_call *c, int ok)
 
 static void on_close(kvd_call *c)
 {
+    kvd_server *s = c->w->srv;
     c->close_pending = 0;
-    if (c->state == CALL_HOLDING) {
-        /* A held stream ends when the client goes away or the server cancels
-         * it at shutdown: there is no status left to send. */
-        hold_unlink(c);
-        c->status = c->cancelled ? KVD_CANCELLED : 0;
+    pthread_mutex_lock(&s->mu);
+    int was_held = c->held;
+    if (was_held)
+        hold_remove(s, c);
+    pthread_mutex_unlock(&s->mu);
+    if (was_held || c->end_on_close) {
+        /* The client left a held stream: there is no status left to send. */
+        if (was_held)
+            c->status = KVD_CANCELLED;
         main_end(c);
         return;
     }
+    /* Otherwise the main chain is running (perhaps a shutdown's final batch)
+     * and frees the call when it ends. */
     if (c->main_done)
         call_free(c);
 }
@@ -663,9 +703,11 @@ void kvd_server_shutdown(kvd_server *s, uint64_t grace_ms)
 
     /* Held streams (health Watch) would otherwise last the whole grace. */
     pthread_mutex_lock(&s->mu);
-    for (kvd_call *c = s->held; c; c = c->hold_next)
-        grpc_call_cancel_with_status(c->call, GRPC_STATUS_UNAVAILABLE, "server shutting down",
-                                     NULL);
+    while (s->held) {
+        kvd_call *c = s->held;
+        hold_remove(s, c);
+        finish_held(c);
+    }
     pthread_mutex_unlock(&s->mu);
 
     grpc_completion_queue *scq = grpc_completion_queue_create_for_pluck(NULL);
