@@ -2,14 +2,12 @@
  * The CPU backend: host memory, synchronous ops, OpenMP worker threads.
  *
  * Op families plug in by defining their table (kvd__cpu_<family>_ops) in
- * kernels/cpu/<family>.c. The references below are weak so the library links
- * while a family is missing; a missing family reads as NULL, i.e. "not
- * supported", and its checked wrapper answers KVD_EUNSUPP.
- *
- * Static-archive caveat: a weak reference does not make the linker pull an
- * object out of libkvd_kernels.a. A family table is therefore defined in the
- * same .c file as that family's checked wrappers, so any program calling the
- * family links its table too.
+ * kernels/cpu/<family>.c, next to that family's checked wrappers. The
+ * references below are strong on purpose: they make every program that
+ * creates a CPU backend link every family, so an op table can never be
+ * silently NULL because the static-archive linker skipped its object file
+ * (a weak reference would not pull it in). A family that is not written yet
+ * declares its table as a NULL-member table rather than leaving it out.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -18,13 +16,13 @@
 #include "common/cpu_internal.h"
 #include "kvdepot/backend.h"
 
-extern const struct kvd_convert_ops kvd__cpu_convert_ops __attribute__((weak));
-extern const struct kvd_quant_ops kvd__cpu_quant_ops __attribute__((weak));
-extern const struct kvd_kmeans_ops kvd__cpu_kmeans_ops __attribute__((weak));
-extern const struct kvd_vq_ops kvd__cpu_vq_ops __attribute__((weak));
-extern const struct kvd_pq_ops kvd__cpu_pq_ops __attribute__((weak));
-extern const struct kvd_svd_ops kvd__cpu_svd_ops __attribute__((weak));
-extern const struct kvd_attn_ops kvd__cpu_attn_ops __attribute__((weak));
+extern const struct kvd_convert_ops kvd__cpu_convert_ops;
+extern const struct kvd_quant_ops kvd__cpu_quant_ops;
+extern const struct kvd_kmeans_ops kvd__cpu_kmeans_ops;
+extern const struct kvd_vq_ops kvd__cpu_vq_ops;
+extern const struct kvd_pq_ops kvd__cpu_pq_ops;
+extern const struct kvd_svd_ops kvd__cpu_svd_ops;
+extern const struct kvd_attn_ops kvd__cpu_attn_ops;
 
 /* Alignment of kvd_backend_alloc on the CPU: a cache line, which also suits
  * every vector load the fast paths issue. */
