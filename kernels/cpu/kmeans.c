@@ -205,7 +205,10 @@ static void assign_impl(int nthreads, int simd, int64_t n, int d, const float *x
 /* ---- the driver -------------------------------------------------------- */
 
 /* Empty-cluster repair: see kmeans.h. count[] is updated as if the split
- * cluster's points were shared evenly. */
+ * cluster's points were shared evenly. The largest cluster's centroid is left
+ * where it is (the mean of its points), so a repair after the last update
+ * does not change the inertia; the next assignment splits its points between
+ * the two. */
 static void repair_empty(int k, int d, float *centroids, int64_t *count, km_rng *rng)
 {
     for (int j = 0; j < k; j++) {
@@ -226,7 +229,6 @@ static void repair_empty(int k, int d, float *centroids, int64_t *count, km_rng 
             if (km_next(rng) & 1)
                 eps = -eps;
             cj[t] = cb[t] + eps;
-            cb[t] = cb[t] - eps;
         }
         count[j] = count[big] / 2;
         count[big] -= count[j];

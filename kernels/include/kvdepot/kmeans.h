@@ -12,11 +12,12 @@
  *      the lower centroid index), move each centroid to the mean of its
  *      points. Stops after niter iterations or when no assignment changed.
  *   4. Empty-cluster repair after each update: an empty cluster takes the
- *      centroid of the currently largest cluster, the two are pushed apart by
- *      a small seeded perturbation (+eps for one, -eps for the other), and the
- *      largest cluster's size is halved for the purpose of the next repair.
- *      This "splits" the most populated cluster, where a second centroid
- *      lowers the inertia most.
+ *      centroid of the currently largest cluster moved by a small seeded
+ *      perturbation (relative 2^-10 per coordinate), and the largest
+ *      cluster's size is halved for the purpose of the next repair. The next
+ *      assignment then splits the most populated cluster, where a second
+ *      centroid lowers the inertia most; the original centroid stays put, so
+ *      a repair never raises the inertia.
  *   5. A final assignment against the returned centroids gives the inertia:
  *      the sum over the clustered points of the squared distance to their
  *      nearest centroid (double precision).
