@@ -171,7 +171,10 @@ class Server {
     const proc = this.proc;
     if (proc === null) return null;
     if (this.exitCode === null) proc.kill('SIGTERM');
-    const rc = await Promise.race([proc.exited, sleep(timeoutMs).then(() => undefined)]);
+    let timer;
+    const timeout = new Promise((resolve) => { timer = setTimeout(resolve, timeoutMs); });
+    const rc = await Promise.race([proc.exited, timeout]);
+    clearTimeout(timer); // a pending timer would keep node alive after the run
     if (rc === undefined) {
       await this.kill();
       return null;
