@@ -1,6 +1,12 @@
 /*
  * The CPU backend: host memory, synchronous ops, OpenMP worker threads.
  *
+ * Threads: an op uses up to be->nthreads OpenMP threads, and only for inputs
+ * big enough to repay the fork (see each family). On a machine shared with
+ * other busy processes, run with OMP_WAIT_POLICY=passive: the default policy
+ * lets idle workers spin, and when another process holds the core a worker
+ * needs, a parallel op was measured up to 50x slower than on one thread.
+ *
  * Op families plug in by defining their table (kvd__cpu_<family>_ops) in
  * kernels/cpu/<family>.c, next to that family's checked wrappers. The
  * references below are strong on purpose: they make every program that
@@ -9,6 +15,7 @@
  * (a weak reference would not pull it in). A family that is not written yet
  * declares its table as a NULL-member table rather than leaving it out.
  */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -130,8 +137,16 @@ int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_er
         return kvd_error_set(err, KVD_EINVAL, "cpu: nthreads must be >= 0 (0 = all CPUs), got %d",
                              nthreads);
     if (nthreads == 0) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        nthreads = n > 0 ? (int)n : 1;
+        /* CPUs this process may run on (cpusets of containers included),
+         * falling back to the online count. */
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
+            nthreads = CPU_COUNT(&set);
+        } else {
+            long n = sysconf(_SC_NPROCESSORS_ONLN);
+            nthreads = n > 0 ? (int)n : 1;
+        }
     }
     kvd_backend *be = calloc(1, sizeof *be);
     kvd__cpu_ctx *ctx = calloc(1, sizeof *ctx);
