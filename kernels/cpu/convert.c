@@ -156,6 +156,19 @@ static int convert_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor
 {
     const int64_t n = row_len(src), rows = row_count(src);
     const int nth = kvd__cpu_threads(be);
+    if (kvd_tensor_is_contiguous(src) && kvd_tensor_is_contiguous(dst)) {
+        /* one flat row, cut in chunks so short rows cost no per-row overhead */
+        const int64_t total = n * rows, chunk = 16384;
+        const int64_t nchunk = (total + chunk - 1) / chunk;
+        const size_t es = kvd_dtype_size(src->dtype), ed = kvd_dtype_size(dst->dtype);
+#pragma omp parallel for num_threads(nth) if (par_ok(be, src)) schedule(dynamic, 4)
+        for (int64_t c = 0; c < nchunk; c++) {
+            const int64_t i0 = c * chunk, len = total - i0 < chunk ? total - i0 : chunk;
+            kvd__convert_row_avx2((char *)dst->data + i0 * (int64_t)ed, dst->dtype,
+                                  (const char *)src->data + i0 * (int64_t)es, src->dtype, len);
+        }
+        return KVD_OK;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nth) if (par_ok(be, src)) reduction(| : failed)
     {
