@@ -101,7 +101,8 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
 int kvd_store_seq_stat(kvd_store *st, const void *id, size_t id_len, kvd_seq_info *out,
                        kvd_error *err);
 /* List sequences (of `model`, or all when NULL/empty) in id order, starting
- * after `after` (NULL = from the start), at most `limit`. *out is a malloc'd
+ * after `after` (NULL = from the start), at most `limit` (0 = no limit). Id
+ * order is bytewise, a shorter id before its extensions. *out is a malloc'd
  * array; free each with kvd_seq_info_clear and the array with free(). *more is
  * 1 when sequences remain after the last one returned. */
 int kvd_store_seq_list(kvd_store *st, const char *model, const void *after, size_t after_len,
@@ -161,7 +162,9 @@ typedef struct kvd_read_shape {
 } kvd_read_shape;
 
 /* Start a read (a consistent snapshot: later appends or deletes do not change
- * what it returns). Range past the stored tokens: KVD_ERANGE. */
+ * what it returns). Range past the stored tokens: KVD_ERANGE. The stored
+ * tokens are those of every requested layer (the minimum over the layer
+ * range), which is the sequence's num_tokens when all layers are read. */
 int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **out,
                          kvd_read_shape *shape, kvd_error *err);
 /* Copy up to cap next bytes into buf; *len = 0 at the end. A page failing its
@@ -172,7 +175,10 @@ void kvd_store_read_end(kvd_read *rd);
 /* ---- prefix index ------------------------------------------------------- */
 
 /* How many leading hashes of the chain are stored for the model (all layers
- * of the block sealed and registered). */
+ * of the block sealed and registered). hashes[i] must name block i. A block
+ * stays available while some sequence holds its pages: the one that wrote
+ * it, or one created from the prefix; when the last goes, another sequence
+ * holding an identical block (same hash, same position) takes over. */
 int kvd_store_lookup(kvd_store *st, const char *model, const uint64_t *hashes, size_t n,
                      uint64_t *matched, kvd_error *err);
 
