@@ -401,6 +401,7 @@ class Suite:
         self.refs = {}     # sequence id -> Reference
         self.B = None      # page_tokens reported by the server
         self.large_digest = None
+        self.prefix_chain = None
 
     def connect(self):
         self.server.start()
@@ -755,6 +756,49 @@ class Suite:
             self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.api.raw_stream_unary("Append"),
                                   iter([g]), timeout=CALL_TIMEOUT)
 
+    def t_append_atomic(self):
+        """An Append is invisible until acknowledged; of two appends racing for
+        the same token_start exactly one lands."""
+        pb = self.pb
+        S = b"py-seq"
+        ref = self.refs[S]
+        n = ref.tokens(0)
+        datas = [ref.make_append(0, 3, 30), ref.make_append(0, 3, 30)]
+        half_sent = [threading.Event(), threading.Event()]
+        release = [threading.Event(), threading.Event()]
+
+        def msgs(i):
+            d = datas[i]
+            yield pb.AppendRequest(header=pb.AppendHeader(
+                sequence_id=S, token_start=n, num_tokens=30, dtype=pb.DTYPE_F16),
+                data=d[:len(d) // 2])
+            half_sent[i].set()
+            release[i].wait(30)
+            yield pb.AppendRequest(data=d[len(d) // 2:])
+
+        futs = [self.api.Append.future(msgs(i), timeout=CALL_TIMEOUT) for i in (0, 1)]
+        try:
+            for ev in half_sent:
+                check(ev.wait(10), "append stream did not start")
+            time.sleep(0.3)
+            self.verify(S, "while two appends are half sent, sequence")
+            release[0].set()
+            r = futs[0].result()
+            eq(r.sequence.num_tokens, n + 30, "num_tokens after the first append")
+            ref.commit(0, 3, 30, datas[0])
+            release[1].set()
+            try:
+                futs[1].result()
+                raise CheckFailed("both appends at token %d succeeded" % n)
+            except grpc.RpcError as e:
+                check(e.code() in (SC.FAILED_PRECONDITION, SC.ABORTED),
+                      "losing append: expected FAILED_PRECONDITION/ABORTED, got %s: %s"
+                      % (e.code().name, e.details()))
+            self.verify(S, "after the race, sequence")
+        finally:
+            for ev in release:
+                ev.set()
+
     def t_cancelled_append(self):
         pb = self.pb
         S = b"py-seq"
@@ -828,6 +872,7 @@ class Suite:
         eq(list(self.stat(b"py-prefix-dst").block_hashes), h[:3],
            "block_hashes of the grown sequence")
         eq(lookup("py-prefix", h[:3]), (3, 3 * B), "Lookup after growing from the prefix")
+        self.prefix_chain = h[:3]
 
         # Bad prefixes.
         self.expect_unchanged(SC.NOT_FOUND, b"py-prefix-dst", self.create, b"py-prefix-bad",
@@ -981,6 +1026,21 @@ class Suite:
             self.verify(seq_id, "after restart, %r" % seq_id)
         if self.large_digest is not None:
             self.read_large(self.args.large_mib * 8, self.args.large_mib * 8 * 128 * 1024)
+        # Deletions are as durable as writes.
+        pb, api = self.pb, self.api
+        for gone in (b"py-layers", b"py-prefix-src", b"py-tmp-1", b"py-tmp-2"):
+            expect_code(SC.NOT_FOUND, api.StatSequence,
+                        pb.StatSequenceRequest(sequence_id=gone), timeout=CALL_TIMEOUT)
+        expect_code(SC.NOT_FOUND, api.GetModel, pb.GetModelRequest(name="py-tmp"),
+                    timeout=CALL_TIMEOUT)
+        names = {m.name for m in api.ListModels(pb.ListModelsRequest(),
+                                                timeout=CALL_TIMEOUT).models}
+        check({"py-f16", "py-prefix", "py-f32", "py-bf16"} <= names,
+              "models after restart: %r" % sorted(names))
+        if self.prefix_chain is not None:
+            r = api.Lookup(pb.LookupRequest(model="py-prefix", block_hashes=self.prefix_chain),
+                           timeout=CALL_TIMEOUT)
+            eq(r.matched_blocks, len(self.prefix_chain), "Lookup after restart")
 
     def t_shutdown(self):
         self.api.close()
@@ -1008,6 +1068,7 @@ class Suite:
             ("read errors", self.t_errors_read),
             ("limits and overflow", self.t_errors_limits),
             ("garbage messages", self.t_errors_garbage),
+            ("append atomicity", self.t_append_atomic),
             ("cancelled append", self.t_cancelled_append),
             ("prefix hash and lookup", self.t_prefix),
             ("engine-supplied hashes", self.t_engine_hashes),
