@@ -495,6 +495,7 @@ class Suite {
     this.refs = new Map(); // sequence id (string) -> Reference
     this.B = null;
     this.largeDigest = null;
+    this.prefixChain = null;
   }
 
   async connect() {
@@ -846,6 +847,46 @@ class Suite {
     }
   }
 
+  // An Append is invisible until acknowledged; of two appends racing for the
+  // same token_start exactly one lands.
+  async tAppendAtomic() {
+    const X = 'js-seq';
+    const ref = this.refs.get(X);
+    const n = ref.tokens(0);
+    const datas = [ref.makeAppend(3, 30), ref.makeAppend(3, 30)];
+    const results = [null, null];
+    const calls = [];
+    const done = datas.map((d, i) => new Promise((resolve) => {
+      const call = this.api.client.Append(Api.deadline(), (err, r) => {
+        results[i] = err || r;
+        resolve();
+      });
+      calls.push(call);
+      const [first] = this.api.appendMsgs(X, d.subarray(0, d.length / 2), n, 30, { dataWithHeader: true });
+      call.write(first);
+    }));
+    try {
+      await sleep(300);
+      await this.verify(X, 'while two appends are half sent, sequence');
+      calls[0].write({ data: datas[0].subarray(datas[0].length / 2) });
+      calls[0].end();
+      await done[0];
+      check(!(results[0] instanceof Error), `first append failed: ${results[0].details}`);
+      eq(results[0].sequence.num_tokens, String(n + 30), 'num_tokens after the first append');
+      ref.commit(0, 3, 30, datas[0]);
+      calls[1].write({ data: datas[1].subarray(datas[1].length / 2) });
+      calls[1].end();
+      await done[1];
+      check(results[1] instanceof Error, `both appends at token ${n} succeeded`);
+      check([S.FAILED_PRECONDITION, S.ABORTED].includes(results[1].code),
+            `losing append: expected FAILED_PRECONDITION/ABORTED, got ${statusName(results[1].code)}: ` +
+            results[1].details);
+      await this.verify(X, 'after the race, sequence');
+    } finally {
+      for (const c of calls) c.cancel();
+    }
+  }
+
   async tCancelledAppend() {
     const X = 'js-seq';
     const ref = this.refs.get(X);
@@ -912,6 +953,7 @@ class Suite {
     await this.verify('js-prefix-dst');
     eq((await this.stat('js-prefix-dst')).block_hashes, h, 'block_hashes of the grown sequence');
     eq(await this.lookup('js-prefix', h), [3, 3 * B], 'Lookup after growing from the prefix');
+    this.prefixChain = h;
 
     await this.expectUnchanged(S.NOT_FOUND, 'js-prefix-dst',
                                this.create('js-prefix-bad', 'js-prefix', { prefix_hashes: [h[0], bogus] }));
@@ -1045,6 +1087,19 @@ class Suite {
     console.log(`     stop ${((t1 - t0) / 1000).toFixed(2)} s, start ${((Date.now() - t1) / 1000).toFixed(2)} s`);
     for (const id of [...this.refs.keys()].sort()) await this.verify(id, `after restart, ${id}`);
     if (this.largeDigest !== null) await this.readLarge();
+    // Deletions are as durable as writes.
+    const api = this.api;
+    for (const gone of ['js-layers', 'js-prefix-src', 'js-tmp-1', 'js-tmp-2']) {
+      await expectCode(S.NOT_FOUND, api.unary('StatSequence', { sequence_id: idBuf(gone) }));
+    }
+    await expectCode(S.NOT_FOUND, api.unary('GetModel', { name: 'js-tmp' }));
+    const names = (await api.unary('ListModels', {})).models.map((m) => m.name);
+    for (const m of ['js-f16', 'js-prefix', 'js-f32', 'js-bf16']) {
+      check(names.includes(m), `models after restart: ${names}`);
+    }
+    if (this.prefixChain !== null) {
+      eq(await this.lookup('js-prefix', this.prefixChain), [3, 3 * this.B], 'Lookup after restart');
+    }
   }
 
   async tShutdown() {
@@ -1075,6 +1130,7 @@ class Suite {
       ['read errors', this.tErrorsRead],
       ['limits and overflow', this.tErrorsLimits],
       ['garbage messages', this.tErrorsGarbage],
+      ['append atomicity', this.tAppendAtomic],
       ['cancelled append', this.tCancelledAppend],
       ['prefix hash and lookup', this.tPrefix],
       ['engine-supplied hashes', this.tEngineHashes],
