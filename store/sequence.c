@@ -653,10 +653,8 @@ static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_
             if (p) {
                 /* Shared pages are sealed blocks at the same position. */
                 if (p->num_tokens != B || nt != B) {
-                    kvd__seq_free(s);
-                    return kvd_error_set(err, KVD_ECORRUPT,
-                                         "page %llu is referenced as a partial page twice",
-                                         (unsigned long long)pid);
+                    r.bad = 1;
+                    break;
                 }
             } else {
                 if (!(p = calloc(1, sizeof *p)) || kvd__map_put(pages, pid, p)) {

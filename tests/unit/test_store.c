@@ -646,6 +646,21 @@ static void test_corruption(void)
     CHECK(append(st, "s", 8, 0, 0, 6, 1, NULL, &err) == KVD_ECORRUPT, "append on corrupt tail");
     CHECK(seq_tokens(st, "s", UINT32_MAX) == 6, "tokens unchanged");
     kvd_store_close(st);
+
+    /* A damaged sequence record makes open fail with KVD_ECORRUPT. */
+    o = rocksdb_options_create();
+    rocksdb_options_set_enable_blob_files(o, 1);
+    db = rocksdb_open(o, dir, &e);
+    REQUIRE(!e, "raw open: %s", e);
+    wo = rocksdb_writeoptions_create();
+    rocksdb_put(db, wo, "Ss", 2, "\x01\x01m\x00", 4, &e);
+    REQUIRE(!e, "put: %s", e);
+    rocksdb_writeoptions_destroy(wo);
+    rocksdb_close(db);
+    rocksdb_options_destroy(o);
+    kvd_store_options so = {.data_dir = dir};
+    CHECK(kvd_store_open(&so, &st, &err) == KVD_ECORRUPT && st == NULL,
+          "truncated sequence record accepted: %s", err.msg);
     remove_dir();
 }
 
@@ -803,6 +818,32 @@ static void test_concurrency(void)
     remove_dir();
 }
 
+/* max_seq_tokens bounds appends and prefixes with RESOURCE_EXHAUSTED;
+ * sync_writes changes nothing visible. */
+static void test_limits(void)
+{
+    make_dir("limits");
+    kvd_store_options o = {.data_dir = dir, .page_tokens = B, .sync_writes = 1,
+                           .max_seq_tokens = 10};
+    kvd_store *st;
+    kvd_error err;
+    REQUIRE(kvd_store_open(&o, &st, &err) == 0, "open: %s", err.msg);
+    put_model(st, "m");
+    create(st, "s", "m");
+    CHECK(append(st, "s", 10, 0, 0, 0, 8, NULL, &err) == 0, "append: %s", err.msg);
+    CHECK(append(st, "s", 10, 0, 0, 8, 3, NULL, &err) == KVD_ENOMEM, "limit: %s", err.msg);
+    CHECK(append(st, "s", 10, 0, 0, 8, 2, NULL, &err) == 0, "up to the limit: %s", err.msg);
+    CHECK(read_check(st, "s", 10, 0, 0, 0, 0, 1000, "limited") == 0, "read");
+    kvd_store_close(st);
+    o.page_tokens = 0; /* 0 keeps the stored page size */
+    REQUIRE(kvd_store_open(&o, &st, &err) == 0, "reopen: %s", err.msg);
+    CHECK(read_check(st, "s", 10, 0, 0, 0, 0, 1000, "limited, reopened") == 0, "read");
+    kvd_store_close(st);
+    o.data_dir = NULL;
+    CHECK(kvd_store_open(&o, &st, &err) == KVD_EINVAL, "no data dir");
+    remove_dir();
+}
+
 int main(void)
 {
     test_persistence();
@@ -812,6 +853,7 @@ int main(void)
     test_list_and_model_delete();
     test_corruption();
     test_snapshot();
+    test_limits();
     test_concurrency();
     if (failures) {
         fprintf(stderr, "test_store: %d check(s) failed\n", failures);
