@@ -517,11 +517,26 @@ class Suite:
                           "dtype unspecified"),
                          (self.model("py-bad", 2, 2, 64, q_heads=3), "q_heads not multiple"),
                          (self.model("bad name!", 2, 2, 64), "bad name"),
-                         (self.model("", 2, 2, 64), "empty name")):
+                         (self.model("", 2, 2, 64), "empty name"),
+                         (self.model("x" * 129, 2, 2, 64), "129-byte name"),
+                         (self.model("py-bad", 1025, 2, 64), "num_layers 1025"),
+                         (self.model("py-bad", 2, 1025, 64), "num_kv_heads 1025"),
+                         (self.model("py-bad", 2, 2, 1025), "head_dim 1025")):
             try:
                 expect_code(SC.INVALID_ARGUMENT, self.put_model, bad)
             except CheckFailed as e:
                 raise CheckFailed("%s: %s" % (why, e))
+        m = self.model("py-bad", 2, 2, 64)
+        m.revision = "r" * 129
+        try:
+            expect_code(SC.INVALID_ARGUMENT, self.put_model, m)
+        except CheckFailed as e:
+            raise CheckFailed("129-byte revision: %s" % e)
+        expect_code(SC.NOT_FOUND, self.api.DeleteModel, pb.DeleteModelRequest(name="py-nope"),
+                    timeout=CALL_TIMEOUT)
+        # The longest valid name is fine.
+        self.put_model(self.model("n" * 128, 1, 1, 4))
+        self.api.DeleteModel(pb.DeleteModelRequest(name="n" * 128), timeout=CALL_TIMEOUT)
         g = self.api.GetModel(pb.GetModelRequest(name="py-f16"), timeout=CALL_TIMEOUT).model
         eq((g.num_layers, g.num_kv_heads, g.head_dim), (3, 2, 64),
            "py-f16 shape after failed PutModels")
@@ -544,6 +559,9 @@ class Suite:
         info = self.stat(b"py-seq")
         eq(info.num_tokens, n, "num_tokens")
         eq(info.sealed_pages, 3 * (n // B), "sealed_pages (full pages over all layers)")
+        check(info.stored_bytes >= len(ref.wire(0, 3, 0, n)),
+              "stored_bytes %d below the %d bytes of K+V appended"
+              % (info.stored_bytes, len(ref.wire(0, 3, 0, n))))
         # Sub-ranges: one layer across a page boundary, small chunks.
         hdr, data = self.api.read(b"py-seq", layer_start=1, num_layers=1, token_start=B - 5,
                                   num_tokens=65, max_chunk_bytes=777)
@@ -606,6 +624,11 @@ class Suite:
         self.expect_unchanged(SC.ALREADY_EXISTS, S, self.create, S, "py-f16")
         self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.create, b"", "py-f16")
         self.expect_unchanged(SC.INVALID_ARGUMENT, S, self.create, b"x" * 257, "py-f16")
+        # The longest valid id is fine.
+        longest = bytes(range(256))
+        eq(self.create(longest, "py-f16").sequence_id, longest, "256-byte id")
+        self.api.DeleteSequence(self.pb.DeleteSequenceRequest(sequence_id=longest),
+                                timeout=CALL_TIMEOUT)
 
     def t_errors_append(self):
         pb, api = self.pb, self.api
@@ -895,6 +918,43 @@ class Suite:
         check(r.freed_pages >= 0, "freed_pages")
         self.verify(b"py-prefix-dst", "prefix sequence after deleting its source:")
 
+    def t_prefix_more(self):
+        """Chaining from a prefix given by hashes alone; blocks count only once
+        every layer is sealed; prefixes are per model."""
+        pb, api = self.pb, self.api
+        B = self.B
+        h = self.prefix_chain
+        check(h is not None, "needs the prefix check")
+        rng = random.Random(8)
+        # From hashes only (no token ids): the next block chains from h[2].
+        ref = self.refs[b"py-prefix-h"] = Reference(2, 2, 32, 2, seed=9)
+        dst = self.refs[b"py-prefix-dst"]
+        for l in range(2):
+            ref.k[l] += dst.k[l][:3 * B * dst.row]
+            ref.v[l] += dst.v[l][:3 * B * dst.row]
+        info = self.create(b"py-prefix-h", "py-prefix", prefix_hashes=h)
+        eq((info.num_tokens, info.prefix_blocks), (3 * B, 3), "sequence from hashes only")
+        ids = [rng.getrandbits(32) for _ in range(B)]
+        # Layer by layer: the block is complete only with its last layer.
+        self.append_ref(b"py-prefix-h", ref, 0, 1, B, token_ids=ids)
+        eq(list(self.stat(b"py-prefix-h").block_hashes), h,
+           "block_hashes with one layer of block 3 sealed")
+        h3 = self.hash.chain(ids, B, parent=h[2])
+        r = api.Lookup(pb.LookupRequest(model="py-prefix", block_hashes=h + h3),
+                       timeout=CALL_TIMEOUT)
+        eq(r.matched_blocks, 3, "Lookup while block 3 lacks a layer")
+        self.append_ref(b"py-prefix-h", ref, 1, 1, B, token_ids=ids)
+        eq(list(self.stat(b"py-prefix-h").block_hashes), h + h3,
+           "block_hashes chained from a prefix given by hashes only")
+        r = api.Lookup(pb.LookupRequest(model="py-prefix", block_hashes=h + h3),
+                       timeout=CALL_TIMEOUT)
+        eq(r.matched_blocks, 4, "Lookup after block 3 is sealed on every layer")
+        self.verify(b"py-prefix-h")
+        self.verify(b"py-prefix-dst", "the sequence the prefix came from:")
+        # A chain stored for one model does not exist for another.
+        self.expect_unchanged(SC.NOT_FOUND, b"py-prefix-h", self.create, b"py-prefix-x",
+                              "py-f16", prefix_hashes=h[:1])
+
     def t_engine_hashes(self):
         B = self.B
         ref = self.refs[b"py-engine"] = Reference(2, 2, 32, 2, seed=6)
@@ -938,6 +998,7 @@ class Suite:
         self.put_model(self.model("py-tmp", 1, 1, 8))
         self.create(b"py-tmp-1", "py-tmp")
         self.create(b"py-tmp-2", "py-tmp")
+        self.api.append(b"py-tmp-1", b"\7" * (2 * 1 * 8 * 2 * 300), 0, 300)
         r = api.DeleteModel(pb.DeleteModelRequest(name="py-tmp", force=True),
                             timeout=CALL_TIMEOUT)
         eq(r.deleted_sequences, 2, "DeleteModel(force) deleted_sequences")
@@ -946,6 +1007,19 @@ class Suite:
         expect_code(SC.NOT_FOUND, api.StatSequence,
                     pb.StatSequenceRequest(sequence_id=b"py-tmp-1"), timeout=CALL_TIMEOUT)
         self.verify(b"py-seq", "py-seq after deleting model py-tmp:")
+        # Names come back clean: a new model of another shape under the old
+        # name, a sequence under the old id, and none of the old data.
+        self.put_model(self.model("py-tmp", 2, 1, 8))
+        ref = Reference(2, 1, 8, 2, seed=11)
+        info = self.create(b"py-tmp-1", "py-tmp")
+        eq((info.num_tokens, list(info.layer_tokens)), (0, [0, 0]), "re-created py-tmp-1")
+        self.refs[b"py-tmp-1"] = ref
+        self.append_ref(b"py-tmp-1", ref, 0, 2, 5)
+        self.verify(b"py-tmp-1")
+        del self.refs[b"py-tmp-1"]
+        r = api.DeleteModel(pb.DeleteModelRequest(name="py-tmp", force=True),
+                            timeout=CALL_TIMEOUT)
+        eq(r.deleted_sequences, 1, "DeleteModel(force) deleted_sequences")
 
     def t_large(self):
         """A model the size of an 8B-class LLM (32 layers x 8 KV heads x 128, f16):
@@ -1071,6 +1145,7 @@ class Suite:
             ("append atomicity", self.t_append_atomic),
             ("cancelled append", self.t_cancelled_append),
             ("prefix hash and lookup", self.t_prefix),
+            ("prefix chains, per layer", self.t_prefix_more),
             ("engine-supplied hashes", self.t_engine_hashes),
             ("list and delete", self.t_list_delete),
             ("concurrent clients", self.t_concurrent),
