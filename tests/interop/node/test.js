@@ -98,8 +98,10 @@ function parseArgs(argv) {
 // ---------------------------------------------------------------------------
 // Prefix hash through the helper: h_i = xxh3-64(le32 ids of block i, seed h_{i-1}).
 
-function prefixChain(hashTool, tokenIds, pageTokens) {
-  const out = execFileSync(hashTool, [], { input: `${pageTokens} ${tokenIds.join(' ')}\n` });
+function prefixChain(hashTool, tokenIds, pageTokens, parent = null) {
+  const out = parent === null
+    ? execFileSync(hashTool, [], { input: `${pageTokens} ${tokenIds.join(' ')}\n` })
+    : execFileSync(hashTool, ['-s'], { input: `${pageTokens} ${parent} ${tokenIds.join(' ')}\n` });
   return out.toString().split('\n').filter((l) => l.length > 0);
 }
 
@@ -626,6 +628,11 @@ class Suite {
       [this.model('js-bad', 2, 2, 64, { qHeads: 3 }), 'q_heads not multiple'],
       [this.model('bad name!', 2, 2, 64), 'bad name'],
       [this.model('', 2, 2, 64), 'empty name'],
+      [this.model('x'.repeat(129), 2, 2, 64), '129-byte name'],
+      [this.model('js-bad', 1025, 2, 64), 'num_layers 1025'],
+      [this.model('js-bad', 2, 1025, 64), 'num_kv_heads 1025'],
+      [this.model('js-bad', 2, 2, 1025), 'head_dim 1025'],
+      [{ ...this.model('js-bad', 2, 2, 64), revision: 'r'.repeat(129) }, '129-byte revision'],
     ];
     for (const [m, why] of bad) {
       try {
@@ -634,6 +641,10 @@ class Suite {
         throw new CheckFailed(`${why}: ${e.message}`);
       }
     }
+    await expectCode(S.NOT_FOUND, this.api.unary('DeleteModel', { name: 'js-nope' }));
+    // The longest valid name is fine.
+    await this.putModel(this.model('n'.repeat(128), 1, 1, 4));
+    await this.api.unary('DeleteModel', { name: 'n'.repeat(128) });
     const g = (await this.api.unary('GetModel', { name: 'js-f16' })).model;
     eq([g.num_layers, g.num_kv_heads, g.head_dim], [3, 2, 64], 'js-f16 shape after failed PutModels');
     const names = (await this.api.unary('ListModels', {})).models.map((x) => x.name);
@@ -655,6 +666,8 @@ class Suite {
     const st = await this.stat('js-seq');
     eq(st.num_tokens, String(n), 'num_tokens');
     eq(st.sealed_pages, String(3 * Math.floor(n / B)), 'sealed_pages (full pages over all layers)');
+    const raw = ref.wire(0, 3, 0, n).length;
+    check(Number(st.stored_bytes) >= raw, `stored_bytes ${st.stored_bytes} below the ${raw} bytes appended`);
     let r = await this.api.read('js-seq', { layerStart: 1, numLayers: 1, tokenStart: B - 5,
                                             numTokens: 65, maxChunk: 777 });
     eq([r.header.num_kv_heads, r.header.head_dim, r.header.dtype], [2, 64, 1], 'read header shape');
@@ -717,6 +730,10 @@ class Suite {
     await this.expectUnchanged(S.ALREADY_EXISTS, X, this.create(X, 'js-f16'));
     await this.expectUnchanged(S.INVALID_ARGUMENT, X, this.create('', 'js-f16'));
     await this.expectUnchanged(S.INVALID_ARGUMENT, X, this.create('x'.repeat(257), 'js-f16'));
+    // The longest valid id is fine.
+    const longest = Buffer.from(Array.from({ length: 256 }, (_, i) => i));
+    check((await this.create(longest, 'js-f16')).sequence_id.equals(longest), '256-byte id');
+    await this.api.unary('DeleteSequence', { sequence_id: longest });
   }
 
   async tErrorsAppend() {
@@ -973,6 +990,36 @@ class Suite {
     await this.verify('js-prefix-dst', 'prefix sequence after deleting its source:');
   }
 
+  // Chaining from a prefix given by hashes alone; blocks count only once every
+  // layer is sealed; prefixes are per model.
+  async tPrefixMore() {
+    const B = this.B;
+    const h = this.prefixChain;
+    check(h !== null, 'needs the prefix check');
+    const ref = new Reference(2, 2, 32, 2);
+    this.refs.set('js-prefix-h', ref);
+    const dst = this.refs.get('js-prefix-dst');
+    for (let l = 0; l < 2; l++) {
+      ref.k[l] = Buffer.from(dst.k[l].subarray(0, 3 * B * dst.row));
+      ref.v[l] = Buffer.from(dst.v[l].subarray(0, 3 * B * dst.row));
+    }
+    const info = await this.create('js-prefix-h', 'js-prefix', { prefix_hashes: h });
+    eq([info.num_tokens, info.prefix_blocks], [String(3 * B), '3'], 'sequence from hashes only');
+    const ids = Array.from({ length: B }, () => crypto.randomBytes(4).readUInt32LE(0));
+    await this.appendRef('js-prefix-h', ref, 0, 1, B, { tokenIds: ids });
+    eq((await this.stat('js-prefix-h')).block_hashes, h, 'block_hashes with one layer of block 3 sealed');
+    const h3 = prefixChain(this.args.hashTool, ids, B, h[2]);
+    eq((await this.lookup('js-prefix', [...h, ...h3]))[0], 3, 'Lookup while block 3 lacks a layer');
+    await this.appendRef('js-prefix-h', ref, 1, 1, B, { tokenIds: ids });
+    eq((await this.stat('js-prefix-h')).block_hashes, [...h, ...h3],
+       'block_hashes chained from a prefix given by hashes only');
+    eq((await this.lookup('js-prefix', [...h, ...h3]))[0], 4, 'Lookup after block 3 is sealed on every layer');
+    await this.verify('js-prefix-h');
+    await this.verify('js-prefix-dst', 'the sequence the prefix came from:');
+    await this.expectUnchanged(S.NOT_FOUND, 'js-prefix-h',
+                               this.create('js-prefix-x', 'js-f16', { prefix_hashes: h.slice(0, 1) }));
+  }
+
   async tEngineHashes() {
     const B = this.B;
     const ref = new Reference(2, 2, 32, 2);
@@ -1010,11 +1057,24 @@ class Suite {
     await this.putModel(this.model('js-tmp', 1, 1, 8));
     await this.create('js-tmp-1', 'js-tmp');
     await this.create('js-tmp-2', 'js-tmp');
+    await api.append('js-tmp-1', Buffer.alloc(2 * 8 * 2 * 300, 7), 0, 300);
     const r = await api.unary('DeleteModel', { name: 'js-tmp', force: true });
     eq(r.deleted_sequences, '2', 'DeleteModel(force) deleted_sequences');
     await expectCode(S.NOT_FOUND, api.unary('GetModel', { name: 'js-tmp' }));
     await expectCode(S.NOT_FOUND, api.unary('StatSequence', { sequence_id: Buffer.from('js-tmp-1') }));
     await this.verify('js-seq', 'js-seq after deleting model js-tmp:');
+    // Names come back clean: a new model of another shape under the old name,
+    // a sequence under the old id, and none of the old data.
+    await this.putModel(this.model('js-tmp', 2, 1, 8));
+    const ref = new Reference(2, 1, 8, 2);
+    const info = await this.create('js-tmp-1', 'js-tmp');
+    eq([info.num_tokens, info.layer_tokens], ['0', ['0', '0']], 're-created js-tmp-1');
+    this.refs.set('js-tmp-1', ref);
+    await this.appendRef('js-tmp-1', ref, 0, 2, 5);
+    await this.verify('js-tmp-1');
+    this.refs.delete('js-tmp-1');
+    const r2 = await api.unary('DeleteModel', { name: 'js-tmp', force: true });
+    eq(r2.deleted_sequences, '1', 'DeleteModel(force) deleted_sequences');
   }
 
   // A model the size of an 8B-class LLM (32 layers x 8 KV heads x 128, f16):
@@ -1133,6 +1193,7 @@ class Suite {
       ['append atomicity', this.tAppendAtomic],
       ['cancelled append', this.tCancelledAppend],
       ['prefix hash and lookup', this.tPrefix],
+      ['prefix chains, per layer', this.tPrefixMore],
       ['engine-supplied hashes', this.tEngineHashes],
       ['list and delete', this.tListDelete],
       ['concurrent clients', this.tConcurrent],
