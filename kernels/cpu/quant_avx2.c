@@ -11,14 +11,7 @@
 #include "common/quant_impl.h"
 #include "common/simd_avx2.h"
 
-KVD_AVX2_TARGET static inline uint16_t f16c_from_f32(float f)
-{
-    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-}
-
 KVD_AVX2_TARGET static inline float f16c_to_f32(uint16_t h) { return _cvtsh_ss(h); }
-
-KVD__DEFINE_QGROUP_MAKE(qgroup_make_f16c, KVD_AVX2_TARGET, f16c_from_f32, f16c_to_f32)
 
 KVD_AVX2_TARGET static inline float hmin8(__m256 v)
 {
@@ -63,6 +56,60 @@ KVD_AVX2_TARGET static inline __m256 draw8(__m256i idx, __m256i key)
     return _mm256_mul_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(1.0f / 16777216.0f));
 }
 
+/*
+ * kvd__qgroup_make for 8 groups at once: the same IEEE operations lane by
+ * lane (F16C conversions round to nearest even like the scalar ones), so the
+ * parameters are bit-identical to the scalar function's.
+ */
+typedef struct qgroup8 {
+    uint16_t min_h[8], scale_h[8];
+    float mn[8], inv[8];
+} qgroup8;
+
+KVD_AVX2_TARGET static inline __m256i f16_round_dir(__m256 v, __m256i h, int down)
+{
+    /* h: 8 f16 (one per 32-bit lane) that round-to-nearest gave for v; step
+     * one f16 toward -inf (down) or +inf (up, v >= 0) where it overshot */
+    __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    __m256 back = _mm256_cvtph_ps(h16);
+    if (down) {
+        __m256i over = _mm256_castps_si256(_mm256_cmp_ps(back, v, _CMP_GT_OQ));
+        __m256i neg = _mm256_cmpgt_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)),
+                                         _mm256_setzero_si256());
+        __m256i step = _mm256_blendv_epi8(_mm256_set1_epi32(-1), _mm256_set1_epi32(1), neg);
+        return _mm256_add_epi32(h, _mm256_and_si256(step, over));
+    }
+    __m256i under = _mm256_castps_si256(_mm256_cmp_ps(back, v, _CMP_LT_OQ));
+    return _mm256_sub_epi32(h, under); /* under is -1 where true */
+}
+
+KVD_AVX2_TARGET static inline void qgroup_make8(__m256 lo, __m256 hi, int bits, qgroup8 *g)
+{
+    const __m256 fmax = _mm256_set1_ps(65504.0f), fmin = _mm256_set1_ps(-65504.0f);
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 valid = _mm256_cmp_ps(lo, hi, _CMP_LE_OQ); /* else no finite value: 0, 0 */
+    lo = _mm256_and_ps(lo, valid);
+    hi = _mm256_and_ps(hi, valid);
+    lo = _mm256_min_ps(_mm256_max_ps(lo, fmin), fmax);
+    hi = _mm256_min_ps(_mm256_max_ps(hi, fmin), fmax);
+    __m256i hmin = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
+    hmin = f16_round_dir(lo, hmin, 1);
+    __m128i hmin16 = _mm_packus_epi32(_mm256_castsi256_si128(hmin), _mm256_extracti128_si256(hmin, 1));
+    __m256 mn = _mm256_cvtph_ps(hmin16);
+    __m256 s = _mm256_div_ps(_mm256_sub_ps(hi, mn), _mm256_set1_ps((float)((1 << bits) - 1)));
+    s = _mm256_max_ps(s, zero); /* !(s > 0) -> 0, as the scalar code */
+    __m256i hsc = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT));
+    hsc = f16_round_dir(s, hsc, 0);
+    __m128i hsc16 = _mm_packus_epi32(_mm256_castsi256_si128(hsc), _mm256_extracti128_si256(hsc, 1));
+    __m256 sc = _mm256_cvtph_ps(hsc16);
+    __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), sc),
+                               _mm256_cmp_ps(sc, zero, _CMP_GT_OQ));
+    _mm_storeu_si128((__m128i *)g->min_h, hmin16);
+    _mm_storeu_si128((__m128i *)g->scale_h, hsc16);
+    _mm256_storeu_ps(g->mn, mn);
+    _mm256_storeu_ps(g->inv, inv);
+}
+
 KVD_AVX2_TARGET
 void kvd__quant_row_avx2(const void *x, kvd_dtype dt, int64_t n, int bits, int group,
                          int stochastic, uint32_t key, uint32_t idx0, uint32_t idx_step, uint8_t *codes,
@@ -82,19 +129,30 @@ void kvd__quant_row_avx2(const void *x, kvd_dtype dt, int64_t n, int bits, int g
     const int64_t ng = n / group;
     const int64_t es = (int64_t)kvd_dtype_size(dt);
 
+    qgroup8 P8;
     for (int64_t g = 0; g < ng; g++) {
         const char *xg = (const char *)x + g * group * es;
-        __m256 lo = pinf, hi = ninf;
-        for (int k = 0; k < group; k += 8) {
-            __m256 v = kvd__ld8(xg + k * es, dt);
-            __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), pinf, _CMP_LT_OQ);
-            lo = _mm256_min_ps(lo, _mm256_blendv_ps(pinf, v, fin));
-            hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
+        const int lane = (int)(g & 7);
+        if (lane == 0) {
+            /* parameters of the next (up to) 8 groups in one vector pass */
+            float lo8[8] = {0}, hi8[8] = {0};
+            for (int l = 0; l < 8 && g + l < ng; l++) {
+                const char *xl = xg + l * group * es;
+                __m256 lo = pinf, hi = ninf;
+                for (int k = 0; k < group; k += 8) {
+                    __m256 v = kvd__ld8(xl + k * es, dt);
+                    __m256 fin = _mm256_cmp_ps(_mm256_and_ps(v, absmask), pinf, _CMP_LT_OQ);
+                    lo = _mm256_min_ps(lo, _mm256_blendv_ps(pinf, v, fin));
+                    hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
+                }
+                lo8[l] = hmin8(lo);
+                hi8[l] = hmax8(hi);
+            }
+            qgroup_make8(_mm256_loadu_ps(lo8), _mm256_loadu_ps(hi8), bits, &P8);
         }
-        kvd__qgroup G = qgroup_make_f16c(hmin8(lo), hmax8(hi), bits);
-        min[g] = G.min_h;
-        scale[g] = G.scale_h;
-        const __m256 vmn = _mm256_set1_ps(G.mn), vinv = _mm256_set1_ps(G.inv);
+        min[g] = P8.min_h[lane];
+        scale[g] = P8.scale_h[lane];
+        const __m256 vmn = _mm256_set1_ps(P8.mn[lane]), vinv = _mm256_set1_ps(P8.inv[lane]);
         __m256i vsum = _mm256_setzero_si256();
         uint8_t *out = codes + g * group * bits / 8;
 
@@ -209,17 +267,13 @@ void kvd__quant_tile_channel_avx2(const char *x0, int64_t xs, kvd_dtype dt, int6
             lo = _mm256_min_ps(lo, _mm256_blendv_ps(pinf, v, fin));
             hi = _mm256_max_ps(hi, _mm256_blendv_ps(ninf, v, fin));
         }
-        float lo8[8], hi8[8], mn8[8], inv8[8];
-        _mm256_storeu_ps(lo8, lo);
-        _mm256_storeu_ps(hi8, hi);
+        qgroup8 P8;
+        qgroup_make8(lo, hi, bits, &P8);
         for (int l = 0; l < 8; l++) {
-            kvd__qgroup G = qgroup_make_f16c(lo8[l], hi8[l], bits);
-            min[(d0 + l) * prow] = G.min_h;
-            scale[(d0 + l) * prow] = G.scale_h;
-            mn8[l] = G.mn;
-            inv8[l] = G.inv;
+            min[(d0 + l) * prow] = P8.min_h[l];
+            scale[(d0 + l) * prow] = P8.scale_h[l];
         }
-        const __m256 vmn = _mm256_loadu_ps(mn8), vinv = _mm256_loadu_ps(inv8);
+        const __m256 vmn = _mm256_loadu_ps(P8.mn), vinv = _mm256_loadu_ps(P8.inv);
         __m256i vsum = _mm256_setzero_si256();
         for (int k0 = 0; k0 < group; k0 += per) {
             __m256i acc = _mm256_setzero_si256();
