@@ -404,7 +404,13 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         }
         uint64_t size = kvd_page_raw_size(&d);
         kvd__page *np = calloc(1, sizeof *np);
-        page = malloc((size_t)size);
+        if (!page) {
+            /* One buffer, sized for a full page, serves every page of the
+             * layer: the batch keeps its own copy. */
+            kvd_page_desc full = d;
+            full.num_tokens = B;
+            page = malloc((size_t)kvd_page_raw_size(&full));
+        }
         if (!np || !page) {
             free(np);
             rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
@@ -440,9 +446,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         kvd__page_key(key, np->id);
         rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page,
                                (size_t)size);
-        free(page);
-        page = NULL;
     }
+    free(page);
     rocksdb_free(old);
     return 0;
 fail:
