@@ -501,6 +501,42 @@ static float exp_sub_sum(float *p, const float *s, int n, float m, int simd)
     return sum;
 }
 
+/* max of s[0..n), NaN if any is NaN, -inf if n == 0 */
+__attribute__((target("avx2,fma"))) static float block_max_avx2(const float *s, int n)
+{
+    __m256 m = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(s + i);
+        m = _mm256_max_ps(m, x);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    float b[8];
+    _mm256_storeu_ps(b, m);
+    float r = b[0];
+    for (int j = 1; j < 8; j++)
+        r = b[j] > r ? b[j] : r;
+    int nan = _mm256_movemask_ps(bad) != 0;
+    for (; i < n; i++) {
+        r = s[i] > r ? s[i] : r;
+        nan |= s[i] != s[i];
+    }
+    return nan ? NAN : r;
+}
+
+static float block_max(const float *s, int n, int simd)
+{
+    if (simd)
+        return block_max_avx2(s, n);
+    float r = -INFINITY;
+    int nan = 0;
+    for (int i = 0; i < n; i++) {
+        r = s[i] > r ? s[i] : r;
+        nan |= s[i] != s[i];
+    }
+    return nan ? NAN : r;
+}
+
 /*
  * Run one kv head over nsrc token sources in order (e.g. quantized blocks,
  * then the raw tail). For every block: src->scores writes G x n scaled
@@ -531,15 +567,7 @@ int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float
             int any = 0;
             for (int g = 0; g < G; g++) {
                 float *sg = s + (size_t)g * KVD__ATTN_BLOCK, *pg = p + (size_t)g * KVD__ATTN_BLOCK;
-                float bm = -INFINITY;
-                int nan = 0;
-                for (int i = 0; i < n; i++) {
-                    if (sg[i] > bm)
-                        bm = sg[i];
-                    nan |= sg[i] != sg[i];
-                }
-                if (nan)
-                    bm = NAN;
+                float bm = block_max(sg, n, simd);
                 float nm = (m[g] != m[g] || bm != bm) ? NAN : bm > m[g] ? bm : m[g];
                 if (nm == -INFINITY) {
                     memset(pg, 0, sizeof(float) * (size_t)n);

@@ -196,7 +196,7 @@ int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
 
 typedef struct int_ctx {
     const kvd_attn_int_args *a;
-    int h, G, D, Dv, simd;
+    int h, G, D, Dv, simd, vnni;
     int kbits, kper, kP, kng, kcols; /* kcols: 32-bit code columns per K row */
     float *sq;                       /* (G) s_q * softmax_scale */
     int8_t *q8;                      /* (G, D) */
@@ -265,18 +265,66 @@ __attribute__((target("avx2"))) static inline void transpose8x8(__m256i *r)
     r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
 }
 
-#define KVD__INT_MAXCOLS 128 /* D * bits / 32 <= 128: D <= 2048 (INT2) / 1024 (INT4) */
+#define KVD__INT_MAXCOLS 128
 
-__attribute__((target("avx2,fma,f16c"))) static void int_scores_avx2(void *vctx, int64_t t0, int n,
-                                                                     float *s, int ld)
+/* acc += per-32-bit-lane sum of 4 products u8 x i8 (AVX-VNNI vpdpbusd, VEX
+ * form). Emitted with inline assembly so this file needs no avxvnni target
+ * attribute; only called when the CPU reports AVX-VNNI. */
+__attribute__((target("avx2"))) static inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i i8)
 {
-    const int_ctx *c = vctx;
+    __asm__("{vex} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(i8));
+    return acc;
+} /* D * bits / 32 <= 128: D <= 2048 (INT2) / 1024 (INT4) */
+
+__attribute__((target("avx2,fma,f16c"))) static inline float f16c_at(const kvd_tensor *t, int64_t h,
+                                                                       int64_t r, int64_t g)
+{
+    uint16_t x;
+    memcpy(&x, (const char *)t->data + h * t->stride[0] + r * t->stride[1] + g * 2, 2);
+    return _cvtsh_ss(x);
+}
+
+/* 8 consecutive f16 at p as f32 */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 f16x8(const void *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* Scales (or mins) of 8 consecutive tokens, group grp, as one vector. When
+ * a token row holds 1 or 2 groups and rows are contiguous, these are 8 or 16
+ * consecutive f16 (deinterleaved for 2). */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 params8(const kvd_tensor *t, int64_t h,
+                                                                      int64_t t0, int grp, int ng)
+{
+    const char *base = (const char *)t->data + h * t->stride[0] + t0 * t->stride[1];
+    if (ng == 1 && t->stride[1] == 2)
+        return f16x8(base);
+    if (ng == 2 && t->stride[1] == 4) {
+        __m256 a = f16x8(base), b = f16x8(base + 16);
+        /* a = [t0g0 t0g1 t1g0 t1g1 | t2.. t3..], b likewise for t4..t7 */
+        __m256 e = grp ? _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)) : _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+    uint16_t x[8];
+    for (int r = 0; r < 8; r++)
+        memcpy(&x[r], base + r * t->stride[1] + grp * 2, 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4],
+                                          (short)x[5], (short)x[6], (short)x[7]));
+}
+
+/*
+ * Scores of a block, BITS a compile-time constant. cols 32-bit code columns
+ * per row, cpg per group.
+ */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+int_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int BITS, const int VNNI)
+{
     const kvd_attn_int_args *a = c->a;
-    int cols = c->kcols, per = c->kper, ng = c->kng, cpg = cols / ng;
-    int flush = c->kbits == 2 ? 8 : 4;
-    const __m256i mask = _mm256_set1_epi8((char)((1 << c->kbits) - 1)), ones = _mm256_set1_epi16(1);
+    const int PER = 8 / BITS, FLUSH = BITS == 2 ? 8 : 4;
+    int cols = c->kcols, ng = c->kng, cpg = cols / ng;
+    const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
     __m256i X[KVD__INT_MAXCOLS];
-    __m256i planes[4];
+    __m256i PL[KVD__INT_MAXCOLS][PER];
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         int64_t t = t0 + i;
@@ -295,35 +343,43 @@ __attribute__((target("avx2,fma,f16c"))) static void int_scores_avx2(void *vctx,
                     X[cc] = _mm256_loadu_si256((const __m256i *)tmp[cc - c0]);
             }
         }
-        /* scales and mins of the tile, per group as 8-token vectors */
-        float *sc = c->ktmp, *mn = c->ktmp + 8 * ng;
-        for (int r = 0; r < 8; r++)
-            for (int grp = 0; grp < ng; grp++) {
-                sc[grp * 8 + r] = f16_at(&a->k.scale, c->h, t + r, grp);
-                mn[grp * 8 + r] = f16_at(&a->k.min, c->h, t + r, grp);
-            }
+        for (int cc = 0; cc < cols; cc++)
+            _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                PL[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(X[cc], pl * BITS), mask);
+        __m256 sc[8], mn[8]; /* ng <= 8 on this path */
+        for (int grp = 0; grp < ng; grp++) {
+            sc[grp] = params8(&a->k.scale, c->h, t, grp, ng);
+            mn[grp] = params8(&a->k.min, c->h, t, grp, ng);
+        }
         for (int g = 0; g < c->G; g++) {
-            const int32_t *pat = c->qpat + (size_t)g * cols * per;
+            const int32_t *pat = c->qpat + (size_t)g * cols * PER;
             __m256 dot = _mm256_setzero_ps();
             for (int grp = 0; grp < ng; grp++) {
                 __m256i acc32 = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
-                for (int cc = grp * cpg, k = 0; cc < (grp + 1) * cpg; cc++) {
-                    __m256i x = X[cc];
-                    for (int pl = 0; pl < per; pl++) {
-                        planes[pl] = _mm256_and_si256(_mm256_srli_epi16(x, pl * c->kbits), mask);
+                if (VNNI) {
+                    /* one accumulator per plane: independent dependency chains */
+                    __m256i ap[PER];
+                    _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                        ap[pl] = _mm256_setzero_si256();
+                    for (int cc = grp * cpg; cc < (grp + 1) * cpg; cc++)
+                        _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                            ap[pl] = dpbusd(ap[pl], PL[cc][pl], _mm256_set1_epi32(pat[cc * PER + pl]));
+                    _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                        acc32 = _mm256_add_epi32(acc32, ap[pl]);
+                }
+                for (int cc = grp * cpg, k = 0; !VNNI && cc < (grp + 1) * cpg; cc++) {
+                    _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
-                            acc16, _mm256_maddubs_epi16(planes[pl], _mm256_set1_epi32(pat[cc * per + pl])));
-                    }
-                    if (++k == flush) {
+                            acc16, _mm256_maddubs_epi16(PL[cc][pl], _mm256_set1_epi32(pat[cc * PER + pl])));
+                    if (++k == FLUSH) {
                         acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                         acc16 = _mm256_setzero_si256();
                         k = 0;
                     }
                 }
                 acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
-                __m256 fs = _mm256_cvtepi32_ps(acc32);
-                dot = _mm256_fmadd_ps(fs, _mm256_loadu_ps(sc + grp * 8), dot);
-                dot = _mm256_fmadd_ps(_mm256_set1_ps(c->qsum[g * ng + grp]), _mm256_loadu_ps(mn + grp * 8), dot);
+                dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc32), sc[grp], dot);
+                dot = _mm256_fmadd_ps(_mm256_set1_ps(c->qsum[g * ng + grp]), mn[grp], dot);
             }
             _mm256_storeu_ps(s + (size_t)g * ld + i, _mm256_mul_ps(dot, _mm256_set1_ps(c->sq[g])));
         }
@@ -337,11 +393,26 @@ __attribute__((target("avx2,fma,f16c"))) static void int_scores_avx2(void *vctx,
     }
 }
 
+__attribute__((target("avx2,fma,f16c"))) static void int_scores_avx2(void *vctx, int64_t t0, int n,
+                                                                     float *s, int ld)
+{
+    const int_ctx *c = vctx;
+    if (c->vnni) {
+        if (c->kbits == 2)
+            int_scores_tpl(c, t0, n, s, ld, 2, 1);
+        else
+            int_scores_tpl(c, t0, n, s, ld, 4, 1);
+    } else if (c->kbits == 2)
+        int_scores_tpl(c, t0, n, s, ld, 2, 0);
+    else
+        int_scores_tpl(c, t0, n, s, ld, 4, 0);
+}
+
 static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
 {
     const int_ctx *c = vctx;
     if (c->simd && (c->D * c->kbits) % 32 == 0 && (c->kP * c->kbits) % 32 == 0 &&
-        c->kcols <= KVD__INT_MAXCOLS)
+        c->kcols <= KVD__INT_MAXCOLS && c->kng <= 8)
         int_scores_avx2(vctx, t0, n, s, ld);
     else
         int_scores_scalar(c, t0, n, s, ld);
@@ -374,55 +445,147 @@ static void int_values_channel_scalar(const int_ctx *c, int64_t t0, int n, const
     }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void
-int_values_channel_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
+/* uint8 quantization of one group's probabilities, vectorised; the same
+ * operations as quantize_p8 (min, max, (p - lo) * inv, round-half-even), so
+ * the codes are identical. n % 8 == 0. */
+__attribute__((target("avx2,fma"))) static void quantize_p8_avx2(const float *p, int n, uint8_t *p8,
+                                                                 float *mP, float *sP, int *sum8)
+{
+    __m256 lo = _mm256_loadu_ps(p), hi = lo;
+    for (int i = 8; i < n; i += 8) {
+        __m256 x = _mm256_loadu_ps(p + i);
+        lo = _mm256_min_ps(lo, x);
+        hi = _mm256_max_ps(hi, x);
+    }
+    float l8[8], h8[8];
+    _mm256_storeu_ps(l8, lo);
+    _mm256_storeu_ps(h8, hi);
+    float l = l8[0], h = h8[0];
+    for (int i = 1; i < 8; i++) {
+        l = l8[i] < l ? l8[i] : l;
+        h = h8[i] > h ? h8[i] : h;
+    }
+    float s = (h - l) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    __m256 vl = _mm256_set1_ps(l), vi = _mm256_set1_ps(inv), z = _mm256_setzero_ps(), top = _mm256_set1_ps(255.0f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), vl), vi),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(v, z), top);
+        __m256i q = _mm256_cvtps_epi32(v);
+        sum = _mm256_add_epi32(sum, q);
+        __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(p8 + i), _mm_packus_epi16(q16, q16));
+    }
+    int32_t sv[8];
+    _mm256_storeu_si256((__m256i *)sv, sum);
+    *sum8 = sv[0] + sv[1] + sv[2] + sv[3] + sv[4] + sv[5] + sv[6] + sv[7];
+    *mP = l;
+    *sP = s;
+}
+
+/* Element (h, d0 + r, grp) of a (Hkv, W, ng) u16 tensor for r = 0..7, as
+ * f32 (f16 values, or integers when `integer`). */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 param_col(const kvd_tensor *t, int64_t h, int64_t d0,
+                                                                        int64_t grp, int integer)
+{
+    const char *b = (const char *)t->data + h * t->stride[0] + d0 * t->stride[1] + grp * 2;
+    int64_t st = t->stride[1];
+    uint16_t x[8];
+    for (int r = 0; r < 8; r++)
+        memcpy(&x[r], b + r * st, 2);
+    __m128i v = _mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4], (short)x[5],
+                               (short)x[6], (short)x[7]);
+    return integer ? _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v)) : _mm256_cvtph_ps(v);
+}
+
+/* Code columns of 8 channel rows (COLS dwords each from `rows[r]`),
+ * transposed so lane r of X[c] is dword c of row r. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+load_cols(const uint8_t *const *rows, __m256i *X, const int COLS)
+{
+    if (COLS == 2) {
+        __m256 A = _mm256_castsi256_ps(_mm256_set_epi64x(*(const long long *)rows[3], *(const long long *)rows[2],
+                                                         *(const long long *)rows[1], *(const long long *)rows[0]));
+        __m256 B = _mm256_castsi256_ps(_mm256_set_epi64x(*(const long long *)rows[7], *(const long long *)rows[6],
+                                                         *(const long long *)rows[5], *(const long long *)rows[4]));
+        __m256 lo = _mm256_shuffle_ps(A, B, _MM_SHUFFLE(2, 0, 2, 0)), hi = _mm256_shuffle_ps(A, B, _MM_SHUFFLE(3, 1, 3, 1));
+        /* lo = [r0 r1 r4 r5 | r2 r3 r6 r7] */
+        X[0] = _mm256_permute4x64_epi64(_mm256_castps_si256(lo), _MM_SHUFFLE(3, 1, 2, 0));
+        X[1] = _mm256_permute4x64_epi64(_mm256_castps_si256(hi), _MM_SHUFFLE(3, 1, 2, 0));
+    } else if (COLS == 4) {
+        __m256i r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)rows[i + 4]),
+                                    _mm_loadu_si128((const __m128i *)rows[i]));
+        __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        X[0] = _mm256_unpacklo_epi64(t0, t2);
+        X[1] = _mm256_unpackhi_epi64(t0, t2);
+        X[2] = _mm256_unpacklo_epi64(t1, t3);
+        X[3] = _mm256_unpackhi_epi64(t1, t3);
+    } else {
+        for (int c0 = 0; c0 < COLS; c0 += 8) {
+            for (int r = 0; r < 8; r++)
+                X[c0 + r] = _mm256_loadu_si256((const __m256i *)(rows[r] + 4 * c0));
+            transpose8x8(X + c0);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc, const int BITS,
+               const int P, const int VNNI)
 {
     const kvd_attn_int_args *a = c->a;
-    int P = a->v.group, bits = a->v.bits, per = 8 / bits, cols = P * bits / 32;
-    int flush = bits == 2 ? 4 : 2;
-    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1)), ones = _mm256_set1_epi16(1);
-    uint8_t p8[256];
-    int32_t pat[KVD__ATTN_MAXG][16 * 4]; /* cols <= 16 (INT4, P = 128) */
+    const int PER = 8 / BITS, COLS = P * BITS / 32, FLUSH = BITS == 2 ? 4 : 2;
+    const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
+    _Alignas(32) uint8_t p8[P];
+    int32_t pat[KVD__ATTN_MAXG][COLS * PER];
     float mP[KVD__ATTN_MAXG], sP[KVD__ATTN_MAXG], corr[KVD__ATTN_MAXG];
+    const kvd_tensor *ct = &a->v.codes;
     for (int off = 0; off < n; off += P) {
-        int64_t grp = (t0 + off) / P, byte0 = (t0 + off) / per;
+        int64_t grp = (t0 + off) / P, byte0 = (t0 + off) / PER;
         for (int g = 0; g < c->G; g++) {
             int sum8;
-            quantize_p8(p + (size_t)g * ld + off, P, p8, &mP[g], &sP[g], &sum8);
-            build_patterns_u8(p8, cols, bits, pat[g]);
+            quantize_p8_avx2(p + (size_t)g * ld + off, P, p8, &mP[g], &sP[g], &sum8);
+            build_patterns_u8(p8, COLS, BITS, pat[g]);
             corr[g] = sP[g] * (float)sum8 + (float)P * mP[g];
         }
         for (int d0 = 0; d0 < c->Dv; d0 += 8) {
-            int32_t tmp[16][8];
-            float sc[8], mn[8], cs[8];
-            for (int r = 0; r < 8; r++) {
-                const uint8_t *cr = qrow(&a->v.codes, c->h, d0 + r) + byte0;
-                for (int cc = 0; cc < cols; cc++)
-                    memcpy(&tmp[cc][r], cr + 4 * cc, 4);
-                sc[r] = f16_at(&a->v.scale, c->h, d0 + r, grp);
-                mn[r] = f16_at(&a->v.min, c->h, d0 + r, grp);
-                cs[r] = (float)u16_at(&a->v.sum, c->h, d0 + r, grp);
-            }
-            __m256i planes[16][4];
-            for (int cc = 0; cc < cols; cc++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)tmp[cc]);
-                for (int pl = 0; pl < per; pl++)
-                    planes[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(x, pl * bits), mask);
-            }
-            __m256 vsc = _mm256_loadu_ps(sc), vmn = _mm256_loadu_ps(mn), vcs = _mm256_loadu_ps(cs);
+            const uint8_t *rows[8];
+            for (int r = 0; r < 8; r++)
+                rows[r] = (const uint8_t *)ct->data + c->h * ct->stride[0] + (d0 + r) * ct->stride[1] + byte0;
+            /* per-channel params of this group: 8 strided f16, assembled in
+             * registers (a store/reload would stall store forwarding) */
+            __m256 vsc = param_col(&a->v.scale, c->h, d0, grp, 0), vmn = param_col(&a->v.min, c->h, d0, grp, 0),
+                   vcs = param_col(&a->v.sum, c->h, d0, grp, 1);
+            __m256i X[COLS], PL[COLS][PER];
+            load_cols(rows, X, COLS);
+            _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
+                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                    PL[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(X[cc], pl * BITS), mask);
             for (int g = 0; g < c->G; g++) {
                 __m256i acc32 = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
-                for (int cc = 0, k = 0; cc < cols; cc++) {
-                    for (int pl = 0; pl < per; pl++)
+                if (VNNI) {
+                    __m256i ap[PER];
+                    _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                        ap[pl] = _mm256_setzero_si256();
+                    _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
+                        _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(pat[g][cc * PER + pl]), PL[cc][pl]);
+                    _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
+                        acc32 = _mm256_add_epi32(acc32, ap[pl]);
+                }
+                _Pragma("GCC unroll 16") for (int cc = 0; !VNNI && cc < COLS; cc++) {
+                    _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
-                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(pat[g][cc * per + pl]), planes[cc][pl]));
-                    if (++k == flush) {
+                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(pat[g][cc * PER + pl]), PL[cc][pl]));
+                    if ((cc + 1) % FLUSH == 0 || cc + 1 == COLS) {
                         acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                         acc16 = _mm256_setzero_si256();
-                        k = 0;
                     }
                 }
-                acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                 /* sc * (sP*S + mP*cs) + mn * (sP*sum8 + P*mP) */
                 __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(sP[g]), _mm256_cvtepi32_ps(acc32),
                                            _mm256_mul_ps(_mm256_set1_ps(mP[g]), vcs));
@@ -433,6 +596,26 @@ int_values_channel_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int
             }
         }
     }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void
+int_values_channel_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    int bits = c->a->v.bits, P = c->a->v.group;
+#define KVD__VT(B, PP)                                                   \
+    else if (bits == B && P == PP)                                       \
+    {                                                                    \
+        if (c->vnni)                                                     \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1);              \
+        else                                                             \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0);              \
+    }
+    if (0) {
+    }
+    KVD__VT(2, 32) KVD__VT(2, 64) KVD__VT(2, 128) KVD__VT(4, 32) KVD__VT(4, 64) KVD__VT(4, 128)
+#undef KVD__VT
+    else
+        int_values_channel_scalar(c, t0, n, p, ld, acc);
 }
 
 /* Token-axis values (KIVI): out_d += (p*scale) * c_d + p*min, codes of one
@@ -488,6 +671,7 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     if (G > KVD__ATTN_MAXG || Dv > 4096 || vblock == 0)
         return kvd_cpu_attn_int_ref(a);
     int simd = kvd__attn_simd(), rc = 0;
+    int vnni = simd && __builtin_cpu_supports("avxvnni") && !getenv("KVD_NO_VNNI");
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
     for (int h = 0; h < d->n_kv_heads; h++) {
@@ -499,6 +683,7 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
         c.D = D;
         c.Dv = Dv;
         c.simd = simd;
+        c.vnni = vnni;
         int kb = a->k.bits ? a->k.bits : 2;
         c.kbits = kb;
         c.kper = 8 / kb;
