@@ -91,16 +91,15 @@ static int is_loopback(const char *addr)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: bench_stream --kvdepot HOST:PORT --redis HOST:PORT [options]\n"
-            "  --sizes LIST     payload MiB per request, comma separated (default 1,4,16,64)\n"
-            "  --reps N         timed repetitions per size, median reported (default 5)\n"
-            "  --layers N       model layers (default 32)\n"
-            "  --kv-heads N     KV heads (default 8)\n"
-            "  --head-dim N     head dimension (default 128)\n"
-            "  --chunk-kib N    libkvdepot message size in KiB (default: library's)\n"
-            "  --csv FILE       also write the table as CSV\n"
-            "Both servers must listen on loopback addresses.\n");
+    fprintf(f, "usage: bench_stream --kvdepot HOST:PORT --redis HOST:PORT [options]\n"
+               "  --sizes LIST     payload MiB per request, comma separated (default 1,4,16,64)\n"
+               "  --reps N         timed repetitions per size, median reported (default 5)\n"
+               "  --layers N       model layers (default 32)\n"
+               "  --kv-heads N     KV heads (default 8)\n"
+               "  --head-dim N     head dimension (default 128)\n"
+               "  --chunk-kib N    libkvdepot message size in KiB (default: library's)\n"
+               "  --csv FILE       also write the table as CSV\n"
+               "Both servers must listen on loopback addresses.\n");
 }
 
 static int parse_uint(const char *s, unsigned long max, unsigned long *out)
@@ -264,8 +263,8 @@ static int bench_size(const bench_opts *o, kvdepot_client *kv, redisContext *rc,
         err = kvdepot_sequence_append(kv, &aa, NULL);
         double t1 = now_s();
         if (err) {
-            fprintf(stderr, "bench_stream: append %u MiB: %s: %s\n", mib,
-                    kvdepot_status_name(err), kvdepot_errmsg(kv));
+            fprintf(stderr, "bench_stream: append %u MiB: %s: %s\n", mib, kvdepot_status_name(err),
+                    kvdepot_errmsg(kv));
             return -1;
         }
 
@@ -282,8 +281,7 @@ static int bench_size(const bench_opts *o, kvdepot_client *kv, redisContext *rc,
             return -1;
         }
         if (res.kv_bytes != half || memcmp(back, kv_buf, payload) != 0) {
-            fprintf(stderr, "bench_stream: kvdepot read %u MiB: bytes differ from appended\n",
-                    mib);
+            fprintf(stderr, "bench_stream: kvdepot read %u MiB: bytes differ from appended\n", mib);
             return -1;
         }
         err = kvdepot_sequence_delete(kv, id, (size_t)idlen, NULL);
@@ -294,8 +292,9 @@ static int bench_size(const bench_opts *o, kvdepot_client *kv, redisContext *rc,
         }
 
         double t4 = now_s();
-        redisReply *r = redis_cmd(rc, "SET", redisCommand(rc, "SET %b %b", key, strlen(key),
-                                                          (const char *)kv_buf, payload));
+        redisReply *r = redis_cmd(
+            rc, "SET",
+            redisCommand(rc, "SET %b %b", key, strlen(key), (const char *)kv_buf, payload));
         double t5 = now_s();
         if (r == NULL)
             return -1;
@@ -415,8 +414,7 @@ int main(int argc, char **argv)
         if (o.csv_path) {
             FILE *f = fopen(o.csv_path, "w");
             if (f == NULL) {
-                fprintf(stderr, "bench_stream: cannot write %s: %s\n", o.csv_path,
-                        strerror(errno));
+                fprintf(stderr, "bench_stream: cannot write %s: %s\n", o.csv_path, strerror(errno));
                 rc_main = 1;
             } else {
                 fprintf(f, "payload_mib,kvdepot_append_mbps,kvdepot_read_mbps,redis_set_mbps,"
