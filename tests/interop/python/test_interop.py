@@ -393,9 +393,13 @@ class Suite:
         self.workdir = tempfile.mkdtemp(prefix="kvd-interop-py-")
         gen_dir = os.path.join(self.workdir, "gen")
         os.makedirs(gen_dir)
-        self.pb, self.hpb = load_generated(args.protoc, args.proto_dir,
-                                           args.health_proto_dir, gen_dir)
-        self.hash = PrefixHash()
+        try:
+            self.pb, self.hpb = load_generated(args.protoc, args.proto_dir,
+                                               args.health_proto_dir, gen_dir)
+            self.hash = PrefixHash()
+        except SystemExit:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         self.server = Server(args.kvdepotd, self.workdir)
         self.api = None
         self.refs = {}     # sequence id -> Reference
