@@ -124,9 +124,12 @@ class Server {
     fs.rmSync(portFile, { force: true });
     fs.mkdirSync(this.dataDir, { recursive: true });
     const log = fs.openSync(this.logPath, 'a');
-    const proc = spawn(this.exe, ['--listen', '127.0.0.1:0', '--data-dir', this.dataDir,
-                                  '--port-file', portFile],
-                       { stdio: ['ignore', log, log] });
+    const argv = [this.exe, '--listen', '127.0.0.1:0', '--data-dir', this.dataDir,
+                  '--port-file', portFile];
+    // setpriv (util-linux) makes the server die with this process, so a test
+    // killed by a timeout leaves no server behind; it execs, keeping the pid.
+    if (fs.existsSync('/usr/bin/setpriv')) argv.unshift('/usr/bin/setpriv', '--pdeathsig', 'KILL', '--');
+    const proc = spawn(argv[0], argv.slice(1), { stdio: ['ignore', log, log] });
     fs.closeSync(log);
     this.proc = proc;
     this.exitCode = null;

@@ -135,6 +135,16 @@ class PrefixHash:
 # The server under test
 
 
+def die_with_parent():
+    """In the child before exec: SIGKILL it when this process dies, so a test
+    killed by a timeout leaves no server behind."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Server:
     def __init__(self, exe, workdir):
         self.exe = exe
@@ -154,7 +164,8 @@ class Server:
             self.proc = subprocess.Popen(
                 [self.exe, "--listen", "127.0.0.1:0", "--data-dir", self.data_dir,
                  "--port-file", port_file],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent)
         except OSError as e:
             fatal("cannot start kvdepotd %r: %s" % (self.exe, e))
         finally:
