@@ -272,7 +272,7 @@ __attribute__((target("avx2"))) static inline void transpose8x8(__m256i *r)
  * attribute; only called when the CPU reports AVX-VNNI. */
 __attribute__((target("avx2"))) static inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i i8)
 {
-    __asm__("{vex} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(i8));
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(i8));
     return acc;
 } /* D * bits / 32 <= 128: D <= 2048 (INT2) / 1024 (INT4) */
 
