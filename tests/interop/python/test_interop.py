@@ -738,6 +738,70 @@ class Suite:
             self.verify(seq_id)
         self.verify(b"py-seq")
 
+    def t_delete_races(self):
+        """Deleting a sequence while it is read gives the reader all of it or an
+        error, never part; an append racing with a deletion fails; so does one
+        racing with a forced model deletion."""
+        pb, api = self.pb, self.api
+        self.put_model(self.model("py-race", 8, 8, 128))
+        tokens = 512  # 32 KiB per token: 16 MiB
+        data = os.urandom(tokens * 32 * 1024)
+        self.create(b"py-race-read", "py-race")
+        api.append(b"py-race-read", data, 0, tokens, chunks=MiB)
+        outcome = []
+
+        def reader():
+            try:
+                _, got = api.read(b"py-race-read", max_chunk_bytes=MiB)
+                outcome.append(("ok", got == data))
+            except grpc.RpcError as e:
+                outcome.append((e.code(), e.details()))
+            except CheckFailed as e:
+                outcome.append(("check", str(e)))
+
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.05)
+        api.DeleteSequence(pb.DeleteSequenceRequest(sequence_id=b"py-race-read"),
+                           timeout=CALL_TIMEOUT)
+        t.join(120)
+        check(outcome, "read racing with a delete did not finish")
+        check(outcome[0] == ("ok", True) or outcome[0][0] in (SC.NOT_FOUND, SC.ABORTED),
+              "read racing with a delete: %r" % (outcome[0],))
+
+        def racing_append(seq_id, delete):
+            self.create(seq_id, "py-race")
+            release = threading.Event()
+
+            def msgs():
+                yield pb.AppendRequest(header=pb.AppendHeader(
+                    sequence_id=seq_id, num_tokens=tokens, dtype=pb.DTYPE_F16), data=data[:MiB])
+                release.wait(30)
+                for i in range(MiB, len(data), MiB):
+                    yield pb.AppendRequest(data=data[i:i + MiB])
+
+            fut = api.Append.future(msgs(), timeout=CALL_TIMEOUT)
+            try:
+                time.sleep(0.3)
+                delete()
+            finally:
+                release.set()
+            try:
+                fut.result()
+                raise CheckFailed("append to %r succeeded across its deletion" % seq_id)
+            except grpc.RpcError as e:
+                check(e.code() in (SC.NOT_FOUND, SC.ABORTED),
+                      "append across deletion: %s: %s" % (e.code().name, e.details()))
+            expect_code(SC.NOT_FOUND, api.StatSequence,
+                        pb.StatSequenceRequest(sequence_id=seq_id), timeout=CALL_TIMEOUT)
+
+        racing_append(b"py-race-a", lambda: api.DeleteSequence(
+            pb.DeleteSequenceRequest(sequence_id=b"py-race-a"), timeout=CALL_TIMEOUT))
+        racing_append(b"py-race-b", lambda: api.DeleteModel(
+            pb.DeleteModelRequest(name="py-race", force=True), timeout=CALL_TIMEOUT))
+        check(self.server.alive(), "kvdepotd died")
+        self.verify(b"py-seq")
+
     def t_errors_read(self):
         api = self.api
         S = b"py-seq"
@@ -1135,9 +1199,19 @@ class Suite:
         check({"py-f16", "py-prefix", "py-f32", "py-bf16"} <= names,
               "models after restart: %r" % sorted(names))
         if self.prefix_chain is not None:
-            r = api.Lookup(pb.LookupRequest(model="py-prefix", block_hashes=self.prefix_chain),
+            h = self.prefix_chain
+            r = api.Lookup(pb.LookupRequest(model="py-prefix", block_hashes=h),
                            timeout=CALL_TIMEOUT)
-            eq(r.matched_blocks, len(self.prefix_chain), "Lookup after restart")
+            eq(r.matched_blocks, len(h), "Lookup after restart")
+            # A new sequence from the persisted prefix holds the same bytes.
+            B = self.B
+            dst = self.refs[b"py-prefix-dst"]
+            ref = self.refs[b"py-prefix-r"] = Reference(2, 2, 32, 2, seed=12)
+            for l in range(2):
+                ref.k[l] += dst.k[l][:len(h) * B * dst.row]
+                ref.v[l] += dst.v[l][:len(h) * B * dst.row]
+            self.create(b"py-prefix-r", "py-prefix", prefix_hashes=h)
+            self.verify(b"py-prefix-r", "sequence from the prefix after restart:")
 
     def t_shutdown(self):
         self.api.close()
@@ -1172,6 +1246,7 @@ class Suite:
             ("engine-supplied hashes", self.t_engine_hashes),
             ("list and delete", self.t_list_delete),
             ("concurrent clients", self.t_concurrent),
+            ("deletes racing reads/appends", self.t_delete_races),
             ("large %d MiB" % self.args.large_mib, self.t_large),
             ("restart", self.t_restart),
             ("shutdown", self.t_shutdown),
