@@ -263,13 +263,21 @@ class Api {
   }
 
   // Writes messages into a client stream, honouring back-pressure; `msgs` may
-  // be an array or a generator. `hold` (a promise) delays end() until it resolves.
+  // be an array or a generator.
   static async pump(call, msgs) {
+    let finished = false;
+    call.once('status', () => { finished = true; });
     for (const m of msgs) {
+      if (finished) break; // the server already answered: nothing more to send
       if (!call.write(m)) {
+        // Wait for room, or for the call to end (then no drain ever comes).
         await new Promise((resolve) => {
-          call.once('drain', resolve);
-          call.once('error', resolve);
+          const events = ['drain', 'error', 'status', 'close'];
+          const done = () => {
+            for (const ev of events) call.removeListener(ev, done);
+            resolve();
+          };
+          for (const ev of events) call.on(ev, done);
         });
       }
     }
@@ -839,6 +847,50 @@ class Suite {
     await this.verify('js-seq');
   }
 
+  // Deleting a sequence while it is read gives the reader all of it or an
+  // error, never part; an append racing with a deletion fails; so does one
+  // racing with a forced model deletion.
+  async tDeleteRaces() {
+    const api = this.api;
+    await this.putModel(this.model('js-race', 8, 8, 128));
+    const tokens = 512; // 32 KiB per token: 16 MiB
+    const data = crypto.randomBytes(tokens * 32 * 1024);
+    await this.create('js-race-read', 'js-race');
+    await api.append('js-race-read', data, 0, tokens, { chunks: MiB });
+    const reading = api.read('js-race-read', { maxChunk: MiB }).then(
+      (r) => ['ok', r.data.equals(data)], (e) => [e.code, e.details || e.message]);
+    await sleep(50);
+    await api.unary('DeleteSequence', { sequence_id: idBuf('js-race-read') });
+    const outcome = await reading;
+    check((outcome[0] === 'ok' && outcome[1] === true) || [S.NOT_FOUND, S.ABORTED].includes(outcome[0]),
+          `read racing with a delete: ${JSON.stringify(outcome)}`);
+
+    const racingAppend = async (id, del) => {
+      await this.create(id, 'js-race');
+      let result = null;
+      let call;
+      const done = new Promise((resolve) => {
+        call = api.client.Append(Api.deadline(), (err, r) => {
+          result = err || r;
+          resolve();
+        });
+      });
+      call.write(api.appendMsgs(id, data.subarray(0, MiB), 0, tokens, { dataWithHeader: true })[0]);
+      await sleep(300);
+      await del();
+      await Api.pump(call, split(data.subarray(MiB), MiB).map((d) => ({ data: d })));
+      await done;
+      check(result instanceof Error, `append to ${id} succeeded across its deletion`);
+      check([S.NOT_FOUND, S.ABORTED].includes(result.code),
+            `append across deletion: ${statusName(result.code)}: ${result.details}`);
+      await expectCode(S.NOT_FOUND, api.unary('StatSequence', { sequence_id: idBuf(id) }));
+    };
+    await racingAppend('js-race-a', () => api.unary('DeleteSequence', { sequence_id: idBuf('js-race-a') }));
+    await racingAppend('js-race-b', () => api.unary('DeleteModel', { name: 'js-race', force: true }));
+    check(this.server.alive(), 'kvdepotd died');
+    await this.verify('js-seq');
+  }
+
   async tErrorsGarbage() {
     const X = 'js-seq';
     for (const method of ['StatSequence', 'CreateSequence', 'PutModel', 'Lookup', 'GetModel',
@@ -1171,7 +1223,18 @@ class Suite {
       check(names.includes(m), `models after restart: ${names}`);
     }
     if (this.prefixChain !== null) {
-      eq(await this.lookup('js-prefix', this.prefixChain), [3, 3 * this.B], 'Lookup after restart');
+      const h = this.prefixChain;
+      eq(await this.lookup('js-prefix', h), [3, 3 * this.B], 'Lookup after restart');
+      // A new sequence from the persisted prefix holds the same bytes.
+      const dst = this.refs.get('js-prefix-dst');
+      const ref = new Reference(2, 2, 32, 2);
+      for (let l = 0; l < 2; l++) {
+        ref.k[l] = Buffer.from(dst.k[l].subarray(0, h.length * this.B * dst.row));
+        ref.v[l] = Buffer.from(dst.v[l].subarray(0, h.length * this.B * dst.row));
+      }
+      this.refs.set('js-prefix-r', ref);
+      await this.create('js-prefix-r', 'js-prefix', { prefix_hashes: h });
+      await this.verify('js-prefix-r', 'sequence from the prefix after restart:');
     }
   }
 
@@ -1210,6 +1273,7 @@ class Suite {
       ['engine-supplied hashes', this.tEngineHashes],
       ['list and delete', this.tListDelete],
       ['concurrent clients', this.tConcurrent],
+      ['deletes racing reads/appends', this.tDeleteRaces],
       [`large ${this.args.largeMib} MiB`, this.tLarge],
       ['restart', this.tRestart],
       ['shutdown', this.tShutdown],
