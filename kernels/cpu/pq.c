@@ -19,6 +19,10 @@
  *     token fails the single vector compare, which is what makes k = 2048
  *     nearly as cheap as k = 256. For long ranges the threshold starts from
  *     an estimate taken on a sample (guess_threshold), checked afterwards;
+ *   - on CPUs with AVX-512 VBMI (chosen at run time), long ranges with a
+ *     starting threshold are scanned 64 tokens at a time on 8-bit quantized
+ *     tables, and only tokens whose upper bound beats the threshold are
+ *     scored exactly (scan_vbmi); the AVX2 scan is the path everywhere else;
  *   - threads split the middle tokens into contiguous ranges, each with its
  *     own buffer; the per-thread winners are merged by one more selection.
  *     Selection is exact, so the result does not depend on the split.
@@ -505,9 +509,10 @@ __attribute__((target("avx2,fma"))) static void scan_avx2(int m, const uint8_t *
 
 /*
  * Starting threshold for the scan, from the exact scores of a strided sample
- * of 1024 middle tokens: the sample's r-th best, with r well above the
- * k * 1024 / nm sample tokens expected above the true k-th best. Starting
- * there, only ~1.3 k + O(sqrt k) tokens enter the buffer whatever the order
+ * of 1024 middle tokens: the sample's r-th best, with r = e + 3.5 sqrt(e) + 4
+ * where e = k * 1024 / nm sample tokens are expected above the true k-th
+ * best (a guess too high is then a ~1-in-5000 event). Starting there, only
+ * about k + 3.5 sqrt(k n / 1024) tokens enter the buffer whatever the order
  * of the scores (a rising trend along positions would otherwise push nearly
  * every token). The guess is only a filter: the caller checks that at least
  * k tokens passed it and rescans from scratch otherwise. NaN = no guess.
@@ -519,7 +524,7 @@ static float guess_threshold(int m, int G, kvd_pq_agg agg, const uint8_t *codes,
     if (nm < 16 * S)
         return NAN;
     double e = (double)S * (double)k / (double)nm;
-    int64_t r = (int64_t)ceil(1.3 * e + 3.0 * sqrt(e) + 4.0);
+    int64_t r = (int64_t)ceil(e + 3.5 * sqrt(e) + 4.0);
     if (r > S / 2)
         return NAN;
     uint64_t keys[S];
@@ -531,7 +536,188 @@ static float guess_threshold(int m, int G, kvd_pq_agg agg, const uint8_t *codes,
     select_topk(keys, S, r);
     if ((keys[r - 1] >> 32) == 0)
         return NAN;
-    return key_score(keys[r - 1]);
+    /* just below the guess, so tokens tied with it pass the strict test:
+     * with few distinct scores (small m and b) whole runs of ties sit there */
+    return nextafterf(key_score(keys[r - 1]), -INFINITY);
+}
+
+/*
+ * AVX-512 VBMI scan for m in {2, 4, 8, 16}: 64 tokens per step on 8-bit
+ * quantized tables, exact scores only for the tokens whose bound can beat
+ * the threshold.
+ *
+ * Quantized tables: qlut[j][c] = floor((LUT[j][c] - min_j) / delta), u8,
+ * delta = (largest per-sub-space range) / 255. For Q = sum_j qlut[j][code_j]
+ * the exact float score s obeys
+ *     s <= base + delta * (Q + m) + eps,   base = sum_j min_j,
+ * (+1 per sub-space for the floor; eps covers the float summation error,
+ * 2 m^2 2^-24 max|LUT|, and the rounding of the double quotient that gave
+ * the floor, m delta 1e-6). A token is
+ * re-scored exactly, with the reference's arithmetic, only when that bound
+ * exceeds the current threshold; every other token has s <= thr and the
+ * threshold scan would have dropped it too, so results stay exact.
+ *
+ * Codes arrive as rows (n, m); a step loads 64 rows (m zmm registers), groups
+ * each register's bytes by sub-space (vpermb), and transposes the m x m
+ * matrix of (64/m)-byte elements across the registers by block swaps, after
+ * which register j holds code j of the 64 tokens in token order. The 256-entry
+ * byte table lookup is two vpermi2b (entries 0-127, 128-255) and a blend on
+ * bit 7; sums go to u16 lanes (<= 16 * 255). Within a step the threshold is
+ * fixed (the buffer is made room for first), so the order in which a step's
+ * candidates are pushed does not matter.
+ */
+typedef struct pq_qlut {
+    uint8_t q[16][256]; /* quantized tables, m <= 16 */
+    double base, delta, eps;
+    int m;
+} pq_qlut;
+
+/* 0 when the tables cannot be quantized (non-finite entries, m > 16). */
+static int build_qlut(int m, int b, const float *lut, pq_qlut *ql)
+{
+    if (m > 16)
+        return 0;
+    const int ksub = 1 << b;
+    double range = 0, base = 0, amax = 0;
+    double mins[16];
+    for (int j = 0; j < m; j++) {
+        double lo = INFINITY, hi = -INFINITY;
+        for (int c = 0; c < ksub; c++) {
+            double v = lut[j * 256 + c];
+            if (!isfinite(v))
+                return 0;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+            amax = fabs(v) > amax ? fabs(v) : amax;
+        }
+        mins[j] = lo;
+        base += lo;
+        range = hi - lo > range ? hi - lo : range;
+    }
+    double delta = range > 0 ? range / 255.0 : 1.0;
+    for (int j = 0; j < m; j++)
+        for (int c = 0; c < 256; c++) {
+            double f = c < ksub ? floor((lut[j * 256 + c] - mins[j]) / delta) : 0.0;
+            ql->q[j][c] = (uint8_t)(f < 0 ? 0 : f > 255 ? 255 : f);
+        }
+    ql->base = base;
+    ql->delta = delta;
+    ql->eps = 2.0 * m * m * ldexp(1.0, -24) * amax + m * delta * 1e-6 + 1e-30;
+    ql->m = m;
+    return 1;
+}
+
+/* Largest Q whose bound does not exceed thr (tokens with Q above it are
+ * candidates); -1 = every token is one. */
+static int qlut_threshold(const pq_qlut *ql, float thr)
+{
+    double x = floor(((double)thr - ql->base - ql->eps) / ql->delta) - (double)ql->m;
+    if (!(x >= -1.0))
+        return -1;
+    return x > 32767.0 ? 32767 : (int)x;
+}
+
+#define VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma,bmi2")))
+
+static int has_vbmi(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("bmi2");
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+VBMI_TARGET __attribute__((always_inline)) static inline void
+scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
+            int64_t i1, topk_buf *tb)
+{
+    const int E = 64 / M; /* tokens per register = bytes per transposed element */
+    /* stage 1: byte q = j*E + t of the result takes byte t*M + j */
+    uint8_t perm1[64];
+    for (int q = 0; q < 64; q++)
+        perm1[q] = (uint8_t)((q % E) * M + q / E);
+    const __m512i p1 = _mm512_loadu_si512(perm1);
+    /* stage 2 index vectors (dword units) per block size s */
+    __m512i ia[4], ib[4];
+    const int ed = E / 4; /* dwords per element */
+    int ns = 0;
+    for (int sblk = M / 2; sblk >= 1; sblk /= 2, ns++) {
+        int32_t a[16], bb[16];
+        for (int p = 0; p < 16; p++) {
+            int k = p / ed, o = p % ed;
+            a[p] = (k & sblk) ? 16 + (k - sblk) * ed + o : p;
+            bb[p] = (k & sblk) ? 16 + p : (k + sblk) * ed + o;
+        }
+        ia[ns] = _mm512_loadu_si512(a);
+        ib[ns] = _mm512_loadu_si512(bb);
+    }
+    __m512i tab[16][4];
+    for (int j = 0; j < M; j++)
+        for (int t = 0; t < 4; t++)
+            tab[j][t] = _mm512_loadu_si512(ql->q[j] + 64 * t);
+    const __m512i lo8 = _mm512_set1_epi16(0x00FF);
+    int qthr = qlut_threshold(ql, tb->thr);
+    __m512i vq = _mm512_set1_epi16((short)qthr);
+    int64_t i = i0;
+    for (; i + 64 <= i1; i += 64) {
+        const uint8_t *p = codes + i * M;
+        __m512i r[16];
+        for (int j = 0; j < M; j++)
+            r[j] = _mm512_permutexvar_epi8(p1, _mm512_loadu_si512(p + 64 * j));
+        int st = 0;
+        for (int sblk = M / 2; sblk >= 1; sblk /= 2, st++)
+            for (int a = 0; a < M; a++) {
+                if (a & sblk)
+                    continue;
+                __m512i x = r[a], y = r[a + sblk];
+                r[a] = _mm512_permutex2var_epi32(x, ia[st], y);
+                r[a + sblk] = _mm512_permutex2var_epi32(x, ib[st], y);
+            }
+        __m512i ae = _mm512_setzero_si512(), ao = _mm512_setzero_si512();
+        for (int j = 0; j < M; j++) {
+            __m512i v = r[j];
+            __m512i l0 = _mm512_permutex2var_epi8(tab[j][0], v, tab[j][1]);
+            __m512i l1 = _mm512_permutex2var_epi8(tab[j][2], v, tab[j][3]);
+            __m512i q = _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), l0, l1);
+            ae = _mm512_add_epi16(ae, _mm512_and_si512(q, lo8));
+            ao = _mm512_add_epi16(ao, _mm512_srli_epi16(q, 8));
+        }
+        __mmask32 me = _mm512_cmpgt_epi16_mask(ae, vq), mo = _mm512_cmpgt_epi16_mask(ao, vq);
+        if (__builtin_expect((me | mo) != 0, 0)) {
+            if (tb->n + 64 > tb->cap) {
+                tb_compact(tb);
+                qthr = qlut_threshold(ql, tb->thr);
+                vq = _mm512_set1_epi16((short)qthr);
+            }
+            float thr = tb->thr;
+            uint64_t mask = _pdep_u64(me, 0x5555555555555555ull) |
+                            _pdep_u64(mo, 0xAAAAAAAAAAAAAAAAull);
+            while (mask) {
+                int l = __builtin_ctzll(mask);
+                mask &= mask - 1;
+                float sc = score_one(M, p + l * M, lut);
+                if (!(sc <= thr))
+                    tb_push(tb, sc, (uint32_t)(i + l));
+            }
+        }
+    }
+    scan_avx2(M, codes, lut, i, i1, tb);
+}
+
+VBMI_TARGET static void scan_vbmi(int m, const uint8_t *codes, const float *lut,
+                                  const pq_qlut *ql, int64_t i0, int64_t i1, topk_buf *tb)
+{
+    switch (m) {
+    case 2: scan_vbmi_m(2, codes, lut, ql, i0, i1, tb); break;
+    case 4: scan_vbmi_m(4, codes, lut, ql, i0, i1, tb); break;
+    case 8: scan_vbmi_m(8, codes, lut, ql, i0, i1, tb); break;
+    default: scan_vbmi_m(16, codes, lut, ql, i0, i1, tb); break;
+    }
 }
 
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
@@ -574,13 +760,23 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     }
     int use_simd = simd && p->agg != KVD_PQ_AGG_MAX && simd_ok(m);
     float thr0 = k > 0 ? guess_threshold(m, G, p->agg, codes, luts, lo, nm, k) : NAN;
+    pq_qlut *ql = NULL;
+    if (use_simd && !isnan(thr0) && (m == 2 || m == 4 || m == 8 || m == 16) && has_vbmi()) {
+        ql = malloc(sizeof *ql);
+        if (ql && !build_qlut(m, b, luts, ql)) {
+            free(ql);
+            ql = NULL;
+        }
+    }
     for (int attempt = 0; k > 0 && attempt < 2; attempt++) {
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
         for (int t = 0; t < nt; t++) {
             int64_t a = lo + (int64_t)t * per, e = a + per < hi ? a + per : hi;
             topk_buf tb = {bufs + (int64_t)t * cap, 0, cap, k, thr0};
             if (a < e) {
-                if (use_simd)
+                if (ql && !isnan(tb.thr))
+                    scan_vbmi(m, codes, luts, ql, a, e, &tb);
+                else if (use_simd)
                     scan_avx2(m, codes, luts, a, e, &tb);
                 else
                     scan_scalar(m, G, p->agg, codes, luts, a, e, &tb);
@@ -609,6 +805,7 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     if (c > k)
         c = k;
     rc = finish(n, m, G, p->agg, codes, luts, p, bufs, c, idx, scores, nout);
+    free(ql);
     free(bufs);
     free(counts);
     free(luts);

@@ -209,6 +209,12 @@ static void test_search_large(void)
     one_case(&r, 35000, 2, 8, 128, 3, 300, 2, 2, KVD_PQ_AGG_MAX, 0, 0);
     /* a NaN in the query: every score NaN, ranked by index */
     one_case(&r, 2000, 4, 8, 128, 4, 50, 1, 1, KVD_PQ_AGG_SUM, 0, 1);
+    one_case(&r, 40000, 4, 8, 128, 4, 50, 1, 1, KVD_PQ_AGG_SUM, 0, 1);
+    /* quantized-table scan (where the CPU has it) on every m, ties, k = 2048 */
+    one_case(&r, 60000, 4, 4, 128, 4, 256, 3, 3, KVD_PQ_AGG_SUM, 1, 0);
+    one_case(&r, 70000, 16, 8, 128, 4, 2048, 0, 7, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 70000, 2, 4, 128, 2, 256, 0, 0, KVD_PQ_AGG_SUM, 1, 0);
+    one_case(&r, 70000, 8, 6, 128, 4, 1000, 5, 0, KVD_PQ_AGG_SUM, 0, 0);
     /* forced ranges covering everything, overlapping each other */
     one_case(&r, 100, 4, 8, 128, 4, 10, 60, 60, KVD_PQ_AGG_SUM, 1, 0);
     one_case(&r, 100, 4, 8, 128, 4, 2048, 200, 0, KVD_PQ_AGG_SUM, 1, 0);
@@ -383,8 +389,47 @@ static void test_all_equal(void)
     free(codes);
 }
 
+/* Scores rising with the position (and runs of ties): every token beats
+ * the running threshold, the buffer is cut again and again. */
+static void test_rising(void)
+{
+    const int D = 128, m = 2, b = 8, dsub = D / m;
+    int64_t n = 50000;
+    float *C = malloc(sizeof(float) * m * 256 * dsub);
+    uint8_t *codes = malloc((size_t)n * m);
+    float Q[128];
+    for (int i = 0; i < D; i++)
+        Q[i] = 1.0f;
+    for (int j = 0; j < m; j++)
+        for (int c = 0; c < 256; c++)
+            for (int t = 0; t < dsub; t++)
+                C[((size_t)j * 256 + c) * dsub + t] = (float)c / 64.0f;
+    for (int64_t i = 0; i < n; i++)
+        codes[i * m] = codes[i * m + 1] = (uint8_t)(i * 256 / n);
+    const int64_t ks[] = {1, 256, 2048};
+    for (int ki = 0; ki < 3; ki++) {
+        kvd_pq_search_params p = {ks[ki], 2, 0, KVD_PQ_AGG_SUM};
+        int64_t cnt = kvd_pq_search_count(n, &p), rn = 0, fn = 0;
+        uint32_t *ri = malloc(4 * cnt), *fi = malloc(4 * cnt);
+        float *rs = malloc(4 * cnt), *fs = malloc(4 * cnt);
+        kvd_pq_search_ref(n, m, b, D, C, codes, 1, Q, &p, ri, rs, &rn);
+        for (int thr = 1; thr <= 2; thr++) {
+            kvd__pq_search_cpu(thr, 1, n, m, b, D, C, codes, 1, Q, &p, fi, fs, &fn);
+            TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
+                     "rising scores k=%lld threads=%d", (long long)ks[ki], thr);
+        }
+        free(ri);
+        free(fi);
+        free(rs);
+        free(fs);
+    }
+    free(C);
+    free(codes);
+}
+
 int main(void)
 {
+    test_rising();
     test_all_equal();
     test_hand();
     test_search_shapes();

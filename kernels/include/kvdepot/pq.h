@@ -120,8 +120,9 @@ int kvd_pq_search_ref(int64_t n, int m, int b, int D, const float *centroids,
 void kvd_pq_encode_ref(int64_t n, int m, int b, int D, const float *keys, const float *centroids,
                        uint8_t *codes);
 
-/* The CPU backend's paths: AVX2 gathers + threshold-pruned top-k when
- * simd != 0 and available, nthreads threads over tokens. */
+/* The CPU backend's paths: AVX2 gathers (or, where the CPU has AVX-512
+ * VBMI, quantized tables with exact re-scoring) + threshold-pruned top-k when
+ * simd != 0, nthreads threads over tokens. Bitwise the reference's result. */
 int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
                        const float *centroids, const uint8_t *codes, int G,
                        const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
