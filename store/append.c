@@ -225,7 +225,9 @@ int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_appen
     if (!s) {
         pthread_rwlock_unlock(&st->lock);
         free(ap);
-        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+        char idb[KVD__ID_STR_MAX];
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                             kvd__id_str(spec->seq_id, spec->seq_id_len, idb, sizeof idb));
     }
     const kvd_model_info *mi = &s->model->info;
     if (spec->dtype != mi->dtype) {
@@ -489,7 +491,9 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     size_t rlen = 0;
     rocksdb_writebatch_t *b = NULL;
     if (s->dead) {
-        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence was deleted during the append");
+        char idb[KVD__ID_STR_MAX];
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s was deleted during the append",
+                           kvd__id_str(s->id, s->id_len, idb, sizeof idb));
         goto out;
     }
     if ((rc = check_state(st, s, ap, err)) || (rc = plan_ids(st, s, ap, &pl, err)))

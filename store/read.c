@@ -70,7 +70,9 @@ int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **ou
     pthread_rwlock_rdlock(&st->lock);
     kvd__seq *s = kvd__seq_find(st, spec->seq_id, spec->seq_id_len, NULL);
     if (!s) {
-        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+        char idb[KVD__ID_STR_MAX];
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                           kvd__id_str(spec->seq_id, spec->seq_id_len, idb, sizeof idb));
         goto fail;
     }
     const kvd_model_info *mi = &s->model->info;

@@ -98,6 +98,29 @@ int kvd__check_seq_id(const void *id, size_t len, kvd_error *err)
     return 0;
 }
 
+const char *kvd__id_str(const void *id, size_t len, char *out, size_t cap)
+{
+    const uint8_t *p = id;
+    size_t o = 0;
+    out[o++] = '"';
+    for (size_t i = 0; i < len; i++) {
+        /* Room for this byte (up to 4), the closing quote, "..." and NUL. */
+        if (o + 4 + 5 > cap) {
+            memcpy(out + o, "\"...", 4);
+            o += 4;
+            out[o] = '\0';
+            return out;
+        }
+        if (p[i] >= 0x20 && p[i] < 0x7f && p[i] != '"' && p[i] != '\\')
+            out[o++] = (char)p[i];
+        else
+            o += (size_t)snprintf(out + o, cap - o, "\\x%02x", p[i]);
+    }
+    out[o++] = '"';
+    out[o] = '\0';
+    return out;
+}
+
 static int id_cmp(const void *a, size_t alen, const void *b, size_t blen)
 {
     int c = memcmp(a, b, alen < blen ? alen : blen);
@@ -343,7 +366,9 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
         goto out;
     }
     if (kvd__seq_find(st, id, id_len, &pos)) {
-        rc = kvd_error_set(err, KVD_EEXIST, "sequence already exists");
+        char idb[KVD__ID_STR_MAX];
+        rc = kvd_error_set(err, KVD_EEXIST, "sequence %s already exists",
+                           kvd__id_str(id, id_len, idb, sizeof idb));
         goto out;
     }
     ents = n_prefix ? malloc(n_prefix * sizeof *ents) : NULL;
@@ -432,8 +457,10 @@ int kvd_store_seq_stat(kvd_store *st, const void *id, size_t id_len, kvd_seq_inf
         return kvd_error_set(err, KVD_EINVAL, "sequence stat: NULL argument");
     pthread_rwlock_rdlock(&st->lock);
     kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
+    char idb[KVD__ID_STR_MAX];
     if (!s)
-        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                           kvd__id_str(id, id_len, idb, sizeof idb));
     else
         rc = kvd__seq_fill_info(st, s, out, err);
     pthread_rwlock_unlock(&st->lock);
@@ -524,13 +551,16 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
     if (s)
         atomic_fetch_add(&s->refs, 1);
     pthread_rwlock_unlock(&st->lock);
+    char idb[KVD__ID_STR_MAX];
     if (!s)
-        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                             kvd__id_str(id, id_len, idb, sizeof idb));
 
     pthread_mutex_lock(&s->mu);
     pthread_rwlock_wrlock(&st->lock);
     if (s->dead) {
-        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                           kvd__id_str(id, id_len, idb, sizeof idb));
         goto out;
     }
     /* A page is freed when this sequence holds its last reference; every

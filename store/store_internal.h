@@ -126,6 +126,11 @@ void kvd__page_key(uint8_t key[KVD__PAGE_KEY_LEN], uint64_t id);
 kvd__model *kvd__model_find(kvd_store *st, const char *name);
 kvd__seq *kvd__seq_find(kvd_store *st, const void *id, size_t id_len, size_t *pos);
 
+/* A sequence id for messages: printable ASCII as is, other bytes as \xNN,
+ * in double quotes, cut with "..." to fit (cap >= 16). Returns out. */
+#define KVD__ID_STR_MAX 80
+const char *kvd__id_str(const void *id, size_t len, char *out, size_t cap);
+
 /* Validate a sequence id argument. */
 int kvd__check_seq_id(const void *id, size_t len, kvd_error *err);
 

@@ -401,6 +401,16 @@ static void test_validation(void)
           "unknown model");
     CHECK(kvd_store_seq_create(st, "", 0, "m", NULL, 0, NULL, 0, NULL, &err) == KVD_EINVAL,
           "empty id");
+    /* Messages name the sequence, escaping bytes that are not printable. */
+    kvd_seq_info si;
+    CHECK(kvd_store_seq_stat(st, "\x01q\"", 3, &si, &err) == KVD_ENOTFOUND &&
+              strstr(err.msg, "sequence \"\\x01q\\x22\" not found"),
+          "message: %s", err.msg);
+    char longname[KVD_SEQ_ID_MAX];
+    memset(longname, 'z', sizeof longname);
+    CHECK(kvd_store_seq_stat(st, longname, sizeof longname, &si, &err) == KVD_ENOTFOUND &&
+              strstr(err.msg, "zzz\"... not found"),
+          "long id message: %s", err.msg);
     kvd_store_close(st);
     st = open_store(B);
     CHECK(read_check(st, "s", 3, 0, 0, 0, 0, 100, "reopen after failed appends") == 0, "read");
