@@ -220,6 +220,20 @@ int kvd_store_model_put(kvd_store *st, const kvd_model_info *m, int replace,
     if (rc)
         return rc;
     info.created_unix_ms = kvd__now_ms();
+    /* A page is one RocksDB value, and values are limited to 4 GiB. */
+    kvd_page_desc pd = {.dtype = info.dtype,
+                        .num_tokens = st->page_tokens,
+                        .page_tokens = st->page_tokens,
+                        .num_kv_heads = info.num_kv_heads,
+                        .head_dim = info.head_dim};
+    uint64_t pbytes = kvd_page_raw_size(&pd);
+    if (pbytes > KVD__MAX_PAGE_BYTES)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "a page of %u tokens x %u heads x %u dims in %s would be %llu bytes, "
+                             "over the %llu-byte limit",
+                             st->page_tokens, info.num_kv_heads, info.head_dim,
+                             kvd_dtype_name(info.dtype), (unsigned long long)pbytes,
+                             (unsigned long long)KVD__MAX_PAGE_BYTES);
 
     pthread_rwlock_wrlock(&st->lock);
     kvd__model *cur = kvd__model_find(st, info.name);

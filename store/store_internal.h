@@ -33,6 +33,7 @@
 #define KVD__KEY_SEQ 'S'
 #define KVD__KEY_PAGE 'P'
 #define KVD__PAGE_KEY_LEN 9
+#define KVD__MAX_PAGE_BYTES (3ull << 30) /* below RocksDB's 4 GiB value limit */
 
 /* One stored page. Sealed pages may be shared by several sequences through
  * the prefix index; the raw tail page of a layer belongs to one sequence. */

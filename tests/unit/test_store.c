@@ -386,6 +386,12 @@ static void test_validation(void)
     m.num_q_heads = 0;
     m.dtype = KVD_DTYPE_U8;
     CHECK(kvd_store_model_put(st, &m, 0, NULL, NULL, &err) == KVD_EINVAL, "dtype");
+    /* Pages of 4 tokens x 1024 x 1024 x f32 fit; the store refuses none of
+     * the shapes kvd_model_validate accepts at this page size. */
+    m.dtype = KVD_DTYPE_F32;
+    m.num_kv_heads = 1024;
+    m.head_dim = 1024;
+    CHECK(kvd_store_model_put(st, &m, 0, NULL, NULL, &err) == 0, "big shape: %s", err.msg);
     /* Re-put: identical is fine, another shape needs replace and no sequences. */
     kvd_model_info cur;
     CHECK(kvd_store_model_get(st, "m", &cur, &err) == 0, "get");
@@ -851,6 +857,21 @@ static void test_limits(void)
     kvd_store_close(st);
     o.data_dir = NULL;
     CHECK(kvd_store_open(&o, &st, &err) == KVD_EINVAL, "no data dir");
+    remove_dir();
+
+    /* With big pages, a model whose page would not fit one value is refused. */
+    make_dir("bigpages");
+    st = open_store(4096);
+    kvd_model_info m = {0};
+    snprintf(m.name, sizeof m.name, "huge");
+    m.num_layers = 1;
+    m.num_kv_heads = 1024;
+    m.head_dim = 1024;
+    m.dtype = KVD_DTYPE_F32;
+    CHECK(kvd_store_model_put(st, &m, 0, NULL, NULL, &err) == KVD_EINVAL &&
+              strstr(err.msg, "limit"),
+          "huge pages: %s", err.msg);
+    kvd_store_close(st);
     remove_dir();
 }
 
