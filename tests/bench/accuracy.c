@@ -51,6 +51,9 @@ typedef struct data {
 
 enum { NCAL = 512 };
 
+/* query scale: sets how peaked attention is (see the statistics printed) */
+static float qtemp = 0.08f;
+
 static void gen_lowrank(tu_rng *r, float *x, int64_t T, int L, const float *W, float noise, float tsig,
                         const int *outl, int nout, int rotary)
 {
@@ -134,7 +137,7 @@ static data make_data(int64_t T, uint64_t seed)
                 float acc = 0;
                 for (int l = 0; l < LK; l++)
                     acc += z[l] * Wk[l * D + j];
-                qg[j] = 0.8f * acc * sqrtf((float)D) / krms * 4.0f + 3.0f * sqrtf((float)D) / krms * 4.0f * u[j];
+                qg[j] = 0.8f * acc * sqrtf((float)D) / krms * 4.0f + 1.0f * sqrtf((float)D) / krms * 4.0f * u[j];
             }
             if (g < G && T > 16)
                 for (int nd = 0; nd < 8; nd++) {
@@ -147,6 +150,8 @@ static data make_data(int64_t T, uint64_t seed)
                 }
         }
     }
+    for (int i = 0; i < HQ * D; i++)
+        dd.q[i] *= qtemp;
     free(Wk), free(Wv);
     return dd;
 }
@@ -321,7 +326,7 @@ static vqcal vq_calibrate(const data *cal, int d, int b, int transform)
     c.lam = malloc(sizeof(float) * HKV * D);
     int64_t T = cal->T;
     float *kt = malloc(sizeof(float) * T * D);
-    kvd_kmeans_params km = {K, 12, 42, b > 8 ? 65536 : 0};
+    kvd_kmeans_params km = {K, 10, 42, b > 8 ? 32768 : 0};
     kvd_error err;
     for (int h = 0; h < HKV; h++) {
         kvd_tensor k = tn(KVD_DTYPE_F32, cal->k + h * T * D, 2, T, D, 0);
@@ -609,6 +614,15 @@ int main(int argc, char **argv)
 {
     int64_t maxT = argc > 1 ? atoll(argv[1]) : 32768;
     be = tu_cpu_backend(0, 0);
+    if (getenv("KVD_ACC_TEMP"))
+        qtemp = (float)atof(getenv("KVD_ACC_TEMP"));
+    if (getenv("KVD_ACC_STATS")) {
+        data d = make_data(maxT, 1000);
+        double top1, n90;
+        attn_stats(&d, &top1, &n90);
+        printf("T %lld temp %.3f: top-1 %.3f, 90%% mass in %.0f tokens\n", (long long)maxT, qtemp, top1, n90);
+        return 0;
+    }
     /* calibration set: a separate draw (same generator, other seed) */
     data cal = make_data(4096, 99);
     svdcal sv = svd_calibrate(&cal);
