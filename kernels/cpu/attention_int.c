@@ -492,7 +492,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 param_col(const kv
     const char *b = (const char *)t->data + h * t->stride[0] + d0 * t->stride[1] + grp * 2;
     int64_t st = t->stride[1];
     uint16_t x[8];
-    for (int r = 0; r < 8; r++)
+    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)
         memcpy(&x[r], b + r * st, 2);
     __m128i v = _mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4], (short)x[5],
                                (short)x[6], (short)x[7]);
@@ -552,10 +552,13 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
             build_patterns_u8(p8, COLS, BITS, pat[g]);
             corr[g] = sP[g] * (float)sum8 + (float)P * mP[g];
         }
+        const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + byte0;
+        const int64_t cst = ct->stride[1];
         for (int d0 = 0; d0 < c->Dv; d0 += 8) {
             const uint8_t *rows[8];
-            for (int r = 0; r < 8; r++)
-                rows[r] = (const uint8_t *)ct->data + c->h * ct->stride[0] + (d0 + r) * ct->stride[1] + byte0;
+            const uint8_t *r0 = cbase + d0 * cst;
+            _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)
+                rows[r] = r0 + r * cst;
             /* per-channel params of this group: 8 strided f16, assembled in
              * registers (a store/reload would stall store forwarding) */
             __m256 vsc = param_col(&a->v.scale, c->h, d0, grp, 0), vmn = param_col(&a->v.min, c->h, d0, grp, 0),
