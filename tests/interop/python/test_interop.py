@@ -211,6 +211,14 @@ class Server:
             self.proc.wait()
         self.proc = None
 
+    def vm_peak_kib(self):
+        """The server's peak virtual memory (VmPeak), in KiB."""
+        with open("/proc/%d/status" % self.proc.pid) as f:
+            for line in f:
+                if line.startswith("VmPeak:"):
+                    return int(line.split()[1])
+        raise CheckFailed("no VmPeak in /proc/%d/status" % self.proc.pid)
+
     def log_tail(self, lines=40):
         try:
             with open(self.log_path, errors="replace") as f:
@@ -709,6 +717,20 @@ class Suite:
                      timeout=CALL_TIMEOUT)
         g = api.GetModel(pb.GetModelRequest(name="py-rep"), timeout=CALL_TIMEOUT).model
         eq(g.num_layers, 5, "py-rep num_layers after replace")
+
+    def t_header_memory(self):
+        """A header promising 2^30 tokens (1.5 TiB) with 1 KiB behind it is
+        refused before the server sets memory aside for it: the claim is
+        untrusted until the bytes arrive."""
+        S = b"py-seq"
+        n = self.refs[S].tokens(0)
+        before = self.server.vm_peak_kib()
+        self.expect_unchanged((SC.INVALID_ARGUMENT, SC.RESOURCE_EXHAUSTED), S, self.api.append,
+                              S, b"\3" * 1024, n, 1 << 30)
+        grown = self.server.vm_peak_kib() - before
+        check(grown < 1024 * 1024,
+              "an Append header claiming 2^30 tokens grew kvdepotd's peak virtual memory by "
+              "%d MiB before any data arrived" % (grown // 1024))
 
     def t_concurrent(self):
         """Appends and reads from several threads at once, on one channel."""
@@ -1237,6 +1259,7 @@ class Suite:
             ("create errors", self.t_errors_create),
             ("append errors", self.t_errors_append),
             ("read errors", self.t_errors_read),
+            ("header reserves no memory", self.t_header_memory),
             ("limits and overflow", self.t_errors_limits),
             ("garbage messages", self.t_errors_garbage),
             ("append atomicity", self.t_append_atomic),
