@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <rocksdb/c.h>
@@ -875,6 +877,40 @@ static void test_limits(void)
     remove_dir();
 }
 
+/* Everything acknowledged survives the process being killed without a
+ * close (the WAL is written before an append returns). */
+static void test_crash(void)
+{
+    make_dir("crash");
+    pid_t pid = fork();
+    REQUIRE(pid >= 0, "fork");
+    if (pid == 0) {
+        kvd_store *st = open_store(B);
+        kvd_error err;
+        put_model(st, "m");
+        create(st, "s", "m");
+        create(st, "gone", "m");
+        if (append(st, "s", 11, 0, 0, 0, 7, NULL, &err) ||
+            append(st, "s", 11, 0, 1, 7, 2, NULL, &err) ||
+            kvd_store_seq_delete(st, "gone", 4, NULL, &err))
+            _exit(3);
+        kill(getpid(), SIGKILL);
+        _exit(4);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "child status %d", status);
+    kvd_store *st = open_store(B);
+    kvd_error err;
+    CHECK(seq_tokens(st, "s", 0) == 9 && seq_tokens(st, "s", 1) == 7, "tokens after crash");
+    CHECK(read_check(st, "s", 11, 0, 0, 0, 0, 100, "after crash") == 0, "read all layers");
+    CHECK(read_check(st, "s", 11, 0, 1, 0, 9, 100, "layer 0 after crash") == 0, "read layer 0");
+    kvd_seq_info info;
+    CHECK(kvd_store_seq_stat(st, "gone", 4, &info, &err) == KVD_ENOTFOUND, "deleted stays deleted");
+    kvd_store_close(st);
+    remove_dir();
+}
+
 int main(void)
 {
     test_persistence();
@@ -885,6 +921,7 @@ int main(void)
     test_corruption();
     test_snapshot();
     test_limits();
+    test_crash();
     test_concurrency();
     if (failures) {
         fprintf(stderr, "test_store: %d check(s) failed\n", failures);
