@@ -198,6 +198,13 @@ class Server {
     this.proc = null;
   }
 
+  // The server's peak virtual memory (VmPeak), in KiB.
+  vmPeakKib() {
+    const m = /^VmPeak:\s+(\d+)/m.exec(fs.readFileSync(`/proc/${this.proc.pid}/status`, 'utf8'));
+    if (!m) throw new CheckFailed(`no VmPeak in /proc/${this.proc.pid}/status`);
+    return Number(m[1]);
+  }
+
   logTail(lines = 40) {
     try {
       return fs.readFileSync(this.logPath, 'utf8').split('\n').slice(-lines).join('\n');
@@ -823,6 +830,21 @@ class Suite {
     eq(g.num_layers, 5, 'js-rep num_layers after replace');
   }
 
+  // A header promising 2^30 tokens (1.5 TiB) with 1 KiB behind it is refused
+  // before the server sets memory aside for it: the claim is untrusted until
+  // the bytes arrive.
+  async tHeaderMemory() {
+    const X = 'js-seq';
+    const n = this.refs.get(X).tokens(0);
+    const before = this.server.vmPeakKib();
+    await this.expectUnchanged([S.INVALID_ARGUMENT, S.RESOURCE_EXHAUSTED], X,
+                               this.api.append(X, Buffer.alloc(1024, 3), n, 2 ** 30));
+    const grown = this.server.vmPeakKib() - before;
+    check(grown < 1024 * 1024,
+          `an Append header claiming 2^30 tokens grew kvdepotd's peak virtual memory by ` +
+          `${Math.floor(grown / 1024)} MiB before any data arrived`);
+  }
+
   // Appends and reads from several concurrent streams on one channel.
   async tConcurrent() {
     const ids = [0, 1, 2, 3].map((i) => `js-conc-${i}`);
@@ -1264,6 +1286,7 @@ class Suite {
       ['create errors', this.tErrorsCreate],
       ['append errors', this.tErrorsAppend],
       ['read errors', this.tErrorsRead],
+      ['header reserves no memory', this.tHeaderMemory],
       ['limits and overflow', this.tErrorsLimits],
       ['garbage messages', this.tErrorsGarbage],
       ['append atomicity', this.tAppendAtomic],
