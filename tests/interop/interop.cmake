@@ -5,8 +5,9 @@
 #   interop_python        Debian python3-grpcio + python3-protobuf, protoc
 #   interop_node          @grpc/grpc-js + @grpc/proto-loader (npm ci in
 #                         tests/interop/node), Node >= 18
-#   interop_*_512mib      the same with the 4096-token x 32-layer x 8-head x
-#                         128-dim f16 sequence (512 MiB of K+V); label slow
+#   interop_*_512mib      the 4096-token x 32-layer x 8-head x 128-dim f16
+#                         sequence (512 MiB of K+V) appended, read back, read
+#                         again after a restart; label slow
 #
 # A missing prerequisite makes a test FAIL with a message saying what to
 # install; it never passes or skips silently (deploy/dev.sh test installs all).
@@ -52,10 +53,12 @@ foreach(mib 64 512)
     set(suffix "")
     set(labels interop)
     set(timeout 900)
+    set(only "")
   else()
     set(suffix _${mib}mib)
     set(labels "interop;slow")
     set(timeout 1800)
+    set(only --large-only)
   endif()
 
   if(KVD_INTEROP_PYTHON)
@@ -65,7 +68,7 @@ foreach(mib 64 512)
                      --proto-dir ${KVD_PROTO_SRC_DIR}
                      --health-proto-dir ${KVD_GRPC_PROTO_DIR}
                      --protoc ${kvd_interop_protoc}
-                     --large-mib ${mib})
+                     --large-mib ${mib} ${only})
     set_tests_properties(interop_python${suffix} PROPERTIES LABELS "${labels}"
                          TIMEOUT ${timeout} ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
   else()
@@ -79,7 +82,7 @@ foreach(mib 64 512)
                      --proto-dir ${KVD_PROTO_SRC_DIR}
                      --health-proto-dir ${KVD_GRPC_PROTO_DIR}
                      --hash-tool $<TARGET_FILE:kvd_prefix_hash>
-                     --large-mib ${mib})
+                     --large-mib ${mib} ${only})
     set_tests_properties(interop_node${suffix} PROPERTIES LABELS "${labels}"
                          TIMEOUT ${timeout})
   else()

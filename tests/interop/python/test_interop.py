@@ -10,7 +10,7 @@ hash is computed with libxxhash through ctypes, from the definition in the
 
 Usage:
     test_interop.py --kvdepotd PATH --proto-dir DIR --health-proto-dir DIR
-                    [--protoc PATH] [--large-mib N] [--keep]
+                    [--protoc PATH] [--large-mib N] [--large-only] [--keep]
 
 Each check prints "ok" or "FAIL" with the reason; the last line is
 "interop-python: N passed, N failed" and the exit status is non-zero when a
@@ -1209,6 +1209,8 @@ class Suite:
             self.verify(seq_id, "after restart, %r" % seq_id)
         if self.large_digest is not None:
             self.read_large(self.args.large_mib * 8, self.args.large_mib * 8 * 128 * 1024)
+        if self.args.large_only:
+            return
         # Deletions are as durable as writes.
         pb, api = self.pb, self.api
         for gone in (b"py-layers", b"py-prefix-src", b"py-tmp-1", b"py-tmp-2"):
@@ -1274,6 +1276,9 @@ class Suite:
             ("restart", self.t_restart),
             ("shutdown", self.t_shutdown),
         ]
+        if self.args.large_only:
+            keep = ("health", "large %d MiB" % self.args.large_mib, "restart", "shutdown")
+            checks = [c for c in checks if c[0] in keep]
         for name, fn in checks:
             if not self.server.alive():
                 # Without a server the rest cannot say anything: count them failed.
@@ -1301,6 +1306,8 @@ def main():
                     help="directory holding grpc/health/v1/health.proto")
     ap.add_argument("--protoc", default=shutil.which("protoc") or "protoc")
     ap.add_argument("--large-mib", type=int, default=64, help="size of the large case (MiB)")
+    ap.add_argument("--large-only", action="store_true",
+                    help="run only the large case (with health, restart and shutdown)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args()
     if args.large_mib < 1:
