@@ -766,6 +766,7 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
                        float *scores, int64_t *nout)
 {
     *nout = 0;
+    int allow_vbmi = simd == 1; /* 2 = AVX2 only (tests, benchmarks) */
     simd = simd && kvd_cpu_has_avx2_fma();
     float *luts = NULL;
     int rc = build_luts(simd, m, b, D, centroids, G, queries, p->agg, &luts);
@@ -799,7 +800,8 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     int use_simd = simd && p->agg != KVD_PQ_AGG_MAX && simd_ok(m);
     float thr0 = k > 0 ? guess_threshold(m, G, p->agg, codes, luts, lo, nm, k) : NAN;
     pq_qlut *ql = NULL;
-    if (use_simd && !isnan(thr0) && (m == 2 || m == 4 || m == 8 || m == 16) && has_vbmi()) {
+    if (use_simd && !isnan(thr0) && (m == 2 || m == 4 || m == 8 || m == 16) && allow_vbmi &&
+        has_vbmi()) {
         ql = malloc(sizeof *ql);
         if (ql && !build_qlut(m, b, luts, ql)) {
             free(ql);

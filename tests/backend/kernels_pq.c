@@ -146,7 +146,7 @@ static void one_case(tu_rng *r, int64_t n, int m, int b, int D, int G, int64_t k
                  (long long)n, m, b, G, (long long)k, (long long)sink, (long long)window, ties);
     }
     for (int threads = 1; threads <= 3; threads += 2) {
-        for (int simd = 0; simd <= 1; simd++) {
+        for (int simd = 0; simd <= 2; simd++) {
             tu_buf oi = tu_buf_new(sizeof(uint32_t) * cap), os = tu_buf_new(sizeof(float) * cap);
             int64_t fn = -1;
             rc = kvd__pq_search_cpu(threads, simd, n, m, b, D, C, codes, G, Q, &p, oi.data,
@@ -413,8 +413,9 @@ static void test_rising(void)
         uint32_t *ri = malloc(4 * cnt), *fi = malloc(4 * cnt);
         float *rs = malloc(4 * cnt), *fs = malloc(4 * cnt);
         kvd_pq_search_ref(n, m, b, D, C, codes, 1, Q, &p, ri, rs, &rn);
-        for (int thr = 1; thr <= 2; thr++) {
-            kvd__pq_search_cpu(thr, 1, n, m, b, D, C, codes, 1, Q, &p, fi, fs, &fn);
+        for (int thr = 1; thr <= 4; thr++) {
+            kvd__pq_search_cpu((thr + 1) / 2, 1 + (thr & 1), n, m, b, D, C, codes, 1, Q, &p, fi,
+                               fs, &fn);
             TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
                      "rising scores k=%lld threads=%d", (long long)ks[ki], thr);
         }

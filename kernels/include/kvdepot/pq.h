@@ -121,8 +121,10 @@ void kvd_pq_encode_ref(int64_t n, int m, int b, int D, const float *keys, const 
                        uint8_t *codes);
 
 /* The CPU backend's paths: AVX2 gathers (or, where the CPU has AVX-512
- * VBMI, quantized tables with exact re-scoring) + threshold-pruned top-k when
- * simd != 0, nthreads threads over tokens. Bitwise the reference's result. */
+ * VBMI, quantized tables with exact re-scoring) + threshold-pruned top-k,
+ * nthreads threads over tokens. Bitwise the reference's result.
+ * kvd__pq_search_cpu: simd 0 = scalar scan, 1 = the best the CPU has,
+ * 2 = AVX2 only (tests and benchmarks). */
 int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
                        const float *centroids, const uint8_t *codes, int G,
                        const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
