@@ -52,7 +52,8 @@ typedef struct data {
 enum { NCAL = 512 };
 
 /* query scale: sets how peaked attention is (see the statistics printed) */
-static float qtemp = 0.08f;
+static float qtemp = 1.0f;
+#define LOGIT_STD 2.0
 
 static void gen_lowrank(tu_rng *r, float *x, int64_t T, int L, const float *W, float noise, float tsig,
                         const int *outl, int nout, int rotary)
@@ -125,7 +126,7 @@ static data make_data(int64_t T, uint64_t seed)
         /* sinks: the first 4 tokens lean on u */
         for (int t = 0; t < 4 && t < T; t++)
             for (int j = 0; j < D; j++)
-                K[t * D + j] += 1.5f * krms * u[j];
+                K[t * D + j] += 1.0f * krms * u[j];
         /* queries in the key subspace, + u, + needles; calibration queries
          * drawn the same way (without needles) */
         for (int g = 0; g < G + NCAL; g++) {
@@ -150,8 +151,25 @@ static data make_data(int64_t T, uint64_t seed)
                 }
         }
     }
-    for (int i = 0; i < HQ * D; i++)
-        dd.q[i] *= qtemp;
+    /* set the logit scale: per query head, the spread of q.k / sqrt(D) over
+     * the tokens gets standard deviation LOGIT_STD * qtemp; the sinks and
+     * needles then stand out of that spread as they do in real models */
+    for (int hq = 0; hq < HQ; hq++) {
+        const float *K = dd.k + (size_t)(hq / G) * T * D;
+        float *qg = dd.q + (size_t)hq * D;
+        double s1 = 0, s2 = 0;
+        for (int64_t t = 0; t < T; t++) {
+            double l = 0;
+            for (int j = 0; j < D; j++)
+                l += (double)qg[j] * K[t * D + j];
+            l /= sqrt((double)D);
+            s1 += l;
+            s2 += l * l;
+        }
+        double sd = sqrt(fmax(s2 / T - (s1 / T) * (s1 / T), 1e-30));
+        for (int j = 0; j < D; j++)
+            qg[j] *= (float)(LOGIT_STD * qtemp / sd);
+    }
     free(Wk), free(Wv);
     return dd;
 }
