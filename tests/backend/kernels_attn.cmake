@@ -10,3 +10,8 @@ add_executable(test_kernels_attn ${CMAKE_CURRENT_LIST_DIR}/kernels_attn.c)
 target_link_libraries(test_kernels_attn PRIVATE kvd_testutil kvd_kernels m)
 add_test(NAME kernels_attn COMMAND test_kernels_attn)
 set_tests_properties(kernels_attn PROPERTIES LABELS "unit;backend" TIMEOUT 120)
+
+add_executable(test_kernels_svd ${CMAKE_CURRENT_LIST_DIR}/kernels_svd.c)
+target_link_libraries(test_kernels_svd PRIVATE kvd_testutil kvd_kernels m)
+add_test(NAME kernels_svd COMMAND test_kernels_svd)
+set_tests_properties(kernels_svd PROPERTIES LABELS "unit;backend" TIMEOUT 60)

@@ -1,0 +1,107 @@
+/*
+ * SVD reduction (ZACK) building blocks: Gram accumulation, the Jacobi
+ * eigen-decomposition (reconstruction, orthonormality, order, a hand case),
+ * kept widths from a removal rate, projection fast = reference and its
+ * inverse. Attention on reduced dims is tested in kernels_attn.c.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvdepot/svd.h"
+#include "testutil.h"
+
+static void test_eigen(tu_rng *rng)
+{
+    /* eigen-decomposition reconstructs, R orthonormal, eigenvalues descending */
+    const int ns[] = {1, 2, 5, 64, 128};
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+        int n = ns[ni];
+        double *a = calloc((size_t)n * n, sizeof(double)), *ev = malloc(sizeof(double) * n),
+               *V = malloc(sizeof(double) * n * n);
+        float *x = malloc(sizeof(float) * (size_t)3 * n * n);
+        tu_fill_normal(rng, x, (size_t)3 * n * n, 1.0f);
+        TU_CHECK(kvd_svd_gram_accumulate(a, n, x, KVD_DTYPE_F32, 3 * n, 4 * n, 1.0, NULL) == 0, "gram");
+        TU_CHECK(kvd_svd_eigh(a, n, ev, V, NULL) == 0, "eigh n=%d", n);
+        double anorm = 0, rerr = 0, oerr = 0;
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < n; j++) {
+                double r = 0, o = 0;
+                for (int k = 0; k < n; k++) {
+                    r += V[i * n + k] * ev[k] * V[j * n + k];
+                    o += V[k * n + i] * V[k * n + j];
+                }
+                anorm += a[i * n + j] * a[i * n + j];
+                rerr += (r - a[i * n + j]) * (r - a[i * n + j]);
+                oerr = fmax(oerr, fabs(o - (i == j)));
+            }
+        TU_CHECK(sqrt(rerr / anorm) < 1e-10, "eigh n=%d reconstruction %.3g", n, sqrt(rerr / anorm));
+        TU_CHECK(oerr < 1e-10, "eigh n=%d orthonormality %.3g", n, oerr);
+        for (int i = 1; i < n; i++)
+            TU_CHECK(ev[i] <= ev[i - 1], "eigh n=%d order", n);
+        free(a), free(ev), free(V), free(x);
+    }
+    /* hand case: diag(1, 4, 2) -> 4, 2, 1 with unit vectors e1, e2, e0 */
+    double dm[9] = {1, 0, 0, 0, 4, 0, 0, 0, 2}, ev[3], V[9];
+    TU_CHECK(kvd_svd_eigh(dm, 3, ev, V, NULL) == 0, "eigh diag");
+    TU_CHECK(ev[0] == 4 && ev[1] == 2 && ev[2] == 1 && V[1 * 3 + 0] == 1 && V[2 * 3 + 1] == 1 && V[0 * 3 + 2] == 1,
+             "eigh diag values");
+    /* kept widths */
+    float sv[4] = {4, 3, 2, 1};
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.0, 1) == 4, "rate 0 keeps all");
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.1, 1) == 3, "rate 0.1 -> 3, got %d", kvd_svd_kept_width(sv, 4, 0.1, 1));
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.3, 1) == 2, "rate 0.3 -> 2");
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 0.3, 3) == 3, "rate 0.3 align 3 -> 3");
+    TU_CHECK(kvd_svd_kept_width(sv, 4, 1.0, 1) == 1, "rate 1 keeps 1");
+
+}
+
+static void test_project(tu_rng *rng, kvd_backend *fast, kvd_backend *ref)
+{
+    const int D = 128;
+    const int64_t n = 333;
+    float *R = malloc(sizeof(float) * D * D), *x = malloc(sizeof(float) * n * D);
+    float *y1 = malloc(sizeof(float) * n * D), *y2 = malloc(sizeof(float) * n * D), *xb = malloc(sizeof(float) * n * D);
+    double *g = calloc((size_t)D * D, sizeof(double));
+    float sv[128];
+    tu_fill_normal(rng, x, (size_t)n * D, 1.0f);
+    TU_CHECK(kvd_svd_gram_accumulate(g, D, x, KVD_DTYPE_F32, n, 4 * D, 1.0, NULL) == 0, "gram");
+    TU_CHECK(kvd_svd_rotation(g, D, R, sv, NULL) == 0, "rotation");
+    for (int i = 1; i < D; i++)
+        TU_CHECK(sv[i] <= sv[i - 1] && sv[i] >= 0, "singular values descending");
+    const int rs[] = {0, 1, 31, 64, 128};
+    for (int ri = 0; ri < 5; ri++) {
+        int r = rs[ri];
+        TU_CHECK(kvd_svd_project(fast, R, D, r, x, KVD_DTYPE_F32, n, 4 * D, y1, NULL) == 0, "project fast");
+        TU_CHECK(kvd_svd_project(ref, R, D, r, x, KVD_DTYPE_F32, n, 4 * D, y2, NULL) == 0, "project ref");
+        TU_CHECK(tu_nmse(y2, y1, (size_t)n * r) < 1e-12, "project r=%d fast vs ref", r);
+    }
+    /* full width: unproject(project(x)) = x; energy is kept (R orthonormal) */
+    TU_CHECK(kvd_svd_unproject(fast, R, D, D, y1, n, xb, NULL) == 0, "unproject");
+    TU_CHECK(tu_max_abs_diff(x, xb, (size_t)n * D) < 1e-4, "round trip");
+    /* f16 input equals f32 input of the same values */
+    uint16_t *xh = malloc(2u * n * D);
+    tu_f32_to_f16(xh, x, (size_t)n * D);
+    tu_f16_to_f32(x, xh, (size_t)n * D);
+    TU_CHECK(kvd_svd_project(fast, R, D, 64, xh, KVD_DTYPE_F16, n, 2 * D, y1, NULL) == 0, "project f16");
+    kvd_cpu_svd_project_ref(R, D, 64, x, KVD_DTYPE_F32, n, 4 * D, y2);
+    TU_CHECK(tu_nmse(y2, y1, (size_t)n * 64) < 1e-12, "project f16 = f32");
+    /* bad arguments */
+    TU_CHECK(kvd_svd_project(fast, R, D, D + 1, x, KVD_DTYPE_F32, n, 4 * D, y1, NULL) == KVD_EINVAL, "r > D");
+    TU_CHECK(kvd_svd_project(fast, R, D, 4, x, KVD_DTYPE_I32, n, 4 * D, y1, NULL) == KVD_EINVAL, "dtype");
+    double bad[4] = {1, NAN, NAN, 1}, ev[2], V[4];
+    TU_CHECK(kvd_svd_eigh(bad, 2, ev, V, NULL) == KVD_EINVAL, "NaN matrix rejected");
+    free(R), free(x), free(y1), free(y2), free(xb), free(g), free(xh);
+}
+
+int main(void)
+{
+    tu_rng rng;
+    tu_rng_seed(&rng, 77);
+    kvd_backend *fast = tu_cpu_backend(2, 0), *ref = tu_cpu_backend(1, 1);
+    test_eigen(&rng);
+    test_project(&rng, fast, ref);
+    kvd_backend_free(fast);
+    kvd_backend_free(ref);
+    return tu_report("kernels_svd");
+}
