@@ -185,6 +185,10 @@ void kvdepot_options_init(kvdepot_options *opt)
     opt->max_message_bytes = 8u << 20;
     opt->chunk_bytes = 1u << 20;
     opt->log_level = KVDEPOT_LOG_WARN;
+    opt->connect_timeout_ms = 1000;
+    opt->shard_retries = 1;
+    opt->shard_backoff_ms = 100;
+    opt->resolve_interval_ms = 30000;
 }
 
 int kvdepot_connect(const kvdepot_options *opt_in, kvdepot_client **out)
@@ -211,6 +215,10 @@ int kvdepot_connect(const kvdepot_options *opt_in, kvdepot_client **out)
                              "kvdepot_connect: max_message_bytes %zu must be in "
                              "chunk_bytes + 64 KiB..2 GiB",
                              opt.max_message_bytes);
+
+    /* A list of endpoints, or shards:NAME, is served by shard.c. */
+    if (kvdepot__cluster_wanted(opt.address))
+        return kvdepot__cluster_connect(&opt, out);
 
     kvdepot_client *c = calloc(1, sizeof *c);
     if (!c || !(c->address = strdup(opt.address))) {
@@ -271,6 +279,10 @@ void kvdepot_close(kvdepot_client *c)
 {
     if (!c)
         return;
+    if (c->cluster) {
+        kvdepot__cluster_close(c);
+        return;
+    }
     grpc_channel_destroy(c->channel);
     free(c->address);
     free(c);
@@ -468,6 +480,8 @@ static int unary(kvdepot_client *c, int method, const ProtobufCMessage *req,
 
 int kvdepot_health_check(kvdepot_client *c, const char *service, kvdepot_serving *out)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_health_check(c, service, out);
     kvdepot__clear_error();
     if (out)
         *out = KVDEPOT_SERVING_UNKNOWN;
@@ -513,6 +527,8 @@ static void model_from_pb(const Kvdepot__V1__Model *pb, kvdepot_model *out)
 int kvdepot_model_put(kvdepot_client *c, const kvdepot_model *m, int replace, kvdepot_model *out,
                       int *created)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_model_put(c, m, replace, out, created);
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
@@ -550,6 +566,8 @@ int kvdepot_model_put(kvdepot_client *c, const kvdepot_model *m, int replace, kv
 
 int kvdepot_model_get(kvdepot_client *c, const char *name, kvdepot_model *out)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_model_get(c, name, out);
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
@@ -569,6 +587,8 @@ int kvdepot_model_get(kvdepot_client *c, const char *name, kvdepot_model *out)
 
 int kvdepot_model_list(kvdepot_client *c, kvdepot_model **out, size_t *count)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_model_list(c, out, count);
     kvdepot__clear_error();
     if (out)
         *out = NULL;
@@ -598,6 +618,8 @@ int kvdepot_model_list(kvdepot_client *c, kvdepot_model **out, size_t *count)
 
 int kvdepot_model_delete(kvdepot_client *c, const char *name, int force, uint64_t *deleted)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_model_delete(c, name, force, deleted);
     kvdepot__clear_error();
     if (deleted)
         *deleted = 0;
@@ -677,6 +699,8 @@ nomem:
 int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
                             kvdepot_sequence_info *out)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_sequence_create(c, a, out);
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
@@ -705,6 +729,8 @@ int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
 int kvdepot_sequence_stat(kvdepot_client *c, const void *id, size_t id_len,
                           kvdepot_sequence_info *out)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_sequence_stat(c, id, id_len, out);
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
@@ -726,6 +752,8 @@ int kvdepot_sequence_stat(kvdepot_client *c, const void *id, size_t id_len,
 int kvdepot_sequence_list(kvdepot_client *c, const char *model, kvdepot_sequence_info **out,
                           size_t *count)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_sequence_list(c, model, out, count);
     kvdepot__clear_error();
     if (out)
         *out = NULL;
@@ -801,6 +829,8 @@ int kvdepot_sequence_list(kvdepot_client *c, const char *model, kvdepot_sequence
 
 int kvdepot_sequence_delete(kvdepot_client *c, const void *id, size_t id_len, uint64_t *freed)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_sequence_delete(c, id, id_len, freed);
     kvdepot__clear_error();
     if (freed)
         *freed = 0;
@@ -864,6 +894,8 @@ size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t pag
 int kvdepot_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes, size_t n,
                           uint64_t *matched_blocks, uint64_t *matched_tokens)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_prefix_lookup(c, model, hashes, n, matched_blocks, matched_tokens);
     kvdepot__clear_error();
     if (matched_blocks)
         *matched_blocks = 0;

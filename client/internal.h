@@ -27,7 +27,12 @@ enum kvdepot__method {
     KVDEPOT__METHOD_COUNT
 };
 
+typedef struct kvdepot__cluster kvdepot__cluster;
+
 struct kvdepot_client {
+    /* Non-NULL for a client over several servers (shard.c); channel and
+     * methods are then unused and every call is forwarded to members. */
+    kvdepot__cluster *cluster;
     grpc_channel *channel;
     void *methods[KVDEPOT__METHOD_COUNT]; /* grpc_channel_register_call handles */
     char *address;
@@ -82,6 +87,37 @@ void kvdepot__clear_error(void);
 /* Log through the client's callback when level is enabled. */
 void kvdepot__log(kvdepot_client *c, kvdepot_log_level level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/*
+ * Several servers (shard.c). kvdepot__cluster_wanted tells whether an
+ * address names several endpoints; kvdepot__cluster_connect builds the
+ * client for it. The public functions forward to the kvdepot__cluster_*
+ * twin of the same arguments when client->cluster is set.
+ */
+int kvdepot__cluster_wanted(const char *address);
+int kvdepot__cluster_connect(const kvdepot_options *opt, kvdepot_client **out);
+void kvdepot__cluster_close(kvdepot_client *c);
+int kvdepot__cluster_health_check(kvdepot_client *c, const char *service, kvdepot_serving *out);
+int kvdepot__cluster_model_put(kvdepot_client *c, const kvdepot_model *model, int replace,
+                               kvdepot_model *out, int *created);
+int kvdepot__cluster_model_get(kvdepot_client *c, const char *name, kvdepot_model *out);
+int kvdepot__cluster_model_list(kvdepot_client *c, kvdepot_model **out, size_t *count);
+int kvdepot__cluster_model_delete(kvdepot_client *c, const char *name, int force,
+                                  uint64_t *deleted);
+int kvdepot__cluster_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
+                                     kvdepot_sequence_info *out);
+int kvdepot__cluster_sequence_stat(kvdepot_client *c, const void *id, size_t id_len,
+                                   kvdepot_sequence_info *out);
+int kvdepot__cluster_sequence_list(kvdepot_client *c, const char *model,
+                                   kvdepot_sequence_info **out, size_t *count);
+int kvdepot__cluster_sequence_delete(kvdepot_client *c, const void *id, size_t id_len,
+                                     uint64_t *freed);
+int kvdepot__cluster_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
+                                     kvdepot_sequence_info *out);
+int kvdepot__cluster_sequence_read(kvdepot_client *c, const kvdepot_read_args *a,
+                                   kvdepot_read_result *out);
+int kvdepot__cluster_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes,
+                                   size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
 
 /* Fill a public sequence info from the wire form; 0 or KVDEPOT_ENOMEM. */
 int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequence_info *out);

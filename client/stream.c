@@ -139,6 +139,8 @@ void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, siz
 int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
                             kvdepot_sequence_info *out)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_sequence_append(c, a, out);
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
@@ -519,6 +521,8 @@ static int read_message(read_state *st, const kvdepot_read_args *a, grpc_byte_bu
 
 int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot_read_result *out)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_sequence_read(c, a, out);
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);

@@ -165,6 +165,22 @@ typedef struct kvdepot_options {
     kvdepot_log_fn log;
     void *log_user;
     kvdepot_log_level log_level;
+    /* Several servers (see "Several servers" below; used only when the
+     * address names more than one endpoint). connect_timeout_ms: how long a
+     * call waits for a connection to a server before counting it
+     * unreachable. Default 1000. */
+    uint32_t connect_timeout_ms;
+    /* Further attempts on an unreachable server within one call, with a
+     * pause of shard_backoff_ms doubled each time, before the call gives
+     * up. Default 1. */
+    uint32_t shard_retries;
+    /* After a call gave up on a server, calls for its keys fail at once for
+     * shard_backoff_ms << (failures so far), at most 32 x shard_backoff_ms.
+     * Default 100. */
+    uint32_t shard_backoff_ms;
+    /* How often shards:HOST:PORT names are resolved again; 0 = only after a
+     * server failed. Default 30000. */
+    uint32_t resolve_interval_ms;
 } kvdepot_options;
 
 /*
@@ -522,6 +538,100 @@ size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t pag
  */
 int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint64_t *hashes,
                           size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
+
+/* ------------------------------------------------------------------------ */
+/* Several servers                                                           */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * kvdepot_connect accepts several endpoints in kvdepot_options.address,
+ * separated by commas:
+ *
+ *     "10.0.0.5:50051,10.0.0.6:50051,10.0.0.7:50051"
+ *     "shards:kvdepot-headless.kvdepot.svc.cluster.local:50051"
+ *
+ * Each entry is a gRPC target, or shards:HOST:PORT, which stands for every
+ * address HOST resolves to (getaddrinfo; looked up again every
+ * resolve_interval_ms and soon after a server fails; each address is an
+ * endpoint named "IP:PORT"). The client then spreads keys over the servers
+ * with rendezvous (highest-random-weight) hashing: every endpoint scores a
+ * key as xxh3-64 of the key seeded with xxh3-64 of the endpoint name, and
+ * the highest score owns it. Every client given the same endpoints agrees
+ * on the owners; adding a server moves only the keys it now owns (about
+ * 1/N), removing one moves only its keys.
+ *
+ *   - Sequences (create, append, read, stat, delete) go to the owner of the
+ *     sequence id. When the id holds a non-empty "{tag}", only the tag is
+ *     hashed, so ids with equal tags share a server.
+ *   - kvdepot_prefix_lookup goes to the owner of the chain's first block
+ *     hash written as 16 lowercase hex digits. A sequence that should start
+ *     from a prefix must live on that server: give it an id tagged
+ *     "{<16 hex digits of the first block hash>}" (see
+ *     kvdepot_shard_prefix_tag).
+ *   - Model put and delete go to every server; get asks the servers in turn
+ *     until one answers; list and kvdepot_sequence_list merge every
+ *     server's answer. A sequence created on a server that does not know
+ *     its model yet (one added later) gets the model copied from another.
+ *   - Health is SERVING only when every server answers SERVING.
+ *
+ * An unreachable server (no connection within connect_timeout_ms, or an
+ * UNAVAILABLE answer) is retried shard_retries times with backoff, then
+ * skipped for a growing time (see shard_backoff_ms). For its keys:
+ * kvdepot_sequence_read and kvdepot_sequence_stat answer KVDEPOT_ENOTFOUND
+ * (a cache miss, the message names the server); kvdepot_prefix_lookup
+ * answers KVDEPOT_OK with 0 blocks matched; create, append and delete
+ * answer KVDEPOT_EUNAVAIL (nothing was written). Broadcasts skip it. No
+ * call waits on it longer than its bounded retries. wait_for_ready is not
+ * used over several servers.
+ *
+ * With a single endpoint (no comma, no shards:) the client is the plain
+ * one-server client and these functions describe that one server.
+ */
+
+/*
+ * Number of servers the client spreads keys over right now (1 for a
+ * single-server client; 0 when a shards: name resolved to nothing yet).
+ */
+size_t kvdepot_shard_count(kvdepot_client *client);
+
+/*
+ * Name of server `index` (0 .. kvdepot_shard_count()-1): the target as
+ * given, or "IP:PORT" for addresses found behind a shards: name.
+ * @param[in]  client
+ * @param[in]  index
+ * @param[out] buf, cap  room for the NUL-terminated name (256 bytes suffice)
+ * @return KVDEPOT_OK; KVDEPOT_ERANGE for an index past the end;
+ *         KVDEPOT_EINVAL for a NULL client or buffer or a too small cap.
+ */
+int kvdepot_shard_endpoint(kvdepot_client *client, size_t index, char *buf, size_t cap);
+
+/*
+ * Name of the server that owns a sequence id (or any key: pass the tag of
+ * a prefix chain to find where it lives). Computed locally, no RPC.
+ * @param[in]  client
+ * @param[in]  id, id_len  the key
+ * @param[out] buf, cap    room for the name
+ * @return KVDEPOT_OK; KVDEPOT_EUNAVAIL when there is no server;
+ *         KVDEPOT_EINVAL for NULL arguments or a too small cap.
+ */
+int kvdepot_shard_owner(kvdepot_client *client, const void *id, size_t id_len, char *buf,
+                        size_t cap);
+
+/*
+ * Write the hash tag "{xxxxxxxxxxxxxxxx}" (first_block_hash as 16 lowercase
+ * hex digits in braces, NUL-terminated) to buf, which needs 19 bytes. Ids
+ * that contain it live where kvdepot_prefix_lookup looks for chains
+ * starting with that block.
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL when buf is NULL or cap < 19.
+ */
+int kvdepot_shard_prefix_tag(uint64_t first_block_hash, char *buf, size_t cap);
+
+/*
+ * Resolve shards: names again now instead of waiting for the timer.
+ * @return KVDEPOT_OK (also for clients without shards: names);
+ *         KVDEPOT_EINVAL for a NULL client.
+ */
+int kvdepot_shard_refresh(kvdepot_client *client);
 
 #ifdef __cplusplus
 }
