@@ -580,7 +580,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
-                _Pragma("GCC unroll 16") for (int cc = 0; !VNNI && cc < COLS; cc++) {
+                for (int cc = 0; !VNNI && cc < COLS; cc++) {
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
                             acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(pat[g][cc * PER + pl]), PL[cc][pl]));
