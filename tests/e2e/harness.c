@@ -191,6 +191,21 @@ int harness_stop(kvd_harness *h)
     return -1;
 }
 
+int harness_alive(kvd_harness *h)
+{
+    if (!h->pid)
+        return 0;
+    int st;
+    if (waitpid(h->pid, &st, WNOHANG) != h->pid)
+        return 1;
+    h->pid = 0;
+    if (WIFSIGNALED(st))
+        fprintf(stderr, "harness: kvdepotd died of signal %d\n", WTERMSIG(st));
+    else
+        fprintf(stderr, "harness: kvdepotd exited with status %d\n", WEXITSTATUS(st));
+    return 0;
+}
+
 void harness_kill(kvd_harness *h)
 {
     if (!h->pid)
@@ -250,11 +265,40 @@ kvdepot_client *harness_client_opts(const kvd_harness *h, kvdepot_options *opt)
     return c;
 }
 
+int harness_start_many(kvd_harness *hs, size_t n, const char *server_bin)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (harness_init(&hs[i], server_bin) != 0 || harness_start(&hs[i]) != 0) {
+            for (size_t j = 0; j <= i; j++)
+                harness_destroy(&hs[j], 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+char *harness_addr_list(kvd_harness *const *hs, size_t n, char *buf, size_t cap)
+{
+    size_t len = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < n; i++) {
+        if (!hs[i]->pid)
+            continue;
+        int w = snprintf(buf + len, cap - len, "%s%s", len ? "," : "", hs[i]->addr);
+        if (w < 0 || (size_t)w >= cap - len)
+            break;
+        len += (size_t)w;
+    }
+    return buf;
+}
+
 kvdepot_client *harness_client(const kvd_harness *h)
 {
     kvdepot_options opt;
     kvdepot_options_init(&opt);
-    opt.deadline_ms = 300000;
+    /* Long enough for a loaded machine, short enough that a dead server
+     * fails the test rather than hanging it. */
+    opt.deadline_ms = 60000;
     opt.wait_for_ready = 1;
     return harness_client_opts(h, &opt);
 }

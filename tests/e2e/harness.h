@@ -44,6 +44,10 @@ int harness_start(kvd_harness *h);
  * when the server did not exit by itself or died of a signal. */
 int harness_stop(kvd_harness *h);
 
+/* 1 while the server runs; 0 once it has exited (reported on stderr with
+ * its status, once). */
+int harness_alive(kvd_harness *h);
+
 /* SIGKILL and reap; for crash tests. */
 void harness_kill(kvd_harness *h);
 
@@ -62,6 +66,17 @@ void harness_dump_log(const kvd_harness *h, int lines);
  * (long deadline, wait_for_ready so restarts are ridden out). */
 kvdepot_client *harness_client(const kvd_harness *h);
 kvdepot_client *harness_client_opts(const kvd_harness *h, kvdepot_options *opt);
+
+/*
+ * Several servers: harness_init + harness_start on each of hs[0..n), each
+ * with its own port and data directory. Returns 0, or -1 after destroying
+ * the ones it started.
+ */
+int harness_start_many(kvd_harness *hs, size_t n, const char *server_bin);
+
+/* "ADDR0,ADDR1,..." of the running servers among *hs[0..n), for a sharded
+ * client. Returns buf. */
+char *harness_addr_list(kvd_harness *const *hs, size_t n, char *buf, size_t cap);
 
 /* ------------------------------------------------------------------------ */
 /* Checks                                                                    */
