@@ -53,7 +53,8 @@ enum { NCAL = 512 };
 
 /* query scale: sets how peaked attention is (see the statistics printed) */
 static float qtemp = 1.0f;
-#define LOGIT_STD 2.0
+#define PPL_FRAC 0.02
+static float NEEDLE = 1.0f, SINK = 0.3f, QU = 0.2f;
 
 static void gen_lowrank(tu_rng *r, float *x, int64_t T, int L, const float *W, float noise, float tsig,
                         const int *outl, int nout, int rotary)
@@ -84,8 +85,12 @@ static void gen_lowrank(tu_rng *r, float *x, int64_t T, int L, const float *W, f
 
 static data make_data(int64_t T, uint64_t seed)
 {
-    tu_rng r;
+    /* rm draws the "model" (subspaces, outlier channels), shared by every
+     * call so calibration and evaluation data come from the same model; r
+     * draws the tokens and queries */
+    tu_rng r, rm;
     tu_rng_seed(&r, seed);
+    tu_rng_seed(&rm, 20251122);
     data dd;
     dd.T = T;
     dd.k = malloc(sizeof(float) * HKV * T * D);
@@ -98,13 +103,13 @@ static data make_data(int64_t T, uint64_t seed)
         /* head-specific subspaces with a decaying spectrum */
         for (int l = 0; l < LK; l++)
             for (int j = 0; j < D; j++)
-                Wk[l * D + j] = tu_rng_normal(&r) / (1.0f + l / 6.0f) / sqrtf((float)LK);
+                Wk[l * D + j] = tu_rng_normal(&rm) / (1.0f + l / 6.0f) / sqrtf((float)LK);
         for (int l = 0; l < LV; l++)
             for (int j = 0; j < D; j++)
-                Wv[l * D + j] = tu_rng_normal(&r) / (1.0f + l / 10.0f) / sqrtf((float)LV);
+                Wv[l * D + j] = tu_rng_normal(&rm) / (1.0f + l / 10.0f) / sqrtf((float)LV);
         int outl[4];
         for (int o = 0; o < 4; o++)
-            outl[o] = (int)tu_rng_below(&r, D);
+            outl[o] = (int)tu_rng_below(&rm, D);
         float *K = dd.k + (size_t)h * T * D, *V = dd.v + (size_t)h * T * D;
         gen_lowrank(&r, K, T, LK, Wk, 0.05f, 0.3f, outl, 4, 1);
         gen_lowrank(&r, V, T, LV, Wv, 0.05f, 0.2f, NULL, 0, 0);
@@ -126,7 +131,7 @@ static data make_data(int64_t T, uint64_t seed)
         /* sinks: the first 4 tokens lean on u */
         for (int t = 0; t < 4 && t < T; t++)
             for (int j = 0; j < D; j++)
-                K[t * D + j] += 1.0f * krms * u[j];
+                K[t * D + j] += SINK * krms * u[j];
         /* queries in the key subspace, + u, + needles; calibration queries
          * drawn the same way (without needles) */
         for (int g = 0; g < G + NCAL; g++) {
@@ -138,7 +143,7 @@ static data make_data(int64_t T, uint64_t seed)
                 float acc = 0;
                 for (int l = 0; l < LK; l++)
                     acc += z[l] * Wk[l * D + j];
-                qg[j] = 0.8f * acc * sqrtf((float)D) / krms * 4.0f + 1.0f * sqrtf((float)D) / krms * 4.0f * u[j];
+                qg[j] = 0.8f * acc * sqrtf((float)D) / krms * 4.0f + QU * sqrtf((float)D) / krms * 4.0f * u[j];
             }
             if (g < G && T > 16)
                 for (int nd = 0; nd < 8; nd++) {
@@ -147,29 +152,44 @@ static data make_data(int64_t T, uint64_t seed)
                     for (int j = 0; j < D; j++)
                         kk += K[t * D + j] * K[t * D + j];
                     for (int j = 0; j < D; j++)
-                        qg[j] += 2.0f * sqrtf((float)D) * 4.0f * K[t * D + j] / kk * krms / sqrtf((float)D);
+                        qg[j] += NEEDLE * sqrtf((float)D) * 4.0f * K[t * D + j] / kk * krms / sqrtf((float)D);
                 }
         }
     }
-    /* set the logit scale: per query head, the spread of q.k / sqrt(D) over
-     * the tokens gets standard deviation LOGIT_STD * qtemp; the sinks and
-     * needles then stand out of that spread as they do in real models */
+    /* set the logit scale: per query head, q is scaled so that the
+     * attention perplexity exp(entropy) is PPL_FRAC * T tokens (bisection on
+     * the scale): heavy-tailed, neither uniform nor one-hot */
+    double *lg = malloc(sizeof(double) * T);
     for (int hq = 0; hq < HQ; hq++) {
         const float *K = dd.k + (size_t)(hq / G) * T * D;
         float *qg = dd.q + (size_t)hq * D;
-        double s1 = 0, s2 = 0;
         for (int64_t t = 0; t < T; t++) {
             double l = 0;
             for (int j = 0; j < D; j++)
                 l += (double)qg[j] * K[t * D + j];
-            l /= sqrt((double)D);
-            s1 += l;
-            s2 += l * l;
+            lg[t] = l / sqrt((double)D);
         }
-        double sd = sqrt(fmax(s2 / T - (s1 / T) * (s1 / T), 1e-30));
+        double lo = -30, hi = 10, target = log(PPL_FRAC * (double)T);
+        for (int it = 0; it < 60; it++) {
+            double c = exp(0.5 * (lo + hi)), m = -INFINITY, z = 0, e = 0;
+            for (int64_t t = 0; t < T; t++)
+                m = c * lg[t] > m ? c * lg[t] : m;
+            for (int64_t t = 0; t < T; t++) {
+                double w = exp(c * lg[t] - m);
+                z += w;
+                e += w * (c * lg[t] - m);
+            }
+            double H = log(z) - e / z; /* entropy in nats */
+            if (H > target)
+                lo = 0.5 * (lo + hi); /* too flat: sharpen */
+            else
+                hi = 0.5 * (lo + hi);
+        }
+        double c = exp(0.5 * (lo + hi)) * qtemp;
         for (int j = 0; j < D; j++)
-            qg[j] *= (float)(LOGIT_STD * qtemp / sd);
+            qg[j] *= (float)c;
     }
+    free(lg);
     free(Wk), free(Wv);
     return dd;
 }
@@ -634,6 +654,12 @@ int main(int argc, char **argv)
     be = tu_cpu_backend(0, 0);
     if (getenv("KVD_ACC_TEMP"))
         qtemp = (float)atof(getenv("KVD_ACC_TEMP"));
+    if (getenv("KVD_ACC_NEEDLE"))
+        NEEDLE = (float)atof(getenv("KVD_ACC_NEEDLE"));
+    if (getenv("KVD_ACC_SINK"))
+        SINK = (float)atof(getenv("KVD_ACC_SINK"));
+    if (getenv("KVD_ACC_QU"))
+        QU = (float)atof(getenv("KVD_ACC_QU"));
     if (getenv("KVD_ACC_STATS")) {
         data d = make_data(maxT, 1000);
         double top1, n90;
