@@ -17,6 +17,7 @@
 #include <grpc/slice.h>
 
 #include "convert.h"
+#include "metrics.h"
 #include "rpc.h"
 #include "validate.h"
 
@@ -26,6 +27,12 @@ typedef struct append_state {
     Kvdepot__V1__AppendHeader *hdr;
     uint64_t expected, received;
     uint64_t messages;
+    /* Quota reserved at the header: `expected` bytes against the tenants of
+     * `model`, given back unless the append commits. */
+    kvd_auth *quota;
+    char model[KVD_MODEL_NAME_MAX + 1];
+    int reserved, committed;
+    uint64_t old_stored_bytes, old_sealed_pages;
 } append_state;
 
 /* ---- wire-level scan of one AppendRequest -------------------------------- */
@@ -223,6 +230,19 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
         .block_hashes = h->n_block_hashes ? h->block_hashes : NULL,
         .n_block_hashes = h->n_block_hashes,
     };
+    /* The sequence's model decides the namespace check and whose quota the
+     * bytes count against; its current size gives the gauges' deltas. */
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, h->sequence_id.data, h->sequence_id.len,
+                                 &info, err)))
+        return rc;
+    snprintf(st->model, sizeof st->model, "%s", info.model);
+    st->old_stored_bytes = info.stored_bytes;
+    st->old_sealed_pages = info.sealed_pages;
+    kvd_seq_info_clear(&info);
+    if ((rc = kvd_ctx_check_model(ctx, st->model, err)))
+        return rc;
     kvd_append *ap = NULL;
     uint64_t expected = 0;
     if ((rc = kvd_store_append_begin(ctx->svc->store, &spec, &ap, &expected, err)))
@@ -234,6 +254,16 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
                              "header: append of %llu bytes exceeds max-append-bytes (%llu); "
                              "split it into several appends",
                              (unsigned long long)expected, (unsigned long long)limit);
+    }
+    if ((rc = kvd_quota_reserve(ctx->auth, st->model, 0, expected, err))) {
+        KVD_METRIC_ADD(quota_rejections_total, 1);
+        kvd_store_append_abort(ap);
+        return rc;
+    }
+    if (ctx->auth) {
+        kvd_auth_ref(ctx->auth);
+        st->quota = ctx->auth;
+        st->reserved = 1;
     }
     st->ap = ap;
     st->hdr = h;
@@ -357,6 +387,10 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
     int rc = kvd_store_append_commit(ap, &info, err);
     if (rc)
         return rc;
+    st->committed = 1;
+    KVD_METRIC_ADD(payload_bytes_stored, st->expected);
+    KVD_METRIC_ADD(stored_bytes, (int64_t)info.stored_bytes - (int64_t)st->old_stored_bytes);
+    KVD_METRIC_ADD(pages_sealed, (int64_t)info.sealed_pages - (int64_t)st->old_sealed_pages);
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
     Kvdepot__V1__AppendResponse resp = KVDEPOT__V1__APPEND_RESPONSE__INIT;
@@ -376,6 +410,9 @@ static void append_release(void *state)
     if (!st)
         return;
     kvd_store_append_abort(st->ap);
+    if (st->reserved && !st->committed)
+        kvd_quota_release(st->quota, st->model, 0, st->expected);
+    kvd_auth_unref(st->quota);
     if (st->hdr)
         kvdepot__v1__append_header__free_unpacked(st->hdr, NULL);
     free(st);

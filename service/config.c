@@ -7,6 +7,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include <yaml.h>
+
 enum setting_type {
     T_STRING,   /* char *, malloc'd */
     T_OPTSTRING, /* char *, empty value = unset (NULL) */
@@ -53,8 +55,42 @@ static const setting settings[] = {
      "once serving, write the bound port and a newline to FILE (atomically)"},
     {"shutdown-grace-ms", T_UINT, F(shutdown_grace_ms), "2000", 0, 600000, "MS",
      "on SIGTERM/SIGINT, time in-flight calls get before they are cancelled"},
+    {"config", T_OPTSTRING, F(config), "", 0, 0, "FILE",
+     "YAML config file (keys are these option names); flags and KVDEPOT_* win over it"},
+    {"tls-cert", T_OPTSTRING, F(tls_cert), "", 0, 0, "FILE",
+     "PEM certificate chain of the listener; with --tls-key turns TLS on"},
+    {"tls-key", T_OPTSTRING, F(tls_key), "", 0, 0, "FILE", "PEM private key of --tls-cert"},
+    {"tls-client-ca", T_OPTSTRING, F(tls_client_ca), "", 0, 0, "FILE",
+     "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)"},
+    {"insecure", T_BOOL, F(insecure), "false", 0, 0, "BOOL",
+     "serve plaintext (no TLS); without a certificate this is what happens on loopback"},
+    {"allow-insecure-remote", T_BOOL, F(allow_insecure_remote), "false", 0, 0, "BOOL",
+     "with --insecure, allow plaintext on a non-loopback address"},
+    {"tokens-file", T_OPTSTRING, F(tokens_file), "", 0, 0, "FILE",
+     "YAML file of bearer tokens (tenant, namespaces, access); reread on SIGHUP. "
+     "None = no authentication"},
+    {"max-tokens-per-sequence", T_UINT, F(max_tokens_per_sequence), "0", 0, 1ull << 40, "N",
+     "most tokens a sequence may hold (0 = unlimited); beyond -> RESOURCE_EXHAUSTED"},
+    {"tenant-max-sequences", T_UINT, F(tenant_max_sequences), "0", 0, 1ull << 40, "N",
+     "sequences each tenant may hold (0 = unlimited; the tokens file may override)"},
+    {"tenant-max-bytes", T_SIZE, F(tenant_max_bytes), "0", 0, 1ull << 60, "SIZE",
+     "K+V payload bytes each tenant may hold (0 = unlimited; the tokens file may override)"},
+    {"max-concurrent-streams", T_UINT, F(max_concurrent_streams), "256", 1, 1u << 20, "N",
+     "concurrent calls per client connection (HTTP/2 streams)"},
+    {"keepalive-time-ms", T_UINT, F(keepalive_time_ms), "60000", 1000, 1ull << 31, "MS",
+     "ping an idle connection after this long"},
+    {"keepalive-timeout-ms", T_UINT, F(keepalive_timeout_ms), "20000", 1000, 1ull << 31, "MS",
+     "close the connection when a ping is not answered within this time"},
+    {"keepalive-min-ping-interval-ms", T_UINT, F(keepalive_min_ping_interval_ms), "10000", 0,
+     1ull << 31, "MS", "clients pinging more often than this are told to go away"},
+    {"keepalive-permit-without-calls", T_BOOL, F(keepalive_permit_without_calls), "true", 0, 0,
+     "BOOL", "accept client pings on connections with no call in flight"},
+    {"metrics-listen", T_OPTSTRING, F(metrics_listen), "127.0.0.1:9464", 0, 0, "ADDR",
+     "HTTP address of /metrics, /healthz, /readyz (port 0 = free port; empty = off)"},
 };
 #define NSETTINGS (sizeof settings / sizeof settings[0])
+
+_Static_assert(NSETTINGS <= sizeof(((kvd_config *)0)->source), "grow kvd_config.source");
 
 size_t kvd_config_count(void) { return NSETTINGS; }
 
@@ -112,6 +148,8 @@ static int parse_u64(const char *s, int allow_suffix, uint64_t *out)
     *out = v;
     return 0;
 }
+
+int kvd_config_parse_size(const char *s, uint64_t *out) { return parse_u64(s, 1, out); }
 
 static int parse_bool(const char *s, int *out)
 {
@@ -177,13 +215,22 @@ static int set_one(kvd_config *c, const setting *st, const char *value, char *er
     return fail(err, errlen, "--%s: unknown setting type", st->name);
 }
 
+static int set_from(kvd_config *c, const setting *st, const char *value, int src, char *err,
+                    size_t errlen)
+{
+    if (set_one(c, st, value, err, errlen) != 0)
+        return -1;
+    c->source[st - settings] = (unsigned char)src;
+    return 0;
+}
+
 int kvd_config_set(kvd_config *c, const char *name, const char *value, char *err,
                    size_t errlen)
 {
     const setting *st = find(name, strlen(name));
     if (!st)
         return fail(err, errlen, "unknown setting '%s' (see --help)", name);
-    return set_one(c, st, value, err, errlen);
+    return set_from(c, st, value, KVD_SRC_FLAG, err, errlen);
 }
 
 int kvd_config_defaults(kvd_config *c)
@@ -223,7 +270,7 @@ int kvd_config_apply_env(kvd_config *c, char *(*getenv_fn)(const char *), char *
         if (!v)
             continue;
         char inner[256];
-        if (set_one(c, &settings[i], v, inner, sizeof inner) != 0)
+        if (set_from(c, &settings[i], v, KVD_SRC_ENV, inner, sizeof inner) != 0)
             return fail(err, errlen, "%s: %s", var, inner);
     }
     return 0;
@@ -243,6 +290,11 @@ int kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *action, cha
             *action = KVD_CONFIG_VERSION;
             return 0;
         }
+        if (strcmp(arg, "--print-config") == 0) {
+            /* Later flags still apply: they are part of what is printed. */
+            *action = KVD_CONFIG_PRINT;
+            continue;
+        }
         if (strncmp(arg, "--", 2) != 0 || arg[2] == '\0')
             return fail(err, errlen, "unexpected argument '%s' (see --help)", arg);
         const char *name = arg + 2;
@@ -254,6 +306,7 @@ int kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *action, cha
             const setting *neg = find(name + 3, nlen - 3);
             if (neg && neg->type == T_BOOL) {
                 *(int *)(void *)((char *)c + neg->offset) = 0;
+                c->source[neg - settings] = KVD_SRC_FLAG;
                 continue;
             }
         }
@@ -269,7 +322,7 @@ int kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *action, cha
                 return fail(err, errlen, "--%s needs a value (%s)", st->name, st->metavar);
             value = argv[++i];
         }
-        if (set_one(c, st, value, err, errlen) != 0)
+        if (set_from(c, st, value, KVD_SRC_FLAG, err, errlen) != 0)
             return -1;
     }
     return 0;
@@ -283,10 +336,10 @@ void kvd_config_usage(FILE *f, const char *prog)
             "kvdepot server: stores LLM key/value caches and serves them over gRPC\n"
             "(kvdepot.v1.KVDepot and grpc.health.v1.Health).\n"
             "\n"
-            "Options (also read from the environment as KVDEPOT_<NAME>, e.g.\n"
-            "KVDEPOT_DATA_DIR; flags win). SIZE takes K, M, G, T suffixes (powers of\n"
-            "1024, e.g. 8MiB); BOOL is true/false (a bare flag means true, --no-NAME\n"
-            "false).\n"
+            "Options (also read from --config FILE and from the environment as\n"
+            "KVDEPOT_<NAME>, e.g. KVDEPOT_DATA_DIR; flags > env > file > defaults).\n"
+            "SIZE takes K, M, G, T suffixes (powers of 1024, e.g. 8MiB); BOOL is\n"
+            "true/false (a bare flag means true, --no-NAME false).\n"
             "\n",
             prog);
     for (size_t i = 0; i < NSETTINGS; i++) {
@@ -300,8 +353,177 @@ void kvd_config_usage(FILE *f, const char *prog)
                     (unsigned long long)st->max);
         fprintf(f, ")\n");
     }
+    fprintf(f, "  %-28s %s\n", "--print-config",
+            "print the effective settings (and where each came from) as YAML and exit");
     fprintf(f, "  %-28s %s\n", "--help", "print this help and exit");
     fprintf(f, "  %-28s %s\n", "--version", "print the version and exit");
     fprintf(f, "\nExit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the\n"
                "server cannot start, 2 for bad options.\n");
+}
+
+/* ---- config file ---------------------------------------------------------- */
+
+/* Map a file key to a setting: the option name, with `_` accepted for `-`
+ * (YAML users write both). */
+static const setting *find_key(const char *key)
+{
+    char name[64];
+    size_t n = strlen(key);
+    if (n >= sizeof name)
+        return NULL;
+    for (size_t i = 0; i <= n; i++)
+        name[i] = key[i] == '_' ? '-' : key[i];
+    return find(name, n);
+}
+
+int kvd_config_apply_file(kvd_config *c, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return fail(err, errlen, "config file %s: %s", path, strerror(errno));
+    yaml_parser_t p;
+    if (!yaml_parser_initialize(&p)) {
+        fclose(f);
+        return fail(err, errlen, "config file %s: out of memory", path);
+    }
+    yaml_parser_set_input_file(&p, f);
+    /* A small state machine over the event stream: the document must be one
+     * mapping of scalar keys to scalar values. An empty file is no settings. */
+    enum { WANT_KEY, WANT_VALUE } want = WANT_KEY;
+    int depth = 0, rc = 0, done = 0;
+    const setting *cur = NULL;
+    char key[128] = "";
+    while (!done && rc == 0) {
+        yaml_event_t ev;
+        if (!yaml_parser_parse(&p, &ev)) {
+            rc = fail(err, errlen, "config file %s:%lu: %s", path,
+                      (unsigned long)p.problem_mark.line + 1,
+                      p.problem ? p.problem : "YAML syntax error");
+            break;
+        }
+        unsigned long line = (unsigned long)ev.start_mark.line + 1;
+        switch (ev.type) {
+        case YAML_STREAM_END_EVENT:
+            done = 1;
+            break;
+        case YAML_STREAM_START_EVENT:
+        case YAML_DOCUMENT_START_EVENT:
+        case YAML_DOCUMENT_END_EVENT:
+            break;
+        case YAML_MAPPING_START_EVENT:
+            if (depth++ != 0)
+                rc = fail(err, errlen, "config file %s:%lu: %s: must be a single value, not a "
+                          "mapping", path, line, key);
+            break;
+        case YAML_MAPPING_END_EVENT:
+            depth--;
+            break;
+        case YAML_SEQUENCE_START_EVENT:
+            rc = fail(err, errlen, "config file %s:%lu: %s: must be a single value, not a list",
+                      path, line, depth ? key : "document");
+            break;
+        case YAML_ALIAS_EVENT:
+            rc = fail(err, errlen, "config file %s:%lu: aliases are not supported", path, line);
+            break;
+        case YAML_SCALAR_EVENT: {
+            const char *v = (const char *)ev.data.scalar.value;
+            if (depth != 1) {
+                rc = fail(err, errlen, "config file %s:%lu: expected a mapping of settings",
+                          path, line);
+            } else if (want == WANT_KEY) {
+                snprintf(key, sizeof key, "%s", v);
+                cur = find_key(v);
+                if (!cur || cur->offset == offsetof(kvd_config, config))
+                    rc = fail(err, errlen, "config file %s:%lu: unknown setting '%s' (see "
+                              "kvdepotd --help)", path, line, key);
+                want = WANT_VALUE;
+            } else {
+                /* A plain `~`/`null`/empty value means "unset" for optional
+                 * strings; elsewhere it is a bad value like any other. */
+                int is_null = ev.data.scalar.plain_implicit &&
+                              (!v[0] || strcmp(v, "~") == 0 || strcasecmp(v, "null") == 0);
+                char inner[256];
+                if (set_from(c, cur, is_null ? "" : v, KVD_SRC_FILE, inner, sizeof inner) != 0)
+                    rc = fail(err, errlen, "config file %s:%lu: %s", path, line, inner);
+                want = WANT_KEY;
+            }
+            break;
+        }
+        case YAML_SEQUENCE_END_EVENT: /* unreachable: a list start already failed */
+        case YAML_NO_EVENT:
+            done = 1;
+            break;
+        }
+        yaml_event_delete(&ev);
+    }
+    yaml_parser_delete(&p);
+    fclose(f);
+    return rc;
+}
+
+int kvd_config_load(kvd_config *c, int argc, char **argv, char *(*getenv_fn)(const char *),
+                    int *action, char *err, size_t errlen)
+{
+    /* The file is applied first, so find its name before anything else:
+     * the last --config on the command line, else KVDEPOT_CONFIG. */
+    const char *path = getenv_fn("KVDEPOT_CONFIG");
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+            path = argv[++i];
+        else if (strncmp(argv[i], "--config=", 9) == 0)
+            path = argv[i] + 9;
+    }
+    if (path && path[0] && kvd_config_apply_file(c, path, err, errlen) != 0)
+        return -1;
+    if (kvd_config_apply_env(c, getenv_fn, err, errlen) != 0)
+        return -1;
+    return kvd_config_parse_args(c, argc, argv, action, err, errlen);
+}
+
+static void print_quoted(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            fprintf(f, "\\%c", ch);
+        else if (ch < 0x20 || ch == 0x7f)
+            fprintf(f, "\\x%02x", ch);
+        else
+            fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
+void kvd_config_print(FILE *f, const kvd_config *c)
+{
+    static const char *const src[] = {"default", "file", "env", "flag"};
+    fprintf(f, "# kvdepotd effective settings (flags > env > file > defaults)\n");
+    for (size_t i = 0; i < NSETTINGS; i++) {
+        const setting *st = &settings[i];
+        const char *base = (const char *)c + st->offset;
+        if (st->offset == offsetof(kvd_config, config))
+            fprintf(f, "# ");
+        fprintf(f, "%s: ", st->name);
+        switch (st->type) {
+        case T_STRING:
+        case T_OPTSTRING: {
+            const char *v = *(char *const *)(const void *)base;
+            print_quoted(f, v ? v : "");
+            break;
+        }
+        case T_UINT:
+        case T_SIZE:
+            fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)(const void *)base);
+            break;
+        case T_BOOL:
+            fprintf(f, "%s", *(const int *)(const void *)base ? "true" : "false");
+            break;
+        case T_LOGLEVEL:
+            fprintf(f, "%s", kvd_log_level_name(*(const int *)(const void *)base));
+            break;
+        }
+        unsigned s = c->source[i];
+        fprintf(f, "  # %s\n", s < 4 ? src[s] : "?");
+    }
 }

@@ -27,13 +27,49 @@ typedef struct kvd_config {
     int log_level;              /* a kvd_log_level */
     char *port_file;            /* NULL = none */
     uint64_t shutdown_grace_ms; /* in-flight calls get this long at shutdown */
+
+    char *config;               /* the config file read, NULL = none */
+    /* Transport security. Without a certificate kvdepotd serves plaintext,
+     * which is allowed on loopback addresses only unless both `insecure` and
+     * `allow_insecure_remote` are set. */
+    char *tls_cert, *tls_key;   /* PEM files; both or neither */
+    char *tls_client_ca;        /* PEM CA bundle: when set, clients must present
+                                   a certificate it signed (mTLS) */
+    int insecure;               /* plaintext chosen explicitly */
+    int allow_insecure_remote;  /* ... and allowed off loopback */
+    char *tokens_file;          /* YAML tokens file; NULL = no authentication */
+
+    /* Limits. 0 means unlimited where noted in the table. */
+    uint64_t max_tokens_per_sequence;
+    uint64_t tenant_max_sequences;
+    uint64_t tenant_max_bytes;
+    uint64_t max_concurrent_streams;
+    uint64_t keepalive_time_ms;
+    uint64_t keepalive_timeout_ms;
+    uint64_t keepalive_min_ping_interval_ms;
+    int keepalive_permit_without_calls;
+
+    char *metrics_listen;       /* host:port of the HTTP endpoint; NULL = off */
+
+    /* Where each setting's value came from (a kvd_config_source), by table
+     * index. */
+    unsigned char source[64];
 } kvd_config;
+
+/* Where a setting's effective value came from. */
+enum kvd_config_source {
+    KVD_SRC_DEFAULT = 0,
+    KVD_SRC_FILE = 1,
+    KVD_SRC_ENV = 2,
+    KVD_SRC_FLAG = 3,
+};
 
 /* What the command line asked for besides settings. */
 enum kvd_config_action {
     KVD_CONFIG_RUN = 0,
     KVD_CONFIG_HELP = 1,
     KVD_CONFIG_VERSION = 2,
+    KVD_CONFIG_PRINT = 3, /* --print-config */
 };
 
 /* Fill c with the built-in defaults. Strings are malloc'd; release with
@@ -62,6 +98,26 @@ int kvd_config_apply_env(kvd_config *c, char *(*getenv_fn)(const char *), char *
  * argument. */
 int kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *action, char *err,
                           size_t errlen);
+
+/* Apply a YAML config file: a mapping of setting names (as in --help, with
+ * `-` or `_`) to scalar values. Unknown keys, non-scalar values and bad
+ * values fail with a message naming the file, line and key. Returns 0 or -1
+ * with a message in err. */
+int kvd_config_apply_file(kvd_config *c, const char *path, char *err, size_t errlen);
+
+/* The whole layering used by kvdepotd: defaults, then the config file named
+ * by --config (or KVDEPOT_CONFIG), then the environment, then the flags.
+ * c must be fresh from kvd_config_defaults(). Returns 0 and sets *action, or
+ * -1 with a message in err (exit status 2). */
+int kvd_config_load(kvd_config *c, int argc, char **argv, char *(*getenv_fn)(const char *),
+                    int *action, char *err, size_t errlen);
+
+/* Print every effective value as YAML that kvd_config_apply_file() accepts,
+ * each line with a comment naming its source (default, file, env, flag). */
+void kvd_config_print(FILE *f, const kvd_config *c);
+
+/* Parse a size as the table does ("64GiB", "4096"); 0 or -1. */
+int kvd_config_parse_size(const char *s, uint64_t *out);
 
 /* Print the usage text, one paragraph per setting, to f. */
 void kvd_config_usage(FILE *f, const char *prog);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "convert.h"
+#include "metrics.h"
 #include "rpc.h"
 #include "validate.h"
 
@@ -29,6 +30,21 @@ static int reply_or_oom(grpc_byte_buffer **reply, const ProtobufCMessage *m, kvd
     return 0;
 }
 
+void kvd_usage_rescan(kvd_req_ctx *ctx)
+{
+    kvd_auth *a = kvd_service_auth(ctx->svc);
+    kvd_store_totals tot;
+    kvd_error err;
+    kvd_error_clear(&err);
+    if (a && kvd_auth_scan(a, ctx->svc->store, &tot, &err) == 0) {
+        KVD_METRIC_SET(sequences_stored, tot.sequences);
+        KVD_METRIC_SET(payload_bytes_stored, tot.payload_bytes);
+        KVD_METRIC_SET(stored_bytes, tot.stored_bytes);
+        KVD_METRIC_SET(pages_sealed, tot.sealed_pages);
+    }
+    kvd_auth_unref(a);
+}
+
 int kvd_h_put_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
                     kvd_error *err)
 {
@@ -40,7 +56,8 @@ int kvd_h_put_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buf
     if (rc)
         return rc;
     if ((rc = kvd_check_model_name(in.name, "model.name", err)) ||
-        (rc = kvd_check_dtype(in.dtype, "model.dtype", err)))
+        (rc = kvd_check_dtype(in.dtype, "model.dtype", err)) ||
+        (rc = kvd_ctx_check_model(ctx, in.name, err)))
         return rc;
     if ((rc = kvd_model_validate(&in, err)))
         return rc;
@@ -60,7 +77,8 @@ int kvd_h_get_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buf
 {
     const Kvdepot__V1__GetModelRequest *req = (const Kvdepot__V1__GetModelRequest *)msg;
     int rc;
-    if ((rc = kvd_check_model_name(req->name, "name", err)))
+    if ((rc = kvd_check_model_name(req->name, "name", err)) ||
+        (rc = kvd_ctx_check_model(ctx, req->name, err)))
         return rc;
     kvd_model_info out;
     if ((rc = kvd_store_model_get(ctx->svc->store, req->name, &out, err)))
@@ -86,12 +104,17 @@ int kvd_h_list_models(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_b
     if (n && (!pms || !ptrs)) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory listing %zu models", n);
     } else {
+        /* A tenant sees the models of its namespaces only. */
+        size_t k = 0;
         for (size_t i = 0; i < n; i++) {
-            kvd_model_to_pb(&models[i], &pms[i]);
-            ptrs[i] = &pms[i];
+            if (!kvd_auth_model_allowed(ctx->principal, models[i].name))
+                continue;
+            kvd_model_to_pb(&models[i], &pms[k]);
+            ptrs[k] = &pms[k];
+            k++;
         }
         Kvdepot__V1__ListModelsResponse resp = KVDEPOT__V1__LIST_MODELS_RESPONSE__INIT;
-        resp.n_models = n;
+        resp.n_models = k;
         resp.models = ptrs;
         rc = reply_or_oom(reply, &resp.base, ctx, err);
     }
@@ -106,11 +129,14 @@ int kvd_h_delete_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_
 {
     const Kvdepot__V1__DeleteModelRequest *req = (const Kvdepot__V1__DeleteModelRequest *)msg;
     int rc;
-    if ((rc = kvd_check_model_name(req->name, "name", err)))
+    if ((rc = kvd_check_model_name(req->name, "name", err)) ||
+        (rc = kvd_ctx_check_model(ctx, req->name, err)))
         return rc;
     uint64_t deleted = 0;
     if ((rc = kvd_store_model_delete(ctx->svc->store, req->name, req->force, &deleted, err)))
         return rc;
+    if (deleted)
+        kvd_usage_rescan(ctx);
     Kvdepot__V1__DeleteModelResponse resp = KVDEPOT__V1__DELETE_MODEL_RESPONSE__INIT;
     resp.deleted_sequences = deleted;
     return reply_or_oom(reply, &resp.base, ctx, err);
@@ -124,7 +150,8 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     int rc;
     if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
                                err)) ||
-        (rc = kvd_check_model_name(req->model, "model", err)))
+        (rc = kvd_check_model_name(req->model, "model", err)) ||
+        (rc = kvd_ctx_check_model(ctx, req->model, err)))
         return rc;
     uint32_t pt = ctx->svc->page_tokens;
     if (req->n_prefix_token_ids && req->n_prefix_token_ids != req->n_prefix_hashes * pt)
@@ -135,12 +162,36 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
                              (unsigned long long)req->n_prefix_hashes * pt);
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
+    /* A sequence started from a prefix holds the prefix's tokens from the
+     * start: they count against the byte quota like appended ones. */
+    uint64_t bytes = 0;
+    kvd_model_info mi;
+    if ((rc = kvd_store_model_get(ctx->svc->store, req->model, &mi, err)))
+        return rc;
+    if (req->n_prefix_hashes) {
+        kvd_seq_info shape;
+        memset(&shape, 0, sizeof shape);
+        uint64_t tokens = (uint64_t)req->n_prefix_hashes * pt * mi.num_layers;
+        shape.num_layers = 1;
+        shape.layer_tokens = &tokens;
+        bytes = kvd_seq_payload_bytes(&shape, &mi);
+    }
+    if ((rc = kvd_quota_reserve(ctx->auth, req->model, 1, bytes, err))) {
+        KVD_METRIC_ADD(quota_rejections_total, 1);
+        return rc;
+    }
     rc = kvd_store_seq_create(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                               req->model, req->prefix_hashes, req->n_prefix_hashes,
                               req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
                               req->n_prefix_token_ids, &info, err);
-    if (rc)
+    if (rc) {
+        kvd_quota_release(ctx->auth, req->model, 1, bytes);
         return rc;
+    }
+    KVD_METRIC_ADD(sequences_stored, 1);
+    KVD_METRIC_ADD(payload_bytes_stored, kvd_seq_payload_bytes(&info, &mi));
+    KVD_METRIC_ADD(stored_bytes, info.stored_bytes);
+    KVD_METRIC_ADD(pages_sealed, info.sealed_pages);
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
     Kvdepot__V1__CreateSequenceResponse resp = KVDEPOT__V1__CREATE_SEQUENCE_RESPONSE__INIT;
@@ -155,7 +206,8 @@ int kvd_h_lookup(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
 {
     const Kvdepot__V1__LookupRequest *req = (const Kvdepot__V1__LookupRequest *)msg;
     int rc;
-    if ((rc = kvd_check_model_name(req->model, "model", err)))
+    if ((rc = kvd_check_model_name(req->model, "model", err)) ||
+        (rc = kvd_ctx_check_model(ctx, req->model, err)))
         return rc;
     uint64_t matched = 0;
     if (req->n_block_hashes) {
@@ -187,6 +239,10 @@ int kvd_h_stat_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                                  &info, err)))
         return rc;
+    if ((rc = kvd_ctx_check_model(ctx, info.model, err))) {
+        kvd_seq_info_clear(&info);
+        return rc;
+    }
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
     Kvdepot__V1__StatSequenceResponse resp = KVDEPOT__V1__STAT_SEQUENCE_RESPONSE__INIT;
@@ -202,7 +258,9 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     const Kvdepot__V1__ListSequencesRequest *req =
         (const Kvdepot__V1__ListSequencesRequest *)msg;
     int rc;
-    if (req->model && req->model[0] && (rc = kvd_check_model_name(req->model, "model", err)))
+    if (req->model && req->model[0] &&
+        ((rc = kvd_check_model_name(req->model, "model", err)) ||
+         (rc = kvd_ctx_check_model(ctx, req->model, err))))
         return rc;
     if (req->page_token.len > KVD_SEQ_ID_MAX)
         return kvd_error_set(err, KVD_EINVAL, "page_token: %zu bytes, not one this server issued",
@@ -218,6 +276,23 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
                             req->page_token.len, limit, &seqs, &n, &more, err);
     if (rc)
         return rc;
+    /* A tenant sees the sequences of its namespaces only. The page token
+     * stays the last id scanned, so a page filtered down to nothing still
+     * lets the caller go on. */
+    uint8_t last_id[KVD_SEQ_ID_MAX];
+    size_t last_len = n ? seqs[n - 1].id_len : 0;
+    if (n)
+        memcpy(last_id, seqs[n - 1].id, last_len);
+    if (ctx->principal) {
+        size_t k = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (kvd_auth_model_allowed(ctx->principal, seqs[i].model))
+                seqs[k++] = seqs[i];
+            else
+                kvd_seq_info_clear(&seqs[i]);
+        }
+        n = k;
+    }
     Kvdepot__V1__SequenceInfo *sis = n ? calloc(n, sizeof *sis) : NULL;
     Kvdepot__V1__SequenceInfo **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
     if (n && (!sis || !ptrs)) {
@@ -237,8 +312,10 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     for (;;) {
         resp.n_sequences = keep;
         int cut = keep < n || more;
-        resp.next_page_token.data = cut && keep ? (uint8_t *)seqs[keep - 1].id : NULL;
-        resp.next_page_token.len = cut && keep ? seqs[keep - 1].id_len : 0;
+        resp.next_page_token.data =
+            cut && keep ? (uint8_t *)seqs[keep - 1].id : cut && more ? last_id : NULL;
+        resp.next_page_token.len =
+            cut && keep ? seqs[keep - 1].id_len : cut && more ? last_len : 0;
         size_t sz = protobuf_c_message_get_packed_size(&resp.base);
         if (sz <= ctx->svc->cfg->max_message_bytes || keep <= 1)
             break;
@@ -263,10 +340,30 @@ int kvd_h_delete_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
                                err)))
         return rc;
+    /* What the sequence held, to give back to the quotas and gauges. */
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    kvd_model_info mi;
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                 &info, err)) ||
+        (rc = kvd_ctx_check_model(ctx, info.model, err)) ||
+        (rc = kvd_store_model_get(ctx->svc->store, info.model, &mi, err))) {
+        kvd_seq_info_clear(&info);
+        return rc;
+    }
     uint64_t freed = 0;
     if ((rc = kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                   &freed, err)))
+                                   &freed, err))) {
+        kvd_seq_info_clear(&info);
         return rc;
+    }
+    uint64_t bytes = kvd_seq_payload_bytes(&info, &mi);
+    kvd_quota_release(ctx->auth, info.model, 1, bytes);
+    KVD_METRIC_ADD(sequences_stored, -1);
+    KVD_METRIC_ADD(payload_bytes_stored, -(int64_t)bytes);
+    KVD_METRIC_ADD(stored_bytes, -(int64_t)info.stored_bytes);
+    KVD_METRIC_ADD(pages_sealed, -(int64_t)info.sealed_pages);
+    kvd_seq_info_clear(&info);
     Kvdepot__V1__DeleteSequenceResponse resp = KVDEPOT__V1__DELETE_SEQUENCE_RESPONSE__INIT;
     resp.freed_pages = freed;
     return reply_or_oom(reply, &resp.base, ctx, err);

@@ -3,7 +3,8 @@
  *
  * Signals are blocked in every thread (the mask is set before gRPC or the
  * store start theirs) and read synchronously from a signalfd by the main
- * thread, so shutdown work never runs inside a signal handler.
+ * thread, so shutdown work and the SIGHUP reload of the tokens file never
+ * run inside a signal handler.
  */
 #include <errno.h>
 #include <signal.h>
@@ -15,8 +16,10 @@
 
 #include <grpc/grpc.h>
 
+#include "auth.h"
 #include "config.h"
 #include "log.h"
+#include "metrics.h"
 #include "rpc.h"
 #include "server.h"
 #include "store.h"
@@ -43,6 +46,52 @@ static int write_port_file(const char *path, int port)
     return 0;
 }
 
+/* The default metrics address is a convenience: when another kvdepotd on the
+ * machine already has it (tests, a second dev server), go on without metrics
+ * and say so. An address the operator chose must work. Returns 1 to go on. */
+static int metrics_default_taken(const kvd_config *cfg, const char *err)
+{
+    for (size_t i = 0; i < kvd_config_count(); i++)
+        if (strcmp(kvd_config_name(i), "metrics-listen") == 0 && cfg->source[i] != KVD_SRC_DEFAULT)
+            return 0;
+    KVD_LOG(KVD_LOG_WARN, err, "metrics=off hint=\"set --metrics-listen\"");
+    return 1;
+}
+
+/* SIGHUP: read the tokens file again and count usage for the new table;
+ * calls in flight keep the table they started with. A file that does not
+ * load leaves the old table in place. */
+static void reload_tokens(kvd_service *svc)
+{
+    const kvd_config *cfg = svc->cfg;
+    if (!cfg->tokens_file) {
+        KVD_LOG(KVD_LOG_INFO, "SIGHUP: no tokens file to reload", "reload=skipped");
+        return;
+    }
+    char err[512];
+    kvd_auth *a = NULL;
+    if (kvd_auth_load(cfg->tokens_file, cfg->tenant_max_sequences, cfg->tenant_max_bytes, &a,
+                      err, sizeof err) != 0) {
+        KVD_LOG(KVD_LOG_ERROR, err, "reload=failed");
+        return;
+    }
+    kvd_error serr;
+    kvd_error_clear(&serr);
+    if (kvd_auth_scan(a, svc->store, NULL, &serr) != 0) {
+        KVD_LOG(KVD_LOG_ERROR, serr.msg, "reload=failed");
+        kvd_auth_unref(a);
+        return;
+    }
+    pthread_mutex_lock(&svc->auth_mu);
+    kvd_auth *old = svc->auth;
+    svc->auth = a;
+    pthread_mutex_unlock(&svc->auth_mu);
+    kvd_auth_unref(old);
+    KVD_METRIC_ADD(tokens_reloads_total, 1);
+    KVD_LOG(KVD_LOG_INFO, "tokens file reloaded", "tokens=%zu tenants=%zu", a->n_tokens,
+            a->n_tenants);
+}
+
 int main(int argc, char **argv)
 {
     const char *prog = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
@@ -53,11 +102,15 @@ int main(int argc, char **argv)
         return 1;
     }
     int action = KVD_CONFIG_RUN;
-    if (kvd_config_apply_env(&cfg, getenv, err, sizeof err) != 0 ||
-        kvd_config_parse_args(&cfg, argc, argv, &action, err, sizeof err) != 0) {
+    if (kvd_config_load(&cfg, argc, argv, getenv, &action, err, sizeof err) != 0) {
         fprintf(stderr, "%s: %s\n", prog, err);
         kvd_config_free(&cfg);
         return 2;
+    }
+    if (action == KVD_CONFIG_PRINT) {
+        kvd_config_print(stdout, &cfg);
+        kvd_config_free(&cfg);
+        return 0;
     }
     if (action == KVD_CONFIG_HELP) {
         kvd_config_usage(stdout, prog);
@@ -76,16 +129,45 @@ int main(int argc, char **argv)
             cfg.threads = 256;
     }
     kvd_log_threshold = cfg.log_level;
+    /* Configuration mistakes are found before anything starts (exit 2); the
+     * tokens file is read now for the same reason. */
+    kvd_auth *auth = NULL;
+    if (kvd_server_check_security(&cfg, err, sizeof err) != 0 ||
+        kvd_auth_load(cfg.tokens_file, cfg.tenant_max_sequences, cfg.tenant_max_bytes, &auth,
+                      err, sizeof err) != 0) {
+        fprintf(stderr, "%s: %s\n", prog, err);
+        kvd_config_free(&cfg);
+        return 2;
+    }
 
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGTERM);
     sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &mask, NULL);
     signal(SIGPIPE, SIG_IGN);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC);
     if (sfd < 0) {
         fprintf(stderr, "%s: signalfd: %s\n", prog, strerror(errno));
+        kvd_auth_unref(auth);
+        kvd_config_free(&cfg);
+        return 1;
+    }
+
+    /* Probes answer while the store opens: alive, not ready. */
+    kvd_service svc = {.cfg = &cfg, .auth = auth};
+    atomic_init(&svc.serving, 0);
+    pthread_mutex_init(&svc.auth_mu, NULL);
+    kvd_http *http = NULL;
+    int metrics_port = 0;
+    if (cfg.metrics_listen &&
+        kvd_http_start(cfg.metrics_listen, &svc.serving, &http, &metrics_port, err,
+                       sizeof err) != 0 &&
+        !metrics_default_taken(&cfg, err)) {
+        fprintf(stderr, "%s: %s\n", prog, err);
+        kvd_auth_unref(auth);
+        close(sfd);
         kvd_config_free(&cfg);
         return 1;
     }
@@ -94,6 +176,7 @@ int main(int argc, char **argv)
         .data_dir = cfg.data_dir,
         .page_tokens = (uint32_t)cfg.page_tokens,
         .sync_writes = cfg.sync,
+        .max_seq_tokens = cfg.max_tokens_per_sequence,
     };
     kvd_store *store = NULL;
     kvd_error serr;
@@ -102,17 +185,28 @@ int main(int argc, char **argv)
     if (rc) {
         fprintf(stderr, "%s: cannot open the store in %s: %s\n", prog, cfg.data_dir,
                 serr.msg[0] ? serr.msg : kvd_strerror(rc));
+        kvd_http_stop(http);
+        kvd_auth_unref(auth);
         close(sfd);
         kvd_config_free(&cfg);
         return 1;
     }
-
-    kvd_service svc = {
-        .store = store,
-        .cfg = &cfg,
-        .page_tokens = kvd_store_page_tokens(store),
-    };
-    atomic_init(&svc.serving, 1);
+    svc.store = store;
+    svc.page_tokens = kvd_store_page_tokens(store);
+    kvd_store_totals tot;
+    if ((rc = kvd_auth_scan(auth, store, &tot, &serr)) != 0) {
+        fprintf(stderr, "%s: cannot count what the store holds: %s\n", prog, serr.msg);
+        kvd_store_close(store);
+        kvd_http_stop(http);
+        kvd_auth_unref(auth);
+        close(sfd);
+        kvd_config_free(&cfg);
+        return 1;
+    }
+    KVD_METRIC_SET(sequences_stored, tot.sequences);
+    KVD_METRIC_SET(payload_bytes_stored, tot.payload_bytes);
+    KVD_METRIC_SET(stored_bytes, tot.stored_bytes);
+    KVD_METRIC_SET(pages_sealed, tot.sealed_pages);
 
     grpc_init();
     kvd_server *srv = NULL;
@@ -121,11 +215,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: %s\n", prog, err);
         kvd_store_close(store);
         grpc_shutdown();
+        kvd_http_stop(http);
+        kvd_auth_unref(auth);
         close(sfd);
         kvd_config_free(&cfg);
         return 1;
     }
     int exit_code = 0;
+    atomic_store(&svc.serving, 1);
+    KVD_METRIC_SET(ready, 1);
     if (cfg.port_file && write_port_file(cfg.port_file, port) != 0) {
         fprintf(stderr, "%s: cannot write the port file %s: %s\n", prog, cfg.port_file,
                 strerror(errno));
@@ -136,13 +234,18 @@ int main(int argc, char **argv)
         kvd_log_quote(qdir, sizeof qdir, cfg.data_dir, strlen(cfg.data_dir));
         KVD_LOG(KVD_LOG_INFO, "serving",
                 "listen=%s port=%d data_dir=%s threads=%llu page_tokens=%u sync=%d "
-                "max_message_bytes=%llu version=%s",
+                "max_message_bytes=%llu tls=%s auth=%s metrics_port=%d version=%s",
                 qlisten, port, qdir, (unsigned long long)cfg.threads,
                 svc.page_tokens, cfg.sync, (unsigned long long)cfg.max_message_bytes,
-                KVD_VERSION);
+                !cfg.tls_cert ? "off" : cfg.tls_client_ca ? "mtls" : "on",
+                cfg.tokens_file ? "tokens" : "off", metrics_port, KVD_VERSION);
         for (;;) {
             struct signalfd_siginfo si;
             ssize_t n = read(sfd, &si, sizeof si);
+            if (n == (ssize_t)sizeof si && si.ssi_signo == SIGHUP) {
+                reload_tokens(&svc);
+                continue;
+            }
             if (n == (ssize_t)sizeof si) {
                 KVD_LOG(KVD_LOG_INFO, "shutting down", "signal=%s",
                         si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
@@ -157,9 +260,13 @@ int main(int argc, char **argv)
     }
 
     atomic_store(&svc.serving, 0);
+    KVD_METRIC_SET(ready, 0);
     kvd_server_shutdown(srv, cfg.shutdown_grace_ms);
     kvd_store_close(store);
     grpc_shutdown();
+    kvd_http_stop(http);
+    kvd_auth_unref(svc.auth);
+    pthread_mutex_destroy(&svc.auth_mu);
     close(sfd);
     KVD_LOG(KVD_LOG_INFO, "stopped", "exit=%d", exit_code);
     kvd_config_free(&cfg);

@@ -10,31 +10,36 @@
 #define KVD_SVC "/kvdepot.v1.KVDepot/"
 #define HEALTH_SVC "/grpc.health.v1.Health/"
 
-#define UNARY(svc, name, req, fn) {svc #name, #name, KVD_RPC_UNARY, &(req), fn, NULL}
+#define UNARY(svc, name, req, fn, acc) {svc #name, #name, KVD_RPC_UNARY, &(req), fn, NULL, acc}
+#define R KVD_ACCESS_READ
+#define W KVD_ACCESS_WRITE
 
 const kvd_method kvd_methods[] = {
-    UNARY(KVD_SVC, PutModel, kvdepot__v1__put_model_request__descriptor, kvd_h_put_model),
-    UNARY(KVD_SVC, GetModel, kvdepot__v1__get_model_request__descriptor, kvd_h_get_model),
-    UNARY(KVD_SVC, ListModels, kvdepot__v1__list_models_request__descriptor, kvd_h_list_models),
+    UNARY(KVD_SVC, PutModel, kvdepot__v1__put_model_request__descriptor, kvd_h_put_model, W),
+    UNARY(KVD_SVC, GetModel, kvdepot__v1__get_model_request__descriptor, kvd_h_get_model, R),
+    UNARY(KVD_SVC, ListModels, kvdepot__v1__list_models_request__descriptor, kvd_h_list_models, R),
     UNARY(KVD_SVC, DeleteModel, kvdepot__v1__delete_model_request__descriptor,
-          kvd_h_delete_model),
+          kvd_h_delete_model, W),
     UNARY(KVD_SVC, CreateSequence, kvdepot__v1__create_sequence_request__descriptor,
-          kvd_h_create_sequence),
-    {KVD_SVC "Append", "Append", KVD_RPC_CLIENT_STREAM, NULL, NULL, &kvd_append_ops},
+          kvd_h_create_sequence, W),
+    {KVD_SVC "Append", "Append", KVD_RPC_CLIENT_STREAM, NULL, NULL, &kvd_append_ops, W},
     {KVD_SVC "Read", "Read", KVD_RPC_SERVER_STREAM, &kvdepot__v1__read_request__descriptor,
-     NULL, &kvd_read_ops},
-    UNARY(KVD_SVC, Lookup, kvdepot__v1__lookup_request__descriptor, kvd_h_lookup),
+     NULL, &kvd_read_ops, R},
+    UNARY(KVD_SVC, Lookup, kvdepot__v1__lookup_request__descriptor, kvd_h_lookup, R),
     UNARY(KVD_SVC, StatSequence, kvdepot__v1__stat_sequence_request__descriptor,
-          kvd_h_stat_sequence),
+          kvd_h_stat_sequence, R),
     UNARY(KVD_SVC, ListSequences, kvdepot__v1__list_sequences_request__descriptor,
-          kvd_h_list_sequences),
+          kvd_h_list_sequences, R),
     UNARY(KVD_SVC, DeleteSequence, kvdepot__v1__delete_sequence_request__descriptor,
-          kvd_h_delete_sequence),
+          kvd_h_delete_sequence, W),
     UNARY(HEALTH_SVC, Check, grpc__health__v1__health_check_request__descriptor,
-          kvd_h_health_check),
+          kvd_h_health_check, KVD_ACCESS_OPEN),
     {HEALTH_SVC "Watch", "Watch", KVD_RPC_SERVER_STREAM,
-     &grpc__health__v1__health_check_request__descriptor, NULL, &kvd_health_watch_ops},
+     &grpc__health__v1__health_check_request__descriptor, NULL, &kvd_health_watch_ops, KVD_ACCESS_OPEN},
 };
+
+#undef R
+#undef W
 
 const size_t kvd_methods_count = sizeof kvd_methods / sizeof kvd_methods[0];
 
@@ -44,4 +49,35 @@ const kvd_method *kvd_method_find(const char *path, size_t len)
         if (strlen(kvd_methods[i].path) == len && memcmp(kvd_methods[i].path, path, len) == 0)
             return &kvd_methods[i];
     return NULL;
+}
+
+kvd_auth *kvd_service_auth(kvd_service *svc)
+{
+    pthread_mutex_lock(&svc->auth_mu);
+    kvd_auth *a = svc->auth;
+    if (a)
+        kvd_auth_ref(a);
+    pthread_mutex_unlock(&svc->auth_mu);
+    return a;
+}
+
+int kvd_ctx_check_model(kvd_req_ctx *ctx, const char *model, kvd_error *err)
+{
+    if (kvd_auth_model_allowed(ctx->principal, model))
+        return 0;
+    return kvd_error_set(err, KVD_EPERM, "tenant %s may not use model '%.128s'",
+                         kvd_auth_tenant(ctx->auth, ctx->principal), model);
+}
+
+int kvd_ctx_check_seq(kvd_req_ctx *ctx, const void *id, size_t id_len, kvd_error *err)
+{
+    if (!ctx->principal)
+        return 0;
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    int rc = kvd_store_seq_stat(ctx->svc->store, id, id_len, &info, err);
+    if (rc == 0)
+        rc = kvd_ctx_check_model(ctx, info.model, err);
+    kvd_seq_info_clear(&info);
+    return rc;
 }

@@ -48,6 +48,8 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
     if (req->max_chunk_bytes > CHUNK_MAX)
         return kvd_error_set(err, KVD_EINVAL, "max_chunk_bytes: %u exceeds the limit %u",
                              req->max_chunk_bytes, CHUNK_MAX);
+    if ((rc = kvd_ctx_check_seq(ctx, req->sequence_id.data, req->sequence_id.len, err)))
+        return rc;
     size_t chunk = req->max_chunk_bytes ? req->max_chunk_bytes : CHUNK_DEFAULT;
     uint64_t send_limit = ctx->svc->cfg->max_message_bytes;
     if (chunk > send_limit - MESSAGE_SLACK)

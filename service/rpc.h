@@ -18,6 +18,7 @@
 #ifndef KVDEPOT_SERVICE_RPC_H
 #define KVDEPOT_SERVICE_RPC_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -25,6 +26,7 @@
 #include <grpc/grpc.h>
 #include <protobuf-c/protobuf-c.h>
 
+#include "auth.h"
 #include "config.h"
 #include "kvdepot/status.h"
 #include "store.h"
@@ -34,14 +36,40 @@ typedef struct kvd_service {
     kvd_store *store;
     const kvd_config *cfg;
     uint32_t page_tokens;
-    atomic_int serving; /* 1 until shutdown begins: health reports it */
+    atomic_int serving; /* 1 once ready, 0 again when shutdown begins: health
+                           and /readyz report it */
+    /* The tokens and quota table; replaced on SIGHUP. NULL = no checks (unit
+     * tests). Read it with kvd_service_auth(), which takes a reference. */
+    kvd_auth *auth;
+    pthread_mutex_t auth_mu;
 } kvd_service;
 
 /* Per-call context handed to handlers. */
 typedef struct kvd_req_ctx {
     kvd_service *svc;
     uint64_t req_id;
+    /* The table the call was authenticated against (a reference, released
+     * when the call ends) and the caller; both NULL = unrestricted. */
+    kvd_auth *auth;
+    const kvd_principal *principal;
 } kvd_req_ctx;
+
+/* What a method does to stored data, for the token's access rights. */
+typedef enum kvd_access {
+    KVD_ACCESS_READ = 0,
+    KVD_ACCESS_WRITE = 1,
+    KVD_ACCESS_OPEN = 2, /* no token needed: health checks */
+} kvd_access;
+
+/* A reference to the current tokens table (NULL when none); release with
+ * kvd_auth_unref(). */
+kvd_auth *kvd_service_auth(kvd_service *svc);
+
+/* PERMISSION_DENIED unless the caller may use `model`. */
+int kvd_ctx_check_model(kvd_req_ctx *ctx, const char *model, kvd_error *err);
+/* The same for the model of a stored sequence (NOT_FOUND when there is
+ * none); free when the caller is unrestricted. */
+int kvd_ctx_check_seq(kvd_req_ctx *ctx, const void *id, size_t id_len, kvd_error *err);
 
 typedef enum kvd_rpc_kind {
     KVD_RPC_UNARY,
@@ -83,6 +111,7 @@ typedef struct kvd_method {
     const ProtobufCMessageDescriptor *request;
     kvd_unary_fn unary;
     const kvd_stream_ops *stream;
+    kvd_access access;
 } kvd_method;
 
 /* The method table (methods.c). */
@@ -95,6 +124,10 @@ const kvd_method *kvd_method_find(const char *path, size_t len);
 /* Pack a message into a fresh byte buffer (one slice, one copy). Returns NULL
  * when out of memory. */
 grpc_byte_buffer *kvd_pack(const ProtobufCMessage *msg);
+
+/* Recount quota usage and the store gauges from the store (after a forced
+ * model delete took sequences with it). */
+void kvd_usage_rescan(kvd_req_ctx *ctx);
 
 /* Handlers, by file. */
 int kvd_h_put_model(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);

@@ -39,8 +39,13 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
+#include <arpa/inet.h>
+#include <errno.h>
+#include <grpc/grpc_security.h>
+
 #include "convert.h"
 #include "log.h"
+#include "metrics.h"
 
 #define REQUESTS_PER_WORKER 8
 
@@ -166,14 +171,34 @@ static double elapsed_ms(const struct timespec *t0)
     return (double)(t1.tv_sec - t0->tv_sec) * 1e3 + (double)(t1.tv_nsec - t0->tv_nsec) / 1e6;
 }
 
+static void count_call(kvd_call *c, double ms)
+{
+    kvd_metrics_observe(c->method ? (int)(c->method - kvd_methods) : -1, c->status, ms / 1e3);
+    KVD_METRIC_ADD(bytes_received_total, c->bytes_in);
+    KVD_METRIC_ADD(bytes_sent_total, c->bytes_out);
+    KVD_METRIC_ADD(calls_in_flight, -1);
+    if (c->status == KVD_ECORRUPT)
+        KVD_METRIC_ADD(checksum_failures_total, 1);
+    else if (c->status == KVD_EAUTH)
+        KVD_METRIC_ADD(auth_failures_total, 1);
+    else if (c->status == KVD_EPERM)
+        KVD_METRIC_ADD(permission_denied_total, 1);
+}
+
 static void log_call(kvd_call *c)
 {
     const char *method = c->method ? c->method->name : "unknown";
+    double ms = elapsed_ms(&c->t0);
+    count_call(c, ms);
+    /* The tenant, never the token: tokens are secrets, tenants are not. */
+    char tenant[140];
+    kvd_log_quote(tenant, sizeof tenant, kvd_auth_tenant(c->ctx.auth, c->ctx.principal),
+                  strlen(kvd_auth_tenant(c->ctx.auth, c->ctx.principal)));
     if (c->status == 0) {
         KVD_LOG(KVD_LOG_DEBUG, NULL,
-                "req=%" PRIu64 " method=%s status=OK bytes_in=%" PRIu64 " bytes_out=%" PRIu64
-                " ms=%.3f",
-                c->ctx.req_id, method, c->bytes_in, c->bytes_out, elapsed_ms(&c->t0));
+                "req=%" PRIu64 " method=%s tenant=%s status=OK bytes_in=%" PRIu64
+                " bytes_out=%" PRIu64 " ms=%.3f",
+                c->ctx.req_id, method, tenant, c->bytes_in, c->bytes_out, ms);
         return;
     }
     if (KVD_LOG_WARN < kvd_log_threshold)
@@ -185,10 +210,10 @@ static void log_call(kvd_call *c)
         plen = kvd_log_quote(path, sizeof path, (const char *)GRPC_SLICE_START_PTR(c->details.method),
                              GRPC_SLICE_LENGTH(c->details.method));
     kvd_log_write(KVD_LOG_WARN, msg ? msg : kvd_strerror(c->status),
-                  "req=%" PRIu64 " method=%s%s%.*s status=%s bytes_in=%" PRIu64
+                  "req=%" PRIu64 " method=%s%s%.*s tenant=%s status=%s bytes_in=%" PRIu64
                   " bytes_out=%" PRIu64 " ms=%.3f",
-                  c->ctx.req_id, method, plen ? " path=" : "", (int)plen, path,
-                  kvd_status_name(c->status), c->bytes_in, c->bytes_out, elapsed_ms(&c->t0));
+                  c->ctx.req_id, method, plen ? " path=" : "", (int)plen, path, tenant,
+                  kvd_status_name(c->status), c->bytes_in, c->bytes_out, ms);
     gpr_free(msg);
 }
 
@@ -207,6 +232,7 @@ static void call_free(kvd_call *c)
         grpc_slice_unref(c->status_details);
     if (c->call)
         grpc_call_unref(c->call);
+    kvd_auth_unref(c->ctx.auth);
     grpc_call_details_destroy(&c->details);
     grpc_metadata_array_destroy(&c->request_md);
     free(c);
@@ -401,10 +427,31 @@ static void stream_pump(kvd_call *c)
 
 /* ---- the state machine -------------------------------------------------- */
 
+/* Authenticate the call from its metadata and check the token's access
+ * against the method's; model namespaces are checked by the handlers, which
+ * know the model. On failure the call is finished here and -1 returned. */
+static int authorize(kvd_call *c)
+{
+    kvd_error err;
+    kvd_error_clear(&err);
+    c->ctx.auth = kvd_service_auth(c->ctx.svc);
+    int rc = kvd_auth_check(c->ctx.auth, &c->request_md, (int64_t)time(NULL), &c->ctx.principal,
+                            &err);
+    if (rc == 0 && c->ctx.principal && c->ctx.principal->read_only &&
+        c->method->access == KVD_ACCESS_WRITE)
+        rc = kvd_error_set(&err, KVD_EPERM, "tenant %s: token is read-only, %s writes",
+                           kvd_auth_tenant(c->ctx.auth, c->ctx.principal), c->method->name);
+    if (rc == 0)
+        return 0;
+    finish(c, rc, err.msg, NULL);
+    return -1;
+}
+
 static void on_call_arrived(kvd_call *c)
 {
     kvd_server *s = c->w->srv;
     clock_gettime(CLOCK_MONOTONIC, &c->t0);
+    KVD_METRIC_ADD(calls_in_flight, 1);
     c->ctx.svc = s->svc;
     c->ctx.req_id = atomic_fetch_add(&s->next_req_id, 1) + 1;
     c->method = kvd_method_find((const char *)GRPC_SLICE_START_PTR(c->details.method),
@@ -427,6 +474,8 @@ static void on_call_arrived(kvd_call *c)
         finish(c, KVD_EUNSUPP, msg, NULL);
         return;
     }
+    if (c->method->access != KVD_ACCESS_OPEN && authorize(c) != 0)
+        return;
     recv_message(c, c->method->kind == KVD_RPC_CLIENT_STREAM ? CALL_RECV_STREAM
                                                               : CALL_RECV_REQUEST);
 }
@@ -610,6 +659,132 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
+/* ---- transport security --------------------------------------------------- */
+
+int kvd_listen_is_loopback(const char *listen)
+{
+    if (strncmp(listen, "unix:", 5) == 0 || strncmp(listen, "unix-abstract:", 14) == 0)
+        return 1;
+    const char *a = listen;
+    if (strncmp(a, "ipv4:", 5) == 0 || strncmp(a, "ipv6:", 5) == 0)
+        a += 5;
+    if (strncmp(a, "dns:", 4) == 0)
+        a += 4;
+    char host[256];
+    const char *colon = strrchr(a, ':');
+    size_t hl = colon ? (size_t)(colon - a) : strlen(a);
+    if (hl >= 2 && a[0] == '[' && a[hl - 1] == ']') {
+        a++;
+        hl -= 2;
+    }
+    if (hl == 0 || hl >= sizeof host)
+        return 0; /* ":50051" binds every interface */
+    memcpy(host, a, hl);
+    host[hl] = '\0';
+    if (strcmp(host, "localhost") == 0)
+        return 1;
+    struct in_addr v4;
+    struct in6_addr v6;
+    if (inet_pton(AF_INET, host, &v4) == 1)
+        return (ntohl(v4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, host, &v6) == 1)
+        return IN6_IS_ADDR_LOOPBACK(&v6);
+    return 0;
+}
+
+int kvd_server_check_security(const kvd_config *cfg, char *err, size_t errlen)
+{
+    int have_cert = cfg->tls_cert != NULL, have_key = cfg->tls_key != NULL;
+    if (have_cert != have_key) {
+        snprintf(err, errlen, "--tls-cert and --tls-key go together (%s given alone)",
+                 have_cert ? "--tls-cert" : "--tls-key");
+        return -1;
+    }
+    if (have_cert && cfg->insecure) {
+        snprintf(err, errlen, "--insecure contradicts --tls-cert: choose one");
+        return -1;
+    }
+    if (cfg->tls_client_ca && !have_cert) {
+        snprintf(err, errlen, "--tls-client-ca needs --tls-cert and --tls-key");
+        return -1;
+    }
+    if (!have_cert && !kvd_listen_is_loopback(cfg->listen) &&
+        !(cfg->insecure && cfg->allow_insecure_remote)) {
+        snprintf(err, errlen,
+                 "refusing plaintext on %s, which is not a loopback address: give "
+                 "--tls-cert and --tls-key, or --insecure --allow-insecure-remote",
+                 cfg->listen);
+        return -1;
+    }
+    return 0;
+}
+
+/* Read a whole PEM file into a NUL-terminated malloc'd string. */
+static char *read_pem(const char *path, const char *what, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err, errlen, "%s %s: %s", what, path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 8192, len = 0;
+    char *p = malloc(cap);
+    while (p) {
+        len += fread(p + len, 1, cap - 1 - len, f);
+        if (len < cap - 1)
+            break;
+        char *np = cap < (64u << 20) ? realloc(p, cap * 2) : NULL;
+        if (!np) {
+            free(p);
+            p = NULL;
+            break;
+        }
+        p = np;
+        cap *= 2;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (!p || bad || len == 0) {
+        snprintf(err, errlen, "%s %s: %s", what, path,
+                 !p ? "too large or out of memory" : bad ? "read error" : "empty file");
+        free(p);
+        return NULL;
+    }
+    p[len] = '\0';
+    return p;
+}
+
+static grpc_server_credentials *server_credentials(const kvd_config *cfg, char *err,
+                                                   size_t errlen)
+{
+    if (!cfg->tls_cert)
+        return grpc_insecure_server_credentials_create();
+    char *cert = read_pem(cfg->tls_cert, "--tls-cert", err, errlen);
+    char *key = cert ? read_pem(cfg->tls_key, "--tls-key", err, errlen) : NULL;
+    char *ca = key && cfg->tls_client_ca
+                   ? read_pem(cfg->tls_client_ca, "--tls-client-ca", err, errlen)
+                   : NULL;
+    grpc_server_credentials *creds = NULL;
+    if (key && (ca || !cfg->tls_client_ca)) {
+        grpc_ssl_pem_key_cert_pair pair = {key, cert};
+        creds = grpc_ssl_server_credentials_create_ex(
+            ca, &pair, 1,
+            ca ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+            NULL);
+        if (!creds)
+            snprintf(err, errlen, "TLS credentials from %s and %s were refused", cfg->tls_cert,
+                     cfg->tls_key);
+    }
+    /* gRPC copied what it keeps; wipe the private key from our heap. */
+    if (key)
+        memset(key, 0, strlen(key));
+    free(cert);
+    free(key);
+    free(ca);
+    return creds;
+}
+
 /* ---- start / shutdown --------------------------------------------------- */
 
 static void destroy_partial(kvd_server *s)
@@ -654,7 +829,7 @@ int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, s
     /* Limits are set explicitly: the C core's defaults (4 MiB receive) are
      * not ours. SO_REUSEPORT is off so that a second server on the same port
      * fails to start instead of silently sharing it. */
-    grpc_arg args[3];
+    grpc_arg args[9];
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
     args[0].value.integer = (int)cfg->max_message_bytes;
@@ -664,7 +839,27 @@ int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, s
     args[2].type = GRPC_ARG_INTEGER;
     args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
     args[2].value.integer = 0;
-    grpc_channel_args chargs = {3, args};
+    /* Concurrency and keepalive, so that idle or dead peers are noticed and
+     * one client cannot open streams without bound. */
+    static const char *const int_keys[] = {
+        GRPC_ARG_MAX_CONCURRENT_STREAMS,
+        GRPC_ARG_KEEPALIVE_TIME_MS,
+        GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+        GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+        GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+        GRPC_ARG_HTTP2_MAX_PING_STRIKES,
+    };
+    const uint64_t int_vals[] = {
+        cfg->max_concurrent_streams,         cfg->keepalive_time_ms,
+        cfg->keepalive_timeout_ms,           cfg->keepalive_min_ping_interval_ms,
+        (uint64_t)cfg->keepalive_permit_without_calls, 2,
+    };
+    for (size_t i = 0; i < 6; i++) {
+        args[3 + i].type = GRPC_ARG_INTEGER;
+        args[3 + i].key = (char *)int_keys[i];
+        args[3 + i].value.integer = int_vals[i] > INT32_MAX ? INT32_MAX : (int)int_vals[i];
+    }
+    grpc_channel_args chargs = {9, args};
     s->server = grpc_server_create(&chargs, NULL);
 
     for (size_t i = 0; i < s->nworkers; i++) {
@@ -672,7 +867,11 @@ int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, s
         s->workers[i].cq = grpc_completion_queue_create_for_next(NULL);
         grpc_server_register_completion_queue(s->server, s->workers[i].cq, NULL);
     }
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    grpc_server_credentials *creds = server_credentials(cfg, err, errlen);
+    if (!creds) {
+        destroy_partial(s);
+        return -1;
+    }
     *port = grpc_server_add_http2_port(s->server, cfg->listen, creds);
     grpc_server_credentials_release(creds);
     if (*port <= 0) {

@@ -17,6 +17,16 @@ typedef struct kvd_server kvd_server;
  * called. */
 int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, size_t errlen);
 
+/* Check the transport-security settings before anything starts: TLS files
+ * given in pairs, plaintext only on loopback unless both --insecure and
+ * --allow-insecure-remote are set. Returns 0, or -1 with a message (a
+ * configuration error: exit status 2). */
+int kvd_server_check_security(const kvd_config *cfg, char *err, size_t errlen);
+
+/* 1 when a gRPC listen address can only be reached from this machine
+ * (127.0.0.0/8, ::1, localhost, unix sockets). */
+int kvd_listen_is_loopback(const char *listen);
+
 /* Stop accepting calls, give in-flight calls grace_ms to finish, cancel the
  * rest, drain and destroy the completion queues, join the workers and free
  * the server. svc->serving must already be 0. The store is not touched:

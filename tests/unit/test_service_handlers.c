@@ -66,7 +66,7 @@ static grpc_byte_buffer *msg_split(const ProtobufCMessage *m, size_t piece)
 
 static int unary(kvd_unary_fn fn, const ProtobufCMessage *req, kvd_error *err)
 {
-    kvd_req_ctx ctx = {&svc, 1};
+    kvd_req_ctx ctx = {.svc = &svc, .req_id = 1};
     grpc_byte_buffer *reply = NULL;
     /* Round-trip the request through the wire, as the server does. */
     grpc_byte_buffer *bb = msg_split(req, 3);
@@ -94,7 +94,7 @@ static uint64_t stat_tokens(const char *id)
 /* Run one Append stream of already-encoded messages; returns its status. */
 static int run_append(grpc_byte_buffer **msgs, size_t n, kvd_error *err)
 {
-    kvd_req_ctx ctx = {&svc, 2};
+    kvd_req_ctx ctx = {.svc = &svc, .req_id = 2};
     void *state = NULL;
     int rc = 0;
     kvd_error_clear(err);
@@ -126,7 +126,7 @@ static grpc_byte_buffer *append_msg(const Kvdepot__V1__AppendHeader *h, const ui
 static uint8_t *read_all(const char *id, uint64_t token_start, uint64_t num_tokens,
                          uint32_t chunk, size_t *len, int *nmsgs)
 {
-    kvd_req_ctx ctx = {&svc, 3};
+    kvd_req_ctx ctx = {.svc = &svc, .req_id = 3};
     Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
     req.sequence_id.data = (uint8_t *)id;
     req.sequence_id.len = strlen(id);
@@ -318,7 +318,7 @@ int main(void)
         free(out);
     }
     {
-        kvd_req_ctx ctx = {&svc, 4};
+        kvd_req_ctx ctx = {.svc = &svc, .req_id = 4};
         Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
         void *state = NULL;
         req.sequence_id.data = (uint8_t *)"s";

@@ -1,0 +1,288 @@
+#include "metrics.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include <microhttpd.h>
+
+#include "kvdepot/status.h"
+#include "rpc.h"
+
+kvd_metrics_registry kvd_metrics;
+
+/* Latency bucket bounds in seconds: 100 us .. 60 s, roughly x2.5 apart. */
+static const double bucket_le[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                   0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10,
+                                   30,     60};
+#define NBUCKETS (sizeof bucket_le / sizeof bucket_le[0])
+#define MAX_METHODS 32 /* room for the method table to grow; the last is "unknown" */
+#define NSTATUS 17     /* gRPC codes 0..16 */
+
+typedef struct call_series {
+    _Atomic uint64_t count;
+    _Atomic uint64_t sum_us;
+    _Atomic uint64_t buckets[NBUCKETS]; /* non-cumulative; summed when rendered */
+} call_series;
+
+static call_series series[MAX_METHODS][NSTATUS];
+
+_Static_assert(MAX_METHODS > 16, "method table outgrew the metrics slots");
+
+void kvd_metrics_observe(int method, int status, double seconds)
+{
+    size_t m = method >= 0 && (size_t)method < kvd_methods_count && method < MAX_METHODS - 1
+                   ? (size_t)method
+                   : MAX_METHODS - 1;
+    int code = kvd_status_to_grpc(status);
+    if (code < 0 || code >= NSTATUS)
+        code = 2; /* UNKNOWN */
+    call_series *s = &series[m][code];
+    atomic_fetch_add_explicit(&s->count, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&s->sum_us, (uint64_t)(seconds * 1e6), memory_order_relaxed);
+    for (size_t b = 0; b < NBUCKETS; b++)
+        if (seconds <= bucket_le[b]) {
+            atomic_fetch_add_explicit(&s->buckets[b], 1, memory_order_relaxed);
+            break;
+        }
+}
+
+/* ---- rendering ----------------------------------------------------------- */
+
+typedef struct buf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} buf;
+
+static void put(buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(buf *b, const char *fmt, ...)
+{
+    if (b->oom)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->oom = 1;
+            return;
+        }
+        if ((size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t ncap = b->cap * 2 + (size_t)n;
+        char *np = realloc(b->p, ncap);
+        if (!np) {
+            b->oom = 1;
+            return;
+        }
+        b->p = np;
+        b->cap = ncap;
+    }
+}
+
+static const char *method_name(size_t m)
+{
+    return m < kvd_methods_count && m < MAX_METHODS - 1 ? kvd_methods[m].name : "unknown";
+}
+
+static const char *code_name(int code) { return code == 0 ? "OK" : kvd_status_name(-code); }
+
+char *kvd_metrics_render(size_t *len)
+{
+    buf b = {malloc(16384), 0, 16384, 0};
+    if (!b.p)
+        return NULL;
+    b.p[0] = '\0';
+#define KVD__METRIC_RENDER(name, type, help)                                        \
+    put(&b, "# HELP kvdepot_" #name " " help "\n# TYPE kvdepot_" #name " " #type "\n" \
+            "kvdepot_" #name " %lld\n",                                             \
+        (long long)atomic_load_explicit(&kvd_metrics.name, memory_order_relaxed));
+    KVD_METRICS(KVD__METRIC_RENDER)
+#undef KVD__METRIC_RENDER
+
+    /* The compute backend pages are served from; a GPU line appears with the
+     * GPU tier. */
+    put(&b, "# HELP kvdepot_backend_info compute backend in use\n"
+            "# TYPE kvdepot_backend_info gauge\nkvdepot_backend_info{backend=\"cpu\"} 1\n");
+
+    put(&b, "# HELP kvdepot_requests_total calls ended, by method and status\n"
+            "# TYPE kvdepot_requests_total counter\n");
+    for (size_t m = 0; m < MAX_METHODS; m++)
+        for (int c = 0; c < NSTATUS; c++) {
+            uint64_t n = atomic_load_explicit(&series[m][c].count, memory_order_relaxed);
+            /* Every method shows an OK line so dashboards see it from the start. */
+            if (n || (c == 0 && m < kvd_methods_count))
+                put(&b, "kvdepot_requests_total{method=\"%s\",status=\"%s\"} %llu\n",
+                    method_name(m), code_name(c), (unsigned long long)n);
+        }
+    put(&b, "# HELP kvdepot_request_duration_seconds call latency, by method and status\n"
+            "# TYPE kvdepot_request_duration_seconds histogram\n");
+    for (size_t m = 0; m < MAX_METHODS; m++)
+        for (int c = 0; c < NSTATUS; c++) {
+            call_series *s = &series[m][c];
+            uint64_t n = atomic_load_explicit(&s->count, memory_order_relaxed);
+            if (!n)
+                continue;
+            const char *mn = method_name(m), *cn = code_name(c);
+            uint64_t cum = 0;
+            for (size_t k = 0; k < NBUCKETS; k++) {
+                cum += atomic_load_explicit(&s->buckets[k], memory_order_relaxed);
+                put(&b,
+                    "kvdepot_request_duration_seconds_bucket{method=\"%s\",status=\"%s\","
+                    "le=\"%g\"} %llu\n",
+                    mn, cn, bucket_le[k], (unsigned long long)cum);
+            }
+            put(&b,
+                "kvdepot_request_duration_seconds_bucket{method=\"%s\",status=\"%s\","
+                "le=\"+Inf\"} %llu\n"
+                "kvdepot_request_duration_seconds_sum{method=\"%s\",status=\"%s\"} %.6f\n"
+                "kvdepot_request_duration_seconds_count{method=\"%s\",status=\"%s\"} %llu\n",
+                mn, cn, (unsigned long long)n, mn, cn,
+                (double)atomic_load_explicit(&s->sum_us, memory_order_relaxed) / 1e6, mn, cn,
+                (unsigned long long)n);
+        }
+    if (b.oom) {
+        free(b.p);
+        return NULL;
+    }
+    *len = b.len;
+    return b.p;
+}
+
+/* ---- HTTP ------------------------------------------------------------------ */
+
+struct kvd_http {
+    struct MHD_Daemon *d;
+    const atomic_int *ready;
+};
+
+static enum MHD_Result reply(struct MHD_Connection *conn, unsigned code, const char *type,
+                             char *body, size_t len, int owned)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(
+        len, body, owned ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
+    if (!r) {
+        if (owned)
+            free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    enum MHD_Result ret = MHD_queue_response(conn, code, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version,
+                                  const char *upload_data, size_t *upload_data_size,
+                                  void **req_cls)
+{
+    (void)version;
+    (void)upload_data;
+    (void)req_cls;
+    kvd_http *h = cls;
+    static const char text[] = "text/plain; charset=utf-8";
+    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
+        return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, text, "only GET\n", 9, 0);
+    if (*upload_data_size)
+        return MHD_NO;
+    if (strcmp(url, "/metrics") == 0) {
+        size_t len = 0;
+        char *body = kvd_metrics_render(&len);
+        if (!body)
+            return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, text, "out of memory\n", 14, 0);
+        return reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", body, len, 1);
+    }
+    if (strcmp(url, "/healthz") == 0)
+        return reply(conn, MHD_HTTP_OK, text, "ok\n", 3, 0);
+    if (strcmp(url, "/readyz") == 0) {
+        if (atomic_load(h->ready))
+            return reply(conn, MHD_HTTP_OK, text, "ready\n", 6, 0);
+        return reply(conn, MHD_HTTP_SERVICE_UNAVAILABLE, text, "not ready\n", 10, 0);
+    }
+    return reply(conn, MHD_HTTP_NOT_FOUND, text, "not found: /metrics /healthz /readyz\n", 37, 0);
+}
+
+/* "host:port" or "[v6]:port" -> a socket address. */
+static int resolve(const char *addr, struct sockaddr_storage *ss, char *err, size_t errlen)
+{
+    char host[256];
+    const char *colon = strrchr(addr, ':');
+    if (!colon || colon == addr || !colon[1]) {
+        snprintf(err, errlen, "metrics-listen: '%s' is not host:port", addr);
+        return -1;
+    }
+    size_t hl = (size_t)(colon - addr);
+    const char *h = addr;
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') {
+        h++;
+        hl -= 2;
+    }
+    if (hl >= sizeof host) {
+        snprintf(err, errlen, "metrics-listen: host too long");
+        return -1;
+    }
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    int e = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &res);
+    if (e != 0 || !res) {
+        snprintf(err, errlen, "metrics-listen: cannot resolve '%s': %s", addr, gai_strerror(e));
+        return -1;
+    }
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return 0;
+}
+
+int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, int *port,
+                   char *err, size_t errlen)
+{
+    *out = NULL;
+    struct sockaddr_storage ss;
+    memset(&ss, 0, sizeof ss);
+    if (resolve(addr, &ss, err, errlen) != 0)
+        return -1;
+    kvd_http *h = calloc(1, sizeof *h);
+    if (!h) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    h->ready = ready;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
+    if (ss.ss_family == AF_INET6)
+        flags |= MHD_USE_IPv6;
+    /* One internal thread is plenty for scrapes and probes; the port in
+     * MHD_start_daemon is ignored in favour of the address given. */
+    h->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR,
+                            (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_TIMEOUT, 10u,
+                            MHD_OPTION_END);
+    if (!h->d) {
+        snprintf(err, errlen, "cannot serve metrics on %s (address in use or not valid)", addr);
+        free(h);
+        return -1;
+    }
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
+    *port = info ? (int)info->port : 0;
+    *out = h;
+    return 0;
+}
+
+void kvd_http_stop(kvd_http *h)
+{
+    if (!h)
+        return;
+    MHD_stop_daemon(h->d);
+    free(h);
+}
