@@ -5,10 +5,12 @@
  * the bytes (no lock held); commit, under the sequence's lock:
  *   1. re-checks the spec against the current sequence,
  *   2. plans the new block hashes and pending token ids,
- *   3. builds the pages of each appended layer: the old raw tail page (read
- *      back and checksum-verified) merged with the new tokens, cut at page
- *      boundaries, transposed from the wire layout [token][kv_head][head_dim]
- *      to the page layout [kv_head][token][head_dim],
+ *   3. builds the pages of each appended layer, transposed from the wire
+ *      layout [token][kv_head][head_dim] to the page layout
+ *      [kv_head][token][head_dim]: a tail fragment holding just the new
+ *      tokens when the tail page stays partial, else the old raw tail (page
+ *      and fragments, read back and checksum-verified) merged with the new
+ *      tokens and cut at page boundaries (build_layer),
  *   4. writes pages and the new sequence record in one RocksDB WriteBatch,
  *   5. only then publishes the new page tables under st->lock.
  * Any failure before step 5 leaves the sequence exactly as it was. The raw
@@ -76,8 +78,10 @@ static int plan_ids(const kvd_store *st, const kvd__seq *s, const kvd_append *ap
     uint32_t B = st->page_tokens;
     memset(p, 0, sizeof *p);
     uint64_t end = ap->ts + ap->n;
-    uint64_t hcap = s->n_hashes + ap->n_bh + end / B + 1;
-    uint64_t icap = s->n_ids + ap->n + 1;
+    /* Sized by what the append carries, never by num_tokens alone: a header
+     * announcing a huge append must not cost memory before its data. */
+    uint64_t icap = s->n_ids + ap->n_ids + 1;
+    uint64_t hcap = s->n_hashes + ap->n_bh + icap / B + 1;
     p->hashes = malloc(hcap * sizeof *p->hashes);
     p->ids = malloc(icap * sizeof *p->ids);
     if (!p->hashes || !p->ids) {
@@ -326,9 +330,39 @@ int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_err
     return 0;
 }
 
-/* Build the new pages of one layer into batch and return the layer's new
- * page table in *nl (new kvd__page structs for the rewritten tail and the
- * new pages; older entries are shared with the current table). */
+/* Copy tokens [t0, t1) of one part (K or V) of layer data into a page
+ * section, head-major. Tokens below `old_end` come from the old tail (`old`,
+ * old_n tokens per head, starting at token p0), the rest from the wire block
+ * `w` ([token][kv_head][head_dim], starting at token ts). */
+static void fill_section(const kvd_append *ap, uint8_t *dst, uint64_t t0, uint64_t t1,
+                         const uint8_t *old, uint32_t old_n, uint64_t p0, uint64_t old_end,
+                         const uint8_t *w)
+{
+    size_t row = (size_t)ap->D * ap->es; /* one head of one token */
+    size_t tok_bytes = (size_t)ap->H * row;
+    for (uint32_t h = 0; h < ap->H; h++) {
+        for (uint64_t t = t0; t < t1; t++) {
+            const uint8_t *src;
+            if (t < old_end)
+                src = old + ((size_t)h * old_n + (size_t)(t - p0)) * row;
+            else
+                src = w + (size_t)(t - ap->ts) * tok_bytes + (size_t)h * row;
+            memcpy(dst, src, row);
+            dst += row;
+        }
+    }
+}
+
+/*
+ * Build the new pages of one layer into batch and return the layer's new
+ * page table in *nl (new kvd__page structs for the tail and the new pages;
+ * older entries are shared with the current table).
+ *
+ * An append that leaves the current tail page partial, while that page has
+ * fewer than KVD__MAX_FRAGS fragments, only adds a tail fragment with the new
+ * tokens. Otherwise the old tail (page and fragments) is read back, merged
+ * with the new tokens, cut at page boundaries, and its fragments deleted.
+ */
 static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_writebatch_t *b,
                        kvd__layer *nl, kvd_error *err)
 {
@@ -340,11 +374,10 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     uint64_t first = L->tokens / B;
     uint32_t tail_n = (uint32_t)(L->tokens % B);
     uint64_t npages = (end + B - 1) / B;
-    size_t row = (size_t)ap->D * ap->es; /* one head of one token */
+    size_t tok_bytes = (size_t)ap->H * ap->D * ap->es;
+    const kvd__page *tail = tail_n ? L->pages[first] : NULL;
     int rc = 0;
-    char *old = NULL;
-    size_t old_len = 0;
-    kvd_page_view ov = {0};
+    kvd__tail old = {0};
     uint8_t *page = NULL;
 
     memset(nl, 0, sizeof *nl);
@@ -358,38 +391,68 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     if (first)
         memcpy(nl->pages, L->pages, first * sizeof *nl->pages);
 
-    if (tail_n) {
-        uint8_t key[KVD__PAGE_KEY_LEN];
-        kvd__page_key(key, L->pages[first]->id);
-        char *e = NULL;
-        old = rocksdb_get(st->db, st->ropt, (const char *)key, sizeof key, &old_len, &e);
-        if (e) {
-            rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb read of a tail page failed: %s", e);
-            rocksdb_free(e);
-            goto fail;
-        }
-        if (!old) {
-            rc = kvd_error_set(err, KVD_ECORRUPT, "tail page %llu of layer %u is missing",
-                               (unsigned long long)L->pages[first]->id, l);
-            goto fail;
-        }
-        if ((rc = kvd_page_decode(old, old_len, &ov, err)))
-            goto fail;
-        if (ov.h.layer != l || ov.h.token_start != first * B || ov.h.num_tokens != tail_n ||
-            ov.h.num_kv_heads != ap->H || ov.h.head_dim != ap->D || ov.h.dtype != ap->dtype ||
-            ov.h.k_codec != KVD_CODEC_RAW || ov.h.v_codec != KVD_CODEC_RAW) {
-            rc = kvd_error_set(err, KVD_ECORRUPT,
-                               "tail page %llu does not hold layer %u tokens %llu+%u",
-                               (unsigned long long)L->pages[first]->id, l,
-                               (unsigned long long)(first * B), tail_n);
-            goto fail;
-        }
-    }
-
-    /* Wire K and V blocks of this layer: [token][kv_head][head_dim]. */
-    size_t tok_bytes = (size_t)ap->H * row;
+    /* Wire K and V blocks of this layer. */
     const uint8_t *wk = ap->buf + (size_t)(l - ap->ls) * ap->n * tok_bytes;
     const uint8_t *wv = wk + (size_t)ap->nl * ap->n * tok_bytes;
+
+    if (tail && end < (first + 1) * B && tail->nfrags < KVD__MAX_FRAGS) {
+        kvd_page_desc d = {.dtype = ap->dtype,
+                           .layer = l,
+                           .token_start = ap->ts,
+                           .num_tokens = (uint32_t)ap->n,
+                           .page_tokens = B,
+                           .num_kv_heads = ap->H,
+                           .head_dim = ap->D};
+        uint64_t size = kvd_page_raw_size(&d);
+        kvd__page *np = calloc(1, sizeof *np);
+        page = malloc((size_t)size);
+        if (!np || !page) {
+            free(np);
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building a tail fragment");
+            goto fail;
+        }
+        nl->pages[first] = np;
+        np->id = tail->id;
+        np->refs = 1;
+        np->num_tokens = (uint32_t)(end - first * B);
+        np->bytes = tail->bytes + size;
+        np->nfrags = tail->nfrags + 1;
+        uint8_t *kp, *vp;
+        if ((rc = kvd_page_init_raw(&d, page, (size_t)size, &kp, &vp, err)))
+            goto fail;
+        fill_section(ap, kp, ap->ts, end, NULL, 0, 0, 0, wk);
+        fill_section(ap, vp, ap->ts, end, NULL, 0, 0, 0, wv);
+        kvd_page_finish(page, (size_t)size);
+        uint8_t key[KVD__FRAG_KEY_LEN];
+        kvd__frag_key(key, tail->id, tail_n);
+        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page,
+                               (size_t)size);
+        free(page);
+        return 0;
+    }
+
+    if (tail) {
+        kvd__tail_want w = {.page_id = tail->id,
+                            .layer = l,
+                            .p0 = first * B,
+                            .need = tail_n,
+                            .B = B,
+                            .H = ap->H,
+                            .D = ap->D,
+                            .dtype = ap->dtype};
+        if ((rc = kvd__tail_load(st, st->ropt, &w, &old, err)))
+            goto fail;
+        if (old.num_tokens != tail_n) {
+            rc = kvd_error_set(err, KVD_ECORRUPT, "tail page %llu of layer %u holds %u tokens, "
+                               "not %u", (unsigned long long)tail->id, l, old.num_tokens, tail_n);
+            goto fail;
+        }
+        for (uint32_t i = 0; i < old.nfrags; i++) {
+            uint8_t key[KVD__FRAG_KEY_LEN];
+            kvd__frag_key(key, tail->id, old.frag_off[i]);
+            rocksdb_writebatch_delete(b, (const char *)key, sizeof key);
+        }
+    }
 
     for (uint64_t pi = first; pi < npages; pi++) {
         uint64_t p0 = pi * B, p1 = p0 + B < end ? p0 + B : end;
@@ -410,6 +473,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             /* One buffer, sized for a full page, serves every page of the
              * layer: the batch keeps its own copy. */
             kvd_page_desc full = d;
+            full.token_start = 0;
             full.num_tokens = B;
             page = malloc((size_t)kvd_page_raw_size(&full));
         }
@@ -419,30 +483,16 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             goto fail;
         }
         nl->pages[pi] = np;
-        np->id = (pi == first && tail_n) ? L->pages[first]->id
-                                         : atomic_fetch_add(&st->next_page_id, 1);
+        np->id = (pi == first && tail) ? tail->id : atomic_fetch_add(&st->next_page_id, 1);
         np->refs = 1;
         np->num_tokens = d.num_tokens;
         np->bytes = size;
+        np->nfrags = 0;
         uint8_t *kp, *vp;
         if ((rc = kvd_page_init_raw(&d, page, (size_t)size, &kp, &vp, err)))
             goto fail;
-        for (int part = 0; part < 2; part++) {
-            uint8_t *dst = part ? vp : kp;
-            const uint8_t *w = part ? wv : wk;
-            const uint8_t *o = part ? ov.v : ov.k;
-            for (uint32_t h = 0; h < ap->H; h++) {
-                for (uint64_t t = p0; t < p1; t++) {
-                    const uint8_t *src;
-                    if (t < L->tokens) /* only in the old tail page */
-                        src = o + ((size_t)h * tail_n + (size_t)(t - p0)) * row;
-                    else
-                        src = w + (size_t)(t - ap->ts) * tok_bytes + (size_t)h * row;
-                    memcpy(dst, src, row);
-                    dst += row;
-                }
-            }
-        }
+        fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
+        fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
         kvd_page_finish(page, (size_t)size);
         uint8_t key[KVD__PAGE_KEY_LEN];
         kvd__page_key(key, np->id);
@@ -450,11 +500,11 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
                                (size_t)size);
     }
     free(page);
-    rocksdb_free(old);
+    kvd__tail_release(&old);
     return 0;
 fail:
     free(page);
-    rocksdb_free(old);
+    kvd__tail_release(&old);
     for (uint64_t pi = first; pi < npages; pi++)
         free(nl->pages[pi]);
     free(nl->pages);

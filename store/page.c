@@ -60,9 +60,10 @@ static int check_desc(const kvd_page_desc *d, kvd_error *err)
     if (d->num_tokens == 0 || d->num_tokens > d->page_tokens)
         return kvd_error_set(err, KVD_EINVAL, "page num_tokens %u not in 1..%u", d->num_tokens,
                              d->page_tokens);
-    if (d->token_start % d->page_tokens != 0)
-        return kvd_error_set(err, KVD_EINVAL, "page token_start %llu is not a multiple of %u",
-                             (unsigned long long)d->token_start, d->page_tokens);
+    if (d->token_start % d->page_tokens + d->num_tokens > d->page_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "page tokens %llu+%u cross a boundary of %u-token blocks",
+                             (unsigned long long)d->token_start, d->num_tokens, d->page_tokens);
     if (d->num_kv_heads == 0 || d->num_kv_heads > KVD_PAGE_MAX_HEADS || d->head_dim == 0 ||
         d->head_dim > KVD_PAGE_MAX_HEAD_DIM)
         return kvd_error_set(err, KVD_EINVAL, "page shape %u heads x %u dims out of bounds",
@@ -99,7 +100,7 @@ int kvd_page_init_raw(const kvd_page_desc *d, uint8_t *buf, size_t cap, uint8_t 
     buf[8] = KVD_CODEC_RAW;
     buf[9] = KVD_CODEC_RAW;
     buf[10] = (uint8_t)d->dtype;
-    buf[11] = (uint8_t)((d->num_tokens == d->page_tokens ? KVD_PAGE_SEALED : 0) |
+    buf[11] = (uint8_t)((d->num_tokens == d->page_tokens ? KVD_PAGE_SEALED : 0) | /* aligned */
                         (d->has_prefix_hash ? KVD_PAGE_HAS_PREFIX_HASH : 0));
     st32(buf + 12, d->layer);
     st64(buf + 16, d->token_start);
@@ -214,12 +215,15 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
         return CORRUPT("page_tokens %u not in 1..%d", h->page_tokens, KVD_PAGE_MAX_TOKENS);
     if (h->num_tokens == 0 || h->num_tokens > h->page_tokens)
         return CORRUPT("num_tokens %u not in 1..%u", h->num_tokens, h->page_tokens);
+    if (h->token_start > UINT64_MAX - h->page_tokens ||
+        h->token_start % h->page_tokens + h->num_tokens > h->page_tokens)
+        return CORRUPT("tokens %llu+%u cross a boundary of %u-token blocks",
+                       (unsigned long long)h->token_start, h->num_tokens, h->page_tokens);
+    /* Only a whole block is sealed (and only a whole block fills a page:
+     * a fragment never holds page_tokens tokens). */
     if (!(h->flags & KVD_PAGE_SEALED) != (h->num_tokens != h->page_tokens))
         return CORRUPT("sealed flag disagrees with %u of %u tokens", h->num_tokens,
                        h->page_tokens);
-    if (h->token_start % h->page_tokens != 0 || h->token_start > UINT64_MAX - h->page_tokens)
-        return CORRUPT("token_start %llu is not a page boundary",
-                       (unsigned long long)h->token_start);
     if (h->num_kv_heads == 0 || h->num_kv_heads > KVD_PAGE_MAX_HEADS)
         return CORRUPT("num_kv_heads %u not in 1..%d", h->num_kv_heads, KVD_PAGE_MAX_HEADS);
     if (h->head_dim == 0 || h->head_dim > KVD_PAGE_MAX_HEAD_DIM)

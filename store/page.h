@@ -14,7 +14,9 @@
  *       10     1  dtype            kvdepot.v1.DType (f16, bf16, f32)
  *       11     1  flags            bit 0 sealed, bit 1 has prefix hash
  *       12     4  layer
- *       16     8  token_start      first token of the page, multiple of page_tokens
+ *       16     8  token_start      first token; the tokens lie in one block of
+ *                                  page_tokens: token_start % page_tokens +
+ *                                  num_tokens <= page_tokens
  *       24     4  num_tokens       1..page_tokens; == page_tokens iff sealed
  *       28     4  page_tokens      capacity B
  *       32     4  num_kv_heads
@@ -34,6 +36,10 @@
  *
  * A raw (codec 0) K or V section is [kv_head][token][head_dim] in the page
  * dtype, num_tokens tokens (not page_tokens): one head is contiguous.
+ *
+ * A page whose token_start is a multiple of page_tokens is a page proper; one
+ * that starts inside a block is a tail fragment: tokens appended to a raw
+ * tail page, stored beside it until the store merges them (see append.c).
  */
 #ifndef KVDEPOT_STORE_PAGE_H
 #define KVDEPOT_STORE_PAGE_H

@@ -9,8 +9,8 @@
  * page. A segment is the rows [t0, t1) of one layer that lie in one page,
  * (t1 - t0) x num_kv_heads x head_dim elements, transposed from the page
  * layout [kv_head][token][head_dim] to the wire layout [token][kv_head][head_dim].
- * Each segment fetches its page and verifies the checksum before any of its
- * bytes are produced. A segment goes straight into the caller's buffer when
+ * Each segment fetches its page (with the tail fragments it needs, see
+ * tail.c) and verifies every checksum before any of its bytes are produced. A segment goes straight into the caller's buffer when
  * it fits, else through a staging buffer.
  */
 #include "store_internal.h"
@@ -188,47 +188,28 @@ static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
     uint32_t layer = rd->ls + l;
     uint64_t p0 = (rd->first_block + j) * rd->B;
 
-    uint8_t key[KVD__PAGE_KEY_LEN];
-    kvd__page_key(key, pid);
-    char *e = NULL;
-    rocksdb_pinnableslice_t *ps =
-        rocksdb_get_pinned(rd->st->db, rd->ropt, (const char *)key, sizeof key, &e);
-    if (e) {
-        int rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb read of page %llu failed: %s",
-                               (unsigned long long)pid, e);
-        rocksdb_free(e);
+    kvd__tail_want w = {.page_id = pid,
+                        .layer = layer,
+                        .p0 = p0,
+                        .need = (uint32_t)(t1 - p0),
+                        .B = rd->B,
+                        .H = rd->H,
+                        .D = rd->D,
+                        .dtype = rd->dtype,
+                        .snap = rd->snap};
+    kvd__tail pg;
+    int rc = kvd__tail_load(rd->st, rd->ropt, &w, &pg, err);
+    if (rc)
         return rc;
-    }
-    if (!ps)
-        return kvd_error_set(err, KVD_ECORRUPT, "page %llu (layer %u, tokens from %llu) is missing",
-                             (unsigned long long)pid, layer, (unsigned long long)p0);
-    size_t len;
-    const char *bytes = rocksdb_pinnableslice_value(ps, &len);
-    kvd_page_view v;
-    int rc = kvd_page_decode(bytes, len, &v, err);
-    if (rc == 0 && (v.h.layer != layer || v.h.token_start != p0 || v.h.page_tokens != rd->B ||
-                    v.h.num_kv_heads != rd->H || v.h.head_dim != rd->D ||
-                    v.h.dtype != rd->dtype || p0 + v.h.num_tokens < t1))
-        rc = kvd_error_set(err, KVD_ECORRUPT,
-                           "page %llu does not hold layer %u tokens %llu..%llu of this shape",
-                           (unsigned long long)pid, layer, (unsigned long long)t0,
-                           (unsigned long long)(t1 - 1));
-    if (rc == 0 && (v.h.k_codec != KVD_CODEC_RAW || v.h.v_codec != KVD_CODEC_RAW))
-        rc = kvd_error_set(err, KVD_EUNSUPP, "page %llu uses a codec this build cannot decode",
-                           (unsigned long long)pid);
-    if (rc) {
-        rocksdb_pinnableslice_destroy(ps);
-        return rc;
-    }
-    const uint8_t *src = part ? v.v : v.k;
+    const uint8_t *src = part ? pg.v : pg.k;
     size_t row = (size_t)rd->D * rd->es;
-    size_t pn = v.h.num_tokens;
+    size_t pn = pg.num_tokens;
     for (uint64_t t = t0; t < t1; t++)
         for (uint32_t h = 0; h < rd->H; h++) {
             memcpy(dst, src + ((size_t)h * pn + (size_t)(t - p0)) * row, row);
             dst += row;
         }
-    rocksdb_pinnableslice_destroy(ps);
+    kvd__tail_release(&pg);
     return 0;
 }
 

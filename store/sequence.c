@@ -585,6 +585,8 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
                 uint8_t pk[KVD__PAGE_KEY_LEN];
                 kvd__page_key(pk, p->id);
                 rocksdb_writebatch_delete(b, (const char *)pk, sizeof pk);
+                if (p->nfrags)
+                    kvd__frag_delete_all(b, p->id);
                 nfree++;
             }
         }
@@ -694,6 +696,8 @@ static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_
                 p->id = pid;
                 p->num_tokens = nt;
                 p->bytes = page_bytes(m, B, nt);
+                /* Found, and merged, at the next append to the layer. */
+                p->nfrags = nt < B ? KVD__FRAGS_UNKNOWN : 0;
             }
             p->refs++;
             L->pages[i] = p;

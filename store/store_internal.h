@@ -14,6 +14,8 @@
  *   'M' name           model record (see model.c)
  *   'S' id             sequence record with page tables (see sequence.c)
  *   'P' be64 page_id   one page in the format of page.h
+ *   'T' be64 page_id be32 offset
+ *                      a tail fragment of page page_id (see tail.c)
  */
 #ifndef KVDEPOT_STORE_INTERNAL_H
 #define KVDEPOT_STORE_INTERNAL_H
@@ -32,7 +34,11 @@
 #define KVD__KEY_MODEL 'M'
 #define KVD__KEY_SEQ 'S'
 #define KVD__KEY_PAGE 'P'
+#define KVD__KEY_FRAG 'T'
 #define KVD__PAGE_KEY_LEN 9
+#define KVD__FRAG_KEY_LEN 13
+#define KVD__MAX_FRAGS 32 /* fragments of one tail page before they are merged */
+#define KVD__FRAGS_UNKNOWN UINT32_MAX
 #define KVD__MAX_PAGE_BYTES (3ull << 30) /* below RocksDB's 4 GiB value limit */
 
 /* One stored page. Sealed pages may be shared by several sequences through
@@ -41,9 +47,47 @@ typedef struct kvd__page {
     uint64_t id;
     uint32_t refs;        /* sequences whose page table holds it */
     uint32_t num_tokens;  /* tokens in the page */
-    uint64_t bytes;       /* encoded size */
+    uint64_t bytes;       /* encoded size, fragments included */
+    uint32_t nfrags;      /* tail fragments stored beside it; KVD__FRAGS_UNKNOWN
+                           * for a partial page loaded at open */
     struct kvd__prefix *prefix; /* the prefix entry naming it, or NULL */
 } kvd__page;
+
+/* What kvd__tail_load should find: page page_id of `layer`, block starting at
+ * token p0, with at least `need` tokens, in this shape; read at snap (or the
+ * latest state when NULL). */
+typedef struct kvd__tail_want {
+    uint64_t page_id;
+    uint32_t layer;
+    uint64_t p0;
+    uint32_t need;
+    uint32_t B, H, D;
+    kvd_dtype dtype;
+    const rocksdb_snapshot_t *snap;
+} kvd__tail_want;
+
+/* A loaded page: K and V, each [kv_head][token][head_dim] of num_tokens
+ * tokens, pointing into the pinned RocksDB value or into buf. */
+typedef struct kvd__tail {
+    rocksdb_pinnableslice_t *ps;
+    uint8_t *buf;
+    const uint8_t *k, *v;
+    uint32_t num_tokens;
+    uint32_t base_tokens;
+    uint32_t nfrags; /* fragments read (0 when the base held enough) */
+    uint32_t frag_off[KVD__MAX_FRAGS]; /* their keys' offsets */
+} kvd__tail;
+
+void kvd__frag_key(uint8_t key[KVD__FRAG_KEY_LEN], uint64_t page_id, uint32_t off);
+/* Add the deletion of every fragment of page_id to b (a range deletion, for
+ * a page that goes away with its sequence). */
+void kvd__frag_delete_all(rocksdb_writebatch_t *b, uint64_t page_id);
+/* Load a page and as many of its fragments as `need` requires, each
+ * checksum-verified and checked against w. KVD_ECORRUPT for anything
+ * missing or inconsistent. Release with kvd__tail_release. */
+int kvd__tail_load(kvd_store *st, const rocksdb_readoptions_t *ro, const kvd__tail_want *w,
+                   kvd__tail *out, kvd_error *err);
+void kvd__tail_release(kvd__tail *t);
 
 /* A prefix index entry: block `block` of some sequence, every layer sealed,
  * content-addressed by `hash`. It exists while its pages do. */

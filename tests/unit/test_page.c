@@ -156,7 +156,7 @@ static void test_structure(void)
     } cases[] = {
         {4, 2, "version 2"},          {6, 65, "header size"},        {8, 9, "K codec"},
         {10, 9, "dtype"},             {11, 0x04, "unknown flag"},    {11, 0x01, "sealed flag"},
-        {24, 17, "num_tokens > cap"}, {24, 0, "zero tokens"},        {16, 3, "token_start"},
+        {24, 17, "num_tokens > cap"}, {24, 0, "zero tokens"},        {16, 14, "token_start"},
         {32, 0, "zero heads"},        {48, 9, "9 sections"},         {50, 1, "reserved"},
         {64, 5, "section type"},      {64 + 24, 1, "duplicate K"},   {64 + 2, 1, "section codec"},
         {64 + 8, 0, "section offset"}, {64 + 16, 0, "section length"}, {64 + 3, 1, "entry reserved"},
@@ -185,7 +185,7 @@ static void test_structure(void)
     free(p);
     /* Bad descriptions are refused by the encoder. */
     kvd_page_desc bad = desc(4);
-    bad.token_start = 5;
+    bad.token_start = 13; /* 13 + 4 tokens cross the 16-token block */
     uint8_t *out;
     size_t olen;
     CHECK(kvd_page_encode_raw(&bad, k, v, &out, &olen, &err) == KVD_EINVAL, "bad token_start");

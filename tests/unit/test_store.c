@@ -6,6 +6,7 @@
  * Every test uses a fresh directory under $TMPDIR (or /tmp) and a small
  * page size (4 tokens) so that pages seal and tails rewrite often.
  */
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -911,6 +912,169 @@ static void test_crash(void)
     remove_dir();
 }
 
+/* Count the keys starting with `prefix` in a closed store's RocksDB. */
+static int count_keys(char prefix)
+{
+    rocksdb_options_t *o = rocksdb_options_create();
+    rocksdb_options_set_enable_blob_files(o, 1);
+    char *e = NULL;
+    rocksdb_t *db = rocksdb_open(o, dir, &e);
+    REQUIRE(!e, "raw open: %s", e);
+    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
+    rocksdb_iterator_t *it = rocksdb_create_iterator(db, ro);
+    int n = 0;
+    for (rocksdb_iter_seek(it, &prefix, 1); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
+        size_t kl;
+        if (rocksdb_iter_key(it, &kl)[0] != prefix)
+            break;
+        n++;
+    }
+    rocksdb_iter_destroy(it);
+    rocksdb_readoptions_destroy(ro);
+    rocksdb_close(db);
+    rocksdb_options_destroy(o);
+    return n;
+}
+
+/* Decode-style appends: one token at a time into a large page, so tail
+ * fragments accumulate, get merged, survive reopen and are cleaned up. */
+static void test_fragments(void)
+{
+    make_dir("frags");
+    const uint32_t PB = 64;
+    kvd_store *st = open_store(PB);
+    kvd_error err;
+    put_model(st, "m");
+    create(st, "s", "m");
+    create(st, "t", "m");
+    CHECK(append(st, "s", 12, 0, 0, 0, 3, NULL, &err) == 0, "prefill: %s", err.msg);
+    uint64_t t = 3;
+    for (; t < 50; t++) {
+        CHECK(append(st, "s", 12, 0, 0, t, 1, NULL, &err) == 0, "step %llu: %s",
+              (unsigned long long)t, err.msg);
+        if (t % 7 == 0)
+            CHECK(read_check(st, "s", 12, 0, 0, 0, 0, 29, "decode steps") == 0, "read at %llu",
+                  (unsigned long long)t);
+    }
+    /* A read started now keeps its view while fragments keep coming. */
+    kvd_read_spec sp = {.seq_id = "s", .seq_id_len = 1, .token_start = 40, .num_tokens = 10};
+    kvd_read *rd;
+    kvd_read_shape sh;
+    REQUIRE(kvd_store_read_begin(st, &sp, &rd, &sh, &err) == 0, "begin: %s", err.msg);
+    for (; t < 60; t++)
+        CHECK(append(st, "s", 12, 0, 0, t, 1, NULL, &err) == 0, "step %llu: %s",
+              (unsigned long long)t, err.msg);
+    size_t bytes;
+    uint16_t *w = wire(12, 0, L, 40, 10, &bytes);
+    uint8_t *got = malloc(bytes);
+    size_t have = 0, len;
+    while (kvd_store_read_next(rd, got + have, bytes - have, &len, &err) == 0 && len)
+        have += len;
+    CHECK(have == bytes && memcmp(got, w, bytes) == 0, "snapshot over fragments");
+    kvd_store_read_end(rd);
+    free(got);
+    free(w);
+    /* Layer 1 alone takes a fragment too. */
+    CHECK(append(st, "t", 12, 0, 0, 0, 5, NULL, &err) == 0, "t: %s", err.msg);
+    CHECK(append(st, "t", 12, 1, 1, 5, 2, NULL, &err) == 0, "t layer 1: %s", err.msg);
+    kvd_store_close(st);
+    CHECK(count_keys('T') > 0, "no fragments stored");
+
+    st = open_store(PB);
+    CHECK(read_check(st, "s", 12, 0, 0, 0, 0, 1000, "after reopen") == 0, "reread");
+    CHECK(read_check(st, "t", 12, 1, 1, 0, 7, 1000, "t layer 1") == 0, "reread t");
+    /* Past the block end, then more decode steps into the next block. */
+    for (; t < 140; t++)
+        CHECK(append(st, "s", 12, 0, 0, t, 1, NULL, &err) == 0, "step %llu: %s",
+              (unsigned long long)t, err.msg);
+    CHECK(read_check(st, "s", 12, 0, 0, 0, 0, 1 << 20, "two blocks") == 0, "read");
+    kvd_seq_info info;
+    CHECK(kvd_store_seq_stat(st, "s", 1, &info, &err) == 0 && info.sealed_pages == 2 * L,
+          "sealed %llu", (unsigned long long)info.sealed_pages);
+    kvd_seq_info_clear(&info);
+    kvd_store_close(st);
+
+    /* Corrupt one fragment: reads through it fail, reads before it do not. */
+    rocksdb_options_t *o = rocksdb_options_create();
+    rocksdb_options_set_enable_blob_files(o, 1);
+    char *e = NULL;
+    rocksdb_t *db = rocksdb_open(o, dir, &e);
+    REQUIRE(!e, "raw open: %s", e);
+    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
+    rocksdb_writeoptions_t *wo = rocksdb_writeoptions_create();
+    rocksdb_iterator_t *it = rocksdb_create_iterator(db, ro);
+    char start = 'T';
+    rocksdb_iter_seek(it, &start, 1);
+    REQUIRE(rocksdb_iter_valid(it), "a fragment");
+    size_t kl, vl;
+    const char *k = rocksdb_iter_key(it, &kl);
+    const char *v = rocksdb_iter_value(it, &vl);
+    REQUIRE(k[0] == 'T' && kl == 13, "fragment key");
+    char *copy = malloc(vl), key[13];
+    memcpy(copy, v, vl);
+    memcpy(key, k, kl);
+    copy[vl / 2] ^= 4;
+    rocksdb_iter_destroy(it);
+    rocksdb_put(db, wo, key, kl, copy, vl, &e);
+    REQUIRE(!e, "put: %s", e);
+    free(copy);
+    rocksdb_readoptions_destroy(ro);
+    rocksdb_writeoptions_destroy(wo);
+    rocksdb_close(db);
+    rocksdb_options_destroy(o);
+    st = open_store(PB);
+    int bad_s = read_check(st, "s", 12, 0, 0, 0, 0, 1 << 20, "corrupt fragment");
+    int bad_t = read_check(st, "t", 12, 1, 1, 0, 7, 1 << 20, "corrupt fragment t");
+    CHECK(bad_s == KVD_ECORRUPT || bad_t == KVD_ECORRUPT, "corrupt fragment not detected");
+    CHECK(read_check(st, "s", 12, 0, 0, 0, 1, 100, "first token") == 0, "before fragments");
+    /* Deleting both sequences removes every page and fragment. */
+    CHECK(kvd_store_seq_delete(st, "s", 1, NULL, &err) == 0, "delete s");
+    CHECK(kvd_store_seq_delete(st, "t", 1, NULL, &err) == 0, "delete t");
+    kvd_store_close(st);
+    CHECK(count_keys('T') == 0, "%d fragments left", count_keys('T'));
+    CHECK(count_keys('P') == 0, "%d pages left", count_keys('P'));
+    remove_dir();
+}
+
+/* Peak virtual memory of this process in KiB (0 when unknown). */
+static uint64_t vm_peak_kib(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    uint64_t kib = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmPeak: %" SCNu64, &kib) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kib;
+}
+
+/* A header announcing a huge append reserves no memory before its data. */
+static void test_huge_header(void)
+{
+    make_dir("huge");
+    kvd_store *st = open_store(B);
+    kvd_error err;
+    put_model(st, "m");
+    create(st, "s", "m");
+    uint64_t before = vm_peak_kib();
+    kvd_append_spec sp = {.seq_id = "s", .seq_id_len = 1, .num_tokens = 1ull << 30,
+                          .dtype = KVD_DTYPE_F16};
+    kvd_append *ap;
+    uint64_t exp;
+    REQUIRE(kvd_store_append_begin(st, &sp, &ap, &exp, &err) == 0, "begin: %s", err.msg);
+    uint8_t chunk[4096] = {0};
+    CHECK(kvd_store_append_write(ap, chunk, sizeof chunk, &err) == 0, "write");
+    uint64_t after = vm_peak_kib();
+    CHECK(after - before < 128 * 1024, "peak VM grew by %llu MiB",
+          (unsigned long long)((after - before) / 1024));
+    kvd_store_append_abort(ap);
+    CHECK(seq_tokens(st, "s", UINT32_MAX) == 0, "nothing appended");
+    kvd_store_close(st);
+    remove_dir();
+}
+
 int main(void)
 {
     test_persistence();
@@ -922,6 +1086,8 @@ int main(void)
     test_snapshot();
     test_limits();
     test_crash();
+    test_fragments();
+    test_huge_header();
     test_concurrency();
     if (failures) {
         fprintf(stderr, "test_store: %d check(s) failed\n", failures);
