@@ -16,6 +16,7 @@
 
 #include <limits.h>
 #include <stdarg.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -191,6 +192,99 @@ void kvdepot_options_init(kvdepot_options *opt)
     opt->resolve_interval_ms = 30000;
 }
 
+/* Read a whole PEM file; NULL with the error set when it cannot be read. */
+static char *read_pem(const char *path, const char *what)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        kvdepot__fail(NULL, KVDEPOT_EINVAL, "kvdepot_connect: %s %s: %s", what, path,
+                      strerror(errno));
+        return NULL;
+    }
+    size_t cap = 8192, len = 0;
+    char *p = malloc(cap);
+    while (p) {
+        len += fread(p + len, 1, cap - 1 - len, f);
+        if (len < cap - 1)
+            break;
+        char *np = cap < (16u << 20) ? realloc(p, cap * 2) : NULL;
+        if (!np) {
+            free(p);
+            p = NULL;
+            break;
+        }
+        p = np;
+        cap *= 2;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (!p || bad || len == 0) {
+        free(p);
+        kvdepot__fail(NULL, KVDEPOT_EINVAL, "kvdepot_connect: %s %s: %s", what, path,
+                      bad ? "read error" : len == 0 && p ? "empty file" : "too large");
+        return NULL;
+    }
+    p[len] = '\0';
+    return p;
+}
+
+/* Plaintext, or TLS with the roots, client certificate and key the options
+ * name. Returns KVDEPOT_OK with *out set, or an error with the message set. */
+static int channel_credentials(const kvdepot_options *opt, grpc_channel_credentials **out)
+{
+    *out = NULL;
+    int tls = opt->tls || opt->tls_ca_file || opt->tls_cert_file || opt->tls_key_file;
+    if (!tls) {
+        *out = grpc_insecure_credentials_create();
+        return KVDEPOT_OK;
+    }
+    if (!opt->tls_cert_file != !opt->tls_key_file)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL,
+                             "kvdepot_connect: tls_cert_file and tls_key_file go together");
+    char *ca = NULL, *cert = NULL, *key = NULL;
+    int rc = KVDEPOT_OK;
+    if (opt->tls_ca_file && !(ca = read_pem(opt->tls_ca_file, "tls_ca_file")))
+        rc = KVDEPOT_EINVAL;
+    if (!rc && opt->tls_cert_file &&
+        (!(cert = read_pem(opt->tls_cert_file, "tls_cert_file")) ||
+         !(key = read_pem(opt->tls_key_file, "tls_key_file"))))
+        rc = KVDEPOT_EINVAL;
+    if (!rc) {
+        grpc_ssl_pem_key_cert_pair pair = {key, cert};
+        *out = grpc_ssl_credentials_create_ex(ca, cert ? &pair : NULL, NULL, NULL);
+        if (!*out)
+            rc = kvdepot__fail(NULL, KVDEPOT_EINVAL,
+                               "kvdepot_connect: gRPC refused the TLS files");
+    }
+    if (key)
+        memset(key, 0, strlen(key));
+    free(ca);
+    free(cert);
+    free(key);
+    return rc;
+}
+
+static int set_token(kvdepot_client *c, const char *token)
+{
+    size_t n = strlen(token);
+    if (!(c->auth_value = malloc(n + 8)))
+        return -1;
+    memcpy(c->auth_value, "Bearer ", 7);
+    memcpy(c->auth_value + 7, token, n + 1);
+    c->auth_md.key = grpc_slice_from_static_string("authorization");
+    c->auth_md.value = grpc_slice_from_static_string(c->auth_value);
+    c->n_md = 1;
+    return 0;
+}
+
+void kvdepot__initial_md(const kvdepot_client *c, grpc_op *op)
+{
+    if (c->n_md) {
+        op->data.send_initial_metadata.count = c->n_md;
+        op->data.send_initial_metadata.metadata = (grpc_metadata *)&c->auth_md;
+    }
+}
+
 int kvdepot_connect(const kvdepot_options *opt_in, kvdepot_client **out)
 {
     kvdepot__clear_error();
@@ -257,11 +351,31 @@ int kvdepot_connect(const kvdepot_options *opt_in, kvdepot_client **out)
          .key = (char *)GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
          .value.integer = 2000},
     };
-    grpc_channel_args cargs = {.num_args = sizeof args / sizeof args[0], .args = args};
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    grpc_arg all_args[sizeof args / sizeof args[0] + 1];
+    memcpy(all_args, args, sizeof args);
+    size_t nargs = sizeof args / sizeof args[0];
+    if (opt.tls_server_name && opt.tls_server_name[0])
+        all_args[nargs++] = (grpc_arg){.type = GRPC_ARG_STRING,
+                                       .key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
+                                       .value.string = (char *)opt.tls_server_name};
+    grpc_channel_args cargs = {.num_args = nargs, .args = all_args};
+    grpc_channel_credentials *creds = NULL;
+    int crc = channel_credentials(&opt, &creds);
+    if (crc == KVDEPOT_OK && opt.token && opt.token[0] && set_token(c, opt.token) != 0)
+        crc = kvdepot__fail(NULL, KVDEPOT_ENOMEM, "kvdepot_connect: out of memory");
+    if (crc != KVDEPOT_OK) {
+        if (creds)
+            grpc_channel_credentials_release(creds);
+        free(c->auth_value);
+        free(c->address);
+        free(c);
+        grpc_shutdown();
+        return crc;
+    }
     c->channel = grpc_channel_create(c->address, creds, &cargs);
     grpc_channel_credentials_release(creds);
     if (!c->channel) {
+        free(c->auth_value);
         free(c->address);
         free(c);
         grpc_shutdown();
@@ -284,6 +398,7 @@ void kvdepot_close(kvdepot_client *c)
         return;
     }
     grpc_channel_destroy(c->channel);
+    free(c->auth_value);
     free(c->address);
     free(c);
     grpc_shutdown();
@@ -436,6 +551,7 @@ static int unary(kvdepot_client *c, int method, const ProtobufCMessage *req,
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
     ops[0].flags = md_flags(c);
+    kvdepot__initial_md(c, &ops[0]);
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;

@@ -43,7 +43,16 @@ struct kvdepot_client {
     kvdepot_log_fn log;
     void *log_user;
     kvdepot_log_level log_level;
+    /* `authorization` metadata sent with every call (token set), else
+     * n_md == 0. The value slice points into auth_value. */
+    char *auth_value;
+    grpc_metadata auth_md;
+    size_t n_md;
 };
+
+/* Attach the client's per-call metadata (the bearer token) to a
+ * SEND_INITIAL_METADATA op. */
+void kvdepot__initial_md(const kvdepot_client *c, grpc_op *op);
 
 /*
  * One in-flight call: its own pluck completion queue, so any number of

@@ -219,6 +219,7 @@ int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
         if (!started) {
             ops[nops].op = GRPC_OP_SEND_INITIAL_METADATA;
             ops[nops].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+            kvdepot__initial_md(c, &ops[nops]);
             nops++;
             started = 1;
         }
@@ -551,6 +552,7 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
     ops[0].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    kvdepot__initial_md(c, &ops[0]);
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -650,6 +652,7 @@ int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_ms
     memset(&op0, 0, sizeof op0);
     op0.op = GRPC_OP_SEND_INITIAL_METADATA;
     op0.flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    kvdepot__initial_md(c, &op0);
     int ok = kvdepot__call_batch(&k, &op0, 1, &tag_send) == 1;
     for (size_t i = 0; ok && i < n; i++) {
         grpc_slice s = grpc_slice_from_copied_buffer(msgs[i].data, msgs[i].len);

@@ -19,9 +19,15 @@
 #include <unistd.h>
 
 static const char usage_text[] =
-    "usage: kvdepot [--addr ADDR] [--deadline-ms MS] COMMAND [ARGS]\n"
+    "usage: kvdepot [--addr ADDR] [--deadline-ms MS] [--tls] [--tls-ca FILE]\n"
+    "               [--tls-cert FILE --tls-key FILE] [--tls-server-name NAME]\n"
+    "               [--token TOKEN] COMMAND [ARGS]\n"
     "\n"
     "Talks to a kvdepotd server (ADDR, default $KVDEPOT_ADDR or 127.0.0.1:50051).\n"
+    "TLS is used when --tls or any --tls-* file is given (--tls-ca: roots to\n"
+    "verify the server with, default the system's; --tls-cert/--tls-key: client\n"
+    "certificate for mTLS). The bearer token comes from --token or $KVDEPOT_TOKEN\n"
+    "(prefer the variable: command lines are visible to other users).\n"
     "\n"
     "commands:\n"
     "  health                               is the server serving?\n"
@@ -631,9 +637,30 @@ static int cmd_hash(int argc, char **argv)
     return 0;
 }
 
+/* `--name VALUE` or `--name=VALUE` of a global option; 1 when it matched. */
+static int tls_flag(const char *a, int argc, char **argv, int *i, const char *name,
+                    const char **out)
+{
+    size_t n = strlen(name);
+    if (strncmp(a, name, n) != 0)
+        return 0;
+    if (a[n] == '=') {
+        *out = a + n + 1;
+        return 1;
+    }
+    if (a[n] == '\0' && *i + 1 < argc) {
+        *out = argv[++*i];
+        return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *addr = getenv("KVDEPOT_ADDR");
+    const char *token = getenv("KVDEPOT_TOKEN");
+    const char *tls_ca = NULL, *tls_cert = NULL, *tls_key = NULL, *tls_name = NULL;
+    int tls = 0;
     uint32_t deadline_ms = 0;
     int i = 1;
     /* Global options come before the command. */
@@ -646,6 +673,13 @@ int main(int argc, char **argv)
             addr = argv[++i];
         } else if (strncmp(a, "--addr=", 7) == 0) {
             addr = a + 7;
+        } else if (strcmp(a, "--tls") == 0) {
+            tls = 1;
+        } else if (tls_flag(a, argc, argv, &i, "--tls-ca", &tls_ca) ||
+                   tls_flag(a, argc, argv, &i, "--tls-cert", &tls_cert) ||
+                   tls_flag(a, argc, argv, &i, "--tls-key", &tls_key) ||
+                   tls_flag(a, argc, argv, &i, "--tls-server-name", &tls_name) ||
+                   tls_flag(a, argc, argv, &i, "--token", &token)) {
         } else if (strcmp(a, "--deadline-ms") == 0 && i + 1 < argc) {
             deadline_ms = (uint32_t)parse_u64("--deadline-ms", argv[++i], UINT32_MAX);
         } else if (strncmp(a, "--deadline-ms=", 14) == 0) {
@@ -691,6 +725,12 @@ int main(int argc, char **argv)
         opt.deadline_ms = deadline_ms;
     else
         opt.deadline_ms = 600000; /* whole-file transfers can be large */
+    opt.tls = tls;
+    opt.tls_ca_file = tls_ca;
+    opt.tls_cert_file = tls_cert;
+    opt.tls_key_file = tls_key;
+    opt.tls_server_name = tls_name;
+    opt.token = token && *token ? token : NULL;
     kvdepot_client *c;
     int rc = kvdepot_connect(&opt, &c);
     if (rc)

@@ -181,6 +181,23 @@ typedef struct kvdepot_options {
     /* How often shards:HOST:PORT names are resolved again; 0 = only after a
      * server failed. Default 30000. */
     uint32_t resolve_interval_ms;
+    /* Transport security. tls: nonzero to connect with TLS; any of the files
+     * below implies it. tls_ca_file: PEM roots the server's certificate must
+     * chain to (NULL = the system's roots). tls_cert_file, tls_key_file:
+     * the client's certificate and key, both or neither, for servers that
+     * require one (mTLS). tls_server_name: the name the server certificate
+     * must carry when it differs from the host in the address (NULL = that
+     * host). The files are read by kvdepot_connect; a file that cannot be
+     * read fails it with KVDEPOT_EINVAL. Default: plaintext. */
+    int tls;
+    const char *tls_ca_file;
+    const char *tls_cert_file;
+    const char *tls_key_file;
+    const char *tls_server_name;
+    /* Bearer token sent with every call as `authorization: Bearer <token>`
+     * (servers run with a tokens file require one). NULL = none. Copied by
+     * kvdepot_connect. */
+    const char *token;
 } kvdepot_options;
 
 /*
