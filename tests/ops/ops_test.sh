@@ -1,0 +1,438 @@
+#!/usr/bin/env bash
+# Operating kvdepotd: TLS and mTLS, bearer tokens, quotas and limits,
+# deadlines, the config file and --print-config, the metrics endpoint.
+# Each case runs its own server(s) on free ports with a temporary data
+# directory; certificates are made here with the openssl CLI.
+#
+# Usage: ops_test.sh KVDEPOTD KVDEPOT_CLI CASE
+#   CASE: tls mtls auth reload quota limits deadline config metrics
+set -euo pipefail
+
+server=$1
+cli=$2
+case_name=$3
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-ops-XXXXXX")
+pid=
+port=
+mport=
+
+fail() {
+    echo "ops_test[$case_name]: FAIL: $*" >&2
+    if [ -f "$work/server.log" ]; then
+        echo "---- server log ----" >&2
+        tail -n 30 "$work/server.log" >&2
+    fi
+    exit 1
+}
+
+cleanup() {
+    if [ -n "$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+# start ARGS...: kvdepotd on free ports (gRPC and metrics); sets port, mport.
+start() {
+    rm -f "$work/port"
+    : >"$work/server.log"
+    "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
+        --metrics-listen 127.0.0.1:0 --threads 2 "$@" >>"$work/server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 400); do
+        if [ -s "$work/port" ] && grep -q 'msg=serving' "$work/server.log"; then
+            port=$(tr -d '\n' <"$work/port")
+            mport=$(grep -o 'metrics_port=[0-9]*' "$work/server.log" | head -1 | cut -d= -f2)
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || fail "kvdepotd exited before serving"
+        sleep 0.05
+    done
+    fail "kvdepotd did not start"
+}
+
+stop() {
+    kill -TERM "$pid"
+    local rc=0
+    wait "$pid" || rc=$?
+    pid=
+    [ "$rc" -eq 0 ] || fail "kvdepotd exited with $rc on SIGTERM"
+}
+
+# expect STATUS CMD...: the command fails with "kvdepot: STATUS" on stderr.
+expect() {
+    local want=$1
+    shift
+    local out rc=0
+    out=$("$@" 2>&1) || rc=$?
+    [ "$rc" -ne 0 ] || fail "'$*' succeeded, want $want"
+    case "$out" in
+    *"kvdepot: $want"*) ;;
+    *) fail "'$*' printed '$out', want 'kvdepot: $want'" ;;
+    esac
+    last_out=$out
+}
+
+ok() { "$@" >/dev/null 2>"$work/err" || fail "'$*' failed: $(cat "$work/err")"; }
+
+# Self-signed CA, a server certificate for `name` (SAN) and a client one.
+make_certs() {
+    local d=$work/pki san=${1:-DNS:localhost,IP:127.0.0.1}
+    mkdir -p "$d"
+    (
+        cd "$d"
+        openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 \
+            -subj "/CN=kvdepot test CA" 2>/dev/null
+        openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr \
+            -subj "/CN=kvdepot server" 2>/dev/null
+        printf 'subjectAltName=%s\n' "$san" >server.ext
+        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+            -out server.pem -days 1 -extfile server.ext 2>/dev/null
+        openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr \
+            -subj "/CN=kvdepot client" 2>/dev/null
+        openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+            -out client.pem -days 1 2>/dev/null
+        # A second CA nobody trusts.
+        openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem -days 1 \
+            -subj "/CN=someone else" 2>/dev/null
+    ) || fail "openssl could not make the test certificates"
+}
+
+metric() { # metric NAME{LABELS} -> value (0 when absent)
+    curl -sf "http://127.0.0.1:$mport/metrics" >"$work/metrics" || fail "scraping /metrics failed"
+    awk -v n="$1" '$1 == n {print $2; found=1} END {if (!found) print 0}' "$work/metrics"
+}
+
+# A small model: 2 layers x 1 kv head x 8 dims, f16 -> 64 K+V bytes a token.
+PER_TOKEN=64
+kv() { head -c $(($1 * PER_TOKEN)) /dev/urandom >"$work/kv$1.bin"; echo "$work/kv$1.bin"; }
+
+case $case_name in
+tls)
+    make_certs "DNS:kvdepot.test"
+    p=$work/pki
+    start --tls-cert "$p/server.pem" --tls-key "$p/server.key"
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    # The certificate names kvdepot.test only: the name must be overridden.
+    [ "$(k --tls-ca "$p/ca.pem" --tls-server-name kvdepot.test health)" = SERVING ] ||
+        fail "TLS health check failed"
+    expect UNAVAILABLE k --tls-ca "$p/ca.pem" --deadline-ms 3000 health
+    expect UNAVAILABLE k --tls-ca "$p/other.pem" --tls-server-name kvdepot.test \
+        --deadline-ms 3000 health
+    expect UNAVAILABLE k --deadline-ms 3000 health # plaintext to a TLS port
+    ok k --tls-ca "$p/ca.pem" --tls-server-name kvdepot.test model put m \
+        --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    f=$(kv 5)
+    ok k --tls-ca "$p/ca.pem" --tls-server-name kvdepot.test put s1 --model m --tokens 5 --file "$f"
+    k --tls-ca "$p/ca.pem" --tls-server-name kvdepot.test get s1 --file "$work/back" >/dev/null
+    cmp "$f" "$work/back" || fail "bytes differ over TLS"
+    grep -q 'tls=on' "$work/server.log" || fail "startup line does not say tls=on"
+    stop
+    ;;
+mtls)
+    make_certs
+    p=$work/pki
+    start --tls-cert "$p/server.pem" --tls-key "$p/server.key" --tls-client-ca "$p/ca.pem"
+    k() { "$cli" --addr "127.0.0.1:$port" --tls-ca "$p/ca.pem" --deadline-ms 3000 "$@"; }
+    [ "$(k --tls-cert "$p/client.pem" --tls-key "$p/client.key" health)" = SERVING ] ||
+        fail "mTLS health check failed"
+    expect UNAVAILABLE k health # no client certificate
+    # A client certificate from a CA the server does not trust.
+    (cd "$p" && openssl req -x509 -newkey rsa:2048 -nodes -keyout rogue.key -out rogue.pem \
+        -days 1 -subj "/CN=rogue" 2>/dev/null)
+    expect UNAVAILABLE k --tls-cert "$p/rogue.pem" --tls-key "$p/rogue.key" health
+    expect INVALID_ARGUMENT k --tls-cert "$p/client.pem" health # key missing
+    grep -q 'tls=mtls' "$work/server.log" || fail "startup line does not say tls=mtls"
+    stop
+    ;;
+auth)
+    cat >"$work/tokens.yaml" <<'EOF'
+tokens:
+  - token: "tok-a-rw-0123456789"
+    tenant: team-a
+    namespaces: ["a-*"]
+    access: read-write
+  - token: "tok-a-ro-0123456789"
+    tenant: team-a
+    namespaces: ["a-*"]
+    access: read-only
+  - token: "tok-b-rw-0123456789"
+    tenant: team-b
+    namespaces: ["b-*"]
+    access: rw
+  - token: "tok-old-0123456789"
+    tenant: team-a
+    namespaces: ["a-*"]
+    expires: 2001-01-01T00:00:00Z
+EOF
+    start --tokens-file "$work/tokens.yaml" --log-level debug
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    # Health needs no token.
+    [ "$(k health)" = SERVING ] || fail "health without a token"
+    expect UNAUTHENTICATED k models                       # no token
+    expect UNAUTHENTICATED k --token tok-nope-0123456789 models # bad token
+    expect UNAUTHENTICATED k --token tok-old-0123456789 models  # expired in the file
+    case $last_out in *expired*) ;; *) fail "expired token not reported as expired" ;; esac
+    KVDEPOT_TOKEN=tok-a-rw-0123456789 k model put a-m --layers 2 --kv-heads 1 --head-dim 8 \
+        --dtype f16 >/dev/null || fail "read-write token cannot put a model in its namespace"
+    ok k --token tok-b-rw-0123456789 model put b-m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    # Wrong namespace / tenant.
+    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 model put b-x --layers 2 \
+        --kv-heads 1 --head-dim 8 --dtype f16
+    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 model get b-m
+    f=$(kv 4)
+    ok k --token tok-b-rw-0123456789 put b-seq --model b-m --tokens 4 --file "$f"
+    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 get b-seq --file "$work/x"
+    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 seq stat b-seq
+    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 seq rm b-seq
+    k --token tok-a-rw-0123456789 models | grep -q b-m && fail "team-a sees team-b's model"
+    k --token tok-a-rw-0123456789 seqs | grep -q b-seq && fail "team-a sees team-b's sequence"
+    # Read-only writing.
+    ok k --token tok-a-ro-0123456789 models
+    expect PERMISSION_DENIED k --token tok-a-ro-0123456789 put a-seq --model a-m --tokens 4 \
+        --file "$f"
+    expect PERMISSION_DENIED k --token tok-a-ro-0123456789 model rm a-m
+    ok k --token tok-a-rw-0123456789 put a-seq --model a-m --tokens 4 --file "$f"
+    ok k --token tok-a-ro-0123456789 get a-seq --file "$work/back"
+    cmp "$f" "$work/back" || fail "read-only token read different bytes"
+    # Tokens never reach the log; tenants do.
+    grep -q 'tok-' "$work/server.log" && fail "a token appears in the server log"
+    grep -q 'tenant=team-a' "$work/server.log" || fail "the log does not name the tenant"
+    # A tokens file that does not parse stops the start with exit 2.
+    printf 'tokens:\n  - token: short\n    tenant: x\n    namespaces: ["*"]\n' >"$work/bad.yaml"
+    rc=0
+    "$server" --tokens-file "$work/bad.yaml" --data-dir "$work/d2" 2>"$work/err" || rc=$?
+    [ "$rc" -eq 2 ] || fail "bad tokens file: exit $rc, want 2"
+    grep -q 'bad.yaml:2' "$work/err" || fail "bad tokens file error lacks file:line: $(cat "$work/err")"
+    stop
+    ;;
+reload)
+    printf 'tokens:\n  - token: "tok-one-0123456789"\n    tenant: one\n    namespaces: ["*"]\n' \
+        >"$work/tokens.yaml"
+    start --tokens-file "$work/tokens.yaml"
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    ok k --token tok-one-0123456789 models
+    expect UNAUTHENTICATED k --token tok-two-0123456789 models
+    printf 'tokens:\n  - token: "tok-two-0123456789"\n    tenant: two\n    namespaces: ["*"]\n' \
+        >"$work/tokens.yaml"
+    kill -HUP "$pid"
+    for _ in $(seq 1 100); do
+        grep -q 'tokens file reloaded' "$work/server.log" && break
+        sleep 0.05
+    done
+    ok k --token tok-two-0123456789 models
+    expect UNAUTHENTICATED k --token tok-one-0123456789 models
+    # A broken file on reload keeps the table in force.
+    echo 'tokens: [' >"$work/tokens.yaml"
+    kill -HUP "$pid"
+    for _ in $(seq 1 100); do
+        grep -q 'reload=failed' "$work/server.log" && break
+        sleep 0.05
+    done
+    grep -q 'reload=failed' "$work/server.log" || fail "broken reload not logged"
+    ok k --token tok-two-0123456789 models
+    stop
+    ;;
+quota)
+    cat >"$work/tokens.yaml" <<'EOF'
+tokens:
+  - token: "tok-a-0123456789ab"
+    tenant: team-a
+    namespaces: ["a-*"]
+  - token: "tok-b-0123456789ab"
+    tenant: team-b
+    namespaces: ["b-*"]
+tenants:
+  team-b: {max-sequences: 10, max-bytes: 1MiB}
+EOF
+    # Defaults: 3 sequences and 640 bytes (10 tokens) a tenant.
+    start --tokens-file "$work/tokens.yaml" --tenant-max-sequences 3 --tenant-max-bytes 640
+    ka() { "$cli" --addr "127.0.0.1:$port" --token tok-a-0123456789ab "$@"; }
+    kb() { "$cli" --addr "127.0.0.1:$port" --token tok-b-0123456789ab "$@"; }
+    ok ka model put a-m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    ok kb model put b-m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    ok ka put s1 --model a-m --tokens 6 --file "$(kv 6)"
+    ok ka put s2 --model a-m --tokens 4 --file "$(kv 4)" # 640 bytes: exactly the quota
+    expect RESOURCE_EXHAUSTED ka put s3 --model a-m --tokens 1 --file "$(kv 1)"
+    case $last_out in *tenant-max-bytes*) ;; *) fail "byte quota message: $last_out" ;; esac
+    # s3 exists (empty): the third sequence; a fourth is refused.
+    expect RESOURCE_EXHAUSTED ka put s4 --model a-m --tokens 1 --file "$(kv 1)"
+    case $last_out in *tenant-max-sequences*) ;; *) fail "sequence quota message: $last_out" ;; esac
+    # Another tenant has its own (overridden) quota.
+    ok kb put t1 --model b-m --tokens 100 --file "$(kv 100)"
+    # Deleting gives the quota back, exactly.
+    ok ka seq rm s2
+    ok ka put s3 --model a-m --tokens 4 --file "$(kv 4)"
+    expect RESOURCE_EXHAUSTED ka put s3 --model a-m --tokens 1 --file "$(kv 1)"
+    # Usage is recounted from the store after a restart.
+    stop
+    start --tokens-file "$work/tokens.yaml" --tenant-max-sequences 3 --tenant-max-bytes 640
+    expect RESOURCE_EXHAUSTED ka put s3 --model a-m --tokens 1 --file "$(kv 1)"
+    ok ka seq rm s1
+    ok ka put s3 --model a-m --tokens 6 --file "$(kv 6)"
+    [ "$(metric kvdepot_quota_rejections_total)" -ge 1 ] || fail "quota rejections not counted"
+    stop
+    ;;
+limits)
+    start --max-tokens-per-sequence 16 --max-concurrent-streams 4 --keepalive-time-ms 10000
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    ok k put s1 --model m --tokens 16 --file "$(kv 16)"
+    expect RESOURCE_EXHAUSTED k put s1 --model m --tokens 1 --file "$(kv 1)"
+    ok k put s2 --model m --tokens 15 --file "$(kv 15)"
+    expect RESOURCE_EXHAUSTED k put s2 --model m --tokens 2 --file "$(kv 2)"
+    ok k put s2 --model m --tokens 1 --file "$(kv 1)"
+    # Plaintext off loopback needs both flags (exit 2 otherwise).
+    rc=0
+    "$server" --listen 0.0.0.0:0 --data-dir "$work/d2" --metrics-listen "" 2>"$work/err" || rc=$?
+    [ "$rc" -eq 2 ] || fail "plaintext on 0.0.0.0: exit $rc, want 2"
+    grep -q 'allow-insecure-remote' "$work/err" || fail "refusal does not name the way out"
+    rc=0
+    "$server" --tls-cert /nonexistent --data-dir "$work/d2" --metrics-listen "" 2>"$work/err" || rc=$?
+    [ "$rc" -eq 2 ] || fail "--tls-cert without --tls-key: exit $rc, want 2"
+    stop
+    ;;
+deadline)
+    start
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    # 32 layers x 8 kv heads x 128 dims f16: 128 KiB a token, 96 MiB for 768.
+    ok k model put big --layers 32 --kv-heads 8 --head-dim 128 --dtype f16
+    head -c $((768 * 131072)) /dev/zero >"$work/big.bin"
+    expect DEADLINE_EXCEEDED k --deadline-ms 40 put s1 --model big --tokens 768 --file "$work/big.bin"
+    # The aborted append left nothing behind and the call is gone.
+    for _ in $(seq 1 100); do
+        [ "$(metric kvdepot_calls_in_flight)" = 0 ] && break
+        sleep 0.05
+    done
+    [ "$(metric kvdepot_calls_in_flight)" = 0 ] || fail "calls still in flight after the deadline"
+    k seq stat s1 | grep -q 'num_tokens: *0' || fail "a cancelled append changed the sequence"
+    [ "$(metric kvdepot_payload_bytes_stored)" = 0 ] || fail "payload gauge moved on a failed append"
+    # The same for a Read cut short.
+    ok k put s2 --model big --tokens 768 --file "$work/big.bin"
+    expect DEADLINE_EXCEEDED k --deadline-ms 40 get s2 --file "$work/back.bin"
+    for _ in $(seq 1 100); do
+        [ "$(metric kvdepot_calls_in_flight)" = 0 ] && break
+        sleep 0.05
+    done
+    [ "$(metric kvdepot_calls_in_flight)" = 0 ] || fail "read still in flight after the deadline"
+    ok k get s2 --file "$work/back.bin"
+    cmp "$work/big.bin" "$work/back.bin" || fail "bytes differ after the cut-short read"
+    stop # exit 0: under ASan, a leak would fail here
+    ;;
+config)
+    cd "$work"
+    cat >c.yaml <<'EOF'
+# a comment
+threads: 3
+log_level: warn
+max-message-bytes: 16MiB
+tokens-file: ~
+EOF
+    pc() { env -u KVDEPOT_THREADS "$server" "$@" --print-config; }
+    line() { grep "^$1:" | sed 's/  *#/ #/'; }
+    [ "$(pc --config c.yaml | line threads)" = "threads: 3 # file" ] || fail "file value"
+    [ "$(KVDEPOT_THREADS=4 "$server" --config c.yaml --print-config | line threads)" = "threads: 4 # env" ] ||
+        fail "env over file"
+    [ "$(KVDEPOT_THREADS=4 "$server" --config c.yaml --print-config --threads 5 | line threads)" = "threads: 5 # flag" ] ||
+        fail "flag over env"
+    [ "$(KVDEPOT_CONFIG=c.yaml "$server" --print-config | line log-level)" = "log-level: warn # file" ] ||
+        fail "KVDEPOT_CONFIG names the file"
+    [ "$(pc --config c.yaml | line max-message-bytes)" = "max-message-bytes: 16777216 # file" ] ||
+        fail "size in the file"
+    [ "$(pc | line page-tokens)" = "page-tokens: 256 # default" ] || fail "default"
+    # --print-config output is a config file that gives the same values.
+    pc --config c.yaml --sync | grep -v '^#' | sed 's/  *#.*//' >round.yaml
+    "$server" --config round.yaml --print-config | sed 's/  *#.*//' >round2.txt
+    diff <(grep -v '^#' round.yaml) <(grep -v '^#' round2.txt) || fail "print-config does not round-trip"
+    # Errors: exit 2 naming the file, line and key.
+    for bad in 'bogus: 1' 'threads: -1' 'threads: [1, 2]' 'threads: 999999' 'sync: maybe' \
+        'listen: {a: 1}' 'threads: 3: 4'; do
+        printf '# x\n%s\n' "$bad" >bad.yaml
+        rc=0
+        "$server" --config bad.yaml --print-config >/dev/null 2>err || rc=$?
+        [ "$rc" -eq 2 ] || fail "'$bad': exit $rc, want 2"
+        grep -q 'bad.yaml:2' err || fail "'$bad': error lacks file:line: $(cat err)"
+    done
+    rc=0
+    "$server" --config missing.yaml --print-config >/dev/null 2>err || rc=$?
+    [ "$rc" -eq 2 ] || fail "missing config file: exit $rc, want 2"
+    # A real start from the file: the config names the data dir and log level.
+    printf 'data-dir: %s\nlog-level: debug\n' "$work/data" >run.yaml
+    start --config run.yaml
+    "$cli" --addr "127.0.0.1:$port" models >/dev/null || fail "server from config file"
+    grep -q 'level=debug' "$work/server.log" || fail "log-level from the file not applied"
+    stop
+    ;;
+metrics)
+    start
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    curl -sf "http://127.0.0.1:$mport/healthz" | grep -q ok || fail "/healthz"
+    curl -sf "http://127.0.0.1:$mport/readyz" | grep -q ready || fail "/readyz"
+    code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/nope")
+    [ "$code" = 404 ] || fail "unknown path answered $code"
+    before=$(metric 'kvdepot_requests_total{method="PutModel",status="OK"}')
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    ok k put s1 --model m --tokens 300 --file "$(kv 300)"
+    expect NOT_FOUND k model get nope
+    after=$(metric 'kvdepot_requests_total{method="PutModel",status="OK"}')
+    [ "$after" -eq $((before + 1)) ] || fail "PutModel OK count $before -> $after"
+    [ "$(metric 'kvdepot_requests_total{method="GetModel",status="NOT_FOUND"}')" = 1 ] ||
+        fail "GetModel NOT_FOUND not counted"
+    [ "$(metric 'kvdepot_requests_total{method="Append",status="OK"}')" = 1 ] || fail "Append count"
+    [ "$(metric kvdepot_sequences_stored)" = 1 ] || fail "sequences gauge"
+    [ "$(metric kvdepot_payload_bytes_stored)" = $((300 * PER_TOKEN)) ] || fail "payload gauge"
+    [ "$(metric kvdepot_pages_sealed)" -ge 2 ] || fail "sealed pages gauge (2 layers x 1 page)"
+    [ "$(metric kvdepot_bytes_received_total)" -gt $((300 * PER_TOKEN)) ] || fail "bytes in"
+    [ "$(metric 'kvdepot_backend_info{backend="cpu"}')" = 1 ] || fail "backend info"
+    [ "$(metric kvdepot_ready)" = 1 ] || fail "ready gauge"
+    # The whole page parses as Prometheus text, and every histogram is
+    # cumulative with +Inf equal to its count.
+    python3 - "$work/metrics" <<'EOF' || fail "metrics do not parse"
+import re, sys
+line_re = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*")*)?\})? (-?[0-9.e+-]+|\+Inf|NaN)$')
+types, buckets, counts = {}, {}, {}
+for ln in open(sys.argv[1]):
+    ln = ln.rstrip('\n')
+    if ln.startswith('# TYPE '):
+        _, _, name, t = ln.split(' ')
+        types[name] = t
+        continue
+    if ln.startswith('# HELP ') or not ln:
+        continue
+    m = line_re.match(ln)
+    if not m:
+        sys.exit('bad line: ' + ln)
+    name, labels, value = m.group(1), m.group(3) or '', float(m.group(5))
+    base = re.sub(r'_(bucket|sum|count)$', '', name)
+    if name not in types and base not in types:
+        sys.exit('no TYPE for ' + name)
+    if name.endswith('_bucket'):
+        key = re.sub(r',?le="[^"]*"', '', labels)
+        buckets.setdefault(key, []).append(value)
+    elif name.endswith('_count') and types.get(base) == 'histogram':
+        counts[labels] = value
+for key, vals in buckets.items():
+    if vals != sorted(vals):
+        sys.exit('histogram not cumulative: ' + key)
+    if vals[-1] != counts.get(key):
+        sys.exit('+Inf bucket != count for ' + key)
+if not buckets:
+    sys.exit('no histogram series')
+EOF
+    stop
+    # Off when empty; a chosen address that is taken fails the start.
+    start --metrics-listen ""
+    grep -q 'metrics_port=0' "$work/server.log" || fail "metrics not off with an empty address"
+    stop
+    start
+    busy=$mport
+    rc=0
+    "$server" --listen 127.0.0.1:0 --data-dir "$work/d2" --metrics-listen "127.0.0.1:$busy" \
+        2>"$work/err" || rc=$?
+    [ "$rc" -eq 1 ] || fail "taken metrics address: exit $rc, want 1"
+    stop
+    ;;
+*)
+    fail "unknown case"
+    ;;
+esac
+echo "ops_test[$case_name]: ok"
