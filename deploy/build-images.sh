@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Build the kvdepot container images with docker, podman or buildah (the
+# first one found), from the committed sources (git archive HEAD: uncommitted
+# edits, build directories and local secrets never reach the image).
+#
+#   deploy/build-images.sh [--cuda] [--tag TAG] [--bootstrap-base] [--smoke]
+#
+#   --cuda            build deploy/Dockerfile.cuda (kvdepot:TAG-cuda) instead
+#                     of deploy/Dockerfile (kvdepot:TAG)
+#   --tag TAG         image tag (default: 0.1.0)
+#   --bootstrap-base  for builders that cannot pull from a registry: make
+#                     localhost/debian:12 (and :12-slim) with debootstrap from
+#                     the Debian mirror and build FROM them (CPU image only)
+#   --smoke           after building, run `kvdepotd --version` and
+#                     `kvdepot --help` inside the image's root filesystem
+#
+# Environment: KVD_JOBS (parallel compile jobs, default 2), KVD_BUILDER
+# (docker|podman|buildah to force one).
+#
+# podman and buildah build with chroot isolation, which works inside
+# unprivileged containers and CI runners without a container engine daemon.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cuda=0 tag=0.1.0 bootstrap=0 smoke=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --cuda) cuda=1 ;;
+    --tag) tag=$2; shift ;;
+    --bootstrap-base) bootstrap=1 ;;
+    --smoke) smoke=1 ;;
+    *) echo "build-images: unknown argument $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+builder=${KVD_BUILDER:-}
+if [ -z "$builder" ]; then
+    for b in docker podman buildah; do
+        if command -v "$b" >/dev/null; then builder=$b; break; fi
+    done
+fi
+[ -n "$builder" ] || { echo "build-images: no docker, podman or buildah found" >&2; exit 77; }
+
+ctx=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-image-XXXXXX")
+trap 'rm -rf "$ctx"' EXIT
+git -C "$root" archive HEAD | tar -x -C "$ctx"
+
+dockerfile=deploy/Dockerfile image=kvdepot:$tag
+[ $cuda = 1 ] && dockerfile=deploy/Dockerfile.cuda image=kvdepot:$tag-cuda
+args=(--build-arg "JOBS=${KVD_JOBS:-2}")
+
+if [ $bootstrap = 1 ]; then
+    [ $cuda = 0 ] || { echo "build-images: --bootstrap-base makes Debian bases only" >&2; exit 2; }
+    if ! "$builder" image inspect localhost/debian:12 >/dev/null 2>&1; then
+        command -v debootstrap >/dev/null || { echo "build-images: debootstrap is needed" >&2; exit 77; }
+        rootfs=$ctx.rootfs
+        debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+        # Like the official slim image: no documentation or man pages.
+        rm -rf "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/var/cache/apt/*.bin
+        tar -C "$rootfs" -c . | "$builder" import - localhost/debian:12 >/dev/null
+        "$builder" tag localhost/debian:12 localhost/debian:12-slim
+        rm -rf "$rootfs"
+    fi
+    args+=(--build-arg BUILD_IMAGE=localhost/debian:12 --build-arg RUNTIME_IMAGE=localhost/debian:12-slim)
+fi
+
+case "$builder" in
+docker) build=(docker build) ;;
+podman) build=(podman build --isolation chroot) ;;
+buildah) build=(buildah bud --isolation chroot) ;;
+*) echo "build-images: unknown builder $builder" >&2; exit 2 ;;
+esac
+echo "build-images: $builder building $image from $dockerfile" >&2
+"${build[@]}" "${args[@]}" -f "$ctx/$dockerfile" -t "$image" "$ctx"
+
+if [ $smoke = 1 ]; then
+    case "$builder" in
+    docker)
+        docker run --rm --entrypoint kvdepotd "$image" --version
+        docker run --rm --entrypoint kvdepot "$image" --help >/dev/null
+        ;;
+    *)
+        # No container runtime needed: run the binaries in the image's root
+        # filesystem with chroot, as the image's user.
+        c=$(buildah from "$image" 2>/dev/null || podman create "$image")
+        mnt=$(buildah mount "$c" 2>/dev/null || podman mount "$c")
+        chroot --userspec=10001:10001 "$mnt" /usr/local/bin/kvdepotd --version
+        chroot --userspec=10001:10001 "$mnt" /usr/local/bin/kvdepot --help >/dev/null
+        test "$(stat -c %u "$mnt/data")" = 10001
+        (buildah umount "$c" || podman umount "$c") >/dev/null 2>&1
+        (buildah rm "$c" || podman rm "$c") >/dev/null 2>&1
+        ;;
+    esac
+    echo "build-images: $image runs" >&2
+fi
