@@ -441,6 +441,7 @@ static int test_prefix(kvd_harness *h)
 /* ------------------------------------------------------------------------ */
 
 typedef struct bad_env {
+    kvd_harness *h;
     kvdepot_client *c;
     ref_seq r;        /* "victim": a sequence with sealed pages and a tail */
     uint32_t P;
@@ -451,6 +452,7 @@ typedef struct bad_env {
 static int bad_setup(kvd_harness *h, bad_env *e)
 {
     memset(e, 0, sizeof *e);
+    e->h = h;
     e->c = harness_client(h);
     REQUIRE(e->c);
     kvdepot_model m = small_model("victim-model");
@@ -482,6 +484,11 @@ static void bad_teardown(bad_env *e)
  * server still answers. */
 #define UNCHANGED(e)                                                             \
     do {                                                                         \
+        if (!harness_alive((e)->h)) {                                            \
+            fprintf(stderr, "%s:%d: the server is gone\n", __FILE__, __LINE__);  \
+            kvd_test_failures++;                                                 \
+            return 1;                                                            \
+        }                                                                        \
         CHECK(ref_verify((e)->c, &(e)->r) == 0);                                 \
         uint64_t b__ = 0;                                                        \
         CHECK_RC(kvdepot_prefix_lookup((e)->c, "victim-model", (e)->chain, 1, &b__, NULL), \
