@@ -5,6 +5,8 @@
 #   interop_python        Debian python3-grpcio + python3-protobuf, protoc
 #   interop_node          @grpc/grpc-js + @grpc/proto-loader (npm ci in
 #                         tests/interop/node), Node >= 18
+#   interop_*_security    TLS, mTLS (certificates made with the openssl CLI) and
+#                         bearer tokens against a server with a tokens file
 #   interop_*_512mib      the 4096-token x 32-layer x 8-head x 128-dim f16
 #                         sequence (512 MiB of K+V) appended, read back, read
 #                         again after a restart; label slow
@@ -90,3 +92,24 @@ foreach(mib 64 512)
                         "node not found (Node >= 18 and npm ci in tests/interop/node)")
   endif()
 endforeach()
+
+# TLS, mTLS and tokens from the same clients (each starts its own server).
+if(KVD_INTEROP_PYTHON)
+  add_test(NAME interop_python_security
+           COMMAND ${KVD_INTEROP_PYTHON} ${KVD_INTEROP_DIR}/python/test_interop.py
+                   --kvdepotd $<TARGET_FILE:kvdepotd>
+                   --proto-dir ${KVD_PROTO_SRC_DIR}
+                   --health-proto-dir ${KVD_GRPC_PROTO_DIR}
+                   --protoc ${kvd_interop_protoc} --security-only)
+  set_tests_properties(interop_python_security PROPERTIES LABELS interop TIMEOUT 120
+                       ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+endif()
+if(KVD_INTEROP_NODE)
+  add_test(NAME interop_node_security
+           COMMAND ${KVD_INTEROP_NODE} ${KVD_INTEROP_DIR}/node/test.js
+                   --kvdepotd $<TARGET_FILE:kvdepotd>
+                   --proto-dir ${KVD_PROTO_SRC_DIR}
+                   --health-proto-dir ${KVD_GRPC_PROTO_DIR}
+                   --hash-tool $<TARGET_FILE:kvd_prefix_hash> --security-only)
+  set_tests_properties(interop_node_security PROPERTIES LABELS interop TIMEOUT 120)
+endif()

@@ -79,6 +79,7 @@ function parseArgs(argv) {
     else if (a === '--large-mib') args.largeMib = Number(val());
     else if (a === '--keep') args.keep = true;
     else if (a === '--large-only') args.largeOnly = true;
+    else if (a === '--security-only') args.securityOnly = true;
     else fatal(`unknown argument ${a}`);
   }
   if (!args.kvdepotd || !args.protoDir || !args.hashTool) {
@@ -120,13 +121,13 @@ class Server {
     this.addr = null;
   }
 
-  async start(timeoutMs = 60000) {
+  async start(timeoutMs = 60000, extraArgs = []) {
     const portFile = path.join(this.workdir, 'port');
     fs.rmSync(portFile, { force: true });
     fs.mkdirSync(this.dataDir, { recursive: true });
     const log = fs.openSync(this.logPath, 'a');
     const argv = [this.exe, '--listen', '127.0.0.1:0', '--data-dir', this.dataDir,
-                  '--port-file', portFile];
+                  '--port-file', portFile, ...extraArgs];
     // setpriv (util-linux) makes the server die with this process, so a test
     // killed by a timeout leaves no server behind; it execs, keeping the pid.
     if (fs.existsSync('/usr/bin/setpriv')) argv.unshift('/usr/bin/setpriv', '--pdeathsig', 'KILL', '--');
@@ -231,7 +232,9 @@ const LOADER_OPTS = {
 };
 
 class Api {
-  constructor(addr, protoDir, healthProtoDir) {
+  // creds: grpc ChannelCredentials for TLS (default plaintext); serverName
+  // overrides the name the server certificate must carry.
+  constructor(addr, protoDir, healthProtoDir, creds = null, serverName = null) {
     const kv = grpc.loadPackageDefinition(
       protoLoader.loadSync('kvdepot/v1/kvdepot.proto', { ...LOADER_OPTS, includeDirs: [protoDir] }));
     const health = grpc.loadPackageDefinition(
@@ -241,7 +244,8 @@ class Api {
       'grpc.max_receive_message_length': 16 * MiB,
       'grpc.max_send_message_length': 16 * MiB,
     };
-    const creds = grpc.credentials.createInsecure();
+    if (serverName) opts['grpc.ssl_target_name_override'] = serverName;
+    if (creds === null) creds = grpc.credentials.createInsecure();
     this.client = new kv.kvdepot.v1.KVDepot(addr, creds, opts);
     this.health = new health.grpc.health.v1.Health(addr, creds, opts);
     this.enums = {
@@ -1269,7 +1273,108 @@ class Suite {
     eq(rc, 0, 'kvdepotd exit status on SIGTERM');
   }
 
+  // TLS, mTLS and bearer tokens against a server run with a certificate, a
+  // client CA and a tokens file, all made here with the openssl CLI.
+  async tSecurity() {
+    const pki = path.join(this.workdir, 'pki');
+    fs.mkdirSync(pki);
+    const ssl = (...a) => {
+      try {
+        execFileSync('openssl', a, { cwd: pki, stdio: 'ignore' });
+      } catch (e) {
+        fatal(`openssl failed (Debian package openssl): ${e.message}`);
+      }
+    };
+    const pem = (n) => fs.readFileSync(path.join(pki, n));
+    ssl('req', '-x509', '-newkey', 'rsa:2048', '-nodes', '-keyout', 'ca.key', '-out', 'ca.pem',
+        '-days', '1', '-subj', '/CN=interop CA');
+    for (const [who, ext] of [['server', 'subjectAltName=DNS:kvdepot.test'], ['client', null]]) {
+      ssl('req', '-newkey', 'rsa:2048', '-nodes', '-keyout', `${who}.key`, '-out', `${who}.csr`,
+          '-subj', `/CN=${who}`);
+      const extra = [];
+      if (ext) {
+        fs.writeFileSync(path.join(pki, `${who}.ext`), `${ext}\n`);
+        extra.push('-extfile', `${who}.ext`);
+      }
+      ssl('x509', '-req', '-in', `${who}.csr`, '-CA', 'ca.pem', '-CAkey', 'ca.key',
+          '-CAcreateserial', '-out', `${who}.pem`, '-days', '1', ...extra);
+    }
+    const tokens = path.join(this.workdir, 'tokens.yaml');
+    fs.writeFileSync(tokens, [
+      'tokens:',
+      '  - {token: js-rw-0123456789abc, tenant: js, namespaces: ["js-*"]}',
+      '  - {token: js-ro-0123456789abc, tenant: js, namespaces: ["js-*"], access: read-only}',
+      '  - {token: js-old-0123456789ab, tenant: js, namespaces: ["*"],' +
+        ' expires: 2001-01-01T00:00:00Z}',
+      ''].join('\n'));
+    await this.server.start(60000, [
+      '--tls-cert', path.join(pki, 'server.pem'), '--tls-key', path.join(pki, 'server.key'),
+      '--tls-client-ca', path.join(pki, 'ca.pem'), '--tokens-file', tokens,
+      '--metrics-listen', '']);
+    const opened = [];
+    const api = async (token, clientCert = true, readyMs = 30000) => {
+      let creds = clientCert
+        ? grpc.credentials.createSsl(pem('ca.pem'), pem('client.key'), pem('client.pem'))
+        : grpc.credentials.createSsl(pem('ca.pem'));
+      if (token) {
+        creds = grpc.credentials.combineChannelCredentials(creds,
+          grpc.credentials.createFromMetadataGenerator((_, cb) => {
+            const md = new grpc.Metadata();
+            md.set('authorization', `Bearer ${token}`);
+            cb(null, md);
+          }));
+      }
+      const a = new Api(this.server.addr, this.args.protoDir, this.args.healthProtoDir, creds,
+                        'kvdepot.test');
+      opened.push(a);
+      await new Promise((resolve, reject) => {
+        a.client.waitForReady(new Date(Date.now() + readyMs), (e) => (e ? reject(e) : resolve()));
+      });
+      return a;
+    };
+    try {
+      // Without a client certificate the handshake fails.
+      let connected = true;
+      try {
+        await api(null, false, 1500);
+      } catch (e) {
+        connected = false;
+      }
+      check(!connected, 'mTLS handshake succeeded without a client certificate');
+      const anon = await api(null);
+      const h = await anon.healthCheck('');
+      eq(h.status, 1, 'health over mTLS without a token (1 = SERVING)');
+      await expectCode(S.UNAUTHENTICATED, anon.unary('ListModels', {}));
+      for (const bad of ['js-nope-0123456789a', 'js-old-0123456789ab']) {
+        const b = await api(bad);
+        await expectCode(S.UNAUTHENTICATED, b.unary('ListModels', {}));
+      }
+      const rw = await api('js-rw-0123456789abc');
+      this.api = rw;
+      await rw.unary('PutModel', { model: this.model('js-m', 2, 1, 8) });
+      await expectCode(S.PERMISSION_DENIED,
+                       rw.unary('PutModel', { model: this.model('other', 2, 1, 8) }));
+      await rw.unary('CreateSequence', { sequence_id: idBuf('js-s'), model: 'js-m' });
+      const data = crypto.randomBytes(2 * 2 * 3 * 8 * 2); // K+V, 2 layers, 3 tokens, 8 dims, f16
+      await rw.append('js-s', data, 0, 3);
+      const back = await rw.read('js-s');
+      check(Buffer.compare(back.data, data) === 0, 'bytes read back over mTLS differ');
+      const ro = await api('js-ro-0123456789abc');
+      await expectCode(S.PERMISSION_DENIED, ro.append('js-s', data, 3, 3));
+      const back2 = await ro.read('js-s');
+      check(Buffer.compare(back2.data, data) === 0, 'read-only token read different bytes');
+    } finally {
+      this.api = null;
+      for (const a of opened) a.close();
+    }
+    eq(await this.server.stop(), 0, 'kvdepotd exit status on SIGTERM');
+  }
+
   async main() {
+    if (this.args.securityOnly) {
+      await this.run('tls, mtls and tokens', this.tSecurity);
+      return;
+    }
     try {
       await this.connect();
     } catch (e) {

@@ -154,7 +154,7 @@ class Server:
         self.proc = None
         self.addr = None
 
-    def start(self, timeout=60.0):
+    def start(self, timeout=60.0, extra_args=()):
         port_file = os.path.join(self.workdir, "port")
         if os.path.exists(port_file):
             os.unlink(port_file)
@@ -163,7 +163,7 @@ class Server:
         try:
             self.proc = subprocess.Popen(
                 [self.exe, "--listen", "127.0.0.1:0", "--data-dir", self.data_dir,
-                 "--port-file", port_file],
+                 "--port-file", port_file] + list(extra_args),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent)
         except OSError as e:
@@ -234,13 +234,20 @@ class Server:
 class Api:
     SVC = "/kvdepot.v1.KVDepot/"
 
-    def __init__(self, addr, pb, hpb):
+    def __init__(self, addr, pb, hpb, creds=None, server_name=None, ready_timeout=30):
+        """creds: grpc.ChannelCredentials for TLS (None = plaintext);
+        server_name overrides the name the server certificate must carry."""
         self.pb = pb
         self.hpb = hpb
         opts = [("grpc.max_receive_message_length", 16 * MiB),
                 ("grpc.max_send_message_length", 16 * MiB)]
-        self.channel = grpc.insecure_channel(addr, options=opts)
-        grpc.channel_ready_future(self.channel).result(timeout=30)
+        if creds is None:
+            self.channel = grpc.insecure_channel(addr, options=opts)
+        else:
+            if server_name:
+                opts.append(("grpc.ssl_target_name_override", server_name))
+            self.channel = grpc.secure_channel(addr, creds, options=opts)
+        grpc.channel_ready_future(self.channel).result(timeout=ready_timeout)
 
         def uu(name, req, resp):
             return self.channel.unary_unary(self.SVC + name,
@@ -1237,6 +1244,96 @@ class Suite:
             self.create(b"py-prefix-r", "py-prefix", prefix_hashes=h)
             self.verify(b"py-prefix-r", "sequence from the prefix after restart:")
 
+    def t_security(self):
+        """TLS, mTLS and bearer tokens against a server run with a certificate,
+        a client CA and a tokens file, all made here (openssl CLI)."""
+        pb, hpb = self.pb, self.hpb
+        pki = os.path.join(self.workdir, "pki")
+        os.makedirs(pki)
+
+        def ssl(*a):
+            try:
+                subprocess.run(["openssl"] + list(a), cwd=pki, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except (OSError, subprocess.CalledProcessError) as e:
+                fatal("openssl failed (Debian package openssl): %s" % e)
+
+        def pem(name):
+            with open(os.path.join(pki, name), "rb") as f:
+                return f.read()
+
+        ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "1", "-subj", "/CN=interop CA")
+        for who, ext in (("server", "subjectAltName=DNS:kvdepot.test"), ("client", None)):
+            ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", who + ".key", "-out",
+                who + ".csr", "-subj", "/CN=" + who)
+            extra = []
+            if ext:
+                with open(os.path.join(pki, who + ".ext"), "w") as f:
+                    f.write(ext + "\n")
+                extra = ["-extfile", who + ".ext"]
+            ssl("x509", "-req", "-in", who + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", who + ".pem", "-days", "1", *extra)
+        tokens = os.path.join(self.workdir, "tokens.yaml")
+        with open(tokens, "w") as f:
+            f.write("tokens:\n"
+                    "  - {token: py-rw-0123456789abc, tenant: py, namespaces: [\"py-*\"]}\n"
+                    "  - {token: py-ro-0123456789abc, tenant: py, namespaces: [\"py-*\"],"
+                    " access: read-only}\n"
+                    "  - {token: py-old-0123456789ab, tenant: py, namespaces: [\"*\"],"
+                    " expires: 2001-01-01T00:00:00Z}\n")
+        self.server.start(extra_args=[
+            "--tls-cert", os.path.join(pki, "server.pem"),
+            "--tls-key", os.path.join(pki, "server.key"),
+            "--tls-client-ca", os.path.join(pki, "ca.pem"),
+            "--tokens-file", tokens, "--metrics-listen", ""])
+
+        def api(token=None, client_cert=True, ready_timeout=30):
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=pem("ca.pem"),
+                private_key=pem("client.key") if client_cert else None,
+                certificate_chain=pem("client.pem") if client_cert else None)
+            if token:
+                creds = grpc.composite_channel_credentials(
+                    creds, grpc.access_token_call_credentials(token))
+            return Api(self.server.addr, pb, hpb, creds=creds, server_name="kvdepot.test",
+                       ready_timeout=ready_timeout)
+
+        # Without a client certificate the handshake fails.
+        try:
+            a = api(client_cert=False, ready_timeout=1.5)
+            a.close()
+            raise CheckFailed("mTLS handshake succeeded without a client certificate")
+        except grpc.FutureTimeoutError:
+            pass
+        anon = api()
+        r = anon.HealthCheck(hpb.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT)
+        eq(r.status, hpb.HealthCheckResponse.SERVING, "health over mTLS without a token")
+        expect_code(SC.UNAUTHENTICATED, anon.ListModels, pb.ListModelsRequest(),
+                    timeout=CALL_TIMEOUT)
+        anon.close()
+        for bad in ("py-nope-0123456789a", "py-old-0123456789ab"):
+            b = api(bad)
+            expect_code(SC.UNAUTHENTICATED, b.ListModels, pb.ListModelsRequest(),
+                        timeout=CALL_TIMEOUT)
+            b.close()
+        rw = api("py-rw-0123456789abc")
+        m = self.model("py-m", 2, 1, 8)
+        rw.PutModel(pb.PutModelRequest(model=m), timeout=CALL_TIMEOUT)
+        expect_code(SC.PERMISSION_DENIED, rw.PutModel,
+                    pb.PutModelRequest(model=self.model("other", 2, 1, 8)), timeout=CALL_TIMEOUT)
+        rw.CreateSequence(pb.CreateSequenceRequest(sequence_id=b"py-s", model="py-m"),
+                          timeout=CALL_TIMEOUT)
+        data = os.urandom(2 * 2 * 3 * 8 * 2)  # K+V, 2 layers, 3 tokens, 1 head x 8, f16
+        rw.append(b"py-s", data, 0, 3, chunks=2)
+        eq(rw.read(b"py-s")[1], data, "bytes read back over mTLS")
+        ro = api("py-ro-0123456789abc")
+        expect_code(SC.PERMISSION_DENIED, ro.append, b"py-s", data, 3, 3)
+        eq(ro.read(b"py-s")[1], data, "read-only token reads")
+        ro.close()
+        rw.close()
+        eq(self.server.stop(), 0, "kvdepotd exit status on SIGTERM")
+
     def t_shutdown(self):
         self.api.close()
         self.api = None
@@ -1244,6 +1341,9 @@ class Suite:
         eq(rc, 0, "kvdepotd exit status on SIGTERM")
 
     def main(self):
+        if self.args.security_only:
+            self.run("tls, mtls and tokens", self.t_security)
+            return
         try:
             self.connect()
         except CheckFailed as e:
@@ -1309,6 +1409,8 @@ def main():
     ap.add_argument("--large-only", action="store_true",
                     help="run only the large case (with health, restart and shutdown)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--security-only", action="store_true",
+                    help="run only the TLS/mTLS and token checks (own server)")
     args = ap.parse_args()
     if args.large_mib < 1:
         ap.error("--large-mib must be at least 1")
