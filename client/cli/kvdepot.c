@@ -24,6 +24,8 @@ static const char usage_text[] =
     "               [--token TOKEN] COMMAND [ARGS]\n"
     "\n"
     "Talks to a kvdepotd server (ADDR, default $KVDEPOT_ADDR or 127.0.0.1:50051).\n"
+    "ADDR may name several servers, \"a:50051,b:50051\" or shards:HOST:PORT (every\n"
+    "address HOST resolves to): sequences are then spread over them.\n"
     "TLS is used when --tls or any --tls-* file is given (--tls-ca: roots to\n"
     "verify the server with, default the system's; --tls-cert/--tls-key: client\n"
     "certificate for mTLS). The bearer token comes from --token or $KVDEPOT_TOKEN\n"
@@ -31,6 +33,8 @@ static const char usage_text[] =
     "\n"
     "commands:\n"
     "  health                               is the server serving?\n"
+    "  shards [ID...]                       list the servers ADDR names; with IDs, the\n"
+    "                                       server that owns each sequence id\n"
     "  models                               list models\n"
     "  model put NAME --layers N --kv-heads N --head-dim N --dtype f16|bf16|f32\n"
     "            [--q-heads N] [--revision R] [--hidden N] [--replace]\n"
@@ -244,6 +248,31 @@ static int cmd_health(kvdepot_client *c, int argc, char **argv)
     static const char *names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
     printf("%s\n", (unsigned)s < 4 ? names[s] : "UNKNOWN");
     return s == KVDEPOT_SERVING ? 0 : 1;
+}
+
+/* The servers of a sharded address, or the owner of each id given. */
+static int cmd_shards(kvdepot_client *c, int argc, char **argv)
+{
+    const char *pos[64];
+    int n = parse_args(argc, argv, NULL, pos, 64);
+    char name[256];
+    if (n == 0) {
+        size_t count = kvdepot_shard_count(c);
+        for (size_t i = 0; i < count; i++) {
+            int rc = kvdepot_shard_endpoint(c, i, name, sizeof name);
+            if (rc)
+                return fail(c, rc);
+            printf("%s\n", name);
+        }
+        return 0;
+    }
+    for (int i = 0; i < n; i++) {
+        int rc = kvdepot_shard_owner(c, pos[i], strlen(pos[i]), name, sizeof name);
+        if (rc)
+            return fail(c, rc);
+        printf("%s %s\n", pos[i], name);
+    }
+    return 0;
 }
 
 static void print_model(const kvdepot_model *m)
@@ -708,7 +737,7 @@ int main(int argc, char **argv)
     } cmds[] = {
         {"health", cmd_health}, {"models", cmd_models}, {"model", cmd_model},
         {"seqs", cmd_seqs},     {"seq", cmd_seq},       {"put", cmd_put},
-        {"get", cmd_get},       {"lookup", cmd_lookup},
+        {"get", cmd_get},       {"lookup", cmd_lookup}, {"shards", cmd_shards},
     };
     int (*fn)(kvdepot_client *, int, char **) = NULL;
     for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++)
