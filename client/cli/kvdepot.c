@@ -26,8 +26,8 @@ static const char usage_text[] =
     "Talks to a kvdepotd server (ADDR, default $KVDEPOT_ADDR or 127.0.0.1:50051).\n"
     "ADDR may name several servers, \"a:50051,b:50051\" or shards:HOST:PORT (every\n"
     "address HOST resolves to): sequences are then spread over them.\n"
-    "TLS is used when --tls or any --tls-* file is given (--tls-ca: roots to\n"
-    "verify the server with, default the system's; --tls-cert/--tls-key: client\n"
+    "TLS is used when --tls or any --tls-* file is given (--tls-ca, or --ca:\n"
+    "roots to verify the server with, default the system's; --tls-cert/--tls-key: client\n"
     "certificate for mTLS). The bearer token comes from --token or $KVDEPOT_TOKEN\n"
     "(prefer the variable: command lines are visible to other users).\n"
     "\n"
@@ -705,6 +705,7 @@ int main(int argc, char **argv)
         } else if (strcmp(a, "--tls") == 0) {
             tls = 1;
         } else if (tls_flag(a, argc, argv, &i, "--tls-ca", &tls_ca) ||
+                   tls_flag(a, argc, argv, &i, "--ca", &tls_ca) ||
                    tls_flag(a, argc, argv, &i, "--tls-cert", &tls_cert) ||
                    tls_flag(a, argc, argv, &i, "--tls-key", &tls_key) ||
                    tls_flag(a, argc, argv, &i, "--tls-server-name", &tls_name) ||

@@ -352,6 +352,13 @@ EOF
         [ "$rc" -eq 2 ] || fail "'$bad': exit $rc, want 2"
         grep -q 'bad.yaml:2' err || fail "'$bad': error lacks file:line: $(cat err)"
     done
+    # The example config documents every setting and loads as is.
+    example=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../deploy" && pwd)/kvdepot.example.yaml
+    "$server" --config "$example" --print-config >ex.txt 2>err || fail "example config: $(cat err)"
+    for key in $(grep -v '^#' ex.txt | cut -d: -f1); do
+        grep -q "^$key:" "$example" || fail "example config lacks $key"
+    done
+    grep -q '# default' ex.txt && fail "example config leaves a setting out: $(grep '# default' ex.txt)"
     rc=0
     "$server" --config missing.yaml --print-config >/dev/null 2>err || rc=$?
     [ "$rc" -eq 2 ] || fail "missing config file: exit $rc, want 2"
