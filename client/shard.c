@@ -81,6 +81,12 @@ struct kvdepot__cluster {
     int64_t next_resolve;    /* monotonic ms */
     int64_t last_resolve;
     int resolving;
+    /* Copies of the options' strings: members are also created after
+     * kvdepot_connect returned, when the caller's strings may be gone. */
+    char *owned[5];
+    /* Why the last member could not be created (kvdepot_connect's answer). */
+    int member_rc;
+    char member_msg[256];
 };
 
 static int64_t now_ms(void)
@@ -150,7 +156,7 @@ static size_t owner_index(shard *const *shards, size_t n, const uint8_t *key, si
 /* Members                                                                   */
 /* ------------------------------------------------------------------------ */
 
-static shard *shard_new(kvdepot__cluster *cl, const char *name, int dynamic)
+static shard *shard_new(kvdepot__cluster *cl, const char *name, const char *host)
 {
     shard *s = calloc(1, sizeof *s);
     if (!s || !(s->name = strdup(name))) {
@@ -159,12 +165,17 @@ static shard *shard_new(kvdepot__cluster *cl, const char *name, int dynamic)
     }
     s->name_hash = XXH3_64bits(name, strlen(name));
     s->refs = 1;
-    s->dynamic = dynamic;
+    s->dynamic = host != NULL;
     kvdepot_options o = cl->opt;
     o.address = name;
+    if (host && !o.tls_server_name)
+        o.tls_server_name = host;
     /* Waiting is bounded by connect_timeout_ms here, never by the server. */
     o.wait_for_ready = 0;
-    if (kvdepot_connect(&o, &s->client) != KVDEPOT_OK) {
+    int rc = kvdepot_connect(&o, &s->client);
+    if (rc != KVDEPOT_OK) {
+        cl->member_rc = rc;
+        snprintf(cl->member_msg, sizeof cl->member_msg, "%s", kvdepot_errmsg(NULL));
         free(s->name);
         free(s);
         return NULL;
@@ -256,25 +267,60 @@ static int split_host_port(const char *hp, char *host, size_t hcap, char *port, 
     return 0;
 }
 
-/* Names of the endpoints of one spec, appended to *names. 0, or -1 when a
- * name could not be resolved (nothing appended). */
-static int spec_endpoints(kvdepot_client *c, const char *spec, char ***names, size_t *n,
-                          size_t *cap)
+/* Append (name, host) to the endpoint list; host is NULL for a literal
+ * target. 0 or -1. */
+typedef struct endpoint_list {
+    char **names;
+    char **hosts;
+    size_t n, cap;
+} endpoint_list;
+
+static int push_endpoint(endpoint_list *l, const char *name, const char *host)
 {
-    if (strncmp(spec, SHARD_SCHEME, strlen(SHARD_SCHEME)) != 0) {
-        if (*n == *cap) {
-            size_t nc = *cap ? *cap * 2 : 8;
-            char **nn = realloc(*names, nc * sizeof *nn);
-            if (!nn)
-                return -1;
-            *names = nn;
-            *cap = nc;
-        }
-        if (!((*names)[*n] = strdup(spec)))
+    for (size_t i = 0; i < l->n; i++)
+        if (strcmp(l->names[i], name) == 0)
+            return 0;
+    if (l->n == l->cap) {
+        size_t nc = l->cap ? l->cap * 2 : 8;
+        char **nn = realloc(l->names, nc * sizeof *nn);
+        if (!nn)
             return -1;
-        (*n)++;
-        return 0;
+        l->names = nn;
+        char **nh = realloc(l->hosts, nc * sizeof *nh);
+        if (!nh)
+            return -1;
+        l->hosts = nh;
+        l->cap = nc;
     }
+    char *n = strdup(name), *h = host ? strdup(host) : NULL;
+    if (!n || (host && !h)) {
+        free(n);
+        free(h);
+        return -1;
+    }
+    l->names[l->n] = n;
+    l->hosts[l->n] = h;
+    l->n++;
+    return 0;
+}
+
+static void free_endpoints(endpoint_list *l)
+{
+    for (size_t i = 0; i < l->n; i++) {
+        free(l->names[i]);
+        free(l->hosts[i]);
+    }
+    free(l->names);
+    free(l->hosts);
+    memset(l, 0, sizeof *l);
+}
+
+/* The endpoints of one spec, appended to l. 0, or -1 when a name could not
+ * be resolved. */
+static int spec_endpoints(kvdepot_client *c, const char *spec, endpoint_list *l)
+{
+    if (strncmp(spec, SHARD_SCHEME, strlen(SHARD_SCHEME)) != 0)
+        return push_endpoint(l, spec, NULL);
     char host[256], port[32];
     if (split_host_port(spec + strlen(SHARD_SCHEME), host, sizeof host, port, sizeof port) != 0)
         return -1;
@@ -285,7 +331,8 @@ static int spec_endpoints(kvdepot_client *c, const char *spec, char ***names, si
         kvdepot__log(c, KVDEPOT_LOG_WARN, "kvdepot: cannot resolve %s: %s", host, gai_strerror(e));
         return -1;
     }
-    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    int rc = 0;
+    for (struct addrinfo *ai = res; ai && rc == 0; ai = ai->ai_next) {
         char ip[INET6_ADDRSTRLEN], name[ENDPOINT_MAX];
         if (ai->ai_family == AF_INET) {
             inet_ntop(AF_INET, &((struct sockaddr_in *)ai->ai_addr)->sin_addr, ip, sizeof ip);
@@ -296,25 +343,12 @@ static int spec_endpoints(kvdepot_client *c, const char *spec, char ***names, si
         } else {
             continue;
         }
-        int dup = 0;
-        for (size_t i = 0; i < *n && !dup; i++)
-            dup = strcmp((*names)[i], name) == 0;
-        if (dup)
-            continue;
-        if (*n == *cap) {
-            size_t nc = *cap ? *cap * 2 : 8;
-            char **nn = realloc(*names, nc * sizeof *nn);
-            if (!nn)
-                break;
-            *names = nn;
-            *cap = nc;
-        }
-        if (!((*names)[*n] = strdup(name)))
-            break;
-        (*n)++;
+        /* TLS checks the server's certificate against the name that was
+         * resolved, not the pod address it resolved to. */
+        rc = push_endpoint(l, name, host);
     }
     freeaddrinfo(res);
-    return 0;
+    return rc;
 }
 
 static void free_names(char **names, size_t n)
@@ -334,18 +368,19 @@ static void free_names(char **names, size_t n)
 static int resolve(kvdepot_client *c)
 {
     kvdepot__cluster *cl = c->cluster;
-    char **names = NULL;
-    size_t n = 0, cap = 0;
+    endpoint_list l = {0};
     int failed_dns = 0;
     for (size_t i = 0; i < cl->nspecs; i++)
-        if (spec_endpoints(c, cl->specs[i], &names, &n, &cap) != 0)
+        if (spec_endpoints(c, cl->specs[i], &l) != 0)
             failed_dns = 1;
+    size_t n = l.n;
+    char **names = l.names;
 
     pthread_mutex_lock(&cl->mu);
     shard **next = calloc(n + cl->n + 1, sizeof *next);
     if (!next) {
         pthread_mutex_unlock(&cl->mu);
-        free_names(names, n);
+        free_endpoints(&l);
         return -1;
     }
     size_t m = 0;
@@ -357,7 +392,7 @@ static int resolve(kvdepot_client *c)
         if (s) {
             s->refs++;
         } else {
-            s = shard_new(cl, names[i], 0);
+            s = shard_new(cl, names[i], l.hosts[i]);
             if (!s) {
                 kvdepot__log(c, KVDEPOT_LOG_WARN, "kvdepot: cannot create a client for %s",
                              names[i]);
@@ -396,20 +431,8 @@ static int resolve(kvdepot_client *c)
                            ? t + cl->opt.resolve_interval_ms
                            : INT64_MAX;
     pthread_mutex_unlock(&cl->mu);
-    free_names(names, n);
+    free_endpoints(&l);
     return 0;
-}
-
-/* Mark the shards: members as dynamic (kept through a failed lookup); a
- * name that is also listed literally stays static. */
-static void mark_dynamic(kvdepot__cluster *cl)
-{
-    for (size_t j = 0; j < cl->n; j++) {
-        int literal = 0;
-        for (size_t i = 0; i < cl->nspecs && !literal; i++)
-            literal = strcmp(cl->specs[i], cl->shards[j]->name) == 0;
-        cl->shards[j]->dynamic = !literal;
-    }
 }
 
 /* Re-resolve when the timer says so; one thread at a time, the others go
@@ -428,7 +451,6 @@ static void maybe_resolve(kvdepot_client *c)
         return;
     resolve(c);
     pthread_mutex_lock(&cl->mu);
-    mark_dynamic(cl);
     cl->resolving = 0;
     pthread_mutex_unlock(&cl->mu);
 }
@@ -451,6 +473,8 @@ static void cluster_free(kvdepot_client *c)
             shard_unref_locked(cl->shards[i]);
         free(cl->shards);
         free_names(cl->specs, cl->nspecs);
+        for (size_t i = 0; i < sizeof cl->owned / sizeof cl->owned[0]; i++)
+            free(cl->owned[i]);
         pthread_mutex_destroy(&cl->mu);
         free(cl);
     }
@@ -482,6 +506,19 @@ int kvdepot__cluster_connect(const kvdepot_options *opt, kvdepot_client **out)
         cl->opt.connect_timeout_ms = 1000;
     if (!cl->opt.shard_backoff_ms)
         cl->opt.shard_backoff_ms = 100;
+    const char **strs[] = {&cl->opt.tls_ca_file, &cl->opt.tls_cert_file, &cl->opt.tls_key_file,
+                           &cl->opt.tls_server_name, &cl->opt.token};
+    _Static_assert(sizeof strs / sizeof strs[0] == sizeof cl->owned / sizeof cl->owned[0],
+                   "one copy per string option");
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
+        if (!*strs[i])
+            continue;
+        if (!(cl->owned[i] = strdup(*strs[i]))) {
+            cluster_free(c);
+            return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "kvdepot_connect: out of memory");
+        }
+        *strs[i] = cl->owned[i];
+    }
 
     /* Split the list; blanks around commas are allowed. */
     size_t cap = 0;
@@ -531,15 +568,14 @@ int kvdepot__cluster_connect(const kvdepot_options *opt, kvdepot_client **out)
                            opt->address);
     if (rc == KVDEPOT_OK && resolve(c) != 0)
         rc = kvdepot__fail(NULL, KVDEPOT_ENOMEM, "kvdepot_connect: out of memory");
-    if (rc == KVDEPOT_OK && !cl->has_dns && cl->n != cl->nspecs)
-        rc = kvdepot__fail(NULL, KVDEPOT_EINTERNAL,
-                           "kvdepot_connect: cannot create a client for every endpoint of %s",
-                           opt->address);
+    /* Every literal endpoint must get a client: the same options serve all
+     * of them, so one failing (a TLS file that cannot be read) fails all. */
+    if (rc == KVDEPOT_OK && cl->member_rc)
+        rc = kvdepot__fail(NULL, cl->member_rc, "%s", cl->member_msg);
     if (rc != KVDEPOT_OK) {
         cluster_free(c);
         return rc;
     }
-    mark_dynamic(cl);
     /* No server yet behind a DNS name (pods still starting) is not an
      * error: calls answer UNAVAILABLE and look the name up again. */
     if (cl->n == 0)
