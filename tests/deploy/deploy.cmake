@@ -15,3 +15,13 @@ if(KVD_PYTHON3)
            COMMAND ${KVD_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/check_deploy.py ${_kvd_deploy_args})
   set_tests_properties(deploy_manifests PROPERTIES LABELS unit TIMEOUT 120)
 endif()
+
+# Building the CPU image for real (deploy/build-images.sh --bootstrap-base
+# --smoke: podman or buildah with chroot isolation, Debian base images made by
+# debootstrap). Minutes of work and root for debootstrap, so it runs only when
+# asked: KVD_IMAGE_TEST=1 ctest -R deploy_image_cpu. Otherwise, and without a
+# builder, it reports "skipped".
+add_test(NAME deploy_image_cpu
+         COMMAND sh -c "[ \"$KVD_IMAGE_TEST\" = 1 ] || { echo 'set KVD_IMAGE_TEST=1 to build the image'; exit 77; }; exec \"$0\" --bootstrap-base --smoke"
+                 ${PROJECT_SOURCE_DIR}/deploy/build-images.sh)
+set_tests_properties(deploy_image_cpu PROPERTIES LABELS "slow" SKIP_RETURN_CODE 77 TIMEOUT 3600)
