@@ -880,23 +880,32 @@ static void test_limits(void)
 
 /* Everything acknowledged survives the process being killed without a
  * close (the WAL is written before an append returns). */
+static void crash_child(const char *d)
+{
+    snprintf(dir, sizeof dir, "%s", d);
+    kvd_store *st = open_store(B);
+    kvd_error err;
+    put_model(st, "m");
+    create(st, "s", "m");
+    create(st, "gone", "m");
+    if (append(st, "s", 11, 0, 0, 0, 7, NULL, &err) ||
+        append(st, "s", 11, 0, 1, 7, 2, NULL, &err) ||
+        kvd_store_seq_delete(st, "gone", 4, NULL, &err))
+        _exit(3);
+    kill(getpid(), SIGKILL);
+    _exit(4);
+}
+
 static void test_crash(void)
 {
     make_dir("crash");
+    /* The child is a fresh exec of this program, so it starts without the
+     * threads RocksDB left in this process. */
     pid_t pid = fork();
     REQUIRE(pid >= 0, "fork");
     if (pid == 0) {
-        kvd_store *st = open_store(B);
-        kvd_error err;
-        put_model(st, "m");
-        create(st, "s", "m");
-        create(st, "gone", "m");
-        if (append(st, "s", 11, 0, 0, 0, 7, NULL, &err) ||
-            append(st, "s", 11, 0, 1, 7, 2, NULL, &err) ||
-            kvd_store_seq_delete(st, "gone", 4, NULL, &err))
-            _exit(3);
-        kill(getpid(), SIGKILL);
-        _exit(4);
+        execl("/proc/self/exe", "test_store", "crash-child", dir, (char *)NULL);
+        _exit(5);
     }
     int status = 0;
     waitpid(pid, &status, 0);
@@ -1075,8 +1084,12 @@ static void test_huge_header(void)
     remove_dir();
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (argc == 3 && strcmp(argv[1], "crash-child") == 0) {
+        crash_child(argv[2]);
+        return 6;
+    }
     test_persistence();
     test_layer_by_layer();
     test_validation();
