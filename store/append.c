@@ -102,8 +102,8 @@ static int plan_ids(const kvd_store *st, const kvd__seq *s, const kvd_append *ap
             return kvd_error_set(err, KVD_EINVAL,
                                  "%zu block hashes given, but tokens %llu..%llu complete %llu "
                                  "blocks of %u tokens",
-                                 ap->n_bh, (unsigned long long)ap->ts,
-                                 (unsigned long long)end, (unsigned long long)count, B);
+                                 ap->n_bh, (unsigned long long)ap->ts, (unsigned long long)end,
+                                 (unsigned long long)count, B);
         }
         for (uint64_t k = 0; k < count; k++) {
             uint64_t i = first + k;
@@ -166,8 +166,7 @@ static int plan_ids(const kvd_store *st, const kvd__seq *s, const kvd_append *ap
 }
 
 /* Check the spec against the sequence's current state (s->mu or st->lock held). */
-static int check_state(const kvd_store *st, const kvd__seq *s, const kvd_append *ap,
-                       kvd_error *err)
+static int check_state(const kvd_store *st, const kvd__seq *s, const kvd_append *ap, kvd_error *err)
 {
     for (uint32_t l = ap->ls; l < ap->ls + ap->nl; l++) {
         if (s->layers[l].tokens != ap->ts)
@@ -425,8 +424,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         kvd_page_finish(page, (size_t)size);
         uint8_t key[KVD__FRAG_KEY_LEN];
         kvd__frag_key(key, tail->id, tail_n);
-        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page,
-                               (size_t)size);
+        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page, (size_t)size);
         free(page);
         return 0;
     }
@@ -443,8 +441,10 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         if ((rc = kvd__tail_load(st, st->ropt, &w, &old, err)))
             goto fail;
         if (old.num_tokens != tail_n) {
-            rc = kvd_error_set(err, KVD_ECORRUPT, "tail page %llu of layer %u holds %u tokens, "
-                               "not %u", (unsigned long long)tail->id, l, old.num_tokens, tail_n);
+            rc = kvd_error_set(err, KVD_ECORRUPT,
+                               "tail page %llu of layer %u holds %u tokens, "
+                               "not %u",
+                               (unsigned long long)tail->id, l, old.num_tokens, tail_n);
             goto fail;
         }
         for (uint32_t i = 0; i < old.nfrags; i++) {
@@ -496,8 +496,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         kvd_page_finish(page, (size_t)size);
         uint8_t key[KVD__PAGE_KEY_LEN];
         kvd__page_key(key, np->id);
-        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page,
-                               (size_t)size);
+        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page, (size_t)size);
     }
     free(page);
     kvd__tail_release(&old);
@@ -527,9 +526,9 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
         return rc;
     }
     if (ap->have != ap->expected) {
-        rc = kvd_error_set(err, KVD_EINVAL,
-                           "append received %llu of %llu bytes; nothing was stored",
-                           (unsigned long long)ap->have, (unsigned long long)ap->expected);
+        rc =
+            kvd_error_set(err, KVD_EINVAL, "append received %llu of %llu bytes; nothing was stored",
+                          (unsigned long long)ap->have, (unsigned long long)ap->expected);
         kvd_store_append_abort(ap);
         return rc;
     }

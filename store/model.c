@@ -26,10 +26,12 @@ static void put64(uint8_t *p, uint64_t v)
 }
 static uint32_t get32(const uint8_t *p)
 {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-           ((uint32_t)p[3] << 24);
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
-static uint64_t get64(const uint8_t *p) { return get32(p) | ((uint64_t)get32(p + 4) << 32); }
+static uint64_t get64(const uint8_t *p)
+{
+    return get32(p) | ((uint64_t)get32(p + 4) << 32);
+}
 
 int kvd_model_validate(kvd_model_info *m, kvd_error *err)
 {
@@ -208,8 +210,8 @@ static int same_shape(const kvd_model_info *a, const kvd_model_info *b)
            a->head_dim == b->head_dim && a->hidden_size == b->hidden_size && a->dtype == b->dtype;
 }
 
-int kvd_store_model_put(kvd_store *st, const kvd_model_info *m, int replace,
-                        kvd_model_info *out, int *created, kvd_error *err)
+int kvd_store_model_put(kvd_store *st, const kvd_model_info *m, int replace, kvd_model_info *out,
+                        int *created, kvd_error *err)
 {
     if (created)
         *created = 0;
@@ -396,8 +398,7 @@ int kvd_store_model_delete(kvd_store *st, const char *name, int force, uint64_t 
                 free(lens);
                 if (deleted_seqs)
                     *deleted_seqs = ndel;
-                return kvd_error_set(err, rc, "deleting a sequence of model %s: %s", name,
-                                     e2.msg);
+                return kvd_error_set(err, rc, "deleting a sequence of model %s: %s", name, e2.msg);
             }
         }
         free(ids);
@@ -413,8 +414,8 @@ int kvd_store_model_delete(kvd_store *st, const char *name, int force, uint64_t 
             *deleted_seqs = ndel;
         if (!m)
             return kvd_error_set(err, KVD_ENOTFOUND, "model %s not found", name);
-        return kvd_error_set(err, KVD_EABORTED,
-                             "model %s gained sequences while being deleted", name);
+        return kvd_error_set(err, KVD_EABORTED, "model %s gained sequences while being deleted",
+                             name);
     }
     uint8_t key[1 + KVD_MODEL_NAME_MAX];
     size_t klen = model_key(name, key);

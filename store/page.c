@@ -9,13 +9,18 @@
 
 /* ---- little-endian access, independent of the host byte order ---------- */
 
-static uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static uint16_t ld16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
 static uint32_t ld32(const uint8_t *p)
 {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-           ((uint32_t)p[3] << 24);
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
-static uint64_t ld64(const uint8_t *p) { return (uint64_t)ld32(p) | ((uint64_t)ld32(p + 4) << 32); }
+static uint64_t ld64(const uint8_t *p)
+{
+    return (uint64_t)ld32(p) | ((uint64_t)ld32(p + 4) << 32);
+}
 static void st16(uint8_t *p, uint16_t v)
 {
     p[0] = (uint8_t)v;
@@ -80,8 +85,8 @@ uint64_t kvd_page_checksum(const uint8_t *page, size_t len)
     return XXH3_64bits_digest(&st);
 }
 
-int kvd_page_init_raw(const kvd_page_desc *d, uint8_t *buf, size_t cap, uint8_t **k,
-                      uint8_t **v, kvd_error *err)
+int kvd_page_init_raw(const kvd_page_desc *d, uint8_t *buf, size_t cap, uint8_t **k, uint8_t **v,
+                      kvd_error *err)
 {
     int rc = check_desc(d, err);
     if (rc)
@@ -199,8 +204,7 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
     if (h->n_sections == 0 || h->n_sections > KVD_PAGE_MAX_SECTIONS)
         return CORRUPT("%u sections, expected 1..%d", h->n_sections, KVD_PAGE_MAX_SECTIONS);
     if (h->header_size != KVD_PAGE_FIXED_HEADER + KVD_PAGE_SECTION_ENTRY * h->n_sections)
-        return CORRUPT("header size %u does not match %u sections", h->header_size,
-                       h->n_sections);
+        return CORRUPT("header size %u does not match %u sections", h->header_size, h->n_sections);
     if (len < h->header_size)
         return CORRUPT("%zu bytes, shorter than the %u-byte header", len, h->header_size);
     if (ld16(p + 50) != 0 || ld32(p + 52) != 0)
@@ -222,8 +226,7 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
     /* Only a whole block is sealed (and only a whole block fills a page:
      * a fragment never holds page_tokens tokens). */
     if (!(h->flags & KVD_PAGE_SEALED) != (h->num_tokens != h->page_tokens))
-        return CORRUPT("sealed flag disagrees with %u of %u tokens", h->num_tokens,
-                       h->page_tokens);
+        return CORRUPT("sealed flag disagrees with %u of %u tokens", h->num_tokens, h->page_tokens);
     if (h->num_kv_heads == 0 || h->num_kv_heads > KVD_PAGE_MAX_HEADS)
         return CORRUPT("num_kv_heads %u not in 1..%d", h->num_kv_heads, KVD_PAGE_MAX_HEADS);
     if (h->head_dim == 0 || h->head_dim > KVD_PAGE_MAX_HEAD_DIM)
@@ -272,15 +275,15 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
             view->v = p + s->offset;
             view->v_len = s->length;
         }
-        if ((s->type == KVD_SECTION_K || s->type == KVD_SECTION_V) &&
-            s->codec == KVD_CODEC_RAW && s->length != raw_bytes)
+        if ((s->type == KVD_SECTION_K || s->type == KVD_SECTION_V) && s->codec == KVD_CODEC_RAW &&
+            s->length != raw_bytes)
             return CORRUPT("raw %s section is %llu bytes, expected %llu",
                            s->type == KVD_SECTION_K ? "K" : "V", (unsigned long long)s->length,
                            (unsigned long long)raw_bytes);
     }
     if (next != len)
-        return CORRUPT("sections end at %llu but the page has %zu bytes",
-                       (unsigned long long)next, len);
+        return CORRUPT("sections end at %llu but the page has %zu bytes", (unsigned long long)next,
+                       len);
     if (!view->k || !view->v)
         return CORRUPT("page lacks a %s section", view->k ? "V" : "K");
 

@@ -85,10 +85,10 @@ typedef enum kvd_section_type {
 } kvd_section_type;
 
 typedef struct kvd_page_section {
-    uint16_t type;    /* kvd_section_type */
-    uint8_t codec;    /* kvd_codec */
-    uint64_t offset;  /* from the start of the page */
-    uint64_t length;  /* bytes */
+    uint16_t type;   /* kvd_section_type */
+    uint8_t codec;   /* kvd_codec */
+    uint64_t offset; /* from the start of the page */
+    uint64_t length; /* bytes */
 } kvd_page_section;
 
 /* The decoded header of a page. */
@@ -147,8 +147,8 @@ uint64_t kvd_page_raw_size(const kvd_page_desc *d);
  * not set: call kvd_page_finish once the payload is in place.
  * Returns 0, or KVD_EINVAL for a description out of bounds.
  */
-int kvd_page_init_raw(const kvd_page_desc *d, uint8_t *buf, size_t cap, uint8_t **k,
-                      uint8_t **v, kvd_error *err);
+int kvd_page_init_raw(const kvd_page_desc *d, uint8_t *buf, size_t cap, uint8_t **k, uint8_t **v,
+                      kvd_error *err);
 
 /* Compute and store the checksum of a complete page of len bytes. */
 void kvd_page_finish(uint8_t *page, size_t len);

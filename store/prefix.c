@@ -61,8 +61,7 @@ void kvd__prefix_register(kvd_store *st, kvd__seq *s)
     }
 }
 
-void kvd__page_drop(kvd_store *st, kvd__model *m, kvd__page *p, uint64_t *dropped,
-                    size_t *ndropped)
+void kvd__page_drop(kvd_store *st, kvd__model *m, kvd__page *p, uint64_t *dropped, size_t *ndropped)
 {
     (void)st;
     if (--p->refs > 0)

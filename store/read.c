@@ -10,8 +10,8 @@
  * (t1 - t0) x num_kv_heads x head_dim elements, transposed from the page
  * layout [kv_head][token][head_dim] to the wire layout [token][kv_head][head_dim].
  * Each segment fetches its page (with the tail fragments it needs, see
- * tail.c) and verifies every checksum before any of its bytes are produced. A segment goes straight into the caller's buffer when
- * it fits, else through a staging buffer.
+ * tail.c) and verifies every checksum before any of its bytes are produced. A segment goes straight
+ * into the caller's buffer when it fits, else through a staging buffer.
  */
 #include "store_internal.h"
 

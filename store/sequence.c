@@ -214,8 +214,8 @@ static kvd__seq *seq_alloc(const void *id, size_t id_len, kvd__model *m)
 }
 
 int kvd__seq_encode(const kvd_store *st, const kvd__seq *s, const kvd__layer *layers,
-                    const uint64_t *hashes, uint64_t n_hashes, const uint32_t *ids,
-                    uint64_t n_ids, uint8_t **buf, size_t *len, kvd_error *err)
+                    const uint64_t *hashes, uint64_t n_hashes, const uint32_t *ids, uint64_t n_ids,
+                    uint8_t **buf, size_t *len, kvd_error *err)
 {
     (void)st;
     wbuf w = {0};
@@ -336,8 +336,7 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
             return kvd_error_set(err, KVD_EINVAL,
                                  "%zu prefix token ids given; %zu prefix blocks of %u tokens "
                                  "need %llu",
-                                 n_prefix_token_ids, n_prefix, B,
-                                 (unsigned long long)n_prefix * B);
+                                 n_prefix_token_ids, n_prefix, B, (unsigned long long)n_prefix * B);
         uint64_t parent = 0;
         for (size_t i = 0; i < n_prefix; i++) {
             parent = kvd_prefix_hash(parent, prefix_token_ids + i * B, B);
@@ -408,8 +407,7 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
                 L->pages[i] = ents[i]->pages[l];
         }
     }
-    if ((rc = kvd__seq_encode(st, s, s->layers, s->hashes, s->n_hashes, NULL, 0, &rec, &rlen,
-                              err)))
+    if ((rc = kvd__seq_encode(st, s, s->layers, s->hashes, s->n_hashes, NULL, 0, &rec, &rlen, err)))
         goto out;
     if (seq_insert(st, s, pos))
         goto oom;
@@ -625,8 +623,8 @@ out:
 
 /* ---- recovery ------------------------------------------------------------ */
 
-static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_t *v,
-                    size_t vlen, kvd__map *pages, uint64_t *max_page, kvd_error *err)
+static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_t *v, size_t vlen,
+                    kvd__map *pages, uint64_t *max_page, kvd_error *err)
 {
     uint32_t B = st->page_tokens;
     rbuf r = {v, vlen, 0, 0};
@@ -712,8 +710,7 @@ static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_
                 if (s->layers[l].pages[i])
                     s->layers[l].pages[i]->refs--;
         kvd__seq_free(s);
-        return kvd_error_set(err, KVD_ECORRUPT, "sequence record is malformed (%zu bytes)",
-                             vlen);
+        return kvd_error_set(err, KVD_ECORRUPT, "sequence record is malformed (%zu bytes)", vlen);
     }
     if (seq_insert(st, s, st->nseqs)) /* keys arrive in id order */
         goto oom;

@@ -53,7 +53,10 @@ uint64_t kvd_prefix_hash(uint64_t parent, const uint32_t *token_ids, size_t n)
     return XXH3_64bits_digest(&s);
 }
 
-uint32_t kvd_store_page_tokens(const kvd_store *st) { return st->page_tokens; }
+uint32_t kvd_store_page_tokens(const kvd_store *st)
+{
+    return st->page_tokens;
+}
 
 /* ---- u64 -> pointer map (linear probing; key 0 is stored like any other,
  * emptiness is a NULL value) ------------------------------------------- */
@@ -263,7 +266,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     rocksdb_options_set_write_buffer_size(st->dbopt, 64u << 20);
     st->bbopt = rocksdb_block_based_options_create();
     st->cache = rocksdb_cache_create_lru(opt->block_cache_bytes ? opt->block_cache_bytes
-                                                                 : (size_t)64 << 20);
+                                                                : (size_t)64 << 20);
     rocksdb_block_based_options_set_block_cache(st->bbopt, st->cache);
     rocksdb_options_set_block_based_table_factory(st->dbopt, st->bbopt);
     st->wopt = rocksdb_writeoptions_create();

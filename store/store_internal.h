@@ -45,11 +45,11 @@
  * the prefix index; the raw tail page of a layer belongs to one sequence. */
 typedef struct kvd__page {
     uint64_t id;
-    uint32_t refs;        /* sequences whose page table holds it */
-    uint32_t num_tokens;  /* tokens in the page */
-    uint64_t bytes;       /* encoded size, fragments included */
-    uint32_t nfrags;      /* tail fragments stored beside it; KVD__FRAGS_UNKNOWN
-                           * for a partial page loaded at open */
+    uint32_t refs;              /* sequences whose page table holds it */
+    uint32_t num_tokens;        /* tokens in the page */
+    uint64_t bytes;             /* encoded size, fragments included */
+    uint32_t nfrags;            /* tail fragments stored beside it; KVD__FRAGS_UNKNOWN
+                                 * for a partial page loaded at open */
     struct kvd__prefix *prefix; /* the prefix entry naming it, or NULL */
 } kvd__page;
 
@@ -74,7 +74,7 @@ typedef struct kvd__tail {
     const uint8_t *k, *v;
     uint32_t num_tokens;
     uint32_t base_tokens;
-    uint32_t nfrags; /* fragments read (0 when the base held enough) */
+    uint32_t nfrags;                   /* fragments read (0 when the base held enough) */
     uint32_t frag_off[KVD__MAX_FRAGS]; /* their keys' offsets */
 } kvd__tail;
 
@@ -111,8 +111,8 @@ void kvd__map_free(kvd__map *m);
 
 typedef struct kvd__model {
     kvd_model_info info;
-    uint64_t nseqs;     /* live sequences of this model */
-    kvd__map prefixes;  /* hash -> kvd__prefix */
+    uint64_t nseqs;    /* live sequences of this model */
+    kvd__map prefixes; /* hash -> kvd__prefix */
     int dead;
 } kvd__model;
 
@@ -185,8 +185,8 @@ int kvd__seq_fill_info(kvd_store *st, const kvd__seq *s, kvd_seq_info *out, kvd_
 /* Serialise the sequence record (malloc'd *buf) with the page tables given
  * by `layers` (which may be a proposed new state). */
 int kvd__seq_encode(const kvd_store *st, const kvd__seq *s, const kvd__layer *layers,
-                    const uint64_t *hashes, uint64_t n_hashes, const uint32_t *ids,
-                    uint64_t n_ids, uint8_t **buf, size_t *len, kvd_error *err);
+                    const uint64_t *hashes, uint64_t n_hashes, const uint32_t *ids, uint64_t n_ids,
+                    uint8_t **buf, size_t *len, kvd_error *err);
 void kvd__seq_key(const kvd__seq *s, uint8_t *key, size_t *klen);
 
 /* Register every complete block with a known hash (under st->lock, exclusive). */

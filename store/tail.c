@@ -56,8 +56,10 @@ static int check_piece(const kvd_page_view *v, const kvd__tail_want *w, uint64_t
                              what, (unsigned long long)w->page_id, w->layer,
                              (unsigned long long)start);
     if (v->h.k_codec != KVD_CODEC_RAW || v->h.v_codec != KVD_CODEC_RAW)
-        return kvd_error_set(err, KVD_EUNSUPP, "%s of page %llu uses a codec this build "
-                             "cannot decode", what, (unsigned long long)w->page_id);
+        return kvd_error_set(err, KVD_EUNSUPP,
+                             "%s of page %llu uses a codec this build "
+                             "cannot decode",
+                             what, (unsigned long long)w->page_id);
     return 0;
 }
 
@@ -76,10 +78,8 @@ int kvd__tail_load(kvd_store *st, const rocksdb_readoptions_t *ro, const kvd__ta
         return rc;
     }
     if (!out->ps)
-        return kvd_error_set(err, KVD_ECORRUPT,
-                             "page %llu (layer %u, tokens from %llu) is missing",
-                             (unsigned long long)w->page_id, w->layer,
-                             (unsigned long long)w->p0);
+        return kvd_error_set(err, KVD_ECORRUPT, "page %llu (layer %u, tokens from %llu) is missing",
+                             (unsigned long long)w->page_id, w->layer, (unsigned long long)w->p0);
     size_t len;
     const char *bytes = rocksdb_pinnableslice_value(out->ps, &len);
     kvd_page_view base;
@@ -157,16 +157,14 @@ int kvd__tail_load(kvd_store *st, const rocksdb_readoptions_t *ro, const kvd__ta
         char *ie = NULL;
         rocksdb_iter_get_error(it, &ie);
         if (ie) {
-            rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb scan of tail fragments failed: %s",
-                               ie);
+            rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb scan of tail fragments failed: %s", ie);
             rocksdb_free(ie);
         }
     }
     rocksdb_iter_destroy(it);
     rocksdb_readoptions_destroy(iro);
     if (!rc && n < w->need)
-        rc = kvd_error_set(err, KVD_ECORRUPT,
-                           "page %llu of layer %u holds %u tokens, %u expected",
+        rc = kvd_error_set(err, KVD_ECORRUPT, "page %llu of layer %u holds %u tokens, %u expected",
                            (unsigned long long)w->page_id, w->layer, n, w->need);
     if (rc) {
         kvd__tail_release(out);

@@ -10,14 +10,14 @@
 
 static int failures;
 
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        if (!(cond)) {                                                    \
-            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                 \
-            fputc('\n', stderr);                                          \
-            failures++;                                                   \
-        }                                                                 \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);               \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            failures++;                                                                            \
+        }                                                                                          \
     } while (0)
 
 static void fill(uint8_t *p, size_t n, uint32_t seed)
@@ -94,8 +94,8 @@ static void test_every_flipped_byte(void)
             page[i] ^= flips[f];
             kvd_page_view vw;
             int rc = kvd_page_decode(page, len, &vw, &err);
-            CHECK(rc == KVD_ECORRUPT, "flip 0x%02x at byte %zu not detected (rc %d)", flips[f],
-                  i, rc);
+            CHECK(rc == KVD_ECORRUPT, "flip 0x%02x at byte %zu not detected (rc %d)", flips[f], i,
+                  rc);
             page[i] ^= flips[f];
         }
     }
@@ -154,12 +154,24 @@ static void test_structure(void)
         uint8_t val;
         const char *what;
     } cases[] = {
-        {4, 2, "version 2"},          {6, 65, "header size"},        {8, 9, "K codec"},
-        {10, 9, "dtype"},             {11, 0x04, "unknown flag"},    {11, 0x01, "sealed flag"},
-        {24, 17, "num_tokens > cap"}, {24, 0, "zero tokens"},        {16, 14, "token_start"},
-        {32, 0, "zero heads"},        {48, 9, "9 sections"},         {50, 1, "reserved"},
-        {64, 5, "section type"},      {64 + 24, 1, "duplicate K"},   {64 + 2, 1, "section codec"},
-        {64 + 8, 0, "section offset"}, {64 + 16, 0, "section length"}, {64 + 3, 1, "entry reserved"},
+        {4, 2, "version 2"},
+        {6, 65, "header size"},
+        {8, 9, "K codec"},
+        {10, 9, "dtype"},
+        {11, 0x04, "unknown flag"},
+        {11, 0x01, "sealed flag"},
+        {24, 17, "num_tokens > cap"},
+        {24, 0, "zero tokens"},
+        {16, 14, "token_start"},
+        {32, 0, "zero heads"},
+        {48, 9, "9 sections"},
+        {50, 1, "reserved"},
+        {64, 5, "section type"},
+        {64 + 24, 1, "duplicate K"},
+        {64 + 2, 1, "section codec"},
+        {64 + 8, 0, "section offset"},
+        {64 + 16, 0, "section length"},
+        {64 + 3, 1, "entry reserved"},
         {40, 1, "hash without flag"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -170,8 +182,8 @@ static void test_structure(void)
         kvd_page_view vw;
         int rc = kvd_page_decode(p, len, &vw, &err);
         CHECK(rc == KVD_ECORRUPT, "%s accepted (rc %d)", cases[i].what, rc);
-        CHECK(rc == 0 || strstr(err.msg, "corrupt page") != NULL, "%s: message '%s'",
-              cases[i].what, err.msg);
+        CHECK(rc == 0 || strstr(err.msg, "corrupt page") != NULL, "%s: message '%s'", cases[i].what,
+              err.msg);
         free(p);
     }
     /* A section length pointing far past the end must not be trusted. */

@@ -8,11 +8,11 @@
  */
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,25 +22,25 @@
 
 static int failures;
 
-#define CHECK(cond, ...)                                                          \
-    do {                                                                          \
-        if (!(cond)) {                                                            \
-            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                         \
-            fputc('\n', stderr);                                                  \
-            failures++;                                                           \
-        }                                                                         \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);               \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            failures++;                                                                            \
+        }                                                                                          \
     } while (0)
 
 /* A check whose failure makes the rest of the test meaningless. */
-#define REQUIRE(cond, ...)                                                        \
-    do {                                                                          \
-        if (!(cond)) {                                                            \
-            fprintf(stderr, "%s:%d: required check failed: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                         \
-            fputc('\n', stderr);                                                  \
-            exit(1);                                                              \
-        }                                                                         \
+#define REQUIRE(cond, ...)                                                                         \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: required check failed: %s: ", __FILE__, __LINE__, #cond);      \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 #define B 4
@@ -157,8 +157,12 @@ static int append(kvd_store *st, const char *id, int salt, uint32_t ls, uint32_t
 static int read_check(kvd_store *st, const char *id, int salt, uint32_t ls, uint32_t nl,
                       uint64_t ts, uint64_t n, size_t cap, const char *what)
 {
-    kvd_read_spec sp = {.seq_id = id, .seq_id_len = strlen(id), .layer_start = ls,
-                        .num_layers = nl, .token_start = ts, .num_tokens = n};
+    kvd_read_spec sp = {.seq_id = id,
+                        .seq_id_len = strlen(id),
+                        .layer_start = ls,
+                        .num_layers = nl,
+                        .token_start = ts,
+                        .num_tokens = n};
     kvd_read *rd;
     kvd_read_shape sh;
     kvd_error err;
@@ -193,8 +197,7 @@ static uint64_t seq_tokens(kvd_store *st, const char *id, uint32_t layer)
 {
     kvd_seq_info info;
     kvd_error err;
-    REQUIRE(kvd_store_seq_stat(st, id, strlen(id), &info, &err) == 0, "stat %s: %s", id,
-            err.msg);
+    REQUIRE(kvd_store_seq_stat(st, id, strlen(id), &info, &err) == 0, "stat %s: %s", id, err.msg);
     uint64_t t = layer == UINT32_MAX ? info.num_tokens : info.layer_tokens[layer];
     kvd_seq_info_clear(&info);
     return t;
@@ -242,8 +245,7 @@ static void test_persistence(void)
     kvd_seq_info_clear(&info);
     CHECK(read_check(st, "seq-a", 1, 0, 0, 0, 0, 1 << 20, "all after reopen") == 0, "reread");
     /* Appends continue where they stopped. */
-    CHECK(append(st, "seq-a", 1, 0, 0, 15, 6, NULL, &err) == 0, "append after reopen: %s",
-          err.msg);
+    CHECK(append(st, "seq-a", 1, 0, 0, 15, 6, NULL, &err) == 0, "append after reopen: %s", err.msg);
     CHECK(read_check(st, "seq-a", 1, 0, 0, 0, 0, 1 << 20, "after reopen+append") == 0, "read");
     kvd_store_close(st);
 
@@ -289,8 +291,8 @@ static void test_validation(void)
     create(st, "s", "m");
     CHECK(append(st, "s", 3, 0, 0, 0, 5, NULL, &err) == 0, "append: %s", err.msg);
 
-    kvd_append_spec sp = {.seq_id = "s", .seq_id_len = 1, .token_start = 5, .num_tokens = 2,
-                          .dtype = KVD_DTYPE_F16};
+    kvd_append_spec sp = {
+        .seq_id = "s", .seq_id_len = 1, .token_start = 5, .num_tokens = 2, .dtype = KVD_DTYPE_F16};
     kvd_append *ap;
     uint64_t exp;
     kvd_append_spec bad = sp;
@@ -498,8 +500,7 @@ static void test_prefix(void)
     CHECK(kvd_store_lookup(st, "m", h, 3, &matched, &err) == 0 && matched == 3,
           "lookup after reopen: %llu", (unsigned long long)matched);
     CHECK(read_check(st, "b", 4, 0, 0, 0, 12, 33, "b after reopen") == 0, "read b");
-    CHECK(kvd_store_seq_create(st, "c", 1, "m", h, 3, NULL, 0, NULL, &err) == 0, "c: %s",
-          err.msg);
+    CHECK(kvd_store_seq_create(st, "c", 1, "m", h, 3, NULL, 0, NULL, &err) == 0, "c: %s", err.msg);
     CHECK(kvd_store_seq_delete(st, "b", 1, &freed, &err) == 0, "delete b");
     CHECK(freed == 0, "b's pages are all shared with c: %llu", (unsigned long long)freed);
     CHECK(kvd_store_lookup(st, "m", h, 3, &matched, &err) == 0 && matched == 3, "c holds all");
@@ -511,8 +512,13 @@ static void test_prefix(void)
     /* Engine-supplied hashes. */
     create(st, "e", "m");
     uint64_t eh[2] = {0x1111, 0x2222};
-    kvd_append_spec sp = {.seq_id = "e", .seq_id_len = 1, .token_start = 0, .num_tokens = 9,
-                          .dtype = KVD_DTYPE_F16, .block_hashes = eh, .n_block_hashes = 2};
+    kvd_append_spec sp = {.seq_id = "e",
+                          .seq_id_len = 1,
+                          .token_start = 0,
+                          .num_tokens = 9,
+                          .dtype = KVD_DTYPE_F16,
+                          .block_hashes = eh,
+                          .n_block_hashes = 2};
     kvd_append *ap;
     uint64_t exp;
     REQUIRE(kvd_store_append_begin(st, &sp, &ap, &exp, &err) == 0, "begin: %s", err.msg);
@@ -575,8 +581,7 @@ static void test_list_and_model_delete(void)
     kvd_seq_info *arr;
     size_t n;
     int more;
-    CHECK(kvd_store_seq_list(st, "m2", NULL, 0, 0, &arr, &n, &more, &err) == 0 && n == 2 &&
-              !more,
+    CHECK(kvd_store_seq_list(st, "m2", NULL, 0, 0, &arr, &n, &more, &err) == 0 && n == 2 && !more,
           "by model: %zu", n);
     for (size_t i = 0; i < n; i++)
         kvd_seq_info_clear(&arr[i]);
@@ -794,8 +799,12 @@ static void test_concurrency(void)
     /* The shared prefix: two blocks with engine-supplied hashes. */
     create(st, "base", "m");
     uint64_t h[2] = {0xabc, 0xdef};
-    kvd_append_spec sp = {.seq_id = "base", .seq_id_len = 4, .num_tokens = 2 * B,
-                          .dtype = KVD_DTYPE_F16, .block_hashes = h, .n_block_hashes = 2};
+    kvd_append_spec sp = {.seq_id = "base",
+                          .seq_id_len = 4,
+                          .num_tokens = 2 * B,
+                          .dtype = KVD_DTYPE_F16,
+                          .block_hashes = h,
+                          .n_block_hashes = 2};
     kvd_append *ap;
     uint64_t exp;
     REQUIRE(kvd_store_append_begin(st, &sp, &ap, &exp, &err) == 0, "begin: %s", err.msg);
@@ -842,8 +851,8 @@ static void test_concurrency(void)
 static void test_limits(void)
 {
     make_dir("limits");
-    kvd_store_options o = {.data_dir = dir, .page_tokens = B, .sync_writes = 1,
-                           .max_seq_tokens = 10};
+    kvd_store_options o = {
+        .data_dir = dir, .page_tokens = B, .sync_writes = 1, .max_seq_tokens = 10};
     kvd_store *st;
     kvd_error err;
     REQUIRE(kvd_store_open(&o, &st, &err) == 0, "open: %s", err.msg);
@@ -1068,8 +1077,8 @@ static void test_huge_header(void)
     put_model(st, "m");
     create(st, "s", "m");
     uint64_t before = vm_peak_kib();
-    kvd_append_spec sp = {.seq_id = "s", .seq_id_len = 1, .num_tokens = 1ull << 30,
-                          .dtype = KVD_DTYPE_F16};
+    kvd_append_spec sp = {
+        .seq_id = "s", .seq_id_len = 1, .num_tokens = 1ull << 30, .dtype = KVD_DTYPE_F16};
     kvd_append *ap;
     uint64_t exp;
     REQUIRE(kvd_store_append_begin(st, &sp, &ap, &exp, &err) == 0, "begin: %s", err.msg);
