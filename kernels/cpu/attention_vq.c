@@ -140,23 +140,59 @@ typedef struct vq_ctx {
     int dirty;
 } vq_ctx;
 
+/* Fold A into the driver's accumulator: for each position, sum over codes
+ * of A[pos][c][g] * C_v[c][:], with the GP query heads in vector lanes. */
+__attribute__((target("avx2,fma"))) static void vq_fold_avx2(vq_ctx *c, float *acc)
+{
+    const kvd_attn_vq_args *a = c->a;
+    int dv = a->v_sub_dim, GP = c->GP, K = c->vK;
+    __m256 mult = _mm256_setr_ps(c->mult[0], c->mult[1], c->mult[2], c->mult[3], GP > 4 ? c->mult[4] : 0,
+                                 GP > 4 ? c->mult[5] : 0, GP > 4 ? c->mult[6] : 0, GP > 4 ? c->mult[7] : 0);
+    const float *cb = (const float *)((const char *)a->v_codebook.data + c->h * a->v_codebook.stride[0]);
+    __m256 o[16]; /* dv <= 16 on this path */
+    for (int pos = 0; pos < c->vpos; pos++) {
+        for (int i = 0; i < dv; i++)
+            o[i] = _mm256_setzero_ps();
+        const float *Ap = c->A + (size_t)pos * K * GP;
+        for (int code = 0; code < K; code++) {
+            __m256 w = GP == 8 ? _mm256_loadu_ps(Ap + (size_t)code * 8)
+                               : _mm256_castps128_ps256(_mm_loadu_ps(Ap + (size_t)code * 4));
+            if (GP == 4)
+                w = _mm256_insertf128_ps(w, _mm_setzero_ps(), 1);
+            const float *cv = cb + (size_t)code * dv;
+            for (int i = 0; i < dv; i++)
+                o[i] = _mm256_fmadd_ps(w, _mm256_set1_ps(cv[i]), o[i]);
+        }
+        for (int i = 0; i < dv; i++) {
+            float r[8];
+            _mm256_storeu_ps(r, _mm256_mul_ps(o[i], mult));
+            for (int g = 0; g < c->G; g++)
+                acc[(size_t)g * c->Dv + pos * dv + i] += r[g];
+        }
+    }
+}
+
 static void vq_fold(vq_ctx *c, float *acc)
 {
     const kvd_attn_vq_args *a = c->a;
     int dv = a->v_sub_dim, GP = c->GP;
-    for (int pos = 0; pos < c->vpos; pos++)
-        for (int code = 0; code < c->vK; code++) {
-            const float *w = c->A + ((size_t)pos * c->vK + code) * GP;
-            const float *cv = cb_row(&a->v_codebook, c->h, (uint32_t)code);
-            for (int g = 0; g < c->G; g++) {
-                float wg = w[g] * c->mult[g];
-                if (wg == 0.0f)
-                    continue;
-                float *ag = acc + (size_t)g * c->Dv + pos * dv;
-                for (int i = 0; i < dv; i++)
-                    ag[i] += wg * cv[i];
+    if (c->simd && dv <= 16 && a->v_codebook.stride[1] == (int64_t)dv * 4) {
+        vq_fold_avx2(c, acc);
+    } else {
+        for (int pos = 0; pos < c->vpos; pos++)
+            for (int code = 0; code < c->vK; code++) {
+                const float *w = c->A + ((size_t)pos * c->vK + code) * GP;
+                const float *cv = cb_row(&a->v_codebook, c->h, (uint32_t)code);
+                for (int g = 0; g < c->G; g++) {
+                    float wg = w[g] * c->mult[g];
+                    if (wg == 0.0f)
+                        continue;
+                    float *ag = acc + (size_t)g * c->Dv + pos * dv;
+                    for (int i = 0; i < dv; i++)
+                        ag[i] += wg * cv[i];
+                }
             }
-        }
+    }
     memset(c->A, 0, sizeof(float) * (size_t)c->vpos * c->vK * GP);
     for (int g = 0; g < c->G; g++)
         c->mult[g] = 1.0f;
@@ -314,6 +350,35 @@ static void vq_values_scalar(void *vctx, int64_t t0, int n, const float *p, int 
         }
 }
 
+/* LUT[pos][code][g] = q~_g[pos] . C_k[code]: the GP query heads in vector
+ * lanes, dk FMAs per entry. */
+__attribute__((target("avx2,fma"))) static void vq_lut_avx2(vq_ctx *c, const float *qt, int dk)
+{
+    const kvd_attn_vq_args *a = c->a;
+    int GP = c->GP, K = c->kK;
+    const float *cb = (const float *)((const char *)a->k_codebook.data + c->h * a->k_codebook.stride[0]);
+    __m256 qv[16];
+    for (int pos = 0; pos < c->kpos; pos++) {
+        for (int i = 0; i < dk; i++) {
+            float v[8] = {0};
+            for (int g = 0; g < c->G; g++)
+                v[g] = qt[(size_t)g * c->D + pos * dk + i];
+            qv[i] = _mm256_loadu_ps(v);
+        }
+        float *dst = c->lut + (size_t)pos * K * GP;
+        for (int code = 0; code < K; code++) {
+            const float *ck = cb + (size_t)code * dk;
+            __m256 acc = _mm256_setzero_ps();
+            for (int i = 0; i < dk; i++)
+                acc = _mm256_fmadd_ps(qv[i], _mm256_set1_ps(ck[i]), acc);
+            if (GP == 8)
+                _mm256_storeu_ps(dst + (size_t)code * 8, acc);
+            else
+                _mm_storeu_ps(dst + (size_t)code * 4, _mm256_castps256_ps128(acc));
+        }
+    }
+}
+
 int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
@@ -359,18 +424,21 @@ int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)
                 for (int j = 0; j < D; j++)
                     qt[(size_t)g * D + j] *= d->softmax_scale;
             }
-            for (int pos = 0; pos < c.kpos; pos++)
-                for (int code = 0; code < c.kK; code++) {
-                    const float *ck = cb_row(&a->k_codebook, h, (uint32_t)code);
-                    float *dst = c.lut + ((size_t)pos * c.kK + code) * GP;
-                    for (int g = 0; g < GP; g++) {
-                        float dot = 0.0f;
-                        if (g < G)
-                            for (int i = 0; i < dk; i++)
-                                dot += qt[(size_t)g * D + pos * dk + i] * ck[i];
-                        dst[g] = dot;
+            if (simd && dk <= 16 && a->k_codebook.stride[1] == (int64_t)dk * 4)
+                vq_lut_avx2(&c, qt, dk);
+            else
+                for (int pos = 0; pos < c.kpos; pos++)
+                    for (int code = 0; code < c.kK; code++) {
+                        const float *ck = cb_row(&a->k_codebook, h, (uint32_t)code);
+                        float *dst = c.lut + ((size_t)pos * c.kK + code) * GP;
+                        for (int g = 0; g < GP; g++) {
+                            float dot = 0.0f;
+                            if (g < G)
+                                for (int i = 0; i < dk; i++)
+                                    dot += qt[(size_t)g * D + pos * dk + i] * ck[i];
+                            dst[g] = dot;
+                        }
                     }
-                }
         }
         kvd__attn_scaled_q(d, &a->q, h, qs);
         kvd__attn_src src[2];
