@@ -24,8 +24,8 @@
  * dimensions may have any stride, the innermost must be contiguous.
  *
  * Every entry point takes an array of items (one per sequence) so a backend
- * can batch sequences into one launch; the CPU backend parallelises over
- * (item, kv head) pairs.
+ * can batch sequences into one launch; the CPU backend runs the items in
+ * turn and parallelises over the kv heads of each.
  *
  * NaN/Inf: a NaN anywhere in q, K or V propagates to the affected outputs as
  * NaN, as in plain float attention; no form hides it.
