@@ -121,10 +121,19 @@ static int test_big(kvd_harness *h)
     double t0 = now_s();
     int rc = kvdepot_sequence_append(c, &a, &s);
     double dt = now_s() - t0;
+    if (rc == KVDEPOT_OK)
+        printf("append: %zu MiB in %.2f s (%.0f MB/s)\n", 2 * kv >> 20, dt, 2.0 * kv / dt / 1e6);
+    /* The same 512 MiB for a sequence that does not exist: refused after
+     * the header, and the client stops sending instead of streaming it all. */
+    kvdepot_append_args ghost = a;
+    ghost.id = "ghost";
+    ghost.id_len = 5;
+    double t1 = now_s();
+    CHECK_RC(kvdepot_sequence_append(c, &ghost, NULL), KVDEPOT_ENOTFOUND);
+    printf("refused append: %.2f s\n", now_s() - t1);
     free(k);
     free(v);
     REQUIRE_RC(rc, KVDEPOT_OK);
-    printf("append: %zu MiB in %.2f s (%.0f MB/s)\n", 2 * kv >> 20, dt, 2.0 * kv / dt / 1e6);
     CHECK(s.num_tokens == TOKENS && s.num_layers == LAYERS);
     if (s.page_tokens)
         CHECK(s.sealed_pages == (uint64_t)LAYERS * (TOKENS / s.page_tokens));
