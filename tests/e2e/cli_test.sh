@@ -31,7 +31,15 @@ start() {
             port=$(tr -d '\n' <"$work/port")
             return 0
         fi
-        kill -0 "$pid" 2>/dev/null || fail "kvdepotd exited before serving"
+        if ! kill -0 "$pid" 2>/dev/null; then
+            # The old port may have been taken meanwhile; any port will do.
+            if [ "${port:-0}" != 0 ]; then
+                port=0
+                start
+                return 0
+            fi
+            fail "kvdepotd exited before serving"
+        fi
         sleep 0.05
     done
     fail "kvdepotd wrote no port file"
