@@ -487,5 +487,8 @@ int main(int argc, char **argv)
         {"add", test_add},
         {"tls", test_tls},
     };
+    /* Up to four servers at once: none of them takes the default metrics
+     * port, which tests running beside these may need. */
+    setenv("KVDEPOT_METRICS_LISTEN", "", 0);
     return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
 }
