@@ -84,9 +84,27 @@ if [ $smoke = 1 ]; then
         # filesystem with chroot, as the image's user.
         c=$(buildah from "$image" 2>/dev/null || podman create "$image")
         mnt=$(buildah mount "$c" 2>/dev/null || podman mount "$c")
-        chroot --userspec=10001:10001 "$mnt" /usr/local/bin/kvdepotd --version
-        chroot --userspec=10001:10001 "$mnt" /usr/local/bin/kvdepot --help >/dev/null
+        run() { chroot --userspec=10001:10001 "$mnt" env -i OMP_WAIT_POLICY=passive HOME=/data "$@"; }
+        run /usr/local/bin/kvdepotd --version
+        run /usr/local/bin/kvdepot --help >/dev/null
         test "$(stat -c %u "$mnt/data")" = 10001
+        # The baked-in config listens on 0.0.0.0 without TLS: it must refuse.
+        if run /usr/local/bin/kvdepotd --config /etc/kvdepot/kvdepot.yaml >/dev/null 2>&1; then
+            echo "build-images: the image served plaintext on 0.0.0.0" >&2
+            exit 1
+        fi
+        # Serve on loopback from the image's config and answer a health check.
+        run /usr/local/bin/kvdepotd --config /etc/kvdepot/kvdepot.yaml --listen 127.0.0.1:0 \
+            --metrics-listen "" --port-file /data/port >"$ctx.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 100); do [ -s "$mnt/data/port" ] && break; sleep 0.1; done
+        port=$(cat "$mnt/data/port" 2>/dev/null || true)
+        ok=0
+        [ -n "$port" ] && run /usr/local/bin/kvdepot --addr "127.0.0.1:$port" health && ok=1
+        kill "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+        [ $ok = 1 ] || { cat "$ctx.log" >&2; echo "build-images: the image did not serve" >&2; exit 1; }
+        rm -f "$ctx.log"
         (buildah umount "$c" || podman umount "$c") >/dev/null 2>&1
         (buildah rm "$c" || podman rm "$c") >/dev/null 2>&1
         ;;
