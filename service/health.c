@@ -1,6 +1,7 @@
 /*
  * grpc.health.v1.Health. The server as a whole and the kvdepot service share
- * one state: SERVING until shutdown begins, NOT_SERVING after.
+ * one state, the service's readiness: NOT_SERVING while starting, SERVING
+ * once ready, NOT_SERVING again from the start of shutdown. No token needed.
  */
 #include <stdlib.h>
 #include <string.h>
