@@ -1177,6 +1177,132 @@ static int test_threads(kvd_harness *h)
     return 0;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Racing appends on one sequence, with a reader running alongside           */
+/* ------------------------------------------------------------------------ */
+
+typedef struct racer {
+    kvdepot_client *c;
+    const ref_seq *r;
+    uint64_t token_start;
+    uint64_t seed;
+    uint8_t *k, *v;
+    size_t bytes;
+    int rc;
+} racer;
+
+static void *racer_main(void *arg)
+{
+    racer *x = arg;
+    kvdepot_append_args a = {.id = x->r->id, .id_len = strlen(x->r->id), .num_layers = 0,
+                             .token_start = x->token_start, .num_tokens = 100,
+                             .dtype = x->r->model.dtype, .k = x->k, .k_bytes = x->bytes,
+                             .v = x->v, .v_bytes = x->bytes};
+    x->rc = kvdepot_sequence_append(x->c, &a, NULL);
+    return NULL;
+}
+
+enum { MAX_SNAPSHOTS = 40 };
+
+typedef struct reader {
+    kvdepot_client *c;
+    const char *id;
+    volatile int stop;
+    kvdepot_read_result snaps[MAX_SNAPSHOTS];
+    int n;
+    int failures;
+} reader;
+
+static void *reader_main(void *arg)
+{
+    reader *rd = arg;
+    while (!rd->stop && rd->n < MAX_SNAPSHOTS) {
+        kvdepot_read_args a = {.id = rd->id, .id_len = strlen(rd->id)};
+        kvdepot_read_result res;
+        int rc = kvdepot_sequence_read(rd->c, &a, &res);
+        if (rc == KVDEPOT_OK) {
+            rd->snaps[rd->n++] = res;
+        } else if (rc != KVDEPOT_ERANGE) { /* empty sequence: nothing to read yet */
+            fprintf(stderr, "reader: %s: %s\n", kvdepot_status_name(rc), kvdepot_errmsg(rd->c));
+            rd->failures++;
+        }
+    }
+    return NULL;
+}
+
+static int test_race(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m = small_model("race");
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(create_seq(c, "contested", "race"), KVDEPOT_OK);
+    ref_seq r;
+    REQUIRE(ref_init(&r, "contested", &m, 1000) == 0);
+    reader rd = {.c = c, .id = "contested"};
+    pthread_t rt;
+    REQUIRE(pthread_create(&rt, NULL, reader_main, &rd) == 0);
+    enum { NR = 4, ROUNDS = 8 };
+    for (int round = 0; round < ROUNDS; round++) {
+        racer x[NR];
+        pthread_t t[NR];
+        for (int i = 0; i < NR; i++) {
+            x[i] = (racer){.c = c, .r = &r, .token_start = r.layer_tokens[0],
+                           .seed = 1000 + 10 * (uint64_t)round + i};
+            REQUIRE(ref_make(&r, 0, 4, 100, x[i].seed, &x[i].k, &x[i].v, &x[i].bytes) == 0);
+        }
+        for (int i = 0; i < NR; i++)
+            REQUIRE(pthread_create(&t[i], NULL, racer_main, &x[i]) == 0);
+        int winners = 0, winner = -1;
+        for (int i = 0; i < NR; i++) {
+            pthread_join(t[i], NULL);
+            if (x[i].rc == KVDEPOT_OK) {
+                winners++;
+                winner = i;
+            } else if (x[i].rc != KVDEPOT_EPRECOND) {
+                fprintf(stderr, "round %d racer %d: %s (%s), want OK or FAILED_PRECONDITION\n",
+                        round, i, kvdepot_status_name(x[i].rc), kvdepot_errmsg(c));
+                kvd_test_failures++;
+            }
+        }
+        /* Same token_start for all: exactly one may land. */
+        CHECK(winners == 1);
+        if (winner >= 0)
+            ref_commit(&r, 0, 4, 100, x[winner].k, x[winner].v);
+        for (int i = 0; i < NR; i++) {
+            free(x[i].k);
+            free(x[i].v);
+        }
+        if (winners != 1)
+            break;
+    }
+    rd.stop = 1;
+    pthread_join(rt, NULL);
+    kvd_test_failures += rd.failures;
+    CHECK(ref_verify(c, &r) == 0);
+    /* Every read saw a prefix of the final contents: whole appends or none. */
+    for (int i = 0; i < rd.n; i++) {
+        kvdepot_read_result *s = &rd.snaps[i];
+        CHECK(s->num_tokens % 100 == 0 && s->num_layers == 4);
+        size_t row = s->num_tokens * r.token_bytes;
+        for (uint32_t l = 0; l < 4 && s->num_tokens <= r.layer_tokens[0]; l++) {
+            size_t off = (size_t)l * r.cap_tokens * r.token_bytes;
+            if (memcmp((uint8_t *)s->k + l * row, r.k + off, row) != 0 ||
+                memcmp((uint8_t *)s->v + l * row, r.v + off, row) != 0) {
+                fprintf(stderr, "read %d (%" PRIu64 " tokens): layer %u is not a prefix of the final data\n",
+                        i, s->num_tokens, l);
+                kvd_test_failures++;
+                break;
+            }
+        }
+        kvdepot_free(s->owned);
+    }
+    printf("race: %d concurrent reads checked\n", rd.n);
+    ref_free(&r);
+    kvdepot_close(c);
+    return 0;
+}
+
 /* The error message names the problem, and lives per thread. */
 static int test_errors(kvd_harness *h)
 {
@@ -1248,6 +1374,7 @@ static const kvd_test tests[] = {
     {"bad_streams", test_bad_streams},
     {"bad_reads", test_bad_reads},
     {"threads", test_threads},
+    {"race", test_race},
     {"errors", test_errors},
 };
 
