@@ -425,6 +425,11 @@ int kvdepot__call_start(kvdepot_client *c, int method, const char *path, kvdepot
     k->details = grpc_empty_slice();
     grpc_metadata_array_init(&k->initial_md);
     grpc_metadata_array_init(&k->trailing_md);
+    /* A client over several servers has no channel of its own: an RPC
+     * wrapper that does not forward to shard.c must fail, not crash. */
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "%s: not available on a client over several servers",
+                             k->name);
     k->cq = grpc_completion_queue_create_for_pluck(NULL);
     if (!k->cq)
         return kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: cannot create a completion queue", k->name);
