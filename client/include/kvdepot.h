@@ -601,6 +601,12 @@ int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint6
  * call waits on it longer than its bounded retries. wait_for_ready is not
  * used over several servers.
  *
+ * A server that accepts the connection but stops answering holds a call
+ * until its deadline (deadline_ms), as with one server.
+ *
+ * Functions of this header not named above answer KVDEPOT_EUNSUPP on a
+ * client over several servers.
+ *
  * With a single endpoint (no comma, no shards:) the client is the plain
  * one-server client and these functions describe that one server.
  */
