@@ -4,7 +4,8 @@
 #   deploy/dev.sh run    install what is missing, build, start kvdepotd on its
 #                        embedded defaults (127.0.0.1:50051, ./kvdepot-data)
 #   deploy/dev.sh test   install what is missing (test tools included), build,
-#                        run the whole test suite with ctest
+#                        run the whole test suite with ctest, then the unit,
+#                        backend and e2e suites again under ASan+UBSan
 #   deploy/dev.sh build  install build dependencies and build only
 #   deploy/dev.sh deps [--test]  install dependencies only
 #
@@ -12,6 +13,7 @@
 #   KVD_BUILD_DIR   build directory (default: <repo>/build)
 #   KVD_JOBS        parallel build jobs (default: nproc)
 #   KVD_CMAKE_ARGS  extra arguments for cmake configure
+#   KVD_TEST_SANITIZE=0  skip the sanitizer pass of `test`
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -73,8 +75,19 @@ test)
     shift
     deps --test
     configure_and_build
-    cd "$build"
-    exec ctest --output-on-failure -j "$jobs" "$@"
+    (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
+    # Second pass: the unit, backend and end-to-end suites again under
+    # AddressSanitizer + UndefinedBehaviorSanitizer (CPU build; the slow
+    # 512 MiB cases are left to the first pass). KVD_TEST_SANITIZE=0 skips it.
+    if [ "${KVD_TEST_SANITIZE:-1}" != 0 ]; then
+        asan=${KVD_ASAN_BUILD_DIR:-$build-asan}
+        cmake -S "$root" -B "$asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVD_WITH_CUDA=OFF \
+            -DKVD_SANITIZE=address,undefined >/dev/null
+        cmake --build "$asan" -j "$jobs"
+        (cd "$asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+            UBSAN_OPTIONS=print_stacktrace=1 OMP_WAIT_POLICY=passive \
+            ctest --output-on-failure -j "$jobs" -L "unit|backend|e2e" -LE slow)
+    fi
     ;;
 build)
     deps
@@ -85,7 +98,7 @@ deps)
     deps "$@"
     ;;
 *)
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
