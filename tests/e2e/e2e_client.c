@@ -1177,6 +1177,57 @@ static int test_threads(kvd_harness *h)
     return 0;
 }
 
+/* More sequences than one ListSequences page (1000 by default): the
+ * library follows the page tokens and returns each exactly once. */
+static int test_many(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m = small_model("many");
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    kvdepot_model m2 = small_model("few");
+    REQUIRE_RC(kvdepot_model_put(c, &m2, 0, NULL, NULL), KVDEPOT_OK);
+    enum { N = 1234 };
+    for (int i = 0; i < N; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "s%05d", i);
+        REQUIRE_RC(create_seq(c, id, i % 100 == 0 ? "few" : "many"), KVDEPOT_OK);
+    }
+    kvdepot_sequence_info *list;
+    size_t n;
+    CHECK_RC(kvdepot_sequence_list(c, NULL, &list, &n), KVDEPOT_OK);
+    CHECK(n == N);
+    char *seen = calloc(N, 1);
+    REQUIRE(seen);
+    for (size_t i = 0; i < n; i++) {
+        int k = -1;
+        if (list[i].id_len == 6 && sscanf((const char *)list[i].id + 1, "%5d", &k) == 1 && k >= 0 &&
+            k < N)
+            seen[k]++;
+    }
+    int once = 0;
+    for (int i = 0; i < N; i++)
+        once += seen[i] == 1;
+    CHECK(once == N);
+    free(seen);
+    kvdepot_sequence_list_free(list, n);
+    CHECK_RC(kvdepot_sequence_list(c, "few", &list, &n), KVDEPOT_OK);
+    CHECK(n == (N + 99) / 100);
+    for (size_t i = 0; i < n; i++)
+        CHECK(strcmp(list[i].model, "few") == 0);
+    kvdepot_sequence_list_free(list, n);
+    CHECK_RC(kvdepot_sequence_list(c, "no-such-model", &list, &n), KVDEPOT_ENOTFOUND);
+    CHECK(list == NULL && n == 0);
+    uint64_t deleted = 0;
+    CHECK_RC(kvdepot_model_delete(c, "many", 1, &deleted), KVDEPOT_OK);
+    CHECK(deleted == N - (N + 99) / 100);
+    CHECK_RC(kvdepot_sequence_list(c, NULL, &list, &n), KVDEPOT_OK);
+    CHECK(n == (N + 99) / 100);
+    kvdepot_sequence_list_free(list, n);
+    kvdepot_close(c);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Racing appends on one sequence, with a reader running alongside           */
 /* ------------------------------------------------------------------------ */
@@ -1375,6 +1426,7 @@ static const kvd_test tests[] = {
     {"bad_reads", test_bad_reads},
     {"threads", test_threads},
     {"race", test_race},
+    {"many", test_many},
     {"errors", test_errors},
 };
 
