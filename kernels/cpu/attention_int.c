@@ -540,23 +540,31 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
     const kvd_attn_int_args *a = c->a;
     const int PER = 8 / BITS, COLS = P * BITS / 32, FLUSH = BITS == 2 ? 4 : 2;
     const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
+    enum { NGMAX = KVD__ATTN_BLOCK / 32 };
     _Alignas(32) uint8_t p8[P];
-    int32_t pat[KVD__ATTN_MAXG][COLS * PER];
-    float mP[KVD__ATTN_MAXG], sP[KVD__ATTN_MAXG], corr[KVD__ATTN_MAXG];
+    /* per group of the block and query head: uint8 P patterns and the float
+     * corrections, computed once; then every 8-channel tile walks all groups
+     * of the block, so the tile's code rows (T*bits/8 bytes apart: a
+     * power-of-two stride that maps them all to the same cache sets) are
+     * read once per block as whole cache lines */
+    int32_t pat[NGMAX][KVD__ATTN_MAXG][COLS * PER];
+    float mP[NGMAX][KVD__ATTN_MAXG], sP[NGMAX][KVD__ATTN_MAXG], corr[NGMAX][KVD__ATTN_MAXG];
     const kvd_tensor *ct = &a->v.codes;
-    for (int off = 0; off < n; off += P) {
-        int64_t grp = (t0 + off) / P, byte0 = (t0 + off) / PER;
+    int ngb = n / P;
+    for (int gi = 0; gi < ngb; gi++)
         for (int g = 0; g < c->G; g++) {
             int sum8;
-            quantize_p8_avx2(p + (size_t)g * ld + off, P, p8, &mP[g], &sP[g], &sum8);
-            build_patterns_u8(p8, COLS, BITS, pat[g]);
-            corr[g] = sP[g] * (float)sum8 + (float)P * mP[g];
+            quantize_p8_avx2(p + (size_t)g * ld + gi * P, P, p8, &mP[gi][g], &sP[gi][g], &sum8);
+            build_patterns_u8(p8, COLS, BITS, pat[gi][g]);
+            corr[gi][g] = sP[gi][g] * (float)sum8 + (float)P * mP[gi][g];
         }
-        const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + byte0;
-        const int64_t cst = ct->stride[1];
-        for (int d0 = 0; d0 < c->Dv; d0 += 8) {
+    const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
+    const int64_t cst = ct->stride[1];
+    for (int d0 = 0; d0 < c->Dv; d0 += 8)
+        for (int gi = 0; gi < ngb; gi++) {
+            int64_t grp = t0 / P + gi;
             const uint8_t *rows[8];
-            const uint8_t *r0 = cbase + d0 * cst;
+            const uint8_t *r0 = cbase + d0 * cst + gi * (P / PER);
             _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)
                 rows[r] = r0 + r * cst;
             /* per-channel params of this group: 8 strided f16, assembled in
@@ -576,29 +584,28 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                         ap[pl] = _mm256_setzero_si256();
                     _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
                         _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(pat[g][cc * PER + pl]), PL[cc][pl]);
+                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(pat[gi][g][cc * PER + pl]), PL[cc][pl]);
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
                 for (int cc = 0; !VNNI && cc < COLS; cc++) {
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
-                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(pat[g][cc * PER + pl]), PL[cc][pl]));
+                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(pat[gi][g][cc * PER + pl]), PL[cc][pl]));
                     if ((cc + 1) % FLUSH == 0 || cc + 1 == COLS) {
                         acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                         acc16 = _mm256_setzero_si256();
                     }
                 }
                 /* sc * (sP*S + mP*cs) + mn * (sP*sum8 + P*mP) */
-                __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(sP[g]), _mm256_cvtepi32_ps(acc32),
-                                           _mm256_mul_ps(_mm256_set1_ps(mP[g]), vcs));
+                __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(sP[gi][g]), _mm256_cvtepi32_ps(acc32),
+                                           _mm256_mul_ps(_mm256_set1_ps(mP[gi][g]), vcs));
                 float *ag = acc + (size_t)g * c->Dv + d0;
                 __m256 o = _mm256_fmadd_ps(vsc, t, _mm256_loadu_ps(ag));
-                o = _mm256_fmadd_ps(vmn, _mm256_set1_ps(corr[g]), o);
+                o = _mm256_fmadd_ps(vmn, _mm256_set1_ps(corr[gi][g]), o);
                 _mm256_storeu_ps(ag, o);
             }
         }
-    }
 }
 
 __attribute__((target("avx2,fma,f16c"))) static void
