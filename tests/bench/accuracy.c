@@ -312,8 +312,30 @@ static qarr quant_all(const float *x, int64_t T, int W, int bits, int P, int axi
 
 /* INT attention over tokens [s, T) of k/v (width W, rows of D floats apart
  * in k/v: kv row stride), plus sinks [0, s) raw merged by log-sum-exp. */
-static double run_int(const data *d, const float *ref, int bits, int P, int vaxis, int sinks)
+/* keys (and queries) through the VQ transform (smooth by lam, Hadamard), or
+ * dequantized K/V attended in float (deq), see main() */
+static const float *int_lam;
+static int int_deq;
+
+static double run_int(const data *d0, const float *ref, int bits, int P, int vaxis, int sinks)
 {
+    data tmp = *d0, *d = &tmp;
+    kvd_error err;
+    if (int_lam) {
+        tmp.k = malloc(sizeof(float) * HKV * d0->T * D);
+        tmp.q = malloc(sizeof(float) * HQ * D);
+        for (int h = 0; h < HKV; h++) {
+            kvd_tensor k = tn(KVD_DTYPE_F32, d0->k + h * d0->T * D, 2, d0->T, D, 0);
+            kvd_tensor kt = tn(KVD_DTYPE_F32, tmp.k + h * d0->T * D, 2, d0->T, D, 0);
+            kvd_tensor q = tn(KVD_DTYPE_F32, d0->q + h * G * D, 2, G, D, 0);
+            kvd_tensor qt = tn(KVD_DTYPE_F32, tmp.q + h * G * D, 2, G, D, 0);
+            kvd_tensor lam = tn(KVD_DTYPE_F32, (void *)(int_lam + h * D), 1, D, 0, 0);
+            if (kvd_vq_transform_keys(be, &k, &lam, &kt, &err) || kvd_vq_transform_queries(be, &q, &lam, &qt, &err)) {
+                fprintf(stderr, "transform: %s\n", err.msg);
+                exit(1);
+            }
+        }
+    }
     int64_t T = d->T, Tq = T - sinks;
     float *k = d->k + sinks * D, *v = d->v + sinks * D;
     qarr kq = quant_all(k, Tq, D, bits, P, KVD_ATTN_AXIS_TOKEN, T * D);
@@ -328,8 +350,33 @@ static double run_int(const data *d, const float *ref, int bits, int P, int vaxi
     a.v = vq.qd;
     a.out = tn(KVD_DTYPE_F32, out, 2, HQ, D, 0);
     a.lse = tn(KVD_DTYPE_F32, lse, 1, HQ, 0, 0);
-    kvd_error err;
-    if (kvd_attn_quant(be, 1, &a, &err)) {
+    if (int_deq) {
+        /* the same codes dequantized, attended in float: what the int8
+         * rounding of q and P in the homomorphic kernel adds */
+        float *kd = malloc(sizeof(float) * HKV * Tq * D), *vd = malloc(sizeof(float) * HKV * Tq * D);
+        for (int h = 0; h < HKV; h++) {
+            kvd_qtensor qk, qv;
+            kvd_qtensor_init(&qk, Tq, D, bits, P, KVD_QAXIS_TOKEN, NULL, NULL);
+            kvd_qtensor_init(&qv, Tq, D, bits, P, vaxis == KVD_ATTN_AXIS_TOKEN ? KVD_QAXIS_TOKEN : KVD_QAXIS_CHANNEL,
+                             NULL, NULL);
+            const kvd_attn_qdata *sq[2] = {&kq.qd, &vq.qd};
+            kvd_qtensor *dq[2] = {&qk, &qv};
+            for (int s2 = 0; s2 < 2; s2++) {
+                dq[s2]->codes = (uint8_t *)sq[s2]->codes.data + h * sq[s2]->codes.stride[0];
+                dq[s2]->min = (uint16_t *)((char *)sq[s2]->min.data + h * sq[s2]->min.stride[0]);
+                dq[s2]->scale = (uint16_t *)((char *)sq[s2]->scale.data + h * sq[s2]->scale.stride[0]);
+                dq[s2]->sum = (uint16_t *)((char *)sq[s2]->sum.data + h * sq[s2]->sum.stride[0]);
+            }
+            kvd_tensor yk = tn(KVD_DTYPE_F32, kd + h * Tq * D, 2, Tq, D, 0), yv = tn(KVD_DTYPE_F32, vd + h * Tq * D, 2, Tq, D, 0);
+            kvd_dequantize_ref(&qk, &yk);
+            kvd_dequantize_ref(&qv, &yv);
+        }
+        kvd_attn_dense_args da = {dims(D), a.q, tn(KVD_DTYPE_F32, kd, 3, HKV, Tq, D), tn(KVD_DTYPE_F32, vd, 3, HKV, Tq, D),
+                                  a.out, a.lse};
+        if (kvd_attn_dense(be, 1, &da, &err))
+            exit(1);
+        free(kd), free(vd);
+    } else if (kvd_attn_quant(be, 1, &a, &err)) {
         fprintf(stderr, "int attention: %s\n", err.msg);
         exit(1);
     }
@@ -346,6 +393,8 @@ static double run_int(const data *d, const float *ref, int bits, int P, int vaxi
         }
     }
     free(kq.mem), free(vq.mem);
+    if (int_lam)
+        free(tmp.k), free(tmp.q);
     return rel_err(ref, out, HQ * D);
 }
 
@@ -694,9 +743,17 @@ int main(int argc, char **argv)
             {"INT2 P=32 + first 64 tokens raw", 2, 32, KVD_ATTN_AXIS_CHANNEL, 64},
             {"INT4 P=32", 4, 32, KVD_ATTN_AXIS_CHANNEL, 0},
             {"INT4 P=128", 4, 128, KVD_ATTN_AXIS_CHANNEL, 0},
+            {"INT2 P=32, same codes dequantized + float attention", 2, 32, KVD_ATTN_AXIS_CHANNEL, -1},
+            {"INT2 P=32, keys smooth+Hadamard first", 2, 32, KVD_ATTN_AXIS_CHANNEL, -2},
+            {"INT2 P=128, keys smooth+Hadamard first", 2, 128, KVD_ATTN_AXIS_CHANNEL, -2},
+            {"INT4 P=128, keys smooth+Hadamard first", 4, 128, KVD_ATTN_AXIS_CHANNEL, -2},
         };
         for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) {
-            double e = run_int(&d, ref, ints[i].bits, ints[i].P, ints[i].vaxis, ints[i].sinks);
+            int_deq = ints[i].sinks == -1;
+            int_lam = ints[i].sinks == -2 ? vq48t.lam : NULL;
+            double e = run_int(&d, ref, ints[i].bits, ints[i].P, ints[i].vaxis, ints[i].sinks > 0 ? ints[i].sinks : 0);
+            int_deq = 0;
+            int_lam = NULL;
             double bpv = ints[i].bits + 48.0 / ints[i].P; /* + f16 min, f16 scale, u16 sum per group */
             printf("| %s | %.2f | %.4f |\n", ints[i].name, bpv, e);
         }
@@ -711,7 +768,7 @@ int main(int argc, char **argv)
             printf("| SVD removal rate %.2f (mean kept width %.1f of %d), fp32 | %.1f | %.4f |\n", rates[i], w, D,
                    32.0 * w / D, e);
         }
-        const double srates[] = {0.05, 0.1, 0.2};
+        const double srates[] = {0.01, 0.1, 0.2};
         for (int i = 0; i < 3; i++) {
             int r;
             double e = run_svd_int2(&d, ref, &sv, srates[i], &r);
