@@ -38,7 +38,38 @@ struct kvd_append {
     uint8_t *buf;
     uint64_t have, expected, cap;
     int failed;
+    /* Copies of the pages built by commit, put in the memory tiers once the
+     * batch is durable (an append writes what is about to be read). */
+    struct built_page {
+        uint64_t id;
+        uint8_t *bytes;
+        size_t len;
+        uint32_t num_tokens;
+    } *built;
+    size_t nbuilt, capbuilt;
 };
+
+/* Keep a copy of a finished page for the tiers; best effort. */
+static void keep_built(kvd_append *ap, uint64_t id, const uint8_t *page, size_t len,
+                       uint32_t num_tokens)
+{
+    kvd__cache *c = &ap->st->tiers;
+    if (len > c->tier[KVD_TIER_DEVICE].limit && len > c->tier[KVD_TIER_HOST].limit)
+        return;
+    if (ap->nbuilt == ap->capbuilt) {
+        size_t nc = ap->capbuilt ? 2 * ap->capbuilt : 16;
+        struct built_page *n = realloc(ap->built, nc * sizeof *n);
+        if (!n)
+            return;
+        ap->built = n;
+        ap->capbuilt = nc;
+    }
+    uint8_t *copy = malloc(len);
+    if (!copy)
+        return;
+    memcpy(copy, page, len);
+    ap->built[ap->nbuilt++] = (struct built_page){id, copy, len, num_tokens};
+}
 
 /* New hash and token-id state of a sequence after an append. */
 typedef struct id_plan {
@@ -187,6 +218,9 @@ void kvd_store_append_abort(kvd_append *ap)
     if (!ap)
         return;
     kvd__seq_unref(ap->s);
+    for (size_t i = 0; i < ap->nbuilt; i++)
+        free(ap->built[i].bytes);
+    free(ap->built);
     free(ap->ids);
     free(ap->bh);
     free(ap->buf);
@@ -494,6 +528,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
         fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
         kvd_page_finish(page, (size_t)size);
+        keep_built(ap, np->id, page, (size_t)size, d.num_tokens);
         uint8_t key[KVD__PAGE_KEY_LEN];
         kvd__page_key(key, np->id);
         rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page, (size_t)size);
@@ -533,6 +568,25 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
         return rc;
     }
 
+    if (st->disk_limit) {
+        /* Page bytes this append adds at most: its payload plus one header
+         * per page or fragment it writes. */
+        uint64_t pages = ap->nl * (ap->n / st->page_tokens + 2);
+        uint64_t need = ap->expected + pages * (64 + 3 * 24);
+        if (st->durability == KVD_DURABILITY_NONE)
+            kvd__disk_make_room(st, s, need);
+        uint64_t have = atomic_load(&st->disk_bytes);
+        if (have + need > st->disk_limit) {
+            rc = kvd_error_set(err, KVD_ENOMEM,
+                               "the store holds %llu page bytes; %llu more exceed the disk limit "
+                               "of %llu",
+                               (unsigned long long)have, (unsigned long long)need,
+                               (unsigned long long)st->disk_limit);
+            kvd_store_append_abort(ap);
+            return rc;
+        }
+    }
+
     pthread_mutex_lock(&s->mu);
     id_plan pl = {0};
     kvd__layer *nls = NULL;
@@ -568,16 +622,30 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     size_t klen;
     kvd__seq_key(s, key, &klen);
     rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, rlen);
+    uint64_t now = kvd__now_ms();
+    if (s->ttl_ms)
+        kvd__expiry_put(b, s, s->ttl_ms, now + s->ttl_ms);
     if ((rc = kvd__db_write(st, b, err)))
         goto out;
+    if (s->ttl_ms)
+        atomic_store(&s->expires_ms, now + s->ttl_ms);
+    atomic_store(&s->last_access_ms, now);
 
     /* Durable: publish. Nothing below can fail. */
     pthread_rwlock_wrlock(&st->lock);
+    int64_t dbytes = 0, dpages = 0;
     for (uint32_t l = ap->ls; l < ap->ls + ap->nl; l++) {
         kvd__layer *L = &s->layers[l];
         uint64_t first = L->tokens / st->page_tokens;
-        if (L->tokens % st->page_tokens)
+        for (uint32_t i = (uint32_t)first; i < nls[l].npages; i++) {
+            dbytes += (int64_t)nls[l].pages[i]->bytes;
+            dpages++;
+        }
+        if (L->tokens % st->page_tokens) {
+            dbytes -= (int64_t)L->pages[first]->bytes;
+            dpages--;
             free(L->pages[first]); /* the old tail, private to this sequence */
+        }
         free(L->pages);
         *L = nls[l];
     }
@@ -591,9 +659,16 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     free(nls);
     nls = NULL;
     kvd__prefix_register(st, s);
+    atomic_fetch_add(&st->disk_bytes, (uint64_t)dbytes);
+    atomic_fetch_add(&st->disk_pages, (uint64_t)dpages);
     if (info)
         rc = kvd__seq_fill_info(st, s, info, err);
     pthread_rwlock_unlock(&st->lock);
+    /* Durable and published: the new pages enter the device tier. Still
+     * under s->mu, so a delete of this sequence cannot drop them first. */
+    for (size_t i = 0; i < ap->nbuilt; i++)
+        kvd__cache_insert(st, ap->built[i].id, ap->built[i].bytes, ap->built[i].len,
+                          ap->built[i].num_tokens, 0);
 out:
     if (nls) {
         for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < s->num_layers; l++) {

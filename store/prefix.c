@@ -63,9 +63,12 @@ void kvd__prefix_register(kvd_store *st, kvd__seq *s)
 
 void kvd__page_drop(kvd_store *st, kvd__model *m, kvd__page *p, uint64_t *dropped, size_t *ndropped)
 {
-    (void)st;
     if (--p->refs > 0)
         return;
+    /* The page left RocksDB with its last holder: out of the tiers too. */
+    kvd__cache_drop(st, p->id);
+    atomic_fetch_sub(&st->disk_bytes, p->bytes);
+    atomic_fetch_sub(&st->disk_pages, 1);
     kvd__prefix *e = p->prefix;
     if (e) {
         kvd__map_del(&m->prefixes, e->hash);

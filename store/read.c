@@ -125,6 +125,7 @@ int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **ou
                     s->layers[rd->ls + l].pages[rd->first_block + j]->id;
         rd->nsegs = 2ull * rd->nl * rd->npr;
     }
+    atomic_store(&s->last_access_ms, kvd__now_ms());
     rd->ropt = rocksdb_readoptions_create();
     rd->snap = rocksdb_create_snapshot(st->db);
     rocksdb_readoptions_set_snapshot(rd->ropt, rd->snap);
@@ -177,6 +178,32 @@ static size_t seg_bytes(const kvd_read *rd, uint64_t seg)
     return (size_t)(t1 - t0) * rd->H * rd->D * rd->es;
 }
 
+/* Ask the background thread to load the pages of the next segments of the
+ * K pass (the V pass reads the same pages again, from memory). */
+static void readahead(kvd_read *rd, uint64_t seg)
+{
+    uint64_t per_part = (uint64_t)rd->nl * rd->npr;
+    for (uint32_t k = 1; k <= rd->st->prefetch_pages; k++) {
+        uint64_t s2 = seg + k;
+        if (s2 >= per_part)
+            return;
+        int part;
+        uint32_t l, j;
+        uint64_t t0, t1;
+        seg_range(rd, s2, &part, &l, &j, &t0, &t1);
+        uint64_t p0 = (rd->first_block + j) * rd->B;
+        kvd__prefetch_item it = {.page_id = rd->page_ids[(size_t)l * rd->npr + j],
+                                 .layer = rd->ls + l,
+                                 .need = (uint32_t)(t1 - p0),
+                                 .B = rd->B,
+                                 .H = rd->H,
+                                 .D = rd->D,
+                                 .p0 = p0,
+                                 .dtype = rd->dtype};
+        kvd__cache_prefetch(rd->st, &it);
+    }
+}
+
 /* Produce segment `seg` into dst (seg_bytes(rd, seg) bytes). */
 static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
 {
@@ -197,18 +224,56 @@ static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
                         .D = rd->D,
                         .dtype = rd->dtype,
                         .snap = rd->snap};
-    kvd__tail pg;
-    int rc = kvd__tail_load(rd->st, rd->ropt, &w, &pg, err);
-    if (rc)
-        return rc;
-    const uint8_t *src = part ? pg.v : pg.k;
+    if (part == 0)
+        readahead(rd, seg);
+    /* A memory tier first: its bytes were verified on their way in. */
+    const uint8_t *bytes;
+    uint8_t *tmp;
+    kvd__centry *e = kvd__cache_acquire(rd->st, pid, w.need, &bytes, &tmp);
+    kvd_page_view view;
+    const uint8_t *src;
+    size_t pn;
+    kvd__tail pg = {0};
+    int rc;
+    if (e) {
+        if ((rc = kvd_page_decode_nocheck(bytes, e->len, &view, err))) {
+            kvd__cache_release(rd->st, e);
+            free(tmp);
+            return rc;
+        }
+        src = part ? view.v : view.k;
+        pn = view.h.num_tokens;
+    } else {
+        if ((rc = kvd__tail_load(rd->st, rd->ropt, &w, &pg, err))) {
+            if (rc == KVD_ECORRUPT)
+                kvd__note_corrupt(rd->st, pid, err);
+            return rc;
+        }
+        if (pg.nfrags == 0) {
+            /* Promote the whole page, as stored and just verified. A page
+             * deleted since the snapshot may land here too: its id is never
+             * reused, so it only waits for the LRU to move it out. */
+            size_t len;
+            const char *v = rocksdb_pinnableslice_value(pg.ps, &len);
+            kvd__centry *in = kvd__cache_insert(rd->st, pid, (const uint8_t *)v, len,
+                                                pg.num_tokens, 1);
+            if (in) {
+                atomic_fetch_add(&rd->st->tiers.promotions, 1);
+                kvd__cache_release(rd->st, in);
+            }
+        }
+        src = part ? pg.v : pg.k;
+        pn = pg.num_tokens;
+    }
     size_t row = (size_t)rd->D * rd->es;
-    size_t pn = pg.num_tokens;
     for (uint64_t t = t0; t < t1; t++)
         for (uint32_t h = 0; h < rd->H; h++) {
             memcpy(dst, src + ((size_t)h * pn + (size_t)(t - p0)) * row, row);
             dst += row;
         }
+    if (e)
+        kvd__cache_release(rd->st, e);
+    free(tmp);
     kvd__tail_release(&pg);
     return 0;
 }

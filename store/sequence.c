@@ -210,6 +210,8 @@ static kvd__seq *seq_alloc(const void *id, size_t id_len, kvd__model *m)
     s->num_layers = m->info.num_layers;
     pthread_mutex_init(&s->mu, NULL);
     atomic_init(&s->refs, 1);
+    atomic_init(&s->expires_ms, 0);
+    atomic_init(&s->last_access_ms, kvd__now_ms());
     return s;
 }
 
@@ -576,6 +578,8 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
     size_t klen;
     kvd__seq_key(s, key, &klen);
     rocksdb_writebatch_delete(b, (const char *)key, klen);
+    if (s->ttl_ms)
+        kvd__expiry_delete(b, s);
     for (uint32_t l = 0; l < s->num_layers; l++) {
         for (uint32_t i = 0; i < s->layers[l].npages; i++) {
             kvd__page *p = s->layers[l].pages[i];
@@ -753,11 +757,18 @@ int kvd__load_sequences(kvd_store *st, kvd_error *err)
     rocksdb_iter_destroy(it);
     /* Pages now belong to the sequences; free those left unreferenced by a
      * failed load. */
+    uint64_t disk = 0, ndisk = 0;
     for (size_t i = 0; i < pages.cap; i++) {
         kvd__page *p = pages.vals[i];
         if (p && p->refs == 0)
             free(p);
+        else if (p) {
+            disk += p->bytes;
+            ndisk++;
+        }
     }
+    atomic_store(&st->disk_bytes, disk);
+    atomic_store(&st->disk_pages, ndisk);
     kvd__map_free(&pages);
     if (rc)
         return rc;

@@ -253,6 +253,19 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     pthread_rwlock_init(&st->lock, NULL);
     st->max_seq_tokens = opt->max_seq_tokens;
+    st->durability = opt->sync_writes ? KVD_DURABILITY_SYNC : opt->durability;
+    if (st->durability < KVD_DURABILITY_SPILL || st->durability > KVD_DURABILITY_SYNC) {
+        free(st);
+        return kvd_error_set(err, KVD_EINVAL, "unknown durability %d", opt->durability);
+    }
+    st->disk_limit = opt->disk_bytes;
+    st->prefetch_pages = opt->prefetch_pages;
+    if ((rc = kvd__cache_init(st, opt, err))) {
+        kvd__cache_fini(st);
+        pthread_rwlock_destroy(&st->lock);
+        free(st);
+        return rc;
+    }
 
     st->dbopt = rocksdb_options_create();
     rocksdb_options_set_create_if_missing(st->dbopt, 1);
@@ -270,7 +283,13 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     rocksdb_block_based_options_set_block_cache(st->bbopt, st->cache);
     rocksdb_options_set_block_based_table_factory(st->dbopt, st->bbopt);
     st->wopt = rocksdb_writeoptions_create();
-    rocksdb_writeoptions_set_sync(st->wopt, opt->sync_writes ? 1 : 0);
+    /* sync: the WAL is fsynced before an append is acknowledged. spill: it is
+     * written (to the OS) but not fsynced, so a killed process loses nothing
+     * and a machine crash may lose the latest appends. none: no WAL at all;
+     * what survives a kill is what RocksDB had flushed to its tables. */
+    rocksdb_writeoptions_set_sync(st->wopt, st->durability == KVD_DURABILITY_SYNC);
+    if (st->durability == KVD_DURABILITY_NONE)
+        rocksdb_writeoptions_disable_WAL(st->wopt, 1);
     st->ropt = rocksdb_readoptions_create();
 
     char *e = NULL;
@@ -284,7 +303,8 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         return rc;
     }
     if ((rc = load_meta(st, opt->page_tokens, err)) || (rc = kvd__load_models(st, err)) ||
-        (rc = kvd__load_sequences(st, err))) {
+        (rc = kvd__load_sequences(st, err)) || (rc = kvd__load_expiry(st, err)) ||
+        (rc = kvd__cache_start(st, err))) {
         kvd_store_close(st);
         return rc;
     }
@@ -296,6 +316,8 @@ void kvd_store_close(kvd_store *st)
 {
     if (!st)
         return;
+    /* The background thread reads sequences and pages: stop it first. */
+    kvd__cache_fini(st);
     for (size_t i = 0; i < st->nseqs; i++) {
         kvd__seq *s = st->seqs[i];
         for (uint32_t l = 0; l < s->num_layers; l++)

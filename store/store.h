@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvdepot/backend.h"
 #include "kvdepot/status.h"
 #include "kvdepot/tensor.h"
 
@@ -31,7 +32,23 @@ typedef struct kvd_store_options {
     int sync_writes;           /* 1 = fsync the WAL before an append is acknowledged */
     size_t block_cache_bytes;  /* RocksDB block cache; 0 = default */
     uint64_t max_seq_tokens;   /* 0 = no limit */
+    /* Tiers (see "Tiers" below). Members appended; zero means the old
+     * behaviour: no memory tiers, every read goes to RocksDB. */
+    kvd_backend *backend;       /* device tier allocated through it; NULL = host memory */
+    uint64_t device_tier_bytes; /* size of the device pool, allocated once at open */
+    uint64_t host_tier_bytes;   /* host-memory tier below it */
+    uint64_t disk_bytes;        /* page bytes RocksDB may hold; 0 = unlimited */
+    int durability;             /* a kvd_durability; sync_writes = 1 means SYNC */
+    uint32_t prefetch_pages;    /* read-ahead of a Read cursor, pages; 0 = none */
 } kvd_store_options;
+
+/* What an acknowledged Append is guaranteed to survive (README, "Tiers,
+ * limits and durability"). */
+typedef enum kvd_durability {
+    KVD_DURABILITY_SPILL = 0, /* written to RocksDB (WAL, not fsynced) before the reply */
+    KVD_DURABILITY_NONE = 1,  /* pure cache: no WAL; disk limit drops LRU sequences */
+    KVD_DURABILITY_SYNC = 2,  /* WAL fsynced before the reply */
+} kvd_durability;
 
 /* Open (creating if needed) the store in opt->data_dir. Fails with KVD_EINVAL
  * for bad options, KVD_EPRECOND if the directory was created with another
@@ -185,5 +202,75 @@ int kvd_store_lookup(kvd_store *st, const char *model, const uint64_t *hashes, s
 /* The documented prefix hash of one block (see kvdepot.proto):
  * XXH3_64bits_withSeed(le32 token ids, 4 * n, parent). */
 uint64_t kvd_prefix_hash(uint64_t parent, const uint32_t *token_ids, size_t n);
+
+/* ---- tiers, expiry, stats ----------------------------------------------
+ *
+ * Pages live in up to three tiers: a device pool (allocated once through the
+ * backend; host memory on the CPU backend or without one), host memory, and
+ * RocksDB, which holds every page under spill and sync (and, without a WAL,
+ * under none). A tier that is full moves its least recently used unpinned
+ * pages one tier down; a read or an acquire moves a page back to the device
+ * tier. Memory tiers hold verified bytes: a page enters them only after its
+ * checksum was checked on the way up from RocksDB, or when an Append wrote it.
+ */
+
+/* Tier indexes of kvd_store_stats and kvd_page_handle. */
+#define KVD_TIER_DEVICE 0
+#define KVD_TIER_HOST 1
+#define KVD_TIER_DISK 2
+#define KVD_TIERS 3
+
+typedef struct kvd_store_stats {
+    int durability;                 /* kvd_durability */
+    uint64_t tier_limit[KVD_TIERS]; /* bytes; 0 = unlimited (disk) or off (memory) */
+    uint64_t tier_bytes[KVD_TIERS]; /* page bytes held now */
+    uint64_t tier_pages[KVD_TIERS]; /* pages held now */
+    uint64_t hits[2];               /* page reads served by the device / host tier */
+    uint64_t misses;                /* page reads that went to RocksDB */
+    uint64_t promotions;            /* pages moved up (host -> device, disk -> memory) */
+    uint64_t evictions[2];          /* pages moved down out of device / host */
+    uint64_t prefetched;            /* pages loaded ahead of a reader */
+    uint64_t checksum_failures;     /* pages refused as DATA_LOSS */
+    uint64_t sequences_dropped;     /* dropped by the disk limit (durability none) */
+    uint64_t sequences_expired;     /* deleted by their TTL */
+    uint64_t sequences;             /* stored now */
+} kvd_store_stats;
+
+/* Counters and gauges of the tiers; never fails for a non-NULL store. */
+int kvd_store_stats_get(kvd_store *st, kvd_store_stats *out);
+
+/* Set a sequence's time to live: it is deleted ttl_ms after its last
+ * Append (or after this call when none follows); 0 = never. Persisted.
+ * KVD_ENOTFOUND for an unknown id. */
+int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t ttl_ms,
+                          kvd_error *err);
+
+/* Move every page of a sequence out of the memory tiers (it stays in
+ * RocksDB); pinned pages stay until released. *pages / *bytes (may be NULL)
+ * count what left memory. KVD_ENOTFOUND for an unknown id. */
+int kvd_store_seq_evict(kvd_store *st, const void *id, size_t id_len, uint64_t *pages,
+                        uint64_t *bytes, kvd_error *err);
+
+/* A page held for a computation: pinned in its memory tier (never evicted
+ * while held) or, when no tier could take it, a private copy. `bytes` is the
+ * whole page in the format of page.h, in host memory, checksum-verified when
+ * it came from disk; `device` is the same page in the backend's memory when
+ * it lies in the device tier, else NULL. Valid until release. */
+typedef struct kvd_page_handle {
+    const uint8_t *bytes;
+    size_t len;
+    const void *device;
+    int tier;    /* KVD_TIER_* the page was found in (DISK = loaded for this call) */
+    void *priv_; /* owned by the store */
+    void *buf_;
+} kvd_page_handle;
+
+/* Acquire page `block` (tokens [block*B, ...)) of `layer` of a sequence,
+ * promoting it to the device tier. KVD_ENOTFOUND (sequence), KVD_ERANGE
+ * (no such page), KVD_ECORRUPT (checksum: DATA_LOSS, counted). */
+int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                           uint64_t block, kvd_page_handle *h, kvd_error *err);
+/* Unpin; a zeroed or already released handle is a no-op. */
+void kvd_store_page_release(kvd_store *st, kvd_page_handle *h);
 
 #endif /* KVDEPOT_STORE_H */

@@ -16,6 +16,10 @@
  *   'P' be64 page_id   one page in the format of page.h
  *   'T' be64 page_id be32 offset
  *                      a tail fragment of page page_id (see tail.c)
+ *   'X' id             expiry of sequence id: u64 ttl_ms, u64 expires_unix_ms (LE)
+ *
+ * Memory tiers (tier.c) have their own mutex, cache->mu, taken last: never
+ * call into the store's other locks while holding it.
  */
 #ifndef KVDEPOT_STORE_INTERNAL_H
 #define KVDEPOT_STORE_INTERNAL_H
@@ -35,6 +39,7 @@
 #define KVD__KEY_SEQ 'S'
 #define KVD__KEY_PAGE 'P'
 #define KVD__KEY_FRAG 'T'
+#define KVD__KEY_EXPIRY 'X'
 #define KVD__PAGE_KEY_LEN 9
 #define KVD__FRAG_KEY_LEN 13
 #define KVD__MAX_FRAGS 32 /* fragments of one tail page before they are merged */
@@ -144,7 +149,89 @@ typedef struct kvd__seq {
     pthread_mutex_t mu;
     atomic_int refs; /* the store's map holds one; appends in flight hold one each */
     int dead;        /* removed from the store (under st->lock) */
+
+    uint64_t ttl_ms;                  /* 0 = no expiry (under s->mu and st->lock) */
+    _Atomic uint64_t expires_ms;      /* unix ms; 0 = never */
+    _Atomic uint64_t last_access_ms;  /* last read or append: LRU of whole sequences */
 } kvd__seq;
+
+/* ---- memory tiers (tier.c) ---------------------------------------------- */
+
+/* One page held in a memory tier: its whole encoding (page.h), verified. */
+typedef struct kvd__centry {
+    uint64_t id;
+    uint8_t *data;        /* device tier: pool + off; host tier: malloc'd */
+    size_t len;           /* page bytes */
+    size_t alloc;         /* bytes charged to the tier (len rounded up) */
+    uint64_t off;         /* offset in the device pool */
+    uint32_t num_tokens;  /* tokens the page holds */
+    int tier;             /* KVD_TIER_DEVICE or KVD_TIER_HOST */
+    uint32_t pins;        /* readers and acquirers using data now */
+    int dead;             /* out of the map and lists; freed at the last unpin */
+    struct kvd__centry *prev, *next; /* LRU list of its tier, head = most recent */
+} kvd__centry;
+
+typedef struct kvd__tier {
+    uint64_t limit, used, pages;
+    kvd__centry *head, *tail;
+} kvd__tier;
+
+typedef struct kvd__free_range {
+    uint64_t off, len;
+} kvd__free_range;
+
+typedef struct kvd__prefetch_item {
+    uint64_t page_id;
+    uint32_t layer, need, B, H, D;
+    uint64_t p0;
+    kvd_dtype dtype;
+} kvd__prefetch_item;
+
+#define KVD__PREFETCH_QUEUE 64
+
+typedef struct kvd__cache {
+    pthread_mutex_t mu;
+    kvd__map map; /* page id -> kvd__centry */
+    kvd__tier tier[2];
+    kvd_backend *be;      /* NULL: the pool is malloc'd host memory */
+    int pool_host;        /* pool bytes are addressable by the CPU */
+    uint8_t *pool;
+    kvd__free_range *freel; /* free ranges of the pool, sorted by offset */
+    size_t nfree, capfree;
+    /* Counters, kvd_store_stats order. */
+    _Atomic uint64_t hits[2], misses, promotions, evictions[2], prefetched;
+    _Atomic uint64_t checksum_failures, sequences_dropped, sequences_expired;
+
+    /* Background thread: read-ahead of cursors, TTL expiry. */
+    pthread_t thread;
+    int thread_started, stop;
+    pthread_cond_t cv;
+    kvd__prefetch_item queue[KVD__PREFETCH_QUEUE];
+    size_t qhead, qlen;
+} kvd__cache;
+
+int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err);
+void kvd__cache_fini(kvd_store *st);
+/* Start the background thread (after recovery). */
+int kvd__cache_start(kvd_store *st, kvd_error *err);
+/* Pin the entry of page id holding at least `need` tokens and move it to the
+ * device tier when it can; NULL on a miss (counted). *bytes is host-readable
+ * page memory (*tmp a malloc'd copy to free when the pool is not). */
+kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
+                                uint8_t **tmp);
+void kvd__cache_release(kvd_store *st, kvd__centry *e);
+/* Put a verified page (len bytes, copied) in the device tier, moving others
+ * down to make room; nothing happens when no tier can take it. pin = 1
+ * returns it pinned (NULL when it was not cached). */
+kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, size_t len,
+                               uint32_t num_tokens, int pin);
+/* Forget page id (the page is gone). */
+void kvd__cache_drop(kvd_store *st, uint64_t id);
+/* Move page id out of memory; returns bytes freed (0 if not cached or pinned). */
+uint64_t kvd__cache_evict(kvd_store *st, uint64_t id);
+void kvd__cache_prefetch(kvd_store *st, const kvd__prefetch_item *it);
+/* A page failed its checksum: count and log. */
+void kvd__note_corrupt(kvd_store *st, uint64_t page_id, const kvd_error *err);
 
 struct kvd_store {
     rocksdb_t *db;
@@ -162,6 +249,13 @@ struct kvd_store {
     kvd__seq **seqs; /* sorted by id (memcmp, then length) */
     size_t nseqs, cap_seqs;
     atomic_uint_fast64_t next_page_id;
+
+    int durability;                 /* kvd_durability */
+    uint64_t disk_limit;            /* page bytes; 0 = unlimited */
+    _Atomic uint64_t disk_bytes;    /* page bytes in RocksDB (fragments included) */
+    _Atomic uint64_t disk_pages;
+    uint32_t prefetch_pages;
+    kvd__cache tiers;
 };
 
 uint64_t kvd__now_ms(void);
@@ -202,6 +296,16 @@ void kvd__page_drop(kvd_store *st, kvd__model *m, kvd__page *p, uint64_t *droppe
 void kvd__prefix_reregister(kvd_store *st, kvd__model *m, const uint64_t *dropped, size_t n);
 
 int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err);
+/* Expiry record of a sequence (key 'X' id). */
+void kvd__expiry_put(rocksdb_writebatch_t *b, const kvd__seq *s, uint64_t ttl_ms,
+                     uint64_t expires_ms);
+void kvd__expiry_delete(rocksdb_writebatch_t *b, const kvd__seq *s);
+int kvd__load_expiry(kvd_store *st, kvd_error *err);
+/* Durability none: delete least recently used sequences other than `keep`
+ * until `need` more bytes fit under the disk limit. */
+void kvd__disk_make_room(kvd_store *st, const kvd__seq *keep, uint64_t need);
+/* Delete the sequences whose TTL passed. */
+void kvd__expire(kvd_store *st);
 int kvd__load_sequences(kvd_store *st, kvd_error *err);
 int kvd__load_models(kvd_store *st, kvd_error *err);
 

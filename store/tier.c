@@ -1,0 +1,996 @@
+/*
+ * Memory tiers: a device pool and host memory above RocksDB.
+ *
+ * Every page in a memory tier is a kvd__centry holding the page's whole
+ * encoding (page.h), found by page id in cache.map. Page bytes for a given
+ * (page id, token) never change: sealed pages are immutable, and a raw tail
+ * page rewritten under its id only gains tokens. So an entry holding at
+ * least the tokens a reader needs is always right for it, whatever snapshot
+ * the reader works on, and an entry is replaced only by one holding more.
+ *
+ * Device tier: one pool of device_tier_bytes allocated once through the
+ * backend at open (host memory from malloc when there is no backend),
+ * carved by a first-fit allocator over a sorted list of free ranges (64-byte
+ * granules, neighbours coalesced on free). Host tier: one malloc per page.
+ * Each tier keeps an LRU list; to make room, the least recently used entry
+ * that nobody has pinned moves down: device -> host, host -> out of memory
+ * (RocksDB still holds it). A pinned entry is never moved or freed; one
+ * dropped while pinned is unlinked at once and freed at its last unpin.
+ *
+ * A background thread serves read-ahead requests of Read cursors (pages
+ * loaded from RocksDB, verified, and inserted) and deletes sequences whose
+ * TTL has passed.
+ */
+#include "store_internal.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define GRANULE 64u
+
+/* ---- logging --------------------------------------------------------------- */
+
+/* One logfmt line on stderr in a single write, like kvdepotd's own log. */
+static void store_log(const char *level, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void store_log(const char *level, const char *fmt, ...)
+{
+    char line[768];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    int n = snprintf(line, sizeof line, "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s ",
+                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+                     ts.tv_nsec / 1000000, level);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof line)
+        n += vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if ((size_t)n >= sizeof line - 1)
+        n = (int)sizeof line - 2;
+    line[n++] = '\n';
+    ssize_t w = write(2, line, (size_t)n);
+    (void)w;
+}
+
+void kvd__note_corrupt(kvd_store *st, uint64_t page_id, const kvd_error *err)
+{
+    atomic_fetch_add(&st->tiers.checksum_failures, 1);
+    char msg[300];
+    size_t o = 0;
+    /* Quote the message for logfmt: drop quotes and control bytes. */
+    for (const char *p = err ? err->msg : ""; *p && o + 1 < sizeof msg; p++)
+        msg[o++] = (*p == '"' || (unsigned char)*p < 0x20) ? '\'' : *p;
+    msg[o] = '\0';
+    store_log("error",
+              "msg=\"page failed verification; served as DATA_LOSS\" page=%llu "
+              "error=\"%s\"",
+              (unsigned long long)page_id, msg);
+}
+
+/* ---- device pool allocator ------------------------------------------------- */
+
+static int pool_alloc(kvd__cache *c, uint64_t len, uint64_t *off)
+{
+    for (size_t i = 0; i < c->nfree; i++) {
+        if (c->freel[i].len < len)
+            continue;
+        *off = c->freel[i].off;
+        c->freel[i].off += len;
+        c->freel[i].len -= len;
+        if (c->freel[i].len == 0) {
+            memmove(c->freel + i, c->freel + i + 1, (c->nfree - i - 1) * sizeof *c->freel);
+            c->nfree--;
+        }
+        return 0;
+    }
+    return -1;
+}
+
+static void pool_free(kvd__cache *c, uint64_t off, uint64_t len)
+{
+    size_t lo = 0, hi = c->nfree;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (c->freel[mid].off < off)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    /* lo: first range after off. */
+    int merge_prev = lo > 0 && c->freel[lo - 1].off + c->freel[lo - 1].len == off;
+    int merge_next = lo < c->nfree && off + len == c->freel[lo].off;
+    if (merge_prev && merge_next) {
+        c->freel[lo - 1].len += len + c->freel[lo].len;
+        memmove(c->freel + lo, c->freel + lo + 1, (c->nfree - lo - 1) * sizeof *c->freel);
+        c->nfree--;
+        return;
+    }
+    if (merge_prev) {
+        c->freel[lo - 1].len += len;
+        return;
+    }
+    if (merge_next) {
+        c->freel[lo].off = off;
+        c->freel[lo].len += len;
+        return;
+    }
+    if (c->nfree == c->capfree) {
+        size_t nc = c->capfree ? 2 * c->capfree : 64;
+        kvd__free_range *n = realloc(c->freel, nc * sizeof *n);
+        if (!n)
+            return; /* the range is lost to the pool until restart; never unsafe */
+        c->freel = n;
+        c->capfree = nc;
+    }
+    memmove(c->freel + lo + 1, c->freel + lo, (c->nfree - lo) * sizeof *c->freel);
+    c->freel[lo].off = off;
+    c->freel[lo].len = len;
+    c->nfree++;
+}
+
+/* ---- LRU lists ------------------------------------------------------------- */
+
+static void lru_unlink(kvd__tier *t, kvd__centry *e)
+{
+    if (e->prev)
+        e->prev->next = e->next;
+    else
+        t->head = e->next;
+    if (e->next)
+        e->next->prev = e->prev;
+    else
+        t->tail = e->prev;
+    e->prev = e->next = NULL;
+}
+
+static void lru_push(kvd__tier *t, kvd__centry *e)
+{
+    e->prev = NULL;
+    e->next = t->head;
+    if (t->head)
+        t->head->prev = e;
+    t->head = e;
+    if (!t->tail)
+        t->tail = e;
+}
+
+/* Take e out of its tier's list and accounting (its bytes stay allocated). */
+static void tier_detach(kvd__cache *c, kvd__centry *e)
+{
+    kvd__tier *t = &c->tier[e->tier];
+    lru_unlink(t, e);
+    t->used -= e->alloc;
+    t->pages--;
+}
+
+static void entry_free_data(kvd__cache *c, kvd__centry *e)
+{
+    if (e->tier == KVD_TIER_DEVICE)
+        pool_free(c, e->off, e->alloc);
+    else
+        free(e->data);
+    e->data = NULL;
+}
+
+static void entry_destroy(kvd__cache *c, kvd__centry *e)
+{
+    entry_free_data(c, e);
+    free(e);
+}
+
+/* ---- moving pages between tiers (cache->mu held) --------------------------- */
+
+static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
+
+/* Copy host bytes into a pool range, or pool bytes out to host memory. */
+static int pool_put(kvd__cache *c, uint64_t off, const uint8_t *src, size_t len)
+{
+    if (c->pool_host) {
+        memcpy(c->pool + off, src, len);
+        return 0;
+    }
+    return kvd_backend_upload(c->be, c->pool + off, src, len, NULL);
+}
+
+static int pool_get(kvd__cache *c, uint8_t *dst, uint64_t off, size_t len)
+{
+    if (c->pool_host) {
+        memcpy(dst, c->pool + off, len);
+        return 0;
+    }
+    return kvd_backend_download(c->be, dst, c->pool + off, len, NULL);
+}
+
+/* Demote an unpinned entry one tier down (or out of memory). */
+static void demote(kvd__cache *c, kvd__centry *e)
+{
+    tier_detach(c, e);
+    if (e->tier == KVD_TIER_HOST) {
+        atomic_fetch_add(&c->evictions[1], 1);
+        kvd__map_del(&c->map, e->id);
+        entry_destroy(c, e);
+        return;
+    }
+    atomic_fetch_add(&c->evictions[0], 1);
+    uint64_t halloc = e->len;
+    uint8_t *h = NULL;
+    if (halloc <= c->tier[KVD_TIER_HOST].limit && make_room(c, KVD_TIER_HOST, halloc, e) == 0)
+        h = malloc(e->len);
+    if (h && pool_get(c, h, e->off, e->len) != 0) {
+        free(h);
+        h = NULL;
+    }
+    pool_free(c, e->off, e->alloc);
+    if (!h) {
+        kvd__map_del(&c->map, e->id);
+        free(e);
+        return;
+    }
+    e->data = h;
+    e->tier = KVD_TIER_HOST;
+    e->alloc = halloc;
+    kvd__tier *t = &c->tier[KVD_TIER_HOST];
+    lru_push(t, e);
+    t->used += e->alloc;
+    t->pages++;
+}
+
+/* Make `alloc` bytes fit in the tier's budget (and, for the device tier, the
+ * pool) by demoting least recently used unpinned entries other than keep.
+ * 0, or -1 when not enough can move. */
+static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep)
+{
+    kvd__tier *t = &c->tier[tier];
+    if (alloc > t->limit)
+        return -1;
+    kvd__centry *v = t->tail;
+    while (t->used + alloc > t->limit) {
+        while (v && (v->pins || v == keep))
+            v = v->prev;
+        if (!v)
+            return -1;
+        kvd__centry *prev = v->prev;
+        demote(c, v);
+        v = prev;
+    }
+    return 0;
+}
+
+/* A pool range for alloc bytes in the device tier, evicting as needed. */
+static int device_alloc(kvd__cache *c, uint64_t alloc, const kvd__centry *keep, uint64_t *off)
+{
+    if (make_room(c, KVD_TIER_DEVICE, alloc, keep))
+        return -1;
+    /* Within budget but fragmented: free more until a range fits. */
+    kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
+    kvd__centry *v = t->tail;
+    while (pool_alloc(c, alloc, off) != 0) {
+        while (v && (v->pins || v == keep))
+            v = v->prev;
+        if (!v)
+            return -1;
+        kvd__centry *prev = v->prev;
+        demote(c, v);
+        v = prev;
+    }
+    return 0;
+}
+
+/* Move an unpinned host entry to the device tier; 0 or -1 (it stays). */
+static int promote(kvd__cache *c, kvd__centry *e)
+{
+    uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
+    uint64_t off;
+    /* Detach first so make_room cannot choose e and its bytes stay put. */
+    tier_detach(c, e);
+    if (device_alloc(c, alloc, e, &off) != 0 || pool_put(c, off, e->data, e->len) != 0) {
+        kvd__tier *t = &c->tier[KVD_TIER_HOST];
+        lru_push(t, e);
+        t->used += e->alloc;
+        t->pages++;
+        return -1;
+    }
+    free(e->data);
+    e->data = c->pool + off;
+    e->off = off;
+    e->alloc = alloc;
+    e->tier = KVD_TIER_DEVICE;
+    kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
+    lru_push(t, e);
+    t->used += alloc;
+    t->pages++;
+    atomic_fetch_add(&c->promotions, 1);
+    return 0;
+}
+
+/* Remove an entry from the map; free it now or at its last unpin. */
+static void entry_kill(kvd__cache *c, kvd__centry *e)
+{
+    kvd__map_del(&c->map, e->id);
+    tier_detach(c, e);
+    if (e->pins)
+        e->dead = 1;
+    else
+        entry_destroy(c, e);
+}
+
+/* ---- the cache API ----------------------------------------------------------- */
+
+static int have_tiers(const kvd__cache *c)
+{
+    return c->tier[0].limit || c->tier[1].limit;
+}
+
+kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
+                                uint8_t **tmp)
+{
+    kvd__cache *c = &st->tiers;
+    *bytes = NULL;
+    *tmp = NULL;
+    if (!have_tiers(c)) {
+        atomic_fetch_add(&c->misses, 1);
+        return NULL;
+    }
+    pthread_mutex_lock(&c->mu);
+    kvd__centry *e = kvd__map_get(&c->map, id);
+    if (!e || e->num_tokens < need) {
+        pthread_mutex_unlock(&c->mu);
+        atomic_fetch_add(&c->misses, 1);
+        return NULL;
+    }
+    atomic_fetch_add(&c->hits[e->tier], 1);
+    /* Another holder may be reading e's bytes: only an unpinned entry moves. */
+    if (e->tier == KVD_TIER_HOST && e->pins == 0)
+        promote(c, e);
+    kvd__tier *t = &c->tier[e->tier];
+    lru_unlink(t, e);
+    lru_push(t, e);
+    e->pins++;
+    if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
+        uint8_t *h = malloc(e->len);
+        if (!h || pool_get(c, h, e->off, e->len) != 0) {
+            free(h);
+            e->pins--;
+            pthread_mutex_unlock(&c->mu);
+            return NULL;
+        }
+        *tmp = h;
+        *bytes = h;
+    } else {
+        *bytes = e->data;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return e;
+}
+
+void kvd__cache_release(kvd_store *st, kvd__centry *e)
+{
+    if (!e)
+        return;
+    kvd__cache *c = &st->tiers;
+    pthread_mutex_lock(&c->mu);
+    if (--e->pins == 0 && e->dead)
+        entry_destroy(c, e);
+    pthread_mutex_unlock(&c->mu);
+}
+
+kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, size_t len,
+                               uint32_t num_tokens, int pin)
+{
+    kvd__cache *c = &st->tiers;
+    if (!have_tiers(c))
+        return NULL;
+    pthread_mutex_lock(&c->mu);
+    kvd__centry *old = kvd__map_get(&c->map, id);
+    if (old && old->num_tokens >= num_tokens) {
+        /* Already there with as much: just touch it. */
+        kvd__tier *t = &c->tier[old->tier];
+        lru_unlink(t, old);
+        lru_push(t, old);
+        if (pin)
+            old->pins++;
+        pthread_mutex_unlock(&c->mu);
+        return pin ? old : NULL;
+    }
+    if (old)
+        entry_kill(c, old);
+    kvd__centry *e = calloc(1, sizeof *e);
+    if (!e || kvd__map_put(&c->map, id, e)) {
+        free(e);
+        pthread_mutex_unlock(&c->mu);
+        return NULL;
+    }
+    e->id = id;
+    e->len = len;
+    e->num_tokens = num_tokens;
+    uint64_t alloc = (len + GRANULE - 1) / GRANULE * GRANULE;
+    uint64_t off;
+    if (device_alloc(c, alloc, NULL, &off) == 0 && pool_put(c, off, page, len) == 0) {
+        e->tier = KVD_TIER_DEVICE;
+        e->data = c->pool + off;
+        e->off = off;
+        e->alloc = alloc;
+    } else if (make_room(c, KVD_TIER_HOST, len, NULL) == 0 && (e->data = malloc(len))) {
+        memcpy(e->data, page, len);
+        e->tier = KVD_TIER_HOST;
+        e->alloc = len;
+    } else {
+        kvd__map_del(&c->map, id);
+        free(e);
+        pthread_mutex_unlock(&c->mu);
+        return NULL;
+    }
+    kvd__tier *t = &c->tier[e->tier];
+    lru_push(t, e);
+    t->used += e->alloc;
+    t->pages++;
+    if (pin)
+        e->pins++;
+    pthread_mutex_unlock(&c->mu);
+    return pin ? e : NULL;
+}
+
+void kvd__cache_drop(kvd_store *st, uint64_t id)
+{
+    kvd__cache *c = &st->tiers;
+    if (!have_tiers(c))
+        return;
+    pthread_mutex_lock(&c->mu);
+    kvd__centry *e = kvd__map_get(&c->map, id);
+    if (e)
+        entry_kill(c, e);
+    pthread_mutex_unlock(&c->mu);
+}
+
+uint64_t kvd__cache_evict(kvd_store *st, uint64_t id)
+{
+    kvd__cache *c = &st->tiers;
+    if (!have_tiers(c))
+        return 0;
+    uint64_t freed = 0;
+    pthread_mutex_lock(&c->mu);
+    kvd__centry *e = kvd__map_get(&c->map, id);
+    if (e && !e->pins) {
+        freed = e->len;
+        atomic_fetch_add(&c->evictions[e->tier], 1);
+        entry_kill(c, e);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return freed;
+}
+
+/* ---- background thread: read-ahead and expiry --------------------------------- */
+
+void kvd__cache_prefetch(kvd_store *st, const kvd__prefetch_item *it)
+{
+    kvd__cache *c = &st->tiers;
+    if (!c->thread_started || !have_tiers(c))
+        return;
+    pthread_mutex_lock(&c->mu);
+    kvd__centry *e = kvd__map_get(&c->map, it->page_id);
+    if ((!e || e->num_tokens < it->need) && c->qlen < KVD__PREFETCH_QUEUE) {
+        c->queue[(c->qhead + c->qlen) % KVD__PREFETCH_QUEUE] = *it;
+        c->qlen++;
+        pthread_cond_signal(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void prefetch_one(kvd_store *st, const kvd__prefetch_item *it)
+{
+    kvd__cache *c = &st->tiers;
+    pthread_mutex_lock(&c->mu);
+    kvd__centry *e = kvd__map_get(&c->map, it->page_id);
+    int have = e && e->num_tokens >= it->need;
+    pthread_mutex_unlock(&c->mu);
+    if (have)
+        return;
+    kvd__tail_want w = {.page_id = it->page_id,
+                        .layer = it->layer,
+                        .p0 = it->p0,
+                        .need = it->need,
+                        .B = it->B,
+                        .H = it->H,
+                        .D = it->D,
+                        .dtype = it->dtype};
+    kvd__tail pg;
+    kvd_error err;
+    kvd_error_clear(&err);
+    /* Failures (a page deleted meanwhile, or a corrupt one) are left to the
+     * reader, who reports them for its own request. */
+    if (kvd__tail_load(st, st->ropt, &w, &pg, &err) != 0)
+        return;
+    if (pg.nfrags == 0) {
+        size_t len;
+        const char *v = rocksdb_pinnableslice_value(pg.ps, &len);
+        kvd__cache_insert(st, it->page_id, (const uint8_t *)v, len, pg.num_tokens, 0);
+        atomic_fetch_add(&c->prefetched, 1);
+    }
+    kvd__tail_release(&pg);
+}
+
+static void *bg_main(void *arg)
+{
+    kvd_store *st = arg;
+    kvd__cache *c = &st->tiers;
+    uint64_t next_expiry = 0;
+    pthread_mutex_lock(&c->mu);
+    while (!c->stop) {
+        if (c->qlen) {
+            kvd__prefetch_item it = c->queue[c->qhead];
+            c->qhead = (c->qhead + 1) % KVD__PREFETCH_QUEUE;
+            c->qlen--;
+            pthread_mutex_unlock(&c->mu);
+            prefetch_one(st, &it);
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
+        uint64_t now = kvd__now_ms();
+        if (now >= next_expiry) {
+            pthread_mutex_unlock(&c->mu);
+            kvd__expire(st);
+            next_expiry = now + 200;
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 200 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err)
+{
+    kvd__cache *c = &st->tiers;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->be = opt->backend;
+    c->tier[KVD_TIER_HOST].limit = opt->host_tier_bytes;
+    uint64_t dev = opt->device_tier_bytes / GRANULE * GRANULE;
+    if (dev) {
+        void *p = NULL;
+        if (c->be) {
+            int rc = kvd_backend_alloc(c->be, (size_t)dev, &p, err);
+            if (rc)
+                return rc;
+            c->pool_host = strcmp(c->be->iface->name, "cpu") == 0;
+        } else {
+            p = aligned_alloc(GRANULE, (size_t)dev);
+            if (!p)
+                return kvd_error_set(err, KVD_ENOMEM,
+                                     "cannot allocate the device tier of %llu bytes",
+                                     (unsigned long long)dev);
+            c->pool_host = 1;
+        }
+        c->pool = p;
+        c->freel = malloc(sizeof *c->freel);
+        if (!c->freel)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        c->freel[0].off = 0;
+        c->freel[0].len = dev;
+        c->nfree = c->capfree = 1;
+        c->tier[KVD_TIER_DEVICE].limit = dev;
+    }
+    return 0;
+}
+
+int kvd__cache_start(kvd_store *st, kvd_error *err)
+{
+    kvd__cache *c = &st->tiers;
+    if (pthread_create(&c->thread, NULL, bg_main, st) != 0)
+        return kvd_error_set(err, KVD_EINTERNAL, "cannot start the store's background thread");
+    c->thread_started = 1;
+    return 0;
+}
+
+void kvd__cache_fini(kvd_store *st)
+{
+    kvd__cache *c = &st->tiers;
+    if (c->thread_started) {
+        pthread_mutex_lock(&c->mu);
+        c->stop = 1;
+        pthread_cond_signal(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->thread, NULL);
+        c->thread_started = 0;
+    }
+    for (size_t i = 0; i < c->map.cap; i++) {
+        kvd__centry *e = c->map.vals[i];
+        if (e && e->tier == KVD_TIER_HOST)
+            free(e->data);
+        free(e);
+    }
+    kvd__map_free(&c->map);
+    if (c->pool) {
+        if (c->be)
+            kvd_backend_dealloc(c->be, c->pool);
+        else
+            free(c->pool);
+    }
+    free(c->freel);
+    pthread_cond_destroy(&c->cv);
+    pthread_mutex_destroy(&c->mu);
+}
+
+/* ---- stats, expiry, eviction, disk limit ------------------------------------ */
+
+int kvd_store_stats_get(kvd_store *st, kvd_store_stats *out)
+{
+    if (!st || !out)
+        return KVD_EINVAL;
+    memset(out, 0, sizeof *out);
+    kvd__cache *c = &st->tiers;
+    out->durability = st->durability;
+    pthread_mutex_lock(&c->mu);
+    for (int t = 0; t < 2; t++) {
+        out->tier_limit[t] = c->tier[t].limit;
+        out->tier_bytes[t] = c->tier[t].used;
+        out->tier_pages[t] = c->tier[t].pages;
+    }
+    pthread_mutex_unlock(&c->mu);
+    out->tier_limit[KVD_TIER_DISK] = st->disk_limit;
+    out->tier_bytes[KVD_TIER_DISK] = atomic_load(&st->disk_bytes);
+    out->tier_pages[KVD_TIER_DISK] = atomic_load(&st->disk_pages);
+    for (int t = 0; t < 2; t++) {
+        out->hits[t] = atomic_load(&c->hits[t]);
+        out->evictions[t] = atomic_load(&c->evictions[t]);
+    }
+    out->misses = atomic_load(&c->misses);
+    out->promotions = atomic_load(&c->promotions);
+    out->prefetched = atomic_load(&c->prefetched);
+    out->checksum_failures = atomic_load(&c->checksum_failures);
+    out->sequences_dropped = atomic_load(&c->sequences_dropped);
+    out->sequences_expired = atomic_load(&c->sequences_expired);
+    pthread_rwlock_rdlock(&st->lock);
+    out->sequences = st->nseqs;
+    pthread_rwlock_unlock(&st->lock);
+    return 0;
+}
+
+/* Collect the ids of sequences matching a test, then delete each (deletion
+ * takes the sequence's mutex, which may not be taken under st->lock). */
+typedef struct id_list {
+    uint8_t (*ids)[KVD_SEQ_ID_MAX];
+    size_t *lens, n;
+} id_list;
+
+void kvd__expire(kvd_store *st)
+{
+    uint64_t now = kvd__now_ms();
+    id_list l = {0};
+    size_t cap = 0;
+    pthread_rwlock_rdlock(&st->lock);
+    for (size_t i = 0; i < st->nseqs; i++) {
+        kvd__seq *s = st->seqs[i];
+        uint64_t ex = atomic_load(&s->expires_ms);
+        if (!ex || ex > now)
+            continue;
+        if (l.n == cap) {
+            size_t nc = cap ? 2 * cap : 16;
+            void *a = realloc(l.ids, nc * sizeof *l.ids);
+            void *b = a ? realloc(l.lens, nc * sizeof *l.lens) : NULL;
+            if (a)
+                l.ids = a;
+            if (!b)
+                break;
+            l.lens = b;
+            cap = nc;
+        }
+        memcpy(l.ids[l.n], s->id, s->id_len);
+        l.lens[l.n++] = s->id_len;
+    }
+    pthread_rwlock_unlock(&st->lock);
+    for (size_t i = 0; i < l.n; i++) {
+        kvd_error err;
+        kvd_error_clear(&err);
+        /* Re-check under the delete: an Append may have extended the TTL. */
+        pthread_rwlock_rdlock(&st->lock);
+        kvd__seq *s = kvd__seq_find(st, l.ids[i], l.lens[i], NULL);
+        uint64_t ex = s ? atomic_load(&s->expires_ms) : 0;
+        pthread_rwlock_unlock(&st->lock);
+        if (!ex || ex > kvd__now_ms())
+            continue;
+        if (kvd_store_seq_delete(st, l.ids[i], l.lens[i], NULL, &err) == 0)
+            atomic_fetch_add(&st->tiers.sequences_expired, 1);
+    }
+    free(l.ids);
+    free(l.lens);
+}
+
+void kvd__disk_make_room(kvd_store *st, const kvd__seq *keep, uint64_t need)
+{
+    for (int guard = 0; guard < 1 << 20; guard++) {
+        if (atomic_load(&st->disk_bytes) + need <= st->disk_limit)
+            return;
+        uint8_t id[KVD_SEQ_ID_MAX];
+        size_t id_len = 0;
+        uint64_t best = UINT64_MAX;
+        pthread_rwlock_rdlock(&st->lock);
+        for (size_t i = 0; i < st->nseqs; i++) {
+            kvd__seq *s = st->seqs[i];
+            uint64_t t = atomic_load(&s->last_access_ms);
+            if (s == keep || t >= best)
+                continue;
+            best = t;
+            memcpy(id, s->id, s->id_len);
+            id_len = s->id_len;
+        }
+        pthread_rwlock_unlock(&st->lock);
+        if (!id_len)
+            return;
+        kvd_error err;
+        kvd_error_clear(&err);
+        if (kvd_store_seq_delete(st, id, id_len, NULL, &err) == 0) {
+            atomic_fetch_add(&st->tiers.sequences_dropped, 1);
+            char idb[KVD__ID_STR_MAX];
+            store_log("info", "msg=\"sequence dropped to stay under the disk limit\" seq=%s",
+                      kvd__id_str(id, id_len, idb, sizeof idb));
+        }
+    }
+}
+
+int kvd_store_seq_evict(kvd_store *st, const void *id, size_t id_len, uint64_t *pages,
+                        uint64_t *bytes, kvd_error *err)
+{
+    if (pages)
+        *pages = 0;
+    if (bytes)
+        *bytes = 0;
+    int rc = kvd__check_seq_id(id, id_len, err);
+    if (rc)
+        return rc;
+    pthread_rwlock_rdlock(&st->lock);
+    kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
+    if (!s) {
+        pthread_rwlock_unlock(&st->lock);
+        char idb[KVD__ID_STR_MAX];
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                             kvd__id_str(id, id_len, idb, sizeof idb));
+    }
+    uint64_t np = 0, nb = 0;
+    for (uint32_t l = 0; l < s->num_layers; l++)
+        for (uint32_t i = 0; i < s->layers[l].npages; i++) {
+            uint64_t b = kvd__cache_evict(st, s->layers[l].pages[i]->id);
+            if (b) {
+                np++;
+                nb += b;
+            }
+        }
+    pthread_rwlock_unlock(&st->lock);
+    if (pages)
+        *pages = np;
+    if (bytes)
+        *bytes = nb;
+    return 0;
+}
+
+/* ---- expiry records ------------------------------------------------------- */
+
+static void expiry_key(const kvd__seq *s, uint8_t *key, size_t *klen)
+{
+    key[0] = KVD__KEY_EXPIRY;
+    memcpy(key + 1, s->id, s->id_len);
+    *klen = s->id_len + 1;
+}
+
+void kvd__expiry_put(rocksdb_writebatch_t *b, const kvd__seq *s, uint64_t ttl_ms,
+                     uint64_t expires_ms)
+{
+    uint8_t key[1 + KVD_SEQ_ID_MAX], v[16];
+    size_t klen;
+    expiry_key(s, key, &klen);
+    for (int i = 0; i < 8; i++) {
+        v[i] = (uint8_t)(ttl_ms >> (8 * i));
+        v[8 + i] = (uint8_t)(expires_ms >> (8 * i));
+    }
+    rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)v, sizeof v);
+}
+
+void kvd__expiry_delete(rocksdb_writebatch_t *b, const kvd__seq *s)
+{
+    uint8_t key[1 + KVD_SEQ_ID_MAX];
+    size_t klen;
+    expiry_key(s, key, &klen);
+    rocksdb_writebatch_delete(b, (const char *)key, klen);
+}
+
+int kvd__load_expiry(kvd_store *st, kvd_error *err)
+{
+    int rc = 0;
+    rocksdb_iterator_t *it = rocksdb_create_iterator(st->db, st->ropt);
+    char start = KVD__KEY_EXPIRY;
+    for (rocksdb_iter_seek(it, &start, 1); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
+        size_t klen, vlen;
+        const char *k = rocksdb_iter_key(it, &klen);
+        if (klen == 0 || k[0] != KVD__KEY_EXPIRY)
+            break;
+        const uint8_t *v = (const uint8_t *)rocksdb_iter_value(it, &vlen);
+        kvd__seq *s = klen > 1 ? kvd__seq_find(st, k + 1, klen - 1, NULL) : NULL;
+        if (!s || vlen != 16)
+            continue; /* a record left by a sequence that is gone: harmless */
+        uint64_t ttl = 0, ex = 0;
+        for (int i = 0; i < 8; i++) {
+            ttl |= (uint64_t)v[i] << (8 * i);
+            ex |= (uint64_t)v[8 + i] << (8 * i);
+        }
+        s->ttl_ms = ttl;
+        atomic_store(&s->expires_ms, ex);
+    }
+    char *e = NULL;
+    rocksdb_iter_get_error(it, &e);
+    if (e) {
+        rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb scan of expiry records failed: %s", e);
+        rocksdb_free(e);
+    }
+    rocksdb_iter_destroy(it);
+    return rc;
+}
+
+int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t ttl_ms,
+                          kvd_error *err)
+{
+    int rc = kvd__check_seq_id(id, id_len, err);
+    if (rc)
+        return rc;
+    pthread_rwlock_rdlock(&st->lock);
+    kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
+    if (s)
+        atomic_fetch_add(&s->refs, 1);
+    pthread_rwlock_unlock(&st->lock);
+    char idb[KVD__ID_STR_MAX];
+    if (!s)
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                             kvd__id_str(id, id_len, idb, sizeof idb));
+    pthread_mutex_lock(&s->mu);
+    if (s->dead) {
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                           kvd__id_str(id, id_len, idb, sizeof idb));
+    } else {
+        uint64_t ex = ttl_ms ? kvd__now_ms() + ttl_ms : 0;
+        rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+        if (ttl_ms)
+            kvd__expiry_put(b, s, ttl_ms, ex);
+        else
+            kvd__expiry_delete(b, s);
+        rc = kvd__db_write(st, b, err);
+        rocksdb_writebatch_destroy(b);
+        if (!rc) {
+            pthread_rwlock_wrlock(&st->lock);
+            s->ttl_ms = ttl_ms;
+            atomic_store(&s->expires_ms, ex);
+            pthread_rwlock_unlock(&st->lock);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    kvd__seq_unref(s);
+    return rc;
+}
+
+/* ---- page acquisition for computations -------------------------------------- */
+
+int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                           uint64_t block, kvd_page_handle *h, kvd_error *err)
+{
+    if (!h)
+        return kvd_error_set(err, KVD_EINVAL, "page acquire: NULL handle");
+    memset(h, 0, sizeof *h);
+    int rc = kvd__check_seq_id(seq_id, id_len, err);
+    if (rc)
+        return rc;
+    kvd__tail_want w = {.layer = layer, .B = st->page_tokens};
+    char idb[KVD__ID_STR_MAX];
+    pthread_rwlock_rdlock(&st->lock);
+    kvd__seq *s = kvd__seq_find(st, seq_id, id_len, NULL);
+    if (!s) {
+        pthread_rwlock_unlock(&st->lock);
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                             kvd__id_str(seq_id, id_len, idb, sizeof idb));
+    }
+    if (layer >= s->num_layers || block >= s->layers[layer].npages) {
+        pthread_rwlock_unlock(&st->lock);
+        return kvd_error_set(err, KVD_ERANGE, "sequence %s has no page %llu on layer %u",
+                             kvd__id_str(seq_id, id_len, idb, sizeof idb),
+                             (unsigned long long)block, layer);
+    }
+    const kvd__page *p = s->layers[layer].pages[block];
+    w.page_id = p->id;
+    w.need = p->num_tokens;
+    w.p0 = block * st->page_tokens;
+    w.H = s->model->info.num_kv_heads;
+    w.D = s->model->info.head_dim;
+    w.dtype = s->model->info.dtype;
+    atomic_store(&s->last_access_ms, kvd__now_ms());
+    pthread_rwlock_unlock(&st->lock);
+
+    uint8_t *tmp = NULL;
+    const uint8_t *bytes;
+    kvd__centry *e = kvd__cache_acquire(st, w.page_id, w.need, &bytes, &tmp);
+    if (e) {
+        h->bytes = bytes;
+        h->len = e->len;
+        h->tier = e->tier;
+        h->device = e->tier == KVD_TIER_DEVICE ? e->data : NULL;
+        h->priv_ = e;
+        h->buf_ = tmp;
+        return 0;
+    }
+    kvd__tail pg;
+    if ((rc = kvd__tail_load(st, st->ropt, &w, &pg, err))) {
+        if (rc == KVD_ECORRUPT)
+            kvd__note_corrupt(st, w.page_id, err);
+        return rc;
+    }
+    uint8_t *own = NULL;
+    size_t len = 0;
+    if (pg.nfrags == 0) {
+        const char *v = rocksdb_pinnableslice_value(pg.ps, &len);
+        e = kvd__cache_insert(st, w.page_id, (const uint8_t *)v, len, pg.num_tokens, 1);
+        if (!e && (own = malloc(len)))
+            memcpy(own, v, len);
+    } else {
+        /* A tail assembled from fragments: hand out one page of it. */
+        kvd_page_desc d = {.dtype = w.dtype,
+                           .layer = layer,
+                           .token_start = w.p0,
+                           .num_tokens = pg.num_tokens,
+                           .page_tokens = w.B,
+                           .num_kv_heads = w.H,
+                           .head_dim = w.D};
+        rc = kvd_page_encode_raw(&d, pg.k, pg.v, &own, &len, err);
+    }
+    kvd__tail_release(&pg);
+    if (rc)
+        return rc;
+    if (e) {
+        /* Pinned: its tier and bytes stay put until release. */
+        h->priv_ = e;
+        h->len = e->len;
+        h->tier = KVD_TIER_DISK;
+        atomic_fetch_add(&st->tiers.promotions, 1);
+        if (e->tier == KVD_TIER_DEVICE)
+            h->device = e->data;
+        if (e->tier == KVD_TIER_HOST || st->tiers.pool_host) {
+            h->bytes = e->data;
+            return 0;
+        }
+        h->buf_ = malloc(e->len);
+        if (!h->buf_ || pool_get(&st->tiers, h->buf_, e->off, e->len) != 0) {
+            kvd_store_page_release(st, h);
+            return kvd_error_set(err, KVD_EINTERNAL, "cannot copy a page out of the device tier");
+        }
+        h->bytes = h->buf_;
+        return 0;
+    }
+    if (!own)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring a page");
+    h->bytes = own;
+    h->len = len;
+    h->tier = KVD_TIER_DISK;
+    h->buf_ = own;
+    return 0;
+}
+
+void kvd_store_page_release(kvd_store *st, kvd_page_handle *h)
+{
+    if (!h)
+        return;
+    kvd__cache_release(st, h->priv_);
+    free(h->buf_);
+    memset(h, 0, sizeof *h);
+}
