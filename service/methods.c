@@ -32,6 +32,8 @@ const kvd_method kvd_methods[] = {
           kvd_h_list_sequences, R),
     UNARY(KVD_SVC, DeleteSequence, kvdepot__v1__delete_sequence_request__descriptor,
           kvd_h_delete_sequence, W),
+    UNARY(KVD_SVC, Attend, kvdepot__v1__attend_request__descriptor, kvd_h_attend, R),
+    UNARY(KVD_SVC, PlanFetch, kvdepot__v1__plan_fetch_request__descriptor, kvd_h_plan_fetch, R),
     UNARY(HEALTH_SVC, Check, grpc__health__v1__health_check_request__descriptor,
           kvd_h_health_check, KVD_ACCESS_OPEN),
     {HEALTH_SVC "Watch", "Watch", KVD_RPC_SERVER_STREAM,

@@ -146,6 +146,9 @@ int kvd_h_delete_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buf
                           kvd_error *);
 int kvd_h_health_check(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
                        kvd_error *);
+/* compute.c */
+int kvd_h_attend(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_plan_fetch(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 extern const kvd_stream_ops kvd_append_ops;
 extern const kvd_stream_ops kvd_read_ops;
 extern const kvd_stream_ops kvd_health_watch_ops;

@@ -1,0 +1,415 @@
+/*
+ * Compute handlers: Attend (decode attention on stored pages) and PlanFetch
+ * (KVPR split). See compute.h for the backend choice and the cost model.
+ *
+ * Attend reads one layer of each sequence in windows of ATTEND_WINDOW tokens
+ * through the store's read cursor, runs the dense kernel on each window
+ * straight from the cursor's wire layout (no transpose: the kernel takes any
+ * stride on the two outer dimensions) and folds the windows together with
+ * the log-sum-exp merge. Memory per call is therefore bounded by one window,
+ * whatever the sequence length, and a window's pages are checksum-verified
+ * before any of their bytes reach the kernel.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compute.h"
+#include "convert.h"
+#include "kvdepot/attention.h"
+#include "kvdepot/backend.h"
+#include "log.h"
+#include "rpc.h"
+#include "validate.h"
+
+#define ATTEND_MAX_BATCH 1024
+/* Tokens read per kernel call: large enough that the cursor and the kernel
+ * run at full speed, small enough (8 KiB tokens x 8 heads x 128 dims x f16
+ * x K,V = 32 MiB) to keep a batch of long sequences in memory bounds. */
+#define ATTEND_WINDOW 8192
+
+/* ---- backend ------------------------------------------------------------- */
+
+static pthread_once_t backend_once = PTHREAD_ONCE_INIT;
+static kvd_backend *cpu_be;
+static kvd_error backend_err;
+
+/* The CPU backend always runs compute: stored pages are in host memory, and
+ * the CUDA backend has no attention ops yet. When one exists and supports the
+ * op, the pages would be uploaded to it instead; the log line says which
+ * backend serves. */
+static void backend_init(void)
+{
+    kvd_backend *cuda = NULL;
+    kvd_error e;
+    kvd_error_clear(&e);
+    int crc = kvd_backend_cuda_create(-1, &cuda, &e);
+    int cuda_attn = crc == 0 && cuda && cuda->iface->attn && cuda->iface->attn->dense;
+    kvd_cpu_options opt = {0, 0};
+    if (kvd_backend_cpu_create(&opt, &cpu_be, &backend_err) != 0)
+        cpu_be = NULL;
+    KVD_LOG(KVD_LOG_INFO, "compute backend", "backend=cpu threads=%d cuda=%s",
+            cpu_be ? cpu_be->nthreads : 0,
+            crc != 0 ? "unavailable" : cuda_attn ? "present (ops not used yet)" : "present, no attention ops");
+    kvd_backend_free(cuda);
+}
+
+static int compute_backend(kvd_backend **out, kvd_error *err)
+{
+    pthread_once(&backend_once, backend_init);
+    *out = cpu_be;
+    if (!cpu_be)
+        return kvd_error_set(err, KVD_EINTERNAL, "no compute backend: %s", backend_err.msg);
+    return 0;
+}
+
+/* ---- shared checks --------------------------------------------------------- */
+
+/* What a compute request needs to know about one sequence. */
+typedef struct seq_ctx {
+    kvd_model_info model;
+    uint64_t layer_tokens; /* tokens stored in the layer asked for */
+    uint64_t stored_bytes;
+    uint64_t num_tokens;
+    uint32_t num_layers;
+} seq_ctx;
+
+static int load_seq(kvd_req_ctx *ctx, const ProtobufCBinaryData *id, const char *field,
+                    uint32_t layer, seq_ctx *out, kvd_error *err)
+{
+    int rc;
+    if ((rc = kvd_check_seq_id(id->data, id->len, field, err)))
+        return rc;
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, id->data, id->len, &info, err)))
+        return rc;
+    if ((rc = kvd_ctx_check_model(ctx, info.model, err)) ||
+        (rc = kvd_store_model_get(ctx->svc->store, info.model, &out->model, err)))
+        goto done;
+    if (layer >= info.num_layers) {
+        rc = kvd_error_set(err, KVD_EINVAL, "layer: %u, model %s has %u layers", layer,
+                           info.model, info.num_layers);
+        goto done;
+    }
+    out->layer_tokens = info.layer_tokens[layer];
+    out->stored_bytes = info.stored_bytes;
+    out->num_tokens = info.num_tokens;
+    out->num_layers = info.num_layers;
+done:
+    kvd_seq_info_clear(&info);
+    return rc;
+}
+
+/* Resolve [start, start + *count) against the tokens stored (count 0 = to
+ * the end). KVD_ERANGE past the end. */
+static int token_range(const char *what, uint64_t start, uint64_t *count, uint64_t stored,
+                       kvd_error *err)
+{
+    int rc = kvd_check_range(start, *count, 64, "token_start", "num_tokens", err);
+    if (rc)
+        return rc;
+    if (start > stored)
+        return kvd_error_set(err, KVD_ERANGE, "%s: token_start %llu past the %llu tokens stored",
+                             what, (unsigned long long)start, (unsigned long long)stored);
+    if (*count == 0)
+        *count = stored - start;
+    if (start + *count > stored)
+        return kvd_error_set(err, KVD_ERANGE, "%s: tokens [%llu, %llu) past the %llu stored", what,
+                             (unsigned long long)start, (unsigned long long)(start + *count),
+                             (unsigned long long)stored);
+    return 0;
+}
+
+static int reply_msg(kvd_req_ctx *ctx, const ProtobufCMessage *m, grpc_byte_buffer **reply,
+                     kvd_error *err)
+{
+    size_t n = protobuf_c_message_get_packed_size(m);
+    if (n > ctx->svc->cfg->max_message_bytes)
+        return kvd_error_set(err, KVD_ENOMEM,
+                             "reply of %zu bytes exceeds max-message-bytes (%llu): send fewer "
+                             "queries per call",
+                             n, (unsigned long long)ctx->svc->cfg->max_message_bytes);
+    *reply = kvd_pack(m);
+    if (!*reply)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+    return 0;
+}
+
+/* ---- attention over a stored token range ------------------------------------- */
+
+/* Read tokens [start, start + n) of one layer (K then V, each
+ * [token][kv_head][head_dim]) into buf, which holds the whole range. */
+static int read_window(kvd_store *st, const ProtobufCBinaryData *id, uint32_t layer,
+                       uint64_t start, uint64_t n, uint8_t *buf, uint64_t bytes, kvd_error *err)
+{
+    kvd_read_spec rs = {id->data, id->len, layer, 1, start, n};
+    kvd_read *rd = NULL;
+    kvd_read_shape shape;
+    int rc = kvd_store_read_begin(st, &rs, &rd, &shape, err);
+    if (rc)
+        return rc;
+    if (shape.total_bytes != bytes) {
+        kvd_store_read_end(rd);
+        return kvd_error_set(err, KVD_EINTERNAL, "read of %llu bytes, expected %llu",
+                             (unsigned long long)shape.total_bytes, (unsigned long long)bytes);
+    }
+    uint64_t got = 0;
+    while (got < bytes) {
+        size_t len = 0;
+        if ((rc = kvd_store_read_next(rd, buf + got, (size_t)(bytes - got), &len, err)))
+            break;
+        if (len == 0) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "read ended after %llu of %llu bytes",
+                               (unsigned long long)got, (unsigned long long)bytes);
+            break;
+        }
+        got += len;
+    }
+    kvd_store_read_end(rd);
+    return rc;
+}
+
+/*
+ * out (Hq, D) / lse (Hq) = attention of q (Hq, D) f32 over tokens
+ * [start, start + n) of `layer`, window by window, merged by log-sum-exp.
+ */
+static int attend_range(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinaryData *id,
+                        const kvd_model_info *m, uint32_t layer, uint64_t start, uint64_t n,
+                        const float *q, float scale, float *out, float *lse, kvd_error *err)
+{
+    const int Hq = (int)m->num_q_heads, H = (int)m->num_kv_heads, D = (int)m->head_dim;
+    const size_t es = kvd_dtype_size(m->dtype);
+    for (int h = 0; h < Hq; h++) {
+        lse[h] = -INFINITY;
+        for (int d = 0; d < D; d++)
+            out[(size_t)h * D + d] = 0.0f;
+    }
+    if (n == 0)
+        return 0;
+    uint64_t win = n < ATTEND_WINDOW ? n : ATTEND_WINDOW;
+    size_t half = (size_t)win * H * D * es;
+    uint8_t *buf = malloc(2 * half);
+    float *wout = malloc(sizeof(float) * (size_t)Hq * D);
+    float *wlse = malloc(sizeof(float) * (size_t)Hq);
+    int rc = 0;
+    if (!buf || !wout || !wlse) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token window",
+                           (unsigned long long)win);
+        goto done;
+    }
+    kvd_attn_dims dims = {Hq, H, D, D, scale};
+    int64_t qshape[2] = {Hq, D}, lshape[1] = {Hq};
+    for (uint64_t t0 = 0; t0 < n && rc == 0; t0 += win) {
+        uint64_t T = n - t0 < win ? n - t0 : win;
+        uint64_t bytes = 2 * (uint64_t)T * H * D * es;
+        if ((rc = read_window(ctx->svc->store, id, layer, start + t0, T, buf, bytes, err)))
+            break;
+        kvd_attn_dense_args a;
+        memset(&a, 0, sizeof a);
+        a.dims = dims;
+        a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)q, 2, qshape);
+        /* Wire layout [token][kv_head][dim] seen as (kv_head, token, dim). */
+        int64_t kshape[3] = {H, (int64_t)T, D};
+        a.k = kvd_tensor_make(m->dtype, buf, 3, kshape);
+        a.k.stride[0] = D;
+        a.k.stride[1] = (int64_t)H * D;
+        a.k.stride[2] = 1;
+        a.v = a.k;
+        a.v.data = buf + bytes / 2;
+        a.out = kvd_tensor_make(KVD_DTYPE_F32, t0 == 0 ? out : wout, 2, qshape);
+        a.lse = kvd_tensor_make(KVD_DTYPE_F32, t0 == 0 ? lse : wlse, 1, lshape);
+        if ((rc = kvd_attn_dense(be, 1, &a, err)))
+            break;
+        if (t0 > 0) {
+            kvd_attn_merge_args mg;
+            mg.out_a = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qshape);
+            mg.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, lshape);
+            mg.out_b = a.out;
+            mg.lse_b = a.lse;
+            mg.out = mg.out_a;
+            mg.lse = mg.lse_a;
+            rc = kvd_attn_merge(be, 1, &mg, err);
+        }
+    }
+done:
+    free(buf);
+    free(wout);
+    free(wlse);
+    return rc;
+}
+
+static float default_scale(float scale, uint32_t D)
+{
+    return scale != 0.0f ? scale : 1.0f / sqrtf((float)D);
+}
+
+/* ---- Attend ------------------------------------------------------------------ */
+
+int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                 kvd_error *err)
+{
+    const Kvdepot__V1__AttendRequest *req = (const Kvdepot__V1__AttendRequest *)msg;
+    size_t n = req->n_queries;
+    if (n == 0)
+        return kvd_error_set(err, KVD_EINVAL, "queries: empty");
+    if (n > ATTEND_MAX_BATCH)
+        return kvd_error_set(err, KVD_EINVAL, "queries: %zu, at most %d per call", n,
+                             ATTEND_MAX_BATCH);
+    if (!isfinite(req->scale))
+        return kvd_error_set(err, KVD_EINVAL, "scale: not finite");
+    kvd_backend *be;
+    int rc = compute_backend(&be, err);
+    if (rc)
+        return rc;
+
+    /* Check every query before computing any: a bad batch fails as a whole. */
+    seq_ctx *sc = calloc(n, sizeof *sc);
+    uint64_t *count = calloc(n, sizeof *count);
+    Kvdepot__V1__AttendResult *res = calloc(n, sizeof *res);
+    Kvdepot__V1__AttendResult **resp_p = calloc(n, sizeof *resp_p);
+    if (!sc || !count || !res || !resp_p) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Kvdepot__V1__AttendQuery *qy = req->queries[i];
+        char field[48];
+        snprintf(field, sizeof field, "queries[%zu].sequence_id", i);
+        if ((rc = load_seq(ctx, &qy->sequence_id, field, req->layer, &sc[i], err)))
+            goto done;
+        size_t want = (size_t)sc[i].model.num_q_heads * sc[i].model.head_dim;
+        if (qy->n_q != want) {
+            rc = kvd_error_set(err, KVD_EINVAL,
+                               "queries[%zu].q: %zu floats, model %s needs num_q_heads x "
+                               "head_dim = %u x %u",
+                               i, qy->n_q, sc[i].model.name, sc[i].model.num_q_heads,
+                               sc[i].model.head_dim);
+            goto done;
+        }
+        count[i] = qy->num_tokens;
+        snprintf(field, sizeof field, "queries[%zu]", i);
+        if ((rc = token_range(field, qy->token_start, &count[i], sc[i].layer_tokens, err)))
+            goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const kvd_model_info *m = &sc[i].model;
+        kvdepot__v1__attend_result__init(&res[i]);
+        resp_p[i] = &res[i];
+        res[i].n_output = (size_t)m->num_q_heads * m->head_dim;
+        res[i].n_lse = m->num_q_heads;
+        res[i].output = malloc(sizeof(float) * res[i].n_output);
+        res[i].lse = malloc(sizeof(float) * res[i].n_lse);
+        res[i].num_tokens = count[i];
+        if (!res[i].output || !res[i].lse) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+            goto done;
+        }
+        const Kvdepot__V1__AttendQuery *qy = req->queries[i];
+        if ((rc = attend_range(ctx, be, &qy->sequence_id, m, req->layer, qy->token_start,
+                               count[i], qy->q, default_scale(req->scale, m->head_dim),
+                               res[i].output, res[i].lse, err)))
+            goto done;
+    }
+    Kvdepot__V1__AttendResponse resp = KVDEPOT__V1__ATTEND_RESPONSE__INIT;
+    resp.n_results = n;
+    resp.results = resp_p;
+    rc = reply_msg(ctx, &resp.base, reply, err);
+done:
+    if (res)
+        for (size_t i = 0; i < n; i++) {
+            free(res[i].output);
+            free(res[i].lse);
+        }
+    free(res);
+    free(resp_p);
+    free(count);
+    free(sc);
+    return rc;
+}
+
+/* ---- PlanFetch ---------------------------------------------------------------- */
+
+double kvd_fetch_time(const kvd_fetch_cost *c, uint64_t l)
+{
+    double x = (double)l * c->x_bytes / c->bandwidth;
+    double rc = (double)l * c->flops / c->rate;
+    double kv = (double)(c->n - l) * c->kv_bytes / c->bandwidth;
+    return x + (rc > kv ? rc : kv);
+}
+
+uint64_t kvd_plan_fetch(const kvd_fetch_cost *c)
+{
+    uint64_t hi = c->max_l < c->n ? c->max_l : c->n;
+    uint64_t cand[4] = {0, hi, 0, 0};
+    /* Recompute of l tokens takes as long as the transfer of the other n - l
+     * at l* = n * (kv/bw) / (flops/rate + kv/bw). */
+    double a = c->flops / c->rate, b = c->kv_bytes / c->bandwidth;
+    double ls = a + b > 0 ? (double)c->n * b / (a + b) : 0.0;
+    if (ls > (double)hi)
+        ls = (double)hi;
+    cand[2] = (uint64_t)floor(ls);
+    cand[3] = cand[2] < hi ? cand[2] + 1 : cand[2];
+    uint64_t best = 0;
+    double tbest = kvd_fetch_time(c, 0);
+    for (int i = 1; i < 4; i++) {
+        double t = kvd_fetch_time(c, cand[i]);
+        if (t < tbest || (t == tbest && cand[i] < best)) {
+            tbest = t;
+            best = cand[i];
+        }
+    }
+    return best;
+}
+
+int kvd_h_plan_fetch(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                     kvd_error *err)
+{
+    const Kvdepot__V1__PlanFetchRequest *req = (const Kvdepot__V1__PlanFetchRequest *)msg;
+    int rc;
+    if (!(req->bandwidth_bytes_per_s > 0) || !isfinite(req->bandwidth_bytes_per_s))
+        return kvd_error_set(err, KVD_EINVAL, "bandwidth_bytes_per_s: must be finite and > 0");
+    if (!(req->compute_flops_per_s > 0) || !isfinite(req->compute_flops_per_s))
+        return kvd_error_set(err, KVD_EINVAL, "compute_flops_per_s: must be finite and > 0");
+    if ((rc = kvd_check_range(req->layer_start, req->num_layers, 32, "layer_start",
+                              "num_layers", err)))
+        return rc;
+    seq_ctx sc;
+    if ((rc = load_seq(ctx, &req->sequence_id, "sequence_id", 0, &sc, err)))
+        return rc;
+    uint32_t L = req->num_layers ? req->num_layers : sc.num_layers - req->layer_start;
+    if (req->layer_start >= sc.num_layers || L > sc.num_layers - req->layer_start)
+        return kvd_error_set(err, KVD_EINVAL, "layers [%u, %u): model %s has %u layers",
+                             req->layer_start, req->layer_start + L, sc.model.name,
+                             sc.num_layers);
+    const kvd_model_info *m = &sc.model;
+    double es = (double)kvd_dtype_size(m->dtype);
+    kvd_fetch_cost c;
+    c.n = sc.num_tokens;
+    /* Stored bytes are attributed per token and layer: pages of every layer
+     * hold the same tokens, so the share of L layers is L / num_layers. */
+    c.kv_bytes = sc.num_tokens
+                     ? (double)sc.stored_bytes / (double)sc.num_tokens * L / sc.num_layers
+                     : 0.0;
+    c.x_bytes = (double)m->hidden_size * es * L;
+    c.flops = 2.0 * m->hidden_size * (2.0 * m->num_kv_heads * m->head_dim) * L;
+    c.bandwidth = req->bandwidth_bytes_per_s;
+    c.rate = req->compute_flops_per_s;
+    /* Activations are only usable where the model declares a hidden size and
+     * the caller says the receiver can have them. */
+    c.max_l = (m->hidden_size && req->assume_activations) ? c.n : 0;
+    uint64_t l = kvd_plan_fetch(&c);
+    Kvdepot__V1__PlanFetchResponse resp = KVDEPOT__V1__PLAN_FETCH_RESPONSE__INIT;
+    resp.split_tokens = l;
+    resp.num_tokens = c.n;
+    resp.predicted_seconds = kvd_fetch_time(&c, l);
+    resp.kv_only_seconds = kvd_fetch_time(&c, 0);
+    resp.activation_bytes = (uint64_t)((double)l * c.x_bytes);
+    resp.kv_bytes = (uint64_t)((double)(c.n - l) * c.kv_bytes);
+    resp.recompute_seconds = (double)l * c.flops / c.rate;
+    resp.kv_bytes_per_token = c.kv_bytes;
+    resp.activation_bytes_per_token = c.x_bytes;
+    resp.flops_per_token = c.flops;
+    return reply_msg(ctx, &resp.base, reply, err);
+}
