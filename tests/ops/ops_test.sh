@@ -8,8 +8,9 @@
 #   CASE: tls mtls auth reload quota limits deadline config metrics
 set -euo pipefail
 
-server=$1
-cli=$2
+# Absolute paths: some cases change directory.
+server=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+cli=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
 case_name=$3
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-ops-XXXXXX")
 pid=
