@@ -12,6 +12,7 @@ set -euo pipefail
 server=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 cli=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
 case_name=$3
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-ops-XXXXXX")
 pid=
 port=
@@ -354,7 +355,7 @@ EOF
         grep -q 'bad.yaml:2' err || fail "'$bad': error lacks file:line: $(cat err)"
     done
     # The example config documents every setting and loads as is.
-    example=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../deploy" && pwd)/kvdepot.example.yaml
+    example=$here/../../deploy/kvdepot.example.yaml
     "$server" --config "$example" --print-config >ex.txt 2>err || fail "example config: $(cat err)"
     for key in $(grep -v '^#' ex.txt | cut -d: -f1); do
         grep -q "^$key:" "$example" || fail "example config lacks $key"
