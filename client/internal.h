@@ -159,4 +159,9 @@ int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_ms
 void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, size_t data_len,
                              int with_header, size_t *len);
 
+/* The process-wide single-thread CPU backend of the local kernels
+ * (compute.c); NULL when it cannot be created. */
+struct kvd_backend;
+struct kvd_backend *kvdepot__cpu_backend(void);
+
 #endif /* KVDEPOT_CLIENT_INTERNAL_H */

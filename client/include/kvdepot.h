@@ -656,6 +656,125 @@ int kvdepot_shard_prefix_tag(uint64_t first_block_hash, char *buf, size_t cap);
  */
 int kvdepot_shard_refresh(kvdepot_client *client);
 
+/* ------------------------------------------------------------------------ */
+/* Compute on stored caches                                                  */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Decode attention is computed per query head h, with grouped-query
+ * attention (query head h reads kv head h / (num_q_heads / num_kv_heads)):
+ *
+ *     s_t   = scale * q_h . k_t
+ *     lse_h = ln sum_t exp(s_t)
+ *     out_h = sum_t exp(s_t - lse_h) v_t
+ *
+ * Results over disjoint token ranges combine exactly with
+ * kvdepot_attention_merge(), so an engine can ask the server for the stored
+ * tokens and add the tokens it still holds itself.
+ */
+
+/* One (sequence, query) pair of kvdepot_attend. */
+typedef struct kvdepot_attend_query {
+    const void *id;
+    size_t id_len;
+    const float *q;        /* (num_q_heads, head_dim) f32, row-major */
+    size_t q_len;          /* floats in q: num_q_heads * head_dim of the model */
+    uint64_t token_start;
+    uint64_t num_tokens;   /* 0 = to the end of the layer */
+} kvdepot_attend_query;
+
+/* The answer to one query. */
+typedef struct kvdepot_attend_result {
+    float *output;         /* (num_q_heads, head_dim) f32; free with
+                              kvdepot_attend_results_free */
+    float *lse;            /* (num_q_heads) f32; -inf for an empty range */
+    size_t num_q_heads;
+    size_t head_dim;
+    uint64_t num_tokens;   /* tokens attended */
+} kvdepot_attend_result;
+
+/*
+ * Attend (kvdepot.v1 Attend): attention of each query over its sequence's
+ * stored tokens [token_start, token_start + num_tokens) at `layer`, computed
+ * by the server on the pages it holds. The whole batch is checked before
+ * anything is computed; one bad query fails the call.
+ * @param[in]  client
+ * @param[in]  layer    model layer
+ * @param[in]  scale    softmax scale; 0 = 1/sqrt(head_dim)
+ * @param[in]  queries  n pairs (1..1024); sequences may belong to different
+ *                      models
+ * @param[out] out      n results, filled in order; free the buffers with
+ *                      kvdepot_attend_results_free(out, n)
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL (bad layer, q of the wrong size, empty
+ *         or oversized batch); KVDEPOT_ENOTFOUND (unknown sequence);
+ *         KVDEPOT_ERANGE (tokens past those stored); KVDEPOT_ECORRUPT (a
+ *         page failed its checksum); KVDEPOT_EUNSUPP on a client over
+ *         several servers.
+ */
+int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,
+                   const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out);
+
+/* Free the buffers of n results (the array itself is the caller's); NULL is
+ * a no-op. */
+void kvdepot_attend_results_free(kvdepot_attend_result *results, size_t n);
+
+/*
+ * Local attention with the same CPU kernels the server uses, on K/V in the
+ * wire layout of one layer: k and v each [token][kv_head][head_dim] in
+ * `dtype`, num_tokens tokens (0 allowed: lse = -inf, out = 0).
+ * @param[in]  q    (num_q_heads, head_dim) f32
+ * @param[out] out  (num_q_heads, head_dim) f32
+ * @param[out] lse  (num_q_heads) f32
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL for bad shapes (num_q_heads not a
+ *         multiple of num_kv_heads, NULL buffers); KVDEPOT_ENOMEM.
+ */
+int kvdepot_attention_local(kvdepot_dtype dtype, uint32_t num_q_heads, uint32_t num_kv_heads,
+                            uint32_t head_dim, float scale, const float *q, const void *k,
+                            const void *v, uint64_t num_tokens, float *out, float *lse);
+
+/*
+ * Merge two results over disjoint token sets into (out_a, lse_a):
+ *   lse = ln(e^lse_a + e^lse_b), out = e^(lse_a-lse) out_a + e^(lse_b-lse) out_b.
+ * A side with lse = -inf contributes nothing.
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL for NULL buffers.
+ */
+int kvdepot_attention_merge(uint32_t num_q_heads, uint32_t head_dim, float *out_a, float *lse_a,
+                            const float *out_b, const float *lse_b);
+
+/* kvdepot_plan_fetch's answer (kvdepot.v1.PlanFetchResponse). */
+typedef struct kvdepot_fetch_plan {
+    uint64_t split_tokens;        /* l: send activations for tokens [0, l) */
+    uint64_t num_tokens;          /* n */
+    double predicted_seconds;     /* t(l) */
+    double kv_only_seconds;       /* t(0): a plain fetch */
+    double recompute_seconds;     /* t_rc(l) */
+    uint64_t activation_bytes;    /* M_X(l) */
+    uint64_t kv_bytes;            /* M_KV(l) */
+    double kv_bytes_per_token;    /* the terms of the cost model */
+    double activation_bytes_per_token;
+    double flops_per_token;
+} kvdepot_fetch_plan;
+
+/*
+ * PlanFetch (KVPR): where to split a fetch of a sequence so the receiver
+ * recomputes K/V of the first l tokens from activations while the rest
+ * streams in. Cost model (kvdepot.proto, PlanFetchRequest):
+ *   t(l) = l*x/bw + max(l*f/rate, (n - l)*kv/bw)
+ * with x, kv, f the per-token activation bytes, stored K/V bytes and
+ * recompute flops over the layers asked for; l ranges over [0, n] when
+ * assume_activations is set (and the model has a hidden_size), else l = 0.
+ * @param[in]  bandwidth_bytes_per_s, compute_flops_per_s  both > 0
+ * @param[in]  layer_start, num_layers  layers fetched (num_layers 0 = all
+ *             from layer_start)
+ * @param[out] out
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL; KVDEPOT_ENOTFOUND; KVDEPOT_EUNSUPP on
+ *         a client over several servers.
+ */
+int kvdepot_plan_fetch(kvdepot_client *client, const void *id, size_t id_len,
+                       double bandwidth_bytes_per_s, double compute_flops_per_s,
+                       uint32_t layer_start, uint32_t num_layers, int assume_activations,
+                       kvdepot_fetch_plan *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,258 @@
+/*
+ * libkvdepot compute calls: Attend and PlanFetch, plus local attention and
+ * merge with the same CPU kernels the server runs, so a caller can check or
+ * extend a server result (attention over the tokens it still holds).
+ *
+ * The calls go through kvdepot__call_raw with messages packed here: one
+ * request message, one response, like every unary call.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "kvdepot.h"
+#include "kvdepot/attention.h"
+#include "kvdepot/backend.h"
+#include "kvdepot/v1/kvdepot.pb-c.h"
+
+#define PATH_ATTEND "/kvdepot.v1.KVDepot/Attend"
+#define PATH_PLAN_FETCH "/kvdepot.v1.KVDepot/PlanFetch"
+#define ATTEND_MAX_BATCH 1024
+
+/* One request -> one response of type rdesc (*resp: free with
+ * protobuf_c_message_free_unpacked). */
+static int call_unary(kvdepot_client *c, const char *path, const ProtobufCMessage *req,
+                      const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **resp)
+{
+    *resp = NULL;
+    size_t len = protobuf_c_message_get_packed_size(req);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: out of memory", path);
+    protobuf_c_message_pack(req, buf);
+    kvdepot__raw_msg m = {buf, len};
+    void *rb = NULL;
+    size_t rlen = 0;
+    int rc = kvdepot__call_raw(c, path, &m, 1, 0, &rb, &rlen);
+    free(buf);
+    if (rc == KVDEPOT_OK) {
+        *resp = protobuf_c_message_unpack(rdesc, NULL, rlen, rb);
+        if (!*resp)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", path);
+    }
+    free(rb);
+    return rc;
+}
+
+/* ---- local kernels --------------------------------------------------------- */
+
+static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+static kvd_backend *cpu_be;
+
+/* One CPU backend per process, created at first use; one thread, because a
+ * client library should not take the caller's cores unasked. */
+static void cpu_init(void)
+{
+    kvd_cpu_options opt = {1, 0};
+    if (kvd_backend_cpu_create(&opt, &cpu_be, NULL) != 0)
+        cpu_be = NULL;
+}
+
+kvd_backend *kvdepot__cpu_backend(void)
+{
+    pthread_once(&cpu_once, cpu_init);
+    return cpu_be;
+}
+
+int kvdepot_attention_local(kvdepot_dtype dtype, uint32_t num_q_heads, uint32_t num_kv_heads,
+                            uint32_t head_dim, float scale, const float *q, const void *k,
+                            const void *v, uint64_t num_tokens, float *out, float *lse)
+{
+    kvdepot__clear_error();
+    if (!q || !out || !lse || (num_tokens && (!k || !v)))
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "attention: NULL buffer");
+    if (kvdepot_dtype_size(dtype) == 0 || !num_kv_heads || !head_dim ||
+        num_q_heads % num_kv_heads || !num_q_heads)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL,
+                             "attention: bad shape (dtype %d, %u q heads, %u kv heads, dim %u)",
+                             (int)dtype, num_q_heads, num_kv_heads, head_dim);
+    kvd_backend *be = kvdepot__cpu_backend();
+    if (!be)
+        return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "attention: no CPU backend");
+    const int64_t H = num_kv_heads, D = head_dim, T = (int64_t)num_tokens;
+    kvd_attn_dense_args a;
+    memset(&a, 0, sizeof a);
+    a.dims.n_q_heads = (int)num_q_heads;
+    a.dims.n_kv_heads = (int)H;
+    a.dims.head_dim = a.dims.v_dim = (int)D;
+    a.dims.softmax_scale = scale != 0.0f ? scale : 1.0f / sqrtf((float)D);
+    int64_t qs[2] = {num_q_heads, D}, ls[1] = {num_q_heads}, ks[3] = {H, T, D};
+    a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)q, 2, qs);
+    /* [token][kv_head][dim] seen as (kv_head, token, dim). */
+    a.k = kvd_tensor_make((kvd_dtype)dtype, (void *)k, 3, ks);
+    a.k.stride[0] = D;
+    a.k.stride[1] = H * D;
+    a.k.stride[2] = 1;
+    a.v = a.k;
+    a.v.data = (void *)v;
+    a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
+    a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
+    kvd_error err;
+    kvd_error_clear(&err);
+    if (kvd_attn_dense(be, 1, &a, &err) != 0)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "attention: %s", err.msg);
+    return KVDEPOT_OK;
+}
+
+int kvdepot_attention_merge(uint32_t num_q_heads, uint32_t head_dim, float *out_a, float *lse_a,
+                            const float *out_b, const float *lse_b)
+{
+    kvdepot__clear_error();
+    if (!out_a || !lse_a || !out_b || !lse_b)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "attention merge: NULL buffer");
+    kvd_backend *be = kvdepot__cpu_backend();
+    if (!be)
+        return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "attention merge: no CPU backend");
+    int64_t os[2] = {num_q_heads, head_dim}, ls[1] = {num_q_heads};
+    kvd_attn_merge_args m;
+    m.out_a = kvd_tensor_make(KVD_DTYPE_F32, out_a, 2, os);
+    m.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse_a, 1, ls);
+    m.out_b = kvd_tensor_make(KVD_DTYPE_F32, (void *)out_b, 2, os);
+    m.lse_b = kvd_tensor_make(KVD_DTYPE_F32, (void *)lse_b, 1, ls);
+    m.out = m.out_a;
+    m.lse = m.lse_a;
+    kvd_error err;
+    kvd_error_clear(&err);
+    if (kvd_attn_merge(be, 1, &m, &err) != 0)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "attention merge: %s", err.msg);
+    return KVDEPOT_OK;
+}
+
+/* ---- Attend ------------------------------------------------------------------ */
+
+void kvdepot_attend_results_free(kvdepot_attend_result *r, size_t n)
+{
+    if (!r)
+        return;
+    for (size_t i = 0; i < n; i++) {
+        free(r[i].output);
+        free(r[i].lse);
+        memset(&r[i], 0, sizeof r[i]);
+    }
+}
+
+int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
+                   const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out)
+{
+    kvdepot__clear_error();
+    if (out && queries)
+        memset(out, 0, n * sizeof *out);
+    if (!c || !queries || !out)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "attend: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "attend: not supported over several servers");
+    if (n == 0 || n > ATTEND_MAX_BATCH)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "attend: %zu queries, 1..%d per call", n,
+                             ATTEND_MAX_BATCH);
+    Kvdepot__V1__AttendQuery *qs = calloc(n, sizeof *qs);
+    Kvdepot__V1__AttendQuery **qp = calloc(n, sizeof *qp);
+    if (!qs || !qp) {
+        free(qs);
+        free(qp);
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "attend: out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvdepot__v1__attend_query__init(&qs[i]);
+        qs[i].sequence_id.data = (uint8_t *)queries[i].id;
+        qs[i].sequence_id.len = queries[i].id_len;
+        qs[i].q = (float *)queries[i].q;
+        qs[i].n_q = queries[i].q ? queries[i].q_len : 0;
+        qs[i].token_start = queries[i].token_start;
+        qs[i].num_tokens = queries[i].num_tokens;
+        qp[i] = &qs[i];
+    }
+    Kvdepot__V1__AttendRequest req = KVDEPOT__V1__ATTEND_REQUEST__INIT;
+    req.layer = layer;
+    req.scale = scale;
+    req.n_queries = n;
+    req.queries = qp;
+    Kvdepot__V1__AttendResponse *resp = NULL;
+    int rc = call_unary(c, PATH_ATTEND, &req.base, &kvdepot__v1__attend_response__descriptor,
+                        (ProtobufCMessage **)&resp);
+    free(qs);
+    free(qp);
+    if (rc)
+        return rc;
+    if (resp->n_results != n) {
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "attend: %zu results for %zu queries",
+                           resp->n_results, n);
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Kvdepot__V1__AttendResult *r = resp->results[i];
+        if (!r->n_lse || r->n_output % r->n_lse) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "attend: result %zu malformed", i);
+            goto done;
+        }
+        out[i].num_q_heads = r->n_lse;
+        out[i].head_dim = r->n_output / r->n_lse;
+        out[i].num_tokens = r->num_tokens;
+        out[i].output = malloc(sizeof(float) * r->n_output);
+        out[i].lse = malloc(sizeof(float) * r->n_lse);
+        if (!out[i].output || !out[i].lse) {
+            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "attend: out of memory");
+            goto done;
+        }
+        memcpy(out[i].output, r->output, sizeof(float) * r->n_output);
+        memcpy(out[i].lse, r->lse, sizeof(float) * r->n_lse);
+    }
+done:
+    if (rc)
+        kvdepot_attend_results_free(out, n);
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return rc;
+}
+
+/* ---- PlanFetch ---------------------------------------------------------------- */
+
+int kvdepot_plan_fetch(kvdepot_client *c, const void *id, size_t id_len,
+                       double bandwidth_bytes_per_s, double compute_flops_per_s,
+                       uint32_t layer_start, uint32_t num_layers, int assume_activations,
+                       kvdepot_fetch_plan *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !out || (!id && id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "plan fetch: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
+                             "plan fetch: not supported over several servers");
+    Kvdepot__V1__PlanFetchRequest req = KVDEPOT__V1__PLAN_FETCH_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)id;
+    req.sequence_id.len = id_len;
+    req.bandwidth_bytes_per_s = bandwidth_bytes_per_s;
+    req.compute_flops_per_s = compute_flops_per_s;
+    req.layer_start = layer_start;
+    req.num_layers = num_layers;
+    req.assume_activations = assume_activations != 0;
+    Kvdepot__V1__PlanFetchResponse *r = NULL;
+    int rc = call_unary(c, PATH_PLAN_FETCH, &req.base,
+                        &kvdepot__v1__plan_fetch_response__descriptor, (ProtobufCMessage **)&r);
+    if (rc)
+        return rc;
+    out->split_tokens = r->split_tokens;
+    out->num_tokens = r->num_tokens;
+    out->predicted_seconds = r->predicted_seconds;
+    out->kv_only_seconds = r->kv_only_seconds;
+    out->recompute_seconds = r->recompute_seconds;
+    out->activation_bytes = r->activation_bytes;
+    out->kv_bytes = r->kv_bytes;
+    out->kv_bytes_per_token = r->kv_bytes_per_token;
+    out->activation_bytes_per_token = r->activation_bytes_per_token;
+    out->flops_per_token = r->flops_per_token;
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return KVDEPOT_OK;
+}
