@@ -44,7 +44,7 @@ static const setting settings[] = {
     {"page-tokens", T_UINT, F(page_tokens), "256", 1, 65536, "N",
      "tokens per page; fixed when the data directory is created"},
     {"sync", T_BOOL, F(sync), "false", 0, 0, "BOOL",
-     "fsync the write-ahead log before acknowledging each append"},
+     "same as --durability sync (kept for existing configurations)"},
     {"max-message-bytes", T_SIZE, F(max_message_bytes), "8MiB", 64 * 1024, 2 * GiB - 1, "SIZE",
      "largest gRPC message received or sent (applies to every call)"},
     {"max-append-bytes", T_SIZE, F(max_append_bytes), "2GiB", 1, 1ull << 50, "SIZE",
@@ -87,6 +87,19 @@ static const setting settings[] = {
      "BOOL", "accept client pings on connections with no call in flight"},
     {"metrics-listen", T_OPTSTRING, F(metrics_listen), "127.0.0.1:9464", 0, 0, "ADDR",
      "HTTP address of /metrics, /healthz, /readyz (port 0 = free port; empty = off)"},
+    {"durability", T_STRING, F(durability), "spill", 0, 0, "MODE",
+     "none (pure cache: no WAL, the disk limit drops LRU sequences), spill (appends reach "
+     "RocksDB before the reply, WAL not fsynced) or sync (WAL fsynced before the reply)"},
+    {"device-tier-bytes", T_SIZE, F(device_tier_bytes), "1GiB", 0, 1ull << 50, "SIZE",
+     "page pool in the compute device's memory (host memory on the CPU backend), "
+     "allocated once at start; 0 = no device tier"},
+    {"host-tier-bytes", T_SIZE, F(host_tier_bytes), "1GiB", 0, 1ull << 50, "SIZE",
+     "host-memory tier below the device tier; 0 = none"},
+    {"disk-bytes", T_SIZE, F(disk_bytes), "0", 0, 1ull << 60, "SIZE",
+     "page bytes RocksDB may hold (0 = unlimited); beyond it an Append fails with "
+     "RESOURCE_EXHAUSTED, or under durability none LRU sequences are dropped"},
+    {"prefetch-pages", T_UINT, F(prefetch_pages), "4", 0, 1024, "N",
+     "pages a Read loads ahead of the one it serves (0 = no read-ahead)"},
 };
 #define NSETTINGS (sizeof settings / sizeof settings[0])
 

@@ -51,6 +51,13 @@ typedef struct kvd_config {
 
     char *metrics_listen;       /* host:port of the HTTP endpoint; NULL = off */
 
+    /* Tiers and durability (store.h). */
+    char *durability;           /* "none", "spill" or "sync"; --sync means sync */
+    uint64_t device_tier_bytes; /* device pool, allocated once */
+    uint64_t host_tier_bytes;
+    uint64_t disk_bytes;        /* 0 = unlimited */
+    uint64_t prefetch_pages;
+
     /* Where each setting's value came from (a kvd_config_source), by table
      * index. */
     unsigned char source[64];

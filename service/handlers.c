@@ -184,6 +184,17 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
                               req->model, req->prefix_hashes, req->n_prefix_hashes,
                               req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
                               req->n_prefix_token_ids, &info, err);
+    if (!rc && req->ttl_seconds) {
+        uint64_t ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
+                                                               : req->ttl_seconds * 1000;
+        if ((rc = kvd_store_seq_set_ttl(ctx->svc->store, req->sequence_id.data,
+                                        req->sequence_id.len, ttl_ms, err))) {
+            /* All or nothing: a sequence without its TTL is not what was asked. */
+            kvd_seq_info_clear(&info);
+            kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                 NULL, NULL);
+        }
+    }
     if (rc) {
         kvd_quota_release(ctx->auth, req->model, 1, bytes);
         return rc;

@@ -177,7 +177,32 @@ int main(int argc, char **argv)
         .page_tokens = (uint32_t)cfg.page_tokens,
         .sync_writes = cfg.sync,
         .max_seq_tokens = cfg.max_tokens_per_sequence,
+        .device_tier_bytes = cfg.device_tier_bytes,
+        .host_tier_bytes = cfg.host_tier_bytes,
+        .disk_bytes = cfg.disk_bytes,
+        .prefetch_pages = (uint32_t)cfg.prefetch_pages,
     };
+    if (strcmp(cfg.durability, "none") == 0)
+        sopt.durability = KVD_DURABILITY_NONE;
+    else if (strcmp(cfg.durability, "sync") == 0)
+        sopt.durability = KVD_DURABILITY_SYNC;
+    else if (strcmp(cfg.durability, "spill") != 0) {
+        fprintf(stderr, "%s: durability: '%s' is not none, spill or sync\n", prog,
+                cfg.durability);
+        kvd_http_stop(http);
+        kvd_auth_unref(auth);
+        close(sfd);
+        kvd_config_free(&cfg);
+        return 2;
+    }
+    if (cfg.sync && sopt.durability == KVD_DURABILITY_NONE) {
+        fprintf(stderr, "%s: --sync contradicts --durability none\n", prog);
+        kvd_http_stop(http);
+        kvd_auth_unref(auth);
+        close(sfd);
+        kvd_config_free(&cfg);
+        return 2;
+    }
     kvd_store *store = NULL;
     kvd_error serr;
     kvd_error_clear(&serr);
@@ -192,6 +217,7 @@ int main(int argc, char **argv)
         return 1;
     }
     svc.store = store;
+    kvd_metrics_store = store;
     svc.page_tokens = kvd_store_page_tokens(store);
     kvd_store_totals tot;
     if ((rc = kvd_auth_scan(auth, store, &tot, &serr)) != 0) {
@@ -233,10 +259,11 @@ int main(int argc, char **argv)
         kvd_log_quote(qlisten, sizeof qlisten, cfg.listen, strlen(cfg.listen));
         kvd_log_quote(qdir, sizeof qdir, cfg.data_dir, strlen(cfg.data_dir));
         KVD_LOG(KVD_LOG_INFO, "serving",
-                "listen=%s port=%d data_dir=%s threads=%llu page_tokens=%u sync=%d "
+                "listen=%s port=%d data_dir=%s threads=%llu page_tokens=%u durability=%s "
                 "max_message_bytes=%llu tls=%s auth=%s metrics_port=%d version=%s",
                 qlisten, port, qdir, (unsigned long long)cfg.threads,
-                svc.page_tokens, cfg.sync, (unsigned long long)cfg.max_message_bytes,
+                svc.page_tokens, cfg.sync ? "sync" : cfg.durability,
+                (unsigned long long)cfg.max_message_bytes,
                 !cfg.tls_cert ? "off" : cfg.tls_client_ca ? "mtls" : "on",
                 cfg.tokens_file ? "tokens" : "off", metrics_port, KVD_VERSION);
         for (;;) {
@@ -262,6 +289,7 @@ int main(int argc, char **argv)
     atomic_store(&svc.serving, 0);
     KVD_METRIC_SET(ready, 0);
     kvd_server_shutdown(srv, cfg.shutdown_grace_ms);
+    kvd_metrics_store = NULL;
     kvd_store_close(store);
     grpc_shutdown();
     kvd_http_stop(http);

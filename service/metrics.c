@@ -95,6 +95,57 @@ static const char *method_name(size_t m)
 
 static const char *code_name(int code) { return code == 0 ? "OK" : kvd_status_name(-code); }
 
+struct kvd_store *_Atomic kvd_metrics_store;
+
+/* The store's tier gauges and counters, the same numbers as the Stats RPC. */
+static void render_tiers(buf *b)
+{
+    struct kvd_store *st = atomic_load(&kvd_metrics_store);
+    kvd_store_stats s;
+    if (!st || kvd_store_stats_get(st, &s))
+        return;
+    static const char *tn[KVD_TIERS] = {"device", "host", "disk"};
+    static const char *dn[3] = {"spill", "none", "sync"};
+    put(b, "# HELP kvdepot_durability_info durability setting in force\n"
+           "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",
+        dn[s.durability]);
+    put(b, "# HELP kvdepot_tier_limit_bytes byte limit of each tier (0: off, or unlimited disk)\n"
+           "# TYPE kvdepot_tier_limit_bytes gauge\n");
+    for (int i = 0; i < KVD_TIERS; i++)
+        put(b, "kvdepot_tier_limit_bytes{tier=\"%s\"} %llu\n", tn[i],
+            (unsigned long long)s.tier_limit[i]);
+    put(b, "# HELP kvdepot_tier_bytes page bytes held in each tier\n"
+           "# TYPE kvdepot_tier_bytes gauge\n");
+    for (int i = 0; i < KVD_TIERS; i++)
+        put(b, "kvdepot_tier_bytes{tier=\"%s\"} %llu\n", tn[i],
+            (unsigned long long)s.tier_bytes[i]);
+    put(b, "# HELP kvdepot_tier_pages pages held in each tier\n# TYPE kvdepot_tier_pages gauge\n");
+    for (int i = 0; i < KVD_TIERS; i++)
+        put(b, "kvdepot_tier_pages{tier=\"%s\"} %llu\n", tn[i],
+            (unsigned long long)s.tier_pages[i]);
+    put(b, "# HELP kvdepot_tier_hits_total page reads served by each tier (disk: misses)\n"
+           "# TYPE kvdepot_tier_hits_total counter\n");
+    for (int i = 0; i < KVD_TIERS; i++)
+        put(b, "kvdepot_tier_hits_total{tier=\"%s\"} %llu\n", tn[i],
+            (unsigned long long)(i < 2 ? s.hits[i] : s.misses));
+    put(b, "# HELP kvdepot_tier_evictions_total pages moved out of each memory tier\n"
+           "# TYPE kvdepot_tier_evictions_total counter\n");
+    for (int i = 0; i < 2; i++)
+        put(b, "kvdepot_tier_evictions_total{tier=\"%s\"} %llu\n", tn[i],
+            (unsigned long long)s.evictions[i]);
+    put(b, "# HELP kvdepot_tier_promotions_total pages moved up a tier\n"
+           "# TYPE kvdepot_tier_promotions_total counter\nkvdepot_tier_promotions_total %llu\n"
+           "# HELP kvdepot_prefetched_pages_total pages loaded ahead of a reader\n"
+           "# TYPE kvdepot_prefetched_pages_total counter\nkvdepot_prefetched_pages_total %llu\n"
+           "# HELP kvdepot_sequences_dropped_total sequences dropped by the disk limit "
+           "(durability none)\n# TYPE kvdepot_sequences_dropped_total counter\n"
+           "kvdepot_sequences_dropped_total %llu\n"
+           "# HELP kvdepot_sequences_expired_total sequences deleted by their TTL\n"
+           "# TYPE kvdepot_sequences_expired_total counter\nkvdepot_sequences_expired_total %llu\n",
+        (unsigned long long)s.promotions, (unsigned long long)s.prefetched,
+        (unsigned long long)s.sequences_dropped, (unsigned long long)s.sequences_expired);
+}
+
 char *kvd_metrics_render(size_t *len)
 {
     buf b = {malloc(16384), 0, 16384, 0};
@@ -112,6 +163,8 @@ char *kvd_metrics_render(size_t *len)
      * GPU tier. */
     put(&b, "# HELP kvdepot_backend_info compute backend in use\n"
             "# TYPE kvdepot_backend_info gauge\nkvdepot_backend_info{backend=\"cpu\"} 1\n");
+
+    render_tiers(&b);
 
     put(&b, "# HELP kvdepot_requests_total calls ended, by method and status\n"
             "# TYPE kvdepot_requests_total counter\n");

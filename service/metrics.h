@@ -44,6 +44,11 @@ extern kvd_metrics_registry kvd_metrics;
 #define KVD_METRIC_SET(name, v) \
     atomic_store_explicit(&kvd_metrics.name, (int64_t)(v), memory_order_relaxed)
 
+/* The store whose tier statistics /metrics renders (kvd_store_stats), or
+ * NULL. Set once the store is open, cleared before it closes. */
+struct kvd_store;
+extern struct kvd_store *_Atomic kvd_metrics_store;
+
 /* Record one ended call: method index into kvd_methods (or -1 for an unknown
  * path), kvd status (0 or negative), duration in seconds. */
 void kvd_metrics_observe(int method, int status, double seconds);

@@ -149,6 +149,10 @@ int kvd_h_health_check(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer
 /* compute.c */
 int kvd_h_attend(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 int kvd_h_plan_fetch(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+/* tiers.c */
+int kvd_h_stats(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_evict_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                         kvd_error *);
 extern const kvd_stream_ops kvd_append_ops;
 extern const kvd_stream_ops kvd_read_ops;
 extern const kvd_stream_ops kvd_health_watch_ops;

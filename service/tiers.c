@@ -1,0 +1,67 @@
+/*
+ * Tier RPCs: Stats (per-tier bytes, pages, hits, evictions, and the store's
+ * counters) and EvictSequence (move a sequence's pages out of memory).
+ */
+#include <string.h>
+
+#include "kvdepot/v1/kvdepot.pb-c.h"
+#include "rpc.h"
+#include "validate.h"
+
+static const char *durability_name(int d)
+{
+    return d == KVD_DURABILITY_NONE ? "none" : d == KVD_DURABILITY_SYNC ? "sync" : "spill";
+}
+
+int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                kvd_error *err)
+{
+    (void)msg;
+    kvd_store_stats s;
+    if (kvd_store_stats_get(ctx->svc->store, &s))
+        return kvd_error_set(err, KVD_EINTERNAL, "store statistics unavailable");
+    static const char *names[KVD_TIERS] = {"device", "host", "disk"};
+    Kvdepot__V1__TierStats t[KVD_TIERS], *tp[KVD_TIERS];
+    for (int i = 0; i < KVD_TIERS; i++) {
+        kvdepot__v1__tier_stats__init(&t[i]);
+        t[i].name = (char *)names[i];
+        t[i].limit_bytes = s.tier_limit[i];
+        t[i].bytes = s.tier_bytes[i];
+        t[i].pages = s.tier_pages[i];
+        t[i].hits = i < 2 ? s.hits[i] : s.misses;
+        t[i].evictions = i < 2 ? s.evictions[i] : s.sequences_dropped;
+        tp[i] = &t[i];
+    }
+    Kvdepot__V1__StatsResponse resp = KVDEPOT__V1__STATS_RESPONSE__INIT;
+    resp.durability = (char *)durability_name(s.durability);
+    resp.n_tiers = KVD_TIERS;
+    resp.tiers = tp;
+    resp.misses = s.misses;
+    resp.promotions = s.promotions;
+    resp.prefetched = s.prefetched;
+    resp.checksum_failures = s.checksum_failures;
+    resp.sequences_dropped = s.sequences_dropped;
+    resp.sequences_expired = s.sequences_expired;
+    resp.sequences = s.sequences;
+    *reply = kvd_pack(&resp.base);
+    return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+}
+
+int kvd_h_evict_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                         kvd_error *err)
+{
+    const Kvdepot__V1__EvictSequenceRequest *req = (const Kvdepot__V1__EvictSequenceRequest *)msg;
+    int rc;
+    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id", err)) ||
+        (rc = kvd_ctx_check_seq(ctx, req->sequence_id.data, req->sequence_id.len, err)))
+        return rc;
+    uint64_t pages = 0, bytes = 0;
+    if ((rc = kvd_store_seq_evict(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                  &pages, &bytes, err)))
+        return rc;
+    Kvdepot__V1__EvictSequenceResponse resp = KVDEPOT__V1__EVICT_SEQUENCE_RESPONSE__INIT;
+    resp.pages = pages;
+    resp.bytes = bytes;
+    *reply = kvd_pack(&resp.base);
+    return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+}
