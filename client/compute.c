@@ -92,9 +92,10 @@ int kvdepot_attention_local(kvdepot_dtype dtype, uint32_t num_q_heads, uint32_t 
     a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)q, 2, qs);
     /* [token][kv_head][dim] seen as (kv_head, token, dim). */
     a.k = kvd_tensor_make((kvd_dtype)dtype, (void *)k, 3, ks);
-    a.k.stride[0] = D;
-    a.k.stride[1] = H * D;
-    a.k.stride[2] = 1;
+    const int64_t es = (int64_t)kvdepot_dtype_size(dtype); /* strides in bytes */
+    a.k.stride[0] = D * es;
+    a.k.stride[1] = H * D * es;
+    a.k.stride[2] = es;
     a.v = a.k;
     a.v.data = (void *)v;
     a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);

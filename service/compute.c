@@ -213,9 +213,9 @@ static int attend_range(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinary
         /* Wire layout [token][kv_head][dim] seen as (kv_head, token, dim). */
         int64_t kshape[3] = {H, (int64_t)T, D};
         a.k = kvd_tensor_make(m->dtype, buf, 3, kshape);
-        a.k.stride[0] = D;
-        a.k.stride[1] = (int64_t)H * D;
-        a.k.stride[2] = 1;
+        a.k.stride[0] = (int64_t)D * (int64_t)es; /* strides in bytes */
+        a.k.stride[1] = (int64_t)H * D * (int64_t)es;
+        a.k.stride[2] = (int64_t)es;
         a.v = a.k;
         a.v.data = buf + bytes / 2;
         a.out = kvd_tensor_make(KVD_DTYPE_F32, t0 == 0 ? out : wout, 2, qshape);

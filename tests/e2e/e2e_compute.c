@@ -1,0 +1,419 @@
+/*
+ * End-to-end tests of the compute RPCs through libkvdepot: Attend against
+ * the client's own attention (same CPU kernels) on the data it reads back,
+ * the log-sum-exp merge of a server range with a client range, PlanFetch
+ * against a brute-force minimisation of its documented cost model, and the
+ * errors (nothing changed afterwards).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "kvdepot/tensor.h"
+
+/* K/V values in [-2, 2) from a deterministic stream, in the model dtype, so
+ * attention sees ordinary numbers (random bytes would make NaNs). */
+static void fill_values(void *buf, size_t n, kvdepot_dtype dt, uint64_t seed)
+{
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        float f = (float)((x >> 40) & 0xffffff) / (float)(1 << 24) * 4.0f - 2.0f;
+        if (dt == KVDEPOT_DTYPE_F32)
+            ((float *)buf)[i] = f;
+        else if (dt == KVDEPOT_DTYPE_F16)
+            ((uint16_t *)buf)[i] = kvd_f32_to_f16(f);
+        else
+            ((uint16_t *)buf)[i] = kvd_f32_to_bf16(f);
+    }
+}
+
+static int put_model(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t Hq,
+                     uint32_t D, uint32_t hidden, kvdepot_dtype dt, kvdepot_model *m)
+{
+    memset(m, 0, sizeof *m);
+    snprintf(m->name, sizeof m->name, "%s", name);
+    m->num_layers = L;
+    m->num_kv_heads = H;
+    m->num_q_heads = Hq;
+    m->head_dim = D;
+    m->hidden_size = hidden;
+    m->dtype = dt;
+    return kvdepot_model_put(c, m, 0, NULL, NULL);
+}
+
+/* Create a sequence and append n tokens to every layer in appends of `step`
+ * tokens (so pages seal and a raw tail stays). */
+static int make_seq(kvdepot_client *c, const kvdepot_model *m, const char *id, uint64_t n,
+                    uint64_t step, uint64_t seed)
+{
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = id;
+    ca.id_len = strlen(id);
+    ca.model = m->name;
+    int rc = kvdepot_sequence_create(c, &ca, NULL);
+    if (rc)
+        return rc;
+    size_t es = kvdepot_dtype_size(m->dtype);
+    for (uint64_t t = 0; t < n; t += step) {
+        uint64_t nt = n - t < step ? n - t : step;
+        size_t cnt = (size_t)m->num_layers * nt * m->num_kv_heads * m->head_dim;
+        void *k = malloc(cnt * es), *v = malloc(cnt * es);
+        if (!k || !v)
+            return KVDEPOT_ENOMEM;
+        fill_values(k, cnt, m->dtype, seed + 2 * t);
+        fill_values(v, cnt, m->dtype, seed + 2 * t + 1);
+        kvdepot_append_args aa;
+        memset(&aa, 0, sizeof aa);
+        aa.id = id;
+        aa.id_len = strlen(id);
+        aa.token_start = t;
+        aa.num_tokens = nt;
+        aa.dtype = m->dtype;
+        aa.k = k;
+        aa.k_bytes = cnt * es;
+        aa.v = v;
+        aa.v_bytes = cnt * es;
+        rc = kvdepot_sequence_append(c, &aa, NULL);
+        free(k);
+        free(v);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+/* Attention computed by the client on K/V it reads back: the reference. */
+static int local_attend(kvdepot_client *c, const kvdepot_model *m, const char *id,
+                        uint32_t layer, uint64_t t0, uint64_t nt, const float *q, float *out,
+                        float *lse)
+{
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = id;
+    ra.id_len = strlen(id);
+    ra.layer_start = layer;
+    ra.num_layers = 1;
+    ra.token_start = t0;
+    ra.num_tokens = nt;
+    kvdepot_read_result rr;
+    if (nt == 0)
+        return kvdepot_attention_local(m->dtype, m->num_q_heads, m->num_kv_heads, m->head_dim,
+                                       0, q, NULL, NULL, 0, out, lse);
+    int rc = kvdepot_sequence_read(c, &ra, &rr);
+    if (rc)
+        return rc;
+    rc = kvdepot_attention_local(m->dtype, m->num_q_heads, m->num_kv_heads, m->head_dim, 0, q,
+                                 rr.k, rr.v, rr.num_tokens, out, lse);
+    kvdepot_free(rr.owned);
+    return rc;
+}
+
+/* Largest |a - b| relative to max(1, |b|) over n floats. */
+static double max_rel(const float *a, const float *b, size_t n)
+{
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]) / fmax(1.0, fabs((double)b[i]));
+        if (isnan(a[i]) != isnan(b[i]))
+            d = INFINITY;
+        if (d > worst)
+            worst = d;
+    }
+    return worst;
+}
+
+static float *make_q(const kvdepot_model *m, uint64_t seed)
+{
+    size_t n = (size_t)m->num_q_heads * m->head_dim;
+    float *q = malloc(n * sizeof *q);
+    if (q)
+        fill_values(q, n, KVDEPOT_DTYPE_F32, seed);
+    return q;
+}
+
+/* A batch over sequences of two models (f16 GQA 4, f32 MHA) and several
+ * token ranges equals the client's attention on the bytes it reads. */
+static int t_attend(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model ma, mb;
+    REQUIRE_RC(put_model(c, "gqa", 2, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &ma), KVDEPOT_OK);
+    REQUIRE_RC(put_model(c, "mha", 1, 3, 3, 32, 0, KVDEPOT_DTYPE_BF16, &mb), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &ma, "a1", 700, 300, 1), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &ma, "a2", 257, 257, 2), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &mb, "b1", 1000, 1000, 3), KVDEPOT_OK);
+    struct {
+        const char *id;
+        const kvdepot_model *m;
+        uint64_t t0, nt;
+    } cases[] = {
+        {"a1", &ma, 0, 0},   {"a1", &ma, 100, 500}, {"a2", &ma, 256, 1},
+        {"b1", &mb, 0, 0},   {"a1", &ma, 700, 0},   {"b1", &mb, 999, 1},
+    };
+    enum { N = sizeof cases / sizeof cases[0] };
+    kvdepot_attend_query qs[N];
+    float *q[N];
+    for (int i = 0; i < N; i++) {
+        q[i] = make_q(cases[i].m, 100 + i);
+        REQUIRE(q[i]);
+        qs[i] = (kvdepot_attend_query){cases[i].id, strlen(cases[i].id), q[i],
+                                       (size_t)cases[i].m->num_q_heads * cases[i].m->head_dim,
+                                       cases[i].t0, cases[i].nt};
+    }
+    for (uint32_t layer = 0; layer < 1; layer++) {
+        kvdepot_attend_result res[N];
+        REQUIRE_RC(kvdepot_attend(c, layer, 0, qs, N, res), KVDEPOT_OK);
+        for (int i = 0; i < N; i++) {
+            const kvdepot_model *m = cases[i].m;
+            size_t Hq = m->num_q_heads, D = m->head_dim;
+            CHECK(res[i].num_q_heads == Hq && res[i].head_dim == D);
+            uint64_t want_nt = cases[i].nt ? cases[i].nt
+                               : (strcmp(cases[i].id, "a1") == 0 ? 700 : 1000) - cases[i].t0;
+            CHECK(res[i].num_tokens == want_nt);
+            float *out = malloc(Hq * D * sizeof(float)), lse[64];
+            REQUIRE(out);
+            REQUIRE_RC(local_attend(c, m, cases[i].id, layer, cases[i].t0, want_nt, q[i], out,
+                                    lse),
+                       KVDEPOT_OK);
+            double eo = max_rel(res[i].output, out, Hq * D), el = max_rel(res[i].lse, lse, Hq);
+            if (!(eo < 1e-5 && (el < 1e-5 || want_nt == 0))) {
+                fprintf(stderr, "case %d: output error %g, lse error %g\n", i, eo, el);
+                kvd_test_failures++;
+            }
+            if (want_nt == 0)
+                for (size_t j = 0; j < Hq; j++)
+                    CHECK(isinf(res[i].lse[j]) && res[i].lse[j] < 0);
+            free(out);
+        }
+        kvdepot_attend_results_free(res, N);
+    }
+    /* Layer 1 of the GQA model too (different bytes from layer 0). */
+    kvdepot_attend_result r1;
+    REQUIRE_RC(kvdepot_attend(c, 1, 0.05f, &qs[0], 1, &r1), KVDEPOT_OK);
+    {
+        float out[8 * 64], lse[8];
+        kvdepot_read_args ra;
+        memset(&ra, 0, sizeof ra);
+        ra.id = "a1";
+        ra.id_len = 2;
+        ra.layer_start = 1;
+        ra.num_layers = 1;
+        kvdepot_read_result rr;
+        REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+        REQUIRE_RC(kvdepot_attention_local(ma.dtype, 8, 2, 64, 0.05f, q[0], rr.k, rr.v,
+                                           rr.num_tokens, out, lse),
+                   KVDEPOT_OK);
+        kvdepot_free(rr.owned);
+        CHECK(max_rel(r1.output, out, 8 * 64) < 1e-5);
+        CHECK(max_rel(r1.lse, lse, 8) < 1e-5);
+    }
+    kvdepot_attend_results_free(&r1, 1);
+    for (int i = 0; i < N; i++)
+        free(q[i]);
+    kvdepot_close(c);
+    return 0;
+}
+
+/* A sequence longer than the server's attention window (8192 tokens): the
+ * window results merge into the full result. */
+static int t_attend_long(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "long", 1, 1, 2, 16, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &m, "L", 20000, 20000, 9), KVDEPOT_OK);
+    float *q = make_q(&m, 5);
+    REQUIRE(q);
+    kvdepot_attend_query qy = {"L", 1, q, 32, 0, 0};
+    kvdepot_attend_result r;
+    REQUIRE_RC(kvdepot_attend(c, 0, 0, &qy, 1, &r), KVDEPOT_OK);
+    float out[32], lse[2];
+    REQUIRE_RC(local_attend(c, &m, "L", 0, 0, 20000, q, out, lse), KVDEPOT_OK);
+    double eo = max_rel(r.output, out, 32), el = max_rel(r.lse, lse, 2);
+    if (!(eo < 1e-4 && el < 1e-5)) {
+        fprintf(stderr, "long: output error %g, lse error %g\n", eo, el);
+        kvd_test_failures++;
+    }
+    kvdepot_attend_results_free(&r, 1);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
+/* Server Attend over [0, n - w) merged with the client's attention over the
+ * last w tokens equals attention over all n. */
+static int t_lse_merge(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "merge", 1, 2, 4, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    const uint64_t n = 1500;
+    REQUIRE_RC(make_seq(c, &m, "s", n, 500, 21), KVDEPOT_OK);
+    float *q = make_q(&m, 8);
+    REQUIRE(q);
+    /* (w = n would ask for [0, 0), which means "to the end".) */
+    const uint64_t ws[] = {1, 37, 256, 300, n - 1};
+    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
+        uint64_t w = ws[i];
+        kvdepot_attend_query qy = {"s", 1, q, 256, 0, n - w};
+        kvdepot_attend_result r;
+        REQUIRE_RC(kvdepot_attend(c, 0, 0, &qy, 1, &r), KVDEPOT_OK);
+        float tail[256], tlse[4], full[256], flse[4];
+        REQUIRE_RC(local_attend(c, &m, "s", 0, n - w, w, q, tail, tlse), KVDEPOT_OK);
+        REQUIRE_RC(kvdepot_attention_merge(4, 64, r.output, r.lse, tail, tlse), KVDEPOT_OK);
+        REQUIRE_RC(local_attend(c, &m, "s", 0, 0, n, q, full, flse), KVDEPOT_OK);
+        double eo = max_rel(r.output, full, 256), el = max_rel(r.lse, flse, 4);
+        if (!(eo < 1e-5 && el < 1e-5)) {
+            fprintf(stderr, "w=%llu: output error %g, lse error %g\n", (unsigned long long)w, eo,
+                    el);
+            kvd_test_failures++;
+        }
+        kvdepot_attend_results_free(&r, 1);
+    }
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
+static double cost(const kvdepot_fetch_plan *p, double bw, double rate, uint64_t l)
+{
+    double x = (double)l * p->activation_bytes_per_token / bw;
+    double rc = (double)l * p->flops_per_token / rate;
+    double kv = (double)(p->num_tokens - l) * p->kv_bytes_per_token / bw;
+    return x + (rc > kv ? rc : kv);
+}
+
+/* PlanFetch's split minimises the documented cost model (brute force over
+ * every l), and its per-token terms are the documented ones. */
+static int t_plan_fetch(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m, m0;
+    REQUIRE_RC(put_model(c, "plan", 4, 2, 8, 64, 128, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    REQUIRE_RC(put_model(c, "nohidden", 4, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &m0), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &m, "p", 777, 777, 4), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &m0, "p0", 300, 300, 4), KVDEPOT_OK);
+    const double bws[] = {1e6, 1e8, 1e9, 1.25e10, 1e12};
+    const double rates[] = {1e6, 1e9, 1e11, 1e13, 1e15};
+    int nonzero = 0, interior = 0;
+    for (size_t i = 0; i < 5; i++)
+        for (size_t j = 0; j < 5; j++)
+            for (uint32_t nl = 0; nl <= 2; nl += 2) {
+                kvdepot_fetch_plan p;
+                REQUIRE_RC(kvdepot_plan_fetch(c, "p", 1, bws[i], rates[j], 0, nl, 1, &p),
+                           KVDEPOT_OK);
+                uint32_t L = nl ? nl : 4;
+                CHECK(p.num_tokens == 777);
+                /* K+V (2 x 2 heads x 64 x f16 = 512 bytes) is twice the activation
+                 * (128 x f16), as in KVPR's setting. */
+                CHECK(p.activation_bytes_per_token == 128.0 * 2 * L);
+                CHECK(p.flops_per_token == 2.0 * 128 * (2.0 * 2 * 64) * L);
+                CHECK(p.kv_bytes_per_token >= 2.0 * 2 * 64 * 2 * L);
+                uint64_t best = 0;
+                double tb = cost(&p, bws[i], rates[j], 0);
+                for (uint64_t l = 1; l <= p.num_tokens; l++) {
+                    double t = cost(&p, bws[i], rates[j], l);
+                    if (t < tb * (1 - 1e-12)) {
+                        tb = t;
+                        best = l;
+                    }
+                }
+                double tp = cost(&p, bws[i], rates[j], p.split_tokens);
+                if (!(tp <= tb * (1 + 1e-12)) || fabs(p.predicted_seconds - tp) > 1e-9 * tp) {
+                    fprintf(stderr, "bw %g rate %g: split %llu (t %g), brute force %llu (t %g)\n",
+                            bws[i], rates[j], (unsigned long long)p.split_tokens, tp,
+                            (unsigned long long)best, tb);
+                    kvd_test_failures++;
+                }
+                CHECK(p.kv_only_seconds >= p.predicted_seconds);
+                nonzero += p.split_tokens > 0;
+                interior += p.split_tokens > 0 && p.split_tokens < p.num_tokens;
+                /* Without activations the plan is a plain fetch. */
+                REQUIRE_RC(kvdepot_plan_fetch(c, "p", 1, bws[i], rates[j], 0, nl, 0, &p),
+                           KVDEPOT_OK);
+                CHECK(p.split_tokens == 0 && p.activation_bytes == 0);
+            }
+    CHECK(nonzero > 0 && interior > 0); /* the grid reaches both regimes */
+    kvdepot_fetch_plan p;
+    REQUIRE_RC(kvdepot_plan_fetch(c, "p0", 2, 1e9, 1e12, 0, 0, 1, &p), KVDEPOT_OK);
+    CHECK(p.split_tokens == 0); /* no hidden size: nothing to recompute from */
+    CHECK_RC(kvdepot_plan_fetch(c, "p", 1, 0, 1e12, 0, 0, 1, &p), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_plan_fetch(c, "p", 1, 1e9, -1, 0, 0, 1, &p), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_plan_fetch(c, "p", 1, NAN, 1e9, 0, 0, 1, &p), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_plan_fetch(c, "p", 1, 1e9, 1e9, 3, 2, 1, &p), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_plan_fetch(c, "nope", 4, 1e9, 1e9, 0, 0, 1, &p), KVDEPOT_ENOTFOUND);
+    kvdepot_close(c);
+    return 0;
+}
+
+/* Bad requests get clear errors and change nothing. */
+static int t_errors(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "err", 2, 2, 4, 32, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &m, "e", 300, 300, 6), KVDEPOT_OK);
+    kvdepot_sequence_info before, after;
+    REQUIRE_RC(kvdepot_sequence_stat(c, "e", 1, &before), KVDEPOT_OK);
+    float q[4 * 32];
+    fill_values(q, 128, KVDEPOT_DTYPE_F32, 1);
+    kvdepot_attend_result r[2];
+    kvdepot_attend_query good = {"e", 1, q, 128, 0, 0};
+    kvdepot_attend_query bad;
+    /* unknown sequence, alone and in a batch with a good one */
+    bad = (kvdepot_attend_query){"nope", 4, q, 128, 0, 0};
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_ENOTFOUND);
+    kvdepot_attend_query batch[2] = {good, bad};
+    CHECK_RC(kvdepot_attend(c, 0, 0, batch, 2, r), KVDEPOT_ENOTFOUND);
+    CHECK(r[0].output == NULL && r[1].output == NULL);
+    /* query of the wrong head count (mismatched heads) */
+    bad = (kvdepot_attend_query){"e", 1, q, 64, 0, 0};
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(NULL), "num_q_heads") != NULL);
+    bad = (kvdepot_attend_query){"e", 1, NULL, 0, 0, 0};
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_EINVAL);
+    /* layer outside the model */
+    CHECK_RC(kvdepot_attend(c, 2, 0, &good, 1, r), KVDEPOT_EINVAL);
+    /* tokens past those stored */
+    bad = (kvdepot_attend_query){"e", 1, q, 128, 200, 101};
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_ERANGE);
+    bad = (kvdepot_attend_query){"e", 1, q, 128, 301, 0};
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_ERANGE);
+    bad = (kvdepot_attend_query){"e", 1, q, 128, UINT64_MAX, 2};
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_EINVAL);
+    /* empty batch, non-finite scale, empty id */
+    CHECK_RC(kvdepot_attend(c, 0, 0, &good, 0, r), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_attend(c, 0, NAN, &good, 1, r), KVDEPOT_EINVAL);
+    bad = (kvdepot_attend_query){"", 0, q, 128, 0, 0};
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_EINVAL);
+    /* the sequence is as it was, and still answers */
+    REQUIRE_RC(kvdepot_sequence_stat(c, "e", 1, &after), KVDEPOT_OK);
+    CHECK(after.num_tokens == before.num_tokens && after.stored_bytes == before.stored_bytes);
+    kvdepot_sequence_info_clear(&before);
+    kvdepot_sequence_info_clear(&after);
+    REQUIRE_RC(kvdepot_attend(c, 0, 0, &good, 1, r), KVDEPOT_OK);
+    CHECK(r[0].num_tokens == 300);
+    kvdepot_attend_results_free(r, 1);
+    kvdepot_close(c);
+    return 0;
+}
+
+static const kvd_test tests[] = {
+    {"attend", t_attend},     {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
+    {"plan_fetch", t_plan_fetch}, {"errors", t_errors},
+};
+
+int main(int argc, char **argv)
+{
+    return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
+}
