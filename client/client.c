@@ -58,6 +58,8 @@ static const char *const method_paths[KVDEPOT__METHOD_COUNT] = {
     [KVDEPOT__LIST_SEQUENCES] = "/kvdepot.v1.KVDepot/ListSequences",
     [KVDEPOT__DELETE_SEQUENCE] = "/kvdepot.v1.KVDepot/DeleteSequence",
     [KVDEPOT__HEALTH_CHECK] = "/grpc.health.v1.Health/Check",
+    [KVDEPOT__EVICT_SEQUENCE] = "/kvdepot.v1.KVDepot/EvictSequence",
+    [KVDEPOT__STATS] = "/kvdepot.v1.KVDepot/Stats",
 };
 
 /* ------------------------------------------------------------------------ */
@@ -837,6 +839,7 @@ int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
     req.n_prefix_hashes = a->num_prefix_hashes;
     req.prefix_token_ids = (uint32_t *)a->prefix_token_ids;
     req.n_prefix_token_ids = a->num_prefix_token_ids;
+    req.ttl_seconds = a->ttl_seconds;
     Kvdepot__V1__CreateSequenceResponse *resp;
     int rc = UNARY(c, KVDEPOT__CREATE_SEQUENCE, &req, kvdepot__v1__create_sequence_response, &resp);
     if (rc)
@@ -1036,6 +1039,76 @@ int kvdepot_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *
         *matched_blocks = resp->matched_blocks;
     if (matched_tokens)
         *matched_tokens = resp->matched_tokens;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Tiers                                                                     */
+/* ------------------------------------------------------------------------ */
+
+int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !out)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "stats: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "stats: ask each server of a sharded address");
+    Kvdepot__V1__StatsRequest req = KVDEPOT__V1__STATS_REQUEST__INIT;
+    Kvdepot__V1__StatsResponse *resp;
+    int rc = UNARY(c, KVDEPOT__STATS, &req, kvdepot__v1__stats_response, &resp);
+    if (rc)
+        return rc;
+    snprintf(out->durability, sizeof out->durability, "%s",
+             resp->durability ? resp->durability : "");
+    for (size_t i = 0; i < resp->n_tiers && i < 3; i++) {
+        const Kvdepot__V1__TierStats *t = resp->tiers[i];
+        kvdepot_tier_stats *o = &out->tiers[i];
+        snprintf(o->name, sizeof o->name, "%s", t->name ? t->name : "");
+        o->limit_bytes = t->limit_bytes;
+        o->bytes = t->bytes;
+        o->pages = t->pages;
+        o->hits = t->hits;
+        o->evictions = t->evictions;
+        out->num_tiers = i + 1;
+    }
+    out->misses = resp->misses;
+    out->promotions = resp->promotions;
+    out->prefetched = resp->prefetched;
+    out->checksum_failures = resp->checksum_failures;
+    out->sequences_dropped = resp->sequences_dropped;
+    out->sequences_expired = resp->sequences_expired;
+    out->sequences = resp->sequences;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+int kvdepot_sequence_evict(kvdepot_client *c, const void *id, size_t id_len, uint64_t *pages,
+                           uint64_t *bytes)
+{
+    kvdepot__clear_error();
+    if (pages)
+        *pages = 0;
+    if (bytes)
+        *bytes = 0;
+    if (!c || (!id && id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "sequence evict: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
+                             "sequence evict: not supported over several servers");
+    Kvdepot__V1__EvictSequenceRequest req = KVDEPOT__V1__EVICT_SEQUENCE_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)id;
+    req.sequence_id.len = id_len;
+    Kvdepot__V1__EvictSequenceResponse *resp;
+    int rc = UNARY(c, KVDEPOT__EVICT_SEQUENCE, &req, kvdepot__v1__evict_sequence_response, &resp);
+    if (rc)
+        return rc;
+    if (pages)
+        *pages = resp->pages;
+    if (bytes)
+        *bytes = resp->bytes;
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;
 }

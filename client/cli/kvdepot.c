@@ -44,8 +44,12 @@ static const char usage_text[] =
     "  seqs [--model M]                     list sequences\n"
     "  seq stat ID                          show a sequence\n"
     "  seq rm ID                            delete a sequence\n"
+    "  seq evict ID                         move a sequence's pages out of the server's\n"
+    "                                       memory tiers (it stays stored)\n"
+    "  stats                                the server's tiers (bytes, pages, hits,\n"
+    "                                       evictions) and durability\n"
     "  put ID --model M --tokens N --file F [--layer-start L] [--layers N]\n"
-    "         [--token-ids FILE]\n"
+    "         [--token-ids FILE] [--ttl SECONDS]\n"
     "                                       append N tokens from F (K then V, raw, in\n"
     "                                       [layer][token][kv_head][head_dim] layout and\n"
     "                                       the model dtype), creating the sequence if\n"
@@ -449,14 +453,46 @@ static int cmd_seq(kvdepot_client *c, int argc, char **argv)
         printf("sequence %s deleted (%" PRIu64 " pages freed)\n", pos[0], freed);
         return 0;
     }
-    usage_error("seq: unknown subcommand \"%s\" (expected stat or rm)", sub);
+    if (strcmp(sub, "evict") == 0) {
+        uint64_t pages, bytes;
+        int rc = kvdepot_sequence_evict(c, pos[0], strlen(pos[0]), &pages, &bytes);
+        if (rc)
+            return fail(c, rc);
+        printf("sequence %s evicted from memory (%" PRIu64 " pages, %" PRIu64 " bytes)\n",
+               pos[0], pages, bytes);
+        return 0;
+    }
+    usage_error("seq: unknown subcommand \"%s\" (expected stat, rm or evict)", sub);
+}
+
+static int cmd_stats(kvdepot_client *c, int argc, char **argv)
+{
+    if (parse_args(argc, argv, NULL, NULL, 0) != 0)
+        usage_error("stats: no arguments expected");
+    kvdepot_stats s;
+    int rc = kvdepot_stats_get(c, &s);
+    if (rc)
+        return fail(c, rc);
+    printf("durability  %s\nsequences   %" PRIu64 "\n\n", s.durability, s.sequences);
+    printf("%-8s %16s %16s %10s %12s %12s\n", "tier", "limit_bytes", "bytes", "pages", "hits",
+           "evictions");
+    for (size_t i = 0; i < s.num_tiers; i++)
+        printf("%-8s %16" PRIu64 " %16" PRIu64 " %10" PRIu64 " %12" PRIu64 " %12" PRIu64 "\n",
+               s.tiers[i].name, s.tiers[i].limit_bytes, s.tiers[i].bytes, s.tiers[i].pages,
+               s.tiers[i].hits, s.tiers[i].evictions);
+    printf("\nmisses             %" PRIu64 "\npromotions         %" PRIu64
+           "\nprefetched         %" PRIu64 "\nchecksum_failures  %" PRIu64
+           "\nsequences_dropped  %" PRIu64 "\nsequences_expired  %" PRIu64 "\n",
+           s.misses, s.promotions, s.prefetched, s.checksum_failures, s.sequences_dropped,
+           s.sequences_expired);
+    return 0;
 }
 
 static int cmd_put(kvdepot_client *c, int argc, char **argv)
 {
     opt opts[] = {{"model", 1, 0},  {"tokens", 1, 0},    {"layer-start", 1, 0},
                   {"layers", 1, 0}, {"file", 1, 0},      {"token-ids", 1, 0},
-                  {0, 0, 0}};
+                  {"ttl", 1, 0},    {0, 0, 0}};
     const char *pos[1];
     if (parse_args(argc, argv, opts, pos, 1) != 1)
         usage_error("put: expected ID");
@@ -516,6 +552,7 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
     rc = kvdepot_sequence_stat(c, id, strlen(id), &s);
     if (rc == KVDEPOT_ENOTFOUND) {
         kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = m.name};
+        ca.ttl_seconds = opt_u64(opts, "ttl", 0, UINT64_MAX / 1000);
         rc = kvdepot_sequence_create(c, &ca, &s);
     }
     if (rc)
@@ -739,6 +776,7 @@ int main(int argc, char **argv)
         {"health", cmd_health}, {"models", cmd_models}, {"model", cmd_model},
         {"seqs", cmd_seqs},     {"seq", cmd_seq},       {"put", cmd_put},
         {"get", cmd_get},       {"lookup", cmd_lookup}, {"shards", cmd_shards},
+        {"stats", cmd_stats},
     };
     int (*fn)(kvdepot_client *, int, char **) = NULL;
     for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++)

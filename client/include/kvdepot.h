@@ -367,6 +367,9 @@ typedef struct kvdepot_create_args {
      * them); checked against the hashes and kept for chaining later blocks. */
     const uint32_t *prefix_token_ids;
     size_t num_prefix_token_ids;
+    /* Optional: delete the sequence this many seconds after its last
+     * append (0 = keep until deleted). */
+    uint64_t ttl_seconds;
 } kvdepot_create_args;
 
 /*
@@ -774,6 +777,47 @@ int kvdepot_plan_fetch(kvdepot_client *client, const void *id, size_t id_len,
                        double bandwidth_bytes_per_s, double compute_flops_per_s,
                        uint32_t layer_start, uint32_t num_layers, int assume_activations,
                        kvdepot_fetch_plan *out);
+
+/* ---- tiers ---------------------------------------------------------------- */
+
+/* One tier of a server: device (GPU pool, or host memory on a CPU server),
+ * host memory, disk (RocksDB). */
+typedef struct kvdepot_tier_stats {
+    char name[16];        /* "device", "host", "disk" */
+    uint64_t limit_bytes; /* 0: off (memory tiers) or unlimited (disk) */
+    uint64_t bytes;       /* page bytes held now */
+    uint64_t pages;
+    uint64_t hits;        /* page reads served by it (disk: misses of the memory tiers) */
+    uint64_t evictions;   /* pages moved out (disk: sequences dropped) */
+} kvdepot_tier_stats;
+
+typedef struct kvdepot_stats {
+    char durability[8];   /* "none", "spill", "sync" */
+    kvdepot_tier_stats tiers[3]; /* device, host, disk */
+    size_t num_tiers;
+    uint64_t misses, promotions, prefetched;
+    uint64_t checksum_failures;  /* pages refused as DATA_LOSS */
+    uint64_t sequences_dropped;  /* by the disk limit under durability none */
+    uint64_t sequences_expired;  /* by their TTL */
+    uint64_t sequences;
+} kvdepot_stats;
+
+/**
+ * Stats: the server's tiers and counters.
+ * @param[out] out  filled on success
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL; KVDEPOT_EUNSUPP on a client over
+ *         several servers (ask each server).
+ */
+int kvdepot_stats_get(kvdepot_client *client, kvdepot_stats *out);
+
+/**
+ * EvictSequence: move a sequence's pages out of the server's memory tiers
+ * (it stays stored; a later read promotes them again).
+ * @param[out] pages, bytes  what left memory (either may be NULL)
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND; KVDEPOT_EINVAL.
+ */
+int kvdepot_sequence_evict(kvdepot_client *client, const void *id, size_t id_len,
+                           uint64_t *pages, uint64_t *bytes);
 
 #ifdef __cplusplus
 }
