@@ -202,6 +202,8 @@ typedef struct int_ctx {
     int8_t *q8;                      /* (G, D) */
     float *qsum;                     /* (G, kng) sum of q8 per group */
     int32_t *qpat;                   /* (G, kcols, kper) plane-ordered q8 patterns */
+    __m256i *qpatv;                  /* the same, each broadcast to 8 lanes (AVX2 path) */
+    __m256i *vpatv;                  /* (block groups, G, cols, per) P patterns, broadcast */
     float *ktmp;                     /* (2 * kng * 8) scales/mins of a tile */
 } int_ctx;
 
@@ -352,7 +354,7 @@ int_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int 
             mn[grp] = params8(&a->k.min, c->h, t, grp, ng);
         }
         for (int g = 0; g < c->G; g++) {
-            const int32_t *pat = c->qpat + (size_t)g * cols * PER;
+            const __m256i *patv = c->qpatv + (size_t)g * cols * PER;
             __m256 dot = _mm256_setzero_ps();
             for (int grp = 0; grp < ng; grp++) {
                 __m256i acc32 = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
@@ -363,14 +365,14 @@ int_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int 
                         ap[pl] = _mm256_setzero_si256();
                     for (int cc = grp * cpg; cc < (grp + 1) * cpg; cc++)
                         _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                            ap[pl] = dpbusd(ap[pl], PL[cc][pl], _mm256_set1_epi32(pat[cc * PER + pl]));
+                            ap[pl] = dpbusd(ap[pl], PL[cc][pl], patv[cc * PER + pl]);
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
                 for (int cc = grp * cpg, k = 0; !VNNI && cc < (grp + 1) * cpg; cc++) {
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
-                            acc16, _mm256_maddubs_epi16(PL[cc][pl], _mm256_set1_epi32(pat[cc * PER + pl])));
+                            acc16, _mm256_maddubs_epi16(PL[cc][pl], patv[cc * PER + pl]));
                     if (++k == FLUSH) {
                         acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                         acc16 = _mm256_setzero_si256();
@@ -547,7 +549,8 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
      * of the block, so the tile's code rows (T*bits/8 bytes apart: a
      * power-of-two stride that maps them all to the same cache sets) are
      * read once per block as whole cache lines */
-    int32_t pat[NGMAX][KVD__ATTN_MAXG][COLS * PER];
+    int32_t pat[COLS * PER];
+    __m256i *vp = c->vpatv; /* [gi][g][COLS * PER] */
     float mP[NGMAX][KVD__ATTN_MAXG], sP[NGMAX][KVD__ATTN_MAXG], corr[NGMAX][KVD__ATTN_MAXG];
     const kvd_tensor *ct = &a->v.codes;
     int ngb = n / P;
@@ -555,7 +558,9 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
         for (int g = 0; g < c->G; g++) {
             int sum8;
             quantize_p8_avx2(p + (size_t)g * ld + gi * P, P, p8, &mP[gi][g], &sP[gi][g], &sum8);
-            build_patterns_u8(p8, COLS, BITS, pat[gi][g]);
+            build_patterns_u8(p8, COLS, BITS, pat);
+            for (int k = 0; k < COLS * PER; k++)
+                vp[((size_t)gi * c->G + g) * COLS * PER + k] = _mm256_set1_epi32(pat[k]);
             corr[gi][g] = sP[gi][g] * (float)sum8 + (float)P * mP[gi][g];
         }
     const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
@@ -584,14 +589,14 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                         ap[pl] = _mm256_setzero_si256();
                     _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
                         _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(pat[gi][g][cc * PER + pl]), PL[cc][pl]);
+                            ap[pl] = dpbusd(ap[pl], vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl], PL[cc][pl]);
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
                 for (int cc = 0; !VNNI && cc < COLS; cc++) {
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
-                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(pat[gi][g][cc * PER + pl]), PL[cc][pl]));
+                            acc16, _mm256_maddubs_epi16(vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl], PL[cc][pl]));
                     if ((cc + 1) % FLUSH == 0 || cc + 1 == COLS) {
                         acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                         acc16 = _mm256_setzero_si256();
@@ -706,7 +711,9 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
                       + sizeof(int32_t) * (size_t)G * (c.kcols + 1) * c.kper   /* qpat */
                       + sizeof(float) * (size_t)16 * (c.kng + 1)               /* ktmp */
                       + sizeof(float) * (size_t)G * D                          /* scaled q */
-                      + 64;
+                      + 32 * (size_t)G * (c.kcols + 1) * c.kper                /* qpatv */
+                      + 32 * (size_t)G * 64                                    /* vpatv */
+                      + 128;
         char *buf = malloc(need);
         if (!buf) {
 #pragma omp atomic write
@@ -714,6 +721,12 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
             continue;
         }
         char *b = buf;
+        /* 32-byte aligned blocks first (malloc gives 16) */
+        b = (char *)(((uintptr_t)b + 31) & ~(uintptr_t)31);
+        c.qpatv = (__m256i *)b;
+        b += 32 * (size_t)G * (c.kcols + 1) * c.kper;
+        c.vpatv = (__m256i *)b;
+        b += 32 * (size_t)G * 64;
         c.sq = (float *)b;
         b += sizeof(float) * (size_t)G;
         c.qsum = (float *)b;
@@ -735,8 +748,13 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
                     sum += q8[j];
                 c.qsum[g * c.kng + grp] = (float)sum;
             }
-            if ((D * kb) % 32 == 0 && c.kcols <= KVD__INT_MAXCOLS)
-                build_patterns_i8(q8, c.kcols, kb, c.qpat + (size_t)g * c.kcols * c.kper);
+            if ((D * kb) % 32 == 0 && c.kcols <= KVD__INT_MAXCOLS) {
+                int32_t *pt = c.qpat + (size_t)g * c.kcols * c.kper;
+                build_patterns_i8(q8, c.kcols, kb, pt);
+                for (int k = 0; k < c.kcols * c.kper; k++)
+                    for (int l = 0; l < 8; l++)
+                        ((int32_t *)&c.qpatv[(size_t)g * c.kcols * c.kper + k])[l] = pt[k];
+            }
         }
         kvd__attn_scaled_q(d, &a->q, h, qs);
         kvd__attn_src src[2];
