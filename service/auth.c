@@ -57,7 +57,10 @@ static void auth_free(kvd_auth *a)
     free(a);
 }
 
-void kvd_auth_ref(kvd_auth *a) { atomic_fetch_add(&a->refs, 1); }
+void kvd_auth_ref(kvd_auth *a)
+{
+    atomic_fetch_add(&a->refs, 1);
+}
 
 void kvd_auth_unref(kvd_auth *a)
 {
@@ -206,8 +209,7 @@ static int parse_token(doc *D, kvd_auth *a, yaml_node_t *n, uint64_t dseq, uint6
         return doc_fail(D, n, "access: '%s' is not read-only or read-write", access);
     int64_t exp = 0;
     if (expires && parse_time(expires, &exp) != 0)
-        return doc_fail(D, n, "expires: '%s' is not a UTC time like 2027-01-01T00:00:00Z",
-                        expires);
+        return doc_fail(D, n, "expires: '%s' is not a UTC time like 2027-01-01T00:00:00Z", expires);
     ssize_t ti = tenant_find_or_add(a, tenant, dseq, dbytes);
     kvd_principal *nt = realloc(a->tokens, (a->n_tokens + 1) * sizeof *nt);
     if (ti < 0 || !nt)
@@ -339,8 +341,8 @@ out:
     return rc;
 }
 
-int kvd_auth_load(const char *path, uint64_t max_sequences, uint64_t max_bytes,
-                  kvd_auth **out, char *err, size_t errlen)
+int kvd_auth_load(const char *path, uint64_t max_sequences, uint64_t max_bytes, kvd_auth **out,
+                  char *err, size_t errlen)
 {
     *out = NULL;
     kvd_auth *a = calloc(1, sizeof *a);
@@ -397,8 +399,7 @@ int kvd_auth_check(const kvd_auth *a, const grpc_metadata_array *md, int64_t now
         }
     }
     if (!val)
-        return kvd_error_set(err, KVD_EAUTH,
-                             "missing `authorization: Bearer <token>` metadata");
+        return kvd_error_set(err, KVD_EAUTH, "missing `authorization: Bearer <token>` metadata");
     if (len < 7 || strncasecmp(val, "Bearer ", 7) != 0)
         return kvd_error_set(err, KVD_EAUTH, "authorization: expected `Bearer <token>`");
     val += 7;

@@ -50,12 +50,12 @@ typedef struct kvd_tenant {
 } kvd_tenant;
 
 typedef struct kvd_principal {
-    char *token;         /* never logged */
-    size_t tenant;       /* index into kvd_auth.tenants */
+    char *token;   /* never logged */
+    size_t tenant; /* index into kvd_auth.tenants */
     char **namespaces;
     size_t n_namespaces;
     int read_only;
-    int64_t expires;     /* unix seconds; 0 = never */
+    int64_t expires; /* unix seconds; 0 = never */
 } kvd_principal;
 
 typedef struct kvd_auth {
@@ -72,8 +72,8 @@ typedef struct kvd_auth {
  * tenant). Default quotas come from the arguments; the file's `tenants:`
  * section overrides them per tenant. Returns 0 with *out holding one
  * reference, or -1 with a message naming the file, line and problem. */
-int kvd_auth_load(const char *path, uint64_t max_sequences, uint64_t max_bytes,
-                  kvd_auth **out, char *err, size_t errlen);
+int kvd_auth_load(const char *path, uint64_t max_sequences, uint64_t max_bytes, kvd_auth **out,
+                  char *err, size_t errlen);
 
 /* What the whole store holds, for the metrics gauges. */
 typedef struct kvd_store_totals {

@@ -16,9 +16,8 @@
 kvd_metrics_registry kvd_metrics;
 
 /* Latency bucket bounds in seconds: 100 us .. 60 s, roughly x2.5 apart. */
-static const double bucket_le[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                                   0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10,
-                                   30,     60};
+static const double bucket_le[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                   0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
 #define NBUCKETS (sizeof bucket_le / sizeof bucket_le[0])
 #define MAX_METHODS 32 /* room for the method table to grow; the last is "unknown" */
 #define NSTATUS 17     /* gRPC codes 0..16 */
@@ -93,7 +92,10 @@ static const char *method_name(size_t m)
     return m < kvd_methods_count && m < MAX_METHODS - 1 ? kvd_methods[m].name : "unknown";
 }
 
-static const char *code_name(int code) { return code == 0 ? "OK" : kvd_status_name(-code); }
+static const char *code_name(int code)
+{
+    return code == 0 ? "OK" : kvd_status_name(-code);
+}
 
 struct kvd_store *_Atomic kvd_metrics_store;
 
@@ -106,8 +108,9 @@ static void render_tiers(buf *b)
         return;
     static const char *tn[KVD_TIERS] = {"device", "host", "disk"};
     static const char *dn[3] = {"spill", "none", "sync"};
-    put(b, "# HELP kvdepot_durability_info durability setting in force\n"
-           "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",
+    put(b,
+        "# HELP kvdepot_durability_info durability setting in force\n"
+        "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",
         dn[s.durability]);
     put(b, "# HELP kvdepot_tier_limit_bytes byte limit of each tier (0: off, or unlimited disk)\n"
            "# TYPE kvdepot_tier_limit_bytes gauge\n");
@@ -133,15 +136,16 @@ static void render_tiers(buf *b)
     for (int i = 0; i < 2; i++)
         put(b, "kvdepot_tier_evictions_total{tier=\"%s\"} %llu\n", tn[i],
             (unsigned long long)s.evictions[i]);
-    put(b, "# HELP kvdepot_tier_promotions_total pages moved up a tier\n"
-           "# TYPE kvdepot_tier_promotions_total counter\nkvdepot_tier_promotions_total %llu\n"
-           "# HELP kvdepot_prefetched_pages_total pages loaded ahead of a reader\n"
-           "# TYPE kvdepot_prefetched_pages_total counter\nkvdepot_prefetched_pages_total %llu\n"
-           "# HELP kvdepot_sequences_dropped_total sequences dropped by the disk limit "
-           "(durability none)\n# TYPE kvdepot_sequences_dropped_total counter\n"
-           "kvdepot_sequences_dropped_total %llu\n"
-           "# HELP kvdepot_sequences_expired_total sequences deleted by their TTL\n"
-           "# TYPE kvdepot_sequences_expired_total counter\nkvdepot_sequences_expired_total %llu\n",
+    put(b,
+        "# HELP kvdepot_tier_promotions_total pages moved up a tier\n"
+        "# TYPE kvdepot_tier_promotions_total counter\nkvdepot_tier_promotions_total %llu\n"
+        "# HELP kvdepot_prefetched_pages_total pages loaded ahead of a reader\n"
+        "# TYPE kvdepot_prefetched_pages_total counter\nkvdepot_prefetched_pages_total %llu\n"
+        "# HELP kvdepot_sequences_dropped_total sequences dropped by the disk limit "
+        "(durability none)\n# TYPE kvdepot_sequences_dropped_total counter\n"
+        "kvdepot_sequences_dropped_total %llu\n"
+        "# HELP kvdepot_sequences_expired_total sequences deleted by their TTL\n"
+        "# TYPE kvdepot_sequences_expired_total counter\nkvdepot_sequences_expired_total %llu\n",
         (unsigned long long)s.promotions, (unsigned long long)s.prefetched,
         (unsigned long long)s.sequences_dropped, (unsigned long long)s.sequences_expired);
 }
@@ -152,9 +156,10 @@ char *kvd_metrics_render(size_t *len)
     if (!b.p)
         return NULL;
     b.p[0] = '\0';
-#define KVD__METRIC_RENDER(name, type, help)                                        \
-    put(&b, "# HELP kvdepot_" #name " " help "\n# TYPE kvdepot_" #name " " #type "\n" \
-            "kvdepot_" #name " %lld\n",                                             \
+#define KVD__METRIC_RENDER(name, type, help)                                                       \
+    put(&b,                                                                                        \
+        "# HELP kvdepot_" #name " " help "\n# TYPE kvdepot_" #name " " #type "\n"                  \
+        "kvdepot_" #name " %lld\n",                                                                \
         (long long)atomic_load_explicit(&kvd_metrics.name, memory_order_relaxed));
     KVD_METRICS(KVD__METRIC_RENDER)
 #undef KVD__METRIC_RENDER
@@ -234,9 +239,8 @@ static enum MHD_Result reply(struct MHD_Connection *conn, unsigned code, const c
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
-                                  const char *method, const char *version,
-                                  const char *upload_data, size_t *upload_data_size,
-                                  void **req_cls)
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **req_cls)
 {
     (void)version;
     (void)upload_data;
@@ -299,8 +303,8 @@ static int resolve(const char *addr, struct sockaddr_storage *ss, char *err, siz
     return 0;
 }
 
-int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, int *port,
-                   char *err, size_t errlen)
+int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, int *port, char *err,
+                   size_t errlen)
 {
     *out = NULL;
     struct sockaddr_storage ss;

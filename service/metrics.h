@@ -16,19 +16,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVD_METRICS(X)                                                                      \
-    X(bytes_received_total, counter, "gRPC message bytes received")                         \
-    X(bytes_sent_total, counter, "gRPC message bytes sent")                                 \
-    X(calls_in_flight, gauge, "calls accepted and not yet ended")                           \
-    X(checksum_failures_total, counter, "reads refused because a page failed its checksum") \
-    X(auth_failures_total, counter, "calls refused as UNAUTHENTICATED")                     \
-    X(permission_denied_total, counter, "calls refused as PERMISSION_DENIED")               \
-    X(quota_rejections_total, counter, "calls refused by a tenant quota")                   \
-    X(sequences_stored, gauge, "sequences in the store")                                    \
-    X(payload_bytes_stored, gauge, "K+V payload bytes the stored sequences hold")           \
-    X(stored_bytes, gauge, "bytes of the stored pages (encoded)")                           \
-    X(pages_sealed, gauge, "sealed pages in the store")                                     \
-    X(tokens_reloads_total, counter, "tokens file reloads (SIGHUP) that succeeded")          \
+#define KVD_METRICS(X)                                                                             \
+    X(bytes_received_total, counter, "gRPC message bytes received")                                \
+    X(bytes_sent_total, counter, "gRPC message bytes sent")                                        \
+    X(calls_in_flight, gauge, "calls accepted and not yet ended")                                  \
+    X(checksum_failures_total, counter, "reads refused because a page failed its checksum")        \
+    X(auth_failures_total, counter, "calls refused as UNAUTHENTICATED")                            \
+    X(permission_denied_total, counter, "calls refused as PERMISSION_DENIED")                      \
+    X(quota_rejections_total, counter, "calls refused by a tenant quota")                          \
+    X(sequences_stored, gauge, "sequences in the store")                                           \
+    X(payload_bytes_stored, gauge, "K+V payload bytes the stored sequences hold")                  \
+    X(stored_bytes, gauge, "bytes of the stored pages (encoded)")                                  \
+    X(pages_sealed, gauge, "sealed pages in the store")                                            \
+    X(tokens_reloads_total, counter, "tokens file reloads (SIGHUP) that succeeded")                \
     X(ready, gauge, "1 when serving, 0 while starting or shutting down")
 
 typedef struct kvd_metrics_registry {
@@ -39,9 +39,9 @@ typedef struct kvd_metrics_registry {
 
 extern kvd_metrics_registry kvd_metrics;
 
-#define KVD_METRIC_ADD(name, v) \
+#define KVD_METRIC_ADD(name, v)                                                                    \
     atomic_fetch_add_explicit(&kvd_metrics.name, (int64_t)(v), memory_order_relaxed)
-#define KVD_METRIC_SET(name, v) \
+#define KVD_METRIC_SET(name, v)                                                                    \
     atomic_store_explicit(&kvd_metrics.name, (int64_t)(v), memory_order_relaxed)
 
 /* The store whose tier statistics /metrics renders (kvd_store_stats), or
@@ -61,8 +61,8 @@ char *kvd_metrics_render(size_t *len);
  * points at the service's readiness flag for /readyz. Returns 0 and the
  * bound port, or -1 with a message in err. */
 typedef struct kvd_http kvd_http;
-int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, int *port,
-                   char *err, size_t errlen);
+int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, int *port, char *err,
+                   size_t errlen);
 void kvd_http_stop(kvd_http *h); /* NULL is a no-op */
 
 #endif /* KVDEPOT_SERVICE_METRICS_H */

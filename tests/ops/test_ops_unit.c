@@ -16,12 +16,12 @@
 
 static int failures;
 
-#define CHECK(cond)                                                                  \
-    do {                                                                             \
-        if (!(cond)) {                                                               \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            failures++;                                                              \
-        }                                                                            \
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+            failures++;                                                                            \
+        }                                                                                          \
     } while (0)
 
 static char dir[] = "/tmp/kvd-ops-unit-XXXXXX";
@@ -55,21 +55,20 @@ static void md_set(md1 *x, const char *value)
     }
 }
 
-static const char tokens_yaml[] =
-    "tokens:\n"
-    "  - token: \"tok-a-rw-0123456789\"\n"
-    "    tenant: team-a\n"
-    "    namespaces: [\"a-*\"]\n"
-    "  - token: \"tok-a-ro-0123456789\"\n"
-    "    tenant: team-a\n"
-    "    namespaces: [\"a-*\", \"shared\"]\n"
-    "    access: read-only\n"
-    "  - token: \"tok-b-0123456789ab\"\n"
-    "    tenant: team-b\n"
-    "    namespaces: \"*\"\n"
-    "    expires: 2030-06-01T00:00:00Z\n"
-    "tenants:\n"
-    "  team-b: {max-sequences: 5, max-bytes: 1KiB}\n";
+static const char tokens_yaml[] = "tokens:\n"
+                                  "  - token: \"tok-a-rw-0123456789\"\n"
+                                  "    tenant: team-a\n"
+                                  "    namespaces: [\"a-*\"]\n"
+                                  "  - token: \"tok-a-ro-0123456789\"\n"
+                                  "    tenant: team-a\n"
+                                  "    namespaces: [\"a-*\", \"shared\"]\n"
+                                  "    access: read-only\n"
+                                  "  - token: \"tok-b-0123456789ab\"\n"
+                                  "    tenant: team-b\n"
+                                  "    namespaces: \"*\"\n"
+                                  "    expires: 2030-06-01T00:00:00Z\n"
+                                  "tenants:\n"
+                                  "  team-b: {max-sequences: 5, max-bytes: 1KiB}\n";
 
 static void test_tokens(void)
 {
@@ -213,7 +212,7 @@ static void test_config_file(void)
     CHECK(c.metrics_listen == NULL); /* empty = off */
     for (size_t i = 0; i < kvd_config_count(); i++) {
         const char *n = kvd_config_name(i);
-        int want = strcmp(n, "threads") == 0 || strcmp(n, "sync") == 0 ? KVD_SRC_ENV
+        int want = strcmp(n, "threads") == 0 || strcmp(n, "sync") == 0         ? KVD_SRC_ENV
                    : strcmp(n, "page-tokens") == 0 || strcmp(n, "config") == 0 ? KVD_SRC_FLAG
                    : strcmp(n, "tenant-max-bytes") == 0 || strcmp(n, "metrics-listen") == 0 ||
                            strcmp(n, "port-file") == 0
@@ -226,9 +225,14 @@ static void test_config_file(void)
     }
     kvd_config_free(&c);
 
-    static const char *const bad[] = {"nope: 1\n", "threads: x\n", "threads: [1]\n",
-                                      "listen: {a: b}\n", "- a\n", "threads: 1\nthreads: 2: 3\n",
-                                      "config: other.yaml\n", "listen: \"\"\n"};
+    static const char *const bad[] = {"nope: 1\n",
+                                      "threads: x\n",
+                                      "threads: [1]\n",
+                                      "listen: {a: b}\n",
+                                      "- a\n",
+                                      "threads: 1\nthreads: 2: 3\n",
+                                      "config: other.yaml\n",
+                                      "listen: \"\"\n"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         CHECK(kvd_config_defaults(&c) == 0);
         err[0] = '\0';
@@ -239,8 +243,8 @@ static void test_config_file(void)
     /* An empty file is no settings. */
     CHECK(kvd_config_defaults(&c) == 0);
     CHECK(kvd_config_apply_file(&c, write_file("e.yaml", ""), err, sizeof err) == 0);
-    CHECK(kvd_config_apply_file(&c, write_file("e.yaml", "# only a comment\n"), err,
-                                sizeof err) == 0);
+    CHECK(kvd_config_apply_file(&c, write_file("e.yaml", "# only a comment\n"), err, sizeof err) ==
+          0);
     kvd_config_free(&c);
 
     /* --print-config output loads back to the same values. */
