@@ -275,8 +275,7 @@ EOF
     stop
     ;;
 limits)
-    start --max-tokens-per-sequence 16 --max-append-bytes 640 --max-concurrent-streams 4 \
-        --keepalive-time-ms 10000
+    start --max-tokens-per-sequence 16 --max-concurrent-streams 4 --keepalive-time-ms 10000
     k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
     ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
     ok k put s1 --model m --tokens 16 --file "$(kv 16)"
@@ -284,7 +283,9 @@ limits)
     ok k put s2 --model m --tokens 15 --file "$(kv 15)"
     expect RESOURCE_EXHAUSTED k put s2 --model m --tokens 2 --file "$(kv 2)"
     ok k put s2 --model m --tokens 1 --file "$(kv 1)"
+    stop
     # One Append of 640 bytes (10 tokens) is the most; 11 tokens are refused.
+    start --max-append-bytes 640
     ok k put s3 --model m --tokens 10 --file "$(kv 10)"
     expect RESOURCE_EXHAUSTED k put s4 --model m --tokens 11 --file "$(kv 11)"
     case $last_out in *max-append-bytes*) ;; *) fail "append limit message: $last_out" ;; esac
