@@ -1331,6 +1331,41 @@ static int test_crash(kvd_harness *h)
     return rc;
 }
 
+/* An Append over the server's --max-append-bytes (here 1 MiB, through the
+ * environment) is RESOURCE_EXHAUSTED and changes nothing; one under it
+ * goes in. */
+static int limit_body(kvd_harness *h)
+{
+    REQUIRE(harness_stop(h) == 0);
+    setenv("KVDEPOT_MAX_APPEND_BYTES", "1MiB", 1);
+    REQUIRE(harness_start(h) == 0);
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m = small_model("limited");
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(create_seq(c, "l", "limited"), KVDEPOT_OK);
+    ref_seq r;
+    REQUIRE(ref_init(&r, "l", &m, 8192) == 0);
+    /* 1024 bytes of K+V per token over 4 layers: 1000 tokens fit in 1 MiB. */
+    REQUIRE_RC(ref_append(c, &r, 0, 4, 1000, 1, NULL), KVDEPOT_OK);
+    CHECK_RC(ref_append(c, &r, 0, 4, 1100, 2, NULL), KVDEPOT_ENOMEM);
+    CHECK(ref_verify(c, &r) == 0);
+    CHECK_RC(ref_append(c, &r, 0, 4, 4096, 3, NULL), KVDEPOT_ENOMEM);
+    CHECK(ref_verify(c, &r) == 0);
+    CHECK_RC(ref_append(c, &r, 0, 4, 24, 4, NULL), KVDEPOT_OK);
+    CHECK(ref_verify(c, &r) == 0);
+    ref_free(&r);
+    kvdepot_close(c);
+    return 0;
+}
+
+static int test_limit(kvd_harness *h)
+{
+    int rc = limit_body(h);
+    unsetenv("KVDEPOT_MAX_APPEND_BYTES");
+    return rc;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Racing appends on one sequence, with a reader running alongside           */
 /* ------------------------------------------------------------------------ */
@@ -1531,6 +1566,7 @@ static const kvd_test tests[] = {
     {"race", test_race},
     {"many", test_many},
     {"crash", test_crash},
+    {"limit", test_limit},
     {"errors", test_errors},
 };
 
