@@ -497,14 +497,20 @@ uint64_t kvd_seq_payload_bytes(const kvd_seq_info *s, const kvd_model_info *m)
     return tokens * per_token;
 }
 
+/* Counts go into local arrays and replace the tenants' usage in one step at
+ * the end, so that calls reserving meanwhile never see a half-counted table;
+ * a failed scan leaves the usage as it was. */
 int kvd_auth_scan(kvd_auth *a, kvd_store *store, kvd_store_totals *tot, kvd_error *err)
 {
     kvd_store_totals sum;
     memset(&sum, 0, sizeof sum);
-    pthread_mutex_lock(&a->mu);
-    for (size_t i = 0; i < a->n_tenants; i++)
-        a->tenants[i].sequences = a->tenants[i].bytes = 0;
-    pthread_mutex_unlock(&a->mu);
+    uint64_t *seqs_of = calloc(a->n_tenants + 1, sizeof *seqs_of);
+    uint64_t *bytes_of = calloc(a->n_tenants + 1, sizeof *bytes_of);
+    if (!seqs_of || !bytes_of) {
+        free(seqs_of);
+        free(bytes_of);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory counting usage");
+    }
     uint8_t after[KVD_SEQ_ID_MAX];
     size_t after_len = 0;
     int more = 1, rc = 0;
@@ -519,19 +525,18 @@ int kvd_auth_scan(kvd_auth *a, kvd_store *store, kvd_store_totals *tot, kvd_erro
             if (strcmp(m.name, seqs[i].model) != 0 &&
                 (rc = kvd_store_model_get(store, seqs[i].model, &m, err)))
                 break;
-            pthread_mutex_lock(&a->mu);
             uint64_t b = kvd_seq_payload_bytes(&seqs[i], &m);
             sum.sequences++;
             sum.payload_bytes += b;
             sum.stored_bytes += seqs[i].stored_bytes;
             sum.sealed_pages += seqs[i].sealed_pages;
+            /* Namespaces never change after load: no lock needed to match. */
             for (size_t t = 0; t < a->n_tenants; t++)
                 if (match_any(a->tenants[t].namespaces, a->tenants[t].n_namespaces,
                               seqs[i].model)) {
-                    a->tenants[t].sequences++;
-                    a->tenants[t].bytes += b;
+                    seqs_of[t]++;
+                    bytes_of[t] += b;
                 }
-            pthread_mutex_unlock(&a->mu);
         }
         if (n) {
             memcpy(after, seqs[n - 1].id, seqs[n - 1].id_len);
@@ -543,7 +548,17 @@ int kvd_auth_scan(kvd_auth *a, kvd_store *store, kvd_store_totals *tot, kvd_erro
             kvd_seq_info_clear(&seqs[i]);
         free(seqs);
     }
-    if (tot && !rc)
-        *tot = sum;
+    if (!rc) {
+        pthread_mutex_lock(&a->mu);
+        for (size_t t = 0; t < a->n_tenants; t++) {
+            a->tenants[t].sequences = seqs_of[t];
+            a->tenants[t].bytes = bytes_of[t];
+        }
+        pthread_mutex_unlock(&a->mu);
+        if (tot)
+            *tot = sum;
+    }
+    free(seqs_of);
+    free(bytes_of);
     return rc;
 }
