@@ -204,6 +204,43 @@ static int test_chunks(kvd_harness *h)
     return 0;
 }
 
+/* Every dtype engines exchange round-trips bit for bit (NaN payloads
+ * included: the data is random bits). */
+static int test_dtypes(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    static const kvdepot_dtype types[] = {KVDEPOT_DTYPE_F16, KVDEPOT_DTYPE_BF16, KVDEPOT_DTYPE_F32};
+    ref_seq r[3];
+    for (int i = 0; i < 3; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "model-%s", kvdepot_dtype_name(types[i]));
+        kvdepot_model m = small_model(name);
+        m.dtype = types[i];
+        m.num_layers = 3;
+        m.num_kv_heads = 1 + i; /* odd shapes too */
+        m.num_q_heads = 0;     /* = num_kv_heads */
+        m.head_dim = 24 + 40 * i;
+        REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+        REQUIRE_RC(create_seq(c, name, name), KVDEPOT_OK);
+        REQUIRE(ref_init(&r[i], name, &m, 1024) == 0);
+        CHECK_RC(ref_append(c, &r[i], 0, 3, 257, 10 + i, NULL), KVDEPOT_OK);
+        CHECK_RC(ref_append(c, &r[i], 0, 3, 300, 20 + i, NULL), KVDEPOT_OK);
+        CHECK(ref_verify(c, &r[i]) == 0);
+        CHECK(ref_check_range(c, &r[i], 1, 2, 100, 400) == 0);
+    }
+    REQUIRE(harness_restart(h) == 0);
+    kvdepot_close(c);
+    c = harness_client(h);
+    REQUIRE(c);
+    for (int i = 0; i < 3; i++) {
+        CHECK(ref_verify(c, &r[i]) == 0);
+        ref_free(&r[i]);
+    }
+    kvdepot_close(c);
+    return 0;
+}
+
 /* The same client survives a restart of the server on the same port. */
 static int test_reconnect(kvd_harness *h)
 {
@@ -1555,6 +1592,7 @@ static const kvd_test tests[] = {
     {"models", test_models},
     {"chunks", test_chunks},
     {"reconnect", test_reconnect},
+    {"dtypes", test_dtypes},
     {"layers", test_layers},
     {"prefix", test_prefix},
     {"bad_models", test_bad_models},
