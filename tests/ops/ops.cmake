@@ -21,3 +21,19 @@ add_executable(test_ops_unit ${CMAKE_CURRENT_LIST_DIR}/test_ops_unit.c)
 target_link_libraries(test_ops_unit PRIVATE kvd_service)
 add_test(NAME ops_unit COMMAND test_ops_unit)
 set_tests_properties(ops_unit PROPERTIES LABELS unit TIMEOUT 60)
+
+# Config and tokens files through their parsers: the corpus is replayed under
+# ctest with any compiler; with clang a libFuzzer binary is built as well
+# (build/tests/fuzz_ops_files tests/ops/corpus).
+add_executable(fuzz_ops_files_replay ${CMAKE_CURRENT_LIST_DIR}/fuzz_ops_files.c
+                                     ${CMAKE_SOURCE_DIR}/tests/fuzz/fuzz_page_replay.c)
+target_link_libraries(fuzz_ops_files_replay PRIVATE kvd_service)
+add_test(NAME fuzz_ops_files_corpus
+         COMMAND fuzz_ops_files_replay ${CMAKE_CURRENT_LIST_DIR}/corpus)
+set_tests_properties(fuzz_ops_files_corpus PROPERTIES LABELS "fuzz;unit" TIMEOUT 60)
+if(CMAKE_C_COMPILER_ID MATCHES "Clang")
+  add_executable(fuzz_ops_files ${CMAKE_CURRENT_LIST_DIR}/fuzz_ops_files.c)
+  target_compile_options(fuzz_ops_files PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_options(fuzz_ops_files PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_libraries(fuzz_ops_files PRIVATE kvd_service)
+endif()
