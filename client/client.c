@@ -1088,6 +1088,8 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
 int kvdepot_sequence_evict(kvdepot_client *c, const void *id, size_t id_len, uint64_t *pages,
                            uint64_t *bytes)
 {
+    if (c && c->cluster)
+        return kvdepot__cluster_sequence_evict(c, id, id_len, pages, bytes);
     kvdepot__clear_error();
     if (pages)
         *pages = 0;

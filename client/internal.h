@@ -127,6 +127,8 @@ int kvdepot__cluster_sequence_append(kvdepot_client *c, const kvdepot_append_arg
                                      kvdepot_sequence_info *out);
 int kvdepot__cluster_sequence_read(kvdepot_client *c, const kvdepot_read_args *a,
                                    kvdepot_read_result *out);
+int kvdepot__cluster_sequence_evict(kvdepot_client *c, const void *id, size_t id_len,
+                                    uint64_t *pages, uint64_t *bytes);
 int kvdepot__cluster_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes,
                                    size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
 

@@ -1062,6 +1062,27 @@ int kvdepot__cluster_sequence_delete(kvdepot_client *c, const void *id, size_t i
     return run_for_id(c, id, id_len, op_delete, &x);
 }
 
+struct evict_ctx {
+    const void *id;
+    size_t id_len;
+    uint64_t *pages, *bytes;
+};
+
+static int op_evict(kvdepot_client *m, void *p)
+{
+    struct evict_ctx *x = p;
+    return kvdepot_sequence_evict(m, x->id, x->id_len, x->pages, x->bytes);
+}
+
+/* Eviction is a hint: an unreachable owner holds nothing in memory to
+ * evict, which is a miss like a read. */
+int kvdepot__cluster_sequence_evict(kvdepot_client *c, const void *id, size_t id_len,
+                                    uint64_t *pages, uint64_t *bytes)
+{
+    struct evict_ctx x = {id, id_len, pages, bytes};
+    return as_miss(c, run_for_id(c, id, id_len, op_evict, &x));
+}
+
 struct seq_list_ctx {
     const char *model;
     kvdepot_sequence_info *list;

@@ -580,7 +580,7 @@ int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint6
  * on the owners; adding a server moves only the keys it now owns (about
  * 1/N), removing one moves only its keys.
  *
- *   - Sequences (create, append, read, stat, delete) go to the owner of the
+ *   - Sequences (create, append, read, stat, delete, evict) go to the owner of the
  *     sequence id. When the id holds a non-empty "{tag}", only the tag is
  *     hashed, so ids with equal tags share a server.
  *   - kvdepot_prefix_lookup goes to the owner of the chain's first block
@@ -597,12 +597,12 @@ int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint6
  * An unreachable server (no connection within connect_timeout_ms, or an
  * UNAVAILABLE answer) is retried shard_retries times with backoff, then
  * skipped for a growing time (see shard_backoff_ms). For its keys:
- * kvdepot_sequence_read and kvdepot_sequence_stat answer KVDEPOT_ENOTFOUND
- * (a cache miss, the message names the server); kvdepot_prefix_lookup
- * answers KVDEPOT_OK with 0 blocks matched; create, append and delete
- * answer KVDEPOT_EUNAVAIL (nothing was written). Broadcasts skip it. No
- * call waits on it longer than its bounded retries. wait_for_ready is not
- * used over several servers.
+ * kvdepot_sequence_read, kvdepot_sequence_stat and kvdepot_sequence_evict
+ * answer KVDEPOT_ENOTFOUND (a cache miss, the message names the server);
+ * kvdepot_prefix_lookup answers KVDEPOT_OK with 0 blocks matched; create,
+ * append and delete answer KVDEPOT_EUNAVAIL (nothing was written).
+ * Broadcasts skip it. No call waits on it longer than its bounded retries.
+ * wait_for_ready is not used over several servers.
  *
  * A server that accepts the connection but stops answering holds a call
  * until its deadline (deadline_ms), as with one server.
