@@ -276,7 +276,11 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     rocksdb_options_set_min_blob_size(st->dbopt, 4096);
     rocksdb_options_set_enable_blob_gc(st->dbopt, 1);
     rocksdb_options_set_compression(st->dbopt, rocksdb_no_compression);
-    rocksdb_options_set_write_buffer_size(st->dbopt, 64u << 20);
+    /* Page bytes sit in the memtable until it is flushed to blob files; the
+     * memory tiers are what should hold hot pages, so keep memtables small
+     * (at most two of 16 MiB: part of kvdepotd's fixed memory overhead). */
+    rocksdb_options_set_write_buffer_size(st->dbopt, 16u << 20);
+    rocksdb_options_set_max_write_buffer_number(st->dbopt, 2);
     st->bbopt = rocksdb_block_based_options_create();
     st->cache = rocksdb_cache_create_lru(opt->block_cache_bytes ? opt->block_cache_bytes
                                                                 : (size_t)64 << 20);

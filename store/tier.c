@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -137,6 +138,30 @@ static void pool_free(kvd__cache *c, uint64_t off, uint64_t len)
     c->nfree++;
 }
 
+/* ---- host tier memory ------------------------------------------------------ */
+
+/* Host-tier pages are mapped one by one, so that the memory of an evicted
+ * page goes back to the system at once: malloc arenas of the many threads
+ * that free pages would otherwise keep it, and the process would outgrow the
+ * tier's limit. The tier is charged the mapped size. */
+static uint64_t host_size(size_t len)
+{
+    return ((uint64_t)len + 4095) / 4096 * 4096;
+}
+
+static uint8_t *host_alloc(size_t len)
+{
+    void *p = mmap(NULL, (size_t)host_size(len), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void host_free(uint8_t *p, size_t len)
+{
+    if (p)
+        munmap(p, (size_t)host_size(len));
+}
+
 /* ---- LRU lists ------------------------------------------------------------- */
 
 static void lru_unlink(kvd__tier *t, kvd__centry *e)
@@ -177,7 +202,7 @@ static void entry_free_data(kvd__cache *c, kvd__centry *e)
     if (e->tier == KVD_TIER_DEVICE)
         pool_free(c, e->off, e->alloc);
     else
-        free(e->data);
+        host_free(e->data, e->len);
     e->data = NULL;
 }
 
@@ -221,12 +246,12 @@ static void demote(kvd__cache *c, kvd__centry *e)
         return;
     }
     atomic_fetch_add(&c->evictions[0], 1);
-    uint64_t halloc = e->len;
+    uint64_t halloc = host_size(e->len);
     uint8_t *h = NULL;
     if (halloc <= c->tier[KVD_TIER_HOST].limit && make_room(c, KVD_TIER_HOST, halloc, e) == 0)
-        h = malloc(e->len);
+        h = host_alloc(e->len);
     if (h && pool_get(c, h, e->off, e->len) != 0) {
-        free(h);
+        host_free(h, e->len);
         h = NULL;
     }
     pool_free(c, e->off, e->alloc);
@@ -299,7 +324,7 @@ static int promote(kvd__cache *c, kvd__centry *e)
         t->pages++;
         return -1;
     }
-    free(e->data);
+    host_free(e->data, e->len);
     e->data = c->pool + off;
     e->off = off;
     e->alloc = alloc;
@@ -419,10 +444,11 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
         e->data = c->pool + off;
         e->off = off;
         e->alloc = alloc;
-    } else if (make_room(c, KVD_TIER_HOST, len, NULL) == 0 && (e->data = malloc(len))) {
+    } else if (make_room(c, KVD_TIER_HOST, host_size(len), NULL) == 0 &&
+               (e->data = host_alloc(len))) {
         memcpy(e->data, page, len);
         e->tier = KVD_TIER_HOST;
-        e->alloc = len;
+        e->alloc = host_size(len);
     } else {
         kvd__map_del(&c->map, id);
         free(e);
@@ -613,7 +639,7 @@ void kvd__cache_fini(kvd_store *st)
     for (size_t i = 0; i < c->map.cap; i++) {
         kvd__centry *e = c->map.vals[i];
         if (e && e->tier == KVD_TIER_HOST)
-            free(e->data);
+            host_free(e->data, e->len);
         free(e);
     }
     kvd__map_free(&c->map);

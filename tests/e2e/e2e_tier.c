@@ -188,17 +188,19 @@ static void unset_env(const char *const *env)
 /* ------------------------------------------------------------------------ */
 
 #define WS_SEQS 64
-#define WS_TOKENS 1024 /* 4 pages per layer; 2 MiB of K+V per sequence */
-#define WS_TIER_MIB 16 /* device and host each: 32 MiB against 128 MiB of pages */
-/* What kvdepotd may hold beyond the tiers: RocksDB memtables (64 MiB write
- * buffer, one more while it flushes) and block cache, gRPC buffers and the
- * in-flight Append (its bytes, the WriteBatch, the pages built). */
-#define WS_OVERHEAD_MIB 160
+#define WS_TOKENS 1536 /* 6 pages per layer; 3 MiB of K+V per sequence */
+#define WS_TIER_MIB 24 /* device and host each: 48 MiB against 192 MiB of pages */
+/* What kvdepotd may hold beyond the tiers (README, "Tiers, limits and
+ * durability"): RocksDB memtables (two of 16 MiB) and block cache, gRPC
+ * buffers and the Append in flight (its bytes, the WriteBatch, the pages
+ * built). Below the working set, so a server keeping every page in memory
+ * fails the check. */
+#define WS_OVERHEAD_MIB 96
 
 static int test_working_set(kvd_harness *h)
 {
-    static const char *const env[] = {"KVDEPOT_DEVICE_TIER_BYTES", "16MiB",
-                                      "KVDEPOT_HOST_TIER_BYTES", "16MiB", NULL};
+    static const char *const env[] = {"KVDEPOT_DEVICE_TIER_BYTES", "24MiB",
+                                      "KVDEPOT_HOST_TIER_BYTES", "24MiB", NULL};
     REQUIRE(restart_with(h, env) == 0);
     kvdepot_client *c = harness_client(h);
     REQUIRE(c);
@@ -241,7 +243,13 @@ static int test_working_set(kvd_harness *h)
            st.tiers[1].bytes, st.tiers[1].hits, st.tiers[1].evictions, st.misses, st.promotions,
            st.prefetched);
     CHECK(base_kb > 0 && hwm_kb > 0);
+    CHECK(limit_kb < base_kb + (uint64_t)WS_SEQS * WS_TOKENS * LAYERS * ROW * 2 / 1024);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    /* Sanitizer runtimes keep shadow memory and quarantines: no RSS bound. */
+    printf("  (sanitizer build: RSS bound not checked)\n");
+#else
     CHECK(hwm_kb <= limit_kb);
+#endif
     CHECK(st.tiers[0].bytes <= st.tiers[0].limit_bytes);
     CHECK(st.tiers[1].bytes <= st.tiers[1].limit_bytes);
     CHECK(st.tiers[0].evictions > 0 && st.tiers[1].evictions > 0);
