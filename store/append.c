@@ -472,8 +472,11 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
                             .H = ap->H,
                             .D = ap->D,
                             .dtype = ap->dtype};
-        if ((rc = kvd__tail_load(st, st->ropt, &w, &old, err)))
+        if ((rc = kvd__tail_load(st, st->ropt, &w, &old, err))) {
+            if (rc == KVD_ECORRUPT)
+                kvd__note_corrupt(st, tail->id, err);
             goto fail;
+        }
         if (old.num_tokens != tail_n) {
             rc = kvd_error_set(err, KVD_ECORRUPT,
                                "tail page %llu of layer %u holds %u tokens, "
