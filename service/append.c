@@ -255,8 +255,7 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
                              "split it into several appends",
                              (unsigned long long)expected, (unsigned long long)limit);
     }
-    if ((rc = kvd_quota_reserve(ctx->auth, st->model, 0, expected, err))) {
-        KVD_METRIC_ADD(quota_rejections_total, 1);
+    if ((rc = kvd_ctx_quota_reserve(ctx, st->model, 0, expected, err))) {
         kvd_store_append_abort(ap);
         return rc;
     }

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "compute.h"
 #include "convert.h"
 #include "metrics.h"
 #include "rpc.h"
@@ -168,6 +169,9 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     kvd_model_info mi;
     if ((rc = kvd_store_model_get(ctx->svc->store, req->model, &mi, err)))
         return rc;
+    kvd_seq_codecs codecs;
+    if ((rc = kvd_codecs_from_pb(req->codecs, &mi, pt, &codecs, err)))
+        return rc;
     if (req->n_prefix_hashes) {
         kvd_seq_info shape;
         memset(&shape, 0, sizeof shape);
@@ -176,10 +180,8 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         shape.layer_tokens = &tokens;
         bytes = kvd_seq_payload_bytes(&shape, &mi);
     }
-    if ((rc = kvd_quota_reserve(ctx->auth, req->model, 1, bytes, err))) {
-        KVD_METRIC_ADD(quota_rejections_total, 1);
+    if ((rc = kvd_ctx_quota_reserve(ctx, req->model, 1, bytes, err)))
         return rc;
-    }
     rc = kvd_store_seq_create(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                               req->model, req->prefix_hashes, req->n_prefix_hashes,
                               req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
@@ -194,6 +196,14 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
             kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                                  NULL, NULL);
         }
+    }
+    /* Always recorded (raw too): a record left by a deleted sequence of the
+     * same id must not apply to this one. */
+    if (!rc && (rc = kvd_store_seq_codecs_set(ctx->svc->store, req->sequence_id.data,
+                                              req->sequence_id.len, &codecs, err))) {
+        kvd_seq_info_clear(&info);
+        kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                             NULL, NULL);
     }
     if (rc) {
         kvd_quota_release(ctx->auth, req->model, 1, bytes);

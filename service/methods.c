@@ -2,9 +2,11 @@
  * The method table: every RPC kvdepotd serves, in one place.
  */
 #include <string.h>
+#include <time.h>
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
+#include "metrics.h"
 #include "rpc.h"
 
 #define KVD_SVC "/kvdepot.v1.KVDepot/"
@@ -84,5 +86,27 @@ int kvd_ctx_check_seq(kvd_req_ctx *ctx, const void *id, size_t id_len, kvd_error
     if (rc == 0)
         rc = kvd_ctx_check_model(ctx, info.model, err);
     kvd_seq_info_clear(&info);
+    return rc;
+}
+
+int kvd_ctx_quota_reserve(kvd_req_ctx *ctx, const char *model, uint64_t sequences,
+                          uint64_t bytes, kvd_error *err)
+{
+    int rc = kvd_quota_reserve(ctx->auth, model, sequences, bytes, err);
+    if (rc != KVD_ENOMEM || !ctx->auth)
+        return rc;
+    static _Atomic int64_t last_recount_ms;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t now = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    int64_t prev = atomic_load(&last_recount_ms);
+    if ((prev == 0 || now - prev >= 1000) &&
+        atomic_compare_exchange_strong(&last_recount_ms, &prev, now)) {
+        kvd_usage_rescan(ctx);
+        kvd_error_clear(err);
+        rc = kvd_quota_reserve(ctx->auth, model, sequences, bytes, err);
+    }
+    if (rc == KVD_ENOMEM)
+        KVD_METRIC_ADD(quota_rejections_total, 1);
     return rc;
 }

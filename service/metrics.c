@@ -156,6 +156,12 @@ char *kvd_metrics_render(size_t *len)
     if (!b.p)
         return NULL;
     b.p[0] = '\0';
+    /* The store's own count wins over the handlers' bookkeeping: it also
+     * sees sequences removed by their TTL or by the disk limit. */
+    struct kvd_store *store = atomic_load(&kvd_metrics_store);
+    kvd_store_stats ss;
+    if (store && kvd_store_stats_get(store, &ss) == 0)
+        KVD_METRIC_SET(sequences_stored, ss.sequences);
 #define KVD__METRIC_RENDER(name, type, help)                                                       \
     put(&b,                                                                                        \
         "# HELP kvdepot_" #name " " help "\n# TYPE kvdepot_" #name " " #type "\n"                  \

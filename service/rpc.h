@@ -129,6 +129,13 @@ grpc_byte_buffer *kvd_pack(const ProtobufCMessage *msg);
  * model delete took sequences with it). */
 void kvd_usage_rescan(kvd_req_ctx *ctx);
 
+/* Reserve quota for the caller's tenant(s) (kvd_quota_reserve). Before
+ * refusing, recount from the store, at most once a second, since sequences
+ * the store removed by itself (TTL, disk limit) count until recounted.
+ * Refusals are counted in the metrics. */
+int kvd_ctx_quota_reserve(kvd_req_ctx *ctx, const char *model, uint64_t sequences,
+                          uint64_t bytes, kvd_error *err);
+
 /* Handlers, by file. */
 int kvd_h_put_model(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 int kvd_h_get_model(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);

@@ -40,7 +40,7 @@ start() {
     "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
         --metrics-listen 127.0.0.1:0 --threads 2 "$@" >>"$work/server.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 400); do
+    for _ in $(seq 1 1200); do # 60 s: CI machines can be busy
         if [ -s "$work/port" ] && grep -q 'msg=serving' "$work/server.log"; then
             port=$(tr -d '\n' <"$work/port")
             mport=$(grep -o 'metrics_port=[0-9]*' "$work/server.log" | head -1 | cut -d= -f2)
