@@ -840,6 +840,8 @@ int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
     req.prefix_token_ids = (uint32_t *)a->prefix_token_ids;
     req.n_prefix_token_ids = a->num_prefix_token_ids;
     req.ttl_seconds = a->ttl_seconds;
+    kvdepot__codecs_pb cpb;
+    req.codecs = kvdepot__codecs_to_pb(a->codecs, &cpb);
     Kvdepot__V1__CreateSequenceResponse *resp;
     int rc = UNARY(c, KVDEPOT__CREATE_SEQUENCE, &req, kvdepot__v1__create_sequence_response, &resp);
     if (rc)

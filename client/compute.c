@@ -257,3 +257,44 @@ int kvdepot_plan_fetch(kvdepot_client *c, const void *id, size_t id_len,
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return KVDEPOT_OK;
 }
+
+/* ---- codecs ---------------------------------------------------------------------- */
+
+typedef struct codecs_msgs {
+    Kvdepot__V1__SequenceCodecs c;
+    Kvdepot__V1__CodecSpec k, v;
+    Kvdepot__V1__QuantSpec kq, vq;
+} codecs_msgs;
+
+_Static_assert(sizeof(codecs_msgs) <= sizeof(((kvdepot__codecs_pb *)0)->storage),
+               "kvdepot__codecs_pb storage too small");
+
+static void spec_to_pb(const kvdepot_codec_spec *s, Kvdepot__V1__CodecSpec *out,
+                       Kvdepot__V1__QuantSpec *q)
+{
+    kvdepot__v1__codec_spec__init(out);
+    kvdepot__v1__quant_spec__init(q);
+    out->codec = (Kvdepot__V1__Codec)s->codec;
+    q->group_size = s->group_size;
+    q->rounding = s->stochastic ? KVDEPOT__V1__ROUNDING__ROUNDING_STOCHASTIC
+                                : KVDEPOT__V1__ROUNDING__ROUNDING_NEAREST;
+    q->axis = (Kvdepot__V1__QuantAxis)s->axis;
+    q->seed = s->seed;
+    out->quant = q;
+}
+
+void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb)
+{
+    pb->msg = NULL;
+    if (!c)
+        return NULL;
+    codecs_msgs *m = (codecs_msgs *)(void *)pb->storage;
+    kvdepot__v1__sequence_codecs__init(&m->c);
+    spec_to_pb(&c->k, &m->k, &m->kq);
+    spec_to_pb(&c->v, &m->v, &m->vq);
+    m->c.k = &m->k;
+    m->c.v = &m->v;
+    m->c.raw_sink_tokens = c->raw_sink_tokens;
+    pb->msg = &m->c.base;
+    return &m->c;
+}

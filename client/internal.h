@@ -168,4 +168,12 @@ void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, siz
 struct kvd_backend;
 struct kvd_backend *kvdepot__cpu_backend(void);
 
+/* The wire form of kvdepot_codecs: NULL for NULL, else a message pointing
+ * into *storage (compute.c). */
+typedef struct kvdepot__codecs_pb {
+    ProtobufCMessage *msg; /* the SequenceCodecs, or NULL */
+    _Alignas(16) unsigned char storage[512];
+} kvdepot__codecs_pb;
+void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb);
+
 #endif /* KVDEPOT_CLIENT_INTERNAL_H */

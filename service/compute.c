@@ -19,8 +19,11 @@
 #include "convert.h"
 #include "kvdepot/attention.h"
 #include "kvdepot/backend.h"
+#include "kvdepot/quant.h"
+#include "codec.h"
 #include "log.h"
 #include "rpc.h"
+#include "seqcodec.h"
 #include "validate.h"
 
 #define ATTEND_MAX_BATCH 1024
@@ -240,9 +243,141 @@ done:
     return rc;
 }
 
+/* Merge (po, pl) into (out, lse). */
+static int merge_into(kvd_backend *be, int Hq, int D, float *out, float *lse, float *po,
+                      float *pl, kvd_error *err)
+{
+    int64_t os[2] = {Hq, D}, ls[1] = {Hq};
+    kvd_attn_merge_args m;
+    m.out_a = kvd_tensor_make(KVD_DTYPE_F32, out, 2, os);
+    m.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
+    m.out_b = kvd_tensor_make(KVD_DTYPE_F32, po, 2, os);
+    m.lse_b = kvd_tensor_make(KVD_DTYPE_F32, pl, 1, ls);
+    m.out = m.out_a;
+    m.lse = m.lse_a;
+    return kvd_attn_merge(be, 1, &m, err);
+}
+
+#define PAGES_PER_STEP 64
+
+/*
+ * Attention over tokens [start, start + n): whole sealed pages are acquired
+ * from the store (pinned in their memory tier) and attended in their stored
+ * form, INT2/INT4 with the homomorphic kernel, raw with the dense one; the
+ * partial blocks at both ends (and the raw tail) go through the read cursor.
+ */
+static int attend_pages(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinaryData *id,
+                        const kvd_model_info *m, uint32_t layer, uint64_t start, uint64_t n,
+                        uint64_t layer_tokens, const float *q, float scale, float *out,
+                        float *lse, kvd_error *err)
+{
+    const uint64_t B = ctx->svc->page_tokens, end = start + n;
+    uint64_t f0 = (start + B - 1) / B, f1 = end / B; /* whole blocks [f0, f1) */
+    if (f1 > layer_tokens / B)
+        f1 = layer_tokens / B;
+    if (f0 >= f1)
+        return attend_range(ctx, be, id, m, layer, start, n, q, scale, out, lse, err);
+    const int Hq = (int)m->num_q_heads, D = (int)m->head_dim;
+    float *po = malloc(sizeof(float) * (size_t)Hq * D), *pl = malloc(sizeof(float) * Hq);
+    kvd_page_handle *hs = calloc(PAGES_PER_STEP, sizeof *hs);
+    kvd_page_view *vs = calloc(PAGES_PER_STEP, sizeof *vs);
+    int rc = 0;
+    if (!po || !pl || !hs || !vs) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    /* Head: [start, f0*B) */
+    if ((rc = attend_range(ctx, be, id, m, layer, start, f0 * B - start, q, scale, out, lse, err)))
+        goto done;
+    kvd_attn_dims dims = {Hq, (int)m->num_kv_heads, D, D, scale};
+    for (uint64_t b0 = f0; b0 < f1 && rc == 0; b0 += PAGES_PER_STEP) {
+        size_t np = (size_t)(f1 - b0 < PAGES_PER_STEP ? f1 - b0 : PAGES_PER_STEP), got = 0;
+        for (; got < np; got++) {
+            if ((rc = kvd_store_page_acquire(ctx->svc->store, id->data, id->len, layer,
+                                             b0 + got, &hs[got], err)))
+                break;
+            if ((rc = kvd_page_decode_nocheck(hs[got].bytes, hs[got].len, &vs[got], err))) {
+                got++;
+                break;
+            }
+        }
+        if (rc == 0 && (rc = kvd_page_attend(be, vs, np, &dims, q, po, pl, err)) == 0)
+            rc = merge_into(be, Hq, D, out, lse, po, pl, err);
+        for (size_t i = 0; i < got; i++)
+            kvd_store_page_release(ctx->svc->store, &hs[i]);
+    }
+    /* Tail: [f1*B, end) */
+    if (rc == 0 && f1 * B < end &&
+        (rc = attend_range(ctx, be, id, m, layer, f1 * B, end - f1 * B, q, scale, po, pl,
+                           err)) == 0)
+        rc = merge_into(be, Hq, D, out, lse, po, pl, err);
+done:
+    free(po);
+    free(pl);
+    free(hs);
+    free(vs);
+    return rc;
+}
+
 static float default_scale(float scale, uint32_t D)
 {
     return scale != 0.0f ? scale : 1.0f / sqrtf((float)D);
+}
+
+/* ---- codec specs ------------------------------------------------------------- */
+
+static void spec_from_pb(const Kvdepot__V1__CodecSpec *in, int is_v, kvd_codec_spec *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!in)
+        return;
+    out->codec = (uint8_t)(in->codec > 255 ? 255 : in->codec);
+    if (in->quant) {
+        out->group = (uint16_t)(in->quant->group_size > 65535 ? 65535 : in->quant->group_size);
+        out->rounding = (uint8_t)(in->quant->rounding > 255 ? 255 : in->quant->rounding);
+        out->seed = in->quant->seed;
+        /* Wire axis: 0 default (K token, V channel), 1 token, 2 channel. */
+        unsigned ax = in->quant->axis;
+        out->axis = ax == 0 ? (is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN)
+                    : ax == 1 ? KVD_QAXIS_TOKEN
+                    : ax == 2 ? KVD_QAXIS_CHANNEL
+                              : 255;
+    } else {
+        out->group = 0;
+        out->axis = is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN;
+    }
+}
+
+int kvd_codecs_from_pb(const void *pb, const kvd_model_info *m, uint32_t page_tokens,
+                       kvd_seq_codecs *out, kvd_error *err)
+{
+    const Kvdepot__V1__SequenceCodecs *c = pb;
+    memset(out, 0, sizeof *out);
+    if (!c)
+        return 0;
+    spec_from_pb(c->k, 0, &out->k);
+    spec_from_pb(c->v, 1, &out->v);
+    out->raw_sink_tokens = c->raw_sink_tokens;
+    const Kvdepot__V1__CodecSpec *sp[2] = {c->k, c->v};
+    for (int i = 0; i < 2; i++)
+        if (sp[i] && ((sp[i]->vq && sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_VQ) ||
+                      (sp[i]->svd && (sp[i]->svd->n_widths || sp[i]->svd->removal_rate != 0))))
+            return kvd_error_set(err, KVD_EUNSUPP,
+                                 "codecs.%s: SVD reduction is not produced by this server yet",
+                                 i ? "v" : "k");
+    if (c->pq && c->pq->m)
+        return kvd_error_set(err, KVD_EUNSUPP, "codecs.pq: PQ indexes are not built yet");
+    if (c->store_activations)
+        return kvd_error_set(err, KVD_EUNSUPP,
+                             "codecs.store_activations: activation storage is not offered yet");
+    int rc = kvd_seq_codecs_check(out, page_tokens, m->head_dim, err);
+    if (rc && err) {
+        char msg[sizeof err->msg];
+        memcpy(msg, err->msg, sizeof msg);
+        msg[sizeof msg - 16] = '\0'; /* room for the prefix */
+        return kvd_error_set(err, rc, "codecs.%s", msg);
+    }
+    return rc;
 }
 
 /* ---- Attend ------------------------------------------------------------------ */
@@ -307,9 +442,10 @@ int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
             goto done;
         }
         const Kvdepot__V1__AttendQuery *qy = req->queries[i];
-        if ((rc = attend_range(ctx, be, &qy->sequence_id, m, req->layer, qy->token_start,
-                               count[i], qy->q, default_scale(req->scale, m->head_dim),
-                               res[i].output, res[i].lse, err)))
+        if ((rc = attend_pages(ctx, be, &qy->sequence_id, m, req->layer, qy->token_start,
+                               count[i], sc[i].layer_tokens, qy->q,
+                               default_scale(req->scale, m->head_dim), res[i].output,
+                               res[i].lse, err)))
             goto done;
     }
     Kvdepot__V1__AttendResponse resp = KVDEPOT__V1__ATTEND_RESPONSE__INIT;

@@ -47,4 +47,13 @@ double kvd_fetch_time(const kvd_fetch_cost *c, uint64_t l);
  * smallest l). */
 uint64_t kvd_plan_fetch(const kvd_fetch_cost *c);
 
+#include "seqcodec.h"
+
+/* The codecs of a CreateSequenceRequest (a Kvdepot__V1__SequenceCodecs, or
+ * NULL for all raw), checked against the model and page size. KVD_EINVAL
+ * naming the field; KVD_EUNSUPP for parts this server does not produce yet
+ * (VQ, SVD, PQ, activations). */
+int kvd_codecs_from_pb(const void *pb, const kvd_model_info *m, uint32_t page_tokens,
+                       kvd_seq_codecs *out, kvd_error *err);
+
 #endif /* KVDEPOT_SERVICE_COMPUTE_H */

@@ -19,6 +19,7 @@
  * tokens it reads.
  */
 #include "store_internal.h"
+#include "seqcodec.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,11 @@ struct kvd_append {
         uint32_t num_tokens;
     } *built;
     size_t nbuilt, capbuilt;
+    /* Codecs of the sequence (seqcodec.h): full pages are encoded with them
+     * as they seal, except those of blocks before sink_end. */
+    kvd_seq_codecs codecs;
+    int coded;
+    uint64_t sink_end;
 };
 
 /* Keep a copy of a finished page for the tiers; best effort. */
@@ -256,6 +262,15 @@ int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_appen
     ap->ts = spec->token_start;
     ap->n = spec->num_tokens;
     ap->ls = spec->layer_start;
+    if ((rc = kvd_store_seq_codecs_get(st, spec->seq_id, spec->seq_id_len, &ap->codecs,
+                                       &ap->coded, err))) {
+        free(ap);
+        return rc;
+    }
+    ap->coded = ap->coded && (ap->codecs.k.codec != KVD_CODEC_RAW ||
+                              ap->codecs.v.codec != KVD_CODEC_RAW);
+    ap->sink_end = ((uint64_t)ap->codecs.raw_sink_tokens + st->page_tokens - 1) /
+                   st->page_tokens * st->page_tokens;
 
     pthread_rwlock_rdlock(&st->lock);
     kvd__seq *s = kvd__seq_find(st, spec->seq_id, spec->seq_id_len, NULL);
@@ -531,10 +546,22 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
         fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
         kvd_page_finish(page, (size_t)size);
-        keep_built(ap, np->id, page, (size_t)size, d.num_tokens);
+        const uint8_t *wbytes = page;
+        size_t wlen = (size_t)size;
+        uint8_t *coded = NULL;
+        if (ap->coded && d.num_tokens == B && p0 >= ap->sink_end) {
+            /* The page seals: store it encoded (the raw tail rule). */
+            if ((rc = kvd_page_encode(kvd__codec_backend(), &d, &ap->codecs.k, &ap->codecs.v,
+                                      kp, vp, &coded, &wlen, err)))
+                goto fail;
+            wbytes = coded;
+            np->bytes = wlen;
+        }
+        keep_built(ap, np->id, wbytes, wlen, d.num_tokens);
         uint8_t key[KVD__PAGE_KEY_LEN];
         kvd__page_key(key, np->id);
-        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page, (size_t)size);
+        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)wbytes, wlen);
+        free(coded);
     }
     free(page);
     kvd__tail_release(&old);

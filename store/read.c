@@ -14,6 +14,7 @@
  * into the caller's buffer when it fits, else through a staging buffer.
  */
 #include "store_internal.h"
+#include "seqcodec.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -264,13 +265,41 @@ static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
         }
         src = part ? pg.v : pg.k;
         pn = pg.num_tokens;
+        view.h.k_codec = view.h.v_codec = KVD_CODEC_RAW;
+        if (pg.nfrags == 0) {
+            size_t vlen;
+            const char *v = rocksdb_pinnableslice_value(pg.ps, &vlen);
+            if ((rc = kvd_page_decode_nocheck(v, vlen, &view, err))) {
+                kvd__tail_release(&pg);
+                return rc;
+            }
+        }
     }
     size_t row = (size_t)rd->D * rd->es;
+    /* A coded (sealed) page is decoded to the model dtype first. */
+    uint8_t *dec = NULL;
+    if ((part ? view.h.v_codec : view.h.k_codec) != KVD_CODEC_RAW) {
+        dec = malloc((size_t)rd->H * pn * row);
+        rc = dec ? kvd_page_decode_section(kvd__codec_backend(), &view,
+                                           part ? KVD_SECTION_V : KVD_SECTION_K, rd->dtype, dec,
+                                           err)
+                 : kvd_error_set(err, KVD_ENOMEM, "out of memory decoding a page");
+        if (rc) {
+            free(dec);
+            if (e)
+                kvd__cache_release(rd->st, e);
+            free(tmp);
+            kvd__tail_release(&pg);
+            return rc;
+        }
+        src = dec;
+    }
     for (uint64_t t = t0; t < t1; t++)
         for (uint32_t h = 0; h < rd->H; h++) {
             memcpy(dst, src + ((size_t)h * pn + (size_t)(t - p0)) * row, row);
             dst += row;
         }
+    free(dec);
     if (e)
         kvd__cache_release(rd->st, e);
     free(tmp);

@@ -355,6 +355,39 @@ typedef struct kvdepot_sequence_info {
 void kvdepot_sequence_info_clear(kvdepot_sequence_info *info);
 
 /* Arguments of kvdepot_sequence_create. Zero-initialise, then set. */
+/* How K or V pages are stored once they seal (kvdepot.v1.CodecSpec). The
+ * last, partial page of a layer always stays raw. */
+typedef enum kvdepot_codec {
+    KVDEPOT_CODEC_RAW = 0,
+    KVDEPOT_CODEC_INT2 = 1, /* 2-bit asymmetric groups (HACK), ~2.4-2.8 bits/value */
+    KVDEPOT_CODEC_INT4 = 2, /* 4-bit asymmetric groups */
+    KVDEPOT_CODEC_VQ = 3    /* reserved: not produced by this version */
+} kvdepot_codec;
+
+/* Grouping axis of INT2/INT4 values. */
+typedef enum kvdepot_quant_axis {
+    KVDEPOT_AXIS_DEFAULT = 0, /* K: token; V: channel */
+    KVDEPOT_AXIS_TOKEN = 1,   /* group_size values of head_dim of one token */
+    KVDEPOT_AXIS_CHANNEL = 2  /* group_size tokens of one channel (V only) */
+} kvdepot_quant_axis;
+
+typedef struct kvdepot_codec_spec {
+    kvdepot_codec codec;
+    uint32_t group_size;         /* 32, 64 or 128; 0 = 64 */
+    int stochastic;              /* 1 = stochastic rounding, 0 = nearest */
+    kvdepot_quant_axis axis;
+    uint64_t seed;               /* stochastic rounding seed */
+} kvdepot_codec_spec;
+
+/* The codecs of a sequence (kvdepot.v1.SequenceCodecs). Zero = all raw. */
+typedef struct kvdepot_codecs {
+    kvdepot_codec_spec k;
+    kvdepot_codec_spec v;
+    /* Pages of blocks starting before this token stay raw (attention
+     * sinks); rounded up to whole pages. */
+    uint32_t raw_sink_tokens;
+} kvdepot_codecs;
+
 typedef struct kvdepot_create_args {
     const void *id;            /* sequence id, 1..KVDEPOT_ID_MAX bytes */
     size_t id_len;
@@ -370,6 +403,11 @@ typedef struct kvdepot_create_args {
     /* Optional: delete the sequence this many seconds after its last
      * append (0 = keep until deleted). */
     uint64_t ttl_seconds;
+    /* Optional: how pages are stored once they seal (NULL = raw). A spec
+     * the model cannot take (group not dividing head_dim, channel axis on
+     * K, ...) fails the call with KVDEPOT_EINVAL; codecs this server does
+     * not produce yet (VQ, SVD, PQ index) with KVDEPOT_EUNSUPP. */
+    const kvdepot_codecs *codecs;
 } kvdepot_create_args;
 
 /*

@@ -87,6 +87,32 @@ static int make_seq(kvdepot_client *c, const kvdepot_model *m, const char *id, u
     return 0;
 }
 
+/* Append n tokens to every layer of an existing sequence in one call. */
+static int make_seq_append_only(kvdepot_client *c, const kvdepot_model *m, const char *id,
+                                uint64_t n)
+{
+    size_t cnt = (size_t)m->num_layers * n * m->num_kv_heads * m->head_dim;
+    size_t es = kvdepot_dtype_size(m->dtype);
+    void *k = malloc(cnt * es), *v = malloc(cnt * es);
+    if (!k || !v)
+        return KVDEPOT_ENOMEM;
+    fill_values(k, cnt, m->dtype, 3);
+    fill_values(v, cnt, m->dtype, 4);
+    kvdepot_append_args aa;
+    memset(&aa, 0, sizeof aa);
+    aa.id = id;
+    aa.id_len = strlen(id);
+    aa.num_tokens = n;
+    aa.dtype = m->dtype;
+    aa.k = k;
+    aa.v = v;
+    aa.k_bytes = aa.v_bytes = cnt * es;
+    int rc = kvdepot_sequence_append(c, &aa, NULL);
+    free(k);
+    free(v);
+    return rc;
+}
+
 /* Attention computed by the client on K/V it reads back: the reference. */
 static int local_attend(kvdepot_client *c, const kvdepot_model *m, const char *id,
                         uint32_t layer, uint64_t t0, uint64_t nt, const float *q, float *out,
@@ -408,9 +434,203 @@ static int t_errors(kvd_harness *h)
     return 0;
 }
 
+/* NMSE of a against b. */
+static double nmse(const float *a, const float *b, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? num / den : num;
+}
+
+static int create_coded(kvdepot_client *c, const char *model, const char *id,
+                        const kvdepot_codecs *cs)
+{
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = id;
+    ca.id_len = strlen(id);
+    ca.model = model;
+    ca.codecs = cs;
+    return kvdepot_sequence_create(c, &ca, NULL);
+}
+
+/* K (or V) of layer 0 as appended by make_seq's generator, f16 -> f32. */
+static void expected_f32(const kvdepot_model *m, uint64_t n, uint64_t step, uint64_t seed,
+                         int which, float *dst)
+{
+    size_t row = (size_t)m->num_kv_heads * m->head_dim;
+    uint16_t *tmp = malloc(row * step * m->num_layers * 2);
+    for (uint64_t t = 0; t < n; t += step) {
+        uint64_t nt = n - t < step ? n - t : step;
+        fill_values(tmp, (size_t)m->num_layers * nt * row, m->dtype, seed + 2 * t + which);
+        for (size_t i = 0; i < nt * row; i++) /* layer 0 comes first */
+            dst[t * row + i] = kvd_f16_to_f32(tmp[i]);
+    }
+    free(tmp);
+}
+
+/* For each codec: pages seal coded (fewer stored bytes), the raw tail and the
+ * raw sink pages read back bit-exact, coded pages within the quantization
+ * error; Attend equals the client's attention on the data it reads back;
+ * the LSE merge with a client-side tail equals the full Attend. */
+static int t_codecs(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "coded", 2, 2, 8, 128, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    const uint64_t n = 700, step = 350;
+    const struct {
+        const char *id;
+        kvdepot_codecs cs;
+        double max_bytes_ratio, max_nmse;
+    } cases[] = {
+        {"int2", {{KVDEPOT_CODEC_INT2, 128, 0, 0, 0}, {KVDEPOT_CODEC_INT2, 128, 0, 0, 0}, 0},
+         0.5, 0.12},
+        {"int2-kivi", {{KVDEPOT_CODEC_INT2, 64, 1, 1, 7}, {KVDEPOT_CODEC_INT2, 64, 1, 1, 7}, 0},
+         0.5, 0.25},
+        {"int4", {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 32, 0, 2, 0}, 0},
+         0.6, 0.006},
+        {"int2-sink", {{KVDEPOT_CODEC_INT2, 0, 0, 0, 0}, {KVDEPOT_CODEC_INT2, 0, 0, 0, 0}, 1},
+         0.7, 0.12},
+        {"raw", {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}, 1.01, 0},
+    };
+    const size_t row = (size_t)m.num_kv_heads * m.head_dim;
+    float *want = malloc(sizeof(float) * n * row), *got = malloc(sizeof(float) * n * row);
+    REQUIRE(want && got);
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const char *id = cases[ci].id;
+        REQUIRE_RC(create_coded(c, m.name, id, &cases[ci].cs), KVDEPOT_OK);
+        kvdepot_append_args aa;
+        for (uint64_t t = 0; t < n; t += step) {
+            size_t cnt = (size_t)m.num_layers * step * row;
+            uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+            fill_values(k, cnt, m.dtype, 50 + 2 * t);
+            fill_values(v, cnt, m.dtype, 50 + 2 * t + 1);
+            memset(&aa, 0, sizeof aa);
+            aa.id = id;
+            aa.id_len = strlen(id);
+            aa.token_start = t;
+            aa.num_tokens = step;
+            aa.dtype = m.dtype;
+            aa.k = k;
+            aa.k_bytes = aa.v_bytes = cnt * 2;
+            aa.v = v;
+            REQUIRE_RC(kvdepot_sequence_append(c, &aa, NULL), KVDEPOT_OK);
+            free(k);
+            free(v);
+        }
+        kvdepot_sequence_info info;
+        REQUIRE_RC(kvdepot_sequence_stat(c, id, strlen(id), &info), KVDEPOT_OK);
+        double raw_bytes = 2.0 * 2 * n * row * m.num_layers;
+        double ratio = (double)info.stored_bytes / raw_bytes;
+        printf("%s: stored %llu bytes, %.3f of raw\n", id, (unsigned long long)info.stored_bytes,
+               ratio);
+        CHECK(ratio <= cases[ci].max_bytes_ratio);
+        kvdepot_sequence_info_clear(&info);
+        /* Read back (decoded) layer 0 and compare with what was appended. */
+        kvdepot_read_args ra;
+        memset(&ra, 0, sizeof ra);
+        ra.id = id;
+        ra.id_len = strlen(id);
+        ra.num_layers = 1;
+        kvdepot_read_result rr;
+        REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+        for (int which = 0; which < 2; which++) {
+            expected_f32(&m, n, step, 50, which, want);
+            const uint16_t *src = which ? rr.v : rr.k;
+            for (size_t i = 0; i < n * row; i++)
+                got[i] = kvd_f16_to_f32(src[i]);
+            uint64_t exact0 = cases[ci].cs.raw_sink_tokens ? 256 : 0;
+            double e = nmse(got + exact0 * row, want + exact0 * row, (512 - exact0) * row);
+            CHECK(e <= cases[ci].max_nmse + 1e-12);
+            /* sink pages and the raw tail are bit-exact */
+            CHECK(memcmp(got, want, exact0 * row * sizeof(float)) == 0);
+            CHECK(memcmp(got + 512 * row, want + 512 * row, (n - 512) * row * sizeof(float)) == 0);
+            if (cases[ci].max_nmse == 0)
+                CHECK(e == 0);
+        }
+        /* Attend vs the client's attention on the data read back. */
+        float *q = make_q(&m, 77 + ci);
+        kvdepot_attend_query qy = {id, strlen(id), q, 8 * 128, 0, 0};
+        kvdepot_attend_result r;
+        REQUIRE_RC(kvdepot_attend(c, 0, 0, &qy, 1, &r), KVDEPOT_OK);
+        float lo[8 * 128], ll[8];
+        REQUIRE_RC(kvdepot_attention_local(m.dtype, 8, 2, 128, 0, q, rr.k, rr.v, n, lo, ll),
+                   KVDEPOT_OK);
+        double eo = nmse(r.output, lo, 8 * 128), el = nmse(r.lse, ll, 8);
+        printf("  attend vs client on read-back data: out NMSE %.3g, lse NMSE %.3g\n", eo, el);
+        CHECK(eo <= 1e-3 && el <= 1e-6);
+        /* Server over [0, n - w) merged with the client over the tail. */
+        const uint64_t w = 100;
+        kvdepot_attend_query q2 = {id, strlen(id), q, 8 * 128, 0, n - w};
+        kvdepot_attend_result r2;
+        REQUIRE_RC(kvdepot_attend(c, 0, 0, &q2, 1, &r2), KVDEPOT_OK);
+        const size_t es = 2;
+        REQUIRE_RC(kvdepot_attention_local(m.dtype, 8, 2, 128, 0, q,
+                                           (const uint8_t *)rr.k + (n - w) * row * es,
+                                           (const uint8_t *)rr.v + (n - w) * row * es, w, lo, ll),
+                   KVDEPOT_OK);
+        REQUIRE_RC(kvdepot_attention_merge(8, 128, r2.output, r2.lse, lo, ll), KVDEPOT_OK);
+        CHECK(nmse(r2.output, r.output, 8 * 128) <= 1e-10);
+        CHECK(nmse(r2.lse, r.lse, 8) <= 1e-10);
+        kvdepot_attend_results_free(&r, 1);
+        kvdepot_attend_results_free(&r2, 1);
+        free(q);
+        kvdepot_free(rr.owned);
+    }
+    free(want);
+    free(got);
+    kvdepot_close(c);
+    return 0;
+}
+
+/* Malformed or unsupported codec specs fail the create; nothing is made. */
+static int t_bad_codecs(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "bc", 1, 2, 2, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    const struct {
+        kvdepot_codecs cs;
+        int want;
+    } bad[] = {
+        {{{KVDEPOT_CODEC_INT2, 48, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}, KVDEPOT_EINVAL},
+        {{{KVDEPOT_CODEC_INT2, 128, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}, KVDEPOT_EINVAL}, /* 128 !| 64 */
+        {{{KVDEPOT_CODEC_INT2, 64, 0, KVDEPOT_AXIS_CHANNEL, 0}, {0, 0, 0, 0, 0}, 0},
+         KVDEPOT_EINVAL},
+        {{{(kvdepot_codec)9, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}, KVDEPOT_EINVAL},
+        {{{0, 0, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 64, 0, (kvdepot_quant_axis)5, 0}, 0},
+         KVDEPOT_EINVAL},
+        {{{KVDEPOT_CODEC_VQ, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}, KVDEPOT_EUNSUPP},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_RC(create_coded(c, "bc", "x", &bad[i].cs), bad[i].want);
+        kvdepot_sequence_info info;
+        CHECK_RC(kvdepot_sequence_stat(c, "x", 1, &info), KVDEPOT_ENOTFOUND);
+    }
+    /* A deleted coded sequence's id, created again raw, stores raw pages. */
+    kvdepot_codecs ok = {{KVDEPOT_CODEC_INT2, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT2, 64, 0, 0, 0}, 0};
+    REQUIRE_RC(create_coded(c, "bc", "y", &ok), KVDEPOT_OK);
+    REQUIRE_RC(kvdepot_sequence_delete(c, "y", 1, NULL), KVDEPOT_OK);
+    REQUIRE_RC(create_coded(c, "bc", "y", NULL), KVDEPOT_OK);
+    REQUIRE_RC(make_seq_append_only(c, &m, "y", 256), KVDEPOT_OK);
+    kvdepot_sequence_info info;
+    REQUIRE_RC(kvdepot_sequence_stat(c, "y", 1, &info), KVDEPOT_OK);
+    CHECK(info.stored_bytes >= 2ull * 256 * 2 * 64 * 2);
+    kvdepot_sequence_info_clear(&info);
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
     {"attend", t_attend},     {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
-    {"plan_fetch", t_plan_fetch}, {"errors", t_errors},
+    {"plan_fetch", t_plan_fetch}, {"errors", t_errors},   {"codecs", t_codecs},
+    {"bad_codecs", t_bad_codecs},
 };
 
 int main(int argc, char **argv)
