@@ -180,10 +180,8 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         shape.layer_tokens = &tokens;
         bytes = kvd_seq_payload_bytes(&shape, &mi);
     }
-    if ((rc = kvd_quota_reserve(ctx->auth, req->model, 1, bytes, err))) {
-        KVD_METRIC_ADD(quota_rejections_total, 1);
+    if ((rc = kvd_ctx_quota_reserve(ctx, req->model, 1, bytes, err)))
         return rc;
-    }
     rc = kvd_store_seq_create(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                               req->model, req->prefix_hashes, req->n_prefix_hashes,
                               req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
