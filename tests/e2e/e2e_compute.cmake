@@ -9,3 +9,11 @@ if(TARGET kvd_e2e_harness)
     set_tests_properties(compute_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()
 endif()
+
+# The compressed-cache and compute benchmark (prints tables; build target only):
+#   cmake --build <dir> --target bench_compute
+#   <dir>/tests/bench_compute <dir>/service/kvdepotd [max_tokens]
+if(TARGET kvd_e2e_harness)
+  add_executable(bench_compute EXCLUDE_FROM_ALL ${PROJECT_SOURCE_DIR}/tests/bench/bench_compute.c)
+  target_link_libraries(bench_compute PRIVATE kvd_e2e_harness kvd_store m)
+endif()

@@ -1,0 +1,255 @@
+/*
+ * Compressed caches and compute RPCs: a program that prints tables.
+ *
+ *   bench_compute SERVER_BIN [max_tokens]
+ *
+ * Starts kvdepotd on loopback (tests/e2e/harness), then measures
+ *   1. page bytes per token per codec, and the ratio to fp16 (sealed pages
+ *      of 256 tokens, 8 kv heads x 128 dims, header included);
+ *   2. client-side encode throughput (GB/s of fp16 input, one thread);
+ *   3. Attend latency and queries/s for batches of sequences at 4K and 32K
+ *      tokens (raw and INT2 caches) against the alternative: Read the fp16
+ *      cache over loopback and attend locally with the same CPU kernels.
+ * Sizes follow a decode step of one layer: 32 query heads over 8 kv heads.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "codec.h"
+#include "harness.h"
+#include "kvdepot/quant.h"
+
+#define H 8
+#define HQ 32
+#define D 128
+#define B 256
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void fill_f16(uint16_t *x, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        /* roughly normal: sum of two uniforms */
+        float a = (float)((s >> 40) & 0xffffff) / (float)(1 << 24);
+        float b = (float)((s >> 16) & 0xffffff) / (float)(1 << 24);
+        x[i] = kvd_f32_to_f16((a + b - 1.0f) * 1.5f);
+    }
+}
+
+static void table_bytes(void)
+{
+    kvd_backend *be = NULL;
+    kvd_cpu_options opt = {1, 0};
+    kvd_backend_cpu_create(&opt, &be, NULL);
+    size_t n = (size_t)H * B * D;
+    uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
+    fill_f16(k, n, 1);
+    fill_f16(v, n, 2);
+    kvd_page_desc d = {.dtype = KVD_DTYPE_F16, .layer = 0, .token_start = 0, .num_tokens = B,
+                       .page_tokens = B, .num_kv_heads = H, .head_dim = D};
+    const struct {
+        const char *name;
+        kvd_codec_spec k, v;
+    } cs[] = {
+        {"fp16 (raw)", {0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}},
+        {"INT4 g64 (V channel)", {2, 64, 0, 0, 0}, {2, 64, 1, 0, 0}},
+        {"INT4 g128", {2, 128, 0, 0, 0}, {2, 128, 1, 0, 0}},
+        {"INT2 g64 (V channel)", {1, 64, 0, 0, 0}, {1, 64, 1, 0, 0}},
+        {"INT2 g128 (V channel)", {1, 128, 0, 0, 0}, {1, 128, 1, 0, 0}},
+        {"INT2 g128 stochastic", {1, 128, 0, 1, 9}, {1, 128, 1, 1, 9}},
+        {"INT2 g128 (V token)", {1, 128, 0, 0, 0}, {1, 128, 0, 0, 0}},
+        {"K INT2 g128 / V fp16", {1, 128, 0, 0, 0}, {0, 0, 0, 0, 0}},
+    };
+    printf("\n1+2. Page bytes on the wire per token (one layer, %d kv heads x %d dims, "
+           "%d-token pages, header included) and client-side encode, one thread\n\n",
+           H, D, B);
+    printf("| codec | bytes/token | ratio to fp16 | encode GB/s (fp16 in) |\n");
+    printf("|---|---:|---:|---:|\n");
+    double raw = 0;
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        uint8_t *page = NULL;
+        size_t len = 0;
+        int iters = 0;
+        double t0 = now(), t1 = t0;
+        do {
+            free(page);
+            kvd_error err;
+            if (kvd_page_encode(be, &d, &cs[i].k, &cs[i].v, k, v, &page, &len, &err)) {
+                printf("| %s | encode failed: %s |\n", cs[i].name, err.msg);
+                break;
+            }
+            iters++;
+            t1 = now();
+        } while (t1 - t0 < 0.3);
+        double per_tok = (double)len / B;
+        if (i == 0)
+            raw = per_tok;
+        printf("| %s | %.1f | %.2fx smaller | %.2f |\n", cs[i].name, per_tok, raw / per_tok,
+               (double)iters * n * 2 * 2 / (t1 - t0) / 1e9);
+        free(page);
+    }
+    free(k);
+    free(v);
+    kvd_backend_free(be);
+}
+
+static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_codecs *cs)
+{
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = id;
+    ca.id_len = strlen(id);
+    ca.model = "bench";
+    ca.codecs = cs;
+    int rc = kvdepot_sequence_create(c, &ca, NULL);
+    if (rc)
+        return rc;
+    const uint64_t step = 4096;
+    size_t cnt = (size_t)step * H * D;
+    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+    for (uint64_t t = 0; t < n && !rc; t += step) {
+        fill_f16(k, cnt, t + 1);
+        fill_f16(v, cnt, t + 2);
+        kvdepot_append_args aa;
+        memset(&aa, 0, sizeof aa);
+        aa.id = id;
+        aa.id_len = strlen(id);
+        aa.token_start = t;
+        aa.num_tokens = step;
+        aa.dtype = KVDEPOT_DTYPE_F16;
+        aa.k = k;
+        aa.v = v;
+        aa.k_bytes = aa.v_bytes = cnt * 2;
+        rc = kvdepot_sequence_append(c, &aa, NULL);
+    }
+    free(k);
+    free(v);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s SERVER_BIN [max_tokens]\n", argv[0]);
+        return 2;
+    }
+    uint64_t max_tokens = argc > 2 ? strtoull(argv[2], NULL, 10) : 32768;
+    table_bytes();
+
+    kvd_harness h;
+    if (harness_init(&h, argv[1]) || harness_start(&h))
+        return 1;
+    kvdepot_client *c = harness_client(&h);
+    kvdepot_model m;
+    memset(&m, 0, sizeof m);
+    strcpy(m.name, "bench");
+    m.num_layers = 1;
+    m.num_kv_heads = H;
+    m.num_q_heads = HQ;
+    m.head_dim = D;
+    m.dtype = KVDEPOT_DTYPE_F16;
+    if (kvdepot_model_put(c, &m, 0, NULL, NULL)) {
+        fprintf(stderr, "model: %s\n", kvdepot_errmsg(NULL));
+        return 1;
+    }
+    kvdepot_codecs int2 = {{KVDEPOT_CODEC_INT2, 128, 0, KVDEPOT_AXIS_TOKEN, 0},
+                           {KVDEPOT_CODEC_INT2, 128, 0, KVDEPOT_AXIS_CHANNEL, 0},
+                           0};
+    const struct {
+        int batch;
+        uint64_t tokens;
+    } cfg[] = {{8, 4096}, {64, 4096}, {8, 32768}, {16, 32768}};
+    printf("\n3. Attend, one layer, %d q heads / %d kv heads x %d, batch of sequences; "
+           "alternative: Read fp16 over loopback + local attention (same kernels)\n\n",
+           HQ, H, D);
+    printf("| batch x tokens | cache | Attend ms | queries/s | Read+local ms | speed-up | "
+           "out NMSE vs fp16 |\n");
+    printf("|---|---|---:|---:|---:|---:|---:|\n");
+    float *q = malloc(sizeof(float) * HQ * D);
+    for (int i = 0; i < HQ * D; i++)
+        q[i] = sinf(0.1f * i);
+    for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+        if (cfg[ci].tokens > max_tokens)
+            continue;
+        int nb = cfg[ci].batch;
+        uint64_t n = cfg[ci].tokens;
+        char ids[2][64][32];
+        for (int s = 0; s < nb; s++) {
+            snprintf(ids[0][s], 32, "raw-%zu-%d", ci, s);
+            snprintf(ids[1][s], 32, "int2-%zu-%d", ci, s);
+            if (make(c, ids[0][s], n, NULL) || make(c, ids[1][s], n, &int2)) {
+                fprintf(stderr, "append: %s\n", kvdepot_errmsg(NULL));
+                return 1;
+            }
+        }
+        /* Alternative: read every fp16 cache and attend locally. */
+        float *lo = malloc(sizeof(float) * HQ * D * nb), lse[HQ];
+        double t0 = now();
+        for (int s = 0; s < nb; s++) {
+            kvdepot_read_args ra;
+            memset(&ra, 0, sizeof ra);
+            ra.id = ids[0][s];
+            ra.id_len = strlen(ids[0][s]);
+            kvdepot_read_result rr;
+            if (kvdepot_sequence_read(c, &ra, &rr)) {
+                fprintf(stderr, "read: %s\n", kvdepot_errmsg(NULL));
+                return 1;
+            }
+            kvdepot_attention_local(KVDEPOT_DTYPE_F16, HQ, H, D, 0, q, rr.k, rr.v, n,
+                                    lo + (size_t)s * HQ * D, lse);
+            kvdepot_free(rr.owned);
+        }
+        double t_alt = now() - t0;
+        for (int which = 0; which < 2; which++) {
+            kvdepot_attend_query qs[64];
+            for (int s = 0; s < nb; s++)
+                qs[s] = (kvdepot_attend_query){ids[which][s], strlen(ids[which][s]), q,
+                                               HQ * D, 0, 0};
+            kvdepot_attend_result res[64];
+            double best = 1e9;
+            for (int rep = 0; rep < 3; rep++) {
+                double a0 = now();
+                if (kvdepot_attend(c, 0, 0, qs, nb, res)) {
+                    fprintf(stderr, "attend: %s\n", kvdepot_errmsg(NULL));
+                    return 1;
+                }
+                double dt = now() - a0;
+                if (dt < best)
+                    best = dt;
+                if (rep < 2)
+                    kvdepot_attend_results_free(res, nb);
+            }
+            double num = 0, den = 0;
+            for (int s = 0; s < nb; s++)
+                for (int i = 0; i < HQ * D; i++) {
+                    double d = res[s].output[i] - lo[(size_t)s * HQ * D + i];
+                    num += d * d;
+                    den += (double)lo[(size_t)s * HQ * D + i] * lo[(size_t)s * HQ * D + i];
+                }
+            kvdepot_attend_results_free(res, nb);
+            printf("| %d x %lluK | %s | %.2f | %.0f | %.1f | %.1fx | %.2e |\n", nb,
+                   (unsigned long long)(n / 1024), which ? "INT2 g128" : "fp16", best * 1e3,
+                   nb / best, t_alt * 1e3, t_alt / best, den > 0 ? num / den : 0);
+        }
+        free(lo);
+        for (int s = 0; s < nb; s++)
+            for (int w = 0; w < 2; w++)
+                kvdepot_sequence_delete(c, ids[w][s], strlen(ids[w][s]), NULL);
+    }
+    free(q);
+    kvdepot_close(c);
+    harness_destroy(&h, 0);
+    return 0;
+}
