@@ -278,14 +278,6 @@ __attribute__((target("avx2"))) static inline __m256i dpbusd(__m256i acc, __m256
     return acc;
 } /* D * bits / 32 <= 128: D <= 2048 (INT2) / 1024 (INT4) */
 
-__attribute__((target("avx2,fma,f16c"))) static inline float f16c_at(const kvd_tensor *t, int64_t h,
-                                                                       int64_t r, int64_t g)
-{
-    uint16_t x;
-    memcpy(&x, (const char *)t->data + h * t->stride[0] + r * t->stride[1] + g * 2, 2);
-    return _cvtsh_ss(x);
-}
-
 /* 8 consecutive f16 at p as f32 */
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 f16x8(const void *p)
 {
@@ -674,6 +666,19 @@ static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld,
     }
 }
 
+/* AVX-VNNI (VEX-coded vpdpbusd): CPUID leaf 7 sub-leaf 1, EAX bit 4. Read
+ * with cpuid directly: __builtin_cpu_supports has no "avxvnni" in clang 14
+ * or older gcc, and an unknown feature name does not compile there. */
+static int cpu_has_avxvnni(void)
+{
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    if (a < 7)
+        return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+    return (a >> 4) & 1;
+}
+
 int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
@@ -686,7 +691,7 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     if (G > KVD__ATTN_MAXG || Dv > 4096 || vblock == 0)
         return kvd_cpu_attn_int_ref(a);
     int simd = kvd__attn_simd(), rc = 0;
-    int vnni = simd && __builtin_cpu_supports("avxvnni") && !getenv("KVD_NO_VNNI");
+    int vnni = simd && cpu_has_avxvnni() && !getenv("KVD_NO_VNNI");
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
     for (int h = 0; h < d->n_kv_heads; h++) {
