@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <grpc/grpc.h>
@@ -44,6 +45,21 @@ static int write_port_file(const char *path, int port)
         return -1;
     }
     return 0;
+}
+
+/* Legal but worth a word: bearer tokens over plaintext that leaves the
+ * machine, and a tokens file other users can read. */
+static void warn_exposed_secrets(const kvd_config *cfg)
+{
+    if (!cfg->tokens_file)
+        return;
+    if (!cfg->tls_cert && !kvd_listen_is_loopback(cfg->listen))
+        KVD_LOG(KVD_LOG_WARN, "bearer tokens will cross the network in plaintext",
+                "hint=\"give --tls-cert and --tls-key\"");
+    struct stat sb;
+    if (stat(cfg->tokens_file, &sb) == 0 && (sb.st_mode & S_IROTH))
+        KVD_LOG(KVD_LOG_WARN, "the tokens file is readable by every user",
+                "hint=\"chmod o-r the tokens file\"");
 }
 
 /* The default metrics address is a convenience: when another kvdepotd on the
@@ -139,6 +155,7 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 2;
     }
+    warn_exposed_secrets(&cfg);
 
     sigset_t mask;
     sigemptyset(&mask);
