@@ -84,7 +84,7 @@ static const setting settings[] = {
     {"keepalive-min-ping-interval-ms", T_UINT, F(keepalive_min_ping_interval_ms), "10000", 0,
      1ull << 31, "MS", "clients pinging more often than this are told to go away"},
     {"keepalive-permit-without-calls", T_BOOL, F(keepalive_permit_without_calls), "true", 0, 0,
-     "BOOL", "accept client pings on connections with no call in flight"},
+     "BOOL", "accept (and send) keepalive pings on connections with no call in flight"},
     {"metrics-listen", T_OPTSTRING, F(metrics_listen), "127.0.0.1:9464", 0, 0, "ADDR",
      "HTTP address of /metrics, /healthz, /readyz (port 0 = free port; empty = off)"},
     {"durability", T_STRING, F(durability), "spill", 0, 0, "MODE",
