@@ -67,6 +67,9 @@ static kvdepot_client *connect_list(const char *addr)
     kvdepot_options_init(&opt);
     opt.address = addr;
     opt.deadline_ms = 60000;
+    /* A loaded CI machine may take more than the default second to connect
+     * (TLS handshakes); a killed server is still refused at once. */
+    opt.connect_timeout_ms = 10000;
     kvdepot_client *c = NULL;
     if (kvdepot_connect(&opt, &c) != KVDEPOT_OK)
         fprintf(stderr, "connect %s: %s\n", addr, kvdepot_errmsg(NULL));
@@ -424,6 +427,7 @@ static int test_tls(kvd_harness *h)
     kvdepot_options opt;
     kvdepot_options_init(&opt);
     opt.address = addr;
+    opt.connect_timeout_ms = 10000;
     opt.tls_ca_file = ca_copy;
     opt.token = token;
     opt.tls_server_name = server_name;
