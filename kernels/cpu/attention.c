@@ -161,8 +161,10 @@ int kvd_attn_int_check(const kvd_attn_int_args *a, kvd_error *err)
         return rc;
     if (a->n_tokens < 0)
         return kvd_error_set(err, KVD_EINVAL, "INT attention: n_tokens %lld", (long long)a->n_tokens);
-    if (a->k.axis != KVD_ATTN_AXIS_TOKEN)
-        return kvd_error_set(err, KVD_EINVAL, "INT attention: keys must be grouped along head_dim");
+    if (a->n_tokens > 0 && a->k.axis == KVD_ATTN_AXIS_CHANNEL && KVD__ATTN_BLOCK % a->k.group)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "INT attention: channel-grouped keys need a group dividing %d, got %d",
+                             KVD__ATTN_BLOCK, a->k.group);
     if (a->n_tokens > 0 &&
         ((rc = check_qdata(&a->k, a->dims.n_kv_heads, a->n_tokens, a->dims.head_dim, "k", err)) ||
          (rc = check_qdata(&a->v, a->dims.n_kv_heads, a->n_tokens, a->dims.v_dim, "v", err))))

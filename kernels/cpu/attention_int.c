@@ -88,6 +88,45 @@ static inline void quantize_p8(const float *p, int n, uint8_t *p8, float *mP, fl
 /* Reference                                                              */
 /* ---------------------------------------------------------------------- */
 
+/* Per-group query weights of channel-grouped keys (KIVI-style: one min and
+ * scale per channel and group of P tokens). For token group gi and query q,
+ *     q.k_t = sum_d q_d min_{d,gi} + sum_d (q_d scale_{d,gi}) c_{d,t}
+ * so the query folded with the group's scales, w_d = q_d * scale_{d,gi}
+ * (f32 product), is what gets quantized to int8 (kvd_attn_quantize_q8: s_w,
+ * w8) and the integer dot products run over the channel axis:
+ *     q.k_t ~ bias_gi + s_w * sum_d w8_d c_{d,t},  bias_gi = sum_d q_d min_{d,gi}.
+ * Returns s_w; w (D floats) is scratch. The fast path calls it too, so both
+ * round w identically. */
+static float kchan_weights(const kvd_attn_int_args *a, int h, int64_t gi, const float *q, float *w,
+                           int8_t *w8, double *bias)
+{
+    int D = a->dims.head_dim;
+    double b = 0.0;
+    for (int d = 0; d < D; d++) {
+        w[d] = q[d] * f16_at(&a->k.scale, h, d, gi);
+        b += (double)q[d] * f16_at(&a->k.min, h, d, gi);
+    }
+    *bias = b;
+    return kvd_attn_quantize_q8(w, D, w8);
+}
+
+/* Reference scores of every quantized token from channel-grouped keys. */
+static void kchan_scores_ref(const kvd_attn_int_args *a, int h, const float *q, double *s, float *w,
+                             int8_t *w8)
+{
+    int D = a->dims.head_dim, P = a->k.group;
+    for (int64_t gi = 0; gi < a->n_tokens / P; gi++) {
+        double bias;
+        double sw = kchan_weights(a, h, gi, q, w, w8, &bias);
+        for (int64_t t = gi * P; t < (gi + 1) * P; t++) {
+            long ic = 0;
+            for (int d = 0; d < D; d++)
+                ic += (long)w8[d] * code_at(qrow(&a->k.codes, h, d), t, a->k.bits);
+            s[t] = (bias + sw * (double)ic) * a->dims.softmax_scale;
+        }
+    }
+}
+
 int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
 {
     const kvd_attn_dims *d = &a->dims;
@@ -98,8 +137,9 @@ int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
     int8_t *q8 = malloc((size_t)D + 1);
     uint8_t *p8 = malloc((size_t)(a->v.group > 0 ? a->v.group : 1));
     double *acc = malloc(sizeof(double) * ((size_t)Dv + 1));
-    if (!s || !p || !q8 || !p8 || !acc) {
-        free(s), free(p), free(q8), free(p8), free(acc);
+    float *wbuf = malloc(sizeof(float) * ((size_t)D + 1));
+    if (!s || !p || !q8 || !p8 || !acc || !wbuf) {
+        free(s), free(p), free(q8), free(p8), free(acc), free(wbuf);
         return KVD_ENOMEM;
     }
     for (int h = 0; h < d->n_kv_heads; h++)
@@ -110,7 +150,7 @@ int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
             float *lse = (float *)((char *)a->lse.data + hq * a->lse.stride[0]);
             double sq = kvd_attn_quantize_q8(qr, D, q8);
             /* scores: s_q * sum_g (scale_g sum q8 c + min_g sum q8) */
-            for (int64_t t = 0; t < T; t++) {
+            for (int64_t t = 0; a->k.axis == KVD_ATTN_AXIS_TOKEN && t < T; t++) {
                 const uint8_t *cr = qrow(&a->k.codes, h, t);
                 double dot = 0.0;
                 for (int grp = 0; grp < D / a->k.group; grp++) {
@@ -124,6 +164,8 @@ int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
                 }
                 s[t] = sq * dot * d->softmax_scale;
             }
+            if (a->k.axis == KVD_ATTN_AXIS_CHANNEL)
+                kchan_scores_ref(a, h, qr, s, wbuf, q8);
             for (int64_t t = 0; t < Tt; t++) {
                 double dot = 0.0;
                 for (int j = 0; j < D; j++)
@@ -186,7 +228,7 @@ int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
                 out[dd] = (float)(acc[dd] / l);
             *lse = (float)(m + log(l));
         }
-    free(s), free(p), free(q8), free(p8), free(acc);
+    free(s), free(p), free(q8), free(p8), free(acc), free(wbuf);
     return 0;
 }
 
@@ -205,6 +247,12 @@ typedef struct int_ctx {
     __m256i *qpatv;                  /* the same, each broadcast to 8 lanes (AVX2 path) */
     __m256i *vpatv;                  /* (block groups, G, cols, per) P patterns, broadcast */
     float *ktmp;                     /* (2 * kng * 8) scales/mins of a tile */
+    /* channel-grouped keys: per token group of the current block and query
+     * head, the int8 weights (interleaved by channel pairs as int16 so one
+     * broadcast feeds maddubs), their scale and the bias (kchan_weights) */
+    float *wtmp;                     /* (D) scratch */
+    int8_t *kw8;                     /* (KVD__ATTN_BLOCK / kP, G, D) */
+    float *ksw, *kbias;              /* (KVD__ATTN_BLOCK / kP, G) */
 } int_ctx;
 
 /* Pattern of column c, plane k: byte b holds q8[(4c + b) * per + k]. */
@@ -402,9 +450,131 @@ __attribute__((target("avx2,fma,f16c"))) static void int_scores_avx2(void *vctx,
         int_scores_tpl(c, t0, n, s, ld, 4, 0);
 }
 
+/* Query weights of every key group of the block [t0, t0+n). */
+static void kchan_block_weights(const int_ctx *c, int64_t t0, int n)
+{
+    const kvd_attn_int_args *a = c->a;
+    int P = c->kP, D = c->D;
+    for (int gi = 0; gi < n / P; gi++)
+        for (int g = 0; g < c->G; g++) {
+            double bias;
+            const float *qr = (const float *)((const char *)a->q.data + (int64_t)(c->h * c->G + g) * a->q.stride[0]);
+            c->ksw[gi * c->G + g] = kchan_weights(a, c->h, t0 / P + gi, qr, c->wtmp,
+                                                  c->kw8 + ((size_t)gi * c->G + g) * D, &bias);
+            c->kbias[gi * c->G + g] = (float)bias;
+        }
+}
+
+/* Scores of a block from channel-grouped keys, scalar. */
+static void kchan_scores_scalar(const int_ctx *c, int64_t t0, int n, float *s, int ld)
+{
+    const kvd_attn_int_args *a = c->a;
+    int P = c->kP, D = c->D;
+    float ss = a->dims.softmax_scale;
+    for (int i = 0; i < n; i++) {
+        int gi = i / P;
+        for (int g = 0; g < c->G; g++) {
+            const int8_t *w8 = c->kw8 + ((size_t)gi * c->G + g) * D;
+            int ic = 0;
+            for (int d = 0; d < D; d++)
+                ic += w8[d] * code_at(qrow(&a->k.codes, c->h, d), t0 + i, c->kbits);
+            s[(size_t)g * ld + i] = (c->kbias[gi * c->G + g] + c->ksw[gi * c->G + g] * (float)ic) * ss;
+        }
+    }
+}
+
+/*
+ * Scores of a block from channel-grouped keys, AVX2. Lanes are tokens: the
+ * 16 code bytes of channels d and d+1 at the same tokens are interleaved
+ * byte by byte, so after shifting out plane k every 16-bit lane holds the
+ * pair (c_{d,t}, c_{d+1,t}) of one token and maddubs against the broadcast
+ * pair (w8_d, w8_{d+1}) adds both channels' products. A 16-byte chunk of a
+ * row covers 16*PER tokens; its low 8 bytes go to the low 128-bit lane and
+ * the high 8 to the high lane, each inside one key group (P is a multiple
+ * of 8*PER), so a lane's broadcast pair comes from its own group. Plane k,
+ * lane half L, slot i holds token L*8*PER + PER*i + k of the chunk.
+ * int16 sums: |w8| <= 127, a maddubs lane <= 2*127*3 = 762 (INT2) or 3810
+ * (INT4); flushed to int32 every 32 / 8 channel pairs (24384 / 30480).
+ */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int BITS)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int PER = 8 / BITS, TPL = 8 * PER, TPR = 16 * PER, FLUSH = BITS == 2 ? 32 : 8;
+    const int P = c->kP, D = c->D, G = c->G;
+    const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1));
+    const kvd_tensor *ct = &a->k.codes;
+    const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
+    const int64_t cst = ct->stride[1];
+    float ss = a->dims.softmax_scale;
+    for (int c0 = 0; c0 < n; c0 += TPR) {
+        int gA = c0 / P, gB = (c0 + TPL) / P;
+        for (int g = 0; g < G; g++) {
+            const int16_t *wA = (const int16_t *)(c->kw8 + ((size_t)gA * G + g) * D);
+            const int16_t *wB = (const int16_t *)(c->kw8 + ((size_t)gB * G + g) * D);
+            _Alignas(32) int32_t a32[4][16];
+            __m256i acc[4];
+            for (int k = 0; k < PER; k++) {
+                acc[k] = _mm256_setzero_si256();
+                memset(a32[k], 0, sizeof a32[k]);
+            }
+            for (int pr = 0, cnt = 0; pr < D / 2; pr++) {
+                const uint8_t *r0 = cbase + (int64_t)(2 * pr) * cst + c0 / PER;
+                __m128i x0 = _mm_loadu_si128((const __m128i *)r0), x1 = _mm_loadu_si128((const __m128i *)(r0 + cst));
+                __m256i X = _mm256_set_m128i(_mm_unpackhi_epi8(x0, x1), _mm_unpacklo_epi8(x0, x1));
+                int16_t pa, pb;
+                memcpy(&pa, wA + pr, 2);
+                memcpy(&pb, wB + pr, 2);
+                __m256i W = _mm256_set_m128i(_mm_set1_epi16(pb), _mm_set1_epi16(pa));
+                for (int k = 0; k < PER; k++) {
+                    __m256i pl = _mm256_and_si256(_mm256_srli_epi16(X, k * BITS), mask);
+                    acc[k] = _mm256_add_epi16(acc[k], _mm256_maddubs_epi16(pl, W));
+                }
+                if (++cnt == FLUSH || pr + 1 == D / 2) {
+                    for (int k = 0; k < PER; k++) {
+                        __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[k]));
+                        __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[k], 1));
+                        _mm256_store_si256((__m256i *)a32[k], _mm256_add_epi32(_mm256_load_si256((__m256i *)a32[k]), lo));
+                        _mm256_store_si256((__m256i *)(a32[k] + 8),
+                                           _mm256_add_epi32(_mm256_load_si256((__m256i *)(a32[k] + 8)), hi));
+                        acc[k] = _mm256_setzero_si256();
+                    }
+                    cnt = 0;
+                }
+            }
+            float *sg = s + (size_t)g * ld + c0;
+            for (int L = 0; L < 2; L++) {
+                int gi = L ? gB : gA;
+                float b = c->kbias[gi * G + g], sw = c->ksw[gi * G + g];
+                for (int k = 0; k < PER; k++)
+                    for (int i = 0; i < 8; i++)
+                        sg[L * TPL + PER * i + k] = (b + sw * (float)a32[k][L * 8 + i]) * ss;
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void kchan_scores_avx2(const int_ctx *c, int64_t t0, int n,
+                                                                       float *s, int ld)
+{
+    if (c->kbits == 2)
+        kchan_scores_tpl(c, t0, n, s, ld, 2);
+    else
+        kchan_scores_tpl(c, t0, n, s, ld, 4);
+}
+
 static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
 {
     const int_ctx *c = vctx;
+    if (c->a->k.axis == KVD_ATTN_AXIS_CHANNEL) {
+        int per = 8 / c->kbits;
+        kchan_block_weights(c, t0, n);
+        if (c->simd && c->D % 2 == 0 && c->kP % (8 * per) == 0 && n % (16 * per) == 0)
+            kchan_scores_avx2(c, t0, n, s, ld);
+        else
+            kchan_scores_scalar(c, t0, n, s, ld);
+        return;
+    }
     if (c->simd && (c->D * c->kbits) % 32 == 0 && (c->kP * c->kbits) % 32 == 0 &&
         c->kcols <= KVD__INT_MAXCOLS && c->kng <= 8)
         int_scores_avx2(vctx, t0, n, s, ld);
@@ -688,6 +858,10 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     int vblock = KVD__ATTN_BLOCK;
     if (a->n_tokens > 0 && a->v.axis == KVD_ATTN_AXIS_CHANNEL)
         vblock = a->v.group <= KVD__ATTN_BLOCK ? KVD__ATTN_BLOCK / a->v.group * a->v.group : 0;
+    /* channel-grouped keys: blocks hold whole key groups too (the check
+     * makes the key group divide KVD__ATTN_BLOCK) */
+    if (a->n_tokens > 0 && a->k.axis == KVD_ATTN_AXIS_CHANNEL && vblock % a->k.group)
+        vblock = 0;
     if (G > KVD__ATTN_MAXG || Dv > 4096 || vblock == 0)
         return kvd_cpu_attn_int_ref(a);
     int simd = kvd__attn_simd(), rc = 0;
@@ -718,6 +892,9 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
                       + sizeof(float) * (size_t)G * D                          /* scaled q */
                       + 32 * (size_t)G * (c.kcols + 1) * c.kper                /* qpatv */
                       + 32 * (size_t)G * 64                                    /* vpatv */
+                      + sizeof(float) * (size_t)(D + 1)                        /* wtmp */
+                      + sizeof(float) * 2 * KVD__ATTN_BLOCK * (size_t)G        /* ksw, kbias */
+                      + (size_t)KVD__ATTN_BLOCK / 2 * G * (D + 2)              /* kw8 */
                       + 128;
         char *buf = malloc(need);
         if (!buf) {
@@ -742,7 +919,15 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
         b += sizeof(float) * (size_t)16 * (c.kng + 1);
         float *qs = (float *)b;
         b += sizeof(float) * (size_t)G * D;
+        c.wtmp = (float *)b;
+        b += sizeof(float) * (size_t)(D + 1);
+        c.ksw = (float *)b;
+        b += sizeof(float) * KVD__ATTN_BLOCK * (size_t)G;
+        c.kbias = (float *)b;
+        b += sizeof(float) * KVD__ATTN_BLOCK * (size_t)G;
         c.q8 = (int8_t *)b;
+        b += (size_t)G * D;
+        c.kw8 = (int8_t *)(((uintptr_t)b + 1) & ~(uintptr_t)1); /* read as int16 pairs */
         for (int g = 0; g < G; g++) {
             const float *qr = (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
             int8_t *q8 = c.q8 + (size_t)g * D;

@@ -415,7 +415,32 @@ static void int_expected(const prob *p, const qbuf *kq, const qbuf *vq, int64_t 
             int hq = h * G + g;
             const float *q = p->q + (size_t)hq * D;
             float sq = kvd_attn_quantize_q8(q, D, q8);
-            for (int64_t t = 0; t < T; t++) {
+            if (kq->qd.axis == KVD_ATTN_AXIS_CHANNEL) {
+                /* channel-grouped keys: per token group the query folded
+                 * with the group's scales is what is rounded to int8 */
+                int Pk = kq->qd.group, per = 8 / kq->qd.bits;
+                float w[4096];
+                int8_t w8[4096];
+                for (int64_t gi = 0; gi < T / Pk; gi++) {
+                    double bias = 0;
+                    for (int j = 0; j < D; j++) {
+                        size_t pi = ((size_t)h * D + j) * (T / Pk) + gi;
+                        w[j] = q[j] * kvd_f16_to_f32(kq->scale[pi]);
+                        bias += (double)q[j] * kvd_f16_to_f32(kq->min[pi]);
+                    }
+                    float sw = kvd_attn_quantize_q8(w, D, w8);
+                    for (int64_t t = gi * Pk; t < (gi + 1) * Pk; t++) {
+                        double dot = bias;
+                        for (int j = 0; j < D; j++) {
+                            const uint8_t *row = kq->codes + ((size_t)h * D + j) * (T * kq->qd.bits / 8);
+                            int c = (row[t / per] >> ((t % per) * kq->qd.bits)) & ((1 << kq->qd.bits) - 1);
+                            dot += (double)sw * w8[j] * c;
+                        }
+                        s[t] = dot * scale;
+                    }
+                }
+            }
+            for (int64_t t = 0; kq->qd.axis == KVD_ATTN_AXIS_TOKEN && t < T; t++) {
                 double dot = 0;
                 for (int j = 0; j < D; j++)
                     dot += (double)sq * q8[j] * deq(kq, h, t, j, T, D);
@@ -477,28 +502,38 @@ static void test_int(tu_rng *rng)
 {
     struct {
         int64_t T, Tt;
-        int G, D, bits, kgroup, vgroup, vaxis;
+        int G, D, bits, kgroup, vgroup, vaxis, kaxis;
     } cases[] = {
-        {0, 0, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
-        {0, 5, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
-        {32, 0, 1, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
-        {256, 3, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
-        {512, 17, 8, 128, 2, 64, 64, KVD_ATTN_AXIS_CHANNEL},
-        {384, 1, 4, 128, 2, 128, 128, KVD_ATTN_AXIS_CHANNEL},
-        {640, 0, 4, 64, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
-        {256, 9, 4, 128, 4, 32, 32, KVD_ATTN_AXIS_CHANNEL},
-        {512, 0, 8, 128, 4, 64, 128, KVD_ATTN_AXIS_CHANNEL},
-        {256, 2, 1, 64, 4, 64, 64, KVD_ATTN_AXIS_CHANNEL},
-        {300, 4, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_TOKEN},
-        {77, 0, 8, 64, 4, 64, 32, KVD_ATTN_AXIS_TOKEN},
-        {1, 1, 4, 128, 2, 128, 64, KVD_ATTN_AXIS_TOKEN},
+        {0, 0, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {0, 5, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {32, 0, 1, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {256, 3, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {512, 17, 8, 128, 2, 64, 64, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {384, 1, 4, 128, 2, 128, 128, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {640, 0, 4, 64, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {256, 9, 4, 128, 4, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {512, 0, 8, 128, 4, 64, 128, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {256, 2, 1, 64, 4, 64, 64, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {300, 4, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        {77, 0, 8, 64, 4, 64, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        {1, 1, 4, 128, 2, 128, 64, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        /* channel-grouped keys (KIVI-style) */
+        {0, 4, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        {256, 3, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        {512, 0, 8, 128, 2, 64, 64, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        {640, 2, 4, 128, 2, 128, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        {96, 0, 1, 128, 2, 32, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_CHANNEL},
+        {256, 1, 4, 64, 2, 32, 64, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        {384, 5, 4, 64, 4, 32, 128, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        {256, 0, 2, 96, 4, 64, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_CHANNEL},
+        {32, 0, 4, 128, 4, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         int Hkv = 2, Hq = Hkv * cases[ci].G, D = cases[ci].D;
         int64_t T = cases[ci].T, Tt = cases[ci].Tt;
         prob p = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 1);
         prob tail = prob_new(rng, Hq, Hkv, D, D, Tt, KVD_DTYPE_F16, 1);
-        qbuf kq = quantize_all(p.k32, Hkv, T, D, cases[ci].bits, cases[ci].kgroup, KVD_ATTN_AXIS_TOKEN);
+        qbuf kq = quantize_all(p.k32, Hkv, T, D, cases[ci].bits, cases[ci].kgroup, cases[ci].kaxis);
         qbuf vq = quantize_all(p.v32, Hkv, T, D, cases[ci].bits, cases[ci].vgroup, cases[ci].vaxis);
         res rr = res_new(Hq, D), rf = res_new(Hq, D), ex = res_new(Hq, D);
         kvd_attn_int_args a;
@@ -511,8 +546,9 @@ static void test_int(tu_rng *rng)
         a.k_tail = t3(KVD_DTYPE_F16, tail.k, Hkv, Tt, D);
         a.v_tail = t3(KVD_DTYPE_F16, tail.v, Hkv, Tt, D);
         char what[128];
-        snprintf(what, sizeof what, "INT%d T=%lld+%lld G=%d D=%d P=%d/%d %s", cases[ci].bits, (long long)T,
+        snprintf(what, sizeof what, "INT%d T=%lld+%lld G=%d D=%d P=%d/%d K %s V %s", cases[ci].bits, (long long)T,
                  (long long)Tt, cases[ci].G, D, cases[ci].kgroup, cases[ci].vgroup,
+                 cases[ci].kaxis == KVD_ATTN_AXIS_CHANNEL ? "channel" : "token",
                  cases[ci].vaxis == KVD_ATTN_AXIS_CHANNEL ? "channel" : "token");
         kvd_error err;
         for (int fast = 0; fast < 2; fast++) {
