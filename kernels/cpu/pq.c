@@ -1089,3 +1089,86 @@ int kvd_pq_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor
                              (long long)need);
     return ops->search(be, centroids, codes, queries, p, indices, scores, nout, err);
 }
+
+/* ---- batched search ----------------------------------------------------- */
+
+/* The checks of kvd_pq_search() for one job, plus the batch's common shape. */
+static int check_job(const kvd_pq_search_job *j, int64_t i, const kvd_pq_search_params *p,
+                     const pq_shape *first, int64_t G0, kvd_error *err)
+{
+    pq_shape sh;
+    int rc;
+    if (!j->centroids || !j->codes || !j->queries || !j->indices)
+        return kvd_error_set(err, KVD_EINVAL, "pq: batch job %lld has a NULL tensor", (long long)i);
+    if ((rc = check_centroids(j->centroids, &sh, err)) ||
+        (rc = check_mat(j->codes, KVD_DTYPE_U8, sh.m, "codes", err)) ||
+        (rc = check_mat(j->queries, KVD_DTYPE_F32, sh.D, "queries", err)))
+        return rc;
+    if (sh.m != first->m || sh.b != first->b || sh.D != first->D || j->queries->shape[0] != G0)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: batch job %lld has another shape than job 0 (m, b, D, G)",
+                             (long long)i);
+    if (G0 < 1 || G0 > 4096)
+        return kvd_error_set(err, KVD_EINVAL, "pq: search needs 1..4096 query heads, got %lld",
+                             (long long)G0);
+    if (j->codes->shape[0] > (int64_t)UINT32_MAX)
+        return kvd_error_set(err, KVD_EINVAL, "pq: more than 2^32-1 tokens");
+    int64_t need = kvd_pq_search_count(j->codes->shape[0], p);
+    const kvd_tensor *ix = j->indices, *sc = j->scores;
+    if (ix->dtype != KVD_DTYPE_U32 || ix->ndim != 1 || !kvd_tensor_is_contiguous(ix) ||
+        ix->shape[0] < need || (need > 0 && !ix->data))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: batch job %lld: indices must be a contiguous u32 vector of >= %lld entries",
+                             (long long)i, (long long)need);
+    if (sc && (sc->dtype != KVD_DTYPE_F32 || sc->ndim != 1 || !kvd_tensor_is_contiguous(sc) ||
+               sc->shape[0] < need || (need > 0 && !sc->data)))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: batch job %lld: scores must be a contiguous f32 vector of >= %lld entries",
+                             (long long)i, (long long)need);
+    return KVD_OK;
+}
+
+int kvd_pq_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
+                        const kvd_pq_search_params *p, kvd_error *err)
+{
+    const struct kvd_pq_ops *ops;
+    int rc = get_ops(be, &ops, err);
+    if (rc)
+        return rc;
+    if (njobs < 0 || (njobs > 0 && !jobs))
+        return kvd_error_set(err, KVD_EINVAL, "pq: batch needs njobs >= 0 and a job array");
+    for (int64_t i = 0; i < njobs; i++)
+        jobs[i].nout = 0;
+    if (!p || p->k < 0 || p->sink < 0 || p->window < 0 ||
+        (p->agg != KVD_PQ_AGG_SUM && p->agg != KVD_PQ_AGG_MAX))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pq: search needs params with k, sink, window >= 0 and a known agg");
+    if (njobs == 0)
+        return KVD_OK;
+    if (!ops->search_batch) { /* backends without a batched kernel: one search each */
+        for (int64_t i = 0; i < njobs; i++) {
+            kvd_pq_search_job *j = &jobs[i];
+            rc = kvd_pq_search(be, j->centroids, j->codes, j->queries, p, j->indices, j->scores,
+                               &j->nout, err);
+            if (rc) {
+                for (int64_t t = 0; t < njobs; t++)
+                    jobs[t].nout = 0;
+                return rc;
+            }
+        }
+        return KVD_OK;
+    }
+    pq_shape first;
+    if (!jobs[0].centroids || !jobs[0].queries)
+        return kvd_error_set(err, KVD_EINVAL, "pq: batch job 0 has a NULL tensor");
+    if ((rc = check_centroids(jobs[0].centroids, &first, err)))
+        return rc;
+    for (int64_t i = 0; i < njobs; i++)
+        if ((rc = check_job(&jobs[i], i, p, &first, jobs[0].queries->shape[0], err)))
+            return rc;
+    rc = ops->search_batch(be, jobs, njobs, p, err);
+    if (rc)
+        for (int64_t i = 0; i < njobs; i++)
+            jobs[i].nout = 0;
+    return rc;
+}

@@ -1,32 +1,22 @@
 /*
- * CUDA backend: device selection, device memory, a stream, pinned staging.
+ * CUDA backend: device selection, device memory, a stream per worker thread,
+ * pinned staging for transfers, cuBLAS handles, error mapping.
  *
- * Every CUDA error becomes a kvd status with a message; nothing aborts the
- * process. An error that leaves the context unusable (a "sticky" error such
- * as an illegal address) marks the backend unhealthy: every later call fails
- * with KVD_EUNAVAIL so the service can fall back or restart cleanly.
- *
- * Op families are plugged in as they are ported; until then the family
- * pointers are NULL and the checked wrappers answer KVD_EUNSUPP.
+ * Every CUDA/cuBLAS error becomes a kvd status with a message; nothing
+ * aborts the process. An error that leaves the context unusable (a "sticky"
+ * error such as an illegal address) marks the backend unhealthy: every later
+ * call fails with KVD_EUNAVAIL so the service can fall back or restart
+ * cleanly. How threads map to streams is described in cuda_internal.h.
  */
-#include <cuda_runtime.h>
-
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" {
-#include "kvdepot/backend.h"
-}
+#include <atomic>
+
+#include "cuda_internal.h"
 
 namespace {
-
-struct cuda_ctx {
-    int device;
-    cudaStream_t stream;
-    int unhealthy; /* set by a sticky error */
-    char device_name[256];
-    size_t total_mem;
-};
 
 int is_sticky(cudaError_t e)
 {
@@ -39,41 +29,46 @@ int is_sticky(cudaError_t e)
     case cudaErrorInvalidAddressSpace:
     case cudaErrorInvalidPc:
     case cudaErrorECCUncorrectable:
+    case cudaErrorLaunchTimeout:
         return 1;
     default:
         return 0;
     }
 }
 
-int cuda_status(cuda_ctx *c, cudaError_t e, const char *what, kvd_error *err)
+/* Thread -> slot: a ticket drawn once per thread. */
+std::atomic<unsigned> g_ticket{0};
+thread_local int t_slot = -1;
+
+int slot_index(void)
 {
-    if (e == cudaSuccess)
-        return KVD_OK;
-    int code = e == cudaErrorMemoryAllocation ? KVD_ENOMEM : KVD_EINTERNAL;
-    if (c && is_sticky(e)) {
-        c->unhealthy = 1;
-        code = KVD_EUNAVAIL;
-    }
-    return kvd_error_set(err, code, "cuda: %s: %s", what, cudaGetErrorString(e));
+    if (t_slot < 0)
+        t_slot = (int)(g_ticket.fetch_add(1) % KVD_CUDA_SLOTS);
+    return t_slot;
 }
 
-int check_healthy(cuda_ctx *c, kvd_error *err)
-{
-    if (c->unhealthy)
-        return kvd_error_set(err, KVD_EUNAVAIL, "cuda: device %d is unhealthy after an earlier error",
-                             c->device);
-    return KVD_OK;
-}
-
-cuda_ctx *ctx_of(kvd_backend *be) { return static_cast<cuda_ctx *>(be->ctx); }
+kvd_cuda_ctx *ctx_of(kvd_backend *be) { return static_cast<kvd_cuda_ctx *>(be->ctx); }
 
 void cuda_free_backend(kvd_backend *be)
 {
-    cuda_ctx *c = ctx_of(be);
+    kvd_cuda_ctx *c = ctx_of(be);
     if (c) {
         cudaSetDevice(c->device);
-        if (c->stream)
-            cudaStreamDestroy(c->stream);
+        for (int i = 0; i < KVD_CUDA_SLOTS; i++) {
+            kvd_cuda_slot *s = &c->slots[i];
+            if (s->stream)
+                cudaStreamSynchronize(s->stream);
+            if (s->blas)
+                cublasDestroy(s->blas);
+            if (s->pinned)
+                cudaFreeHost(s->pinned);
+            for (int j = 0; j < 2; j++)
+                if (s->ev[j])
+                    cudaEventDestroy(s->ev[j]);
+            if (s->stream)
+                cudaStreamDestroy(s->stream);
+            pthread_mutex_destroy(&s->mu);
+        }
         free(c);
     }
     free(be);
@@ -81,36 +76,137 @@ void cuda_free_backend(kvd_backend *be)
 
 int cuda_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
 {
-    cuda_ctx *c = ctx_of(be);
     *out = NULL;
-    int rc = check_healthy(c, err);
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
     if (rc)
         return rc;
-    cudaSetDevice(c->device);
-    return cuda_status(c, cudaMalloc(out, bytes ? bytes : 1), "cudaMalloc", err);
+    /* cudaMalloc returns 256-byte aligned memory: every kernel may use
+     * 16-byte vector accesses on a tensor that starts an allocation. */
+    cudaError_t e = cudaMalloc(out, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        *out = NULL;
+        cudaGetLastError(); /* an allocation failure is not sticky: clear it */
+    }
+    return kvd__cuda_status(call.c, e, "cudaMalloc", err);
 }
 
 void cuda_dealloc(kvd_backend *be, void *ptr)
 {
     if (ptr) {
         cudaSetDevice(ctx_of(be)->device);
-        cudaFree(ptr);
+        cudaFree(ptr); /* synchronises the device: memory is never freed under a kernel */
     }
+}
+
+/* Pinned staging buffer of the slot (slot->mu held). */
+int slot_pinned(kvd_cuda_call *call, kvd_error *err)
+{
+    kvd_cuda_slot *s = call->slot;
+    if (s->pinned)
+        return KVD_OK;
+    int rc = kvd__cuda_status(call->c, cudaHostAlloc(&s->pinned, KVD_CUDA_STAGE_BYTES,
+                                                     cudaHostAllocPortable),
+                              "cudaHostAlloc", err);
+    if (rc) {
+        s->pinned = NULL;
+        return rc;
+    }
+    for (int j = 0; j < 2 && !rc; j++)
+        rc = kvd__cuda_status(call->c, cudaEventCreateWithFlags(&s->ev[j], cudaEventDisableTiming),
+                              "cudaEventCreate", err);
+    return rc;
+}
+
+/*
+ * Host -> device through the pinned halves: copy chunk i into half i%2 once
+ * that half's previous DMA finished (its event), then queue its DMA. The
+ * memcpy of one chunk overlaps the DMA of the previous one.
+ */
+int staged_upload(kvd_cuda_call *call, char *dst, const char *src, size_t bytes, kvd_error *err)
+{
+    kvd_cuda_slot *s = call->slot;
+    const size_t half = KVD_CUDA_STAGE_BYTES / 2;
+    int rc = KVD_OK;
+    int used[2] = {0, 0};
+    for (size_t off = 0, i = 0; off < bytes && !rc; off += half, i++) {
+        size_t n = bytes - off < half ? bytes - off : half;
+        int h = (int)(i & 1);
+        char *stage = static_cast<char *>(s->pinned) + h * half;
+        if (used[h])
+            rc = kvd__cuda_status(call->c, cudaEventSynchronize(s->ev[h]), "cudaEventSynchronize",
+                                  err);
+        if (rc)
+            break;
+        memcpy(stage, src + off, n);
+        rc = kvd__cuda_status(call->c,
+                              cudaMemcpyAsync(dst + off, stage, n, cudaMemcpyHostToDevice, s->stream),
+                              "cudaMemcpyAsync", err);
+        if (!rc)
+            rc = kvd__cuda_status(call->c, cudaEventRecord(s->ev[h], s->stream), "cudaEventRecord",
+                                  err);
+        used[h] = 1;
+    }
+    if (!rc)
+        rc = kvd__cuda_wait(call, "upload", err);
+    return rc;
+}
+
+/* Device -> host: DMA chunk i+1 runs while chunk i is copied out. */
+int staged_download(kvd_cuda_call *call, char *dst, const char *src, size_t bytes, kvd_error *err)
+{
+    kvd_cuda_slot *s = call->slot;
+    const size_t half = KVD_CUDA_STAGE_BYTES / 2;
+    size_t nchunks = (bytes + half - 1) / half;
+    int rc = KVD_OK;
+    for (size_t i = 0; i <= nchunks && !rc; i++) {
+        if (i < nchunks) { /* queue chunk i */
+            size_t off = i * half, n = bytes - off < half ? bytes - off : half;
+            char *stage = static_cast<char *>(s->pinned) + (i & 1) * half;
+            rc = kvd__cuda_status(call->c,
+                                  cudaMemcpyAsync(stage, src + off, n, cudaMemcpyDeviceToHost,
+                                                  s->stream),
+                                  "cudaMemcpyAsync", err);
+            if (!rc)
+                rc = kvd__cuda_status(call->c, cudaEventRecord(s->ev[i & 1], s->stream),
+                                      "cudaEventRecord", err);
+        }
+        if (!rc && i > 0) { /* drain chunk i-1 */
+            size_t j = i - 1, off = j * half, n = bytes - off < half ? bytes - off : half;
+            rc = kvd__cuda_status(call->c, cudaEventSynchronize(s->ev[j & 1]),
+                                  "cudaEventSynchronize", err);
+            if (!rc)
+                memcpy(dst + off, static_cast<char *>(s->pinned) + (j & 1) * half, n);
+        }
+    }
+    return rc;
 }
 
 int cuda_copy(kvd_backend *be, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
               kvd_error *err)
 {
-    cuda_ctx *c = ctx_of(be);
-    int rc = check_healthy(c, err);
-    if (rc)
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    if (rc || bytes == 0)
         return rc;
-    cudaSetDevice(c->device);
-    rc = cuda_status(c, cudaMemcpyAsync(dst, src, bytes, kind, c->stream), "cudaMemcpyAsync", err);
+    if (bytes >= KVD_CUDA_STAGE_MIN) {
+        pthread_mutex_lock(&call.slot->mu);
+        rc = slot_pinned(&call, err);
+        if (!rc)
+            rc = kind == cudaMemcpyHostToDevice
+                     ? staged_upload(&call, static_cast<char *>(dst),
+                                     static_cast<const char *>(src), bytes, err)
+                     : staged_download(&call, static_cast<char *>(dst),
+                                       static_cast<const char *>(src), bytes, err);
+        pthread_mutex_unlock(&call.slot->mu);
+        return rc;
+    }
+    rc = kvd__cuda_status(call.c, cudaMemcpyAsync(dst, src, bytes, kind, call.s),
+                          "cudaMemcpyAsync", err);
     if (rc)
         return rc;
     /* Copies are synchronous for the caller: host buffers may be reused at once. */
-    return cuda_status(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize", err);
+    return kvd__cuda_wait(&call, "copy", err);
 }
 
 int cuda_upload(kvd_backend *be, void *dst, const void *host_src, size_t bytes, kvd_error *err)
@@ -123,39 +219,151 @@ int cuda_download(kvd_backend *be, void *host_dst, const void *src, size_t bytes
     return cuda_copy(be, host_dst, src, bytes, cudaMemcpyDeviceToHost, err);
 }
 
+/* Waits for every slot's stream: "everything issued so far", by any thread. */
 int cuda_sync(kvd_backend *be, kvd_error *err)
 {
-    cuda_ctx *c = ctx_of(be);
-    int rc = check_healthy(c, err);
-    if (rc)
-        return rc;
-    cudaSetDevice(c->device);
-    return cuda_status(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize", err);
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    for (int i = 0; i < KVD_CUDA_SLOTS && !rc; i++)
+        rc = kvd__cuda_status(call.c, cudaStreamSynchronize(call.c->slots[i].stream),
+                              "cudaStreamSynchronize", err);
+    return rc;
 }
 
 const kvd_backend_iface cuda_iface = {
-    "cuda",         cuda_free_backend, cuda_alloc, cuda_dealloc, cuda_upload, cuda_download,
-    cuda_sync,      NULL,              NULL,       NULL,         NULL,        NULL,
-    NULL,           NULL,
+    "cuda",
+    cuda_free_backend,
+    cuda_alloc,
+    cuda_dealloc,
+    cuda_upload,
+    cuda_download,
+    cuda_sync,
+    &kvd__cuda_convert_ops,
+    &kvd__cuda_quant_ops,
+    &kvd__cuda_kmeans_ops,
+    &kvd__cuda_vq_ops,
+    &kvd__cuda_pq_ops,
+    NULL, /* svd: host-side eigen-decomposition of small matrices, not ported */
+    NULL, /* attn: next part of the CUDA backend */
 };
 
 } /* namespace */
+
+/* ---- helpers shared by the op files ------------------------------------- */
+
+int kvd__cuda_status(kvd_cuda_ctx *c, cudaError_t e, const char *what, kvd_error *err)
+{
+    if (e == cudaSuccess)
+        return KVD_OK;
+    int code = e == cudaErrorMemoryAllocation ? KVD_ENOMEM : KVD_EINTERNAL;
+    if (c && is_sticky(e)) {
+        c->unhealthy = 1;
+        code = KVD_EUNAVAIL;
+    }
+    return kvd_error_set(err, code, "cuda: %s: %s", what, cudaGetErrorString(e));
+}
+
+int kvd__cublas_status(kvd_cuda_ctx *c, cublasStatus_t e, const char *what, kvd_error *err)
+{
+    (void)c;
+    if (e == CUBLAS_STATUS_SUCCESS)
+        return KVD_OK;
+    int code = e == CUBLAS_STATUS_ALLOC_FAILED ? KVD_ENOMEM
+               : e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH
+                   ? KVD_EUNSUPP
+                   : KVD_EINTERNAL;
+    if (c && e == CUBLAS_STATUS_EXECUTION_FAILED) {
+        /* The kernel failed; the runtime tells whether the context survived. */
+        cudaError_t ce = cudaGetLastError();
+        if (is_sticky(ce)) {
+            c->unhealthy = 1;
+            code = KVD_EUNAVAIL;
+        }
+    }
+    return kvd_error_set(err, code, "cublas: %s: %s", what, cublasGetStatusString(e));
+}
+
+int kvd__cuda_begin(kvd_backend *be, kvd_cuda_call *call, kvd_error *err)
+{
+    kvd_cuda_ctx *c = ctx_of(be);
+    call->c = c;
+    call->slot = NULL;
+    call->s = NULL;
+    if (c->unhealthy)
+        return kvd_error_set(err, KVD_EUNAVAIL,
+                             "cuda: device %d is unhealthy after an earlier error", c->device);
+    int rc = kvd__cuda_status(c, cudaSetDevice(c->device), "cudaSetDevice", err);
+    if (rc)
+        return rc;
+    call->slot = &c->slots[slot_index()];
+    call->s = call->slot->stream;
+    return KVD_OK;
+}
+
+int kvd__cuda_launched(kvd_cuda_call *call, const char *what, kvd_error *err)
+{
+    return kvd__cuda_status(call->c, cudaGetLastError(), what, err);
+}
+
+int kvd__cuda_blas(kvd_cuda_call *call, cublasHandle_t *h, kvd_error *err)
+{
+    kvd_cuda_slot *s = call->slot;
+    *h = NULL;
+    if (!s->blas) {
+        int rc = kvd__cublas_status(call->c, cublasCreate(&s->blas), "cublasCreate", err);
+        if (rc) {
+            s->blas = NULL;
+            return rc;
+        }
+    }
+    int rc = kvd__cublas_status(call->c, cublasSetStream(s->blas, s->stream), "cublasSetStream",
+                                err);
+    if (!rc)
+        *h = s->blas;
+    return rc;
+}
+
+int kvd__cuda_scratch(kvd_cuda_call *call, size_t bytes, void **p, kvd_error *err)
+{
+    *p = NULL;
+    cudaError_t e = cudaMallocAsync(p, bytes ? bytes : 1, call->s);
+    if (e != cudaSuccess) {
+        *p = NULL;
+        cudaGetLastError();
+    }
+    return kvd__cuda_status(call->c, e, "cudaMallocAsync", err);
+}
+
+void kvd__cuda_scratch_free(kvd_cuda_call *call, void *p)
+{
+    if (p)
+        cudaFreeAsync(p, call->s);
+}
+
+int kvd__cuda_wait(kvd_cuda_call *call, const char *what, kvd_error *err)
+{
+    return kvd__cuda_status(call->c, cudaStreamSynchronize(call->s), what, err);
+}
+
+/* ---- creation ----------------------------------------------------------- */
 
 extern "C" int kvd_backend_cuda_create(int device, kvd_backend **out, kvd_error *err)
 {
     *out = NULL;
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0)
+    if (e != cudaSuccess || count == 0) {
+        cudaGetLastError();
         return kvd_error_set(err, KVD_EUNAVAIL, "cuda: no device found (%s)",
                              e == cudaSuccess ? "0 devices" : cudaGetErrorString(e));
+    }
     if (device < 0)
         device = 0;
     if (device >= count)
         return kvd_error_set(err, KVD_EINVAL, "cuda: device %d requested, %d present", device,
                              count);
 
-    cuda_ctx *c = static_cast<cuda_ctx *>(calloc(1, sizeof *c));
+    kvd_cuda_ctx *c = static_cast<kvd_cuda_ctx *>(calloc(1, sizeof *c));
     kvd_backend *be = static_cast<kvd_backend *>(calloc(1, sizeof *be));
     if (!c || !be) {
         free(c);
@@ -163,28 +371,50 @@ extern "C" int kvd_backend_cuda_create(int device, kvd_backend **out, kvd_error 
         return kvd_error_set(err, KVD_ENOMEM, "cuda: out of host memory");
     }
     c->device = device;
+    for (int i = 0; i < KVD_CUDA_SLOTS; i++)
+        pthread_mutex_init(&c->slots[i].mu, NULL);
     be->iface = &cuda_iface;
     be->ctx = c;
     be->nthreads = 1;
 
     cudaDeviceProp prop;
-    int rc = cuda_status(c, cudaSetDevice(device), "cudaSetDevice", err);
+    int rc = kvd__cuda_status(c, cudaSetDevice(device), "cudaSetDevice", err);
     if (!rc)
-        rc = cuda_status(c, cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties", err);
-    if (!rc)
-        rc = cuda_status(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
-                         "cudaStreamCreate", err);
+        rc = kvd__cuda_status(c, cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties",
+                              err);
+    for (int i = 0; i < KVD_CUDA_SLOTS && !rc; i++)
+        rc = kvd__cuda_status(c, cudaStreamCreateWithFlags(&c->slots[i].stream,
+                                                           cudaStreamNonBlocking),
+                              "cudaStreamCreate", err);
     if (rc) {
         cuda_free_backend(be);
         return rc;
     }
     strncpy(c->device_name, prop.name, sizeof c->device_name - 1);
     c->total_mem = prop.totalGlobalMem;
+    c->sm_count = prop.multiProcessorCount;
+    c->smem_optin = prop.sharedMemPerBlockOptin;
+    /* Memory clock (kHz) and bus width are attributes (the cudaDeviceProp
+     * fields are gone in CUDA 13). Peak = 2 transfers per clock (DDR). */
+    int clk = 0, bus = 0;
+    if (cudaDeviceGetAttribute(&clk, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess)
+        c->hbm_peak_gbs = 2.0 * clk * 1e3 * (bus / 8.0) / 1e9;
+    cudaGetLastError();
     *out = be;
     return KVD_OK;
 }
 
 extern "C" const char *kvd_backend_cuda_device_name(const kvd_backend *be)
 {
-    return be && be->iface == &cuda_iface ? static_cast<cuda_ctx *>(be->ctx)->device_name : "";
+    return be && be->iface == &cuda_iface ? static_cast<kvd_cuda_ctx *>(be->ctx)->device_name
+                                          : "";
+}
+
+/* Peak memory bandwidth in GB/s from the memory clock and bus width (0 when
+ * the driver does not report them); for benchmarks. */
+extern "C" double kvd_backend_cuda_hbm_peak_gbs(const kvd_backend *be)
+{
+    return be && be->iface == &cuda_iface ? static_cast<kvd_cuda_ctx *>(be->ctx)->hbm_peak_gbs
+                                          : 0.0;
 }

@@ -57,6 +57,8 @@ typedef struct kvd_pq_search_params {
     kvd_pq_agg agg;
 } kvd_pq_search_params;
 
+struct kvd_pq_search_job;
+
 struct kvd_pq_ops {
     int (*train)(kvd_backend *be, const kvd_tensor *keys, const kvd_kmeans_params *km,
                  kvd_tensor *centroids, kvd_error *err);
@@ -65,7 +67,24 @@ struct kvd_pq_ops {
     int (*search)(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor *codes,
                   const kvd_tensor *queries, const kvd_pq_search_params *p,
                   kvd_tensor *indices, kvd_tensor *scores, int64_t *nout, kvd_error *err);
+    /* See kvd_pq_search_batch(). May be NULL: the wrapper then loops over
+     * search. Appended member. */
+    int (*search_batch)(kvd_backend *be, struct kvd_pq_search_job *jobs, int64_t njobs,
+                        const kvd_pq_search_params *p, kvd_error *err);
 };
+
+/*
+ * One search of a batch: one (sequence, kv head) pair. Tensors as for
+ * kvd_pq_search(); nout is written by the search.
+ */
+typedef struct kvd_pq_search_job {
+    const kvd_tensor *centroids; /* (m, 2^b, D/m) f32 */
+    const kvd_tensor *codes;     /* (n, m) u8, n may differ per job */
+    const kvd_tensor *queries;   /* (G, D) f32 */
+    kvd_tensor *indices;         /* (cap) u32 */
+    kvd_tensor *scores;          /* (cap) f32, or NULL */
+    int64_t nout;                /* [out] entries written */
+} kvd_pq_search_job;
 
 /* Number of entries a search returns for n tokens. */
 int64_t kvd_pq_search_count(int64_t n, const kvd_pq_search_params *p);
@@ -104,6 +123,20 @@ int kvd_pq_encode(kvd_backend *be, const kvd_tensor *keys, const kvd_tensor *cen
 int kvd_pq_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor *codes,
                   const kvd_tensor *queries, const kvd_pq_search_params *p,
                   kvd_tensor *indices, kvd_tensor *scores, int64_t *nout, kvd_error *err);
+
+/*
+ * Many searches with the same parameters in one call: on the CUDA backend
+ * one set of launches for the whole batch (the Search RPC's many sequences
+ * and kv heads of one layer), elsewhere a loop over kvd_pq_search().
+ * Every job must have the same m, b, D and G (one layer of one model); each
+ * job is checked as kvd_pq_search() checks its arguments.
+ * @param[in,out] jobs   njobs searches; jobs[i].nout set on success
+ * @param[in]     njobs  >= 0
+ * @return 0; KVD_EINVAL (message names the job); KVD_ENOMEM; KVD_EUNSUPP.
+ *         On failure the nout of every job is 0.
+ */
+int kvd_pq_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
+                        const kvd_pq_search_params *p, kvd_error *err);
 
 /* ---- CPU implementation, plain pointers (host memory) ------------------ */
 
