@@ -206,6 +206,9 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
                                err)) ||
         (rc = kvd_check_dtype(h->dtype, "header.dtype", err)))
         return rc;
+    if (h->with_activations)
+        return kvd_error_set(err, KVD_EUNSUPP,
+                             "header.with_activations: activation storage is not offered yet");
     if (h->num_tokens == 0)
         return kvd_error_set(err, KVD_EINVAL, "header.num_tokens: must be at least 1");
     if ((rc = kvd_check_range(h->token_start, h->num_tokens, 64, "header.token_start",

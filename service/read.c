@@ -45,6 +45,10 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
         (rc = kvd_check_range(req->layer_start, req->num_layers, 32, "layer_start",
                               "num_layers", err)))
         return rc;
+    /* Never answer a request for pages or activations with something else. */
+    if (req->format != KVDEPOT__V1__READ_FORMAT__READ_FORMAT_DECODED || req->activation_tokens)
+        return kvd_error_set(err, KVD_EUNSUPP,
+                             "format / activation_tokens: only decoded K/V reads are served yet");
     if (req->max_chunk_bytes > CHUNK_MAX)
         return kvd_error_set(err, KVD_EINVAL, "max_chunk_bytes: %u exceeds the limit %u",
                              req->max_chunk_bytes, CHUNK_MAX);

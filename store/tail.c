@@ -55,7 +55,10 @@ static int check_piece(const kvd_page_view *v, const kvd__tail_want *w, uint64_t
                              "shape",
                              what, (unsigned long long)w->page_id, w->layer,
                              (unsigned long long)start);
-    if (v->h.k_codec != KVD_CODEC_RAW || v->h.v_codec != KVD_CODEC_RAW)
+    /* Coded sections occur only in sealed pages, which never have fragments;
+     * their readers decode them (codec.h). */
+    if ((v->h.k_codec != KVD_CODEC_RAW || v->h.v_codec != KVD_CODEC_RAW) &&
+        !(v->h.flags & KVD_PAGE_SEALED))
         return kvd_error_set(err, KVD_EUNSUPP,
                              "%s of page %llu uses a codec this build "
                              "cannot decode",

@@ -58,6 +58,12 @@ static const char usage_text[] =
     "                                       write K then V of the range to F ('-' = stdout)\n"
     "  lookup --model M HASH...             how many leading blocks of a hash chain\n"
     "                                       are cached (hashes in hex)\n"
+    "  attend ID --layer L --q FILE [--out F] [--token-start T] [--tokens N] [--scale S]\n"
+    "                                       decode attention on the server: q is\n"
+    "                                       (num_q_heads, head_dim) f32 LE; prints the\n"
+    "                                       LSE per head, writes the output (f32) to F\n"
+    "  plan ID --bandwidth B/s --flops F/s [--activations]\n"
+    "                                       KVPR fetch split (PlanFetch)\n"
     "  hash --token-ids FILE [--page-tokens N]\n"
     "                                       print the prefix hash of every complete block\n"
     "\n"
@@ -653,6 +659,89 @@ static int cmd_get(kvdepot_client *c, int argc, char **argv)
     return 0;
 }
 
+/* attend ID --layer L --q FILE [--out F] [--token-start T] [--tokens N] [--scale S] */
+static int cmd_attend(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"layer", 1, 0},  {"q", 1, 0},      {"out", 1, 0}, {"token-start", 1, 0},
+                  {"tokens", 1, 0}, {"scale", 1, 0}, {0, 0, 0}};
+    const char *pos[1];
+    if (parse_args(argc, argv, opts, pos, 1) != 1)
+        usage_error("attend: expected ID");
+    const char *qpath = opt_required(opts, "q");
+    FILE *f = fopen(qpath, "rb");
+    if (!f)
+        return fail_msg("%s: %s", qpath, strerror(errno));
+    float *q = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            cap = cap ? 2 * cap : 4096;
+            float *nq = realloc(q, cap * sizeof *q);
+            if (!nq) {
+                fclose(f);
+                free(q);
+                return fail_msg("out of memory");
+            }
+            q = nq;
+        }
+        size_t got = fread(q + n, sizeof *q, cap - n, f);
+        n += got;
+        if (got == 0)
+            break;
+    }
+    fclose(f);
+    const char *sc = opt_get(opts, "scale");
+    kvdepot_attend_query qy = {pos[0], strlen(pos[0]), q, n,
+                               opt_u64(opts, "token-start", 0, UINT64_MAX),
+                               opt_u64(opts, "tokens", 0, UINT64_MAX)};
+    kvdepot_attend_result r;
+    int rc = kvdepot_attend(c, (uint32_t)opt_u64(opts, "layer", 0, UINT32_MAX),
+                            sc ? strtof(sc, NULL) : 0.0f, &qy, 1, &r);
+    free(q);
+    if (rc)
+        return fail(c, rc);
+    printf("attended %" PRIu64 " tokens; lse per query head:", r.num_tokens);
+    for (size_t h = 0; h < r.num_q_heads; h++)
+        printf(" %.6g", r.lse[h]);
+    printf("\n");
+    const char *out = opt_get(opts, "out");
+    if (out) {
+        FILE *o = fopen(out, "wb");
+        size_t cnt = r.num_q_heads * r.head_dim;
+        int bad = !o || fwrite(r.output, sizeof(float), cnt, o) != cnt;
+        if (o && fclose(o) != 0)
+            bad = 1;
+        if (bad) {
+            kvdepot_attend_results_free(&r, 1);
+            return fail_msg("%s: %s", out, strerror(errno));
+        }
+        printf("wrote the output (%zu x %zu f32) to %s\n", r.num_q_heads, r.head_dim, out);
+    }
+    kvdepot_attend_results_free(&r, 1);
+    return 0;
+}
+
+/* plan ID --bandwidth B --flops F [--activations] */
+static int cmd_plan(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"bandwidth", 1, 0}, {"flops", 1, 0}, {"activations", 0, 0}, {0, 0, 0}};
+    const char *pos[1];
+    if (parse_args(argc, argv, opts, pos, 1) != 1)
+        usage_error("plan: expected ID");
+    kvdepot_fetch_plan p;
+    int rc = kvdepot_plan_fetch(c, pos[0], strlen(pos[0]),
+                                strtod(opt_required(opts, "bandwidth"), NULL),
+                                strtod(opt_required(opts, "flops"), NULL), 0, 0,
+                                opt_get(opts, "activations") != NULL, &p);
+    if (rc)
+        return fail(c, rc);
+    printf("split %" PRIu64 " of %" PRIu64 " tokens: %.6g s (plain fetch %.6g s); "
+           "activations %" PRIu64 " bytes, K/V %" PRIu64 " bytes, recompute %.6g s\n",
+           p.split_tokens, p.num_tokens, p.predicted_seconds, p.kv_only_seconds,
+           p.activation_bytes, p.kv_bytes, p.recompute_seconds);
+    return 0;
+}
+
 static int cmd_lookup(kvdepot_client *c, int argc, char **argv)
 {
     opt opts[] = {{"model", 1, 0}, {0, 0, 0}};
@@ -776,7 +865,7 @@ int main(int argc, char **argv)
         {"health", cmd_health}, {"models", cmd_models}, {"model", cmd_model},
         {"seqs", cmd_seqs},     {"seq", cmd_seq},       {"put", cmd_put},
         {"get", cmd_get},       {"lookup", cmd_lookup}, {"shards", cmd_shards},
-        {"stats", cmd_stats},
+        {"stats", cmd_stats},     {"attend", cmd_attend}, {"plan", cmd_plan},
     };
     int (*fn)(kvdepot_client *, int, char **) = NULL;
     for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++)

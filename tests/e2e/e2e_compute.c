@@ -531,6 +531,10 @@ static int t_codecs(kvd_harness *h)
                ratio);
         CHECK(ratio <= cases[ci].max_bytes_ratio);
         kvdepot_sequence_info_clear(&info);
+        /* Every other case out of the memory tiers: coded pages then come
+         * back from RocksDB (checksum-verified) for Read and Attend. */
+        if (ci % 2 == 1)
+            REQUIRE_RC(kvdepot_sequence_evict(c, id, strlen(id), NULL, NULL), KVDEPOT_OK);
         /* Read back (decoded) layer 0 and compare with what was appended. */
         kvdepot_read_args ra;
         memset(&ra, 0, sizeof ra);
