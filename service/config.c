@@ -41,8 +41,9 @@ static const setting settings[] = {
      "directory of the RocksDB store; created if missing"},
     {"threads", T_UINT, F(threads), "0", 0, 256, "N",
      "worker threads, each with its own completion queue (0 = number of CPUs)"},
-    {"page-tokens", T_UINT, F(page_tokens), "256", 1, 65536, "N",
-     "tokens per page; fixed when the data directory is created"},
+    {"page-tokens", T_UINT, F(page_tokens), "0", 0, 65536, "N",
+     "tokens per page of a new data directory (0 = 256); an existing directory keeps its own "
+     "and refuses a different non-zero value"},
     {"sync", T_BOOL, F(sync), "false", 0, 0, "BOOL",
      "same as --durability sync (kept for existing configurations)"},
     {"max-message-bytes", T_SIZE, F(max_message_bytes), "8MiB", 64 * 1024, 2 * GiB - 1, "SIZE",

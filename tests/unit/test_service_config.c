@@ -51,7 +51,7 @@ static void test_defaults(void)
     CHECK(strcmp(c.listen, "127.0.0.1:50051") == 0);
     CHECK(strcmp(c.data_dir, "./kvdepot-data") == 0);
     CHECK(c.threads == 0);
-    CHECK(c.page_tokens == 256);
+    CHECK(c.page_tokens == 0); /* 0: the data directory decides */
     CHECK(c.sync == 0);
     CHECK(c.max_message_bytes == 8 * MiB);
     CHECK(c.max_append_bytes == 2048 * MiB);
@@ -127,7 +127,7 @@ static void test_bad_values(void)
         {"--threads", "two", "threads"},
         {"--threads", "", "threads"},
         {"--threads", "3x", "threads"},
-        {"--page-tokens", "0", "page-tokens"},
+        {"--page-tokens", "65537", "page-tokens"},
         {"--page-tokens", "99999999999999999999999", "page-tokens"},
         {"--max-message-bytes", "1K", "max-message-bytes"},
         {"--max-message-bytes", "4G", "max-message-bytes"},
