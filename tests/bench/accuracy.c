@@ -205,6 +205,13 @@ static kvd_attn_dims dims(int hd)
     return d;
 }
 
+/* rms of the V rows of the current data set: a second error scale. A
+ * softmax-weighted average of many zero-mean value rows is short (about
+ * rms(v) / sqrt(effective number of tokens)), so the relative error grows
+ * with how spread attention is even when the output moves little compared
+ * to a value vector; both are printed. */
+static double v_rms, ref_norm;
+
 /* relative L2 error of the whole output */
 static double rel_err(const float *ref, const float *x, size_t n)
 {
@@ -227,8 +234,11 @@ static void exact(const data *d, float *out, float *lse)
 
 /* attention statistics of the exact run: mean top-1 weight, mean number of
  * tokens holding 90% of the mass */
+static double sink_mass; /* mean softmax mass of the first 4 tokens (set by attn_stats) */
+
 static void attn_stats(const data *d, double *top1, double *n90)
 {
+    sink_mass = 0;
     double s1 = 0, s90 = 0;
     int64_t T = d->T;
     double *p = malloc(sizeof(double) * T);
@@ -248,6 +258,8 @@ static void attn_stats(const data *d, double *top1, double *n90)
         }
         for (int64_t t = 0; t < T; t++)
             p[t] /= l;
+        for (int t = 0; t < 4 && t < T; t++)
+            sink_mass += p[t] / HQ;
         /* sort descending (partial: selection of mass) */
         int cmp(const void *a, const void *b);
         qsort(p, (size_t)T, sizeof *p, cmp);
@@ -315,7 +327,13 @@ static qarr quant_all(const float *x, int64_t T, int W, int bits, int P, int axi
 /* keys (and queries) through the VQ transform (smooth by lam, Hadamard), or
  * dequantized K/V attended in float (deq), see main() */
 static const float *int_lam;
-static int int_deq;
+static int int_deq;   /* 1: K and V dequantized; 2: only K (V exact); 3: only V (K exact) */
+static int int_kaxis; /* KVD_ATTN_AXIS_TOKEN (HACK) or KVD_ATTN_AXIS_CHANNEL (KIVI-style keys) */
+
+static void row(const char *name, double bpv, double e)
+{
+    printf("| %s | %.2f | %.4f | %.4f |\n", name, bpv, e, e * ref_norm / (sqrt((double)HQ) * v_rms));
+}
 
 static double run_int(const data *d0, const float *ref, int bits, int P, int vaxis, int sinks)
 {
@@ -338,7 +356,7 @@ static double run_int(const data *d0, const float *ref, int bits, int P, int vax
     }
     int64_t T = d->T, Tq = T - sinks;
     float *k = d->k + sinks * D, *v = d->v + sinks * D;
-    qarr kq = quant_all(k, Tq, D, bits, P, KVD_ATTN_AXIS_TOKEN, T * D);
+    qarr kq = quant_all(k, Tq, D, bits, P, int_kaxis, T * D);
     qarr vq = quant_all(v, Tq, D, bits, P, vaxis, T * D);
     float out[HQ * D], lse[HQ];
     kvd_attn_int_args a;
@@ -356,7 +374,8 @@ static double run_int(const data *d0, const float *ref, int bits, int P, int vax
         float *kd = malloc(sizeof(float) * HKV * Tq * D), *vd = malloc(sizeof(float) * HKV * Tq * D);
         for (int h = 0; h < HKV; h++) {
             kvd_qtensor qk, qv;
-            kvd_qtensor_init(&qk, Tq, D, bits, P, KVD_QAXIS_TOKEN, NULL, NULL);
+            kvd_qtensor_init(&qk, Tq, D, bits, P, int_kaxis == KVD_ATTN_AXIS_TOKEN ? KVD_QAXIS_TOKEN : KVD_QAXIS_CHANNEL,
+                             NULL, NULL);
             kvd_qtensor_init(&qv, Tq, D, bits, P, vaxis == KVD_ATTN_AXIS_TOKEN ? KVD_QAXIS_TOKEN : KVD_QAXIS_CHANNEL,
                              NULL, NULL);
             const kvd_attn_qdata *sq[2] = {&kq.qd, &vq.qd};
@@ -370,6 +389,14 @@ static double run_int(const data *d0, const float *ref, int bits, int P, int vax
             kvd_tensor yk = tn(KVD_DTYPE_F32, kd + h * Tq * D, 2, Tq, D, 0), yv = tn(KVD_DTYPE_F32, vd + h * Tq * D, 2, Tq, D, 0);
             kvd_dequantize_ref(&qk, &yk);
             kvd_dequantize_ref(&qv, &yv);
+            /* one side exact: which of K and V the error comes from */
+            for (int64_t t = 0; t < Tq; t++)
+                for (int j = 0; j < D; j++) {
+                    if (int_deq == 3)
+                        kd[(h * Tq + t) * D + j] = k[h * T * D + t * D + j];
+                    if (int_deq == 2)
+                        vd[(h * Tq + t) * D + j] = v[h * T * D + t * D + j];
+                }
         }
         kvd_attn_dense_args da = {dims(D), a.q, tn(KVD_DTYPE_F32, kd, 3, HKV, Tq, D), tn(KVD_DTYPE_F32, vd, 3, HKV, Tq, D),
                                   a.out, a.lse};
@@ -720,59 +747,96 @@ int main(int argc, char **argv)
     data cal = make_data(4096, 99);
     svdcal sv = svd_calibrate(&cal);
     vqcal vq48t = vq_calibrate(&cal, 4, 8, 1), vq48 = vq_calibrate(&cal, 4, 8, 0);
-    vqcal vq812t = vq_calibrate(&cal, 8, 12, 1), vq812 = vq_calibrate(&cal, 8, 12, 0);
+    vqcal vq812t = {0}, vq812 = {0};
+    if (!getenv("KVD_ACC_INT_ONLY")) { /* the 4096-entry codebooks take most of the run */
+        vq812t = vq_calibrate(&cal, 8, 12, 1);
+        vq812 = vq_calibrate(&cal, 8, 12, 0);
+    }
     const int64_t Ts[2] = {4096, 32768};
     for (int ti = 0; ti < 2 && Ts[ti] <= maxT; ti++) {
         data d = make_data(Ts[ti], 1000 + ti);
         float ref[HQ * D], lse[HQ];
         exact(&d, ref, lse);
+        {
+            double vv = 0, rr = 0;
+            for (size_t i = 0; i < (size_t)HKV * d.T * D; i++)
+                vv += (double)d.v[i] * d.v[i];
+            for (int i = 0; i < HQ * D; i++)
+                rr += (double)ref[i] * ref[i];
+            v_rms = sqrt(vv / ((double)HKV * d.T));
+            ref_norm = sqrt(rr);
+        }
         double top1, n90;
         attn_stats(&d, &top1, &n90);
         printf("\n### T = %lld tokens (head_dim %d, %d kv heads x %d query heads)\n\n", (long long)d.T, D, HKV, G);
-        printf("Exact attention: mean top-1 weight %.3f, mean tokens holding 90%% of the mass %.0f (%.2f%% of T).\n\n",
-               top1, n90, 100.0 * n90 / (double)d.T);
-        printf("| form | bits/value (K, V) | rel. L2 error of output |\n|---|---|---|\n");
+        printf("Exact attention: mean top-1 weight %.3f, mean tokens holding 90%% of the mass %.0f (%.2f%% of T), "
+               "mass on the 4 sink tokens %.3f.\n\n",
+               top1, n90, 100.0 * n90 / (double)d.T, sink_mass);
+        printf("|out| / (sqrt(Hq) rms(v)) = %.3f: the exact output is that short next to a value row.\n\n",
+               ref_norm / (sqrt((double)HQ) * v_rms));
+        printf("| form | bits/value (K, V) | rel. L2 error of output | error / rms(v) |\n|---|---|---|---|\n");
+        enum { KT = KVD_ATTN_AXIS_TOKEN, KC = KVD_ATTN_AXIS_CHANNEL };
         struct {
             const char *name;
-            int bits, P, vaxis, sinks;
+            int bits, P, vaxis, sinks, kaxis, deq;
         } ints[] = {
-            {"INT2 P=32 (K per token, V per channel)", 2, 32, KVD_ATTN_AXIS_CHANNEL, 0},
-            {"INT2 P=64", 2, 64, KVD_ATTN_AXIS_CHANNEL, 0},
-            {"INT2 P=128", 2, 128, KVD_ATTN_AXIS_CHANNEL, 0},
-            {"INT2 P=32, V per token (KIVI)", 2, 32, KVD_ATTN_AXIS_TOKEN, 0},
-            {"INT2 P=32 + first 64 tokens raw", 2, 32, KVD_ATTN_AXIS_CHANNEL, 64},
-            {"INT4 P=32", 4, 32, KVD_ATTN_AXIS_CHANNEL, 0},
-            {"INT4 P=128", 4, 128, KVD_ATTN_AXIS_CHANNEL, 0},
-            {"INT2 P=32, same codes dequantized + float attention", 2, 32, KVD_ATTN_AXIS_CHANNEL, -1},
-            {"INT2 P=32, keys smooth+Hadamard first", 2, 32, KVD_ATTN_AXIS_CHANNEL, -2},
-            {"INT2 P=128, keys smooth+Hadamard first", 2, 128, KVD_ATTN_AXIS_CHANNEL, -2},
-            {"INT4 P=128, keys smooth+Hadamard first", 4, 128, KVD_ATTN_AXIS_CHANNEL, -2},
+            {"INT2 P=32 (K per token, V per channel)", 2, 32, KVD_ATTN_AXIS_CHANNEL, 0, KT, 0},
+            {"INT2 P=64", 2, 64, KVD_ATTN_AXIS_CHANNEL, 0, KT, 0},
+            {"INT2 P=128", 2, 128, KVD_ATTN_AXIS_CHANNEL, 0, KT, 0},
+            {"INT2 P=32, V per token (KIVI)", 2, 32, KVD_ATTN_AXIS_TOKEN, 0, KT, 0},
+            {"INT2 P=32 + first 64 tokens raw", 2, 32, KVD_ATTN_AXIS_CHANNEL, 64, KT, 0},
+            {"INT4 P=32", 4, 32, KVD_ATTN_AXIS_CHANNEL, 0, KT, 0},
+            {"INT4 P=128", 4, 128, KVD_ATTN_AXIS_CHANNEL, 0, KT, 0},
+            {"INT2 P=32, same codes dequantized + float attention", 2, 32, KVD_ATTN_AXIS_CHANNEL, 0, KT, 1},
+            {"INT2 P=32, only K quantized (V exact, float attention)", 2, 32, KVD_ATTN_AXIS_CHANNEL, 0, KT, 2},
+            {"INT2 P=32, only V quantized (K exact, float attention)", 2, 32, KVD_ATTN_AXIS_CHANNEL, 0, KT, 3},
+            {"INT2 P=32, keys smooth+Hadamard first", 2, 32, KVD_ATTN_AXIS_CHANNEL, -2, KT, 0},
+            {"INT2 P=128, keys smooth+Hadamard first", 2, 128, KVD_ATTN_AXIS_CHANNEL, -2, KT, 0},
+            {"INT4 P=128, keys smooth+Hadamard first", 4, 128, KVD_ATTN_AXIS_CHANNEL, -2, KT, 0},
+            {"INT2 P=32, K per channel (KIVI-style), V per channel", 2, 32, KVD_ATTN_AXIS_CHANNEL, 0, KC, 0},
+            {"INT2 P=64, K per channel, V per channel", 2, 64, KVD_ATTN_AXIS_CHANNEL, 0, KC, 0},
+            {"INT2 P=128, K per channel, V per channel", 2, 128, KVD_ATTN_AXIS_CHANNEL, 0, KC, 0},
+            {"INT2 P=32, K per channel, V per token (KIVI)", 2, 32, KVD_ATTN_AXIS_TOKEN, 0, KC, 0},
+            {"INT2 P=32, K per channel + first 64 tokens raw", 2, 32, KVD_ATTN_AXIS_CHANNEL, 64, KC, 0},
+            {"INT2 P=32, K per channel, only K quantized (V exact)", 2, 32, KVD_ATTN_AXIS_CHANNEL, 0, KC, 2},
+            {"INT2 P=32, K per channel after smooth+Hadamard", 2, 32, KVD_ATTN_AXIS_CHANNEL, -2, KC, 0},
+            {"INT4 P=32, K per channel", 4, 32, KVD_ATTN_AXIS_CHANNEL, 0, KC, 0},
+            {"INT4 P=128, K per channel", 4, 128, KVD_ATTN_AXIS_CHANNEL, 0, KC, 0},
         };
         for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) {
-            int_deq = ints[i].sinks == -1;
+            int_deq = ints[i].deq;
+            int_kaxis = ints[i].kaxis;
             int_lam = ints[i].sinks == -2 ? vq48t.lam : NULL;
             double e = run_int(&d, ref, ints[i].bits, ints[i].P, ints[i].vaxis, ints[i].sinks > 0 ? ints[i].sinks : 0);
             int_deq = 0;
+            int_kaxis = KT;
             int_lam = NULL;
             double bpv = ints[i].bits + 48.0 / ints[i].P; /* + f16 min, f16 scale, u16 sum per group */
-            printf("| %s | %.2f | %.4f |\n", ints[i].name, bpv, e);
+            row(ints[i].name, bpv, e);
         }
-        printf("| VQ d4b8, smooth+Hadamard keys | 2.00 | %.4f |\n", run_vq(&d, ref, &vq48t, 4, 8, 1));
-        printf("| VQ d4b8, plain keys | 2.00 | %.4f |\n", run_vq(&d, ref, &vq48, 4, 8, 0));
-        printf("| VQ d8b12, smooth+Hadamard keys | 1.50 | %.4f |\n", run_vq(&d, ref, &vq812t, 8, 12, 1));
-        printf("| VQ d8b12, plain keys | 1.50 | %.4f |\n", run_vq(&d, ref, &vq812, 8, 12, 0));
+        if (getenv("KVD_ACC_INT_ONLY")) {
+            free_data(&d);
+            continue;
+        }
+        row("VQ d4b8, smooth+Hadamard keys", 2.0, run_vq(&d, ref, &vq48t, 4, 8, 1));
+        row("VQ d4b8, plain keys", 2.0, run_vq(&d, ref, &vq48, 4, 8, 0));
+        row("VQ d8b12, smooth+Hadamard keys", 1.5, run_vq(&d, ref, &vq812t, 8, 12, 1));
+        row("VQ d8b12, plain keys", 1.5, run_vq(&d, ref, &vq812, 8, 12, 0));
         const double rates[] = {0.01, 0.05, 0.1, 0.2, 0.3};
         for (int i = 0; i < 5; i++) {
             double w;
             double e = run_svd(&d, ref, &sv, rates[i], &w);
-            printf("| SVD removal rate %.2f (mean kept width %.1f of %d), fp32 | %.1f | %.4f |\n", rates[i], w, D,
-                   32.0 * w / D, e);
+            char nm[128];
+            snprintf(nm, sizeof nm, "SVD removal rate %.2f (mean kept width %.1f of %d), fp32", rates[i], w, D);
+            row(nm, 32.0 * w / D, e);
         }
         const double srates[] = {0.01, 0.1, 0.2};
         for (int i = 0; i < 3; i++) {
             int r;
             double e = run_svd_int2(&d, ref, &sv, srates[i], &r);
-            printf("| SVD rate %.2f (width %d) + INT2 P=32 | %.2f | %.4f |\n", srates[i], r, (2.0 + 48.0 / 32) * r / D, e);
+            char nm[128];
+            snprintf(nm, sizeof nm, "SVD rate %.2f (width %d) + INT2 P=32", srates[i], r);
+            row(nm, (2.0 + 48.0 / 32) * r / D, e);
         }
         printf("\nPQ top-k recall against the exact top-k of the group score sum_g q_g.k (and share of the exact softmax mass the PQ selection covers, mean over query heads):\n\n");
         printf("| m x b | k = n/10: recall | mass | k = n/5: recall | mass |\n|---|---|---|---|---|\n");
