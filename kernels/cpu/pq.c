@@ -1145,19 +1145,6 @@ int kvd_pq_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
                              "pq: search needs params with k, sink, window >= 0 and a known agg");
     if (njobs == 0)
         return KVD_OK;
-    if (!ops->search_batch) { /* backends without a batched kernel: one search each */
-        for (int64_t i = 0; i < njobs; i++) {
-            kvd_pq_search_job *j = &jobs[i];
-            rc = kvd_pq_search(be, j->centroids, j->codes, j->queries, p, j->indices, j->scores,
-                               &j->nout, err);
-            if (rc) {
-                for (int64_t t = 0; t < njobs; t++)
-                    jobs[t].nout = 0;
-                return rc;
-            }
-        }
-        return KVD_OK;
-    }
     pq_shape first;
     if (!jobs[0].centroids || !jobs[0].queries)
         return kvd_error_set(err, KVD_EINVAL, "pq: batch job 0 has a NULL tensor");
@@ -1166,6 +1153,22 @@ int kvd_pq_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
     for (int64_t i = 0; i < njobs; i++)
         if ((rc = check_job(&jobs[i], i, p, &first, jobs[0].queries->shape[0], err)))
             return rc;
+    if (!ops->search_batch) { /* backends without a batched kernel: one search each */
+        if (!ops->search)
+            return kvd_error_set(err, KVD_EUNSUPP, "pq: search not supported by the %s backend",
+                                 be->iface->name);
+        for (int64_t i = 0; i < njobs; i++) {
+            kvd_pq_search_job *j = &jobs[i];
+            rc = ops->search(be, j->centroids, j->codes, j->queries, p, j->indices, j->scores,
+                             &j->nout, err);
+            if (rc) {
+                for (int64_t t = 0; t < njobs; t++)
+                    jobs[t].nout = 0;
+                return rc;
+            }
+        }
+        return KVD_OK;
+    }
     rc = ops->search_batch(be, jobs, njobs, p, err);
     if (rc)
         for (int64_t i = 0; i < njobs; i++)
