@@ -260,7 +260,8 @@ typedef struct kvd_page_handle {
     const uint8_t *bytes;
     size_t len;
     const void *device;
-    int tier;    /* KVD_TIER_* the page was found in (DISK = loaded for this call) */
+    int tier;    /* KVD_TIER_* the page was found in (DISK: loaded for this call);
+                  * it lies in the device tier now whenever `device` is set */
     void *priv_; /* owned by the store */
     void *buf_;
 } kvd_page_handle;

@@ -355,8 +355,19 @@ static int have_tiers(const kvd__cache *c)
     return c->tier[0].limit || c->tier[1].limit;
 }
 
+static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
+                                  uint8_t **tmp, int *found);
+
 kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
                                 uint8_t **tmp)
+{
+    int found;
+    return cache_acquire(st, id, need, bytes, tmp, &found);
+}
+
+/* kvd__cache_acquire, also saying which tier the page was found in. */
+static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
+                                  uint8_t **tmp, int *found)
 {
     kvd__cache *c = &st->tiers;
     *bytes = NULL;
@@ -373,6 +384,7 @@ kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const
         return NULL;
     }
     atomic_fetch_add(&c->hits[e->tier], 1);
+    *found = e->tier;
     /* Another holder may be reading e's bytes: only an unpinned entry moves. */
     if (e->tier == KVD_TIER_HOST && e->pins == 0)
         promote(c, e);
@@ -910,6 +922,9 @@ int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t
 
 /* ---- page acquisition for computations -------------------------------------- */
 
+static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer, kvd_page_handle *h,
+                        kvd_error *err);
+
 int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                            uint64_t block, kvd_page_handle *h, kvd_error *err)
 {
@@ -942,22 +957,42 @@ int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uin
     w.D = s->model->info.head_dim;
     w.dtype = s->model->info.dtype;
     atomic_store(&s->last_access_ms, kvd__now_ms());
+    /* Page and fragments must be read as of this page table: a concurrent
+     * Append may merge the fragments into the page meanwhile. */
+    const rocksdb_snapshot_t *snap = rocksdb_create_snapshot(st->db);
     pthread_rwlock_unlock(&st->lock);
+    w.snap = snap;
+    rc = acquire_page(st, &w, layer, h, err);
+    rocksdb_release_snapshot(st->db, snap);
+    return rc;
+}
 
+/* The rest of kvd_store_page_acquire, once the page is known. */
+static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer, kvd_page_handle *h,
+                        kvd_error *err)
+{
+    kvd__tail_want w = *wp;
+    int rc;
     uint8_t *tmp = NULL;
     const uint8_t *bytes;
-    kvd__centry *e = kvd__cache_acquire(st, w.page_id, w.need, &bytes, &tmp);
+    int found;
+    kvd__centry *e = cache_acquire(st, w.page_id, w.need, &bytes, &tmp, &found);
     if (e) {
         h->bytes = bytes;
         h->len = e->len;
-        h->tier = e->tier;
+        h->tier = found;
         h->device = e->tier == KVD_TIER_DEVICE ? e->data : NULL;
         h->priv_ = e;
         h->buf_ = tmp;
         return 0;
     }
     kvd__tail pg;
-    if ((rc = kvd__tail_load(st, st->ropt, &w, &pg, err))) {
+    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
+    rocksdb_readoptions_set_snapshot(ro, w.snap);
+    rocksdb_readoptions_set_verify_checksums(ro, 0); /* the page's own checksum is checked */
+    rc = kvd__tail_load(st, ro, &w, &pg, err);
+    rocksdb_readoptions_destroy(ro);
+    if (rc) {
         if (rc == KVD_ECORRUPT)
             kvd__note_corrupt(st, w.page_id, err);
         return rc;

@@ -1,0 +1,411 @@
+/*
+ * Unit tests of the store's memory tiers, in process: LRU movement between
+ * the device and host tiers within their limits, pinning through
+ * kvd_store_page_acquire, eviction, and 8 threads appending, reading and
+ * acquiring while pages are evicted (the test the ThreadSanitizer pass of
+ * deploy/dev.sh runs). Content is a function of (sequence, part, layer,
+ * token), so readers check every byte they get.
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "page.h"
+#include "store.h"
+
+static int failures;
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+#define LAYERS 2
+#define HEADS 2
+#define DIM 32
+#define PT 64                 /* page tokens */
+#define ROW (HEADS * DIM * 2) /* bytes per token per layer, f16 */
+#define PAGE_K (PT * ROW)     /* 8 KiB per part */
+
+static uint64_t mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static void gen_row(uint8_t *dst, uint32_t s, int part, uint32_t l, uint64_t t)
+{
+    uint64_t seed = mix(((uint64_t)s << 40) ^ ((uint64_t)part << 39) ^ ((uint64_t)l << 32) ^ t);
+    for (size_t i = 0; i < ROW; i += 8) {
+        uint64_t v = mix(seed + i);
+        memcpy(dst + i, &v, 8);
+    }
+}
+
+static void id_of(char *buf, uint32_t s)
+{
+    snprintf(buf, 16, "s%03u", s);
+}
+
+static int append_gen(kvd_store *st, uint32_t s, uint64_t t0, uint64_t n)
+{
+    size_t bytes = (size_t)LAYERS * n * ROW;
+    uint8_t *kv = malloc(2 * bytes);
+    if (!kv)
+        return KVD_ENOMEM;
+    for (uint32_t l = 0; l < LAYERS; l++)
+        for (uint64_t t = 0; t < n; t++) {
+            gen_row(kv + ((size_t)l * n + t) * ROW, s, 0, l, t0 + t);
+            gen_row(kv + bytes + ((size_t)l * n + t) * ROW, s, 1, l, t0 + t);
+        }
+    char id[16];
+    id_of(id, s);
+    kvd_append_spec sp = {.seq_id = id,
+                          .seq_id_len = strlen(id),
+                          .token_start = t0,
+                          .num_tokens = n,
+                          .dtype = KVD_DTYPE_F16};
+    kvd_append *ap;
+    uint64_t want;
+    kvd_error e;
+    kvd_error_clear(&e);
+    int rc = kvd_store_append_begin(st, &sp, &ap, &want, &e);
+    if (!rc && want != 2 * bytes)
+        rc = KVD_EINTERNAL;
+    if (!rc && (rc = kvd_store_append_write(ap, kv, 2 * bytes, &e)) == 0)
+        rc = kvd_store_append_commit(ap, NULL, &e);
+    else if (ap)
+        kvd_store_append_abort(ap);
+    if (rc)
+        fprintf(stderr, "append %s %" PRIu64 "+%" PRIu64 ": %s\n", id, t0, n, e.msg);
+    free(kv);
+    return rc;
+}
+
+/* Read all layers of tokens [t0, t0+n) and compare; 0, a store code, or
+ * KVD_EINTERNAL for wrong bytes. */
+static int check_gen(kvd_store *st, uint32_t s, uint64_t t0, uint64_t n)
+{
+    char id[16];
+    id_of(id, s);
+    kvd_read_spec sp = {.seq_id = id, .seq_id_len = strlen(id), .token_start = t0, .num_tokens = n};
+    kvd_read *rd;
+    kvd_read_shape sh;
+    kvd_error e;
+    kvd_error_clear(&e);
+    int rc = kvd_store_read_begin(st, &sp, &rd, &sh, &e);
+    if (rc)
+        return rc;
+    size_t bytes = (size_t)LAYERS * n * ROW;
+    uint8_t *got = malloc(2 * bytes + 1), row[ROW];
+    size_t have = 0, len;
+    /* Odd-sized chunks so segments straddle calls. */
+    while (got &&
+           (rc = kvd_store_read_next(rd, got + have,
+                                     2 * bytes + 1 - have > 777 ? 777 : 2 * bytes + 1 - have, &len,
+                                     &e)) == 0 &&
+           len)
+        have += len;
+    kvd_store_read_end(rd);
+    if (!got)
+        return KVD_ENOMEM;
+    if (!rc && have != 2 * bytes)
+        rc = KVD_EINTERNAL;
+    for (int part = 0; part < 2 && !rc; part++)
+        for (uint32_t l = 0; l < LAYERS && !rc; l++)
+            for (uint64_t t = 0; t < n && !rc; t++) {
+                gen_row(row, s, part, l, t0 + t);
+                if (memcmp(row, got + (size_t)part * bytes + ((size_t)l * n + t) * ROW, ROW)) {
+                    fprintf(stderr, "%s: wrong bytes at part %d layer %u token %" PRIu64 "\n", id,
+                            part, l, t0 + t);
+                    rc = KVD_EINTERNAL;
+                }
+            }
+    free(got);
+    return rc;
+}
+
+/* An acquired page holds exactly the generated rows of its block. */
+static int check_page(const kvd_page_handle *h, uint32_t s, uint32_t l, uint64_t block)
+{
+    kvd_page_view v;
+    kvd_error e;
+    kvd_error_clear(&e);
+    if (kvd_page_decode(h->bytes, h->len, &v, &e))
+        return KVD_ECORRUPT;
+    uint8_t row[ROW];
+    uint32_t n = v.h.num_tokens;
+    if (v.h.layer != l || v.h.token_start != block * PT)
+        return KVD_EINTERNAL;
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t hh = 0; hh < HEADS; hh++)
+            for (int part = 0; part < 2; part++) {
+                gen_row(row, s, part, l, block * PT + t);
+                const uint8_t *sec = part ? v.v : v.k;
+                if (memcmp(row + hh * DIM * 2, sec + ((size_t)hh * n + t) * DIM * 2, DIM * 2))
+                    return KVD_EINTERNAL;
+            }
+    return 0;
+}
+
+static kvd_store *open_store(const char *dir, uint64_t dev, uint64_t host)
+{
+    kvd_store_options o = {.data_dir = dir,
+                           .page_tokens = PT,
+                           .device_tier_bytes = dev,
+                           .host_tier_bytes = host,
+                           .prefetch_pages = 2};
+    kvd_store *st = NULL;
+    kvd_error e;
+    kvd_error_clear(&e);
+    if (kvd_store_open(&o, &st, &e)) {
+        fprintf(stderr, "open: %s\n", e.msg);
+        return NULL;
+    }
+    kvd_model_info m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "t");
+    m.num_layers = LAYERS;
+    m.num_kv_heads = HEADS;
+    m.head_dim = DIM;
+    m.dtype = KVD_DTYPE_F16;
+    if (kvd_model_validate(&m, &e) || kvd_store_model_put(st, &m, 0, NULL, NULL, &e)) {
+        fprintf(stderr, "model: %s\n", e.msg);
+        kvd_store_close(st);
+        return NULL;
+    }
+    return st;
+}
+
+static int create(kvd_store *st, uint32_t s)
+{
+    char id[16];
+    id_of(id, s);
+    return kvd_store_seq_create(st, id, strlen(id), "t", NULL, 0, NULL, 0, NULL, NULL);
+}
+
+/* ---- LRU, limits, pinning ------------------------------------------------ */
+
+static void test_lru(const char *dir)
+{
+    /* A full page is 2 * 8 KiB + header: the device tier takes 4, the host 4. */
+    kvd_store *st = open_store(dir, 4 * (2 * PAGE_K + 256), 4 * (2 * PAGE_K + 4096));
+    CHECK(st);
+    if (!st)
+        return;
+    CHECK(create(st, 0) == 0);
+    CHECK(append_gen(st, 0, 0, 16 * PT) == 0); /* 32 pages */
+    kvd_store_stats s;
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_pages[KVD_TIER_DEVICE] == 4 && s.tier_pages[KVD_TIER_HOST] == 4);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] <= s.tier_limit[KVD_TIER_DEVICE]);
+    CHECK(s.tier_bytes[KVD_TIER_HOST] <= s.tier_limit[KVD_TIER_HOST]);
+    CHECK(s.tier_pages[KVD_TIER_DISK] == 32);
+    CHECK(s.evictions[0] == 28 && s.evictions[1] == 24);
+
+    /* The last pages written are in the device tier, the ones before on host,
+     * the first ones only on disk. */
+    kvd_page_handle h[6];
+    kvd_error e;
+    kvd_error_clear(&e);
+    CHECK(kvd_store_page_acquire(st, "s000", 4, 1, 15, &h[0], &e) == 0);
+    CHECK(h[0].tier == KVD_TIER_DEVICE && h[0].device);
+    CHECK(kvd_store_page_acquire(st, "s000", 4, 1, 10, &h[1], &e) == 0);
+    CHECK(h[1].tier == KVD_TIER_HOST);
+    CHECK(kvd_store_page_acquire(st, "s000", 4, 0, 0, &h[2], &e) == 0);
+    CHECK(h[2].tier == KVD_TIER_DISK);
+    CHECK(check_page(&h[0], 0, 1, 15) == 0 && check_page(&h[1], 0, 1, 10) == 0 &&
+          check_page(&h[2], 0, 0, 0) == 0);
+    /* Pinned pages survive a storm of promotions. */
+    CHECK(check_gen(st, 0, 0, 16 * PT) == 0);
+    CHECK(check_page(&h[0], 0, 1, 15) == 0 && check_page(&h[1], 0, 1, 10) == 0 &&
+          check_page(&h[2], 0, 0, 0) == 0);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] <= s.tier_limit[KVD_TIER_DEVICE]);
+    CHECK(s.promotions > 0 && s.misses > 0);
+    /* Out of range, unknown sequence. */
+    CHECK(kvd_store_page_acquire(st, "s000", 4, 1, 16, &h[3], &e) == KVD_ERANGE);
+    CHECK(kvd_store_page_acquire(st, "nope", 4, 0, 0, &h[3], &e) == KVD_ENOTFOUND);
+    for (int i = 0; i < 3; i++)
+        kvd_store_page_release(st, &h[i]);
+    kvd_store_page_release(st, &h[0]); /* released twice: no-op */
+
+    /* Evict: nothing of the sequence left in memory; still readable. */
+    uint64_t pages = 0, bytes = 0;
+    CHECK(kvd_store_seq_evict(st, "s000", 4, &pages, &bytes, &e) == 0);
+    CHECK(pages > 0 && bytes > 0);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_pages[KVD_TIER_DEVICE] == 0 && s.tier_pages[KVD_TIER_HOST] == 0);
+    CHECK(check_gen(st, 0, 100, 500) == 0);
+    /* A partial tail page held in fragments is acquirable too. */
+    CHECK(append_gen(st, 0, 16 * PT, 3) == 0);
+    CHECK(append_gen(st, 0, 16 * PT + 3, 5) == 0);
+    CHECK(kvd_store_page_acquire(st, "s000", 4, 1, 16, &h[4], &e) == 0);
+    CHECK(check_page(&h[4], 0, 1, 16) == 0);
+    kvd_store_page_release(st, &h[4]);
+    /* Delete drops every tier's copy. */
+    CHECK(kvd_store_seq_delete(st, "s000", 4, NULL, &e) == 0);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_pages[0] == 0 && s.tier_pages[1] == 0 && s.tier_pages[2] == 0);
+    CHECK(s.tier_bytes[2] == 0);
+    kvd_store_close(st);
+}
+
+/* ---- 8 threads with eviction ------------------------------------------------ */
+
+#define NSEQ 8
+#define MAXTOK (12 * PT)
+
+typedef struct ctx {
+    kvd_store *st;
+    _Atomic uint64_t tokens[NSEQ];
+    _Atomic int writers_left;
+    _Atomic uint64_t reads, acquires, wrong, errors;
+} ctx;
+
+typedef struct targ {
+    ctx *c;
+    int i;
+} targ;
+
+static void *writer(void *p)
+{
+    targ *a = p;
+    ctx *c = a->c;
+    uint64_t rnd = mix((uint64_t)a->i + 7);
+    for (int k = 0; k < 2; k++) {
+        uint32_t s = (uint32_t)(a->i * 2 + k);
+        while (atomic_load(&c->tokens[s]) < MAXTOK) {
+            rnd = mix(rnd);
+            uint64_t t0 = atomic_load(&c->tokens[s]);
+            uint64_t n = 1 + rnd % (2 * PT);
+            if (t0 + n > MAXTOK)
+                n = MAXTOK - t0;
+            if (append_gen(c->st, s, t0, n)) {
+                atomic_fetch_add(&c->errors, 1);
+                break;
+            }
+            atomic_store(&c->tokens[s], t0 + n);
+        }
+    }
+    atomic_fetch_sub(&c->writers_left, 1);
+    return NULL;
+}
+
+static void *reader(void *p)
+{
+    targ *a = p;
+    ctx *c = a->c;
+    uint64_t rnd = mix((uint64_t)a->i + 1000);
+    int rounds = 0;
+    while (atomic_load(&c->writers_left) > 0 || rounds < 20) {
+        rounds++;
+        rnd = mix(rnd);
+        uint32_t s = (uint32_t)(rnd % NSEQ);
+        uint64_t n = atomic_load(&c->tokens[s]);
+        if (!n)
+            continue;
+        if (a->i % 2) {
+            uint64_t t0 = (rnd >> 8) % n, len = 1 + (rnd >> 24) % (n - t0);
+            int rc = check_gen(c->st, s, t0, len);
+            if (rc == KVD_EINTERNAL)
+                atomic_fetch_add(&c->wrong, 1);
+            else if (rc) {
+                fprintf(stderr, "read s%u %" PRIu64 "+%" PRIu64 ": %s\n", s, t0, len,
+                        kvd_strerror(rc));
+                atomic_fetch_add(&c->errors, 1);
+            }
+            atomic_fetch_add(&c->reads, 1);
+        } else {
+            char id[16];
+            id_of(id, s);
+            uint64_t block = (rnd >> 8) % ((n + PT - 1) / PT);
+            uint32_t l = (uint32_t)((rnd >> 40) % LAYERS);
+            kvd_page_handle h;
+            kvd_error e;
+            kvd_error_clear(&e);
+            int rc = kvd_store_page_acquire(c->st, id, strlen(id), l, block, &h, &e);
+            if (rc == 0) {
+                if (check_page(&h, s, l, block))
+                    atomic_fetch_add(&c->wrong, 1);
+                kvd_store_page_release(c->st, &h);
+            } else {
+                fprintf(stderr, "acquire %s layer %u block %" PRIu64 ": %s\n", id, l, block, e.msg);
+                atomic_fetch_add(&c->errors, 1);
+            }
+            if ((rnd >> 50) % 16 == 0)
+                kvd_store_seq_evict(c->st, id, strlen(id), NULL, NULL, &e);
+            atomic_fetch_add(&c->acquires, 1);
+        }
+    }
+    return NULL;
+}
+
+static void test_threads(const char *dir)
+{
+    kvd_store *st = open_store(dir, 6 * (2 * PAGE_K + 256), 6 * (2 * PAGE_K + 4096));
+    CHECK(st);
+    if (!st)
+        return;
+    ctx c = {.st = st};
+    for (uint32_t s = 0; s < NSEQ; s++)
+        CHECK(create(st, s) == 0);
+    atomic_store(&c.writers_left, 4);
+    pthread_t t[8];
+    targ a[8];
+    for (int i = 0; i < 8; i++) {
+        a[i] = (targ){&c, i % 4};
+        CHECK(pthread_create(&t[i], NULL, i < 4 ? writer : reader, &a[i]) == 0);
+    }
+    for (int i = 0; i < 8; i++)
+        pthread_join(t[i], NULL);
+    kvd_store_stats s;
+    kvd_store_stats_get(st, &s);
+    printf("threads: %" PRIu64 " reads, %" PRIu64 " acquires, %" PRIu64 " wrong, %" PRIu64
+           " errors; evictions %" PRIu64 "/%" PRIu64 ", promotions %" PRIu64 "\n",
+           atomic_load(&c.reads), atomic_load(&c.acquires), atomic_load(&c.wrong),
+           atomic_load(&c.errors), s.evictions[0], s.evictions[1], s.promotions);
+    CHECK(atomic_load(&c.wrong) == 0 && atomic_load(&c.errors) == 0);
+    CHECK(s.evictions[0] > 0 && s.evictions[1] > 0);
+    CHECK(s.tier_bytes[0] <= s.tier_limit[0] && s.tier_bytes[1] <= s.tier_limit[1]);
+    for (uint32_t i = 0; i < NSEQ; i++)
+        CHECK(check_gen(st, i, 0, MAXTOK) == 0);
+    kvd_store_close(st);
+    /* Reopened: page tables rebuilt, tiers empty, every byte there. */
+    st = open_store(dir, 6 * (2 * PAGE_K + 256), 0);
+    CHECK(st);
+    if (!st)
+        return;
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_pages[0] == 0 && s.sequences == NSEQ);
+    CHECK(s.tier_pages[KVD_TIER_DISK] == (uint64_t)NSEQ * LAYERS * (MAXTOK / PT));
+    for (uint32_t i = 0; i < NSEQ; i++)
+        CHECK(check_gen(st, i, 0, MAXTOK) == 0);
+    kvd_store_close(st);
+}
+
+int main(void)
+{
+    char tmpl[] = "/tmp/kvd-test-tier-XXXXXX";
+    char *root = mkdtemp(tmpl);
+    if (!root)
+        return 1;
+    char d1[128], d2[128], cmd[200];
+    snprintf(d1, sizeof d1, "%s/lru", root);
+    snprintf(d2, sizeof d2, "%s/threads", root);
+    test_lru(d1);
+    test_threads(d2);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", root);
+    printf("%s (%d failures)\n", failures ? "FAIL" : "PASS", failures);
+    return failures != 0;
+}
