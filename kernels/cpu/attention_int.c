@@ -268,10 +268,6 @@ static void build_patterns_i8(const int8_t *x, int cols, int bits, int32_t *pat)
         }
 }
 
-static void build_patterns_u8(const uint8_t *x, int cols, int bits, int32_t *pat)
-{
-    build_patterns_i8((const int8_t *)x, cols, bits, pat);
-}
 
 /* Scalar scores of tokens [t0, t0+n) into s (row g at s + g*ld). */
 static void int_scores_scalar(const int_ctx *c, int64_t t0, int n, float *s, int ld)
@@ -354,6 +350,46 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 params8(const kvd_
                                           (short)x[5], (short)x[6], (short)x[7]));
 }
 
+/* Eight rows of nw consecutive u16 (rows `stride` bytes apart, nw = 2, 4 or
+ * 8), transposed: lane r of out[j] is element j of row r (j < nw). Reads
+ * exactly nw elements per row. Used for the f16 parameters of 8 tokens (K)
+ * or 8 channels (V): one vector per group instead of 8 scalar loads. */
+__attribute__((target("avx2,fma,f16c"))) static inline void load_t8_u16(const char *base, int64_t stride, int nw,
+                                                                        __m128i out[8])
+{
+    __m128i r[8];
+    for (int i = 0; i < 8; i++) {
+        const char *p = base + i * stride;
+        if (nw == 8)
+            r[i] = _mm_loadu_si128((const __m128i *)p);
+        else if (nw == 4)
+            r[i] = _mm_loadl_epi64((const __m128i *)p);
+        else {
+            int32_t x;
+            memcpy(&x, p, 4);
+            r[i] = _mm_cvtsi32_si128(x);
+        }
+    }
+    __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpacklo_epi16(r[2], r[3]);
+    __m128i a2 = _mm_unpacklo_epi16(r[4], r[5]), a3 = _mm_unpacklo_epi16(r[6], r[7]);
+    __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
+    __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
+    out[0] = _mm_unpacklo_epi64(b0, b2);
+    out[1] = _mm_unpackhi_epi64(b0, b2);
+    out[2] = _mm_unpacklo_epi64(b1, b3);
+    out[3] = _mm_unpackhi_epi64(b1, b3);
+    if (nw == 8) {
+        __m128i c0 = _mm_unpackhi_epi16(r[0], r[1]), c1 = _mm_unpackhi_epi16(r[2], r[3]);
+        __m128i c2 = _mm_unpackhi_epi16(r[4], r[5]), c3 = _mm_unpackhi_epi16(r[6], r[7]);
+        __m128i d0 = _mm_unpacklo_epi32(c0, c1), d1 = _mm_unpackhi_epi32(c0, c1);
+        __m128i d2 = _mm_unpacklo_epi32(c2, c3), d3 = _mm_unpackhi_epi32(c2, c3);
+        out[4] = _mm_unpacklo_epi64(d0, d2);
+        out[5] = _mm_unpackhi_epi64(d0, d2);
+        out[6] = _mm_unpacklo_epi64(d1, d3);
+        out[7] = _mm_unpackhi_epi64(d1, d3);
+    }
+}
+
 /*
  * Scores of a block, BITS a compile-time constant. cols 32-bit code columns
  * per row, cpg per group.
@@ -389,10 +425,21 @@ int_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int 
             _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                 PL[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(X[cc], pl * BITS), mask);
         __m256 sc[8], mn[8]; /* ng <= 8 on this path */
-        for (int grp = 0; grp < ng; grp++) {
-            sc[grp] = params8(&a->k.scale, c->h, t, grp, ng);
-            mn[grp] = params8(&a->k.min, c->h, t, grp, ng);
-        }
+        if (ng == 4 || ng == 8 || (ng == 2 && a->k.scale.stride[1] != 4)) {
+            __m128i ts[8], tm[8];
+            load_t8_u16((const char *)a->k.scale.data + c->h * a->k.scale.stride[0] + t * a->k.scale.stride[1],
+                        a->k.scale.stride[1], ng, ts);
+            load_t8_u16((const char *)a->k.min.data + c->h * a->k.min.stride[0] + t * a->k.min.stride[1],
+                        a->k.min.stride[1], ng, tm);
+            for (int grp = 0; grp < ng; grp++) {
+                sc[grp] = _mm256_cvtph_ps(ts[grp]);
+                mn[grp] = _mm256_cvtph_ps(tm[grp]);
+            }
+        } else
+            for (int grp = 0; grp < ng; grp++) {
+                sc[grp] = params8(&a->k.scale, c->h, t, grp, ng);
+                mn[grp] = params8(&a->k.min, c->h, t, grp, ng);
+            }
         for (int g = 0; g < c->G; g++) {
             const __m256i *patv = c->qpatv + (size_t)g * cols * PER;
             __m256 dot = _mm256_setzero_ps();
@@ -711,8 +758,8 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
      * of the block, so the tile's code rows (T*bits/8 bytes apart: a
      * power-of-two stride that maps them all to the same cache sets) are
      * read once per block as whole cache lines */
-    int32_t pat[COLS * PER];
-    __m256i *vp = c->vpatv; /* [gi][g][COLS * PER] */
+    /* [gi][g][COLS * PER] dwords, broadcast where used */
+    int32_t *vp = (int32_t *)c->vpatv;
     float mP[NGMAX][KVD__ATTN_MAXG], sP[NGMAX][KVD__ATTN_MAXG], corr[NGMAX][KVD__ATTN_MAXG];
     const kvd_tensor *ct = &a->v.codes;
     int ngb = n / P;
@@ -720,14 +767,31 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
         for (int g = 0; g < c->G; g++) {
             int sum8;
             quantize_p8_avx2(p + (size_t)g * ld + gi * P, P, p8, &mP[gi][g], &sP[gi][g], &sum8);
-            build_patterns_u8(p8, COLS, BITS, pat);
-            for (int k = 0; k < COLS * PER; k++)
-                vp[((size_t)gi * c->G + g) * COLS * PER + k] = _mm256_set1_epi32(pat[k]);
+            /* plane-order patterns (as build_patterns_i8) with one byte shuffle
+             * per 16 bytes: out byte 4k+b of a column = in byte b*PER+k */
+            int32_t *pat = vp + ((size_t)gi * c->G + g) * COLS * PER;
+            const __m128i perm = BITS == 2 ? _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+                                           : _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+            for (int i = 0; i < P; i += 16)
+                _mm_storeu_si128((__m128i *)(pat + i / 4),
+                                 _mm_shuffle_epi8(_mm_load_si128((const __m128i *)(p8 + i)), perm));
             corr[gi][g] = sP[gi][g] * (float)sum8 + (float)P * mP[gi][g];
         }
     const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
     const int64_t cst = ct->stride[1];
-    for (int d0 = 0; d0 < c->Dv; d0 += 8)
+    /* a tile's parameters for every group of the block at once: the ngb
+     * consecutive u16 of each of its 8 channel rows, transposed */
+    const int tparams = ngb == 2 || ngb == 4 || ngb == 8;
+    for (int d0 = 0; d0 < c->Dv; d0 += 8) {
+        __m128i tsc[8], tmn[8], tcs[8];
+        if (tparams) {
+            const kvd_tensor *pt[3] = {&a->v.scale, &a->v.min, &a->v.sum};
+            __m128i *po[3] = {tsc, tmn, tcs};
+            for (int k = 0; k < 3; k++)
+                load_t8_u16((const char *)pt[k]->data + c->h * pt[k]->stride[0] + d0 * pt[k]->stride[1] +
+                                (t0 / P) * 2,
+                            pt[k]->stride[1], ngb, po[k]);
+        }
         for (int gi = 0; gi < ngb; gi++) {
             int64_t grp = t0 / P + gi;
             const uint8_t *rows[8];
@@ -736,8 +800,16 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                 rows[r] = r0 + r * cst;
             /* per-channel params of this group: 8 strided f16, assembled in
              * registers (a store/reload would stall store forwarding) */
-            __m256 vsc = param_col(&a->v.scale, c->h, d0, grp, 0), vmn = param_col(&a->v.min, c->h, d0, grp, 0),
-                   vcs = param_col(&a->v.sum, c->h, d0, grp, 1);
+            __m256 vsc, vmn, vcs;
+            if (tparams) {
+                vsc = _mm256_cvtph_ps(tsc[gi]);
+                vmn = _mm256_cvtph_ps(tmn[gi]);
+                vcs = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(tcs[gi]));
+            } else {
+                vsc = param_col(&a->v.scale, c->h, d0, grp, 0);
+                vmn = param_col(&a->v.min, c->h, d0, grp, 0);
+                vcs = param_col(&a->v.sum, c->h, d0, grp, 1);
+            }
             __m256i X[COLS], PL[COLS][PER];
             load_cols(rows, X, COLS);
             _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
@@ -751,14 +823,14 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                         ap[pl] = _mm256_setzero_si256();
                     _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
                         _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                            ap[pl] = dpbusd(ap[pl], vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl], PL[cc][pl]);
+                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl]), PL[cc][pl]);
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
                 for (int cc = 0; !VNNI && cc < COLS; cc++) {
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
-                            acc16, _mm256_maddubs_epi16(vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl], PL[cc][pl]));
+                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl]), PL[cc][pl]));
                     if ((cc + 1) % FLUSH == 0 || cc + 1 == COLS) {
                         acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                         acc16 = _mm256_setzero_si256();
@@ -773,6 +845,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                 _mm256_storeu_ps(ag, o);
             }
         }
+    }
 }
 
 __attribute__((target("avx2,fma,f16c"))) static void
