@@ -346,7 +346,7 @@ EOF
         fail "KVDEPOT_CONFIG names the file"
     [ "$(pc --config c.yaml | line max-message-bytes)" = "max-message-bytes: 16777216 # file" ] ||
         fail "size in the file"
-    [ "$(pc | line page-tokens)" = "page-tokens: 256 # default" ] || fail "default"
+    [ "$(pc | line page-tokens)" = "page-tokens: 0 # default" ] || fail "default"
     # --print-config output is a config file that gives the same values.
     pc --config c.yaml --sync | grep -v '^#' | sed 's/  *#.*//' >round.yaml
     "$server" --config round.yaml --print-config | sed 's/  *#.*//' >round2.txt
