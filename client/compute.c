@@ -19,6 +19,8 @@
 
 #define PATH_ATTEND "/kvdepot.v1.KVDepot/Attend"
 #define PATH_PLAN_FETCH "/kvdepot.v1.KVDepot/PlanFetch"
+#define PATH_SEARCH "/kvdepot.v1.KVDepot/Search"
+#define PATH_SPARSE_ATTEND "/kvdepot.v1.KVDepot/SparseAttend"
 #define ATTEND_MAX_BATCH 1024
 
 /* One request -> one response of type rdesc (*resp: free with
@@ -264,6 +266,7 @@ typedef struct codecs_msgs {
     Kvdepot__V1__SequenceCodecs c;
     Kvdepot__V1__CodecSpec k, v;
     Kvdepot__V1__QuantSpec kq, vq;
+    Kvdepot__V1__PQSpec pq;
 } codecs_msgs;
 
 _Static_assert(sizeof(codecs_msgs) <= sizeof(((kvdepot__codecs_pb *)0)->storage),
@@ -295,6 +298,139 @@ void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb)
     m->c.k = &m->k;
     m->c.v = &m->v;
     m->c.raw_sink_tokens = c->raw_sink_tokens;
+    if (c->pq_m) {
+        kvdepot__v1__pqspec__init(&m->pq);
+        m->pq.m = c->pq_m;
+        m->pq.bits = c->pq_bits;
+        m->pq.iterations = c->pq_iterations;
+        m->c.pq = &m->pq;
+    }
     pb->msg = &m->c.base;
     return &m->c;
+}
+
+/* ---- Search / SparseAttend --------------------------------------------------------- */
+
+void kvdepot_search_result_free(kvdepot_search_result *r)
+{
+    if (!r)
+        return;
+    for (size_t i = 0; i < r->num_heads; i++) {
+        free(r->heads[i].tokens);
+        free(r->heads[i].scores);
+    }
+    free(r->heads);
+    memset(r, 0, sizeof *r);
+}
+
+static void search_req(const kvdepot_search_args *a, Kvdepot__V1__SearchRequest *req)
+{
+    kvdepot__v1__search_request__init(req);
+    req->sequence_id.data = (uint8_t *)a->id;
+    req->sequence_id.len = a->id_len;
+    req->layer = a->layer;
+    req->q = (float *)a->q;
+    req->n_q = a->q ? a->q_len : 0;
+    req->k = a->k;
+    req->initial_tokens = a->initial_tokens;
+    req->recent_tokens = a->recent_tokens;
+    req->token_start = a->token_start;
+    req->num_tokens = a->num_tokens;
+}
+
+static int heads_from_pb(kvdepot_client *c, Kvdepot__V1__HeadTokens **in, size_t n,
+                         kvdepot_search_result *out)
+{
+    out->heads = calloc(n ? n : 1, sizeof *out->heads);
+    if (!out->heads)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "search: out of memory");
+    out->num_heads = n;
+    for (size_t i = 0; i < n; i++) {
+        kvdepot_head_tokens *h = &out->heads[i];
+        if (in[i]->n_tokens != in[i]->n_scores)
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL, "search: malformed head %zu", i);
+        h->kv_head = in[i]->kv_head;
+        h->count = in[i]->n_tokens;
+        h->tokens = malloc(sizeof(uint64_t) * (h->count ? h->count : 1));
+        h->scores = malloc(sizeof(float) * (h->count ? h->count : 1));
+        if (!h->tokens || !h->scores)
+            return kvdepot__fail(c, KVDEPOT_ENOMEM, "search: out of memory");
+        memcpy(h->tokens, in[i]->tokens, sizeof(uint64_t) * h->count);
+        memcpy(h->scores, in[i]->scores, sizeof(float) * h->count);
+    }
+    return KVDEPOT_OK;
+}
+
+int kvdepot_search(kvdepot_client *c, const kvdepot_search_args *a, kvdepot_search_result *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !a || !out || (!a->id && a->id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "search: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "search: not supported over several servers");
+    Kvdepot__V1__SearchRequest req;
+    search_req(a, &req);
+    Kvdepot__V1__SearchResponse *r = NULL;
+    int rc = call_unary(c, PATH_SEARCH, &req.base, &kvdepot__v1__search_response__descriptor,
+                        (ProtobufCMessage **)&r);
+    if (rc)
+        return rc;
+    rc = heads_from_pb(c, r->heads, r->n_heads, out);
+    if (rc)
+        kvdepot_search_result_free(out);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
+int kvdepot_sparse_attend(kvdepot_client *c, const kvdepot_search_args *a, float scale,
+                          kvdepot_attend_result *out, kvdepot_search_result *tokens)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (tokens)
+        memset(tokens, 0, sizeof *tokens);
+    if (!c || !a || !out || (!a->id && a->id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "sparse attend: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
+                             "sparse attend: not supported over several servers");
+    Kvdepot__V1__SearchRequest sreq;
+    search_req(a, &sreq);
+    Kvdepot__V1__SparseAttendRequest req = KVDEPOT__V1__SPARSE_ATTEND_REQUEST__INIT;
+    req.search = &sreq;
+    req.scale = scale;
+    Kvdepot__V1__SparseAttendResponse *r = NULL;
+    int rc = call_unary(c, PATH_SPARSE_ATTEND, &req.base,
+                        &kvdepot__v1__sparse_attend_response__descriptor,
+                        (ProtobufCMessage **)&r);
+    if (rc)
+        return rc;
+    const Kvdepot__V1__AttendResult *res = r->result;
+    if (!res || !res->n_lse || res->n_output % res->n_lse) {
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "sparse attend: malformed result");
+        goto done;
+    }
+    out->num_q_heads = res->n_lse;
+    out->head_dim = res->n_output / res->n_lse;
+    out->num_tokens = res->num_tokens;
+    out->output = malloc(sizeof(float) * res->n_output);
+    out->lse = malloc(sizeof(float) * res->n_lse);
+    if (!out->output || !out->lse) {
+        rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "sparse attend: out of memory");
+        goto done;
+    }
+    memcpy(out->output, res->output, sizeof(float) * res->n_output);
+    memcpy(out->lse, res->lse, sizeof(float) * res->n_lse);
+    if (tokens)
+        rc = heads_from_pb(c, r->heads, r->n_heads, tokens);
+done:
+    if (rc) {
+        kvdepot_attend_results_free(out, 1);
+        kvdepot_search_result_free(tokens);
+    }
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
 }

@@ -156,6 +156,9 @@ int kvd_h_health_check(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer
 /* compute.c */
 int kvd_h_attend(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 int kvd_h_plan_fetch(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_search(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_sparse_attend(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
+                        kvd_error *);
 /* tiers.c */
 int kvd_h_stats(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 int kvd_h_evict_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,

@@ -11,7 +11,7 @@
 #define KEY_CODECS 'C'
 #define REC_VERSION 1
 #define SPEC_BYTES 13
-#define REC_BYTES (1 + 2 * SPEC_BYTES + 4)
+#define REC_BYTES (1 + 2 * SPEC_BYTES + 4 + 9)
 
 static pthread_once_t be_once = PTHREAD_ONCE_INIT;
 static kvd_backend *codec_be;
@@ -35,7 +35,21 @@ int kvd_seq_codecs_check(kvd_seq_codecs *c, uint32_t page_tokens, uint32_t head_
     int rc = kvd_codec_spec_check(&c->k, 0, page_tokens, head_dim, err);
     if (!rc)
         rc = kvd_codec_spec_check(&c->v, 1, page_tokens, head_dim, err);
-    return rc;
+    if (rc || !c->pq_m)
+        return rc;
+    if (c->pq_bits == 0)
+        c->pq_bits = 8;
+    if (c->pq_iterations == 0)
+        c->pq_iterations = 10;
+    if (head_dim % c->pq_m)
+        return kvd_error_set(err, KVD_EINVAL, "pq.m: %u does not divide head_dim %u", c->pq_m,
+                             head_dim);
+    if (c->pq_bits != 4 && c->pq_bits != 6 && c->pq_bits != 8)
+        return kvd_error_set(err, KVD_EINVAL, "pq.bits: %u, want 4, 6 or 8", c->pq_bits);
+    if (c->pq_iterations > 1000)
+        return kvd_error_set(err, KVD_EINVAL, "pq.iterations: %u, at most 1000",
+                             c->pq_iterations);
+    return 0;
 }
 
 static void put_spec(uint8_t *p, const kvd_codec_spec *s)
@@ -83,8 +97,12 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
     rec[0] = REC_VERSION;
     put_spec(rec + 1, &c->k);
     put_spec(rec + 1 + SPEC_BYTES, &c->v);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 4; i++) {
         rec[1 + 2 * SPEC_BYTES + i] = (uint8_t)(c->raw_sink_tokens >> (8 * i));
+        rec[5 + 2 * SPEC_BYTES + i] = (uint8_t)(c->pq_m >> (8 * i));
+        rec[10 + 2 * SPEC_BYTES + i] = (uint8_t)(c->pq_iterations >> (8 * i));
+    }
+    rec[9 + 2 * SPEC_BYTES] = c->pq_bits;
     char *e = NULL;
     rocksdb_put(st->db, st->wopt, (const char *)key, klen, (const char *)rec, sizeof rec, &e);
     if (e) {
@@ -121,8 +139,12 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
     get_spec(p + 1, &c->k);
     get_spec(p + 1 + SPEC_BYTES, &c->v);
     c->raw_sink_tokens = 0;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 4; i++) {
         c->raw_sink_tokens |= (uint32_t)p[1 + 2 * SPEC_BYTES + i] << (8 * i);
+        c->pq_m |= (uint32_t)p[5 + 2 * SPEC_BYTES + i] << (8 * i);
+        c->pq_iterations |= (uint32_t)p[10 + 2 * SPEC_BYTES + i] << (8 * i);
+    }
+    c->pq_bits = p[9 + 2 * SPEC_BYTES];
     free(v);
     *found = 1;
     return 0;

@@ -3,7 +3,8 @@
  * seal. Persisted under the RocksDB key 'C' ‖ sequence id (store_internal.h)
  * as
  *
- *   u8 version (1) | K spec | V spec | u32 raw_sink_tokens
+ *   u8 version (1) | K spec | V spec | u32 raw_sink_tokens |
+ *   u32 pq_m | u8 pq_bits | u32 pq_iterations
  *   spec = u8 codec, u16 group, u8 axis, u8 rounding, u64 seed   (13 bytes)
  *
  * little-endian. A sequence without the key stores raw pages.
@@ -19,6 +20,11 @@ typedef struct kvd_seq_codecs {
     /* Sealed pages of blocks starting before this token stay raw (attention
      * sinks); rounded up to whole pages. */
     uint32_t raw_sink_tokens;
+    /* PQ index on K (Search, SparseAttend): m sub-spaces (0 = none) of
+     * 2^pq_bits centroids, K-means with pq_iterations Lloyd steps. */
+    uint32_t pq_m;
+    uint8_t pq_bits;
+    uint32_t pq_iterations;
 } kvd_seq_codecs;
 
 /* Check both specs for the model's shape and the store's page size (fills

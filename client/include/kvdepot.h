@@ -386,6 +386,12 @@ typedef struct kvdepot_codecs {
     /* Pages of blocks starting before this token stay raw (attention
      * sinks); rounded up to whole pages. */
     uint32_t raw_sink_tokens;
+    /* PQ index on K for kvdepot_search / kvdepot_sparse_attend: pq_m
+     * sub-spaces (0 = no index; must divide head_dim) of 2^pq_bits centroids
+     * (4, 6 or 8; 0 = 8), pq_iterations K-means steps (0 = 10). */
+    uint32_t pq_m;
+    uint32_t pq_bits;
+    uint32_t pq_iterations;
 } kvdepot_codecs;
 
 typedef struct kvdepot_create_args {
@@ -856,6 +862,63 @@ int kvdepot_stats_get(kvdepot_client *client, kvdepot_stats *out);
  */
 int kvdepot_sequence_evict(kvdepot_client *client, const void *id, size_t id_len,
                            uint64_t *pages, uint64_t *bytes);
+
+/* Arguments of kvdepot_search and kvdepot_sparse_attend. */
+typedef struct kvdepot_search_args {
+    const void *id;
+    size_t id_len;
+    uint32_t layer;
+    const float *q;            /* (num_q_heads, head_dim) f32 */
+    size_t q_len;              /* floats in q */
+    uint32_t k;                /* best tokens per kv head, besides the forced ones */
+    uint32_t initial_tokens;   /* first tokens of the range always returned */
+    uint32_t recent_tokens;    /* last tokens of the range always returned */
+    uint64_t token_start;
+    uint64_t num_tokens;       /* 0 = to the end of the layer */
+} kvdepot_search_args;
+
+/* Tokens chosen for one kv head. */
+typedef struct kvdepot_head_tokens {
+    uint32_t kv_head;
+    size_t count;
+    uint64_t *tokens;          /* absolute positions, best first */
+    float *scores;             /* approximate q.k, summed over the GQA group */
+} kvdepot_head_tokens;
+
+/* kvdepot_search's answer; free with kvdepot_search_result_free. */
+typedef struct kvdepot_search_result {
+    size_t num_heads;
+    kvdepot_head_tokens *heads;
+} kvdepot_search_result;
+
+/*
+ * Search (PQCache): top-k tokens per kv head by the PQ index of a sequence
+ * created with codecs.pq_m > 0. For each kv head the queries of its GQA
+ * group are summed; the index covers the token range asked for (centroids
+ * trained on its first 4096 keys, see kvdepot.proto SearchRequest). The
+ * first initial_tokens and last recent_tokens are returned besides the k
+ * best of the others; entries are ordered by score, best first.
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL (q size, k larger than the range,
+ *         layer); KVDEPOT_EPRECOND (no PQ index); KVDEPOT_ENOTFOUND;
+ *         KVDEPOT_ERANGE; KVDEPOT_EUNSUPP on a client over several servers.
+ */
+int kvdepot_search(kvdepot_client *client, const kvdepot_search_args *args,
+                   kvdepot_search_result *out);
+
+/* Free what kvdepot_search or kvdepot_sparse_attend returned; NULL is a no-op. */
+void kvdepot_search_result_free(kvdepot_search_result *r);
+
+/*
+ * SparseAttend: kvdepot_search, then attention of every query head over the
+ * tokens chosen for its kv head, in one call. *tokens (may be NULL) receives
+ * the search result.
+ * @param[in]  scale  softmax scale; 0 = 1/sqrt(head_dim)
+ * @param[out] out    output and LSE over the chosen tokens; free with
+ *                    kvdepot_attend_results_free(out, 1)
+ * @return as kvdepot_search.
+ */
+int kvdepot_sparse_attend(kvdepot_client *client, const kvdepot_search_args *args, float scale,
+                          kvdepot_attend_result *out, kvdepot_search_result *tokens);
 
 #ifdef __cplusplus
 }

@@ -5,11 +5,17 @@
  * against a brute-force minimisation of its documented cost model, and the
  * errors (nothing changed afterwards).
  */
+/* Codec tables below list the leading members of kvdepot_codecs only. */
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "harness.h"
+#include "kvdepot/attention.h"
+#include "kvdepot/backend.h"
+#include "kvdepot/pq.h"
 #include "kvdepot/tensor.h"
 
 /* K/V values in [-2, 2) from a deterministic stream, in the model dtype, so
@@ -631,10 +637,209 @@ static int t_bad_codecs(kvd_harness *h)
     return 0;
 }
 
+/* Brute-force PQ scores of every token of [t0, t0 + n) for kv head h, with
+ * the documented index: centroids trained on the first min(n, 4096) keys
+ * (seed layer * 65536 + h), every key encoded, summed group queries. */
+static int brute_scores(kvd_backend *be, const kvdepot_model *m, const uint16_t *kwire,
+                        uint64_t n, uint32_t layer, int h, int M, int nb, int iters,
+                        const float *q, float *scores)
+{
+    const int H = (int)m->num_kv_heads, D = (int)m->head_dim, G = (int)m->num_q_heads / H;
+    const int K = 1 << nb, ds = D / M;
+    float *keys = malloc(sizeof(float) * n * D), *cent = malloc(sizeof(float) * M * K * ds);
+    uint8_t *codes = malloc(n * M);
+    for (uint64_t t = 0; t < n; t++)
+        for (int d = 0; d < D; d++)
+            keys[t * D + d] = kvd_f16_to_f32(kwire[(t * H + h) * D + d]);
+    int64_t ntrain = n < 4096 ? (int64_t)n : 4096;
+    int64_t ts[2] = {ntrain, D}, cs[3] = {M, K, ds}, ks[2] = {(int64_t)n, D}, cds[2] = {(int64_t)n, M};
+    kvd_tensor train = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ts);
+    kvd_tensor all = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
+    kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, cent, 3, cs);
+    kvd_tensor tcodes = kvd_tensor_make(KVD_DTYPE_U8, codes, 2, cds);
+    kvd_kmeans_params km = {K, iters, (uint64_t)layer * 65536 + (uint64_t)h, 0};
+    int rc = kvd_pq_train(be, &train, &km, &tc, NULL);
+    if (!rc)
+        rc = kvd_pq_encode(be, &all, &tc, &tcodes, NULL);
+    float qbar[1024] = {0};
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++)
+            qbar[d] += q[(size_t)(h * G + g) * D + d];
+    /* scan: s_t = sum_j LUT[j][code_tj], LUT[j][c] = qbar_j . C[j][c] */
+    for (uint64_t t = 0; t < n && !rc; t++) {
+        float s = 0;
+        for (int j = 0; j < M; j++) {
+            const float *c = cent + ((size_t)j * K + codes[t * M + j]) * ds;
+            float l = 0;
+            for (int i = 0; i < ds; i++)
+                l += qbar[j * ds + i] * c[i];
+            s += l;
+        }
+        scores[t] = s;
+    }
+    free(keys);
+    free(cent);
+    free(codes);
+    return rc;
+}
+
+/* Search equals a brute-force scan of the documented index; SparseAttend
+ * equals attention over Search's tokens; errors for bad requests. */
+static int t_search(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "pq", 2, 2, 4, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    cs.k.codec = KVDEPOT_CODEC_INT4;
+    cs.pq_m = 8;
+    cs.pq_bits = 6;
+    cs.pq_iterations = 5;
+    REQUIRE_RC(create_coded(c, "pq", "s", &cs), KVDEPOT_OK);
+    const uint64_t n = 900;
+    REQUIRE_RC(make_seq_append_only(c, &m, "s", n), KVDEPOT_OK);
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = "s";
+    ra.id_len = 1;
+    ra.layer_start = 1;
+    ra.num_layers = 1;
+    kvdepot_read_result rr;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+    kvd_backend *be = NULL;
+    kvd_cpu_options opt = {1, 0};
+    REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0);
+    float *q = make_q(&m, 11);
+    float *sc = malloc(sizeof(float) * n);
+    const struct {
+        uint64_t t0, nt;
+        uint32_t k, init, recent;
+    } cases[] = {{0, 0, 32, 4, 16}, {100, 700, 10, 0, 0}, {0, 0, 900, 0, 0}, {256, 512, 1, 2, 3}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        uint64_t t0 = cases[ci].t0, nt = cases[ci].nt ? cases[ci].nt : n - t0;
+        kvdepot_search_args sa = {"s", 1, 1, q, 4 * 64, cases[ci].k, cases[ci].init,
+                                  cases[ci].recent, t0, cases[ci].nt};
+        kvdepot_search_result sr;
+        REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
+        CHECK(sr.num_heads == 2);
+        for (int hh = 0; hh < 2 && hh < (int)sr.num_heads; hh++) {
+            REQUIRE(brute_scores(be, &m, (const uint16_t *)rr.k + t0 * 2 * 64, nt, 1, hh, 8, 6, 5,
+                                 q, sc) == 0);
+            /* expected: forced tokens + the k best of the middle (ties: lower index) */
+            uint64_t lo = cases[ci].init < nt ? cases[ci].init : nt;
+            uint64_t hi = nt > cases[ci].recent ? nt - cases[ci].recent : 0;
+            if (hi < lo)
+                hi = lo;
+            char *want = calloc(nt, 1);
+            for (uint64_t t = 0; t < nt; t++)
+                want[t] = t < lo || t >= hi;
+            for (uint32_t pick = 0; pick < cases[ci].k && pick < hi - lo; pick++) {
+                int64_t best = -1;
+                for (uint64_t t = lo; t < hi; t++)
+                    if (!want[t] && (best < 0 || sc[t] > sc[best]))
+                        best = (int64_t)t;
+                want[best] = 1;
+            }
+            size_t nwant = 0;
+            for (uint64_t t = 0; t < nt; t++)
+                nwant += want[t];
+            const kvdepot_head_tokens *ht = &sr.heads[hh];
+            CHECK(ht->count == nwant);
+            int bad = 0;
+            for (size_t i = 0; i < ht->count; i++) {
+                uint64_t t = ht->tokens[i] - t0;
+                if (ht->tokens[i] < t0 || t >= nt || !want[t] ||
+                    fabsf(ht->scores[i] - sc[t]) > 1e-4f * fmaxf(1.0f, fabsf(sc[t])))
+                    bad++;
+                if (i && ht->scores[i] > ht->scores[i - 1])
+                    bad++;
+            }
+            if (bad) {
+                fprintf(stderr, "search case %zu head %d: %d entries differ from brute force\n",
+                        ci, hh, bad);
+                kvd_test_failures++;
+            }
+            free(want);
+        }
+        /* SparseAttend = attention over exactly those tokens. */
+        kvdepot_attend_result ar;
+        kvdepot_search_result st;
+        REQUIRE_RC(kvdepot_sparse_attend(c, &sa, 0, &ar, &st), KVDEPOT_OK);
+        CHECK(st.num_heads == sr.num_heads && st.heads[0].count == sr.heads[0].count);
+        int64_t per = (int64_t)st.heads[0].count;
+        int32_t *idx = malloc(sizeof(int32_t) * 2 * (per ? per : 1));
+        for (int hh = 0; hh < 2; hh++)
+            for (int64_t i = 0; i < per; i++) {
+                idx[hh * per + i] = (int32_t)(st.heads[hh].tokens[i] - t0);
+                CHECK(st.heads[hh].tokens[i] == sr.heads[hh].tokens[i]);
+            }
+        float out[4 * 64], lse[4];
+        kvd_attn_sparse_args a;
+        memset(&a, 0, sizeof a);
+        a.dims = (kvd_attn_dims){4, 2, 64, 64, 0.125f};
+        int64_t qs[2] = {4, 64}, ls[1] = {4}, ks[3] = {2, (int64_t)nt, 64}, is[2] = {2, per};
+        a.q = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qs);
+        a.k = kvd_tensor_make(KVD_DTYPE_F16, (uint16_t *)rr.k + t0 * 128, 3, ks);
+        a.k.stride[0] = 64 * 2;
+        a.k.stride[1] = 128 * 2;
+        a.k.stride[2] = 2;
+        a.v = a.k;
+        a.v.data = (uint16_t *)rr.v + t0 * 128;
+        a.idx = kvd_tensor_make(KVD_DTYPE_I32, idx, 2, is);
+        a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
+        a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
+        REQUIRE(kvd_attn_sparse(be, 1, &a, NULL) == 0);
+        CHECK(nmse(ar.output, out, 4 * 64) < 1e-10 && nmse(ar.lse, lse, 4) < 1e-10);
+        CHECK(ar.num_tokens == (uint64_t)per);
+        free(idx);
+        kvdepot_attend_results_free(&ar, 1);
+        kvdepot_search_result_free(&st);
+        kvdepot_search_result_free(&sr);
+    }
+    /* errors */
+    kvdepot_search_result sr;
+    kvdepot_search_args sa = {"s", 1, 1, q, 4 * 64, 901, 0, 0, 0, 0};
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL); /* k larger than the sequence */
+    sa.k = 10;
+    sa.q_len = 64;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL); /* head count */
+    sa.q_len = 256;
+    sa.layer = 2;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL);
+    sa.layer = 0;
+    sa.token_start = 901;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_ERANGE);
+    sa.token_start = 0;
+    sa.id = "nope";
+    sa.id_len = 4;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_ENOTFOUND);
+    kvdepot_attend_result ar;
+    CHECK_RC(kvdepot_sparse_attend(c, &sa, 0, &ar, NULL), KVDEPOT_ENOTFOUND);
+    REQUIRE_RC(create_coded(c, "pq", "nopq", NULL), KVDEPOT_OK);
+    REQUIRE_RC(make_seq_append_only(c, &m, "nopq", 10), KVDEPOT_OK);
+    sa.id = "nopq";
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EPRECOND);
+    kvdepot_codecs bad;
+    memset(&bad, 0, sizeof bad);
+    bad.pq_m = 7; /* does not divide 64 */
+    CHECK_RC(create_coded(c, "pq", "bad", &bad), KVDEPOT_EINVAL);
+    bad.pq_m = 8;
+    bad.pq_bits = 5;
+    CHECK_RC(create_coded(c, "pq", "bad", &bad), KVDEPOT_EINVAL);
+    free(sc);
+    free(q);
+    kvdepot_free(rr.owned);
+    kvd_backend_free(be);
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
     {"attend", t_attend},     {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
     {"plan_fetch", t_plan_fetch}, {"errors", t_errors},   {"codecs", t_codecs},
-    {"bad_codecs", t_bad_codecs},
+    {"bad_codecs", t_bad_codecs}, {"search", t_search},
 };
 
 int main(int argc, char **argv)
