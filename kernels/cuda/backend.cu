@@ -149,6 +149,8 @@ int staged_upload(kvd_cuda_call *call, char *dst, const char *src, size_t bytes,
     }
     if (!rc)
         rc = kvd__cuda_wait(call, "upload", err);
+    else
+        cudaStreamSynchronize(s->stream); /* no DMA may still read the staging buffer */
     return rc;
 }
 
@@ -179,6 +181,8 @@ int staged_download(kvd_cuda_call *call, char *dst, const char *src, size_t byte
                 memcpy(dst + off, static_cast<char *>(s->pinned) + (j & 1) * half, n);
         }
     }
+    if (rc)
+        cudaStreamSynchronize(s->stream); /* no DMA may still write the staging buffer */
     return rc;
 }
 

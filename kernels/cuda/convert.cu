@@ -53,7 +53,7 @@ __global__ void hadamard_kernel(kvd_dview dst, float *dst_f32, kvd_dview src, kv
                                 int has_s, int divide, long long rows, int n, int logn)
 {
     extern __shared__ float row[];
-    const float norm = rsqrtf((float)n) * 1.0f;
+    const float norm = 1.0f / sqrtf((float)n); /* IEEE sqrt and divide, not rsqrtf */
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         for (int j = threadIdx.x; j < n; j += blockDim.x) {
             float v = kvd_ld_float(src.data + kvd_offset(src, r * n + j), src.dtype);

@@ -288,6 +288,7 @@ int kvd__cuda_kmeans_train(kvd_cuda_call *call, const kvd_kmeans_params *p, int6
                                                sizeof(float) * d, n, cudaMemcpyDeviceToHost,
                                                call->s),
                              "cudaMemcpy2DAsync", err));
+        TRY(kvd__cuda_wait(call, "kmeans points", err));
         if (ldx == d) {
             b.dx = const_cast<float *>(x);
         } else {
