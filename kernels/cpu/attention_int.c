@@ -752,7 +752,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
     const int PER = 8 / BITS, COLS = P * BITS / 32, FLUSH = BITS == 2 ? 4 : 2;
     const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
     enum { NGMAX = KVD__ATTN_BLOCK / 32 };
-    _Alignas(32) uint8_t p8[P];
+    _Alignas(32) uint8_t p8[128];
     /* per group of the block and query head: uint8 P patterns and the float
      * corrections, computed once; then every 8-channel tile walks all groups
      * of the block, so the tile's code rows (T*bits/8 bytes apart: a
@@ -779,6 +779,26 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
         }
     const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
     const int64_t cst = ct->stride[1];
+    /* The channel rows of a long run are T*bits/8 bytes apart (a page of the
+     * store: 64 B, then the rows are contiguous; a whole 32K-token run: 8 KB,
+     * one 4 KB page per row, which neither the TLB nor the stride
+     * prefetcher follows). Ask for the next block's code and parameter
+     * lines of every row now; they arrive while this block is computed. */
+    if (t0 + 2 * (int64_t)n <= c->a->n_tokens && cst > 64)
+        for (int d = 0; d < c->Dv; d++) {
+            const char *r = (const char *)cbase + d * cst + n / PER;
+            for (int o = 0; o < n / PER; o += 64)
+                _mm_prefetch(r + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)a->v.scale.data + c->h * a->v.scale.stride[0] + d * a->v.scale.stride[1] +
+                             (t0 + n) / P * 2,
+                         _MM_HINT_T0);
+            _mm_prefetch((const char *)a->v.min.data + c->h * a->v.min.stride[0] + d * a->v.min.stride[1] +
+                             (t0 + n) / P * 2,
+                         _MM_HINT_T0);
+            _mm_prefetch((const char *)a->v.sum.data + c->h * a->v.sum.stride[0] + d * a->v.sum.stride[1] +
+                             (t0 + n) / P * 2,
+                         _MM_HINT_T0);
+        }
     /* a tile's parameters for every group of the block at once: the ngb
      * consecutive u16 of each of its 8 channel rows, transposed */
     const int tparams = ngb == 2 || ngb == 4 || ngb == 8;
@@ -810,7 +830,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                 vmn = param_col(&a->v.min, c->h, d0, grp, 0);
                 vcs = param_col(&a->v.sum, c->h, d0, grp, 1);
             }
-            __m256i X[COLS], PL[COLS][PER];
+            __m256i X[16], PL[16][4]; /* fixed sizes (COLS <= 16, PER <= 4): no variable-length arrays */
             load_cols(rows, X, COLS);
             _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
                 _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
