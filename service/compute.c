@@ -361,12 +361,15 @@ int kvd_codecs_from_pb(const void *pb, const kvd_model_info *m, uint32_t page_to
     spec_from_pb(c->v, 1, &out->v);
     out->raw_sink_tokens = c->raw_sink_tokens;
     const Kvdepot__V1__CodecSpec *sp[2] = {c->k, c->v};
-    for (int i = 0; i < 2; i++)
-        if (sp[i] && ((sp[i]->vq && sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_VQ) ||
-                      (sp[i]->svd && (sp[i]->svd->n_widths || sp[i]->svd->removal_rate != 0))))
-            return kvd_error_set(err, KVD_EUNSUPP,
-                                 "codecs.%s: SVD reduction is not produced by this server yet",
+    for (int i = 0; i < 2; i++) {
+        if (sp[i] && sp[i]->vq && sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_VQ)
+            return kvd_error_set(err, KVD_EINVAL, "codecs.%s.vq: set for a codec other than VQ",
                                  i ? "v" : "k");
+        if (sp[i] && sp[i]->svd && (sp[i]->svd->n_widths || sp[i]->svd->removal_rate != 0))
+            return kvd_error_set(err, KVD_EUNSUPP,
+                                 "codecs.%s.svd: SVD reduction is not produced by this server yet",
+                                 i ? "v" : "k");
+    }
     if (c->pq) {
         out->pq_m = c->pq->m;
         out->pq_bits = (uint8_t)(c->pq->bits > 255 ? 255 : c->pq->bits);
