@@ -610,9 +610,33 @@ __attribute__((target("avx2,fma,f16c"))) static void kchan_scores_avx2(const int
         kchan_scores_tpl(c, t0, n, s, ld, 4);
 }
 
+/* Prefetch rows [r0, r0+n) of head h of a (Hkv, rows, bytes) tensor (codes
+ * or group parameters). The block after the current one is requested while
+ * the current one is computed: the kernel reads each byte once, and on a
+ * busy machine the hardware prefetcher alone leaves the loads waiting. */
+static void prefetch_rows(const kvd_tensor *t, int h, int64_t r0, int64_t n, int64_t rowbytes)
+{
+    if (r0 + n > t->shape[1] || n <= 0)
+        return;
+    const char *b = (const char *)t->data + h * t->stride[0] + r0 * t->stride[1];
+    if (t->stride[1] == rowbytes) {
+        for (int64_t o = 0; o < n * rowbytes; o += 64)
+            __builtin_prefetch(b + o);
+    } else {
+        for (int64_t r = 0; r < n; r++)
+            __builtin_prefetch(b + r * t->stride[1]);
+    }
+}
+
 static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
 {
     const int_ctx *c = vctx;
+    if (c->a->k.axis == KVD_ATTN_AXIS_TOKEN) {
+        const kvd_attn_qdata *k = &c->a->k;
+        prefetch_rows(&k->codes, c->h, t0 + n, n, k->codes.shape[2]);
+        prefetch_rows(&k->scale, c->h, t0 + n, n, 2 * k->scale.shape[2]);
+        prefetch_rows(&k->min, c->h, t0 + n, n, 2 * k->min.shape[2]);
+    }
     if (c->a->k.axis == KVD_ATTN_AXIS_CHANNEL) {
         int per = 8 / c->kbits;
         kchan_block_weights(c, t0, n);
