@@ -382,6 +382,12 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
                              "data: stream ended after %llu of the %llu bytes the header "
                              "implies",
                              (unsigned long long)st->received, (unsigned long long)st->expected);
+    /* A stream can arrive whole just as the caller's deadline fires. The
+     * caller then reports DEADLINE_EXCEEDED, so committing would store an
+     * append it believes failed: refuse instead. */
+    if (kvd_ctx_expired(ctx))
+        return kvd_error_set(err, KVD_ETIMEDOUT,
+                             "deadline passed before the append could commit; nothing was stored");
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
     kvd_append *ap = st->ap;

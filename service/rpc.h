@@ -52,7 +52,15 @@ typedef struct kvd_req_ctx {
      * when the call ends) and the caller; both NULL = unrestricted. */
     kvd_auth *auth;
     const kvd_principal *principal;
+    /* The caller's deadline (gpr_inf_future when none was set; an all-zero
+     * value, as in a context built outside a call, also means none). */
+    gpr_timespec deadline;
 } kvd_req_ctx;
+
+/* 1 when the call's deadline has passed: the caller has already been told
+ * DEADLINE_EXCEEDED, so work whose result it would never see (such as
+ * committing an Append) must not take effect. */
+int kvd_ctx_expired(const kvd_req_ctx *ctx);
 
 /* What a method does to stored data, for the token's access rights. */
 typedef enum kvd_access {

@@ -454,6 +454,7 @@ static void on_call_arrived(kvd_call *c)
     KVD_METRIC_ADD(calls_in_flight, 1);
     c->ctx.svc = s->svc;
     c->ctx.req_id = atomic_fetch_add(&s->next_req_id, 1) + 1;
+    c->ctx.deadline = c->details.deadline;
     c->method = kvd_method_find((const char *)GRPC_SLICE_START_PTR(c->details.method),
                                 GRPC_SLICE_LENGTH(c->details.method));
 
@@ -959,4 +960,12 @@ void kvd_server_shutdown(kvd_server *s, uint64_t grace_ms)
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);
+}
+
+int kvd_ctx_expired(const kvd_req_ctx *ctx)
+{
+    if (ctx->deadline.tv_sec == 0 && ctx->deadline.tv_nsec == 0)
+        return 0;
+    gpr_timespec now = gpr_now(ctx->deadline.clock_type);
+    return gpr_time_cmp(now, ctx->deadline) >= 0;
 }
