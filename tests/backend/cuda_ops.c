@@ -632,7 +632,8 @@ static void test_pq(void)
             const int64_t kk[] = {0, 1, 17, 256, 2048};
             for (size_t ki = 0; ki < sizeof kk / sizeof kk[0]; ki++)
                 for (int agg = 0; agg < 2; agg++) {
-                    kvd_pq_search_params p = {kk[ki], ki % 2 ? 4 : 0, ki >= 2 ? 64 : 0,
+                    /* k = 2048 with 3000 sink tokens: > 4096 entries, the sort runs in global memory */
+                    kvd_pq_search_params p = {kk[ki], ki % 2 ? 4 : ki == 4 ? 3000 : 0, ki >= 2 ? 64 : 0,
                                               agg ? KVD_PQ_AGG_MAX : KVD_PQ_AGG_SUM};
                     int64_t cap = kvd_pq_search_count(n, &p) + 1;
                     uint32_t *ri = malloc(cap * 4), *di = malloc(cap * 4);
