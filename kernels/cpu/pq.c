@@ -945,7 +945,7 @@ static int check_mat(const kvd_tensor *t, kvd_dtype dt, int64_t cols, const char
 static int cpu_train(kvd_backend *be, const kvd_tensor *keys, const kvd_kmeans_params *km,
                      kvd_tensor *centroids, kvd_error *err)
 {
-    pq_shape sh;
+    pq_shape sh = {0};
     check_centroids(centroids, &sh, NULL);
     int rc = kvd__pq_train_cpu(kvd__cpu_threads(be), kvd__cpu_fast(be), km, keys->shape[0], sh.m,
                                sh.b, sh.D, (const float *)keys->data, (float *)centroids->data);
@@ -956,7 +956,7 @@ static int cpu_encode(kvd_backend *be, const kvd_tensor *keys, const kvd_tensor 
                       kvd_tensor *codes, kvd_error *err)
 {
     (void)err;
-    pq_shape sh;
+    pq_shape sh = {0};
     check_centroids(centroids, &sh, NULL);
     int64_t n = keys->shape[0];
     if (!kvd__cpu_fast(be))
@@ -973,7 +973,7 @@ static int cpu_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_te
                       const kvd_tensor *queries, const kvd_pq_search_params *p,
                       kvd_tensor *indices, kvd_tensor *scores, int64_t *nout, kvd_error *err)
 {
-    pq_shape sh;
+    pq_shape sh = {0};
     check_centroids(centroids, &sh, NULL);
     int rc;
     if (kvd__cpu_fast(be))
@@ -1011,7 +1011,7 @@ int kvd_pq_train(kvd_backend *be, const kvd_tensor *keys, const kvd_kmeans_param
                  kvd_tensor *centroids, kvd_error *err)
 {
     const struct kvd_pq_ops *ops;
-    pq_shape sh;
+    pq_shape sh = {0};
     int rc = get_ops(be, &ops, err);
     if (rc)
         return rc;
@@ -1031,7 +1031,7 @@ int kvd_pq_encode(kvd_backend *be, const kvd_tensor *keys, const kvd_tensor *cen
                   kvd_tensor *codes, kvd_error *err)
 {
     const struct kvd_pq_ops *ops;
-    pq_shape sh;
+    pq_shape sh = {0};
     int rc = get_ops(be, &ops, err);
     if (rc)
         return rc;
@@ -1052,7 +1052,7 @@ int kvd_pq_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor
                   kvd_tensor *indices, kvd_tensor *scores, int64_t *nout, kvd_error *err)
 {
     const struct kvd_pq_ops *ops;
-    pq_shape sh;
+    pq_shape sh = {0};
     if (nout)
         *nout = 0;
     int rc = get_ops(be, &ops, err);
@@ -1096,7 +1096,7 @@ int kvd_pq_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor
 static int check_job(const kvd_pq_search_job *j, int64_t i, const kvd_pq_search_params *p,
                      const pq_shape *first, int64_t G0, kvd_error *err)
 {
-    pq_shape sh;
+    pq_shape sh = {0};
     int rc;
     if (!j->centroids || !j->codes || !j->queries || !j->indices)
         return kvd_error_set(err, KVD_EINVAL, "pq: batch job %lld has a NULL tensor", (long long)i);

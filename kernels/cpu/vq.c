@@ -367,7 +367,7 @@ int kvd_vq_train(kvd_backend *be, const kvd_tensor *x, const kvd_kmeans_params *
                  kvd_tensor *codebook, double *inertia, kvd_error *err)
 {
     VQ_GET_OP(train);
-    int d, b;
+    int d = 0, b = 0;
     int rc = check_codebook(codebook, &d, &b, err);
     if (rc || (rc = check_rows(x, 0, 0, "x", err)))
         return rc;
@@ -382,7 +382,7 @@ int kvd_vq_encode(kvd_backend *be, const kvd_tensor *x, const kvd_tensor *codebo
                   kvd_tensor *codes, kvd_error *err)
 {
     VQ_GET_OP(encode);
-    int d, b;
+    int d = 0, b = 0;
     int rc = check_codebook(codebook, &d, &b, err);
     if (rc || (rc = check_rows(x, 0, 0, "x", err)))
         return rc;
@@ -398,7 +398,7 @@ int kvd_vq_decode(kvd_backend *be, const kvd_tensor *codes, const kvd_tensor *co
                   kvd_tensor *out, kvd_error *err)
 {
     VQ_GET_OP(decode);
-    int d, b;
+    int d = 0, b = 0;
     int rc = check_codebook(codebook, &d, &b, err);
     if (rc || (rc = check_rows(out, 0, 0, "out", err)))
         return rc;
