@@ -24,7 +24,7 @@ build_pkgs=(build-essential cmake pkg-config ca-certificates
             libgrpc-dev grpc-proto protobuf-c-compiler libprotobuf-c-dev
             librocksdb-dev libxxhash-dev libyaml-dev libmicrohttpd-dev)
 test_pkgs=(libcmocka-dev python3 python3-yaml python3-grpcio python3-protobuf protobuf-compiler
-           redis-server redis-tools procps openssl curl)
+           redis-server redis-tools libhiredis-dev procps openssl curl)
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
