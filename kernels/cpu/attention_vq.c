@@ -245,11 +245,14 @@ __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64
             int pos = 0;
             if (a->k_bits <= 8) {
                 const uint8_t *cr = (const uint8_t *)row;
-                for (; pos + 4 <= kpos; pos += 4) {
-                    s0 = _mm_add_ps(s0, _mm_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 4));
-                    s1 = _mm_add_ps(s1, _mm_loadu_ps(c->lut + ((size_t)(pos + 1) * K + cr[pos + 1]) * 4));
-                    s2 = _mm_add_ps(s2, _mm_loadu_ps(c->lut + ((size_t)(pos + 2) * K + cr[pos + 2]) * 4));
-                    s3 = _mm_add_ps(s3, _mm_loadu_ps(c->lut + ((size_t)(pos + 3) * K + cr[pos + 3]) * 4));
+                const float *Lp = c->lut;
+                for (; pos + 4 <= kpos; pos += 4, Lp += (size_t)4 * K * 4) {
+                    uint32_t w;
+                    memcpy(&w, cr + pos, 4);
+                    s0 = _mm_add_ps(s0, _mm_loadu_ps(Lp + (size_t)(w & 255) * 4));
+                    s1 = _mm_add_ps(s1, _mm_loadu_ps(Lp + (size_t)K * 4 + (size_t)((w >> 8) & 255) * 4));
+                    s2 = _mm_add_ps(s2, _mm_loadu_ps(Lp + (size_t)K * 8 + (size_t)((w >> 16) & 255) * 4));
+                    s3 = _mm_add_ps(s3, _mm_loadu_ps(Lp + (size_t)K * 12 + (size_t)(w >> 24) * 4));
                 }
                 for (; pos < kpos; pos++)
                     s0 = _mm_add_ps(s0, _mm_loadu_ps(c->lut + ((size_t)pos * K + cr[pos]) * 4));
@@ -300,10 +303,25 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
     c->dirty = 1;
     const char *base = (const char *)a->v_codes.data + c->h * a->v_codes.stride[0];
     int64_t rs = a->v_codes.stride[1];
+    float *const A = c->A;
     float pt[8] = {0};
+    /* GP = 4: the probabilities of 4 tokens x 4 heads are transposed in
+     * registers (writing pt[] with scalar stores and reading it back as one
+     * vector would stall store forwarding once per token) */
+    __m128 p4[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    const __m128 inv4 = _mm_setr_ps(inv[0], G > 1 ? inv[1] : 0.0f, G > 2 ? inv[2] : 0.0f, G > 3 ? inv[3] : 0.0f);
     for (int i = 0; i < n; i++) {
-        for (int g = 0; g < G; g++)
-            pt[g] = p[(size_t)g * ld + i] * inv[g];
+        if (GP == 4 && (i & 3) == 0 && i + 4 <= n) {
+            __m128 r[4];
+            for (int g = 0; g < 4; g++)
+                r[g] = g < G ? _mm_loadu_ps(p + (size_t)g * ld + i) : _mm_setzero_ps();
+            _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+            for (int k = 0; k < 4; k++)
+                p4[k] = _mm_mul_ps(r[k], inv4);
+        }
+        if (GP != 4 || i >= (n & ~3))
+            for (int g = 0; g < G; g++)
+                pt[g] = p[(size_t)g * ld + i] * inv[g];
         const char *row = base + (t0 + i) * rs;
         if (GP == 8) {
             __m256 pv = _mm256_loadu_ps(pt);
@@ -313,11 +331,27 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
                 _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), pv));
             }
         } else {
-            __m128 pv = _mm_loadu_ps(pt);
+            __m128 pv = i < (n & ~3) ? p4[i & 3] : _mm_loadu_ps(pt);
             if (a->v_bits <= 8) {
                 const uint8_t *cr = (const uint8_t *)row;
-                for (int pos = 0; pos < vpos; pos++) {
-                    float *dst = c->A + ((size_t)pos * K + cr[pos]) * 4;
+                /* A in a local (stores through dst would otherwise make the
+                 * compiler reload c->A), 4 positions per step, pointer to
+                 * the position's slice advanced instead of pos * K */
+                float *Ap = A;
+                int pos = 0;
+                for (; pos + 4 <= vpos; pos += 4, Ap += (size_t)4 * K * 4) {
+                    uint32_t w;
+                    memcpy(&w, cr + pos, 4);
+                    float *d0 = Ap + (size_t)(w & 255) * 4, *d1 = Ap + (size_t)K * 4 + (size_t)((w >> 8) & 255) * 4;
+                    float *d2 = Ap + (size_t)K * 8 + (size_t)((w >> 16) & 255) * 4;
+                    float *d3 = Ap + (size_t)K * 12 + (size_t)(w >> 24) * 4;
+                    _mm_storeu_ps(d0, _mm_add_ps(_mm_loadu_ps(d0), pv));
+                    _mm_storeu_ps(d1, _mm_add_ps(_mm_loadu_ps(d1), pv));
+                    _mm_storeu_ps(d2, _mm_add_ps(_mm_loadu_ps(d2), pv));
+                    _mm_storeu_ps(d3, _mm_add_ps(_mm_loadu_ps(d3), pv));
+                }
+                for (; pos < vpos; pos++) {
+                    float *dst = A + ((size_t)pos * K + cr[pos]) * 4;
                     _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), pv));
                 }
             } else {
