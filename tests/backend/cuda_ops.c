@@ -8,7 +8,7 @@
  *   reference's operation order;
  *   Hadamard and the VQ transforms: NMSE thresholds of kernels_convert_quant
  *   and kernels_vq (butterflies vs the O(n^2) definition);
- *   K-means / VQ / PQ training: inertia within 2 % of the CPU's (the GPU's
+ *   K-means / VQ / PQ training: inertia within 5 % of the CPU's (the GPU's
  *   Lloyd step ranks distances through SGEMM, which rounds differently, so
  *   near-ties may be assigned differently);
  *   PQ top-k: compared with tie tolerance (same count, same scores in
@@ -356,7 +356,7 @@ static void test_kmeans(void)
             TU_CHECK(kvd_kmeans_train(dut, &p, &tdx, &tdc, &id, &e) == 0, "kmeans: %s", e.msg);
             dbuf_get(&dc, cd, (size_t)k * d * 4);
             TU_CHECK(dbuf_guard_ok(&dc), "kmeans guard");
-            TU_CHECK(id <= 1.02 * ir + 1e-9 && id >= 0.0, "kmeans d=%d k=%d inertia %g vs ref %g",
+            TU_CHECK(id <= 1.05 * ir + 1e-9 && id >= 0.0, "kmeans d=%d k=%d inertia %g vs ref %g",
                      d, k, id, ir);
             /* assign: bitwise on the same centroids */
             dbuf dc2 = dbuf_from(cr, (size_t)k * d * 4);
@@ -437,7 +437,7 @@ static void test_vq(void)
         dbuf dkr = dbuf_from(kr, T * D * 4);
         kvd_tensor tdkr = mk(KVD_DTYPE_F32, dptr(&dkr), 2, T, D, 0);
         TU_CHECK(kvd_vq_train(dut, &tdkr, &km, &tdcb, &id, &e) == 0, "vq train: %s", e.msg);
-        TU_CHECK(id <= 1.02 * ir + 1e-9, "vq train d%db%d inertia %g vs %g", d, b, id, ir);
+        TU_CHECK(id <= 1.05 * ir + 1e-9, "vq train d%db%d inertia %g vs %g", d, b, id, ir);
         TU_CHECK(dbuf_guard_ok(&dcb), "vq train guard");
         /* encode/decode with the reference codebook */
         dbuf_free(&dcb);
@@ -593,7 +593,7 @@ static void test_pq(void)
                     }
             free(codes);
         }
-        TU_CHECK(er[1] <= 1.02 * er[0] + 1e-9, "pq train m=%d b=%d: error %g vs %g", m, b, er[1],
+        TU_CHECK(er[1] <= 1.05 * er[0] + 1e-9, "pq train m=%d b=%d: error %g vs %g", m, b, er[1],
                  er[0]);
         /* encode with the reference centroids: bitwise */
         dbuf_free(&dc);
