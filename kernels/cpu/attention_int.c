@@ -250,7 +250,7 @@ typedef struct int_ctx {
     /* channel-grouped keys: per token group of the current block and query
      * head, the int8 weights (interleaved by channel pairs as int16 so one
      * broadcast feeds maddubs), their scale and the bias (kchan_weights) */
-    float *wtmp;                     /* (D) scratch */
+    float *wtmp;                     /* (8, G, D) scratch */
     int8_t *kw8;                     /* (KVD__ATTN_BLOCK / kP, G, D) */
     float *ksw, *kbias;              /* (KVD__ATTN_BLOCK / kP, G) */
 } int_ctx;
@@ -512,6 +512,79 @@ static void kchan_block_weights(const int_ctx *c, int64_t t0, int n)
         }
 }
 
+/* kvd_attn_quantize_q8 on 8-float vectors: identical codes (the same f32
+ * division and round-half-even); returns 0 when w holds NaN/Inf or is all
+ * zero, and the caller then uses the scalar routine. n % 8 == 0. */
+__attribute__((target("avx2,fma"))) static int quantize_q8_avx2(const float *w, int n, int8_t *w8, float *scale)
+{
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8)
+        mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(w + i), absmask));
+    float m8[8];
+    _mm256_storeu_ps(m8, mx);
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++)
+        amax = m8[i] > amax ? m8[i] : amax;
+    for (int i = 0; i < n; i++) /* NaN slips through max_ps: check the inputs */
+        if (w[i] != w[i])
+            return 0;
+    if (!(amax > 0.0f) || !isfinite(amax))
+        return 0;
+    float sc = amax / 127.0f;
+    const __m256 vs = _mm256_set1_ps(sc), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(w + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+        __m256i q = _mm256_cvtps_epi32(v);
+        __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(w8 + i), _mm_packs_epi16(q16, q16));
+    }
+    *scale = sc;
+    return 1;
+}
+
+/* kchan_block_weights for blocks of 2, 4 or 8 key groups and D % 8 == 0: the
+ * scales and mins of 8 channels x every group of the block come in with one
+ * transpose (load_t8_u16), w = q * scale in f32 as in kchan_weights. */
+__attribute__((target("avx2,fma,f16c"))) static void kchan_block_weights_avx2(const int_ctx *c, int64_t t0, int n)
+{
+    const kvd_attn_int_args *a = c->a;
+    int P = c->kP, D = c->D, G = c->G, ngb = n / P;
+    float *w = c->wtmp; /* (ngb, G, D) here: sized for it at allocation */
+    __m256 bias[8][KVD__ATTN_MAXG];
+    for (int gi = 0; gi < ngb; gi++)
+        for (int g = 0; g < G; g++)
+            bias[gi][g] = _mm256_setzero_ps();
+    const kvd_tensor *ts = &a->k.scale, *tm = &a->k.min;
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m128i sc[8], mn[8];
+        load_t8_u16((const char *)ts->data + c->h * ts->stride[0] + d0 * ts->stride[1] + (t0 / P) * 2, ts->stride[1],
+                    ngb, sc);
+        load_t8_u16((const char *)tm->data + c->h * tm->stride[0] + d0 * tm->stride[1] + (t0 / P) * 2, tm->stride[1],
+                    ngb, mn);
+        for (int g = 0; g < G; g++) {
+            __m256 qv = _mm256_loadu_ps((const float *)((const char *)a->q.data + (int64_t)(c->h * G + g) * a->q.stride[0]) + d0);
+            for (int gi = 0; gi < ngb; gi++) {
+                _mm256_storeu_ps(w + ((size_t)gi * G + g) * D + d0, _mm256_mul_ps(qv, _mm256_cvtph_ps(sc[gi])));
+                bias[gi][g] = _mm256_fmadd_ps(qv, _mm256_cvtph_ps(mn[gi]), bias[gi][g]);
+            }
+        }
+    }
+    for (int gi = 0; gi < ngb; gi++)
+        for (int g = 0; g < G; g++) {
+            const float *wr = w + ((size_t)gi * G + g) * D;
+            int8_t *w8 = c->kw8 + ((size_t)gi * G + g) * D;
+            float sw;
+            if (!quantize_q8_avx2(wr, D, w8, &sw))
+                sw = kvd_attn_quantize_q8(wr, D, w8);
+            float b8[8];
+            _mm256_storeu_ps(b8, bias[gi][g]);
+            c->ksw[gi * G + g] = sw;
+            c->kbias[gi * G + g] = ((b8[0] + b8[1]) + (b8[2] + b8[3])) + ((b8[4] + b8[5]) + (b8[6] + b8[7]));
+        }
+}
+
 /* Scores of a block from channel-grouped keys, scalar. */
 static void kchan_scores_scalar(const int_ctx *c, int64_t t0, int n, float *s, int ld)
 {
@@ -638,8 +711,11 @@ static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
         prefetch_rows(&k->min, c->h, t0 + n, n, 2 * k->min.shape[2]);
     }
     if (c->a->k.axis == KVD_ATTN_AXIS_CHANNEL) {
-        int per = 8 / c->kbits;
-        kchan_block_weights(c, t0, n);
+        int per = 8 / c->kbits, ngb = n / c->kP;
+        if (c->simd && c->D % 8 == 0 && (ngb == 2 || ngb == 4 || ngb == 8))
+            kchan_block_weights_avx2(c, t0, n);
+        else
+            kchan_block_weights(c, t0, n);
         if (c->simd && c->D % 2 == 0 && c->kP % (8 * per) == 0 && n % (16 * per) == 0)
             kchan_scores_avx2(c, t0, n, s, ld);
         else
@@ -1009,7 +1085,7 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
                       + sizeof(float) * (size_t)G * D                          /* scaled q */
                       + 32 * (size_t)G * (c.kcols + 1) * c.kper                /* qpatv */
                       + 32 * (size_t)G * 64                                    /* vpatv */
-                      + sizeof(float) * (size_t)(D + 1)                        /* wtmp */
+                      + sizeof(float) * (size_t)(8 * G * D + 1)                /* wtmp */
                       + sizeof(float) * 2 * KVD__ATTN_BLOCK * (size_t)G        /* ksw, kbias */
                       + (size_t)KVD__ATTN_BLOCK / 2 * G * (D + 2)              /* kw8 */
                       + 128;
@@ -1037,7 +1113,7 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
         float *qs = (float *)b;
         b += sizeof(float) * (size_t)G * D;
         c.wtmp = (float *)b;
-        b += sizeof(float) * (size_t)(D + 1);
+        b += sizeof(float) * (size_t)(8 * G * D + 1);
         c.ksw = (float *)b;
         b += sizeof(float) * KVD__ATTN_BLOCK * (size_t)G;
         c.kbias = (float *)b;

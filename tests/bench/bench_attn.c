@@ -84,6 +84,13 @@ static qcache make_q(tu_rng *r, int64_t T, int W, int bits, int group, int axis)
 
 typedef int (*step_fn)(kvd_backend *be, void *arg);
 
+typedef struct paged {
+    int n;
+    kvd_attn_int_args *items;
+    qcache *pk, *pv;
+    float *outs, *lses; /* (n, HQ, D), (n, HQ) */
+} paged;
+
 #include <time.h>
 
 static double cpu_now(void)
@@ -126,6 +133,19 @@ static int step_int(kvd_backend *be, void *arg)
 static int step_vq(kvd_backend *be, void *arg)
 {
     return kvd_attn_vq(be, 1, arg, NULL);
+}
+
+/* One call over every page, then the pages' results merged into page 0's. */
+static int step_paged(kvd_backend *be, void *arg)
+{
+    paged *p = arg;
+    int rc = kvd_attn_quant(be, p->n, p->items, NULL);
+    for (int i = 1; i < p->n && !rc; i++) {
+        kvd_attn_merge_args m = {p->items[0].out, p->items[0].lse, p->items[i].out, p->items[i].lse,
+                                 p->items[0].out, p->items[0].lse};
+        rc = kvd_attn_merge(be, 1, &m, NULL);
+    }
+    return rc;
 }
 
 /* SVD + INT2: rotate q into the reduced key space, INT2 attention at width
@@ -179,15 +199,46 @@ int main(int argc, char **argv)
                                   tn(KVD_DTYPE_F16, v16, 3, HKV, T, D), tn(KVD_DTYPE_F32, out, 2, HQ, D, 0),
                                   tn(KVD_DTYPE_F32, lse, 1, HQ, 0, 0)};
         /* INT forms */
+        /* "Kch": keys grouped per channel along tokens (KIVI-style) */
+        enum { NIF = 6 };
         struct {
             const char *name;
-            int bits, kg, vg;
-        } iforms[] = {{"int2 P=32", 2, 32, 32}, {"int2 P=64", 2, 64, 64}, {"int2 P=128", 2, 128, 128},
-                      {"int4 P=64", 4, 64, 64}};
-        qcache kq[4], vq[4];
-        for (int f = 0; f < 4; f++) {
-            kq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].kg, KVD_ATTN_AXIS_TOKEN);
+            int bits, kg, vg, kaxis;
+        } iforms[NIF] = {{"int2 P=32", 2, 32, 32, KVD_ATTN_AXIS_TOKEN},
+                         {"int2 P=64", 2, 64, 64, KVD_ATTN_AXIS_TOKEN},
+                         {"int2 P=128", 2, 128, 128, KVD_ATTN_AXIS_TOKEN},
+                         {"int4 P=64", 4, 64, 64, KVD_ATTN_AXIS_TOKEN},
+                         {"int2 Kch P=32", 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
+                         {"int2 Kch P=128", 2, 128, 128, KVD_ATTN_AXIS_CHANNEL}};
+        qcache kq[NIF], vq[NIF];
+        for (int f = 0; f < NIF; f++) {
+            kq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].kg, iforms[f].kaxis);
             vq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].vg, KVD_ATTN_AXIS_CHANNEL);
+        }
+        /* INT2 P=32 as the store holds it: one block per 256-token page
+         * (codes and parameters of a page contiguous), one item per page in
+         * one call, partial results merged by log-sum-exp */
+        int64_t npg = T / 256;
+        paged pg;
+        pg.n = (int)npg;
+        pg.items = calloc((size_t)npg, sizeof *pg.items);
+        pg.pk = calloc((size_t)npg, sizeof *pg.pk);
+        pg.pv = calloc((size_t)npg, sizeof *pg.pv);
+        pg.outs = malloc(sizeof(float) * (size_t)npg * HQ * D);
+        pg.lses = malloc(sizeof(float) * (size_t)npg * HQ);
+        size_t pg_bytes = 0;
+        for (int64_t i = 0; i < npg; i++) {
+            pg.pk[i] = make_q(&rng, 256, D, 2, 32, KVD_ATTN_AXIS_TOKEN);
+            pg.pv[i] = make_q(&rng, 256, D, 2, 32, KVD_ATTN_AXIS_CHANNEL);
+            pg_bytes += pg.pk[i].bytes + pg.pv[i].bytes;
+            kvd_attn_int_args *ia = &pg.items[i];
+            ia->dims = dims;
+            ia->q = tn(KVD_DTYPE_F32, q, 2, HQ, D, 0);
+            ia->n_tokens = 256;
+            ia->k = pg.pk[i].qd;
+            ia->v = pg.pv[i].qd;
+            ia->out = tn(KVD_DTYPE_F32, pg.outs + (size_t)i * HQ * D, 2, HQ, D, 0);
+            ia->lse = tn(KVD_DTYPE_F32, pg.lses + (size_t)i * HQ, 1, HQ, 0, 0);
         }
         /* VQ d4b8 */
         uint8_t *kc = malloc((size_t)HKV * T * (D / 4)), *vc = malloc((size_t)HKV * T * (D / 4));
@@ -246,7 +297,7 @@ int main(int argc, char **argv)
             size_t b16 = 2 * nkv * 2;
             printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "fp16", (long long)T, threads[th], t16 * 1e3, last_cpu * 1e3,
                    b16 / t16 / 1e9, 1.0, 1.0);
-            for (int f = 0; f < 4; f++) {
+            for (int f = 0; f < NIF; f++) {
                 kvd_attn_int_args ia;
                 memset(&ia, 0, sizeof ia);
                 ia.dims = dims;
@@ -261,6 +312,11 @@ int main(int argc, char **argv)
                 printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", iforms[f].name, (long long)T, threads[th], t * 1e3, last_cpu * 1e3,
                        b / t / 1e9, t16 / t, c16 / last_cpu);
             }
+            if (npg > 0) {
+                double tp = time_step(be, step_paged, &pg);
+                printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "int2/32 paged", (long long)T, threads[th],
+                       tp * 1e3, last_cpu * 1e3, pg_bytes / tp / 1e9, t16 / tp, c16 / last_cpu);
+            }
             double tv = time_step(be, step_vq, &va);
             printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "vq d4b8", (long long)T, threads[th], tv * 1e3, last_cpu * 1e3,
                    vq_bytes / tv / 1e9, t16 / tv, c16 / last_cpu);
@@ -272,8 +328,11 @@ int main(int argc, char **argv)
         }
         free(k16), free(v16), free(kc), free(vc), free(kcb), free(vcb), free(lam), free(R);
         free(ss.qr), free(ss.ored), free(sk.mem), free(sv.mem);
-        for (int f = 0; f < 4; f++)
+        for (int f = 0; f < NIF; f++)
             free(kq[f].mem), free(vq[f].mem);
+        for (int64_t i = 0; i < npg; i++)
+            free(pg.pk[i].mem), free(pg.pv[i].mem);
+        free(pg.items), free(pg.pk), free(pg.pv), free(pg.outs), free(pg.lses);
     }
     free(q), free(out);
     return 0;
