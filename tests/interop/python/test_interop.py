@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import importlib.util
+import math
 import os
 import random
 import shutil
@@ -573,6 +574,127 @@ class Suite:
         names = [x.name for x in self.api.ListModels(pb.ListModelsRequest(),
                                                      timeout=CALL_TIMEOUT).models]
         check("py-bad" not in names, "a rejected model was stored")
+
+    # -- compute RPCs ---------------------------------------------------
+
+    def uu(self, name):
+        pb = self.pb
+        return self.api.channel.unary_unary(
+            self.api.SVC + name, request_serializer=getattr(pb, name + "Request").SerializeToString,
+            response_deserializer=getattr(pb, name + "Response").FromString)
+
+    @staticmethod
+    def attention(q, k, v, hq, hkv, d, scale, tokens=None):
+        """Plain float attention with GQA over rows of k/v ([token][head][dim] lists);
+        tokens: per kv head the token list to use (None = all). Returns (out, lse)."""
+        g = hq // hkv
+        out, lses = [], []
+        for h in range(hq):
+            kh = h // g
+            ts = range(len(k)) if tokens is None else tokens[kh]
+            s = [scale * sum(q[h * d + i] * k[t][kh][i] for i in range(d)) for t in ts]
+            if not s:
+                out.extend([0.0] * d)
+                lses.append(float("-inf"))
+                continue
+            mx = max(s)
+            w = [math.exp(x - mx) for x in s]
+            z = sum(w)
+            lses.append(mx + math.log(z))
+            for i in range(d):
+                out.append(sum(w[j] * v[t][kh][i] for j, t in enumerate(ts)) / z)
+        return out, lses
+
+    def t_compute(self):
+        """Attend, SparseAttend, Search and PlanFetch from an independent client, on
+        raw and INT4 caches, checked against attention computed here in Python."""
+        pb = self.pb
+        L, HKV, HQ, D = 1, 2, 4, 32
+        m = self.model("py-compute", L, HKV, D, dtype=pb.DTYPE_F32, q_heads=HQ)
+        m.hidden_size = 32
+        self.put_model(m)
+        rng = random.Random(5)
+        n = 300
+        rows = [[[rng.uniform(-1, 1) for _ in range(D)] for _ in range(HKV)] for _ in range(n)]
+        vrows = [[[rng.uniform(-1, 1) for _ in range(D)] for _ in range(HKV)] for _ in range(n)]
+        flat = lambda r: struct.pack("<%df" % (len(r) * HKV * D),
+                                     *[x for t in r for h in t for x in h])
+        data = flat(rows) + flat(vrows)
+        q = [rng.uniform(-1, 1) for _ in range(HQ * D)]
+        scale = 1 / math.sqrt(D)
+        Attend, PlanFetch = self.uu("Attend"), self.uu("PlanFetch")
+        Search, SparseAttend = self.uu("Search"), self.uu("SparseAttend")
+        int4 = pb.CodecSpec(codec=pb.CODEC_INT4, quant=pb.QuantSpec(group_size=32))
+        for sid, codecs in ((b"py-raw", None), (b"py-int4", pb.SequenceCodecs(k=int4, v=int4)),
+                            (b"py-pq", pb.SequenceCodecs(pq=pb.PQSpec(m=4, bits=4)))):
+            kw = {"codecs": codecs} if codecs is not None else {}
+            self.create(sid, "py-compute", **kw)
+            self.api.append(sid, data, 0, n, dtype=pb.DTYPE_F32, timeout=CALL_TIMEOUT)
+            # What the server holds, as it reads it back (decoded for INT4).
+            _, back = self.api.read(sid)
+            vals = struct.unpack("<%df" % (2 * n * HKV * D), back)
+            kb = [[list(vals[(t * HKV + h) * D:(t * HKV + h + 1) * D]) for h in range(HKV)]
+                  for t in range(n)]
+            off = n * HKV * D
+            vb = [[list(vals[off + (t * HKV + h) * D:off + (t * HKV + h + 1) * D])
+                   for h in range(HKV)] for t in range(n)]
+            if codecs is None:
+                check(back == data, "raw read-back differs")
+            for t0, cnt in ((0, 0), (10, 250), (299, 1)):
+                r = Attend(pb.AttendRequest(layer=0, queries=[pb.AttendQuery(
+                    sequence_id=sid, q=q, token_start=t0, num_tokens=cnt)]),
+                    timeout=CALL_TIMEOUT).results[0]
+                cnt = cnt or n - t0
+                eq(r.num_tokens, cnt, "Attend num_tokens")
+                out, lse = self.attention(q, kb[t0:t0 + cnt], vb[t0:t0 + cnt], HQ, HKV, D, scale)
+                tol = 1e-4 if codecs is None else 3e-2
+                for i in range(HQ * D):
+                    check(abs(r.output[i] - out[i]) <= tol, "%s Attend output[%d] %g vs %g"
+                          % (sid, i, r.output[i], out[i]))
+                for h in range(HQ):
+                    check(abs(r.lse[h] - lse[h]) <= 1e-3, "%s Attend lse[%d] %g vs %g"
+                          % (sid, h, r.lse[h], lse[h]))
+        # Search + SparseAttend on the PQ sequence: attention over exactly the tokens.
+        sreq = pb.SearchRequest(sequence_id=b"py-pq", layer=0, q=q, k=20, initial_tokens=2,
+                                recent_tokens=5)
+        sr = Search(sreq, timeout=CALL_TIMEOUT)
+        eq(len(sr.heads), HKV, "Search heads")
+        for hd in sr.heads:
+            eq(len(hd.tokens), 27, "Search tokens per head (k + initial + recent)")
+            check({0, 1, n - 1, n - 5}.issubset(set(hd.tokens)), "forced tokens missing")
+            check(list(hd.scores) == sorted(hd.scores, reverse=True), "scores not ordered")
+        sa = SparseAttend(pb.SparseAttendRequest(search=sreq), timeout=CALL_TIMEOUT)
+        toks = [list(hd.tokens) for hd in sa.heads]
+        eq(toks, [list(hd.tokens) for hd in sr.heads], "SparseAttend tokens vs Search")
+        out, lse = self.attention(q, rows, vrows, HQ, HKV, D, scale, tokens=toks)
+        for i in range(HQ * D):
+            check(abs(sa.result.output[i] - out[i]) <= 1e-4, "SparseAttend output[%d]" % i)
+        # PlanFetch: the split minimises the documented cost model.
+        for bw, fl in ((1e6, 1e12), (1e9, 1e9), (1e8, 1e15)):
+            p = PlanFetch(pb.PlanFetchRequest(sequence_id=b"py-raw", bandwidth_bytes_per_s=bw,
+                                              compute_flops_per_s=fl, assume_activations=True),
+                          timeout=CALL_TIMEOUT)
+            t = lambda l: (l * p.activation_bytes_per_token / bw +
+                           max(l * p.flops_per_token / fl, (n - l) * p.kv_bytes_per_token / bw))
+            best = min(t(l) for l in range(n + 1))
+            check(t(p.split_tokens) <= best * (1 + 1e-9), "PlanFetch split %d not minimal"
+                  % p.split_tokens)
+        # Errors: nothing is created or changed.
+        bad = pb.SequenceCodecs(k=pb.CodecSpec(codec=pb.CODEC_INT2,
+                                               quant=pb.QuantSpec(group_size=48)))
+        expect_code(grpc.StatusCode.INVALID_ARGUMENT, self.create, b"py-bad", "py-compute",
+                    codecs=bad)
+        expect_code(grpc.StatusCode.NOT_FOUND, self.stat, b"py-bad")
+        expect_code(grpc.StatusCode.INVALID_ARGUMENT, Attend, pb.AttendRequest(
+            layer=0, queries=[pb.AttendQuery(sequence_id=b"py-raw", q=q[:D])]),
+            timeout=CALL_TIMEOUT)
+        expect_code(grpc.StatusCode.NOT_FOUND, Attend, pb.AttendRequest(
+            layer=0, queries=[pb.AttendQuery(sequence_id=b"nope", q=q)]), timeout=CALL_TIMEOUT)
+        expect_code(grpc.StatusCode.INVALID_ARGUMENT, Search, pb.SearchRequest(
+            sequence_id=b"py-pq", layer=0, q=q, k=n + 1), timeout=CALL_TIMEOUT)
+        expect_code(grpc.StatusCode.FAILED_PRECONDITION, Search, pb.SearchRequest(
+            sequence_id=b"py-raw", layer=0, q=q, k=3), timeout=CALL_TIMEOUT)
+        eq(self.stat(b"py-raw").num_tokens, n, "py-raw after errors")
 
     def t_roundtrip(self):
         info = self.create(b"py-seq", "py-f16")
@@ -1373,6 +1495,7 @@ class Suite:
             ("concurrent clients", self.t_concurrent),
             ("deletes racing reads/appends", self.t_delete_races),
             ("large %d MiB" % self.args.large_mib, self.t_large),
+            ("compute: attend, search, plan", self.t_compute),
             ("restart", self.t_restart),
             ("shutdown", self.t_shutdown),
         ]
