@@ -1029,6 +1029,12 @@ static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld,
     }
 }
 
+/* *dst = x in all 8 lanes (dst 32-byte aligned; the caller checked AVX2) */
+__attribute__((target("avx2"))) static void store_bcast32(__m256i *dst, int32_t x)
+{
+    _mm256_store_si256(dst, _mm256_set1_epi32(x));
+}
+
 /* AVX-VNNI (VEX-coded vpdpbusd): CPUID leaf 7 sub-leaf 1, EAX bit 4. Read
  * with cpuid directly: __builtin_cpu_supports has no "avxvnni" in clang 14
  * or older gcc, and an unknown feature name does not compile there. */
@@ -1124,7 +1130,14 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
         for (int g = 0; g < G; g++) {
             const float *qr = (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
             int8_t *q8 = c.q8 + (size_t)g * D;
-            c.sq[g] = kvd_attn_quantize_q8(qr, D, q8) * d->softmax_scale;
+            /* per-item set-up is paid once per page and kv head when the
+             * store runs a sequence page by page: keep it vectorised */
+            float sq;
+            if (!(simd && D % 8 == 0 && quantize_q8_avx2(qr, D, q8, &sq)))
+                sq = kvd_attn_quantize_q8(qr, D, q8);
+            c.sq[g] = sq * d->softmax_scale;
+            if (a->k.axis == KVD_ATTN_AXIS_CHANNEL)
+                continue; /* the token-axis patterns below are not used */
             for (int grp = 0; grp < c.kng; grp++) {
                 int sum = 0;
                 for (int j = grp * c.kP; j < (grp + 1) * c.kP; j++)
@@ -1134,9 +1147,8 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
             if ((D * kb) % 32 == 0 && c.kcols <= KVD__INT_MAXCOLS) {
                 int32_t *pt = c.qpat + (size_t)g * c.kcols * c.kper;
                 build_patterns_i8(q8, c.kcols, kb, pt);
-                for (int k = 0; k < c.kcols * c.kper; k++)
-                    for (int l = 0; l < 8; l++)
-                        ((int32_t *)&c.qpatv[(size_t)g * c.kcols * c.kper + k])[l] = pt[k];
+                for (int k = 0; simd && k < c.kcols * c.kper; k++)
+                    store_bcast32(&c.qpatv[(size_t)g * c.kcols * c.kper + k], pt[k]);
             }
         }
         kvd__attn_scaled_q(d, &a->q, h, qs);
