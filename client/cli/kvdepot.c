@@ -62,6 +62,10 @@ static const char usage_text[] =
     "                                       decode attention on the server: q is\n"
     "                                       (num_q_heads, head_dim) f32 LE; prints the\n"
     "                                       LSE per head, writes the output (f32) to F\n"
+    "  search ID --layer L --q FILE --k K [--initial N] [--recent N] [--sparse]\n"
+    "                                       PQ top-k tokens per kv head (sequence made\n"
+    "                                       with a PQ index); --sparse also attends\n"
+    "                                       over them and prints the LSE per head\n"
     "  plan ID --bandwidth B/s --flops F/s [--activations]\n"
     "                                       KVPR fetch split (PlanFetch)\n"
     "  hash --token-ids FILE [--page-tokens N]\n"
@@ -721,6 +725,84 @@ static int cmd_attend(kvdepot_client *c, int argc, char **argv)
     return 0;
 }
 
+/* A file of little-endian f32 values; *n floats. NULL (message printed) on failure. */
+static float *read_f32_file(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fail_msg("%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    float *q = NULL;
+    size_t cap = 0;
+    *n = 0;
+    for (;;) {
+        if (*n == cap) {
+            cap = cap ? 2 * cap : 4096;
+            float *nq = realloc(q, cap * sizeof *q);
+            if (!nq) {
+                fclose(f);
+                free(q);
+                fail_msg("out of memory");
+                return NULL;
+            }
+            q = nq;
+        }
+        size_t got = fread(q + *n, sizeof *q, cap - *n, f);
+        *n += got;
+        if (got == 0)
+            break;
+    }
+    fclose(f);
+    return q;
+}
+
+/* search ID --layer L --q FILE --k K [--initial N] [--recent N] [--sparse] */
+static int cmd_search(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"layer", 1, 0},  {"q", 1, 0},      {"k", 1, 0}, {"initial", 1, 0},
+                  {"recent", 1, 0}, {"sparse", 0, 0}, {0, 0, 0}};
+    const char *pos[1];
+    if (parse_args(argc, argv, opts, pos, 1) != 1)
+        usage_error("search: expected ID");
+    size_t n;
+    float *q = read_f32_file(opt_required(opts, "q"), &n);
+    if (!q)
+        return 1;
+    kvdepot_search_args a = {pos[0],
+                             strlen(pos[0]),
+                             (uint32_t)opt_u64(opts, "layer", 0, UINT32_MAX),
+                             q,
+                             n,
+                             (uint32_t)opt_u64(opts, "k", 0, UINT32_MAX),
+                             (uint32_t)opt_u64(opts, "initial", 0, UINT32_MAX),
+                             (uint32_t)opt_u64(opts, "recent", 0, UINT32_MAX),
+                             0,
+                             0};
+    kvdepot_search_result r;
+    kvdepot_attend_result ar;
+    int sparse = opt_get(opts, "sparse") != NULL;
+    int rc = sparse ? kvdepot_sparse_attend(c, &a, 0, &ar, &r) : kvdepot_search(c, &a, &r);
+    free(q);
+    if (rc)
+        return fail(c, rc);
+    for (size_t h = 0; h < r.num_heads; h++) {
+        printf("kv head %u:", r.heads[h].kv_head);
+        for (size_t i = 0; i < r.heads[h].count; i++)
+            printf(" %" PRIu64 ":%.4g", r.heads[h].tokens[i], r.heads[h].scores[i]);
+        printf("\n");
+    }
+    if (sparse) {
+        printf("attended %" PRIu64 " tokens per head; lse per query head:", ar.num_tokens);
+        for (size_t h = 0; h < ar.num_q_heads; h++)
+            printf(" %.6g", ar.lse[h]);
+        printf("\n");
+        kvdepot_attend_results_free(&ar, 1);
+    }
+    kvdepot_search_result_free(&r);
+    return 0;
+}
+
 /* plan ID --bandwidth B --flops F [--activations] */
 static int cmd_plan(kvdepot_client *c, int argc, char **argv)
 {
@@ -866,6 +948,7 @@ int main(int argc, char **argv)
         {"seqs", cmd_seqs},     {"seq", cmd_seq},       {"put", cmd_put},
         {"get", cmd_get},       {"lookup", cmd_lookup}, {"shards", cmd_shards},
         {"stats", cmd_stats},     {"attend", cmd_attend}, {"plan", cmd_plan},
+        {"search", cmd_search},
     };
     int (*fn)(kvdepot_client *, int, char **) = NULL;
     for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++)

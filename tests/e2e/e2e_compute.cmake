@@ -17,3 +17,7 @@ if(TARGET kvd_e2e_harness)
   add_executable(bench_compute EXCLUDE_FROM_ALL ${PROJECT_SOURCE_DIR}/tests/bench/bench_compute.c)
   target_link_libraries(bench_compute PRIVATE kvd_e2e_harness kvd_store m)
 endif()
+
+add_test(NAME compute_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_compute.sh ${KVD_E2E_SERVER}
+                                  $<TARGET_FILE:kvdepot>)
+set_tests_properties(compute_cli PROPERTIES LABELS e2e TIMEOUT 120)

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The kvdepot CLI's compute subcommands against a real kvdepotd: attend (q
+# from a file, output to a file, checked against attention computed here in
+# Python on the K/V put), plan, search, and their errors.
+#
+# Usage: cli_compute.sh KVDEPOTD KVDEPOT_CLI
+set -euo pipefail
+
+server=$1
+cli=$2
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-clic-XXXXXX")
+pid=
+
+fail() {
+    echo "cli_compute: FAIL: $*" >&2
+    [ -f "$work/server.log" ] && tail -n 40 "$work/server.log" >&2
+    exit 1
+}
+cleanup() {
+    if [ -n "$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+"$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
+    >>"$work/server.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 600); do
+    if [ -s "$work/port" ] && [ "$(tail -c 1 "$work/port" | od -An -c | tr -d ' ')" = '\n' ]; then
+        break
+    fi
+    kill -0 "$pid" 2>/dev/null || fail "kvdepotd exited before serving"
+    sleep 0.05
+done
+port=$(tr -d '\n' <"$work/port")
+k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+
+k model put m --layers 1 --kv-heads 2 --q-heads 4 --head-dim 32 --dtype f32 >/dev/null
+# K then V of 300 tokens ([token][head][dim] f32) and a query (4 x 32 f32).
+python3 - "$work" <<'PY'
+import random, struct, sys
+w = sys.argv[1]
+r = random.Random(3)
+kv = [r.uniform(-1, 1) for _ in range(2 * 300 * 2 * 32)]
+open(w + "/kv.bin", "wb").write(struct.pack("<%df" % len(kv), *kv))
+q = [r.uniform(-1, 1) for _ in range(4 * 32)]
+open(w + "/q.bin", "wb").write(struct.pack("<%df" % len(q), *q))
+open(w + "/q-short.bin", "wb").write(struct.pack("<%df" % 32, *q[:32]))
+PY
+k put s --model m --tokens 300 --file "$work/kv.bin" >/dev/null
+
+out=$(k attend s --layer 0 --q "$work/q.bin" --out "$work/out.bin") || fail "attend failed"
+echo "$out" | grep -q "attended 300 tokens" || fail "attend output: $out"
+[ "$(stat -c %s "$work/out.bin")" = $((4 * 32 * 4)) ] || fail "attend output file size"
+python3 - "$work" <<'PY' || fail "attend output differs from attention computed in Python"
+import math, struct, sys
+w = sys.argv[1]
+kv = struct.unpack("<%df" % (2 * 300 * 64), open(w + "/kv.bin", "rb").read())
+q = struct.unpack("<128f", open(w + "/q.bin", "rb").read())
+got = struct.unpack("<128f", open(w + "/out.bin", "rb").read())
+for h in range(4):
+    kh = h // 2
+    s = [sum(q[h * 32 + i] * kv[(t * 2 + kh) * 32 + i] for i in range(32)) / math.sqrt(32)
+         for t in range(300)]
+    mx = max(s)
+    p = [math.exp(x - mx) for x in s]
+    z = sum(p)
+    for i in range(32):
+        o = sum(p[t] * kv[300 * 64 + (t * 2 + kh) * 32 + i] for t in range(300)) / z
+        if abs(o - got[h * 32 + i]) > 1e-4:
+            sys.exit("head %d dim %d: %g vs %g" % (h, i, got[h * 32 + i], o))
+PY
+k attend s --layer 0 --q "$work/q.bin" --token-start 100 --tokens 50 | grep -q "attended 50 tokens" ||
+    fail "attend over a range"
+
+out=$(k plan s --bandwidth 1e9 --flops 1e12) || fail "plan failed"
+echo "$out" | grep -q "^split 0 of 300 tokens" || fail "plan output: $out"
+
+# Errors: a query of the wrong size, an unknown sequence, search without an index.
+rc=0
+err=$(k attend s --layer 0 --q "$work/q-short.bin" 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep -q "INVALID_ARGUMENT" || fail "short q: rc=$rc $err"
+rc=0
+err=$(k attend nope --layer 0 --q "$work/q.bin" 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep -q "NOT_FOUND" || fail "unknown sequence: rc=$rc $err"
+rc=0
+err=$(k search s --layer 0 --q "$work/q.bin" --k 4 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep -q "FAILED_PRECONDITION" || fail "search: rc=$rc $err"
+echo "cli_compute: PASS"
