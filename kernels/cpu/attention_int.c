@@ -518,17 +518,19 @@ static void kchan_block_weights(const int_ctx *c, int64_t t0, int n)
 __attribute__((target("avx2,fma"))) static int quantize_q8_avx2(const float *w, int n, int8_t *w8, float *scale)
 {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8)
-        mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(w + i), absmask));
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        __m256 x = _mm256_loadu_ps(w + i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(x, absmask));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); /* max_ps drops NaN */
+    }
+    if (_mm256_movemask_ps(nan))
+        return 0;
     float m8[8];
     _mm256_storeu_ps(m8, mx);
     float amax = 0.0f;
     for (int i = 0; i < 8; i++)
         amax = m8[i] > amax ? m8[i] : amax;
-    for (int i = 0; i < n; i++) /* NaN slips through max_ps: check the inputs */
-        if (w[i] != w[i])
-            return 0;
     if (!(amax > 0.0f) || !isfinite(amax))
         return 0;
     float sc = amax / 127.0f;

@@ -589,6 +589,51 @@ static void test_int(tu_rng *rng)
     }
 }
 
+/* NaN parity: a NaN in one query head makes exactly that head's output and
+ * lse NaN, on the reference and the fast path, for both key axes. */
+static void test_int_nan(tu_rng *rng)
+{
+    for (int kax = 0; kax < 2; kax++) {
+        int Hkv = 2, G = 4, Hq = Hkv * G, D = 128;
+        int64_t T = 512;
+        prob p = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 1);
+        p.q[(size_t)5 * D + 17] = NAN; /* query head 5 (kv head 1) */
+        qbuf kq = quantize_all(p.k32, Hkv, T, D, 2, 32, kax ? KVD_ATTN_AXIS_CHANNEL : KVD_ATTN_AXIS_TOKEN);
+        qbuf vq = quantize_all(p.v32, Hkv, T, D, 2, 32, KVD_ATTN_AXIS_CHANNEL);
+        kvd_attn_int_args a;
+        memset(&a, 0, sizeof a);
+        a.dims = dims_of(&p);
+        a.q = t2(KVD_DTYPE_F32, p.q, Hq, D);
+        a.n_tokens = T;
+        a.k = kq.qd;
+        a.v = vq.qd;
+        for (int fast = 0; fast < 2; fast++) {
+            res r = res_new(Hq, D);
+            a.out = t2(KVD_DTYPE_F32, r.out.data, Hq, D);
+            a.lse = t1(KVD_DTYPE_F32, r.lse.data, Hq);
+            kvd_error err;
+            TU_CHECK(kvd_attn_quant(fast ? be_fast : be_ref, 1, &a, &err) == 0, "INT NaN: %s", err.msg);
+            const float *o = r.out.data, *l = r.lse.data;
+            for (int h = 0; h < Hq; h++) {
+                int nan_o = 0, nan_all = 1;
+                for (int j = 0; j < D; j++) {
+                    nan_o |= o[(size_t)h * D + j] != o[(size_t)h * D + j];
+                    nan_all &= o[(size_t)h * D + j] != o[(size_t)h * D + j];
+                }
+                if (h == 5)
+                    TU_CHECK(nan_all && l[h] != l[h], "INT NaN K axis %d %s: head 5 not NaN", kax,
+                             fast ? "fast" : "ref");
+                else
+                    TU_CHECK(!nan_o && l[h] == l[h], "INT NaN K axis %d %s: head %d NaN", kax,
+                             fast ? "fast" : "ref", h);
+            }
+            res_free(&r);
+        }
+        qbuf_free(&kq), qbuf_free(&vq);
+        prob_free(&p);
+    }
+}
+
 /* ---- VQ ---------------------------------------------------------------- */
 
 static void fwht_ref(float *x, int n)
@@ -812,6 +857,7 @@ int main(void)
     test_sparse(&rng);
     test_nonfinite(&rng);
     test_int(&rng);
+    test_int_nan(&rng);
     test_vq(&rng);
     test_svd(&rng);
     test_invalid();
