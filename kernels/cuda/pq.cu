@@ -9,8 +9,9 @@
  * 0, -0 -> +0) << 32 | ~index. Larger key = better; all keys distinct.
  *
  * Search of a batch of J jobs (each one (sequence, kv head) pair, same m,
- * b, D, G), five launches whatever J is:
+ * b, D, G), five launches whatever J is (plus one per 32 jobs to stage the table):
  *
+ *   0. jobs     the job table, passed as kernel parameters (no host sync).
  *   1. lut      grid (J, ntab), 256 threads. ntab = 1 (SUM: the G queries
  *               summed in head order) or G (MAX). Thread per table entry
  *               (j, c): LUT[j][c] = sequential sum over t of q[j*dsub+t] *
@@ -96,6 +97,23 @@ __device__ __forceinline__ float key_unord(uint32_t o)
 __device__ __forceinline__ unsigned long long make_key(uint32_t k32, long long i)
 {
     return ((unsigned long long)k32 << 32) | (unsigned long long)(~(uint32_t)i);
+}
+
+/* ---- 0. job table -------------------------------------------------------- */
+
+/* Job descriptors travel as kernel parameters (32 per launch, 3 KiB) and
+ * this kernel stores them into the scratch table. A cudaMemcpyAsync from
+ * pageable host memory would first wait for the stream to drain, which
+ * would serialise the host with every earlier search; a launch does not. */
+constexpr int kJobsPerStage = 32;
+struct job_stage {
+    job_desc d[kJobsPerStage];
+};
+
+__global__ void stage_jobs_kernel(const __grid_constant__ job_stage st, job_desc *dst, int count)
+{
+    if ((int)threadIdx.x < count)
+        dst[threadIdx.x] = st.d[threadIdx.x];
 }
 
 /* ---- 1. tables ---------------------------------------------------------- */
@@ -483,12 +501,13 @@ int run_search(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
     unsigned long long *cand = (unsigned long long *)(scr + off_cand);
     unsigned long long *outl = (unsigned long long *)(scr + off_out);
 
-    /* pageable source: the call returns once the bytes are staged, so hd
-     * may be freed right after */
-    rc = kvd__cuda_status(call.c,
-                          cudaMemcpyAsync(djobs, hd, sizeof(job_desc) * njobs,
-                                          cudaMemcpyHostToDevice, call.s),
-                          "cudaMemcpyAsync", err);
+    for (int64_t j0 = 0; j0 < njobs; j0 += kJobsPerStage) {
+        job_stage st;
+        const int cnt = (int)(njobs - j0 < kJobsPerStage ? njobs - j0 : kJobsPerStage);
+        memcpy(st.d, hd + j0, sizeof(job_desc) * (size_t)cnt);
+        stage_jobs_kernel<<<1, kJobsPerStage, 0, call.s>>>(st, djobs + j0, cnt);
+    }
+    rc = kvd__cuda_launched(&call, "pq jobs", err);
     if (!rc)
         rc = kvd__cuda_status(call.c, cudaMemsetAsync(scr + off_hist, 0, off_cand - off_hist, call.s),
                               "cudaMemsetAsync", err);
