@@ -16,3 +16,7 @@ foreach(name working_set crash_sync crash_spill crash_none corrupt concurrent ex
   add_test(NAME e2e_tier_${name} COMMAND e2e_tier ${KVD_TIER_SERVER} ${name})
   set_tests_properties(e2e_tier_${name} PROPERTIES LABELS e2e TIMEOUT 300)
 endforeach()
+
+add_test(NAME e2e_tier_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/tier_cli.sh ${KVD_TIER_SERVER}
+                                   $<TARGET_FILE:kvdepot>)
+set_tests_properties(e2e_tier_cli PROPERTIES LABELS e2e TIMEOUT 120)
