@@ -74,12 +74,14 @@ typedef struct kvd_attn_sparse_args {
 /* Grouping axis of an INT2/INT4 block (layouts agreed with kvdepot/quant.h).
  *
  * KVD_ATTN_AXIS_TOKEN: groups of P consecutive channels of one token
- *   (keys, and values in KIVI mode).
+ *   (keys as HACK groups them, and values in KIVI mode).
  *   codes (Hkv, T, W*bits/8) u8: value j of a row sits in byte j/(8/bits) at
  *         bit offset (j % (8/bits)) * bits.
  *   min, scale (Hkv, T, W/P) f16;  sum (Hkv, T, W/P) u16 = sum of the codes
  * KVD_ATTN_AXIS_CHANNEL: groups of P consecutive tokens of one channel
- *   (values, HACK). T must be a multiple of P.
+ *   (values as HACK groups them; keys as KIVI groups them, which keeps the
+ *   few large-magnitude key channels from setting the scale of the others).
+ *   T must be a multiple of P; for keys P must also divide 256.
  *   codes (Hkv, W, T*bits/8) u8 packed along tokens in the same bit order;
  *   min, scale (Hkv, W, T/P) f16;  sum (Hkv, W, T/P) u16.
  * W is D for keys and Dv for values; x ~ min + scale * code. */
@@ -105,6 +107,12 @@ typedef struct kvd_attn_qdata {
  *                       +   min_g * sum_{j in g} q8_j )
  * i.e. Eq. 4 with a zero query minimum; the integer dot products run on the
  * 2/4-bit codes directly.
+ * Keys, channel axis (KIVI-style): per token group gi (P tokens) and query
+ * head, the query folded with the group's per-channel scales,
+ * w_d = q_d * scale_{d,gi} (f32), is quantized like q above (s_w, w8), and
+ *     q.k_t ~ sum_d q_d min_{d,gi} + s_w * sum_d w8_d c_{d,t}
+ * so the integer dot products run along the channels of each token on the
+ * 2/4-bit codes, with one float bias per group.
  * Values, channel axis: the unnormalised probabilities P_t = exp(s_t - max)
  * are quantized per group of P tokens to uint8, asymmetric
  * (mP = min, sP = (max - min) / 255, p8 = round((P - mP) / sP)); then per
@@ -119,7 +127,7 @@ typedef struct kvd_attn_int_args {
     kvd_attn_dims dims;
     kvd_tensor q;         /* (Hq, D) f32 */
     int64_t n_tokens;     /* T quantized tokens */
-    kvd_attn_qdata k;     /* axis must be TOKEN */
+    kvd_attn_qdata k;     /* TOKEN (HACK) or CHANNEL (KIVI-style) */
     kvd_attn_qdata v;     /* TOKEN or CHANNEL */
     kvd_tensor k_tail;    /* (Hkv, Tt, D), Tt may be 0 */
     kvd_tensor v_tail;    /* (Hkv, Tt, Dv) */

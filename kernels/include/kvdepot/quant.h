@@ -86,7 +86,7 @@
 
 typedef enum kvd_quant_axis {
     KVD_QAXIS_TOKEN = 0,   /* groups along head_dim per token (K; V in KIVI mode) */
-    KVD_QAXIS_CHANNEL = 1, /* groups along tokens per channel (V in HACK mode) */
+    KVD_QAXIS_CHANNEL = 1, /* groups along tokens per channel (V in HACK mode; K in KIVI mode) */
 } kvd_quant_axis;
 
 typedef enum kvd_rounding {
