@@ -22,6 +22,7 @@
  * `test_cuda_ops --self-check` forces that mode (exit 0 when it passes).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -740,8 +741,91 @@ static void test_pq_batch(void)
     dbuf_free(&dcent);
 }
 
+/* ---- transfers and worker threads ---------------------------------------- */
+
+/* Copies over the staging threshold, not a multiple of the staging halves,
+ * at an odd device offset: through the pinned double buffer both ways. */
+static void test_transfers(void)
+{
+    const size_t sizes[] = {1, 4096, (256u << 10) - 1, (256u << 10), (13u << 20) + 7};
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+        const size_t n = sizes[si];
+        unsigned char *h = malloc(n + 1), *back = malloc(n + 1);
+        for (size_t i = 0; i < n; i++)
+            h[i] = (unsigned char)(i * 2654435761u >> 13);
+        dbuf d = dbuf_new(n + 1);
+        kvd_error e;
+        TU_CHECK(kvd_backend_upload(dut, (char *)dptr(&d) + 1, h, n, &e) == 0, "upload: %s", e.msg);
+        memset(back, 0, n);
+        TU_CHECK(kvd_backend_download(dut, back, (char *)dptr(&d) + 1, n, &e) == 0, "download: %s",
+                 e.msg);
+        TU_CHECK(memcmp(h, back, n) == 0, "round trip of %zu bytes differs", n);
+        TU_CHECK(dbuf_guard_ok(&d), "transfer guard");
+        free(h), free(back);
+        dbuf_free(&d);
+    }
+}
+
+/* Worker threads, each on its own stream slot, quantizing their own blocks
+ * concurrently: every result equals the reference's. */
+typedef struct worker {
+    int id, ok;
+} worker;
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    tu_rng r;
+    tu_rng_seed(&r, 100 + (uint64_t)w->id);
+    const int64_t T = 256, D = 128;
+    float *x = malloc(T * D * 4);
+    tu_gen_kv(&r, x, T, D, NULL);
+    kvd_quant_sizes sz;
+    kvd_quant_size(T, D, 2, 32, KVD_QAXIS_TOKEN, &sz, NULL);
+    void *hq = malloc(sz.total_bytes), *got = malloc(sz.total_bytes);
+    kvd_qtensor qr, qd;
+    kvd_qtensor_init(&qr, T, D, 2, 32, KVD_QAXIS_TOKEN, hq, NULL);
+    kvd_tensor tx = mk(KVD_DTYPE_F32, x, 2, T, D, 0);
+    kvd_quantize(ref, &tx, &qr, KVD_ROUND_STOCHASTIC, (uint64_t)w->id, NULL);
+    dbuf dx = dbuf_from(x, T * D * 4);
+    w->ok = 1;
+    for (int it = 0; it < 20; it++) {
+        dbuf dq = dbuf_new(sz.total_bytes);
+        kvd_qtensor_init(&qd, T, D, 2, 32, KVD_QAXIS_TOKEN, dptr(&dq), NULL);
+        kvd_tensor tdx = mk(KVD_DTYPE_F32, dptr(&dx), 2, T, D, 0);
+        if (kvd_quantize(dut, &tdx, &qd, KVD_ROUND_STOCHASTIC, (uint64_t)w->id, NULL) != 0)
+            w->ok = 0;
+        dbuf_get(&dq, got, sz.total_bytes);
+        if (memcmp(got, hq, sz.total_bytes) != 0)
+            w->ok = 0;
+        dbuf_free(&dq);
+    }
+    dbuf_free(&dx);
+    free(x), free(hq), free(got);
+    return NULL;
+}
+
+static void test_threads(void)
+{
+    enum { N = 20 }; /* more threads than stream slots: some share */
+    pthread_t th[N];
+    worker w[N];
+    for (int i = 0; i < N; i++) {
+        w[i] = (worker){i, 0};
+        pthread_create(&th[i], NULL, worker_main, &w[i]);
+    }
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        TU_CHECK(w[i].ok, "worker %d: concurrent quantize differs", i);
+    }
+    kvd_error e;
+    TU_CHECK(kvd_backend_sync(dut, &e) == 0, "sync after workers: %s", e.msg);
+}
+
 static void run_all(void)
 {
+    test_transfers();
+    test_threads();
     test_convert();
     test_hadamard_scale();
     test_quant();
