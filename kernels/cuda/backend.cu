@@ -394,6 +394,16 @@ extern "C" int kvd_backend_cuda_create(int device, kvd_backend **out, kvd_error 
         cuda_free_backend(be);
         return rc;
     }
+    /* Scratch comes from the device's default pool (cudaMallocAsync). With
+     * its default release threshold of 0 the pool hands memory back to the
+     * driver at every synchronisation, and the next op pays a fresh
+     * allocation; keeping up to 512 MiB cached makes scratch a pointer bump. */
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+        uint64_t keep = 512ull << 20;
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    }
+    cudaGetLastError();
     strncpy(c->device_name, prop.name, sizeof c->device_name - 1);
     c->total_mem = prop.totalGlobalMem;
     c->sm_count = prop.multiProcessorCount;
