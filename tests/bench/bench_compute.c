@@ -1,7 +1,7 @@
 /*
  * Compressed caches and compute RPCs: a program that prints tables.
  *
- *   bench_compute SERVER_BIN [max_tokens]
+ *   bench_compute SERVER_BIN [max_tokens] [tables]     (tables: e.g. "34"; default all)
  *
  * Starts kvdepotd on loopback (tests/e2e/harness), then measures
  *   1. page bytes per token per codec, and the ratio to fp16 (sealed pages
@@ -9,7 +9,9 @@
  *   2. client-side encode throughput (GB/s of fp16 input, one thread);
  *   3. Attend latency and queries/s for batches of sequences at 4K and 32K
  *      tokens (raw and INT2 caches) against the alternative: Read the fp16
- *      cache over loopback and attend locally with the same CPU kernels.
+ *      cache over loopback and attend locally with the same CPU kernels;
+ *   4. SparseAttend (PQ top-k, then attention on the chosen tokens) against
+ *      full Attend: time and output error.
  * Sizes follow a decode step of one layer: 32 query heads over 8 kv heads.
  */
 /* Codec tables below list the leading members of kvdepot_codecs only. */
@@ -149,7 +151,9 @@ int main(int argc, char **argv)
         return 2;
     }
     uint64_t max_tokens = argc > 2 ? strtoull(argv[2], NULL, 10) : 32768;
-    table_bytes();
+    const char *tables = argc > 3 ? argv[3] : "1234";
+    if (strchr(tables, '1') || strchr(tables, '2'))
+        table_bytes();
 
     kvd_harness h;
     if (harness_init(&h, argv[1]) || harness_start(&h))
@@ -174,17 +178,19 @@ int main(int argc, char **argv)
         int batch;
         uint64_t tokens;
     } cfg[] = {{8, 4096}, {64, 4096}, {8, 32768}, {16, 32768}};
-    printf("\n3. Attend, one layer, %d q heads / %d kv heads x %d, batch of sequences; "
-           "alternative: Read fp16 over loopback + local attention (same kernels)\n\n",
-           HQ, H, D);
-    printf("| batch x tokens | cache | Attend ms | queries/s | Read+local ms | speed-up | "
-           "out NMSE vs fp16 |\n");
-    printf("|---|---|---:|---:|---:|---:|---:|\n");
+    if (strchr(tables, '3')) {
+        printf("\n3. Attend, one layer, %d q heads / %d kv heads x %d, batch of sequences; "
+               "alternative: Read fp16 over loopback + local attention (same kernels)\n\n",
+               HQ, H, D);
+        printf("| batch x tokens | cache | Attend ms | queries/s | Read+local ms | speed-up | "
+               "out NMSE vs fp16 |\n");
+        printf("|---|---|---:|---:|---:|---:|---:|\n");
+    }
     float *q = malloc(sizeof(float) * HQ * D);
     for (int i = 0; i < HQ * D; i++)
         q[i] = sinf(0.1f * i);
     for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
-        if (cfg[ci].tokens > max_tokens)
+        if (cfg[ci].tokens > max_tokens || !strchr(tables, '3'))
             continue;
         int nb = cfg[ci].batch;
         uint64_t n = cfg[ci].tokens;
@@ -251,6 +257,74 @@ int main(int argc, char **argv)
             for (int w = 0; w < 2; w++)
                 kvdepot_sequence_delete(c, ids[w][s], strlen(ids[w][s]), NULL);
     }
+    /* 4. SparseAttend (PQ top-k + attention on the chosen tokens) vs Attend. */
+    /* Random keys against a small query give a nearly flat softmax, where
+     * no token subset can stand for the whole; a query 8x larger (logit
+     * standard deviation about 3) gives the peaked attention of trained
+     * models, which is what top-k attention is for. */
+    float *q8 = malloc(sizeof(float) * HQ * D);
+    for (int i = 0; i < HQ * D; i++)
+        q8[i] = 8.0f * q[i];
+    printf("\n4. SparseAttend vs full Attend, one sequence, %d q heads / %d kv heads x %d; "
+           "PQ m=16 b=6 (4 K-means steps), k = n/16, 16 initial + 256 recent tokens; "
+           "peaked query (logit std ~3)\n\n",
+           HQ, H, D);
+    printf("| tokens | Attend ms | SparseAttend ms | tokens attended per head | out NMSE vs full |\n");
+    printf("|---:|---:|---:|---:|---:|\n");
+    kvdepot_codecs pq;
+    memset(&pq, 0, sizeof pq);
+    pq.pq_m = 16;
+    pq.pq_bits = 6;
+    pq.pq_iterations = 4;
+    const uint64_t sizes[] = {4096, 32768};
+    for (int si = 0; si < 2; si++) {
+        uint64_t n = sizes[si];
+        if (n > max_tokens || !strchr(tables, '4'))
+            continue;
+        char id[32];
+        snprintf(id, sizeof id, "pq-%d", si);
+        if (make(c, id, n, &pq)) {
+            fprintf(stderr, "append: %s\n", kvdepot_errmsg(NULL));
+            return 1;
+        }
+        kvdepot_attend_query qy = {id, strlen(id), q8, HQ * D, 0, 0};
+        kvdepot_attend_result full, sp;
+        double t0, t_full = 1e9, t_sp = 1e9;
+        for (int rep = 0; rep < 2; rep++) { /* best of two: the first warms up */
+            t0 = now();
+            if (kvdepot_attend(c, 0, 0, &qy, 1, &full))
+                return 1;
+            if (now() - t0 < t_full)
+                t_full = now() - t0;
+            if (rep == 0)
+                kvdepot_attend_results_free(&full, 1);
+        }
+        kvdepot_search_args sa = {id,  strlen(id), 0, q8, HQ * D, (uint32_t)(n / 16),
+                                  16, 256, 0,  0};
+        for (int rep = 0; rep < 2; rep++) {
+            t0 = now();
+            if (kvdepot_sparse_attend(c, &sa, 0, &sp, NULL)) {
+                fprintf(stderr, "sparse attend: %s\n", kvdepot_errmsg(NULL));
+                return 1;
+            }
+            if (now() - t0 < t_sp)
+                t_sp = now() - t0;
+            if (rep == 0)
+                kvdepot_attend_results_free(&sp, 1);
+        }
+        double num = 0, den = 0;
+        for (int i = 0; i < HQ * D; i++) {
+            double d = sp.output[i] - full.output[i];
+            num += d * d;
+            den += (double)full.output[i] * full.output[i];
+        }
+        printf("| %lluK | %.1f | %.1f | %llu | %.2e |\n", (unsigned long long)(n / 1024),
+               t_full * 1e3, t_sp * 1e3, (unsigned long long)sp.num_tokens, num / den);
+        kvdepot_attend_results_free(&full, 1);
+        kvdepot_attend_results_free(&sp, 1);
+        kvdepot_sequence_delete(c, id, strlen(id), NULL);
+    }
+    free(q8);
     free(q);
     kvdepot_close(c);
     harness_destroy(&h, 0);
