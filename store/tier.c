@@ -152,7 +152,7 @@ static uint64_t host_size(size_t len)
 static uint8_t *host_alloc(size_t len)
 {
     void *p = mmap(NULL, (size_t)host_size(len), PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 
