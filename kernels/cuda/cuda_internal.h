@@ -179,6 +179,13 @@ extern const struct kvd_pq_ops kvd__cuda_pq_ops;
 int kvd__cuda_kmeans_train(kvd_cuda_call *call, const kvd_kmeans_params *p, int64_t n, int d,
                            const float *x, int64_t ldx, float *centroids, double *inertia,
                            kvd_error *err);
+/* m K-means at once on the column slices j*dsub.. of x (n, m*dsub), row
+ * stride ldx floats: the device-resident driver (device seeding, batched
+ * SGEMM, fixed-point sums). centroids (m, k, dsub). Seeds from p->seed;
+ * not the CPU's draws. */
+int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p, int m,
+                                 int64_t n, int dsub, const float *x, int64_t ldx,
+                                 float *centroids, kvd_error *err);
 /* Nearest centroid per point, direct sum of squared differences in the
  * order of the CPU reference (bitwise its result). dist2 may be NULL. */
 int kvd__cuda_kmeans_assign(kvd_cuda_call *call, int64_t n, int d, const float *x, int64_t ldx,

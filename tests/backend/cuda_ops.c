@@ -8,9 +8,11 @@
  *   reference's operation order;
  *   Hadamard and the VQ transforms: NMSE thresholds of kernels_convert_quant
  *   and kernels_vq (butterflies vs the O(n^2) definition);
- *   K-means / VQ / PQ training: inertia within 5 % of the CPU's (the GPU's
- *   Lloyd step ranks distances through SGEMM, which rounds differently, so
- *   near-ties may be assigned differently);
+ *   K-means / VQ training: inertia within 5 % of the CPU's (same seeding
+ *   draws, but the GPU's Lloyd step ranks distances through SGEMM, which
+ *   rounds differently, so near-ties may be assigned differently); PQ
+ *   training (device-resident driver, its own draws): quantization error
+ *   within 1.1x the CPU's, the bound kernels_kmeans puts on inertia;
  *   PQ top-k: compared with tie tolerance (same count, same scores in
  *   order, every returned index's true score equal to the score reported,
  *   no duplicates, the forced tokens present).
@@ -594,7 +596,7 @@ static void test_pq(void)
                     }
             free(codes);
         }
-        TU_CHECK(er[1] <= 1.05 * er[0] + 1e-9, "pq train m=%d b=%d: error %g vs %g", m, b, er[1],
+        TU_CHECK(er[1] <= 1.10 * er[0] + 1e-9, /* device seeding: kernels_kmeans's 1.1 */ "pq train m=%d b=%d: error %g vs %g", m, b, er[1],
                  er[0]);
         /* encode with the reference centroids: bitwise */
         dbuf_free(&dc);

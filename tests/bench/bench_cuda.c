@@ -15,7 +15,8 @@
  *                the batched entry point.
  *   kmeans       PQ training of one (layer, kv head) of a 32K-token
  *                prefill (D = 128, m x b = 16x8 and 4x8, 10 Lloyd
- *                iterations), next to an estimate of that prefill's
+ *                iterations; the device-resident driver, with and without
+ *                sub-sampling, and the host-driven exact one), next to an estimate of that prefill's
  *                attention time for the same (layer, kv head): causal
  *                attention is 2*T^2*D*G flops, timed at the fp16 tensor-
  *                core rate measured here with one large cublasGemmEx.
@@ -26,6 +27,7 @@
  * Options: --quick (fewer sizes), --csv FILE (machine-readable rows:
  * table,n,mxb,k,us,gbs,pct).
  */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -353,23 +355,26 @@ static void bench_kmeans(void)
            (long long)T, D);
     printf("measured fp16 GEMM rate %.0f TFLOP/s -> causal attention of that (layer, kv head), "
            "G=%d: %.3f ms (estimate)\n", tflops, G, attn_s * 1e3);
-    printf("%5s %6s %11s %10s %12s\n", "mxb", "iters", "max_points", "ms", "ms/attn");
+    printf("%5s %6s %11s %7s %10s %12s\n", "mxb", "iters", "max_points", "driver", "ms",
+           "ms/attn");
     const int cfgs[2][2] = {{16, 8}, {4, 8}};
     for (int c = 0; c < 2; c++)
-        for (int sub = 0; sub < 2; sub++) {
+        for (int sub = 0; sub < 3; sub++) {
+            /* sub 2: the host-driven driver with the CPU's draws, for contrast */
+            setenv("KVD_CUDA_KMEANS_EXACT", sub == 2 ? "1" : "0", 1);
             const int m = cfgs[c][0], b = cfgs[c][1], K = 1 << b, dsub = D / m;
             void *dcent = dev_alloc((size_t)m * K * dsub * 4);
             train_arg a;
             int64_t shk[2] = {T, D}, shc[3] = {m, K, dsub};
             a.keys = kvd_tensor_make(KVD_DTYPE_F32, dkeys, 2, shk);
             a.cent = kvd_tensor_make(KVD_DTYPE_F32, dcent, 3, shc);
-            a.km = (kvd_kmeans_params){0, 10, 42, sub ? 64 * K : 0};
+            a.km = (kvd_kmeans_params){0, 10, 42, sub == 1 ? 64 * K : 0};
             double t = time_op(run_train, &a, 1, 3);
             char mxb[16];
             snprintf(mxb, sizeof mxb, "%dx%d", m, b);
-            printf("%5s %6d %11lld %10.2f %12.2f\n", mxb, 10, (long long)a.km.max_points, t * 1e3,
-                   attn_s > 0 ? t / attn_s : 0);
-            row_csv("kmeans", T, mxb, a.km.max_points, t * 1e6, 0);
+            printf("%5s %6d %11lld %7s %10.2f %12.2f\n", mxb, 10, (long long)a.km.max_points,
+                   sub == 2 ? "exact" : "device", t * 1e3, attn_s > 0 ? t / attn_s : 0);
+            row_csv(sub == 2 ? "kmeans_exact" : "kmeans", T, mxb, a.km.max_points, t * 1e6, 0);
             kvd_backend_dealloc(be, dcent);
         }
     kvd_backend_dealloc(be, dkeys);
