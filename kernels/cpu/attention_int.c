@@ -1093,10 +1093,15 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
                       + sizeof(float) * (size_t)G * D                          /* scaled q */
                       + 32 * (size_t)G * (c.kcols + 1) * c.kper                /* qpatv */
                       + 32 * (size_t)G * 64                                    /* vpatv */
-                      + sizeof(float) * (size_t)(8 * G * D + 1)                /* wtmp */
-                      + sizeof(float) * 2 * KVD__ATTN_BLOCK * (size_t)G        /* ksw, kbias */
-                      + (size_t)KVD__ATTN_BLOCK / 2 * G * (D + 2)              /* kw8 */
                       + 128;
+        /* channel-grouped keys only: per-group query weights of a block
+         * (kept out of the token-axis case: a page-by-page caller pays this
+         * allocation once per page and kv head) */
+        const int kch = a->k.axis == KVD_ATTN_AXIS_CHANNEL;
+        size_t wbytes = kch ? sizeof(float) * (size_t)(8 * G * D + 1) : 0,
+               sbytes = kch ? sizeof(float) * KVD__ATTN_BLOCK * (size_t)G : 0,
+               w8bytes = kch ? (size_t)KVD__ATTN_BLOCK / 2 * G * (D + 2) : 0;
+        need += wbytes + 2 * sbytes + w8bytes;
         char *buf = malloc(need);
         if (!buf) {
 #pragma omp atomic write
@@ -1121,11 +1126,11 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
         float *qs = (float *)b;
         b += sizeof(float) * (size_t)G * D;
         c.wtmp = (float *)b;
-        b += sizeof(float) * (size_t)(8 * G * D + 1);
+        b += wbytes;
         c.ksw = (float *)b;
-        b += sizeof(float) * KVD__ATTN_BLOCK * (size_t)G;
+        b += sbytes;
         c.kbias = (float *)b;
-        b += sizeof(float) * KVD__ATTN_BLOCK * (size_t)G;
+        b += sbytes;
         c.q8 = (int8_t *)b;
         b += (size_t)G * D;
         c.kw8 = (int8_t *)(((uintptr_t)b + 1) & ~(uintptr_t)1); /* read as int16 pairs */
