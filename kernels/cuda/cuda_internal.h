@@ -185,7 +185,15 @@ int kvd__cuda_kmeans_train(kvd_cuda_call *call, const kvd_kmeans_params *p, int6
  * not the CPU's draws. */
 int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p, int m,
                                  int64_t n, int dsub, const float *x, int64_t ldx,
-                                 float *centroids, kvd_error *err);
+                                 float *centroids, double *inertia, kvd_error *err);
+/* 1 when KVD_CUDA_KMEANS_EXACT=1 asks for the host-driven driver (the CPU's
+ * draws, bitwise-equal seeding; slow). */
+int kvd__cuda_kmeans_exact(void);
+/* One K-means: the device-resident driver (m = 1), or the exact one when
+ * asked for. inertia as in kvdepot/kmeans.h (may be NULL). */
+int kvd__cuda_kmeans_train_auto(kvd_cuda_call *call, const kvd_kmeans_params *p, int64_t n, int d,
+                                const float *x, int64_t ldx, float *centroids, double *inertia,
+                                kvd_error *err);
 /* Nearest centroid per point, direct sum of squared differences in the
  * order of the CPU reference (bitwise its result). dist2 may be NULL. */
 int kvd__cuda_kmeans_assign(kvd_cuda_call *call, int64_t n, int d, const float *x, int64_t ldx,

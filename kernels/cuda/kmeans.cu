@@ -442,9 +442,9 @@ int cuda_train(kvd_backend *be, const kvd_kmeans_params *p, const kvd_tensor *x,
     int rc = kvd__cuda_begin(be, &call, err);
     if (rc)
         return rc;
-    return kvd__cuda_kmeans_train(&call, p, x->shape[0], (int)x->shape[1],
-                                  (const float *)x->data, x->stride[0] / 4,
-                                  (float *)centroids->data, inertia, err);
+    return kvd__cuda_kmeans_train_auto(&call, p, x->shape[0], (int)x->shape[1],
+                                       (const float *)x->data, x->stride[0] / 4,
+                                       (float *)centroids->data, inertia, err);
 }
 
 int cuda_assign(kvd_backend *be, const kvd_tensor *x, const kvd_tensor *centroids,
@@ -711,7 +711,7 @@ __global__ void gather_rows_kernel(long long ns, int D, const float *x, long lon
 
 int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p, int m,
                                  int64_t n, int dsub, const float *x, int64_t ldx,
-                                 float *centroids, kvd_error *err)
+                                 float *centroids, double *inertia, kvd_error *err)
 {
     const int k = p->k, D = m * dsub;
     const unsigned threads = kThreads;
@@ -731,7 +731,7 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
     dim3 pgrid;
 
     /* 1. points: a seeded subset (one for all sub-spaces) or x packed to ld D */
-    if (ns < n || ldx != D) {
+    if (ns < n || ldx != D) { /* from here on the points are (ns, D), ld D */
         TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)ns * D, (void **)&xpack, err));
         if (ns < n) {
             long long *perm = (long long *)malloc(sizeof(long long) * (size_t)n);
@@ -907,6 +907,37 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
                      cudaMemcpyHostToDevice, err));
         }
     }
+    if (locked) {
+        pthread_mutex_unlock(&call->slot->mu);
+        locked = 0;
+    }
+    /* inertia (m == 1): direct-form distances of the clustered points */
+    if (inertia && m == 1) {
+        float *hd = (float *)malloc(sizeof(float) * (size_t)ns);
+        uint32_t *da = asg;
+        if (!hd) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "cuda: kmeans: out of host memory");
+            goto out;
+        }
+        if (!da)
+            rc = kvd__cuda_scratch(call, sizeof(uint32_t) * (size_t)ns, (void **)&asg, err);
+        if (!rc)
+            rc = kvd__cuda_kmeans_assign(call, ns, dsub, xs, xs == x ? ldx : D, k, centroids, asg,
+                                         mind, err);
+        if (!rc)
+            rc = copy(call, hd, mind, sizeof(float) * (size_t)ns, cudaMemcpyDeviceToHost, err);
+        if (!rc)
+            rc = kvd__cuda_wait(call, "kmeans inertia", err);
+        if (!rc) {
+            double in = 0.0;
+            for (int64_t i = 0; i < ns; i++)
+                in += (double)hd[i];
+            *inertia = in;
+        }
+        free(hd);
+        if (rc)
+            goto out;
+    }
     rc = kvd__cuda_wait(call, "kmeans", err);
 out:
     if (locked)
@@ -926,4 +957,19 @@ out:
     kvd__cuda_scratch_free(call, sums);
     kvd__cuda_scratch_free(call, counts);
     return rc;
+}
+
+int kvd__cuda_kmeans_exact(void)
+{
+    const char *e = getenv("KVD_CUDA_KMEANS_EXACT");
+    return e && e[0] == '1';
+}
+
+int kvd__cuda_kmeans_train_auto(kvd_cuda_call *call, const kvd_kmeans_params *p, int64_t n, int d,
+                                const float *x, int64_t ldx, float *centroids, double *inertia,
+                                kvd_error *err)
+{
+    if (kvd__cuda_kmeans_exact())
+        return kvd__cuda_kmeans_train(call, p, n, d, x, ldx, centroids, inertia, err);
+    return kvd__cuda_kmeans_train_multi(call, p, 1, n, d, x, ldx, centroids, inertia, err);
 }

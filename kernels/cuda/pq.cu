@@ -638,11 +638,10 @@ int cuda_train(kvd_backend *be, const kvd_tensor *keys, const kvd_kmeans_params 
     /* All m sub-spaces in one device-resident K-means. KVD_CUDA_KMEANS_EXACT=1
      * selects the host-driven path instead: one K-means per sub-space with
      * the CPU's seeds (km->seed + j) and draws, slower, for comparisons. */
-    const char *exact = getenv("KVD_CUDA_KMEANS_EXACT");
-    if (!(exact && exact[0] == '1')) {
+    if (!kvd__cuda_kmeans_exact()) {
         kvd_kmeans_params p = *km;
         p.k = ksub;
-        return kvd__cuda_kmeans_train_multi(&call, &p, m, n, dsub, x, D, c, err);
+        return kvd__cuda_kmeans_train_multi(&call, &p, m, n, dsub, x, D, c, NULL, err);
     }
     for (int j = 0; j < m && !rc; j++) {
         kvd_kmeans_params p = *km;

@@ -143,8 +143,8 @@ int cuda_train(kvd_backend *be, const kvd_tensor *x, const kvd_kmeans_params *km
     const int d = (int)codebook->shape[1];
     p.k = (int)codebook->shape[0];
     const int64_t npts = x->shape[0] * (x->shape[1] / d);
-    return kvd__cuda_kmeans_train(&call, &p, npts, d, (const float *)x->data, d,
-                                  (float *)codebook->data, inertia, err);
+    return kvd__cuda_kmeans_train_auto(&call, &p, npts, d, (const float *)x->data, d,
+                                       (float *)codebook->data, inertia, err);
 }
 
 template <int DSUB>

@@ -8,11 +8,12 @@
  *   reference's operation order;
  *   Hadamard and the VQ transforms: NMSE thresholds of kernels_convert_quant
  *   and kernels_vq (butterflies vs the O(n^2) definition);
- *   K-means / VQ training: inertia within 5 % of the CPU's (same seeding
- *   draws, but the GPU's Lloyd step ranks distances through SGEMM, which
- *   rounds differently, so near-ties may be assigned differently); PQ
- *   training (device-resident driver, its own draws): quantization error
- *   within 1.1x the CPU's, the bound kernels_kmeans puts on inertia;
+ *   K-means / VQ / PQ training: inertia (PQ: quantization error) within
+ *   1.1x the CPU's, the bound kernels_kmeans puts on inertia: the GPU's
+ *   device-resident driver draws its own k-means++ picks and ranks Lloyd
+ *   distances through SGEMM, so its centroids are not the CPU's. With
+ *   KVD_CUDA_KMEANS_EXACT=1 the host-driven driver (the CPU's draws) runs
+ *   instead; the same bounds hold;
  *   PQ top-k: compared with tie tolerance (same count, same scores in
  *   order, every returned index's true score equal to the score reported,
  *   no duplicates, the forced tokens present).
@@ -23,6 +24,7 @@
  * exercised; the program then prints "skipped" and exits 77.
  * `test_cuda_ops --self-check` forces that mode (exit 0 when it passes).
  */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -336,7 +338,7 @@ static void test_quant(void)
 
 /* ---- K-means, VQ -------------------------------------------------------- */
 
-static void test_kmeans(void)
+static void test_kmeans_one(void)
 {
     tu_rng r;
     tu_rng_seed(&r, 14);
@@ -359,7 +361,7 @@ static void test_kmeans(void)
             TU_CHECK(kvd_kmeans_train(dut, &p, &tdx, &tdc, &id, &e) == 0, "kmeans: %s", e.msg);
             dbuf_get(&dc, cd, (size_t)k * d * 4);
             TU_CHECK(dbuf_guard_ok(&dc), "kmeans guard");
-            TU_CHECK(id <= 1.05 * ir + 1e-9 && id >= 0.0, "kmeans d=%d k=%d inertia %g vs ref %g",
+            TU_CHECK(id <= 1.10 * ir + 1e-9 && id >= 0.0, "kmeans d=%d k=%d inertia %g vs ref %g",
                      d, k, id, ir);
             /* assign: bitwise on the same centroids */
             dbuf dc2 = dbuf_from(cr, (size_t)k * d * 4);
@@ -380,6 +382,16 @@ static void test_kmeans(void)
             free(x), free(cr), free(cd), free(ar), free(ad), free(dr), free(dd);
             dbuf_free(&dx), dbuf_free(&dc), dbuf_free(&dc2), dbuf_free(&da), dbuf_free(&ddist);
         }
+}
+
+/* Both CUDA K-means drivers: device-resident (default) and host-driven. */
+static void test_kmeans(void)
+{
+    setenv("KVD_CUDA_KMEANS_EXACT", "0", 1);
+    test_kmeans_one();
+    setenv("KVD_CUDA_KMEANS_EXACT", "1", 1);
+    test_kmeans_one();
+    setenv("KVD_CUDA_KMEANS_EXACT", "0", 1);
 }
 
 static void test_vq(void)
@@ -440,7 +452,7 @@ static void test_vq(void)
         dbuf dkr = dbuf_from(kr, T * D * 4);
         kvd_tensor tdkr = mk(KVD_DTYPE_F32, dptr(&dkr), 2, T, D, 0);
         TU_CHECK(kvd_vq_train(dut, &tdkr, &km, &tdcb, &id, &e) == 0, "vq train: %s", e.msg);
-        TU_CHECK(id <= 1.05 * ir + 1e-9, "vq train d%db%d inertia %g vs %g", d, b, id, ir);
+        TU_CHECK(id <= 1.10 * ir + 1e-9, "vq train d%db%d inertia %g vs %g", d, b, id, ir);
         TU_CHECK(dbuf_guard_ok(&dcb), "vq train guard");
         /* encode/decode with the reference codebook */
         dbuf_free(&dcb);
@@ -596,7 +608,7 @@ static void test_pq(void)
                     }
             free(codes);
         }
-        TU_CHECK(er[1] <= 1.10 * er[0] + 1e-9, /* device seeding: kernels_kmeans's 1.1 */ "pq train m=%d b=%d: error %g vs %g", m, b, er[1],
+        TU_CHECK(er[1] <= 1.10 * er[0] + 1e-9, "pq train m=%d b=%d: error %g vs %g", m, b, er[1],
                  er[0]);
         /* encode with the reference centroids: bitwise */
         dbuf_free(&dc);
