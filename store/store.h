@@ -274,4 +274,11 @@ int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uin
 /* Unpin; a zeroed or already released handle is a no-op. */
 void kvd_store_page_release(kvd_store *st, kvd_page_handle *h);
 
+/* Ask the background thread to bring pages [block, block + count) of
+ * `layer` into the memory tiers ahead of an acquire (pages past the end are
+ * ignored; so are failures, which the acquire itself reports). Returns 0,
+ * KVD_ENOTFOUND or KVD_EINVAL. */
+int kvd_store_page_prefetch(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                            uint64_t block, uint32_t count, kvd_error *err);
+
 #endif /* KVDEPOT_STORE_H */

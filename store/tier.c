@@ -1055,3 +1055,38 @@ void kvd_store_page_release(kvd_store *st, kvd_page_handle *h)
     free(h->buf_);
     memset(h, 0, sizeof *h);
 }
+
+int kvd_store_page_prefetch(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                            uint64_t block, uint32_t count, kvd_error *err)
+{
+    int rc = kvd__check_seq_id(seq_id, id_len, err);
+    if (rc)
+        return rc;
+    char idb[KVD__ID_STR_MAX];
+    pthread_rwlock_rdlock(&st->lock);
+    kvd__seq *s = kvd__seq_find(st, seq_id, id_len, NULL);
+    if (!s) {
+        pthread_rwlock_unlock(&st->lock);
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
+                             kvd__id_str(seq_id, id_len, idb, sizeof idb));
+    }
+    if (layer >= s->num_layers) {
+        pthread_rwlock_unlock(&st->lock);
+        return kvd_error_set(err, KVD_EINVAL, "layer %u out of the model's %u layers", layer,
+                             s->num_layers);
+    }
+    const kvd__layer *L = &s->layers[layer];
+    for (uint64_t j = block; j < L->npages && j - block < count; j++) {
+        kvd__prefetch_item it = {.page_id = L->pages[j]->id,
+                                 .layer = layer,
+                                 .need = L->pages[j]->num_tokens,
+                                 .B = st->page_tokens,
+                                 .H = s->model->info.num_kv_heads,
+                                 .D = s->model->info.head_dim,
+                                 .p0 = j * st->page_tokens,
+                                 .dtype = s->model->info.dtype};
+        kvd__cache_prefetch(st, &it);
+    }
+    pthread_rwlock_unlock(&st->lock);
+    return 0;
+}

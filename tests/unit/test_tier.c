@@ -245,6 +245,21 @@ static void test_lru(const char *dir)
     kvd_store_stats_get(st, &s);
     CHECK(s.tier_pages[KVD_TIER_DEVICE] == 0 && s.tier_pages[KVD_TIER_HOST] == 0);
     CHECK(check_gen(st, 0, 100, 500) == 0);
+    /* Prefetch for an acquirer: the pages arrive in memory by themselves. */
+    CHECK(kvd_store_seq_evict(st, "s000", 4, NULL, NULL, &e) == 0);
+    kvd_store_stats_get(st, &s);
+    uint64_t before = s.prefetched;
+    CHECK(kvd_store_page_prefetch(st, "s000", 4, 0, 2, 3, &e) == 0);
+    for (int i = 0; i < 200 && s.prefetched < before + 3; i++) {
+        usleep(5000);
+        kvd_store_stats_get(st, &s);
+    }
+    CHECK(s.prefetched == before + 3);
+    CHECK(kvd_store_page_acquire(st, "s000", 4, 0, 3, &h[5], &e) == 0);
+    CHECK(h[5].tier == KVD_TIER_DEVICE && check_page(&h[5], 0, 0, 3) == 0);
+    kvd_store_page_release(st, &h[5]);
+    CHECK(kvd_store_page_prefetch(st, "nope", 4, 0, 0, 1, &e) == KVD_ENOTFOUND);
+    CHECK(kvd_store_page_prefetch(st, "s000", 4, LAYERS, 0, 1, &e) == KVD_EINVAL);
     /* A partial tail page held in fragments is acquirable too. */
     CHECK(append_gen(st, 0, 16 * PT, 3) == 0);
     CHECK(append_gen(st, 0, 16 * PT + 3, 5) == 0);
