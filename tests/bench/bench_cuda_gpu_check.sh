@@ -1,0 +1,31 @@
+#!/bin/sh
+# One call on a GPU machine: build the CUDA backend, run the comparison
+# tests, then the benchmarks. Logs and CSV go to $OUT (default: a temporary
+# directory); the last lines printed are the summary tables.
+#
+#   tests/bench/bench_cuda_gpu_check.sh [--quick]
+set -u
+root=$(cd "$(dirname "$0")/../.." && pwd)
+out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
+build="$root/build-cuda"
+jobs=$(nproc 2>/dev/null || echo 2)
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$out/gpu.txt" 2>&1
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release > "$out/cmake.log" 2>&1 &&
+    cmake --build "$build" -j"$jobs" --target test_cuda_ops test_cuda_backend bench_cuda \
+        > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+
+(cd "$build" && ./tests/test_cuda_backend && ./tests/test_cuda_ops) > "$out/tests.log" 2>&1
+trc=$?
+(cd "$build" && KVD_CUDA_KMEANS_EXACT=1 ./tests/test_cuda_ops) > "$out/tests_exact.log" 2>&1
+erc=$?
+OUT="$out" sh "$root/tests/bench/bench_cuda_run.sh" "$build" ${1:-} > "$out/bench.log" 2>&1
+brc=$?
+
+echo "== $(tail -n +2 "$out/gpu.txt" | head -1)"
+echo "== comparison tests (rc $trc; exact K-means rc $erc)"
+grep -E "FAILED|passed|skipped" "$out/tests.log" | tail -12
+grep -E "passed" "$out/tests_exact.log" | tail -1
+echo "== benchmarks (rc $brc), full output in $out"
+tail -40 "$out/bench.log"
