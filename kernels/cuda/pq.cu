@@ -557,11 +557,11 @@ out:
 int cuda_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
                       const kvd_pq_search_params *p, kvd_error *err)
 {
-    /* Searches of an index over 2^31 tokens would need 64-bit grid math in
-     * the scan; refuse them explicitly rather than mis-index. */
+    /* The select block sorts up to pow2(n) keys with int indices: refuse
+     * indexes over 2^30 tokens explicitly rather than mis-index. */
     for (int64_t i = 0; i < njobs; i++)
-        if (jobs[i].codes->shape[0] > ((int64_t)1 << 31) - kTokensPerBlock)
-            return kvd_error_set(err, KVD_EUNSUPP, "cuda: pq: search over more than 2^31 tokens");
+        if (jobs[i].codes->shape[0] > ((int64_t)1 << 30))
+            return kvd_error_set(err, KVD_EUNSUPP, "cuda: pq: search over more than 2^30 tokens");
     return run_search(be, jobs, njobs, p, err);
 }
 
