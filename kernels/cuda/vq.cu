@@ -1,9 +1,11 @@
 /*
  * VQ codec on the GPU (VecInfer; layouts in kvdepot/vq.h).
  *
- *   smooth_factors    one thread per channel walks the T rows (adjacent
- *                     threads read adjacent channels of a row: coalesced);
- *                     lambda = sqrt(max finite |k|), 1 for an all-zero channel.
+ *   smooth_factors    grid (D/128, min(T, 1024)): a block reads 128
+ *                     adjacent channels of every gridDim.y-th row
+ *                     (coalesced), maxima meet in atomicMax on the float
+ *                     bits; lambda = sqrt(max finite |k|), 1 for an all-zero
+ *                     channel.
  *   transform_keys /  one fused kernel per row: scale (divide by / multiply
  *   transform_queries by lambda) while loading into shared memory, Hadamard
  *                     butterflies there, one f32 store (convert.cu).
@@ -27,16 +29,30 @@ namespace {
 constexpr int kThreads = 256;
 constexpr size_t kSmemCodebook = 48 << 10;
 
-__global__ void smooth_kernel(const char *k, int dtype, long long T, int D, float *lambda)
+/* Max finite |k| per channel: threads of a block = adjacent channels of one
+ * row (coalesced), blocks along y stride over the rows; per-thread maxima
+ * meet in an atomicMax on the float bits (non-negative floats order as
+ * unsigned integers, and a max does not depend on the order: the CPU's
+ * bits). */
+__global__ void smooth_max_kernel(const char *k, int dtype, long long T, int D, unsigned *maxbits)
 {
     const size_t es = dtype == KVD_DTYPE_F32 ? 4 : 2;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= D)
+        return;
+    float m = 0.0f;
+    for (long long t = blockIdx.y; t < T; t += gridDim.y) {
+        float a = fabsf(kvd_ld_float(k + ((size_t)t * D + i) * es, dtype));
+        if (isfinite(a) && a > m)
+            m = a;
+    }
+    atomicMax(&maxbits[i], __float_as_uint(m));
+}
+
+__global__ void smooth_final_kernel(const unsigned *maxbits, int D, float *lambda)
+{
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < D; i += gridDim.x * blockDim.x) {
-        float m = 0.0f;
-        for (long long t = 0; t < T; t++) {
-            float a = fabsf(kvd_ld_float(k + ((size_t)t * D + i) * es, dtype));
-            if (isfinite(a) && a > m)
-                m = a;
-        }
+        float m = __uint_as_float(maxbits[i]);
         lambda[i] = m > 0.0f ? sqrtf(m) : 1.0f;
     }
 }
@@ -105,9 +121,22 @@ int cuda_smooth_factors(kvd_backend *be, const kvd_tensor *k, kvd_tensor *lambda
     if (rc)
         return rc;
     const int D = (int)k->shape[1];
-    smooth_kernel<<<kvd__cuda_blocks(D, 128), 128, 0, call.s>>>(
-        (const char *)k->data, k->dtype, k->shape[0], D, (float *)lambda->data);
-    return kvd__cuda_launched(&call, "vq smooth", err);
+    const long long T = k->shape[0];
+    unsigned *bits = NULL;
+    if ((rc = kvd__cuda_scratch(&call, sizeof(unsigned) * (size_t)D, (void **)&bits, err)))
+        return rc;
+    rc = kvd__cuda_status(call.c, cudaMemsetAsync(bits, 0, sizeof(unsigned) * (size_t)D, call.s),
+                          "cudaMemsetAsync", err);
+    if (!rc) {
+        const unsigned gy = (unsigned)(T < 1024 ? T : 1024);
+        smooth_max_kernel<<<dim3((unsigned)((D + 127) / 128), gy), 128, 0, call.s>>>(
+            (const char *)k->data, k->dtype, T, D, bits);
+        smooth_final_kernel<<<kvd__cuda_blocks(D, 128), 128, 0, call.s>>>(bits, D,
+                                                                          (float *)lambda->data);
+        rc = kvd__cuda_launched(&call, "vq smooth", err);
+    }
+    kvd__cuda_scratch_free(&call, bits);
+    return rc;
 }
 
 int transform(kvd_backend *be, const kvd_tensor *x, const kvd_tensor *lambda, kvd_tensor *out,
