@@ -848,9 +848,13 @@ load_cols(const uint8_t *const *rows, __m256i *X, const int COLS)
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc, const int BITS,
-               const int P, const int VNNI)
+               const int P, const int VNNI, const int GT)
 {
     const kvd_attn_int_args *a = c->a;
+    /* GT: the query heads per kv head as a compile-time constant (0: read
+     * c->G), so a tile's G output vectors stay in registers over the groups
+     * of the block */
+    const int GG = GT ? GT : c->G;
     const int PER = 8 / BITS, COLS = P * BITS / 32, FLUSH = BITS == 2 ? 4 : 2;
     const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
     enum { NGMAX = KVD__ATTN_BLOCK / 32 };
@@ -906,6 +910,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
     const int tparams = ngb == 2 || ngb == 4 || ngb == 8;
     for (int d0 = 0; d0 < c->Dv; d0 += 8) {
         __m128i tsc[8], tmn[8], tcs[8];
+        __m256 o[KVD__ATTN_MAXG]; /* acc rows g, channels d0..d0+7 */
         if (tparams) {
             const kvd_tensor *pt[3] = {&a->v.scale, &a->v.min, &a->v.sum};
             __m128i *po[3] = {tsc, tmn, tcs};
@@ -933,11 +938,14 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                 vcs = param_col(&a->v.sum, c->h, d0, grp, 1);
             }
             __m256i X[16], PL[16][4]; /* fixed sizes (COLS <= 16, PER <= 4): no variable-length arrays */
+            if (gi == 0)
+                for (int g = 0; g < GG; g++)
+                    o[g] = _mm256_loadu_ps(acc + (size_t)g * c->Dv + d0);
             load_cols(rows, X, COLS);
             _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
                 _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                     PL[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(X[cc], pl * BITS), mask);
-            for (int g = 0; g < c->G; g++) {
+            for (int g = 0; g < GG; g++) {
                 __m256i acc32 = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
                 if (VNNI) {
                     __m256i ap[PER];
@@ -945,14 +953,14 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                         ap[pl] = _mm256_setzero_si256();
                     _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
                         _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl]), PL[cc][pl]);
+                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(vp[((size_t)gi * GG + g) * COLS * PER + cc * PER + pl]), PL[cc][pl]);
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
                 for (int cc = 0; !VNNI && cc < COLS; cc++) {
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc16 = _mm256_add_epi16(
-                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(vp[((size_t)gi * c->G + g) * COLS * PER + cc * PER + pl]), PL[cc][pl]));
+                            acc16, _mm256_maddubs_epi16(_mm256_set1_epi32(vp[((size_t)gi * GG + g) * COLS * PER + cc * PER + pl]), PL[cc][pl]));
                     if ((cc + 1) % FLUSH == 0 || cc + 1 == COLS) {
                         acc32 = _mm256_add_epi32(acc32, _mm256_madd_epi16(acc16, ones));
                         acc16 = _mm256_setzero_si256();
@@ -961,12 +969,12 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                 /* sc * (sP*S + mP*cs) + mn * (sP*sum8 + P*mP) */
                 __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(sP[gi][g]), _mm256_cvtepi32_ps(acc32),
                                            _mm256_mul_ps(_mm256_set1_ps(mP[gi][g]), vcs));
-                float *ag = acc + (size_t)g * c->Dv + d0;
-                __m256 o = _mm256_fmadd_ps(vsc, t, _mm256_loadu_ps(ag));
-                o = _mm256_fmadd_ps(vmn, _mm256_set1_ps(corr[gi][g]), o);
-                _mm256_storeu_ps(ag, o);
+                o[g] = _mm256_fmadd_ps(vsc, t, o[g]);
+                o[g] = _mm256_fmadd_ps(vmn, _mm256_set1_ps(corr[gi][g]), o[g]);
             }
         }
+        for (int g = 0; g < GG && ngb > 0; g++)
+            _mm256_storeu_ps(acc + (size_t)g * c->Dv + d0, o[g]);
     }
 }
 
@@ -977,10 +985,14 @@ int_values_channel_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int
 #define KVD__VT(B, PP)                                                   \
     else if (bits == B && P == PP)                                       \
     {                                                                    \
-        if (c->vnni)                                                     \
-            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1);              \
+        if (c->vnni && c->G == 4)                                        \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1, 4);           \
+        else if (c->vnni)                                                \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1, 0);           \
+        else if (c->G == 4)                                              \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0, 4);           \
         else                                                             \
-            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0);              \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0, 0);           \
     }
     if (0) {
     }
