@@ -674,6 +674,86 @@ class Suite {
     check(!names.includes('js-bad'), 'a rejected model was stored');
   }
 
+  // Attention computed here (GQA), over rows[t][h][i]; tokens per kv head or all.
+  static attention(q, k, v, hq, hkv, d, scale, tokens = null) {
+    const g = hq / hkv;
+    const out = [];
+    const lse = [];
+    for (let h = 0; h < hq; h++) {
+      const kh = Math.floor(h / g);
+      const ts = tokens ? tokens[kh] : k.map((_, t) => t);
+      const s = ts.map((t) => { let x = 0; for (let i = 0; i < d; i++) x += q[h * d + i] * k[t][kh][i]; return scale * x; });
+      const mx = Math.max(...s);
+      const w = s.map((x) => Math.exp(x - mx));
+      const z = w.reduce((a, b) => a + b, 0);
+      lse.push(mx + Math.log(z));
+      for (let i = 0; i < d; i++) {
+        let o = 0;
+        ts.forEach((t, j) => { o += w[j] * v[t][kh][i]; });
+        out.push(o / z);
+      }
+    }
+    return { out, lse };
+  }
+
+  // Attend (raw and INT4), PlanFetch and their errors from this client.
+  async tCompute() {
+    const api = this.api;
+    const L = 1, HKV = 2, HQ = 4, D = 32, n = 200;
+    const m = this.model('js-compute', L, HKV, D, { qHeads: HQ, dtype: api.enums.F32 });
+    m.hidden_size = 32;
+    await this.putModel(m);
+    let seed = 12345;
+    const rnd = () => { seed = (seed * 1103515245 + 12345) % 2147483648; return seed / 1073741824 - 1; };
+    const mk = () => Array.from({ length: n }, () => Array.from({ length: HKV }, () => Array.from({ length: D }, rnd)));
+    const rows = mk();
+    const vrows = mk();
+    const buf = Buffer.alloc(2 * n * HKV * D * 4);
+    let off = 0;
+    for (const r of [rows, vrows]) for (const t of r) for (const h of t) for (const x of h) { buf.writeFloatLE(x, off); off += 4; }
+    const q = Array.from({ length: HQ * D }, rnd);
+    const scale = 1 / Math.sqrt(D);
+    const int4 = { codec: 2, quant: { group_size: 32 } };
+    for (const [sid, codecs] of [['js-raw', null], ['js-int4', { k: int4, v: int4 }]]) {
+      await this.create(sid, 'js-compute', codecs ? { codecs } : {});
+      await api.append(sid, buf, 0, n, { dtype: api.enums.F32 });
+      const { data } = await api.read(sid);
+      const vals = [];
+      for (let i = 0; i < data.length; i += 4) vals.push(data.readFloatLE(i));
+      const kb = [], vb = [];
+      for (let t = 0; t < n; t++) {
+        kb.push([]); vb.push([]);
+        for (let h = 0; h < HKV; h++) {
+          kb[t].push(vals.slice((t * HKV + h) * D, (t * HKV + h + 1) * D));
+          vb[t].push(vals.slice(n * HKV * D + (t * HKV + h) * D, n * HKV * D + (t * HKV + h + 1) * D));
+        }
+      }
+      if (!codecs) check(data.equals(buf), 'raw read-back differs');
+      for (const [t0, cnt] of [[0, 0], [7, 150]]) {
+        const r = (await api.unary('Attend', { layer: 0, queries: [{ sequence_id: idBuf(sid), q, token_start: String(t0), num_tokens: String(cnt) }] })).results[0];
+        const c = cnt || n - t0;
+        eq(r.num_tokens, String(c), 'Attend num_tokens');
+        const want = Suite.attention(q, kb.slice(t0, t0 + c), vb.slice(t0, t0 + c), HQ, HKV, D, scale);
+        const tol = codecs ? 3e-2 : 1e-4;
+        for (let i = 0; i < HQ * D; i++) {
+          check(Math.abs(r.output[i] - want.out[i]) <= tol, `${sid} Attend output[${i}] ${r.output[i]} vs ${want.out[i]}`);
+        }
+        for (let h = 0; h < HQ; h++) check(Math.abs(r.lse[h] - want.lse[h]) <= 1e-3, `${sid} lse[${h}]`);
+      }
+    }
+    for (const [bw, fl] of [[1e6, 1e12], [1e9, 1e9]]) {
+      const p = await api.unary('PlanFetch', { sequence_id: idBuf('js-raw'), bandwidth_bytes_per_s: bw, compute_flops_per_s: fl, assume_activations: true });
+      const t = (l) => l * p.activation_bytes_per_token / bw + Math.max(l * p.flops_per_token / fl, (n - l) * p.kv_bytes_per_token / bw);
+      let best = Infinity;
+      for (let l = 0; l <= n; l++) best = Math.min(best, t(l));
+      check(t(Number(p.split_tokens)) <= best * (1 + 1e-9), `PlanFetch split ${p.split_tokens} not minimal`);
+    }
+    await expectCode(S.INVALID_ARGUMENT, this.create('js-bad', 'js-compute', { codecs: { k: { codec: 1, quant: { group_size: 48 } } } }));
+    await expectCode(S.NOT_FOUND, this.stat('js-bad'));
+    await expectCode(S.NOT_FOUND, api.unary('Attend', { layer: 0, queries: [{ sequence_id: idBuf('js-none'), q }] }));
+    await expectCode(S.INVALID_ARGUMENT, api.unary('Attend', { layer: 0, queries: [{ sequence_id: idBuf('js-raw'), q: q.slice(0, D) }] }));
+  }
+
   async tRoundtrip() {
     const info = await this.create('js-seq', 'js-f16');
     eq(info.num_tokens, '0', 'new sequence num_tokens');
@@ -1405,6 +1485,7 @@ class Suite {
       ['concurrent clients', this.tConcurrent],
       ['deletes racing reads/appends', this.tDeleteRaces],
       [`large ${this.args.largeMib} MiB`, this.tLarge],
+      ['compute: attend, plan', this.tCompute],
       ['restart', this.tRestart],
       ['shutdown', this.tShutdown],
     ];
