@@ -16,10 +16,13 @@
 #include "kvdepot/attention.h"
 #include "kvdepot/backend.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
+#include "codec.h"
+#include "page.h"
 
 #define PATH_ATTEND "/kvdepot.v1.KVDepot/Attend"
 #define PATH_PLAN_FETCH "/kvdepot.v1.KVDepot/PlanFetch"
 #define PATH_SEARCH "/kvdepot.v1.KVDepot/Search"
+#define PATH_APPEND_PAGES "/kvdepot.v1.KVDepot/AppendPages"
 #define PATH_SPARSE_ATTEND "/kvdepot.v1.KVDepot/SparseAttend"
 #define ATTEND_MAX_BATCH 1024
 
@@ -432,5 +435,176 @@ done:
         kvdepot_search_result_free(tokens);
     }
     protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
+/* ---- client-side encoding and AppendPages ---------------------------------------- */
+
+void kvdepot_pages_free(kvdepot_page *pages, size_t count)
+{
+    if (!pages)
+        return;
+    for (size_t i = 0; i < count; i++)
+        free(pages[i].data);
+    free(pages);
+}
+
+static void spec_to_kvd(const kvdepot_codec_spec *in, int is_v, kvd_codec_spec *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!in)
+        return;
+    out->codec = (uint8_t)in->codec;
+    out->group = (uint16_t)(in->group_size > 65535 ? 65535 : in->group_size);
+    out->rounding = in->stochastic ? 1 : 0;
+    out->seed = in->seed;
+    out->axis = in->axis == KVDEPOT_AXIS_DEFAULT ? (is_v ? 1 : 0)
+                : in->axis == KVDEPOT_AXIS_TOKEN ? 0
+                : in->axis == KVDEPOT_AXIS_CHANNEL ? 1
+                                                   : 255;
+}
+
+int kvdepot_encode_pages(const kvdepot_model *m, const kvdepot_codecs *codecs,
+                         uint32_t page_tokens, uint32_t layer, uint64_t token_start,
+                         uint64_t num_tokens, const void *k, const void *v, kvdepot_page **pages,
+                         size_t *count)
+{
+    kvdepot__clear_error();
+    if (pages)
+        *pages = NULL;
+    if (count)
+        *count = 0;
+    if (!m || !pages || !count || (num_tokens && (!k || !v)))
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: NULL argument");
+    const size_t es = kvdepot_dtype_size(m->dtype);
+    if (!es || !page_tokens || !m->num_kv_heads || !m->head_dim)
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: bad shape");
+    kvd_codec_spec ks, vs;
+    spec_to_kvd(codecs ? &codecs->k : NULL, 0, &ks);
+    spec_to_kvd(codecs ? &codecs->v : NULL, 1, &vs);
+    kvd_error err;
+    kvd_error_clear(&err);
+    if (kvd_codec_spec_check(&ks, 0, page_tokens, m->head_dim, &err) ||
+        kvd_codec_spec_check(&vs, 1, page_tokens, m->head_dim, &err))
+        return kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: %s", err.msg);
+    kvd_backend *be = kvdepot__cpu_backend();
+    if (!be)
+        return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "encode pages: no CPU backend");
+    const uint64_t B = page_tokens, end = token_start + num_tokens;
+    const uint64_t sink_end = codecs ? ((uint64_t)codecs->raw_sink_tokens + B - 1) / B * B : 0;
+    const uint32_t H = m->num_kv_heads, D = m->head_dim;
+    const size_t row = (size_t)H * D * es, hrow = (size_t)D * es;
+    size_t np = 0, cap = (size_t)(num_tokens / B + 2);
+    kvdepot_page *out = calloc(cap, sizeof *out);
+    uint8_t *hk = malloc((size_t)B * row), *hv = malloc((size_t)B * row);
+    int rc = KVDEPOT_OK;
+    if (!out || !hk || !hv) {
+        rc = kvdepot__fail(NULL, KVDEPOT_ENOMEM, "encode pages: out of memory");
+        goto done;
+    }
+    for (uint64_t t = token_start; t < end; np++) {
+        uint64_t bend = (t / B + 1) * B, pe = bend < end ? bend : end;
+        uint32_t T = (uint32_t)(pe - t);
+        /* wire [token][head][dim] -> head-major [head][token][dim] */
+        for (uint32_t i = 0; i < T; i++)
+            for (uint32_t h = 0; h < H; h++) {
+                size_t src = (size_t)(t - token_start + i) * row + h * hrow;
+                memcpy(hk + ((size_t)h * T + i) * hrow, (const uint8_t *)k + src, hrow);
+                memcpy(hv + ((size_t)h * T + i) * hrow, (const uint8_t *)v + src, hrow);
+            }
+        kvd_page_desc d = {.dtype = (kvd_dtype)m->dtype,
+                           .layer = layer,
+                           .token_start = t,
+                           .num_tokens = T,
+                           .page_tokens = page_tokens,
+                           .num_kv_heads = H,
+                           .head_dim = D};
+        kvd_codec_spec raw = {0, 0, 0, 0, 0};
+        int keep_raw = t < sink_end || T < B;
+        uint8_t *page;
+        size_t len;
+        if (kvd_page_encode(be, &d, keep_raw ? &raw : &ks, keep_raw ? &raw : &vs, hk, hv, &page,
+                            &len, &err)) {
+            rc = kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: %s", err.msg);
+            goto done;
+        }
+        out[np].data = page;
+        out[np].len = len;
+        t = pe;
+    }
+done:
+    free(hk);
+    free(hv);
+    if (rc) {
+        kvdepot_pages_free(out, np);
+        return rc;
+    }
+    *pages = out;
+    *count = np;
+    return KVDEPOT_OK;
+}
+
+int kvdepot_append_pages(kvdepot_client *c, const void *id, size_t id_len,
+                         const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || (!id && id_len) || (!pages && count))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "append pages: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
+                             "append pages: not supported over several servers");
+    /* One message per page (pages are at most a few MiB), the header with
+     * the first. */
+    size_t nmsg = count ? count : 1;
+    kvdepot__raw_msg *msgs = calloc(nmsg, sizeof *msgs);
+    if (!msgs)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "append pages: out of memory");
+    int rc = KVDEPOT_OK;
+    Kvdepot__V1__AppendPagesHeader hdr = KVDEPOT__V1__APPEND_PAGES_HEADER__INIT;
+    hdr.sequence_id.data = (uint8_t *)id;
+    hdr.sequence_id.len = id_len;
+    for (size_t i = 0; i < nmsg; i++) {
+        Kvdepot__V1__AppendPagesRequest req = KVDEPOT__V1__APPEND_PAGES_REQUEST__INIT;
+        ProtobufCBinaryData bd;
+        if (i == 0)
+            req.header = &hdr;
+        if (count) {
+            bd.data = pages[i].data;
+            bd.len = pages[i].len;
+            req.n_pages = 1;
+            req.pages = &bd;
+        }
+        size_t len = protobuf_c_message_get_packed_size(&req.base);
+        uint8_t *buf = malloc(len ? len : 1);
+        if (!buf) {
+            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "append pages: out of memory");
+            break;
+        }
+        protobuf_c_message_pack(&req.base, buf);
+        msgs[i].data = buf;
+        msgs[i].len = len;
+    }
+    void *rb = NULL;
+    size_t rlen = 0;
+    if (rc == KVDEPOT_OK)
+        rc = kvdepot__call_raw(c, PATH_APPEND_PAGES, msgs, nmsg, 0, &rb, &rlen);
+    for (size_t i = 0; i < nmsg; i++)
+        free((void *)msgs[i].data);
+    free(msgs);
+    if (rc == KVDEPOT_OK) {
+        Kvdepot__V1__AppendPagesResponse *r = (Kvdepot__V1__AppendPagesResponse *)
+            protobuf_c_message_unpack(&kvdepot__v1__append_pages_response__descriptor, NULL,
+                                      rlen, rb);
+        if (!r)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "append pages: malformed response");
+        else {
+            if (out && r->sequence)
+                rc = kvdepot__info_from_pb(c, r->sequence, out);
+            protobuf_c_message_free_unpacked(&r->base, NULL);
+        }
+    }
+    free(rb);
     return rc;
 }

@@ -34,6 +34,8 @@ const kvd_method kvd_methods[] = {
           kvd_h_list_sequences, R),
     UNARY(KVD_SVC, DeleteSequence, kvdepot__v1__delete_sequence_request__descriptor,
           kvd_h_delete_sequence, W),
+    {KVD_SVC "AppendPages", "AppendPages", KVD_RPC_CLIENT_STREAM, NULL, NULL,
+     &kvd_append_pages_ops, W},
     UNARY(KVD_SVC, Attend, kvdepot__v1__attend_request__descriptor, kvd_h_attend, R),
     UNARY(KVD_SVC, PlanFetch, kvdepot__v1__plan_fetch_request__descriptor, kvd_h_plan_fetch, R),
     UNARY(KVD_SVC, Search, kvdepot__v1__search_request__descriptor, kvd_h_search, R),

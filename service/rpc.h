@@ -172,6 +172,7 @@ int kvd_h_stats(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kv
 int kvd_h_evict_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
                          kvd_error *);
 extern const kvd_stream_ops kvd_append_ops;
+extern const kvd_stream_ops kvd_append_pages_ops; /* append_pages.c */
 extern const kvd_stream_ops kvd_read_ops;
 extern const kvd_stream_ops kvd_health_watch_ops;
 

@@ -53,7 +53,42 @@ struct kvd_append {
     kvd_seq_codecs codecs;
     int coded;
     uint64_t sink_end;
+    /* Pages encoded by the client (AppendPages), stored verbatim in place of
+     * the page the commit would build for (layer, block). */
+    struct given_page {
+        uint32_t layer;
+        uint64_t block;
+        uint8_t *bytes;
+        size_t len;
+    } *given;
+    size_t ngiven;
 };
+
+int kvd_store_append_give_page(kvd_append *ap, uint32_t layer, uint64_t block,
+                               const uint8_t *page, size_t len, kvd_error *err)
+{
+    struct given_page *g = realloc(ap->given, (ap->ngiven + 1) * sizeof *g);
+    if (!g)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    ap->given = g;
+    g[ap->ngiven].bytes = malloc(len ? len : 1);
+    if (!g[ap->ngiven].bytes)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    memcpy(g[ap->ngiven].bytes, page, len);
+    g[ap->ngiven].layer = layer;
+    g[ap->ngiven].block = block;
+    g[ap->ngiven].len = len;
+    ap->ngiven++;
+    return 0;
+}
+
+static const struct given_page *given_page(const kvd_append *ap, uint32_t layer, uint64_t block)
+{
+    for (size_t i = 0; i < ap->ngiven; i++)
+        if (ap->given[i].layer == layer && ap->given[i].block == block)
+            return &ap->given[i];
+    return NULL;
+}
 
 /* Keep a copy of a finished page for the tiers; best effort. */
 static void keep_built(kvd_append *ap, uint64_t id, const uint8_t *page, size_t len,
@@ -227,6 +262,9 @@ void kvd_store_append_abort(kvd_append *ap)
     for (size_t i = 0; i < ap->nbuilt; i++)
         free(ap->built[i].bytes);
     free(ap->built);
+    for (size_t i = 0; i < ap->ngiven; i++)
+        free(ap->given[i].bytes);
+    free(ap->given);
     free(ap->ids);
     free(ap->bh);
     free(ap->buf);
@@ -549,7 +587,13 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         const uint8_t *wbytes = page;
         size_t wlen = (size_t)size;
         uint8_t *coded = NULL;
-        if (ap->coded && d.num_tokens == B && p0 >= ap->sink_end) {
+        const struct given_page *gp = d.num_tokens == B ? given_page(ap, l, pi) : NULL;
+        if (gp) {
+            /* Encoded once at the client: these bytes are what is stored. */
+            wbytes = gp->bytes;
+            wlen = gp->len;
+            np->bytes = wlen;
+        } else if (ap->coded && d.num_tokens == B && p0 >= ap->sink_end) {
             /* The page seals: store it encoded (the raw tail rule). */
             if ((rc = kvd_page_encode(kvd__codec_backend(), &d, &ap->codecs.k, &ap->codecs.v,
                                       kp, vp, &coded, &wlen, err)))

@@ -41,6 +41,16 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
 int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_seq_codecs *c,
                              int *found, kvd_error *err);
 
+/*
+ * Store `page` (len bytes, a sealed page of `layer` holding block `block`,
+ * already validated by the caller against the sequence) verbatim when the
+ * append commits, instead of the page it would build from the appended
+ * bytes for that block. The bytes are copied. 0 or KVD_ENOMEM.
+ */
+struct kvd_append;
+int kvd_store_append_give_page(struct kvd_append *ap, uint32_t layer, uint64_t block,
+                               const uint8_t *page, size_t len, kvd_error *err);
+
 /* A process-wide single-thread CPU backend for encoding and decoding pages
  * inside the store; NULL when it cannot be created. */
 kvd_backend *kvd__codec_backend(void);

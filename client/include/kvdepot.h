@@ -920,6 +920,48 @@ void kvdepot_search_result_free(kvdepot_search_result *r);
 int kvdepot_sparse_attend(kvdepot_client *client, const kvdepot_search_args *args, float scale,
                           kvdepot_attend_result *out, kvdepot_search_result *tokens);
 
+/* One encoded page (docs/page-format.md): the bytes that cross the network. */
+typedef struct kvdepot_page {
+    void *data;
+    size_t len;
+} kvdepot_page;
+
+/*
+ * Client-side encoding: K and V of `num_tokens` tokens of one layer (wire
+ * layout, [token][kv_head][head_dim] in model->dtype, tokens [token_start,
+ * token_start + num_tokens)) into pages of page_tokens tokens (the server's
+ * page size, SequenceInfo.page_tokens): every page that holds its whole
+ * block is encoded with `codecs` (NULL = raw; blocks before raw_sink_tokens
+ * stay raw), a partial page at either end stays raw. The encoder is the
+ * server's own (same CPU kernels, same bytes for the same spec).
+ * @param[out] pages, count  malloc'd array; free with kvdepot_pages_free
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL (shape, spec the model cannot take);
+ *         KVDEPOT_ENOMEM.
+ */
+int kvdepot_encode_pages(const kvdepot_model *model, const kvdepot_codecs *codecs,
+                         uint32_t page_tokens, uint32_t layer, uint64_t token_start,
+                         uint64_t num_tokens, const void *k, const void *v, kvdepot_page **pages,
+                         size_t *count);
+
+/* Free pages made by kvdepot_encode_pages; NULL is a no-op. */
+void kvdepot_pages_free(kvdepot_page *pages, size_t count);
+
+/*
+ * AppendPages: store pages the client encoded, so only compressed bytes
+ * cross the network. The pages of every layer must continue the layer at
+ * its stored token count and cover the same tokens on contiguous layers;
+ * sealed pages carry the sequence's codecs. All or nothing.
+ * @param[out] out  the sequence after the append (may be NULL); clear with
+ *                  kvdepot_sequence_info_clear()
+ * @return KVDEPOT_OK; KVDEPOT_ECORRUPT (a page failed its checksum or its
+ *         coded sections are malformed); KVDEPOT_EINVAL (shape, codecs,
+ *         tiling); KVDEPOT_EPRECOND (not at the layer's end);
+ *         KVDEPOT_ENOTFOUND; KVDEPOT_ENOMEM (max-append-bytes);
+ *         KVDEPOT_EUNSUPP on a client over several servers.
+ */
+int kvdepot_append_pages(kvdepot_client *client, const void *id, size_t id_len,
+                         const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -836,10 +836,152 @@ static int t_search(kvd_harness *h)
     return 0;
 }
 
+/* Wire K/V of `n` tokens of all layers from a seed (as make_seq appends). */
+static void gen_kv(const kvdepot_model *m, uint64_t n, uint64_t seed, uint16_t **k, uint16_t **v)
+{
+    size_t cnt = (size_t)m->num_layers * n * m->num_kv_heads * m->head_dim;
+    *k = malloc(cnt * 2);
+    *v = malloc(cnt * 2);
+    fill_values(*k, cnt, m->dtype, seed);
+    fill_values(*v, cnt, m->dtype, seed + 1);
+}
+
+/* Pages of every layer of wire K/V ([layer][token][head][dim]) for tokens
+ * [t0, t0 + n), encoded by the client. */
+static int encode_all(const kvdepot_model *m, const kvdepot_codecs *cs, uint64_t t0, uint64_t n,
+                      const uint16_t *k, const uint16_t *v, kvdepot_page **pages, size_t *count)
+{
+    size_t per = (size_t)n * m->num_kv_heads * m->head_dim;
+    kvdepot_page *all = NULL;
+    size_t total = 0;
+    for (uint32_t l = 0; l < m->num_layers; l++) {
+        kvdepot_page *p;
+        size_t np;
+        int rc = kvdepot_encode_pages(m, cs, 256, l, t0, n, k + l * per, v + l * per, &p, &np);
+        if (rc)
+            return rc;
+        all = realloc(all, (total + np) * sizeof *all);
+        memcpy(all + total, p, np * sizeof *p);
+        total += np;
+        free(p);
+    }
+    *pages = all;
+    *count = total;
+    return 0;
+}
+
+/* AppendPages: pages encoded by the client are stored as they are: the
+ * sequence equals one whose pages the server encoded from the same data
+ * (same bytes stored, same Read, same Attend); damaged or mismatched pages
+ * are refused and change nothing. */
+static int t_append_pages(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "ap", 2, 2, 4, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    cs.k.codec = KVDEPOT_CODEC_INT2;
+    cs.v.codec = KVDEPOT_CODEC_INT2;
+    REQUIRE_RC(create_coded(c, "ap", "server", &cs), KVDEPOT_OK);
+    REQUIRE_RC(create_coded(c, "ap", "client", &cs), KVDEPOT_OK);
+    const uint64_t steps[][2] = {{0, 600}, {600, 300}};
+    size_t sent = 0;
+    for (int s = 0; s < 2; s++) {
+        uint64_t t0 = steps[s][0], n = steps[s][1];
+        uint16_t *k, *v;
+        gen_kv(&m, n, 40 + s, &k, &v);
+        kvdepot_append_args aa;
+        memset(&aa, 0, sizeof aa);
+        aa.id = "server";
+        aa.id_len = 6;
+        aa.token_start = t0;
+        aa.num_tokens = n;
+        aa.dtype = m.dtype;
+        aa.k = k;
+        aa.v = v;
+        aa.k_bytes = aa.v_bytes = (size_t)2 * n * 2 * 64 * 2;
+        REQUIRE_RC(kvdepot_sequence_append(c, &aa, NULL), KVDEPOT_OK);
+        kvdepot_page *pages;
+        size_t np;
+        REQUIRE_RC(encode_all(&m, &cs, t0, n, k, v, &pages, &np), KVDEPOT_OK);
+        size_t bytes = 0;
+        for (size_t i = 0; i < np; i++)
+            bytes += pages[i].len;
+        sent += bytes;
+        if (s == 0) {
+            /* errors first: nothing may change */
+            uint8_t *save = malloc(pages[0].len);
+            memcpy(save, pages[0].data, pages[0].len);
+            ((uint8_t *)pages[0].data)[pages[0].len / 2] ^= 1;
+            CHECK_RC(kvdepot_append_pages(c, "client", 6, pages, np, NULL), KVDEPOT_ECORRUPT);
+            memcpy(pages[0].data, save, pages[0].len);
+            free(save);
+            CHECK_RC(kvdepot_append_pages(c, "client", 6, pages + 1, np - 1, NULL),
+                     KVDEPOT_EPRECOND); /* not at the layer's end */
+            kvdepot_page *rawp;
+            size_t nraw;
+            REQUIRE_RC(encode_all(&m, NULL, t0, n, k, v, &rawp, &nraw), KVDEPOT_OK);
+            CHECK_RC(kvdepot_append_pages(c, "client", 6, rawp, nraw, NULL), KVDEPOT_EINVAL);
+            kvdepot_pages_free(rawp, nraw);
+            kvdepot_model wrong = m;
+            wrong.num_kv_heads = 1;
+            wrong.num_q_heads = 2;
+            REQUIRE_RC(kvdepot_encode_pages(&wrong, &cs, 256, 0, 0, n, k, v, &rawp, &nraw),
+                       KVDEPOT_OK);
+            CHECK_RC(kvdepot_append_pages(c, "client", 6, rawp, nraw, NULL), KVDEPOT_EINVAL);
+            kvdepot_pages_free(rawp, nraw);
+            CHECK_RC(kvdepot_append_pages(c, "nope", 4, pages, np, NULL), KVDEPOT_ENOTFOUND);
+            kvdepot_sequence_info info;
+            REQUIRE_RC(kvdepot_sequence_stat(c, "client", 6, &info), KVDEPOT_OK);
+            CHECK(info.num_tokens == 0 && info.stored_bytes == 0);
+            kvdepot_sequence_info_clear(&info);
+        }
+        REQUIRE_RC(kvdepot_append_pages(c, "client", 6, pages, np, NULL), KVDEPOT_OK);
+        kvdepot_pages_free(pages, np);
+        free(k);
+        free(v);
+    }
+    kvdepot_sequence_info a, b;
+    REQUIRE_RC(kvdepot_sequence_stat(c, "server", 6, &a), KVDEPOT_OK);
+    REQUIRE_RC(kvdepot_sequence_stat(c, "client", 6, &b), KVDEPOT_OK);
+    CHECK(a.num_tokens == 900 && b.num_tokens == 900);
+    CHECK(a.stored_bytes == b.stored_bytes);
+    CHECK(a.sealed_pages == b.sealed_pages);
+    printf("AppendPages: %zu page bytes sent for %llu K/V bytes (%.2fx smaller); stored %llu\n",
+           sent, 2ull * 900 * 2 * 64 * 2 * 2, (double)(2ull * 900 * 2 * 64 * 2 * 2) / sent,
+           (unsigned long long)b.stored_bytes);
+    kvdepot_sequence_info_clear(&a);
+    kvdepot_sequence_info_clear(&b);
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    kvdepot_read_result r1, r2;
+    ra.id = "server";
+    ra.id_len = 6;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &r1), KVDEPOT_OK);
+    ra.id = "client";
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &r2), KVDEPOT_OK);
+    CHECK(r1.kv_bytes == r2.kv_bytes && memcmp(r1.k, r2.k, r1.kv_bytes) == 0 &&
+          memcmp(r1.v, r2.v, r1.kv_bytes) == 0);
+    kvdepot_free(r1.owned);
+    kvdepot_free(r2.owned);
+    float *q = make_q(&m, 3);
+    kvdepot_attend_query qs[2] = {{"server", 6, q, 256, 0, 0}, {"client", 6, q, 256, 0, 0}};
+    kvdepot_attend_result res[2];
+    REQUIRE_RC(kvdepot_attend(c, 1, 0, qs, 2, res), KVDEPOT_OK);
+    CHECK(memcmp(res[0].output, res[1].output, 256 * sizeof(float)) == 0);
+    CHECK(memcmp(res[0].lse, res[1].lse, 4 * sizeof(float)) == 0);
+    kvdepot_attend_results_free(res, 2);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
     {"attend", t_attend},     {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
     {"plan_fetch", t_plan_fetch}, {"errors", t_errors},   {"codecs", t_codecs},
-    {"bad_codecs", t_bad_codecs}, {"search", t_search},
+    {"bad_codecs", t_bad_codecs}, {"search", t_search},   {"append_pages", t_append_pages},
 };
 
 int main(int argc, char **argv)
