@@ -696,7 +696,8 @@ class Suite {
     return { out, lse };
   }
 
-  // Attend (raw and INT4), PlanFetch and their errors from this client.
+  // Attend (raw and INT4), Search, SparseAttend, PlanFetch and their errors
+  // from this client.
   async tCompute() {
     const api = this.api;
     const L = 1, HKV = 2, HQ = 4, D = 32, n = 200;
@@ -741,6 +742,34 @@ class Suite {
         for (let h = 0; h < HQ; h++) check(Math.abs(r.lse[h] - want.lse[h]) <= 1e-3, `${sid} lse[${h}]`);
       }
     }
+    // Search + SparseAttend on a PQ-indexed (raw K/V) sequence: SparseAttend
+    // attends over exactly the tokens Search picks, and equals attention over
+    // them computed here.
+    await this.create('js-pq', 'js-compute', { codecs: { pq: { m: 4, bits: 4 } } });
+    await api.append('js-pq', buf, 0, n, { dtype: api.enums.F32 });
+    const sreq = { sequence_id: idBuf('js-pq'), layer: 0, q, k: 20, initial_tokens: 2, recent_tokens: 5 };
+    const sr = await api.unary('Search', sreq);
+    eq(sr.heads.length, HKV, 'Search heads');
+    for (const hd of sr.heads) {
+      eq(hd.tokens.length, 27, 'Search tokens per head (k + initial + recent)');
+      const got = new Set(hd.tokens.map(Number));
+      for (const t of [0, 1, n - 5, n - 1]) check(got.has(t), `Search: forced token ${t} missing`);
+      eq(got.size, 27, 'Search tokens distinct');
+      for (let i = 1; i < hd.scores.length; i++) check(hd.scores[i - 1] >= hd.scores[i], 'Search scores not ordered');
+    }
+    const sa = await api.unary('SparseAttend', { search: sreq });
+    const toks = sa.heads.map((hd) => hd.tokens.map(Number));
+    eq(JSON.stringify(toks), JSON.stringify(sr.heads.map((hd) => hd.tokens.map(Number))), 'SparseAttend tokens vs Search');
+    const sw = Suite.attention(q, rows, vrows, HQ, HKV, D, scale, toks);
+    for (let i = 0; i < HQ * D; i++) {
+      check(Math.abs(sa.result.output[i] - sw.out[i]) <= 1e-4, `SparseAttend output[${i}] ${sa.result.output[i]} vs ${sw.out[i]}`);
+    }
+    for (let h = 0; h < HQ; h++) check(Math.abs(sa.result.lse[h] - sw.lse[h]) <= 1e-3, `SparseAttend lse[${h}]`);
+    await expectCode(S.INVALID_ARGUMENT, api.unary('Search', { ...sreq, k: n + 1 }));
+    await expectCode(S.INVALID_ARGUMENT, api.unary('SparseAttend', { search: { ...sreq, q: q.slice(0, D) } }));
+    await expectCode(S.FAILED_PRECONDITION, api.unary('Search', { ...sreq, sequence_id: idBuf('js-raw') }));
+    await expectCode(S.NOT_FOUND, api.unary('SparseAttend', { search: { ...sreq, sequence_id: idBuf('js-none') } }));
+    eq((await this.stat('js-pq')).num_tokens, String(n), 'js-pq after errors');
     for (const [bw, fl] of [[1e6, 1e12], [1e9, 1e9]]) {
       const p = await api.unary('PlanFetch', { sequence_id: idBuf('js-raw'), bandwidth_bytes_per_s: bw, compute_flops_per_s: fl, assume_activations: true });
       const t = (l) => l * p.activation_bytes_per_token / bw + Math.max(l * p.flops_per_token / fl, (n - l) * p.kv_bytes_per_token / bw);
@@ -1485,7 +1514,7 @@ class Suite {
       ['concurrent clients', this.tConcurrent],
       ['deletes racing reads/appends', this.tDeleteRaces],
       [`large ${this.args.largeMib} MiB`, this.tLarge],
-      ['compute: attend, plan', this.tCompute],
+      ['compute: attend, search, sparse attend, plan', this.tCompute],
       ['restart', this.tRestart],
       ['shutdown', this.tShutdown],
     ];
