@@ -6,6 +6,14 @@
  * chunk into a slice we allocate with room in front, and the protobuf tag and
  * length are written just before the bytes once their count is known. The
  * slice goes to gRPC as is, so the payload is copied once (store -> slice).
+ *
+ * READ_FORMAT_PAGES streams the stored pages instead, one per message, in
+ * (layer, block) order: every page holding a token of the range, so a range
+ * that does not start or end on a block boundary brings the whole first and
+ * last blocks. Pages are acquired one at a time from the store's tiers (as
+ * Attend does), so the message is that page, encoded and checksummed as it
+ * is kept; the header's total_bytes is 0 because page lengths are not known
+ * before each page is loaded.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +39,11 @@ typedef struct read_state {
     size_t chunk;
     uint64_t sent;
     int header_sent;
+    /* READ_FORMAT_PAGES: the next page to send and the end of the blocks. */
+    int pages;
+    kvd_store *store;
+    uint32_t layer, layer_end;
+    uint64_t block, block_first, block_end;
 } read_state;
 
 static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **state,
@@ -45,10 +58,16 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
         (rc = kvd_check_range(req->layer_start, req->num_layers, 32, "layer_start",
                               "num_layers", err)))
         return rc;
-    /* Never answer a request for pages or activations with something else. */
-    if (req->format != KVDEPOT__V1__READ_FORMAT__READ_FORMAT_DECODED || req->activation_tokens)
+    const int pages = req->format == KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES;
+    if (!pages && req->format != KVDEPOT__V1__READ_FORMAT__READ_FORMAT_DECODED)
+        return kvd_error_set(err, KVD_EINVAL, "format: unknown value %d", (int)req->format);
+    if (pages && req->activation_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "activation_tokens: activation-first reads are decoded only");
+    /* Never answer a request for activations with K/V alone. */
+    if (req->activation_tokens)
         return kvd_error_set(err, KVD_EUNSUPP,
-                             "format / activation_tokens: only decoded K/V reads are served yet");
+                             "activation_tokens: activation-first reads are not served yet");
     if (req->max_chunk_bytes > CHUNK_MAX)
         return kvd_error_set(err, KVD_EINVAL, "max_chunk_bytes: %u exceeds the limit %u",
                              req->max_chunk_bytes, CHUNK_MAX);
@@ -77,6 +96,23 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
     memcpy(st->id, req->sequence_id.data, req->sequence_id.len);
     st->id_len = req->sequence_id.len;
     st->chunk = chunk;
+    if (pages) {
+        /* The shape (and the range check) come from the cursor; the pages
+         * themselves are acquired as they are sent. */
+        kvd_store_read_end(st->rd);
+        st->rd = NULL;
+        const uint64_t B = ctx->svc->page_tokens;
+        st->pages = 1;
+        st->store = ctx->svc->store;
+        st->layer = st->shape.layer_start;
+        st->layer_end = st->shape.layer_start + st->shape.num_layers;
+        st->block_first = st->shape.token_start / B;
+        st->block_end = st->shape.num_tokens
+                            ? (st->shape.token_start + st->shape.num_tokens + B - 1) / B
+                            : st->block_first;
+        st->block = st->block_first;
+        st->shape.total_bytes = 0;
+    }
     *state = st;
     return 0;
 }
@@ -90,6 +126,46 @@ static size_t put_varint(uint8_t *p, uint64_t v)
         p[n++] = b | (v ? 0x80 : 0);
     } while (v);
     return n;
+}
+
+/* ReadResponse.data = field 2, wire type 2 (length-delimited), over `len`
+ * bytes already at base + PREFIX_ROOM of slice s (consumed). */
+static grpc_byte_buffer *data_message(grpc_slice s, size_t len)
+{
+    uint8_t *base = GRPC_SLICE_START_PTR(s);
+    uint8_t prefix[PREFIX_ROOM];
+    prefix[0] = (2 << 3) | 2;
+    size_t plen = 1 + put_varint(prefix + 1, len);
+    memcpy(base + PREFIX_ROOM - plen, prefix, plen);
+    grpc_slice msg_slice = grpc_slice_sub(s, PREFIX_ROOM - plen, PREFIX_ROOM + len);
+    grpc_slice_unref(s);
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&msg_slice, 1);
+    grpc_slice_unref(msg_slice);
+    return bb;
+}
+
+/* The next page of a READ_FORMAT_PAGES read; *msg stays NULL after the last. */
+static int next_page(read_state *st, grpc_byte_buffer **msg, kvd_error *err)
+{
+    if (st->block >= st->block_end) {
+        st->layer++;
+        st->block = st->block_first;
+    }
+    if (st->layer >= st->layer_end || st->block >= st->block_end)
+        return 0;
+    kvd_page_handle h;
+    int rc = kvd_store_page_acquire(st->store, st->id, st->id_len, st->layer, st->block, &h,
+                                    err);
+    if (rc)
+        return rc;
+    grpc_slice s = grpc_slice_malloc_large(PREFIX_ROOM + h.len);
+    memcpy(GRPC_SLICE_START_PTR(s) + PREFIX_ROOM, h.bytes, h.len);
+    size_t len = h.len;
+    kvd_store_page_release(st->store, &h);
+    *msg = data_message(s, len);
+    st->sent += len;
+    st->block++;
+    return *msg ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
 }
 
 static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_error *err)
@@ -109,12 +185,16 @@ static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_
         h.head_dim = st->shape.head_dim;
         h.dtype = (Kvdepot__V1__DType)st->shape.dtype;
         h.total_bytes = st->shape.total_bytes;
+        h.format = st->pages ? KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES
+                             : KVDEPOT__V1__READ_FORMAT__READ_FORMAT_DECODED;
         Kvdepot__V1__ReadResponse r = KVDEPOT__V1__READ_RESPONSE__INIT;
         r.header = &h;
         *msg = kvd_pack(&r.base);
         st->header_sent = 1;
         return *msg ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
     }
+    if (st->pages)
+        return next_page(st, msg, err);
     uint64_t left = st->shape.total_bytes - st->sent;
     if (left == 0)
         return 0;
@@ -140,15 +220,7 @@ static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_
                              (unsigned long long)st->sent,
                              (unsigned long long)st->shape.total_bytes);
     }
-    /* ReadResponse.data = field 2, wire type 2 (length-delimited). */
-    uint8_t prefix[PREFIX_ROOM];
-    prefix[0] = (2 << 3) | 2;
-    size_t plen = 1 + put_varint(prefix + 1, got);
-    memcpy(base + PREFIX_ROOM - plen, prefix, plen);
-    grpc_slice msg_slice = grpc_slice_sub(s, PREFIX_ROOM - plen, PREFIX_ROOM + got);
-    grpc_slice_unref(s);
-    *msg = grpc_raw_byte_buffer_create(&msg_slice, 1);
-    grpc_slice_unref(msg_slice);
+    *msg = data_message(s, got);
     st->sent += got;
     return 0;
 }

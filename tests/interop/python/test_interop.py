@@ -669,6 +669,34 @@ class Suite:
         out, lse = self.attention(q, rows, vrows, HQ, HKV, D, scale, tokens=toks)
         for i in range(HQ * D):
             check(abs(sa.result.output[i] - out[i]) <= 1e-4, "SparseAttend output[%d]" % i)
+        # Read in page format: the stored pages unchanged, one per message, every
+        # page holding a token of the range (INT4 where sealed, the tail raw).
+        B = self.stat(b"py-int4").page_tokens
+        t0, cnt = 5, min(B + 10, n - 5)
+        msgs = list(self.api.Read(pb.ReadRequest(
+            sequence_id=b"py-int4", token_start=t0, num_tokens=cnt,
+            format=pb.READ_FORMAT_PAGES), timeout=CALL_TIMEOUT))
+        eq(msgs[0].header.format, pb.READ_FORMAT_PAGES, "Read pages: header format")
+        eq((msgs[0].header.token_start, msgs[0].header.num_tokens), (t0, cnt),
+           "Read pages: header range")
+        pages = [m.data for m in msgs[1:]]
+        eq(len(pages), (t0 + cnt + B - 1) // B - t0 // B, "Read pages: page count")
+        for b, pg in enumerate(pages, start=t0 // B):
+            check(pg[:4] == b"KVDP", "Read pages: page %d magic" % b)
+            layer, ts, nt, pt = struct.unpack_from("<IQII", pg, 12)
+            eq((layer, ts, nt, pt), (0, b * B, min(B, n - b * B), B),
+               "Read pages: page %d header" % b)
+            eq(pg[8], pb.CODEC_INT4 if nt == B else pb.CODEC_RAW,
+               "Read pages: page %d K codec" % b)
+        expect_code(grpc.StatusCode.INVALID_ARGUMENT, lambda: list(self.api.Read(
+            pb.ReadRequest(sequence_id=b"py-int4", format=pb.READ_FORMAT_PAGES,
+                           activation_tokens=1), timeout=CALL_TIMEOUT)))
+        expect_code(grpc.StatusCode.NOT_FOUND, lambda: list(self.api.Read(
+            pb.ReadRequest(sequence_id=b"nope", format=pb.READ_FORMAT_PAGES),
+            timeout=CALL_TIMEOUT)))
+        expect_code(grpc.StatusCode.OUT_OF_RANGE, lambda: list(self.api.Read(
+            pb.ReadRequest(sequence_id=b"py-int4", token_start=n, num_tokens=1,
+                           format=pb.READ_FORMAT_PAGES), timeout=CALL_TIMEOUT)))
         # PlanFetch: the split minimises the documented cost model.
         for bw, fl in ((1e6, 1e12), (1e9, 1e9), (1e8, 1e15)):
             p = PlanFetch(pb.PlanFetchRequest(sequence_id=b"py-raw", bandwidth_bytes_per_s=bw,
