@@ -36,7 +36,11 @@ done
 builder=${KVD_BUILDER:-}
 if [ -z "$builder" ]; then
     for b in docker podman buildah; do
-        if command -v "$b" >/dev/null; then builder=$b; break; fi
+        command -v "$b" >/dev/null || continue
+        # A docker client without a reachable daemon cannot build.
+        [ "$b" = docker ] && ! docker info >/dev/null 2>&1 && continue
+        builder=$b
+        break
     done
 fi
 [ -n "$builder" ] || { echo "build-images: no docker, podman or buildah found" >&2; exit 77; }
