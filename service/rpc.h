@@ -175,5 +175,8 @@ extern const kvd_stream_ops kvd_append_ops;
 extern const kvd_stream_ops kvd_append_pages_ops; /* append_pages.c */
 extern const kvd_stream_ops kvd_read_ops;
 extern const kvd_stream_ops kvd_health_watch_ops;
+extern const kvd_stream_ops kvd_upload_artifacts_ops; /* artifacts.c */
+extern const kvd_stream_ops kvd_get_artifacts_ops;
+extern const kvd_stream_ops kvd_calibrate_ops; /* calibrate.c */
 
 #endif /* KVDEPOT_SERVICE_RPC_H */

@@ -6,6 +6,7 @@
  *   u32 num_layers, u32 num_kv_heads, u32 num_q_heads, u32 head_dim,
  *   u32 hidden_size, u8 dtype, u64 created_unix_ms
  */
+#include "artifact.h"
 #include "store_internal.h"
 
 #include <stdlib.h>
@@ -264,6 +265,8 @@ int kvd_store_model_put(kvd_store *st, const kvd_model_info *m, int replace, kvd
     size_t klen = model_key(info.name, key), rlen = model_encode(&info, rec);
     rocksdb_writebatch_t *b = rocksdb_writebatch_create();
     rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, rlen);
+    if (cur) /* artifacts were computed for the old shape */
+        kvd__artifacts_delete_all(b, info.name);
     if (!cur) {
         /* Reserve the slot first so a failure after the write cannot happen. */
         kvd__model *nm;
@@ -421,6 +424,7 @@ int kvd_store_model_delete(kvd_store *st, const char *name, int force, uint64_t 
     size_t klen = model_key(name, key);
     rocksdb_writebatch_t *b = rocksdb_writebatch_create();
     rocksdb_writebatch_delete(b, (const char *)key, klen);
+    kvd__artifacts_delete_all(b, name);
     rc = kvd__db_write(st, b, err);
     rocksdb_writebatch_destroy(b);
     if (!rc) {

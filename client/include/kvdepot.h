@@ -962,6 +962,121 @@ void kvdepot_pages_free(kvdepot_page *pages, size_t count);
 int kvdepot_append_pages(kvdepot_client *client, const void *id, size_t id_len,
                          const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out);
 
+/* ---- model artifacts ------------------------------------------------------ */
+
+/* What an artifact holds; values equal kvdepot.v1.ArtifactKind. Every
+ * artifact is one f32 array for one (layer, kv head). */
+typedef enum kvdepot_artifact_kind {
+    KVDEPOT_ARTIFACT_KEY_SMOOTHING = 1,   /* (head_dim): key smoothing factors */
+    KVDEPOT_ARTIFACT_VQ_CODEBOOK_K = 2,   /* (2^b, d): keys after smoothing + Hadamard */
+    KVDEPOT_ARTIFACT_VQ_CODEBOOK_V = 3,   /* (2^b, d) */
+    KVDEPOT_ARTIFACT_SVD_ROTATION_K = 4,  /* (head_dim, head_dim), columns by decreasing
+                                             singular value */
+    KVDEPOT_ARTIFACT_SVD_ROTATION_V = 5,
+    KVDEPOT_ARTIFACT_SVD_SPECTRUM_K = 6,  /* (head_dim), decreasing */
+    KVDEPOT_ARTIFACT_SVD_SPECTRUM_V = 7,
+} kvdepot_artifact_kind;
+
+typedef struct kvdepot_artifact {
+    int kind; /* kvdepot_artifact_kind */
+    uint32_t layer;
+    uint32_t kv_head;
+    uint32_t ndim;     /* 1 or 2 */
+    uint32_t shape[2]; /* shape[1] unused when ndim == 1 */
+    float *data;       /* prod(shape) values, row-major */
+} kvdepot_artifact;
+
+/*
+ * UploadArtifacts: store artifacts for `model`, replacing those of the same
+ * (kind, layer, kv head). The server checks every one against the model
+ * (layer and head in range, shapes as listed at kvdepot_artifact_kind,
+ * finite values) before storing any: all or nothing. Artifacts are removed
+ * with their model.
+ * @param[in]  a, count  artifacts (the caller keeps ownership)
+ * @param[out] stored    artifacts stored (may be NULL)
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL (a malformed artifact; nothing stored);
+ *         KVDEPOT_ENOTFOUND (no such model); KVDEPOT_EPERM; KVDEPOT_ENOMEM
+ *         (over max-append-bytes); KVDEPOT_EUNSUPP on a client over several
+ *         servers.
+ */
+int kvdepot_artifacts_upload(kvdepot_client *client, const char *model,
+                             const kvdepot_artifact *a, size_t count, uint32_t *stored);
+
+/*
+ * GetArtifacts: the stored artifacts of `model` whose kind is among
+ * kinds[0..nkinds) (all when nkinds == 0; at most 16 kinds), ordered by
+ * (kind, layer, kv head). The values are bit-exact copies of what was
+ * stored.
+ * @param[out] out, count  malloc'd array (NULL, 0 when none); free with
+ *                         kvdepot_artifacts_free(). NULL, 0 on failure.
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL (unknown kind); KVDEPOT_ENOTFOUND;
+ *         KVDEPOT_EPERM; KVDEPOT_ENOMEM; KVDEPOT_EUNSUPP over several servers.
+ */
+int kvdepot_artifacts_get(kvdepot_client *client, const char *model, const int *kinds,
+                          size_t nkinds, kvdepot_artifact **out, size_t *count);
+
+/* Free what kvdepot_artifacts_get returned; NULL is a no-op. */
+void kvdepot_artifacts_free(kvdepot_artifact *a, size_t count);
+
+/* What Calibrate trains (kvdepot.v1.CalibrateHeader). */
+typedef struct kvdepot_calibrate_args {
+    const char *model;
+    uint32_t vq_sub_dim; /* VQ codebooks of (2^vq_bits, vq_sub_dim); both 0 = no VQ */
+    uint32_t vq_bits;
+    int svd;              /* nonzero: SVD rotations and spectra */
+    uint32_t iterations;  /* K-means iterations; 0 = 10 */
+    uint64_t seed;        /* sampling and K-means seed */
+    uint64_t max_samples; /* tokens kept per layer (uniform reservoir); 0 = 65536 */
+} kvdepot_calibrate_args;
+
+/* One batch of samples of one layer, wire layout in the model dtype:
+ * k and v [token][kv_head][head_dim], q (optional, NULL) [token][q_head][head_dim].
+ * Within a layer either every sample carries q or none does. */
+typedef struct kvdepot_calibrate_sample {
+    uint32_t layer;
+    uint64_t num_tokens;
+    const void *k, *v, *q;
+    size_t kv_bytes; /* bytes of k, and of v */
+    size_t q_bytes;  /* bytes of q */
+} kvdepot_calibrate_sample;
+
+/* Relative reconstruction error ||x - x^||^2 / ||x||^2 of one (layer, kv
+ * head) over its kept samples (0 where not computed). svd_* are the energy
+ * share dropped at the kept widths of removal rate 0.01 (align 8). */
+typedef struct kvdepot_calibration_error {
+    uint32_t layer, kv_head;
+    double vq_k, vq_v, svd_k, svd_v;
+    uint32_t svd_width_k, svd_width_v;
+} kvdepot_calibration_error;
+
+typedef struct kvdepot_calibrate_result {
+    uint64_t samples;    /* tokens received */
+    uint32_t artifacts;  /* artifacts stored */
+    kvdepot_calibration_error *errors; /* one per calibrated (layer, kv head) */
+    size_t n_errors;
+} kvdepot_calibrate_result;
+
+/*
+ * Calibrate: stream samples of `a->model`; the server computes, per (layer,
+ * kv head) with samples, the key smoothing factors, VQ codebooks (when
+ * vq_bits is set; head_dim must be a power of two) and SVD rotations and
+ * spectra (when svd is set), and stores them as the model's artifacts
+ * (replacing those of the same kind, layer and head; read them back with
+ * kvdepot_artifacts_get). Nothing is stored on any error.
+ * @param[out] out  counts and per-head errors (may be NULL); clear with
+ *                  kvdepot_calibrate_result_clear()
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL (VQ spec, sample shape or layer,
+ *         non-finite values, no samples); KVDEPOT_ENOTFOUND (model);
+ *         KVDEPOT_EPERM; KVDEPOT_ENOMEM (sample memory over the server's
+ *         limit); KVDEPOT_EUNSUPP on a client over several servers.
+ */
+int kvdepot_calibrate(kvdepot_client *client, const kvdepot_calibrate_args *a,
+                      const kvdepot_calibrate_sample *samples, size_t count,
+                      kvdepot_calibrate_result *out);
+
+/* Free the errors of a result and zero it; NULL is a no-op. */
+void kvdepot_calibrate_result_clear(kvdepot_calibrate_result *r);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,363 @@
+/*
+ * libkvdepot: model artifacts (UploadArtifacts, GetArtifacts).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "kvdepot/v1/kvdepot.pb-c.h"
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+
+#define PATH_UPLOAD "/kvdepot.v1.KVDepot/UploadArtifacts"
+#define PATH_GET "/kvdepot.v1.KVDepot/GetArtifacts"
+/* Artifacts per upload message: a d8b12 codebook is 128 KiB, a 1024-wide
+ * rotation 4 MiB, so a few per message stay well under message limits. */
+#define UPLOAD_PER_MSG 8
+
+static char tag_send, tag_recv, tag_status;
+
+static uint64_t elems(const kvdepot_artifact *a)
+{
+    uint64_t n = a->ndim >= 1 ? a->shape[0] : 0;
+    if (a->ndim == 2)
+        n *= a->shape[1];
+    return n;
+}
+
+void kvdepot_artifacts_free(kvdepot_artifact *a, size_t count)
+{
+    if (!a)
+        return;
+    for (size_t i = 0; i < count; i++)
+        free(a[i].data);
+    free(a);
+}
+
+int kvdepot_artifacts_upload(kvdepot_client *c, const char *model, const kvdepot_artifact *a,
+                             size_t count, uint32_t *stored)
+{
+    kvdepot__clear_error();
+    if (stored)
+        *stored = 0;
+    if (!c || !model || (!a && count))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "upload artifacts: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
+                             "upload artifacts: not supported over several servers");
+    for (size_t i = 0; i < count; i++)
+        if (a[i].ndim < 1 || a[i].ndim > 2 || !a[i].data)
+            return kvdepot__fail(c, KVDEPOT_EINVAL,
+                                 "upload artifacts: artifact %zu needs 1 or 2 dims and data", i);
+    size_t nmsg = count ? (count + UPLOAD_PER_MSG - 1) / UPLOAD_PER_MSG : 1;
+    kvdepot__raw_msg *msgs = calloc(nmsg, sizeof *msgs);
+    Kvdepot__V1__Artifact *w = calloc(count ? count : 1, sizeof *w);
+    Kvdepot__V1__Artifact **wp = calloc(count ? count : 1, sizeof *wp);
+    uint32_t(*shapes)[2] = calloc(count ? count : 1, sizeof *shapes);
+    int rc = KVDEPOT_OK;
+    if (!msgs || !w || !wp || !shapes)
+        rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "upload artifacts: out of memory");
+    for (size_t i = 0; rc == KVDEPOT_OK && i < count; i++) {
+        kvdepot__v1__artifact__init(&w[i]);
+        w[i].kind = (Kvdepot__V1__ArtifactKind)a[i].kind;
+        w[i].layer = a[i].layer;
+        w[i].kv_head = a[i].kv_head;
+        shapes[i][0] = a[i].shape[0];
+        shapes[i][1] = a[i].shape[1];
+        w[i].n_shape = a[i].ndim;
+        w[i].shape = shapes[i];
+        w[i].data.data = (uint8_t *)a[i].data;
+        w[i].data.len = 4 * elems(&a[i]);
+        wp[i] = &w[i];
+    }
+    for (size_t m = 0; rc == KVDEPOT_OK && m < nmsg; m++) {
+        Kvdepot__V1__UploadArtifactsRequest req = KVDEPOT__V1__UPLOAD_ARTIFACTS_REQUEST__INIT;
+        if (m == 0)
+            req.model = (char *)model;
+        size_t first = m * UPLOAD_PER_MSG;
+        req.n_artifacts = count - first < UPLOAD_PER_MSG ? count - first : UPLOAD_PER_MSG;
+        req.artifacts = count ? wp + first : NULL;
+        size_t len = protobuf_c_message_get_packed_size(&req.base);
+        uint8_t *buf = malloc(len ? len : 1);
+        if (!buf) {
+            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "upload artifacts: out of memory");
+            break;
+        }
+        protobuf_c_message_pack(&req.base, buf);
+        msgs[m].data = buf;
+        msgs[m].len = len;
+    }
+    void *rb = NULL;
+    size_t rlen = 0;
+    if (rc == KVDEPOT_OK)
+        rc = kvdepot__call_raw(c, PATH_UPLOAD, msgs, nmsg, 0, &rb, &rlen);
+    for (size_t m = 0; msgs && m < nmsg; m++)
+        free((void *)msgs[m].data);
+    free(msgs);
+    free(w);
+    free(wp);
+    free(shapes);
+    if (rc == KVDEPOT_OK) {
+        Kvdepot__V1__UploadArtifactsResponse *r = (Kvdepot__V1__UploadArtifactsResponse *)
+            protobuf_c_message_unpack(&kvdepot__v1__upload_artifacts_response__descriptor, NULL,
+                                      rlen, rb);
+        if (!r)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "upload artifacts: malformed response");
+        else {
+            if (stored)
+                *stored = r->artifacts;
+            protobuf_c_message_free_unpacked(&r->base, NULL);
+        }
+    }
+    free(rb);
+    return rc;
+}
+
+/* Append one received artifact to the growing array. */
+static int take(kvdepot_client *c, const Kvdepot__V1__Artifact *w, kvdepot_artifact **arr,
+                size_t *n, size_t *cap)
+{
+    if (w->n_shape < 1 || w->n_shape > 2)
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "get artifacts: server sent a %zu-d artifact",
+                             w->n_shape);
+    kvdepot_artifact a;
+    memset(&a, 0, sizeof a);
+    a.kind = (int)w->kind;
+    a.layer = w->layer;
+    a.kv_head = w->kv_head;
+    a.ndim = (uint32_t)w->n_shape;
+    for (size_t d = 0; d < w->n_shape; d++)
+        a.shape[d] = w->shape[d];
+    if (w->data.len != 4 * elems(&a))
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL,
+                             "get artifacts: data length does not match the shape");
+    if (*n == *cap) {
+        size_t nc = *cap ? 2 * *cap : 16;
+        kvdepot_artifact *na = realloc(*arr, nc * sizeof *na);
+        if (!na)
+            return kvdepot__fail(c, KVDEPOT_ENOMEM, "get artifacts: out of memory");
+        *arr = na;
+        *cap = nc;
+    }
+    a.data = malloc(w->data.len ? w->data.len : 1);
+    if (!a.data)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "get artifacts: out of memory");
+    memcpy(a.data, w->data.data, w->data.len);
+    (*arr)[(*n)++] = a;
+    return KVDEPOT_OK;
+}
+
+int kvdepot_artifacts_get(kvdepot_client *c, const char *model, const int *kinds, size_t nkinds,
+                          kvdepot_artifact **out, size_t *count)
+{
+    kvdepot__clear_error();
+    if (out)
+        *out = NULL;
+    if (count)
+        *count = 0;
+    if (!c || !model || !out || !count || (!kinds && nkinds))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "get artifacts: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
+                             "get artifacts: not supported over several servers");
+    Kvdepot__V1__GetArtifactsRequest req = KVDEPOT__V1__GET_ARTIFACTS_REQUEST__INIT;
+    Kvdepot__V1__ArtifactKind kbuf[16];
+    if (nkinds > 16)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "get artifacts: more than 16 kinds");
+    for (size_t i = 0; i < nkinds; i++)
+        kbuf[i] = (Kvdepot__V1__ArtifactKind)kinds[i];
+    req.model = (char *)model;
+    req.n_kinds = nkinds;
+    req.kinds = kbuf;
+
+    kvdepot__call k;
+    int rc = kvdepot__call_start(c, -1, PATH_GET, &k);
+    if (rc) {
+        kvdepot__call_end(&k);
+        return rc;
+    }
+    grpc_byte_buffer *send = kvdepot__pack(&req.base);
+    if (!send) {
+        kvdepot__call_end(&k);
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "get artifacts: out of memory");
+    }
+    grpc_op ops[4];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    kvdepot__initial_md(c, &ops[0]);
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
+    int ok = kvdepot__call_batch(&k, ops, 4, &tag_send);
+    grpc_byte_buffer_destroy(send);
+
+    kvdepot_artifact *arr = NULL;
+    size_t n = 0, cap = 0;
+    int local = KVDEPOT_OK;
+    if (ok < 0)
+        local = kvdepot__fail(c, KVDEPOT_EINTERNAL, "get artifacts: gRPC refused the call");
+    while (ok == 1 && local == KVDEPOT_OK) {
+        grpc_byte_buffer *bb = NULL;
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_MESSAGE;
+        op.data.recv_message.recv_message = &bb;
+        if (kvdepot__call_batch(&k, &op, 1, &tag_recv) != 1 || !bb) {
+            if (bb)
+                grpc_byte_buffer_destroy(bb);
+            break; /* end of stream or failure: the status tells */
+        }
+        grpc_byte_buffer_reader r;
+        Kvdepot__V1__GetArtifactsResponse *m = NULL;
+        if (grpc_byte_buffer_reader_init(&r, bb)) {
+            grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+            grpc_byte_buffer_reader_destroy(&r);
+            m = (Kvdepot__V1__GetArtifactsResponse *)protobuf_c_message_unpack(
+                &kvdepot__v1__get_artifacts_response__descriptor, NULL, GRPC_SLICE_LENGTH(s),
+                GRPC_SLICE_START_PTR(s));
+            grpc_slice_unref(s);
+        }
+        grpc_byte_buffer_destroy(bb);
+        if (!m || !m->artifact)
+            local = kvdepot__fail(c, KVDEPOT_EINTERNAL, "get artifacts: malformed message");
+        else
+            local = take(c, m->artifact, &arr, &n, &cap);
+        if (m)
+            protobuf_c_message_free_unpacked(&m->base, NULL);
+    }
+    if (local != KVDEPOT_OK && ok >= 0)
+        grpc_call_cancel(k.call, NULL);
+    if (ok >= 0) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+        op.data.recv_status_on_client.trailing_metadata = &k.trailing_md;
+        op.data.recv_status_on_client.status = &k.status;
+        op.data.recv_status_on_client.status_details = &k.details;
+        kvdepot__call_batch(&k, &op, 1, &tag_status);
+    }
+    rc = local != KVDEPOT_OK ? local : kvdepot__call_result(&k);
+    kvdepot__call_end(&k);
+    if (rc != KVDEPOT_OK) {
+        kvdepot_artifacts_free(arr, n);
+        return rc;
+    }
+    *out = arr;
+    *count = n;
+    return KVDEPOT_OK;
+}
+
+/* ---- Calibrate ------------------------------------------------------------- */
+
+#define PATH_CALIBRATE "/kvdepot.v1.KVDepot/Calibrate"
+
+void kvdepot_calibrate_result_clear(kvdepot_calibrate_result *r)
+{
+    if (!r)
+        return;
+    free(r->errors);
+    memset(r, 0, sizeof *r);
+}
+
+int kvdepot_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
+                      const kvdepot_calibrate_sample *samples, size_t count,
+                      kvdepot_calibrate_result *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !a || !a->model || (!samples && count))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "calibrate: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "calibrate: not supported over several servers");
+    /* The header alone, then one message per sample. */
+    size_t nmsg = count + 1;
+    kvdepot__raw_msg *msgs = calloc(nmsg, sizeof *msgs);
+    if (!msgs)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
+    Kvdepot__V1__CalibrateHeader hdr = KVDEPOT__V1__CALIBRATE_HEADER__INIT;
+    Kvdepot__V1__VQSpec vq = KVDEPOT__V1__VQSPEC__INIT;
+    hdr.model = (char *)a->model;
+    if (a->vq_sub_dim || a->vq_bits) {
+        vq.sub_dim = a->vq_sub_dim;
+        vq.bits = a->vq_bits;
+        hdr.vq = &vq;
+    }
+    hdr.svd = a->svd != 0;
+    hdr.iterations = a->iterations;
+    hdr.seed = a->seed;
+    hdr.max_samples = a->max_samples;
+    int rc = KVDEPOT_OK;
+    for (size_t i = 0; i < nmsg; i++) {
+        Kvdepot__V1__CalibrateRequest req = KVDEPOT__V1__CALIBRATE_REQUEST__INIT;
+        Kvdepot__V1__CalibrateSample s = KVDEPOT__V1__CALIBRATE_SAMPLE__INIT;
+        if (i == 0) {
+            req.header = &hdr;
+        } else {
+            const kvdepot_calibrate_sample *in = &samples[i - 1];
+            s.layer = in->layer;
+            s.num_tokens = in->num_tokens;
+            s.k.data = (uint8_t *)in->k;
+            s.k.len = in->k ? in->kv_bytes : 0;
+            s.v.data = (uint8_t *)in->v;
+            s.v.len = in->v ? in->kv_bytes : 0;
+            s.q.data = (uint8_t *)in->q;
+            s.q.len = in->q ? in->q_bytes : 0;
+            req.sample = &s;
+        }
+        size_t len = protobuf_c_message_get_packed_size(&req.base);
+        uint8_t *buf = malloc(len ? len : 1);
+        if (!buf) {
+            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
+            break;
+        }
+        protobuf_c_message_pack(&req.base, buf);
+        msgs[i].data = buf;
+        msgs[i].len = len;
+    }
+    void *rb = NULL;
+    size_t rlen = 0;
+    if (rc == KVDEPOT_OK)
+        rc = kvdepot__call_raw(c, PATH_CALIBRATE, msgs, nmsg, 0, &rb, &rlen);
+    for (size_t i = 0; i < nmsg; i++)
+        free((void *)msgs[i].data);
+    free(msgs);
+    if (rc == KVDEPOT_OK) {
+        Kvdepot__V1__CalibrateResponse *r = (Kvdepot__V1__CalibrateResponse *)
+            protobuf_c_message_unpack(&kvdepot__v1__calibrate_response__descriptor, NULL, rlen,
+                                      rb);
+        if (!r)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "calibrate: malformed response");
+        else {
+            if (out) {
+                out->samples = r->samples;
+                out->artifacts = r->artifacts;
+                out->errors = calloc(r->n_errors ? r->n_errors : 1, sizeof *out->errors);
+                if (!out->errors)
+                    rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
+                for (size_t i = 0; out->errors && i < r->n_errors; i++) {
+                    const Kvdepot__V1__CalibrationError *e = r->errors[i];
+                    kvdepot_calibration_error *o = &out->errors[i];
+                    o->layer = e->layer;
+                    o->kv_head = e->kv_head;
+                    o->vq_k = e->vq_k;
+                    o->vq_v = e->vq_v;
+                    o->svd_k = e->svd_k;
+                    o->svd_v = e->svd_v;
+                    o->svd_width_k = e->svd_width_k;
+                    o->svd_width_v = e->svd_width_v;
+                }
+                if (out->errors)
+                    out->n_errors = r->n_errors;
+            }
+            protobuf_c_message_free_unpacked(&r->base, NULL);
+        }
+    }
+    free(rb);
+    return rc;
+}

@@ -1,0 +1,460 @@
+/*
+ * Calibrate: client-streamed Q/K/V samples of a model in, calibration
+ * artifacts out (kvdepot.proto).
+ *
+ * Samples are converted to f32 as they arrive and kept per layer in a
+ * seeded reservoir of max_samples tokens, so any stream length takes
+ * bounded memory and the kept tokens are a uniform sample. At half-close,
+ * for every (layer, kv head) that received samples:
+ *   - key smoothing factors lambda (kvdepot/vq.h), always;
+ *   - with a VQ spec: K-means codebooks for the smoothed + Hadamard-rotated
+ *     keys and for the values, and their reconstruction error measured in
+ *     the original space (keys rotated back and re-scaled);
+ *   - with svd: rotations and spectra from the Gram matrix of the keys plus
+ *     the queries of the heads reading them (when samples carry Q), and of
+ *     the values; the error is the energy share dropped at removal rate 0.01.
+ * All artifacts are stored in one write; nothing is stored on any error.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "artifact.h"
+#include "convert.h"
+#include "kvdepot/kmeans.h"
+#include "kvdepot/svd.h"
+#include "kvdepot/tensor.h"
+#include "kvdepot/vq.h"
+#include "rpc.h"
+
+#define CAL_DEFAULT_SAMPLES 65536
+#define CAL_DEFAULT_ITERS 10
+#define CAL_SVD_RATE 0.01
+#define CAL_SVD_ALIGN 8
+/* K-means sees at most this many sub-vectors per codebook (a seeded
+ * subset beyond it), bounding the time of one Calibrate. */
+#define CAL_KMEANS_POINTS 262144
+
+typedef struct cal_layer {
+    uint64_t seen, kept;
+    float *k, *v, *q; /* kept tokens: [token][head][D] */
+    int q_state;      /* 0 no samples yet, 1 all carried Q, 2 none did */
+} cal_layer;
+
+typedef struct cal_state {
+    int have_header;
+    kvd_model_info model;
+    uint32_t vq_d, vq_b; /* 0 = no VQ */
+    int svd;
+    uint32_t iters;
+    uint64_t seed, max_samples, rng, samples, kept_bytes;
+    cal_layer *layers;
+} cal_state;
+
+static void cal_release(void *state)
+{
+    cal_state *st = state;
+    if (!st)
+        return;
+    for (uint32_t l = 0; st->layers && l < st->model.num_layers; l++) {
+        free(st->layers[l].k);
+        free(st->layers[l].v);
+        free(st->layers[l].q);
+    }
+    free(st->layers);
+    free(st);
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t x = *s += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* n values of dtype dt to f32; 0, or KVD_EINVAL on a non-finite value. */
+static int to_f32(const uint8_t *src, kvd_dtype dt, size_t n, float *dst)
+{
+    for (size_t i = 0; i < n; i++) {
+        float f;
+        if (dt == KVD_DTYPE_F32)
+            memcpy(&f, src + 4 * i, 4);
+        else {
+            uint16_t h = (uint16_t)(src[2 * i] | (src[2 * i + 1] << 8));
+            f = dt == KVD_DTYPE_F16 ? kvd_f16_to_f32(h) : kvd_bf16_to_f32(h);
+        }
+        if (!isfinite(f))
+            return KVD_EINVAL;
+        dst[i] = f;
+    }
+    return 0;
+}
+
+static int header(kvd_req_ctx *ctx, cal_state *st, const Kvdepot__V1__CalibrateHeader *h,
+                  kvd_error *err)
+{
+    if (!h->model || !h->model[0])
+        return kvd_error_set(err, KVD_EINVAL, "calibrate header names no model");
+    int rc = kvd_ctx_check_model(ctx, h->model, err);
+    if (rc || (rc = kvd_store_model_get(ctx->svc->store, h->model, &st->model, err)))
+        return rc;
+    uint32_t D = st->model.head_dim;
+    if (h->vq && (h->vq->sub_dim || h->vq->bits)) {
+        uint32_t d = h->vq->sub_dim, b = h->vq->bits;
+        if ((d != 2 && d != 4 && d != 8) || b < 4 || b > 12)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "VQ spec d%ub%u: d must be 2, 4 or 8 and b in 4..12", d, b);
+        if (D % d != 0 || (D & (D - 1)) != 0)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "VQ needs head_dim a power of two divisible by d=%u; model %s "
+                                 "has head_dim %u",
+                                 d, st->model.name, D);
+        st->vq_d = d;
+        st->vq_b = b;
+    }
+    st->svd = h->svd;
+    st->iters = h->iterations ? h->iterations : CAL_DEFAULT_ITERS;
+    if (st->iters > 1000)
+        return kvd_error_set(err, KVD_EINVAL, "iterations %u over 1000", st->iters);
+    st->seed = h->seed;
+    st->rng = h->seed ^ 0x6a09e667f3bcc909ull;
+    st->max_samples = h->max_samples ? h->max_samples : CAL_DEFAULT_SAMPLES;
+    st->layers = calloc(st->model.num_layers, sizeof *st->layers);
+    if (!st->layers)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    st->have_header = 1;
+    return 0;
+}
+
+static int sample(kvd_req_ctx *ctx, cal_state *st, const Kvdepot__V1__CalibrateSample *s,
+                  kvd_error *err)
+{
+    const kvd_model_info *m = &st->model;
+    if (s->layer >= m->num_layers)
+        return kvd_error_set(err, KVD_EINVAL, "sample for layer %u; model %s has %u layers",
+                             s->layer, m->name, m->num_layers);
+    uint64_t n = s->num_tokens;
+    size_t es = kvd_dtype_size(m->dtype);
+    size_t krow = (size_t)m->num_kv_heads * m->head_dim, qrow = (size_t)m->num_q_heads * m->head_dim;
+    if (n == 0 || n > (1u << 24) || s->k.len != n * krow * es || s->v.len != n * krow * es)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "layer %u sample: K %zu and V %zu bytes for %llu tokens; want "
+                             "%llu each ([token][%u kv heads][%u] %s)",
+                             s->layer, s->k.len, s->v.len, (unsigned long long)n,
+                             (unsigned long long)(n * krow * es), m->num_kv_heads, m->head_dim,
+                             kvd_dtype_name(m->dtype));
+    int has_q = s->q.len != 0;
+    if (has_q && s->q.len != n * qrow * es)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "layer %u sample: Q %zu bytes; want %llu ([token][%u q heads][%u])",
+                             s->layer, s->q.len, (unsigned long long)(n * qrow * es),
+                             m->num_q_heads, m->head_dim);
+    cal_layer *L = &st->layers[s->layer];
+    if (L->q_state && L->q_state != (has_q ? 1 : 2))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "layer %u: Q given with some samples and not others", s->layer);
+    L->q_state = has_q ? 1 : 2;
+    uint64_t cap = st->max_samples;
+    if (!L->k) {
+        uint64_t rows = n < cap ? n : cap;
+        /* Grow to the cap at most; bytes counted against max-append-bytes. */
+        uint64_t need = cap * (2 * krow + (has_q ? qrow : 0)) * sizeof(float);
+        if (st->kept_bytes + need > 4 * ctx->svc->cfg->max_append_bytes)
+            return kvd_error_set(err, KVD_ENOMEM,
+                                 "max_samples %llu for layer %u needs %llu bytes, over the "
+                                 "limit (4 x max-append-bytes)",
+                                 (unsigned long long)cap, s->layer, (unsigned long long)need);
+        (void)rows;
+        st->kept_bytes += need;
+        L->k = malloc(cap * krow * sizeof(float));
+        L->v = malloc(cap * krow * sizeof(float));
+        L->q = has_q ? malloc(cap * qrow * sizeof(float)) : NULL;
+        if (!L->k || !L->v || (has_q && !L->q))
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory for samples");
+    }
+    for (uint64_t t = 0; t < n; t++) {
+        uint64_t slot = L->kept < cap ? L->kept : rng_next(&st->rng) % (L->seen + 1);
+        L->seen++;
+        if (slot >= cap)
+            continue;
+        if (to_f32(s->k.data + t * krow * es, m->dtype, krow, L->k + slot * krow) ||
+            to_f32(s->v.data + t * krow * es, m->dtype, krow, L->v + slot * krow) ||
+            (has_q && to_f32(s->q.data + t * qrow * es, m->dtype, qrow, L->q + slot * qrow)))
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "layer %u sample: token %llu has a non-finite value", s->layer,
+                                 (unsigned long long)t);
+        if (slot == L->kept)
+            L->kept++;
+    }
+    st->samples += n;
+    return 0;
+}
+
+static int cal_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd_error *err)
+{
+    cal_state *st = *state;
+    if (!st) {
+        st = calloc(1, sizeof *st);
+        if (!st)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        *state = st;
+    }
+    Kvdepot__V1__CalibrateRequest *m = (Kvdepot__V1__CalibrateRequest *)kvd_bb_unpack(
+        &kvdepot__v1__calibrate_request__descriptor, msg);
+    if (!m)
+        return kvd_error_set(err, KVD_EINVAL, "a message does not parse as CalibrateRequest");
+    int rc = 0;
+    if (!st->have_header) {
+        if (!m->header)
+            rc = kvd_error_set(err, KVD_EINVAL, "the first message carries no header");
+        else
+            rc = header(ctx, st, m->header, err);
+    } else if (m->header) {
+        rc = kvd_error_set(err, KVD_EINVAL, "header repeated after the first message");
+    }
+    if (!rc && m->sample)
+        rc = sample(ctx, st, m->sample, err);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    return rc;
+}
+
+/* Copy rows of head h out of [token][head][D] into (n, D). */
+static void gather(const float *src, uint64_t n, uint32_t heads, uint32_t h, uint32_t D,
+                   float *dst)
+{
+    for (uint64_t t = 0; t < n; t++)
+        memcpy(dst + t * D, src + (t * heads + h) * D, D * sizeof(float));
+}
+
+static double rel_err(const float *x, const float *y, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)x[i] - y[i];
+        num += d * d;
+        den += (double)x[i] * x[i];
+    }
+    return den > 0 ? num / den : 0;
+}
+
+/* Train a (2^b, d) codebook on x (n, D) and reconstruct x into y. */
+static int vq_fit(const cal_state *st, uint64_t seed, const float *x, uint64_t n, float *cb,
+                  float *y, kvd_error *err)
+{
+    uint32_t D = st->model.head_dim, d = st->vq_d, b = st->vq_b;
+    kvd_kmeans_params p = {.k = 1 << b,
+                           .niter = (int)st->iters,
+                           .seed = seed,
+                           .max_points = CAL_KMEANS_POINTS};
+    int64_t pts = (int64_t)(n * D / d);
+    int rc = kvd__kmeans_train_cpu(1, 1, &p, pts, (int)d, x, (int64_t)d, cb, NULL);
+    if (rc)
+        return kvd_error_set(err, rc, "K-means of a VQ codebook failed");
+    size_t P = D / d;
+    uint8_t *c8 = b <= 8 ? malloc(n * P) : NULL;
+    uint16_t *c16 = b > 8 ? malloc(n * P * 2) : NULL;
+    if (!c8 && !c16)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    kvd__vq_encode_cpu(1, 1, (int64_t)n, (int)D, (int)d, (int)b, x, cb, c8, c16);
+    rc = kvd_vq_decode_ref((int64_t)n, (int)D, (int)d, (int)b, c8, c16, cb, y);
+    free(c8);
+    free(c16);
+    return rc ? kvd_error_set(err, rc, "VQ decode of calibration samples failed") : 0;
+}
+
+/* Energy share of the rows x (n rows, `stride` floats apart) outside the
+ * first r columns of R. */
+static double svd_err(const float *R, uint32_t D, int r, const float *x, uint64_t n,
+                      size_t stride, float *tmp)
+{
+    kvd_cpu_svd_project_ref(R, (int)D, r, x, KVD_DTYPE_F32, (int64_t)n,
+                            (int64_t)(stride * sizeof(float)), tmp);
+    double tot = 0, kept = 0;
+    for (uint64_t t = 0; t < n; t++)
+        for (uint32_t i = 0; i < D; i++)
+            tot += (double)x[t * stride + i] * x[t * stride + i];
+    for (size_t i = 0; i < n * (size_t)r; i++)
+        kept += (double)tmp[i] * tmp[i];
+    return tot > 0 ? fmax(0.0, 1.0 - kept / tot) : 0;
+}
+
+typedef struct cal_out {
+    kvd_artifact *a;
+    size_t n, cap;
+    Kvdepot__V1__CalibrationError *errs;
+    size_t nerrs;
+} cal_out;
+
+static float *add(cal_out *o, int kind, uint32_t l, uint32_t h, uint32_t r, uint32_t c)
+{
+    if (o->n == o->cap) {
+        size_t nc = o->cap ? 2 * o->cap : 16;
+        kvd_artifact *na = realloc(o->a, nc * sizeof *na);
+        if (!na)
+            return NULL;
+        o->a = na;
+        o->cap = nc;
+    }
+    kvd_artifact *a = &o->a[o->n];
+    memset(a, 0, sizeof *a);
+    a->kind = kind;
+    a->layer = l;
+    a->kv_head = h;
+    a->ndim = c ? 2 : 1;
+    a->shape[0] = r;
+    a->shape[1] = c;
+    a->data = calloc((size_t)r * (c ? c : 1), sizeof(float));
+    if (!a->data)
+        return NULL;
+    o->n++;
+    return a->data;
+}
+
+/* Everything for one (layer, head). */
+static int calibrate_head(const cal_state *st, uint32_t l, uint32_t h, cal_out *o,
+                          Kvdepot__V1__CalibrationError *e, kvd_error *err)
+{
+    const cal_layer *L = &st->layers[l];
+    uint32_t D = st->model.head_dim, H = st->model.num_kv_heads, Hq = st->model.num_q_heads;
+    uint64_t n = L->kept;
+    float *kx = malloc(n * D * sizeof(float)), *vx = malloc(n * D * sizeof(float));
+    float *t1 = malloc(n * D * sizeof(float)), *t2 = malloc(n * D * sizeof(float));
+    double *gram = calloc((size_t)D * D, sizeof(double));
+    int rc = 0;
+    if (!kx || !vx || !t1 || !t2 || !gram) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto out;
+    }
+    gather(L->k, n, H, h, D, kx);
+    gather(L->v, n, H, h, D, vx);
+    e->layer = l;
+    e->kv_head = h;
+    float *lambda = add(o, KVD_ARTIFACT_KEY_SMOOTHING, l, h, D, 0);
+    if (!lambda) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto out;
+    }
+    kvd_vq_smooth_factors_ref((int64_t)n, (int)D, kx, lambda);
+    uint64_t seed = st->seed ^ ((uint64_t)l << 32 | h) * 0x9e3779b97f4a7c15ull;
+    if (st->vq_d) {
+        uint32_t rows = 1u << st->vq_b;
+        float *cbk = add(o, KVD_ARTIFACT_VQ_CODEBOOK_K, l, h, rows, st->vq_d);
+        float *cbv = cbk ? add(o, KVD_ARTIFACT_VQ_CODEBOOK_V, l, h, rows, st->vq_d) : NULL;
+        if (!cbv) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+            goto out;
+        }
+        /* Keys: train in the smoothed + rotated space; measure the error
+         * after rotating back (H_D is its own inverse) and re-scaling. */
+        kvd_vq_transform_keys_ref((int64_t)n, (int)D, kx, lambda, t1);
+        if ((rc = vq_fit(st, seed, t1, n, cbk, t2, err)))
+            goto out;
+        kvd_vq_transform_keys_ref((int64_t)n, (int)D, t2, NULL, t1);
+        for (uint64_t t = 0; t < n; t++)
+            for (uint32_t i = 0; i < D; i++)
+                t1[t * D + i] *= lambda[i];
+        e->vq_k = rel_err(kx, t1, n * D);
+        if ((rc = vq_fit(st, seed + 1, vx, n, cbv, t2, err)))
+            goto out;
+        e->vq_v = rel_err(vx, t2, n * D);
+    }
+    if (st->svd) {
+        for (int which = 0; which < 2; which++) {
+            const float *x = which ? vx : kx;
+            memset(gram, 0, (size_t)D * D * sizeof(double));
+            if ((rc = kvd_svd_gram_accumulate(gram, (int)D, x, KVD_DTYPE_F32, (int64_t)n,
+                                              (int64_t)D * 4, 1.0, err)))
+                goto out;
+            /* Keys: the queries of every head reading this kv head share R. */
+            for (uint32_t j = 0; !which && L->q && j < Hq; j++)
+                if (j / (Hq / H) == h &&
+                    (rc = kvd_svd_gram_accumulate(gram, (int)D, L->q + (size_t)j * D,
+                                                  KVD_DTYPE_F32, (int64_t)n,
+                                                  (int64_t)Hq * D * 4, 1.0, err)))
+                    goto out;
+            float *R = add(o, which ? KVD_ARTIFACT_SVD_ROTATION_V : KVD_ARTIFACT_SVD_ROTATION_K,
+                           l, h, D, D);
+            float *sv = R ? add(o, which ? KVD_ARTIFACT_SVD_SPECTRUM_V
+                                         : KVD_ARTIFACT_SVD_SPECTRUM_K,
+                                l, h, D, 0)
+                          : NULL;
+            if (!sv) {
+                rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                goto out;
+            }
+            if ((rc = kvd_svd_rotation(gram, (int)D, R, sv, err)))
+                goto out;
+            int r = kvd_svd_kept_width(sv, (int)D, CAL_SVD_RATE, CAL_SVD_ALIGN);
+            double er = svd_err(R, D, r, x, n, D, t1);
+            if (which) {
+                e->svd_v = er;
+                e->svd_width_v = (uint32_t)r;
+            } else {
+                e->svd_k = er;
+                e->svd_width_k = (uint32_t)r;
+            }
+        }
+    }
+out:
+    free(kx);
+    free(vx);
+    free(t1);
+    free(t2);
+    free(gram);
+    return rc;
+}
+
+static int cal_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, kvd_error *err)
+{
+    cal_state *st = *state;
+    if (!st || !st->have_header)
+        return kvd_error_set(err, KVD_EINVAL, "empty Calibrate stream (no header)");
+    if (st->samples == 0)
+        return kvd_error_set(err, KVD_EINVAL, "Calibrate stream carried no samples");
+    cal_out o = {0};
+    uint32_t L = st->model.num_layers, H = st->model.num_kv_heads;
+    size_t nheads = 0;
+    for (uint32_t l = 0; l < L; l++)
+        nheads += st->layers[l].kept ? H : 0;
+    o.errs = calloc(nheads, sizeof *o.errs);
+    int rc = o.errs ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    for (uint32_t l = 0; !rc && l < L; l++) {
+        for (uint32_t h = 0; !rc && st->layers[l].kept && h < H; h++) {
+            Kvdepot__V1__CalibrationError *e = &o.errs[o.nerrs++];
+            kvdepot__v1__calibration_error__init(e);
+            rc = calibrate_head(st, l, h, &o, e, err);
+        }
+    }
+    if (!rc && kvd_ctx_expired(ctx))
+        rc = kvd_error_set(err, KVD_ETIMEDOUT, "deadline passed before the artifacts were stored");
+    if (!rc)
+        rc = kvd_store_artifacts_put(ctx->svc->store, st->model.name, o.a, o.n, err);
+    if (!rc) {
+        Kvdepot__V1__CalibrationError **ep = malloc((o.nerrs ? o.nerrs : 1) * sizeof *ep);
+        if (!ep)
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        else {
+            for (size_t i = 0; i < o.nerrs; i++)
+                ep[i] = &o.errs[i];
+            Kvdepot__V1__CalibrateResponse resp = KVDEPOT__V1__CALIBRATE_RESPONSE__INIT;
+            resp.samples = st->samples;
+            resp.artifacts = (uint32_t)o.n;
+            resp.n_errors = o.nerrs;
+            resp.errors = ep;
+            *reply = kvd_pack(&resp.base);
+            if (!*reply)
+                rc = kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+            free(ep);
+        }
+    }
+    kvd_artifacts_free(o.a, o.n);
+    free(o.errs);
+    return rc;
+}
+
+const kvd_stream_ops kvd_calibrate_ops = {
+    .recv = cal_recv,
+    .finish = cal_finish,
+    .release = cal_release,
+};

@@ -1,0 +1,358 @@
+/*
+ * End-to-end tests of model artifacts through libkvdepot: UploadArtifacts
+ * and GetArtifacts round trip bit-exact (also across a restart), kinds
+ * filter, replacement, removal with the model, and malformed uploads that
+ * leave the stored artifacts as they were; Calibrate from synthetic samples
+ * (artifacts checked against their definitions) and its errors.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+static int put_model(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t D)
+{
+    kvdepot_model m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "%s", name);
+    m.num_layers = L;
+    m.num_kv_heads = H;
+    m.head_dim = D;
+    m.dtype = KVDEPOT_DTYPE_F16;
+    return kvdepot_model_put(c, &m, 0, NULL, NULL);
+}
+
+/* An artifact with deterministic values (odd bit patterns included, so a
+ * lossy path would show). */
+static kvdepot_artifact make(int kind, uint32_t layer, uint32_t head, uint32_t r, uint32_t d,
+                             uint32_t seed)
+{
+    kvdepot_artifact a;
+    memset(&a, 0, sizeof a);
+    a.kind = kind;
+    a.layer = layer;
+    a.kv_head = head;
+    a.ndim = d ? 2 : 1;
+    a.shape[0] = r;
+    a.shape[1] = d;
+    size_t n = (size_t)r * (d ? d : 1);
+    a.data = malloc(n * sizeof(float));
+    uint32_t x = seed * 2654435761u + 1;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        a.data[i] = ((float)(x & 0xffffff) / 16777216.0f - 0.5f) * 3.0f + 1e-7f * (float)i;
+    }
+    return a;
+}
+
+static int same(const kvdepot_artifact *a, const kvdepot_artifact *b)
+{
+    size_t n = (size_t)a->shape[0] * (a->ndim == 2 ? a->shape[1] : 1);
+    return a->kind == b->kind && a->layer == b->layer && a->kv_head == b->kv_head &&
+           a->ndim == b->ndim && a->shape[0] == b->shape[0] &&
+           (a->ndim == 1 || a->shape[1] == b->shape[1]) &&
+           memcmp(a->data, b->data, n * sizeof(float)) == 0;
+}
+
+/* The stored artifacts must be exactly want[0..n) (in key order). */
+static int expect(kvdepot_client *c, const char *model, const kvdepot_artifact *want, size_t n)
+{
+    kvdepot_artifact *got = NULL;
+    size_t cnt = 0;
+    int rc = kvdepot_artifacts_get(c, model, NULL, 0, &got, &cnt);
+    int ok = rc == KVDEPOT_OK && cnt == n;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = same(&want[i], &got[i]);
+    if (!ok)
+        fprintf(stderr, "  artifacts of %s: rc %d, %zu of %zu expected, %s\n", model, rc, cnt, n,
+                kvdepot_errmsg(c));
+    kvdepot_artifacts_free(got, cnt);
+    return ok;
+}
+
+static void free_all(kvdepot_artifact *a, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(a[i].data);
+}
+
+static int t_roundtrip(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c, "m", 2, 2, 16), KVDEPOT_OK);
+    /* Key order: kind, layer, head. */
+    kvdepot_artifact a[] = {
+        make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 0, 0, 16, 0, 1),
+        make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 1, 1, 16, 0, 2),
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_K, 0, 1, 256, 4, 3),
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_V, 1, 0, 4096, 8, 4),
+        make(KVDEPOT_ARTIFACT_SVD_ROTATION_K, 0, 0, 16, 16, 5),
+        make(KVDEPOT_ARTIFACT_SVD_ROTATION_V, 1, 1, 16, 16, 6),
+        make(KVDEPOT_ARTIFACT_SVD_SPECTRUM_K, 0, 0, 16, 0, 7),
+        make(KVDEPOT_ARTIFACT_SVD_SPECTRUM_V, 1, 1, 16, 0, 8),
+    };
+    size_t n = sizeof a / sizeof a[0];
+    uint32_t stored = 0;
+    /* Uploaded in reverse order: GetArtifacts answers in key order. */
+    kvdepot_artifact rev[sizeof a / sizeof a[0]];
+    for (size_t i = 0; i < n; i++)
+        rev[i] = a[n - 1 - i];
+    REQUIRE_RC(kvdepot_artifacts_upload(c, "m", rev, n, &stored), KVDEPOT_OK);
+    CHECK(stored == n);
+    CHECK(expect(c, "m", a, n));
+
+    /* Kinds filter. */
+    int kinds[] = {KVDEPOT_ARTIFACT_SVD_ROTATION_K, KVDEPOT_ARTIFACT_KEY_SMOOTHING};
+    kvdepot_artifact *got = NULL;
+    size_t cnt = 0;
+    REQUIRE_RC(kvdepot_artifacts_get(c, "m", kinds, 2, &got, &cnt), KVDEPOT_OK);
+    CHECK(cnt == 3 && same(&got[0], &a[0]) && same(&got[1], &a[1]) && same(&got[2], &a[4]));
+    kvdepot_artifacts_free(got, cnt);
+
+    /* Replacement of one (kind, layer, head). */
+    free(a[1].data);
+    a[1] = make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 1, 1, 16, 0, 99);
+    REQUIRE_RC(kvdepot_artifacts_upload(c, "m", &a[1], 1, NULL), KVDEPOT_OK);
+    CHECK(expect(c, "m", a, n));
+
+    /* Persisted. */
+    kvdepot_close(c);
+    REQUIRE(harness_restart(h) == 0);
+    c = harness_client(h);
+    REQUIRE(c);
+    CHECK(expect(c, "m", a, n));
+
+    /* A model without artifacts answers an empty list; a deleted model's
+     * artifacts go with it, also when a model of that name comes back. */
+    REQUIRE_RC(put_model(c, "other", 1, 1, 8), KVDEPOT_OK);
+    CHECK(expect(c, "other", NULL, 0));
+    CHECK_RC(kvdepot_model_delete(c, "m", 0, NULL), KVDEPOT_OK);
+    CHECK_RC(kvdepot_artifacts_get(c, "m", NULL, 0, &got, &cnt), KVDEPOT_ENOTFOUND);
+    CHECK(got == NULL && cnt == 0);
+    REQUIRE_RC(put_model(c, "m", 2, 2, 16), KVDEPOT_OK);
+    CHECK(expect(c, "m", NULL, 0));
+    free_all(a, n);
+    kvdepot_close(c);
+    return 0;
+}
+
+static int t_errors(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c, "m", 2, 2, 16), KVDEPOT_OK);
+    kvdepot_artifact good[] = {
+        make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 0, 0, 16, 0, 1),
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_K, 1, 1, 16, 2, 2),
+    };
+    REQUIRE_RC(kvdepot_artifacts_upload(c, "m", good, 2, NULL), KVDEPOT_OK);
+
+    kvdepot_artifact bad[] = {
+        make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 0, 0, 8, 0, 3),     /* not head_dim */
+        make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 2, 0, 16, 0, 4),    /* layer out of range */
+        make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 0, 2, 16, 0, 5),    /* head out of range */
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_V, 0, 0, 100, 4, 6),   /* rows not 2^b */
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_V, 0, 0, 256, 3, 7),   /* d not 2, 4, 8 */
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_V, 0, 0, 8192, 4, 8),  /* b > 12 */
+        make(KVDEPOT_ARTIFACT_SVD_ROTATION_K, 0, 0, 16, 8, 9),   /* not square head_dim */
+        make(KVDEPOT_ARTIFACT_SVD_SPECTRUM_V, 0, 0, 16, 16, 10), /* 2-d spectrum */
+        make(9, 0, 0, 16, 0, 11),                                /* unknown kind */
+        make(KVDEPOT_ARTIFACT_SVD_SPECTRUM_K, 0, 0, 16, 0, 12),  /* NaN, set below */
+    };
+    size_t nb = sizeof bad / sizeof bad[0];
+    bad[nb - 1].data[5] = NAN;
+    kvdepot_artifact fresh = make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 0, 0, 16, 0, 50);
+    for (size_t i = 0; i < nb; i++) {
+        /* A good replacement beside the bad one must not be stored either. */
+        kvdepot_artifact pair[2] = {fresh, bad[i]};
+        CHECK_RC(kvdepot_artifacts_upload(c, "m", pair, 2, NULL), KVDEPOT_EINVAL);
+        CHECK(expect(c, "m", good, 2));
+    }
+    CHECK_RC(kvdepot_artifacts_upload(c, "nosuch", good, 1, NULL), KVDEPOT_ENOTFOUND);
+    kvdepot_artifact *got = NULL;
+    size_t cnt = 0;
+    CHECK_RC(kvdepot_artifacts_get(c, "nosuch", NULL, 0, &got, &cnt), KVDEPOT_ENOTFOUND);
+    int kinds[] = {0};
+    CHECK_RC(kvdepot_artifacts_get(c, "m", kinds, 1, &got, &cnt), KVDEPOT_EINVAL);
+    CHECK(got == NULL && cnt == 0);
+    CHECK(expect(c, "m", good, 2));
+    free_all(bad, nb);
+    free_all(good, 2);
+    free(fresh.data);
+    kvdepot_close(c);
+    return 0;
+}
+
+/* Samples of one layer, f32: rank-4 structure plus small noise, channel 3
+ * an outlier (what key smoothing is for). Returns malloc'ed k, v, q. */
+static void make_samples(uint64_t n, uint32_t H, uint32_t Hq, uint32_t D, uint32_t seed,
+                         float **k, float **v, float **q)
+{
+    *k = malloc(n * H * D * sizeof(float));
+    *v = malloc(n * H * D * sizeof(float));
+    *q = malloc(n * Hq * D * sizeof(float));
+    uint32_t x = seed * 747796405u + 1;
+#define RND() (x ^= x << 13, x ^= x >> 17, x ^= x << 5, (float)(x & 0xffff) / 65536.0f - 0.5f)
+    float basis[3][4][64];
+    for (int m = 0; m < 3; m++)
+        for (int r = 0; r < 4; r++)
+            for (uint32_t i = 0; i < D; i++)
+                basis[m][r][i] = RND() * 2.0f;
+    for (uint64_t t = 0; t < n; t++) {
+        for (int m = 0; m < 3; m++) {
+            float *dst = m == 0 ? *k : m == 1 ? *v : *q;
+            uint32_t heads = m == 2 ? Hq : H;
+            for (uint32_t h = 0; h < heads; h++) {
+                float z[4] = {RND(), RND(), RND(), RND()};
+                for (uint32_t i = 0; i < D; i++) {
+                    float a = 0.01f * RND();
+                    for (int r = 0; r < 4; r++)
+                        a += z[r] * basis[m][r][i];
+                    if (m == 0 && i == 3)
+                        a *= 20.0f;
+                    dst[(t * heads + h) * D + i] = a;
+                }
+            }
+        }
+    }
+#undef RND
+}
+
+static int t_calibrate(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    const uint32_t L = 2, H = 2, Hq = 4, D = 16;
+    kvdepot_model m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "cal");
+    m.num_layers = L;
+    m.num_kv_heads = H;
+    m.num_q_heads = Hq;
+    m.head_dim = D;
+    m.dtype = KVDEPOT_DTYPE_F32;
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    const uint64_t n = 300;
+    float *k, *v, *q;
+    make_samples(2 * n, H, Hq, D, 7, &k, &v, &q);
+    kvdepot_calibrate_sample s[2];
+    for (int i = 0; i < 2; i++) {
+        s[i] = (kvdepot_calibrate_sample){.layer = 0,
+                                          .num_tokens = n,
+                                          .k = k + i * n * H * D,
+                                          .v = v + i * n * H * D,
+                                          .q = q + i * n * Hq * D,
+                                          .kv_bytes = n * H * D * 4,
+                                          .q_bytes = n * Hq * D * 4};
+    }
+    kvdepot_calibrate_args a = {.model = "cal", .vq_sub_dim = 4, .vq_bits = 6, .svd = 1,
+                                .seed = 11};
+    kvdepot_calibrate_result res;
+    REQUIRE_RC(kvdepot_calibrate(c, &a, s, 2, &res), KVDEPOT_OK);
+    CHECK(res.samples == 2 * n);
+    CHECK(res.artifacts == H * 7);
+    CHECK(res.n_errors == H);
+    for (size_t i = 0; i < res.n_errors; i++) {
+        const kvdepot_calibration_error *e = &res.errors[i];
+        CHECK(e->layer == 0 && e->kv_head == i);
+        CHECK(e->vq_k > 0 && e->vq_k < 0.3 && e->vq_v > 0 && e->vq_v < 0.3);
+        /* Rank-4 data: the kept width is the alignment, almost lossless
+         * (keys share R with queries of another basis: rank 8). */
+        CHECK(e->svd_width_v == 8 && e->svd_v < 1e-3);
+        CHECK(e->svd_width_k == 8 && e->svd_k < 1e-3);
+    }
+    kvdepot_calibrate_result_clear(&res);
+
+    kvdepot_artifact *got = NULL;
+    size_t cnt = 0;
+    REQUIRE_RC(kvdepot_artifacts_get(c, "cal", NULL, 0, &got, &cnt), KVDEPOT_OK);
+    CHECK(cnt == H * 7);
+    for (size_t i = 0; i < cnt; i++) {
+        const kvdepot_artifact *x = &got[i];
+        CHECK(x->layer == 0);
+        if (x->kind == KVDEPOT_ARTIFACT_KEY_SMOOTHING) {
+            /* lambda_i = sqrt(max_t |K_t,i|) over all samples (all were kept). */
+            for (uint32_t d = 0; d < D; d++) {
+                float mx = 0;
+                for (uint64_t t = 0; t < 2 * n; t++)
+                    mx = fmaxf(mx, fabsf(k[(t * H + x->kv_head) * D + d]));
+                CHECK(fabsf(x->data[d] - sqrtf(mx)) <= 1e-6f * sqrtf(mx));
+            }
+        }
+        if (x->kind == KVDEPOT_ARTIFACT_SVD_ROTATION_K || x->kind == KVDEPOT_ARTIFACT_SVD_ROTATION_V) {
+            double worst = 0; /* R^T R = I */
+            for (uint32_t i2 = 0; i2 < D; i2++)
+                for (uint32_t j = 0; j < D; j++) {
+                    double dot = 0;
+                    for (uint32_t r = 0; r < D; r++)
+                        dot += (double)x->data[r * D + i2] * x->data[r * D + j];
+                    worst = fmax(worst, fabs(dot - (i2 == j)));
+                }
+            CHECK(worst < 1e-4);
+        }
+        if (x->kind == KVDEPOT_ARTIFACT_VQ_CODEBOOK_K)
+            CHECK(x->ndim == 2 && x->shape[0] == 64 && x->shape[1] == 4);
+    }
+
+    /* Errors leave the artifacts as they were. */
+    kvdepot_calibrate_sample b = s[0];
+    b.kv_bytes -= 4;
+    CHECK_RC(kvdepot_calibrate(c, &a, &b, 1, NULL), KVDEPOT_EINVAL);
+    b = s[0];
+    b.layer = L;
+    CHECK_RC(kvdepot_calibrate(c, &a, &b, 1, NULL), KVDEPOT_EINVAL);
+    b = s[0];
+    b.q_bytes = 8;
+    CHECK_RC(kvdepot_calibrate(c, &a, &b, 1, NULL), KVDEPOT_EINVAL);
+    kvdepot_calibrate_sample mixed[2] = {s[0], s[1]};
+    mixed[1].q = NULL;
+    CHECK_RC(kvdepot_calibrate(c, &a, mixed, 2, NULL), KVDEPOT_EINVAL);
+    float saved = k[5];
+    k[5] = NAN;
+    CHECK_RC(kvdepot_calibrate(c, &a, s, 1, NULL), KVDEPOT_EINVAL);
+    k[5] = saved;
+    kvdepot_calibrate_args bad = a;
+    bad.vq_sub_dim = 3;
+    CHECK_RC(kvdepot_calibrate(c, &bad, s, 1, NULL), KVDEPOT_EINVAL);
+    bad = a;
+    bad.vq_bits = 13;
+    CHECK_RC(kvdepot_calibrate(c, &bad, s, 1, NULL), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_calibrate(c, &a, NULL, 0, NULL), KVDEPOT_EINVAL);
+    bad = a;
+    bad.model = "nosuch";
+    CHECK_RC(kvdepot_calibrate(c, &bad, s, 1, NULL), KVDEPOT_ENOTFOUND);
+    CHECK(expect(c, "cal", got, cnt));
+
+    /* VQ needs a power-of-two head_dim. */
+    m.head_dim = 12;
+    snprintf(m.name, sizeof m.name, "odd");
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    bad = a;
+    bad.model = "odd";
+    CHECK_RC(kvdepot_calibrate(c, &bad, s, 1, NULL), KVDEPOT_EINVAL);
+
+    /* Deterministic: the same stream gives the same artifacts. */
+    REQUIRE_RC(kvdepot_calibrate(c, &a, s, 2, NULL), KVDEPOT_OK);
+    CHECK(expect(c, "cal", got, cnt));
+    kvdepot_artifacts_free(got, cnt);
+    free(k);
+    free(v);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
+static const kvd_test tests[] = {
+    {"calibrate", t_calibrate},
+    {"roundtrip", t_roundtrip},
+    {"errors", t_errors},
+};
+
+int main(int argc, char **argv)
+{
+    return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
+}
