@@ -770,6 +770,43 @@ class Suite {
     await expectCode(S.FAILED_PRECONDITION, api.unary('Search', { ...sreq, sequence_id: idBuf('js-raw') }));
     await expectCode(S.NOT_FOUND, api.unary('SparseAttend', { search: { ...sreq, sequence_id: idBuf('js-none') } }));
     eq((await this.stat('js-pq')).num_tokens, String(n), 'js-pq after errors');
+    // Read in page format: one stored page per message, every page holding a
+    // token of the range; sealed pages INT2, the tail raw and equal to what
+    // was appended (its K section is head-major).
+    const info = await this.create('js-pages', 'js-compute', { codecs: { k: { codec: 1, quant: { group_size: 32 } } } });
+    const B = Number(info.page_tokens);
+    const n2 = B + 40;
+    const pbuf = Buffer.alloc(2 * n2 * HKV * D * 4);
+    for (let i = 0; i < pbuf.length; i += 4) pbuf.writeFloatLE(rnd(), i);
+    await api.append('js-pages', pbuf, 0, n2, { dtype: api.enums.F32 });
+    const readPages = (req) => new Promise((resolve, reject) => {
+      const msgs = [];
+      const call = api.client.Read({ sequence_id: idBuf('js-pages'), format: 1, ...req }, Api.deadline(CALL_TIMEOUT_MS));
+      call.on('data', (r) => msgs.push(r));
+      call.on('error', reject);
+      call.on('end', () => resolve(msgs));
+    });
+    const msgs = await readPages({ token_start: '3', num_tokens: String(B + 1) });
+    eq(msgs[0].header.format, 1, 'Read pages: header format');
+    const pages = msgs.slice(1).map((r) => r.data);
+    eq(pages.length, 2, 'Read pages: page count');
+    pages.forEach((pg, b) => {
+      eq(pg.subarray(0, 4).toString('latin1'), 'KVDP', `Read pages: page ${b} magic`);
+      eq([pg.readUInt32LE(12), Number(pg.readBigUInt64LE(16)), pg.readUInt32LE(24), pg.readUInt32LE(28)],
+         [0, b * B, b ? n2 - B : B, B], `Read pages: page ${b} header`);
+      eq(pg[8], b ? 0 : 1, `Read pages: page ${b} K codec`);
+    });
+    const tail = pages[1];
+    const koff = Number(tail.readBigUInt64LE(64 + 8));
+    for (let h = 0; h < HKV; h++) {
+      for (let t = 0; t < n2 - B; t++) {
+        const got = tail.subarray(koff + ((h * (n2 - B) + t) * D) * 4, koff + ((h * (n2 - B) + t + 1) * D) * 4);
+        const want = pbuf.subarray(((B + t) * HKV + h) * D * 4, ((B + t) * HKV + h + 1) * D * 4);
+        check(got.equals(want), `Read pages: tail K of token ${B + t} head ${h}`);
+      }
+    }
+    await expectCode(S.INVALID_ARGUMENT, readPages({ activation_tokens: '1' }));
+    await expectCode(S.OUT_OF_RANGE, readPages({ token_start: String(n2), num_tokens: '1' }));
     for (const [bw, fl] of [[1e6, 1e12], [1e9, 1e9]]) {
       const p = await api.unary('PlanFetch', { sequence_id: idBuf('js-raw'), bandwidth_bytes_per_s: bw, compute_flops_per_s: fl, assume_activations: true });
       const t = (l) => l * p.activation_bytes_per_token / bw + Math.max(l * p.flops_per_token / fl, (n - l) * p.kv_bytes_per_token / bw);
