@@ -58,7 +58,12 @@ if [ $bootstrap = 1 ]; then
     if ! "$builder" image inspect localhost/debian:12 >/dev/null 2>&1; then
         command -v debootstrap >/dev/null || { echo "build-images: debootstrap is needed" >&2; exit 77; }
         rootfs=$ctx.rootfs
-        debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+        # The same Debian mirror this machine's apt uses (deb822 sources or
+        # the classic sources.list), so the image needs no other network.
+        mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n 1)
+        [ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $2 !~ /^\[/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null)
+        [ -n "$mirror" ] || { echo "build-images: no Debian mirror found in apt's sources" >&2; exit 77; }
+        debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >/dev/null
         # Like the official slim image: no documentation or man pages.
         rm -rf "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/var/cache/apt/*.bin
         tar -C "$rootfs" -c . | "$builder" import - localhost/debian:12 >/dev/null
