@@ -68,6 +68,16 @@ static const char usage_text[] =
     "                                       over them and prints the LSE per head\n"
     "  plan ID --bandwidth B/s --flops F/s [--activations]\n"
     "                                       KVPR fetch split (PlanFetch)\n"
+    "  calibrate --model M --tokens N --file F [--q FILE] [--layer-start L] [--layers N]\n"
+    "            [--vq dDbB] [--svd] [--iterations N] [--seed S] [--max-samples N]\n"
+    "                                       compute the model's artifacts from samples:\n"
+    "                                       F holds K then V ([layer][token][kv_head]\n"
+    "                                       [head_dim], model dtype), FILE Q likewise\n"
+    "                                       with q heads; prints errors per head\n"
+    "  artifacts get|put --model M --file F [--kind K]\n"
+    "                                       fetch (kind 1..7, default all) or upload\n"
+    "                                       artifacts; F: per artifact u32 kind, layer,\n"
+    "                                       kv_head, ndim, shape[2], then f32 data (LE)\n"
     "  hash --token-ids FILE [--page-tokens N]\n"
     "                                       print the prefix hash of every complete block\n"
     "\n"
@@ -892,6 +902,223 @@ static int tls_flag(const char *a, int argc, char **argv, int *i, const char *na
     return 0;
 }
 
+
+/* The whole of a file (malloc'ed) and its length; NULL with a message on
+ * failure. */
+static void *read_all(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fail_msg("%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    uint8_t *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            cap = cap ? 2 * cap : 65536;
+            uint8_t *nb = realloc(buf, cap);
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                fail_msg("out of memory");
+                return NULL;
+            }
+            buf = nb;
+        }
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (got == 0)
+            break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        fail_msg("%s: read error", path);
+        return NULL;
+    }
+    *len = n;
+    return buf;
+}
+
+/* calibrate --model M --tokens N --file F [--q FILE] [--layer-start L]
+ * [--layers N] [--vq dDbB] [--svd] [--iterations N] [--seed S]
+ * [--max-samples N] */
+static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"model", 1, 0},      {"tokens", 1, 0},     {"file", 1, 0},
+                  {"q", 1, 0},          {"layer-start", 1, 0}, {"layers", 1, 0},
+                  {"vq", 1, 0},         {"svd", 0, 0},        {"iterations", 1, 0},
+                  {"seed", 1, 0},       {"max-samples", 1, 0}, {0, 0, 0}};
+    if (parse_args(argc, argv, opts, NULL, 0) != 0)
+        usage_error("calibrate: unexpected argument");
+    kvdepot_model m;
+    int rc = kvdepot_model_get(c, opt_required(opts, "model"), &m);
+    if (rc)
+        return fail(c, rc);
+    uint64_t tokens = parse_u64("--tokens", opt_required(opts, "tokens"), UINT32_MAX);
+    uint32_t l0 = (uint32_t)opt_u64(opts, "layer-start", 0, UINT32_MAX);
+    if (l0 >= m.num_layers)
+        usage_error("--layer-start %u: model %s has %u layers", l0, m.name, m.num_layers);
+    uint32_t nl = (uint32_t)opt_u64(opts, "layers", m.num_layers - l0, m.num_layers - l0);
+    kvdepot_calibrate_args a = {.model = m.name,
+                                .svd = opt_get(opts, "svd") != NULL,
+                                .iterations = (uint32_t)opt_u64(opts, "iterations", 0, 1000),
+                                .seed = opt_u64(opts, "seed", 0, UINT64_MAX),
+                                .max_samples = opt_u64(opts, "max-samples", 0, UINT64_MAX)};
+    const char *vq = opt_get(opts, "vq");
+    if (vq && sscanf(vq, "d%ub%u", &a.vq_sub_dim, &a.vq_bits) != 2)
+        usage_error("--vq %s: expected dDbB, e.g. d4b8", vq);
+    size_t es = kvdepot_dtype_size(m.dtype);
+    size_t per = (size_t)tokens * m.num_kv_heads * m.head_dim * es; /* K of one layer */
+    size_t qper = (size_t)tokens * (m.num_q_heads ? m.num_q_heads : m.num_kv_heads) * m.head_dim * es;
+    size_t len = 0, qlen = 0;
+    uint8_t *kv = read_all(opt_required(opts, "file"), &len), *q = NULL;
+    if (!kv)
+        return 1;
+    if (len != 2 * per * nl) {
+        free(kv);
+        return fail_msg("--file has %zu bytes; K then V of %u layers x %" PRIu64
+                        " tokens ([layer][token][kv_head][head_dim] %s) is %zu",
+                        len, nl, tokens, kvdepot_dtype_name(m.dtype), 2 * per * nl);
+    }
+    const char *qpath = opt_get(opts, "q");
+    if (qpath) {
+        if (!(q = read_all(qpath, &qlen))) {
+            free(kv);
+            return 1;
+        }
+        if (qlen != qper * nl) {
+            free(kv);
+            free(q);
+            return fail_msg("--q has %zu bytes; %u layers x %" PRIu64
+                            " tokens x q heads x head_dim is %zu",
+                            qlen, nl, tokens, qper * nl);
+        }
+    }
+    kvdepot_calibrate_sample *s = calloc(nl, sizeof *s);
+    if (!s) {
+        free(kv);
+        free(q);
+        return fail_msg("out of memory");
+    }
+    for (uint32_t l = 0; l < nl; l++) {
+        s[l].layer = l0 + l;
+        s[l].num_tokens = tokens;
+        s[l].k = kv + l * per;
+        s[l].v = kv + (nl + l) * per;
+        s[l].kv_bytes = per;
+        s[l].q = q ? q + l * qper : NULL;
+        s[l].q_bytes = q ? qper : 0;
+    }
+    kvdepot_calibrate_result r;
+    rc = kvdepot_calibrate(c, &a, s, nl, &r);
+    free(s);
+    free(kv);
+    free(q);
+    if (rc)
+        return fail(c, rc);
+    printf("calibrated %" PRIu64 " tokens; %u artifacts stored\n", r.samples, r.artifacts);
+    printf("%-6s %-5s %-10s %-10s %-10s %-10s %-6s %-6s\n", "layer", "head", "vq_k", "vq_v",
+           "svd_k", "svd_v", "w_k", "w_v");
+    for (size_t i = 0; i < r.n_errors; i++) {
+        const kvdepot_calibration_error *e = &r.errors[i];
+        printf("%-6u %-5u %-10.3g %-10.3g %-10.3g %-10.3g %-6u %-6u\n", e->layer, e->kv_head,
+               e->vq_k, e->vq_v, e->svd_k, e->svd_v, e->svd_width_k, e->svd_width_v);
+    }
+    kvdepot_calibrate_result_clear(&r);
+    return 0;
+}
+
+/*
+ * artifacts get|put --model M --file F [--kind K]
+ * File format (little-endian), one record per artifact:
+ *   u32 kind, u32 layer, u32 kv_head, u32 ndim, u32 shape[2], f32 data[prod]
+ */
+static int cmd_artifacts(kvdepot_client *c, int argc, char **argv)
+{
+    opt opts[] = {{"model", 1, 0}, {"file", 1, 0}, {"kind", 1, 0}, {0, 0, 0}};
+    const char *pos[1];
+    if (parse_args(argc, argv, opts, pos, 1) != 1 ||
+        (strcmp(pos[0], "get") != 0 && strcmp(pos[0], "put") != 0))
+        usage_error("artifacts: expected get or put");
+    const char *model = opt_required(opts, "model"), *path = opt_required(opts, "file");
+    int rc;
+    if (strcmp(pos[0], "get") == 0) {
+        int kind = (int)opt_u64(opts, "kind", 0, 7);
+        kvdepot_artifact *a = NULL;
+        size_t n = 0;
+        if ((rc = kvdepot_artifacts_get(c, model, &kind, kind ? 1 : 0, &a, &n)))
+            return fail(c, rc);
+        FILE *f = strcmp(path, "-") == 0 ? stdout : fopen(path, "wb");
+        if (!f) {
+            kvdepot_artifacts_free(a, n);
+            return fail_msg("%s: %s", path, strerror(errno));
+        }
+        int bad = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t h[6] = {(uint32_t)a[i].kind, a[i].layer, a[i].kv_head, a[i].ndim,
+                             a[i].shape[0], a[i].ndim == 2 ? a[i].shape[1] : 1};
+            size_t ne = (size_t)h[4] * h[5];
+            bad |= fwrite(h, sizeof h, 1, f) != 1 || fwrite(a[i].data, 4, ne, f) != ne;
+        }
+        bad |= f != stdout ? fclose(f) != 0 : fflush(f) != 0;
+        kvdepot_artifacts_free(a, n);
+        if (bad)
+            return fail_msg("%s: write error", path);
+        if (f != stdout)
+            printf("wrote %zu artifacts to %s\n", n, path);
+        return 0;
+    }
+    size_t len = 0;
+    uint8_t *buf = read_all(path, &len);
+    if (!buf)
+        return 1;
+    kvdepot_artifact *a = NULL;
+    size_t n = 0, cap = 0, off = 0;
+    rc = 0;
+    while (off < len && !rc) {
+        uint32_t h[6];
+        if (len - off < sizeof h) {
+            rc = fail_msg("%s: truncated record at byte %zu", path, off);
+            break;
+        }
+        memcpy(h, buf + off, sizeof h);
+        off += sizeof h;
+        uint64_t ne = (uint64_t)h[4] * (h[3] == 2 ? h[5] : 1);
+        if (h[3] < 1 || h[3] > 2 || ne > (len - off) / 4) {
+            rc = fail_msg("%s: malformed record at byte %zu", path, off - sizeof h);
+            break;
+        }
+        if (n == cap) {
+            cap = cap ? 2 * cap : 16;
+            kvdepot_artifact *na = realloc(a, cap * sizeof *na);
+            if (!na) {
+                rc = fail_msg("out of memory");
+                break;
+            }
+            a = na;
+        }
+        a[n] = (kvdepot_artifact){.kind = (int)h[0], .layer = h[1], .kv_head = h[2],
+                                  .ndim = h[3], .shape = {h[4], h[3] == 2 ? h[5] : 0},
+                                  .data = (float *)(void *)(buf + off)};
+        n++;
+        off += 4 * ne;
+    }
+    uint32_t stored = 0;
+    if (!rc) {
+        /* data points into buf: the upload only reads it. */
+        rc = kvdepot_artifacts_upload(c, model, a, n, &stored);
+        if (rc)
+            rc = fail(c, rc);
+        else
+            printf("stored %u artifacts\n", stored);
+    }
+    free(a);
+    free(buf);
+    return rc;
+}
 int main(int argc, char **argv)
 {
     const char *addr = getenv("KVDEPOT_ADDR");
@@ -949,6 +1176,7 @@ int main(int argc, char **argv)
         {"get", cmd_get},       {"lookup", cmd_lookup}, {"shards", cmd_shards},
         {"stats", cmd_stats},     {"attend", cmd_attend}, {"plan", cmd_plan},
         {"search", cmd_search},
+        {"calibrate", cmd_calibrate}, {"artifacts", cmd_artifacts},
     };
     int (*fn)(kvdepot_client *, int, char **) = NULL;
     for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++)

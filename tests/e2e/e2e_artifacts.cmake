@@ -9,3 +9,7 @@ if(TARGET kvd_e2e_harness)
     set_tests_properties(artifacts_${name} PROPERTIES LABELS e2e TIMEOUT 120)
   endforeach()
 endif()
+
+add_test(NAME artifacts_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_calibrate.sh ${KVD_E2E_SERVER}
+                                    $<TARGET_FILE:kvdepot>)
+set_tests_properties(artifacts_cli PROPERTIES LABELS e2e TIMEOUT 120)

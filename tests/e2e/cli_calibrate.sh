@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The kvdepot CLI's calibrate and artifacts subcommands against a real
+# kvdepotd: calibrate from a sample file, artifacts get, put back into another
+# model of the same shape and get again (bit-exact), and their errors.
+#
+# Usage: cli_calibrate.sh KVDEPOTD KVDEPOT_CLI
+set -euo pipefail
+
+server=$1
+cli=$2
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-clical-XXXXXX")
+pid=
+
+fail() {
+    echo "cli_calibrate: FAIL: $*" >&2
+    [ -f "$work/server.log" ] && tail -n 40 "$work/server.log" >&2
+    exit 1
+}
+cleanup() {
+    if [ -n "$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+"$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
+    >>"$work/server.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 600); do
+    if [ -s "$work/port" ] && [ "$(tail -c 1 "$work/port" | od -An -c | tr -d ' ')" = '\n' ]; then
+        break
+    fi
+    kill -0 "$pid" 2>/dev/null || fail "kvdepotd exited before serving"
+    sleep 0.05
+done
+port=$(tr -d '\n' <"$work/port")
+k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+
+k model put m --layers 2 --kv-heads 2 --q-heads 4 --head-dim 16 --dtype f32 >/dev/null
+k model put m2 --layers 2 --kv-heads 2 --q-heads 4 --head-dim 16 --dtype f32 >/dev/null
+# K then V of 200 tokens of layers 0 and 1, and Q.
+python3 - "$work" <<'PY'
+import random, struct, sys
+w = sys.argv[1]
+r = random.Random(5)
+kv = [r.uniform(-1, 1) for _ in range(2 * 2 * 200 * 2 * 16)]
+open(w + "/kv.bin", "wb").write(struct.pack("<%df" % len(kv), *kv))
+q = [r.uniform(-1, 1) for _ in range(2 * 200 * 4 * 16)]
+open(w + "/q.bin", "wb").write(struct.pack("<%df" % len(q), *q))
+open(w + "/short.bin", "wb").write(struct.pack("<%df" % 10, *kv[:10]))
+PY
+out=$(k calibrate --model m --tokens 200 --file "$work/kv.bin" --q "$work/q.bin" --vq d4b4 --svd --seed 3) \
+    || fail "calibrate failed"
+echo "$out" | grep -q "calibrated 400 tokens; 28 artifacts stored" || fail "calibrate said: $out"
+[ "$(echo "$out" | tail -n +3 | wc -l)" = 4 ] || fail "calibrate: expected 4 error rows: $out"
+
+k artifacts get --model m --file "$work/a.bin" >/dev/null || fail "artifacts get"
+k artifacts put --model m2 --file "$work/a.bin" | grep -q "stored 28 artifacts" || fail "artifacts put"
+k artifacts get --model m2 --file "$work/b.bin" >/dev/null || fail "artifacts get m2"
+cmp -s "$work/a.bin" "$work/b.bin" || fail "artifacts differ after a round trip"
+k artifacts get --model m --kind 1 --file "$work/l.bin" >/dev/null || fail "artifacts get --kind"
+# 4 key smoothing vectors of 16 floats, each after a 24-byte record header.
+[ "$(stat -c %s "$work/l.bin")" = $((4 * (24 + 64))) ] || fail "kind filter"
+
+# Errors: nothing stored, nonzero exit.
+if k calibrate --model m --tokens 199 --file "$work/kv.bin" 2>/dev/null; then fail "bad sample size accepted"; fi
+if k calibrate --model nosuch --tokens 200 --file "$work/kv.bin" 2>/dev/null; then fail "unknown model"; fi
+if k artifacts put --model m2 --file "$work/short.bin" 2>/dev/null; then fail "malformed file accepted"; fi
+head -c 100 "$work/a.bin" >"$work/trunc.bin"
+if k artifacts put --model m2 --file "$work/trunc.bin" 2>/dev/null; then fail "truncated file accepted"; fi
+k artifacts get --model m2 --file "$work/c.bin" >/dev/null
+cmp -s "$work/a.bin" "$work/c.bin" || fail "a failed put changed the artifacts"
+echo "cli_calibrate: PASS"
