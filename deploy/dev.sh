@@ -14,11 +14,20 @@
 #   KVD_JOBS        parallel build jobs (default: nproc)
 #   KVD_CMAKE_ARGS  extra arguments for cmake configure
 #   KVD_TEST_SANITIZE=0  skip the sanitizer pass of `test`
+#   KVD_IMAGE_TEST=0|1   skip / force the container image build of `test`
+#                        (default: on as root)
 #   KVD_TEST_TSAN=1      add a ThreadSanitizer pass of `test`: the store's
 #                        concurrency tests (tiers, appends, reads) in process
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Build the container image as part of `test` when running as root (it needs
+# debootstrap); KVD_IMAGE_TEST=0 skips it, 1 forces it.
+if [ -z "${KVD_IMAGE_TEST:-}" ]; then
+    KVD_IMAGE_TEST=0
+    [ "$(id -u)" -eq 0 ] && KVD_IMAGE_TEST=1
+fi
+export KVD_IMAGE_TEST
 build=${KVD_BUILD_DIR:-$root/build}
 jobs=${KVD_JOBS:-$(nproc 2>/dev/null || echo 2)}
 
@@ -50,6 +59,9 @@ deps() {
     install_pkgs "${build_pkgs[@]}"
     if [ "${1:-}" = "--test" ]; then
         install_pkgs "${test_pkgs[@]}"
+        # The container image test builds deploy/Dockerfile for real with
+        # podman (chroot isolation, Debian base made by debootstrap).
+        [ "$KVD_IMAGE_TEST" = 1 ] && install_pkgs podman debootstrap
         # Node interop test: Debian's nodejs/npm only when no node is present.
         if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
             install_pkgs nodejs npm

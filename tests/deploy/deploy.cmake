@@ -19,8 +19,8 @@ endif()
 # Building the CPU image for real (deploy/build-images.sh --bootstrap-base
 # --smoke: podman or buildah with chroot isolation, Debian base images made by
 # debootstrap). Minutes of work and root for debootstrap, so it runs only when
-# asked: KVD_IMAGE_TEST=1 ctest -R deploy_image_cpu. Otherwise, and without a
-# builder, it reports "skipped".
+# asked: KVD_IMAGE_TEST=1 (deploy/dev.sh test sets it when run as root).
+# Otherwise, and without a builder, it reports "skipped".
 add_test(NAME deploy_image_cpu
          COMMAND sh -c "[ \"$KVD_IMAGE_TEST\" = 1 ] || { echo 'set KVD_IMAGE_TEST=1 to build the image'; exit 77; }; exec \"$0\" --bootstrap-base --smoke"
                  ${PROJECT_SOURCE_DIR}/deploy/build-images.sh)
