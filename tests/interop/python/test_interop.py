@@ -605,6 +605,94 @@ class Suite:
                 out.append(sum(w[j] * v[t][kh][i] for j, t in enumerate(ts)) / z)
         return out, lses
 
+    def t_calibrate(self):
+        """Calibrate from an independent client: key smoothing factors checked against
+        their definition computed here, rotations orthonormal, artifacts round trip
+        bit-exact through GetArtifacts/UploadArtifacts, errors change nothing."""
+        pb = self.pb
+        L, HKV, HQ, D, n = 1, 2, 4, 16, 200
+        m = self.model("py-cal", L, HKV, D, dtype=pb.DTYPE_F32, q_heads=HQ)
+        self.put_model(m)
+        rng = random.Random(9)
+        k = [rng.uniform(-2, 2) for _ in range(n * HKV * D)]
+        v = [rng.uniform(-1, 1) for _ in range(n * HKV * D)]
+        q = [rng.uniform(-1, 1) for _ in range(n * HQ * D)]
+        pack = lambda xs: struct.pack("<%df" % len(xs), *xs)
+        api = self.api
+        Cal = api.channel.stream_unary(
+            api.SVC + "Calibrate", request_serializer=pb.CalibrateRequest.SerializeToString,
+            response_deserializer=pb.CalibrateResponse.FromString)
+        Up = api.channel.stream_unary(
+            api.SVC + "UploadArtifacts",
+            request_serializer=pb.UploadArtifactsRequest.SerializeToString,
+            response_deserializer=pb.UploadArtifactsResponse.FromString)
+        Get = api.channel.unary_stream(
+            api.SVC + "GetArtifacts", request_serializer=pb.GetArtifactsRequest.SerializeToString,
+            response_deserializer=pb.GetArtifactsResponse.FromString)
+
+        def calibrate(model="py-cal", kb=None, vq=True, layer=0):
+            hdr = pb.CalibrateHeader(model=model, svd=True, seed=4)
+            if vq:
+                hdr.vq.sub_dim, hdr.vq.bits = 4, 5
+            return Cal(iter([pb.CalibrateRequest(header=hdr),
+                             pb.CalibrateRequest(sample=pb.CalibrateSample(
+                                 layer=layer, num_tokens=n, k=kb if kb is not None else pack(k),
+                                 v=pack(v), q=pack(q)))]), timeout=CALL_TIMEOUT)
+
+        def artifacts():
+            return [r.artifact for r in Get(pb.GetArtifactsRequest(model="py-cal"),
+                                            timeout=CALL_TIMEOUT)]
+
+        r = calibrate()
+        eq(r.samples, n, "samples")
+        eq(r.artifacts, HKV * 7, "artifacts written")
+        eq(len(r.errors), HKV, "error rows")
+        for e in r.errors:
+            check(0 < e.vq_k < 1 and 0 < e.vq_v < 1, "VQ errors %g %g" % (e.vq_k, e.vq_v))
+            check(1 <= e.svd_width_k <= D and 0 <= e.svd_k <= 0.1, "SVD width/error of K")
+        arts = artifacts()
+        eq(len(arts), HKV * 7, "artifacts stored")
+        for a in arts:
+            vals = struct.unpack("<%df" % (len(a.data) // 4), a.data)
+            if a.kind == pb.ARTIFACT_KEY_SMOOTHING:
+                for i in range(D):
+                    mx = max(abs(k[(t * HKV + a.kv_head) * D + i]) for t in range(n))
+                    check(abs(vals[i] - math.sqrt(mx)) <= 1e-6 * math.sqrt(mx),
+                          "lambda[%d] of head %d" % (i, a.kv_head))
+            if a.kind in (pb.ARTIFACT_SVD_ROTATION_K, pb.ARTIFACT_SVD_ROTATION_V):
+                eq(list(a.shape), [D, D], "rotation shape")
+                for i in range(D):
+                    for j in range(D):
+                        dot = sum(vals[r * D + i] * vals[r * D + j] for r in range(D))
+                        check(abs(dot - (i == j)) < 1e-4, "rotation not orthonormal")
+            if a.kind == pb.ARTIFACT_VQ_CODEBOOK_K:
+                eq(list(a.shape), [32, 4], "codebook shape")
+
+        # Upload a replacement and read it back bit-exact (odd bit patterns too).
+        lam = pack([float(i) + 0.1 for i in range(D - 1)] + [1e-30])
+        new = pb.Artifact(kind=pb.ARTIFACT_KEY_SMOOTHING, layer=0, kv_head=1, shape=[D], data=lam)
+        eq(Up(iter([pb.UploadArtifactsRequest(model="py-cal", artifacts=[new])]),
+              timeout=CALL_TIMEOUT).artifacts, 1, "uploaded")
+        after = artifacts()
+        got = [a for a in after if a.kind == pb.ARTIFACT_KEY_SMOOTHING and a.kv_head == 1]
+        eq(len(got), 1, "one smoothing artifact for head 1")
+        eq(got[0].data, lam, "uploaded artifact bytes")
+
+        # Errors: nothing changed.
+        before = [a.SerializeToString() for a in artifacts()]
+        expect_code(SC.INVALID_ARGUMENT, calibrate, kb=pack(k)[:-4])
+        expect_code(SC.INVALID_ARGUMENT, calibrate, layer=L)
+        expect_code(SC.NOT_FOUND, calibrate, model="py-nosuch")
+        bad = pb.Artifact(kind=pb.ARTIFACT_SVD_ROTATION_K, layer=0, kv_head=0, shape=[D, 8],
+                          data=pack([0.0] * (D * 8)))
+        expect_code(SC.INVALID_ARGUMENT, Up, iter([pb.UploadArtifactsRequest(
+            model="py-cal", artifacts=[new, bad])]), timeout=CALL_TIMEOUT)
+        short = pb.Artifact(kind=pb.ARTIFACT_KEY_SMOOTHING, layer=0, kv_head=0, shape=[D],
+                            data=lam[:-4])
+        expect_code(SC.INVALID_ARGUMENT, Up, iter([pb.UploadArtifactsRequest(
+            model="py-cal", artifacts=[short])]), timeout=CALL_TIMEOUT)
+        eq([a.SerializeToString() for a in artifacts()], before, "artifacts after errors")
+
     def t_compute(self):
         """Attend, SparseAttend, Search and PlanFetch from an independent client, on
         raw and INT4 caches, checked against attention computed here in Python."""
@@ -1524,6 +1612,7 @@ class Suite:
             ("deletes racing reads/appends", self.t_delete_races),
             ("large %d MiB" % self.args.large_mib, self.t_large),
             ("compute: attend, search, plan", self.t_compute),
+            ("calibrate and artifacts", self.t_calibrate),
             ("restart", self.t_restart),
             ("shutdown", self.t_shutdown),
         ]
