@@ -36,8 +36,8 @@
 #define CAL_KMEANS_POINTS 262144
 
 typedef struct cal_layer {
-    uint64_t seen, kept;
-    float *k, *v, *q; /* kept tokens: [token][head][D] */
+    uint64_t seen, kept, rows; /* rows: allocated token rows */
+    float *k, *v, *q;          /* kept tokens: [token][head][D] */
     int q_state;      /* 0 no samples yet, 1 all carried Q, 2 none did */
 } cal_layer;
 
@@ -156,22 +156,33 @@ static int sample(kvd_req_ctx *ctx, cal_state *st, const Kvdepot__V1__CalibrateS
                              "layer %u: Q given with some samples and not others", s->layer);
     L->q_state = has_q ? 1 : 2;
     uint64_t cap = st->max_samples;
-    if (!L->k) {
-        uint64_t rows = n < cap ? n : cap;
-        /* Grow to the cap at most; bytes counted against max-append-bytes. */
-        uint64_t need = cap * (2 * krow + (has_q ? qrow : 0)) * sizeof(float);
-        if (st->kept_bytes + need > 4 * ctx->svc->cfg->max_append_bytes)
+    uint64_t need = L->kept + n < cap ? L->kept + n : cap;
+    if (need > L->rows) {
+        /* Grow geometrically up to the cap, so short streams stay small;
+         * the kept samples of all layers are bounded by 4 x max-append-bytes. */
+        uint64_t rows = 2 * L->rows > need ? 2 * L->rows : need;
+        if (rows > cap)
+            rows = cap;
+        uint64_t row_bytes = (2 * krow + (has_q ? qrow : 0)) * sizeof(float);
+        uint64_t more = (rows - L->rows) * row_bytes;
+        if (st->kept_bytes + more > 4 * ctx->svc->cfg->max_append_bytes)
             return kvd_error_set(err, KVD_ENOMEM,
-                                 "max_samples %llu for layer %u needs %llu bytes, over the "
-                                 "limit (4 x max-append-bytes)",
-                                 (unsigned long long)cap, s->layer, (unsigned long long)need);
-        (void)rows;
-        st->kept_bytes += need;
-        L->k = malloc(cap * krow * sizeof(float));
-        L->v = malloc(cap * krow * sizeof(float));
-        L->q = has_q ? malloc(cap * qrow * sizeof(float)) : NULL;
-        if (!L->k || !L->v || (has_q && !L->q))
+                                 "calibration samples would take %llu bytes, over the limit "
+                                 "(4 x max-append-bytes); lower max_samples",
+                                 (unsigned long long)(st->kept_bytes + more));
+        float *nk = realloc(L->k, rows * krow * sizeof(float));
+        if (nk)
+            L->k = nk;
+        float *nv = nk ? realloc(L->v, rows * krow * sizeof(float)) : NULL;
+        if (nv)
+            L->v = nv;
+        float *nq = nv && has_q ? realloc(L->q, rows * qrow * sizeof(float)) : NULL;
+        if (nq)
+            L->q = nq;
+        if (!nk || !nv || (has_q && !nq))
             return kvd_error_set(err, KVD_ENOMEM, "out of memory for samples");
+        st->kept_bytes += more;
+        L->rows = rows;
     }
     for (uint64_t t = 0; t < n; t++) {
         uint64_t slot = L->kept < cap ? L->kept : rng_next(&st->rng) % (L->seen + 1);

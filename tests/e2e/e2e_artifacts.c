@@ -135,6 +135,21 @@ static int t_roundtrip(kvd_harness *h)
     CHECK(got == NULL && cnt == 0);
     REQUIRE_RC(put_model(c, "m", 2, 2, 16), KVDEPOT_OK);
     CHECK(expect(c, "m", NULL, 0));
+
+    /* Replacing a model with another shape drops its artifacts (they were
+     * computed for the old one); an identical re-put keeps them. */
+    REQUIRE_RC(kvdepot_artifacts_upload(c, "m", a, 1, NULL), KVDEPOT_OK);
+    REQUIRE_RC(put_model(c, "m", 2, 2, 16), KVDEPOT_OK);
+    CHECK(expect(c, "m", a, 1));
+    kvdepot_model m2;
+    memset(&m2, 0, sizeof m2);
+    snprintf(m2.name, sizeof m2.name, "m");
+    m2.num_layers = 3;
+    m2.num_kv_heads = 2;
+    m2.head_dim = 16;
+    m2.dtype = KVDEPOT_DTYPE_F16;
+    REQUIRE_RC(kvdepot_model_put(c, &m2, 1, NULL, NULL), KVDEPOT_OK);
+    CHECK(expect(c, "m", NULL, 0));
     free_all(a, n);
     kvdepot_close(c);
     return 0;
@@ -338,6 +353,18 @@ static int t_calibrate(kvd_harness *h)
     /* Deterministic: the same stream gives the same artifacts. */
     REQUIRE_RC(kvdepot_calibrate(c, &a, s, 2, NULL), KVDEPOT_OK);
     CHECK(expect(c, "cal", got, cnt));
+    kvdepot_artifacts_free(got, cnt);
+
+    /* A reservoir smaller than the stream: every token counted, a sample
+     * of them used, artifacts replaced. */
+    a.max_samples = 64;
+    REQUIRE_RC(kvdepot_calibrate(c, &a, s, 2, &res), KVDEPOT_OK);
+    CHECK(res.samples == 2 * n && res.artifacts == H * 7 && res.n_errors == H);
+    for (size_t i = 0; i < res.n_errors; i++)
+        CHECK(res.errors[i].vq_k > 0 && res.errors[i].vq_k < 0.5);
+    kvdepot_calibrate_result_clear(&res);
+    REQUIRE_RC(kvdepot_artifacts_get(c, "cal", NULL, 0, &got, &cnt), KVDEPOT_OK);
+    CHECK(cnt == H * 7);
     kvdepot_artifacts_free(got, cnt);
     free(k);
     free(v);
