@@ -694,3 +694,150 @@ int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_ms
     kvdepot__call_end(&k);
     return rc;
 }
+
+/* The bytes of a received message, malloc'd (caller frees); NULL on ENOMEM. */
+static uint8_t *bb_bytes(grpc_byte_buffer *bb, size_t *len)
+{
+    grpc_byte_buffer_reader r;
+    *len = 0;
+    if (!grpc_byte_buffer_reader_init(&r, bb))
+        return NULL;
+    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+    grpc_byte_buffer_reader_destroy(&r);
+    *len = GRPC_SLICE_LENGTH(s);
+    uint8_t *p = malloc(*len ? *len : 1);
+    if (p)
+        memcpy(p, GRPC_SLICE_START_PTR(s), *len);
+    grpc_slice_unref(s);
+    return p;
+}
+
+/* Keep one page message of a page-format Read. 0 or a status with the error set. */
+static int pages_message(kvdepot_client *c, grpc_byte_buffer *bb, int first,
+                         kvdepot_page **pages, size_t *count, size_t *cap)
+{
+    size_t len;
+    uint8_t *raw = bb_bytes(bb, &len);
+    if (!raw)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
+    Kvdepot__V1__ReadResponse *r = kvdepot__v1__read_response__unpack(NULL, len, raw);
+    free(raw);
+    if (!r)
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
+    int rc = KVDEPOT_OK;
+    if (first) {
+        if (!r->header || r->header->format != KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: no page-format header");
+    } else if (r->header || r->data.len == 0) {
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: message without one page");
+    } else {
+        if (*count == *cap) {
+            size_t ncap = *cap ? 2 * *cap : 16;
+            kvdepot_page *np = realloc(*pages, ncap * sizeof *np);
+            if (!np)
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
+            else {
+                *pages = np;
+                *cap = ncap;
+            }
+        }
+        if (rc == KVDEPOT_OK) {
+            void *d = malloc(r->data.len);
+            if (!d)
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
+            else {
+                memcpy(d, r->data.data, r->data.len);
+                (*pages)[*count].data = d;
+                (*pages)[*count].len = r->data.len;
+                (*count)++;
+            }
+        }
+    }
+    kvdepot__v1__read_response__free_unpacked(r, NULL);
+    return rc;
+}
+
+int kvdepot_sequence_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
+                                kvdepot_page **pages, size_t *count)
+{
+    kvdepot__clear_error();
+    if (pages)
+        *pages = NULL;
+    if (count)
+        *count = 0;
+    if (!c || !a || !pages || !count || (!a->id && a->id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "read pages: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "read pages: not supported over several servers");
+    Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)a->id;
+    req.sequence_id.len = a->id_len;
+    req.layer_start = a->layer_start;
+    req.num_layers = a->num_layers;
+    req.token_start = a->token_start;
+    req.num_tokens = a->num_tokens;
+    req.format = KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES;
+
+    kvdepot__call k;
+    int rc = kvdepot__call_start(c, KVDEPOT__READ, NULL, &k);
+    if (rc) {
+        kvdepot__call_end(&k);
+        return rc;
+    }
+    grpc_byte_buffer *send = kvdepot__pack(&req.base);
+    grpc_op ops[4];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    kvdepot__initial_md(c, &ops[0]);
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
+    int ok = kvdepot__call_batch(&k, ops, 4, &tag_send);
+    grpc_byte_buffer_destroy(send);
+
+    kvdepot_page *got = NULL;
+    size_t n = 0, cap = 0, msgs = 0;
+    int local = KVDEPOT_OK;
+    if (ok < 0)
+        local = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: gRPC refused the call");
+    while (ok == 1 && local == KVDEPOT_OK) {
+        grpc_byte_buffer *bb = NULL;
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_MESSAGE;
+        op.data.recv_message.recv_message = &bb;
+        if (kvdepot__call_batch(&k, &op, 1, &tag_recv) != 1 || !bb) {
+            if (bb)
+                grpc_byte_buffer_destroy(bb);
+            break; /* end of stream or failure: the status tells */
+        }
+        local = pages_message(c, bb, msgs++ == 0, &got, &n, &cap);
+        grpc_byte_buffer_destroy(bb);
+    }
+    if (local != KVDEPOT_OK && ok >= 0)
+        grpc_call_cancel(k.call, NULL);
+    if (ok >= 0) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+        op.data.recv_status_on_client.trailing_metadata = &k.trailing_md;
+        op.data.recv_status_on_client.status = &k.status;
+        op.data.recv_status_on_client.status_details = &k.details;
+        kvdepot__call_batch(&k, &op, 1, &tag_status);
+    }
+    if (local != KVDEPOT_OK)
+        rc = local;
+    else if ((rc = kvdepot__call_result(&k)) == KVDEPOT_OK && msgs == 0)
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: server sent no header");
+    kvdepot__call_end(&k);
+    if (rc != KVDEPOT_OK) {
+        kvdepot_pages_free(got, n);
+        return rc;
+    }
+    *pages = got;
+    *count = n;
+    return KVDEPOT_OK;
+}

@@ -943,8 +943,27 @@ int kvdepot_encode_pages(const kvdepot_model *model, const kvdepot_codecs *codec
                          uint64_t num_tokens, const void *k, const void *v, kvdepot_page **pages,
                          size_t *count);
 
-/* Free pages made by kvdepot_encode_pages; NULL is a no-op. */
+/* Free pages made by kvdepot_encode_pages or kvdepot_sequence_read_pages;
+ * NULL is a no-op. */
 void kvdepot_pages_free(kvdepot_page *pages, size_t count);
+
+/*
+ * Read in page format: the stored pages of a layer range x token range as
+ * the server keeps them (encoded, checksummed; docs/page-format.md), in
+ * (layer, token) order, every page holding a token of the range (whole
+ * blocks at both ends; the raw tail as one page). args->k, v and capacity
+ * are ignored. The pages can be checked and decoded with the page format,
+ * or sent to another server with kvdepot_append_pages.
+ * @param[out] pages, count  malloc'd array (NULL, 0 for an empty range or
+ *                           on failure); free with kvdepot_pages_free
+ * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND; KVDEPOT_ERANGE for tokens past the
+ *         stored ones; KVDEPOT_EINVAL (NULL argument, layer range);
+ *         KVDEPOT_ECORRUPT (a damaged page on the server); KVDEPOT_EINTERNAL
+ *         (malformed stream); KVDEPOT_ENOMEM; KVDEPOT_EUNSUPP on a client
+ *         over several servers; transport errors.
+ */
+int kvdepot_sequence_read_pages(kvdepot_client *client, const kvdepot_read_args *args,
+                                kvdepot_page **pages, size_t *count);
 
 /*
  * AppendPages: store pages the client encoded, so only compressed bytes

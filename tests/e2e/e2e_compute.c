@@ -978,10 +978,124 @@ static int t_append_pages(kvd_harness *h)
     return 0;
 }
 
+/* Header field of a page (docs/page-format.md, "Fixed header"). */
+static uint64_t page_u(const kvdepot_page *p, size_t off, int bytes)
+{
+    uint64_t x = 0;
+    for (int i = bytes - 1; i >= 0; i--)
+        x = x << 8 | ((const uint8_t *)p->data)[off + (size_t)i];
+    return x;
+}
+
+/* Read in page format: the stored pages come back verbatim (sealed pages
+ * byte-equal to the client's encoding of the same data), cover whole blocks
+ * around the range, and make an equal sequence when appended elsewhere;
+ * bad requests fail and change nothing. */
+static int t_read_pages(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "rp", 2, 2, 4, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    cs.k.codec = KVDEPOT_CODEC_INT4;
+    cs.v.codec = KVDEPOT_CODEC_INT2;
+    REQUIRE_RC(create_coded(c, "rp", "rp-src", &cs), KVDEPOT_OK);
+    REQUIRE_RC(create_coded(c, "rp", "rp-dst", &cs), KVDEPOT_OK);
+    const uint64_t n = 600; /* two sealed blocks of 256 and a raw tail per layer */
+    uint16_t *k, *v;
+    gen_kv(&m, n, 77, &k, &v);
+    kvdepot_append_args aa;
+    memset(&aa, 0, sizeof aa);
+    aa.id = "rp-src";
+    aa.id_len = 6;
+    aa.num_tokens = n;
+    aa.dtype = m.dtype;
+    aa.k = k;
+    aa.v = v;
+    aa.k_bytes = aa.v_bytes = (size_t)2 * n * 2 * 64 * 2;
+    REQUIRE_RC(kvdepot_sequence_append(c, &aa, NULL), KVDEPOT_OK);
+
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = "rp-src";
+    ra.id_len = 6;
+    kvdepot_page *pages, *mine;
+    size_t np, nmine;
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &ra, &pages, &np), KVDEPOT_OK);
+    REQUIRE(np == 6);
+    REQUIRE_RC(encode_all(&m, &cs, 0, n, k, v, &mine, &nmine), KVDEPOT_OK);
+    REQUIRE(nmine == 6);
+    for (size_t i = 0; i < np; i++) {
+        const uint64_t b = i % 3, ntok = b < 2 ? 256 : n - 512;
+        CHECK(memcmp(pages[i].data, "KVDP", 4) == 0);
+        CHECK(page_u(&pages[i], 12, 4) == i / 3);     /* layer */
+        CHECK(page_u(&pages[i], 16, 8) == b * 256);   /* token_start */
+        CHECK(page_u(&pages[i], 24, 4) == ntok);      /* num_tokens */
+        CHECK(page_u(&pages[i], 8, 1) == (b < 2 ? KVDEPOT_CODEC_INT4 : KVDEPOT_CODEC_RAW));
+        if (b < 2)
+            CHECK(pages[i].len == mine[i].len &&
+                  memcmp(pages[i].data, mine[i].data, pages[i].len) == 0);
+    }
+    kvdepot_pages_free(mine, nmine);
+    /* Server to server: the pages as read make the same sequence. */
+    REQUIRE_RC(kvdepot_append_pages(c, "rp-dst", 6, pages, np, NULL), KVDEPOT_OK);
+    kvdepot_pages_free(pages, np);
+    kvdepot_read_result r1, r2;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &r1), KVDEPOT_OK);
+    ra.id = "rp-dst";
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &r2), KVDEPOT_OK);
+    CHECK(r1.kv_bytes == r2.kv_bytes && memcmp(r1.k, r2.k, r1.kv_bytes) == 0 &&
+          memcmp(r1.v, r2.v, r1.kv_bytes) == 0);
+    kvdepot_free(r1.owned);
+    kvdepot_free(r2.owned);
+
+    /* A range inside one layer: whole blocks around it. */
+    ra.id = "rp-src";
+    ra.layer_start = 1;
+    ra.num_layers = 1;
+    ra.token_start = 5;
+    ra.num_tokens = 256;
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &ra, &pages, &np), KVDEPOT_OK);
+    CHECK(np == 2);
+    for (size_t i = 0; i < np; i++)
+        CHECK(page_u(&pages[i], 12, 4) == 1 && page_u(&pages[i], 16, 8) == i * 256);
+    kvdepot_pages_free(pages, np);
+    ra.num_tokens = 0;
+    ra.token_start = n;
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &ra, &pages, &np), KVDEPOT_OK);
+    CHECK(np == 0 && pages == NULL);
+
+    /* Errors: clear codes, nothing allocated, nothing changed. */
+    ra.token_start = n;
+    ra.num_tokens = 1;
+    CHECK_RC(kvdepot_sequence_read_pages(c, &ra, &pages, &np), KVDEPOT_ERANGE);
+    CHECK(pages == NULL && np == 0);
+    ra.token_start = 0;
+    ra.layer_start = 2;
+    CHECK_RC(kvdepot_sequence_read_pages(c, &ra, &pages, &np), KVDEPOT_EINVAL);
+    ra.layer_start = 0;
+    ra.id = "rp-none";
+    ra.id_len = 7;
+    CHECK_RC(kvdepot_sequence_read_pages(c, &ra, &pages, &np), KVDEPOT_ENOTFOUND);
+    CHECK_RC(kvdepot_sequence_read_pages(c, NULL, &pages, &np), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_sequence_read_pages(c, &ra, NULL, &np), KVDEPOT_EINVAL);
+    kvdepot_sequence_info info;
+    REQUIRE_RC(kvdepot_sequence_stat(c, "rp-src", 6, &info), KVDEPOT_OK);
+    CHECK(info.num_tokens == n);
+    kvdepot_sequence_info_clear(&info);
+    free(k);
+    free(v);
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
     {"attend", t_attend},     {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
     {"plan_fetch", t_plan_fetch}, {"errors", t_errors},   {"codecs", t_codecs},
     {"bad_codecs", t_bad_codecs}, {"search", t_search},   {"append_pages", t_append_pages},
+    {"read_pages", t_read_pages},
 };
 
 int main(int argc, char **argv)
