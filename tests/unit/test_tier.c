@@ -250,11 +250,15 @@ static void test_lru(const char *dir)
     kvd_store_stats_get(st, &s);
     uint64_t before = s.prefetched;
     CHECK(kvd_store_page_prefetch(st, "s000", 4, 0, 2, 3, &e) == 0);
-    for (int i = 0; i < 200 && s.prefetched < before + 3; i++) {
+    /* Bounded wait (30 s) for the prefetch thread, generous for loaded CI
+     * machines; the count can run ahead when read-ahead from the read above
+     * is still finishing, so the check is a lower bound, and the acquire
+     * below checks the effect itself. */
+    for (int i = 0; i < 6000 && s.prefetched < before + 3; i++) {
         usleep(5000);
         kvd_store_stats_get(st, &s);
     }
-    CHECK(s.prefetched == before + 3);
+    CHECK(s.prefetched >= before + 3);
     CHECK(kvd_store_page_acquire(st, "s000", 4, 0, 3, &h[5], &e) == 0);
     CHECK(h[5].tier == KVD_TIER_DEVICE && check_page(&h[5], 0, 0, 3) == 0);
     kvd_store_page_release(st, &h[5]);
