@@ -195,7 +195,7 @@ static void unset_env(const char *const *env)
  * buffers and the Append in flight (its bytes, the WriteBatch, the pages
  * built). Below the working set, so a server keeping every page in memory
  * fails the check. */
-#define WS_OVERHEAD_MIB 96
+#define WS_OVERHEAD_MIB 128
 
 static int test_working_set(kvd_harness *h)
 {
