@@ -5,6 +5,10 @@
 #
 # Usage: cli_calibrate.sh KVDEPOTD KVDEPOT_CLI
 set -euo pipefail
+# `grep -q` stops reading at the first match; under pipefail the writer then
+# dies of SIGPIPE and the pipeline fails when the writer is slow (sanitizer
+# builds). grep_q reads all of its input.
+grep_q() { grep "$@" >/dev/null; }
 
 server=$1
 cli=$2
@@ -50,11 +54,11 @@ open(w + "/short.bin", "wb").write(struct.pack("<%df" % 10, *kv[:10]))
 PY
 out=$(k calibrate --model m --tokens 200 --file "$work/kv.bin" --q "$work/q.bin" --vq d4b4 --svd --seed 3) \
     || fail "calibrate failed"
-echo "$out" | grep -q "calibrated 400 tokens; 28 artifacts stored" || fail "calibrate said: $out"
+echo "$out" | grep_q "calibrated 400 tokens; 28 artifacts stored" || fail "calibrate said: $out"
 [ "$(echo "$out" | tail -n +3 | wc -l)" = 4 ] || fail "calibrate: expected 4 error rows: $out"
 
 k artifacts get --model m --file "$work/a.bin" >/dev/null || fail "artifacts get"
-k artifacts put --model m2 --file "$work/a.bin" | grep -q "stored 28 artifacts" || fail "artifacts put"
+k artifacts put --model m2 --file "$work/a.bin" | grep_q "stored 28 artifacts" || fail "artifacts put"
 k artifacts get --model m2 --file "$work/b.bin" >/dev/null || fail "artifacts get m2"
 cmp -s "$work/a.bin" "$work/b.bin" || fail "artifacts differ after a round trip"
 k artifacts get --model m --kind 1 --file "$work/l.bin" >/dev/null || fail "artifacts get --kind"

@@ -5,6 +5,10 @@
 #
 # Usage: cli_compute.sh KVDEPOTD KVDEPOT_CLI
 set -euo pipefail
+# `grep -q` stops reading at the first match; under pipefail the writer then
+# dies of SIGPIPE and the pipeline fails when the writer is slow (sanitizer
+# builds). grep_q reads all of its input.
+grep_q() { grep "$@" >/dev/null; }
 
 server=$1
 cli=$2
@@ -50,7 +54,7 @@ PY
 k put s --model m --tokens 300 --file "$work/kv.bin" >/dev/null
 
 out=$(k attend s --layer 0 --q "$work/q.bin" --out "$work/out.bin") || fail "attend failed"
-echo "$out" | grep -q "attended 300 tokens" || fail "attend output: $out"
+echo "$out" | grep_q "attended 300 tokens" || fail "attend output: $out"
 [ "$(stat -c %s "$work/out.bin")" = $((4 * 32 * 4)) ] || fail "attend output file size"
 python3 - "$work" <<'PY' || fail "attend output differs from attention computed in Python"
 import math, struct, sys
@@ -70,20 +74,20 @@ for h in range(4):
         if abs(o - got[h * 32 + i]) > 1e-4:
             sys.exit("head %d dim %d: %g vs %g" % (h, i, got[h * 32 + i], o))
 PY
-k attend s --layer 0 --q "$work/q.bin" --token-start 100 --tokens 50 | grep -q "attended 50 tokens" ||
+k attend s --layer 0 --q "$work/q.bin" --token-start 100 --tokens 50 | grep_q "attended 50 tokens" ||
     fail "attend over a range"
 
 out=$(k plan s --bandwidth 1e9 --flops 1e12) || fail "plan failed"
-echo "$out" | grep -q "^split 0 of 300 tokens" || fail "plan output: $out"
+echo "$out" | grep_q "^split 0 of 300 tokens" || fail "plan output: $out"
 
 # Errors: a query of the wrong size, an unknown sequence, search without an index.
 rc=0
 err=$(k attend s --layer 0 --q "$work/q-short.bin" 2>&1) || rc=$?
-[ "$rc" -ne 0 ] && echo "$err" | grep -q "INVALID_ARGUMENT" || fail "short q: rc=$rc $err"
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "INVALID_ARGUMENT" || fail "short q: rc=$rc $err"
 rc=0
 err=$(k attend nope --layer 0 --q "$work/q.bin" 2>&1) || rc=$?
-[ "$rc" -ne 0 ] && echo "$err" | grep -q "NOT_FOUND" || fail "unknown sequence: rc=$rc $err"
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "NOT_FOUND" || fail "unknown sequence: rc=$rc $err"
 rc=0
 err=$(k search s --layer 0 --q "$work/q.bin" --k 4 2>&1) || rc=$?
-[ "$rc" -ne 0 ] && echo "$err" | grep -q "FAILED_PRECONDITION" || fail "search: rc=$rc $err"
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "FAILED_PRECONDITION" || fail "search: rc=$rc $err"
 echo "cli_compute: PASS"

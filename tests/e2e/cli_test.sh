@@ -6,6 +6,10 @@
 #
 # Usage: cli_test.sh KVDEPOTD KVDEPOT_CLI
 set -euo pipefail
+# `grep -q` stops reading at the first match; under pipefail the writer then
+# dies of SIGPIPE and the pipeline fails when the writer is slow (sanitizer
+# builds). grep_q reads all of its input.
+grep_q() { grep "$@" >/dev/null; }
 
 server=$1
 cli=$2
@@ -77,19 +81,19 @@ expect_error() {
 
 [ "$(k health)" = SERVING ] || fail "health is not SERVING"
 k --help >/dev/null
-"$cli" help | grep -q "model put" || fail "help text lacks 'model put'"
+"$cli" help | grep_q "model put" || fail "help text lacks 'model put'"
 
 # A small model: 4 layers x 2 kv heads x 64 dims, f16 -> 512 bytes per token of K.
 k model put tiny --layers 4 --kv-heads 2 --q-heads 8 --head-dim 64 --dtype f16 --revision r1 >/dev/null
 k model put tiny --layers 4 --kv-heads 2 --q-heads 8 --head-dim 64 --dtype f16 --revision r1 |
-    grep -q "already" || fail "putting the same model twice is not reported as unchanged"
-k models | grep -q '^tiny ' || fail "models does not list tiny"
-k model get tiny | grep -q 'layers: *4' || fail "model get tiny lacks 'layers: 4'"
+    grep_q "already" || fail "putting the same model twice is not reported as unchanged"
+k models | grep_q '^tiny ' || fail "models does not list tiny"
+k model get tiny | grep_q 'layers: *4' || fail "model get tiny lacks 'layers: 4'"
 
 per_token=$((2 * 4 * 2 * 64 * 2)) # K+V bytes per token over all layers
 head -c $((300 * per_token)) /dev/urandom >"$work/kv.bin"
 k put req-1 --model tiny --tokens 300 --file "$work/kv.bin" >/dev/null
-k seq stat req-1 | grep -q 'num_tokens: *300' || fail "seq stat does not show 300 tokens"
+k seq stat req-1 | grep_q 'num_tokens: *300' || fail "seq stat does not show 300 tokens"
 k get req-1 --file "$work/back.bin" >/dev/null
 cmp "$work/kv.bin" "$work/back.bin" || fail "get returned different bytes"
 k get req-1 --file - | cmp - "$work/kv.bin" || fail "get to stdout returned different bytes"
@@ -110,8 +114,8 @@ k put req-2 --model tiny --tokens 10 --layer-start 2 --layers 1 --file "$work/l2
 k get req-2 --file "$work/l2back.bin" --layer-start 2 --layers 1 --tokens 10 >/dev/null
 cmp "$work/l2.bin" "$work/l2back.bin" || fail "single-layer put/get differs"
 
-k seqs | grep -q '^req-1 ' || fail "seqs does not list req-1"
-k seqs --model tiny | grep -q '^req-2 ' || fail "seqs --model tiny does not list req-2"
+k seqs | grep_q '^req-1 ' || fail "seqs does not list req-1"
+k seqs --model tiny | grep_q '^req-2 ' || fail "seqs --model tiny does not list req-2"
 
 # Prefix hashes: 600 token ids -> 2 complete blocks of 256.
 page=$(k seq stat req-1 | awk '/page_tokens:/ {print $2}')
@@ -122,9 +126,9 @@ nblocks=$((600 / page))
 head -c $((600 * per_token)) /dev/urandom >"$work/kv600.bin"
 k put req-3 --model tiny --tokens 600 --file "$work/kv600.bin" --token-ids "$work/ids.txt" >/dev/null
 # shellcheck disable=SC2046
-k lookup --model tiny $(cat "$work/hashes.txt") | grep -q "matched_blocks: $nblocks" ||
+k lookup --model tiny $(cat "$work/hashes.txt") | grep_q "matched_blocks: $nblocks" ||
     fail "lookup does not find the $nblocks blocks"
-k lookup --model tiny 0123456789abcdef | grep -q "matched_blocks: 0" || fail "lookup of a bogus hash matched"
+k lookup --model tiny 0123456789abcdef | grep_q "matched_blocks: 0" || fail "lookup of a bogus hash matched"
 
 # Restart: everything is still there.
 stop
@@ -152,7 +156,7 @@ grep -q . "$work/x.bin" 2>/dev/null && fail "a failed get left data in its file"
 
 k seq rm req-2 >/dev/null
 expect_error 'NOT_FOUND: ' 1 k seq stat req-2
-k model rm tiny --force | grep -q "2 sequences" || fail "model rm --force did not report 2 sequences"
+k model rm tiny --force | grep_q "2 sequences" || fail "model rm --force did not report 2 sequences"
 expect_error 'NOT_FOUND: ' 1 k seq stat req-1
 stop
 echo "cli_test: PASS"

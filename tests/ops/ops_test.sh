@@ -7,6 +7,10 @@
 # Usage: ops_test.sh KVDEPOTD KVDEPOT_CLI CASE
 #   CASE: tls mtls auth reload quota limits deadline config metrics
 set -euo pipefail
+# `grep -q` stops reading at the first match; under pipefail the writer then
+# dies of SIGPIPE and the pipeline fails when the writer is slow (sanitizer
+# builds). grep_q reads all of its input.
+grep_q() { grep "$@" >/dev/null; }
 
 # Absolute paths: some cases change directory.
 server=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
@@ -186,8 +190,8 @@ EOF
     expect PERMISSION_DENIED k --token tok-a-rw-0123456789 get b-seq --file "$work/x"
     expect PERMISSION_DENIED k --token tok-a-rw-0123456789 seq stat b-seq
     expect PERMISSION_DENIED k --token tok-a-rw-0123456789 seq rm b-seq
-    k --token tok-a-rw-0123456789 models | grep -q b-m && fail "team-a sees team-b's model"
-    k --token tok-a-rw-0123456789 seqs | grep -q b-seq && fail "team-a sees team-b's sequence"
+    k --token tok-a-rw-0123456789 models | grep_q b-m && fail "team-a sees team-b's model"
+    k --token tok-a-rw-0123456789 seqs | grep_q b-seq && fail "team-a sees team-b's sequence"
     # Read-only writing.
     ok k --token tok-a-ro-0123456789 models
     expect PERMISSION_DENIED k --token tok-a-ro-0123456789 put a-seq --model a-m --tokens 4 \
@@ -312,7 +316,7 @@ deadline)
         sleep 0.05
     done
     [ "$(metric kvdepot_calls_in_flight)" = 0 ] || fail "calls still in flight after the deadline"
-    k seq stat s1 | grep -q 'num_tokens: *0' || fail "a cancelled append changed the sequence"
+    k seq stat s1 | grep_q 'num_tokens: *0' || fail "a cancelled append changed the sequence"
     [ "$(metric kvdepot_payload_bytes_stored)" = 0 ] || fail "payload gauge moved on a failed append"
     # The same for a Read cut short.
     ok k put s2 --model big --tokens 768 --file "$work/big.bin"
@@ -380,8 +384,8 @@ EOF
 metrics)
     start
     k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
-    curl -sf "http://127.0.0.1:$mport/healthz" | grep -q ok || fail "/healthz"
-    curl -sf "http://127.0.0.1:$mport/readyz" | grep -q ready || fail "/readyz"
+    curl -sf "http://127.0.0.1:$mport/healthz" | grep_q ok || fail "/healthz"
+    curl -sf "http://127.0.0.1:$mport/readyz" | grep_q ready || fail "/readyz"
     code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$mport/nope")
     [ "$code" = 404 ] || fail "unknown path answered $code"
     before=$(metric 'kvdepot_requests_total{method="PutModel",status="OK"}')
