@@ -474,6 +474,28 @@ int kvdepot__call_batch(kvdepot__call *k, const grpc_op *ops, size_t nops, void 
     return kvdepot__call_wait(k, tag);
 }
 
+static uint32_t md_flags(const kvdepot_client *c)
+{
+    return c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+}
+
+int kvdepot__call_send_request(kvdepot__call *k, grpc_byte_buffer *send, void *tag)
+{
+    if (!send)
+        return -1;
+    grpc_op ops[4];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = md_flags(k->client);
+    kvdepot__initial_md(k->client, &ops[0]);
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &k->initial_md;
+    return kvdepot__call_batch(k, ops, 4, tag);
+}
+
 int kvdepot__call_result(kvdepot__call *k)
 {
     if (k->status == GRPC_STATUS_OK)
@@ -529,11 +551,6 @@ static grpc_slice byte_buffer_flatten(grpc_byte_buffer *bb)
     grpc_slice s = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
     return s;
-}
-
-static uint32_t md_flags(const kvdepot_client *c)
-{
-    return c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
 }
 
 /*

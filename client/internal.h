@@ -77,6 +77,11 @@ int kvdepot__call_start(kvdepot_client *c, int method, const char *path, kvdepot
 /* Run one batch and wait for it; returns the completion's success flag, or
  * -1 when gRPC refused the batch. */
 int kvdepot__call_batch(kvdepot__call *k, const grpc_op *ops, size_t nops, void *tag);
+/* Open a server-streaming call: send the initial metadata, the request and
+ * the half-close, and receive the initial metadata, in one batch. Returns
+ * the completion's success flag, or -1 when gRPC refused the batch (or send
+ * is NULL). The caller keeps ownership of send. */
+int kvdepot__call_send_request(kvdepot__call *k, grpc_byte_buffer *send, void *tag);
 /* Wait for a batch started earlier with kvdepot__call_start_batch. */
 int kvdepot__call_wait(kvdepot__call *k, void *tag);
 /* Start a batch without waiting; 0 or -1. */

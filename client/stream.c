@@ -548,17 +548,7 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
         return rc;
     }
     grpc_byte_buffer *send = kvdepot__pack(&req.base);
-    grpc_op ops[4];
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
-    kvdepot__initial_md(c, &ops[0]);
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = send;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
-    int ok = kvdepot__call_batch(&k, ops, 4, &tag_send);
+    int ok = kvdepot__call_send_request(&k, send, &tag_send);
     grpc_byte_buffer_destroy(send);
 
     read_state st = {.c = c, .out = out};
@@ -785,17 +775,7 @@ int kvdepot_sequence_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
         return rc;
     }
     grpc_byte_buffer *send = kvdepot__pack(&req.base);
-    grpc_op ops[4];
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
-    kvdepot__initial_md(c, &ops[0]);
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = send;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &k.initial_md;
-    int ok = kvdepot__call_batch(&k, ops, 4, &tag_send);
+    int ok = kvdepot__call_send_request(&k, send, &tag_send);
     grpc_byte_buffer_destroy(send);
 
     kvdepot_page *got = NULL;
