@@ -5,39 +5,12 @@
 #
 # Usage: cli_calibrate.sh KVDEPOTD KVDEPOT_CLI
 set -euo pipefail
-# `grep -q` stops reading at the first match; under pipefail the writer then
-# dies of SIGPIPE and the pipeline fails when the writer is slow (sanitizer
-# builds). grep_q reads all of its input.
-grep_q() { grep "$@" >/dev/null; }
-
 server=$1
 cli=$2
-work=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-clical-XXXXXX")
-pid=
+name=cli_calibrate
+. "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 
-fail() {
-    echo "cli_calibrate: FAIL: $*" >&2
-    [ -f "$work/server.log" ] && tail -n 40 "$work/server.log" >&2
-    exit 1
-}
-cleanup() {
-    if [ -n "$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
-    rm -rf "$work"
-}
-trap cleanup EXIT
-
-"$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
-    >>"$work/server.log" 2>&1 &
-pid=$!
-for _ in $(seq 1 600); do
-    if [ -s "$work/port" ] && [ "$(tail -c 1 "$work/port" | od -An -c | tr -d ' ')" = '\n' ]; then
-        break
-    fi
-    kill -0 "$pid" 2>/dev/null || fail "kvdepotd exited before serving"
-    sleep 0.05
-done
-port=$(tr -d '\n' <"$work/port")
-k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+start_server
 
 k model put m --layers 2 --kv-heads 2 --q-heads 4 --head-dim 16 --dtype f32 >/dev/null
 k model put m2 --layers 2 --kv-heads 2 --q-heads 4 --head-dim 16 --dtype f32 >/dev/null

@@ -5,37 +5,12 @@
 #
 # Usage: tier_cli.sh KVDEPOTD KVDEPOT_CLI
 set -euo pipefail
-# `grep -q` stops reading at the first match; under pipefail the writer then
-# dies of SIGPIPE and the pipeline fails when the writer is slow (sanitizer
-# builds). grep_q reads all of its input.
-grep_q() { grep "$@" >/dev/null; }
-
 server=$1
 cli=$2
-work=$(mktemp -d "${TMPDIR:-/tmp}/kvdepot-tier-cli-XXXXXX")
-pid=
+name=tier_cli
+. "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 
-fail() {
-    echo "tier_cli: FAIL: $*" >&2
-    [ -f "$work/server.log" ] && tail -n 30 "$work/server.log" >&2
-    exit 1
-}
-cleanup() {
-    if [ -n "$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
-    rm -rf "$work"
-}
-trap cleanup EXIT
-
-"$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
-    --metrics-listen "" --device-tier-bytes 256KiB --host-tier-bytes 256KiB \
-    --durability sync >>"$work/server.log" 2>&1 &
-pid=$!
-for _ in $(seq 1 600); do
-    [ -s "$work/port" ] && break
-    kill -0 "$pid" 2>/dev/null || fail "kvdepotd exited before serving"
-    sleep 0.05
-done
-k() { "$cli" --addr "127.0.0.1:$(tr -d '\n' <"$work/port")" "$@"; }
+start_server --metrics-listen "" --device-tier-bytes 256KiB --host-tier-bytes 256KiB --durability sync
 
 k model put m --layers 2 --kv-heads 2 --head-dim 64 --dtype f16 >/dev/null || fail "model put"
 # 700 tokens: 2 full pages and a tail per layer, more than the tiers hold.
