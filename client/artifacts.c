@@ -45,8 +45,7 @@ int kvdepot_artifacts_upload(kvdepot_client *c, const char *model, const kvdepot
     if (!c || !model || (!a && count))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "upload artifacts: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
-                             "upload artifacts: not supported over several servers");
+        return kvdepot__cluster_artifacts_upload(c, model, a, count, stored);
     for (size_t i = 0; i < count; i++)
         if (a[i].ndim < 1 || a[i].ndim > 2 || !a[i].data)
             return kvdepot__fail(c, KVDEPOT_EINVAL,
@@ -160,8 +159,7 @@ int kvdepot_artifacts_get(kvdepot_client *c, const char *model, const int *kinds
     if (!c || !model || !out || !count || (!kinds && nkinds))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "get artifacts: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
-                             "get artifacts: not supported over several servers");
+        return kvdepot__cluster_artifacts_get(c, model, kinds, nkinds, out, count);
     Kvdepot__V1__GetArtifactsRequest req = KVDEPOT__V1__GET_ARTIFACTS_REQUEST__INIT;
     Kvdepot__V1__ArtifactKind kbuf[16];
     if (nkinds > 16)
@@ -264,7 +262,7 @@ int kvdepot_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
     if (!c || !a || !a->model || (!samples && count))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "calibrate: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "calibrate: not supported over several servers");
+        return kvdepot__cluster_calibrate(c, a, samples, count, out);
     /* The header alone, then one message per sample. */
     size_t nmsg = count + 1;
     kvdepot__raw_msg *msgs = calloc(nmsg, sizeof *msgs);

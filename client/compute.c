@@ -157,11 +157,11 @@ int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
         memset(out, 0, n * sizeof *out);
     if (!c || !queries || !out)
         return kvdepot__fail(c, KVDEPOT_EINVAL, "attend: NULL argument");
-    if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "attend: not supported over several servers");
     if (n == 0 || n > ATTEND_MAX_BATCH)
         return kvdepot__fail(c, KVDEPOT_EINVAL, "attend: %zu queries, 1..%d per call", n,
                              ATTEND_MAX_BATCH);
+    if (c->cluster)
+        return kvdepot__cluster_attend(c, layer, scale, queries, n, out);
     Kvdepot__V1__AttendQuery *qs = calloc(n, sizeof *qs);
     Kvdepot__V1__AttendQuery **qp = calloc(n, sizeof *qp);
     if (!qs || !qp) {
@@ -234,8 +234,9 @@ int kvdepot_plan_fetch(kvdepot_client *c, const void *id, size_t id_len,
     if (!c || !out || (!id && id_len))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "plan fetch: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
-                             "plan fetch: not supported over several servers");
+        return kvdepot__cluster_plan_fetch(c, id, id_len, bandwidth_bytes_per_s,
+                                           compute_flops_per_s, layer_start, num_layers,
+                                           assume_activations, out);
     Kvdepot__V1__PlanFetchRequest req = KVDEPOT__V1__PLAN_FETCH_REQUEST__INIT;
     req.sequence_id.data = (uint8_t *)id;
     req.sequence_id.len = id_len;
@@ -372,7 +373,7 @@ int kvdepot_search(kvdepot_client *c, const kvdepot_search_args *a, kvdepot_sear
     if (!c || !a || !out || (!a->id && a->id_len))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "search: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "search: not supported over several servers");
+        return kvdepot__cluster_search(c, a, out);
     Kvdepot__V1__SearchRequest req;
     search_req(a, &req);
     Kvdepot__V1__SearchResponse *r = NULL;
@@ -398,8 +399,7 @@ int kvdepot_sparse_attend(kvdepot_client *c, const kvdepot_search_args *a, float
     if (!c || !a || !out || (!a->id && a->id_len))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "sparse attend: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
-                             "sparse attend: not supported over several servers");
+        return kvdepot__cluster_sparse_attend(c, a, scale, out, tokens);
     Kvdepot__V1__SearchRequest sreq;
     search_req(a, &sreq);
     Kvdepot__V1__SparseAttendRequest req = KVDEPOT__V1__SPARSE_ATTEND_REQUEST__INIT;
@@ -553,8 +553,7 @@ int kvdepot_append_pages(kvdepot_client *c, const void *id, size_t id_len,
     if (!c || (!id && id_len) || (!pages && count))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "append pages: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
-                             "append pages: not supported over several servers");
+        return kvdepot__cluster_append_pages(c, id, id_len, pages, count, out);
     /* One message per page (pages are at most a few MiB), the header with
      * the first. */
     size_t nmsg = count ? count : 1;

@@ -136,6 +136,28 @@ int kvdepot__cluster_sequence_evict(kvdepot_client *c, const void *id, size_t id
                                     uint64_t *pages, uint64_t *bytes);
 int kvdepot__cluster_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes,
                                    size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
+int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale,
+                            const kvdepot_attend_query *queries, size_t n,
+                            kvdepot_attend_result *out);
+int kvdepot__cluster_plan_fetch(kvdepot_client *c, const void *id, size_t id_len, double bw,
+                                double flops, uint32_t layer_start, uint32_t num_layers,
+                                int assume_activations, kvdepot_fetch_plan *out);
+int kvdepot__cluster_search(kvdepot_client *c, const kvdepot_search_args *a,
+                            kvdepot_search_result *out);
+int kvdepot__cluster_sparse_attend(kvdepot_client *c, const kvdepot_search_args *a, float scale,
+                                   kvdepot_attend_result *out, kvdepot_search_result *tokens);
+int kvdepot__cluster_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
+                                kvdepot_page **pages, size_t *count);
+int kvdepot__cluster_append_pages(kvdepot_client *c, const void *id, size_t id_len,
+                                  const kvdepot_page *pages, size_t count,
+                                  kvdepot_sequence_info *out);
+int kvdepot__cluster_artifacts_upload(kvdepot_client *c, const char *model,
+                                      const kvdepot_artifact *a, size_t count, uint32_t *stored);
+int kvdepot__cluster_artifacts_get(kvdepot_client *c, const char *model, const int *kinds,
+                                   size_t nkinds, kvdepot_artifact **out, size_t *count);
+int kvdepot__cluster_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
+                               const kvdepot_calibrate_sample *samples, size_t count,
+                               kvdepot_calibrate_result *out);
 
 /* Fill a public sequence info from the wire form; 0 or KVDEPOT_ENOMEM. */
 int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequence_info *out);

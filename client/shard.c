@@ -14,6 +14,9 @@
  *     wins (about 1/N of them), all onto itself; removing one moves only its
  *     own keys.
  *   - model writes go to every member; model reads go to any member.
+ *   - compute calls on a sequence go to its owner; an Attend batch is split
+ *     by owner and the shares run in parallel; Calibrate runs on one member
+ *     and its artifacts are copied to the others.
  *
  * There is no protocol between servers: each server is independent and the
  * placement is computed by every client alike, so all clients with the same
@@ -1228,6 +1231,409 @@ int kvdepot__cluster_prefix_lookup(kvdepot_client *c, const char *model, const u
             *matched_tokens = 0;
         return KVDEPOT_OK;
     }
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Compute calls, pages and artifacts                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Calls on one sequence go to its owner; an unreachable owner is a miss for
+ * calls that read (NOT_FOUND, as for Read) and UNAVAILABLE for writes. */
+
+struct plan_ctx {
+    const void *id;
+    size_t id_len;
+    double bw, flops;
+    uint32_t layer_start, num_layers;
+    int assume;
+    kvdepot_fetch_plan *out;
+};
+
+static int op_plan(kvdepot_client *m, void *p)
+{
+    struct plan_ctx *x = p;
+    return kvdepot_plan_fetch(m, x->id, x->id_len, x->bw, x->flops, x->layer_start,
+                              x->num_layers, x->assume, x->out);
+}
+
+int kvdepot__cluster_plan_fetch(kvdepot_client *c, const void *id, size_t id_len, double bw,
+                                double flops, uint32_t layer_start, uint32_t num_layers,
+                                int assume_activations, kvdepot_fetch_plan *out)
+{
+    struct plan_ctx x = {id, id_len, bw, flops, layer_start, num_layers, assume_activations, out};
+    return as_miss(c, run_for_id(c, id, id_len, op_plan, &x));
+}
+
+struct search_ctx {
+    const kvdepot_search_args *args;
+    float scale;
+    kvdepot_search_result *out;
+    kvdepot_attend_result *attend; /* SparseAttend when set */
+};
+
+static int op_search(kvdepot_client *m, void *p)
+{
+    struct search_ctx *x = p;
+    if (x->attend)
+        return kvdepot_sparse_attend(m, x->args, x->scale, x->attend, x->out);
+    return kvdepot_search(m, x->args, x->out);
+}
+
+int kvdepot__cluster_search(kvdepot_client *c, const kvdepot_search_args *a,
+                            kvdepot_search_result *out)
+{
+    struct search_ctx x = {a, 0, out, NULL};
+    return as_miss(c, run_for_id(c, a->id, a->id_len, op_search, &x));
+}
+
+int kvdepot__cluster_sparse_attend(kvdepot_client *c, const kvdepot_search_args *a, float scale,
+                                   kvdepot_attend_result *out, kvdepot_search_result *tokens)
+{
+    struct search_ctx x = {a, scale, tokens, out};
+    return as_miss(c, run_for_id(c, a->id, a->id_len, op_search, &x));
+}
+
+struct pages_ctx {
+    const kvdepot_read_args *read;
+    kvdepot_page **pages;
+    size_t *count;
+    const void *id;
+    size_t id_len;
+    const kvdepot_page *in;
+    size_t n;
+    kvdepot_sequence_info *info;
+};
+
+static int op_read_pages(kvdepot_client *m, void *p)
+{
+    struct pages_ctx *x = p;
+    return kvdepot_sequence_read_pages(m, x->read, x->pages, x->count);
+}
+
+static int op_append_pages(kvdepot_client *m, void *p)
+{
+    struct pages_ctx *x = p;
+    return kvdepot_append_pages(m, x->id, x->id_len, x->in, x->n, x->info);
+}
+
+int kvdepot__cluster_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
+                                kvdepot_page **pages, size_t *count)
+{
+    struct pages_ctx x = {.read = a, .pages = pages, .count = count};
+    return as_miss(c, run_for_id(c, a->id, a->id_len, op_read_pages, &x));
+}
+
+int kvdepot__cluster_append_pages(kvdepot_client *c, const void *id, size_t id_len,
+                                  const kvdepot_page *pages, size_t count,
+                                  kvdepot_sequence_info *out)
+{
+    struct pages_ctx x = {.id = id, .id_len = id_len, .in = pages, .n = count, .info = out};
+    return run_for_id(c, id, id_len, op_append_pages, &x);
+}
+
+/*
+ * Attend: the queries are grouped by the owner of their sequence and every
+ * group runs as one Attend on its server, the groups in parallel (one
+ * thread each). Results land at their query's index. One group failing
+ * fails the call: every result is freed and the first failing group's
+ * status and message are returned (an unreachable server: NOT_FOUND).
+ */
+typedef struct attend_group {
+    kvdepot_client *c;
+    shard *s;
+    uint32_t layer;
+    float scale;
+    size_t n;
+    size_t *index;                 /* positions in the caller's arrays */
+    kvdepot_attend_query *queries; /* the group's queries, in order */
+    kvdepot_attend_result *results;
+    int rc;
+    char msg[512];
+    pthread_t thread;
+    int started;
+} attend_group;
+
+struct attend_op_ctx {
+    attend_group *g;
+};
+
+static int op_attend(kvdepot_client *m, void *p)
+{
+    attend_group *g = ((struct attend_op_ctx *)p)->g;
+    return kvdepot_attend(m, g->layer, g->scale, g->queries, g->n, g->results);
+}
+
+static void *attend_group_run(void *p)
+{
+    attend_group *g = p;
+    struct attend_op_ctx x = {g};
+    g->rc = as_miss(g->c, run_on(g->c, g->s, op_attend, &x));
+    if (g->rc)
+        snprintf(g->msg, sizeof g->msg, "%s", kvdepot_errmsg(g->c));
+    return NULL;
+}
+
+static void attend_groups_free(attend_group *g, size_t ng)
+{
+    for (size_t i = 0; i < ng; i++) {
+        free(g[i].index);
+        free(g[i].queries);
+        free(g[i].results);
+    }
+    free(g);
+}
+
+int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale,
+                            const kvdepot_attend_query *queries, size_t n,
+                            kvdepot_attend_result *out)
+{
+    shard **v;
+    size_t ns = pick_all(c, &v);
+    if (!ns) {
+        free(v);
+        return kvdepot__fail(c, KVDEPOT_EUNAVAIL, "attend: no server behind %s", c->address);
+    }
+    attend_group *g = calloc(ns, sizeof *g);
+    size_t *owner = malloc(n * sizeof *owner);
+    int rc = KVDEPOT_OK;
+    if (!g || !owner) {
+        rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "attend: out of memory");
+        goto done;
+    }
+    /* Owner of each query among the members taken above (one snapshot of
+     * the member table, so a concurrent re-resolve cannot split a group). */
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t *key;
+        size_t klen;
+        placement_key(queries[i].id, queries[i].id_len, &key, &klen);
+        owner[i] = owner_index(v, ns, key, klen);
+        g[owner[i]].n++;
+    }
+    for (size_t s = 0; s < ns && !rc; s++) {
+        g[s].c = c;
+        g[s].s = v[s];
+        g[s].layer = layer;
+        g[s].scale = scale;
+        if (!g[s].n)
+            continue;
+        g[s].index = malloc(g[s].n * sizeof *g[s].index);
+        g[s].queries = malloc(g[s].n * sizeof *g[s].queries);
+        g[s].results = calloc(g[s].n, sizeof *g[s].results);
+        if (!g[s].index || !g[s].queries || !g[s].results)
+            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "attend: out of memory");
+        g[s].n = 0; /* refilled below */
+    }
+    if (rc)
+        goto done;
+    for (size_t i = 0; i < n; i++) {
+        attend_group *x = &g[owner[i]];
+        x->index[x->n] = i;
+        x->queries[x->n++] = queries[i];
+    }
+    /* The last group runs on this thread; the others get their own. */
+    size_t last = ns;
+    for (size_t s = 0; s < ns; s++)
+        if (g[s].n)
+            last = s;
+    for (size_t s = 0; s < ns; s++) {
+        if (!g[s].n || s == last)
+            continue;
+        if (pthread_create(&g[s].thread, NULL, attend_group_run, &g[s]) == 0)
+            g[s].started = 1;
+        else
+            attend_group_run(&g[s]);
+    }
+    attend_group_run(&g[last]);
+    for (size_t s = 0; s < ns; s++)
+        if (g[s].started)
+            pthread_join(g[s].thread, NULL);
+    for (size_t s = 0; s < ns; s++)
+        if (g[s].n && g[s].rc) {
+            rc = kvdepot__fail(c, g[s].rc, "%s", g[s].msg);
+            break;
+        }
+    for (size_t s = 0; s < ns; s++) {
+        if (rc) {
+            kvdepot_attend_results_free(g[s].results, g[s].rc ? 0 : g[s].n);
+            continue;
+        }
+        for (size_t j = 0; j < g[s].n; j++)
+            out[g[s].index[j]] = g[s].results[j];
+    }
+    if (!rc)
+        kvdepot__clear_error();
+done:
+    if (g)
+        attend_groups_free(g, ns);
+    free(owner);
+    release_all(c, v, ns);
+    return rc;
+}
+
+/* Members in rendezvous order of a model name: model reads ask them in
+ * turn, so repeated reads of one model use one server. */
+static size_t pick_for_model(kvdepot_client *c, const char *name, shard ***out)
+{
+    shard **v;
+    size_t n = pick_all(c, &v);
+    size_t klen = name ? strlen(name) : 0;
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = i + 1; j < n; j++)
+            if (score(v[j], (const uint8_t *)name, klen) > score(v[i], (const uint8_t *)name, klen)) {
+                shard *t = v[i];
+                v[i] = v[j];
+                v[j] = t;
+            }
+    *out = v;
+    return n;
+}
+
+struct artifacts_ctx {
+    const char *model;
+    const kvdepot_artifact *in;
+    size_t n;
+    uint32_t stored;
+    const int *kinds;
+    size_t nkinds;
+    kvdepot_artifact *out;
+    size_t count;
+    const kvdepot_calibrate_args *cal;
+    const kvdepot_calibrate_sample *samples;
+    kvdepot_calibrate_result *result;
+};
+
+static int op_artifacts_put(kvdepot_client *m, void *p)
+{
+    struct artifacts_ctx *x = p;
+    return kvdepot_artifacts_upload(m, x->model, x->in, x->n, &x->stored);
+}
+
+static int op_artifacts_get(kvdepot_client *m, void *p)
+{
+    struct artifacts_ctx *x = p;
+    return kvdepot_artifacts_get(m, x->model, x->kinds, x->nkinds, &x->out, &x->count);
+}
+
+static int op_calibrate(kvdepot_client *m, void *p)
+{
+    struct artifacts_ctx *x = p;
+    return kvdepot_calibrate(m, x->cal, x->samples, x->n, x->result);
+}
+
+/* Upload to every member but `skip` (NULL: all), as model writes do:
+ * unreachable members are skipped, the first real error is returned, and
+ * UNAVAILABLE only when no member took them. */
+static int artifacts_broadcast(kvdepot_client *c, shard **v, size_t n, const shard *skip,
+                               const char *model, const kvdepot_artifact *a, size_t count,
+                               uint32_t *stored)
+{
+    int err = KVDEPOT_OK, any = 0;
+    char msg[512] = "";
+    for (size_t i = 0; i < n; i++) {
+        if (v[i] == skip)
+            continue;
+        struct artifacts_ctx x = {.model = model, .in = a, .n = count};
+        int rc = run_on(c, v[i], op_artifacts_put, &x);
+        if (rc == KVDEPOT_OK) {
+            if (stored && !any)
+                *stored = x.stored;
+            any = 1;
+        } else if (rc != KVDEPOT_EUNAVAIL && !err) {
+            err = rc;
+            snprintf(msg, sizeof msg, "%s", kvdepot_errmsg(c));
+        }
+    }
+    if (err)
+        return kvdepot__fail(c, err, "%s", msg);
+    if (!any && skip == NULL)
+        return kvdepot__fail(c, KVDEPOT_EUNAVAIL, "upload artifacts: no server behind %s answered",
+                             c->address);
+    return KVDEPOT_OK;
+}
+
+int kvdepot__cluster_artifacts_upload(kvdepot_client *c, const char *model,
+                                      const kvdepot_artifact *a, size_t count, uint32_t *stored)
+{
+    shard **v;
+    size_t n = pick_all(c, &v);
+    int rc = artifacts_broadcast(c, v, n, NULL, model, a, count, stored);
+    release_all(c, v, n);
+    if (!rc)
+        kvdepot__clear_error();
+    return rc;
+}
+
+int kvdepot__cluster_artifacts_get(kvdepot_client *c, const char *model, const int *kinds,
+                                   size_t nkinds, kvdepot_artifact **out, size_t *count)
+{
+    shard **v;
+    size_t n = pick_for_model(c, model, &v);
+    int rc = KVDEPOT_EUNAVAIL, seen = KVDEPOT_EUNAVAIL;
+    for (size_t i = 0; i < n; i++) {
+        struct artifacts_ctx x = {.model = model, .kinds = kinds, .nkinds = nkinds};
+        rc = run_on(c, v[i], op_artifacts_get, &x);
+        if (rc == KVDEPOT_OK) {
+            *out = x.out;
+            *count = x.count;
+            break;
+        }
+        if (rc != KVDEPOT_ENOTFOUND && rc != KVDEPOT_EUNAVAIL)
+            break;
+        if (rc == KVDEPOT_ENOTFOUND)
+            seen = rc;
+    }
+    release_all(c, v, n);
+    if (rc == KVDEPOT_EUNAVAIL && seen == KVDEPOT_ENOTFOUND)
+        return kvdepot__fail(c, KVDEPOT_ENOTFOUND, "get artifacts: no model \"%s\"", model);
+    if (rc == KVDEPOT_EUNAVAIL && n == 0)
+        return kvdepot__fail(c, KVDEPOT_EUNAVAIL, "no server behind %s", c->address);
+    return rc;
+}
+
+/*
+ * Calibrate runs once, on the first reachable member in the model name's
+ * rendezvous order; the artifacts it stored are then copied to every other
+ * reachable member, so sequences created anywhere find them. A member that
+ * was down misses them (CreateSequence with a VQ or SVD codec there answers
+ * FAILED_PRECONDITION until the artifacts are uploaded again).
+ */
+int kvdepot__cluster_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
+                               const kvdepot_calibrate_sample *samples, size_t count,
+                               kvdepot_calibrate_result *out)
+{
+    shard **v;
+    size_t n = pick_for_model(c, a->model, &v);
+    int rc = KVDEPOT_EUNAVAIL;
+    size_t at = n;
+    for (size_t i = 0; i < n; i++) {
+        struct artifacts_ctx x = {.cal = a, .samples = samples, .n = count, .result = out};
+        rc = run_on(c, v[i], op_calibrate, &x);
+        if (rc != KVDEPOT_EUNAVAIL) {
+            at = i;
+            break;
+        }
+    }
+    if (rc == KVDEPOT_OK && n > 1) {
+        struct artifacts_ctx x = {.model = a->model};
+        rc = run_on(c, v[at], op_artifacts_get, &x);
+        if (rc == KVDEPOT_OK) {
+            rc = artifacts_broadcast(c, v, n, v[at], a->model, x.out, x.count, NULL);
+            kvdepot_artifacts_free(x.out, x.count);
+        }
+        if (rc) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", kvdepot_errmsg(c));
+            kvdepot_calibrate_result_clear(out);
+            rc = kvdepot__fail(c, rc, "calibrate: trained on %s, copying the artifacts failed: %s",
+                               v[at]->name, msg);
+        }
+    }
+    release_all(c, v, n);
+    if (rc == KVDEPOT_EUNAVAIL && n == 0)
+        return kvdepot__fail(c, KVDEPOT_EUNAVAIL, "no server behind %s", c->address);
+    if (!rc)
+        kvdepot__clear_error();
     return rc;
 }
 

@@ -758,7 +758,7 @@ int kvdepot_sequence_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
     if (!c || !a || !pages || !count || (!a->id && a->id_len))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "read pages: NULL argument");
     if (c->cluster)
-        return kvdepot__fail(c, KVDEPOT_EUNSUPP, "read pages: not supported over several servers");
+        return kvdepot__cluster_read_pages(c, a, pages, count);
     Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
     req.sequence_id.data = (uint8_t *)a->id;
     req.sequence_id.len = a->id_len;

@@ -637,11 +637,21 @@ int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint6
  *     server's answer. A sequence created on a server that does not know
  *     its model yet (one added later) gets the model copied from another.
  *   - Health is SERVING only when every server answers SERVING.
+ *   - kvdepot_search, kvdepot_sparse_attend, kvdepot_plan_fetch,
+ *     kvdepot_sequence_read_pages and kvdepot_append_pages go to the owner
+ *     of the sequence. kvdepot_attend splits its batch by owner, runs each
+ *     server's share as one call (the shares in parallel) and returns the
+ *     results in query order; one share failing fails the call.
+ *   - kvdepot_artifacts_upload goes to every server, kvdepot_artifacts_get
+ *     to any; kvdepot_calibrate trains on one server (the first reachable
+ *     in the model name's rendezvous order) and copies the artifacts it
+ *     stored to every other reachable server.
  *
  * An unreachable server (no connection within connect_timeout_ms, or an
  * UNAVAILABLE answer) is retried shard_retries times with backoff, then
  * skipped for a growing time (see shard_backoff_ms). For its keys:
- * kvdepot_sequence_read, kvdepot_sequence_stat and kvdepot_sequence_evict
+ * kvdepot_sequence_read, kvdepot_sequence_stat, kvdepot_sequence_evict and
+ * the compute calls above (an Attend batch touching it as a whole)
  * answer KVDEPOT_ENOTFOUND (a cache miss, the message names the server);
  * kvdepot_prefix_lookup answers KVDEPOT_OK with 0 blocks matched; create,
  * append and delete answer KVDEPOT_EUNAVAIL (nothing was written).
@@ -651,8 +661,8 @@ int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint6
  * A server that accepts the connection but stops answering holds a call
  * until its deadline (deadline_ms), as with one server.
  *
- * Functions of this header not named above answer KVDEPOT_EUNSUPP on a
- * client over several servers.
+ * kvdepot_stats_get answers KVDEPOT_EUNSUPP on a client over several
+ * servers (ask each server).
  *
  * With a single endpoint (no comma, no shards:) the client is the plain
  * one-server client and these functions describe that one server.
@@ -755,8 +765,7 @@ typedef struct kvdepot_attend_result {
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (bad layer, q of the wrong size, empty
  *         or oversized batch); KVDEPOT_ENOTFOUND (unknown sequence);
  *         KVDEPOT_ERANGE (tokens past those stored); KVDEPOT_ECORRUPT (a
- *         page failed its checksum); KVDEPOT_EUNSUPP on a client over
- *         several servers.
+ *         page failed its checksum).
  */
 int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,
                    const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out);
@@ -814,8 +823,7 @@ typedef struct kvdepot_fetch_plan {
  * @param[in]  layer_start, num_layers  layers fetched (num_layers 0 = all
  *             from layer_start)
  * @param[out] out
- * @return KVDEPOT_OK; KVDEPOT_EINVAL; KVDEPOT_ENOTFOUND; KVDEPOT_EUNSUPP on
- *         a client over several servers.
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL; KVDEPOT_ENOTFOUND.
  */
 int kvdepot_plan_fetch(kvdepot_client *client, const void *id, size_t id_len,
                        double bandwidth_bytes_per_s, double compute_flops_per_s,
@@ -900,7 +908,7 @@ typedef struct kvdepot_search_result {
  * best of the others; entries are ordered by score, best first.
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (q size, k larger than the range,
  *         layer); KVDEPOT_EPRECOND (no PQ index); KVDEPOT_ENOTFOUND;
- *         KVDEPOT_ERANGE; KVDEPOT_EUNSUPP on a client over several servers.
+ *         KVDEPOT_ERANGE.
  */
 int kvdepot_search(kvdepot_client *client, const kvdepot_search_args *args,
                    kvdepot_search_result *out);
@@ -959,8 +967,7 @@ void kvdepot_pages_free(kvdepot_page *pages, size_t count);
  * @return KVDEPOT_OK; KVDEPOT_ENOTFOUND; KVDEPOT_ERANGE for tokens past the
  *         stored ones; KVDEPOT_EINVAL (NULL argument, layer range);
  *         KVDEPOT_ECORRUPT (a damaged page on the server); KVDEPOT_EINTERNAL
- *         (malformed stream); KVDEPOT_ENOMEM; KVDEPOT_EUNSUPP on a client
- *         over several servers; transport errors.
+ *         (malformed stream); KVDEPOT_ENOMEM; transport errors.
  */
 int kvdepot_sequence_read_pages(kvdepot_client *client, const kvdepot_read_args *args,
                                 kvdepot_page **pages, size_t *count);
@@ -975,8 +982,7 @@ int kvdepot_sequence_read_pages(kvdepot_client *client, const kvdepot_read_args 
  * @return KVDEPOT_OK; KVDEPOT_ECORRUPT (a page failed its checksum or its
  *         coded sections are malformed); KVDEPOT_EINVAL (shape, codecs,
  *         tiling); KVDEPOT_EPRECOND (not at the layer's end);
- *         KVDEPOT_ENOTFOUND; KVDEPOT_ENOMEM (max-append-bytes);
- *         KVDEPOT_EUNSUPP on a client over several servers.
+ *         KVDEPOT_ENOTFOUND; KVDEPOT_ENOMEM (max-append-bytes).
  */
 int kvdepot_append_pages(kvdepot_client *client, const void *id, size_t id_len,
                          const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out);
@@ -1029,7 +1035,7 @@ int kvdepot_artifacts_upload(kvdepot_client *client, const char *model,
  * @param[out] out, count  malloc'd array (NULL, 0 when none); free with
  *                         kvdepot_artifacts_free(). NULL, 0 on failure.
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (unknown kind); KVDEPOT_ENOTFOUND;
- *         KVDEPOT_EPERM; KVDEPOT_ENOMEM; KVDEPOT_EUNSUPP over several servers.
+ *         KVDEPOT_EPERM; KVDEPOT_ENOMEM.
  */
 int kvdepot_artifacts_get(kvdepot_client *client, const char *model, const int *kinds,
                           size_t nkinds, kvdepot_artifact **out, size_t *count);
@@ -1087,7 +1093,7 @@ typedef struct kvdepot_calibrate_result {
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (VQ spec, sample shape or layer,
  *         non-finite values, no samples); KVDEPOT_ENOTFOUND (model);
  *         KVDEPOT_EPERM; KVDEPOT_ENOMEM (sample memory over the server's
- *         limit); KVDEPOT_EUNSUPP on a client over several servers.
+ *         limit).
  */
 int kvdepot_calibrate(kvdepot_client *client, const kvdepot_calibrate_args *a,
                       const kvdepot_calibrate_sample *samples, size_t count,

@@ -7,6 +7,7 @@
  * Each test gets the harness's server plus more started here.
  */
 #include "harness.h"
+#include "kvdepot/tensor.h"
 
 #include <netdb.h>
 #include <stdlib.h>
@@ -494,6 +495,234 @@ static int test_tls(kvd_harness *h)
     return 0;
 }
 
+/* Deterministic values in [-2, 2) as f16, so attention sees ordinary numbers. */
+static void fill_f16(uint16_t *buf, size_t n, uint64_t seed)
+{
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        buf[i] = kvd_f32_to_f16((float)((x >> 40) & 0xffffff) / (float)(1 << 24) * 4.0f - 2.0f);
+    }
+}
+
+#define CNSEQ 12
+#define CL 2
+#define CH 2
+#define CHQ 4
+#define CD 32
+#define CT 300
+
+/* Compute calls through the sharded client equal the same calls made
+ * directly to each sequence's owner (the owner computes both), Attend
+ * batches spanning every server land in query order, Calibrate's artifacts
+ * reach every server, and a killed server's sequences miss. */
+static int test_compute(kvd_harness *h)
+{
+    cluster cl;
+    REQUIRE(cluster_start(&cl, h, 3) == 0);
+    char addr[512];
+    harness_addr_list(cl.hs, cl.n, addr, sizeof addr);
+    kvdepot_client *c = connect_list(addr);
+    kvdepot_client *direct[MAXS] = {0};
+    REQUIRE(c);
+    for (size_t i = 0; i < cl.n; i++)
+        REQUIRE((direct[i] = harness_client(cl.hs[i])));
+    kvdepot_model m;
+    memset(&m, 0, sizeof m);
+    strcpy(m.name, "shard-compute");
+    m.num_layers = CL;
+    m.num_kv_heads = CH;
+    m.num_q_heads = CHQ;
+    m.head_dim = CD;
+    m.dtype = KVDEPOT_DTYPE_F16;
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+
+    /* Sequences with a PQ index and INT4 keys, spread over the servers. */
+    const size_t cnt = (size_t)CL * CT * CH * CD;
+    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+    float *q = malloc(sizeof(float) * CNSEQ * CHQ * CD);
+    int owner[CNSEQ], used[MAXS] = {0};
+    char ids[CNSEQ][16];
+    REQUIRE(k && v && q);
+    for (int i = 0; i < CNSEQ; i++) {
+        snprintf(ids[i], sizeof ids[i], "cseq-%d", i);
+        kvdepot_create_args ca = {.id = ids[i], .id_len = strlen(ids[i]), .model = m.name};
+        kvdepot_codecs cs;
+        memset(&cs, 0, sizeof cs);
+        cs.k.codec = KVDEPOT_CODEC_INT4;
+        cs.k.group_size = 32;
+        cs.pq_m = 4;
+        cs.pq_bits = 4;
+        cs.pq_iterations = 3;
+        ca.codecs = &cs;
+        REQUIRE_RC(kvdepot_sequence_create(c, &ca, NULL), KVDEPOT_OK);
+        fill_f16(k, cnt, 100 + 2 * (uint64_t)i);
+        fill_f16(v, cnt, 101 + 2 * (uint64_t)i);
+        kvdepot_append_args aa = {.id = ids[i], .id_len = strlen(ids[i]), .num_tokens = CT,
+                                  .dtype = m.dtype, .k = k, .k_bytes = cnt * 2, .v = v,
+                                  .v_bytes = cnt * 2};
+        REQUIRE_RC(kvdepot_sequence_append(c, &aa, NULL), KVDEPOT_OK);
+        char name[256];
+        REQUIRE_RC(kvdepot_shard_owner(c, ids[i], strlen(ids[i]), name, sizeof name),
+                   KVDEPOT_OK);
+        owner[i] = server_of(&cl, name);
+        REQUIRE(owner[i] >= 0);
+        used[owner[i]] = 1;
+        for (int j = 0; j < CHQ * CD; j++)
+            q[i * CHQ * CD + j] = (float)((i * 131 + j * 17) % 29) / 29.0f - 0.5f;
+    }
+    int servers_used = 0;
+    for (size_t i = 0; i < cl.n; i++)
+        servers_used += used[i];
+    CHECK(servers_used >= 2);
+
+    /* Attend: one batch over every sequence == per-owner direct calls. */
+    kvdepot_attend_query qs[CNSEQ];
+    kvdepot_attend_result rs[CNSEQ], one;
+    for (int i = 0; i < CNSEQ; i++)
+        qs[i] = (kvdepot_attend_query){ids[i], strlen(ids[i]), q + i * CHQ * CD, CHQ * CD,
+                                       (uint64_t)i, 0};
+    REQUIRE_RC(kvdepot_attend(c, 1, 0, qs, CNSEQ, rs), KVDEPOT_OK);
+    for (int i = 0; i < CNSEQ; i++) {
+        REQUIRE_RC(kvdepot_attend(direct[owner[i]], 1, 0, &qs[i], 1, &one), KVDEPOT_OK);
+        CHECK(rs[i].num_tokens == CT - (uint64_t)i && one.num_tokens == rs[i].num_tokens);
+        CHECK(memcmp(rs[i].output, one.output, sizeof(float) * CHQ * CD) == 0);
+        CHECK(memcmp(rs[i].lse, one.lse, sizeof(float) * CHQ) == 0);
+        kvdepot_attend_results_free(&one, 1);
+    }
+    kvdepot_attend_results_free(rs, CNSEQ);
+
+    /* Search, SparseAttend, PlanFetch, ReadPages go to the owner. */
+    for (int i = 0; i < CNSEQ; i += 5) {
+        kvdepot_search_args sa = {ids[i], strlen(ids[i]), 0, q + i * CHQ * CD, CHQ * CD, 8, 2, 4,
+                                  0, 0};
+        kvdepot_search_result a, b;
+        REQUIRE_RC(kvdepot_search(c, &sa, &a), KVDEPOT_OK);
+        REQUIRE_RC(kvdepot_search(direct[owner[i]], &sa, &b), KVDEPOT_OK);
+        CHECK(a.num_heads == b.num_heads && a.num_heads == CH);
+        for (size_t hh = 0; hh < a.num_heads && hh < b.num_heads; hh++) {
+            CHECK(a.heads[hh].count == b.heads[hh].count);
+            if (a.heads[hh].count == b.heads[hh].count)
+                CHECK(memcmp(a.heads[hh].tokens, b.heads[hh].tokens,
+                             a.heads[hh].count * sizeof *a.heads[hh].tokens) == 0);
+        }
+        kvdepot_search_result_free(&a);
+        kvdepot_search_result_free(&b);
+        kvdepot_attend_result ra, rb;
+        REQUIRE_RC(kvdepot_sparse_attend(c, &sa, 0, &ra, &a), KVDEPOT_OK);
+        REQUIRE_RC(kvdepot_sparse_attend(direct[owner[i]], &sa, 0, &rb, &b), KVDEPOT_OK);
+        CHECK(memcmp(ra.output, rb.output, sizeof(float) * CHQ * CD) == 0);
+        kvdepot_attend_results_free(&ra, 1);
+        kvdepot_attend_results_free(&rb, 1);
+        kvdepot_search_result_free(&a);
+        kvdepot_search_result_free(&b);
+        kvdepot_fetch_plan pa, pb;
+        REQUIRE_RC(kvdepot_plan_fetch(c, ids[i], strlen(ids[i]), 1e9, 1e12, 0, 0, 0, &pa),
+                   KVDEPOT_OK);
+        REQUIRE_RC(kvdepot_plan_fetch(direct[owner[i]], ids[i], strlen(ids[i]), 1e9, 1e12, 0, 0,
+                                      0, &pb),
+                   KVDEPOT_OK);
+        CHECK(pa.num_tokens == CT && pa.split_tokens == pb.split_tokens &&
+              pa.kv_bytes == pb.kv_bytes);
+        /* Pages read through the cluster go back in through it, to a new
+         * sequence that may live on another server. */
+        kvdepot_read_args rd = {.id = ids[i], .id_len = strlen(ids[i])};
+        kvdepot_page *pages = NULL;
+        size_t np = 0;
+        REQUIRE_RC(kvdepot_sequence_read_pages(c, &rd, &pages, &np), KVDEPOT_OK);
+        CHECK(np > 0);
+        char copy[32];
+        snprintf(copy, sizeof copy, "copy-of-%d", i);
+        kvdepot_create_args ca = {.id = copy, .id_len = strlen(copy), .model = m.name};
+        kvdepot_codecs cs;
+        memset(&cs, 0, sizeof cs);
+        cs.k.codec = KVDEPOT_CODEC_INT4;
+        cs.k.group_size = 32;
+        cs.pq_m = 4;
+        cs.pq_bits = 4;
+        cs.pq_iterations = 3;
+        ca.codecs = &cs;
+        REQUIRE_RC(kvdepot_sequence_create(c, &ca, NULL), KVDEPOT_OK);
+        kvdepot_sequence_info info;
+        CHECK_RC(kvdepot_append_pages(c, copy, strlen(copy), pages, np, &info), KVDEPOT_OK);
+        CHECK(info.num_tokens == CT);
+        kvdepot_sequence_info_clear(&info);
+        kvdepot_pages_free(pages, np);
+    }
+
+    /* Calibrate once through the cluster: every server holds the same
+     * artifacts afterwards. */
+    uint16_t *ck = malloc(512 * CH * CD * 2), *cv = malloc(512 * CH * CD * 2);
+    REQUIRE(ck && cv);
+    kvdepot_calibrate_sample smp[CL];
+    for (int l = 0; l < CL; l++)
+        smp[l] = (kvdepot_calibrate_sample){(uint32_t)l, 512, ck, cv, NULL, 512 * CH * CD * 2, 0};
+    fill_f16(ck, 512 * CH * CD, 7);
+    fill_f16(cv, 512 * CH * CD, 8);
+    kvdepot_calibrate_args cal = {.model = m.name, .vq_sub_dim = 4, .vq_bits = 4, .svd = 1,
+                                  .iterations = 3, .seed = 1};
+    kvdepot_calibrate_result cr;
+    memset(&cr, 0, sizeof cr);
+    REQUIRE_RC(kvdepot_calibrate(c, &cal, smp, CL, &cr), KVDEPOT_OK);
+    CHECK(cr.artifacts > 0);
+    kvdepot_artifact *a0 = NULL;
+    size_t n0 = 0;
+    REQUIRE_RC(kvdepot_artifacts_get(direct[0], m.name, NULL, 0, &a0, &n0), KVDEPOT_OK);
+    CHECK(n0 == cr.artifacts);
+    for (size_t s = 1; s < cl.n; s++) {
+        kvdepot_artifact *as = NULL;
+        size_t ns = 0;
+        REQUIRE_RC(kvdepot_artifacts_get(direct[s], m.name, NULL, 0, &as, &ns), KVDEPOT_OK);
+        CHECK(ns == n0);
+        for (size_t j = 0; j < ns && j < n0; j++)
+            CHECK(as[j].kind == a0[j].kind && as[j].layer == a0[j].layer &&
+                  as[j].kv_head == a0[j].kv_head && as[j].ndim == a0[j].ndim &&
+                  as[j].shape[0] == a0[j].shape[0] && as[j].shape[1] == a0[j].shape[1] &&
+                  memcmp(as[j].data, a0[j].data,
+                         (size_t)a0[j].shape[0] * (a0[j].ndim == 2 ? a0[j].shape[1] : 1) *
+                             sizeof(float)) == 0);
+        kvdepot_artifacts_free(as, ns);
+    }
+    kvdepot_artifact *ag = NULL;
+    size_t ng = 0;
+    REQUIRE_RC(kvdepot_artifacts_get(c, m.name, NULL, 0, &ag, &ng), KVDEPOT_OK);
+    CHECK(ng == n0);
+    kvdepot_artifacts_free(ag, ng);
+    kvdepot_artifacts_free(a0, n0);
+    kvdepot_calibrate_result_clear(&cr);
+
+    /* A killed server: an Attend batch touching it misses as a whole; one
+     * without it still works. */
+    const int dead = owner[0];
+    harness_kill(cl.hs[dead]);
+    CHECK_RC(kvdepot_attend(c, 0, 0, qs, CNSEQ, rs), KVDEPOT_ENOTFOUND);
+    size_t nlive = 0;
+    kvdepot_attend_query live[CNSEQ];
+    for (int i = 0; i < CNSEQ; i++)
+        if (owner[i] != dead)
+            live[nlive++] = qs[i];
+    if (nlive) {
+        CHECK_RC(kvdepot_attend(c, 0, 0, live, nlive, rs), KVDEPOT_OK);
+        kvdepot_attend_results_free(rs, nlive);
+    }
+    kvdepot_search_args sd = {ids[0], strlen(ids[0]), 0, q, CHQ * CD, 4, 0, 0, 0, 0};
+    kvdepot_search_result sr;
+    CHECK_RC(kvdepot_search(c, &sd, &sr), KVDEPOT_ENOTFOUND);
+
+    free(ck);
+    free(cv);
+    free(k);
+    free(v);
+    free(q);
+    for (size_t i = 0; i < cl.n; i++)
+        kvdepot_close(direct[i]);
+    kvdepot_close(c);
+    cluster_stop(&cl);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const kvd_test tests[] = {
@@ -501,6 +730,7 @@ int main(int argc, char **argv)
         {"kill", test_kill},
         {"add", test_add},
         {"tls", test_tls},
+        {"compute", test_compute},
     };
     /* Up to four servers at once: none of them takes the default metrics
      * port, which tests running beside these may need. */
