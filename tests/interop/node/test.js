@@ -698,6 +698,88 @@ class Suite {
 
   // Attend (raw and INT4), Search, SparseAttend, PlanFetch and their errors
   // from this client.
+  // Calibrate, UploadArtifacts and GetArtifacts from grpc-js: smoothing
+  // factors against their definition computed here, rotations orthonormal,
+  // codebook shapes, a bit-exact upload round trip, and errors that change
+  // nothing.
+  async tCalibrate() {
+    const api = this.api;
+    const L = 1, HKV = 2, HQ = 4, D = 16, n = 200;
+    await this.putModel(this.model('js-cal', L, HKV, D, { qHeads: HQ, dtype: api.enums.F32 }));
+    let seed = 777;
+    const rnd = (a) => { seed = (seed * 1103515245 + 12345) % 2147483648; return (seed / 1073741824 - 1) * a; };
+    const floats = (xs) => { const b = Buffer.alloc(4 * xs.length); xs.forEach((x, i) => b.writeFloatLE(x, 4 * i)); return b; };
+    const k = Array.from({ length: n * HKV * D }, () => rnd(2));
+    const v = Array.from({ length: n * HKV * D }, () => rnd(1));
+    const q = Array.from({ length: n * HQ * D }, () => rnd(1));
+    const kb = floats(k);
+    const calibrate = (o = {}) => new Promise((resolve, reject) => {
+      const call = api.client.Calibrate(Api.deadline(), (err, r) => (err ? reject(err) : resolve(r)));
+      const header = { model: o.model || 'js-cal', svd: true, seed: '4', vq: { sub_dim: 4, bits: 5 } };
+      const sample = { layer: o.layer || 0, num_tokens: String(n), k: o.k || kb, v: floats(v), q: floats(q) };
+      Api.pump(call, [{ header }, { sample }]).catch(reject);
+    });
+    const artifacts = () => new Promise((resolve, reject) => {
+      const out = [];
+      const call = api.client.GetArtifacts({ model: 'js-cal', kinds: [] }, Api.deadline());
+      call.on('data', (r) => out.push(r.artifact));
+      call.on('error', reject);
+      call.on('end', () => resolve(out));
+    });
+    const upload = (arts) => new Promise((resolve, reject) => {
+      const call = api.client.UploadArtifacts(Api.deadline(), (err, r) => (err ? reject(err) : resolve(r)));
+      Api.pump(call, [{ model: 'js-cal', artifacts: arts }]).catch(reject);
+    });
+
+    const r = await calibrate();
+    eq(r.samples, String(n), 'Calibrate samples');
+    eq(r.artifacts, HKV * 7, 'artifacts written');
+    eq(r.errors.length, HKV, 'error rows');
+    for (const e of r.errors) {
+      check(e.vq_k > 0 && e.vq_k < 1 && e.vq_v > 0 && e.vq_v < 1, `VQ errors ${e.vq_k} ${e.vq_v}`);
+      check(e.svd_width_k >= 1 && e.svd_width_k <= D && e.svd_k >= 0 && e.svd_k <= 0.1, 'SVD width/error of K');
+    }
+    const arts = await artifacts();
+    eq(arts.length, HKV * 7, 'artifacts stored');
+    for (const a of arts) {
+      const vals = Array.from({ length: a.data.length / 4 }, (_, i) => a.data.readFloatLE(4 * i));
+      if (a.kind === 1) { // KEY_SMOOTHING: lambda_i = sqrt(max_t |k_ti|)
+        for (let i = 0; i < D; i++) {
+          let mx = 0;
+          for (let t = 0; t < n; t++) mx = Math.max(mx, Math.abs(Math.fround(k[(t * HKV + a.kv_head) * D + i])));
+          check(Math.abs(vals[i] - Math.sqrt(mx)) <= 1e-6 * Math.sqrt(mx), `lambda[${i}] of head ${a.kv_head}`);
+        }
+      } else if (a.kind === 4 || a.kind === 5) { // SVD rotations
+        eq(a.shape.map(Number), [D, D], 'rotation shape');
+        for (let i = 0; i < D; i++) {
+          for (let j = 0; j < D; j++) {
+            let dot = 0;
+            for (let row = 0; row < D; row++) dot += vals[row * D + i] * vals[row * D + j];
+            check(Math.abs(dot - (i === j ? 1 : 0)) < 1e-4, 'rotation not orthonormal');
+          }
+        }
+      } else if (a.kind === 2 || a.kind === 3) {
+        eq(a.shape.map(Number), [32, 4], 'codebook shape');
+      }
+    }
+    // A replacement uploaded and read back bit-exact (odd bit patterns too).
+    const lam = floats([...Array.from({ length: D - 1 }, (_, i) => i + 0.1), 1e-30]);
+    eq((await upload([{ kind: 1, layer: 0, kv_head: 1, shape: [D], data: lam }])).artifacts, 1, 'uploaded');
+    const got = (await artifacts()).filter((a) => a.kind === 1 && a.kv_head === 1);
+    eq(got.length, 1, 'one smoothing artifact for head 1');
+    check(got[0].data.equals(lam), 'uploaded artifact bytes differ');
+    // Errors: nothing changes.
+    const before = (await artifacts()).map((a) => a.data.toString('hex'));
+    await expectCode(S.INVALID_ARGUMENT, calibrate({ k: kb.subarray(0, kb.length - 4) }));
+    await expectCode(S.INVALID_ARGUMENT, calibrate({ layer: L }));
+    await expectCode(S.NOT_FOUND, calibrate({ model: 'js-nosuch' }));
+    await expectCode(S.INVALID_ARGUMENT,
+                     upload([{ kind: 4, layer: 0, kv_head: 0, shape: [D, 8], data: floats(new Array(D * 8).fill(0)) }]));
+    await expectCode(S.INVALID_ARGUMENT,
+                     upload([{ kind: 1, layer: 0, kv_head: 0, shape: [D], data: lam.subarray(0, lam.length - 4) }]));
+    eq((await artifacts()).map((a) => a.data.toString('hex')), before, 'artifacts after errors');
+  }
+
   async tCompute() {
     const api = this.api;
     const L = 1, HKV = 2, HQ = 4, D = 32, n = 200;
@@ -1552,6 +1634,7 @@ class Suite {
       ['deletes racing reads/appends', this.tDeleteRaces],
       [`large ${this.args.largeMib} MiB`, this.tLarge],
       ['compute: attend, search, sparse attend, plan', this.tCompute],
+      ['calibrate and artifacts', this.tCalibrate],
       ['restart', this.tRestart],
       ['shutdown', this.tShutdown],
     ];
