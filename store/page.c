@@ -170,6 +170,41 @@ int kvd_page_encode_raw(const kvd_page_desc *d, const void *k, const void *v, ui
 
 #define CORRUPT(...) kvd_error_set(err, KVD_ECORRUPT, "corrupt page: " __VA_ARGS__)
 
+/* A PQ-codes section (page.h): codec raw, on a sealed page, header fields
+ * in range, exactly the codes of every head and token, each < 2^bits. */
+static int check_pq(const uint8_t *s, uint64_t len, const kvd_page_header *h, kvd_error *err)
+{
+    if (!(h->flags & KVD_PAGE_SEALED))
+        return CORRUPT("PQ section on a page that is not sealed");
+    if (len < KVD_PAGE_PQ_HEADER)
+        return CORRUPT("PQ section of %llu bytes, shorter than its %d-byte header",
+                       (unsigned long long)len, KVD_PAGE_PQ_HEADER);
+    unsigned m = ld16(s), bits = s[2];
+    if (s[3] != 0 || ld32(s + 4) != 0)
+        return CORRUPT("reserved bytes of the PQ section are not zero");
+    if (m == 0 || m > h->head_dim || h->head_dim % m)
+        return CORRUPT("PQ m %u does not divide head_dim %u", m, h->head_dim);
+    if (bits != 4 && bits != 6 && bits != 8)
+        return CORRUPT("PQ bits %u, expected 4, 6 or 8", bits);
+    uint64_t ncodes = (uint64_t)h->num_kv_heads * h->num_tokens * m;
+    if (len != KVD_PAGE_PQ_HEADER + ncodes)
+        return CORRUPT("PQ section is %llu bytes, expected %llu", (unsigned long long)len,
+                       (unsigned long long)(KVD_PAGE_PQ_HEADER + ncodes));
+    if (bits < 8) {
+        const uint8_t *c = s + KVD_PAGE_PQ_HEADER;
+        uint8_t any = 0;
+        for (uint64_t i = 0; i < ncodes; i++)
+            any |= c[i];
+        if (any >> bits) {
+            for (uint64_t i = 0; i < ncodes; i++)
+                if (c[i] >> bits)
+                    return CORRUPT("PQ code %u at %llu is not below 2^%u", c[i],
+                                   (unsigned long long)i, bits);
+        }
+    }
+    return 0;
+}
+
 static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, kvd_error *err)
 {
     if (!buf || !view)
@@ -275,6 +310,13 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
             view->v = p + s->offset;
             view->v_len = s->length;
         }
+        if (s->type == KVD_SECTION_PQ_CODES) {
+            int rc = check_pq(p + s->offset, s->length, h, err);
+            if (rc)
+                return rc;
+            view->pq = p + s->offset;
+            view->pq_len = s->length;
+        }
         if ((s->type == KVD_SECTION_K || s->type == KVD_SECTION_V) && s->codec == KVD_CODEC_RAW &&
             s->length != raw_bytes)
             return CORRUPT("raw %s section is %llu bytes, expected %llu",
@@ -308,4 +350,75 @@ int kvd_page_decode(const void *buf, size_t len, kvd_page_view *view, kvd_error 
 int kvd_page_decode_nocheck(const void *buf, size_t len, kvd_page_view *view, kvd_error *err)
 {
     return decode(buf, len, view, 0, err);
+}
+
+/* ---- PQ-codes section ------------------------------------------------------ */
+
+int kvd_page_pq_get(const kvd_page_view *v, kvd_page_pq *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!v->pq)
+        return 0;
+    out->m = ld16(v->pq);
+    out->bits = v->pq[2];
+    out->centroids_id = ld64(v->pq + 8);
+    out->codes = v->pq + KVD_PAGE_PQ_HEADER;
+    return 1;
+}
+
+int kvd_page_put_section(const uint8_t *page, size_t len, uint16_t type, uint64_t payload_len,
+                         uint8_t **out, size_t *out_len, uint8_t **payload, kvd_error *err)
+{
+    *out = NULL;
+    *out_len = 0;
+    *payload = NULL;
+    kvd_page_view v;
+    int rc = decode(page, len, &v, 0, err);
+    if (rc)
+        return rc;
+    const kvd_page_header *h = &v.h;
+    unsigned n = 0;
+    uint64_t keep = 0;
+    for (unsigned i = 0; i < h->n_sections; i++)
+        if (h->sections[i].type != type) {
+            n++;
+            keep += h->sections[i].length;
+        }
+    if (n >= KVD_PAGE_MAX_SECTIONS)
+        return kvd_error_set(err, KVD_EINVAL, "page already has %u sections", n);
+    uint64_t hsize = KVD_PAGE_FIXED_HEADER + (uint64_t)(n + 1) * KVD_PAGE_SECTION_ENTRY;
+    if (payload_len > (uint64_t)SIZE_MAX - hsize - keep)
+        return kvd_error_set(err, KVD_ENOMEM, "page section of %llu bytes too large",
+                             (unsigned long long)payload_len);
+    size_t total = (size_t)(hsize + keep + payload_len);
+    uint8_t *b = malloc(total);
+    if (!b)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory for a %zu-byte page", total);
+    /* Fixed header, then the kept sections in their order, then the new one. */
+    memcpy(b, page, KVD_PAGE_FIXED_HEADER);
+    st16(b + 6, (uint16_t)hsize);
+    st16(b + 48, (uint16_t)(n + 1));
+    uint8_t *e = b + KVD_PAGE_FIXED_HEADER;
+    uint64_t off = hsize;
+    for (unsigned i = 0; i < h->n_sections; i++) {
+        const kvd_page_section *s = &h->sections[i];
+        if (s->type == type)
+            continue;
+        memcpy(e, page + KVD_PAGE_FIXED_HEADER + (size_t)i * KVD_PAGE_SECTION_ENTRY,
+               KVD_PAGE_SECTION_ENTRY);
+        st64(e + 8, off);
+        memcpy(b + off, page + s->offset, (size_t)s->length);
+        off += s->length;
+        e += KVD_PAGE_SECTION_ENTRY;
+    }
+    memset(e, 0, KVD_PAGE_SECTION_ENTRY);
+    st16(e, type);
+    e[2] = KVD_CODEC_RAW;
+    st64(e + 8, off);
+    st64(e + 16, payload_len);
+    memset(b + off, 0, (size_t)payload_len);
+    *out = b;
+    *out_len = total;
+    *payload = b + off;
+    return 0;
 }

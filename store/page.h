@@ -37,6 +37,19 @@
  * A raw (codec 0) K or V section is [kv_head][token][head_dim] in the page
  * dtype, num_tokens tokens (not page_tokens): one head is contiguous.
  *
+ * A PQ-codes section (type 3, codec 0; sealed pages of sequences with a PQ
+ * index, store/pqindex.h) is a 16-byte header and the codes:
+ *
+ *        0     2  m                sub-spaces, divides head_dim
+ *        2     1  bits             4, 6 or 8 (2^bits centroids per sub-space)
+ *        3     1  reserved         0
+ *        4     4  reserved         0
+ *        8     8  centroids_id     the id of the centroids the codes index
+ *                                  (xxh3-64 of the sequence's centroid record
+ *                                  of this layer, pqindex.h)
+ *       16     *  codes            u8 (kv_head, token, m), num_tokens tokens,
+ *                                  every code < 2^bits
+ *
  * A page whose token_start is a multiple of page_tokens is a page proper; one
  * that starts inside a block is a tail fragment: tokens appended to a raw
  * tail page, stored beside it until the store merges them (see append.c).
@@ -74,8 +87,8 @@ typedef enum kvd_codec {
     KVD_CODEC_COUNT
 } kvd_codec;
 
-/* Section types. Only K and V are produced now; the others keep their
- * numbers so later pages stay readable. */
+/* Section types. K, V and PQ codes are produced now; activations keep
+ * their number so later pages stay readable. */
 typedef enum kvd_section_type {
     KVD_SECTION_K = 1,
     KVD_SECTION_V = 2,
@@ -119,7 +132,37 @@ typedef struct kvd_page_view {
     const uint8_t *v;
     uint64_t v_len;
     uint64_t page_len;
+    const uint8_t *pq; /* the PQ-codes section (header included), or NULL */
+    uint64_t pq_len;
 } kvd_page_view;
+
+/* PQ-codes section: fixed header bytes before the codes (layout above). */
+#define KVD_PAGE_PQ_HEADER 16
+
+/* A page's PQ-codes section, parsed (pointers into the page). */
+typedef struct kvd_page_pq {
+    uint32_t m;
+    uint32_t bits;
+    uint64_t centroids_id;
+    const uint8_t *codes; /* (num_kv_heads, num_tokens, m) u8 */
+} kvd_page_pq;
+
+/* The PQ section of a validated page: 1 with *out filled, 0 when the page
+ * has none. */
+int kvd_page_pq_get(const kvd_page_view *v, kvd_page_pq *out);
+
+/*
+ * Copy a valid page of len bytes into a malloc'd buffer where section `type`
+ * (codec 0, payload_len bytes) replaces any section of that type and comes
+ * last, in the table and in the payload; the other sections keep their
+ * order and bytes. *payload points at the new section's bytes for the
+ * caller to fill (zeroed); the caller then calls kvd_page_finish(*out,
+ * *out_len) and frees *out.
+ * Returns 0; KVD_ECORRUPT (page not valid); KVD_EINVAL when the page would
+ * have more than KVD_PAGE_MAX_SECTIONS sections; KVD_ENOMEM.
+ */
+int kvd_page_put_section(const uint8_t *page, size_t len, uint16_t type, uint64_t payload_len,
+                         uint8_t **out, size_t *out_len, uint8_t **payload, kvd_error *err);
 
 /* What a raw K+V page holds; the input of kvd_page_raw_size/init. */
 typedef struct kvd_page_desc {
@@ -166,7 +209,8 @@ uint64_t kvd_page_checksum(const uint8_t *page, size_t len);
  * Validate len untrusted bytes as exactly one page and fill *view. Checks,
  * in order: length, magic, version, header size, every header field and
  * reserved byte, the section table (types, codecs, bounds, no overlap, no
- * gap, exact cover, raw section lengths), then the checksum. Never reads
+ * gap, exact cover, raw section lengths, the PQ section's header, length
+ * and codes), then the checksum. Never reads
  * outside [buf, buf + len).
  * Returns 0; KVD_EINVAL for NULL arguments; KVD_ECORRUPT with a message for
  * anything wrong in the bytes (including a checksum mismatch).
