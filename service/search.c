@@ -14,18 +14,22 @@
 #include "kvdepot/convert.h"
 #include "kvdepot/pq.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
+#include "page.h"
+#include "pqindex.h"
 #include "rpc.h"
 #include "seqcodec.h"
 
 #define SEARCH_MAX_TOKENS (1u << 20)
-#define PQ_TRAIN_TOKENS 4096
+/* Tokens read back per step where keys are encoded at call time (32 MiB of
+ * K+V at 8 kv heads x 128 dims x f16); at least KVD_PQ_TRAIN_TOKENS. */
+#define ENCODE_WINDOW 8192
 
 /* State of one search, kept for SparseAttend's attention step. */
 typedef struct search_run {
     kvd__seq_ctx sc;
     kvd_seq_codecs codecs;
     uint64_t start, n; /* token range */
-    uint8_t *kv;       /* K then V of the range, wire layout, model dtype */
+    uint8_t *kv;       /* SparseAttend: K then V of the range, wire layout, model dtype */
     int64_t per_head;  /* entries per kv head */
     int32_t *idx;      /* (Hkv, per_head) positions within the range */
     float *scores;     /* (Hkv, per_head) */
@@ -38,12 +42,124 @@ static void search_run_free(search_run *r)
     free(r->scores);
 }
 
+/* What run_search assembles: the codes of the range under one set of
+ * centroids. */
+typedef struct search_index {
+    int H, D, M, nb;
+    float *cent;    /* (H, M, 2^nb, D/M) f32 */
+    int trained;    /* cent trained at call time (the layer has none stored) */
+    uint8_t *codes; /* (H, n, M) */
+} search_index;
+
 /*
- * The PQ index of a token range, and its top-k (kvdepot.proto, SearchRequest):
- * per kv head, centroids are trained on the keys of the first
- * min(n, PQ_TRAIN_TOKENS) tokens of the range (K-means seeded with
- * layer * 65536 + kv_head, the sequence's pq iterations), every key of the
- * range is encoded, and the summed queries of the head's GQA group rank them.
+ * Codes of tokens [a, b) of the search range (relative to r->start) from
+ * their keys read back, ENCODE_WINDOW tokens at a time. Without stored
+ * centroids (ix->trained) the first window, which starts the range, trains
+ * them first.
+ */
+static int encode_tokens(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__SearchRequest *req,
+                         const search_run *r, search_index *ix, uint64_t a, uint64_t b,
+                         kvd_error *err)
+{
+    const kvd_model_info *m = &r->sc.model;
+    const int H = ix->H, D = ix->D, M = ix->M;
+    const size_t es = kvd_dtype_size(m->dtype);
+    const size_t per_head = (size_t)M * ((size_t)1 << ix->nb) * (size_t)(D / M);
+    uint64_t win = b - a < ENCODE_WINDOW ? b - a : ENCODE_WINDOW;
+    uint8_t *buf = malloc(2 * win * (size_t)H * D * es);
+    float *keys = malloc(sizeof(float) * win * D);
+    int rc = 0;
+    if (!buf || !keys) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory encoding %llu keys",
+                           (unsigned long long)win);
+        goto done;
+    }
+    for (uint64_t t0 = a; t0 < b && rc == 0; t0 += win) {
+        uint64_t T = b - t0 < win ? b - t0 : win;
+        if ((rc = kvd__read_window(ctx->svc->store, &req->sequence_id, req->layer, r->start + t0, T,
+                                   buf, 2 * T * (uint64_t)H * D * es, err)))
+            break;
+        for (int h = 0; h < H && rc == 0; h++) {
+            /* Keys of head h: rows of the wire layout [token][kv_head][dim]. */
+            int64_t ks[2] = {(int64_t)T, D}, cs[3] = {M, (int64_t)1 << ix->nb, D / M},
+                    ds[2] = {(int64_t)T, M};
+            kvd_tensor src = kvd_tensor_make(m->dtype, buf + (size_t)h * D * es, 2, ks);
+            src.stride[0] = (int64_t)H * D * (int64_t)es;
+            kvd_tensor dst = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
+            if ((rc = kvd_convert(be, &dst, &src, err)))
+                break;
+            float *ch = ix->cent + (size_t)h * per_head;
+            if (ix->trained && t0 == 0 &&
+                (rc = kvd_pq_train_head(be, keys, (int64_t)T, (uint32_t)D, (uint32_t)M,
+                                        (uint32_t)ix->nb, r->codecs.pq_iterations, req->layer,
+                                        (uint32_t)h, ch, err)))
+                break;
+            kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, ch, 3, cs);
+            kvd_tensor td = kvd_tensor_make(KVD_DTYPE_U8,
+                                            ix->codes + ((size_t)h * r->n + t0) * (size_t)M, 2, ds);
+            rc = kvd_pq_encode(be, &dst, &tc, &td, err);
+        }
+    }
+done:
+    free(buf);
+    free(keys);
+    return rc;
+}
+
+/*
+ * Gather the codes of the range: from the PQ section of every sealed page
+ * (acquired through the memory tiers) whose centroids are the layer's stored
+ * ones; every other token (the raw tail, pages without a section or with
+ * another sequence's centroids) is encoded from its keys at call time.
+ */
+static int gather_codes(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__SearchRequest *req,
+                        const search_run *r, search_index *ix, uint64_t centroids_id,
+                        kvd_error *err)
+{
+    kvd_store *st = ctx->svc->store;
+    const uint64_t B = ctx->svc->page_tokens, end = r->start + r->n;
+    const uint64_t sealed = r->sc.layer_tokens / B;
+    const int H = ix->H, M = ix->M;
+    uint64_t todo = r->start; /* tokens [todo, t0) still need encoding */
+    int rc = 0;
+    for (uint64_t blk = r->start / B; !ix->trained && blk < sealed && blk * B < end; blk++) {
+        uint64_t t0 = blk * B > r->start ? blk * B : r->start;
+        uint64_t t1 = blk * B + B < end ? blk * B + B : end;
+        kvd_page_handle ph;
+        kvd_page_view v;
+        kvd_page_pq pq;
+        if ((rc = kvd_store_page_acquire(st, req->sequence_id.data, req->sequence_id.len,
+                                         req->layer, blk, &ph, err)))
+            return rc;
+        int usable = kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
+                     kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
+                     pq.m == (uint32_t)M && pq.bits == (uint32_t)ix->nb &&
+                     v.h.num_kv_heads == (uint32_t)H && v.h.num_tokens == B;
+        if (usable) {
+            /* section (kv_head, token, m) -> index (kv_head, range token, m) */
+            for (int h = 0; h < H; h++)
+                memcpy(ix->codes + ((size_t)h * r->n + (t0 - r->start)) * M,
+                       pq.codes + ((size_t)h * B + (t0 - blk * B)) * M, (size_t)(t1 - t0) * M);
+        }
+        kvd_store_page_release(st, &ph);
+        if (!usable)
+            continue;
+        if (todo < t0 &&
+            (rc = encode_tokens(ctx, be, req, r, ix, todo - r->start, t0 - r->start, err)))
+            return rc;
+        todo = t1;
+    }
+    if (todo < end)
+        rc = encode_tokens(ctx, be, req, r, ix, todo - r->start, r->n, err);
+    return rc;
+}
+
+/*
+ * Search one token range of one layer (kvdepot.proto, SearchRequest): the
+ * layer's stored centroids (store/pqindex.h; trained at call time on the
+ * first min(n, KVD_PQ_TRAIN_TOKENS) keys of the range when the layer has
+ * none yet), the codes of the range (gather_codes), and per kv head the
+ * summed queries of its GQA group ranking them (kvd_pq_search).
  */
 static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__SearchRequest *req,
                       search_run *r, kvd_error *err)
@@ -79,43 +195,41 @@ static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Sear
                              req->k, (unsigned long long)r->n);
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim, G = (int)(m->num_q_heads / H);
     const int M = (int)r->codecs.pq_m, nb = r->codecs.pq_bits, K = 1 << nb;
-    const size_t es = kvd_dtype_size(m->dtype);
-    const uint64_t bytes = 2 * r->n * (uint64_t)H * D * es;
     kvd_pq_search_params sp = {req->k, req->initial_tokens, req->recent_tokens, KVD_PQ_AGG_SUM};
     r->per_head = kvd_pq_search_count((int64_t)r->n, &sp);
-    r->kv = malloc(bytes);
-    float *keys = malloc(sizeof(float) * r->n * D);
-    float *cent = malloc(sizeof(float) * (size_t)M * K * (D / M));
-    uint8_t *codes = malloc(r->n * (size_t)M);
-    r->idx = malloc(sizeof(int32_t) * (size_t)(r->per_head ? r->per_head : 1) * H);
-    r->scores = malloc(sizeof(float) * (size_t)(r->per_head ? r->per_head : 1) * H);
-    uint32_t *uidx = malloc(sizeof(uint32_t) * (size_t)(r->per_head ? r->per_head : 1));
-    if (!r->kv || !keys || !cent || !codes || !r->idx || !r->scores || !uidx) {
+    size_t cap = (size_t)(r->per_head ? r->per_head : 1);
+    kvd_pq_centroids pc;
+    int stored = 0;
+    if ((rc = kvd_store_pq_centroids_get(ctx->svc->store, req->sequence_id.data,
+                                         req->sequence_id.len, req->layer, &pc, &stored, err)))
+        return rc;
+    if (stored && (pc.num_kv_heads != (uint32_t)H || pc.head_dim != (uint32_t)D ||
+                   pc.m != (uint32_t)M || pc.bits != (uint32_t)nb)) {
+        kvd_pq_centroids_clear(&pc);
+        return kvd_error_set(err, KVD_ECORRUPT,
+                             "stored PQ centroids of layer %u do not match the sequence's "
+                             "model and codecs",
+                             req->layer);
+    }
+    search_index ix = {H, D, M, nb, stored ? pc.data : NULL, !stored, NULL};
+    if (!stored)
+        ix.cent = malloc(sizeof(float) * (size_t)H * M * K * (D / M));
+    ix.codes = malloc((size_t)H * r->n * (size_t)M);
+    r->idx = malloc(sizeof(int32_t) * cap * H);
+    r->scores = malloc(sizeof(float) * cap * H);
+    uint32_t *uidx = malloc(sizeof(uint32_t) * cap);
+    if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token search",
                            (unsigned long long)r->n);
         goto done;
     }
-    if ((rc = kvd__read_window(ctx->svc->store, &req->sequence_id, req->layer, r->start, r->n,
-                               r->kv, bytes, err)))
+    if ((rc = gather_codes(ctx, be, req, r, &ix, stored ? pc.id : 0, err)))
         goto done;
+    const size_t per_head = (size_t)M * K * (D / M);
     for (int h = 0; h < H && rc == 0; h++) {
-        /* Keys of head h: rows of the wire layout [token][kv_head][dim]. */
-        int64_t ks[2] = {(int64_t)r->n, D};
-        kvd_tensor src = kvd_tensor_make(m->dtype, r->kv + (size_t)h * D * es, 2, ks);
-        src.stride[0] = (int64_t)H * D * (int64_t)es;
-        kvd_tensor dst = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
-        if ((rc = kvd_convert(be, &dst, &src, err)))
-            break;
-        int64_t ntrain = r->n < PQ_TRAIN_TOKENS ? (int64_t)r->n : PQ_TRAIN_TOKENS;
-        int64_t ts[2] = {ntrain, D}, cs[3] = {M, K, D / M}, cds[2] = {(int64_t)r->n, M};
-        kvd_tensor train = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ts);
-        kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, cent, 3, cs);
-        kvd_tensor tcodes = kvd_tensor_make(KVD_DTYPE_U8, codes, 2, cds);
-        kvd_kmeans_params km = {K, (int)r->codecs.pq_iterations,
-                                (uint64_t)req->layer * 65536 + (uint64_t)h, 0};
-        if ((rc = kvd_pq_train(be, &train, &km, &tc, err)) ||
-            (rc = kvd_pq_encode(be, &dst, &tc, &tcodes, err)))
-            break;
+        int64_t cs[3] = {M, K, D / M}, cds[2] = {(int64_t)r->n, M};
+        kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, ix.cent + h * per_head, 3, cs);
+        kvd_tensor tcodes = kvd_tensor_make(KVD_DTYPE_U8, ix.codes + (size_t)h * r->n * M, 2, cds);
         int64_t qs[2] = {G, D}, os[1] = {r->per_head};
         kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, (void *)(req->q + (size_t)h * G * D), 2, qs);
         kvd_tensor ti = kvd_tensor_make(KVD_DTYPE_U32, uidx, 1, os);
@@ -132,9 +246,11 @@ static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Sear
             r->idx[(size_t)h * r->per_head + i] = (int32_t)uidx[i];
     }
 done:
-    free(keys);
-    free(cent);
-    free(codes);
+    if (stored)
+        kvd_pq_centroids_clear(&pc);
+    else
+        free(ix.cent);
+    free(ix.codes);
     free(uidx);
     return rc;
 }
@@ -212,6 +328,18 @@ int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte
     const kvd_model_info *m = &r.sc.model;
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim, Hq = (int)m->num_q_heads;
     const size_t es = kvd_dtype_size(m->dtype);
+    /* The attention step reads the range (K and V, wire layout). */
+    const uint64_t kv_bytes = 2 * r.n * (uint64_t)H * D * es;
+    if (!(r.kv = malloc(kv_bytes)))
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token range",
+                           (unsigned long long)r.n);
+    else
+        rc = kvd__read_window(ctx->svc->store, &req->search->sequence_id, req->search->layer,
+                              r.start, r.n, r.kv, kv_bytes, err);
+    if (rc) {
+        search_run_free(&r);
+        return rc;
+    }
     float *out = malloc(sizeof(float) * (size_t)Hq * D), *lse = malloc(sizeof(float) * Hq);
     Kvdepot__V1__HeadTokens *heads = calloc((size_t)H, sizeof *heads);
     Kvdepot__V1__HeadTokens **hp = calloc((size_t)H, sizeof *hp);

@@ -20,6 +20,7 @@
  */
 #include "store_internal.h"
 #include "seqcodec.h"
+#include "pqindex.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +54,7 @@ struct kvd_append {
     kvd_seq_codecs codecs;
     int coded;
     uint64_t sink_end;
+    struct kvd__pq_append *pq; /* PQ centroids this append loaded or trained (pqindex.h) */
     /* Pages encoded by the client (AppendPages), stored verbatim in place of
      * the page the commit would build for (layer, block). */
     struct given_page {
@@ -265,6 +267,7 @@ void kvd_store_append_abort(kvd_append *ap)
     for (size_t i = 0; i < ap->ngiven; i++)
         free(ap->given[i].bytes);
     free(ap->given);
+    kvd__pq_append_free(ap->pq);
     free(ap->ids);
     free(ap->bh);
     free(ap->buf);
@@ -599,6 +602,17 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
                                       kp, vp, &coded, &wlen, err)))
                 goto fail;
             wbytes = coded;
+            np->bytes = wlen;
+        }
+        if (ap->codecs.pq_m && d.num_tokens == B) {
+            /* The page seals: add its PQ codes (pqindex.h). */
+            uint8_t *withpq = NULL;
+            rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, &d, kp, wk, ap->ts, end,
+                                      wbytes, wlen, &withpq, &wlen, err);
+            free(coded);
+            if (rc)
+                goto fail;
+            wbytes = coded = withpq;
             np->bytes = wlen;
         }
         keep_built(ap, np->id, wbytes, wlen, d.num_tokens);

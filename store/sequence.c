@@ -13,6 +13,7 @@
  * npages must be ceil(tokens / B); page i of a layer covers tokens
  * [i*B, min((i+1)*B, tokens)).
  */
+#include "pqindex.h"
 #include "store_internal.h"
 
 #include <stdio.h>
@@ -580,6 +581,7 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
     rocksdb_writebatch_delete(b, (const char *)key, klen);
     if (s->ttl_ms)
         kvd__expiry_delete(b, s);
+    kvd__pq_delete(b, s); /* PQ centroids (pqindex.h) */
     for (uint32_t l = 0; l < s->num_layers; l++) {
         for (uint32_t i = 0; i < s->layers[l].npages; i++) {
             kvd__page *p = s->layers[l].pages[i];

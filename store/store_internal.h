@@ -17,6 +17,7 @@
  *   'T' be64 page_id be32 offset
  *                      a tail fragment of page page_id (see tail.c)
  *   'X' id             expiry of sequence id: u64 ttl_ms, u64 expires_unix_ms (LE)
+ *   'Q' be16 id_len id be32 layer  PQ centroids of one layer of a sequence (pqindex.h)
  *
  * Memory tiers (tier.c) have their own mutex, cache->mu, taken last: never
  * call into the store's other locks while holding it.

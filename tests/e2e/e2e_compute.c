@@ -637,12 +637,14 @@ static int t_bad_codecs(kvd_harness *h)
     return 0;
 }
 
-/* Brute-force PQ scores of every token of [t0, t0 + n) for kv head h, with
- * the documented index: centroids trained on the first min(n, 4096) keys
- * (seed layer * 65536 + h), every key encoded, summed group queries. */
-static int brute_scores(kvd_backend *be, const kvdepot_model *m, const uint16_t *kwire,
-                        uint64_t n, uint32_t layer, int h, int M, int nb, int iters,
-                        const float *q, float *scores)
+/* Brute-force PQ scores of every token of [t0, t0 + n) (kwire, the keys as
+ * appended) for kv head h, with the documented stored index of a sequence
+ * appended in one call: centroids trained on its first min(nall, 4096) keys
+ * as appended (kall; seed layer * 65536 + h), every key encoded, summed
+ * group queries. */
+static int brute_scores(kvd_backend *be, const kvdepot_model *m, const uint16_t *kall,
+                        uint64_t nall, const uint16_t *kwire, uint64_t n, uint32_t layer, int h,
+                        int M, int nb, int iters, const float *q, float *scores)
 {
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim, G = (int)m->num_q_heads / H;
     const int K = 1 << nb, ds = D / M;
@@ -651,9 +653,13 @@ static int brute_scores(kvd_backend *be, const kvdepot_model *m, const uint16_t 
     for (uint64_t t = 0; t < n; t++)
         for (int d = 0; d < D; d++)
             keys[t * D + d] = kvd_f16_to_f32(kwire[(t * H + h) * D + d]);
-    int64_t ntrain = n < 4096 ? (int64_t)n : 4096;
+    int64_t ntrain = nall < 4096 ? (int64_t)nall : 4096;
+    float *tkeys = malloc(sizeof(float) * ntrain * D);
+    for (int64_t t = 0; t < ntrain; t++)
+        for (int d = 0; d < D; d++)
+            tkeys[t * D + d] = kvd_f16_to_f32(kall[(t * H + h) * D + d]);
     int64_t ts[2] = {ntrain, D}, cs[3] = {M, K, ds}, ks[2] = {(int64_t)n, D}, cds[2] = {(int64_t)n, M};
-    kvd_tensor train = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ts);
+    kvd_tensor train = kvd_tensor_make(KVD_DTYPE_F32, tkeys, 2, ts);
     kvd_tensor all = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
     kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, cent, 3, cs);
     kvd_tensor tcodes = kvd_tensor_make(KVD_DTYPE_U8, codes, 2, cds);
@@ -678,6 +684,7 @@ static int brute_scores(kvd_backend *be, const kvdepot_model *m, const uint16_t 
         scores[t] = s;
     }
     free(keys);
+    free(tkeys);
     free(cent);
     free(codes);
     return rc;
@@ -713,6 +720,10 @@ static int t_search(kvd_harness *h)
     REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0);
     float *q = make_q(&m, 11);
     float *sc = malloc(sizeof(float) * n);
+    /* The keys as appended (make_seq_append_only): layer 1 follows layer 0. */
+    uint16_t *kapp = malloc(2 * n * 2 * 2 * 64);
+    fill_values(kapp, 2 * n * 2 * 64, KVDEPOT_DTYPE_F16, 3);
+    const uint16_t *kl1 = kapp + n * 2 * 64;
     const struct {
         uint64_t t0, nt;
         uint32_t k, init, recent;
@@ -725,8 +736,8 @@ static int t_search(kvd_harness *h)
         REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
         CHECK(sr.num_heads == 2);
         for (int hh = 0; hh < 2 && hh < (int)sr.num_heads; hh++) {
-            REQUIRE(brute_scores(be, &m, (const uint16_t *)rr.k + t0 * 2 * 64, nt, 1, hh, 8, 6, 5,
-                                 q, sc) == 0);
+            REQUIRE(brute_scores(be, &m, kl1, n, kl1 + t0 * 2 * 64, nt, 1, hh, 8, 6, 5, q, sc) ==
+                    0);
             /* expected: forced tokens + the k best of the middle (ties: lower index) */
             uint64_t lo = cases[ci].init < nt ? cases[ci].init : nt;
             uint64_t hi = nt > cases[ci].recent ? nt - cases[ci].recent : 0;
@@ -829,6 +840,7 @@ static int t_search(kvd_harness *h)
     bad.pq_bits = 5;
     CHECK_RC(create_coded(c, "pq", "bad", &bad), KVDEPOT_EINVAL);
     free(sc);
+    free(kapp);
     free(q);
     kvdepot_free(rr.owned);
     kvd_backend_free(be);

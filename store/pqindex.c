@@ -1,0 +1,307 @@
+/*
+ * The stored PQ index (pqindex.h): centroid records and the append hook that
+ * writes the PQ-codes section of every sealing page.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "kvdepot/convert.h"
+#include "kvdepot/pq.h"
+#include "pqindex.h"
+#include "store_internal.h"
+
+#define KEY_PQ 'Q'
+#define REC_VERSION 1
+#define REC_HEADER 12
+
+struct kvd__pq_append {
+    uint32_t num_layers;
+    struct pq_layer {
+        int known; /* centroids loaded or trained */
+        kvd_pq_centroids c;
+    } * layers;
+    float *keys; /* page keys of one head, f32 (page_tokens, head_dim) */
+    size_t cap_keys;
+};
+
+static size_t pq_key(uint8_t *key, const void *id, size_t id_len, uint32_t layer)
+{
+    key[0] = KEY_PQ;
+    key[1] = (uint8_t)(id_len >> 8);
+    key[2] = (uint8_t)id_len;
+    memcpy(key + 3, id, id_len);
+    for (int i = 0; i < 4; i++)
+        key[3 + id_len + i] = (uint8_t)(layer >> (24 - 8 * i));
+    return 3 + id_len + 4;
+}
+
+void kvd_pq_centroids_clear(kvd_pq_centroids *c)
+{
+    if (!c)
+        return;
+    free(c->data);
+    memset(c, 0, sizeof *c);
+}
+
+static uint64_t cent_floats(uint32_t H, uint32_t D, uint32_t bits)
+{
+    return (uint64_t)H * D * ((uint64_t)1 << bits); /* H * m * 2^bits * (D/m) */
+}
+
+static uint32_t ld32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void st32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+int kvd_store_pq_centroids_get(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                               kvd_pq_centroids *out, int *found, kvd_error *err)
+{
+    memset(out, 0, sizeof *out);
+    *found = 0;
+    int rc = kvd__check_seq_id(seq_id, id_len, err);
+    if (rc)
+        return rc;
+    uint8_t key[3 + KVD_SEQ_ID_MAX + 4];
+    size_t klen = pq_key(key, seq_id, id_len, layer), len = 0;
+    char *e = NULL;
+    char *v = rocksdb_get(st->db, st->ropt, (const char *)key, klen, &len, &e);
+    if (e) {
+        rc = kvd_error_set(err, KVD_EINTERNAL, "reading PQ centroids: %s", e);
+        free(e);
+        return rc;
+    }
+    if (!v)
+        return 0;
+    const uint8_t *p = (const uint8_t *)v;
+    if (len < REC_HEADER || p[0] != REC_VERSION) {
+        free(v);
+        return kvd_error_set(err, KVD_ECORRUPT, "PQ centroid record of layer %u: %zu bytes", layer,
+                             len);
+    }
+    out->bits = p[1];
+    out->m = (uint32_t)p[2] | (uint32_t)p[3] << 8;
+    out->num_kv_heads = ld32(p + 4);
+    out->head_dim = ld32(p + 8);
+    if ((out->bits != 4 && out->bits != 6 && out->bits != 8) || out->m == 0 || out->head_dim == 0 ||
+        out->head_dim > KVD_PAGE_MAX_HEAD_DIM || out->head_dim % out->m || out->num_kv_heads == 0 ||
+        out->num_kv_heads > KVD_PAGE_MAX_HEADS ||
+        len != REC_HEADER + 4 * cent_floats(out->num_kv_heads, out->head_dim, out->bits)) {
+        free(v);
+        memset(out, 0, sizeof *out);
+        return kvd_error_set(err, KVD_ECORRUPT, "PQ centroid record of layer %u is malformed",
+                             layer);
+    }
+    out->data = malloc(len - REC_HEADER);
+    if (!out->data) {
+        free(v);
+        memset(out, 0, sizeof *out);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory for PQ centroids");
+    }
+    memcpy(out->data, p + REC_HEADER, len - REC_HEADER); /* little-endian host */
+    out->id = XXH3_64bits(p, len);
+    free(v);
+    *found = 1;
+    return 0;
+}
+
+int kvd_pq_train_head(kvd_backend *be, const float *keys, int64_t n, uint32_t head_dim, uint32_t m,
+                      uint32_t bits, uint32_t iterations, uint32_t layer, uint32_t h, float *cent,
+                      kvd_error *err)
+{
+    int64_t ntrain = n < KVD_PQ_TRAIN_TOKENS ? n : KVD_PQ_TRAIN_TOKENS;
+    int64_t ts[2] = {ntrain, head_dim}, cs[3] = {m, (int64_t)1 << bits, head_dim / m};
+    kvd_tensor train = kvd_tensor_make(KVD_DTYPE_F32, (void *)keys, 2, ts);
+    kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, cent, 3, cs);
+    kvd_kmeans_params km = {1 << bits, (int)iterations, (uint64_t)layer * 65536 + h, 0};
+    return kvd_pq_train(be, &train, &km, &tc, err);
+}
+
+/* rows (n, D) of dtype at src with a row stride of `stride` bytes -> f32 dst. */
+static int to_f32(kvd_backend *be, kvd_dtype dt, const uint8_t *src, int64_t n, uint32_t D,
+                  int64_t stride, float *dst, kvd_error *err)
+{
+    if (n == 0)
+        return 0;
+    int64_t sh[2] = {n, D};
+    kvd_tensor s = kvd_tensor_make(dt, (void *)src, 2, sh);
+    s.stride[0] = stride;
+    kvd_tensor d = kvd_tensor_make(KVD_DTYPE_F32, dst, 2, sh);
+    return kvd_convert(be, &d, &s, err);
+}
+
+/* Train the centroids of layer d->layer from the page keys and the wire keys
+ * after the page, and put the record into b. */
+static int train_layer(kvd_backend *be, const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
+                       const kvd__seq *s, const kvd_page_desc *d, const uint8_t *k_page,
+                       const uint8_t *wire_k, uint64_t wire_ts, uint64_t wire_end,
+                       kvd_pq_centroids *out, kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
+    const size_t es = kvd_dtype_size(d->dtype);
+    uint64_t p1 = d->token_start + B, more = wire_end > p1 ? wire_end - p1 : 0;
+    int64_t n = (int64_t)B + (int64_t)more;
+    if (n > KVD_PQ_TRAIN_TOKENS)
+        n = KVD_PQ_TRAIN_TOKENS;
+    int64_t from_page = n < (int64_t)B ? n : (int64_t)B, from_wire = n - from_page;
+    uint64_t nf = cent_floats(H, D, c->pq_bits);
+    size_t rlen = REC_HEADER + 4 * (size_t)nf;
+    uint8_t *rec = malloc(rlen);
+    float *keys = malloc(sizeof(float) * (size_t)n * D);
+    int rc = 0;
+    if (!rec || !keys) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory training PQ centroids");
+        goto done;
+    }
+    rec[0] = REC_VERSION;
+    rec[1] = c->pq_bits;
+    rec[2] = (uint8_t)c->pq_m;
+    rec[3] = (uint8_t)(c->pq_m >> 8);
+    st32(rec + 4, H);
+    st32(rec + 8, D);
+    float *cent = (float *)(rec + REC_HEADER); /* 12-byte offset: float-aligned */
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        const uint8_t *ph = k_page + (size_t)h * B * D * es;
+        const uint8_t *wh = wire_k + ((size_t)(p1 - wire_ts) * H + h) * D * es;
+        if ((rc = to_f32(be, d->dtype, ph, from_page, D, (int64_t)(D * es), keys, err)) ||
+            (rc = to_f32(be, d->dtype, wh, from_wire, D, (int64_t)(H * D * es),
+                         keys + (size_t)from_page * D, err)))
+            break;
+        rc = kvd_pq_train_head(be, keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations, d->layer, h,
+                               cent + (size_t)h * (nf / H), err);
+    }
+    if (rc)
+        goto done;
+    uint8_t key[3 + KVD_SEQ_ID_MAX + 4];
+    size_t klen = pq_key(key, s->id, s->id_len, d->layer);
+    rocksdb_writebatch_put((rocksdb_writebatch_t *)b, (const char *)key, klen, (const char *)rec,
+                           rlen);
+    out->num_kv_heads = H;
+    out->head_dim = D;
+    out->m = c->pq_m;
+    out->bits = c->pq_bits;
+    out->id = XXH3_64bits(rec, rlen);
+    out->data = malloc(4 * (size_t)nf);
+    if (!out->data) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for PQ centroids");
+        goto done;
+    }
+    memcpy(out->data, cent, 4 * (size_t)nf);
+done:
+    free(rec);
+    free(keys);
+    return rc;
+}
+
+int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd__seq *s,
+                         const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
+                         const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *wire_k,
+                         uint64_t wire_ts, uint64_t wire_end, const uint8_t *in, size_t in_len,
+                         uint8_t **out, size_t *out_len, kvd_error *err)
+{
+    *out = NULL;
+    *out_len = 0;
+    kvd_backend *be = kvd__codec_backend();
+    if (!be)
+        return kvd_error_set(err, KVD_EINTERNAL, "no CPU backend for the PQ index");
+    if (d->layer >= s->num_layers || d->num_tokens != d->page_tokens)
+        return kvd_error_set(err, KVD_EINVAL, "PQ codes for a page that does not seal");
+    int rc;
+    struct kvd__pq_append *ps = *state;
+    if (!ps) {
+        ps = calloc(1, sizeof *ps);
+        if (ps && !(ps->layers = calloc(s->num_layers, sizeof *ps->layers))) {
+            free(ps);
+            ps = NULL;
+        }
+        if (!ps)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        ps->num_layers = s->num_layers;
+        *state = ps;
+    }
+    const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens, M = c->pq_m;
+    struct pq_layer *L = &ps->layers[d->layer];
+    if (!L->known) {
+        int found = 0;
+        if ((rc = kvd_store_pq_centroids_get(st, s->id, s->id_len, d->layer, &L->c, &found, err)))
+            return rc;
+        if (!found &&
+            (rc = train_layer(be, c, b, s, d, k_page, wire_k, wire_ts, wire_end, &L->c, err))) {
+            kvd_pq_centroids_clear(&L->c);
+            return rc;
+        }
+        L->known = 1;
+    }
+    if (L->c.num_kv_heads != H || L->c.head_dim != D || L->c.m != M || L->c.bits != c->pq_bits)
+        return kvd_error_set(err, KVD_ECORRUPT,
+                             "stored PQ centroids of layer %u (%u heads x %u, m %u, %u bits) do "
+                             "not match the sequence",
+                             d->layer, L->c.num_kv_heads, L->c.head_dim, L->c.m, L->c.bits);
+    if (ps->cap_keys < (size_t)B * D) {
+        float *k = realloc(ps->keys, sizeof(float) * (size_t)B * D);
+        if (!k)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        ps->keys = k;
+        ps->cap_keys = (size_t)B * D;
+    }
+    uint8_t *page = NULL, *sec = NULL;
+    size_t plen = 0;
+    if ((rc = kvd_page_put_section(in, in_len, KVD_SECTION_PQ_CODES,
+                                   KVD_PAGE_PQ_HEADER + (uint64_t)H * B * M, &page, &plen, &sec,
+                                   err)))
+        return rc;
+    sec[0] = (uint8_t)M;
+    sec[1] = (uint8_t)(M >> 8);
+    sec[2] = (uint8_t)c->pq_bits;
+    for (int i = 0; i < 8; i++)
+        sec[8 + i] = (uint8_t)(L->c.id >> (8 * i));
+    const size_t es = kvd_dtype_size(d->dtype);
+    const uint64_t per_head = cent_floats(1, D, c->pq_bits);
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        if ((rc = to_f32(be, d->dtype, k_page + (size_t)h * B * D * es, B, D, (int64_t)(D * es),
+                         ps->keys, err)))
+            break;
+        int64_t ks[2] = {B, D}, cs[3] = {M, (int64_t)1 << c->pq_bits, D / M}, ds[2] = {B, M};
+        kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, ps->keys, 2, ks);
+        kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, L->c.data + h * per_head, 3, cs);
+        kvd_tensor td =
+            kvd_tensor_make(KVD_DTYPE_U8, sec + KVD_PAGE_PQ_HEADER + (size_t)h * B * M, 2, ds);
+        rc = kvd_pq_encode(be, &tk, &tc, &td, err);
+    }
+    if (rc) {
+        free(page);
+        return rc;
+    }
+    kvd_page_finish(page, plen);
+    *out = page;
+    *out_len = plen;
+    return 0;
+}
+
+void kvd__pq_append_free(struct kvd__pq_append *state)
+{
+    if (!state)
+        return;
+    for (uint32_t l = 0; l < state->num_layers; l++)
+        kvd_pq_centroids_clear(&state->layers[l].c);
+    free(state->layers);
+    free(state->keys);
+    free(state);
+}
+
+void kvd__pq_delete(struct rocksdb_writebatch_t *b, const kvd__seq *s)
+{
+    uint8_t key[3 + KVD_SEQ_ID_MAX + 4];
+    for (uint32_t l = 0; l < s->num_layers; l++) {
+        size_t klen = pq_key(key, s->id, s->id_len, l);
+        rocksdb_writebatch_delete((rocksdb_writebatch_t *)b, (const char *)key, klen);
+    }
+}

@@ -1,0 +1,118 @@
+/*
+ * The stored PQ index of a sequence (PQCache): the key index behind Search
+ * and SparseAttend (kvdepot.proto, SearchRequest), for sequences created with
+ * codecs.pq (seqcodec.h: pq_m, pq_bits, pq_iterations).
+ *
+ * Centroids, per (sequence, layer), all kv heads of the layer together, are
+ * trained once: when the first append that seals a page of the layer
+ * commits. For kv head h, kvd_pq_train (kvdepot/pq.h) runs on the keys as
+ * appended (f32) of the first min(n, KVD_PQ_TRAIN_TOKENS) tokens counted from
+ * the first page that append seals to the end of the append (the prefill,
+ * when the sequence starts with one), seeded layer * 65536 + h, with the
+ * sequence's pq_iterations Lloyd steps. They are written in the append's
+ * batch under the RocksDB key 'Q' be16 id_len id be32 layer
+ * (store_internal.h) as the centroid record
+ *
+ *   u8 version (1) | u8 bits | u16 m | u32 num_kv_heads | u32 head_dim |
+ *   f32 centroids (num_kv_heads, m, 2^bits, head_dim / m)
+ *
+ * (integers and floats little-endian), and are deleted with the sequence.
+ * Their id, which PQ sections carry, is the xxh3-64 of the record: two
+ * records with the same id hold the same centroids.
+ *
+ * Codes: every page of the sequence that seals from then on, in every layer,
+ * gets a PQ-codes section (page.h) with the codes of its keys as appended
+ * (before the page's K codec, which may be lossy; for AppendPages the keys
+ * decoded from the client's page) under the layer's centroids. The server
+ * writes the section itself: the PQ section of a client-encoded page
+ * (AppendPages; e.g. pages read from another sequence) is validated with the
+ * page, then replaced. A sequence without a PQ index stores such a page's
+ * section as is and never reads it.
+ *
+ * Shared prefixes: a sequence created from a prefix shares the prefix's
+ * sealed pages, whose PQ sections (if any) index the centroids of the
+ * sequence that sealed them. The new sequence trains its own centroids at
+ * its first sealing append; Search uses a page's stored codes only when the
+ * section's centroids id equals the searching sequence's, and encodes the
+ * keys of any other page (read back, decoded) with its own centroids at call
+ * time: correct, only slower on those pages.
+ */
+#ifndef KVDEPOT_STORE_PQINDEX_H
+#define KVDEPOT_STORE_PQINDEX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvdepot/backend.h"
+#include "page.h"
+#include "seqcodec.h"
+#include "store.h"
+
+/* Keys the centroids of one kv head are trained on, at most. */
+#define KVD_PQ_TRAIN_TOKENS 4096
+
+/* The centroids of one layer of a sequence. */
+typedef struct kvd_pq_centroids {
+    uint32_t num_kv_heads, head_dim, m, bits;
+    uint64_t id;  /* xxh3-64 of the stored record */
+    float *data;  /* (num_kv_heads, m, 2^bits, head_dim / m) f32, malloc'd */
+} kvd_pq_centroids;
+
+/* Free c->data and zero *c; NULL is a no-op. */
+void kvd_pq_centroids_clear(kvd_pq_centroids *c);
+
+/*
+ * The stored centroids of (sequence, layer).
+ * @param[out] out    filled when *found (free with kvd_pq_centroids_clear)
+ * @param[out] found  0 when the layer has none (no page of it sealed yet, or
+ *                    no PQ index)
+ * @return 0; KVD_EINVAL (id); KVD_ECORRUPT (bad record); KVD_ENOMEM;
+ *         KVD_EINTERNAL (RocksDB).
+ */
+int kvd_store_pq_centroids_get(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                               kvd_pq_centroids *out, int *found, kvd_error *err);
+
+/*
+ * Train the centroids of kv head h of `layer` (the procedure above) on n
+ * keys (n, head_dim) f32 contiguous, n >= 1 (the first KVD_PQ_TRAIN_TOKENS
+ * are used). cent: (m, 2^bits, head_dim / m) f32. Returns as kvd_pq_train.
+ */
+int kvd_pq_train_head(kvd_backend *be, const float *keys, int64_t n, uint32_t head_dim,
+                      uint32_t m, uint32_t bits, uint32_t iterations, uint32_t layer, uint32_t h,
+                      float *cent, kvd_error *err);
+
+/* ---- store internals (append.c, sequence.c) -------------------------------- */
+
+struct kvd__pq_append; /* centroids one append has loaded or trained, per layer */
+struct kvd__seq;
+struct rocksdb_writebatch_t;
+
+/*
+ * The append hook, for a page that seals (d->num_tokens == page_tokens) in a
+ * sequence with a PQ index: load or train the layer's centroids (training
+ * puts the record into batch b), encode the page's keys and return a copy of
+ * the page (in, in_len: valid, any codecs) whose PQ-codes section is these
+ * codes (replacing any the page had) with a new checksum (*out malloc'd,
+ * the caller frees).
+ *
+ * @param[in,out] state   per-append cache, NULL at first (kvd__pq_append_free)
+ * @param[in] k_page      the page's keys as appended, (kv_head, token, dim)
+ *                        in d->dtype, page_tokens tokens
+ * @param[in] wire_k      keys of the append, (token, kv_head, dim), tokens
+ *                        [wire_ts, wire_end): training keys after the page
+ * @return 0; KVD_ECORRUPT (invalid page, stored centroids of another
+ *         shape); KVD_ENOMEM;
+ *         kernel errors.
+ */
+int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const struct kvd__seq *s,
+                         const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
+                         const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *wire_k,
+                         uint64_t wire_ts, uint64_t wire_end, const uint8_t *in, size_t in_len,
+                         uint8_t **out, size_t *out_len, kvd_error *err);
+
+void kvd__pq_append_free(struct kvd__pq_append *state);
+
+/* Add the deletion of every centroid record of s to b (sequence delete). */
+void kvd__pq_delete(struct rocksdb_writebatch_t *b, const struct kvd__seq *s);
+
+#endif /* KVDEPOT_STORE_PQINDEX_H */
