@@ -311,6 +311,8 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
             view->v_len = s->length;
         }
         if (s->type == KVD_SECTION_PQ_CODES) {
+            if (s->codec != KVD_CODEC_RAW)
+                return CORRUPT("PQ section codec %u, expected 0 (raw)", s->codec);
             int rc = check_pq(p + s->offset, s->length, h, err);
             if (rc)
                 return rc;
