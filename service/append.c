@@ -206,9 +206,6 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
                                err)) ||
         (rc = kvd_check_dtype(h->dtype, "header.dtype", err)))
         return rc;
-    if (h->with_activations)
-        return kvd_error_set(err, KVD_EUNSUPP,
-                             "header.with_activations: activation storage is not offered yet");
     if (h->num_tokens == 0)
         return kvd_error_set(err, KVD_EINVAL, "header.num_tokens: must be at least 1");
     if ((rc = kvd_check_range(h->token_start, h->num_tokens, 64, "header.token_start",
@@ -232,6 +229,7 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
         .n_token_ids = h->n_token_ids,
         .block_hashes = h->n_block_hashes ? h->block_hashes : NULL,
         .n_block_hashes = h->n_block_hashes,
+        .with_activations = h->with_activations,
     };
     /* The sequence's model decides the namespace check and whose quota the
      * bytes count against; its current size gives the gauges' deltas. */

@@ -263,7 +263,7 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
     free(tmp);
     kvd_append_spec spec = {h->sequence_id.data, h->sequence_id.len, l0, nl, t0, n, m.dtype,
                             h->n_token_ids ? h->token_ids : NULL, h->n_token_ids,
-                            h->n_block_hashes ? h->block_hashes : NULL, h->n_block_hashes};
+                            h->n_block_hashes ? h->block_hashes : NULL, h->n_block_hashes, 0};
     uint64_t expected = 0;
     int reserved = 0;
     if (rc == 0 && (rc = kvd_store_append_begin(store, &spec, &ap, &expected, err)) == 0) {

@@ -494,7 +494,8 @@ uint64_t kvd_seq_payload_bytes(const kvd_seq_info *s, const kvd_model_info *m)
     uint64_t tokens = 0;
     for (uint32_t l = 0; l < s->num_layers && s->layer_tokens; l++)
         tokens += s->layer_tokens[l];
-    return tokens * per_token;
+    /* Stored activations count like the K/V appended with them. */
+    return tokens * per_token + s->activation_bytes;
 }
 
 /* Counts go into local arrays and replace the tenants' usage in one step at

@@ -92,6 +92,8 @@ int kvd__load_seq(kvd_req_ctx *ctx, const ProtobufCBinaryData *id, const char *f
     }
     out->layer_tokens = info.layer_tokens[layer];
     out->stored_bytes = info.stored_bytes;
+    out->activation_tokens = info.activation_tokens;
+    out->activation_bytes = info.activation_bytes;
     out->num_tokens = info.num_tokens;
     out->num_layers = info.num_layers;
 done:
@@ -141,7 +143,7 @@ int kvd__reply_msg(kvd_req_ctx *ctx, const ProtobufCMessage *m, grpc_byte_buffer
 int kvd__read_window(kvd_store *st, const ProtobufCBinaryData *id, uint32_t layer,
                      uint64_t start, uint64_t n, uint8_t *buf, uint64_t bytes, kvd_error *err)
 {
-    kvd_read_spec rs = {id->data, id->len, layer, 1, start, n};
+    kvd_read_spec rs = {id->data, id->len, layer, 1, start, n, 0};
     kvd_read *rd = NULL;
     kvd_read_shape shape;
     int rc = kvd_store_read_begin(st, &rs, &rd, &shape, err);
@@ -367,9 +369,13 @@ int kvd_codecs_from_pb(const void *pb, const kvd_model_info *m, uint32_t page_to
         out->pq_bits = (uint8_t)(c->pq->bits > 255 ? 255 : c->pq->bits);
         out->pq_iterations = c->pq->iterations;
     }
-    if (c->store_activations)
-        return kvd_error_set(err, KVD_EUNSUPP,
-                             "codecs.store_activations: activation storage is not offered yet");
+    /* Activation storage is recorded by the CreateSequence handler
+     * (kvd_store_seq_activations_enable); only the model can refuse it. */
+    if (c->store_activations && !m->hidden_size)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "codecs.store_activations: model %s has no hidden_size (put the "
+                             "model with one to store activations)",
+                             m->name);
     int rc = kvd_seq_codecs_check(out, page_tokens, m->head_dim, err);
     if (rc && err) {
         char msg[sizeof err->msg];
@@ -523,18 +529,24 @@ int kvd_h_plan_fetch(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_bu
     double es = (double)kvd_dtype_size(m->dtype);
     kvd_fetch_cost c;
     c.n = sc.num_tokens;
-    /* Stored bytes are attributed per token and layer: pages of every layer
-     * hold the same tokens, so the share of L layers is L / num_layers. */
-    c.kv_bytes = sc.num_tokens
-                     ? (double)sc.stored_bytes / (double)sc.num_tokens * L / sc.num_layers
-                     : 0.0;
+    /* Stored page bytes are attributed per token and layer: pages of every
+     * layer hold the same tokens, so the share of L layers is L / num_layers.
+     * Stored activations are not K/V: they are left out. */
+    c.kv_bytes = sc.num_tokens ? (double)(sc.stored_bytes - sc.activation_bytes) /
+                                     (double)sc.num_tokens * L / sc.num_layers
+                               : 0.0;
     c.x_bytes = (double)m->hidden_size * es * L;
     c.flops = 2.0 * m->hidden_size * (2.0 * m->num_kv_heads * m->head_dim) * L;
     c.bandwidth = req->bandwidth_bytes_per_s;
     c.rate = req->compute_flops_per_s;
-    /* Activations are only usable where the model declares a hidden size and
-     * the caller says the receiver can have them. */
-    c.max_l = (m->hidden_size && req->assume_activations) ? c.n : 0;
+    /* Activations are only usable where the model declares a hidden size:
+     * for every token when the caller says the receiver has them, else for
+     * the leading tokens whose activations the sequence stores (an
+     * activation-first Read serves exactly those). */
+    c.max_l = !m->hidden_size            ? 0
+              : req->assume_activations  ? c.n
+              : sc.activation_tokens < c.n ? sc.activation_tokens
+                                           : c.n;
     uint64_t l = kvd_plan_fetch(&c);
     Kvdepot__V1__PlanFetchResponse resp = KVDEPOT__V1__PLAN_FETCH_RESPONSE__INIT;
     resp.split_tokens = l;

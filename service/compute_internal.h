@@ -17,6 +17,8 @@ typedef struct kvd__seq_ctx {
     uint64_t stored_bytes;
     uint64_t num_tokens;
     uint32_t num_layers;
+    uint64_t activation_tokens; /* on every layer */
+    uint64_t activation_bytes;  /* part of stored_bytes */
 } kvd__seq_ctx;
 
 /* The backend compute runs on (picked once, at first use). *out is owned by

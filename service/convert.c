@@ -23,6 +23,7 @@ void kvd_seq_info_to_pb(const kvd_seq_info *in, Kvdepot__V1__SequenceInfo *out)
     out->prefix_blocks = in->prefix_blocks;
     out->n_block_hashes = in->block_hashes ? in->n_block_hashes : 0;
     out->block_hashes = in->block_hashes;
+    out->activation_tokens = in->activation_tokens;
 }
 
 void kvd_model_to_pb(const kvd_model_info *in, Kvdepot__V1__Model *out)

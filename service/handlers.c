@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "activation.h"
 #include "compute.h"
 #include "convert.h"
 #include "metrics.h"
@@ -172,6 +173,11 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     kvd_seq_codecs codecs;
     if ((rc = kvd_codecs_from_pb(req->codecs, &mi, pt, &codecs, err)))
         return rc;
+    const int store_x = req->codecs && req->codecs->store_activations;
+    if (store_x && req->n_prefix_hashes)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "codecs.store_activations: not with prefix_hashes (activations "
+                             "must start at token 0, and a shared prefix carries none)");
     if (req->n_prefix_hashes) {
         kvd_seq_info shape;
         memset(&shape, 0, sizeof shape);
@@ -201,6 +207,13 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
      * same id must not apply to this one. */
     if (!rc && (rc = kvd_store_seq_codecs_set(ctx->svc->store, req->sequence_id.data,
                                               req->sequence_id.len, &codecs, err))) {
+        kvd_seq_info_clear(&info);
+        kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                             NULL, NULL);
+    }
+    if (!rc && store_x &&
+        (rc = kvd_store_seq_activations_enable(ctx->svc->store, req->sequence_id.data,
+                                               req->sequence_id.len, err))) {
         kvd_seq_info_clear(&info);
         kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                              NULL, NULL);

@@ -7,6 +7,10 @@
  * length are written just before the bytes once their count is known. The
  * slice goes to gRPC as is, so the payload is copied once (store -> slice).
  *
+ * With activation_tokens a (decoded format only) the store's cursor yields
+ * X of the first a tokens of the range ([layer][token][hidden_size]), then K
+ * and V of the rest; the header says how many of the bytes are X.
+ *
  * READ_FORMAT_PAGES streams the stored pages instead, one per message, in
  * (layer, block) order: every page holding a token of the range, so a range
  * that does not start or end on a block boundary brings the whole first and
@@ -64,10 +68,6 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
     if (pages && req->activation_tokens)
         return kvd_error_set(err, KVD_EINVAL,
                              "activation_tokens: activation-first reads are decoded only");
-    /* Never answer a request for activations with K/V alone. */
-    if (req->activation_tokens)
-        return kvd_error_set(err, KVD_EUNSUPP,
-                             "activation_tokens: activation-first reads are not served yet");
     if (req->max_chunk_bytes > CHUNK_MAX)
         return kvd_error_set(err, KVD_EINVAL, "max_chunk_bytes: %u exceeds the limit %u",
                              req->max_chunk_bytes, CHUNK_MAX);
@@ -88,6 +88,7 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
         .num_layers = req->num_layers,
         .token_start = req->token_start,
         .num_tokens = req->num_tokens,
+        .activation_tokens = req->activation_tokens,
     };
     if ((rc = kvd_store_read_begin(ctx->svc->store, &spec, &st->rd, &st->shape, err))) {
         free(st);
@@ -187,6 +188,9 @@ static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_
         h.total_bytes = st->shape.total_bytes;
         h.format = st->pages ? KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES
                              : KVDEPOT__V1__READ_FORMAT__READ_FORMAT_DECODED;
+        h.activation_tokens = st->shape.activation_tokens;
+        h.hidden_size = st->shape.hidden_size;
+        h.activation_bytes = st->shape.activation_bytes;
         Kvdepot__V1__ReadResponse r = KVDEPOT__V1__READ_RESPONSE__INIT;
         r.header = &h;
         *msg = kvd_pack(&r.base);
@@ -195,7 +199,8 @@ static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_
     }
     if (st->pages)
         return next_page(st, msg, err);
-    uint64_t left = st->shape.total_bytes - st->sent;
+    /* An activation-first read streams X, then K and V. */
+    uint64_t left = st->shape.activation_bytes + st->shape.total_bytes - st->sent;
     if (left == 0)
         return 0;
     size_t want = left < st->chunk ? (size_t)left : st->chunk;
@@ -218,7 +223,8 @@ static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_
         return kvd_error_set(err, KVD_EINTERNAL,
                              "store ended the read after %llu of %llu bytes",
                              (unsigned long long)st->sent,
-                             (unsigned long long)st->shape.total_bytes);
+                             (unsigned long long)(st->shape.activation_bytes +
+                                                  st->shape.total_bytes));
     }
     *msg = data_message(s, got);
     st->sent += got;

@@ -64,6 +64,9 @@ struct kvd_append {
         size_t len;
     } *given;
     size_t ngiven;
+    /* Activations (activation.c): the bytes carry X from x_off on. */
+    int with_x;
+    uint64_t x_off;
 };
 
 int kvd_store_append_give_page(kvd_append *ap, uint32_t layer, uint64_t block,
@@ -352,6 +355,14 @@ int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_appen
     ap->expected = row * ap->n;
     if ((rc = check_state(st, s, ap, err)))
         goto fail;
+    if (spec->with_activations) {
+        uint64_t xb;
+        if ((rc = kvd__act_check(s, ap->ls, ap->nl, ap->ts, ap->n, &xb, err)))
+            goto fail;
+        ap->with_x = 1;
+        ap->x_off = ap->expected;
+        ap->expected += xb;
+    }
     if (spec->n_token_ids) {
         ap->ids = malloc(spec->n_token_ids * sizeof *ap->ids);
         if (!ap->ids)
@@ -681,6 +692,7 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     uint8_t *rec = NULL;
     size_t rlen = 0;
     rocksdb_writebatch_t *b = NULL;
+    uint64_t *act = NULL; /* new activation counts */
     if (s->dead) {
         char idb[KVD__ID_STR_MAX];
         rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s was deleted during the append",
@@ -703,6 +715,9 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
         if ((rc = build_layer(ap, l, &pl, b, &nls[l], err)))
             goto out;
     }
+    if (ap->with_x && (rc = kvd__act_stage(st, s, ap->ls, ap->nl, ap->ts, ap->n,
+                                           ap->buf + ap->x_off, b, &act, err)))
+        goto out;
     if ((rc = kvd__seq_encode(st, s, nls, pl.hashes, pl.n_hashes, pl.ids, pl.n_ids, &rec, &rlen,
                               err)))
         goto out;
@@ -747,6 +762,10 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     free(nls);
     nls = NULL;
     kvd__prefix_register(st, s);
+    if (act) {
+        kvd__act_publish(st, s, act);
+        act = NULL;
+    }
     atomic_fetch_add(&st->disk_bytes, (uint64_t)dbytes);
     atomic_fetch_add(&st->disk_pages, (uint64_t)dpages);
     if (info)
@@ -772,6 +791,7 @@ out:
     if (b)
         rocksdb_writebatch_destroy(b);
     free(rec);
+    free(act);
     plan_free(&pl);
     pthread_mutex_unlock(&s->mu);
     kvd_store_append_abort(ap);

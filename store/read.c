@@ -35,6 +35,12 @@ struct kvd_read {
     size_t stage_len, stage_off;
     int failed;
     kvd_error saved;
+    /* Activation-first reads: X of the first tokens of the range comes
+     * first (activation.c); ts and n above are then the K/V tokens after
+     * them, full_ts and full_n the whole range. */
+    kvd__act_cursor *act;
+    uint64_t full_ts, full_n;
+    uint32_t hidden;
 };
 
 void kvd_store_read_end(kvd_read *rd)
@@ -47,6 +53,7 @@ void kvd_store_read_end(kvd_read *rd)
         rocksdb_release_snapshot(rd->st->db, rd->snap);
     free(rd->page_ids);
     free(rd->stage);
+    kvd__act_cursor_close(rd->act);
     free(rd);
 }
 
@@ -112,6 +119,23 @@ int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **ou
     rd->D = mi->head_dim;
     rd->dtype = mi->dtype;
     rd->es = kvd_dtype_size(mi->dtype);
+    rd->full_ts = rd->ts;
+    rd->full_n = rd->n;
+    if (spec->activation_tokens) {
+        if (spec->activation_tokens > rd->n) {
+            rc = kvd_error_set(err, KVD_EINVAL,
+                               "activation_tokens %llu exceed the %llu tokens read",
+                               (unsigned long long)spec->activation_tokens,
+                               (unsigned long long)rd->n);
+            goto fail;
+        }
+        if ((rc = kvd__act_cursor_open(st, s, rd->ls, rd->nl, rd->ts, spec->activation_tokens,
+                                       &rd->act, err)))
+            goto fail;
+        rd->hidden = mi->hidden_size;
+        rd->ts += spec->activation_tokens;
+        rd->n -= spec->activation_tokens;
+    }
     if (rd->n) {
         rd->first_block = rd->ts / rd->B;
         rd->npr = (uint32_t)((rd->ts + rd->n - 1) / rd->B - rd->first_block + 1);
@@ -140,12 +164,17 @@ int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **ou
     if (shape) {
         shape->layer_start = rd->ls;
         shape->num_layers = rd->nl;
-        shape->token_start = rd->ts;
-        shape->num_tokens = rd->n;
+        shape->token_start = rd->full_ts;
+        shape->num_tokens = rd->full_n;
         shape->num_kv_heads = rd->H;
         shape->head_dim = rd->D;
         shape->dtype = rd->dtype;
         shape->total_bytes = 2ull * rd->nl * rd->n * rd->H * rd->D * rd->es;
+        if (rd->act) {
+            shape->activation_tokens = rd->full_n - rd->n;
+            shape->hidden_size = rd->hidden;
+            shape->activation_bytes = kvd__act_cursor_bytes(rd->act);
+        }
     }
     *out = rd;
     return 0;
@@ -320,6 +349,17 @@ int kvd_store_read_next(kvd_read *rd, void *buf, size_t cap, size_t *len, kvd_er
     }
     uint8_t *out = buf;
     size_t done = 0;
+    if (rd->act) {
+        /* X first; it ends before cap only when it is all out. */
+        int rc = kvd__act_cursor_read(rd->act, out, cap, &done, &rd->saved);
+        if (rc) {
+            rd->saved.code = rc;
+            rd->failed = 1;
+            if (err)
+                *err = rd->saved;
+            return rc;
+        }
+    }
     while (done < cap) {
         if (rd->stage_off < rd->stage_len) {
             size_t k = rd->stage_len - rd->stage_off;

@@ -185,6 +185,7 @@ void kvd__seq_free(kvd__seq *s)
     free(s->layers);
     free(s->hashes);
     free(s->ids);
+    free(s->act_tokens);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -288,6 +289,8 @@ int kvd__seq_fill_info(kvd_store *st, const kvd__seq *s, kvd_seq_info *out, kvd_
         }
     }
     out->num_tokens = min;
+    kvd__act_info(s, &out->activation_tokens, &out->activation_bytes);
+    out->stored_bytes += out->activation_bytes;
     /* Complete blocks with a known hash are all in the prefix index (this
      * sequence's copy or an identical one registered first). */
     uint64_t nb = s->registered_blocks;
@@ -582,6 +585,7 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
     if (s->ttl_ms)
         kvd__expiry_delete(b, s);
     kvd__pq_delete(b, s); /* PQ centroids (pqindex.h) */
+    kvd__act_delete(b, s);
     for (uint32_t l = 0; l < s->num_layers; l++) {
         for (uint32_t i = 0; i < s->layers[l].npages; i++) {
             kvd__page *p = s->layers[l].pages[i];
@@ -601,6 +605,7 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         free(dropped);
         goto out;
     }
+    kvd__act_forget(st, s);
     kvd__model *m = s->model;
     size_t ndropped = 0;
     for (uint32_t l = 0; l < s->num_layers; l++) {

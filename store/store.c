@@ -307,7 +307,8 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         return rc;
     }
     if ((rc = load_meta(st, opt->page_tokens, err)) || (rc = kvd__load_models(st, err)) ||
-        (rc = kvd__load_sequences(st, err)) || (rc = kvd__load_expiry(st, err)) ||
+        (rc = kvd__load_sequences(st, err)) || (rc = kvd__act_load(st, err)) ||
+        (rc = kvd__load_expiry(st, err)) ||
         (rc = kvd__cache_start(st, err))) {
         kvd_store_close(st);
         return rc;

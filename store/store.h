@@ -102,6 +102,10 @@ typedef struct kvd_seq_info {
     uint64_t prefix_blocks;
     uint64_t *block_hashes;  /* n_block_hashes entries; owned by the info */
     size_t n_block_hashes;
+    /* Activation storage (activation.h): tokens with stored X on every
+     * layer, and the X bytes stored (also counted in stored_bytes). */
+    uint64_t activation_tokens;
+    uint64_t activation_bytes;
 } kvd_seq_info;
 
 /* Release the arrays inside an info filled by the store (not the struct). */
@@ -143,6 +147,10 @@ typedef struct kvd_append_spec {
     size_t n_token_ids;
     const uint64_t *block_hashes; /* hashes of blocks completed by this append, or NULL */
     size_t n_block_hashes;
+    /* The bytes carry X after K and V ([layer][token][hidden_size], model
+     * dtype): only for a sequence storing activations whose layers have X
+     * for every token before token_start (KVD_EPRECOND otherwise). */
+    int with_activations;
 } kvd_append_spec;
 
 /* Start an append; validates the spec against the sequence and model.
@@ -168,6 +176,11 @@ typedef struct kvd_read_spec {
     uint32_t num_layers;   /* 0 = all from layer_start */
     uint64_t token_start;
     uint64_t num_tokens;   /* 0 = to the sequence's num_tokens */
+    /* Activation-first: the bytes start with X of the first
+     * activation_tokens tokens of the range ([layer][token][hidden_size]),
+     * then K and V of the rest. More than the range: KVD_EINVAL; a sequence
+     * without activations: KVD_EPRECOND; tokens without X: KVD_ERANGE. */
+    uint64_t activation_tokens;
 } kvd_read_spec;
 
 typedef struct kvd_read_shape {
@@ -175,7 +188,10 @@ typedef struct kvd_read_shape {
     uint64_t token_start, num_tokens;
     uint32_t num_kv_heads, head_dim;
     kvd_dtype dtype;
-    uint64_t total_bytes; /* K + V */
+    uint64_t total_bytes; /* K + V (of the tokens after the activation ones) */
+    uint64_t activation_tokens;
+    uint32_t hidden_size;
+    uint64_t activation_bytes; /* X bytes that come first */
 } kvd_read_shape;
 
 /* Start a read (a consistent snapshot: later appends or deletes do not change

@@ -18,6 +18,9 @@
  *                      a tail fragment of page page_id (see tail.c)
  *   'X' id             expiry of sequence id: u64 ttl_ms, u64 expires_unix_ms (LE)
  *   'Q' be16 id_len id be32 layer  PQ centroids of one layer of a sequence (pqindex.h)
+ *   'a' id             activation counts of sequence id (activation.h)
+ *   'A' be16 id_len id be32 layer be64 token
+ *                      activations X of a run of tokens (activation.h)
  *
  * Memory tiers (tier.c) have their own mutex, cache->mu, taken last: never
  * call into the store's other locks while holding it.
@@ -41,6 +44,8 @@
 #define KVD__KEY_PAGE 'P'
 #define KVD__KEY_FRAG 'T'
 #define KVD__KEY_EXPIRY 'X'
+#define KVD__KEY_ACT_META 'a'
+#define KVD__KEY_ACT 'A'
 #define KVD__PAGE_KEY_LEN 9
 #define KVD__FRAG_KEY_LEN 13
 #define KVD__MAX_FRAGS 32 /* fragments of one tail page before they are merged */
@@ -154,6 +159,11 @@ typedef struct kvd__seq {
     uint64_t ttl_ms;                  /* 0 = no expiry (under s->mu and st->lock) */
     _Atomic uint64_t expires_ms;      /* unix ms; 0 = never */
     _Atomic uint64_t last_access_ms;  /* last read or append: LRU of whole sequences */
+
+    /* Activation storage (activation.c): per layer, the leading tokens
+     * with stored X; NULL when the sequence stores none. Written under
+     * s->mu and st->lock. */
+    uint64_t *act_tokens;
 } kvd__seq;
 
 /* ---- memory tiers (tier.c) ---------------------------------------------- */
@@ -308,6 +318,42 @@ void kvd__disk_make_room(kvd_store *st, const kvd__seq *keep, uint64_t need);
 /* Delete the sequences whose TTL passed. */
 void kvd__expire(kvd_store *st);
 int kvd__load_sequences(kvd_store *st, kvd_error *err);
+
+/* ---- activations (activation.c; layout in activation.h) ------------------ */
+
+typedef struct kvd__act_cursor kvd__act_cursor;
+/* X bytes of one token of one layer (hidden_size x dtype size). */
+uint64_t kvd__act_token_bytes(const kvd__seq *s);
+/* Tokens with activations on every layer, and the X bytes stored (st->lock). */
+void kvd__act_info(const kvd__seq *s, uint64_t *tokens, uint64_t *bytes);
+/* May an append at token ts of layers [ls, ls + nl) carry X? *x_bytes: how
+ * many (layer-major after K and V). KVD_EPRECOND naming the reason. */
+int kvd__act_check(const kvd__seq *s, uint32_t ls, uint32_t nl, uint64_t ts, uint64_t n,
+                   uint64_t *x_bytes, kvd_error *err);
+/* Commit of such an append (s->mu held): re-check, put the X records and the
+ * new counts in b; *counts (malloc'd) goes to kvd__act_publish. */
+int kvd__act_stage(kvd_store *st, const kvd__seq *s, uint32_t ls, uint32_t nl, uint64_t ts,
+                   uint64_t n, const uint8_t *x, rocksdb_writebatch_t *b, uint64_t **counts,
+                   kvd_error *err);
+/* Once the batch is durable (st->lock exclusive): take the counts over. */
+void kvd__act_publish(kvd_store *st, kvd__seq *s, uint64_t *counts);
+/* Add the deletion of every activation record of s to b. */
+void kvd__act_delete(rocksdb_writebatch_t *b, const kvd__seq *s);
+/* After that batch is durable (st->lock exclusive): drop the counts. */
+void kvd__act_forget(kvd_store *st, kvd__seq *s);
+/* At open, after the sequences: their activation counts. */
+int kvd__act_load(kvd_store *st, kvd_error *err);
+/* A cursor over X of layers [ls, ls + nl) x tokens [ts, ts + n) in the wire
+ * layout [layer][token][hidden_size], on its own snapshot (st->lock held to
+ * open). KVD_EPRECOND (no activations stored), KVD_ERANGE (tokens without). */
+int kvd__act_cursor_open(kvd_store *st, const kvd__seq *s, uint32_t ls, uint32_t nl, uint64_t ts,
+                         uint64_t n, kvd__act_cursor **out, kvd_error *err);
+uint64_t kvd__act_cursor_bytes(const kvd__act_cursor *c);
+/* Up to cap next bytes; *len < cap only at the end. KVD_ECORRUPT for a
+ * record failing its checksum or missing. */
+int kvd__act_cursor_read(kvd__act_cursor *c, uint8_t *buf, size_t cap, size_t *len,
+                         kvd_error *err);
+void kvd__act_cursor_close(kvd__act_cursor *c);
 int kvd__load_models(kvd_store *st, kvd_error *err);
 
 #endif /* KVDEPOT_STORE_INTERNAL_H */
