@@ -816,6 +816,7 @@ int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequen
     out->stored_bytes = pb->stored_bytes;
     out->created_unix_ms = pb->created_unix_ms;
     out->prefix_blocks = pb->prefix_blocks;
+    out->activation_tokens = pb->activation_tokens;
     if (pb->n_layer_tokens) {
         out->layer_tokens = malloc(pb->n_layer_tokens * sizeof(uint64_t));
         if (!out->layer_tokens)

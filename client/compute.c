@@ -302,6 +302,7 @@ void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb)
     m->c.k = &m->k;
     m->c.v = &m->v;
     m->c.raw_sink_tokens = c->raw_sink_tokens;
+    m->c.store_activations = c->store_activations != 0;
     if (c->pq_m) {
         kvdepot__v1__pqspec__init(&m->pq);
         m->pq.m = c->pq_m;

@@ -52,23 +52,27 @@ static size_t varint_len(uint64_t v)
 /* Append                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* K then V seen as one byte range, without concatenating them. */
+/* K then V (then X) seen as one byte range, without concatenating them. */
 typedef struct kv_src {
-    const uint8_t *k, *v;
-    size_t k_bytes, v_bytes;
+    const uint8_t *k, *v, *x;
+    size_t k_bytes, v_bytes, x_bytes;
 } kv_src;
 
 static void kv_copy_out(const kv_src *s, uint64_t off, uint8_t *dst, size_t n)
 {
-    if (off < s->k_bytes) {
-        size_t m = s->k_bytes - off < n ? (size_t)(s->k_bytes - off) : n;
-        memcpy(dst, s->k + off, m);
+    const uint8_t *part[3] = {s->k, s->v, s->x};
+    size_t len[3] = {s->k_bytes, s->v_bytes, s->x_bytes};
+    for (int i = 0; i < 3 && n; i++) {
+        if (off >= len[i]) {
+            off -= len[i];
+            continue;
+        }
+        size_t m = len[i] - off < n ? (size_t)(len[i] - off) : n;
+        memcpy(dst, part[i] + off, m);
         dst += m;
-        off += m;
         n -= m;
+        off = 0;
     }
-    if (n)
-        memcpy(dst, s->v + (off - s->k_bytes), n);
 }
 
 /* Bytes of one AppendRequest carrying (optionally) the header and dlen data bytes. */
@@ -115,6 +119,7 @@ static void header_from_args(const kvdepot_append_args *a, Kvdepot__V1__AppendHe
     h->n_token_ids = a->num_token_ids;
     h->block_hashes = (uint64_t *)a->block_hashes;
     h->n_block_hashes = a->num_block_hashes;
+    h->with_activations = a->x != NULL;
 }
 
 void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, size_t data_len,
@@ -147,7 +152,8 @@ int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
     if (!c || !a)
         return kvdepot__fail(c, KVDEPOT_EINVAL, "append: NULL argument");
     if ((!a->id && a->id_len) || (!a->k && a->k_bytes) || (!a->v && a->v_bytes) ||
-        (!a->token_ids && a->num_token_ids) || (!a->block_hashes && a->num_block_hashes))
+        (!a->token_ids && a->num_token_ids) || (!a->block_hashes && a->num_block_hashes) ||
+        (!a->x && a->x_bytes))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "append: NULL pointer with a nonzero length");
 
     Kvdepot__V1__AppendHeader h;
@@ -186,8 +192,13 @@ int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
         return kvdepot__fail(c, KVDEPOT_EINTERNAL, "append: gRPC refused the call");
     }
 
-    kv_src src = {.k = a->k, .v = a->v, .k_bytes = a->k_bytes, .v_bytes = a->v_bytes};
-    uint64_t total = (uint64_t)a->k_bytes + a->v_bytes;
+    kv_src src = {.k = a->k,
+                  .v = a->v,
+                  .x = a->x,
+                  .k_bytes = a->k_bytes,
+                  .v_bytes = a->v_bytes,
+                  .x_bytes = a->x ? a->x_bytes : 0};
+    uint64_t total = (uint64_t)a->k_bytes + a->v_bytes + src.x_bytes;
     uint64_t off = 0;
     int first = 1, send_ok = 1, started = 0;
     grpc_byte_buffer *in_flight = NULL;
@@ -358,7 +369,7 @@ typedef struct read_state {
     kvdepot_client *c;
     kvdepot_read_result *out;
     int have_header;
-    uint64_t total;     /* K + V bytes announced */
+    uint64_t total;     /* X + K + V bytes announced */
     uint64_t received;  /* data bytes so far */
     uint8_t *hdr_buf;   /* gathers the header's bytes */
     size_t hdr_len;
@@ -377,6 +388,17 @@ static void sink_data(void *user, const uint8_t *p, size_t n)
     read_state *st = user;
     kvdepot_read_result *o = st->out;
     uint64_t off = st->received;
+    /* An activation-first stream starts with X. */
+    if (off < o->x_bytes) {
+        size_t m = o->x_bytes - off < n ? (size_t)(o->x_bytes - off) : n;
+        memcpy((uint8_t *)o->x + off, p, m);
+        p += m;
+        n -= m;
+        st->received = off + m;
+        if (!n)
+            return;
+    }
+    off = st->received - o->x_bytes;
     if (off < o->kv_bytes) {
         size_t m = o->kv_bytes - off < n ? (size_t)(o->kv_bytes - off) : n;
         memcpy((uint8_t *)o->k + off, p, m);
@@ -386,7 +408,7 @@ static void sink_data(void *user, const uint8_t *p, size_t n)
     }
     if (n)
         memcpy((uint8_t *)o->v + (off - o->kv_bytes), p, n);
-    st->received = off + n;
+    st->received = o->x_bytes + off + n;
 }
 
 /* Accept the stream's header: check it describes what follows and set up
@@ -404,8 +426,23 @@ static int read_header(read_state *st, const kvdepot_read_args *a, const Kvdepot
     o->dtype = (kvdepot_dtype)h->dtype;
     kvdepot_model shape = {.num_kv_heads = h->num_kv_heads, .head_dim = h->head_dim,
                            .dtype = o->dtype};
-    size_t kv = kvdepot_kv_bytes(&shape, h->num_layers, h->num_tokens);
-    int empty = h->num_layers == 0 || h->num_tokens == 0 || h->num_kv_heads == 0 || h->head_dim == 0;
+    /* K and V cover the tokens after the activation ones. */
+    uint64_t act = h->activation_tokens;
+    if (act != a->activation_tokens || act > h->num_tokens ||
+        (act && (h->hidden_size == 0 ||
+                 h->activation_bytes != (uint64_t)h->num_layers * act * h->hidden_size *
+                                            kvdepot_dtype_size(o->dtype))) ||
+        (!act && h->activation_bytes))
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL,
+                             "read: server header announces %llu activation tokens (%llu bytes, "
+                             "hidden_size %u) for %llu asked",
+                             (unsigned long long)act, (unsigned long long)h->activation_bytes,
+                             h->hidden_size, (unsigned long long)a->activation_tokens);
+    o->activation_tokens = act;
+    o->hidden_size = h->hidden_size;
+    size_t kv = kvdepot_kv_bytes(&shape, h->num_layers, h->num_tokens - act);
+    int empty = h->num_layers == 0 || h->num_tokens == act || h->num_kv_heads == 0 ||
+                h->head_dim == 0;
     if ((kv == 0 && !empty) || kvdepot_dtype_size(o->dtype) == 0 || h->total_bytes != 2 * (uint64_t)kv)
         return kvdepot__fail(c, KVDEPOT_EINTERNAL,
                              "read: server header announces %llu bytes for %u layers x %llu tokens "
@@ -414,22 +451,28 @@ static int read_header(read_state *st, const kvdepot_read_args *a, const Kvdepot
                              (unsigned long long)h->num_tokens, h->num_kv_heads, h->head_dim,
                              kvdepot_dtype_name(o->dtype));
     o->kv_bytes = kv;
-    st->total = h->total_bytes;
+    size_t xb = (size_t)h->activation_bytes;
+    o->x_bytes = xb;
+    st->total = h->total_bytes + h->activation_bytes;
     if (a->k) {
-        if (a->capacity < kv) {
+        if (a->capacity < kv || (xb && a->x_capacity < xb)) {
             st->too_small = 1;
             return kvdepot__fail(c, KVDEPOT_EINVAL,
-                                 "read: buffers hold %zu bytes, K and V need %zu each",
-                                 a->capacity, kv);
+                                 "read: buffers hold %zu bytes (X: %zu), K and V need %zu each, "
+                                 "X %zu",
+                                 a->capacity, a->x_capacity, kv, xb);
         }
         o->k = a->k;
         o->v = a->v;
+        o->x = xb ? a->x : NULL;
     } else {
-        o->owned = malloc(kv ? 2 * kv : 1);
+        o->owned = malloc(kv || xb ? 2 * kv + xb : 1);
         if (!o->owned)
-            return kvdepot__fail(c, KVDEPOT_ENOMEM, "read: cannot allocate %zu bytes", 2 * kv);
+            return kvdepot__fail(c, KVDEPOT_ENOMEM, "read: cannot allocate %zu bytes",
+                                 2 * kv + xb);
         o->k = o->owned;
         o->v = (uint8_t *)o->owned + kv;
+        o->x = xb ? (uint8_t *)o->owned + 2 * kv : NULL;
     }
     st->have_header = 1;
     return KVDEPOT_OK;
@@ -531,6 +574,9 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
         return kvdepot__fail(c, KVDEPOT_EINVAL, "read: NULL argument");
     if ((!a->id && a->id_len) || (!a->k != !a->v))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "read: give both K and V buffers or neither");
+    if (a->k && a->activation_tokens && !a->x)
+        return kvdepot__fail(c, KVDEPOT_EINVAL,
+                             "read: activation_tokens with caller buffers needs an X buffer");
 
     Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
     req.sequence_id.data = (uint8_t *)a->id;
@@ -540,6 +586,7 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
     req.token_start = a->token_start;
     req.num_tokens = a->num_tokens;
     req.max_chunk_bytes = (uint32_t)c->chunk_bytes;
+    req.activation_tokens = a->activation_tokens;
 
     kvdepot__call k;
     int rc = kvdepot__call_start(c, KVDEPOT__READ, NULL, &k);
@@ -596,7 +643,7 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
         free(out->owned);
         /* A too-small buffer keeps the header so the caller can size a retry. */
         if (st.too_small)
-            out->k = out->v = out->owned = NULL;
+            out->k = out->v = out->x = out->owned = NULL;
         else
             memset(out, 0, sizeof *out);
     }
@@ -767,6 +814,8 @@ int kvdepot_sequence_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
     req.token_start = a->token_start;
     req.num_tokens = a->num_tokens;
     req.format = KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES;
+    /* Activation-first reads are decoded only: the server says so. */
+    req.activation_tokens = a->activation_tokens;
 
     kvdepot__call k;
     int rc = kvdepot__call_start(c, KVDEPOT__READ, NULL, &k);

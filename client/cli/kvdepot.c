@@ -49,13 +49,18 @@ static const char usage_text[] =
     "  stats                                the server's tiers (bytes, pages, hits,\n"
     "                                       evictions) and durability\n"
     "  put ID --model M --tokens N --file F [--layer-start L] [--layers N]\n"
-    "         [--token-ids FILE] [--ttl SECONDS]\n"
+    "         [--token-ids FILE] [--ttl SECONDS] [--activations]\n"
     "                                       append N tokens from F (K then V, raw, in\n"
     "                                       [layer][token][kv_head][head_dim] layout and\n"
     "                                       the model dtype), creating the sequence if\n"
-    "                                       needed; appends at each layer's end\n"
+    "                                       needed; appends at each layer's end.\n"
+    "                                       --activations: F ends with X ([layer][token]\n"
+    "                                       [hidden]); a sequence created here stores them\n"
     "  get ID --file F [--layer-start L] [--layers N] [--token-start T] [--tokens N]\n"
-    "                                       write K then V of the range to F ('-' = stdout)\n"
+    "         [--activation-tokens A]\n"
+    "                                       write K then V of the range to F ('-' = stdout);\n"
+    "                                       with A: X of the first A tokens, then K, V of\n"
+    "                                       the rest\n"
     "  lookup --model M HASH...             how many leading blocks of a hash chain\n"
     "                                       are cached (hashes in hex)\n"
     "  attend ID --layer L --q FILE [--out F] [--token-start T] [--tokens N] [--scale S]\n"
@@ -512,10 +517,11 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
 {
     opt opts[] = {{"model", 1, 0},  {"tokens", 1, 0},    {"layer-start", 1, 0},
                   {"layers", 1, 0}, {"file", 1, 0},      {"token-ids", 1, 0},
-                  {"ttl", 1, 0},    {0, 0, 0}};
+                  {"ttl", 1, 0},    {"activations", 0, 0}, {0, 0, 0}};
     const char *pos[1];
     if (parse_args(argc, argv, opts, pos, 1) != 1)
         usage_error("put: expected ID");
+    const int with_x = opt_get(opts, "activations") != NULL;
     const char *id = pos[0];
     const char *model_name = opt_required(opts, "model");
     const char *path = opt_required(opts, "file");
@@ -530,6 +536,9 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         usage_error("--layer-start %u: model %s has %u layers", layer_start, m.name, m.num_layers);
     uint32_t layers = (uint32_t)opt_u64(opts, "layers", m.num_layers - layer_start, UINT32_MAX);
     size_t kv = kvdepot_kv_bytes(&m, layers, tokens);
+    if (with_x && !m.hidden_size)
+        return fail_msg("--activations: model %s has no hidden size", m.name);
+    size_t xb = with_x ? (size_t)layers * tokens * m.hidden_size * kvdepot_dtype_size(m.dtype) : 0;
 
     int fd = open(path, O_RDONLY);
     if (fd < 0)
@@ -539,16 +548,17 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         close(fd);
         return fail_msg("%s: %s", path, strerror(errno));
     }
-    if ((uint64_t)sb.st_size != 2 * (uint64_t)kv) {
+    if ((uint64_t)sb.st_size != 2 * (uint64_t)kv + xb) {
         close(fd);
         return fail_msg("%s has %lld bytes; K then V for %u layers x %" PRIu64
-                        " tokens x %u kv heads x %u dims of %s is %zu bytes",
+                        " tokens x %u kv heads x %u dims of %s is %zu bytes%s",
                         path, (long long)sb.st_size, layers, tokens, m.num_kv_heads, m.head_dim,
-                        kvdepot_dtype_name(m.dtype), 2 * kv);
+                        kvdepot_dtype_name(m.dtype), 2 * kv + xb,
+                        with_x ? " (with X)" : "");
     }
     void *data = NULL;
     if (kv) {
-        data = mmap(NULL, 2 * kv, PROT_READ, MAP_PRIVATE, fd, 0);
+        data = mmap(NULL, 2 * kv + xb, PROT_READ, MAP_PRIVATE, fd, 0);
         if (data == MAP_FAILED) {
             close(fd);
             return fail_msg("%s: %s", path, strerror(errno));
@@ -573,6 +583,9 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
     if (rc == KVDEPOT_ENOTFOUND) {
         kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = m.name};
         ca.ttl_seconds = opt_u64(opts, "ttl", 0, UINT64_MAX / 1000);
+        kvdepot_codecs cc = {.store_activations = 1};
+        if (with_x)
+            ca.codecs = &cc;
         rc = kvdepot_sequence_create(c, &ca, &s);
     }
     if (rc)
@@ -599,10 +612,12 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         .v_bytes = kv,
         .token_ids = ids,
         .num_token_ids = nids,
+        .x = with_x && data ? (const uint8_t *)data + 2 * kv : NULL,
+        .x_bytes = xb,
     };
     rc = kvdepot_sequence_append(c, &a, &s);
     if (data)
-        munmap(data, 2 * kv);
+        munmap(data, 2 * kv + xb);
     free(ids);
     if (rc)
         return fail(c, rc);
@@ -632,7 +647,8 @@ static int write_all(int fd, const void *p, size_t n)
 static int cmd_get(kvdepot_client *c, int argc, char **argv)
 {
     opt opts[] = {{"file", 1, 0},        {"layer-start", 1, 0}, {"layers", 1, 0},
-                  {"token-start", 1, 0}, {"tokens", 1, 0},      {0, 0, 0}};
+                  {"token-start", 1, 0}, {"tokens", 1, 0},      {"activation-tokens", 1, 0},
+                  {0, 0, 0}};
     const char *pos[1];
     if (parse_args(argc, argv, opts, pos, 1) != 1)
         usage_error("get: expected ID");
@@ -644,6 +660,7 @@ static int cmd_get(kvdepot_client *c, int argc, char **argv)
         .num_layers = (uint32_t)opt_u64(opts, "layers", 0, UINT32_MAX),
         .token_start = opt_u64(opts, "token-start", 0, UINT64_MAX),
         .num_tokens = opt_u64(opts, "tokens", 0, UINT64_MAX),
+        .activation_tokens = opt_u64(opts, "activation-tokens", 0, UINT64_MAX),
     };
     kvdepot_read_result r;
     int rc = kvdepot_sequence_read(c, &a, &r);
@@ -655,7 +672,8 @@ static int cmd_get(kvdepot_client *c, int argc, char **argv)
         kvdepot_free(r.owned);
         return fail_msg("%s: %s", path, strerror(errno));
     }
-    int bad = write_all(fd, r.k, r.kv_bytes) != 0 || write_all(fd, r.v, r.kv_bytes) != 0;
+    int bad = write_all(fd, r.x, r.x_bytes) != 0 || write_all(fd, r.k, r.kv_bytes) != 0 ||
+              write_all(fd, r.v, r.kv_bytes) != 0;
     int err = errno;
     if (!to_stdout && close(fd) != 0 && !bad) {
         bad = 1;
@@ -664,7 +682,14 @@ static int cmd_get(kvdepot_client *c, int argc, char **argv)
     kvdepot_free(r.owned);
     if (bad)
         return fail_msg("%s: %s", path, strerror(err));
-    if (!to_stdout)
+    if (!to_stdout && r.activation_tokens)
+        printf("wrote %zu bytes (X of tokens %" PRIu64 "..%" PRIu64 " (hidden %u), then K and "
+               "V of the other %" PRIu64 " tokens: layers %u..%u) to %s\n",
+               r.x_bytes + 2 * r.kv_bytes, r.token_start,
+               r.token_start + r.activation_tokens - 1, r.hidden_size,
+               r.num_tokens - r.activation_tokens, r.layer_start,
+               r.layer_start + r.num_layers - 1, path);
+    else if (!to_stdout)
         printf("wrote %zu bytes (K then V: layers %u..%u, tokens %" PRIu64 "..%" PRIu64
                ", %u kv heads x %u dims, %s) to %s\n",
                2 * r.kv_bytes, r.layer_start, r.layer_start + r.num_layers - 1, r.token_start,

@@ -349,6 +349,9 @@ typedef struct kvdepot_sequence_info {
     uint64_t prefix_blocks;    /* leading blocks shared from the prefix index */
     uint64_t *block_hashes;    /* [num_block_hashes] registered block hashes */
     size_t num_block_hashes;
+    /* Leading tokens whose activations X are stored on every layer (a
+     * sequence created with store_activations; see kvdepot_append_args.x). */
+    uint64_t activation_tokens;
 } kvdepot_sequence_info;
 
 /* Free the arrays of info and zero it. NULL, or a zeroed info, is a no-op. */
@@ -392,6 +395,12 @@ typedef struct kvdepot_codecs {
     uint32_t pq_m;
     uint32_t pq_bits;
     uint32_t pq_iterations;
+    /* 1 = keep the layer inputs X sent with kvdepot_sequence_append (KVPR:
+     * a reader fetches X of the first tokens and recomputes their K/V, see
+     * kvdepot_plan_fetch and kvdepot_read_args.activation_tokens). The
+     * model must have a hidden_size (else KVDEPOT_EPRECOND); not with
+     * prefix_hashes (KVDEPOT_EINVAL): activations start at token 0. */
+    int store_activations;
 } kvdepot_codecs;
 
 typedef struct kvdepot_create_args {
@@ -491,11 +500,23 @@ typedef struct kvdepot_append_args {
      * this append, in order (overrides token_ids hashing). */
     const uint64_t *block_hashes;
     size_t num_block_hashes;
+    /* Optional activations (layer inputs) X of the appended tokens,
+     * [layer][token][hidden_size] in the model dtype: x_bytes = num_layers x
+     * num_tokens x hidden_size x dtype size. Non-NULL x sends them after K
+     * and V (AppendHeader.with_activations). Only for a sequence created
+     * with codecs.store_activations, and only while every token before
+     * token_start on these layers has them: else KVDEPOT_EPRECOND and
+     * nothing is stored. An append without x is accepted on such a
+     * sequence, but the layers it extends then keep activations for their
+     * earlier tokens only (activation_tokens stops growing). */
+    const void *x;
+    size_t x_bytes;
 } kvdepot_append_args;
 
 /*
- * Append: stream K then V to the server in messages of chunk_bytes. All or
- * nothing: on any failure the sequence is left as it was.
+ * Append: stream K then V (then X, when args->x is set) to the server in
+ * messages of chunk_bytes. All or nothing: on any failure the sequence is
+ * left as it was.
  *
  * @param[in]  client
  * @param[in]  args
@@ -505,7 +526,8 @@ typedef struct kvdepot_append_args {
  *         the size of the range), a dtype other than the model's, a layer
  *         range outside the model, token id or block hash counts that do not
  *         match; KVDEPOT_ENOTFOUND for an unknown sequence;
- *         KVDEPOT_EPRECOND when token_start is not the end of a layer;
+ *         KVDEPOT_EPRECOND when token_start is not the end of a layer, or
+ *         for activations the sequence cannot take (see x above);
  *         KVDEPOT_ENOMEM for a server limit; transport errors.
  */
 int kvdepot_sequence_append(kvdepot_client *client, const kvdepot_append_args *args,
@@ -524,6 +546,16 @@ typedef struct kvdepot_read_args {
     void *k;
     void *v;
     size_t capacity;
+    /* Activation-first read (KVPR): the first activation_tokens tokens of
+     * the range come as activations X ([layer][token][hidden_size], model
+     * dtype) instead of K and V; K and V hold the remaining tokens only.
+     * The tokens must have stored activations (KVDEPOT_ERANGE otherwise,
+     * KVDEPOT_EPRECOND for a sequence storing none); pick the count with
+     * kvdepot_plan_fetch. With caller buffers (k, v) x must be given too,
+     * with room for x_capacity bytes. */
+    uint64_t activation_tokens;
+    void *x;
+    size_t x_capacity;
 } kvdepot_read_args;
 
 /* What kvdepot_sequence_read returned (kvdepot.v1.ReadHeader + buffers). */
@@ -542,6 +574,14 @@ typedef struct kvdepot_read_result {
      * freed with kvdepot_free() (k == owned, v == owned + kv_bytes).
      * NULL when the caller supplied buffers. */
     void *owned;
+    /* Activation-first reads: K and V above cover tokens [token_start +
+     * activation_tokens, token_start + num_tokens); x holds X of the first
+     * activation_tokens tokens, x_bytes of it ([layer][token][hidden_size]).
+     * When the library allocated, x == owned + 2 * kv_bytes. */
+    uint64_t activation_tokens;
+    uint32_t hidden_size;
+    size_t x_bytes;
+    void *x;
 } kvdepot_read_result;
 
 /*
@@ -558,7 +598,10 @@ typedef struct kvdepot_read_result {
  *         a layer range outside the model, or capacity too small (caller's
  *         buffers may have been partly written); KVDEPOT_ECORRUPT when the
  *         server found a damaged page; KVDEPOT_EINTERNAL when the server's
- *         stream is malformed; KVDEPOT_ENOMEM; transport errors.
+ *         stream is malformed; KVDEPOT_ENOMEM; for activation_tokens:
+ *         KVDEPOT_EINVAL (more than the range, or caller buffers without
+ *         x), KVDEPOT_EPRECOND (sequence stores none), KVDEPOT_ERANGE
+ *         (tokens without stored activations); transport errors.
  */
 int kvdepot_sequence_read(kvdepot_client *client, const kvdepot_read_args *args,
                           kvdepot_read_result *out);
@@ -818,7 +861,10 @@ typedef struct kvdepot_fetch_plan {
  *   t(l) = l*x/bw + max(l*f/rate, (n - l)*kv/bw)
  * with x, kv, f the per-token activation bytes, stored K/V bytes and
  * recompute flops over the layers asked for; l ranges over [0, n] when
- * assume_activations is set (and the model has a hidden_size), else l = 0.
+ * assume_activations is set, else over [0, a] with a the sequence's
+ * activation_tokens (tokens whose activations the server stores, 0 for a
+ * sequence without store_activations); l = 0 for a model without a
+ * hidden_size. Read the split with kvdepot_read_args.activation_tokens = l.
  * @param[in]  bandwidth_bytes_per_s, compute_flops_per_s  both > 0
  * @param[in]  layer_start, num_layers  layers fetched (num_layers 0 = all
  *             from layer_start)
