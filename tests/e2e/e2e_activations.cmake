@@ -1,0 +1,12 @@
+# Activation storage and activation-first Read (KVPR) end to end through
+# libkvdepot against a real kvdepotd; each case is its own ctest entry with
+# its own server. (Included after e2e.cmake, which defines the harness and
+# KVD_E2E_SERVER.)
+if(TARGET kvd_e2e_harness)
+  add_executable(e2e_activations ${CMAKE_CURRENT_LIST_DIR}/e2e_activations.c)
+  target_link_libraries(e2e_activations PRIVATE kvd_e2e_harness m)
+  foreach(name roundtrip restart errors delete)
+    add_test(NAME activations_${name} COMMAND e2e_activations ${KVD_E2E_SERVER} ${name})
+    set_tests_properties(activations_${name} PROPERTIES LABELS e2e TIMEOUT 300)
+  endforeach()
+endif()
