@@ -1,0 +1,524 @@
+/*
+ * The stored PQ index end to end (store/pqindex.h): through libkvdepot
+ * against a real kvdepotd, with the centroids read from the server's data
+ * directory while it is stopped (kvd_store_pq_centroids_get).
+ *
+ *   stored   Search equals a brute-force scan of the stored codes (the PQ
+ *            sections of the pages READ_FORMAT_PAGES returns, the raw tail
+ *            encoded with the stored centroids), bit for bit, before and
+ *            after a restart; the codes equal the keys as appended encoded
+ *            with the stored centroids; a later append codes its pages with
+ *            the same centroids; SparseAttend equals attention over Search's
+ *            tokens; delete removes the centroids.
+ *   pages    AppendPages of pages carrying PQ sections (read from another
+ *            sequence): the server writes its own; malformed sections are
+ *            DATA_LOSS and change nothing.
+ *   errors   k larger than the range, no PQ index, bad ranges.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "kvdepot/attention.h"
+#include "kvdepot/pq.h"
+#include "page.h"
+#include "pqindex.h"
+#include "store.h"
+
+#define L 2
+#define H 2
+#define HQ 4
+#define D 64
+#define M 8
+#define NB 6
+#define ITERS 5
+#define PT 256 /* the server's default page size */
+#define CPH (M * (1 << NB) * (D / M))
+
+/* Key or value (part 0/1) of (layer, token, head, dim): [-2, 2) from a hash. */
+static float val(int part, uint32_t l, uint64_t t, uint32_t h, uint32_t d)
+{
+    uint64_t x = (((uint64_t)part * 31 + l) * 1000003 + t) * 131 + h * 37 + d + 7;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return (float)(x & 0xffffff) / (float)(1 << 24) * 4.0f - 2.0f;
+}
+
+static float key(uint32_t l, uint64_t t, uint32_t h, uint32_t d)
+{
+    return kvd_f16_to_f32(kvd_f32_to_f16(val(0, l, t, h, d)));
+}
+
+static int put_model(kvdepot_client *c)
+{
+    kvdepot_model m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "pqi");
+    m.num_layers = L;
+    m.num_kv_heads = H;
+    m.num_q_heads = HQ;
+    m.head_dim = D;
+    m.dtype = KVDEPOT_DTYPE_F16;
+    return kvdepot_model_put(c, &m, 0, NULL, NULL);
+}
+
+static int create(kvdepot_client *c, const char *id, int pq)
+{
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    cs.k.codec = KVDEPOT_CODEC_INT4;
+    cs.pq_m = pq ? M : 0;
+    cs.pq_bits = NB;
+    cs.pq_iterations = ITERS;
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = id;
+    ca.id_len = strlen(id);
+    ca.model = "pqi";
+    ca.codecs = &cs;
+    return kvdepot_sequence_create(c, &ca, NULL);
+}
+
+/* Append tokens [t0, t0 + n) of every layer in one call. */
+static int append(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
+{
+    size_t cnt = (size_t)L * n * H * D, i = 0;
+    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+    for (uint32_t l = 0; l < L; l++)
+        for (uint64_t t = t0; t < t0 + n; t++)
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t d = 0; d < D; d++, i++) {
+                    k[i] = kvd_f32_to_f16(val(0, l, t, h, d));
+                    v[i] = kvd_f32_to_f16(val(1, l, t, h, d));
+                }
+    kvdepot_append_args aa;
+    memset(&aa, 0, sizeof aa);
+    aa.id = id;
+    aa.id_len = strlen(id);
+    aa.token_start = t0;
+    aa.num_tokens = n;
+    aa.dtype = KVDEPOT_DTYPE_F16;
+    aa.k = k;
+    aa.v = v;
+    aa.k_bytes = aa.v_bytes = cnt * 2;
+    int rc = kvdepot_sequence_append(c, &aa, NULL);
+    free(k);
+    free(v);
+    return rc;
+}
+
+/* The stored centroids of (id, layer), read from the stopped server's data
+ * directory. Returns 1 found, 0 none, -1 error. */
+static int centroids(kvd_harness *h, const char *id, uint32_t layer, kvd_pq_centroids *c)
+{
+    kvd_store_options o = {.data_dir = h->data_dir};
+    kvd_store *st;
+    kvd_error err;
+    if (kvd_store_open(&o, &st, &err)) {
+        fprintf(stderr, "open %s: %s\n", h->data_dir, err.msg);
+        return -1;
+    }
+    int found = 0;
+    int rc = kvd_store_pq_centroids_get(st, id, strlen(id), layer, c, &found, &err);
+    if (rc)
+        fprintf(stderr, "centroids: %s\n", err.msg);
+    kvd_store_close(st);
+    return rc ? -1 : found;
+}
+
+/*
+ * Codes (H, n, M) of tokens [0, n) of `layer` as the server's index holds
+ * them: the PQ sections of the sealed pages READ_FORMAT_PAGES returns (each
+ * checked to carry centroids `c` and to equal the keys as appended encoded
+ * with them), the tail encoded with c. Returns 0 or -1.
+ */
+static int stored_codes(kvdepot_client *cl, const char *id, uint32_t layer, uint64_t n,
+                        const kvd_pq_centroids *c, uint8_t *codes)
+{
+    kvdepot_read_args rd;
+    memset(&rd, 0, sizeof rd);
+    rd.id = id;
+    rd.id_len = strlen(id);
+    rd.layer_start = layer;
+    rd.num_layers = 1;
+    kvdepot_page *pages = NULL;
+    size_t np = 0;
+    int rc = kvdepot_sequence_read_pages(cl, &rd, &pages, &np);
+    if (rc) {
+        fprintf(stderr, "read pages: %s\n", kvdepot_errmsg(NULL));
+        return -1;
+    }
+    int bad = 0;
+    uint64_t sealed = 0;
+    float *keys = malloc(sizeof(float) * n * D);
+    uint8_t *want = malloc((size_t)PT * M);
+    for (size_t i = 0; i < np; i++) {
+        kvd_page_view v;
+        kvd_error err;
+        if (kvd_page_decode(pages[i].data, pages[i].len, &v, &err)) {
+            fprintf(stderr, "page %zu: %s\n", i, err.msg);
+            bad++;
+            continue;
+        }
+        kvd_page_pq pq;
+        int has = kvd_page_pq_get(&v, &pq);
+        if (v.h.num_tokens != PT) {
+            bad += has; /* a partial page has no codes */
+            continue;
+        }
+        if (!has || pq.centroids_id != c->id || pq.m != M || pq.bits != NB ||
+            v.h.k_codec != KVD_CODEC_INT4) {
+            fprintf(stderr, "page %llu: section %d, centroids %016llx (stored %016llx)\n",
+                    (unsigned long long)v.h.token_start, has, (unsigned long long)pq.centroids_id,
+                    (unsigned long long)c->id);
+            bad++;
+            continue;
+        }
+        uint64_t t0 = v.h.token_start;
+        for (uint32_t hh = 0; hh < H; hh++) {
+            for (uint64_t t = 0; t < PT; t++)
+                for (uint32_t d = 0; d < D; d++)
+                    keys[t * D + d] = key(layer, t0 + t, hh, d);
+            kvd_pq_encode_ref(PT, M, NB, D, keys, c->data + (size_t)hh * CPH, want);
+            if (memcmp(want, pq.codes + (size_t)hh * PT * M, (size_t)PT * M)) {
+                fprintf(stderr, "page %llu head %u: codes differ from re-encoding\n",
+                        (unsigned long long)t0, hh);
+                bad++;
+            }
+            memcpy(codes + ((size_t)hh * n + t0) * M, pq.codes + (size_t)hh * PT * M,
+                   (size_t)PT * M);
+        }
+        sealed = t0 + PT > sealed ? t0 + PT : sealed;
+    }
+    /* The raw tail, encoded with the stored centroids. */
+    if (sealed < n)
+        for (uint32_t hh = 0; hh < H; hh++) {
+            for (uint64_t t = sealed; t < n; t++)
+                for (uint32_t d = 0; d < D; d++)
+                    keys[(t - sealed) * D + d] = key(layer, t, hh, d);
+            kvd_pq_encode_ref((int64_t)(n - sealed), M, NB, D, keys, c->data + (size_t)hh * CPH,
+                              codes + ((size_t)hh * n + sealed) * M);
+        }
+    if (sealed != n / PT * PT) {
+        fprintf(stderr, "sealed pages cover %llu tokens, want %llu\n", (unsigned long long)sealed,
+                (unsigned long long)(n / PT * PT));
+        bad++;
+    }
+    free(keys);
+    free(want);
+    kvdepot_pages_free(pages, np);
+    return bad ? -1 : 0;
+}
+
+/* Search of [t0, t0 + nt) equals the reference scan of the codes, exactly. */
+static int check_search(kvdepot_client *cl, const char *id, uint32_t layer, const float *q,
+                        uint64_t t0, uint64_t nt, uint32_t k, uint32_t init, uint32_t recent,
+                        uint64_t n, const uint8_t *codes, const kvd_pq_centroids *c)
+{
+    kvdepot_search_args sa = {id, strlen(id), layer, q, HQ * D, k, init, recent, t0, nt};
+    kvdepot_search_result sr;
+    int rc = kvdepot_search(cl, &sa, &sr);
+    if (rc) {
+        fprintf(stderr, "search: %s\n", kvdepot_errmsg(NULL));
+        return -1;
+    }
+    uint64_t span = nt ? nt : n - t0;
+    kvd_pq_search_params sp = {k, init, recent, KVD_PQ_AGG_SUM};
+    int64_t cap = kvd_pq_search_count((int64_t)span, &sp);
+    uint32_t *idx = malloc(sizeof(uint32_t) * (size_t)(cap ? cap : 1));
+    float *sc = malloc(sizeof(float) * (size_t)(cap ? cap : 1));
+    uint8_t *hc = malloc(span * M);
+    int bad = sr.num_heads != H;
+    for (uint32_t hh = 0; hh < H && hh < sr.num_heads; hh++) {
+        memcpy(hc, codes + ((size_t)hh * n + t0) * M, span * M);
+        int64_t nout = 0;
+        if (kvd_pq_search_ref((int64_t)span, M, NB, D, c->data + (size_t)hh * CPH, hc, HQ / H,
+                              q + (size_t)hh * (HQ / H) * D, &sp, idx, sc, &nout)) {
+            bad++;
+            break;
+        }
+        const kvdepot_head_tokens *ht = &sr.heads[hh];
+        if (ht->count != (size_t)nout) {
+            fprintf(stderr, "head %u: %zu entries, brute force %lld\n", hh, ht->count,
+                    (long long)nout);
+            bad++;
+            continue;
+        }
+        for (int64_t i = 0; i < nout; i++)
+            if (ht->tokens[i] != t0 + idx[i] || memcmp(&ht->scores[i], &sc[i], 4)) {
+                fprintf(stderr, "head %u entry %lld: token %llu score %g, brute force %llu %g\n",
+                        hh, (long long)i, (unsigned long long)ht->tokens[i], ht->scores[i],
+                        (unsigned long long)(t0 + idx[i]), sc[i]);
+                bad++;
+                break;
+            }
+    }
+    free(idx);
+    free(sc);
+    free(hc);
+    kvdepot_search_result_free(&sr);
+    return bad ? -1 : 0;
+}
+
+static float *make_q(uint64_t seed)
+{
+    float *q = malloc(sizeof(float) * HQ * D);
+    for (int i = 0; i < HQ * D; i++)
+        q[i] = 3.0f * val(1, 77, seed, 0, (uint32_t)i);
+    return q;
+}
+
+static int t_stored(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c), KVDEPOT_OK);
+    REQUIRE_RC(create(c, "s", 1), KVDEPOT_OK);
+    const uint64_t n = 600; /* two sealed pages and a raw tail */
+    REQUIRE_RC(append(c, "s", 0, n), KVDEPOT_OK);
+    float *q = make_q(1);
+    kvdepot_search_args sa = {"s", 1, 1, q, HQ * D, 20, 4, 16, 0, 0};
+    kvdepot_search_result before;
+    REQUIRE_RC(kvdepot_search(c, &sa, &before), KVDEPOT_OK);
+    kvdepot_close(c);
+
+    /* The centroids are on disk, trained from the keys as appended. */
+    REQUIRE(harness_stop(h) == 0);
+    kvd_pq_centroids cent[L];
+    for (uint32_t l = 0; l < L; l++)
+        REQUIRE(centroids(h, "s", l, &cent[l]) == 1);
+    kvd_backend *be = NULL;
+    kvd_cpu_options opt = {1, 0};
+    REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0);
+    float *keys = malloc(sizeof(float) * n * D), *want = malloc(sizeof(float) * CPH);
+    for (uint32_t hh = 0; hh < H; hh++) {
+        for (uint64_t t = 0; t < n; t++)
+            for (uint32_t d = 0; d < D; d++)
+                keys[t * D + d] = key(1, t, hh, d);
+        REQUIRE(kvd_pq_train_head(be, keys, (int64_t)n, D, M, NB, ITERS, 1, hh, want, NULL) == 0);
+        CHECK(memcmp(want, cent[1].data + (size_t)hh * CPH, sizeof(float) * CPH) == 0);
+    }
+    free(keys);
+    free(want);
+    REQUIRE(harness_start(h) == 0);
+    c = harness_client(h);
+    REQUIRE(c);
+
+    /* After the restart: the same answer, equal to brute force over the
+     * stored codes. */
+    kvdepot_search_result after;
+    REQUIRE_RC(kvdepot_search(c, &sa, &after), KVDEPOT_OK);
+    CHECK(after.num_heads == before.num_heads);
+    for (size_t hh = 0; hh < after.num_heads && hh < before.num_heads; hh++)
+        CHECK(after.heads[hh].count == before.heads[hh].count &&
+              memcmp(after.heads[hh].tokens, before.heads[hh].tokens,
+                     sizeof(uint64_t) * after.heads[hh].count) == 0);
+    kvdepot_search_result_free(&before);
+    uint8_t *codes = malloc((size_t)H * (n + 300) * M);
+    REQUIRE(stored_codes(c, "s", 1, n, &cent[1], codes) == 0);
+    CHECK(check_search(c, "s", 1, q, 0, 0, 20, 4, 16, n, codes, &cent[1]) == 0);
+    CHECK(check_search(c, "s", 1, q, 100, 450, 7, 0, 0, n, codes, &cent[1]) == 0);
+    CHECK(check_search(c, "s", 1, q, 300, 0, 300, 0, 0, n, codes, &cent[1]) == 0);
+    CHECK(check_search(c, "s", 1, q, 512, 88, 5, 2, 3, n, codes, &cent[1]) == 0); /* tail only */
+    REQUIRE(stored_codes(c, "s", 0, n, &cent[0], codes) == 0);
+    CHECK(check_search(c, "s", 0, q, 0, 0, 50, 0, 8, n, codes, &cent[0]) == 0);
+
+    /* SparseAttend = attention over Search's tokens (client side, on the
+     * K/V read back). */
+    kvdepot_attend_result ar;
+    kvdepot_search_result st;
+    REQUIRE_RC(kvdepot_sparse_attend(c, &sa, 0, &ar, &st), KVDEPOT_OK);
+    CHECK(st.num_heads == H && st.heads[0].count == after.heads[0].count);
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = "s";
+    ra.id_len = 1;
+    ra.layer_start = 1;
+    ra.num_layers = 1;
+    kvdepot_read_result rr;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+    int64_t per = (int64_t)st.heads[0].count;
+    int32_t *idx = malloc(sizeof(int32_t) * H * (size_t)per);
+    for (int hh = 0; hh < H; hh++)
+        for (int64_t i = 0; i < per; i++) {
+            idx[hh * per + i] = (int32_t)st.heads[hh].tokens[i];
+            CHECK(st.heads[hh].tokens[i] == after.heads[hh].tokens[i]);
+        }
+    float out[HQ * D], lse[HQ];
+    kvd_attn_sparse_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = (kvd_attn_dims){HQ, H, D, D, 1.0f / sqrtf((float)D)};
+    int64_t qs[2] = {HQ, D}, ls[1] = {HQ}, ks[3] = {H, (int64_t)n, D}, is[2] = {H, per};
+    a.q = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qs);
+    a.k = kvd_tensor_make(KVD_DTYPE_F16, rr.k, 3, ks);
+    a.k.stride[0] = D * 2;
+    a.k.stride[1] = H * D * 2;
+    a.k.stride[2] = 2;
+    a.v = a.k;
+    a.v.data = rr.v;
+    a.idx = kvd_tensor_make(KVD_DTYPE_I32, idx, 2, is);
+    a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
+    a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
+    REQUIRE(kvd_attn_sparse(be, 1, &a, NULL) == 0);
+    double num = 0, den = 0;
+    for (int i = 0; i < HQ * D; i++) {
+        num += (double)(ar.output[i] - out[i]) * (ar.output[i] - out[i]);
+        den += (double)out[i] * out[i];
+    }
+    for (int i = 0; i < HQ; i++)
+        CHECK(fabsf(ar.lse[i] - lse[i]) <= 1e-5f * fmaxf(1.0f, fabsf(lse[i])));
+    CHECK(num <= 1e-10 * den);
+    CHECK(ar.num_tokens == (uint64_t)per);
+    free(idx);
+    kvdepot_free(rr.owned);
+    kvdepot_attend_results_free(&ar, 1);
+    kvdepot_search_result_free(&st);
+    kvdepot_search_result_free(&after);
+
+    /* More tokens: the new pages use the same centroids. */
+    REQUIRE_RC(append(c, "s", n, 300), KVDEPOT_OK);
+    REQUIRE(stored_codes(c, "s", 1, n + 300, &cent[1], codes) == 0);
+    CHECK(check_search(c, "s", 1, q, 0, 0, 40, 4, 16, n + 300, codes, &cent[1]) == 0);
+    kvdepot_close(c);
+    REQUIRE(harness_stop(h) == 0);
+    kvd_pq_centroids again;
+    REQUIRE(centroids(h, "s", 1, &again) == 1);
+    CHECK(again.id == cent[1].id);
+    kvd_pq_centroids_clear(&again);
+    REQUIRE(harness_start(h) == 0);
+
+    /* Delete removes them. */
+    c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(kvdepot_sequence_delete(c, "s", 1, NULL), KVDEPOT_OK);
+    kvdepot_close(c);
+    REQUIRE(harness_stop(h) == 0);
+    for (uint32_t l = 0; l < L; l++) {
+        CHECK(centroids(h, "s", l, &again) == 0);
+        kvd_pq_centroids_clear(&cent[l]);
+    }
+    free(codes);
+    free(q);
+    kvd_backend_free(be);
+    return 0;
+}
+
+static int t_pages(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c), KVDEPOT_OK);
+    REQUIRE_RC(create(c, "src", 1), KVDEPOT_OK);
+    REQUIRE_RC(append(c, "src", 0, 2 * PT + 10), KVDEPOT_OK);
+    kvdepot_read_args rd;
+    memset(&rd, 0, sizeof rd);
+    rd.id = "src";
+    rd.id_len = 3;
+    kvdepot_page *pages = NULL;
+    size_t np = 0;
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &rd, &pages, &np), KVDEPOT_OK);
+    REQUIRE(np == 3 * L); /* per layer: 2 sealed pages and the tail */
+    /* A malformed PQ section (a code out of range, checksum redone): the
+     * page is rejected, nothing stored. */
+    REQUIRE_RC(create(c, "dst", 1), KVDEPOT_OK);
+    kvd_page_view v;
+    REQUIRE(kvd_page_decode(pages[0].data, pages[0].len, &v, NULL) == 0 && v.pq);
+    size_t off = (size_t)(v.pq - (const uint8_t *)pages[0].data) + KVD_PAGE_PQ_HEADER + 3;
+    uint8_t keep = ((uint8_t *)pages[0].data)[off];
+    ((uint8_t *)pages[0].data)[off] = 1 << NB;
+    kvd_page_finish(pages[0].data, pages[0].len);
+    kvdepot_sequence_info info;
+    CHECK_RC(kvdepot_append_pages(c, "dst", 3, pages, np, &info), KVDEPOT_ECORRUPT);
+    REQUIRE_RC(kvdepot_sequence_stat(c, "dst", 3, &info), KVDEPOT_OK);
+    CHECK(info.num_tokens == 0);
+    kvdepot_sequence_info_clear(&info);
+    ((uint8_t *)pages[0].data)[off] = keep;
+    kvd_page_finish(pages[0].data, pages[0].len);
+    /* Valid pages with the source's sections: stored with the server's
+     * codes of "dst" (trained from the keys it received), searchable. */
+    REQUIRE_RC(kvdepot_append_pages(c, "dst", 3, pages, np, &info), KVDEPOT_OK);
+    CHECK(info.num_tokens == 2 * PT + 10);
+    kvdepot_sequence_info_clear(&info);
+    kvdepot_pages_free(pages, np);
+    /* A sequence without a PQ index takes them as they are. */
+    REQUIRE_RC(create(c, "plain", 0), KVDEPOT_OK);
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &rd, &pages, &np), KVDEPOT_OK);
+    CHECK_RC(kvdepot_append_pages(c, "plain", 5, pages, np, NULL), KVDEPOT_OK);
+    kvdepot_pages_free(pages, np);
+    float *q = make_q(2);
+    kvdepot_search_args sa = {"dst", 3, 0, q, HQ * D, 10, 0, 0, 0, 0};
+    kvdepot_search_result sr;
+    REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
+    kvdepot_search_result_free(&sr);
+    rd.id = "dst";
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &rd, &pages, &np), KVDEPOT_OK);
+    kvdepot_close(c);
+    REQUIRE(harness_stop(h) == 0);
+    kvd_pq_centroids src, dst;
+    REQUIRE(centroids(h, "src", 0, &src) == 1 && centroids(h, "dst", 0, &dst) == 1);
+    kvd_pq_centroids none;
+    CHECK(centroids(h, "plain", 0, &none) == 0);
+    REQUIRE(kvd_page_decode(pages[0].data, pages[0].len, &v, NULL) == 0);
+    kvd_page_pq pq;
+    CHECK(kvd_page_pq_get(&v, &pq) == 1 && pq.centroids_id == dst.id && pq.centroids_id != src.id);
+    kvd_pq_centroids_clear(&src);
+    kvd_pq_centroids_clear(&dst);
+    kvdepot_pages_free(pages, np);
+    free(q);
+    return 0;
+}
+
+static int t_errors(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c), KVDEPOT_OK);
+    REQUIRE_RC(create(c, "s", 1), KVDEPOT_OK);
+    REQUIRE_RC(append(c, "s", 0, PT + 4), KVDEPOT_OK);
+    float *q = make_q(3);
+    kvdepot_search_result sr;
+    kvdepot_attend_result ar;
+    kvdepot_search_args sa = {"s", 1, 0, q, HQ * D, PT + 5, 0, 0, 0, 0};
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL); /* k > tokens */
+    CHECK_RC(kvdepot_sparse_attend(c, &sa, 0, &ar, NULL), KVDEPOT_EINVAL);
+    sa.k = 11;
+    sa.token_start = 250;
+    sa.num_tokens = 10;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL); /* k > the range */
+    sa.num_tokens = 20;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_ERANGE);
+    sa.token_start = 0;
+    sa.num_tokens = 0;
+    sa.layer = L;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL);
+    sa.layer = 0;
+    sa.q_len = D;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL);
+    sa.q_len = HQ * D;
+    REQUIRE_RC(create(c, "plain", 0), KVDEPOT_OK);
+    REQUIRE_RC(append(c, "plain", 0, PT), KVDEPOT_OK);
+    sa.id = "plain";
+    sa.id_len = 5;
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EPRECOND);
+    /* The failed calls changed nothing: the search still answers. */
+    sa.id = "s";
+    sa.id_len = 1;
+    REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
+    CHECK(sr.num_heads == H && sr.heads[0].count == 11);
+    kvdepot_search_result_free(&sr);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const kvd_test tests[] = {
+        {"stored", t_stored}, {"pages", t_pages}, {"errors", t_errors}};
+    return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
+}

@@ -1,0 +1,13 @@
+# The stored PQ index end to end (Search over stored codes, centroids on disk,
+# AppendPages with PQ sections); each case is its own ctest entry with its own
+# server. (Included after e2e.cmake, which defines the harness and
+# KVD_E2E_SERVER.) The centroids are read in-process from the stopped
+# server's data directory, hence kvd_store.
+if(TARGET kvd_e2e_harness)
+  add_executable(e2e_pqindex ${CMAKE_CURRENT_LIST_DIR}/e2e_pqindex.c)
+  target_link_libraries(e2e_pqindex PRIVATE kvd_e2e_harness kvd_store kvd_kernels m)
+  foreach(name stored pages errors)
+    add_test(NAME pqindex_${name} COMMAND e2e_pqindex ${KVD_E2E_SERVER} ${name})
+    set_tests_properties(pqindex_${name} PROPERTIES LABELS e2e TIMEOUT 300)
+  endforeach()
+endif()
