@@ -105,7 +105,9 @@ int kvd_attn_dense_check(const kvd_attn_dense_args *a, kvd_error *err)
     return check_kv(&a->dims, &a->k, &a->v, a->k.shape[1], "k", "v", 0, err);
 }
 
-int kvd_attn_sparse_check(const kvd_attn_sparse_args *a, kvd_error *err)
+/* Shapes and dtypes only: what can be checked without reading the index
+ * list (device memory on a device backend). */
+static int sparse_check_shapes(const kvd_attn_sparse_args *a, kvd_error *err)
 {
     int rc = check_qol(&a->dims, &a->q, &a->out, &a->lse, 0, err);
     if (rc)
@@ -116,8 +118,15 @@ int kvd_attn_sparse_check(const kvd_attn_sparse_args *a, kvd_error *err)
     if ((rc = check_kv(&a->dims, &a->k, &a->v, T, "k", "v", 0, err)))
         return rc;
     int64_t is[2] = {a->dims.n_kv_heads, -1};
-    if ((rc = check_tensor(&a->idx, KVD_DTYPE_I32, 2, is, "idx", 0, err)))
+    return check_tensor(&a->idx, KVD_DTYPE_I32, 2, is, "idx", 0, err);
+}
+
+int kvd_attn_sparse_check(const kvd_attn_sparse_args *a, kvd_error *err)
+{
+    int rc = sparse_check_shapes(a, err);
+    if (rc)
         return rc;
+    int64_t T = a->k.shape[1];
     for (int64_t h = 0; h < a->idx.shape[0]; h++)
         for (int64_t i = 0; i < a->idx.shape[1]; i++) {
             int32_t t;
@@ -282,7 +291,21 @@ int kvd_attn_merge_check(const kvd_attn_merge_args *a, kvd_error *err)
     }
 
 KVD__ATTN_WRAPPER(kvd_attn_dense, kvd_attn_dense_args, kvd_attn_dense_check, dense)
-KVD__ATTN_WRAPPER(kvd_attn_sparse, kvd_attn_sparse_args, kvd_attn_sparse_check, sparse)
+/* The index values live in backend memory: the CPU backend's wrapper checks
+ * them here, a device backend checks them in its kernel (same error). */
+static int sparse_check_device(const kvd_attn_sparse_args *a, kvd_error *err)
+{
+    return sparse_check_shapes(a, err);
+}
+static KVD__ATTN_WRAPPER(kvd__attn_sparse_host, kvd_attn_sparse_args, kvd_attn_sparse_check, sparse)
+static KVD__ATTN_WRAPPER(kvd__attn_sparse_device, kvd_attn_sparse_args, sparse_check_device, sparse)
+
+int kvd_attn_sparse(kvd_backend *be, int n, const kvd_attn_sparse_args *a, kvd_error *err)
+{
+    if (be && be->iface && be->iface->name && strcmp(be->iface->name, "cpu") != 0)
+        return kvd__attn_sparse_device(be, n, a, err);
+    return kvd__attn_sparse_host(be, n, a, err);
+}
 KVD__ATTN_WRAPPER(kvd_attn_quant, kvd_attn_int_args, kvd_attn_int_check, quant)
 KVD__ATTN_WRAPPER(kvd_attn_vq, kvd_attn_vq_args, kvd_attn_vq_check, vq)
 KVD__ATTN_WRAPPER(kvd_attn_svd, kvd_attn_svd_args, kvd_attn_svd_check, svd)

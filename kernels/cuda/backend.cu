@@ -248,7 +248,7 @@ const kvd_backend_iface cuda_iface = {
     &kvd__cuda_vq_ops,
     &kvd__cuda_pq_ops,
     NULL, /* svd: host-side eigen-decomposition of small matrices, not ported */
-    NULL, /* attn: next part of the CUDA backend */
+    &kvd__cuda_attn_ops,
 };
 
 } /* namespace */

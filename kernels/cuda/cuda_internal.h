@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 extern "C" {
+#include "kvdepot/attention.h"
 #include "kvdepot/backend.h"
 #include "kvdepot/convert.h"
 #include "kvdepot/kmeans.h"
@@ -173,6 +174,7 @@ extern const struct kvd_quant_ops kvd__cuda_quant_ops;
 extern const struct kvd_kmeans_ops kvd__cuda_kmeans_ops;
 extern const struct kvd_vq_ops kvd__cuda_vq_ops;
 extern const struct kvd_pq_ops kvd__cuda_pq_ops;
+extern const struct kvd_attn_ops kvd__cuda_attn_ops;
 
 /* Shared between kmeans.cu, vq.cu and pq.cu: K-means on device points
  * x (n, d) f32 with row stride ldx floats, centroids (k, d) f32 on device. */

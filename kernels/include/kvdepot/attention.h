@@ -60,7 +60,10 @@ typedef struct kvd_attn_dense_args {
 /* (e) Sparse: attention over the tokens listed per kv head, gathered from
  * dense K/V. idx (Hkv, n) i32 holds token positions in [0, T); each entry
  * counts once per occurrence (pass distinct indices). n = 0 gives the empty
- * result. Typical input: the top-k list of a PQ search. */
+ * result. Typical input: the top-k list of a PQ search. An index outside
+ * [0, T) fails the call with KVD_EINVAL: the checked wrapper reads the list
+ * on the CPU backend; a device backend (its list is in device memory) checks
+ * it on the device before writing any output. */
 typedef struct kvd_attn_sparse_args {
     kvd_attn_dims dims;
     kvd_tensor q;   /* (Hq, D) f32 */
@@ -174,8 +177,8 @@ typedef struct kvd_attn_svd_args {
     kvd_tensor q;          /* (Hq, D) f32 */
     kvd_tensor rk;         /* (Hkv, D, D) f32, columns by descending singular value */
     kvd_tensor rv;         /* (Hkv, Dv, Dv) f32 */
-    const int32_t *k_width; /* (Hkv) rk_h in [0, D] */
-    const int32_t *v_width; /* (Hkv) rv_h in [0, Dv] */
+    const int32_t *k_width; /* (Hkv) rk_h in [0, D]; host memory on every backend */
+    const int32_t *v_width; /* (Hkv) rv_h in [0, Dv]; host memory on every backend */
     int64_t n_tokens;      /* T */
     kvd_dtype dtype;       /* of k_red/v_red: f32, f16 or bf16 */
     const void *k_red;     /* ragged, see above */
