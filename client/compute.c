@@ -271,13 +271,16 @@ typedef struct codecs_msgs {
     Kvdepot__V1__CodecSpec k, v;
     Kvdepot__V1__QuantSpec kq, vq;
     Kvdepot__V1__PQSpec pq;
+    Kvdepot__V1__VQSpec kvq, vvq;
+    Kvdepot__V1__SVDSpec ksvd, vsvd;
 } codecs_msgs;
 
 _Static_assert(sizeof(codecs_msgs) <= sizeof(((kvdepot__codecs_pb *)0)->storage),
                "kvdepot__codecs_pb storage too small");
 
 static void spec_to_pb(const kvdepot_codec_spec *s, Kvdepot__V1__CodecSpec *out,
-                       Kvdepot__V1__QuantSpec *q)
+                       Kvdepot__V1__QuantSpec *q, Kvdepot__V1__VQSpec *vq,
+                       Kvdepot__V1__SVDSpec *svd)
 {
     kvdepot__v1__codec_spec__init(out);
     kvdepot__v1__quant_spec__init(q);
@@ -288,6 +291,20 @@ static void spec_to_pb(const kvdepot_codec_spec *s, Kvdepot__V1__CodecSpec *out,
     q->axis = (Kvdepot__V1__QuantAxis)s->axis;
     q->seed = s->seed;
     out->quant = q;
+    if (s->codec == KVDEPOT_CODEC_VQ || s->vq_sub_dim || s->vq_bits) {
+        kvdepot__v1__vqspec__init(vq);
+        vq->sub_dim = s->vq_sub_dim;
+        vq->bits = s->vq_bits;
+        out->vq = vq;
+    }
+    if (s->svd_removal_rate != 0 || s->svd_num_widths) {
+        kvdepot__v1__svdspec__init(svd);
+        svd->removal_rate = s->svd_removal_rate;
+        svd->n_widths = s->svd_num_widths;
+        svd->widths = (uint32_t *)s->svd_widths; /* the message is only packed */
+        svd->align = s->svd_align;
+        out->svd = svd;
+    }
 }
 
 void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb)
@@ -297,8 +314,8 @@ void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb)
         return NULL;
     codecs_msgs *m = (codecs_msgs *)(void *)pb->storage;
     kvdepot__v1__sequence_codecs__init(&m->c);
-    spec_to_pb(&c->k, &m->k, &m->kq);
-    spec_to_pb(&c->v, &m->v, &m->vq);
+    spec_to_pb(&c->k, &m->k, &m->kq, &m->kvq, &m->ksvd);
+    spec_to_pb(&c->v, &m->v, &m->vq, &m->vvq, &m->vsvd);
     m->c.k = &m->k;
     m->c.v = &m->v;
     m->c.raw_sink_tokens = c->raw_sink_tokens;
@@ -463,12 +480,31 @@ static void spec_to_kvd(const kvdepot_codec_spec *in, int is_v, kvd_codec_spec *
                 : in->axis == KVDEPOT_AXIS_TOKEN ? 0
                 : in->axis == KVDEPOT_AXIS_CHANNEL ? 1
                                                    : 255;
+    out->vq_sub_dim = (uint8_t)(in->vq_sub_dim > 255 ? 255 : in->vq_sub_dim);
+    out->vq_bits = (uint8_t)(in->vq_bits > 255 ? 255 : in->vq_bits);
+    if (in->svd_removal_rate != 0 || in->svd_num_widths) {
+        out->svd = 1;
+        out->svd_rate = in->svd_removal_rate;
+        out->svd_align = in->svd_align;
+        out->svd_nwidths = (uint32_t)in->svd_num_widths;
+        out->svd_widths = in->svd_widths;
+    }
 }
 
 int kvdepot_encode_pages(const kvdepot_model *m, const kvdepot_codecs *codecs,
                          uint32_t page_tokens, uint32_t layer, uint64_t token_start,
                          uint64_t num_tokens, const void *k, const void *v, kvdepot_page **pages,
                          size_t *count)
+{
+    return kvdepot_encode_pages_with_artifacts(m, codecs, NULL, 0, page_tokens, layer,
+                                               token_start, num_tokens, k, v, pages, count);
+}
+
+int kvdepot_encode_pages_with_artifacts(const kvdepot_model *m, const kvdepot_codecs *codecs,
+                                        const kvdepot_artifact *arts, size_t n_arts,
+                                        uint32_t page_tokens, uint32_t layer,
+                                        uint64_t token_start, uint64_t num_tokens, const void *k,
+                                        const void *v, kvdepot_page **pages, size_t *count)
 {
     kvdepot__clear_error();
     if (pages)
@@ -488,6 +524,36 @@ int kvdepot_encode_pages(const kvdepot_model *m, const kvdepot_codecs *codecs,
     if (kvd_codec_spec_check(&ks, 0, page_tokens, m->head_dim, &err) ||
         kvd_codec_spec_check(&vs, 1, page_tokens, m->head_dim, &err))
         return kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: %s", err.msg);
+    /* VQ / SVD: the same snapshot the server took at CreateSequence, built
+     * from the artifacts the caller fetched (same bytes, same fingerprint). */
+    kvd_codec_arts *snap = NULL;
+    if (ks.codec == KVD_CODEC_VQ || vs.codec == KVD_CODEC_VQ || ks.svd || vs.svd) {
+        if (layer >= m->num_layers)
+            return kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: layer %u of %u", layer,
+                                 m->num_layers);
+        kvd_art_ref *refs = calloc(n_arts ? n_arts : 1, sizeof *refs);
+        if (!refs)
+            return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "encode pages: out of memory");
+        for (size_t i = 0; i < n_arts; i++) {
+            refs[i].kind = arts[i].kind;
+            refs[i].layer = arts[i].layer;
+            refs[i].kv_head = arts[i].kv_head;
+            refs[i].ndim = arts[i].ndim;
+            refs[i].shape[0] = arts[i].shape[0];
+            refs[i].shape[1] = arts[i].shape[1];
+            refs[i].data = arts[i].data;
+        }
+        int brc = kvd_codec_arts_build(&ks, &vs, m->num_layers, m->num_kv_heads, m->head_dim,
+                                       refs, n_arts, &snap, &err);
+        free(refs);
+        if (brc)
+            return kvdepot__fail(NULL, brc == KVD_ENOMEM ? KVDEPOT_ENOMEM : KVDEPOT_EINVAL,
+                                 "encode pages: %s%s", err.msg,
+                                 n_arts ? ""
+                                        : " (VQ/SVD pages need the model's artifacts: "
+                                          "kvdepot_encode_pages_with_artifacts)");
+        ks.arts = vs.arts = snap;
+    }
     kvd_backend *be = kvdepot__cpu_backend();
     if (!be)
         return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "encode pages: no CPU backend");
@@ -520,7 +586,8 @@ int kvdepot_encode_pages(const kvdepot_model *m, const kvdepot_codecs *codecs,
                            .page_tokens = page_tokens,
                            .num_kv_heads = H,
                            .head_dim = D};
-        kvd_codec_spec raw = {0, 0, 0, 0, 0};
+        kvd_codec_spec raw;
+        memset(&raw, 0, sizeof raw);
         int keep_raw = t < sink_end || T < B;
         uint8_t *page;
         size_t len;
@@ -536,6 +603,7 @@ int kvdepot_encode_pages(const kvdepot_model *m, const kvdepot_codecs *codecs,
 done:
     free(hk);
     free(hv);
+    kvd_codec_arts_free(snap);
     if (rc) {
         kvdepot_pages_free(out, np);
         return rc;

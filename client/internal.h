@@ -199,7 +199,7 @@ struct kvd_backend *kvdepot__cpu_backend(void);
  * into *storage (compute.c). */
 typedef struct kvdepot__codecs_pb {
     ProtobufCMessage *msg; /* the SequenceCodecs, or NULL */
-    _Alignas(16) unsigned char storage[512];
+    _Alignas(16) unsigned char storage[1024];
 } kvdepot__codecs_pb;
 void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb);
 

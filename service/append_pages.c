@@ -13,7 +13,9 @@
  *   - the pages of every layer tile the same token range, starting at the
  *     layer's stored token count, and the layers are contiguous.
  * The decoded tokens then go through the ordinary append transaction, with
- * every sealed page handed over as is: the stored bytes are the client's.
+ * every sealed page handed over as is: the stored bytes are the client's,
+ * except the PQ section of a sequence with a PQ index, which the store
+ * writes from the decoded keys (store/pqindex.h), replacing the client's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -119,23 +121,37 @@ static int cmp_page(const void *a, const void *b)
 }
 
 /* Does the section of a sealed page carry the codec the sequence asks for? */
-static int codec_matches(const kvd_page_view *v, int which, const kvd_codec_spec *want,
-                         int raw_ok, kvd_error *err)
+/* Does the section of a sealed page carry the codec the sequence asks for?
+ * VQ and SVD sections are also checked against the sequence's artifact
+ * snapshot (fingerprint, widths): a page coded with other artifacts is
+ * KVD_EPRECOND. */
+static int codec_matches(const kvd_page_view *v, int which, const kvd_codec_arts *arts,
+                         const kvd_codec_spec *want, int raw_ok, kvd_error *err)
 {
-    kvd_codec_section cs;
-    int rc = kvd_codec_section_parse(v, which, &cs, err);
-    if (rc)
+    kvd_codec_section *cs = malloc(sizeof *cs);
+    if (!cs)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    int rc = kvd_codec_section_parse(v, which, arts, cs, err);
+    if (rc) {
+        free(cs);
         return rc == KVD_EUNSUPP ? kvd_error_set(err, KVD_EINVAL, "%s", err ? err->msg : "") : rc;
+    }
     const char *w = which == KVD_SECTION_K ? "K" : "V";
-    if (cs.codec == KVD_CODEC_RAW && (raw_ok || want->codec == KVD_CODEC_RAW))
-        return 0;
-    if (cs.codec != want->codec || cs.group != want->group || cs.axis != want->axis)
-        return kvd_error_set(err, KVD_EINVAL,
-                             "page of layer %u tokens %llu+%u: %s codec %u (group %d, axis %d) "
-                             "is not the sequence's (codec %u, group %u, axis %u)",
-                             v->h.layer, (unsigned long long)v->h.token_start, v->h.num_tokens, w,
-                             cs.codec, cs.group, cs.axis, want->codec, want->group, want->axis);
-    return 0;
+    const unsigned want_codec = want->svd ? KVD_CODEC_SVD : want->codec;
+    const int is_int = want->codec == KVD_CODEC_INT2 || want->codec == KVD_CODEC_INT4;
+    const int inner = cs->codec == KVD_CODEC_SVD ? cs->inner : cs->codec;
+    if (cs->codec == KVD_CODEC_RAW && (raw_ok || want_codec == KVD_CODEC_RAW))
+        rc = 0;
+    else if (cs->codec != want_codec || inner != want->codec ||
+             (is_int && (cs->group != want->group || cs->axis != want->axis)))
+        rc = kvd_error_set(err, KVD_EINVAL,
+                           "page of layer %u tokens %llu+%u: %s codec %u/%d (group %d, axis %d) "
+                           "is not the sequence's (codec %u/%u, group %u, axis %u)",
+                           v->h.layer, (unsigned long long)v->h.token_start, v->h.num_tokens, w,
+                           cs->codec, inner, cs->group, cs->axis, want_codec, want->codec,
+                           want->group, want->axis);
+    free(cs);
+    return rc;
 }
 
 static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply,
@@ -156,13 +172,16 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
     memset(&info, 0, sizeof info);
     kvd_model_info m;
     kvd_seq_codecs codecs;
-    int found;
+    memset(&codecs, 0, sizeof codecs);
+    int found = 0;
     if ((rc = kvd_store_seq_stat(store, h->sequence_id.data, h->sequence_id.len, &info, err)))
         return rc;
     if ((rc = kvd_ctx_check_model(ctx, info.model, err)) ||
         (rc = kvd_store_model_get(store, info.model, &m, err)) ||
         (rc = kvd_store_seq_codecs_get(store, h->sequence_id.data, h->sequence_id.len, &codecs,
-                                       &found, err)))
+                                       &found, err)) ||
+        (found && (rc = kvd_seq_codecs_load_arts(store, h->sequence_id.data,
+                                                 h->sequence_id.len, &codecs, err))))
         goto out;
     const uint32_t B = ctx->svc->page_tokens;
     const uint64_t sink_end = ((uint64_t)codecs.raw_sink_tokens + B - 1) / B * B;
@@ -184,8 +203,10 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
         }
         if (ph->flags & KVD_PAGE_SEALED) {
             int raw_ok = ph->token_start < sink_end;
-            if ((rc = codec_matches(&p->view, KVD_SECTION_K, &codecs.k, raw_ok, err)) ||
-                (rc = codec_matches(&p->view, KVD_SECTION_V, &codecs.v, raw_ok, err)))
+            if ((rc = codec_matches(&p->view, KVD_SECTION_K, codecs.arts, &codecs.k, raw_ok,
+                                    err)) ||
+                (rc = codec_matches(&p->view, KVD_SECTION_V, codecs.arts, &codecs.v, raw_ok,
+                                    err)))
                 goto out;
         } else if (ph->k_codec != KVD_CODEC_RAW || ph->v_codec != KVD_CODEC_RAW) {
             rc = kvd_error_set(err, KVD_EINVAL, "pages[%zu]: a partial page must be raw", i);
@@ -249,8 +270,8 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
         size_t hrow = (size_t)v->h.head_dim * es;
         for (int which = 0; which < 2 && rc == 0; which++) {
             if ((rc = kvd_page_decode_section(kvd__codec_backend(), v,
-                                              which ? KVD_SECTION_V : KVD_SECTION_K, m.dtype,
-                                              tmp, err)))
+                                              which ? KVD_SECTION_V : KVD_SECTION_K,
+                                              codecs.arts, m.dtype, tmp, err)))
                 break;
             uint8_t *dst = wire + (size_t)which * half +
                            ((size_t)(v->h.layer - l0) * n + (v->h.token_start - t0)) * row;
@@ -300,6 +321,7 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
             rc = kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
     }
 out:
+    kvd_seq_codecs_clear(&codecs);
     kvd_seq_info_clear(&info);
     return rc;
 }

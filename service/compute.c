@@ -259,8 +259,9 @@ static int merge_into(kvd_backend *be, int Hq, int D, float *out, float *lse, fl
 /*
  * Attention over tokens [start, start + n): whole sealed pages are acquired
  * from the store (pinned in their memory tier) and attended in their stored
- * form, INT2/INT4 with the homomorphic kernel, raw with the dense one; the
- * partial blocks at both ends (and the raw tail) go through the read cursor.
+ * form (kvd_page_attend: INT2/INT4 homomorphic, VQ fused, SVD at the reduced
+ * widths, raw dense); the partial blocks at both ends (and the raw tail) go
+ * through the read cursor.
  */
 static int attend_pages(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinaryData *id,
                         const kvd_model_info *m, uint32_t layer, uint64_t start, uint64_t n,
@@ -277,11 +278,19 @@ static int attend_pages(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinary
     float *po = malloc(sizeof(float) * (size_t)Hq * D), *pl = malloc(sizeof(float) * Hq);
     kvd_page_handle *hs = calloc(PAGES_PER_STEP, sizeof *hs);
     kvd_page_view *vs = calloc(PAGES_PER_STEP, sizeof *vs);
-    int rc = 0;
+    kvd_seq_codecs codecs;
+    memset(&codecs, 0, sizeof codecs);
+    int rc = 0, found = 0;
     if (!po || !pl || !hs || !vs) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
+    /* VQ/SVD pages attend with the sequence's artifact snapshot. */
+    if ((rc = kvd_store_seq_codecs_get(ctx->svc->store, id->data, id->len, &codecs, &found,
+                                       err)) ||
+        (found && (rc = kvd_seq_codecs_load_arts(ctx->svc->store, id->data, id->len, &codecs,
+                                                 err))))
+        goto done;
     /* Head: [start, f0*B) */
     if ((rc = attend_range(ctx, be, id, m, layer, start, f0 * B - start, q, scale, out, lse, err)))
         goto done;
@@ -297,7 +306,8 @@ static int attend_pages(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinary
                 break;
             }
         }
-        if (rc == 0 && (rc = kvd_page_attend(be, vs, np, &dims, q, po, pl, err)) == 0)
+        if (rc == 0 &&
+            (rc = kvd_page_attend(be, vs, np, codecs.arts, &dims, q, po, pl, err)) == 0)
             rc = merge_into(be, Hq, D, out, lse, po, pl, err);
         for (size_t i = 0; i < got; i++)
             kvd_store_page_release(ctx->svc->store, &hs[i]);
@@ -308,6 +318,7 @@ static int attend_pages(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinary
                            err)) == 0)
         rc = merge_into(be, Hq, D, out, lse, po, pl, err);
 done:
+    kvd_seq_codecs_clear(&codecs);
     free(po);
     free(pl);
     free(hs);
@@ -342,6 +353,19 @@ static void spec_from_pb(const Kvdepot__V1__CodecSpec *in, int is_v, kvd_codec_s
         out->group = 0;
         out->axis = is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN;
     }
+    if (in->vq) {
+        out->vq_sub_dim = (uint8_t)(in->vq->sub_dim > 255 ? 255 : in->vq->sub_dim);
+        out->vq_bits = (uint8_t)(in->vq->bits > 255 ? 255 : in->vq->bits);
+    }
+    /* The widths point into the request: they are resolved into the
+     * sequence's artifact snapshot before the handler returns. */
+    if (in->svd && (in->svd->n_widths || in->svd->removal_rate != 0)) {
+        out->svd = 1;
+        out->svd_rate = in->svd->removal_rate;
+        out->svd_align = in->svd->align;
+        out->svd_nwidths = (uint32_t)in->svd->n_widths;
+        out->svd_widths = in->svd->widths;
+    }
 }
 
 int kvd_codecs_from_pb(const void *pb, const kvd_model_info *m, uint32_t page_tokens,
@@ -359,10 +383,18 @@ int kvd_codecs_from_pb(const void *pb, const kvd_model_info *m, uint32_t page_to
         if (sp[i] && sp[i]->vq && sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_VQ)
             return kvd_error_set(err, KVD_EINVAL, "codecs.%s.vq: set for a codec other than VQ",
                                  i ? "v" : "k");
-        if (sp[i] && sp[i]->svd && (sp[i]->svd->n_widths || sp[i]->svd->removal_rate != 0))
-            return kvd_error_set(err, KVD_EUNSUPP,
-                                 "codecs.%s.svd: SVD reduction is not produced by this server yet",
+        if (sp[i] && sp[i]->codec == KVDEPOT__V1__CODEC__CODEC_VQ && !sp[i]->vq)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "codecs.%s.vq: required for CODEC_VQ (sub_dim, bits)",
                                  i ? "v" : "k");
+        if (sp[i] && sp[i]->svd && sp[i]->svd->n_widths && sp[i]->svd->removal_rate != 0)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "codecs.%s.svd: give removal_rate or widths, not both",
+                                 i ? "v" : "k");
+        if (sp[i] && sp[i]->svd &&
+            !(sp[i]->svd->removal_rate >= 0 && sp[i]->svd->removal_rate < 1))
+            return kvd_error_set(err, KVD_EINVAL, "codecs.%s.svd.removal_rate: %g not in [0, 1)",
+                                 i ? "v" : "k", sp[i]->svd->removal_rate);
     }
     if (c->pq) {
         out->pq_m = c->pq->m;

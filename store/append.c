@@ -274,6 +274,7 @@ void kvd_store_append_abort(kvd_append *ap)
     free(ap->ids);
     free(ap->bh);
     free(ap->buf);
+    kvd_seq_codecs_clear(&ap->codecs);
     free(ap);
 }
 
@@ -311,8 +312,7 @@ int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_appen
         free(ap);
         return rc;
     }
-    ap->coded = ap->coded && (ap->codecs.k.codec != KVD_CODEC_RAW ||
-                              ap->codecs.v.codec != KVD_CODEC_RAW);
+    ap->coded = ap->coded && kvd_seq_codecs_coded(&ap->codecs);
     ap->sink_end = ((uint64_t)ap->codecs.raw_sink_tokens + st->page_tokens - 1) /
                    st->page_tokens * st->page_tokens;
 
@@ -346,6 +346,10 @@ int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_appen
     ap->D = mi->head_dim;
     ap->dtype = mi->dtype;
     ap->es = kvd_dtype_size(mi->dtype);
+    /* VQ/SVD pages code with the sequence's artifact snapshot (seqcodec.h). */
+    if (ap->coded &&
+        (rc = kvd_seq_codecs_load_arts(st, spec->seq_id, spec->seq_id_len, &ap->codecs, err)))
+        goto fail;
     uint64_t row = 2ull * ap->nl * ap->H * ap->D * ap->es; /* K and V bytes per token */
     if (ap->n > UINT64_MAX / row) {
         rc = kvd_error_set(err, KVD_ENOMEM, "append of %llu tokens is too large",

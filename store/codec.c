@@ -2,12 +2,21 @@
  * Page codecs (codec.h): INT2/INT4 sections, decoding, attention over pages.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
 
 #include "codec.h"
 #include "kvdepot/convert.h"
 #include "kvdepot/quant.h"
+#include "kvdepot/svd.h"
+#include "kvdepot/vq.h"
+
+/* Artifact kinds (store/artifact.h; the codec layer links no store code). */
+enum { ART_SMOOTH = 1, ART_CB_K, ART_CB_V, ART_ROT_K, ART_ROT_V, ART_SPEC_K, ART_SPEC_V };
 
 #define CORRUPT(...) kvd_error_set(err, KVD_ECORRUPT, __VA_ARGS__)
 
@@ -27,6 +36,13 @@ static void st64(uint8_t *p, uint64_t x)
         p[i] = (uint8_t)(x >> (8 * i));
 }
 static uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static uint64_t ld64(const uint8_t *p)
+{
+    uint64_t x = 0;
+    for (int i = 0; i < 8; i++)
+        x |= (uint64_t)p[i] << (8 * i);
+    return x;
+}
 static uint32_t ld32(const uint8_t *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -38,11 +54,41 @@ int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint
                          kvd_error *err)
 {
     const char *w = is_v ? "v" : "k";
+    if (s->svd > 1)
+        return kvd_error_set(err, KVD_EINVAL, "%s.svd: unknown value %u", w, s->svd);
+    if (s->svd && !(s->svd_rate >= 0.0 && s->svd_rate < 1.0))
+        return kvd_error_set(err, KVD_EINVAL, "%s.svd.removal_rate: %g not in [0, 1)", w,
+                             s->svd_rate);
+    if (s->svd && s->svd_align > head_dim)
+        return kvd_error_set(err, KVD_EINVAL, "%s.svd.align: %u exceeds head_dim %u", w,
+                             s->svd_align, head_dim);
+    for (uint32_t i = 0; s->svd && s->svd_widths && i < s->svd_nwidths; i++)
+        if (s->svd_widths[i] == 0 || s->svd_widths[i] > head_dim)
+            return kvd_error_set(err, KVD_EINVAL, "%s.svd.widths[%u]: %u not in 1..head_dim %u",
+                                 w, i, s->svd_widths[i], head_dim);
     if (s->codec == KVD_CODEC_RAW)
         return 0;
-    if (s->codec == KVD_CODEC_VQ)
-        return kvd_error_set(err, KVD_EUNSUPP,
-                             "%s.codec: VQ pages are not produced by this server yet", w);
+    if (s->codec == KVD_CODEC_VQ) {
+        if (s->svd)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "%s: SVD reduction composed with VQ is not offered (use SVD "
+                                 "with raw, INT2 or INT4, or VQ alone)",
+                                 w);
+        if (s->vq_sub_dim != 2 && s->vq_sub_dim != 4 && s->vq_sub_dim != 8)
+            return kvd_error_set(err, KVD_EINVAL, "%s.vq.sub_dim: %u, want 2, 4 or 8", w,
+                                 s->vq_sub_dim);
+        if (s->vq_bits < 4 || s->vq_bits > 12)
+            return kvd_error_set(err, KVD_EINVAL, "%s.vq.bits: %u, want 4..12", w, s->vq_bits);
+        if (head_dim % s->vq_sub_dim)
+            return kvd_error_set(err, KVD_EINVAL, "%s.vq.sub_dim: %u does not divide head_dim %u",
+                                 w, s->vq_sub_dim, head_dim);
+        if (!is_v && (head_dim & (head_dim - 1)))
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "k.codec: VQ keys need a power-of-two head_dim (Hadamard), got %u",
+                                 head_dim);
+        (void)page_tokens;
+        return 0;
+    }
     if (s->codec != KVD_CODEC_INT2 && s->codec != KVD_CODEC_INT4)
         return kvd_error_set(err, KVD_EINVAL, "%s.codec: unknown codec %u", w, s->codec);
     if (s->group == 0)
@@ -72,8 +118,14 @@ int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint
 uint64_t kvd_codec_section_bytes(const kvd_codec_spec *s, uint32_t H, uint32_t T, uint32_t D,
                                  kvd_dtype dtype)
 {
+    if (s->svd)
+        return 0;
     if (s->codec == KVD_CODEC_RAW)
         return (uint64_t)H * T * D * kvd_dtype_size(dtype);
+    if (s->codec == KVD_CODEC_VQ)
+        return s->vq_sub_dim ? KVD_CODEC_ARTS_PREFIX +
+                                   (uint64_t)H * T * (D / s->vq_sub_dim) * (s->vq_bits <= 8 ? 1 : 2)
+                             : 0;
     kvd_quant_sizes qs;
     if (kvd_quant_size(T, D, codec_bits(s->codec), s->group, (kvd_quant_axis)s->axis, &qs,
                        NULL))
@@ -134,6 +186,851 @@ static int encode_section(kvd_backend *be, const kvd_page_desc *d, const kvd_cod
     return 0;
 }
 
+/* ---- artifact snapshots ------------------------------------------------------ */
+
+static size_t cb_floats(const kvd_layer_arts *la)
+{
+    return ((size_t)1 << la->vq_bits) * la->vq_sub_dim;
+}
+
+uint64_t kvd_layer_arts_fingerprint(const kvd_layer_arts *la, uint32_t H, uint32_t D)
+{
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    uint8_t tag[4] = {la->vq_sub_dim, la->vq_bits, la->lambda != NULL, la->rotation != NULL};
+    XXH3_64bits_update(&st, tag, sizeof tag);
+    if (la->lambda)
+        XXH3_64bits_update(&st, la->lambda, sizeof(float) * H * D);
+    if (la->codebook)
+        XXH3_64bits_update(&st, la->codebook, sizeof(float) * H * cb_floats(la));
+    if (la->rotation) {
+        XXH3_64bits_update(&st, la->rotation, sizeof(float) * H * D * D);
+        XXH3_64bits_update(&st, la->widths, sizeof(int32_t) * H);
+    }
+    return XXH3_64bits_digest(&st);
+}
+
+static void layer_arts_clear(kvd_layer_arts *la)
+{
+    free(la->lambda);
+    free(la->codebook);
+    free(la->rotation);
+    free(la->widths);
+    memset(la, 0, sizeof *la);
+}
+
+void kvd_codec_arts_free(kvd_codec_arts *a)
+{
+    if (!a)
+        return;
+    for (uint32_t l = 0; l < a->num_layers; l++) {
+        if (a->k)
+            layer_arts_clear(&a->k[l]);
+        if (a->v)
+            layer_arts_clear(&a->v[l]);
+    }
+    free(a->k);
+    free(a->v);
+    free(a);
+}
+
+static const char *kind_name(int kind)
+{
+    static const char *n[] = {"?", "KEY_SMOOTHING", "VQ_CODEBOOK_K", "VQ_CODEBOOK_V",
+                              "SVD_ROTATION_K", "SVD_ROTATION_V", "SVD_SPECTRUM_K",
+                              "SVD_SPECTRUM_V"};
+    return kind >= 1 && kind <= 7 ? n[kind] : n[0];
+}
+
+static const kvd_art_ref *find_art(const kvd_art_ref *a, size_t n, int kind, uint32_t l,
+                                   uint32_t h)
+{
+    for (size_t i = 0; i < n; i++)
+        if (a[i].kind == kind && a[i].layer == l && a[i].kv_head == h)
+            return &a[i];
+    return NULL;
+}
+
+static int need_art(const kvd_art_ref *a, size_t n, int kind, uint32_t l, uint32_t h,
+                    uint32_t s0, uint32_t s1, const kvd_art_ref **out, kvd_error *err)
+{
+    const kvd_art_ref *r = find_art(a, n, kind, l, h);
+    if (!r)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "model has no %s artifact for layer %u kv head %u (run Calibrate "
+                             "or UploadArtifacts)",
+                             kind_name(kind), l, h);
+    uint32_t r1 = r->ndim == 2 ? r->shape[1] : 1;
+    if (r->shape[0] != s0 || r1 != s1 || !r->data)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "%s artifact of layer %u kv head %u is %ux%u, the codec needs %ux%u "
+                             "(calibrate with this VQ shape)",
+                             kind_name(kind), l, h, r->shape[0], r1, s0, s1);
+    *out = r;
+    return 0;
+}
+
+static int round_width(uint32_t w, uint32_t align, uint32_t D)
+{
+    w = (w + align - 1) / align * align;
+    return (int)(w > D ? D : w);
+}
+
+/* The artifacts of one side (is_v) of layer l into la. */
+static int build_layer(const kvd_codec_spec *s, int is_v, uint32_t l, uint32_t H, uint32_t D,
+                       const kvd_art_ref *a, size_t n, kvd_layer_arts *la, kvd_error *err)
+{
+    const kvd_art_ref *r;
+    int rc;
+    if (s->codec == KVD_CODEC_VQ) {
+        la->vq_sub_dim = s->vq_sub_dim;
+        la->vq_bits = s->vq_bits;
+        const size_t cbn = cb_floats(la);
+        la->codebook = malloc(sizeof(float) * H * cbn);
+        if (!is_v)
+            la->lambda = malloc(sizeof(float) * H * D);
+        if (!la->codebook || (!is_v && !la->lambda))
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        for (uint32_t h = 0; h < H; h++) {
+            if ((rc = need_art(a, n, is_v ? ART_CB_V : ART_CB_K, l, h, 1u << s->vq_bits,
+                               s->vq_sub_dim, &r, err)))
+                return rc;
+            memcpy(la->codebook + h * cbn, r->data, sizeof(float) * cbn);
+            if (!is_v) {
+                if ((rc = need_art(a, n, ART_SMOOTH, l, h, D, 1, &r, err)))
+                    return rc;
+                memcpy(la->lambda + (size_t)h * D, r->data, sizeof(float) * D);
+            }
+        }
+    }
+    if (s->svd) {
+        if (s->svd_nwidths == 0 && !(s->svd_rate > 0.0 && s->svd_rate < 1.0))
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "%s.svd: removal_rate %g not in (0, 1) and no widths given",
+                                 is_v ? "v" : "k", s->svd_rate);
+        la->rotation = malloc(sizeof(float) * H * D * D);
+        la->widths = malloc(sizeof(int32_t) * H);
+        if (!la->rotation || !la->widths)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        uint32_t align = s->svd_align ? s->svd_align : 8;
+        if (s->codec != KVD_CODEC_RAW && s->axis == KVD_QAXIS_TOKEN)
+            while (align % s->group) /* lcm with the group (powers of two: the larger) */
+                align = align < s->group ? s->group : align * 2;
+        for (uint32_t h = 0; h < H; h++) {
+            if ((rc = need_art(a, n, is_v ? ART_ROT_V : ART_ROT_K, l, h, D, D, &r, err)))
+                return rc;
+            memcpy(la->rotation + (size_t)h * D * D, r->data, sizeof(float) * D * D);
+            int w;
+            if (s->svd_nwidths) {
+                if (s->svd_nwidths != 1 && s->svd_nwidths != H)
+                    return kvd_error_set(err, KVD_EINVAL,
+                                         "%s.svd.widths: %u given, want 1 or one per kv head (%u)",
+                                         is_v ? "v" : "k", s->svd_nwidths, H);
+                w = round_width(s->svd_widths[s->svd_nwidths == 1 ? 0 : h], align, D);
+            } else {
+                if ((rc = need_art(a, n, is_v ? ART_SPEC_V : ART_SPEC_K, l, h, D, 1, &r, err)))
+                    return rc;
+                w = round_width((uint32_t)kvd_svd_kept_width(r->data, (int)D, s->svd_rate, 1),
+                                align, D);
+            }
+            la->widths[h] = w < 1 ? (int32_t)(align < D ? align : D) : w;
+        }
+    }
+    la->fingerprint = kvd_layer_arts_fingerprint(la, H, D);
+    return 0;
+}
+
+static int side_needs_arts(const kvd_codec_spec *s) { return s->codec == KVD_CODEC_VQ || s->svd; }
+
+int kvd_codec_arts_build(const kvd_codec_spec *ks, const kvd_codec_spec *vs, uint32_t L,
+                         uint32_t H, uint32_t D, const kvd_art_ref *a, size_t n,
+                         kvd_codec_arts **out, kvd_error *err)
+{
+    *out = NULL;
+    if (!side_needs_arts(ks) && !side_needs_arts(vs))
+        return 0;
+    kvd_codec_arts *r = calloc(1, sizeof *r);
+    if (!r)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    r->num_layers = L;
+    r->num_kv_heads = H;
+    r->head_dim = D;
+    int rc = 0;
+    if ((side_needs_arts(ks) && !(r->k = calloc(L, sizeof *r->k))) ||
+        (side_needs_arts(vs) && !(r->v = calloc(L, sizeof *r->v)))) {
+        kvd_codec_arts_free(r);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    for (uint32_t l = 0; l < L && rc == 0; l++) {
+        if (r->k && (rc = build_layer(ks, 0, l, H, D, a, n, &r->k[l], err)))
+            break;
+        if (r->v)
+            rc = build_layer(vs, 1, l, H, D, a, n, &r->v[l], err);
+    }
+    if (rc) {
+        kvd_codec_arts_free(r);
+        return rc;
+    }
+    *out = r;
+    return 0;
+}
+
+/* Sizes of a layer's arrays: lambda, codebook, rotation, widths (floats / u32). */
+static void side_sizes(uint8_t d, uint8_t b, int has_lambda, int has_svd, uint32_t H, uint32_t D,
+                       size_t sz[4])
+{
+    sz[0] = has_lambda ? (size_t)H * D : 0;
+    sz[1] = d ? (size_t)H * ((size_t)1 << b) * d : 0;
+    sz[2] = has_svd ? (size_t)H * D * D : 0;
+    sz[3] = has_svd ? H : 0;
+}
+
+int kvd_codec_arts_serialize(const kvd_codec_arts *a, uint8_t **buf, size_t *len, kvd_error *err)
+{
+    *buf = NULL;
+    *len = 0;
+    const uint32_t L = a->num_layers, H = a->num_kv_heads, D = a->head_dim;
+    size_t total = 16;
+    const kvd_layer_arts *sides[2] = {a->k, a->v};
+    size_t sz[2][4] = {{0}};
+    for (int s = 0; s < 2; s++) {
+        total += 4;
+        if (!sides[s] || !L)
+            continue;
+        const kvd_layer_arts *la = &sides[s][0];
+        side_sizes(la->vq_sub_dim, la->vq_bits, la->lambda != NULL, la->rotation != NULL, H, D,
+                   sz[s]);
+        total += (size_t)L * 4 * (sz[s][0] + sz[s][1] + sz[s][2] + sz[s][3]);
+    }
+    uint8_t *p = calloc(1, total);
+    if (!p)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    p[0] = 1;
+    st32(p + 4, L);
+    st32(p + 8, H);
+    st32(p + 12, D);
+    size_t o = 16;
+    for (int s = 0; s < 2; s++) {
+        if (!sides[s] || !L) {
+            o += 4;
+            continue;
+        }
+        const kvd_layer_arts *l0 = &sides[s][0];
+        p[o] = 1;
+        p[o + 1] = l0->vq_sub_dim;
+        p[o + 2] = l0->vq_bits;
+        p[o + 3] = (uint8_t)((l0->lambda ? 1 : 0) | (l0->rotation ? 2 : 0));
+        o += 4;
+        for (uint32_t l = 0; l < L; l++) {
+            const kvd_layer_arts *la = &sides[s][l];
+            const void *arr[4] = {la->lambda, la->codebook, la->rotation, la->widths};
+            for (int i = 0; i < 4; i++) {
+                if (sz[s][i])
+                    memcpy(p + o, arr[i], 4 * sz[s][i]); /* f32 / i32, host is little-endian */
+                o += 4 * sz[s][i];
+            }
+        }
+    }
+    *buf = p;
+    *len = total;
+    return 0;
+}
+
+int kvd_codec_arts_parse(const uint8_t *p, size_t len, kvd_codec_arts **out, kvd_error *err)
+{
+    *out = NULL;
+    if (len < 24 || p[0] != 1 || p[1] || p[2] || p[3])
+        return CORRUPT("artifact snapshot: bad header (%zu bytes)", len);
+    const uint32_t L = ld32(p + 4), H = ld32(p + 8), D = ld32(p + 12);
+    if (!L || !H || !D || H > KVD_PAGE_MAX_HEADS || D > KVD_PAGE_MAX_HEAD_DIM || L > 65536)
+        return CORRUPT("artifact snapshot: shape %u x %u x %u", L, H, D);
+    kvd_codec_arts *a = calloc(1, sizeof *a);
+    if (!a)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    a->num_layers = L;
+    a->num_kv_heads = H;
+    a->head_dim = D;
+    size_t o = 16;
+    int rc = 0;
+    for (int s = 0; s < 2 && rc == 0; s++) {
+        if (len - o < 4) {
+            rc = CORRUPT("artifact snapshot: truncated");
+            break;
+        }
+        uint8_t present = p[o], d = p[o + 1], b = p[o + 2], fl = p[o + 3];
+        o += 4;
+        if (!present)
+            continue;
+        if ((d && d != 2 && d != 4 && d != 8) || (d && (b < 4 || b > 12)) || fl > 3 ||
+            (!d && (fl & 1))) {
+            rc = CORRUPT("artifact snapshot: bad side record");
+            break;
+        }
+        kvd_layer_arts *la = calloc(L, sizeof *la);
+        if (!la) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+            break;
+        }
+        if (s)
+            a->v = la;
+        else
+            a->k = la;
+        size_t sz[4];
+        side_sizes(d, b, fl & 1, fl & 2, H, D, sz);
+        for (uint32_t l = 0; l < L && rc == 0; l++) {
+            la[l].vq_sub_dim = d;
+            la[l].vq_bits = b;
+            void **arr[4] = {(void **)&la[l].lambda, (void **)&la[l].codebook,
+                             (void **)&la[l].rotation, (void **)&la[l].widths};
+            for (int i = 0; i < 4 && rc == 0; i++) {
+                if (!sz[i])
+                    continue;
+                if ((len - o) / 4 < sz[i]) {
+                    rc = CORRUPT("artifact snapshot: truncated");
+                    break;
+                }
+                if (!(*arr[i] = malloc(4 * sz[i]))) {
+                    rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                    break;
+                }
+                memcpy(*arr[i], p + o, 4 * sz[i]);
+                o += 4 * sz[i];
+            }
+            for (uint32_t h = 0; rc == 0 && la[l].widths && h < H; h++)
+                if (la[l].widths[h] < 1 || la[l].widths[h] > (int32_t)D)
+                    rc = CORRUPT("artifact snapshot: width %d", la[l].widths[h]);
+            if (rc == 0)
+                la[l].fingerprint = kvd_layer_arts_fingerprint(&la[l], H, D);
+        }
+    }
+    if (rc == 0 && o != len)
+        rc = CORRUPT("artifact snapshot: %zu bytes, expected %zu", len, o);
+    if (rc) {
+        kvd_codec_arts_free(a);
+        return rc;
+    }
+    *out = a;
+    return 0;
+}
+
+static const kvd_layer_arts *layer_arts(const kvd_codec_arts *a, int is_v, uint32_t layer)
+{
+    if (!a || layer >= a->num_layers)
+        return NULL;
+    const kvd_layer_arts *side = is_v ? a->v : a->k;
+    return side ? &side[layer] : NULL;
+}
+
+/* ---- VQ and SVD sections ----------------------------------------------------- */
+
+static size_t svd_widths_end(uint32_t H)
+{
+    return KVD_CODEC_ARTS_PREFIX + (2 * (size_t)H + 7) / 8 * 8;
+}
+
+/* Bytes of one head block of an SVD section of inner codec s->codec. */
+static uint64_t svd_block_bytes(const kvd_codec_spec *inner, uint32_t T, uint32_t r, kvd_dtype dt)
+{
+    if (inner->codec == KVD_CODEC_RAW)
+        return (uint64_t)T * r * kvd_dtype_size(dt);
+    kvd_codec_spec one = *inner;
+    one.svd = 0;
+    return kvd_codec_section_bytes(&one, 1, T, r, dt);
+}
+
+static uint64_t svd_section_bytes(const kvd_codec_spec *inner, const int32_t *widths, uint32_t H,
+                                  uint32_t T, kvd_dtype dt)
+{
+    uint64_t n = svd_widths_end(H);
+    for (uint32_t h = 0; h < H; h++) {
+        uint64_t b = svd_block_bytes(inner, T, (uint32_t)widths[h], dt);
+        if (!b)
+            return 0;
+        n += b;
+    }
+    return n;
+}
+
+static uint64_t vq_section_bytes(uint32_t H, uint32_t T, uint32_t D, int d, int b)
+{
+    return KVD_CODEC_ARTS_PREFIX + (uint64_t)H * T * (D / d) * (b <= 8 ? 1 : 2);
+}
+
+/* f32 (T, D) rows of head h of a head-major section in dtype dt. */
+static int head_to_f32(kvd_backend *be, const uint8_t *src, kvd_dtype dt, uint32_t T, uint32_t D,
+                       float *dst, kvd_error *err)
+{
+    int64_t sh[2] = {T, D};
+    if (dt == KVD_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * T * D);
+        return 0;
+    }
+    kvd_tensor in = kvd_tensor_make(dt, (void *)src, 2, sh);
+    kvd_tensor o = kvd_tensor_make(KVD_DTYPE_F32, dst, 2, sh);
+    return kvd_convert(be, &o, &in, err);
+}
+
+static int f32_to(kvd_backend *be, const float *src, kvd_dtype dt, uint32_t T, uint32_t D,
+                  void *dst, kvd_error *err)
+{
+    int64_t sh[2] = {T, D};
+    if (dt == KVD_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * T * D);
+        return 0;
+    }
+    kvd_tensor in = kvd_tensor_make(KVD_DTYPE_F32, (void *)src, 2, sh);
+    kvd_tensor o = kvd_tensor_make(dt, dst, 2, sh);
+    return kvd_convert(be, &o, &in, err);
+}
+
+static int encode_vq(kvd_backend *be, const kvd_page_desc *d, const kvd_layer_arts *la, int is_v,
+                     const void *src, uint8_t *dst, kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
+    const int sd = la->vq_sub_dim, b = la->vq_bits, cw = b <= 8 ? 1 : 2;
+    const size_t es = kvd_dtype_size(d->dtype);
+    memset(dst, 0, KVD_CODEC_ARTS_PREFIX);
+    dst[0] = (uint8_t)sd;
+    dst[1] = (uint8_t)b;
+    dst[2] = is_v ? 0 : 1;
+    st64(dst + 8, la->fingerprint);
+    float *x = malloc(sizeof(float) * T * D);
+    if (!x)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory encoding a page");
+    int rc = 0;
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        const uint8_t *xs = (const uint8_t *)src + (size_t)h * T * D * es;
+        int64_t sh[2] = {T, D}, ls[1] = {D}, cs[2] = {T, D / sd}, bs[2] = {(int64_t)1 << b, sd};
+        kvd_tensor xt = kvd_tensor_make(KVD_DTYPE_F32, x, 2, sh);
+        if (!is_v) {
+            kvd_tensor kin = kvd_tensor_make(d->dtype, (void *)xs, 2, sh);
+            kvd_tensor lam = kvd_tensor_make(KVD_DTYPE_F32, la->lambda + (size_t)h * D, 1, ls);
+            rc = kvd_vq_transform_keys(be, &kin, &lam, &xt, err);
+        } else {
+            rc = head_to_f32(be, xs, d->dtype, T, D, x, err);
+        }
+        if (rc)
+            break;
+        kvd_tensor cb = kvd_tensor_make(KVD_DTYPE_F32, la->codebook + h * cb_floats(la), 2, bs);
+        kvd_tensor codes =
+            kvd_tensor_make(cw == 1 ? KVD_DTYPE_U8 : KVD_DTYPE_U16,
+                            dst + KVD_CODEC_ARTS_PREFIX + (size_t)h * T * (D / sd) * cw, 2, cs);
+        rc = kvd_vq_encode(be, &xt, &cb, &codes, err);
+    }
+    free(x);
+    return rc;
+}
+
+static int encode_section(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
+                          int is_v, const void *src, uint8_t *dst, kvd_error *err);
+
+static int encode_svd(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
+                      const kvd_layer_arts *la, int is_v, const void *src, uint8_t *dst,
+                      kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
+    const size_t es = kvd_dtype_size(d->dtype);
+    memset(dst, 0, svd_widths_end(H));
+    dst[0] = s->codec;
+    st64(dst + 8, la->fingerprint);
+    for (uint32_t h = 0; h < H; h++)
+        st16(dst + KVD_CODEC_ARTS_PREFIX + 2 * h, (uint16_t)la->widths[h]);
+    float *y = malloc(sizeof(float) * T * D);
+    if (!y)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory encoding a page");
+    uint8_t *o = dst + svd_widths_end(H);
+    int rc = 0;
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        const uint32_t r = (uint32_t)la->widths[h];
+        if ((rc = kvd_svd_project(be, la->rotation + (size_t)h * D * D, (int)D, (int)r,
+                                  (const uint8_t *)src + (size_t)h * T * D * es, d->dtype, T,
+                                  (int64_t)(D * es), y, err)))
+            break;
+        if (s->codec == KVD_CODEC_RAW) {
+            rc = f32_to(be, y, d->dtype, T, r, o, err);
+        } else {
+            kvd_page_desc one = *d;
+            one.num_kv_heads = 1;
+            one.head_dim = r;
+            one.dtype = KVD_DTYPE_F32;
+            kvd_codec_spec in = *s;
+            in.svd = 0;
+            in.seed ^= 0xd1b54a32d192ed03ull * (h + 1);
+            rc = encode_section(be, &one, &in, is_v, y, o, err);
+        }
+        o += svd_block_bytes(s, T, r, d->dtype);
+    }
+    free(y);
+    return rc;
+}
+
+/* INT arrays of one head block (an INT section of H = 1, width W). */
+static void int_head_views(const uint8_t *block, int bits, int group, int axis, uint32_t T,
+                           uint32_t W, kvd_qtensor *q, kvd_attn_qdata *qd)
+{
+    kvd_quant_sizes qs;
+    kvd_quant_size(T, W, bits, group, (kvd_quant_axis)axis, &qs, NULL);
+    uint8_t *codes, *mn, *sc, *sm;
+    section_arrays((uint8_t *)block + KVD_CODEC_SECTION_PREFIX, 1, &qs, &codes, &mn, &sc, &sm);
+    if (q) {
+        memset(q, 0, sizeof *q);
+        q->bits = bits;
+        q->group = group;
+        q->axis = (kvd_quant_axis)axis;
+        q->ntok = T;
+        q->dim = W;
+        q->codes = codes;
+        q->min = (uint16_t *)(void *)mn;
+        q->scale = (uint16_t *)(void *)sc;
+        q->sum = (uint16_t *)(void *)sm;
+    }
+    if (qd) {
+        memset(qd, 0, sizeof *qd);
+        qd->bits = bits;
+        qd->group = group;
+        qd->axis = axis == KVD_QAXIS_TOKEN ? KVD_ATTN_AXIS_TOKEN : KVD_ATTN_AXIS_CHANNEL;
+        int64_t rows = axis == KVD_QAXIS_TOKEN ? T : W;
+        int64_t cs[3] = {1, rows, (int64_t)(qs.codes_bytes / (size_t)rows)};
+        int64_t ps[3] = {1, rows, (int64_t)(qs.ngroups / (size_t)rows)};
+        qd->codes = kvd_tensor_make(KVD_DTYPE_U8, codes, 3, cs);
+        qd->min = kvd_tensor_make(KVD_DTYPE_F16, mn, 3, ps);
+        qd->scale = kvd_tensor_make(KVD_DTYPE_F16, sc, 3, ps);
+        qd->sum = kvd_tensor_make(KVD_DTYPE_U16, sm, 3, ps);
+    }
+}
+
+/* Parse a VQ or SVD section (codec.h layouts) and check it against arts. */
+static int parse_arts_section(const kvd_page_view *v, int which, const kvd_codec_arts *arts,
+                              kvd_codec_section *out, kvd_error *err)
+{
+    const int is_v = which == KVD_SECTION_V;
+    const uint8_t *p = is_v ? v->v : v->k;
+    const uint64_t n = is_v ? v->v_len : v->k_len;
+    const char *w = is_v ? "V" : "K";
+    const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
+    if (n < KVD_CODEC_ARTS_PREFIX)
+        return CORRUPT("%s section: %llu bytes, shorter than its codec prefix", w,
+                       (unsigned long long)n);
+    if (!(v->h.flags & KVD_PAGE_SEALED))
+        return CORRUPT("%s section: a coded section in a page that is not sealed", w);
+    out->fingerprint = ld64(p + 8);
+    const kvd_layer_arts *la = layer_arts(arts, is_v, v->h.layer);
+    if (out->codec == KVD_CODEC_VQ) {
+        const unsigned d = p[0], b = p[1], tr = p[2];
+        if (p[3] || ld32(p + 4))
+            return CORRUPT("%s section: reserved codec bytes are not zero", w);
+        if ((d != 2 && d != 4 && d != 8) || b < 4 || b > 12 || D % d || tr != (is_v ? 0u : 1u))
+            return CORRUPT("%s section: VQ prefix d %u b %u transform %u invalid here", w, d, b,
+                           tr);
+        uint64_t want = vq_section_bytes(H, T, D, (int)d, (int)b);
+        if (want != n)
+            return CORRUPT("%s section: %llu bytes, expected %llu for its shape", w,
+                           (unsigned long long)n, (unsigned long long)want);
+        if (!la || !la->codebook)
+            return kvd_error_set(err, KVD_EPRECOND,
+                                 "%s section: VQ page of layer %u, but the sequence has no VQ "
+                                 "codebooks for it",
+                                 w, v->h.layer);
+        if (la->vq_sub_dim != d || la->vq_bits != b)
+            return kvd_error_set(err, KVD_EPRECOND,
+                                 "%s section: coded as VQ d%ub%u, the sequence's codebooks are "
+                                 "d%ub%u",
+                                 w, d, b, la->vq_sub_dim, la->vq_bits);
+        /* Codes come from the wire: the fused kernel indexes tables with
+         * them, so every code must name a codebook row. */
+        const size_t ncodes = (size_t)H * T * (D / d);
+        const unsigned lim = 1u << b;
+        for (size_t i = 0; b != 8 && i < ncodes; i++) {
+            unsigned c = b <= 8 ? p[16 + i] : ld16(p + 16 + 2 * i);
+            if (c >= lim)
+                return CORRUPT("%s section: VQ code %u at %zu out of range for %u bits", w, c, i,
+                               b);
+        }
+        out->sub_dim = (int)d;
+        out->vq_bits = (int)b;
+        int64_t cs[3] = {H, T, D / d};
+        out->vq_codes =
+            kvd_tensor_make(b <= 8 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, (void *)(p + 16), 3, cs);
+    } else {
+        const size_t we = svd_widths_end(H);
+        out->inner = p[0];
+        if (out->inner > KVD_CODEC_INT4 || p[1] || ld16(p + 2) || ld32(p + 4))
+            return CORRUPT("%s section: SVD prefix (inner codec %u) invalid", w, p[0]);
+        if (n < we)
+            return CORRUPT("%s section: %llu bytes, shorter than its width table", w,
+                           (unsigned long long)n);
+        for (size_t i = KVD_CODEC_ARTS_PREFIX + 2 * (size_t)H; i < we; i++)
+            if (p[i])
+                return CORRUPT("%s section: width table padding is not zero", w);
+        kvd_codec_spec in;
+        memset(&in, 0, sizeof in);
+        in.codec = (uint8_t)out->inner;
+        if (in.codec != KVD_CODEC_RAW) {
+            if (n < we + KVD_CODEC_SECTION_PREFIX)
+                return CORRUPT("%s section: SVD head block truncated", w);
+            in.group = ld16(p + we);
+            in.axis = p[we + 2];
+            in.rounding = p[we + 3];
+            if (ld32(p + we + 4))
+                return CORRUPT("%s section: reserved codec bytes are not zero", w);
+            out->bits = codec_bits(in.codec);
+            out->group = in.group;
+            out->axis = in.axis;
+            out->rounding = in.rounding;
+        }
+        uint64_t off = we;
+        for (uint32_t h = 0; h < H; h++) {
+            uint32_t r = ld16(p + KVD_CODEC_ARTS_PREFIX + 2 * h);
+            kvd_error e2;
+            if (r < 1 || r > D)
+                return CORRUPT("%s section: kv head %u width %u not in 1..%u", w, h, r, D);
+            if (in.codec != KVD_CODEC_RAW &&
+                kvd_codec_spec_check(&in, is_v, v->h.page_tokens, r, &e2))
+                return CORRUPT("%s section: kv head %u: %s", w, h, e2.msg);
+            uint64_t b = svd_block_bytes(&in, T, r, v->h.dtype);
+            if (!b || b > n - off)
+                return CORRUPT("%s section: kv head %u block overruns the section", w, h);
+            if (in.codec != KVD_CODEC_RAW && memcmp(p + off, p + we, KVD_CODEC_SECTION_PREFIX))
+                return CORRUPT("%s section: kv head %u block prefix differs from head 0's", w, h);
+            out->svd_block[h] = p + off;
+            off += b;
+        }
+        if (off != n)
+            return CORRUPT("%s section: %llu bytes, its blocks cover %llu", w,
+                           (unsigned long long)n, (unsigned long long)off);
+        if (!la || !la->rotation)
+            return kvd_error_set(err, KVD_EPRECOND,
+                                 "%s section: SVD page of layer %u, but the sequence has no SVD "
+                                 "rotations for it",
+                                 w, v->h.layer);
+        for (uint32_t h = 0; h < H; h++)
+            if ((int32_t)ld16(p + KVD_CODEC_ARTS_PREFIX + 2 * h) != la->widths[h])
+                return kvd_error_set(err, KVD_EPRECOND,
+                                     "%s section: kv head %u width %u, the sequence's is %d", w,
+                                     h, ld16(p + KVD_CODEC_ARTS_PREFIX + 2 * h), la->widths[h]);
+    }
+    if (out->fingerprint != la->fingerprint)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "%s section: artifact fingerprint %016llx differs from the "
+                             "sequence's %016llx (coded with other artifacts)",
+                             w, (unsigned long long)out->fingerprint,
+                             (unsigned long long)la->fingerprint);
+    out->la = la;
+    return 0;
+}
+
+/* Decode a VQ or SVD section (parsed) into dst, head-major in dtype. */
+static int decode_arts_section(kvd_backend *be, const kvd_page_view *v, int is_v,
+                               const kvd_codec_section *s, kvd_dtype dtype, void *dst,
+                               kvd_error *err)
+{
+    const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
+    const size_t es = kvd_dtype_size(dtype);
+    const kvd_layer_arts *la = s->la;
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
+    int rc = 0;
+    if (!x || !y) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory decoding a page");
+        goto done;
+    }
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        int64_t sh[2] = {T, D};
+        kvd_tensor xt = kvd_tensor_make(KVD_DTYPE_F32, x, 2, sh);
+        kvd_tensor yt = kvd_tensor_make(KVD_DTYPE_F32, y, 2, sh);
+        float *res = x;
+        if (s->codec == KVD_CODEC_VQ) {
+            const int sd = s->sub_dim, b = s->vq_bits, cw = b <= 8 ? 1 : 2;
+            int64_t cs[2] = {T, D / sd}, bs[2] = {(int64_t)1 << b, sd};
+            kvd_tensor codes = kvd_tensor_make(
+                s->vq_codes.dtype, (uint8_t *)s->vq_codes.data + (size_t)h * T * (D / sd) * cw,
+                2, cs);
+            kvd_tensor cb =
+                kvd_tensor_make(KVD_DTYPE_F32, la->codebook + h * cb_floats(la), 2, bs);
+            if ((rc = kvd_vq_decode(be, &codes, &cb, &xt, err)))
+                break;
+            if (!is_v) {
+                /* K~ = (K / lambda) H, H symmetric orthogonal: K = (K~ H) * lambda */
+                if ((rc = kvd_vq_transform_keys(be, &xt, NULL, &yt, err)))
+                    break;
+                const float *lam = la->lambda + (size_t)h * D;
+                for (size_t t = 0; t < T; t++)
+                    for (size_t i = 0; i < D; i++)
+                        y[t * D + i] *= lam[i];
+                res = y;
+            }
+        } else {
+            const uint32_t r = (uint32_t)la->widths[h];
+            if (s->inner == KVD_CODEC_RAW) {
+                rc = head_to_f32(be, s->svd_block[h], v->h.dtype, T, r, y, err);
+            } else {
+                kvd_qtensor q;
+                int_head_views(s->svd_block[h], s->bits, s->group, s->axis, T, r, &q, NULL);
+                int64_t rs[2] = {T, r};
+                kvd_tensor ot = kvd_tensor_make(KVD_DTYPE_F32, y, 2, rs);
+                rc = kvd_dequantize(be, &q, &ot, err);
+            }
+            if (rc || (rc = kvd_svd_unproject(be, la->rotation + (size_t)h * D * D, (int)D,
+                                              (int)r, y, T, x, err)))
+                break;
+        }
+        rc = f32_to(be, res, dtype, T, D, (uint8_t *)dst + (size_t)h * T * D * es, err);
+    }
+done:
+    free(x);
+    free(y);
+    return rc;
+}
+
+static int attend_vq(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
+                     const kvd_codec_section *ks, const kvd_codec_section *vs, kvd_tensor tq,
+                     kvd_tensor to, kvd_tensor tl, kvd_error *err)
+{
+    const int64_t H = pv->h.num_kv_heads, D = pv->h.head_dim;
+    kvd_attn_vq_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = *dims;
+    a.q = tq;
+    a.n_tokens = pv->h.num_tokens;
+    int64_t kb[3] = {H, (int64_t)1 << ks->vq_bits, ks->sub_dim};
+    int64_t vb[3] = {H, (int64_t)1 << vs->vq_bits, vs->sub_dim};
+    int64_t ls[2] = {H, D}, es[3] = {H, 0, D};
+    a.k_sub_dim = ks->sub_dim;
+    a.k_bits = ks->vq_bits;
+    a.k_codes = ks->vq_codes;
+    a.k_codebook = kvd_tensor_make(KVD_DTYPE_F32, ks->la->codebook, 3, kb);
+    a.k_lambda = kvd_tensor_make(KVD_DTYPE_F32, ks->la->lambda, 2, ls);
+    a.k_hadamard = 1;
+    a.v_sub_dim = vs->sub_dim;
+    a.v_bits = vs->vq_bits;
+    a.v_codes = vs->vq_codes;
+    a.v_codebook = kvd_tensor_make(KVD_DTYPE_F32, vs->la->codebook, 3, vb);
+    a.k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, es);
+    a.v_tail = a.k_tail;
+    a.out = to;
+    a.lse = tl;
+    return kvd_attn_vq(be, 1, &a, err);
+}
+
+static int attend_svd_raw(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
+                          const kvd_codec_section *ks, const kvd_codec_section *vs,
+                          kvd_tensor tq, kvd_tensor to, kvd_tensor tl, kvd_error *err)
+{
+    const int64_t H = pv->h.num_kv_heads, D = pv->h.head_dim;
+    kvd_attn_svd_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = *dims;
+    a.q = tq;
+    int64_t rs[3] = {H, D, D};
+    a.rk = kvd_tensor_make(KVD_DTYPE_F32, ks->la->rotation, 3, rs);
+    a.rv = kvd_tensor_make(KVD_DTYPE_F32, vs->la->rotation, 3, rs);
+    a.k_width = ks->la->widths;
+    a.v_width = vs->la->widths;
+    a.n_tokens = pv->h.num_tokens;
+    a.dtype = pv->h.dtype;
+    a.k_red = ks->svd_block[0];
+    a.v_red = vs->svd_block[0];
+    a.out = to;
+    a.lse = tl;
+    return kvd_attn_svd(be, 1, &a, err);
+}
+
+/* SVD+INT: per kv head, the INT kernel at the reduced widths on the
+ * projected query, the output rotated back. */
+static int attend_svd_int(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
+                          const kvd_codec_section *ks, const kvd_codec_section *vs,
+                          const float *q, float *out, float *lse, kvd_error *err)
+{
+    const int H = (int)pv->h.num_kv_heads, D = (int)pv->h.head_dim, G = dims->n_q_heads / H;
+    const uint32_t T = pv->h.num_tokens;
+    float *qp = malloc(sizeof(float) * (size_t)G * D), *op = malloc(sizeof(float) * (size_t)G * D);
+    int rc = 0;
+    if (!qp || !op) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    for (int h = 0; h < H && rc == 0; h++) {
+        const int rk = ks->la->widths[h], rv = vs->la->widths[h];
+        const float *Rk = ks->la->rotation + (size_t)h * D * D;
+        const float *Rv = vs->la->rotation + (size_t)h * D * D;
+        if ((rc = kvd_svd_project(be, Rk, D, rk, q + (size_t)h * G * D, KVD_DTYPE_F32, G,
+                                  (int64_t)D * 4, qp, err)))
+            break;
+        kvd_attn_int_args a;
+        memset(&a, 0, sizeof a);
+        a.dims.n_q_heads = G;
+        a.dims.n_kv_heads = 1;
+        a.dims.head_dim = rk;
+        a.dims.v_dim = rv;
+        a.dims.softmax_scale = dims->softmax_scale;
+        int64_t qs[2] = {G, rk}, os[2] = {G, rv}, ls[1] = {G};
+        int64_t kt[3] = {1, 0, rk}, vt[3] = {1, 0, rv};
+        a.q = kvd_tensor_make(KVD_DTYPE_F32, qp, 2, qs);
+        a.n_tokens = T;
+        int_head_views(ks->svd_block[h], ks->bits, ks->group, ks->axis, T, (uint32_t)rk, NULL,
+                       &a.k);
+        int_head_views(vs->svd_block[h], vs->bits, vs->group, vs->axis, T, (uint32_t)rv, NULL,
+                       &a.v);
+        a.k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, kt);
+        a.v_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, vt);
+        a.out = kvd_tensor_make(KVD_DTYPE_F32, op, 2, os);
+        a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse + (size_t)h * G, 1, ls);
+        if ((rc = kvd_attn_quant(be, 1, &a, err)))
+            break;
+        rc = kvd_svd_unproject(be, Rv, D, rv, op, G, out + (size_t)h * G * D, err);
+    }
+done:
+    free(qp);
+    free(op);
+    return rc;
+}
+
+/* The snapshot layer a VQ/SVD spec codes with (NULL for others). */
+static int encode_arts(const kvd_codec_spec *s, int is_v, const kvd_page_desc *d,
+                       const kvd_layer_arts **la, kvd_error *err)
+{
+    *la = NULL;
+    if (s->codec != KVD_CODEC_VQ && !s->svd)
+        return 0;
+    const char *w = is_v ? "v" : "k";
+    const kvd_layer_arts *l = layer_arts(s->arts, is_v, d->layer);
+    if (!l || s->arts->num_kv_heads != d->num_kv_heads || s->arts->head_dim != d->head_dim)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "page encode: %s codec needs the sequence's artifacts for layer %u",
+                             w, d->layer);
+    if (s->codec == KVD_CODEC_VQ &&
+        (!l->codebook || l->vq_sub_dim != s->vq_sub_dim || l->vq_bits != s->vq_bits))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "page encode: %s VQ d%ub%u does not match the artifacts' codebooks",
+                             w, s->vq_sub_dim, s->vq_bits);
+    if (s->svd && !l->rotation)
+        return kvd_error_set(err, KVD_EINVAL, "page encode: %s SVD needs rotations", w);
+    *la = l;
+    return 0;
+}
+
+static uint64_t side_bytes(const kvd_codec_spec *s, const kvd_layer_arts *la,
+                           const kvd_page_desc *d)
+{
+    if (s->svd)
+        return svd_section_bytes(s, la->widths, d->num_kv_heads, d->num_tokens, d->dtype);
+    return kvd_codec_section_bytes(s, d->num_kv_heads, d->num_tokens, d->head_dim, d->dtype);
+}
+
+static int encode_side(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
+                       const kvd_layer_arts *la, int is_v, const void *src, size_t rawsec,
+                       uint8_t *dst, kvd_error *err)
+{
+    if (s->svd)
+        return encode_svd(be, d, s, la, is_v, src, dst, err);
+    if (s->codec == KVD_CODEC_VQ)
+        return encode_vq(be, d, la, is_v, src, dst, err);
+    if (s->codec == KVD_CODEC_RAW) {
+        memcpy(dst, src, rawsec);
+        return 0;
+    }
+    return encode_section(be, d, s, is_v, src, dst, err);
+}
+
 int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks_in,
                     const kvd_codec_spec *vs_in, const void *k, const void *v, uint8_t **out,
                     size_t *len, kvd_error *err)
@@ -152,14 +1049,15 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
     if ((rc = kvd_codec_spec_check(&ks, 0, d->page_tokens, d->head_dim, err)) ||
         (rc = kvd_codec_spec_check(&vs, 1, d->page_tokens, d->head_dim, err)))
         return rc;
-    if (ks.codec == KVD_CODEC_RAW && vs.codec == KVD_CODEC_RAW)
+    if (ks.codec == KVD_CODEC_RAW && vs.codec == KVD_CODEC_RAW && !ks.svd && !vs.svd)
         return kvd_page_encode_raw(d, k, v, out, len, err);
+    const kvd_layer_arts *kla = NULL, *vla = NULL;
+    if ((rc = encode_arts(&ks, 0, d, &kla, err)) || (rc = encode_arts(&vs, 1, d, &vla, err)))
+        return rc;
     /* The header and table are those of a raw page with other codecs and
      * lengths: build the raw header into a scratch page, then patch. */
-    const uint64_t kb = kvd_codec_section_bytes(&ks, d->num_kv_heads, d->num_tokens,
-                                                d->head_dim, d->dtype);
-    const uint64_t vb = kvd_codec_section_bytes(&vs, d->num_kv_heads, d->num_tokens,
-                                                d->head_dim, d->dtype);
+    const uint64_t kb = side_bytes(&ks, kla, d);
+    const uint64_t vb = side_bytes(&vs, vla, d);
     const size_t hsize = KVD_PAGE_FIXED_HEADER + 2 * KVD_PAGE_SECTION_ENTRY;
     if (!kb || !vb)
         return kvd_error_set(err, KVD_EINVAL, "page encode: shape does not fit the codec");
@@ -185,25 +1083,21 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
     free(scratch);
     st32(page + 24, d->num_tokens);
     page[11] |= KVD_PAGE_SEALED; /* num_tokens == page_tokens here */
-    page[8] = ks.codec;
-    page[9] = vs.codec;
+    const uint8_t kc = ks.svd ? KVD_CODEC_SVD : ks.codec, vc = vs.svd ? KVD_CODEC_SVD : vs.codec;
+    page[8] = kc;
+    page[9] = vc;
     uint8_t *e = page + KVD_PAGE_FIXED_HEADER;
-    e[2] = ks.codec;
+    e[2] = kc;
     st64(e + 8, hsize);
     st64(e + 16, kb);
     e += KVD_PAGE_SECTION_ENTRY;
-    e[2] = vs.codec;
+    e[2] = vc;
     st64(e + 8, hsize + kb);
     st64(e + 16, vb);
     const size_t rawsec = (size_t)d->num_kv_heads * d->num_tokens * d->head_dim *
                           kvd_dtype_size(d->dtype);
-    if (ks.codec == KVD_CODEC_RAW)
-        memcpy(page + hsize, k, rawsec);
-    else if ((rc = encode_section(be, d, &ks, 0, k, page + hsize, err)))
-        goto fail;
-    if (vs.codec == KVD_CODEC_RAW)
-        memcpy(page + hsize + kb, v, rawsec);
-    else if ((rc = encode_section(be, d, &vs, 1, v, page + hsize + kb, err)))
+    if ((rc = encode_side(be, d, &ks, kla, 0, k, rawsec, page + hsize, err)) ||
+        (rc = encode_side(be, d, &vs, vla, 1, v, rawsec, page + hsize + kb, err)))
         goto fail;
     kvd_page_finish(page, hsize + kb + vb);
     *out = page;
@@ -214,8 +1108,8 @@ fail:
     return rc;
 }
 
-int kvd_codec_section_parse(const kvd_page_view *v, int which, kvd_codec_section *out,
-                            kvd_error *err)
+int kvd_codec_section_parse(const kvd_page_view *v, int which, const kvd_codec_arts *arts,
+                            kvd_codec_section *out, kvd_error *err)
 {
     memset(out, 0, sizeof *out);
     const uint8_t codec = which == KVD_SECTION_K ? v->h.k_codec : v->h.v_codec;
@@ -225,13 +1119,20 @@ int kvd_codec_section_parse(const kvd_page_view *v, int which, kvd_codec_section
     out->codec = codec;
     if (codec == KVD_CODEC_RAW)
         return 0;
+    if (codec == KVD_CODEC_VQ || codec == KVD_CODEC_SVD)
+        return parse_arts_section(v, which, arts, out, err);
     if (codec != KVD_CODEC_INT2 && codec != KVD_CODEC_INT4)
         return kvd_error_set(err, KVD_EUNSUPP, "%s section: codec %u cannot be read here", w,
                              codec);
     if (n < KVD_CODEC_SECTION_PREFIX)
         return CORRUPT("%s section: %llu bytes, shorter than its codec prefix", w,
                        (unsigned long long)n);
-    kvd_codec_spec s = {codec, ld16(p), p[2], p[3], 0};
+    kvd_codec_spec s;
+    memset(&s, 0, sizeof s);
+    s.codec = codec;
+    s.group = ld16(p);
+    s.axis = p[2];
+    s.rounding = p[3];
     if (ld32(p + 4) != 0)
         return CORRUPT("%s section: reserved codec bytes are not zero", w);
     if (!(v->h.flags & KVD_PAGE_SEALED))
@@ -267,11 +1168,25 @@ int kvd_codec_section_parse(const kvd_page_view *v, int which, kvd_codec_section
     return 0;
 }
 
-int kvd_page_decode_section(kvd_backend *be, const kvd_page_view *v, int which, kvd_dtype dtype,
-                            void *dst, kvd_error *err)
+int kvd_page_decode_section(kvd_backend *be, const kvd_page_view *v, int which,
+                            const kvd_codec_arts *arts, kvd_dtype dtype, void *dst,
+                            kvd_error *err)
 {
+    kvd_codec_section *sp = malloc(sizeof *sp);
+    if (!sp)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory decoding a page");
+    int rc = kvd_codec_section_parse(v, which, arts, sp, err);
+    if (rc == 0 && (sp->codec == KVD_CODEC_VQ || sp->codec == KVD_CODEC_SVD)) {
+        rc = kvd_dtype_size(dtype)
+                 ? decode_arts_section(be, v, which == KVD_SECTION_V, sp, dtype, dst, err)
+                 : kvd_error_set(err, KVD_EINVAL, "decode: bad dtype %d", (int)dtype);
+        free(sp);
+        return rc;
+    }
     kvd_codec_section s;
-    int rc = kvd_codec_section_parse(v, which, &s, err);
+    if (rc == 0)
+        memcpy(&s, sp, offsetof(kvd_codec_section, svd_block));
+    free(sp);
     if (rc)
         return rc;
     const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
@@ -309,38 +1224,62 @@ int kvd_page_decode_section(kvd_backend *be, const kvd_page_view *v, int which, 
     return 0;
 }
 
-/* Attention of one page into (out, lse). */
-static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
-                      const float *q, float *out, float *lse, kvd_error *err)
+static int is_int(uint8_t c) { return c == KVD_CODEC_INT2 || c == KVD_CODEC_INT4; }
+
+/* Attention of one page into (out, lse): the fused kernel of its codecs
+ * when there is one (codec.h), else both sections decoded to f32. */
+static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_codec_arts *arts,
+                      const kvd_attn_dims *dims, const float *q, float *out, float *lse,
+                      kvd_error *err)
 {
     const uint32_t H = pv->h.num_kv_heads, T = pv->h.num_tokens, D = pv->h.head_dim;
     if ((int)H != dims->n_kv_heads || (int)D != dims->head_dim || dims->v_dim != dims->head_dim)
         return kvd_error_set(err, KVD_EINVAL,
                              "page of %u kv heads x %u dims, attention wants %d x %d", H, D,
                              dims->n_kv_heads, dims->head_dim);
-    kvd_codec_section ks, vs;
+    /* Two sections on the heap: they hold a block pointer per kv head. */
+    kvd_codec_section *sec = malloc(2 * sizeof *sec);
+    if (!sec)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    kvd_codec_section *ks = &sec[0], *vs = &sec[1];
+    float *kf = NULL, *vf = NULL;
     int rc;
-    if ((rc = kvd_codec_section_parse(pv, KVD_SECTION_K, &ks, err)) ||
-        (rc = kvd_codec_section_parse(pv, KVD_SECTION_V, &vs, err)))
-        return rc;
+    if ((rc = kvd_codec_section_parse(pv, KVD_SECTION_K, arts, ks, err)) ||
+        (rc = kvd_codec_section_parse(pv, KVD_SECTION_V, arts, vs, err)))
+        goto done;
     int64_t qs[2] = {dims->n_q_heads, D}, ls[1] = {dims->n_q_heads};
     kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, (void *)q, 2, qs);
     kvd_tensor to = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
     kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
-    if (ks.codec != KVD_CODEC_RAW && vs.codec != KVD_CODEC_RAW) {
+    if (ks->codec == KVD_CODEC_VQ && vs->codec == KVD_CODEC_VQ) {
+        rc = attend_vq(be, pv, dims, ks, vs, tq, to, tl, err);
+        goto done;
+    }
+    if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD &&
+        ks->inner == KVD_CODEC_RAW && vs->inner == KVD_CODEC_RAW) {
+        rc = attend_svd_raw(be, pv, dims, ks, vs, tq, to, tl, err);
+        goto done;
+    }
+    if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD && is_int(ks->inner) &&
+        is_int(vs->inner)) {
+        rc = attend_svd_int(be, pv, dims, ks, vs, q, out, lse, err);
+        goto done;
+    }
+    if (is_int(ks->codec) && is_int(vs->codec)) {
         kvd_attn_int_args a;
         memset(&a, 0, sizeof a);
         a.dims = *dims;
         a.q = tq;
         a.n_tokens = T;
-        a.k = ks.q;
-        a.v = vs.q;
+        a.k = ks->q;
+        a.v = vs->q;
         int64_t es[3] = {H, 0, D};
         a.k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, es);
         a.v_tail = a.k_tail;
         a.out = to;
         a.lse = tl;
-        return kvd_attn_quant(be, 1, &a, err);
+        rc = kvd_attn_quant(be, 1, &a, err);
+        goto done;
     }
     kvd_attn_dense_args a;
     memset(&a, 0, sizeof a);
@@ -349,11 +1288,11 @@ static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_d
     a.out = to;
     a.lse = tl;
     int64_t ksh[3] = {H, T, D};
-    float *kf = NULL, *vf = NULL;
-    if (ks.codec == KVD_CODEC_RAW && vs.codec == KVD_CODEC_RAW) {
+    if (ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW) {
         a.k = kvd_tensor_make(pv->h.dtype, (void *)pv->k, 3, ksh);
         a.v = kvd_tensor_make(pv->h.dtype, (void *)pv->v, 3, ksh);
-        return kvd_attn_dense(be, 1, &a, err);
+        rc = kvd_attn_dense(be, 1, &a, err);
+        goto done;
     }
     /* Mixed codecs: no fused kernel; decode both sides to f32. */
     kf = malloc(sizeof(float) * H * T * D);
@@ -362,8 +1301,8 @@ static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_d
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory decoding a page");
         goto done;
     }
-    if ((rc = kvd_page_decode_section(be, pv, KVD_SECTION_K, KVD_DTYPE_F32, kf, err)) ||
-        (rc = kvd_page_decode_section(be, pv, KVD_SECTION_V, KVD_DTYPE_F32, vf, err)))
+    if ((rc = kvd_page_decode_section(be, pv, KVD_SECTION_K, arts, KVD_DTYPE_F32, kf, err)) ||
+        (rc = kvd_page_decode_section(be, pv, KVD_SECTION_V, arts, KVD_DTYPE_F32, vf, err)))
         goto done;
     a.k = kvd_tensor_make(KVD_DTYPE_F32, kf, 3, ksh);
     a.v = kvd_tensor_make(KVD_DTYPE_F32, vf, 3, ksh);
@@ -371,12 +1310,13 @@ static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_d
 done:
     free(kf);
     free(vf);
+    free(sec);
     return rc;
 }
 
 int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
-                    const kvd_attn_dims *dims, const float *q, float *out, float *lse,
-                    kvd_error *err)
+                    const kvd_codec_arts *arts, const kvd_attn_dims *dims, const float *q,
+                    float *out, float *lse, kvd_error *err)
 {
     const int Hq = dims->n_q_heads, D = dims->v_dim;
     for (int h = 0; h < Hq; h++) {
@@ -395,7 +1335,8 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     }
     int64_t os[2] = {Hq, D}, ls[1] = {Hq};
     for (size_t i = 0; i < n && rc == 0; i++) {
-        if ((rc = attend_one(be, &pages[i], dims, q, i == 0 ? out : po, i == 0 ? lse : pl, err)))
+        if ((rc = attend_one(be, &pages[i], arts, dims, q, i == 0 ? out : po,
+                             i == 0 ? lse : pl, err)))
             break;
         if (i == 0)
             continue;

@@ -84,6 +84,7 @@ typedef enum kvd_codec {
     KVD_CODEC_INT2 = 1,
     KVD_CODEC_INT4 = 2,
     KVD_CODEC_VQ = 3,
+    KVD_CODEC_SVD = 4, /* SVD-reduced section; its prefix names the inner codec (codec.h) */
     KVD_CODEC_COUNT
 } kvd_codec;
 

@@ -5,13 +5,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "artifact.h"
 #include "seqcodec.h"
 #include "store_internal.h"
 
 #define KEY_CODECS 'C'
-#define REC_VERSION 1
+#define KEY_ARTS 'Z'
+#define REC_VERSION 2
 #define SPEC_BYTES 13
-#define REC_BYTES (1 + 2 * SPEC_BYTES + 4 + 9)
+#define REC1_BYTES (1 + 2 * SPEC_BYTES + 4 + 9)
+#define REC_BYTES (REC1_BYTES + 6)
 
 static pthread_once_t be_once = PTHREAD_ONCE_INIT;
 static kvd_backend *codec_be;
@@ -81,6 +84,57 @@ static size_t codec_key(uint8_t *key, const void *id, size_t id_len)
     return id_len + 1;
 }
 
+/* The snapshot of the model's artifacts the codecs of c need. */
+static int build_snapshot(kvd_store *st, const kvd_model_info *mi, const kvd_seq_codecs *c,
+                          kvd_codec_arts **out, kvd_error *err)
+{
+    int kinds[7];
+    size_t nk = 0;
+    const kvd_codec_spec *sp[2] = {&c->k, &c->v};
+    for (int i = 0; i < 2; i++) {
+        if (sp[i]->codec == KVD_CODEC_VQ) {
+            kinds[nk++] = i ? KVD_ARTIFACT_VQ_CODEBOOK_V : KVD_ARTIFACT_VQ_CODEBOOK_K;
+            if (!i)
+                kinds[nk++] = KVD_ARTIFACT_KEY_SMOOTHING;
+        }
+        if (sp[i]->svd) {
+            kinds[nk++] = i ? KVD_ARTIFACT_SVD_ROTATION_V : KVD_ARTIFACT_SVD_ROTATION_K;
+            if (!sp[i]->svd_nwidths)
+                kinds[nk++] = i ? KVD_ARTIFACT_SVD_SPECTRUM_V : KVD_ARTIFACT_SVD_SPECTRUM_K;
+        }
+    }
+    kvd_artifact *a = NULL;
+    size_t n = 0;
+    int rc = kvd_store_artifacts_get(st, mi->name, kinds, nk, &a, &n, err);
+    if (rc)
+        return rc;
+    kvd_art_ref *r = calloc(n ? n : 1, sizeof *r);
+    if (!r) {
+        kvd_artifacts_free(a, n);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        r[i].kind = a[i].kind;
+        r[i].layer = a[i].layer;
+        r[i].kv_head = a[i].kv_head;
+        r[i].ndim = a[i].ndim;
+        r[i].shape[0] = a[i].shape[0];
+        r[i].shape[1] = a[i].shape[1];
+        r[i].data = a[i].data;
+    }
+    rc = kvd_codec_arts_build(&c->k, &c->v, mi->num_layers, mi->num_kv_heads, mi->head_dim, r, n,
+                              out, err);
+    if (rc == KVD_EPRECOND && err) {
+        char msg[sizeof err->msg];
+        memcpy(msg, err->msg, sizeof msg);
+        msg[sizeof msg - 24] = '\0';
+        kvd_error_set(err, rc, "codecs: model %s: %s", mi->name, msg);
+    }
+    free(r);
+    kvd_artifacts_free(a, n);
+    return rc;
+}
+
 int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
                              const kvd_seq_codecs *c, kvd_error *err)
 {
@@ -88,10 +142,21 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
     if (rc)
         return rc;
     pthread_rwlock_rdlock(&st->lock);
-    int found = kvd__seq_find(st, id, id_len, NULL) != NULL;
+    kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
+    kvd_model_info mi;
+    if (s)
+        mi = s->model->info;
     pthread_rwlock_unlock(&st->lock);
-    if (!found)
+    if (!s)
         return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+    /* VQ / SVD: snapshot the model's artifacts of this moment. */
+    kvd_codec_arts *arts = NULL;
+    if (kvd_seq_codecs_need_arts(c) && (rc = build_snapshot(st, &mi, c, &arts, err)))
+        return rc;
+    rc = kvd_store_seq_arts_put(st, id, id_len, arts, err);
+    kvd_codec_arts_free(arts);
+    if (rc)
+        return rc;
     uint8_t key[1 + KVD_SEQ_ID_MAX], rec[REC_BYTES];
     size_t klen = codec_key(key, id, id_len);
     rec[0] = REC_VERSION;
@@ -103,6 +168,12 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
         rec[10 + 2 * SPEC_BYTES + i] = (uint8_t)(c->pq_iterations >> (8 * i));
     }
     rec[9 + 2 * SPEC_BYTES] = c->pq_bits;
+    const kvd_codec_spec *sp[2] = {&c->k, &c->v};
+    for (int i = 0; i < 2; i++) {
+        rec[REC1_BYTES + 3 * i] = sp[i]->vq_sub_dim;
+        rec[REC1_BYTES + 3 * i + 1] = sp[i]->vq_bits;
+        rec[REC1_BYTES + 3 * i + 2] = sp[i]->svd;
+    }
     char *e = NULL;
     rocksdb_put(st->db, st->wopt, (const char *)key, klen, (const char *)rec, sizeof rec, &e);
     if (e) {
@@ -131,7 +202,8 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
     }
     if (!v)
         return 0;
-    if (len != REC_BYTES || (uint8_t)v[0] != REC_VERSION) {
+    if (!((len == REC_BYTES && (uint8_t)v[0] == REC_VERSION) ||
+          (len == REC1_BYTES && (uint8_t)v[0] == 1))) {
         free(v);
         return kvd_error_set(err, KVD_ECORRUPT, "sequence codec record of %zu bytes", len);
     }
@@ -145,7 +217,102 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
         c->pq_iterations |= (uint32_t)p[10 + 2 * SPEC_BYTES + i] << (8 * i);
     }
     c->pq_bits = p[9 + 2 * SPEC_BYTES];
+    if (len == REC_BYTES) {
+        kvd_codec_spec *sp[2] = {&c->k, &c->v};
+        for (int i = 0; i < 2; i++) {
+            sp[i]->vq_sub_dim = p[REC1_BYTES + 3 * i];
+            sp[i]->vq_bits = p[REC1_BYTES + 3 * i + 1];
+            sp[i]->svd = p[REC1_BYTES + 3 * i + 2];
+        }
+    }
     free(v);
     *found = 1;
     return 0;
+}
+
+/* ---- artifact snapshots ------------------------------------------------------ */
+
+static size_t arts_key(uint8_t *key, const void *id, size_t id_len)
+{
+    key[0] = KEY_ARTS;
+    memcpy(key + 1, id, id_len);
+    return id_len + 1;
+}
+
+int kvd_seq_codecs_coded(const kvd_seq_codecs *c)
+{
+    return c->k.codec != KVD_CODEC_RAW || c->v.codec != KVD_CODEC_RAW || c->k.svd || c->v.svd;
+}
+
+int kvd_seq_codecs_need_arts(const kvd_seq_codecs *c)
+{
+    return c->k.codec == KVD_CODEC_VQ || c->v.codec == KVD_CODEC_VQ || c->k.svd || c->v.svd;
+}
+
+int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const kvd_codec_arts *a,
+                           kvd_error *err)
+{
+    int rc = kvd__check_seq_id(id, id_len, err);
+    if (rc)
+        return rc;
+    uint8_t key[1 + KVD_SEQ_ID_MAX], *buf = NULL;
+    size_t klen = arts_key(key, id, id_len), len = 0;
+    char *e = NULL;
+    if (!a) {
+        rocksdb_delete(st->db, st->wopt, (const char *)key, klen, &e);
+    } else {
+        if ((rc = kvd_codec_arts_serialize(a, &buf, &len, err)))
+            return rc;
+        rocksdb_put(st->db, st->wopt, (const char *)key, klen, (const char *)buf, len, &e);
+        free(buf);
+    }
+    if (e) {
+        rc = kvd_error_set(err, KVD_EINTERNAL, "storing the sequence's artifacts: %s", e);
+        free(e);
+    }
+    return rc;
+}
+
+int kvd_seq_codecs_load_arts(kvd_store *st, const void *id, size_t id_len, kvd_seq_codecs *c,
+                             kvd_error *err)
+{
+    c->k.arts = c->v.arts = NULL;
+    if (!kvd_seq_codecs_need_arts(c))
+        return 0;
+    uint8_t key[1 + KVD_SEQ_ID_MAX];
+    size_t klen = arts_key(key, id, id_len), len = 0;
+    char *e = NULL;
+    char *v = rocksdb_get(st->db, st->ropt, (const char *)key, klen, &len, &e);
+    if (e) {
+        int rc = kvd_error_set(err, KVD_EINTERNAL, "reading the sequence's artifacts: %s", e);
+        free(e);
+        return rc;
+    }
+    if (!v)
+        return kvd_error_set(err, KVD_ECORRUPT,
+                             "the sequence's VQ/SVD artifact snapshot is missing");
+    int rc = kvd_codec_arts_parse((const uint8_t *)v, len, &c->arts, err);
+    free(v);
+    if (rc)
+        return rc;
+    c->k.arts = c->v.arts = c->arts;
+    return 0;
+}
+
+void kvd_seq_codecs_clear(kvd_seq_codecs *c)
+{
+    if (!c)
+        return;
+    kvd_codec_arts_free(c->arts);
+    c->arts = NULL;
+    c->k.arts = c->v.arts = NULL;
+}
+
+void kvd__seq_arts_delete(rocksdb_writebatch_t *b, const void *id, size_t id_len)
+{
+    uint8_t key[1 + KVD_SEQ_ID_MAX];
+    size_t klen = arts_key(key, id, id_len);
+    rocksdb_writebatch_delete(b, (const char *)key, klen);
+    klen = codec_key(key, id, id_len);
+    rocksdb_writebatch_delete(b, (const char *)key, klen);
 }

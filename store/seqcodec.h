@@ -3,11 +3,20 @@
  * seal. Persisted under the RocksDB key 'C' ‖ sequence id (store_internal.h)
  * as
  *
- *   u8 version (1) | K spec | V spec | u32 raw_sink_tokens |
- *   u32 pq_m | u8 pq_bits | u32 pq_iterations
+ *   u8 version (2) | K spec | V spec | u32 raw_sink_tokens |
+ *   u32 pq_m | u8 pq_bits | u32 pq_iterations |
+ *   K vq_sub_dim, K vq_bits, K svd, V vq_sub_dim, V vq_bits, V svd (u8 each)
  *   spec = u8 codec, u16 group, u8 axis, u8 rounding, u64 seed   (13 bytes)
  *
- * little-endian. A sequence without the key stores raw pages.
+ * little-endian; version 1 records (without the last 6 bytes) still read.
+ * A sequence without the key stores raw pages.
+ *
+ * A sequence with VQ or SVD also has its artifact snapshot under the key
+ * 'Z' ‖ sequence id (kvd_codec_arts_serialize), written at CreateSequence
+ * from the model's artifacts of that moment and removed with the sequence
+ * (with the 'C' record): recalibrating the model later never changes what
+ * the sequence's pages decode to. The whole snapshot is read once per
+ * Append, Attend or Read of the sequence.
  */
 #ifndef KVDEPOT_STORE_SEQCODEC_H
 #define KVDEPOT_STORE_SEQCODEC_H
@@ -25,7 +34,30 @@ typedef struct kvd_seq_codecs {
     uint32_t pq_m;
     uint8_t pq_bits;
     uint32_t pq_iterations;
+    /* The artifact snapshot (kvd_seq_codecs_load_arts; k.arts and v.arts
+     * point at it); owned, freed by kvd_seq_codecs_clear. */
+    kvd_codec_arts *arts;
 } kvd_seq_codecs;
+
+/* Does a sealed page get coded (anything but raw)? Does it need artifacts? */
+int kvd_seq_codecs_coded(const kvd_seq_codecs *c);
+int kvd_seq_codecs_need_arts(const kvd_seq_codecs *c);
+
+/* Store (a != NULL) or remove the artifact snapshot of a sequence. */
+int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const kvd_codec_arts *a,
+                           kvd_error *err);
+
+/* Load the snapshot of a sequence whose codecs need one into c->arts.
+ * KVD_ECORRUPT when it is missing or damaged. */
+int kvd_seq_codecs_load_arts(kvd_store *st, const void *id, size_t id_len, kvd_seq_codecs *c,
+                             kvd_error *err);
+
+/* Free c->arts; NULL-safe. */
+void kvd_seq_codecs_clear(kvd_seq_codecs *c);
+
+/* Add the deletion of a sequence's codec record and snapshot to b. */
+struct rocksdb_writebatch_t;
+void kvd__seq_arts_delete(struct rocksdb_writebatch_t *b, const void *id, size_t id_len);
 
 /* Check both specs for the model's shape and the store's page size (fills
  * defaults). KVD_EINVAL / KVD_EUNSUPP naming the field. */

@@ -14,6 +14,7 @@
  * [i*B, min((i+1)*B, tokens)).
  */
 #include "pqindex.h"
+#include "seqcodec.h"
 #include "store_internal.h"
 
 #include <stdio.h>
@@ -586,6 +587,7 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         kvd__expiry_delete(b, s);
     kvd__pq_delete(b, s); /* PQ centroids (pqindex.h) */
     kvd__act_delete(b, s);
+    kvd__seq_arts_delete(b, s->id, s->id_len); /* codec record, artifact snapshot */
     for (uint32_t l = 0; l < s->num_layers; l++) {
         for (uint32_t i = 0; i < s->layers[l].npages; i++) {
             kvd__page *p = s->layers[l].pages[i];

@@ -364,7 +364,8 @@ typedef enum kvdepot_codec {
     KVDEPOT_CODEC_RAW = 0,
     KVDEPOT_CODEC_INT2 = 1, /* 2-bit asymmetric groups (HACK), ~2.4-2.8 bits/value */
     KVDEPOT_CODEC_INT4 = 2, /* 4-bit asymmetric groups */
-    KVDEPOT_CODEC_VQ = 3    /* reserved: not produced by this version */
+    KVDEPOT_CODEC_VQ = 3    /* vector quantization (VecInfer) with the model's calibrated
+                               codebooks, b/d bits per value (d4b8 = 2) */
 } kvdepot_codec;
 
 /* Grouping axis of INT2/INT4 values. */
@@ -380,6 +381,21 @@ typedef struct kvdepot_codec_spec {
     int stochastic;              /* 1 = stochastic rounding, 0 = nearest */
     kvdepot_quant_axis axis;
     uint64_t seed;               /* stochastic rounding seed */
+    /* KVDEPOT_CODEC_VQ: sub-vector width d (2, 4 or 8) and bits b (4..12).
+     * The model needs artifacts of this shape (kvdepot_calibrate with the
+     * same VQ spec, or kvdepot_artifacts_upload): KEY_SMOOTHING and
+     * VQ_CODEBOOK_K for K, VQ_CODEBOOK_V for V, every (layer, kv head). */
+    uint32_t vq_sub_dim, vq_bits;
+    /* SVD reduction (ZACK) before the codec (raw, INT2 or INT4; not VQ):
+     * either a singular-value removal rate in (0, 1) (per-head widths from
+     * the SVD_SPECTRUM artifact) or svd_num_widths explicit widths (1 for
+     * every kv head, or one per kv head; 1..head_dim). Widths are rounded up
+     * to a multiple of svd_align (0 = 8) and, for INT2/INT4 on the token
+     * axis, of group_size. Needs the SVD_ROTATION artifacts. */
+    double svd_removal_rate;
+    const uint32_t *svd_widths;
+    size_t svd_num_widths;
+    uint32_t svd_align;
 } kvdepot_codec_spec;
 
 /* The codecs of a sequence (kvdepot.v1.SequenceCodecs). Zero = all raw. */
@@ -996,6 +1012,26 @@ int kvdepot_encode_pages(const kvdepot_model *model, const kvdepot_codecs *codec
                          uint32_t page_tokens, uint32_t layer, uint64_t token_start,
                          uint64_t num_tokens, const void *k, const void *v, kvdepot_page **pages,
                          size_t *count);
+
+/*
+ * kvdepot_encode_pages for codecs that need model artifacts (VQ, SVD): the
+ * caller passes the model's artifacts (kvdepot_artifacts_get; those of
+ * every layer, or at least of layers 0..num_layers-1 for the kinds the
+ * codecs use). Pages carry the fingerprint of the artifacts they were coded
+ * with; the server's AppendPages accepts them only when it equals the
+ * fingerprint of the snapshot the sequence took at kvdepot_sequence_create
+ * (KVDEPOT_EPRECOND otherwise, e.g. after a recalibration). With no VQ/SVD
+ * in `codecs` the artifacts are ignored.
+ * @return as kvdepot_encode_pages; KVDEPOT_EINVAL also names a missing or
+ *         mis-shaped artifact.
+ */
+struct kvdepot_artifact;
+int kvdepot_encode_pages_with_artifacts(const kvdepot_model *model, const kvdepot_codecs *codecs,
+                                        const struct kvdepot_artifact *artifacts,
+                                        size_t n_artifacts,
+                                        uint32_t page_tokens, uint32_t layer,
+                                        uint64_t token_start, uint64_t num_tokens, const void *k,
+                                        const void *v, kvdepot_page **pages, size_t *count);
 
 /* Free pages made by kvdepot_encode_pages or kvdepot_sequence_read_pages;
  * NULL is a no-op. */
