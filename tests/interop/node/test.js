@@ -780,6 +780,88 @@ class Suite {
     eq((await artifacts()).map((a) => a.data.toString('hex')), before, 'artifacts after errors');
   }
 
+  // KVPR from grpc-js: Append with_activations stores X; a Read with
+  // activation_tokens l (l from PlanFetch) streams X of [t0, t0 + l) then K/V
+  // of the rest, equal to what was appended; errors change nothing.
+  async tActivations() {
+    const api = this.api;
+    const L = 2, HKV = 2, D = 8, HID = 16, n = 300;
+    const m = this.model('js-act', L, HKV, D);
+    m.hidden_size = HID;
+    await this.putModel(m);
+    await this.create('js-act', 'js-act', { codecs: { store_activations: true } });
+    await this.create('js-act-plain', 'js-act');
+    const kvTok = HKV * D * 2, xTok = HID * 2;
+    const rand = (len, seed) => {
+      const b = Buffer.alloc(len);
+      let x = seed;
+      for (let i = 0; i < len; i++) { x = (x * 1103515245 + 12345) % 2147483648; b[i] = x >> 16; }
+      return b;
+    };
+    const k = [0, 1].map((l) => rand(n * kvTok, 10 + l));
+    const v = [0, 1].map((l) => rand(n * kvTok, 20 + l));
+    const x = [0, 1].map((l) => rand(n * xTok, 30 + l));
+    const sl = (parts, tb, t0, t1) => Buffer.concat(parts.map((p) => p.subarray(t0 * tb, t1 * tb)));
+    const append = (id, t0, nt, withX = true) => {
+      let data = Buffer.concat([sl(k, kvTok, t0, t0 + nt), sl(v, kvTok, t0, t0 + nt)]);
+      if (withX) data = Buffer.concat([data, sl(x, xTok, t0, t0 + nt)]);
+      const msgs = api.appendMsgs(id, data, t0, nt, { chunks: 7000 });
+      msgs[0].header.with_activations = withX;
+      return api.appendStream(msgs);
+    };
+    const readX = (req) => new Promise((resolve, reject) => {
+      const call = api.client.Read({ sequence_id: idBuf('js-act'), max_chunk_bytes: 4096, ...req },
+                                   Api.deadline());
+      let header = null;
+      const parts = [];
+      call.on('data', (r) => { if (!header) header = r.header; parts.push(r.data); });
+      call.on('error', reject);
+      call.on('end', () => resolve({ header, data: Buffer.concat(parts) }));
+    });
+
+    await append('js-act', 0, 256);
+    await append('js-act', 256, 44);
+    eq((await this.stat('js-act')).activation_tokens, String(n), 'activation_tokens');
+    const p = await api.unary('PlanFetch', { sequence_id: idBuf('js-act'),
+                                             bandwidth_bytes_per_s: 1e9, compute_flops_per_s: 1e11 });
+    const l0 = Number(p.split_tokens);
+    check(l0 > 0 && l0 <= n, `PlanFetch split ${l0} with ${n} stored activations`);
+    for (const [t0, nt, l] of [[0, n, l0], [0, n, n], [5, 290, 251], [299, 1, 1]]) {
+      const { header, data } = await readX({ token_start: String(t0), num_tokens: String(nt),
+                                              activation_tokens: String(l) });
+      eq([header.activation_tokens, header.hidden_size, header.activation_bytes],
+         [String(l), HID, String(L * l * xTok)], 'activation-first Read header');
+      eq(String(data.length), String(Number(header.activation_bytes) + Number(header.total_bytes)),
+         'activation-first Read bytes');
+      const want = Buffer.concat([sl(x, xTok, t0, t0 + l), sl(k, kvTok, t0 + l, t0 + nt),
+                                  sl(v, kvTok, t0 + l, t0 + nt)]);
+      check(data.equals(want), `activation-first Read t0=${t0} n=${nt} l=${l} differs`);
+      if (l < nt) {
+        const plain = await api.read('js-act', { tokenStart: t0 + l, numTokens: nt - l });
+        check(data.subarray(L * l * xTok).equals(plain.data),
+              'K/V part differs from a plain Read of the remaining tokens');
+      }
+    }
+    // Errors: clear status, nothing stored.
+    await expectCode(S.FAILED_PRECONDITION, append('js-act-plain', 0, 10));
+    eq((await this.stat('js-act-plain')).num_tokens, '0', 'plain sequence after refused X');
+    await expectCode(S.INVALID_ARGUMENT, readX({ activation_tokens: String(n + 1) }));
+    await expectCode(S.INVALID_ARGUMENT, readX({ activation_tokens: '1', format: 1 }));
+    // A gap: 10 tokens with X, 5 without; X can no longer follow, and a Read
+    // cannot ask for X past the 10.
+    await this.create('js-act2', 'js-act', { codecs: { store_activations: true } });
+    await append('js-act2', 0, 10);
+    await append('js-act2', 10, 5, false);
+    await expectCode(S.FAILED_PRECONDITION, append('js-act2', 15, 5));
+    const s2 = await this.stat('js-act2');
+    eq([s2.num_tokens, s2.activation_tokens], ['15', '10'], 'tokens, activation_tokens after a gap');
+    await expectCode(S.OUT_OF_RANGE, readX({ sequence_id: idBuf('js-act2'), activation_tokens: '11' }));
+    // Deleting the sequence takes its activations along.
+    await api.unary('DeleteSequence', { sequence_id: idBuf('js-act') });
+    await this.create('js-act', 'js-act', { codecs: { store_activations: true } });
+    eq((await this.stat('js-act')).activation_tokens, '0', 'activation_tokens after re-create');
+  }
+
   async tCompute() {
     const api = this.api;
     const L = 1, HKV = 2, HQ = 4, D = 32, n = 200;
@@ -1634,6 +1716,7 @@ class Suite {
       ['deletes racing reads/appends', this.tDeleteRaces],
       [`large ${this.args.largeMib} MiB`, this.tLarge],
       ['compute: attend, search, sparse attend, plan', this.tCompute],
+      ['activations (KVPR)', this.tActivations],
       ['calibrate and artifacts', this.tCalibrate],
       ['restart', this.tRestart],
       ['shutdown', this.tShutdown],

@@ -812,6 +812,97 @@ class Suite:
             sequence_id=b"py-raw", layer=0, q=q, k=3), timeout=CALL_TIMEOUT)
         eq(self.stat(b"py-raw").num_tokens, n, "py-raw after errors")
 
+    def t_activations(self):
+        """KVPR from an independent client: Append with_activations stores X; a Read
+        with activation_tokens l (l from PlanFetch) streams X of [0, l) then K/V of
+        [l, n), equal to what was appended; errors change nothing."""
+        pb = self.pb
+        L, HKV, D, HID, n = 2, 2, 8, 16, 300
+        m = self.model("py-act", L, HKV, D)
+        m.hidden_size = HID
+        self.put_model(m)
+        self.create(b"py-act", "py-act", codecs=pb.SequenceCodecs(store_activations=True))
+        self.create(b"py-act-plain", "py-act")
+        rng = random.Random(11)
+        kv_tok, x_tok = HKV * D * 2, HID * 2
+        k = [bytes(rng.getrandbits(8) for _ in range(n * kv_tok)) for _ in range(L)]
+        v = [bytes(rng.getrandbits(8) for _ in range(n * kv_tok)) for _ in range(L)]
+        x = [bytes(rng.getrandbits(8) for _ in range(n * x_tok)) for _ in range(L)]
+
+        def append(sid, t0, nt, with_x=True, x_cut=0):
+            sl = lambda parts, tb: b"".join(p[t0 * tb:(t0 + nt) * tb] for p in parts)
+            data = sl(k, kv_tok) + sl(v, kv_tok)
+            if with_x:
+                data += sl(x, x_tok)[:len(sl(x, x_tok)) - x_cut]
+            hdr = pb.AppendHeader(sequence_id=sid, token_start=t0, num_tokens=nt,
+                                  dtype=pb.DTYPE_F16, with_activations=with_x)
+            msgs = [pb.AppendRequest(header=hdr)] + [pb.AppendRequest(data=c)
+                                                     for c in split(data, 5000)]
+            return self.api.Append(iter(msgs), timeout=CALL_TIMEOUT)
+
+        append(b"py-act", 0, 200)
+        append(b"py-act", 200, 100)
+        eq(self.stat(b"py-act").activation_tokens, n, "activation_tokens")
+        PlanFetch = self.uu("PlanFetch")
+        p = PlanFetch(pb.PlanFetchRequest(sequence_id=b"py-act", bandwidth_bytes_per_s=1e9,
+                                          compute_flops_per_s=1e11), timeout=CALL_TIMEOUT)
+        check(0 < p.split_tokens <= n, "PlanFetch split %d with %d stored activations"
+              % (p.split_tokens, n))
+        for t0, nt, l in ((0, n, p.split_tokens), (0, n, n), (10, 250, 246), (250, 50, 7)):
+            req = pb.ReadRequest(sequence_id=b"py-act", token_start=t0, num_tokens=nt,
+                                 activation_tokens=l, max_chunk_bytes=4096)
+            hdr, parts = None, []
+            for i, resp in enumerate(self.api.Read(req, timeout=CALL_TIMEOUT)):
+                if i == 0:
+                    hdr = resp.header
+                parts.append(resp.data)
+            data = b"".join(parts)
+            eq((hdr.activation_tokens, hdr.hidden_size, hdr.token_start, hdr.num_tokens),
+               (l, HID, t0, nt), "activation-first Read header")
+            eq(hdr.activation_bytes, L * l * x_tok, "ReadHeader.activation_bytes")
+            eq(len(data), hdr.activation_bytes + hdr.total_bytes, "activation-first Read bytes")
+            want = b"".join(x[i][t0 * x_tok:(t0 + l) * x_tok] for i in range(L))
+            want += b"".join(k[i][(t0 + l) * kv_tok:(t0 + nt) * kv_tok] for i in range(L))
+            want += b"".join(v[i][(t0 + l) * kv_tok:(t0 + nt) * kv_tok] for i in range(L))
+            check(data == want, "activation-first Read t0=%d n=%d l=%d differs" % (t0, nt, l))
+            if l < nt:
+                _, plain = self.api.read(b"py-act", token_start=t0 + l, num_tokens=nt - l)
+                check(data[hdr.activation_bytes:] == plain,
+                      "K/V part differs from a plain Read of the remaining tokens")
+        # Errors: clear status, nothing stored.
+        expect_code(grpc.StatusCode.FAILED_PRECONDITION, append, b"py-act-plain", 0, 10)
+        eq(self.stat(b"py-act-plain").num_tokens, 0, "plain sequence after refused X")
+        append(b"py-act-plain", 0, 10, with_x=False)
+        m0 = self.model("py-act-nohidden", L, HKV, D)
+        self.put_model(m0)
+        expect_code(grpc.StatusCode.FAILED_PRECONDITION, self.create, b"py-act-x",
+                    "py-act-nohidden", codecs=pb.SequenceCodecs(store_activations=True))
+        expect_code(grpc.StatusCode.NOT_FOUND, self.stat, b"py-act-x")
+        self.create(b"py-act2", "py-act", codecs=pb.SequenceCodecs(store_activations=True))
+        expect_code(grpc.StatusCode.INVALID_ARGUMENT, append, b"py-act2", 0, 10, x_cut=1)
+        eq(self.stat(b"py-act2").num_tokens, 0, "sequence after a short X")
+        # A gap: 10 tokens with X, 5 without; X can no longer follow, and a Read
+        # cannot ask for X past the 10.
+        append(b"py-act2", 0, 10)
+        append(b"py-act2", 10, 5, with_x=False)
+        expect_code(grpc.StatusCode.FAILED_PRECONDITION, append, b"py-act2", 15, 5)
+        eq((self.stat(b"py-act2").num_tokens, self.stat(b"py-act2").activation_tokens),
+           (15, 10), "tokens, activation_tokens after a gap")
+        expect_code(grpc.StatusCode.OUT_OF_RANGE, lambda: list(self.api.Read(
+            pb.ReadRequest(sequence_id=b"py-act2", activation_tokens=11),
+            timeout=CALL_TIMEOUT)))
+        expect_code(grpc.StatusCode.FAILED_PRECONDITION, lambda: list(self.api.Read(
+            pb.ReadRequest(sequence_id=b"py-act-plain", activation_tokens=1),
+            timeout=CALL_TIMEOUT)))
+        expect_code(grpc.StatusCode.INVALID_ARGUMENT, lambda: list(self.api.Read(
+            pb.ReadRequest(sequence_id=b"py-act", activation_tokens=1,
+                           format=pb.READ_FORMAT_PAGES), timeout=CALL_TIMEOUT)))
+        # Deleting the sequence takes its activations along.
+        self.api.DeleteSequence(pb.DeleteSequenceRequest(sequence_id=b"py-act"),
+                                timeout=CALL_TIMEOUT)
+        self.create(b"py-act", "py-act", codecs=pb.SequenceCodecs(store_activations=True))
+        eq(self.stat(b"py-act").activation_tokens, 0, "activation_tokens after re-create")
+
     def t_roundtrip(self):
         info = self.create(b"py-seq", "py-f16")
         eq(info.num_tokens, 0, "new sequence num_tokens")
@@ -1612,6 +1703,7 @@ class Suite:
             ("deletes racing reads/appends", self.t_delete_races),
             ("large %d MiB" % self.args.large_mib, self.t_large),
             ("compute: attend, search, plan", self.t_compute),
+            ("activations (KVPR)", self.t_activations),
             ("calibrate and artifacts", self.t_calibrate),
             ("restart", self.t_restart),
             ("shutdown", self.t_shutdown),
