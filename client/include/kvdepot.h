@@ -436,8 +436,12 @@ typedef struct kvdepot_create_args {
     uint64_t ttl_seconds;
     /* Optional: how pages are stored once they seal (NULL = raw). A spec
      * the model cannot take (group not dividing head_dim, channel axis on
-     * K, ...) fails the call with KVDEPOT_EINVAL; codecs this server does
-     * not produce yet (VQ, SVD, PQ index) with KVDEPOT_EUNSUPP. */
+     * K, VQ d/b out of range, SVD with VQ, ...) fails the call with
+     * KVDEPOT_EINVAL; VQ or SVD on a model without the artifacts they need
+     * (or with codebooks of another shape) with KVDEPOT_EPRECOND naming the
+     * first missing one (run kvdepot_calibrate or upload artifacts). VQ and
+     * SVD copy the model's artifacts into the sequence at creation: a later
+     * recalibration does not change how its pages decode. */
     const kvdepot_codecs *codecs;
 } kvdepot_create_args;
 
@@ -448,9 +452,10 @@ typedef struct kvdepot_create_args {
  * @param[out] out     the new sequence (may be NULL); clear it with
  *                     kvdepot_sequence_info_clear()
  * @return KVDEPOT_OK; KVDEPOT_EINVAL for a bad id or prefix token ids that
- *         do not match the hashes; KVDEPOT_ENOTFOUND for an unknown model or
- *         a prefix hash that is not stored; KVDEPOT_EEXIST when the id is
- *         taken; transport errors.
+ *         do not match the hashes, or bad codecs; KVDEPOT_EPRECOND for VQ/SVD
+ *         codecs on a model without their artifacts; KVDEPOT_ENOTFOUND for an
+ *         unknown model or a prefix hash that is not stored; KVDEPOT_EEXIST
+ *         when the id is taken; transport errors.
  */
 int kvdepot_sequence_create(kvdepot_client *client, const kvdepot_create_args *args,
                             kvdepot_sequence_info *out);
