@@ -293,6 +293,21 @@ static int t_vq(kvd_harness *h)
     if (check_seq(c, "vq", 0.37, 0.08, 0.12) || check_seq(c, "vq-int4", 0.45, 0.08, 0.01) ||
         check_seq(c, "vq-sink", 0.7, 0.08, 0.12))
         return 1;
+    /* Search and SparseAttend read the keys of a VQ sequence (decoded). */
+    kvdepot_codecs vqpq = vq_codecs();
+    vqpq.pq_m = 8;
+    REQUIRE_RC(create(c, "vqm", "vq-pq", &vqpq), KVDEPOT_OK);
+    REQUIRE_RC(append_data(c, "vq-pq"), KVDEPOT_OK);
+    float *sq = make_q(3);
+    kvdepot_search_args sa = {"vq-pq", 5, 0, sq, HQ * D, 16, 4, 8, 0, 0};
+    kvdepot_search_result sr;
+    REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
+    CHECK(sr.num_heads == H && sr.heads[0].count == 16 + 4 + 8);
+    kvdepot_search_result_free(&sr);
+    kvdepot_attend_result sp;
+    REQUIRE_RC(kvdepot_sparse_attend(c, &sa, 0, &sp, NULL), KVDEPOT_OK);
+    kvdepot_attend_results_free(&sp, 1);
+    free(sq);
     /* READ_FORMAT_PAGES ships the stored VQ pages (codec byte 3). */
     kvdepot_read_args ra;
     memset(&ra, 0, sizeof ra);
