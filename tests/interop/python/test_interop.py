@@ -812,6 +812,68 @@ class Suite:
             sequence_id=b"py-raw", layer=0, q=q, k=3), timeout=CALL_TIMEOUT)
         eq(self.stat(b"py-raw").num_tokens, n, "py-raw after errors")
 
+    def t_codecs_vq_svd(self):
+        """VQ and SVD-reduced sequences from an independent client: FAILED_PRECONDITION
+        before the model is calibrated, then pages seal coded (codec 3 VQ, 4 SVD in the
+        stored pages), Attend equals attention computed here on the data read back,
+        bad VQ shapes are INVALID_ARGUMENT; nothing is created on errors."""
+        pb = self.pb
+        HKV, HQ, D, n = 2, 4, 16, 300
+        m = self.model("py-vq", 1, HKV, D, dtype=pb.DTYPE_F32, q_heads=HQ)
+        self.put_model(m)
+        vq = pb.CodecSpec(codec=pb.CODEC_VQ, vq=pb.VQSpec(sub_dim=4, bits=5))
+        svd = pb.CodecSpec(codec=pb.CODEC_RAW, svd=pb.SVDSpec(removal_rate=0.2))
+        expect_code(SC.FAILED_PRECONDITION, self.create, b"py-vq", "py-vq",
+                    codecs=pb.SequenceCodecs(k=vq, v=vq))
+        expect_code(SC.FAILED_PRECONDITION, self.create, b"py-svd", "py-vq",
+                    codecs=pb.SequenceCodecs(k=svd, v=svd))
+        expect_code(SC.NOT_FOUND, self.stat, b"py-vq")
+        rng = random.Random(12)
+        pack = lambda xs: struct.pack("<%df" % len(xs), *xs)
+        sample = lambda cnt, heads: [rng.uniform(-1, 1) for _ in range(cnt * heads * D)]
+        Cal = self.api.channel.stream_unary(
+            self.api.SVC + "Calibrate", request_serializer=pb.CalibrateRequest.SerializeToString,
+            response_deserializer=pb.CalibrateResponse.FromString)
+        hdr = pb.CalibrateHeader(model="py-vq", svd=True, seed=3)
+        hdr.vq.sub_dim, hdr.vq.bits = 4, 5
+        Cal(iter([pb.CalibrateRequest(header=hdr), pb.CalibrateRequest(
+            sample=pb.CalibrateSample(layer=0, num_tokens=n, k=pack(sample(n, HKV)),
+                                      v=pack(sample(n, HKV)), q=pack(sample(n, HQ))))]),
+            timeout=CALL_TIMEOUT)
+        bad = pb.CodecSpec(codec=pb.CODEC_VQ, vq=pb.VQSpec(sub_dim=3, bits=5))
+        expect_code(SC.INVALID_ARGUMENT, self.create, b"py-vq", "py-vq",
+                    codecs=pb.SequenceCodecs(k=bad))
+        expect_code(SC.FAILED_PRECONDITION, self.create, b"py-vq", "py-vq",  # b 8: not calibrated
+                    codecs=pb.SequenceCodecs(k=pb.CodecSpec(codec=pb.CODEC_VQ,
+                                                            vq=pb.VQSpec(sub_dim=4, bits=8))))
+        expect_code(SC.NOT_FOUND, self.stat, b"py-vq")
+        data = pack(sample(n, HKV)) + pack(sample(n, HKV))
+        q = [rng.uniform(-1, 1) for _ in range(HQ * D)]
+        Attend = self.uu("Attend")
+        for sid, codecs, want in ((b"py-vq", pb.SequenceCodecs(k=vq, v=vq), pb.CODEC_VQ),
+                                  (b"py-svd", pb.SequenceCodecs(k=svd, v=svd), 4)):
+            self.create(sid, "py-vq", codecs=codecs)
+            self.api.append(sid, data, 0, n, dtype=pb.DTYPE_F32, timeout=CALL_TIMEOUT)
+            _, back = self.api.read(sid)
+            vals = struct.unpack("<%df" % (2 * n * HKV * D), back)
+            kb = [[list(vals[(t * HKV + h) * D:(t * HKV + h + 1) * D]) for h in range(HKV)]
+                  for t in range(n)]
+            off = n * HKV * D
+            vb = [[list(vals[off + (t * HKV + h) * D:off + (t * HKV + h + 1) * D])
+                   for h in range(HKV)] for t in range(n)]
+            r = Attend(pb.AttendRequest(layer=0, queries=[pb.AttendQuery(sequence_id=sid, q=q)]),
+                       timeout=CALL_TIMEOUT).results[0]
+            out, lse = self.attention(q, kb, vb, HQ, HKV, D, 1 / math.sqrt(D))
+            for i in range(HQ * D):
+                check(abs(r.output[i] - out[i]) <= 1e-4, "%s Attend output[%d] %g vs %g"
+                      % (sid, i, r.output[i], out[i]))
+            for h in range(HQ):
+                check(abs(r.lse[h] - lse[h]) <= 1e-4, "%s Attend lse[%d]" % (sid, h))
+            pages = [x.data for x in list(self.api.Read(pb.ReadRequest(
+                sequence_id=sid, format=pb.READ_FORMAT_PAGES), timeout=CALL_TIMEOUT))[1:]]
+            eq((pages[0][8], pages[0][9], pages[-1][8]), (want, want, pb.CODEC_RAW),
+               "%s stored page codecs (sealed, tail)" % sid)
+
     def t_activations(self):
         """KVPR from an independent client: Append with_activations stores X; a Read
         with activation_tokens l (l from PlanFetch) streams X of [0, l) then K/V of
@@ -1703,6 +1765,7 @@ class Suite:
             ("deletes racing reads/appends", self.t_delete_races),
             ("large %d MiB" % self.args.large_mib, self.t_large),
             ("compute: attend, search, plan", self.t_compute),
+            ("codecs: VQ and SVD", self.t_codecs_vq_svd),
             ("activations (KVPR)", self.t_activations),
             ("calibrate and artifacts", self.t_calibrate),
             ("restart", self.t_restart),
