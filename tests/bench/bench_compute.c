@@ -53,6 +53,97 @@ static void fill_f16(uint16_t *x, size_t n, uint64_t seed)
     }
 }
 
+/*
+ * Rows of table 1+2 for the codecs that need model artifacts (VQ, SVD): a
+ * snapshot with random codebooks, lambda = 1 and identity rotations (bytes
+ * and encode speed do not depend on the artifacts' values).
+ */
+static void table_bytes_arts(kvd_backend *be, const kvd_page_desc *d, const uint16_t *k,
+                             const uint16_t *v, double raw)
+{
+    const int kinds[7] = {1, 2, 3, 4, 5, 6, 7};
+    static float lam[D], rot[D * D], spec[D], cb8[256 * 4], cb12[4096 * 8];
+    for (int i = 0; i < D; i++) {
+        lam[i] = 1.0f;
+        spec[i] = 1.0f / (float)(1 + i);
+        rot[i * D + i] = 1.0f;
+    }
+    uint16_t tmp[4096 * 8];
+    fill_f16(tmp, 4096 * 8, 5);
+    for (int i = 0; i < 4096 * 8; i++)
+        cb12[i] = kvd_f16_to_f32(tmp[i]);
+    for (int i = 0; i < 256 * 4; i++)
+        cb8[i] = cb12[i];
+    static const uint32_t w64[1] = {64};
+    struct {
+        const char *name;
+        kvd_codec_spec k, v;
+    } cs[4];
+    memset(cs, 0, sizeof cs);
+    cs[0].name = "VQ d4b8 (2 bits/value)";
+    cs[0].k.codec = cs[0].v.codec = KVD_CODEC_VQ;
+    cs[0].k.vq_sub_dim = cs[0].v.vq_sub_dim = 4;
+    cs[0].k.vq_bits = cs[0].v.vq_bits = 8;
+    cs[1] = cs[0];
+    cs[1].name = "VQ d8b12 (u16 codes: 2 bits/value)";
+    cs[1].k.vq_sub_dim = cs[1].v.vq_sub_dim = 8;
+    cs[1].k.vq_bits = cs[1].v.vq_bits = 12;
+    cs[2].name = "SVD w64 + fp16";
+    cs[2].k.svd = cs[2].v.svd = 1;
+    cs[2].k.svd_nwidths = cs[2].v.svd_nwidths = 1;
+    cs[2].k.svd_widths = cs[2].v.svd_widths = w64;
+    cs[3] = cs[2];
+    cs[3].name = "SVD w64 + INT4 K g64 / INT2 V";
+    cs[3].k.codec = KVD_CODEC_INT4;
+    cs[3].k.group = 64;
+    cs[3].v.codec = KVD_CODEC_INT2;
+    cs[3].v.group = 64;
+    cs[3].v.axis = 1;
+    const size_t n = (size_t)H * B * D;
+    for (int i = 0; i < 4; i++) {
+        kvd_art_ref refs[8 * H];
+        size_t nr = 0;
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < 7; j++) {
+                kvd_art_ref *r = &refs[nr++];
+                memset(r, 0, sizeof *r);
+                r->kind = kinds[j];
+                r->kv_head = (uint32_t)h;
+                int vq = kinds[j] == 2 || kinds[j] == 3, big = cs[i].k.vq_bits == 12;
+                r->ndim = kinds[j] == 1 || kinds[j] >= 6 ? 1 : 2;
+                r->shape[0] = vq ? (big ? 4096 : 256) : D;
+                r->shape[1] = vq ? (big ? 8 : 4) : r->ndim == 2 ? D : 0;
+                r->data = kinds[j] == 1 ? lam : vq ? (big ? cb12 : cb8) : r->ndim == 2 ? rot : spec;
+            }
+        kvd_codec_arts *arts = NULL;
+        kvd_error err;
+        if (kvd_codec_arts_build(&cs[i].k, &cs[i].v, 1, H, D, refs, nr, &arts, &err)) {
+            printf("| %s | snapshot failed: %s |\n", cs[i].name, err.msg);
+            continue;
+        }
+        cs[i].k.arts = cs[i].v.arts = arts;
+        uint8_t *page = NULL;
+        size_t len = 0;
+        int iters = 0;
+        double t0 = now(), t1 = t0;
+        do {
+            free(page);
+            page = NULL;
+            if (kvd_page_encode(be, d, &cs[i].k, &cs[i].v, k, v, &page, &len, &err)) {
+                printf("| %s | encode failed: %s |\n", cs[i].name, err.msg);
+                break;
+            }
+            iters++;
+            t1 = now();
+        } while (t1 - t0 < 0.3);
+        if (page)
+            printf("| %s | %.1f | %.2fx smaller | %.2f |\n", cs[i].name, (double)len / B,
+                   raw / ((double)len / B), (double)iters * n * 2 * 2 / (t1 - t0) / 1e9);
+        free(page);
+        kvd_codec_arts_free(arts);
+    }
+}
+
 static void table_bytes(void)
 {
     kvd_backend *be = NULL;
@@ -105,6 +196,7 @@ static void table_bytes(void)
                (double)iters * n * 2 * 2 / (t1 - t0) / 1e9);
         free(page);
     }
+    table_bytes_arts(be, &d, k, v, raw);
     free(k);
     free(v);
     kvd_backend_free(be);
