@@ -1966,7 +1966,9 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
                         break;
                     v.lut = lut;
                     v.acc = acc;
-                    gcap[i] = gb;
+                    /* balanced head chunks: G = 4 at a cap of 3 runs 2 + 2 */
+                    int nch = (v.G + gb - 1) / gb;
+                    gcap[i] = (v.G + nch - 1) / nch;
                     best = 1;
                     break;
                 }

@@ -1,9 +1,13 @@
 #!/bin/sh
-# One call on a GPU machine: build the CUDA backend, run the comparison
-# tests, then the benchmarks. Logs and CSV go to $OUT (default: a temporary
-# directory); the last lines printed are the summary tables.
+# One call on a GPU machine: build the CUDA backend for the device (sm_90:
+# H100/H200), run the comparison tests (every op, then decode attention),
+# then the benchmarks (PQ, K-means, encode, decode attention, each next to
+# PyTorch where torch is importable). Logs and CSV go to $OUT (default: a
+# temporary directory); the last lines printed are the summary tables.
 #
 #   tests/bench/bench_cuda_gpu_check.sh [--quick]
+#
+# KVD_CUDA_ARCH overrides the architecture (default 90).
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-$(mktemp -d)}
@@ -12,20 +16,25 @@ build="$root/build-cuda"
 jobs=$(nproc 2>/dev/null || echo 2)
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$out/gpu.txt" 2>&1
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release > "$out/cmake.log" 2>&1 &&
-    cmake --build "$build" -j"$jobs" --target test_cuda_ops test_cuda_backend bench_cuda \
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES="${KVD_CUDA_ARCH:-90}" > "$out/cmake.log" 2>&1 &&
+    cmake --build "$build" -j"$jobs" \
+        --target test_cuda_ops test_cuda_backend test_cuda_attn bench_cuda bench_cuda_attn \
         > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 
 (cd "$build" && ./tests/test_cuda_backend && ./tests/test_cuda_ops) > "$out/tests.log" 2>&1
 trc=$?
 (cd "$build" && KVD_CUDA_KMEANS_EXACT=1 ./tests/test_cuda_ops) > "$out/tests_exact.log" 2>&1
 erc=$?
+(cd "$build" && ./tests/test_cuda_attn) > "$out/tests_attn.log" 2>&1
+arc=$?
 OUT="$out" sh "$root/tests/bench/bench_cuda_run.sh" "$build" ${1:-} > "$out/bench.log" 2>&1
 brc=$?
 
 echo "== $(tail -n +2 "$out/gpu.txt" | head -1)"
-echo "== comparison tests (rc $trc; exact K-means rc $erc)"
+echo "== comparison tests (rc $trc; exact K-means rc $erc; attention rc $arc)"
 grep -E "FAILED|passed|skipped" "$out/tests.log" | tail -12
 grep -E "passed" "$out/tests_exact.log" | tail -1
+grep -E "FAILED|passed|skipped" "$out/tests_attn.log" | tail -12
 echo "== benchmarks (rc $brc), full output in $out"
-tail -40 "$out/bench.log"
+tail -60 "$out/bench.log"
