@@ -29,7 +29,8 @@ typedef struct search_run {
     kvd__seq_ctx sc;
     kvd_seq_codecs codecs;
     uint64_t start, n; /* token range */
-    uint8_t *kv;       /* SparseAttend: K then V of the range, wire layout, model dtype */
+    uint8_t *kv;       /* SparseAttend: K then V of the selected tokens, (Hkv, per_head,
+                        * head_dim) each, model dtype */
     int64_t per_head;  /* entries per kv head */
     int32_t *idx;      /* (Hkv, per_head) positions within the range */
     float *scores;     /* (Hkv, per_head) */
@@ -308,6 +309,129 @@ int kvd_h_search(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
     return rc;
 }
 
+/* One selected token: position `i` of kv head `h`'s list. */
+typedef struct sel_entry {
+    uint64_t t; /* absolute token */
+    uint32_t h, i;
+} sel_entry;
+
+static int sel_cmp(const void *pa, const void *pb)
+{
+    const sel_entry *a = pa, *b = pb;
+    if (a->t != b->t)
+        return a->t < b->t ? -1 : 1;
+    return a->h != b->h ? (a->h < b->h ? -1 : 1) : (a->i > b->i) - (a->i < b->i);
+}
+
+/* Copy the K and V rows of entries [e0, e1) from rows laid out at k / v with
+ * `tstride` bytes per token and `hstride` per head, token t0 first, into
+ * r->kv. */
+static void copy_rows(const search_run *r, const sel_entry *e, size_t e0, size_t e1,
+                      const uint8_t *k, const uint8_t *v, uint64_t t0, size_t tstride,
+                      size_t hstride, size_t row)
+{
+    const size_t P = (size_t)r->per_head, H = r->sc.model.num_kv_heads;
+    uint8_t *kc = r->kv, *vc = r->kv + H * P * row;
+    for (size_t x = e0; x < e1; x++) {
+        size_t src = (size_t)(e[x].t - t0) * tstride + e[x].h * hstride;
+        size_t dst = ((size_t)e[x].h * P + e[x].i) * row;
+        memcpy(kc + dst, k + src, row);
+        memcpy(vc + dst, v + src, row);
+    }
+}
+
+/*
+ * K and V of the tokens Search selected, into r->kv ((Hkv, per_head, D)
+ * each, in the order of r->idx). Raw sealed pages are read in place,
+ * pinned through the tiers; tokens of coded pages and of the raw tail come
+ * through the read cursor, in runs of whole blocks of at most ENCODE_WINDOW
+ * tokens. Only blocks holding a selected token are read.
+ */
+static int gather_selected(kvd_req_ctx *ctx, const Kvdepot__V1__SearchRequest *req, search_run *r,
+                           kvd_error *err)
+{
+    kvd_store *st = ctx->svc->store;
+    const kvd_model_info *m = &r->sc.model;
+    const size_t H = m->num_kv_heads, P = (size_t)r->per_head, n_sel = H * P;
+    const size_t row = (size_t)m->head_dim * kvd_dtype_size(m->dtype);
+    const uint64_t B = ctx->svc->page_tokens, sealed = r->sc.layer_tokens / B;
+    const uint64_t end = r->start + r->n;
+    r->kv = malloc(2 * (n_sel ? n_sel : 1) * row);
+    sel_entry *e = malloc(sizeof *e * (n_sel ? n_sel : 1));
+    uint8_t *buf = NULL;
+    int rc = 0;
+    if (!r->kv || !e) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for %zu selected tokens", n_sel);
+        goto done;
+    }
+    for (size_t h = 0; h < H; h++)
+        for (size_t i = 0; i < P; i++)
+            e[h * P + i] =
+                (sel_entry){r->start + (uint64_t)r->idx[h * P + i], (uint32_t)h, (uint32_t)i};
+    qsort(e, n_sel, sizeof *e, sel_cmp);
+    uint64_t run_a = 0, run_b = 0; /* pending cursor run [run_a, run_b) ... */
+    size_t run_e0 = 0, run_e1 = 0; /* ... and its entries */
+    for (size_t x = 0; x <= n_sel && rc == 0;) {
+        uint64_t blk = x < n_sel ? e[x].t / B : UINT64_MAX;
+        size_t y = x;
+        while (y < n_sel && e[y].t / B == blk)
+            y++;
+        int in_place = 0;
+        if (blk < sealed) {
+            kvd_page_handle ph;
+            kvd_page_view v;
+            if ((rc = kvd_store_page_acquire(st, req->sequence_id.data, req->sequence_id.len,
+                                             req->layer, blk, &ph, err)))
+                break;
+            if (kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
+                v.h.k_codec == KVD_CODEC_RAW && v.h.v_codec == KVD_CODEC_RAW &&
+                v.h.num_tokens == B) {
+                /* page layout [kv_head][token][dim] */
+                copy_rows(r, e, x, y, v.k, v.v, blk * B, row, (size_t)B * row, row);
+                in_place = 1;
+            }
+            kvd_store_page_release(st, &ph);
+        }
+        uint64_t a = 0, b = 0; /* the block's tokens in the range */
+        if (x < n_sel) {
+            a = blk * B > r->start ? blk * B : r->start;
+            b = blk * B + B < end ? blk * B + B : end;
+        }
+        int extend =
+            !in_place && x < n_sel && run_b == a && run_b > run_a && b - run_a <= ENCODE_WINDOW;
+        if (!extend && run_b > run_a) {
+            /* flush the pending run: wire layout [token][kv_head][dim] */
+            uint64_t T = run_b - run_a, bytes = 2 * T * H * row;
+            if (!buf && !(buf = malloc(2 * (size_t)ENCODE_WINDOW * H * row))) {
+                rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                break;
+            }
+            if ((rc = kvd__read_window(st, &req->sequence_id, req->layer, run_a, T, buf, bytes,
+                                       err)))
+                break;
+            copy_rows(r, e, run_e0, run_e1, buf, buf + bytes / 2, run_a, H * row, row, row);
+            run_a = run_b = 0;
+        }
+        if (!in_place && x < n_sel) {
+            if (extend)
+                run_b = b;
+            else {
+                run_a = a;
+                run_b = b;
+                run_e0 = x;
+            }
+            run_e1 = y;
+        }
+        if (x == n_sel)
+            break;
+        x = y;
+    }
+done:
+    free(e);
+    free(buf);
+    return rc;
+}
+
 int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
                         kvd_error *err)
 {
@@ -328,38 +452,35 @@ int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte
     const kvd_model_info *m = &r.sc.model;
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim, Hq = (int)m->num_q_heads;
     const size_t es = kvd_dtype_size(m->dtype);
-    /* The attention step reads the range (K and V, wire layout). */
-    const uint64_t kv_bytes = 2 * r.n * (uint64_t)H * D * es;
-    if (!(r.kv = malloc(kv_bytes)))
-        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token range",
-                           (unsigned long long)r.n);
-    else
-        rc = kvd__read_window(ctx->svc->store, &req->search->sequence_id, req->search->layer,
-                              r.start, r.n, r.kv, kv_bytes, err);
-    if (rc) {
+    if ((rc = gather_selected(ctx, req->search, &r, err))) {
         search_run_free(&r);
         return rc;
     }
+    /* The selected tokens, gathered in Search's order: attention over the
+     * same tokens in the same order as over the range with r.idx. */
+    const size_t P = (size_t)r.per_head;
+    int32_t *seq = malloc(sizeof(int32_t) * (P ? P : 1) * H);
     float *out = malloc(sizeof(float) * (size_t)Hq * D), *lse = malloc(sizeof(float) * Hq);
     Kvdepot__V1__HeadTokens *heads = calloc((size_t)H, sizeof *heads);
     Kvdepot__V1__HeadTokens **hp = calloc((size_t)H, sizeof *hp);
     uint64_t *tok = malloc(sizeof(uint64_t) * (size_t)(r.per_head ? r.per_head : 1) * H);
-    if (!out || !lse || !heads || !hp || !tok) {
+    if (!out || !lse || !heads || !hp || !tok || !seq) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
     kvd_attn_sparse_args a;
     memset(&a, 0, sizeof a);
     a.dims = (kvd_attn_dims){Hq, H, D, D, kvd__default_scale(req->scale, m->head_dim)};
-    int64_t qs[2] = {Hq, D}, ls[1] = {Hq}, ks[3] = {H, (int64_t)r.n, D}, is[2] = {H, r.per_head};
+    for (size_t h = 0; h < (size_t)H; h++)
+        for (size_t i = 0; i < P; i++)
+            seq[h * P + i] = (int32_t)i;
+    int64_t qs[2] = {Hq, D}, ls[1] = {Hq}, ks[3] = {H, (int64_t)(P ? P : 1), D},
+            is[2] = {H, r.per_head};
     a.q = kvd_tensor_make(KVD_DTYPE_F32, req->search->q, 2, qs);
-    a.k = kvd_tensor_make(m->dtype, r.kv, 3, ks);
-    a.k.stride[0] = (int64_t)D * (int64_t)es;
-    a.k.stride[1] = (int64_t)H * D * (int64_t)es;
-    a.k.stride[2] = (int64_t)es;
+    a.k = kvd_tensor_make(m->dtype, r.kv, 3, ks); /* (H, P, D) contiguous */
     a.v = a.k;
-    a.v.data = r.kv + r.n * (size_t)H * D * es;
-    a.idx = kvd_tensor_make(KVD_DTYPE_I32, r.idx, 2, is);
+    a.v.data = r.kv + (size_t)H * P * D * es;
+    a.idx = kvd_tensor_make(KVD_DTYPE_I32, seq, 2, is);
     a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
     a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
     if ((rc = kvd_attn_sparse(be, 1, &a, err)))
@@ -382,6 +503,7 @@ done:
     free(heads);
     free(hp);
     free(tok);
+    free(seq);
     search_run_free(&r);
     return rc;
 }

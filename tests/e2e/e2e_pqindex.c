@@ -67,11 +67,12 @@ static int put_model(kvdepot_client *c)
     return kvdepot_model_put(c, &m, 0, NULL, NULL);
 }
 
+/* pq: 0 no index, 1 index with K INT4, 2 index with raw K and V. */
 static int create(kvdepot_client *c, const char *id, int pq)
 {
     kvdepot_codecs cs;
     memset(&cs, 0, sizeof cs);
-    cs.k.codec = KVDEPOT_CODEC_INT4;
+    cs.k.codec = pq == 2 ? KVDEPOT_CODEC_RAW : KVDEPOT_CODEC_INT4;
     cs.pq_m = pq ? M : 0;
     cs.pq_bits = NB;
     cs.pq_iterations = ITERS;
@@ -265,6 +266,66 @@ static int check_search(kvdepot_client *cl, const char *id, uint32_t layer, cons
     return bad ? -1 : 0;
 }
 
+/* SparseAttend of `sa` (over all n tokens) equals attention over Search's
+ * tokens `sr`, computed here on the K/V read back. */
+static int check_sparse(kvdepot_client *c, kvd_backend *be, const kvdepot_search_args *sa,
+                        uint64_t n, const kvdepot_search_result *sr)
+{
+    kvdepot_attend_result ar;
+    kvdepot_search_result st;
+    REQUIRE_RC(kvdepot_sparse_attend(c, sa, 0, &ar, &st), KVDEPOT_OK);
+    REQUIRE(st.num_heads == H && sr->num_heads == H);
+    CHECK(st.heads[0].count == sr->heads[0].count);
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = sa->id;
+    ra.id_len = sa->id_len;
+    ra.layer_start = sa->layer;
+    ra.num_layers = 1;
+    kvdepot_read_result rr;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+    int64_t per = (int64_t)st.heads[0].count;
+    int32_t *idx = malloc(sizeof(int32_t) * H * (size_t)(per ? per : 1));
+    for (int hh = 0; hh < H; hh++)
+        for (int64_t i = 0; i < per; i++) {
+            idx[hh * per + i] = (int32_t)st.heads[hh].tokens[i];
+            CHECK(st.heads[hh].tokens[i] == sr->heads[hh].tokens[i]);
+        }
+    float out[HQ * D], lse[HQ];
+    kvd_attn_sparse_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = (kvd_attn_dims){HQ, H, D, D, 1.0f / sqrtf((float)D)};
+    int64_t qs[2] = {HQ, D}, ls[1] = {HQ}, ks[3] = {H, (int64_t)n, D}, is[2] = {H, per};
+    a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)sa->q, 2, qs);
+    a.k = kvd_tensor_make(KVD_DTYPE_F16, rr.k, 3, ks);
+    a.k.stride[0] = D * 2;
+    a.k.stride[1] = H * D * 2;
+    a.k.stride[2] = 2;
+    a.v = a.k;
+    a.v.data = rr.v;
+    a.idx = kvd_tensor_make(KVD_DTYPE_I32, idx, 2, is);
+    a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
+    a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
+    REQUIRE(kvd_attn_sparse(be, 1, &a, NULL) == 0);
+    double num = 0, den = 0;
+    for (int i = 0; i < HQ * D; i++) {
+        num += (double)(ar.output[i] - out[i]) * (ar.output[i] - out[i]);
+        den += (double)out[i] * out[i];
+    }
+    int bad = !(num <= 1e-10 * den) || ar.num_tokens != (uint64_t)per;
+    for (int i = 0; i < HQ; i++)
+        bad += !(ar.lse[i] == lse[i] ||
+                 fabsf(ar.lse[i] - lse[i]) <= 1e-5f * fmaxf(1.0f, fabsf(lse[i])));
+    if (bad)
+        fprintf(stderr, "sparse attend of %s: output NMSE %g, %llu tokens\n", (const char *)sa->id,
+                den > 0 ? num / den : num, (unsigned long long)ar.num_tokens);
+    free(idx);
+    kvdepot_free(rr.owned);
+    kvdepot_attend_results_free(&ar, 1);
+    kvdepot_search_result_free(&st);
+    return bad ? -1 : 0;
+}
+
 static float *make_q(uint64_t seed)
 {
     float *q = malloc(sizeof(float) * HQ * D);
@@ -328,56 +389,7 @@ static int t_stored(kvd_harness *h)
     REQUIRE(stored_codes(c, "s", 0, n, &cent[0], codes) == 0);
     CHECK(check_search(c, "s", 0, q, 0, 0, 50, 0, 8, n, codes, &cent[0]) == 0);
 
-    /* SparseAttend = attention over Search's tokens (client side, on the
-     * K/V read back). */
-    kvdepot_attend_result ar;
-    kvdepot_search_result st;
-    REQUIRE_RC(kvdepot_sparse_attend(c, &sa, 0, &ar, &st), KVDEPOT_OK);
-    CHECK(st.num_heads == H && st.heads[0].count == after.heads[0].count);
-    kvdepot_read_args ra;
-    memset(&ra, 0, sizeof ra);
-    ra.id = "s";
-    ra.id_len = 1;
-    ra.layer_start = 1;
-    ra.num_layers = 1;
-    kvdepot_read_result rr;
-    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
-    int64_t per = (int64_t)st.heads[0].count;
-    int32_t *idx = malloc(sizeof(int32_t) * H * (size_t)per);
-    for (int hh = 0; hh < H; hh++)
-        for (int64_t i = 0; i < per; i++) {
-            idx[hh * per + i] = (int32_t)st.heads[hh].tokens[i];
-            CHECK(st.heads[hh].tokens[i] == after.heads[hh].tokens[i]);
-        }
-    float out[HQ * D], lse[HQ];
-    kvd_attn_sparse_args a;
-    memset(&a, 0, sizeof a);
-    a.dims = (kvd_attn_dims){HQ, H, D, D, 1.0f / sqrtf((float)D)};
-    int64_t qs[2] = {HQ, D}, ls[1] = {HQ}, ks[3] = {H, (int64_t)n, D}, is[2] = {H, per};
-    a.q = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qs);
-    a.k = kvd_tensor_make(KVD_DTYPE_F16, rr.k, 3, ks);
-    a.k.stride[0] = D * 2;
-    a.k.stride[1] = H * D * 2;
-    a.k.stride[2] = 2;
-    a.v = a.k;
-    a.v.data = rr.v;
-    a.idx = kvd_tensor_make(KVD_DTYPE_I32, idx, 2, is);
-    a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
-    a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
-    REQUIRE(kvd_attn_sparse(be, 1, &a, NULL) == 0);
-    double num = 0, den = 0;
-    for (int i = 0; i < HQ * D; i++) {
-        num += (double)(ar.output[i] - out[i]) * (ar.output[i] - out[i]);
-        den += (double)out[i] * out[i];
-    }
-    for (int i = 0; i < HQ; i++)
-        CHECK(fabsf(ar.lse[i] - lse[i]) <= 1e-5f * fmaxf(1.0f, fabsf(lse[i])));
-    CHECK(num <= 1e-10 * den);
-    CHECK(ar.num_tokens == (uint64_t)per);
-    free(idx);
-    kvdepot_free(rr.owned);
-    kvdepot_attend_results_free(&ar, 1);
-    kvdepot_search_result_free(&st);
+    CHECK(check_sparse(c, be, &sa, n, &after) == 0);
     kvdepot_search_result_free(&after);
 
     /* More tokens: the new pages use the same centroids. */
@@ -473,6 +485,50 @@ static int t_pages(kvd_harness *h)
     return 0;
 }
 
+/* Raw pages: SparseAttend reads the selected tokens in place from the
+ * pinned pages; coded (INT4) ones through the cursor; both equal attention
+ * over Search's tokens, over ranges that start and end inside pages. */
+static int t_sparse(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c), KVDEPOT_OK);
+    kvd_backend *be = NULL;
+    kvd_cpu_options opt = {1, 0};
+    REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0);
+    const uint64_t n = 3 * PT + 40;
+    float *q = make_q(4);
+    const char *ids[2] = {"raw", "int4"};
+    for (int s = 0; s < 2; s++) {
+        REQUIRE_RC(create(c, ids[s], s == 0 ? 2 : 1), KVDEPOT_OK);
+        REQUIRE_RC(append(c, ids[s], 0, n), KVDEPOT_OK);
+        const struct {
+            uint64_t t0, nt;
+            uint32_t k, init, recent;
+        } cases[] = {{0, 0, 64, 4, 16}, {100, 600, 30, 2, 2}, {0, 0, 0, 0, 0}, {700, 0, 3, 1, 1}};
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            kvdepot_search_args sa = {ids[s],
+                                      strlen(ids[s]),
+                                      1,
+                                      q,
+                                      HQ * D,
+                                      cases[ci].k,
+                                      cases[ci].init,
+                                      cases[ci].recent,
+                                      cases[ci].t0,
+                                      cases[ci].nt};
+            kvdepot_search_result sr;
+            REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
+            CHECK(check_sparse(c, be, &sa, n, &sr) == 0);
+            kvdepot_search_result_free(&sr);
+        }
+    }
+    free(q);
+    kvd_backend_free(be);
+    kvdepot_close(c);
+    return 0;
+}
+
 static int t_errors(kvd_harness *h)
 {
     kvdepot_client *c = harness_client(h);
@@ -519,6 +575,6 @@ static int t_errors(kvd_harness *h)
 int main(int argc, char **argv)
 {
     static const kvd_test tests[] = {
-        {"stored", t_stored}, {"pages", t_pages}, {"errors", t_errors}};
+        {"stored", t_stored}, {"pages", t_pages}, {"sparse", t_sparse}, {"errors", t_errors}};
     return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
 }
