@@ -16,7 +16,7 @@
  *
  *   'a' id                      u8 version (1) | u32 num_layers |
  *                               num_layers x u64 activation tokens
- *   'A' be16 id_len id be32 layer be64 token_start
+ *   'x' be16 id_len id be32 layer be64 token_start
  *                               X of tokens [token_start, token_start + n)
  *                               of the layer, [token][hidden_size] in the
  *                               model dtype, then u64 XXH3-64 of those bytes

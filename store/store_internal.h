@@ -19,8 +19,10 @@
  *   'X' id             expiry of sequence id: u64 ttl_ms, u64 expires_unix_ms (LE)
  *   'Q' be16 id_len id be32 layer  PQ centroids of one layer of a sequence (pqindex.h)
  *   'a' id             activation counts of sequence id (activation.h)
- *   'A' be16 id_len id be32 layer be64 token
+ *   'x' be16 id_len id be32 layer be64 token
  *                      activations X of a run of tokens (activation.h)
+ *   (defined beside their code: 'A' model artifacts, artifact.c; 'C', 'Z'
+ *   sequence codecs and artifact snapshots, seqcodec.h)
  *
  * Memory tiers (tier.c) have their own mutex, cache->mu, taken last: never
  * call into the store's other locks while holding it.
@@ -45,7 +47,7 @@
 #define KVD__KEY_FRAG 'T'
 #define KVD__KEY_EXPIRY 'X'
 #define KVD__KEY_ACT_META 'a'
-#define KVD__KEY_ACT 'A'
+#define KVD__KEY_ACT 'x'
 #define KVD__PAGE_KEY_LEN 9
 #define KVD__FRAG_KEY_LEN 13
 #define KVD__MAX_FRAGS 32 /* fragments of one tail page before they are merged */
