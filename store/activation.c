@@ -427,11 +427,14 @@ static int load_record(kvd__act_cursor *c, kvd_error *err)
     uint64_t want = 0;
     for (int i = 0; i < SUM_BYTES; i++)
         want |= (uint64_t)v[len + i] << (8 * i);
-    if (x_sum(v, len, layer, r0) != want)
+    if (x_sum(v, len, layer, r0) != want) {
+        /* Counted with the pages refused as DATA_LOSS (Stats). */
+        atomic_fetch_add(&c->st->tiers.checksum_failures, 1);
         return kvd_error_set(err, KVD_ECORRUPT,
                              "activation record of sequence %s, layer %u, token %llu fails its "
                              "checksum",
                              idb, layer, (unsigned long long)r0);
+    }
     uint8_t *copy = realloc(c->rec, len);
     if (!copy)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");

@@ -246,7 +246,7 @@ typedef struct kvd_store_stats {
     uint64_t promotions;            /* pages moved up (host -> device, disk -> memory) */
     uint64_t evictions[2];          /* pages moved down out of device / host */
     uint64_t prefetched;            /* pages loaded ahead of a reader */
-    uint64_t checksum_failures;     /* pages refused as DATA_LOSS */
+    uint64_t checksum_failures;     /* pages (and activation records) refused as DATA_LOSS */
     uint64_t sequences_dropped;     /* dropped by the disk limit (durability none) */
     uint64_t sequences_expired;     /* deleted by their TTL */
     uint64_t sequences;             /* stored now */

@@ -915,7 +915,7 @@ typedef struct kvdepot_stats {
     kvdepot_tier_stats tiers[3]; /* device, host, disk */
     size_t num_tiers;
     uint64_t misses, promotions, prefetched;
-    uint64_t checksum_failures;  /* pages refused as DATA_LOSS */
+    uint64_t checksum_failures;  /* pages (and activation records) refused as DATA_LOSS */
     uint64_t sequences_dropped;  /* by the disk limit under durability none */
     uint64_t sequences_expired;  /* by their TTL */
     uint64_t sequences;
