@@ -447,6 +447,8 @@ static void print_info(const kvdepot_sequence_info *s)
     printf("sealed_pages:  %" PRIu64 "\n", s->sealed_pages);
     printf("stored_bytes:  %" PRIu64 "\n", s->stored_bytes);
     printf("prefix_blocks: %" PRIu64 "\n", s->prefix_blocks);
+    if (s->activation_tokens)
+        printf("activation_tokens: %" PRIu64 "\n", s->activation_tokens);
     printf("block_hashes: ");
     for (size_t i = 0; i < s->num_block_hashes; i++)
         printf(" %016" PRIx64, s->block_hashes[i]);

@@ -10,3 +10,7 @@ if(TARGET kvd_e2e_harness)
     set_tests_properties(activations_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()
 endif()
+
+add_test(NAME activations_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_activations.sh
+                                      ${KVD_E2E_SERVER} $<TARGET_FILE:kvdepot>)
+set_tests_properties(activations_cli PROPERTIES LABELS e2e TIMEOUT 120)
