@@ -377,8 +377,10 @@ static int heads_from_pb(kvdepot_client *c, Kvdepot__V1__HeadTokens **in, size_t
         h->scores = malloc(sizeof(float) * (h->count ? h->count : 1));
         if (!h->tokens || !h->scores)
             return kvdepot__fail(c, KVDEPOT_ENOMEM, "search: out of memory");
-        memcpy(h->tokens, in[i]->tokens, sizeof(uint64_t) * h->count);
-        memcpy(h->scores, in[i]->scores, sizeof(float) * h->count);
+        if (h->count) { /* an empty repeated field unpacks as NULL */
+            memcpy(h->tokens, in[i]->tokens, sizeof(uint64_t) * h->count);
+            memcpy(h->scores, in[i]->scores, sizeof(float) * h->count);
+        }
     }
     return KVDEPOT_OK;
 }

@@ -676,6 +676,9 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
          * per page or fragment it writes. */
         uint64_t pages = ap->nl * (ap->n / st->page_tokens + 2);
         uint64_t need = ap->expected + pages * (64 + 3 * 24);
+        if (ap->codecs.pq_m) /* and the PQ section of every page that seals */
+            need += pages * (24 + KVD_PAGE_PQ_HEADER +
+                             (uint64_t)ap->H * st->page_tokens * ap->codecs.pq_m);
         if (st->durability == KVD_DURABILITY_NONE)
             kvd__disk_make_room(st, s, need);
         uint64_t have = atomic_load(&st->disk_bytes);

@@ -502,6 +502,25 @@ static int t_sparse(kvd_harness *h)
     for (int s = 0; s < 2; s++) {
         REQUIRE_RC(create(c, ids[s], s == 0 ? 2 : 1), KVDEPOT_OK);
         REQUIRE_RC(append(c, ids[s], 0, n), KVDEPOT_OK);
+        if (s == 0) {
+            /* Read (decoded) is unaffected by the PQ sections. */
+            kvdepot_read_args ra;
+            memset(&ra, 0, sizeof ra);
+            ra.id = ids[s];
+            ra.id_len = strlen(ids[s]);
+            kvdepot_read_result rr;
+            REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+            const uint16_t *rk = rr.k, *rv = rr.v;
+            size_t i = 0, bad = 0;
+            for (uint32_t l = 0; l < L; l++)
+                for (uint64_t t = 0; t < n; t++)
+                    for (uint32_t hh = 0; hh < H; hh++)
+                        for (uint32_t d = 0; d < D; d++, i++)
+                            bad += rk[i] != kvd_f32_to_f16(val(0, l, t, hh, d)) ||
+                                   rv[i] != kvd_f32_to_f16(val(1, l, t, hh, d));
+            CHECK(bad == 0);
+            kvdepot_free(rr.owned);
+        }
         const struct {
             uint64_t t0, nt;
             uint32_t k, init, recent;

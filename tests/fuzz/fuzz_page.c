@@ -31,6 +31,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             acc ^= v.k[i];
         for (uint64_t i = 0; i < v.v_len; i++)
             acc ^= v.v[i];
+        kvd_page_pq pq;
+        if (kvd_page_pq_get(&v, &pq)) { /* the codes: (kv_head, token, m), each < 2^bits */
+            uint64_t n = (uint64_t)v.h.num_kv_heads * v.h.num_tokens * pq.m;
+            if (v.pq_len != KVD_PAGE_PQ_HEADER + n)
+                abort();
+            for (uint64_t i = 0; i < n; i++)
+                if (pq.codes[i] >> pq.bits)
+                    abort();
+        }
         if (v.page_len != size)
             abort();
         /* A valid raw K,V page re-encodes to the same bytes. */

@@ -326,6 +326,25 @@ static void t_section(void)
           "checksum: %s", err.msg);
     free(q);
 
+    /* Every truncation (from an exactly sized copy) and every byte flip of
+     * a page with a PQ section is rejected. */
+    int missed = 0;
+    for (size_t n = 0; n < plen; n++) {
+        uint8_t *t = malloc(n ? n : 1);
+        memcpy(t, p, n);
+        missed += kvd_page_decode(t, n, &v, &err) != KVD_ECORRUPT;
+        free(t);
+    }
+    CHECK(missed == 0, "%d truncations accepted", missed);
+    q = malloc(plen);
+    for (size_t i = 0; i < plen; i++) {
+        memcpy(q, p, plen);
+        q[i] ^= 0x10;
+        missed += kvd_page_decode(q, plen, &v, &err) != KVD_ECORRUPT;
+    }
+    free(q);
+    CHECK(missed == 0, "%d byte flips accepted", missed);
+
     /* Replacing the section keeps one, last, with the new bytes. */
     uint8_t *r, *sec2;
     size_t rlen;
