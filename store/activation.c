@@ -178,6 +178,78 @@ int kvd__act_check(const kvd__seq *s, uint32_t ls, uint32_t nl, uint64_t ts, uin
     return 0;
 }
 
+/*
+ * X of tokens [p0, t0) of `layer` (p0 a block start), gathered from the
+ * records earlier appends wrote in that block, each checksum-verified, into
+ * *out (malloc'd, freed by the caller). Their deletions go into b: the
+ * append completing the block replaces them with one record, so a sealed
+ * block costs one seek to read whatever its appends were. s->mu held.
+ */
+static int take_block_head(kvd_store *st, const kvd__seq *s, uint32_t layer, uint64_t p0,
+                           uint64_t t0, size_t row, rocksdb_writebatch_t *b, uint8_t **out,
+                           kvd_error *err)
+{
+    *out = NULL;
+    uint8_t *buf = malloc((size_t)(t0 - p0) * row);
+    if (!buf)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    uint8_t key[DATA_KEY_MAX];
+    size_t klen = data_key(key, s->id, s->id_len, layer, p0);
+    rocksdb_iterator_t *it = rocksdb_create_iterator(st->db, st->ropt);
+    uint64_t t = p0;
+    int rc = 0;
+    char idb[KVD__ID_STR_MAX];
+    kvd__id_str(s->id, s->id_len, idb, sizeof idb);
+    for (rocksdb_iter_seek(it, (const char *)key, klen); t < t0 && rocksdb_iter_valid(it);
+         rocksdb_iter_next(it)) {
+        size_t fklen, vlen;
+        const uint8_t *fk = (const uint8_t *)rocksdb_iter_key(it, &fklen);
+        if (fklen != klen || memcmp(fk, key, klen - 8) != 0)
+            break;
+        uint64_t r0 = 0;
+        for (int i = 0; i < 8; i++)
+            r0 = r0 << 8 | fk[klen - 8 + i];
+        if (r0 != t)
+            break;
+        const uint8_t *v = (const uint8_t *)rocksdb_iter_value(it, &vlen);
+        size_t len = vlen > SUM_BYTES ? vlen - SUM_BYTES : 0;
+        uint64_t want = 0;
+        for (int i = 0; len && i < SUM_BYTES; i++)
+            want |= (uint64_t)v[len + i] << (8 * i);
+        if (!len || len % row || r0 + len / row > t0 || x_sum(v, len, layer, r0) != want) {
+            if (len && len % row == 0 && r0 + len / row <= t0)
+                atomic_fetch_add(&st->tiers.checksum_failures, 1);
+            rc = kvd_error_set(err, KVD_ECORRUPT,
+                               "activation record of sequence %s, layer %u, token %llu is "
+                               "damaged (%zu bytes)",
+                               idb, layer, (unsigned long long)r0, vlen);
+            break;
+        }
+        memcpy(buf + (size_t)(t - p0) * row, v, len);
+        rocksdb_writebatch_delete(b, (const char *)fk, fklen);
+        t = r0 + len / row;
+    }
+    if (!rc) {
+        char *e = NULL;
+        rocksdb_iter_get_error(it, &e);
+        if (e) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "reading activations: %s", e);
+            rocksdb_free(e);
+        } else if (t != t0) {
+            rc = kvd_error_set(err, KVD_ECORRUPT,
+                               "activations of sequence %s, layer %u, token %llu are missing "
+                               "from the store",
+                               idb, layer, (unsigned long long)t);
+        }
+    }
+    rocksdb_iter_destroy(it);
+    if (rc)
+        free(buf);
+    else
+        *out = buf;
+    return rc;
+}
+
 int kvd__act_stage(kvd_store *st, const kvd__seq *s, uint32_t ls, uint32_t nl, uint64_t ts,
                    uint64_t n, const uint8_t *x, rocksdb_writebatch_t *b, uint64_t **counts,
                    kvd_error *err)
@@ -201,9 +273,31 @@ int kvd__act_stage(kvd_store *st, const kvd__seq *s, uint32_t ls, uint32_t nl, u
                 t1 = ts + n;
             const uint8_t *p = lx + (size_t)(t0 - ts) * row;
             size_t len = (size_t)(t1 - t0) * row;
+            uint64_t r0 = t0;
+            uint8_t *merged = NULL;
+            if (t0 % B && t1 % B == 0) {
+                /* This append completes a block earlier appends began:
+                 * one record for the whole block replaces theirs. */
+                r0 = t0 / B * B;
+                if ((rc = take_block_head(st, s, l, r0, t0, row, b, &merged, err))) {
+                    free(c);
+                    return rc;
+                }
+                size_t head = (size_t)(t0 - r0) * row;
+                uint8_t *m = realloc(merged, head + len);
+                if (!m) {
+                    free(merged);
+                    free(c);
+                    return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                }
+                memcpy(m + head, p, len);
+                merged = m;
+                p = m;
+                len += head;
+            }
             uint8_t key[DATA_KEY_MAX], sum[SUM_BYTES];
-            size_t klen = data_key(key, s->id, s->id_len, l, t0);
-            uint64_t h = x_sum(p, len, l, t0);
+            size_t klen = data_key(key, s->id, s->id_len, l, r0);
+            uint64_t h = x_sum(p, len, l, r0);
             for (int i = 0; i < SUM_BYTES; i++)
                 sum[i] = (uint8_t)(h >> (8 * i));
             const char *keys[1] = {(const char *)key};
@@ -211,6 +305,7 @@ int kvd__act_stage(kvd_store *st, const kvd__seq *s, uint32_t ls, uint32_t nl, u
             const char *vals[2] = {(const char *)p, (const char *)sum};
             size_t vlens[2] = {len, SUM_BYTES};
             rocksdb_writebatch_putv(b, 1, keys, klens, 2, vals, vlens);
+            free(merged);
             t0 = t1;
         }
         c[l] = ts + n;

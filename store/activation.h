@@ -24,7 +24,9 @@
  *
  * A data record holds the tokens of one Append that fall in one page block
  * (B tokens), so it never spans a block boundary and n follows from its
- * length; the length prefix of the id keeps one sequence's records apart
+ * length. The Append that completes a block rewrites the records of the
+ * earlier appends into it as one record for the whole block (decode steps of
+ * one token each leave one record per sealed block, not B); the length prefix of the id keeps one sequence's records apart
  * from those of an id extending it, so a sequence's records are one key
  * range. Records are written in the Append's WriteBatch (with its pages and
  * sequence record: all or nothing) and removed with the sequence in the

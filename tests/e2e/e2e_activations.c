@@ -222,7 +222,7 @@ static int t_roundtrip(kvd_harness *h)
         REQUIRE_RC(append(c, "twin", r0, steps[i], 0, 0, 100 + i), KVDEPOT_OK);
         CHECK(act_tokens(c, "s", NULL, NULL) == r->n);
     }
-    uint64_t sb, sb0, n;
+    uint64_t sb = 0, sb0 = 0, n;
     CHECK(act_tokens(c, "s", &sb, &n) == 700 && n == 700);
     CHECK(act_tokens(c, "twin", &sb0, NULL) == 0);
     CHECK(sb - sb0 == (uint64_t)L * 700 * X_TOK);
@@ -293,7 +293,7 @@ static int t_restart(kvd_harness *h)
     REQUIRE(r);
     REQUIRE_RC(create(c, "act", "s", 1), KVDEPOT_OK);
     REQUIRE_RC(append(c, "s", r, 260, 1, 0, 7), KVDEPOT_OK);
-    uint64_t sb_before, sb_after;
+    uint64_t sb_before = 0, sb_after = 0;
     CHECK(act_tokens(c, "s", &sb_before, NULL) == 260);
     kvdepot_stats st0, st1;
     REQUIRE_RC(kvdepot_stats_get(c, &st0), KVDEPOT_OK);
@@ -362,7 +362,7 @@ static int t_errors(kvd_harness *h)
 
     REQUIRE_RC(create(c, "act", "s", 1), KVDEPOT_OK);
     REQUIRE_RC(append(c, "s", r, 40, 1, 0, 3), KVDEPOT_OK);
-    uint64_t sb;
+    uint64_t sb = 0;
     REQUIRE(act_tokens(c, "s", &sb, NULL) == 40);
     /* Wrong X sizes: one byte short, one byte over, the X of one token too few. */
     CHECK_RC(append(c, "s", r, 10, 1, -1, 4), KVDEPOT_EINVAL);
@@ -596,6 +596,85 @@ static int t_corrupt(kvd_harness *h)
     return 0;
 }
 
+/* Keys of the X records of sequence "s" on layer `layer` (server stopped):
+ * their first tokens into starts[], their count returned (-1 on error). */
+static int list_records(const char *dir, uint32_t layer, uint64_t *starts, int cap)
+{
+    rocksdb_options_t *o = rocksdb_options_create();
+    char *e = NULL;
+    rocksdb_t *db = rocksdb_open(o, dir, &e);
+    if (e) {
+        fprintf(stderr, "rocksdb_open %s: %s\n", dir, e);
+        rocksdb_free(e);
+        rocksdb_options_destroy(o);
+        return -1;
+    }
+    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
+    rocksdb_iterator_t *it = rocksdb_create_iterator(db, ro);
+    uint8_t pre[8] = {'x', 0, 1, 's'};
+    for (int i = 0; i < 4; i++)
+        pre[4 + i] = (uint8_t)(layer >> (24 - 8 * i));
+    int n = 0;
+    for (rocksdb_iter_seek(it, (const char *)pre, sizeof pre); rocksdb_iter_valid(it);
+         rocksdb_iter_next(it)) {
+        size_t kl;
+        const uint8_t *k = (const uint8_t *)rocksdb_iter_key(it, &kl);
+        if (kl != sizeof pre + 8 || memcmp(k, pre, sizeof pre) != 0)
+            break;
+        uint64_t t = 0;
+        for (int i = 0; i < 8; i++)
+            t = t << 8 | k[sizeof pre + i];
+        if (n < cap)
+            starts[n] = t;
+        n++;
+    }
+    rocksdb_iter_destroy(it);
+    rocksdb_readoptions_destroy(ro);
+    rocksdb_close(db);
+    rocksdb_options_destroy(o);
+    return n;
+}
+
+/* Decode-style appends of one token each: the append completing a block
+ * folds the block's records into one; the X reads back exactly throughout. */
+static int t_merge(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "act", HID, &m), KVDEPOT_OK);
+    ref *r = new_ref();
+    REQUIRE(r);
+    REQUIRE_RC(create(c, "act", "s", 1), KVDEPOT_OK);
+    REQUIRE_RC(append(c, "s", r, 250, 1, 0, 41), KVDEPOT_OK);
+    for (uint64_t i = 0; i < 10; i++) {
+        REQUIRE_RC(append(c, "s", r, 1, 1, 0, 50 + i), KVDEPOT_OK);
+        if (check_read(c, "s", r, 0, L, 0, r->n, r->n, (int)(i & 1)))
+            kvd_test_failures++;
+    }
+    REQUIRE_RC(append(c, "s", r, 300, 1, 0, 60), KVDEPOT_OK); /* 260..560: block 1 completes */
+    if (check_read(c, "s", r, 0, L, 0, 560, 560, 0) || check_read(c, "s", r, 0, L, 200, 300, 100, 1))
+        kvd_test_failures++;
+    REQUIRE(harness_stop(h) == 0);
+    uint64_t starts[16];
+    for (uint32_t l = 0; l < L; l++) {
+        /* Block 0: one record (250 + 6 singles folded); block 1: one (4
+         * singles and the 256..511 part of the last append); block 2: the
+         * last append's 512..560. */
+        int n = list_records(h->data_dir, l, starts, 16);
+        if (n != 3 || starts[0] != 0 || starts[1] != 256 || starts[2] != 512) {
+            fprintf(stderr, "layer %u: %d records (want 3 at 0, 256, 512)\n", l, n);
+            kvd_test_failures++;
+        }
+    }
+    REQUIRE(harness_start(h) == 0);
+    if (check_read(c, "s", r, 0, L, 0, 560, 560, 0) || check_read(c, "s", r, 1, 2, 255, 10, 3, 0))
+        kvd_test_failures++;
+    free(r);
+    kvdepot_close(c);
+    return 0;
+}
+
 /* kill -9 right after appends: what was acknowledged is there, X and counts. */
 static int t_crash(kvd_harness *h)
 {
@@ -633,6 +712,7 @@ static const kvd_test tests[] = {
     {"delete", t_delete},
     {"corrupt", t_corrupt},
     {"crash", t_crash},
+    {"merge", t_merge},
 };
 
 int main(int argc, char **argv)

@@ -5,7 +5,7 @@
 if(TARGET kvd_e2e_harness)
   add_executable(e2e_activations ${CMAKE_CURRENT_LIST_DIR}/e2e_activations.c)
   target_link_libraries(e2e_activations PRIVATE kvd_e2e_harness PkgConfig::ROCKSDB m)
-  foreach(name roundtrip restart errors delete corrupt crash)
+  foreach(name roundtrip restart errors delete corrupt crash merge)
     add_test(NAME activations_${name} COMMAND e2e_activations ${KVD_E2E_SERVER} ${name})
     set_tests_properties(activations_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()
