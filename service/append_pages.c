@@ -128,6 +128,17 @@ static int cmp_page(const void *a, const void *b)
 static int codec_matches(const kvd_page_view *v, int which, const kvd_codec_arts *arts,
                          const kvd_codec_spec *want, int raw_ok, kvd_error *err)
 {
+    const char *w = which == KVD_SECTION_K ? "K" : "V";
+    const unsigned want_codec = want->svd ? KVD_CODEC_SVD : want->codec;
+    const unsigned got = which == KVD_SECTION_K ? v->h.k_codec : v->h.v_codec;
+    /* Another codec than the sequence's is a bad argument whatever the
+     * section holds; only then are its bytes and artifacts checked. */
+    if (got != want_codec && !(got == KVD_CODEC_RAW && raw_ok))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "page of layer %u tokens %llu+%u: %s codec %u is not the "
+                             "sequence's (%u)",
+                             v->h.layer, (unsigned long long)v->h.token_start, v->h.num_tokens, w,
+                             got, want_codec);
     kvd_codec_section *cs = malloc(sizeof *cs);
     if (!cs)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
@@ -136,8 +147,6 @@ static int codec_matches(const kvd_page_view *v, int which, const kvd_codec_arts
         free(cs);
         return rc == KVD_EUNSUPP ? kvd_error_set(err, KVD_EINVAL, "%s", err ? err->msg : "") : rc;
     }
-    const char *w = which == KVD_SECTION_K ? "K" : "V";
-    const unsigned want_codec = want->svd ? KVD_CODEC_SVD : want->codec;
     const int is_int = want->codec == KVD_CODEC_INT2 || want->codec == KVD_CODEC_INT4;
     const int inner = cs->codec == KVD_CODEC_SVD ? cs->inner : cs->codec;
     if (cs->codec == KVD_CODEC_RAW && (raw_ok || want_codec == KVD_CODEC_RAW))

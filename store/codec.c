@@ -313,7 +313,7 @@ static int build_layer(const kvd_codec_spec *s, int is_v, uint32_t l, uint32_t H
         if (!la->rotation || !la->widths)
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
         uint32_t align = s->svd_align ? s->svd_align : 8;
-        if (s->codec != KVD_CODEC_RAW && s->axis == KVD_QAXIS_TOKEN)
+        if (s->codec != KVD_CODEC_RAW && s->axis == KVD_QAXIS_TOKEN && s->group)
             while (align % s->group) /* lcm with the group (powers of two: the larger) */
                 align = align < s->group ? s->group : align * 2;
         for (uint32_t h = 0; h < H; h++) {

@@ -497,6 +497,16 @@ static int t_append_pages(kvd_harness *h)
     REQUIRE_RC(kvdepot_sequence_stat(c, "old", 3, &info), KVDEPOT_OK);
     CHECK(info.num_tokens == 0 && info.stored_bytes == 0);
     kvdepot_sequence_info_clear(&info);
+    /* INT2 pages for a VQ sequence: not its codec. */
+    kvdepot_codecs int2;
+    memset(&int2, 0, sizeof int2);
+    int2.k.codec = int2.v.codec = KVDEPOT_CODEC_INT2;
+    kvdepot_page *pi;
+    size_t npi;
+    REQUIRE_RC(kvdepot_encode_pages(&m, &int2, 256, 0, 0, 512, k, v, &pi, &npi), KVDEPOT_OK);
+    REQUIRE_RC(create(c, "apm", "vq-x", &vq), KVDEPOT_OK);
+    CHECK_RC(kvdepot_append_pages(c, "vq-x", 4, pi, npi, NULL), KVDEPOT_EINVAL);
+    kvdepot_pages_free(pi, npi);
     /* ... while a sequence created now takes them. */
     REQUIRE_RC(create(c, "apm", "new", &vq), KVDEPOT_OK);
     CHECK_RC(kvdepot_append_pages(c, "new", 3, p, np + np1, NULL), KVDEPOT_OK);
