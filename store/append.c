@@ -363,6 +363,11 @@ int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_appen
         uint64_t xb;
         if ((rc = kvd__act_check(s, ap->ls, ap->nl, ap->ts, ap->n, &xb, err)))
             goto fail;
+        if (xb > UINT64_MAX - ap->expected) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "append of %llu tokens is too large",
+                               (unsigned long long)ap->n);
+            goto fail;
+        }
         ap->with_x = 1;
         ap->x_off = ap->expected;
         ap->expected += xb;

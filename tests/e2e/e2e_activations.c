@@ -419,6 +419,20 @@ static int t_errors(kvd_harness *h)
     REQUIRE_RC(kvdepot_plan_fetch(c, "s", 1, 1e6, 1e15, 0, 0, 1, &p), KVDEPOT_OK);
     CHECK(p.split_tokens == 45);
 
+    /* A header announcing more tokens than their X bytes can count. */
+    REQUIRE_RC(create(c, "act", "big", 1), KVDEPOT_OK);
+    uint8_t tiny[64];
+    kvdepot_append_args ba;
+    memset(&ba, 0, sizeof ba);
+    ba.id = "big";
+    ba.id_len = 3;
+    ba.num_tokens = UINT64_MAX / (2 * L * KV_TOK);
+    ba.dtype = KVDEPOT_DTYPE_F16;
+    ba.k = ba.v = ba.x = tiny;
+    ba.k_bytes = ba.v_bytes = ba.x_bytes = sizeof tiny;
+    CHECK_RC(kvdepot_sequence_append(c, &ba, NULL), KVDEPOT_ENOMEM);
+    CHECK(act_tokens(c, "big", NULL, &n) == 0 && n == 0);
+
     /* X on some layers only: the sequence's count is the minimum, and a
      * layer behind cannot skip ahead. */
     REQUIRE_RC(create(c, "act", "part", 1), KVDEPOT_OK);
