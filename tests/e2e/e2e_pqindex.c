@@ -85,8 +85,9 @@ static int create(kvdepot_client *c, const char *id, int pq)
     return kvdepot_sequence_create(c, &ca, NULL);
 }
 
-/* Append tokens [t0, t0 + n) of every layer in one call. */
-static int append(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
+/* Append tokens [t0, t0 + n) of every layer in one call; keys and values
+ * of sequence `salt` (0 for all but the prefix test), with token ids. */
+static int append_salted(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n, int salt)
 {
     size_t cnt = (size_t)L * n * H * D, i = 0;
     uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
@@ -94,8 +95,8 @@ static int append(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
         for (uint64_t t = t0; t < t0 + n; t++)
             for (uint32_t h = 0; h < H; h++)
                 for (uint32_t d = 0; d < D; d++, i++) {
-                    k[i] = kvd_f32_to_f16(val(0, l, t, h, d));
-                    v[i] = kvd_f32_to_f16(val(1, l, t, h, d));
+                    k[i] = kvd_f32_to_f16(val(2 * salt, l, t, h, d));
+                    v[i] = kvd_f32_to_f16(val(2 * salt + 1, l, t, h, d));
                 }
     kvdepot_append_args aa;
     memset(&aa, 0, sizeof aa);
@@ -107,10 +108,21 @@ static int append(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
     aa.k = k;
     aa.v = v;
     aa.k_bytes = aa.v_bytes = cnt * 2;
+    uint32_t *ids = malloc(sizeof(uint32_t) * n);
+    for (uint64_t t = 0; t < n; t++)
+        ids[t] = (uint32_t)(t0 + t + 100000u * (uint32_t)salt);
+    aa.token_ids = ids;
+    aa.num_token_ids = n;
     int rc = kvdepot_sequence_append(c, &aa, NULL);
+    free(ids);
     free(k);
     free(v);
     return rc;
+}
+
+static int append(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
+{
+    return append_salted(c, id, t0, n, 0);
 }
 
 /* The stored centroids of (id, layer), read from the stopped server's data
@@ -548,6 +560,90 @@ static int t_sparse(kvd_harness *h)
     return 0;
 }
 
+/* A sequence created from another's prefix: the shared pages carry the
+ * other's codes; Search encodes them with the new sequence's own centroids
+ * (trained at its first sealing append) and equals brute force over that. */
+static int t_prefix(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c), KVDEPOT_OK);
+    REQUIRE_RC(create(c, "p", 2), KVDEPOT_OK);
+    REQUIRE_RC(append(c, "p", 0, 2 * PT + 30), KVDEPOT_OK);
+    kvdepot_sequence_info info;
+    REQUIRE_RC(kvdepot_sequence_stat(c, "p", 1, &info), KVDEPOT_OK);
+    REQUIRE(info.num_block_hashes >= 2);
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    cs.pq_m = M;
+    cs.pq_bits = NB;
+    cs.pq_iterations = ITERS;
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = "c";
+    ca.id_len = 1;
+    ca.model = "pqi";
+    ca.codecs = &cs;
+    ca.prefix_hashes = info.block_hashes;
+    ca.num_prefix_hashes = 2;
+    REQUIRE_RC(kvdepot_sequence_create(c, &ca, NULL), KVDEPOT_OK);
+    kvdepot_sequence_info_clear(&info);
+    const uint64_t n = 2 * PT + PT + 50; /* own block 2 seals, a tail */
+    REQUIRE_RC(append_salted(c, "c", 2 * PT, n - 2 * PT, 1), KVDEPOT_OK);
+    float *q = make_q(5);
+    kvdepot_search_args sa = {"c", 1, 1, q, HQ * D, 25, 3, 9, 0, 0};
+    kvdepot_search_result sr;
+    REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
+    kvdepot_close(c);
+    REQUIRE(harness_stop(h) == 0);
+    kvd_pq_centroids pc, cc;
+    REQUIRE(centroids(h, "p", 1, &pc) == 1 && centroids(h, "c", 1, &cc) == 1);
+    CHECK(pc.id != cc.id);
+    REQUIRE(harness_start(h) == 0);
+    c = harness_client(h);
+    REQUIRE(c);
+    /* Brute force: every key of "c" (the prefix's, then its own) encoded
+     * with the centroids of "c". */
+    uint8_t *codes = malloc((size_t)H * n * M);
+    float *keys = malloc(sizeof(float) * n * D);
+    for (uint32_t hh = 0; hh < H; hh++) {
+        for (uint64_t t = 0; t < n; t++)
+            for (uint32_t d = 0; d < D; d++)
+                keys[t * D + d] =
+                    kvd_f16_to_f32(kvd_f32_to_f16(val(t < 2 * PT ? 0 : 2, 1, t, hh, d)));
+        kvd_pq_encode_ref((int64_t)n, M, NB, D, keys, cc.data + (size_t)hh * CPH,
+                          codes + (size_t)hh * n * M);
+    }
+    CHECK(check_search(c, "c", 1, q, 0, 0, 25, 3, 9, n, codes, &cc) == 0);
+    CHECK(check_search(c, "c", 1, q, 200, 400, 10, 0, 0, n, codes, &cc) == 0);
+    /* The shared pages still index the centroids of "p". */
+    kvdepot_read_args rd;
+    memset(&rd, 0, sizeof rd);
+    rd.id = "c";
+    rd.id_len = 1;
+    rd.layer_start = 1;
+    rd.num_layers = 1;
+    kvdepot_page *pages = NULL;
+    size_t np = 0;
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &rd, &pages, &np), KVDEPOT_OK);
+    REQUIRE(np == 4);
+    for (size_t i = 0; i < 3; i++) {
+        kvd_page_view v;
+        kvd_page_pq pq;
+        REQUIRE(kvd_page_decode(pages[i].data, pages[i].len, &v, NULL) == 0);
+        CHECK(kvd_page_pq_get(&v, &pq) == 1 && pq.centroids_id == (i < 2 ? pc.id : cc.id));
+    }
+    kvdepot_pages_free(pages, np);
+    kvdepot_search_result_free(&sr);
+    kvd_pq_centroids_clear(&pc);
+    kvd_pq_centroids_clear(&cc);
+    free(codes);
+    free(keys);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
 static int t_errors(kvd_harness *h)
 {
     kvdepot_client *c = harness_client(h);
@@ -593,7 +689,10 @@ static int t_errors(kvd_harness *h)
 
 int main(int argc, char **argv)
 {
-    static const kvd_test tests[] = {
-        {"stored", t_stored}, {"pages", t_pages}, {"sparse", t_sparse}, {"errors", t_errors}};
+    static const kvd_test tests[] = {{"stored", t_stored},
+                                     {"pages", t_pages},
+                                     {"sparse", t_sparse},
+                                     {"prefix", t_prefix},
+                                     {"errors", t_errors}};
     return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
 }
