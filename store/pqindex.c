@@ -2,6 +2,7 @@
  * The stored PQ index (pqindex.h): centroid records and the append hook that
  * writes the PQ-codes section of every sealing page.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,6 +27,26 @@ struct kvd__pq_append {
     float *keys; /* page keys of one head, f32 (page_tokens, head_dim) */
     size_t cap_keys;
 };
+
+/* Training runs once per (sequence, layer) but is the heaviest step of an
+ * append (K-means over up to KVD_PQ_TRAIN_TOKENS keys per kv head): it gets
+ * a backend with every CPU, where page coding keeps the store's
+ * single-thread one. K-means does not depend on the thread count. */
+static pthread_once_t train_once = PTHREAD_ONCE_INIT;
+static kvd_backend *train_be;
+
+static void train_be_init(void)
+{
+    kvd_cpu_options opt = {0, 0};
+    if (kvd_backend_cpu_create(&opt, &train_be, NULL) != 0)
+        train_be = NULL;
+}
+
+static kvd_backend *train_backend(void)
+{
+    pthread_once(&train_once, train_be_init);
+    return train_be ? train_be : kvd__codec_backend();
+}
 
 static size_t pq_key(uint8_t *key, const void *id, size_t id_len, uint32_t layer)
 {
@@ -175,8 +196,8 @@ static int train_layer(kvd_backend *be, const kvd_seq_codecs *c, struct rocksdb_
             (rc = to_f32(be, d->dtype, wh, from_wire, D, (int64_t)(H * D * es),
                          keys + (size_t)from_page * D, err)))
             break;
-        rc = kvd_pq_train_head(be, keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations, d->layer, h,
-                               cent + (size_t)h * (nf / H), err);
+        rc = kvd_pq_train_head(train_backend(), keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations,
+                               d->layer, h, cent + (size_t)h * (nf / H), err);
     }
     if (rc)
         goto done;

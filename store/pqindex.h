@@ -9,8 +9,9 @@
  * appended (f32) of the first min(n, KVD_PQ_TRAIN_TOKENS) tokens counted from
  * the first page that append seals to the end of the append (the prefill,
  * when the sequence starts with one), seeded layer * 65536 + h, with the
- * sequence's pq_iterations Lloyd steps. They are written in the append's
- * batch under the RocksDB key 'Q' be16 id_len id be32 layer
+ * sequence's pq_iterations Lloyd steps (on a CPU backend with every core:
+ * the result does not depend on the thread count). They are written in the
+ * append's batch under the RocksDB key 'Q' be16 id_len id be32 layer
  * (store_internal.h) as the centroid record
  *
  *   u8 version (1) | u8 bits | u16 m | u32 num_kv_heads | u32 head_dim |
@@ -54,8 +55,8 @@
 /* The centroids of one layer of a sequence. */
 typedef struct kvd_pq_centroids {
     uint32_t num_kv_heads, head_dim, m, bits;
-    uint64_t id;  /* xxh3-64 of the stored record */
-    float *data;  /* (num_kv_heads, m, 2^bits, head_dim / m) f32, malloc'd */
+    uint64_t id; /* xxh3-64 of the stored record */
+    float *data; /* (num_kv_heads, m, 2^bits, head_dim / m) f32, malloc'd */
 } kvd_pq_centroids;
 
 /* Free c->data and zero *c; NULL is a no-op. */
@@ -77,9 +78,9 @@ int kvd_store_pq_centroids_get(kvd_store *st, const void *seq_id, size_t id_len,
  * keys (n, head_dim) f32 contiguous, n >= 1 (the first KVD_PQ_TRAIN_TOKENS
  * are used). cent: (m, 2^bits, head_dim / m) f32. Returns as kvd_pq_train.
  */
-int kvd_pq_train_head(kvd_backend *be, const float *keys, int64_t n, uint32_t head_dim,
-                      uint32_t m, uint32_t bits, uint32_t iterations, uint32_t layer, uint32_t h,
-                      float *cent, kvd_error *err);
+int kvd_pq_train_head(kvd_backend *be, const float *keys, int64_t n, uint32_t head_dim, uint32_t m,
+                      uint32_t bits, uint32_t iterations, uint32_t layer, uint32_t h, float *cent,
+                      kvd_error *err);
 
 /* ---- store internals (append.c, sequence.c) -------------------------------- */
 
