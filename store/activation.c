@@ -418,8 +418,9 @@ struct kvd__act_cursor {
     uint32_t l;       /* layer now (relative) */
     uint64_t t;       /* next token of it */
     size_t boff;      /* bytes of token t already produced */
-    /* The record holding token t, verified: tokens [r0, r1) at rec. */
-    uint8_t *rec;
+    /* The record holding token t, verified: tokens [r0, r1) at rec, the
+     * iterator's value (valid while the iterator stays on it). */
+    const uint8_t *rec;
     uint64_t r0, r1;
     uint32_t rl;
     int failed;
@@ -436,7 +437,6 @@ void kvd__act_cursor_close(kvd__act_cursor *c)
         rocksdb_readoptions_destroy(c->ropt);
     if (c->snap)
         rocksdb_release_snapshot(c->st->db, c->snap);
-    free(c->rec);
     free(c);
 }
 
@@ -473,6 +473,10 @@ int kvd__act_cursor_open(kvd_store *st, const kvd__seq *s, uint32_t ls, uint32_t
     c->snap = rocksdb_create_snapshot(st->db);
     rocksdb_readoptions_set_snapshot(c->ropt, c->snap);
     rocksdb_readoptions_set_fill_cache(c->ropt, 0);
+    /* Every record carries its own XXH3, verified below (as pages do). */
+    rocksdb_readoptions_set_verify_checksums(c->ropt, 0);
+    /* Records are read in key order: let RocksDB read ahead. */
+    rocksdb_readoptions_set_readahead_size(c->ropt, 4u << 20);
     c->it = rocksdb_create_iterator(st->db, c->ropt);
     *out = c;
     return 0;
@@ -489,7 +493,12 @@ static int load_record(kvd__act_cursor *c, kvd_error *err)
     uint32_t layer = c->ls + c->l;
     uint8_t key[DATA_KEY_MAX];
     size_t klen = data_key(key, c->id, c->id_len, layer, c->t);
-    rocksdb_iter_seek_for_prev(c->it, (const char *)key, klen);
+    /* Reading on from the end of the record before: it is the next key. */
+    if (c->rec && c->rl == layer && c->t == c->r1)
+        rocksdb_iter_next(c->it);
+    else
+        rocksdb_iter_seek_for_prev(c->it, (const char *)key, klen);
+    c->rec = NULL;
     char idb[KVD__ID_STR_MAX];
     kvd__id_str(c->id, c->id_len, idb, sizeof idb);
     if (!rocksdb_iter_valid(c->it)) {
@@ -517,7 +526,7 @@ static int load_record(kvd__act_cursor *c, kvd_error *err)
                              idb, layer, (unsigned long long)r0, vlen, c->row);
     size_t len = vlen - SUM_BYTES;
     uint64_t r1 = r0 + len / c->row;
-    if (c->t >= r1)
+    if (c->t < r0 || c->t >= r1)
         goto missing;
     uint64_t want = 0;
     for (int i = 0; i < SUM_BYTES; i++)
@@ -530,11 +539,7 @@ static int load_record(kvd__act_cursor *c, kvd_error *err)
                              "checksum",
                              idb, layer, (unsigned long long)r0);
     }
-    uint8_t *copy = realloc(c->rec, len);
-    if (!copy)
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
-    memcpy(copy, v, len);
-    c->rec = copy;
+    c->rec = v;
     c->r0 = r0;
     c->r1 = r1;
     c->rl = layer;
