@@ -14,3 +14,12 @@ endif()
 add_test(NAME activations_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_activations.sh
                                       ${KVD_E2E_SERVER} $<TARGET_FILE:kvdepot>)
 set_tests_properties(activations_cli PROPERTIES LABELS e2e TIMEOUT 120)
+
+# Activation-first Read throughput (prints a table; build target only):
+#   cmake --build <dir> --target bench_activations
+#   <dir>/tests/bench_activations <dir>/service/kvdepotd [tokens]
+if(TARGET kvd_e2e_harness)
+  add_executable(bench_activations EXCLUDE_FROM_ALL
+                 ${PROJECT_SOURCE_DIR}/tests/bench/bench_activations.c)
+  target_link_libraries(bench_activations PRIVATE kvd_e2e_harness)
+endif()
