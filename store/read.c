@@ -41,8 +41,9 @@ struct kvd_read {
     kvd__act_cursor *act;
     uint64_t full_ts, full_n;
     uint32_t hidden;
-    /* The sequence's VQ/SVD artifact snapshot (NULL when it needs none). */
-    kvd_codec_arts *arts;
+    /* The sequence's codecs, with its VQ/SVD artifact snapshot (codecs.arts,
+     * NULL when it needs none). */
+    kvd_seq_codecs codecs;
 };
 
 void kvd_store_read_end(kvd_read *rd)
@@ -56,7 +57,7 @@ void kvd_store_read_end(kvd_read *rd)
     free(rd->page_ids);
     free(rd->stage);
     kvd__act_cursor_close(rd->act);
-    kvd_codec_arts_free(rd->arts);
+    kvd_seq_codecs_clear(&rd->codecs);
     free(rd);
 }
 
@@ -164,16 +165,14 @@ int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **ou
     rocksdb_readoptions_set_verify_checksums(rd->ropt, 0);
     pthread_rwlock_unlock(&st->lock);
     /* VQ/SVD pages decode with the snapshot taken at CreateSequence. */
-    kvd_seq_codecs codecs;
     int found = 0;
-    if ((rc = kvd_store_seq_codecs_get(st, spec->seq_id, spec->seq_id_len, &codecs, &found,
+    if ((rc = kvd_store_seq_codecs_get(st, spec->seq_id, spec->seq_id_len, &rd->codecs, &found,
                                        err)) ||
-        (found && (rc = kvd_seq_codecs_load_arts(st, spec->seq_id, spec->seq_id_len, &codecs,
-                                                 err)))) {
+        (found && (rc = kvd_seq_codecs_load_arts(st, spec->seq_id, spec->seq_id_len,
+                                                 &rd->codecs, err)))) {
         kvd_store_read_end(rd);
         return rc;
     }
-    rd->arts = codecs.arts;
 
     if (shape) {
         shape->layer_start = rd->ls;
@@ -324,8 +323,8 @@ static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
     if ((part ? view.h.v_codec : view.h.k_codec) != KVD_CODEC_RAW) {
         dec = malloc((size_t)rd->H * pn * row);
         rc = dec ? kvd_page_decode_section(kvd__codec_backend(), &view,
-                                           part ? KVD_SECTION_V : KVD_SECTION_K, rd->arts,
-                                           rd->dtype, dec, err)
+                                           part ? KVD_SECTION_V : KVD_SECTION_K,
+                                           rd->codecs.arts, rd->dtype, dec, err)
                  : kvd_error_set(err, KVD_ENOMEM, "out of memory decoding a page");
         if (rc) {
             free(dec);

@@ -5,6 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
 #include "artifact.h"
 #include "seqcodec.h"
 #include "store_internal.h"
@@ -14,7 +17,8 @@
 #define REC_VERSION 2
 #define SPEC_BYTES 13
 #define REC1_BYTES (1 + 2 * SPEC_BYTES + 4 + 9)
-#define REC_BYTES (REC1_BYTES + 6)
+#define REC_BYTES (REC1_BYTES + 6 + 8)
+#define ARTS_CACHE 8 /* snapshots kept in memory, shared by content */
 
 static pthread_once_t be_once = PTHREAD_ONCE_INIT;
 static kvd_backend *codec_be;
@@ -149,11 +153,13 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
     pthread_rwlock_unlock(&st->lock);
     if (!s)
         return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
-    /* VQ / SVD: snapshot the model's artifacts of this moment. */
+    /* VQ / SVD: snapshot the model's artifacts of this moment; the codec
+     * record names it by content (XXH3 of its bytes). */
     kvd_codec_arts *arts = NULL;
+    uint64_t arts_hash = 0;
     if (kvd_seq_codecs_need_arts(c) && (rc = build_snapshot(st, &mi, c, &arts, err)))
         return rc;
-    rc = kvd_store_seq_arts_put(st, id, id_len, arts, err);
+    rc = kvd_store_seq_arts_put(st, id, id_len, arts, &arts_hash, err);
     kvd_codec_arts_free(arts);
     if (rc)
         return rc;
@@ -174,6 +180,8 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
         rec[REC1_BYTES + 3 * i + 1] = sp[i]->vq_bits;
         rec[REC1_BYTES + 3 * i + 2] = sp[i]->svd;
     }
+    for (int i = 0; i < 8; i++)
+        rec[REC1_BYTES + 6 + i] = (uint8_t)(arts_hash >> (8 * i));
     char *e = NULL;
     rocksdb_put(st->db, st->wopt, (const char *)key, klen, (const char *)rec, sizeof rec, &e);
     if (e) {
@@ -203,6 +211,7 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
     if (!v)
         return 0;
     if (!((len == REC_BYTES && (uint8_t)v[0] == REC_VERSION) ||
+          (len == REC_BYTES - 8 && (uint8_t)v[0] == REC_VERSION) || /* without the hash */
           (len == REC1_BYTES && (uint8_t)v[0] == 1))) {
         free(v);
         return kvd_error_set(err, KVD_ECORRUPT, "sequence codec record of %zu bytes", len);
@@ -217,13 +226,15 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
         c->pq_iterations |= (uint32_t)p[10 + 2 * SPEC_BYTES + i] << (8 * i);
     }
     c->pq_bits = p[9 + 2 * SPEC_BYTES];
-    if (len == REC_BYTES) {
+    if (len > REC1_BYTES) {
         kvd_codec_spec *sp[2] = {&c->k, &c->v};
         for (int i = 0; i < 2; i++) {
             sp[i]->vq_sub_dim = p[REC1_BYTES + 3 * i];
             sp[i]->vq_bits = p[REC1_BYTES + 3 * i + 1];
             sp[i]->svd = p[REC1_BYTES + 3 * i + 2];
         }
+        for (int i = 0; len == REC_BYTES && i < 8; i++)
+            c->arts_hash |= (uint64_t)p[REC1_BYTES + 6 + i] << (8 * i);
     }
     free(v);
     *found = 1;
@@ -250,8 +261,9 @@ int kvd_seq_codecs_need_arts(const kvd_seq_codecs *c)
 }
 
 int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const kvd_codec_arts *a,
-                           kvd_error *err)
+                           uint64_t *hash, kvd_error *err)
 {
+    *hash = 0;
     int rc = kvd__check_seq_id(id, id_len, err);
     if (rc)
         return rc;
@@ -263,6 +275,7 @@ int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const k
     } else {
         if ((rc = kvd_codec_arts_serialize(a, &buf, &len, err)))
             return rc;
+        *hash = XXH3_64bits(buf, len);
         rocksdb_put(st->db, st->wopt, (const char *)key, klen, (const char *)buf, len, &e);
         free(buf);
     }
@@ -273,12 +286,96 @@ int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const k
     return rc;
 }
 
+/*
+ * Snapshots in memory, shared by content: sequences created from the same
+ * artifacts have byte-identical snapshots (same XXH3), so one parsed copy
+ * serves them all, and an Attend or Read does not parse the snapshot again.
+ * An entry lives while the cache or a kvd_seq_codecs holds it.
+ */
+typedef struct arts_ent {
+    uint64_t hash, tick;
+    kvd_codec_arts *a;
+    int refs, in_cache;
+} arts_ent;
+
+static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
+static arts_ent *cache[ARTS_CACHE];
+static uint64_t cache_tick;
+
+static void ent_unref_locked(arts_ent *e)
+{
+    if (--e->refs == 0 && !e->in_cache) {
+        kvd_codec_arts_free(e->a);
+        free(e);
+    }
+}
+
+/* The cached snapshot of this content (a new reference), or NULL. */
+static arts_ent *cache_get(uint64_t hash)
+{
+    arts_ent *r = NULL;
+    pthread_mutex_lock(&cache_mu);
+    for (int i = 0; i < ARTS_CACHE && !r; i++)
+        if (cache[i] && cache[i]->hash == hash) {
+            r = cache[i];
+            r->refs++;
+            r->tick = ++cache_tick;
+        }
+    pthread_mutex_unlock(&cache_mu);
+    return r;
+}
+
+/* Insert a (takes ownership); returns the entry to use with a reference:
+ * a's, or one a concurrent load inserted first (a is then freed). */
+static arts_ent *cache_put(uint64_t hash, kvd_codec_arts *a)
+{
+    arts_ent *r = cache_get(hash);
+    if (r) {
+        kvd_codec_arts_free(a);
+        return r;
+    }
+    arts_ent *e = calloc(1, sizeof *e);
+    if (!e)
+        return NULL;
+    e->hash = hash;
+    e->a = a;
+    e->refs = 2; /* the cache's and the caller's */
+    e->in_cache = 1;
+    pthread_mutex_lock(&cache_mu);
+    e->tick = ++cache_tick;
+    int slot = 0;
+    for (int i = 0; i < ARTS_CACHE; i++) {
+        if (!cache[i]) {
+            slot = i;
+            break;
+        }
+        if (cache[i]->tick < cache[slot]->tick)
+            slot = i;
+    }
+    if (cache[slot]) { /* evict the least recently used */
+        cache[slot]->in_cache = 0;
+        ent_unref_locked(cache[slot]);
+    }
+    cache[slot] = e;
+    pthread_mutex_unlock(&cache_mu);
+    return e;
+}
+
 int kvd_seq_codecs_load_arts(kvd_store *st, const void *id, size_t id_len, kvd_seq_codecs *c,
                              kvd_error *err)
 {
     c->k.arts = c->v.arts = NULL;
+    c->arts = NULL;
+    c->arts_ent = NULL;
     if (!kvd_seq_codecs_need_arts(c))
         return 0;
+    arts_ent *hit = c->arts_hash ? cache_get(c->arts_hash) : NULL;
+    if (hit) {
+        c->arts_ent = hit;
+        c->arts = hit->a;
+        c->k.arts = c->v.arts = c->arts;
+        return 0;
+    }
     uint8_t key[1 + KVD_SEQ_ID_MAX];
     size_t klen = arts_key(key, id, id_len), len = 0;
     char *e = NULL;
@@ -291,10 +388,22 @@ int kvd_seq_codecs_load_arts(kvd_store *st, const void *id, size_t id_len, kvd_s
     if (!v)
         return kvd_error_set(err, KVD_ECORRUPT,
                              "the sequence's VQ/SVD artifact snapshot is missing");
-    int rc = kvd_codec_arts_parse((const uint8_t *)v, len, &c->arts, err);
+    if (c->arts_hash && XXH3_64bits(v, len) != c->arts_hash) {
+        free(v);
+        return kvd_error_set(err, KVD_ECORRUPT,
+                             "the sequence's artifact snapshot does not match its hash");
+    }
+    kvd_codec_arts *a = NULL;
+    int rc = kvd_codec_arts_parse((const uint8_t *)v, len, &a, err);
     free(v);
     if (rc)
         return rc;
+    if (c->arts_hash && (hit = cache_put(c->arts_hash, a))) {
+        c->arts_ent = hit;
+        c->arts = hit->a;
+    } else {
+        c->arts = a; /* owned: freed by kvd_seq_codecs_clear */
+    }
     c->k.arts = c->v.arts = c->arts;
     return 0;
 }
@@ -303,7 +412,14 @@ void kvd_seq_codecs_clear(kvd_seq_codecs *c)
 {
     if (!c)
         return;
-    kvd_codec_arts_free(c->arts);
+    if (c->arts_ent) {
+        pthread_mutex_lock(&cache_mu);
+        ent_unref_locked(c->arts_ent);
+        pthread_mutex_unlock(&cache_mu);
+    } else {
+        kvd_codec_arts_free(c->arts);
+    }
+    c->arts_ent = NULL;
     c->arts = NULL;
     c->k.arts = c->v.arts = NULL;
 }

@@ -5,18 +5,21 @@
  *
  *   u8 version (2) | K spec | V spec | u32 raw_sink_tokens |
  *   u32 pq_m | u8 pq_bits | u32 pq_iterations |
- *   K vq_sub_dim, K vq_bits, K svd, V vq_sub_dim, V vq_bits, V svd (u8 each)
+ *   K vq_sub_dim, K vq_bits, K svd, V vq_sub_dim, V vq_bits, V svd (u8 each) |
+ *   u64 snapshot hash (XXH3 of the 'Z' value below; 0 = none)
  *   spec = u8 codec, u16 group, u8 axis, u8 rounding, u64 seed   (13 bytes)
  *
- * little-endian; version 1 records (without the last 6 bytes) still read.
+ * little-endian; version 1 records (without the last 14 bytes) and version 2
+ * records without the hash still read.
  * A sequence without the key stores raw pages.
  *
  * A sequence with VQ or SVD also has its artifact snapshot under the key
  * 'Z' ‖ sequence id (kvd_codec_arts_serialize), written at CreateSequence
  * from the model's artifacts of that moment and removed with the sequence
  * (with the 'C' record): recalibrating the model later never changes what
- * the sequence's pages decode to. The whole snapshot is read once per
- * Append, Attend or Read of the sequence.
+ * the sequence's pages decode to. Parsed snapshots are kept in a small
+ * in-memory cache keyed by that hash (sequences made from the same
+ * artifacts share one); a miss reads and parses the whole snapshot.
  */
 #ifndef KVDEPOT_STORE_SEQCODEC_H
 #define KVDEPOT_STORE_SEQCODEC_H
@@ -35,17 +38,21 @@ typedef struct kvd_seq_codecs {
     uint8_t pq_bits;
     uint32_t pq_iterations;
     /* The artifact snapshot (kvd_seq_codecs_load_arts; k.arts and v.arts
-     * point at it); owned, freed by kvd_seq_codecs_clear. */
+     * point at it), released by kvd_seq_codecs_clear; arts_hash from the
+     * record names it, arts_ent is its cache entry (NULL: owned). */
     kvd_codec_arts *arts;
+    uint64_t arts_hash;
+    void *arts_ent;
 } kvd_seq_codecs;
 
 /* Does a sealed page get coded (anything but raw)? Does it need artifacts? */
 int kvd_seq_codecs_coded(const kvd_seq_codecs *c);
 int kvd_seq_codecs_need_arts(const kvd_seq_codecs *c);
 
-/* Store (a != NULL) or remove the artifact snapshot of a sequence. */
+/* Store (a != NULL) or remove the artifact snapshot of a sequence; *hash
+ * is the XXH3 of the stored bytes (0 when removed). */
 int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const kvd_codec_arts *a,
-                           kvd_error *err);
+                           uint64_t *hash, kvd_error *err);
 
 /* Load the snapshot of a sequence whose codecs need one into c->arts.
  * KVD_ECORRUPT when it is missing or damaged. */
