@@ -1008,7 +1008,9 @@ typedef struct kvdepot_page {
  * page size, SequenceInfo.page_tokens): every page that holds its whole
  * block is encoded with `codecs` (NULL = raw; blocks before raw_sink_tokens
  * stay raw), a partial page at either end stays raw. The encoder is the
- * server's own (same CPU kernels, same bytes for the same spec).
+ * server's own (same CPU kernels, same bytes for the same spec). VQ and
+ * SVD codecs need the model's artifacts: use
+ * kvdepot_encode_pages_with_artifacts (here they fail with KVDEPOT_EINVAL).
  * @param[out] pages, count  malloc'd array; free with kvdepot_pages_free
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (shape, spec the model cannot take);
  *         KVDEPOT_ENOMEM.
