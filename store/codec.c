@@ -86,7 +86,6 @@ int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint
             return kvd_error_set(err, KVD_EINVAL,
                                  "k.codec: VQ keys need a power-of-two head_dim (Hadamard), got %u",
                                  head_dim);
-        (void)page_tokens;
         return 0;
     }
     if (s->codec != KVD_CODEC_INT2 && s->codec != KVD_CODEC_INT4)
