@@ -391,6 +391,68 @@ static void test_arts_codecs(kvd_backend *be)
         free(page);
         kvd_codec_arts_free(arts);
     }
+    /* f32 and bf16 pages: VQ (fused) and SVD + raw (reduced kernel) decode
+     * within the same bounds and attend like their decoded values. */
+    for (int dt = 0; dt < 2; dt++) {
+        const kvd_dtype dtype = dt ? KVD_DTYPE_BF16 : KVD_DTYPE_F32;
+        const size_t es = kvd_dtype_size(dtype);
+        uint8_t *kx = malloc(n * es), *vx = malloc(n * es);
+        for (size_t i = 0; i < n; i++) {
+            if (dt) {
+                ((uint16_t *)kx)[i] = kvd_f32_to_bf16(kf[i]);
+                ((uint16_t *)vx)[i] = kvd_f32_to_bf16(vf[i]);
+            } else {
+                ((float *)kx)[i] = kf[i];
+                ((float *)vx)[i] = vf[i];
+            }
+        }
+        kvd_page_desc dd = d;
+        dd.dtype = dtype;
+        for (int c = 0; c < 3; c += 2) {
+            kvd_error err;
+            kvd_codec_spec ks = cases[c].k, vs = cases[c].v;
+            kvd_codec_arts *arts = NULL;
+            CHECK(kvd_codec_spec_check(&ks, 0, B, D, &err) == 0 &&
+                  kvd_codec_spec_check(&vs, 1, B, D, &err) == 0);
+            CHECK(kvd_codec_arts_build(&ks, &vs, AL, H, D, cases[c].f->refs, cases[c].f->n,
+                                       &arts, &err) == 0);
+            ks.arts = vs.arts = arts;
+            uint8_t *page = NULL;
+            size_t len = 0;
+            kvd_page_view pv;
+            CHECK(kvd_page_encode(be, &dd, &ks, &vs, kx, vx, &page, &len, &err) == 0);
+            CHECK(page && kvd_page_decode(page, len, &pv, &err) == 0);
+            if (!page) {
+                kvd_codec_arts_free(arts);
+                continue;
+            }
+            CHECK(kvd_page_decode_section(be, &pv, KVD_SECTION_K, arts, KVD_DTYPE_F32, kd, &err) ==
+                  0);
+            CHECK(kvd_page_decode_section(be, &pv, KVD_SECTION_V, arts, KVD_DTYPE_F32, vd, &err) ==
+                  0);
+            double ek = nmse(kd, kf, n), ev = nmse(vd, vf, n);
+            printf("%s, %s pages: decode NMSE K %.3g V %.3g\n", cases[c].name,
+                   kvd_dtype_name(dtype), ek, ev);
+            CHECK(ek <= cases[c].ek && ev <= cases[c].ev);
+            float out[8 * 64], lse[8], ro[8 * 64], rl[8];
+            CHECK(kvd_page_attend(be, &pv, 1, arts, &dims, q, out, lse, &err) == 0);
+            kvd_attn_dense_args a;
+            memset(&a, 0, sizeof a);
+            a.dims = dims;
+            int64_t qs[2] = {Hq, D}, ls[1] = {Hq}, kshape[3] = {H, B, D};
+            a.q = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qs);
+            a.k = kvd_tensor_make(KVD_DTYPE_F32, kd, 3, kshape);
+            a.v = kvd_tensor_make(KVD_DTYPE_F32, vd, 3, kshape);
+            a.out = kvd_tensor_make(KVD_DTYPE_F32, ro, 2, qs);
+            a.lse = kvd_tensor_make(KVD_DTYPE_F32, rl, 1, ls);
+            CHECK(kvd_attn_dense(be, 1, &a, &err) == 0);
+            CHECK(nmse(out, ro, Hq * D) <= 1e-3 && nmse(lse, rl, Hq) <= 1e-5);
+            free(page);
+            kvd_codec_arts_free(arts);
+        }
+        free(kx);
+        free(vx);
+    }
     /* Missing or mis-shaped artifacts; encoding without a snapshot. */
     {
         kvd_error err;
