@@ -92,8 +92,7 @@ static int put_meta(rocksdb_writebatch_t *b, const kvd__seq *s, const uint64_t *
     return 0;
 }
 
-int kvd_store_seq_activations_enable(kvd_store *st, const void *id, size_t id_len,
-                                     kvd_error *err)
+int kvd_store_seq_activations_enable(kvd_store *st, const void *id, size_t id_len, kvd_error *err)
 {
     int rc = kvd__check_seq_id(id, id_len, err);
     if (rc)
@@ -168,8 +167,7 @@ int kvd__act_check(const kvd__seq *s, uint32_t ls, uint32_t nl, uint64_t ts, uin
                                  "with_activations: layer %u has activations for its first "
                                  "%llu tokens only, so tokens from %llu cannot have them "
                                  "(every earlier token must)",
-                                 l, (unsigned long long)s->act_tokens[l],
-                                 (unsigned long long)ts);
+                                 l, (unsigned long long)s->act_tokens[l], (unsigned long long)ts);
     uint64_t row = kvd__act_token_bytes(s) * nl;
     if (row && n > UINT64_MAX / 4 / row)
         return kvd_error_set(err, KVD_ENOMEM, "activations of %llu tokens are too large",
@@ -415,9 +413,9 @@ struct kvd__act_cursor {
     uint32_t ls, nl;
     uint64_t ts, n;
     size_t row;
-    uint32_t l;       /* layer now (relative) */
-    uint64_t t;       /* next token of it */
-    size_t boff;      /* bytes of token t already produced */
+    uint32_t l;  /* layer now (relative) */
+    uint64_t t;  /* next token of it */
+    size_t boff; /* bytes of token t already produced */
     /* The record holding token t, verified: tokens [r0, r1) at rec, the
      * iterator's value (valid while the iterator stays on it). */
     const uint8_t *rec;
@@ -551,8 +549,7 @@ missing:
                          idb, layer, (unsigned long long)c->t);
 }
 
-int kvd__act_cursor_read(kvd__act_cursor *c, uint8_t *buf, size_t cap, size_t *len,
-                         kvd_error *err)
+int kvd__act_cursor_read(kvd__act_cursor *c, uint8_t *buf, size_t cap, size_t *len, kvd_error *err)
 {
     *len = 0;
     if (c->failed) {

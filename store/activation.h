@@ -26,13 +26,14 @@
  * (B tokens), so it never spans a block boundary and n follows from its
  * length. The Append that completes a block rewrites the records of the
  * earlier appends into it as one record for the whole block (decode steps of
- * one token each leave one record per sealed block, not B); the length prefix of the id keeps one sequence's records apart
- * from those of an id extending it, so a sequence's records are one key
- * range. Records are written in the Append's WriteBatch (with its pages and
- * sequence record: all or nothing) and removed with the sequence in the
- * delete's batch (DeleteSequence, TTL expiry, the disk limit of a pure
- * cache, model deletion). Activation bytes count in stored_bytes, the
- * tenants' byte quotas and the disk limit.
+ * one token each leave one record per sealed block, not B). The length
+ * prefix of the id keeps one sequence's records apart from those of an id
+ * extending it, so a sequence's records are one key range. Records are
+ * written in the Append's WriteBatch (with its pages and sequence record: all
+ * or nothing) and removed with the sequence in the delete's batch
+ * (DeleteSequence, TTL expiry, the disk limit of a pure cache, model
+ * deletion). Activation bytes count in stored_bytes, the tenants' byte quotas
+ * and the disk limit.
  */
 #ifndef KVDEPOT_STORE_ACTIVATION_H
 #define KVDEPOT_STORE_ACTIVATION_H
@@ -43,7 +44,6 @@
  * layer yet). KVD_ENOTFOUND (sequence), KVD_EPRECOND when the model has no
  * hidden_size or the sequence already holds tokens (a sequence created from a
  * shared prefix cannot store activations: they must start at token 0). */
-int kvd_store_seq_activations_enable(kvd_store *st, const void *id, size_t id_len,
-                                     kvd_error *err);
+int kvd_store_seq_activations_enable(kvd_store *st, const void *id, size_t id_len, kvd_error *err);
 
 #endif /* KVDEPOT_STORE_ACTIVATION_H */

@@ -85,8 +85,8 @@ int main(int argc, char **argv)
         }
         t_append += now_sec() - t0;
     }
-    printf("%llu tokens x %u layers appended with X: %.1f MiB in %.3f s\n",
-           (unsigned long long)n, L, (double)n / STEP * (2.0 * kvb + xb) / 1048576, t_append);
+    printf("%llu tokens x %u layers appended with X: %.1f MiB in %.3f s\n", (unsigned long long)n,
+           L, (double)n / STEP * (2.0 * kvb + xb) / 1048576, t_append);
     kvdepot_fetch_plan p;
     if (kvdepot_plan_fetch(c, "s", 1, 1.25e9, 2e13, 0, 0, 0, &p) == 0)
         printf("PlanFetch (10 Gbit/s, 20 TFLOP/s): split %llu of %llu, predicted %.4f s, "

@@ -64,8 +64,8 @@ typedef struct ref {
 /* Append nt tokens to every layer (with X when with_x); the reference takes
  * them only when the server accepted. xb_delta changes the X byte count sent
  * (a wrong size). */
-static int append(kvdepot_client *c, const char *id, ref *r, uint64_t nt, int with_x,
-                  long xb_delta, uint64_t seed)
+static int append(kvdepot_client *c, const char *id, ref *r, uint64_t nt, int with_x, long xb_delta,
+                  uint64_t seed)
 {
     size_t kvb = (size_t)L * nt * KV_TOK, xb = (size_t)L * nt * X_TOK;
     uint8_t *k = malloc(kvb), *v = malloc(kvb), *x = malloc(xb + 64);
@@ -172,8 +172,8 @@ static int check_read(kvdepot_client *c, const char *id, const ref *r, uint32_t 
             kvdepot_free(pr.owned);
     }
     if (bad)
-        fprintf(stderr, "read layers %u+%u tokens %llu+%llu a=%llu%s: wrong bytes or header\n",
-                l0, nl, (unsigned long long)t0, (unsigned long long)n, (unsigned long long)a,
+        fprintf(stderr, "read layers %u+%u tokens %llu+%llu a=%llu%s: wrong bytes or header\n", l0,
+                nl, (unsigned long long)t0, (unsigned long long)n, (unsigned long long)a,
                 caller_bufs ? " (caller buffers)" : "");
     kvdepot_free(rr.owned);
     free(bk);
@@ -237,8 +237,7 @@ static int t_roundtrip(kvd_harness *h)
         {0, 3, 0, 700, 301},  /* inside a record */
         {1, 2, 10, 600, 390}, /* offset range, layer subset */
         {2, 1, 255, 2, 1},    /* across the first block end */
-        {0, 3, 699, 1, 1},
-        {0, 1, 300, 400, 400},
+        {0, 3, 699, 1, 1},    {0, 1, 300, 400, 400},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         uint32_t nl = cases[i].nl ? cases[i].nl : L;
@@ -602,7 +601,8 @@ static int t_corrupt(kvd_harness *h)
     ra.activation_tokens = 300;
     CHECK_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_ECORRUPT); /* layer 2 record gone */
     /* Untouched records and the K/V read back exactly. */
-    if (check_read(c, "s", r, 0, 1, 0, 300, 300, 0) || check_read(c, "s", r, 2, 1, 0, 300, 256, 0) ||
+    if (check_read(c, "s", r, 0, 1, 0, 300, 300, 0) ||
+        check_read(c, "s", r, 2, 1, 0, 300, 256, 0) ||
         check_read(c, "s", r, 1, 1, 256, 44, 44, 0) || check_read(c, "s", r, 0, L, 0, 300, 0, 0))
         kvd_test_failures++;
     free(r);
@@ -667,7 +667,8 @@ static int t_merge(kvd_harness *h)
             kvd_test_failures++;
     }
     REQUIRE_RC(append(c, "s", r, 300, 1, 0, 60), KVDEPOT_OK); /* 260..560: block 1 completes */
-    if (check_read(c, "s", r, 0, L, 0, 560, 560, 0) || check_read(c, "s", r, 0, L, 200, 300, 100, 1))
+    if (check_read(c, "s", r, 0, L, 0, 560, 560, 0) ||
+        check_read(c, "s", r, 0, L, 200, 300, 100, 1))
         kvd_test_failures++;
     REQUIRE(harness_stop(h) == 0);
     uint64_t starts[16];
@@ -720,13 +721,8 @@ static int t_crash(kvd_harness *h)
 }
 
 static const kvd_test tests[] = {
-    {"roundtrip", t_roundtrip},
-    {"restart", t_restart},
-    {"errors", t_errors},
-    {"delete", t_delete},
-    {"corrupt", t_corrupt},
-    {"crash", t_crash},
-    {"merge", t_merge},
+    {"roundtrip", t_roundtrip}, {"restart", t_restart}, {"errors", t_errors}, {"delete", t_delete},
+    {"corrupt", t_corrupt},     {"crash", t_crash},     {"merge", t_merge},
 };
 
 int main(int argc, char **argv)
