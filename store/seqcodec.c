@@ -88,6 +88,33 @@ static size_t codec_key(uint8_t *key, const void *id, size_t id_len)
     return id_len + 1;
 }
 
+static size_t arts_key(uint8_t *key, const void *id, size_t id_len)
+{
+    key[0] = KEY_ARTS;
+    memcpy(key + 1, id, id_len);
+    return id_len + 1;
+}
+
+/* Add the put of snapshot a (or the deletion of the key, a == NULL) to b. */
+static int arts_stage(rocksdb_writebatch_t *b, const void *id, size_t id_len,
+                      const kvd_codec_arts *a, uint64_t *hash, kvd_error *err)
+{
+    *hash = 0;
+    uint8_t key[1 + KVD_SEQ_ID_MAX], *buf = NULL;
+    size_t klen = arts_key(key, id, id_len), len = 0;
+    if (!a) {
+        rocksdb_writebatch_delete(b, (const char *)key, klen);
+        return 0;
+    }
+    int rc = kvd_codec_arts_serialize(a, &buf, &len, err);
+    if (rc)
+        return rc;
+    *hash = XXH3_64bits(buf, len);
+    rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)buf, len);
+    free(buf);
+    return 0;
+}
+
 /* The snapshot of the model's artifacts the codecs of c need. */
 static int build_snapshot(kvd_store *st, const kvd_model_info *mi, const kvd_seq_codecs *c,
                           kvd_codec_arts **out, kvd_error *err)
@@ -159,10 +186,15 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
     uint64_t arts_hash = 0;
     if (kvd_seq_codecs_need_arts(c) && (rc = build_snapshot(st, &mi, c, &arts, err)))
         return rc;
-    rc = kvd_store_seq_arts_put(st, id, id_len, arts, &arts_hash, err);
+    /* The snapshot (or the removal of one left by a deleted sequence of the
+     * same id) and the codec record go in one write. */
+    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    rc = arts_stage(b, id, id_len, arts, &arts_hash, err);
     kvd_codec_arts_free(arts);
-    if (rc)
+    if (rc) {
+        rocksdb_writebatch_destroy(b);
         return rc;
+    }
     uint8_t key[1 + KVD_SEQ_ID_MAX], rec[REC_BYTES];
     size_t klen = codec_key(key, id, id_len);
     rec[0] = REC_VERSION;
@@ -182,12 +214,9 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
     }
     for (int i = 0; i < 8; i++)
         rec[REC1_BYTES + 6 + i] = (uint8_t)(arts_hash >> (8 * i));
-    char *e = NULL;
-    rocksdb_put(st->db, st->wopt, (const char *)key, klen, (const char *)rec, sizeof rec, &e);
-    if (e) {
-        rc = kvd_error_set(err, KVD_EINTERNAL, "storing sequence codecs: %s", e);
-        free(e);
-    }
+    rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, sizeof rec);
+    rc = kvd__db_write(st, b, err);
+    rocksdb_writebatch_destroy(b);
     return rc;
 }
 
@@ -243,12 +272,6 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
 
 /* ---- artifact snapshots ------------------------------------------------------ */
 
-static size_t arts_key(uint8_t *key, const void *id, size_t id_len)
-{
-    key[0] = KEY_ARTS;
-    memcpy(key + 1, id, id_len);
-    return id_len + 1;
-}
 
 int kvd_seq_codecs_coded(const kvd_seq_codecs *c)
 {
@@ -258,32 +281,6 @@ int kvd_seq_codecs_coded(const kvd_seq_codecs *c)
 int kvd_seq_codecs_need_arts(const kvd_seq_codecs *c)
 {
     return c->k.codec == KVD_CODEC_VQ || c->v.codec == KVD_CODEC_VQ || c->k.svd || c->v.svd;
-}
-
-int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const kvd_codec_arts *a,
-                           uint64_t *hash, kvd_error *err)
-{
-    *hash = 0;
-    int rc = kvd__check_seq_id(id, id_len, err);
-    if (rc)
-        return rc;
-    uint8_t key[1 + KVD_SEQ_ID_MAX], *buf = NULL;
-    size_t klen = arts_key(key, id, id_len), len = 0;
-    char *e = NULL;
-    if (!a) {
-        rocksdb_delete(st->db, st->wopt, (const char *)key, klen, &e);
-    } else {
-        if ((rc = kvd_codec_arts_serialize(a, &buf, &len, err)))
-            return rc;
-        *hash = XXH3_64bits(buf, len);
-        rocksdb_put(st->db, st->wopt, (const char *)key, klen, (const char *)buf, len, &e);
-        free(buf);
-    }
-    if (e) {
-        rc = kvd_error_set(err, KVD_EINTERNAL, "storing the sequence's artifacts: %s", e);
-        free(e);
-    }
-    return rc;
 }
 
 /*

@@ -49,11 +49,6 @@ typedef struct kvd_seq_codecs {
 int kvd_seq_codecs_coded(const kvd_seq_codecs *c);
 int kvd_seq_codecs_need_arts(const kvd_seq_codecs *c);
 
-/* Store (a != NULL) or remove the artifact snapshot of a sequence; *hash
- * is the XXH3 of the stored bytes (0 when removed). */
-int kvd_store_seq_arts_put(kvd_store *st, const void *id, size_t id_len, const kvd_codec_arts *a,
-                           uint64_t *hash, kvd_error *err);
-
 /* Load the snapshot of a sequence whose codecs need one into c->arts.
  * KVD_ECORRUPT when it is missing or damaged. */
 int kvd_seq_codecs_load_arts(kvd_store *st, const void *id, size_t id_len, kvd_seq_codecs *c,
@@ -71,8 +66,10 @@ void kvd__seq_arts_delete(struct rocksdb_writebatch_t *b, const void *id, size_t
 int kvd_seq_codecs_check(kvd_seq_codecs *c, uint32_t page_tokens, uint32_t head_dim,
                          kvd_error *err);
 
-/* Record the codecs of an existing sequence (before its first append).
- * KVD_ENOTFOUND for an unknown sequence. */
+/* Record the codecs of an existing sequence (before its first append),
+ * with the snapshot of the model's artifacts its VQ/SVD specs need, in one
+ * write. KVD_ENOTFOUND for an unknown sequence; KVD_EPRECOND naming a
+ * missing artifact; KVD_EINVAL for widths the model cannot take. */
 int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
                              const kvd_seq_codecs *c, kvd_error *err);
 
