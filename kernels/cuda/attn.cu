@@ -121,6 +121,7 @@ struct QSide {
     long long cs0, cs1;
     P16 mn, sc, sum;
     int bits, group, axis, w4; /* w4: rows may be read as aligned 32-bit words */
+    int w16;                     /* ... and as aligned 16-byte vectors */
 };
 
 struct QItem {
@@ -146,6 +147,7 @@ struct VItem {
     const char *vcb;
     long long vcbs0, vcbs1;
     int had, dk, kK, k16, dv, vK, v16, D, Dv, G, lut, acc;
+    int kvec; /* key code rows read 16 bytes at a time (u8 codes, kpos % 16 == 0, aligned) */
     float scale;
     OutDesc o;
 };
@@ -723,6 +725,123 @@ __device__ float warp_quantize_q8(const float *x, int n, signed char *q8)
     return s;
 }
 
+constexpr int KW_MAX = 16; /* code words of a key row held in registers (D*bits <= 512) */
+constexpr int VW_CHUNK = 16; /* code words of a value row loaded at once */
+
+/* `nw` code words of a row into registers: 16-byte loads when aligned and
+ * whole, else 32-bit loads. */
+template <int MAXW>
+__device__ __forceinline__ void load_words(const unsigned char *row, int nw, int v16, unsigned *x)
+{
+    if (v16 && nw % 4 == 0) {
+#pragma unroll
+        for (int c = 0; c < MAXW / 4; c++)
+            if (4 * c < nw) {
+                uint4 q = ldg16(reinterpret_cast<const char *>(row) + 16 * c);
+                x[4 * c] = q.x, x[4 * c + 1] = q.y, x[4 * c + 2] = q.z, x[4 * c + 3] = q.w;
+            }
+    } else {
+#pragma unroll
+        for (int w = 0; w < MAXW; w++)
+            if (w < nw)
+                x[w] = __ldg(reinterpret_cast<const unsigned *>(row) + w);
+    }
+}
+
+/*
+ * Scores of one token from a token-axis key row (kw <= KW_MAX words, groups
+ * of wpg words): the whole row is loaded first, the group loop runs on
+ * registers. dot[g] as in the generic loop of int_kernel.
+ */
+template <int BITS>
+__device__ __forceinline__ void key_row_dots(const QSide &K, const unsigned char *row, int h, long long t, int kw,
+                                             int wpg, int kng, int gn, const int *qpat, const float *qsum,
+                                             float *dot)
+{
+    constexpr int PER = 8 / BITS;
+    constexpr unsigned M = BITS == 2 ? 0x03030303u : 0x0f0f0f0fu;
+    unsigned x[KW_MAX];
+    load_words<KW_MAX>(row, kw, K.w16, x);
+    int ic[MAXGB];
+#pragma unroll
+    for (int g = 0; g < MAXGB; g++)
+        ic[g] = 0;
+#pragma unroll
+    for (int w = 0; w < KW_MAX; w++) {
+        if (w >= kw)
+            break;
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            int pl = (int)((x[w] >> (k * BITS)) & M);
+#pragma unroll
+            for (int g = 0; g < MAXGB; g++)
+                if (g < gn)
+                    ic[g] = __dp4a(pl, qpat[(g * kw + w) * PER + k], ic[g]);
+        }
+        if ((w + 1) % wpg == 0) {
+            const int grp = w / wpg;
+            float scv = p16f(K.sc, h, t, grp), mnv = p16f(K.mn, h, t, grp);
+#pragma unroll
+            for (int g = 0; g < MAXGB; g++)
+                if (g < gn) {
+                    dot[g] = __fmaf_rn((float)ic[g], scv, dot[g]);
+                    dot[g] = __fmaf_rn(qsum[g * kng + grp], mnv, dot[g]);
+                    ic[g] = 0;
+                }
+        }
+    }
+}
+
+/*
+ * One channel's tile of channel-axis value codes (vw words, groups of wpg
+ * words), folded into a[g] with Eq. 4's corrections; the words come in 16 at
+ * a time (four 16-byte loads) before any is used.
+ */
+template <int BITS>
+__device__ __forceinline__ void value_row_acc(const QSide &V, const unsigned char *row, int h, int d,
+                                              long long grp0, int vw, int wpg, int gn, int ng, const unsigned *vpat,
+                                              int vps, const float *sP, const float *mP, const float *corr, float *a)
+{
+    constexpr int PER = 8 / BITS;
+    constexpr unsigned M = BITS == 2 ? 0x03030303u : 0x0f0f0f0fu;
+    unsigned ic[MAXGB];
+#pragma unroll
+    for (int g = 0; g < MAXGB; g++)
+        ic[g] = 0;
+    for (int w0 = 0; w0 < vw; w0 += VW_CHUNK) {
+        const int nw = min(VW_CHUNK, vw - w0);
+        unsigned x[VW_CHUNK];
+        load_words<VW_CHUNK>(row + 4 * w0, nw, V.w16, x);
+#pragma unroll
+        for (int w = 0; w < VW_CHUNK; w++) {
+            if (w >= nw)
+                break;
+#pragma unroll
+            for (int k = 0; k < PER; k++) {
+                unsigned pl = (x[w] >> (k * BITS)) & M;
+#pragma unroll
+                for (int g = 0; g < MAXGB; g++)
+                    if (g < gn)
+                        ic[g] = __dp4a(pl, vpat[g * vps + (w0 + w) * PER + k], ic[g]);
+            }
+            if ((w0 + w + 1) % wpg == 0) {
+                const int gi = (w0 + w) / wpg;
+                float scv = p16f(V.sc, h, d, grp0 + gi), mnv = p16f(V.mn, h, d, grp0 + gi),
+                      csv = p16u(V.sum, h, d, grp0 + gi);
+#pragma unroll
+                for (int g = 0; g < MAXGB; g++)
+                    if (g < gn) {
+                        /* sc * (sP*S + mP*cs) + mn * (sP*sum8 + P*mP) */
+                        float tt = __fmaf_rn(sP[g * ng + gi], (float)ic[g], mP[g * ng + gi] * csv);
+                        a[g] = __fmaf_rn(scv, tt, a[g]);
+                        a[g] = __fmaf_rn(mnv, corr[g * ng + gi], a[g]);
+                        ic[g] = 0;
+                    }
+            }
+        }
+    }
+}
+
 /*
  * Shared memory (bytes, each part 16-aligned; sizes from int_smem()):
  *   s     (GB, tb) f32       scores, then probabilities
@@ -852,7 +971,13 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                 for (int g = 0; g < MAXGB; g++)
                     dot[g] = 0.0f;
                 const int wpg = kfast ? kP * K.bits / 32 : 0;
-                for (int grp = 0; grp < kng; grp++) {
+                if (kfast && K.w4 && kw <= KW_MAX) {
+                    if (K.bits == 2)
+                        key_row_dots<2>(K, row, h, t, kw, wpg, kng, gn, qpat, qsum, dot);
+                    else
+                        key_row_dots<4>(K, row, h, t, kw, wpg, kng, gn, qpat, qsum, dot);
+                }
+                for (int grp = 0; !(kfast && K.w4 && kw <= KW_MAX) && grp < kng; grp++) {
                     int ic[MAXGB];
 #pragma unroll
                     for (int g = 0; g < MAXGB; g++)
@@ -970,7 +1095,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                 int sum = 0;
                 for (int i = lane; i < vP; i += 32) {
                     float v = rintf((pg[i] - lo) * inv);
-                    v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
+                    v = v > 0.0f ? (v > 255.0f ? 255.0f : v) : 0.0f; /* NaN (a NaN head): 0 */
                     int c = (int)v;
                     p8[g * tb + gi * vP + i] = (unsigned char)c;
                     sum += c;
@@ -1003,7 +1128,14 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                 for (int g = 0; g < MAXGB; g++)
                     a[g] = g < gn ? acc[g * Dv + d] * ff[g] : 0.0f;
                 const unsigned char *row = V.codes + h * V.cs0 + d * V.cs1 + t0 * V.bits / 8;
-                for (int gi = 0; gi < ng; gi++) {
+                const int vreg = vfast;
+                if (vreg) {
+                    if (V.bits == 2)
+                        value_row_acc<2>(V, row, h, d, t0 / vP, vw, wpg, gn, ng, vpat, tb / 4 + 1, sP, mP, corr, a);
+                    else
+                        value_row_acc<4>(V, row, h, d, t0 / vP, vw, wpg, gn, ng, vpat, tb / 4 + 1, sP, mP, corr, a);
+                }
+                for (int gi = 0; !vreg && gi < ng; gi++) {
                     const long long grp = t0 / vP + gi;
                     unsigned ic[MAXGB];
 #pragma unroll
@@ -1189,7 +1321,22 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
 #pragma unroll
             for (int g = 0; g < MAXGB; g++)
                 a[g] = 0.0f;
-            for (int pos = 0; pos < kpos; pos++) {
+            if (it.lut && it.kvec) {
+                for (int p0 = 0; p0 < kpos; p0 += 16) {
+                    const uint4 v = ldg16(row + p0);
+                    const unsigned wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int j = 0; j < 16; j++) {
+                        const unsigned c = (wv[j >> 2] >> (8 * (j & 3))) & 0xffu;
+                        const float *lr = lut + ((size_t)(p0 + j) * kK + c) * gn;
+#pragma unroll
+                        for (int g = 0; g < MAXGB; g++)
+                            if (g < gn)
+                                a[g] += lr[g];
+                    }
+                }
+            }
+            for (int pos = 0; !(it.lut && it.kvec) && pos < kpos; pos++) {
                 unsigned c = vq_code(row, pos, it.k16);
                 if (it.lut) {
                     const float *lr = lut + ((size_t)pos * kK + c) * gn;
@@ -1241,6 +1388,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
             for (int o = tid; o < vpos * gn; o += NT) {
                 int g = o / vpos, pos = o - g * vpos;
                 float inv = 1.0f / mult[g];
+#pragma unroll 8
                 for (int i = 0; i < n; i++) {
                     float p = s[g * VTILE + i];
                     if (p == 0.0f)
@@ -1809,7 +1957,9 @@ QSide qside_of(const kvd_attn_qdata &q)
     s.bits = q.bits;
     s.group = q.group;
     s.axis = q.axis;
-    s.w4 = (((uintptr_t)q.codes.data | (uintptr_t)q.codes.stride[0] | (uintptr_t)q.codes.stride[1]) & 3) == 0;
+    uintptr_t al = (uintptr_t)q.codes.data | (uintptr_t)q.codes.stride[0] | (uintptr_t)q.codes.stride[1];
+    s.w4 = (al & 3) == 0;
+    s.w16 = (al & 15) == 0;
     return s;
 }
 
@@ -1951,6 +2101,8 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
         v.G = x.dims.n_q_heads / x.dims.n_kv_heads;
         v.scale = x.dims.softmax_scale;
         v.o = o;
+        v.kvec = !v.k16 && (v.D / v.dk) % 16 == 0 &&
+                 (((uintptr_t)x.k_codes.data | (uintptr_t)x.k_codes.stride[0] | (uintptr_t)x.k_codes.stride[1]) & 15) == 0;
         if ((x.k_codebook.stride[1] & 3) || (x.v_codebook.stride[1] & 3))
             return kvd_error_set(err, KVD_EUNSUPP, "cuda VQ attention item %d: codebook rows not 4-byte aligned", i);
         /* heads per unit and what lives in shared memory: LUT and

@@ -41,4 +41,8 @@ if(Python3_Interpreter_FOUND AND CMAKE_SYSTEM_NAME STREQUAL "Linux")
   target_link_libraries(test_cuda_attn_emu PRIVATE kvd_testutil kvd_kernels Threads::Threads m)
   add_test(NAME cuda_attn_emu COMMAND test_cuda_attn_emu)
   set_tests_properties(cuda_attn_emu PROPERTIES LABELS "backend;unit" TIMEOUT 1800)
+  # the threads of each phase in the other order: a missing barrier shows
+  add_test(NAME cuda_attn_emu_reverse COMMAND test_cuda_attn_emu)
+  set_tests_properties(cuda_attn_emu_reverse PROPERTIES LABELS "backend;unit" TIMEOUT 1800
+                                                        ENVIRONMENT KVD_EMU_REVERSE=1)
 endif()

@@ -119,9 +119,14 @@ void emu_run(dim3 grid, dim3 block, size_t smem, const std::function<void()> &bo
                 f.ctx.uc_link = &g_sched;
                 makecontext(&f.ctx, fiber_main, 0);
             }
+            /* KVD_EMU_REVERSE=1 runs the threads of a phase in the other
+             * order: a missing barrier shows as a stale read one way or
+             * the other */
+            static const int rev = getenv("KVD_EMU_REVERSE") && atoi(getenv("KVD_EMU_REVERSE"));
             for (int left = nt; left > 0;) {
                 left = 0;
-                for (int t = 0; t < nt; t++) {
+                for (int i = 0; i < nt; i++) {
+                    int t = rev ? nt - 1 - i : i;
                     if (g_fib[(size_t)t].done)
                         continue;
                     set_tid(t);
