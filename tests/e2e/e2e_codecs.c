@@ -574,11 +574,84 @@ static int t_errors(kvd_harness *h)
     return 0;
 }
 
+/* A VQ sequence created from another's stored prefix (same codecs, same
+ * artifacts) shares its coded pages: Read and Attend over the prefix equal
+ * the owner's. */
+static int t_prefix(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "pfm", &m), KVDEPOT_OK);
+    REQUIRE_RC(calibrate(c, "pfm", 8), KVDEPOT_OK);
+    kvdepot_codecs vq = vq_codecs();
+    REQUIRE_RC(create(c, "pfm", "owner", &vq), KVDEPOT_OK);
+    uint32_t ids[N];
+    for (uint32_t i = 0; i < N; i++)
+        ids[i] = 1000 + i * 7;
+    for (uint64_t t = 0; t < N; t += STEP) {
+        uint16_t *k = gen(0, t, STEP, 50), *v = gen(1, t, STEP, 50);
+        kvdepot_append_args aa;
+        memset(&aa, 0, sizeof aa);
+        aa.id = "owner";
+        aa.id_len = 5;
+        aa.token_start = t;
+        aa.num_tokens = STEP;
+        aa.dtype = KVDEPOT_DTYPE_F16;
+        aa.k = k;
+        aa.v = v;
+        aa.k_bytes = aa.v_bytes = (size_t)L * STEP * ROW * 2;
+        aa.token_ids = ids + t;
+        aa.num_token_ids = STEP;
+        int rc = kvdepot_sequence_append(c, &aa, NULL);
+        free(k);
+        free(v);
+        REQUIRE_RC(rc, KVDEPOT_OK);
+    }
+    uint64_t hs[2];
+    REQUIRE(kvdepot_prefix_hash_chain(ids, SEALED, 256, hs) == 2);
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = "reuser";
+    ca.id_len = 6;
+    ca.model = "pfm";
+    ca.prefix_hashes = hs;
+    ca.num_prefix_hashes = 2;
+    ca.codecs = &vq;
+    REQUIRE_RC(kvdepot_sequence_create(c, &ca, NULL), KVDEPOT_OK);
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.num_tokens = SEALED;
+    kvdepot_read_result a, b;
+    ra.id = "owner";
+    ra.id_len = 5;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &a), KVDEPOT_OK);
+    ra.id = "reuser";
+    ra.id_len = 6;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &b), KVDEPOT_OK);
+    CHECK(a.kv_bytes == b.kv_bytes && memcmp(a.k, b.k, a.kv_bytes) == 0 &&
+          memcmp(a.v, b.v, a.kv_bytes) == 0);
+    kvdepot_free(a.owned);
+    kvdepot_free(b.owned);
+    float *q = make_q(4);
+    kvdepot_attend_query qs[2] = {{"owner", 5, q, HQ * D, 0, SEALED},
+                                  {"reuser", 6, q, HQ * D, 0, SEALED}};
+    kvdepot_attend_result r[2];
+    REQUIRE_RC(kvdepot_attend(c, 1, 0, qs, 2, r), KVDEPOT_OK);
+    CHECK(memcmp(r[0].output, r[1].output, sizeof(float) * HQ * D) == 0);
+    CHECK(memcmp(r[0].lse, r[1].lse, sizeof(float) * HQ) == 0);
+    kvdepot_attend_results_free(r, 2);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
     {"vq", t_vq},
     {"svd", t_svd},
     {"append_pages", t_append_pages},
     {"errors", t_errors},
+    {"prefix", t_prefix},
 };
 
 int main(int argc, char **argv)

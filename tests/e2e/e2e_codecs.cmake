@@ -6,7 +6,7 @@
 if(TARGET kvd_e2e_harness)
   add_executable(e2e_codecs ${CMAKE_CURRENT_LIST_DIR}/e2e_codecs.c)
   target_link_libraries(e2e_codecs PRIVATE kvd_e2e_harness kvd_kernels m)
-  foreach(name vq svd append_pages errors)
+  foreach(name vq svd append_pages errors prefix)
     add_test(NAME codecs_${name} COMMAND e2e_codecs ${KVD_E2E_SERVER} ${name})
     set_tests_properties(codecs_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()
