@@ -862,6 +862,64 @@ class Suite {
     eq((await this.stat('js-act')).activation_tokens, '0', 'activation_tokens after re-create');
   }
 
+  // VQ and SVD-reduced sequences from grpc-js: FAILED_PRECONDITION before
+  // the model is calibrated (nothing created), then pages seal coded (page
+  // codec 3 VQ, 4 SVD) and Attend equals attention computed here on the
+  // tensors read back; a VQ shape that was not calibrated is refused.
+  async tCodecsVqSvd() {
+    const api = this.api;
+    const HKV = 2, HQ = 4, D = 16, n = 300;
+    await this.putModel(this.model('js-vq', 1, HKV, D, { qHeads: HQ, dtype: api.enums.F32 }));
+    let seed = 4242;
+    const rnd = () => { seed = (seed * 1103515245 + 12345) % 2147483648; return seed / 1073741824 - 1; };
+    const floats = (cnt) => { const b = Buffer.alloc(4 * cnt); for (let i = 0; i < cnt; i++) b.writeFloatLE(rnd(), 4 * i); return b; };
+    const vq = { codec: 3, vq: { sub_dim: 4, bits: 5 } };
+    const svd = { codec: 0, svd: { removal_rate: 0.2 } };
+    await expectCode(S.FAILED_PRECONDITION, this.create('js-vq', 'js-vq', { codecs: { k: vq, v: vq } }));
+    await expectCode(S.FAILED_PRECONDITION, this.create('js-svd', 'js-vq', { codecs: { k: svd, v: svd } }));
+    await expectCode(S.NOT_FOUND, this.stat('js-vq'));
+    await new Promise((resolve, reject) => {
+      const call = api.client.Calibrate(Api.deadline(), (err, r) => (err ? reject(err) : resolve(r)));
+      Api.pump(call, [{ header: { model: 'js-vq', svd: true, seed: '3', vq: { sub_dim: 4, bits: 5 } } },
+                      { sample: { layer: 0, num_tokens: String(n), k: floats(n * HKV * D), v: floats(n * HKV * D), q: floats(n * HQ * D) } }])
+        .catch(reject);
+    });
+    await expectCode(S.INVALID_ARGUMENT, this.create('js-vq', 'js-vq', { codecs: { k: { codec: 3, vq: { sub_dim: 3, bits: 5 } } } }));
+    await expectCode(S.FAILED_PRECONDITION, this.create('js-vq', 'js-vq', { codecs: { k: { codec: 3, vq: { sub_dim: 4, bits: 8 } } } }));
+    await expectCode(S.NOT_FOUND, this.stat('js-vq'));
+    const data = floats(2 * n * HKV * D);
+    const q = Array.from({ length: HQ * D }, rnd);
+    for (const [sid, codecs, want] of [['js-vq', { k: vq, v: vq }, 3], ['js-svd', { k: svd, v: svd }, 4]]) {
+      await this.create(sid, 'js-vq', { codecs });
+      await api.append(sid, data, 0, n, { dtype: api.enums.F32 });
+      const back = (await api.read(sid)).data;
+      const row = (off) => Array.from({ length: D }, (_, i) => back.readFloatLE(off + 4 * i));
+      const kb = [], vb = [];
+      for (let t = 0; t < n; t++) {
+        kb.push([]); vb.push([]);
+        for (let h = 0; h < HKV; h++) {
+          kb[t].push(row(((t * HKV + h) * D) * 4));
+          vb[t].push(row((n * HKV * D + (t * HKV + h) * D) * 4));
+        }
+      }
+      const r = (await api.unary('Attend', { layer: 0, queries: [{ sequence_id: idBuf(sid), q }] })).results[0];
+      const w = Suite.attention(q, kb, vb, HQ, HKV, D, 1 / Math.sqrt(D));
+      for (let i = 0; i < HQ * D; i++) {
+        check(Math.abs(r.output[i] - w.out[i]) <= 1e-4, `${sid} Attend output[${i}] ${r.output[i]} vs ${w.out[i]}`);
+      }
+      for (let h = 0; h < HQ; h++) check(Math.abs(r.lse[h] - w.lse[h]) <= 1e-4, `${sid} Attend lse[${h}]`);
+      const pages = await new Promise((resolve, reject) => {
+        const msgs = [];
+        const call = api.client.Read({ sequence_id: idBuf(sid), format: 1 }, Api.deadline());
+        call.on('data', (m) => msgs.push(m));
+        call.on('error', reject);
+        call.on('end', () => resolve(msgs.slice(1).map((m) => m.data)));
+      });
+      eq([pages[0][8], pages[0][9], pages[pages.length - 1][8]], [want, want, 0],
+         `${sid} stored page codecs (sealed, tail)`);
+    }
+  }
+
   async tCompute() {
     const api = this.api;
     const L = 1, HKV = 2, HQ = 4, D = 32, n = 200;
@@ -1718,6 +1776,7 @@ class Suite {
       ['compute: attend, search, sparse attend, plan', this.tCompute],
       ['activations (KVPR)', this.tActivations],
       ['calibrate and artifacts', this.tCalibrate],
+      ['codecs: VQ and SVD', this.tCodecsVqSvd],
       ['restart', this.tRestart],
       ['shutdown', this.tShutdown],
     ];
