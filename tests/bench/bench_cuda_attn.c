@@ -209,7 +209,8 @@ static void row_build(row *r, const bufs *b, int batch, int64_t T)
             a->k.codes = t3(KVD_DTYPE_U8, c + t0 * HKV * D * bits / 8, HKV, T, D * bits / 8);
             a->k.min = t3(KVD_DTYPE_F16, p + t0 * HKV * (D / 32) * 2, HKV, T, D / 32);
             a->k.scale = t3(KVD_DTYPE_F16, p + kpb + t0 * HKV * (D / 32) * 2, HKV, T, D / 32);
-            a->k.sum = a->k.min; /* not read on the token axis */
+            a->k.sum = a->k.min; /* not read on the token axis: any u16 view */
+            a->k.sum.dtype = KVD_DTYPE_U16;
             a->v.bits = bits, a->v.group = 32, a->v.axis = KVD_ATTN_AXIS_CHANNEL;
             a->v.codes = t3(KVD_DTYPE_U8, c + kcb + t0 * HKV * D * bits / 8, HKV, D, T * bits / 8);
             char *vp = p + 2 * kpb;
