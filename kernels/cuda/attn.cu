@@ -1506,12 +1506,13 @@ OutDesc out_desc(const kvd_tensor &out, const kvd_tensor &lse)
 }
 
 /* Split size for a call: about 4 units per SM over all head groups, at
- * least 512 tokens, at most MAXSPLIT splits per source. */
+ * least 256 tokens (a batch-1 16K sequence of 8 kv heads
+ * still fills an H100), at most MAXSPLIT splits per source. */
 long long plan_chunk(kvd_cuda_ctx *c, long long work)
 {
     long long target = 4LL * (c->sm_count > 0 ? c->sm_count : 1);
     long long ch = (work + target - 1) / target;
-    return ch < 512 ? 512 : ch;
+    return ch < 256 ? 256 : ch;
 }
 
 /* Add the units of one head group (item's kv head h, heads g0..g0+gn-1 of
