@@ -59,7 +59,8 @@
  *                shared memory from the transformed query (smoothing and
  *                Walsh-Hadamard in shared memory); probabilities are
  *                accumulated per (position, value code, head) in shared
- *                memory by owner threads (no atomics), kept in units of a
+ *                memory (shared-memory atomic adds, a thread per token
+ *                and position), kept in units of a
  *                per-head multiplier so a growing max costs nothing, then
  *                one pass over the value codebook. When the LUT or the
  *                accumulators do not fit shared memory (large codebooks),
@@ -1384,18 +1385,25 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
             if (tid < gn && resc[tid])
                 mult[tid] = 1.0f;
             __syncthreads();
-            /* owner threads (position, head): no two threads touch one entry */
-            for (int o = tid; o < vpos * gn; o += NT) {
-                int g = o / vpos, pos = o - g * vpos;
-                float inv = 1.0f / mult[g];
-#pragma unroll 8
-                for (int i = 0; i < n; i++) {
-                    float p = s[g * VTILE + i];
-                    if (p == 0.0f)
-                        continue;
-                    unsigned c = vq_code(it.vc + h * it.vcs0 + (t0 + i) * it.vcs1, pos, it.v16);
-                    A[((size_t)pos * vK + c) * gn + g] += p * inv;
-                }
+            /* a thread per (token, position): the lanes of a warp take the
+             * positions of one token (coalesced code bytes, distinct
+             * accumulator rows); shared-memory atomic adds keep every
+             * thread busy instead of a chain of dependent updates */
+            float inv[MAXGB];
+#pragma unroll
+            for (int g = 0; g < MAXGB; g++)
+                inv[g] = g < gn ? 1.0f / mult[g] : 0.0f;
+            for (int e = tid; e < n * vpos; e += NT) {
+                const int i = e / vpos, pos = e - i * vpos;
+                const unsigned c = vq_code(it.vc + h * it.vcs0 + (t0 + i) * it.vcs1, pos, it.v16);
+                float *dst = A + ((size_t)pos * vK + c) * gn;
+#pragma unroll
+                for (int g = 0; g < MAXGB; g++)
+                    if (g < gn) {
+                        float p = s[g * VTILE + i];
+                        if (p != 0.0f)
+                            atomicAdd(dst + g, p * inv[g]);
+                    }
             }
         } else {
             for (int d = tid; d < Dv; d += NT) {

@@ -108,6 +108,12 @@ static inline unsigned __dp4a(unsigned a, unsigned b, unsigned c)
 static inline long long min(long long a, long long b) { return a < b ? a : b; }
 static inline int min(int a, int b) { return a < b ? a : b; }
 template <class T> static inline T __ldg(const T *p) { return *p; }
+static inline float atomicAdd(float *p, float v)
+{
+    float o = *p;
+    *p = o + v;
+    return o;
+}
 static inline int atomicMin(int *p, int v)
 {
     int o = *p;
