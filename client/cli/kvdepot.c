@@ -7,6 +7,7 @@
  */
 #include "kvdepot.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -50,12 +51,18 @@ static const char usage_text[] =
     "                                       evictions) and durability\n"
     "  put ID --model M --tokens N --file F [--layer-start L] [--layers N]\n"
     "         [--token-ids FILE] [--ttl SECONDS] [--activations]\n"
+    "         [--k CODEC] [--v CODEC] [--pq mMbB[iN]] [--raw-sink N]\n"
     "                                       append N tokens from F (K then V, raw, in\n"
     "                                       [layer][token][kv_head][head_dim] layout and\n"
     "                                       the model dtype), creating the sequence if\n"
     "                                       needed; appends at each layer's end.\n"
     "                                       --activations: F ends with X ([layer][token]\n"
     "                                       [hidden]); a sequence created here stores them\n"
+    "                                       CODEC (K/V of a sequence created here):\n"
+    "                                       raw|int2|int4|vq-dDbB[,gG][,token|channel]\n"
+    "                                       [,stochastic][,seed=N][,svd=RATE]\n"
+    "                                       [,widths=W[:W...]][,align=N]; --pq: a PQ\n"
+    "                                       index of m sub-spaces, 2^b centroids\n"
     "  get ID --file F [--layer-start L] [--layers N] [--token-start T] [--tokens N]\n"
     "         [--activation-tokens A]\n"
     "                                       write K then V of the range to F ('-' = stdout);\n"
@@ -515,14 +522,120 @@ static int cmd_stats(kvdepot_client *c, int argc, char **argv)
     return 0;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Codec specs on the command line                                           */
+/* ------------------------------------------------------------------------ */
+
+/* Room for explicit SVD widths of --k and --v. */
+#define CLI_MAX_WIDTHS 1024
+
+/*
+ * "raw|int2|int4|vq-dDbB" followed by comma-separated options: gG (group
+ * size), token|channel (axis), stochastic, seed=N, svd=RATE,
+ * widths=W[:W...] (one, or one per kv head), align=N. Usage error on
+ * anything else; the server checks the values against the model.
+ */
+static void parse_codec(const char *flag, const char *arg, kvdepot_codec_spec *out,
+                        uint32_t *widths)
+{
+    char buf[512];
+    if (strlen(arg) >= sizeof buf)
+        usage_error("%s: too long", flag);
+    strcpy(buf, arg);
+    memset(out, 0, sizeof *out);
+    char *save = NULL;
+    char *tok = strtok_r(buf, ",", &save);
+    if (!tok)
+        usage_error("%s: expected raw, int2, int4 or vq-dDbB", flag);
+    unsigned d, b;
+    char tail;
+    if (strcmp(tok, "raw") == 0)
+        out->codec = KVDEPOT_CODEC_RAW;
+    else if (strcmp(tok, "int2") == 0)
+        out->codec = KVDEPOT_CODEC_INT2;
+    else if (strcmp(tok, "int4") == 0)
+        out->codec = KVDEPOT_CODEC_INT4;
+    else if (sscanf(tok, "vq-d%ub%u%c", &d, &b, &tail) == 2) {
+        out->codec = KVDEPOT_CODEC_VQ;
+        out->vq_sub_dim = d;
+        out->vq_bits = b;
+    } else
+        usage_error("%s: unknown codec \"%s\" (raw, int2, int4, vq-dDbB)", flag, tok);
+    while ((tok = strtok_r(NULL, ",", &save))) {
+        char what[64];
+        snprintf(what, sizeof what, "%s %s", flag, tok);
+        if (tok[0] == 'g' && isdigit((unsigned char)tok[1]))
+            out->group_size = (uint32_t)parse_u64(what, tok + 1, UINT32_MAX);
+        else if (strcmp(tok, "token") == 0)
+            out->axis = KVDEPOT_AXIS_TOKEN;
+        else if (strcmp(tok, "channel") == 0)
+            out->axis = KVDEPOT_AXIS_CHANNEL;
+        else if (strcmp(tok, "stochastic") == 0)
+            out->stochastic = 1;
+        else if (strncmp(tok, "seed=", 5) == 0)
+            out->seed = parse_u64(what, tok + 5, UINT64_MAX);
+        else if (strncmp(tok, "align=", 6) == 0)
+            out->svd_align = (uint32_t)parse_u64(what, tok + 6, UINT32_MAX);
+        else if (strncmp(tok, "svd=", 4) == 0) {
+            char *end;
+            errno = 0;
+            out->svd_removal_rate = strtod(tok + 4, &end);
+            if (errno || end == tok + 4 || *end || !(out->svd_removal_rate > 0) ||
+                !(out->svd_removal_rate < 1))
+                usage_error("%s: expected a removal rate in (0, 1)", what);
+        } else if (strncmp(tok, "widths=", 7) == 0) {
+            char *save2 = NULL;
+            size_t n = 0;
+            for (char *w = strtok_r(tok + 7, ":", &save2); w; w = strtok_r(NULL, ":", &save2)) {
+                if (n == CLI_MAX_WIDTHS)
+                    usage_error("%s: more than %d widths", flag, CLI_MAX_WIDTHS);
+                widths[n++] = (uint32_t)parse_u64(what, w, UINT32_MAX);
+            }
+            if (!n)
+                usage_error("%s: widths= needs at least one width", flag);
+            out->svd_widths = widths;
+            out->svd_num_widths = n;
+        } else
+            usage_error("%s: unknown option \"%s\"", flag, tok);
+    }
+}
+
+/* --pq mMbB[iN]: m sub-spaces, 2^b centroids, N K-means iterations. */
+static void parse_pq(const char *arg, kvdepot_codecs *cc)
+{
+    unsigned m, b, it = 0;
+    char tail;
+    int n = sscanf(arg, "m%ub%ui%u%c", &m, &b, &it, &tail);
+    if (n != 2 && n != 3)
+        usage_error("--pq %s: expected mMbB or mMbBiN, e.g. m16b8", arg);
+    cc->pq_m = m;
+    cc->pq_bits = b;
+    cc->pq_iterations = it;
+}
+
 static int cmd_put(kvdepot_client *c, int argc, char **argv)
 {
     opt opts[] = {{"model", 1, 0},  {"tokens", 1, 0},    {"layer-start", 1, 0},
                   {"layers", 1, 0}, {"file", 1, 0},      {"token-ids", 1, 0},
-                  {"ttl", 1, 0},    {"activations", 0, 0}, {0, 0, 0}};
+                  {"ttl", 1, 0},    {"activations", 0, 0}, {"k", 1, 0},
+                  {"v", 1, 0},      {"pq", 1, 0},        {"raw-sink", 1, 0},
+                  {0, 0, 0}};
     const char *pos[1];
     if (parse_args(argc, argv, opts, pos, 1) != 1)
         usage_error("put: expected ID");
+    /* Codecs of a sequence created here (checked before anything is read). */
+    static uint32_t kw[CLI_MAX_WIDTHS], vw[CLI_MAX_WIDTHS];
+    kvdepot_codecs cc;
+    memset(&cc, 0, sizeof cc);
+    if (opt_get(opts, "k"))
+        parse_codec("--k", opt_get(opts, "k"), &cc.k, kw);
+    if (opt_get(opts, "v"))
+        parse_codec("--v", opt_get(opts, "v"), &cc.v, vw);
+    if (opt_get(opts, "pq"))
+        parse_pq(opt_get(opts, "pq"), &cc);
+    cc.raw_sink_tokens = (uint32_t)opt_u64(opts, "raw-sink", 0, UINT32_MAX);
+    const int want_codecs = opt_get(opts, "k") || opt_get(opts, "v") || opt_get(opts, "pq") ||
+                            opt_get(opts, "raw-sink");
     const int with_x = opt_get(opts, "activations") != NULL;
     const char *id = pos[0];
     const char *model_name = opt_required(opts, "model");
@@ -585,10 +698,15 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
     if (rc == KVDEPOT_ENOTFOUND) {
         kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = m.name};
         ca.ttl_seconds = opt_u64(opts, "ttl", 0, UINT64_MAX / 1000);
-        kvdepot_codecs cc = {.store_activations = 1};
-        if (with_x)
+        cc.store_activations = with_x;
+        if (with_x || want_codecs)
             ca.codecs = &cc;
         rc = kvdepot_sequence_create(c, &ca, &s);
+    } else if (rc == KVDEPOT_OK && want_codecs) {
+        kvdepot_sequence_info_clear(&s);
+        return fail_msg("sequence %s exists: --k, --v, --pq and --raw-sink apply only when put "
+                        "creates it",
+                        id);
     }
     if (rc)
         return fail(c, rc);

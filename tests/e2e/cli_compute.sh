@@ -63,4 +63,44 @@ err=$(k attend nope --layer 0 --q "$work/q.bin" 2>&1) || rc=$?
 rc=0
 err=$(k search s --layer 0 --q "$work/q.bin" --k 4 2>&1) || rc=$?
 [ "$rc" -ne 0 ] && echo "$err" | grep_q "FAILED_PRECONDITION" || fail "search: rc=$rc $err"
+
+# Codecs from the command line: INT4 pages and a PQ index; search answers.
+k put c --model m --tokens 300 --file "$work/kv.bin" --k int4,g32 --v int2,g32,channel \
+    --pq m4b4i3 >/dev/null || fail "put with codecs"
+raw_bytes=$(k seq stat s | awk '/^stored_bytes:/ {print $2}')
+coded_bytes=$(k seq stat c | awk '/^stored_bytes:/ {print $2}')
+[ "$coded_bytes" -lt "$raw_bytes" ] || fail "coded sequence stores $coded_bytes bytes, raw $raw_bytes"
+out=$(k search c --layer 0 --q "$work/q.bin" --k 8 --initial 2 --recent 3) || fail "search failed"
+[ "$(echo "$out" | grep -c '^kv head')" = 2 ] || fail "search output: $out"
+# 13 "token:score" pairs per kv head: k + initial + recent
+echo "$out" | awk '/^kv head/ { if (NF != 3 + 13) exit 1 }' || fail "search tokens per head: $out"
+for t in 0 1 297 298 299; do
+    echo "$out" | awk -v t="$t" '/^kv head/ { f = 0; for (i = 4; i <= NF; i++) if ($i ~ "^" t ":") f = 1; if (!f) exit 1 }' ||
+        fail "search: forced token $t missing: $out"
+done
+k search c --layer 0 --q "$work/q.bin" --k 8 --sparse | grep_q "attended 8 tokens" ||
+    fail "sparse search"
+# Appending more with the same flags is refused (codecs are fixed at creation).
+rc=0
+err=$(k put c --model m --tokens 300 --file "$work/kv.bin" --k int4 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "apply only when put creates it" || fail "codecs on an existing sequence: rc=$rc $err"
+# Bad specs: usage errors (exit 2) or the server's INVALID_ARGUMENT /
+# FAILED_PRECONDITION (VQ without calibration); nothing is created.
+for spec in "int3" "int4,g33x" "int4,bogus" "vq-d4" "raw,svd=1.5" "raw,widths="; do
+    rc=0
+    err=$(k put bad --model m --tokens 300 --file "$work/kv.bin" --k "$spec" 2>&1) || rc=$?
+    [ "$rc" = 2 ] || fail "--k $spec: rc=$rc $err"
+done
+rc=0
+err=$(k put bad --model m --tokens 300 --file "$work/kv.bin" --k int4,g48 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "INVALID_ARGUMENT" || fail "--k int4,g48: rc=$rc $err"
+rc=0
+err=$(k put bad --model m --tokens 300 --file "$work/kv.bin" --k vq-d4b8 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "FAILED_PRECONDITION" || fail "--k vq-d4b8 uncalibrated: rc=$rc $err"
+rc=0
+err=$(k put bad --model m --tokens 300 --file "$work/kv.bin" --pq m5b4 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "INVALID_ARGUMENT" || fail "--pq m5b4: rc=$rc $err"
+rc=0
+err=$(k seq stat bad 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "NOT_FOUND" || fail "bad sequence was created: $err"
 echo "cli_compute: PASS"
