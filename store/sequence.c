@@ -2,16 +2,22 @@
  * Sequences: records, create/stat/list/delete, and recovery at open.
  *
  * Sequence record (key 'S' id), little-endian:
- *   u8  version (1)
+ *   u8  version (2)
  *   u8  model_len, model name
  *   u64 created_unix_ms
  *   u64 prefix_blocks
  *   u32 num_layers
  *   u64 n_hashes, then n_hashes x u64   block hashes 0..n_hashes-1
  *   u64 n_ids,    then n_ids x u32      token ids from token n_hashes*B on
- *   per layer: u64 tokens, u32 npages, then npages x u64 page ids
+ *   per layer: u64 tokens, u32 npages, then npages x (u64 page id,
+ *              u64 page bytes)
  * npages must be ceil(tokens / B); page i of a layer covers tokens
- * [i*B, min((i+1)*B, tokens)).
+ * [i*B, min((i+1)*B, tokens)). Page bytes are the page's stored size,
+ * tail fragments included (kvd__page.bytes), so that stored_bytes and the
+ * disk count survive a restart without reading the pages (coded pages are
+ * smaller than raw ones). Version 1 records (page ids only) still read;
+ * their pages count at the raw size of their tokens until the next append
+ * rewrites the record.
  */
 #include "pqindex.h"
 #include "seqcodec.h"
@@ -21,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SEQ_RECORD_VERSION 1
+#define SEQ_RECORD_VERSION 2
 
 /* ---- little helpers ---------------------------------------------------- */
 
@@ -240,8 +246,10 @@ int kvd__seq_encode(const kvd_store *st, const kvd__seq *s, const kvd__layer *la
     for (uint32_t l = 0; l < s->num_layers; l++) {
         wb_uint(&w, layers[l].tokens, 8);
         wb_uint(&w, layers[l].npages, 4);
-        for (uint32_t i = 0; i < layers[l].npages; i++)
+        for (uint32_t i = 0; i < layers[l].npages; i++) {
             wb_uint(&w, layers[l].pages[i]->id, 8);
+            wb_uint(&w, layers[l].pages[i]->bytes, 8);
+        }
     }
     if (w.oom) {
         free(w.p);
@@ -644,7 +652,8 @@ static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_
     size_t id_len = klen - 1;
     if (id_len == 0 || id_len > KVD_SEQ_ID_MAX)
         return kvd_error_set(err, KVD_ECORRUPT, "sequence key of %zu bytes", klen);
-    if (rb_uint(&r, 1) != SEQ_RECORD_VERSION)
+    uint64_t ver = rb_uint(&r, 1);
+    if (ver != SEQ_RECORD_VERSION && ver != 1)
         return kvd_error_set(err, KVD_ECORRUPT, "sequence record with unknown version");
     uint64_t ml = rb_uint(&r, 1);
     char name[KVD_MODEL_NAME_MAX + 1] = {0};
@@ -680,7 +689,7 @@ static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_
     for (uint32_t l = 0; l < s->num_layers && !r.bad; l++) {
         kvd__layer *L = &s->layers[l];
         L->tokens = rb_uint(&r, 8);
-        uint64_t np = rb_count(&r, 4, 8);
+        uint64_t np = rb_count(&r, 4, ver == 1 ? 8 : 16);
         if (r.bad || np != (L->tokens + B - 1) / B) {
             r.bad = 1;
             break;
@@ -692,13 +701,21 @@ static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_
             uint64_t pid = rb_uint(&r, 8);
             uint64_t left = L->tokens - (uint64_t)i * B;
             uint32_t nt = left < B ? (uint32_t)left : B;
+            uint64_t pbytes = ver == 1 ? page_bytes(m, B, nt) : rb_uint(&r, 8);
+            if (pbytes == 0) {
+                r.bad = 1;
+                break;
+            }
             kvd__page *p = kvd__map_get(pages, pid);
             if (p) {
-                /* Shared pages are sealed blocks at the same position. */
+                /* Shared pages are sealed blocks at the same position, of
+                 * one size (a version 1 record knows only the raw one). */
                 if (p->num_tokens != B || nt != B) {
                     r.bad = 1;
                     break;
                 }
+                if (ver != 1)
+                    p->bytes = pbytes;
             } else {
                 if (!(p = calloc(1, sizeof *p)) || kvd__map_put(pages, pid, p)) {
                     free(p);
@@ -706,7 +723,7 @@ static int load_one(kvd_store *st, const uint8_t *key, size_t klen, const uint8_
                 }
                 p->id = pid;
                 p->num_tokens = nt;
-                p->bytes = page_bytes(m, B, nt);
+                p->bytes = pbytes;
                 /* Found, and merged, at the next append to the layer. */
                 p->nfrags = nt < B ? KVD__FRAGS_UNKNOWN : 0;
             }

@@ -12,7 +12,7 @@
  * RocksDB keys (one column family):
  *   "\0meta"           store record: u8 version, u32 page_tokens
  *   'M' name           model record (see model.c)
- *   'S' id             sequence record with page tables (see sequence.c)
+ *   'S' id             sequence record with page tables and page sizes (see sequence.c)
  *   'P' be64 page_id   one page in the format of page.h
  *   'T' be64 page_id be32 offset
  *                      a tail fragment of page page_id (see tail.c)
