@@ -215,8 +215,8 @@ __device__ __forceinline__ unsigned ld_u16(const char *p)
  */
 __device__ void tile_softmax(float *s, int ld, int n, int gn, float *m, float *l, float *f)
 {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = warp; g < gn; g += NW) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int g = warp; g < gn; g += nw) {
         float *sg = s + (size_t)g * ld;
         float bm = -INFINITY;
         for (int i = lane; i < n; i += 32)
@@ -273,7 +273,7 @@ __device__ __forceinline__ void store_lse(const OutDesc &o, int hq, int slot, co
 __device__ void unit_store_smem(const OutDesc &o, const Unit &u, int G, int Dv, const Parts &P,
                                 const float *acc, const float *m, const float *l)
 {
-    for (int e = threadIdx.x; e < u.gn * Dv; e += NT) {
+    for (int e = threadIdx.x; e < u.gn * Dv; e += blockDim.x) {
         int g = e / Dv, d = e - g * Dv;
         store_out(o, u.h * G + u.g0 + g, u.slot < 0 ? -1 : u.slot + g, P, d, acc[e], m[g], l[g]);
     }
@@ -344,7 +344,7 @@ constexpr int UNROLL = 4; /* key/value rows in flight per thread */
  * the reduction buffer red (NT/LV, GB, Dv) laid over s.
  */
 template <int DT, int GB>
-__global__ void __launch_bounds__(NT) dense_fast_kernel(const DItem *__restrict__ items,
+__global__ void __launch_bounds__(NT, GB >= 8 ? 2 : 4) dense_fast_kernel(const DItem *__restrict__ items,
                                                         const Unit *__restrict__ units, Parts P)
 {
     constexpr int VEC = VecT<DT>::N, ESZ = DT == KVD_DTYPE_F32 ? 4 : 2;
@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(NT) dense_fast_kernel(const DItem *__restrict_
 /* ---------------------------------------------------------------------- */
 
 /* Shared: q (gn, D) | acc (gn, Dv) | s (gn, DTILE) | m, l, f (3 * MAXGB) */
-__global__ void __launch_bounds__(NT) dense_any_kernel(const DItem *__restrict__ items,
+__global__ void __launch_bounds__(NT, 4) dense_any_kernel(const DItem *__restrict__ items,
                                                        const Unit *__restrict__ units, Parts P)
 {
     extern __shared__ float sm[];
@@ -1211,7 +1211,9 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
 /* VQ                                                                     */
 /* ---------------------------------------------------------------------- */
 
-constexpr int VTILE = 128;
+constexpr int VTILE = 256; /* tokens per tile, VQ */
+constexpr int VNT = 256;   /* threads per block, VQ: one block per SM fits the
+                            * shared tables, so the block itself hides latency */
 
 struct VqLayout {
     size_t s, mlf, qt, lut, A, acc, total;
@@ -1238,7 +1240,7 @@ __device__ __forceinline__ unsigned vq_code(const char *row, int pos, int wide)
                 : (unsigned)reinterpret_cast<const unsigned char *>(row)[pos];
 }
 
-__global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ items, const Unit *__restrict__ units,
+__global__ void __launch_bounds__(VNT, 1) vq_kernel(const VItem *__restrict__ items, const Unit *__restrict__ units,
                                                 Parts P)
 {
     extern __shared__ __align__(16) unsigned char smb[];
@@ -1255,7 +1257,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
 
     /* q~ = H (q * lambda) * softmax_scale */
     const float *lam = it.lam ? reinterpret_cast<const float *>(it.lam + h * it.lams0) : nullptr;
-    for (int e = tid; e < gn * D; e += NT) {
+    for (int e = tid; e < gn * D; e += VNT) {
         int g = e / D, j = e - g * D;
         float x = reinterpret_cast<const float *>(it.q + (long long)(h * G + u.g0 + g) * it.qs)[j];
         qt[e] = lam ? x * lam[j] : x;
@@ -1263,7 +1265,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
     __syncthreads();
     if (it.had) {
         for (int len = 1; len < D; len <<= 1) {
-            for (int e = tid; e < gn * (D / 2); e += NT) {
+            for (int e = tid; e < gn * (D / 2); e += VNT) {
                 int g = e / (D / 2), r = e - g * (D / 2);
                 int i = (r / len) * 2 * len + r % len;
                 float a = qt[g * D + i], b = qt[g * D + i + len];
@@ -1273,18 +1275,18 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
             __syncthreads();
         }
         const float hs = 1.0f / sqrtf((float)D);
-        for (int e = tid; e < gn * D; e += NT)
+        for (int e = tid; e < gn * D; e += VNT)
             qt[e] *= hs;
         __syncthreads();
     }
-    for (int e = tid; e < gn * D; e += NT)
+    for (int e = tid; e < gn * D; e += VNT)
         qt[e] *= it.scale;
     __syncthreads();
     const float *kcb = reinterpret_cast<const float *>(it.kcb + h * it.kcbs0);
     const long long kcbr = it.kcbs1 / 4, vcbr = it.vcbs1 / 4;
     const float *vcb = reinterpret_cast<const float *>(it.vcb + h * it.vcbs0);
     if (it.lut)
-        for (int e = tid; e < kpos * kK; e += NT) {
+        for (int e = tid; e < kpos * kK; e += VNT) {
             int pos = e / kK, c = e - pos * kK;
             const float *cr = kcb + c * kcbr;
             float a[MAXGB];
@@ -1304,9 +1306,9 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
                     lut[(size_t)e * gn + g] = a[g];
         }
     if (it.acc)
-        for (size_t e = tid; e < (size_t)vpos * vK * gn; e += NT)
+        for (size_t e = tid; e < (size_t)vpos * vK * gn; e += VNT)
             A[e] = 0.0f;
-    for (int e = tid; e < gn * Dv; e += NT)
+    for (int e = tid; e < gn * Dv; e += VNT)
         acc[e] = 0.0f;
     if (tid < MAXGB) {
         mm[tid] = -INFINITY;
@@ -1316,7 +1318,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
     __syncthreads();
     for (long long t0 = u.t0; t0 < u.t1; t0 += VTILE) {
         const int n = (int)min((long long)VTILE, u.t1 - t0);
-        for (int i = tid; i < n; i += NT) {
+        for (int i = tid; i < n; i += VNT) {
             const char *row = it.kc + h * it.kcs0 + (t0 + i) * it.kcs1;
             float a[MAXGB];
 #pragma unroll
@@ -1376,7 +1378,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
             for (int g = 0; g < gn; g++)
                 if (resc[g]) {
                     float mu = mult[g];
-                    for (size_t e = tid; e < (size_t)vpos * vK; e += NT) {
+                    for (size_t e = tid; e < (size_t)vpos * vK; e += VNT) {
                         float x = A[e * gn + g];
                         A[e * gn + g] = x != 0.0f ? x * mu : x;
                     }
@@ -1393,7 +1395,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
 #pragma unroll
             for (int g = 0; g < MAXGB; g++)
                 inv[g] = g < gn ? 1.0f / mult[g] : 0.0f;
-            for (int e = tid; e < n * vpos; e += NT) {
+            for (int e = tid; e < n * vpos; e += VNT) {
                 const int i = e / vpos, pos = e - i * vpos;
                 const unsigned c = vq_code(it.vc + h * it.vcs0 + (t0 + i) * it.vcs1, pos, it.v16);
                 float *dst = A + ((size_t)pos * vK + c) * gn;
@@ -1406,7 +1408,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
                     }
             }
         } else {
-            for (int d = tid; d < Dv; d += NT) {
+            for (int d = tid; d < Dv; d += VNT) {
                 const int pos = d / it.dv, di = d - pos * it.dv;
                 float a[MAXGB];
 #pragma unroll
@@ -1432,7 +1434,7 @@ __global__ void __launch_bounds__(NT, 2) vq_kernel(const VItem *__restrict__ ite
     }
     if (it.acc) {
         /* one pass over the value codebook: out = sum_c A[pos][c] C_v[c] */
-        for (int e = tid; e < gn * Dv; e += NT) {
+        for (int e = tid; e < gn * Dv; e += VNT) {
             int g = e / Dv, d = e - g * Dv, pos = d / it.dv, di = d - pos * it.dv;
             float a = 0.0f;
             const float *Ap = A + (size_t)pos * vK * gn + g;
@@ -2164,7 +2166,7 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
         int r = set_smem((const void *)vq_kernel, smax, &call, err);
         if (r)
             return r;
-        vq_kernel<<<(unsigned)pl.units[0].size(), NT, smax, call.s>>>(reinterpret_cast<const VItem *>(dev + ov), du,
+        vq_kernel<<<(unsigned)pl.units[0].size(), VNT, smax, call.s>>>(reinterpret_cast<const VItem *>(dev + ov), du,
                                                                        P);
         return kvd__cuda_launched(&call, "VQ attention", err);
     };
