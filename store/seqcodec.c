@@ -14,7 +14,10 @@
 
 #define KEY_CODECS 'C'
 #define KEY_ARTS 'Z'
-#define REC_VERSION 2
+#define KEY_SHARED 'z'
+#define KEY_SHARED_REFS 'y'
+#define REC_VERSION_OWN 2 /* snapshot under 'Z' id */
+#define REC_VERSION 3     /* snapshot shared under 'z' hash */
 #define SPEC_BYTES 13
 #define REC1_BYTES (1 + 2 * SPEC_BYTES + 4 + 9)
 #define REC_BYTES (REC1_BYTES + 6 + 8)
@@ -88,6 +91,7 @@ static size_t codec_key(uint8_t *key, const void *id, size_t id_len)
     return id_len + 1;
 }
 
+/* 'Z' ‖ id: a sequence's own snapshot (records of version 2). */
 static size_t arts_key(uint8_t *key, const void *id, size_t id_len)
 {
     key[0] = KEY_ARTS;
@@ -95,24 +99,144 @@ static size_t arts_key(uint8_t *key, const void *id, size_t id_len)
     return id_len + 1;
 }
 
-/* Add the put of snapshot a (or the deletion of the key, a == NULL) to b. */
-static int arts_stage(rocksdb_writebatch_t *b, const void *id, size_t id_len,
-                      const kvd_codec_arts *a, uint64_t *hash, kvd_error *err)
+/* 'z' ‖ be64 hash (snapshot bytes) or 'y' ‖ be64 hash (reference count). */
+static void shared_key(uint8_t key[9], uint8_t kind, uint64_t hash)
 {
-    *hash = 0;
-    uint8_t key[1 + KVD_SEQ_ID_MAX], *buf = NULL;
-    size_t klen = arts_key(key, id, id_len), len = 0;
-    if (!a) {
-        rocksdb_writebatch_delete(b, (const char *)key, klen);
-        return 0;
+    key[0] = kind;
+    for (int i = 0; i < 8; i++)
+        key[1 + i] = (uint8_t)(hash >> (56 - 8 * i));
+}
+
+/*
+ * Serialises the read-modify-write of shared snapshots' reference counts:
+ * held from reading a count until the batch that changes it is written.
+ * Process-wide (rarely contended: sequence create and delete).
+ */
+static pthread_mutex_t refs_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* The reference count of shared snapshot `hash` (0 when it has none). */
+static int refs_get(kvd_store *st, uint64_t hash, uint64_t *n, kvd_error *err)
+{
+    uint8_t key[9];
+    shared_key(key, KEY_SHARED_REFS, hash);
+    size_t len = 0;
+    char *e = NULL;
+    char *v = rocksdb_get(st->db, st->ropt, (const char *)key, sizeof key, &len, &e);
+    *n = 0;
+    if (e) {
+        int rc = kvd_error_set(err, KVD_EINTERNAL, "reading a snapshot's reference count: %s", e);
+        free(e);
+        return rc;
     }
-    int rc = kvd_codec_arts_serialize(a, &buf, &len, err);
+    if (!v)
+        return 0;
+    if (len != 8) {
+        free(v);
+        return kvd_error_set(err, KVD_ECORRUPT, "snapshot reference count of %zu bytes", len);
+    }
+    for (int i = 0; i < 8; i++)
+        *n |= (uint64_t)(uint8_t)v[i] << (8 * i);
+    free(v);
+    return 0;
+}
+
+/* Add to b the change of snapshot `hash`'s count by delta (+1 or -1); at
+ * 0 the snapshot and its count are deleted. Under refs_mu. */
+static int refs_stage(kvd_store *st, rocksdb_writebatch_t *b, uint64_t hash, int delta,
+                      kvd_error *err)
+{
+    uint64_t n;
+    int rc = refs_get(st, hash, &n, err);
     if (rc)
         return rc;
-    *hash = XXH3_64bits(buf, len);
-    rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)buf, len);
-    free(buf);
+    /* (A count already 0 drops nothing: a sequence's delete never fails
+     * for it, and the keys it deletes are absent.) */
+    n = delta > 0 ? n + 1 : n ? n - 1 : 0;
+    uint8_t key[9];
+    shared_key(key, KEY_SHARED_REFS, hash);
+    if (n == 0) {
+        rocksdb_writebatch_delete(b, (const char *)key, sizeof key);
+        shared_key(key, KEY_SHARED, hash);
+        rocksdb_writebatch_delete(b, (const char *)key, sizeof key);
+        return 0;
+    }
+    uint8_t v[8];
+    for (int i = 0; i < 8; i++)
+        v[i] = (uint8_t)(n >> (8 * i));
+    rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)v, sizeof v);
     return 0;
+}
+
+/*
+ * Add to b the put of snapshot bytes buf[0..len) (XXH3 hash) for a sequence:
+ * a new reference on the shared record of that hash, written first when
+ * none exists. *shared = 0 when a record of that hash holds other bytes
+ * (an XXH3 collision, or a hash of 0): the snapshot is then stored under
+ * the sequence's own 'Z' key instead. Under refs_mu; `drop` is the hash of a shared snapshot
+ * whose reference the same batch drops (0 = none), so that the count is
+ * read once.
+ */
+static int arts_stage(kvd_store *st, rocksdb_writebatch_t *b, const void *id, size_t id_len,
+                      const uint8_t *buf, size_t len, uint64_t hash, uint64_t drop, int *shared,
+                      kvd_error *err)
+{
+    uint64_t n = 0;
+    int rc = hash ? refs_get(st, hash, &n, err) : 0;
+    if (rc)
+        return rc;
+    uint8_t key[9];
+    shared_key(key, KEY_SHARED, hash);
+    *shared = hash != 0; /* (hash 0 names no snapshot in a codec record) */
+    int put = !n;
+    if (n) {
+        char *e = NULL;
+        rocksdb_pinnableslice_t *ps =
+            rocksdb_get_pinned(st->db, st->ropt, (const char *)key, sizeof key, &e);
+        if (e) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "reading an artifact snapshot: %s", e);
+            free(e);
+            return rc;
+        }
+        size_t have = 0;
+        const char *v = ps ? rocksdb_pinnableslice_value(ps, &have) : NULL;
+        /* Counted but missing (damage): these bytes have its hash, so they
+         * put it back for the sequences counted. */
+        put = !v;
+        *shared = !v || (have == len && memcmp(v, buf, len) == 0);
+        rocksdb_pinnableslice_destroy(ps);
+    }
+    if (!*shared) {
+        uint8_t okey[1 + KVD_SEQ_ID_MAX];
+        size_t klen = arts_key(okey, id, id_len);
+        rocksdb_writebatch_put(b, (const char *)okey, klen, (const char *)buf, len);
+        return drop ? refs_stage(st, b, drop, -1, err) : 0;
+    }
+    if (put)
+        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)buf, len);
+    if (drop == hash)
+        return 0; /* the sequence keeps its reference */
+    if ((rc = refs_stage(st, b, hash, +1, err)))
+        return rc;
+    return drop ? refs_stage(st, b, drop, -1, err) : 0;
+}
+
+/*
+ * The shared snapshot a sequence's codec record references: *hash (0 when
+ * the sequence has no record, or one of an older version, or one whose
+ * snapshot is its own).
+ */
+static int shared_ref_get(kvd_store *st, const void *id, size_t id_len, uint64_t *hash,
+                          kvd_error *err)
+{
+    kvd_seq_codecs c;
+    int found = 0;
+    *hash = 0;
+    int rc = kvd_store_seq_codecs_get(st, id, id_len, &c, &found, err);
+    if (rc == KVD_ECORRUPT) /* a damaged record holds no reference */
+        return 0;
+    if (!rc && found && c.arts_shared)
+        *hash = c.arts_hash;
+    return rc;
 }
 
 /* The snapshot of the model's artifacts the codecs of c need. */
@@ -175,8 +299,10 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
     pthread_rwlock_rdlock(&st->lock);
     kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
     kvd_model_info mi;
-    if (s)
+    if (s) {
         mi = s->model->info;
+        atomic_fetch_add(&s->refs, 1);
+    }
     pthread_rwlock_unlock(&st->lock);
     if (!s)
         return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
@@ -184,20 +310,54 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
      * record names it by content (XXH3 of its bytes). */
     kvd_codec_arts *arts = NULL;
     uint64_t arts_hash = 0;
-    if (kvd_seq_codecs_need_arts(c) && (rc = build_snapshot(st, &mi, c, &arts, err)))
-        return rc;
-    /* The snapshot (or the removal of one left by a deleted sequence of the
-     * same id) and the codec record go in one write. */
-    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
-    rc = arts_stage(b, id, id_len, arts, &arts_hash, err);
-    kvd_codec_arts_free(arts);
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    if (kvd_seq_codecs_need_arts(c) && !(rc = build_snapshot(st, &mi, c, &arts, err))) {
+        rc = kvd_codec_arts_serialize(arts, &buf, &len, err);
+        kvd_codec_arts_free(arts);
+        arts_hash = rc ? 0 : XXH3_64bits(buf, len);
+    }
     if (rc) {
+        kvd__seq_unref(s);
+        return rc;
+    }
+    /* The snapshot reference (and the release of the one of an earlier
+     * record of this id, and the removal of an own snapshot left by one),
+     * and the codec record go in one write, counts read and written under
+     * refs_mu. s->mu keeps a delete of the sequence out until then, so a
+     * reference is never taken for a sequence already gone. */
+    pthread_mutex_lock(&s->mu);
+    if (s->dead) {
+        pthread_mutex_unlock(&s->mu);
+        kvd__seq_unref(s);
+        free(buf);
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+    }
+    pthread_mutex_lock(&refs_mu);
+    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    uint64_t drop = 0;
+    int shared = 0;
+    uint8_t okey[1 + KVD_SEQ_ID_MAX];
+    size_t oklen = arts_key(okey, id, id_len);
+    rocksdb_writebatch_delete(b, (const char *)okey, oklen);
+    rc = shared_ref_get(st, id, id_len, &drop, err);
+    if (!rc && buf)
+        rc = arts_stage(st, b, id, id_len, buf, len, arts_hash, drop, &shared, err);
+    else if (!rc && drop)
+        rc = refs_stage(st, b, drop, -1, err);
+    free(buf);
+    if (rc) {
+        pthread_mutex_unlock(&refs_mu);
+        pthread_mutex_unlock(&s->mu);
+        kvd__seq_unref(s);
         rocksdb_writebatch_destroy(b);
         return rc;
     }
+    if (!shared)
+        arts_hash = 0; /* an own snapshot of a colliding hash: never shared in memory either */
     uint8_t key[1 + KVD_SEQ_ID_MAX], rec[REC_BYTES];
     size_t klen = codec_key(key, id, id_len);
-    rec[0] = REC_VERSION;
+    rec[0] = shared ? REC_VERSION : REC_VERSION_OWN;
     put_spec(rec + 1, &c->k);
     put_spec(rec + 1 + SPEC_BYTES, &c->v);
     for (int i = 0; i < 4; i++) {
@@ -216,6 +376,9 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
         rec[REC1_BYTES + 6 + i] = (uint8_t)(arts_hash >> (8 * i));
     rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, sizeof rec);
     rc = kvd__db_write(st, b, err);
+    pthread_mutex_unlock(&refs_mu);
+    pthread_mutex_unlock(&s->mu);
+    kvd__seq_unref(s);
     rocksdb_writebatch_destroy(b);
     return rc;
 }
@@ -239,8 +402,9 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
     }
     if (!v)
         return 0;
-    if (!((len == REC_BYTES && (uint8_t)v[0] == REC_VERSION) ||
-          (len == REC_BYTES - 8 && (uint8_t)v[0] == REC_VERSION) || /* without the hash */
+    uint8_t ver = len ? (uint8_t)v[0] : 0;
+    if (!((len == REC_BYTES && (ver == REC_VERSION || ver == REC_VERSION_OWN)) ||
+          (len == REC_BYTES - 8 && ver == REC_VERSION_OWN) || /* without the hash */
           (len == REC1_BYTES && (uint8_t)v[0] == 1))) {
         free(v);
         return kvd_error_set(err, KVD_ECORRUPT, "sequence codec record of %zu bytes", len);
@@ -265,6 +429,7 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
         for (int i = 0; len == REC_BYTES && i < 8; i++)
             c->arts_hash |= (uint64_t)p[REC1_BYTES + 6 + i] << (8 * i);
     }
+    c->arts_shared = ver == REC_VERSION;
     free(v);
     *found = 1;
     return 0;
@@ -374,7 +539,11 @@ int kvd_seq_codecs_load_arts(kvd_store *st, const void *id, size_t id_len, kvd_s
         return 0;
     }
     uint8_t key[1 + KVD_SEQ_ID_MAX];
-    size_t klen = arts_key(key, id, id_len), len = 0;
+    size_t klen = 9, len = 0;
+    if (c->arts_shared)
+        shared_key(key, KEY_SHARED, c->arts_hash);
+    else
+        klen = arts_key(key, id, id_len);
     char *e = NULL;
     char *v = rocksdb_get(st->db, st->ropt, (const char *)key, klen, &len, &e);
     if (e) {
@@ -421,11 +590,27 @@ void kvd_seq_codecs_clear(kvd_seq_codecs *c)
     c->k.arts = c->v.arts = NULL;
 }
 
-void kvd__seq_arts_delete(rocksdb_writebatch_t *b, const void *id, size_t id_len)
+int kvd__seq_arts_release(kvd_store *st, rocksdb_writebatch_t *b, const void *id, size_t id_len,
+                          kvd_error *err)
 {
+    pthread_mutex_lock(&refs_mu);
+    uint64_t hash = 0;
+    int rc = shared_ref_get(st, id, id_len, &hash, err);
+    if (!rc && hash)
+        rc = refs_stage(st, b, hash, -1, err);
+    if (rc) {
+        pthread_mutex_unlock(&refs_mu);
+        return rc;
+    }
     uint8_t key[1 + KVD_SEQ_ID_MAX];
     size_t klen = arts_key(key, id, id_len);
     rocksdb_writebatch_delete(b, (const char *)key, klen);
     klen = codec_key(key, id, id_len);
     rocksdb_writebatch_delete(b, (const char *)key, klen);
+    return 0;
+}
+
+void kvd__seq_arts_release_done(void)
+{
+    pthread_mutex_unlock(&refs_mu);
 }

@@ -3,23 +3,37 @@
  * seal. Persisted under the RocksDB key 'C' ‖ sequence id (store_internal.h)
  * as
  *
- *   u8 version (2) | K spec | V spec | u32 raw_sink_tokens |
+ *   u8 version (3) | K spec | V spec | u32 raw_sink_tokens |
  *   u32 pq_m | u8 pq_bits | u32 pq_iterations |
  *   K vq_sub_dim, K vq_bits, K svd, V vq_sub_dim, V vq_bits, V svd (u8 each) |
- *   u64 snapshot hash (XXH3 of the 'Z' value below; 0 = none)
+ *   u64 snapshot hash (XXH3 of the snapshot's bytes; 0 = none)
  *   spec = u8 codec, u16 group, u8 axis, u8 rounding, u64 seed   (13 bytes)
  *
- * little-endian; version 1 records (without the last 14 bytes) and version 2
- * records without the hash still read.
- * A sequence without the key stores raw pages.
+ * little-endian. Version 3: the snapshot is the shared record of that hash;
+ * version 2: the sequence's own snapshot ('Z' below), or none; version 1
+ * records (without the last 14 bytes) and version 2 records without the
+ * hash still read. A sequence without the key stores raw pages.
  *
- * A sequence with VQ or SVD also has its artifact snapshot under the key
- * 'Z' ‖ sequence id (kvd_codec_arts_serialize), written at CreateSequence
- * from the model's artifacts of that moment and removed with the sequence
- * (with the 'C' record): recalibrating the model later never changes what
- * the sequence's pages decode to. Parsed snapshots are kept in a small
- * in-memory cache keyed by that hash (sequences made from the same
- * artifacts share one); a miss reads and parses the whole snapshot.
+ * A sequence with VQ or SVD has a snapshot of the model's artifacts its
+ * codecs need (kvd_codec_arts_serialize), taken at CreateSequence:
+ * recalibrating the model later never changes what the sequence's pages
+ * decode to. Sequences made from the same artifacts have byte-identical
+ * snapshots, so one record serves them all:
+ *
+ *   'z' ‖ be64 hash   the snapshot's bytes (hash = their XXH3)
+ *   'y' ‖ be64 hash   u64 LE: the codec records (version 3) naming it
+ *
+ * The count changes in the same WriteBatch as the codec record that takes
+ * or drops the reference (kvd_store_seq_codecs_set, kvd__seq_arts_release
+ * in every sequence delete), read and written under one mutex, so a crash
+ * never leaves a count that differs from the records; the last reference's
+ * batch deletes both keys. A new snapshot whose hash is already stored with
+ * other bytes (an XXH3 collision, found by comparing the bytes) is kept as
+ * the sequence's own under 'Z' ‖ sequence id with a version 2 record and
+ * hash 0, the form stores written before snapshots were shared still have
+ * (read as such, deleted with the sequence). Parsed snapshots are kept in
+ * a small in-memory cache keyed by the hash; a miss reads and parses the
+ * whole snapshot.
  */
 #ifndef KVDEPOT_STORE_SEQCODEC_H
 #define KVDEPOT_STORE_SEQCODEC_H
@@ -43,6 +57,9 @@ typedef struct kvd_seq_codecs {
     kvd_codec_arts *arts;
     uint64_t arts_hash;
     void *arts_ent;
+    /* 1: the snapshot is the shared record of arts_hash ('z'); 0: the
+     * sequence's own ('Z', older records and XXH3 collisions). */
+    uint8_t arts_shared;
 } kvd_seq_codecs;
 
 /* Does a sealed page get coded (anything but raw)? Does it need artifacts? */
@@ -57,9 +74,18 @@ int kvd_seq_codecs_load_arts(kvd_store *st, const void *id, size_t id_len, kvd_s
 /* Free c->arts; NULL-safe. */
 void kvd_seq_codecs_clear(kvd_seq_codecs *c);
 
-/* Add the deletion of a sequence's codec record and snapshot to b. */
+/*
+ * Add to b the deletion of a sequence's codec record and own snapshot, and
+ * the release of its reference on a shared snapshot (which b deletes with
+ * its count when it was the last). On success the reference counts stay
+ * locked until kvd__seq_arts_release_done, to be called once b is written
+ * (or dropped); on failure (KVD_EINTERNAL reading the record or the count)
+ * nothing is locked and b may hold part of the deletion. Called with the sequence's s->mu held.
+ */
 struct rocksdb_writebatch_t;
-void kvd__seq_arts_delete(struct rocksdb_writebatch_t *b, const void *id, size_t id_len);
+int kvd__seq_arts_release(kvd_store *st, struct rocksdb_writebatch_t *b, const void *id,
+                          size_t id_len, kvd_error *err);
+void kvd__seq_arts_release_done(void);
 
 /* Check both specs for the model's shape and the store's page size (fills
  * defaults). KVD_EINVAL / KVD_EUNSUPP naming the field. */

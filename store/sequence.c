@@ -587,6 +587,12 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         goto out;
     }
     rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    /* Codec record, own artifact snapshot, reference on a shared one. */
+    if ((rc = kvd__seq_arts_release(st, b, s->id, s->id_len, err))) {
+        rocksdb_writebatch_destroy(b);
+        free(dropped);
+        goto out;
+    }
     uint8_t key[1 + KVD_SEQ_ID_MAX];
     size_t klen;
     kvd__seq_key(s, key, &klen);
@@ -595,7 +601,6 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         kvd__expiry_delete(b, s);
     kvd__pq_delete(b, s); /* PQ centroids (pqindex.h) */
     kvd__act_delete(b, s);
-    kvd__seq_arts_delete(b, s->id, s->id_len); /* codec record, artifact snapshot */
     for (uint32_t l = 0; l < s->num_layers; l++) {
         for (uint32_t i = 0; i < s->layers[l].npages; i++) {
             kvd__page *p = s->layers[l].pages[i];
@@ -610,6 +615,7 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         }
     }
     rc = kvd__db_write(st, b, err);
+    kvd__seq_arts_release_done();
     rocksdb_writebatch_destroy(b);
     if (rc) {
         free(dropped);

@@ -21,8 +21,10 @@
  *   'a' id             activation counts of sequence id (activation.h)
  *   'x' be16 id_len id be32 layer be64 token
  *                      activations X of a run of tokens (activation.h)
- *   (defined beside their code: 'A' model artifacts, artifact.c; 'C', 'Z'
- *   sequence codecs and artifact snapshots, seqcodec.h)
+ *   (defined beside their code: 'A' model artifacts, artifact.c; 'C'
+ *   sequence codecs, 'z' be64 hash / 'y' be64 hash an artifact snapshot
+ *   shared by content and its reference count, 'Z' id a sequence's own
+ *   snapshot of older stores, seqcodec.h)
  *
  * Memory tiers (tier.c) have their own mutex, cache->mu, taken last: never
  * call into the store's other locks while holding it.
