@@ -514,6 +514,20 @@ static void fill_f16(uint16_t *buf, size_t n, uint64_t seed)
 #define CD 32
 #define CT 300
 
+/* A sequence with INT4 keys (groups of 32) and a small PQ index. */
+static int create_indexed(kvdepot_client *c, const char *model, const char *id)
+{
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    cs.k.codec = KVDEPOT_CODEC_INT4;
+    cs.k.group_size = 32;
+    cs.pq_m = 4;
+    cs.pq_bits = 4;
+    cs.pq_iterations = 3;
+    kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = model, .codecs = &cs};
+    return kvdepot_sequence_create(c, &ca, NULL);
+}
+
 /* Compute calls through the sharded client equal the same calls made
  * directly to each sequence's owner (the owner computes both), Attend
  * batches spanning every server land in query order, Calibrate's artifacts
@@ -548,16 +562,7 @@ static int test_compute(kvd_harness *h)
     REQUIRE(k && v && q);
     for (int i = 0; i < CNSEQ; i++) {
         snprintf(ids[i], sizeof ids[i], "cseq-%d", i);
-        kvdepot_create_args ca = {.id = ids[i], .id_len = strlen(ids[i]), .model = m.name};
-        kvdepot_codecs cs;
-        memset(&cs, 0, sizeof cs);
-        cs.k.codec = KVDEPOT_CODEC_INT4;
-        cs.k.group_size = 32;
-        cs.pq_m = 4;
-        cs.pq_bits = 4;
-        cs.pq_iterations = 3;
-        ca.codecs = &cs;
-        REQUIRE_RC(kvdepot_sequence_create(c, &ca, NULL), KVDEPOT_OK);
+        REQUIRE_RC(create_indexed(c, m.name, ids[i]), KVDEPOT_OK);
         fill_f16(k, cnt, 100 + 2 * (uint64_t)i);
         fill_f16(v, cnt, 101 + 2 * (uint64_t)i);
         kvdepot_append_args aa = {.id = ids[i], .id_len = strlen(ids[i]), .num_tokens = CT,
@@ -635,16 +640,7 @@ static int test_compute(kvd_harness *h)
         CHECK(np > 0);
         char copy[32];
         snprintf(copy, sizeof copy, "copy-of-%d", i);
-        kvdepot_create_args ca = {.id = copy, .id_len = strlen(copy), .model = m.name};
-        kvdepot_codecs cs;
-        memset(&cs, 0, sizeof cs);
-        cs.k.codec = KVDEPOT_CODEC_INT4;
-        cs.k.group_size = 32;
-        cs.pq_m = 4;
-        cs.pq_bits = 4;
-        cs.pq_iterations = 3;
-        ca.codecs = &cs;
-        REQUIRE_RC(kvdepot_sequence_create(c, &ca, NULL), KVDEPOT_OK);
+        REQUIRE_RC(create_indexed(c, m.name, copy), KVDEPOT_OK);
         kvdepot_sequence_info info;
         CHECK_RC(kvdepot_append_pages(c, copy, strlen(copy), pages, np, &info), KVDEPOT_OK);
         CHECK(info.num_tokens == CT);
