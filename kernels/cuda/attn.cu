@@ -1518,11 +1518,11 @@ OutDesc out_desc(const kvd_tensor &out, const kvd_tensor &lse)
 /* Split size for a call: about 4 units per SM over all head groups, at
  * least 256 tokens (a batch-1 16K sequence of 8 kv heads
  * still fills an H100), at most MAXSPLIT splits per source. */
-long long plan_chunk(kvd_cuda_ctx *c, long long work)
+long long plan_chunk(kvd_cuda_ctx *c, long long work, long long least = 256)
 {
     long long target = 4LL * (c->sm_count > 0 ? c->sm_count : 1);
     long long ch = (work + target - 1) / target;
-    return ch < 256 ? 256 : ch;
+    return ch < least ? least : ch;
 }
 
 /* Add the units of one head group (item's kv head h, heads g0..g0+gn-1 of
@@ -2143,7 +2143,9 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
         vitems.push_back(v);
     }
     Plan pl;
-    pl.chunk = plan_chunk(call.c, work);
+    /* a VQ unit pays for its score table and the codebook pass: at least
+     * 1024 tokens per split keep that under a quarter of its work */
+    pl.chunk = plan_chunk(call.c, work, 1024);
     for (int i = 0; i < n; i++) {
         const kvd_attn_vq_args &x = a[i];
         int G = x.dims.n_q_heads / x.dims.n_kv_heads, gc = gcap[i];
