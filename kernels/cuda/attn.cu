@@ -803,6 +803,9 @@ __device__ __forceinline__ void value_row_acc(const QSide &V, const unsigned cha
                                               long long grp0, int vw, int wpg, int gn, int ng, const unsigned *vpat,
                                               int vps, const float *sP, const float *mP, const float *corr, float *a)
 {
+    /* 16-byte loads need the tile's start aligned too (tiles of 160 tokens
+     * start 40 bytes apart at INT2) */
+    const int v16 = V.w16 && ((uintptr_t)row & 15) == 0;
     constexpr int PER = 8 / BITS;
     constexpr unsigned M = BITS == 2 ? 0x03030303u : 0x0f0f0f0fu;
     unsigned ic[MAXGB];
@@ -812,7 +815,7 @@ __device__ __forceinline__ void value_row_acc(const QSide &V, const unsigned cha
     for (int w0 = 0; w0 < vw; w0 += VW_CHUNK) {
         const int nw = min(VW_CHUNK, vw - w0);
         unsigned x[VW_CHUNK];
-        load_words<VW_CHUNK>(row + 4 * w0, nw, V.w16, x);
+        load_words<VW_CHUNK>(row + 4 * w0, nw, v16, x);
 #pragma unroll
         for (int w = 0; w < VW_CHUNK; w++) {
             if (w >= nw)

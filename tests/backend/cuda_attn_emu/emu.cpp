@@ -78,6 +78,12 @@ int warp_size_of(int t)
 
 } // namespace
 
+void emu_misaligned(const void *p, size_t align)
+{
+    fprintf(stderr, "emu: misaligned %zu-byte load at %p (thread %d of block %u)\n", align, p, g_cur, blockIdx.x);
+    abort();
+}
+
 void emu_syncthreads(void) { barrier(0, g_nthreads); }
 
 void emu_syncwarp(void) { barrier(1 + (g_cur >> 5), warp_size_of(g_cur)); }

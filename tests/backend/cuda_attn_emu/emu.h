@@ -107,7 +107,14 @@ static inline unsigned __dp4a(unsigned a, unsigned b, unsigned c)
 }
 static inline long long min(long long a, long long b) { return a < b ? a : b; }
 static inline int min(int a, int b) { return a < b ? a : b; }
-template <class T> static inline T __ldg(const T *p) { return *p; }
+/* misaligned vector and word loads fault on a GPU: here too */
+void emu_misaligned(const void *p, size_t align);
+template <class T> static inline T __ldg(const T *p)
+{
+    if ((uintptr_t)p % sizeof(T) && sizeof(T) <= 16)
+        emu_misaligned(p, sizeof(T));
+    return *p;
+}
 static inline float atomicAdd(float *p, float v)
 {
     float o = *p;
