@@ -2,9 +2,9 @@
  * Compute on stored caches: Attend and PlanFetch (compute.c).
  *
  * The handlers read the pages of one layer through the store's read cursor
- * (a consistent snapshot, every page checksum-verified) and run the kernels
- * of the backend picked at first use: CUDA when kvd_backend_cuda_create
- * succeeds and the op is supported there, else the CPU backend.
+ * (a consistent snapshot, every page checksum-verified) and run the CPU
+ * backend's kernels on them, the pages parsed in host memory. A CUDA
+ * device is detected and logged at first use but not used for these calls.
  */
 #ifndef KVDEPOT_SERVICE_COMPUTE_H
 #define KVDEPOT_SERVICE_COMPUTE_H
