@@ -401,8 +401,8 @@ int kvd_codecs_from_pb(const void *pb, const kvd_model_info *m, uint32_t page_to
         out->pq_bits = (uint8_t)(c->pq->bits > 255 ? 255 : c->pq->bits);
         out->pq_iterations = c->pq->iterations;
     }
-    /* Activation storage is recorded by the CreateSequence handler
-     * (kvd_store_seq_activations_enable); only the model can refuse it. */
+    /* Activation storage is recorded by the CreateSequence handler (in the
+     * write that creates the sequence); only the model can refuse it. */
     if (c->store_activations && !m->hidden_size)
         return kvd_error_set(err, KVD_EPRECOND,
                              "codecs.store_activations: model %s has no hidden_size (put the "

@@ -188,36 +188,20 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     }
     if ((rc = kvd_ctx_quota_reserve(ctx, req->model, 1, bytes, err)))
         return rc;
-    rc = kvd_store_seq_create(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                              req->model, req->prefix_hashes, req->n_prefix_hashes,
-                              req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
-                              req->n_prefix_token_ids, &info, err);
-    if (!rc && req->ttl_seconds) {
-        uint64_t ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
-                                                               : req->ttl_seconds * 1000;
-        if ((rc = kvd_store_seq_set_ttl(ctx->svc->store, req->sequence_id.data,
-                                        req->sequence_id.len, ttl_ms, err))) {
-            /* All or nothing: a sequence without its TTL is not what was asked. */
-            kvd_seq_info_clear(&info);
-            kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                 NULL, NULL);
-        }
-    }
-    /* Always recorded (raw too): a record left by a deleted sequence of the
-     * same id must not apply to this one. */
-    if (!rc && (rc = kvd_store_seq_codecs_set(ctx->svc->store, req->sequence_id.data,
-                                              req->sequence_id.len, &codecs, err))) {
-        kvd_seq_info_clear(&info);
-        kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                             NULL, NULL);
-    }
-    if (!rc && store_x &&
-        (rc = kvd_store_seq_activations_enable(ctx->svc->store, req->sequence_id.data,
-                                               req->sequence_id.len, err))) {
-        kvd_seq_info_clear(&info);
-        kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                             NULL, NULL);
-    }
+    /* One write creates the sequence with its codecs (always recorded, raw
+     * too), its TTL and its activation counts: a crash never leaves a
+     * sequence without them, and a failure leaves nothing. */
+    kvd_seq_create_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.codecs = &codecs;
+    opts.store_activations = store_x;
+    if (req->ttl_seconds)
+        opts.ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
+                                                          : req->ttl_seconds * 1000;
+    rc = kvd_store_seq_create_ex(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                 req->model, req->prefix_hashes, req->n_prefix_hashes,
+                                 req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
+                                 req->n_prefix_token_ids, &opts, &info, err);
     if (rc) {
         kvd_quota_release(ctx->auth, req->model, 1, bytes);
         return rc;

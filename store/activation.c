@@ -92,6 +92,20 @@ static int put_meta(rocksdb_writebatch_t *b, const kvd__seq *s, const uint64_t *
     return 0;
 }
 
+int kvd__act_enable_stage(rocksdb_writebatch_t *b, const kvd__seq *s, uint64_t **counts,
+                          kvd_error *err)
+{
+    *counts = calloc(s->num_layers ? s->num_layers : 1, sizeof **counts);
+    if (!*counts)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    int rc = put_meta(b, s, *counts, err);
+    if (rc) {
+        free(*counts);
+        *counts = NULL;
+    }
+    return rc;
+}
+
 int kvd_store_seq_activations_enable(kvd_store *st, const void *id, size_t id_len, kvd_error *err)
 {
     int rc = kvd__check_seq_id(id, id_len, err);
@@ -131,13 +145,8 @@ int kvd_store_seq_activations_enable(kvd_store *st, const void *id, size_t id_le
                                (unsigned long long)s->layers[l].tokens, l);
             goto out;
         }
-    counts = calloc(s->num_layers ? s->num_layers : 1, sizeof *counts);
-    if (!counts) {
-        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
-        goto out;
-    }
     b = rocksdb_writebatch_create();
-    if ((rc = put_meta(b, s, counts, err)) || (rc = kvd__db_write(st, b, err)))
+    if ((rc = kvd__act_enable_stage(b, s, &counts, err)) || (rc = kvd__db_write(st, b, err)))
         goto out;
     pthread_rwlock_wrlock(&st->lock);
     s->act_tokens = counts;

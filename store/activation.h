@@ -4,7 +4,9 @@
  * recompute their K = X W_K, V = X W_V while the K/V of the rest streams in.
  *
  * A sequence stores activations only when it was created with
- * store_activations (kvd_store_seq_activations_enable, right after create);
+ * store_activations (kvd_store_seq_create_ex writes its counts with the
+ * sequence record; kvd_store_seq_activations_enable turns them on for a
+ * sequence that holds no tokens yet);
  * its model must declare a hidden_size. Per layer the store keeps the count
  * of leading tokens with activations: an Append carrying X extends it and is
  * accepted only when it starts exactly there (every earlier token of the

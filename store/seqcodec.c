@@ -290,67 +290,49 @@ static int build_snapshot(kvd_store *st, const kvd_model_info *mi, const kvd_seq
     return rc;
 }
 
-int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
-                             const kvd_seq_codecs *c, kvd_error *err)
+int kvd__seq_codecs_snapshot(kvd_store *st, const kvd_model_info *mi, const kvd_seq_codecs *c,
+                             uint8_t **buf, size_t *len, uint64_t *hash, kvd_error *err)
 {
-    int rc = kvd__check_seq_id(id, id_len, err);
+    *buf = NULL;
+    *len = 0;
+    *hash = 0;
+    if (!kvd_seq_codecs_need_arts(c))
+        return 0;
+    kvd_codec_arts *arts = NULL;
+    int rc = build_snapshot(st, mi, c, &arts, err);
     if (rc)
         return rc;
-    pthread_rwlock_rdlock(&st->lock);
-    kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
-    kvd_model_info mi;
-    if (s) {
-        mi = s->model->info;
-        atomic_fetch_add(&s->refs, 1);
-    }
-    pthread_rwlock_unlock(&st->lock);
-    if (!s)
-        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
-    /* VQ / SVD: snapshot the model's artifacts of this moment; the codec
-     * record names it by content (XXH3 of its bytes). */
-    kvd_codec_arts *arts = NULL;
-    uint64_t arts_hash = 0;
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    if (kvd_seq_codecs_need_arts(c) && !(rc = build_snapshot(st, &mi, c, &arts, err))) {
-        rc = kvd_codec_arts_serialize(arts, &buf, &len, err);
-        kvd_codec_arts_free(arts);
-        arts_hash = rc ? 0 : XXH3_64bits(buf, len);
-    }
+    rc = kvd_codec_arts_serialize(arts, buf, len, err);
+    kvd_codec_arts_free(arts);
     if (rc) {
-        kvd__seq_unref(s);
+        *buf = NULL;
         return rc;
     }
+    *hash = XXH3_64bits(*buf, *len);
+    return 0;
+}
+
+int kvd__seq_codecs_stage(kvd_store *st, rocksdb_writebatch_t *b, const void *id, size_t id_len,
+                          const kvd_seq_codecs *c, const uint8_t *buf, size_t len,
+                          uint64_t arts_hash, kvd_error *err)
+{
     /* The snapshot reference (and the release of the one of an earlier
      * record of this id, and the removal of an own snapshot left by one),
-     * and the codec record go in one write, counts read and written under
-     * refs_mu. s->mu keeps a delete of the sequence out until then, so a
-     * reference is never taken for a sequence already gone. */
-    pthread_mutex_lock(&s->mu);
-    if (s->dead) {
-        pthread_mutex_unlock(&s->mu);
-        kvd__seq_unref(s);
-        free(buf);
-        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
-    }
+     * and the codec record go in b, counts read here and written with b
+     * under refs_mu. */
     pthread_mutex_lock(&refs_mu);
-    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
     uint64_t drop = 0;
     int shared = 0;
     uint8_t okey[1 + KVD_SEQ_ID_MAX];
     size_t oklen = arts_key(okey, id, id_len);
     rocksdb_writebatch_delete(b, (const char *)okey, oklen);
-    rc = shared_ref_get(st, id, id_len, &drop, err);
+    int rc = shared_ref_get(st, id, id_len, &drop, err);
     if (!rc && buf)
         rc = arts_stage(st, b, id, id_len, buf, len, arts_hash, drop, &shared, err);
     else if (!rc && drop)
         rc = refs_stage(st, b, drop, -1, err);
-    free(buf);
     if (rc) {
         pthread_mutex_unlock(&refs_mu);
-        pthread_mutex_unlock(&s->mu);
-        kvd__seq_unref(s);
-        rocksdb_writebatch_destroy(b);
         return rc;
     }
     if (!shared)
@@ -375,8 +357,50 @@ int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
     for (int i = 0; i < 8; i++)
         rec[REC1_BYTES + 6 + i] = (uint8_t)(arts_hash >> (8 * i));
     rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, sizeof rec);
-    rc = kvd__db_write(st, b, err);
-    pthread_mutex_unlock(&refs_mu);
+    return 0;
+}
+
+int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
+                             const kvd_seq_codecs *c, kvd_error *err)
+{
+    int rc = kvd__check_seq_id(id, id_len, err);
+    if (rc)
+        return rc;
+    pthread_rwlock_rdlock(&st->lock);
+    kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
+    kvd_model_info mi;
+    if (s) {
+        mi = s->model->info;
+        atomic_fetch_add(&s->refs, 1);
+    }
+    pthread_rwlock_unlock(&st->lock);
+    if (!s)
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+    /* VQ / SVD: snapshot the model's artifacts of this moment; the codec
+     * record names it by content (XXH3 of its bytes). */
+    uint64_t arts_hash = 0;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    if ((rc = kvd__seq_codecs_snapshot(st, &mi, c, &buf, &len, &arts_hash, err))) {
+        kvd__seq_unref(s);
+        return rc;
+    }
+    /* s->mu keeps a delete of the sequence out until the write, so a
+     * reference is never taken for a sequence already gone. */
+    pthread_mutex_lock(&s->mu);
+    if (s->dead) {
+        pthread_mutex_unlock(&s->mu);
+        kvd__seq_unref(s);
+        free(buf);
+        return kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+    }
+    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    rc = kvd__seq_codecs_stage(st, b, id, id_len, c, buf, len, arts_hash, err);
+    free(buf);
+    if (!rc) {
+        rc = kvd__db_write(st, b, err);
+        kvd__seq_arts_release_done();
+    }
     pthread_mutex_unlock(&s->mu);
     kvd__seq_unref(s);
     rocksdb_writebatch_destroy(b);

@@ -24,7 +24,8 @@
  *   'y' ‖ be64 hash   u64 LE: the codec records (version 3) naming it
  *
  * The count changes in the same WriteBatch as the codec record that takes
- * or drops the reference (kvd_store_seq_codecs_set, kvd__seq_arts_release
+ * or drops the reference (the sequence record's batch at creation,
+ * kvd_store_seq_create_ex; kvd_store_seq_codecs_set; kvd__seq_arts_release
  * in every sequence delete), read and written under one mutex, so a crash
  * never leaves a count that differs from the records; the last reference's
  * batch deletes both keys. A new snapshot whose hash is already stored with
@@ -92,12 +93,39 @@ void kvd__seq_arts_release_done(void);
 int kvd_seq_codecs_check(kvd_seq_codecs *c, uint32_t page_tokens, uint32_t head_dim,
                          kvd_error *err);
 
-/* Record the codecs of an existing sequence (before its first append),
+/*
+ * Replace the codecs of an existing sequence (before its first append),
  * with the snapshot of the model's artifacts its VQ/SVD specs need, in one
- * write. KVD_ENOTFOUND for an unknown sequence; KVD_EPRECOND naming a
- * missing artifact; KVD_EINVAL for widths the model cannot take. */
+ * write. CreateSequence does not use it: kvd_store_seq_create_ex writes a
+ * new sequence's codecs in the batch of its sequence record. KVD_ENOTFOUND
+ * for an unknown sequence; KVD_EPRECOND naming a missing artifact;
+ * KVD_EINVAL for widths the model cannot take.
+ */
 int kvd_store_seq_codecs_set(kvd_store *st, const void *id, size_t id_len,
                              const kvd_seq_codecs *c, kvd_error *err);
+
+/*
+ * The serialised snapshot of model mi's artifacts that c needs: *buf
+ * (malloc'd, the caller frees; NULL when c needs none), *len and *hash (its
+ * XXH3). Reads the model's artifacts (takes st->lock shared): call it
+ * without st->lock held. KVD_EPRECOND naming a missing artifact.
+ */
+int kvd__seq_codecs_snapshot(kvd_store *st, const kvd_model_info *mi, const kvd_seq_codecs *c,
+                             uint8_t **buf, size_t *len, uint64_t *hash, kvd_error *err);
+
+/*
+ * Add to b the codec record of sequence id for c, with a reference on the
+ * snapshot buf[0..len) of XXH3 hash (from kvd__seq_codecs_snapshot; NULL =
+ * none) and the release of a reference an older record of the id held. On
+ * success the reference counts stay locked until kvd__seq_arts_release_done,
+ * to be called once b is written (or dropped); on failure nothing is locked
+ * and b may hold part of the change. Called with st->lock held (exclusive,
+ * sequence create) or the sequence's s->mu (codecs set), never after taking
+ * the counts' lock.
+ */
+int kvd__seq_codecs_stage(kvd_store *st, struct rocksdb_writebatch_t *b, const void *id,
+                          size_t id_len, const kvd_seq_codecs *c, const uint8_t *buf, size_t len,
+                          uint64_t hash, kvd_error *err);
 
 /* The codecs of a sequence; *found = 0 (and *c all raw) when none were set. */
 int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_seq_codecs *c,

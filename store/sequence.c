@@ -334,6 +334,27 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
                          const uint32_t *prefix_token_ids, size_t n_prefix_token_ids,
                          kvd_seq_info *out, kvd_error *err)
 {
+    return kvd_store_seq_create_ex(st, id, id_len, model, prefix_hashes, n_prefix,
+                                   prefix_token_ids, n_prefix_token_ids, NULL, out, err);
+}
+
+/*
+ * One RocksDB write creates the sequence: its record, and from opts its
+ * codec record with the reference on a shared artifact snapshot (the
+ * snapshot itself when it is the first), its expiry record and its
+ * activation counts. The snapshot is built first, without st->lock (it
+ * reads the model's artifacts); then, under st->lock exclusive, the batch is
+ * filled, the reference counts are read and stay locked (refs_mu, after
+ * st->lock as in a delete) until the write, and the sequence enters the map
+ * only for that write: nobody sees it before it succeeded, and a failure
+ * takes it out again with nothing written and no reference taken.
+ */
+int kvd_store_seq_create_ex(kvd_store *st, const void *id, size_t id_len, const char *model,
+                            const uint64_t *prefix_hashes, size_t n_prefix,
+                            const uint32_t *prefix_token_ids, size_t n_prefix_token_ids,
+                            const kvd_seq_create_opts *opts, kvd_seq_info *out,
+                            kvd_error *err)
+{
     if (out)
         memset(out, 0, sizeof *out);
     int rc = kvd__check_seq_id(id, id_len, err);
@@ -343,6 +364,13 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
         return kvd_error_set(err, KVD_EINVAL, "sequence create: model name is empty");
     if (n_prefix && !prefix_hashes)
         return kvd_error_set(err, KVD_EINVAL, "sequence create: prefix hashes are NULL");
+    static const kvd_seq_create_opts no_opts;
+    if (!opts)
+        opts = &no_opts;
+    if (opts->store_activations && n_prefix)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "sequence create: activations must start at token 0, not with a "
+                             "prefix");
     uint32_t B = st->page_tokens;
     if (n_prefix_token_ids) {
         if (!prefix_token_ids)
@@ -368,6 +396,18 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
                              (unsigned long long)n_prefix * B,
                              (unsigned long long)st->max_seq_tokens);
 
+    /* VQ / SVD: snapshot the model's artifacts of this moment (the codec
+     * record names it by content), before st->lock. */
+    kvd_model_info mi;
+    uint8_t *arts = NULL;
+    size_t arts_len = 0;
+    uint64_t arts_hash = 0;
+    if (opts->codecs && kvd_seq_codecs_need_arts(opts->codecs) &&
+        ((rc = kvd_store_model_get(st, model, &mi, err)) ||
+         (rc = kvd__seq_codecs_snapshot(st, &mi, opts->codecs, &arts, &arts_len, &arts_hash,
+                                        err))))
+        return rc;
+
     pthread_rwlock_wrlock(&st->lock);
     kvd__model *m = kvd__model_find(st, model);
     size_t pos;
@@ -375,8 +415,22 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
     kvd__prefix **ents = NULL;
     uint8_t *rec = NULL;
     size_t rlen = 0;
+    uint64_t *act_counts = NULL;
+    rocksdb_writebatch_t *b = NULL;
+    int refs_locked = 0;
     if (!m) {
         rc = kvd_error_set(err, KVD_ENOTFOUND, "model %s not found", model);
+        goto out;
+    }
+    if (arts && (m->info.num_layers != mi.num_layers || m->info.num_kv_heads != mi.num_kv_heads ||
+                 m->info.head_dim != mi.head_dim)) {
+        rc = kvd_error_set(err, KVD_EPRECOND,
+                           "model %s changed shape while the sequence was created", model);
+        goto out;
+    }
+    if (opts->store_activations && !m->info.hidden_size) {
+        rc = kvd_error_set(err, KVD_EPRECOND,
+                           "model %s has no hidden_size: activations cannot be stored", model);
         goto out;
     }
     if (kvd__seq_find(st, id, id_len, &pos)) {
@@ -424,21 +478,40 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
     }
     if ((rc = kvd__seq_encode(st, s, s->layers, s->hashes, s->n_hashes, NULL, 0, &rec, &rlen, err)))
         goto out;
-    if (seq_insert(st, s, pos))
-        goto oom;
     uint8_t key[1 + KVD_SEQ_ID_MAX];
     size_t klen;
     kvd__seq_key(s, key, &klen);
-    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    b = rocksdb_writebatch_create();
     rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, rlen);
+    uint64_t expires = opts->ttl_ms ? kvd__now_ms() + opts->ttl_ms : 0;
+    if (opts->ttl_ms)
+        kvd__expiry_put(b, s, opts->ttl_ms, expires);
+    if (opts->store_activations && (rc = kvd__act_enable_stage(b, s, &act_counts, err)))
+        goto out;
+    /* Last: from here the reference counts stay locked until the write. */
+    if (opts->codecs) {
+        if ((rc = kvd__seq_codecs_stage(st, b, id, id_len, opts->codecs, arts, arts_len,
+                                        arts_hash, err)))
+            goto out;
+        refs_locked = 1;
+    }
+    if (seq_insert(st, s, pos))
+        goto oom;
     rc = kvd__db_write(st, b, err);
-    rocksdb_writebatch_destroy(b);
+    if (refs_locked)
+        kvd__seq_arts_release_done();
+    refs_locked = 0;
     if (rc) {
         memmove(st->seqs + pos, st->seqs + pos + 1, (st->nseqs - pos - 1) * sizeof *st->seqs);
         st->nseqs--;
         goto out;
     }
-    /* Durable: now take the references on the shared pages. */
+    /* Durable: publish the expiry and activation counts, and take the
+     * references on the shared pages. */
+    s->ttl_ms = opts->ttl_ms;
+    atomic_store(&s->expires_ms, expires);
+    s->act_tokens = act_counts;
+    act_counts = NULL;
     for (uint32_t l = 0; l < s->num_layers; l++)
         for (uint32_t i = 0; i < s->layers[l].npages; i++)
             s->layers[l].pages[i]->refs++;
@@ -450,11 +523,17 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
 oom:
     rc = kvd_error_set(err, KVD_ENOMEM, "out of memory creating a sequence");
 out:
+    if (refs_locked)
+        kvd__seq_arts_release_done();
     pthread_rwlock_unlock(&st->lock);
+    if (b)
+        rocksdb_writebatch_destroy(b);
     if (s)
         kvd__seq_free(s);
+    free(act_counts);
     free(ents);
     free(rec);
+    free(arts);
     return rc;
 }
 

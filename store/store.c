@@ -155,8 +155,16 @@ void kvd__map_free(kvd__map *m)
 
 /* ---- RocksDB ------------------------------------------------------------ */
 
+_Atomic int kvd__fault_db_write;
+_Atomic uint64_t kvd__db_writes;
+
 int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err)
 {
+    int n = atomic_load(&kvd__fault_db_write);
+    while (n > 0 && !atomic_compare_exchange_weak(&kvd__fault_db_write, &n, n - 1))
+        ;
+    if (n > 0)
+        return kvd_error_set(err, KVD_EINTERNAL, "rocksdb write failed: injected fault");
     char *e = NULL;
     rocksdb_write(st->db, st->wopt, b, &e);
     if (e) {
@@ -164,6 +172,7 @@ int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err)
         rocksdb_free(e);
         return KVD_EINTERNAL;
     }
+    atomic_fetch_add(&kvd__db_writes, 1);
     return 0;
 }
 

@@ -119,6 +119,40 @@ int kvd_store_seq_create(kvd_store *st, const void *id, size_t id_len, const cha
                          const uint64_t *prefix_hashes, size_t n_prefix,
                          const uint32_t *prefix_token_ids, size_t n_prefix_token_ids,
                          kvd_seq_info *out, kvd_error *err);
+
+/*
+ * What kvd_store_seq_create_ex writes besides the sequence record. A zeroed
+ * struct adds nothing (kvd_store_seq_create).
+ */
+struct kvd_seq_codecs;
+typedef struct kvd_seq_create_opts {
+    /* The sequence's codecs (seqcodec.h), already checked with
+     * kvd_seq_codecs_check; NULL = no codec record (raw pages). A VQ/SVD
+     * spec takes a snapshot of the model's artifacts. */
+    const struct kvd_seq_codecs *codecs;
+    /* Expiry after this many ms without access (0 = never). */
+    uint64_t ttl_ms;
+    /* 1: store activations X from token 0 (activation.h); the model needs a
+     * hidden_size (else KVD_EPRECOND) and there is no prefix (KVD_EINVAL). */
+    int store_activations;
+} kvd_seq_create_opts;
+
+/*
+ * kvd_store_seq_create with the sequence's codec record (and the reference
+ * on its artifact snapshot), expiry record and activation counts written in
+ * the same RocksDB write as the sequence record: after a crash the sequence
+ * exists with all of them or not at all. The sequence is visible only once
+ * that write succeeded; on any error nothing was written and no snapshot
+ * reference was taken. opts may be NULL. Returns kvd_store_seq_create's
+ * codes, and KVD_EPRECOND naming a missing artifact or a model without
+ * hidden_size, KVD_EINVAL for activations with a prefix, KVD_EINTERNAL when
+ * the write fails. out as for kvd_store_seq_create.
+ */
+int kvd_store_seq_create_ex(kvd_store *st, const void *id, size_t id_len, const char *model,
+                            const uint64_t *prefix_hashes, size_t n_prefix,
+                            const uint32_t *prefix_token_ids, size_t n_prefix_token_ids,
+                            const kvd_seq_create_opts *opts, kvd_seq_info *out,
+                            kvd_error *err);
 int kvd_store_seq_stat(kvd_store *st, const void *id, size_t id_len, kvd_seq_info *out,
                        kvd_error *err);
 /* List sequences (of `model`, or all when NULL/empty) in id order, starting

@@ -311,6 +311,11 @@ void kvd__page_drop(kvd_store *st, kvd__model *m, kvd__page *p, uint64_t *droppe
 void kvd__prefix_reregister(kvd_store *st, kvd__model *m, const uint64_t *dropped, size_t n);
 
 int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err);
+/* Tests: while > 0, kvd__db_write fails (KVD_EINTERNAL) without writing and
+ * decrements it. 0 outside tests. */
+extern _Atomic int kvd__fault_db_write;
+/* Writes kvd__db_write made (for tests counting a change's writes). */
+extern _Atomic uint64_t kvd__db_writes;
 /* Expiry record of a sequence (key 'X' id). */
 void kvd__expiry_put(rocksdb_writebatch_t *b, const kvd__seq *s, uint64_t ttl_ms,
                      uint64_t expires_ms);
@@ -343,6 +348,11 @@ int kvd__act_stage(kvd_store *st, const kvd__seq *s, uint32_t ls, uint32_t nl, u
 void kvd__act_publish(kvd_store *st, kvd__seq *s, uint64_t *counts);
 /* Add the deletion of every activation record of s to b. */
 void kvd__act_delete(rocksdb_writebatch_t *b, const kvd__seq *s);
+/* Put the activation counts of s, all 0 (activations on, none stored), in
+ * b; *counts (malloc'd, NULL on failure) becomes s->act_tokens once b is
+ * written. */
+int kvd__act_enable_stage(rocksdb_writebatch_t *b, const kvd__seq *s, uint64_t **counts,
+                          kvd_error *err);
 /* After that batch is durable (st->lock exclusive): drop the counts. */
 void kvd__act_forget(kvd_store *st, kvd__seq *s);
 /* At open, after the sequences: their activation counts. */

@@ -109,9 +109,6 @@ static void create(kvd_store *st, const char *id, const uint64_t *prefix, size_t
     kvd_error err;
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
-    REQUIRE(kvd_store_seq_create(st, id, strlen(id), "pqm", prefix, np, NULL, 0, &info, &err) == 0,
-            "create %s: %s", id, err.msg);
-    kvd_seq_info_clear(&info);
     kvd_seq_codecs c;
     memset(&c, 0, sizeof c);
     c.k.codec = KVD_CODEC_INT4;
@@ -120,7 +117,11 @@ static void create(kvd_store *st, const char *id, const uint64_t *prefix, size_t
     c.pq_bits = NB;
     c.pq_iterations = ITERS;
     REQUIRE(kvd_seq_codecs_check(&c, B, D, &err) == 0, "codecs: %s", err.msg);
-    REQUIRE(kvd_store_seq_codecs_set(st, id, strlen(id), &c, &err) == 0, "codecs: %s", err.msg);
+    kvd_seq_create_opts o = {.codecs = &c};
+    REQUIRE(kvd_store_seq_create_ex(st, id, strlen(id), "pqm", prefix, np, NULL, 0, &o, &info,
+                                    &err) == 0,
+            "create %s: %s", id, err.msg);
+    kvd_seq_info_clear(&info);
 }
 
 /* Append tokens [ts, ts + n) of layers [ls, ls + nl) of sequence `salt`

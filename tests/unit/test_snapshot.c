@@ -10,6 +10,9 @@
  *    removes the snapshot; counts survive a restart and a kill -9;
  *  - recalibrated artifacts give a second snapshot; setting a sequence's
  *    codecs again moves its reference;
+ *  - a sequence is created in one write with its codec record, snapshot
+ *    reference, expiry and activation counts; a failed create (the write
+ *    failing, a taken id, a bad argument) leaves none of them;
  *  - a data directory of the per-sequence form ('Z' id, codec record
  *    version 2) still opens, reads and deletes;
  *  - stored_bytes of coded sequences and the disk tier's bytes are the same
@@ -103,11 +106,12 @@ static kvd_store *open_store(void)
 
 /* Model `name` with SVD rotations (a permutation scaled by `salt`'s sign
  * pattern, orthogonal) and spectra for K and V of every layer and head. */
-static void put_model(kvd_store *st, const char *name, int salt)
+static void put_model_h(kvd_store *st, const char *name, int salt, uint32_t hidden_size)
 {
     kvd_model_info m;
     memset(&m, 0, sizeof m);
     snprintf(m.name, sizeof m.name, "%s", name);
+    m.hidden_size = hidden_size;
     snprintf(m.revision, sizeof m.revision, "r1");
     m.num_layers = L;
     m.num_kv_heads = H;
@@ -141,6 +145,11 @@ static void put_model(kvd_store *st, const char *name, int salt)
     free(rot);
 }
 
+static void put_model(kvd_store *st, const char *name, int salt)
+{
+    put_model_h(st, name, salt, 0);
+}
+
 static kvd_seq_codecs svd_codecs(void)
 {
     kvd_seq_codecs c;
@@ -157,10 +166,10 @@ static kvd_seq_codecs svd_codecs(void)
 static void create(kvd_store *st, const char *id, const char *model, const kvd_seq_codecs *c)
 {
     kvd_error err;
-    REQUIRE(kvd_store_seq_create(st, id, strlen(id), model, NULL, 0, NULL, 0, NULL, &err) == 0,
+    kvd_seq_create_opts o = {.codecs = c};
+    REQUIRE(kvd_store_seq_create_ex(st, id, strlen(id), model, NULL, 0, NULL, 0, &o, NULL,
+                                    &err) == 0,
             "create %s: %s", id, err.msg);
-    REQUIRE(kvd_store_seq_codecs_set(st, id, strlen(id), c, &err) == 0, "codecs %s: %s", id,
-            err.msg);
 }
 
 static void del_seq(kvd_store *st, const char *id)
@@ -813,6 +822,111 @@ static void test_stored_bytes(void)
     rm_dir();
 }
 
+/* The value of key kind ‖ id in the closed store (malloc'd, NULL if absent). */
+static char *raw_get(char kind, const char *id, size_t *len)
+{
+    rocksdb_options_t *o;
+    rocksdb_t *db = raw_open(&o);
+    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
+    char key[64];
+    key[0] = kind;
+    size_t n = strlen(id);
+    memcpy(key + 1, id, n);
+    char *e = NULL;
+    char *v = rocksdb_get(db, ro, key, n + 1, len, &e);
+    REQUIRE(!e, "raw get: %s", e);
+    rocksdb_readoptions_destroy(ro);
+    raw_close(db, o);
+    return v;
+}
+
+/* Which of a sequence's records the closed store holds: 'S' sequence, 'C'
+ * codecs, 'X' expiry, 'a' activation counts (a bit each). */
+static int records(const char *id)
+{
+    static const char kinds[] = "SCXa";
+    int r = 0;
+    for (int i = 0; kinds[i]; i++) {
+        size_t len = 0;
+        char *v = raw_get(kinds[i], id, &len);
+        r |= v ? 1 << i : 0;
+        free(v);
+    }
+    return r;
+}
+
+/* CreateSequence's one write: the sequence record, its codec record with the
+ * snapshot reference, its expiry and activation counts, or nothing. */
+static void test_create_atomic(void)
+{
+    make_dir("atomic");
+    kvd_store *st = open_store();
+    put_model_h(st, "m", 1, 2 * D);
+    put_model(st, "nohidden", 1);
+    kvd_seq_codecs c = svd_codecs(), raw;
+    memset(&raw, 0, sizeof raw);
+    kvd_error err;
+    kvd_seq_create_opts o = {.codecs = &c, .ttl_ms = 3600 * 1000, .store_activations = 1};
+    uint64_t w0 = atomic_load(&kvd__db_writes);
+    CHECK(kvd_store_seq_create_ex(st, "a", 1, "m", NULL, 0, NULL, 0, &o, NULL, &err) == 0,
+          "create a: %s", err.msg);
+    CHECK(atomic_load(&kvd__db_writes) == w0 + 1, "create a: %llu writes, want 1",
+          (unsigned long long)(atomic_load(&kvd__db_writes) - w0));
+    /* The write fails: nothing visible, no reference, the counts unlocked. */
+    atomic_store(&kvd__fault_db_write, 1);
+    CHECK(kvd_store_seq_create_ex(st, "b", 1, "m", NULL, 0, NULL, 0, &o, NULL, &err) ==
+              KVD_EINTERNAL,
+          "create b with a failing write");
+    atomic_store(&kvd__fault_db_write, 0);
+    kvd_seq_info info;
+    CHECK(kvd_store_seq_stat(st, "b", 1, &info, &err) == KVD_ENOTFOUND, "b after a failed write");
+    /* Failures before the write: a taken id, a model without hidden_size,
+     * activations with a prefix, an unknown model. */
+    CHECK(kvd_store_seq_create_ex(st, "a", 1, "m", NULL, 0, NULL, 0, &o, NULL, &err) ==
+              KVD_EEXIST,
+          "a again");
+    CHECK(kvd_store_seq_create_ex(st, "c", 1, "nohidden", NULL, 0, NULL, 0, &o, NULL, &err) ==
+              KVD_EPRECOND,
+          "activations without hidden_size");
+    uint64_t h = 1;
+    CHECK(kvd_store_seq_create_ex(st, "c", 1, "m", &h, 1, NULL, 0, &o, NULL, &err) == KVD_EINVAL,
+          "activations with a prefix");
+    CHECK(kvd_store_seq_create_ex(st, "c", 1, "zz", NULL, 0, NULL, 0, &o, NULL, &err) ==
+              KVD_ENOTFOUND,
+          "unknown model");
+    /* The id of the failed write is free, and the counts were unlocked. */
+    kvd_seq_create_opts ob = {.codecs = &c};
+    CHECK(kvd_store_seq_create_ex(st, "b", 1, "m", NULL, 0, NULL, 0, &ob, NULL, &err) == 0,
+          "create b: %s", err.msg);
+    kvd_seq_create_opts oraw = {.codecs = &raw};
+    CHECK(kvd_store_seq_create_ex(st, "r", 1, "m", NULL, 0, NULL, 0, &oraw, NULL, &err) == 0,
+          "create r: %s", err.msg);
+    kvd_store_close(st);
+
+    CHECK(records("a") == 0xf, "a: records %#x, want S C X a", records("a"));
+    CHECK(records("b") == 0x3, "b: records %#x, want S C", records("b"));
+    CHECK(records("r") == 0x3, "r: records %#x, want S C (raw codecs)", records("r"));
+    CHECK(records("c") == 0, "c: records %#x, want none", records("c"));
+    disk_state ds = disk_check();
+    CHECK(ds.shared == 1 && ds.refs_total == 2 && ds.own == 0 && ds.consistent,
+          "after failed creates: %zu snapshots, %llu refs", ds.shared,
+          (unsigned long long)ds.refs_total);
+
+    /* After a restart: a stores coded pages with its TTL and activations. */
+    st = open_store();
+    int shared = 0;
+    CHECK(load_arts(st, "a", &shared) == 0 && shared, "a's snapshot after a restart");
+    CHECK(kvd_store_seq_stat(st, "a", 1, &info, &err) == 0, "stat a: %s", err.msg);
+    kvd_seq_info_clear(&info);
+    del_seq(st, "a");
+    del_seq(st, "b");
+    del_seq(st, "r");
+    kvd_store_close(st);
+    ds = disk_check();
+    CHECK(ds.shared == 0 && ds.refs_total == 0 && ds.consistent, "all deleted");
+    rm_dir();
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 3 && strcmp(argv[1], "crash-child") == 0)
@@ -824,6 +938,7 @@ int main(int argc, char **argv)
     test_crash();
     test_concurrent();
     test_stored_bytes();
+    test_create_atomic();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;
