@@ -831,6 +831,24 @@ int kvdepot__cluster_model_put(kvdepot_client *c, const kvdepot_model *model, in
     return KVDEPOT_OK;
 }
 
+/* Members in rendezvous order of a model name: model reads ask them in
+ * turn, so repeated reads of one model use one server. */
+static size_t pick_for_model(kvdepot_client *c, const char *name, shard ***out)
+{
+    shard **v;
+    size_t n = pick_all(c, &v);
+    size_t klen = name ? strlen(name) : 0;
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = i + 1; j < n; j++)
+            if (score(v[j], (const uint8_t *)name, klen) > score(v[i], (const uint8_t *)name, klen)) {
+                shard *t = v[i];
+                v[i] = v[j];
+                v[j] = t;
+            }
+    *out = v;
+    return n;
+}
+
 struct model_get_ctx {
     const char *name;
     kvdepot_model *out;
@@ -847,16 +865,7 @@ static int op_model_get(kvdepot_client *m, void *p)
 int kvdepot__cluster_model_get(kvdepot_client *c, const char *name, kvdepot_model *out)
 {
     shard **v;
-    size_t n = pick_all(c, &v);
-    size_t klen = name ? strlen(name) : 0;
-    /* Order by score so repeated gets of one model use one server. */
-    for (size_t i = 0; i < n; i++)
-        for (size_t j = i + 1; j < n; j++)
-            if (score(v[j], (const uint8_t *)name, klen) > score(v[i], (const uint8_t *)name, klen)) {
-                shard *t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-            }
+    size_t n = pick_for_model(c, name, &v);
     int rc = KVDEPOT_EUNAVAIL, seen = KVDEPOT_EUNAVAIL;
     for (size_t i = 0; i < n; i++) {
         struct model_get_ctx x = {name, out};
@@ -1469,24 +1478,6 @@ done:
     free(owner);
     release_all(c, v, ns);
     return rc;
-}
-
-/* Members in rendezvous order of a model name: model reads ask them in
- * turn, so repeated reads of one model use one server. */
-static size_t pick_for_model(kvdepot_client *c, const char *name, shard ***out)
-{
-    shard **v;
-    size_t n = pick_all(c, &v);
-    size_t klen = name ? strlen(name) : 0;
-    for (size_t i = 0; i < n; i++)
-        for (size_t j = i + 1; j < n; j++)
-            if (score(v[j], (const uint8_t *)name, klen) > score(v[i], (const uint8_t *)name, klen)) {
-                shard *t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-            }
-    *out = v;
-    return n;
 }
 
 struct artifacts_ctx {
