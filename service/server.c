@@ -104,6 +104,7 @@ struct worker {
     grpc_completion_queue *cq;
     pthread_t thread;
     int started;
+    int armed; /* its first calls are requested (under the server's mu) */
 };
 
 struct kvd_server {
@@ -642,8 +643,15 @@ static void on_close(kvd_call *c)
 static void *worker_main(void *arg)
 {
     worker *w = arg;
+    kvd_server *s = w->srv;
     for (int i = 0; i < REQUESTS_PER_WORKER; i++)
         request_one(w);
+    /* Shutdown waits for this: it must not destroy the server while a
+     * worker that has just started is still requesting its first calls. */
+    pthread_mutex_lock(&s->mu);
+    w->armed = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
     for (;;) {
         grpc_event ev = grpc_completion_queue_next(w->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN)
@@ -908,6 +916,14 @@ void kvd_server_shutdown(kvd_server *s, uint64_t grace_ms)
         hold_remove(s, c);
         finish_held(c);
     }
+    pthread_mutex_unlock(&s->mu);
+
+    /* A SIGTERM right after start may find workers still requesting their
+     * first calls; let them finish, then those calls count as live. */
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->nworkers; i++)
+        while (s->workers[i].started && !s->workers[i].armed)
+            pthread_cond_wait(&s->cv, &s->mu);
     pthread_mutex_unlock(&s->mu);
 
     grpc_completion_queue *scq = grpc_completion_queue_create_for_pluck(NULL);

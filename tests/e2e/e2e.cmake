@@ -34,3 +34,6 @@ set_tests_properties(e2e_big_512mib PROPERTIES LABELS "e2e;slow" TIMEOUT 600)
 
 add_test(NAME e2e_cli COMMAND bash ${KVD_E2E_DIR}/cli_test.sh ${KVD_E2E_SERVER} $<TARGET_FILE:kvdepot>)
 set_tests_properties(e2e_cli PROPERTIES LABELS e2e TIMEOUT 300)
+# SIGTERM at the moment the server starts serving, repeatedly.
+add_test(NAME e2e_term_at_start COMMAND bash ${KVD_E2E_DIR}/term_at_start.sh ${KVD_E2E_SERVER})
+set_tests_properties(e2e_term_at_start PROPERTIES LABELS e2e TIMEOUT 300)
