@@ -36,6 +36,28 @@ void kvdepot_artifacts_free(kvdepot_artifact *a, size_t count)
     free(a);
 }
 
+/* UploadArtifacts messages: UPLOAD_PER_MSG artifacts each, the model in the
+ * first. */
+struct upload_msgs {
+    const char *model;
+    Kvdepot__V1__Artifact *w;
+    Kvdepot__V1__Artifact **wp;
+    size_t count;
+    Kvdepot__V1__UploadArtifactsRequest req;
+};
+
+static const ProtobufCMessage *upload_msg(size_t m, void *ctx)
+{
+    struct upload_msgs *x = ctx;
+    kvdepot__v1__upload_artifacts_request__init(&x->req);
+    if (m == 0)
+        x->req.model = (char *)x->model;
+    size_t first = m * UPLOAD_PER_MSG;
+    x->req.n_artifacts = x->count - first < UPLOAD_PER_MSG ? x->count - first : UPLOAD_PER_MSG;
+    x->req.artifacts = x->count ? x->wp + first : NULL;
+    return &x->req.base;
+}
+
 int kvdepot_artifacts_upload(kvdepot_client *c, const char *model, const kvdepot_artifact *a,
                              size_t count, uint32_t *stored)
 {
@@ -51,66 +73,39 @@ int kvdepot_artifacts_upload(kvdepot_client *c, const char *model, const kvdepot
             return kvdepot__fail(c, KVDEPOT_EINVAL,
                                  "upload artifacts: artifact %zu needs 1 or 2 dims and data", i);
     size_t nmsg = count ? (count + UPLOAD_PER_MSG - 1) / UPLOAD_PER_MSG : 1;
-    kvdepot__raw_msg *msgs = calloc(nmsg, sizeof *msgs);
-    Kvdepot__V1__Artifact *w = calloc(count ? count : 1, sizeof *w);
-    Kvdepot__V1__Artifact **wp = calloc(count ? count : 1, sizeof *wp);
+    struct upload_msgs x = {.model = model, .count = count};
+    x.w = calloc(count ? count : 1, sizeof *x.w);
+    x.wp = calloc(count ? count : 1, sizeof *x.wp);
     uint32_t(*shapes)[2] = calloc(count ? count : 1, sizeof *shapes);
     int rc = KVDEPOT_OK;
-    if (!msgs || !w || !wp || !shapes)
+    if (!x.w || !x.wp || !shapes)
         rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "upload artifacts: out of memory");
     for (size_t i = 0; rc == KVDEPOT_OK && i < count; i++) {
-        kvdepot__v1__artifact__init(&w[i]);
-        w[i].kind = (Kvdepot__V1__ArtifactKind)a[i].kind;
-        w[i].layer = a[i].layer;
-        w[i].kv_head = a[i].kv_head;
+        Kvdepot__V1__Artifact *w = &x.w[i];
+        kvdepot__v1__artifact__init(w);
+        w->kind = (Kvdepot__V1__ArtifactKind)a[i].kind;
+        w->layer = a[i].layer;
+        w->kv_head = a[i].kv_head;
         shapes[i][0] = a[i].shape[0];
         shapes[i][1] = a[i].shape[1];
-        w[i].n_shape = a[i].ndim;
-        w[i].shape = shapes[i];
-        w[i].data.data = (uint8_t *)a[i].data;
-        w[i].data.len = 4 * elems(&a[i]);
-        wp[i] = &w[i];
+        w->n_shape = a[i].ndim;
+        w->shape = shapes[i];
+        w->data.data = (uint8_t *)a[i].data;
+        w->data.len = 4 * elems(&a[i]);
+        x.wp[i] = w;
     }
-    for (size_t m = 0; rc == KVDEPOT_OK && m < nmsg; m++) {
-        Kvdepot__V1__UploadArtifactsRequest req = KVDEPOT__V1__UPLOAD_ARTIFACTS_REQUEST__INIT;
-        if (m == 0)
-            req.model = (char *)model;
-        size_t first = m * UPLOAD_PER_MSG;
-        req.n_artifacts = count - first < UPLOAD_PER_MSG ? count - first : UPLOAD_PER_MSG;
-        req.artifacts = count ? wp + first : NULL;
-        size_t len = protobuf_c_message_get_packed_size(&req.base);
-        uint8_t *buf = malloc(len ? len : 1);
-        if (!buf) {
-            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "upload artifacts: out of memory");
-            break;
-        }
-        protobuf_c_message_pack(&req.base, buf);
-        msgs[m].data = buf;
-        msgs[m].len = len;
-    }
-    void *rb = NULL;
-    size_t rlen = 0;
+    ProtobufCMessage *resp = NULL;
     if (rc == KVDEPOT_OK)
-        rc = kvdepot__call_raw(c, PATH_UPLOAD, msgs, nmsg, 0, &rb, &rlen);
-    for (size_t m = 0; msgs && m < nmsg; m++)
-        free((void *)msgs[m].data);
-    free(msgs);
-    free(w);
-    free(wp);
+        rc = kvdepot__call_messages(c, "upload artifacts", PATH_UPLOAD, nmsg, upload_msg, &x,
+                                    &kvdepot__v1__upload_artifacts_response__descriptor, &resp);
+    free(x.w);
+    free(x.wp);
     free(shapes);
     if (rc == KVDEPOT_OK) {
-        Kvdepot__V1__UploadArtifactsResponse *r = (Kvdepot__V1__UploadArtifactsResponse *)
-            protobuf_c_message_unpack(&kvdepot__v1__upload_artifacts_response__descriptor, NULL,
-                                      rlen, rb);
-        if (!r)
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "upload artifacts: malformed response");
-        else {
-            if (stored)
-                *stored = r->artifacts;
-            protobuf_c_message_free_unpacked(&r->base, NULL);
-        }
+        if (stored)
+            *stored = ((Kvdepot__V1__UploadArtifactsResponse *)resp)->artifacts;
+        protobuf_c_message_free_unpacked(resp, NULL);
     }
-    free(rb);
     return rc;
 }
 
@@ -252,6 +247,37 @@ void kvdepot_calibrate_result_clear(kvdepot_calibrate_result *r)
     memset(r, 0, sizeof *r);
 }
 
+/* Calibrate messages: the header, then one per sample. */
+struct calibrate_msgs {
+    Kvdepot__V1__CalibrateHeader hdr;
+    Kvdepot__V1__VQSpec vq;
+    const kvdepot_calibrate_sample *samples;
+    Kvdepot__V1__CalibrateRequest req;
+    Kvdepot__V1__CalibrateSample s;
+};
+
+static const ProtobufCMessage *calibrate_msg(size_t i, void *ctx)
+{
+    struct calibrate_msgs *x = ctx;
+    kvdepot__v1__calibrate_request__init(&x->req);
+    if (i == 0) {
+        x->req.header = &x->hdr;
+        return &x->req.base;
+    }
+    const kvdepot_calibrate_sample *in = &x->samples[i - 1];
+    kvdepot__v1__calibrate_sample__init(&x->s);
+    x->s.layer = in->layer;
+    x->s.num_tokens = in->num_tokens;
+    x->s.k.data = (uint8_t *)in->k;
+    x->s.k.len = in->k ? in->kv_bytes : 0;
+    x->s.v.data = (uint8_t *)in->v;
+    x->s.v.len = in->v ? in->kv_bytes : 0;
+    x->s.q.data = (uint8_t *)in->q;
+    x->s.q.len = in->q ? in->q_bytes : 0;
+    x->req.sample = &x->s;
+    return &x->req.base;
+}
+
 int kvdepot_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
                       const kvdepot_calibrate_sample *samples, size_t count,
                       kvdepot_calibrate_result *out)
@@ -264,88 +290,46 @@ int kvdepot_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
     if (c->cluster)
         return kvdepot__cluster_calibrate(c, a, samples, count, out);
     /* The header alone, then one message per sample. */
-    size_t nmsg = count + 1;
-    kvdepot__raw_msg *msgs = calloc(nmsg, sizeof *msgs);
-    if (!msgs)
-        return kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
-    Kvdepot__V1__CalibrateHeader hdr = KVDEPOT__V1__CALIBRATE_HEADER__INIT;
-    Kvdepot__V1__VQSpec vq = KVDEPOT__V1__VQSPEC__INIT;
-    hdr.model = (char *)a->model;
+    struct calibrate_msgs x = {.hdr = KVDEPOT__V1__CALIBRATE_HEADER__INIT,
+                               .vq = KVDEPOT__V1__VQSPEC__INIT,
+                               .samples = samples};
+    x.hdr.model = (char *)a->model;
     if (a->vq_sub_dim || a->vq_bits) {
-        vq.sub_dim = a->vq_sub_dim;
-        vq.bits = a->vq_bits;
-        hdr.vq = &vq;
+        x.vq.sub_dim = a->vq_sub_dim;
+        x.vq.bits = a->vq_bits;
+        x.hdr.vq = &x.vq;
     }
-    hdr.svd = a->svd != 0;
-    hdr.iterations = a->iterations;
-    hdr.seed = a->seed;
-    hdr.max_samples = a->max_samples;
-    int rc = KVDEPOT_OK;
-    for (size_t i = 0; i < nmsg; i++) {
-        Kvdepot__V1__CalibrateRequest req = KVDEPOT__V1__CALIBRATE_REQUEST__INIT;
-        Kvdepot__V1__CalibrateSample s = KVDEPOT__V1__CALIBRATE_SAMPLE__INIT;
-        if (i == 0) {
-            req.header = &hdr;
-        } else {
-            const kvdepot_calibrate_sample *in = &samples[i - 1];
-            s.layer = in->layer;
-            s.num_tokens = in->num_tokens;
-            s.k.data = (uint8_t *)in->k;
-            s.k.len = in->k ? in->kv_bytes : 0;
-            s.v.data = (uint8_t *)in->v;
-            s.v.len = in->v ? in->kv_bytes : 0;
-            s.q.data = (uint8_t *)in->q;
-            s.q.len = in->q ? in->q_bytes : 0;
-            req.sample = &s;
-        }
-        size_t len = protobuf_c_message_get_packed_size(&req.base);
-        uint8_t *buf = malloc(len ? len : 1);
-        if (!buf) {
-            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
-            break;
-        }
-        protobuf_c_message_pack(&req.base, buf);
-        msgs[i].data = buf;
-        msgs[i].len = len;
-    }
-    void *rb = NULL;
-    size_t rlen = 0;
-    if (rc == KVDEPOT_OK)
-        rc = kvdepot__call_raw(c, PATH_CALIBRATE, msgs, nmsg, 0, &rb, &rlen);
-    for (size_t i = 0; i < nmsg; i++)
-        free((void *)msgs[i].data);
-    free(msgs);
+    x.hdr.svd = a->svd != 0;
+    x.hdr.iterations = a->iterations;
+    x.hdr.seed = a->seed;
+    x.hdr.max_samples = a->max_samples;
+    ProtobufCMessage *resp;
+    int rc = kvdepot__call_messages(c, "calibrate", PATH_CALIBRATE, count + 1, calibrate_msg, &x,
+                                    &kvdepot__v1__calibrate_response__descriptor, &resp);
     if (rc == KVDEPOT_OK) {
-        Kvdepot__V1__CalibrateResponse *r = (Kvdepot__V1__CalibrateResponse *)
-            protobuf_c_message_unpack(&kvdepot__v1__calibrate_response__descriptor, NULL, rlen,
-                                      rb);
-        if (!r)
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "calibrate: malformed response");
-        else {
-            if (out) {
-                out->samples = r->samples;
-                out->artifacts = r->artifacts;
-                out->errors = calloc(r->n_errors ? r->n_errors : 1, sizeof *out->errors);
-                if (!out->errors)
-                    rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
-                for (size_t i = 0; out->errors && i < r->n_errors; i++) {
-                    const Kvdepot__V1__CalibrationError *e = r->errors[i];
-                    kvdepot_calibration_error *o = &out->errors[i];
-                    o->layer = e->layer;
-                    o->kv_head = e->kv_head;
-                    o->vq_k = e->vq_k;
-                    o->vq_v = e->vq_v;
-                    o->svd_k = e->svd_k;
-                    o->svd_v = e->svd_v;
-                    o->svd_width_k = e->svd_width_k;
-                    o->svd_width_v = e->svd_width_v;
-                }
-                if (out->errors)
-                    out->n_errors = r->n_errors;
+        Kvdepot__V1__CalibrateResponse *r = (Kvdepot__V1__CalibrateResponse *)resp;
+        if (out) {
+            out->samples = r->samples;
+            out->artifacts = r->artifacts;
+            out->errors = calloc(r->n_errors ? r->n_errors : 1, sizeof *out->errors);
+            if (!out->errors)
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
+            for (size_t i = 0; out->errors && i < r->n_errors; i++) {
+                const Kvdepot__V1__CalibrationError *e = r->errors[i];
+                kvdepot_calibration_error *o = &out->errors[i];
+                o->layer = e->layer;
+                o->kv_head = e->kv_head;
+                o->vq_k = e->vq_k;
+                o->vq_v = e->vq_v;
+                o->svd_k = e->svd_k;
+                o->svd_v = e->svd_v;
+                o->svd_width_k = e->svd_width_k;
+                o->svd_width_v = e->svd_width_v;
             }
-            protobuf_c_message_free_unpacked(&r->base, NULL);
+            if (out->errors)
+                out->n_errors = r->n_errors;
         }
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     }
-    free(rb);
     return rc;
 }

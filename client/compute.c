@@ -3,8 +3,8 @@
  * merge with the same CPU kernels the server runs, so a caller can check or
  * extend a server result (attention over the tokens it still holds).
  *
- * The calls go through kvdepot__call_raw with messages packed here: one
- * request message, one response, like every unary call.
+ * The calls go through kvdepot__call_messages: one request message (or the
+ * AppendPages stream), one response.
  */
 #include <math.h>
 #include <pthread.h>
@@ -28,27 +28,16 @@
 
 /* One request -> one response of type rdesc (*resp: free with
  * protobuf_c_message_free_unpacked). */
+static const ProtobufCMessage *the_request(size_t i, void *req)
+{
+    (void)i;
+    return req;
+}
+
 static int call_unary(kvdepot_client *c, const char *path, const ProtobufCMessage *req,
                       const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **resp)
 {
-    *resp = NULL;
-    size_t len = protobuf_c_message_get_packed_size(req);
-    uint8_t *buf = malloc(len ? len : 1);
-    if (!buf)
-        return kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: out of memory", path);
-    protobuf_c_message_pack(req, buf);
-    kvdepot__raw_msg m = {buf, len};
-    void *rb = NULL;
-    size_t rlen = 0;
-    int rc = kvdepot__call_raw(c, path, &m, 1, 0, &rb, &rlen);
-    free(buf);
-    if (rc == KVDEPOT_OK) {
-        *resp = protobuf_c_message_unpack(rdesc, NULL, rlen, rb);
-        if (!*resp)
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", path);
-    }
-    free(rb);
-    return rc;
+    return kvdepot__call_messages(c, path, path, 1, the_request, (void *)req, rdesc, resp);
 }
 
 /* ---- local kernels --------------------------------------------------------- */
@@ -615,6 +604,30 @@ done:
     return KVDEPOT_OK;
 }
 
+/* AppendPages messages: the header with the first page, then one page each. */
+struct pages_msgs {
+    Kvdepot__V1__AppendPagesHeader hdr;
+    Kvdepot__V1__AppendPagesRequest req;
+    ProtobufCBinaryData page;
+    const kvdepot_page *pages;
+    size_t count;
+};
+
+static const ProtobufCMessage *pages_msg(size_t i, void *ctx)
+{
+    struct pages_msgs *x = ctx;
+    kvdepot__v1__append_pages_request__init(&x->req);
+    if (i == 0)
+        x->req.header = &x->hdr;
+    if (x->count) {
+        x->page.data = x->pages[i].data;
+        x->page.len = x->pages[i].len;
+        x->req.n_pages = 1;
+        x->req.pages = &x->page;
+    }
+    return &x->req.base;
+}
+
 int kvdepot_append_pages(kvdepot_client *c, const void *id, size_t id_len,
                          const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out)
 {
@@ -627,54 +640,20 @@ int kvdepot_append_pages(kvdepot_client *c, const void *id, size_t id_len,
         return kvdepot__cluster_append_pages(c, id, id_len, pages, count, out);
     /* One message per page (pages are at most a few MiB), the header with
      * the first. */
-    size_t nmsg = count ? count : 1;
-    kvdepot__raw_msg *msgs = calloc(nmsg, sizeof *msgs);
-    if (!msgs)
-        return kvdepot__fail(c, KVDEPOT_ENOMEM, "append pages: out of memory");
-    int rc = KVDEPOT_OK;
-    Kvdepot__V1__AppendPagesHeader hdr = KVDEPOT__V1__APPEND_PAGES_HEADER__INIT;
-    hdr.sequence_id.data = (uint8_t *)id;
-    hdr.sequence_id.len = id_len;
-    for (size_t i = 0; i < nmsg; i++) {
-        Kvdepot__V1__AppendPagesRequest req = KVDEPOT__V1__APPEND_PAGES_REQUEST__INIT;
-        ProtobufCBinaryData bd;
-        if (i == 0)
-            req.header = &hdr;
-        if (count) {
-            bd.data = pages[i].data;
-            bd.len = pages[i].len;
-            req.n_pages = 1;
-            req.pages = &bd;
-        }
-        size_t len = protobuf_c_message_get_packed_size(&req.base);
-        uint8_t *buf = malloc(len ? len : 1);
-        if (!buf) {
-            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "append pages: out of memory");
-            break;
-        }
-        protobuf_c_message_pack(&req.base, buf);
-        msgs[i].data = buf;
-        msgs[i].len = len;
-    }
-    void *rb = NULL;
-    size_t rlen = 0;
-    if (rc == KVDEPOT_OK)
-        rc = kvdepot__call_raw(c, PATH_APPEND_PAGES, msgs, nmsg, 0, &rb, &rlen);
-    for (size_t i = 0; i < nmsg; i++)
-        free((void *)msgs[i].data);
-    free(msgs);
+    struct pages_msgs x = {.hdr = KVDEPOT__V1__APPEND_PAGES_HEADER__INIT,
+                           .pages = pages,
+                           .count = count};
+    x.hdr.sequence_id.data = (uint8_t *)id;
+    x.hdr.sequence_id.len = id_len;
+    ProtobufCMessage *resp;
+    int rc = kvdepot__call_messages(c, "append pages", PATH_APPEND_PAGES, count ? count : 1,
+                                    pages_msg, &x,
+                                    &kvdepot__v1__append_pages_response__descriptor, &resp);
     if (rc == KVDEPOT_OK) {
-        Kvdepot__V1__AppendPagesResponse *r = (Kvdepot__V1__AppendPagesResponse *)
-            protobuf_c_message_unpack(&kvdepot__v1__append_pages_response__descriptor, NULL,
-                                      rlen, rb);
-        if (!r)
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "append pages: malformed response");
-        else {
-            if (out && r->sequence)
-                rc = kvdepot__info_from_pb(c, r->sequence, out);
-            protobuf_c_message_free_unpacked(&r->base, NULL);
-        }
+        Kvdepot__V1__AppendPagesResponse *r = (Kvdepot__V1__AppendPagesResponse *)resp;
+        if (out && r->sequence)
+            rc = kvdepot__info_from_pb(c, r->sequence, out);
+        protobuf_c_message_free_unpacked(resp, NULL);
     }
-    free(rb);
     return rc;
 }

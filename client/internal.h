@@ -163,10 +163,10 @@ int kvdepot__cluster_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *
 int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequence_info *out);
 
 /*
- * Test-only: a client-streaming or unary call with arbitrary message bytes,
- * used to send what libkvdepot itself never sends (truncated or oversized
- * Append streams, garbage bytes, messages over the size limit, streams
- * cancelled half-way).
+ * A client-streaming or unary call with arbitrary message bytes: the
+ * transport of kvdepot__call_messages, and for tests the way to send what
+ * libkvdepot itself never sends (truncated or oversized Append streams,
+ * garbage bytes, messages over the size limit, streams cancelled half-way).
  *
  * Sends msgs[0..n) as raw messages to `path` (e.g.
  * "/kvdepot.v1.KVDepot/Append"). When cancel is nonzero the call is
@@ -181,6 +181,18 @@ typedef struct kvdepot__raw_msg {
 
 int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_msg *msgs,
                       size_t n, int cancel, void **resp, size_t *resp_len);
+
+/*
+ * A unary or client-streaming call of n protobuf messages, sent through
+ * kvdepot__call_raw: msg(i, ctx) gives message i, packed before message i+1
+ * is asked for (so msg may reuse its storage). The one response is unpacked
+ * with rdesc into *resp (free with protobuf_c_message_free_unpacked); `what`
+ * names the call in error messages.
+ */
+typedef const ProtobufCMessage *(*kvdepot__msg_fn)(size_t i, void *ctx);
+int kvdepot__call_messages(kvdepot_client *c, const char *what, const char *path, size_t n,
+                           kvdepot__msg_fn msg, void *ctx, const ProtobufCMessageDescriptor *rdesc,
+                           ProtobufCMessage **resp);
 
 /*
  * Test-only: encode the first Append message (header + the first data

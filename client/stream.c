@@ -653,7 +653,48 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
 }
 
 /* ------------------------------------------------------------------------ */
-/* Raw calls for tests                                                       */
+/* Unary and client-streaming calls of protobuf messages                     */
+/* ------------------------------------------------------------------------ */
+
+int kvdepot__call_messages(kvdepot_client *c, const char *what, const char *path, size_t n,
+                           kvdepot__msg_fn msg, void *ctx, const ProtobufCMessageDescriptor *rdesc,
+                           ProtobufCMessage **resp)
+{
+    *resp = NULL;
+    kvdepot__raw_msg *msgs = calloc(n ? n : 1, sizeof *msgs);
+    if (!msgs)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: out of memory", what);
+    int rc = KVDEPOT_OK;
+    for (size_t i = 0; i < n; i++) {
+        const ProtobufCMessage *m = msg(i, ctx);
+        size_t len = protobuf_c_message_get_packed_size(m);
+        uint8_t *buf = malloc(len ? len : 1);
+        if (!buf) {
+            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: out of memory", what);
+            break;
+        }
+        protobuf_c_message_pack(m, buf);
+        msgs[i].data = buf;
+        msgs[i].len = len;
+    }
+    void *rb = NULL;
+    size_t rlen = 0;
+    if (rc == KVDEPOT_OK)
+        rc = kvdepot__call_raw(c, path, msgs, n, 0, &rb, &rlen);
+    for (size_t i = 0; i < n; i++)
+        free((void *)msgs[i].data);
+    free(msgs);
+    if (rc == KVDEPOT_OK) {
+        *resp = protobuf_c_message_unpack(rdesc, NULL, rlen, rb);
+        if (!*resp)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
+    }
+    free(rb);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Raw calls                                                                 */
 /* ------------------------------------------------------------------------ */
 
 int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_msg *msgs, size_t n,
