@@ -185,16 +185,9 @@ int kvdepot_artifacts_get(kvdepot_client *c, const char *model, const int *kinds
     if (ok < 0)
         local = kvdepot__fail(c, KVDEPOT_EINTERNAL, "get artifacts: gRPC refused the call");
     while (ok == 1 && local == KVDEPOT_OK) {
-        grpc_byte_buffer *bb = NULL;
-        grpc_op op;
-        memset(&op, 0, sizeof op);
-        op.op = GRPC_OP_RECV_MESSAGE;
-        op.data.recv_message.recv_message = &bb;
-        if (kvdepot__call_batch(&k, &op, 1, &tag_recv) != 1 || !bb) {
-            if (bb)
-                grpc_byte_buffer_destroy(bb);
+        grpc_byte_buffer *bb = kvdepot__call_recv(&k, &tag_recv);
+        if (!bb)
             break; /* end of stream or failure: the status tells */
-        }
         grpc_byte_buffer_reader r;
         Kvdepot__V1__GetArtifactsResponse *m = NULL;
         if (grpc_byte_buffer_reader_init(&r, bb)) {

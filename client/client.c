@@ -496,6 +496,20 @@ int kvdepot__call_send_request(kvdepot__call *k, grpc_byte_buffer *send, void *t
     return kvdepot__call_batch(k, ops, 4, tag);
 }
 
+grpc_byte_buffer *kvdepot__call_recv(kvdepot__call *k, void *tag)
+{
+    grpc_byte_buffer *bb = NULL;
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &bb;
+    if (kvdepot__call_batch(k, &op, 1, tag) != 1 && bb) {
+        grpc_byte_buffer_destroy(bb);
+        bb = NULL;
+    }
+    return bb;
+}
+
 int kvdepot__call_result(kvdepot__call *k)
 {
     if (k->status == GRPC_STATUS_OK)

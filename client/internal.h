@@ -82,6 +82,9 @@ int kvdepot__call_batch(kvdepot__call *k, const grpc_op *ops, size_t nops, void 
  * the completion's success flag, or -1 when gRPC refused the batch (or send
  * is NULL). The caller keeps ownership of send. */
 int kvdepot__call_send_request(kvdepot__call *k, grpc_byte_buffer *send, void *tag);
+/* Receive the next message of a streaming response; NULL at the end of the
+ * stream or on failure (the call's status then tells which). */
+grpc_byte_buffer *kvdepot__call_recv(kvdepot__call *k, void *tag);
 /* Wait for a batch started earlier with kvdepot__call_start_batch. */
 int kvdepot__call_wait(kvdepot__call *k, void *tag);
 /* Start a batch without waiting; 0 or -1. */

@@ -603,16 +603,9 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
     if (ok < 0)
         local = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: gRPC refused the call");
     while (ok == 1 && local == KVDEPOT_OK) {
-        grpc_byte_buffer *bb = NULL;
-        grpc_op op;
-        memset(&op, 0, sizeof op);
-        op.op = GRPC_OP_RECV_MESSAGE;
-        op.data.recv_message.recv_message = &bb;
-        if (kvdepot__call_batch(&k, &op, 1, &tag_recv) != 1 || !bb) {
-            if (bb)
-                grpc_byte_buffer_destroy(bb);
+        grpc_byte_buffer *bb = kvdepot__call_recv(&k, &tag_recv);
+        if (!bb)
             break; /* end of stream or failure: the status tells */
-        }
         local = read_message(&st, a, bb);
         grpc_byte_buffer_destroy(bb);
     }
@@ -874,16 +867,9 @@ int kvdepot_sequence_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
     if (ok < 0)
         local = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: gRPC refused the call");
     while (ok == 1 && local == KVDEPOT_OK) {
-        grpc_byte_buffer *bb = NULL;
-        grpc_op op;
-        memset(&op, 0, sizeof op);
-        op.op = GRPC_OP_RECV_MESSAGE;
-        op.data.recv_message.recv_message = &bb;
-        if (kvdepot__call_batch(&k, &op, 1, &tag_recv) != 1 || !bb) {
-            if (bb)
-                grpc_byte_buffer_destroy(bb);
+        grpc_byte_buffer *bb = kvdepot__call_recv(&k, &tag_recv);
+        if (!bb)
             break; /* end of stream or failure: the status tells */
-        }
         local = pages_message(c, bb, msgs++ == 0, &got, &n, &cap);
         grpc_byte_buffer_destroy(bb);
     }
