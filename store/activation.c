@@ -108,18 +108,11 @@ int kvd__act_enable_stage(rocksdb_writebatch_t *b, const kvd__seq *s, uint64_t *
 
 int kvd_store_seq_activations_enable(kvd_store *st, const void *id, size_t id_len, kvd_error *err)
 {
-    int rc = kvd__check_seq_id(id, id_len, err);
+    char idb[KVD__ID_STR_MAX];
+    kvd__seq *s;
+    int rc = kvd__seq_acquire(st, id, id_len, &s, err);
     if (rc)
         return rc;
-    char idb[KVD__ID_STR_MAX];
-    pthread_rwlock_rdlock(&st->lock);
-    kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
-    if (s)
-        atomic_fetch_add(&s->refs, 1);
-    pthread_rwlock_unlock(&st->lock);
-    if (!s)
-        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
-                             kvd__id_str(id, id_len, idb, sizeof idb));
     pthread_mutex_lock(&s->mu);
     uint64_t *counts = NULL;
     rocksdb_writebatch_t *b = NULL;

@@ -628,13 +628,10 @@ int kvd_store_seq_list(kvd_store *st, const char *model, const void *after, size
     return 0;
 }
 
-/* ---- delete ------------------------------------------------------------- */
-
-int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t *freed_pages,
-                         kvd_error *err)
+int kvd__seq_acquire(kvd_store *st, const void *id, size_t id_len, kvd__seq **out,
+                     kvd_error *err)
 {
-    if (freed_pages)
-        *freed_pages = 0;
+    *out = NULL;
     int rc = kvd__check_seq_id(id, id_len, err);
     if (rc)
         return rc;
@@ -647,6 +644,22 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
     if (!s)
         return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
                              kvd__id_str(id, id_len, idb, sizeof idb));
+    *out = s;
+    return 0;
+}
+
+/* ---- delete ------------------------------------------------------------- */
+
+int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t *freed_pages,
+                         kvd_error *err)
+{
+    if (freed_pages)
+        *freed_pages = 0;
+    kvd__seq *s;
+    int rc = kvd__seq_acquire(st, id, id_len, &s, err);
+    if (rc)
+        return rc;
+    char idb[KVD__ID_STR_MAX];
 
     pthread_mutex_lock(&s->mu);
     pthread_rwlock_wrlock(&st->lock);

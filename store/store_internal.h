@@ -288,6 +288,11 @@ const char *kvd__id_str(const void *id, size_t len, char *out, size_t cap);
 /* Validate a sequence id argument. */
 int kvd__check_seq_id(const void *id, size_t len, kvd_error *err);
 
+/* *out = the sequence `id` with a reference taken (drop it with
+ * kvd__seq_unref). 0, KVD_EINVAL (bad id) or KVD_ENOTFOUND. The caller
+ * still checks s->dead under s->mu. */
+int kvd__seq_acquire(kvd_store *st, const void *id, size_t id_len, kvd__seq **out,
+                     kvd_error *err);
 void kvd__seq_unref(kvd__seq *s);
 void kvd__seq_free(kvd__seq *s);
 int kvd__seq_fill_info(kvd_store *st, const kvd__seq *s, kvd_seq_info *out, kvd_error *err);

@@ -883,18 +883,11 @@ int kvd__load_expiry(kvd_store *st, kvd_error *err)
 int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t ttl_ms,
                           kvd_error *err)
 {
-    int rc = kvd__check_seq_id(id, id_len, err);
+    kvd__seq *s;
+    int rc = kvd__seq_acquire(st, id, id_len, &s, err);
     if (rc)
         return rc;
-    pthread_rwlock_rdlock(&st->lock);
-    kvd__seq *s = kvd__seq_find(st, id, id_len, NULL);
-    if (s)
-        atomic_fetch_add(&s->refs, 1);
-    pthread_rwlock_unlock(&st->lock);
     char idb[KVD__ID_STR_MAX];
-    if (!s)
-        return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
-                             kvd__id_str(id, id_len, idb, sizeof idb));
     pthread_mutex_lock(&s->mu);
     if (s->dead) {
         rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
