@@ -110,17 +110,9 @@ int kvdepot_attention_merge(uint32_t num_q_heads, uint32_t head_dim, float *out_
     kvd_backend *be = kvdepot__cpu_backend();
     if (!be)
         return kvdepot__fail(NULL, KVDEPOT_ENOMEM, "attention merge: no CPU backend");
-    int64_t os[2] = {num_q_heads, head_dim}, ls[1] = {num_q_heads};
-    kvd_attn_merge_args m;
-    m.out_a = kvd_tensor_make(KVD_DTYPE_F32, out_a, 2, os);
-    m.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse_a, 1, ls);
-    m.out_b = kvd_tensor_make(KVD_DTYPE_F32, (void *)out_b, 2, os);
-    m.lse_b = kvd_tensor_make(KVD_DTYPE_F32, (void *)lse_b, 1, ls);
-    m.out = m.out_a;
-    m.lse = m.lse_a;
     kvd_error err;
     kvd_error_clear(&err);
-    if (kvd_attn_merge(be, 1, &m, &err) != 0)
+    if (kvd_attn_merge_into(be, num_q_heads, head_dim, out_a, lse_a, out_b, lse_b, &err) != 0)
         return kvdepot__fail(NULL, KVDEPOT_EINVAL, "attention merge: %s", err.msg);
     return KVDEPOT_OK;
 }

@@ -221,37 +221,14 @@ static int attend_range(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinary
         a.lse = kvd_tensor_make(KVD_DTYPE_F32, t0 == 0 ? lse : wlse, 1, lshape);
         if ((rc = kvd_attn_dense(be, 1, &a, err)))
             break;
-        if (t0 > 0) {
-            kvd_attn_merge_args mg;
-            mg.out_a = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qshape);
-            mg.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, lshape);
-            mg.out_b = a.out;
-            mg.lse_b = a.lse;
-            mg.out = mg.out_a;
-            mg.lse = mg.lse_a;
-            rc = kvd_attn_merge(be, 1, &mg, err);
-        }
+        if (t0 > 0)
+            rc = kvd_attn_merge_into(be, Hq, D, out, lse, wout, wlse, err);
     }
 done:
     free(buf);
     free(wout);
     free(wlse);
     return rc;
-}
-
-/* Merge (po, pl) into (out, lse). */
-static int merge_into(kvd_backend *be, int Hq, int D, float *out, float *lse, float *po,
-                      float *pl, kvd_error *err)
-{
-    int64_t os[2] = {Hq, D}, ls[1] = {Hq};
-    kvd_attn_merge_args m;
-    m.out_a = kvd_tensor_make(KVD_DTYPE_F32, out, 2, os);
-    m.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
-    m.out_b = kvd_tensor_make(KVD_DTYPE_F32, po, 2, os);
-    m.lse_b = kvd_tensor_make(KVD_DTYPE_F32, pl, 1, ls);
-    m.out = m.out_a;
-    m.lse = m.lse_a;
-    return kvd_attn_merge(be, 1, &m, err);
 }
 
 #define PAGES_PER_STEP 64
@@ -308,7 +285,7 @@ static int attend_pages(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinary
         }
         if (rc == 0 &&
             (rc = kvd_page_attend(be, vs, np, codecs.arts, &dims, q, po, pl, err)) == 0)
-            rc = merge_into(be, Hq, D, out, lse, po, pl, err);
+            rc = kvd_attn_merge_into(be, Hq, D, out, lse, po, pl, err);
         for (size_t i = 0; i < got; i++)
             kvd_store_page_release(ctx->svc->store, &hs[i]);
     }
@@ -316,7 +293,7 @@ static int attend_pages(kvd_req_ctx *ctx, kvd_backend *be, const ProtobufCBinary
     if (rc == 0 && f1 * B < end &&
         (rc = attend_range(ctx, be, id, m, layer, f1 * B, end - f1 * B, q, scale, po, pl,
                            err)) == 0)
-        rc = merge_into(be, Hq, D, out, lse, po, pl, err);
+        rc = kvd_attn_merge_into(be, Hq, D, out, lse, po, pl, err);
 done:
     kvd_seq_codecs_clear(&codecs);
     free(po);

@@ -1332,21 +1332,13 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
-    int64_t os[2] = {Hq, D}, ls[1] = {Hq};
     for (size_t i = 0; i < n && rc == 0; i++) {
         if ((rc = attend_one(be, &pages[i], arts, dims, q, i == 0 ? out : po,
                              i == 0 ? lse : pl, err)))
             break;
         if (i == 0)
             continue;
-        kvd_attn_merge_args m;
-        m.out_a = kvd_tensor_make(KVD_DTYPE_F32, out, 2, os);
-        m.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
-        m.out_b = kvd_tensor_make(KVD_DTYPE_F32, po, 2, os);
-        m.lse_b = kvd_tensor_make(KVD_DTYPE_F32, pl, 1, ls);
-        m.out = m.out_a;
-        m.lse = m.lse_a;
-        rc = kvd_attn_merge(be, 1, &m, err);
+        rc = kvd_attn_merge_into(be, Hq, D, out, lse, po, pl, err);
     }
 done:
     free(po);

@@ -311,6 +311,20 @@ KVD__ATTN_WRAPPER(kvd_attn_vq, kvd_attn_vq_args, kvd_attn_vq_check, vq)
 KVD__ATTN_WRAPPER(kvd_attn_svd, kvd_attn_svd_args, kvd_attn_svd_check, svd)
 KVD__ATTN_WRAPPER(kvd_attn_merge, kvd_attn_merge_args, kvd_attn_merge_check, merge)
 
+int kvd_attn_merge_into(kvd_backend *be, int64_t hq, int64_t dv, float *out, float *lse,
+                        const float *out_b, const float *lse_b, kvd_error *err)
+{
+    int64_t os[2] = {hq, dv}, ls[1] = {hq};
+    kvd_attn_merge_args m;
+    m.out_a = kvd_tensor_make(KVD_DTYPE_F32, out, 2, os);
+    m.lse_a = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
+    m.out_b = kvd_tensor_make(KVD_DTYPE_F32, (void *)out_b, 2, os);
+    m.lse_b = kvd_tensor_make(KVD_DTYPE_F32, (void *)lse_b, 1, ls);
+    m.out = m.out_a;
+    m.lse = m.lse_a;
+    return kvd_attn_merge(be, 1, &m, err);
+}
+
 /* ---------------------------------------------------------------------- */
 /* Shared helpers                                                         */
 /* ---------------------------------------------------------------------- */

@@ -222,6 +222,11 @@ int kvd_attn_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *er
 int kvd_attn_svd(kvd_backend *be, int n, const kvd_attn_svd_args *a, kvd_error *err);
 int kvd_attn_merge(kvd_backend *be, int n, const kvd_attn_merge_args *a, kvd_error *err);
 
+/* One merge into an accumulator: (out, lse) of hq heads x dv f32 takes in
+ * (out_b, lse_b) in place, as kvd_attn_merge with out = out_a, lse = lse_a. */
+int kvd_attn_merge_into(kvd_backend *be, int64_t hq, int64_t dv, float *out, float *lse,
+                        const float *out_b, const float *lse_b, kvd_error *err);
+
 /* Validation alone (the wrappers call these; exposed for other backends). */
 int kvd_attn_dense_check(const kvd_attn_dense_args *a, kvd_error *err);
 int kvd_attn_sparse_check(const kvd_attn_sparse_args *a, kvd_error *err);
