@@ -2,8 +2,8 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/hex"
-	"io"
 	"math"
 	"math/rand"
 
@@ -15,54 +15,28 @@ import (
 // Activations (KVPR), calibration and artifacts, VQ and SVD sequences.
 
 func (a *api) calibrate(msgs []*pb.CalibrateRequest) (*pb.CalibrateResponse, error) {
-	ctx, cancel := ctxFor(callTimeout)
-	defer cancel()
-	st, err := a.kv.Calibrate(ctx)
-	if err != nil {
-		return nil, err
-	}
-	for _, m := range msgs {
-		if err := st.Send(m); err != nil {
-			if err == io.EOF {
-				break
-			}
-			return nil, err
-		}
-	}
-	return st.CloseAndRecv()
+	return sendStream(callTimeout, func(ctx context.Context) (clientStream[pb.CalibrateRequest, pb.CalibrateResponse], error) {
+		return a.kv.Calibrate(ctx)
+	}, sliceNext(msgs))
 }
 
 func (a *api) artifacts(model string) ([]*pb.Artifact, error) {
-	ctx, cancel := ctxFor(callTimeout)
-	defer cancel()
-	st, err := a.kv.GetArtifacts(ctx, &pb.GetArtifactsRequest{Model: model})
-	if err != nil {
-		return nil, err
-	}
+	msgs, err := recvAll(func(ctx context.Context) (interface {
+		Recv() (*pb.GetArtifactsResponse, error)
+	}, error) {
+		return a.kv.GetArtifacts(ctx, &pb.GetArtifactsRequest{Model: model})
+	})
 	var out []*pb.Artifact
-	for {
-		m, err := st.Recv()
-		if err == io.EOF {
-			return out, nil
-		}
-		if err != nil {
-			return nil, err
-		}
+	for _, m := range msgs {
 		out = append(out, m.Artifact)
 	}
+	return out, err
 }
 
 func (a *api) upload(model string, arts []*pb.Artifact) (*pb.UploadArtifactsResponse, error) {
-	ctx, cancel := ctxFor(callTimeout)
-	defer cancel()
-	st, err := a.kv.UploadArtifacts(ctx)
-	if err != nil {
-		return nil, err
-	}
-	if err := st.Send(&pb.UploadArtifactsRequest{Model: model, Artifacts: arts}); err != nil && err != io.EOF {
-		return nil, err
-	}
-	return st.CloseAndRecv()
+	return sendStream(callTimeout, func(ctx context.Context) (clientStream[pb.UploadArtifactsRequest, pb.UploadArtifactsResponse], error) {
+		return a.kv.UploadArtifacts(ctx)
+	}, sliceNext([]*pb.UploadArtifactsRequest{{Model: model, Artifacts: arts}}))
 }
 
 // Append with_activations stores X; a Read with activation_tokens l (l from

@@ -233,13 +233,20 @@ func appendMsgs(id []byte, data []byte, tokenStart, numTokens uint64, o appendOp
 	return msgs
 }
 
-// appendNext streams the messages next() returns until it returns nil. A
-// server that answers early makes Send return io.EOF; its status then comes
-// from CloseAndRecv.
-func (a *api) appendNext(next func() *pb.AppendRequest, timeout time.Duration) (*pb.AppendResponse, error) {
+// clientStream is what the generated client-streaming calls return.
+type clientStream[Req, Resp any] interface {
+	Send(*Req) error
+	CloseAndRecv() (*Resp, error)
+}
+
+// sendStream opens a client stream, sends the messages next() returns until
+// it returns nil, and returns the reply. A server that answers early makes
+// Send return io.EOF; its status then comes from CloseAndRecv.
+func sendStream[Req, Resp any](timeout time.Duration,
+	open func(context.Context) (clientStream[Req, Resp], error), next func() *Req) (*Resp, error) {
 	ctx, cancel := ctxFor(timeout)
 	defer cancel()
-	st, err := a.kv.Append(ctx)
+	st, err := open(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -252,6 +259,33 @@ func (a *api) appendNext(next func() *pb.AppendRequest, timeout time.Duration) (
 		}
 	}
 	return st.CloseAndRecv()
+}
+
+// recvAll opens a server stream and returns every message of it.
+func recvAll[Resp any](open func(context.Context) (interface{ Recv() (*Resp, error) }, error)) ([]*Resp, error) {
+	ctx, cancel := ctxFor(callTimeout)
+	defer cancel()
+	st, err := open(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []*Resp
+	for {
+		m, err := st.Recv()
+		if err == io.EOF {
+			return out, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, m)
+	}
+}
+
+func (a *api) appendNext(next func() *pb.AppendRequest, timeout time.Duration) (*pb.AppendResponse, error) {
+	return sendStream(timeout, func(ctx context.Context) (clientStream[pb.AppendRequest, pb.AppendResponse], error) {
+		return a.kv.Append(ctx)
+	}, next)
 }
 
 func sliceNext[T any](msgs []*T) func() *T {
@@ -358,23 +392,11 @@ func (a *api) read(id string, o readOpts) (*readResult, error) {
 
 // readAll returns every message of a Read (any format, activations too).
 func (a *api) readAll(req *pb.ReadRequest) ([]*pb.ReadResponse, error) {
-	ctx, cancel := ctxFor(callTimeout)
-	defer cancel()
-	st, err := a.kv.Read(ctx, req)
-	if err != nil {
-		return nil, err
-	}
-	var out []*pb.ReadResponse
-	for {
-		m, err := st.Recv()
-		if err == io.EOF {
-			return out, nil
-		}
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, m)
-	}
+	return recvAll(func(ctx context.Context) (interface {
+		Recv() (*pb.ReadResponse, error)
+	}, error) {
+		return a.kv.Read(ctx, req)
+	})
 }
 
 // ---------------------------------------------------------------------------

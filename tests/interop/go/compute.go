@@ -2,7 +2,7 @@ package main
 
 import (
 	"bytes"
-	"io"
+	"context"
 	"math"
 	"math/rand"
 
@@ -186,21 +186,9 @@ func (s *suite) tCompute() {
 // AppendPages
 
 func (a *api) appendPages(msgs []*pb.AppendPagesRequest) (*pb.AppendPagesResponse, error) {
-	ctx, cancel := ctxFor(callTimeout)
-	defer cancel()
-	st, err := a.kv.AppendPages(ctx)
-	if err != nil {
-		return nil, err
-	}
-	for _, m := range msgs {
-		if err := st.Send(m); err != nil {
-			if err == io.EOF {
-				break
-			}
-			return nil, err
-		}
-	}
-	return st.CloseAndRecv()
+	return sendStream(callTimeout, func(ctx context.Context) (clientStream[pb.AppendPagesRequest, pb.AppendPagesResponse], error) {
+		return a.kv.AppendPages(ctx)
+	}, sliceNext(msgs))
 }
 
 // rawPage encodes tokens [t0, t0+nt) of one layer as a raw page, from the
