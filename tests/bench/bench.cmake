@@ -1,6 +1,8 @@
-# bench_stream: kvdepot Append/Read throughput over loopback next to Redis
-# SET/GET of the same bytes. A benchmark, not a test: run it with
-# tests/bench/run_stream_bench.sh, which starts both servers.
+# bench_stream: put/get of KV-cache objects over loopback, kvdepot (raw, INT2,
+# client-coded INT2 pages) next to Redis SET/GET of the same bytes: latency
+# percentiles, throughput, error, server memory. A benchmark, not a test: run
+# it with tests/bench/run_stream_bench.sh (kvdepot and Redis) or
+# tests/bench/peers/run_peers.sh (with Mooncake Store, LMCache and FAISS too).
 # Needs hiredis (Debian package libhiredis-dev); left out without it.
 pkg_check_modules(HIREDIS IMPORTED_TARGET hiredis)
 if(HIREDIS_FOUND AND TARGET kvdepot_static)
