@@ -1,11 +1,17 @@
 #!/usr/bin/python3
-"""FAISS side of the PQ search benchmark (run by run_pq_bench.sh).
+"""FAISS side of the PQ search benchmark (run_pq_bench.sh, peers/run_peers.sh).
 
-Loads the centroids, codes and queries bench_pq dumped, puts the very same
-centroids and codes into FAISS indexes (IndexPQ, 8-bit, and IndexPQFastScan
-built from a 4-bit IndexPQ), times index.search(), checks that FAISS ranks
-the same codes like a NumPy brute force, and prints one table with kvdepot's
-figures (from bench_pq's CSV) and the ratios.
+    pq_faiss.py measure DUMP_DIR REPS OUT.csv
+        With the FAISS importable by this interpreter: loads the centroids,
+        codes and queries bench_pq dumped, puts the very same centroids and
+        codes into FAISS indexes (IndexPQ, 8-bit, and IndexPQFastScan built
+        from a 4-bit IndexPQ), times index.search() (best of REPS, one thread
+        and all threads), checks that FAISS ranks the same codes like a NumPy
+        brute force, and writes one CSV row per case with the FAISS version
+        and compile options.
+    pq_faiss.py report OURS.csv FAISS.csv [FAISS.csv ...]
+        One table: kvdepot's figures (bench_pq's CSV) next to every FAISS
+        build measured, with the ratios, and the targets.
 
 FAISS searches one query per kv head: the sum of the GQA group's 4 query
 heads, which is exactly the query kvdepot's default aggregation ranks by, so
@@ -16,10 +22,8 @@ import os
 import sys
 import time
 
-import numpy as np
-import faiss
-
 D, G, NMAX = 128, 4, 131072
+NAN = float("nan")
 
 
 def best_time(fn, reps):
@@ -31,23 +35,17 @@ def best_time(fn, reps):
     return best
 
 
-def main():
-    dump, ours_csv, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def measure(dump, reps, out_csv):
+    import numpy as np
+    import faiss
+
     nall = os.cpu_count() or 1
+    build = f"FAISS {faiss.__version__} ({faiss.get_compile_options().strip()})"
     q = np.fromfile(os.path.join(dump, "queries.f32"), dtype=np.float32).reshape(G, D)
     qbar = q[0].copy()
     for h in range(1, G):
         qbar = (qbar + q[h]).astype(np.float32)
     qbar = qbar.reshape(1, D)
-
-    ours = {}
-    with open(ours_csv) as f:
-        for r in csv.DictReader(f):
-            key = (int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"]))
-            th = r["threads"]
-            label = "1" if th == "1" else ("avx2" if th == "avx2" else "all")
-            ours.setdefault(key, {})[label] = float(r["mcodes_per_s"])
-
     rows = []
     for b in (8, 4):
         for m in (2, 4, 8, 16):
@@ -79,41 +77,106 @@ def main():
                     t1 = best_time(lambda: index.search(qbar, k), reps)
                     faiss.omp_set_num_threads(nall)
                     ta = best_time(lambda: index.search(qbar, k), reps)
-                    _, I = index.search(qbar, k)
-                    agree = len(set(I[0].tolist()) & set(order[:k].tolist())) / k
-                    o = ours.get((n, m, b, k), {})
-                    rows.append((n, m, b, k, name, o.get("1", float("nan")), n * m / t1 / 1e6,
-                                 o.get("all", float("nan")), n * m / ta / 1e6, agree,
-                                 o.get("avx2", float("nan"))))
+                    _, ids = index.search(qbar, k)
+                    agree = len(set(ids[0].tolist()) & set(order[:k].tolist())) / k
+                    rows.append({"n": n, "m": m, "b": b, "k": k, "index": name, "build": build,
+                                 "mcodes_1thr": n * m / t1 / 1e6,
+                                 "mcodes_all": n * m / ta / 1e6, "threads": nall,
+                                 "agree": agree})
     faiss.omp_set_num_threads(nall)
+    with open(out_csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"pq_faiss: measured {build}, {len(rows)} cases", file=sys.stderr)
+
+
+def load_ours(path):
+    ours = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            key = (int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"]))
+            th = r["threads"]
+            label = "1" if th == "1" else ("avx2" if th == "avx2" else "all")
+            ours.setdefault(key, {})[label] = float(r["mcodes_per_s"])
+    return ours
+
+
+def report(ours_csv, faiss_csvs):
+    ours = load_ours(ours_csv)
+    builds = []
+    for path in faiss_csvs:
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        builds.append(({(int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"])): r for r in rows},
+                       rows[0]["build"], rows[0]["threads"]))
+    keys = sorted({k for b in builds for k in b[0]}, key=lambda k: (-k[2], k[0], k[1], k[3]))
 
     print()
-    print(f"PQ top-k search, one kv head, head_dim {D}, GQA group {G} (FAISS: the summed query),")
-    print(f"M codes/s = n*m / best-of-{reps} search time; ratio = kvdepot / FAISS; "
-          f"'all' = {nall} threads")
-    print("FAISS@k = share of FAISS's top-k inside the exact top-k of the same codes "
-          "(IndexPQFastScan ranks with 8-bit quantized tables)")
-    print("AVX2 = kvdepot's AVX2-only path, one thread (CPUs without AVX-512 VBMI)")
-    hdr = (f"{'n':>7} {'m':>3} {'b':>2} {'k':>5} {'FAISS index':<16}| {'kvd 1thr':>9} {'FAISS 1thr':>10}"
-           f" {'ratio':>6} | {'kvd all':>9} {'FAISS all':>10} {'ratio':>6} | {'AVX2':>6} {'ratio':>6}"
-           f" | {'FAISS@k':>7}")
-    print(hdr)
-    print("-" * len(hdr))
-    for n, m, b, k, name, o1, f1, oa, fa, agree, o2 in rows:
-        print(f"{n:>7} {m:>3} {b:>2} {k:>5} {name:<16}| {o1:>9.0f} {f1:>10.0f} {o1 / f1:>6.2f} |"
-              f" {oa:>9.0f} {fa:>10.0f} {oa / fa:>6.2f} | {o2:>6.0f} {o2 / f1:>6.2f} | {agree:>7.3f}")
-
-    def worst(pred, col=5, nmin=0):
-        sel = [r for r in rows if pred(r) and r[0] >= nmin]
-        return min(r[col] / r[6] for r in sel) if sel else float("nan")
-
+    print(f"PQ top-k search, one kv head, head_dim {D}, GQA group {G} (FAISS: the summed query);")
+    print("M codes/s = n*m / best search time; ratio = kvdepot / FAISS, one thread; "
+          "AVX2 = kvdepot's AVX2-only path, one thread")
+    for i, (_, name, threads) in enumerate(builds):
+        print(f"  F{i + 1} = {name}, all = {threads} threads")
+    print("F@k = share of that FAISS build's top-k inside the exact top-k of the same codes "
+          "(FastScan ranks with 8-bit quantized tables); kvdepot's equals the exact top-k "
+          "(bench_pq checks it against a brute-force scan)")
     print()
-    print("targets, one thread, worst case over m (n = 128K as in DESIGN.md; all n in brackets):")
-    for label, pred in (("IndexPQ k=256   >= 2x", lambda r: r[2] == 8 and r[3] == 256),
-                        ("IndexPQ k=2048  >= 4x", lambda r: r[2] == 8 and r[3] == 2048),
-                        ("FastScan 4-bit  >= 2x", lambda r: r[2] == 4)):
-        print(f"  {label} : {worst(pred, 5, 131072):.2f}x [{worst(pred):.2f}x]"
-              f"   AVX2-only path: {worst(pred, 10, 131072):.2f}x [{worst(pred, 10):.2f}x]")
+    head = "| n | m | b | k | index | kvdepot 1 thr | kvdepot AVX2 |"
+    sep = "|---:|---:|---:|---:|---|---:|---:|"
+    for i in range(len(builds)):
+        head += f" F{i + 1} 1 thr | ratio | ratio AVX2 |"
+        sep += "---:|---:|---:|"
+    head += " kvdepot all | " + " | ".join(f"F{i + 1} all" for i in range(len(builds))) + \
+            " | " + " | ".join(f"F{i + 1}@k" for i in range(len(builds))) + " |"
+    sep += "---:|" + "---:|" * (2 * len(builds))
+    print(head)
+    print(sep)
+    ratios = {}  # (build, target) -> [(n, kvdepot/FAISS, AVX2 path/FAISS)]
+    for key in keys:
+        n, m, b, k = key
+        o = ours.get(key, {})
+        o1, o2, oa = o.get("1", NAN), o.get("avx2", NAN), o.get("all", NAN)
+        first = next((bd[0][key] for bd in builds if key in bd[0]), None)
+        line = (f"| {n} | {m} | {b} | {k} | {first['index'] if first else '?'} | {o1:.0f} |"
+                f" {o2:.0f} |")
+        alls, agrees = [], []
+        for i, (rows, _, _) in enumerate(builds):
+            r = rows.get(key)
+            f1 = float(r["mcodes_1thr"]) if r else NAN
+            line += f" {f1:.0f} | {o1 / f1:.2f} | {o2 / f1:.2f} |"
+            alls.append(float(r["mcodes_all"]) if r else NAN)
+            agrees.append(float(r["agree"]) if r else NAN)
+            target = ("IndexPQ k=256 >= 2x" if b == 8 and k == 256 else
+                      "IndexPQ k=2048 >= 4x" if b == 8 else "FastScan 4-bit >= 2x")
+            ratios.setdefault((i, target), []).append((n, o1 / f1, o2 / f1))
+        line += f" {oa:.0f} | " + " | ".join(f"{a:.0f}" for a in alls)
+        line += " | " + " | ".join(f"{a:.3f}" for a in agrees) + " |"
+        print(line)
+    print()
+    print("targets, one thread, worst case over m (n = 128K; all n in brackets):")
+
+    def low(xs):
+        xs = [x for x in xs if x == x]
+        return min(xs) if xs else NAN
+
+    for i, (_, name, _) in enumerate(builds):
+        for target in ("IndexPQ k=256 >= 2x", "IndexPQ k=2048 >= 4x", "FastScan 4-bit >= 2x"):
+            rs = ratios.get((i, target), [])
+            big = [r for r in rs if r[0] == NMAX]
+            print(f"  vs F{i + 1} {target:<21}: {low(r[1] for r in big):.2f}x "
+                  f"[{low(r[1] for r in rs):.2f}x]   AVX2-only path: "
+                  f"{low(r[2] for r in big):.2f}x [{low(r[2] for r in rs):.2f}x]")
+
+
+def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "measure":
+        measure(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    elif len(sys.argv) >= 4 and sys.argv[1] == "report":
+        report(sys.argv[2], sys.argv[3:])
+    else:
+        sys.exit("usage: pq_faiss.py measure DUMP_DIR REPS OUT.csv | "
+                 "report OURS.csv FAISS.csv [FAISS.csv ...]")
 
 
 if __name__ == "__main__":
