@@ -1,4 +1,4 @@
-# Coded-section fuzzing (VQ, SVD, INT sections of store/codec.c against a
+# Coded-section fuzzing (VQ, SVD, INT sections of store/format/codec.c against a
 # fixed artifact snapshot). The corpus in tests/fuzz/corpus/codec is
 # replayed under ctest with any compiler; with clang a libFuzzer binary is
 # built as well:   build/tests/fuzz_codec tests/fuzz/corpus/codec
@@ -13,8 +13,8 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   # The codec and page code are compiled into the target so they carry the
   # coverage instrumentation; the kernels come from the library.
   add_executable(fuzz_codec ${CMAKE_SOURCE_DIR}/tests/fuzz/fuzz_codec.c
-                            ${CMAKE_SOURCE_DIR}/store/codec.c ${CMAKE_SOURCE_DIR}/store/page.c)
-  target_include_directories(fuzz_codec PRIVATE ${CMAKE_SOURCE_DIR}/store)
+                            ${CMAKE_SOURCE_DIR}/store/format/codec.c ${CMAKE_SOURCE_DIR}/store/format/page.c)
+  target_include_directories(fuzz_codec PRIVATE ${CMAKE_SOURCE_DIR}/store/format)
   target_compile_options(fuzz_codec PRIVATE -fsanitize=fuzzer,address,undefined)
   target_link_options(fuzz_codec PRIVATE -fsanitize=fuzzer,address,undefined)
   target_link_libraries(fuzz_codec PRIVATE kvd_kernels PkgConfig::XXHASH m)

@@ -1,5 +1,5 @@
 /*
- * libFuzzer target for the coded K/V sections (store/codec.c): a sealed
+ * libFuzzer target for the coded K/V sections (store/format/codec.c): a sealed
  * page of 2 kv heads x 32 tokens x 16 dims whose K section is the input
  * (after one control byte), parsed, decoded and attended with a fixed
  * artifact snapshot (VQ d4b5, SVD widths 8 and 16). Nothing may read out of

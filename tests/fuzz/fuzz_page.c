@@ -1,5 +1,5 @@
 /*
- * libFuzzer target for the page decoder (store/page.c): the decoder must
+ * libFuzzer target for the page decoder (store/format/page.c): the decoder must
  * never read out of bounds, and a page it accepts must be exactly what the
  * encoder writes for the header it reports.
  */

@@ -13,10 +13,10 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   # target, so they carry the coverage instrumentation and the fuzzer does
   # not depend on the rest of the kernels library.
   add_executable(fuzz_page ${CMAKE_SOURCE_DIR}/tests/fuzz/fuzz_page.c
-                           ${CMAKE_SOURCE_DIR}/store/page.c
+                           ${CMAKE_SOURCE_DIR}/store/format/page.c
                            ${CMAKE_SOURCE_DIR}/kernels/common/status.c
                            ${CMAKE_SOURCE_DIR}/kernels/common/tensor.c)
-  target_include_directories(fuzz_page PRIVATE ${CMAKE_SOURCE_DIR}/store
+  target_include_directories(fuzz_page PRIVATE ${CMAKE_SOURCE_DIR}/store/format
                                                ${CMAKE_SOURCE_DIR}/kernels/include)
   target_compile_options(fuzz_page PRIVATE -fsanitize=fuzzer,address,undefined)
   target_link_options(fuzz_page PRIVATE -fsanitize=fuzzer,address,undefined)

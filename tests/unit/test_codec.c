@@ -1,5 +1,5 @@
 /*
- * Page codecs (store/codec.c): INT2/INT4, VQ and SVD pages encode, pass the
+ * Page codecs (store/format/codec.c): INT2/INT4, VQ and SVD pages encode, pass the
  * page decoder (checksum included), decode within the codec's error bound,
  * and attention over coded pages matches dense attention over their decoded
  * values; malformed specs, damaged coded sections and pages coded with other

@@ -1,6 +1,6 @@
 /*
  * The stored PQ index (store/pqindex.h) and the page's PQ-codes section
- * (store/page.h): section validation and replacement; centroids trained at
+ * (store/format/page.h): section validation and replacement; centroids trained at
  * the first sealing append from the keys as appended, persisted across
  * reopen, per layer, removed with the sequence; codes of every sealed page
  * equal to encoding its keys with the stored centroids, later pages with the

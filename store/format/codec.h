@@ -61,8 +61,8 @@
  *
  * SVD composed with VQ is not offered (kvd_codec_spec_check says so).
  */
-#ifndef KVDEPOT_STORE_CODEC_H
-#define KVDEPOT_STORE_CODEC_H
+#ifndef KVDEPOT_FORMAT_CODEC_H
+#define KVDEPOT_FORMAT_CODEC_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -235,4 +235,4 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
                     const kvd_codec_arts *arts, const kvd_attn_dims *dims, const float *q,
                     float *out, float *lse, kvd_error *err);
 
-#endif /* KVDEPOT_STORE_CODEC_H */
+#endif /* KVDEPOT_FORMAT_CODEC_H */

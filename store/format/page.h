@@ -54,8 +54,8 @@
  * that starts inside a block is a tail fragment: tokens appended to a raw
  * tail page, stored beside it until the store merges them (see append.c).
  */
-#ifndef KVDEPOT_STORE_PAGE_H
-#define KVDEPOT_STORE_PAGE_H
+#ifndef KVDEPOT_FORMAT_PAGE_H
+#define KVDEPOT_FORMAT_PAGE_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -222,4 +222,4 @@ int kvd_page_decode(const void *buf, size_t len, kvd_page_view *view, kvd_error 
  * written by this process). */
 int kvd_page_decode_nocheck(const void *buf, size_t len, kvd_page_view *view, kvd_error *err);
 
-#endif /* KVDEPOT_STORE_PAGE_H */
+#endif /* KVDEPOT_FORMAT_PAGE_H */
