@@ -1115,6 +1115,8 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
     out->sequences_dropped = resp->sequences_dropped;
     out->sequences_expired = resp->sequences_expired;
     out->sequences = resp->sequences;
+    snprintf(out->backend, sizeof out->backend, "%s", resp->backend ? resp->backend : "");
+    out->backend_threads = resp->backend_threads;
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;
 }

@@ -278,9 +278,9 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
         uint32_t T = v->h.num_tokens, H = v->h.num_kv_heads;
         size_t hrow = (size_t)v->h.head_dim * es;
         for (int which = 0; which < 2 && rc == 0; which++) {
-            if ((rc = kvd_page_decode_section(kvd__codec_backend(), v,
-                                              which ? KVD_SECTION_V : KVD_SECTION_K,
-                                              codecs.arts, m.dtype, tmp, err)))
+            if ((rc = kvd_page_decode_section(kvd_store_coding_backend(ctx->svc->store), v,
+                                              which ? KVD_SECTION_V : KVD_SECTION_K, codecs.arts,
+                                              m.dtype, tmp, err)))
                 break;
             uint8_t *dst = wire + (size_t)which * half +
                            ((size_t)(v->h.layer - l0) * n + (v->h.token_start - t0)) * row;

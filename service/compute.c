@@ -11,7 +11,6 @@
  * before any of their bytes reach the kernel.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,41 +33,6 @@
  * run at full speed, small enough (8 KiB tokens x 8 heads x 128 dims x f16
  * x K,V = 32 MiB) to keep a batch of long sequences in memory bounds. */
 #define ATTEND_WINDOW 8192
-
-/* ---- backend ------------------------------------------------------------- */
-
-static pthread_once_t backend_once = PTHREAD_ONCE_INIT;
-static kvd_backend *cpu_be;
-static kvd_error backend_err;
-
-/* The CPU backend always runs compute: stored pages are in host memory, and
- * the CUDA backend has no attention ops yet. When one exists and supports the
- * op, the pages would be uploaded to it instead; the log line says which
- * backend serves. */
-static void backend_init(void)
-{
-    kvd_backend *cuda = NULL;
-    kvd_error e;
-    kvd_error_clear(&e);
-    int crc = kvd_backend_cuda_create(-1, &cuda, &e);
-    int cuda_attn = crc == 0 && cuda && cuda->iface->attn && cuda->iface->attn->dense;
-    kvd_cpu_options opt = {0, 0};
-    if (kvd_backend_cpu_create(&opt, &cpu_be, &backend_err) != 0)
-        cpu_be = NULL;
-    KVD_LOG(KVD_LOG_INFO, "compute backend", "backend=cpu threads=%d cuda=%s",
-            cpu_be ? cpu_be->nthreads : 0,
-            crc != 0 ? "unavailable" : cuda_attn ? "present (ops not used yet)" : "present, no attention ops");
-    kvd_backend_free(cuda);
-}
-
-int kvd__compute_backend(kvd_backend **out, kvd_error *err)
-{
-    pthread_once(&backend_once, backend_init);
-    *out = cpu_be;
-    if (!cpu_be)
-        return kvd_error_set(err, KVD_EINTERNAL, "no compute backend: %s", backend_err.msg);
-    return 0;
-}
 
 /* ---- shared checks --------------------------------------------------------- */
 
@@ -409,10 +373,8 @@ int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
                              ATTEND_MAX_BATCH);
     if (!isfinite(req->scale))
         return kvd_error_set(err, KVD_EINVAL, "scale: not finite");
-    kvd_backend *be;
-    int rc = kvd__compute_backend(&be, err);
-    if (rc)
-        return rc;
+    kvd_backend *be = kvd_store_backend(ctx->svc->store);
+    int rc = 0;
 
     /* Check every query before computing any: a bad batch fails as a whole. */
     kvd__seq_ctx *sc = calloc(n, sizeof *sc);

@@ -2,9 +2,9 @@
  * Compute on stored caches: Attend and PlanFetch (compute.c).
  *
  * The handlers read the pages of one layer through the store's read cursor
- * (a consistent snapshot, every page checksum-verified) and run the CPU
- * backend's kernels on them, the pages parsed in host memory. A CUDA
- * device is detected and logged at first use but not used for these calls.
+ * (a consistent snapshot, every page checksum-verified) and run the store's
+ * compute backend (kvd_store_backend: the one kvdepotd creates at start, the
+ * CPU backend while pages live in host memory) on them.
  */
 #ifndef KVDEPOT_SERVICE_COMPUTE_H
 #define KVDEPOT_SERVICE_COMPUTE_H

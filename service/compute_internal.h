@@ -21,10 +21,6 @@ typedef struct kvd__seq_ctx {
     uint64_t activation_bytes;  /* part of stored_bytes */
 } kvd__seq_ctx;
 
-/* The backend compute runs on (picked once, at first use). *out is owned by
- * the process; KVD_EINTERNAL when none could be created. */
-int kvd__compute_backend(kvd_backend **out, kvd_error *err);
-
 /* Check `id` (named `field` in errors) and `layer`, fill *out from the
  * sequence's stat and model. KVD_ENOTFOUND, KVD_EINVAL. */
 int kvd__load_seq(kvd_req_ctx *ctx, const ProtobufCBinaryData *id, const char *field,

@@ -108,6 +108,28 @@ static void reload_tokens(kvd_service *svc)
             a->n_tenants);
 }
 
+/* The compute backend of the process, created once. Pages live in host
+ * memory, so it is the CPU backend with every CPU this process may use; a
+ * CUDA device, when one is usable, is named in the log but does not serve
+ * yet. NULL (with err set) when none can be created. */
+static kvd_backend *open_backend(kvd_error *err)
+{
+    kvd_backend *cpu = NULL, *cuda = NULL;
+    kvd_cpu_options opt = {0, 0};
+    if (kvd_backend_cpu_create(&opt, &cpu, err) != 0)
+        return NULL;
+    kvd_error cerr;
+    kvd_error_clear(&cerr);
+    int crc = kvd_backend_cuda_create(-1, &cuda, &cerr);
+    kvd_backend_free(cuda);
+    KVD_LOG(KVD_LOG_INFO, "compute backend", "backend=%s threads=%d cuda=%s", cpu->iface->name,
+            cpu->nthreads,
+            crc == 0             ? "present, not used: pages are held in host memory"
+            : crc == KVD_EUNSUPP ? "not in this build"
+                                 : "no usable device");
+    return cpu;
+}
+
 int main(int argc, char **argv)
 {
     const char *prog = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
@@ -220,13 +242,21 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 2;
     }
+    /* The one compute backend: it codes pages, trains PQ centroids, runs
+     * attention and search, and holds the device tier. */
     kvd_store *store = NULL;
     kvd_error serr;
     kvd_error_clear(&serr);
-    int rc = kvd_store_open(&sopt, &store, &serr);
-    if (rc) {
+    kvd_backend *backend = open_backend(&serr);
+    int rc = backend ? 0 : KVD_EINTERNAL;
+    if (rc)
+        fprintf(stderr, "%s: no compute backend: %s\n", prog, serr.msg);
+    sopt.backend = backend;
+    if (rc == 0 && (rc = kvd_store_open(&sopt, &store, &serr)) != 0)
         fprintf(stderr, "%s: cannot open the store in %s: %s\n", prog, cfg.data_dir,
                 serr.msg[0] ? serr.msg : kvd_strerror(rc));
+    if (rc) {
+        kvd_backend_free(backend);
         kvd_http_stop(http);
         kvd_auth_unref(auth);
         close(sfd);
@@ -240,6 +270,7 @@ int main(int argc, char **argv)
     if ((rc = kvd_auth_scan(auth, store, &tot, &serr)) != 0) {
         fprintf(stderr, "%s: cannot count what the store holds: %s\n", prog, serr.msg);
         kvd_store_close(store);
+        kvd_backend_free(backend);
         kvd_http_stop(http);
         kvd_auth_unref(auth);
         close(sfd);
@@ -257,6 +288,7 @@ int main(int argc, char **argv)
     if (kvd_server_start(&svc, &srv, &port, err, sizeof err) != 0) {
         fprintf(stderr, "%s: %s\n", prog, err);
         kvd_store_close(store);
+        kvd_backend_free(backend);
         grpc_shutdown();
         kvd_http_stop(http);
         kvd_auth_unref(auth);
@@ -308,6 +340,7 @@ int main(int argc, char **argv)
     kvd_server_shutdown(srv, cfg.shutdown_grace_ms);
     kvd_metrics_store = NULL;
     kvd_store_close(store);
+    kvd_backend_free(backend);
     grpc_shutdown();
     kvd_http_stop(http);
     kvd_auth_unref(svc.auth);

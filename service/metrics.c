@@ -108,6 +108,12 @@ static void render_tiers(buf *b)
         return;
     static const char *tn[KVD_TIERS] = {"device", "host", "disk"};
     static const char *dn[3] = {"spill", "none", "sync"};
+    const kvd_backend *be = kvd_store_backend(st);
+    put(b,
+        "# HELP kvdepot_backend_info compute backend in use, and the threads of its CPU ops\n"
+        "# TYPE kvdepot_backend_info gauge\nkvdepot_backend_info{backend=\"%s\",threads=\"%d\"} "
+        "1\n",
+        be->iface->name, be->nthreads);
     put(b,
         "# HELP kvdepot_durability_info durability setting in force\n"
         "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",
@@ -169,11 +175,6 @@ char *kvd_metrics_render(size_t *len)
         (long long)atomic_load_explicit(&kvd_metrics.name, memory_order_relaxed));
     KVD_METRICS(KVD__METRIC_RENDER)
 #undef KVD__METRIC_RENDER
-
-    /* The compute backend pages are served from; a GPU line appears with the
-     * GPU tier. */
-    put(&b, "# HELP kvdepot_backend_info compute backend in use\n"
-            "# TYPE kvdepot_backend_info gauge\nkvdepot_backend_info{backend=\"cpu\"} 1\n");
 
     render_tiers(&b);
 

@@ -280,10 +280,8 @@ int kvd_h_search(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
                  kvd_error *err)
 {
     const Kvdepot__V1__SearchRequest *req = (const Kvdepot__V1__SearchRequest *)msg;
-    kvd_backend *be;
-    int rc = kvd__compute_backend(&be, err);
-    if (rc)
-        return rc;
+    kvd_backend *be = kvd_store_backend(ctx->svc->store);
+    int rc;
     search_run r;
     if ((rc = run_search(ctx, be, req, &r, err))) {
         search_run_free(&r);
@@ -440,10 +438,8 @@ int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte
         return kvd_error_set(err, KVD_EINVAL, "search: missing");
     if (!isfinite(req->scale))
         return kvd_error_set(err, KVD_EINVAL, "scale: not finite");
-    kvd_backend *be;
-    int rc = kvd__compute_backend(&be, err);
-    if (rc)
-        return rc;
+    kvd_backend *be = kvd_store_backend(ctx->svc->store);
+    int rc;
     search_run r;
     if ((rc = run_search(ctx, be, req->search, &r, err))) {
         search_run_free(&r);

@@ -43,6 +43,9 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
     resp.sequences_dropped = s.sequences_dropped;
     resp.sequences_expired = s.sequences_expired;
     resp.sequences = s.sequences;
+    kvd_backend *be = kvd_store_backend(ctx->svc->store);
+    resp.backend = (char *)be->iface->name;
+    resp.backend_threads = (uint32_t)be->nthreads;
     *reply = kvd_pack(&resp.base);
     return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
 }

@@ -618,8 +618,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             np->bytes = wlen;
         } else if (ap->coded && d.num_tokens == B && p0 >= ap->sink_end) {
             /* The page seals: store it encoded (the raw tail rule). */
-            if ((rc = kvd_page_encode(kvd__codec_backend(), &d, &ap->codecs.k, &ap->codecs.v,
-                                      kp, vp, &coded, &wlen, err)))
+            if ((rc = kvd_page_encode(kvd_store_coding_backend(st), &d, &ap->codecs.k,
+                                      &ap->codecs.v, kp, vp, &coded, &wlen, err)))
                 goto fail;
             wbytes = coded;
             np->bytes = wlen;

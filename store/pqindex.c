@@ -28,26 +28,6 @@ struct kvd__pq_append {
     size_t cap_keys;
 };
 
-/* Training runs once per (sequence, layer) but is the heaviest step of an
- * append (K-means over up to KVD_PQ_TRAIN_TOKENS keys per kv head): it gets
- * a backend with every CPU, where page coding keeps the store's
- * single-thread one. K-means does not depend on the thread count. */
-static pthread_once_t train_once = PTHREAD_ONCE_INIT;
-static kvd_backend *train_be;
-
-static void train_be_init(void)
-{
-    kvd_cpu_options opt = {0, 0};
-    if (kvd_backend_cpu_create(&opt, &train_be, NULL) != 0)
-        train_be = NULL;
-}
-
-static kvd_backend *train_backend(void)
-{
-    pthread_once(&train_once, train_be_init);
-    return train_be ? train_be : kvd__codec_backend();
-}
-
 static size_t pq_key(uint8_t *key, const void *id, size_t id_len, uint32_t layer)
 {
     key[0] = KEY_PQ;
@@ -161,10 +141,15 @@ static int to_f32(kvd_backend *be, kvd_dtype dt, const uint8_t *src, int64_t n, 
 
 /* Train the centroids of layer d->layer from the page keys and the wire keys
  * after the page, and put the record into b. */
-static int train_layer(kvd_backend *be, const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
-                       const kvd__seq *s, const kvd_page_desc *d, const uint8_t *k_page,
-                       const uint8_t *wire_k, uint64_t wire_ts, uint64_t wire_end,
-                       kvd_pq_centroids *out, kvd_error *err)
+/* Training runs once per (sequence, layer) but is the heaviest step of an
+ * append (K-means over up to KVD_PQ_TRAIN_TOKENS keys per kv head): it runs
+ * on the store's backend with every thread (train_be), where the conversions
+ * keep the one-thread coding backend (be). K-means does not depend on the
+ * thread count. */
+static int train_layer(kvd_backend *be, kvd_backend *train_be, const kvd_seq_codecs *c,
+                       struct rocksdb_writebatch_t *b, const kvd__seq *s, const kvd_page_desc *d,
+                       const uint8_t *k_page, const uint8_t *wire_k, uint64_t wire_ts,
+                       uint64_t wire_end, kvd_pq_centroids *out, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
     const size_t es = kvd_dtype_size(d->dtype);
@@ -196,7 +181,7 @@ static int train_layer(kvd_backend *be, const kvd_seq_codecs *c, struct rocksdb_
             (rc = to_f32(be, d->dtype, wh, from_wire, D, (int64_t)(H * D * es),
                          keys + (size_t)from_page * D, err)))
             break;
-        rc = kvd_pq_train_head(train_backend(), keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations,
+        rc = kvd_pq_train_head(train_be, keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations,
                                d->layer, h, cent + (size_t)h * (nf / H), err);
     }
     if (rc)
@@ -230,9 +215,7 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
 {
     *out = NULL;
     *out_len = 0;
-    kvd_backend *be = kvd__codec_backend();
-    if (!be)
-        return kvd_error_set(err, KVD_EINTERNAL, "no CPU backend for the PQ index");
+    kvd_backend *be = kvd_store_coding_backend(st);
     if (d->layer >= s->num_layers || d->num_tokens != d->page_tokens)
         return kvd_error_set(err, KVD_EINVAL, "PQ codes for a page that does not seal");
     int rc;
@@ -254,8 +237,8 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
         int found = 0;
         if ((rc = kvd_store_pq_centroids_get(st, s->id, s->id_len, d->layer, &L->c, &found, err)))
             return rc;
-        if (!found &&
-            (rc = train_layer(be, c, b, s, d, k_page, wire_k, wire_ts, wire_end, &L->c, err))) {
+        if (!found && (rc = train_layer(be, kvd_store_backend(st), c, b, s, d, k_page, wire_k,
+                                        wire_ts, wire_end, &L->c, err))) {
             kvd_pq_centroids_clear(&L->c);
             return rc;
         }

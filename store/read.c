@@ -322,9 +322,9 @@ static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
     uint8_t *dec = NULL;
     if ((part ? view.h.v_codec : view.h.k_codec) != KVD_CODEC_RAW) {
         dec = malloc((size_t)rd->H * pn * row);
-        rc = dec ? kvd_page_decode_section(kvd__codec_backend(), &view,
-                                           part ? KVD_SECTION_V : KVD_SECTION_K,
-                                           rd->codecs.arts, rd->dtype, dec, err)
+        rc = dec ? kvd_page_decode_section(kvd_store_coding_backend(rd->st), &view,
+                                           part ? KVD_SECTION_V : KVD_SECTION_K, rd->codecs.arts,
+                                           rd->dtype, dec, err)
                  : kvd_error_set(err, KVD_ENOMEM, "out of memory decoding a page");
         if (rc) {
             free(dec);

@@ -23,22 +23,6 @@
 #define REC_BYTES (REC1_BYTES + 6 + 8)
 #define ARTS_CACHE 8 /* snapshots kept in memory, shared by content */
 
-static pthread_once_t be_once = PTHREAD_ONCE_INIT;
-static kvd_backend *codec_be;
-
-static void be_init(void)
-{
-    kvd_cpu_options opt = {1, 0};
-    if (kvd_backend_cpu_create(&opt, &codec_be, NULL) != 0)
-        codec_be = NULL;
-}
-
-kvd_backend *kvd__codec_backend(void)
-{
-    pthread_once(&be_once, be_init);
-    return codec_be;
-}
-
 int kvd_seq_codecs_check(kvd_seq_codecs *c, uint32_t page_tokens, uint32_t head_dim,
                          kvd_error *err)
 {

@@ -141,8 +141,4 @@ struct kvd_append;
 int kvd_store_append_give_page(struct kvd_append *ap, uint32_t layer, uint64_t block,
                                const uint8_t *page, size_t len, kvd_error *err);
 
-/* A process-wide single-thread CPU backend for encoding and decoding pages
- * inside the store; NULL when it cannot be created. */
-kvd_backend *kvd__codec_backend(void);
-
 #endif /* KVDEPOT_STORE_SEQCODEC_H */

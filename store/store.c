@@ -58,6 +58,16 @@ uint32_t kvd_store_page_tokens(const kvd_store *st)
     return st->page_tokens;
 }
 
+kvd_backend *kvd_store_backend(kvd_store *st)
+{
+    return st->be;
+}
+
+kvd_backend *kvd_store_coding_backend(kvd_store *st)
+{
+    return &st->be_coding;
+}
+
 /* ---- u64 -> pointer map (linear probing; key 0 is stored like any other,
  * emptiness is a NULL value) ------------------------------------------- */
 
@@ -269,8 +279,20 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     }
     st->disk_limit = opt->disk_bytes;
     st->prefetch_pages = opt->prefetch_pages;
+    st->be = opt->backend;
+    if (!st->be) {
+        kvd_cpu_options copt = {0, 0};
+        if ((rc = kvd_backend_cpu_create(&copt, &st->own_be, err))) {
+            pthread_rwlock_destroy(&st->lock);
+            free(st);
+            return rc;
+        }
+        st->be = st->own_be;
+    }
+    st->be_coding = kvd_backend_narrow(st->be, 1);
     if ((rc = kvd__cache_init(st, opt, err))) {
         kvd__cache_fini(st);
+        kvd_backend_free(st->own_be);
         pthread_rwlock_destroy(&st->lock);
         free(st);
         return rc;
@@ -375,6 +397,7 @@ void kvd_store_close(kvd_store *st)
         rocksdb_block_based_options_destroy(st->bbopt);
     if (st->cache)
         rocksdb_cache_destroy(st->cache);
+    kvd_backend_free(st->own_be);
     pthread_rwlock_destroy(&st->lock);
     free(st);
 }

@@ -34,7 +34,10 @@ typedef struct kvd_store_options {
     uint64_t max_seq_tokens;   /* 0 = no limit */
     /* Tiers (see "Tiers" below). Members appended; zero means the old
      * behaviour: no memory tiers, every read goes to RocksDB. */
-    kvd_backend *backend;       /* device tier allocated through it; NULL = host memory */
+    /* The compute backend: it codes pages, trains PQ centroids and holds the
+     * device tier. The caller keeps it alive until kvd_store_close. NULL =
+     * the store creates a CPU backend of its own. */
+    kvd_backend *backend;
     uint64_t device_tier_bytes; /* size of the device pool, allocated once at open */
     uint64_t host_tier_bytes;   /* host-memory tier below it */
     uint64_t disk_bytes;        /* page bytes RocksDB may hold; 0 = unlimited */
@@ -60,6 +63,13 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
 void kvd_store_close(kvd_store *st);
 
 uint32_t kvd_store_page_tokens(const kvd_store *st);
+
+/* The store's compute backend (kvd_store_options.backend, or its own), and
+ * the same backend limited to one thread, which codes pages inside a
+ * request: requests already run on many threads. Both live as long as the
+ * store. */
+kvd_backend *kvd_store_backend(kvd_store *st);
+kvd_backend *kvd_store_coding_backend(kvd_store *st);
 
 /* ---- models ------------------------------------------------------------ */
 

@@ -271,6 +271,10 @@ struct kvd_store {
     _Atomic uint64_t disk_pages;
     uint32_t prefetch_pages;
     kvd__cache tiers;
+
+    kvd_backend *be;       /* compute backend (options.backend or own_be) */
+    kvd_backend *own_be;   /* created at open when none was given */
+    kvd_backend be_coding; /* be limited to one thread: page coding */
 };
 
 uint64_t kvd__now_ms(void);

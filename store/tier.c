@@ -598,7 +598,7 @@ int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err)
     kvd__cache *c = &st->tiers;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
-    c->be = opt->backend;
+    c->be = st->be;
     c->tier[KVD_TIER_HOST].limit = opt->host_tier_bytes;
     uint64_t dev = opt->device_tier_bytes / GRANULE * GRANULE;
     if (dev) {

@@ -919,6 +919,8 @@ typedef struct kvdepot_stats {
     uint64_t sequences_dropped;  /* by the disk limit under durability none */
     uint64_t sequences_expired;  /* by their TTL */
     uint64_t sequences;
+    char backend[16];         /* compute backend: "cpu" (or "cuda") */
+    uint32_t backend_threads; /* threads of its CPU ops */
 } kvdepot_stats;
 
 /**

@@ -172,6 +172,14 @@ void kvd_backend_free(kvd_backend *be)
         be->iface->free(be);
 }
 
+kvd_backend kvd_backend_narrow(const kvd_backend *be, int nthreads)
+{
+    kvd_backend view = *be;
+    if (nthreads >= 1 && nthreads < be->nthreads)
+        view.nthreads = nthreads;
+    return view;
+}
+
 int kvd_backend_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
 {
     if (!out)

@@ -78,6 +78,14 @@ int kvd_backend_cuda_create(int device, kvd_backend **out, kvd_error *err);
 /* Free a backend; NULL is a no-op. */
 void kvd_backend_free(kvd_backend *be);
 
+/*
+ * The same backend with its ops limited to `nthreads` CPU threads (clamped to
+ * 1..be->nthreads), for callers that already run one op on each thread of
+ * their own (the store codes pages on the server's worker threads). The copy
+ * shares be's state: it is valid while be lives and is never freed.
+ */
+kvd_backend kvd_backend_narrow(const kvd_backend *be, int nthreads);
+
 int kvd_backend_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
 void kvd_backend_dealloc(kvd_backend *be, void *ptr);
 int kvd_backend_upload(kvd_backend *be, void *dst, const void *host_src, size_t bytes, kvd_error *err);
