@@ -5,6 +5,7 @@
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/slice.h>
 
+#include "kvdepot/quant.h"
 #include "rpc.h"
 
 void kvd_seq_info_to_pb(const kvd_seq_info *in, Kvdepot__V1__SequenceInfo *out)
@@ -99,4 +100,89 @@ grpc_byte_buffer *kvd_pack(const ProtobufCMessage *msg)
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
     grpc_slice_unref(s);
     return bb;
+}
+
+/* ---- codec specs ------------------------------------------------------------- */
+
+static void spec_from_pb(const Kvdepot__V1__CodecSpec *in, int is_v, kvd_codec_spec *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!in)
+        return;
+    out->codec = (uint8_t)(in->codec > 255 ? 255 : in->codec);
+    if (in->quant) {
+        out->group = (uint16_t)(in->quant->group_size > 65535 ? 65535 : in->quant->group_size);
+        out->rounding = (uint8_t)(in->quant->rounding > 255 ? 255 : in->quant->rounding);
+        out->seed = in->quant->seed;
+        /* Wire axis: 0 default (K token, V channel), 1 token, 2 channel. */
+        unsigned ax = in->quant->axis;
+        out->axis = ax == 0   ? (is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN)
+                    : ax == 1 ? KVD_QAXIS_TOKEN
+                    : ax == 2 ? KVD_QAXIS_CHANNEL
+                              : 255;
+    } else {
+        out->group = 0;
+        out->axis = is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN;
+    }
+    if (in->vq) {
+        out->vq_sub_dim = (uint8_t)(in->vq->sub_dim > 255 ? 255 : in->vq->sub_dim);
+        out->vq_bits = (uint8_t)(in->vq->bits > 255 ? 255 : in->vq->bits);
+    }
+    /* The widths point into the request: they are resolved into the
+     * sequence's artifact snapshot before the handler returns. */
+    if (in->svd && (in->svd->n_widths || in->svd->removal_rate != 0)) {
+        out->svd = 1;
+        out->svd_rate = in->svd->removal_rate;
+        out->svd_align = in->svd->align;
+        out->svd_nwidths = (uint32_t)in->svd->n_widths;
+        out->svd_widths = in->svd->widths;
+    }
+}
+
+int kvd_codecs_from_pb(const Kvdepot__V1__SequenceCodecs *c, const kvd_model_info *m,
+                       uint32_t page_tokens, kvd_seq_codecs *out, kvd_error *err)
+{
+    memset(out, 0, sizeof *out);
+    if (!c)
+        return 0;
+    spec_from_pb(c->k, 0, &out->k);
+    spec_from_pb(c->v, 1, &out->v);
+    out->raw_sink_tokens = c->raw_sink_tokens;
+    const Kvdepot__V1__CodecSpec *sp[2] = {c->k, c->v};
+    for (int i = 0; i < 2; i++) {
+        if (sp[i] && sp[i]->vq && sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_VQ)
+            return kvd_error_set(err, KVD_EINVAL, "codecs.%s.vq: set for a codec other than VQ",
+                                 i ? "v" : "k");
+        if (sp[i] && sp[i]->codec == KVDEPOT__V1__CODEC__CODEC_VQ && !sp[i]->vq)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "codecs.%s.vq: required for CODEC_VQ (sub_dim, bits)",
+                                 i ? "v" : "k");
+        if (sp[i] && sp[i]->svd && sp[i]->svd->n_widths && sp[i]->svd->removal_rate != 0)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "codecs.%s.svd: give removal_rate or widths, not both",
+                                 i ? "v" : "k");
+        if (sp[i] && sp[i]->svd && !(sp[i]->svd->removal_rate >= 0 && sp[i]->svd->removal_rate < 1))
+            return kvd_error_set(err, KVD_EINVAL, "codecs.%s.svd.removal_rate: %g not in [0, 1)",
+                                 i ? "v" : "k", sp[i]->svd->removal_rate);
+    }
+    if (c->pq) {
+        out->pq_m = c->pq->m;
+        out->pq_bits = (uint8_t)(c->pq->bits > 255 ? 255 : c->pq->bits);
+        out->pq_iterations = c->pq->iterations;
+    }
+    /* Activation storage is recorded by the CreateSequence handler (in the
+     * write that creates the sequence); only the model can refuse it. */
+    if (c->store_activations && !m->hidden_size)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "codecs.store_activations: model %s has no hidden_size (put the "
+                             "model with one to store activations)",
+                             m->name);
+    int rc = kvd_seq_codecs_check(out, page_tokens, m->head_dim, err);
+    if (rc && err) {
+        char msg[sizeof err->msg];
+        memcpy(msg, err->msg, sizeof msg);
+        msg[sizeof msg - 16] = '\0'; /* room for the prefix */
+        return kvd_error_set(err, rc, "codecs.%s", msg);
+    }
+    return rc;
 }

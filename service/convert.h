@@ -8,6 +8,7 @@
 #include <grpc/grpc.h>
 
 #include "kvdepot/v1/kvdepot.pb-c.h"
+#include "seqcodec.h"
 #include "store.h"
 
 /* Fill `out` (initialised here) so that it points into `in`: no copies, so
@@ -18,6 +19,12 @@ void kvd_model_to_pb(const kvd_model_info *in, Kvdepot__V1__Model *out);
 /* Copy a wire model into a store model, checking string lengths (the store
  * checks the rest). Returns 0 or KVD_EINVAL naming the field. */
 int kvd_model_from_pb(const Kvdepot__V1__Model *in, kvd_model_info *out, kvd_error *err);
+
+/* The codecs of a CreateSequenceRequest (NULL for all raw), checked against
+ * the model and page size. KVD_EINVAL naming the field; KVD_EPRECOND for
+ * activations on a model without a hidden_size. */
+int kvd_codecs_from_pb(const Kvdepot__V1__SequenceCodecs *c, const kvd_model_info *m,
+                       uint32_t page_tokens, kvd_seq_codecs *out, kvd_error *err);
 
 /* The contents of a received message as one contiguous slice: a new
  * reference to the single slice when there is one, else a merged copy.

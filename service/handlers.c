@@ -7,7 +7,6 @@
 #include <string.h>
 
 #include "activation.h"
-#include "compute.h"
 #include "convert.h"
 #include "metrics.h"
 #include "rpc.h"

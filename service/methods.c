@@ -120,3 +120,24 @@ int kvd_ctx_quota_reserve(kvd_req_ctx *ctx, const char *model, uint64_t sequence
         KVD_METRIC_ADD(quota_rejections_total, 1);
     return rc;
 }
+
+static int guard_check_model(void *arg, const char *model, kvd_error *err)
+{
+    return kvd_ctx_check_model(arg, model, err);
+}
+
+static int guard_reserve(void *arg, const char *model, uint64_t bytes, kvd_error *err)
+{
+    return kvd_ctx_quota_reserve(arg, model, 0, bytes, err);
+}
+
+static void guard_release(void *arg, const char *model, uint64_t bytes)
+{
+    kvd_quota_release(((kvd_req_ctx *)arg)->auth, model, 0, bytes);
+}
+
+void kvd_ctx_compute(kvd_req_ctx *ctx, kvd_compute_guard *g, kvd_compute *c)
+{
+    *g = (kvd_compute_guard){guard_check_model, guard_reserve, guard_release, ctx};
+    *c = (kvd_compute){ctx->svc->store, kvd_store_backend(ctx->svc->store), g};
+}

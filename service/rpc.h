@@ -27,6 +27,7 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "auth.h"
+#include "compute.h"
 #include "config.h"
 #include "kvdepot/status.h"
 #include "store.h"
@@ -143,6 +144,11 @@ void kvd_usage_rescan(kvd_req_ctx *ctx);
  * Refusals are counted in the metrics. */
 int kvd_ctx_quota_reserve(kvd_req_ctx *ctx, const char *model, uint64_t sequences,
                           uint64_t bytes, kvd_error *err);
+
+/* What service/compute runs a call with: the store, its backend, and a
+ * guard *g made of the call's tenant check and byte quota (g must outlive
+ * *c's use). */
+void kvd_ctx_compute(kvd_req_ctx *ctx, kvd_compute_guard *g, kvd_compute *c);
 
 /* Handlers, by file. */
 int kvd_h_put_model(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);

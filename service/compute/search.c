@@ -1,8 +1,7 @@
 /*
  * Search and SparseAttend: top-k token search over a sequence's PQ index and
- * sparse attention over the tokens it picks (kvdepot.proto, SearchRequest).
- * Shared request checks and the read helper live in compute.c
- * (compute_internal.h).
+ * sparse attention over the tokens it picks (compute.h; kvdepot.proto,
+ * SearchRequest, for which centroids and codes).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -10,13 +9,10 @@
 
 #include "compute_internal.h"
 #include "kvdepot/attention.h"
-#include "kvdepot/backend.h"
 #include "kvdepot/convert.h"
 #include "kvdepot/pq.h"
-#include "kvdepot/v1/kvdepot.pb-c.h"
 #include "page.h"
 #include "pqindex.h"
-#include "rpc.h"
 #include "seqcodec.h"
 
 #define SEARCH_MAX_TOKENS (1u << 20)
@@ -26,7 +22,7 @@
 
 /* State of one search, kept for SparseAttend's attention step. */
 typedef struct search_run {
-    kvd__seq_ctx sc;
+    kvd__cseq sc;
     kvd_seq_codecs codecs;
     uint64_t start, n; /* token range */
     uint8_t *kv;       /* SparseAttend: K then V of the selected tokens, (Hkv, per_head,
@@ -38,6 +34,7 @@ typedef struct search_run {
 
 static void search_run_free(search_run *r)
 {
+    kvd_seq_codecs_clear(&r->codecs);
     free(r->kv);
     free(r->idx);
     free(r->scores);
@@ -58,9 +55,8 @@ typedef struct search_index {
  * centroids (ix->trained) the first window, which starts the range, trains
  * them first.
  */
-static int encode_tokens(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__SearchRequest *req,
-                         const search_run *r, search_index *ix, uint64_t a, uint64_t b,
-                         kvd_error *err)
+static int encode_tokens(const kvd_compute *c, const kvd_search_args *sa, const search_run *r,
+                         search_index *ix, uint64_t a, uint64_t b, kvd_error *err)
 {
     const kvd_model_info *m = &r->sc.model;
     const int H = ix->H, D = ix->D, M = ix->M;
@@ -77,8 +73,8 @@ static int encode_tokens(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__S
     }
     for (uint64_t t0 = a; t0 < b && rc == 0; t0 += win) {
         uint64_t T = b - t0 < win ? b - t0 : win;
-        if ((rc = kvd__read_window(ctx->svc->store, &req->sequence_id, req->layer, r->start + t0, T,
-                                   buf, 2 * T * (uint64_t)H * D * es, err)))
+        if ((rc = kvd__read_window(c->store, sa->id, sa->id_len, sa->layer, r->start + t0, T, buf,
+                                   2 * T * (uint64_t)H * D * es, err)))
             break;
         for (int h = 0; h < H && rc == 0; h++) {
             /* Keys of head h: rows of the wire layout [token][kv_head][dim]. */
@@ -87,18 +83,18 @@ static int encode_tokens(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__S
             kvd_tensor src = kvd_tensor_make(m->dtype, buf + (size_t)h * D * es, 2, ks);
             src.stride[0] = (int64_t)H * D * (int64_t)es;
             kvd_tensor dst = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
-            if ((rc = kvd_convert(be, &dst, &src, err)))
+            if ((rc = kvd_convert(c->be, &dst, &src, err)))
                 break;
             float *ch = ix->cent + (size_t)h * per_head;
             if (ix->trained && t0 == 0 &&
-                (rc = kvd_pq_train_head(be, keys, (int64_t)T, (uint32_t)D, (uint32_t)M,
-                                        (uint32_t)ix->nb, r->codecs.pq_iterations, req->layer,
+                (rc = kvd_pq_train_head(c->be, keys, (int64_t)T, (uint32_t)D, (uint32_t)M,
+                                        (uint32_t)ix->nb, r->codecs.pq_iterations, sa->layer,
                                         (uint32_t)h, ch, err)))
                 break;
             kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, ch, 3, cs);
             kvd_tensor td = kvd_tensor_make(KVD_DTYPE_U8,
                                             ix->codes + ((size_t)h * r->n + t0) * (size_t)M, 2, ds);
-            rc = kvd_pq_encode(be, &dst, &tc, &td, err);
+            rc = kvd_pq_encode(c->be, &dst, &tc, &td, err);
         }
     }
 done:
@@ -113,12 +109,11 @@ done:
  * ones; every other token (the raw tail, pages without a section or with
  * another sequence's centroids) is encoded from its keys at call time.
  */
-static int gather_codes(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__SearchRequest *req,
-                        const search_run *r, search_index *ix, uint64_t centroids_id,
-                        kvd_error *err)
+static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const search_run *r,
+                        search_index *ix, uint64_t centroids_id, kvd_error *err)
 {
-    kvd_store *st = ctx->svc->store;
-    const uint64_t B = ctx->svc->page_tokens, end = r->start + r->n;
+    kvd_store *st = c->store;
+    const uint64_t B = kvd_store_page_tokens(st), end = r->start + r->n;
     const uint64_t sealed = r->sc.layer_tokens / B;
     const int H = ix->H, M = ix->M;
     uint64_t todo = r->start; /* tokens [todo, t0) still need encoding */
@@ -129,8 +124,7 @@ static int gather_codes(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Se
         kvd_page_handle ph;
         kvd_page_view v;
         kvd_page_pq pq;
-        if ((rc = kvd_store_page_acquire(st, req->sequence_id.data, req->sequence_id.len,
-                                         req->layer, blk, &ph, err)))
+        if ((rc = kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
             return rc;
         int usable = kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
                      kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
@@ -145,45 +139,43 @@ static int gather_codes(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Se
         kvd_store_page_release(st, &ph);
         if (!usable)
             continue;
-        if (todo < t0 &&
-            (rc = encode_tokens(ctx, be, req, r, ix, todo - r->start, t0 - r->start, err)))
+        if (todo < t0 && (rc = encode_tokens(c, sa, r, ix, todo - r->start, t0 - r->start, err)))
             return rc;
         todo = t1;
     }
     if (todo < end)
-        rc = encode_tokens(ctx, be, req, r, ix, todo - r->start, r->n, err);
+        rc = encode_tokens(c, sa, r, ix, todo - r->start, r->n, err);
     return rc;
 }
 
 /*
- * Search one token range of one layer (kvdepot.proto, SearchRequest): the
- * layer's stored centroids (store/pqindex.h; trained at call time on the
- * first min(n, KVD_PQ_TRAIN_TOKENS) keys of the range when the layer has
- * none yet), the codes of the range (gather_codes), and per kv head the
- * summed queries of its GQA group ranking them (kvd_pq_search).
+ * Search one token range of one layer: the layer's stored centroids
+ * (store/pqindex.h; trained at call time on the first min(n,
+ * KVD_PQ_TRAIN_TOKENS) keys of the range when the layer has none yet), the
+ * codes of the range (gather_codes), and per kv head the summed queries of
+ * its GQA group ranking them (kvd_pq_search).
  */
-static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__SearchRequest *req,
-                      search_run *r, kvd_error *err)
+static int run_search(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
+                      kvd_error *err)
 {
     memset(r, 0, sizeof *r);
     int rc;
-    if ((rc = kvd__load_seq(ctx, &req->sequence_id, "sequence_id", req->layer, &r->sc, err)))
+    if ((rc = kvd__cseq_load(c, sa->id, sa->id_len, "sequence_id", sa->layer, &r->sc, err)))
         return rc;
     const kvd_model_info *m = &r->sc.model;
     int found = 0;
-    if ((rc = kvd_store_seq_codecs_get(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                       &r->codecs, &found, err)))
+    if ((rc = kvd_store_seq_codecs_get(c->store, sa->id, sa->id_len, &r->codecs, &found, err)))
         return rc;
     if (!r->codecs.pq_m)
         return kvd_error_set(err, KVD_EPRECOND,
                              "sequence has no PQ index (create it with codecs.pq)");
     size_t want = (size_t)m->num_q_heads * m->head_dim;
-    if (req->n_q != want)
+    if (sa->n_q != want)
         return kvd_error_set(err, KVD_EINVAL,
                              "q: %zu floats, model %s needs num_q_heads x head_dim = %u x %u",
-                             req->n_q, m->name, m->num_q_heads, m->head_dim);
-    r->start = req->token_start;
-    r->n = req->num_tokens;
+                             sa->n_q, m->name, m->num_q_heads, m->head_dim);
+    r->start = sa->token_start;
+    r->n = sa->num_tokens;
     if ((rc = kvd__token_range("search", r->start, &r->n, r->sc.layer_tokens, err)))
         return rc;
     if (r->n == 0)
@@ -191,18 +183,18 @@ static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Sear
     if (r->n > SEARCH_MAX_TOKENS)
         return kvd_error_set(err, KVD_EINVAL, "search: %llu tokens, at most %u per call",
                              (unsigned long long)r->n, SEARCH_MAX_TOKENS);
-    if (req->k > r->n)
+    if (sa->k > r->n)
         return kvd_error_set(err, KVD_EINVAL, "k: %u is larger than the %llu tokens searched",
-                             req->k, (unsigned long long)r->n);
+                             sa->k, (unsigned long long)r->n);
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim, G = (int)(m->num_q_heads / H);
     const int M = (int)r->codecs.pq_m, nb = r->codecs.pq_bits, K = 1 << nb;
-    kvd_pq_search_params sp = {req->k, req->initial_tokens, req->recent_tokens, KVD_PQ_AGG_SUM};
+    kvd_pq_search_params sp = {sa->k, sa->initial_tokens, sa->recent_tokens, KVD_PQ_AGG_SUM};
     r->per_head = kvd_pq_search_count((int64_t)r->n, &sp);
     size_t cap = (size_t)(r->per_head ? r->per_head : 1);
     kvd_pq_centroids pc;
     int stored = 0;
-    if ((rc = kvd_store_pq_centroids_get(ctx->svc->store, req->sequence_id.data,
-                                         req->sequence_id.len, req->layer, &pc, &stored, err)))
+    if ((rc = kvd_store_pq_centroids_get(c->store, sa->id, sa->id_len, sa->layer, &pc, &stored,
+                                         err)))
         return rc;
     if (stored && (pc.num_kv_heads != (uint32_t)H || pc.head_dim != (uint32_t)D ||
                    pc.m != (uint32_t)M || pc.bits != (uint32_t)nb)) {
@@ -210,7 +202,7 @@ static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Sear
         return kvd_error_set(err, KVD_ECORRUPT,
                              "stored PQ centroids of layer %u do not match the sequence's "
                              "model and codecs",
-                             req->layer);
+                             sa->layer);
     }
     search_index ix = {H, D, M, nb, stored ? pc.data : NULL, !stored, NULL};
     if (!stored)
@@ -224,7 +216,7 @@ static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Sear
                            (unsigned long long)r->n);
         goto done;
     }
-    if ((rc = gather_codes(ctx, be, req, r, &ix, stored ? pc.id : 0, err)))
+    if ((rc = gather_codes(c, sa, r, &ix, stored ? pc.id : 0, err)))
         goto done;
     const size_t per_head = (size_t)M * K * (D / M);
     for (int h = 0; h < H && rc == 0; h++) {
@@ -232,11 +224,11 @@ static int run_search(kvd_req_ctx *ctx, kvd_backend *be, const Kvdepot__V1__Sear
         kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, ix.cent + h * per_head, 3, cs);
         kvd_tensor tcodes = kvd_tensor_make(KVD_DTYPE_U8, ix.codes + (size_t)h * r->n * M, 2, cds);
         int64_t qs[2] = {G, D}, os[1] = {r->per_head};
-        kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, (void *)(req->q + (size_t)h * G * D), 2, qs);
+        kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, (void *)(sa->q + (size_t)h * G * D), 2, qs);
         kvd_tensor ti = kvd_tensor_make(KVD_DTYPE_U32, uidx, 1, os);
         kvd_tensor tsc = kvd_tensor_make(KVD_DTYPE_F32, r->scores + (size_t)h * r->per_head, 1, os);
         int64_t nout = 0;
-        if ((rc = kvd_pq_search(be, &tc, &tcodes, &tq, &sp, &ti, &tsc, &nout, err)))
+        if ((rc = kvd_pq_search(c->be, &tc, &tcodes, &tq, &sp, &ti, &tsc, &nout, err)))
             break;
         if (nout != r->per_head) {
             rc = kvd_error_set(err, KVD_EINTERNAL, "search returned %lld of %lld entries",
@@ -256,53 +248,41 @@ done:
     return rc;
 }
 
-/* HeadTokens of a run (pointing into heads_tok / the run's scores). */
-static int heads_to_pb(const search_run *r, Kvdepot__V1__HeadTokens *heads,
-                       Kvdepot__V1__HeadTokens **hp, uint64_t *tok, kvd_error *err)
+/* The selected tokens and their scores into the caller's result. */
+static int fill_result(const search_run *r, kvd_search_result *out, kvd_error *err)
 {
-    const int H = (int)r->sc.model.num_kv_heads;
-    for (int h = 0; h < H; h++) {
-        kvdepot__v1__head_tokens__init(&heads[h]);
-        heads[h].kv_head = (uint32_t)h;
-        heads[h].n_tokens = (size_t)r->per_head;
-        heads[h].tokens = tok + (size_t)h * r->per_head;
-        heads[h].n_scores = (size_t)r->per_head;
-        heads[h].scores = r->scores + (size_t)h * r->per_head;
-        for (int64_t i = 0; i < r->per_head; i++)
-            heads[h].tokens[i] = r->start + (uint64_t)r->idx[(size_t)h * r->per_head + i];
-        hp[h] = &heads[h];
-    }
-    (void)err;
+    const size_t H = r->sc.model.num_kv_heads, P = (size_t)r->per_head;
+    out->num_kv_heads = (uint32_t)H;
+    out->per_head = P;
+    out->tokens = malloc(sizeof(uint64_t) * (P ? P : 1) * H);
+    out->scores = malloc(sizeof(float) * (P ? P : 1) * H);
+    if (!out->tokens || !out->scores)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    for (size_t i = 0; i < H * P; i++)
+        out->tokens[i] = r->start + (uint64_t)r->idx[i];
+    if (H > 0 && P > 0)
+        memcpy(out->scores, r->scores, sizeof(float) * H * P);
     return 0;
 }
 
-int kvd_h_search(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
-                 kvd_error *err)
+void kvd_search_result_clear(kvd_search_result *r)
 {
-    const Kvdepot__V1__SearchRequest *req = (const Kvdepot__V1__SearchRequest *)msg;
-    kvd_backend *be = kvd_store_backend(ctx->svc->store);
-    int rc;
+    if (!r)
+        return;
+    free(r->tokens);
+    free(r->scores);
+    free(r->out);
+    free(r->lse);
+    memset(r, 0, sizeof *r);
+}
+
+int kvd_compute_search(const kvd_compute *c, const kvd_search_args *a, kvd_search_result *out,
+                       kvd_error *err)
+{
     search_run r;
-    if ((rc = run_search(ctx, be, req, &r, err))) {
-        search_run_free(&r);
-        return rc;
-    }
-    const int H = (int)r.sc.model.num_kv_heads;
-    Kvdepot__V1__HeadTokens *heads = calloc((size_t)H, sizeof *heads);
-    Kvdepot__V1__HeadTokens **hp = calloc((size_t)H, sizeof *hp);
-    uint64_t *tok = malloc(sizeof(uint64_t) * (size_t)(r.per_head ? r.per_head : 1) * H);
-    if (!heads || !hp || !tok)
-        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
-    else {
-        heads_to_pb(&r, heads, hp, tok, err);
-        Kvdepot__V1__SearchResponse resp = KVDEPOT__V1__SEARCH_RESPONSE__INIT;
-        resp.n_heads = (size_t)H;
-        resp.heads = hp;
-        rc = kvd__reply_msg(ctx, &resp.base, reply, err);
-    }
-    free(heads);
-    free(hp);
-    free(tok);
+    int rc = run_search(c, a, &r, err);
+    if (rc == 0)
+        rc = fill_result(&r, out, err);
     search_run_free(&r);
     return rc;
 }
@@ -345,14 +325,14 @@ static void copy_rows(const search_run *r, const sel_entry *e, size_t e0, size_t
  * through the read cursor, in runs of whole blocks of at most ENCODE_WINDOW
  * tokens. Only blocks holding a selected token are read.
  */
-static int gather_selected(kvd_req_ctx *ctx, const Kvdepot__V1__SearchRequest *req, search_run *r,
+static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
                            kvd_error *err)
 {
-    kvd_store *st = ctx->svc->store;
+    kvd_store *st = c->store;
     const kvd_model_info *m = &r->sc.model;
     const size_t H = m->num_kv_heads, P = (size_t)r->per_head, n_sel = H * P;
     const size_t row = (size_t)m->head_dim * kvd_dtype_size(m->dtype);
-    const uint64_t B = ctx->svc->page_tokens, sealed = r->sc.layer_tokens / B;
+    const uint64_t B = kvd_store_page_tokens(st), sealed = r->sc.layer_tokens / B;
     const uint64_t end = r->start + r->n;
     r->kv = malloc(2 * (n_sel ? n_sel : 1) * row);
     sel_entry *e = malloc(sizeof *e * (n_sel ? n_sel : 1));
@@ -378,8 +358,7 @@ static int gather_selected(kvd_req_ctx *ctx, const Kvdepot__V1__SearchRequest *r
         if (blk < sealed) {
             kvd_page_handle ph;
             kvd_page_view v;
-            if ((rc = kvd_store_page_acquire(st, req->sequence_id.data, req->sequence_id.len,
-                                             req->layer, blk, &ph, err)))
+            if ((rc = kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
                 break;
             if (kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
                 v.h.k_codec == KVD_CODEC_RAW && v.h.v_codec == KVD_CODEC_RAW &&
@@ -404,7 +383,7 @@ static int gather_selected(kvd_req_ctx *ctx, const Kvdepot__V1__SearchRequest *r
                 rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
                 break;
             }
-            if ((rc = kvd__read_window(st, &req->sequence_id, req->layer, run_a, T, buf, bytes,
+            if ((rc = kvd__read_window(st, sa->id, sa->id_len, sa->layer, run_a, T, buf, bytes,
                                        err)))
                 break;
             copy_rows(r, e, run_e0, run_e1, buf, buf + bytes / 2, run_a, H * row, row, row);
@@ -430,75 +409,50 @@ done:
     return rc;
 }
 
-int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
-                        kvd_error *err)
+int kvd_compute_sparse_attend(const kvd_compute *c, const kvd_search_args *sa, float scale,
+                              kvd_search_result *out, kvd_error *err)
 {
-    const Kvdepot__V1__SparseAttendRequest *req = (const Kvdepot__V1__SparseAttendRequest *)msg;
-    if (!req->search)
-        return kvd_error_set(err, KVD_EINVAL, "search: missing");
-    if (!isfinite(req->scale))
+    if (!isfinite(scale))
         return kvd_error_set(err, KVD_EINVAL, "scale: not finite");
-    kvd_backend *be = kvd_store_backend(ctx->svc->store);
-    int rc;
     search_run r;
-    if ((rc = run_search(ctx, be, req->search, &r, err))) {
+    int rc;
+    if ((rc = run_search(c, sa, &r, err)) || (rc = gather_selected(c, sa, &r, err)) ||
+        (rc = fill_result(&r, out, err))) {
         search_run_free(&r);
         return rc;
     }
     const kvd_model_info *m = &r.sc.model;
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim, Hq = (int)m->num_q_heads;
     const size_t es = kvd_dtype_size(m->dtype);
-    if ((rc = gather_selected(ctx, req->search, &r, err))) {
-        search_run_free(&r);
-        return rc;
-    }
     /* The selected tokens, gathered in Search's order: attention over the
      * same tokens in the same order as over the range with r.idx. */
     const size_t P = (size_t)r.per_head;
     int32_t *seq = malloc(sizeof(int32_t) * (P ? P : 1) * H);
-    float *out = malloc(sizeof(float) * (size_t)Hq * D), *lse = malloc(sizeof(float) * Hq);
-    Kvdepot__V1__HeadTokens *heads = calloc((size_t)H, sizeof *heads);
-    Kvdepot__V1__HeadTokens **hp = calloc((size_t)H, sizeof *hp);
-    uint64_t *tok = malloc(sizeof(uint64_t) * (size_t)(r.per_head ? r.per_head : 1) * H);
-    if (!out || !lse || !heads || !hp || !tok || !seq) {
+    out->out = malloc(sizeof(float) * (size_t)Hq * D);
+    out->lse = malloc(sizeof(float) * Hq);
+    out->num_q_heads = (uint32_t)Hq;
+    out->head_dim = (uint32_t)D;
+    if (!out->out || !out->lse || !seq) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
     kvd_attn_sparse_args a;
     memset(&a, 0, sizeof a);
-    a.dims = (kvd_attn_dims){Hq, H, D, D, kvd__default_scale(req->scale, m->head_dim)};
+    a.dims = (kvd_attn_dims){Hq, H, D, D, kvd__default_scale(scale, m->head_dim)};
     for (size_t h = 0; h < (size_t)H; h++)
         for (size_t i = 0; i < P; i++)
             seq[h * P + i] = (int32_t)i;
     int64_t qs[2] = {Hq, D}, ls[1] = {Hq}, ks[3] = {H, (int64_t)(P ? P : 1), D},
             is[2] = {H, r.per_head};
-    a.q = kvd_tensor_make(KVD_DTYPE_F32, req->search->q, 2, qs);
+    a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)sa->q, 2, qs);
     a.k = kvd_tensor_make(m->dtype, r.kv, 3, ks); /* (H, P, D) contiguous */
     a.v = a.k;
     a.v.data = r.kv + (size_t)H * P * D * es;
     a.idx = kvd_tensor_make(KVD_DTYPE_I32, seq, 2, is);
-    a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
-    a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
-    if ((rc = kvd_attn_sparse(be, 1, &a, err)))
-        goto done;
-    heads_to_pb(&r, heads, hp, tok, err);
-    Kvdepot__V1__AttendResult res = KVDEPOT__V1__ATTEND_RESULT__INIT;
-    res.n_output = (size_t)Hq * D;
-    res.output = out;
-    res.n_lse = (size_t)Hq;
-    res.lse = lse;
-    res.num_tokens = (uint64_t)r.per_head;
-    Kvdepot__V1__SparseAttendResponse resp = KVDEPOT__V1__SPARSE_ATTEND_RESPONSE__INIT;
-    resp.result = &res;
-    resp.n_heads = (size_t)H;
-    resp.heads = hp;
-    rc = kvd__reply_msg(ctx, &resp.base, reply, err);
+    a.out = kvd_tensor_make(KVD_DTYPE_F32, out->out, 2, qs);
+    a.lse = kvd_tensor_make(KVD_DTYPE_F32, out->lse, 1, ls);
+    rc = kvd_attn_sparse(c->be, 1, &a, err);
 done:
-    free(out);
-    free(lse);
-    free(heads);
-    free(hp);
-    free(tok);
     free(seq);
     search_run_free(&r);
     return rc;

@@ -1,0 +1,227 @@
+/*
+ * Attend: decode attention over a stored token range of one layer
+ * (compute.h).
+ *
+ * Whole sealed pages are pinned in their memory tier and attended in their
+ * stored form (kvd_page_attend); the partial blocks at both ends and the raw
+ * tail are read through the store's cursor in windows of ATTEND_WINDOW
+ * tokens, run through the dense kernel straight from the cursor's wire layout
+ * (no transpose: the kernel takes any stride on the two outer dimensions),
+ * and the parts are folded together with the log-sum-exp merge. A window's
+ * pages are checksum-verified before any of their bytes reach the kernel.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "codec.h"
+#include "compute_internal.h"
+#include "kvdepot/attention.h"
+#include "seqcodec.h"
+
+/* Tokens read per kernel call: large enough that the cursor and the kernel
+ * run at full speed, small enough (8 KiB tokens x 8 heads x 128 dims x f16
+ * x K,V = 32 MiB) to keep a batch of long sequences in memory bounds. */
+#define ATTEND_WINDOW 8192
+#define PAGES_PER_STEP 64
+
+/*
+ * out (Hq, D) / lse (Hq) = attention of q (Hq, D) f32 over tokens
+ * [start, start + n) of `layer`, window by window, merged by log-sum-exp.
+ */
+static int attend_range(const kvd_compute *c, const kvd_attend_query *qy, const kvd_model_info *m,
+                        uint32_t layer, uint64_t start, uint64_t n, float scale, float *out,
+                        float *lse, kvd_error *err)
+{
+    const int Hq = (int)m->num_q_heads, H = (int)m->num_kv_heads, D = (int)m->head_dim;
+    const size_t es = kvd_dtype_size(m->dtype);
+    for (int h = 0; h < Hq; h++) {
+        lse[h] = -INFINITY;
+        for (int d = 0; d < D; d++)
+            out[(size_t)h * D + d] = 0.0f;
+    }
+    if (n == 0)
+        return 0;
+    uint64_t win = n < ATTEND_WINDOW ? n : ATTEND_WINDOW;
+    size_t half = (size_t)win * H * D * es;
+    uint8_t *buf = malloc(2 * half);
+    float *wout = malloc(sizeof(float) * (size_t)Hq * D);
+    float *wlse = malloc(sizeof(float) * (size_t)Hq);
+    int rc = 0;
+    if (!buf || !wout || !wlse) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token window",
+                           (unsigned long long)win);
+        goto done;
+    }
+    kvd_attn_dims dims = {Hq, H, D, D, scale};
+    int64_t qshape[2] = {Hq, D}, lshape[1] = {Hq};
+    for (uint64_t t0 = 0; t0 < n && rc == 0; t0 += win) {
+        uint64_t T = n - t0 < win ? n - t0 : win;
+        uint64_t bytes = 2 * (uint64_t)T * H * D * es;
+        if ((rc = kvd__read_window(c->store, qy->id, qy->id_len, layer, start + t0, T, buf, bytes,
+                                   err)))
+            break;
+        kvd_attn_dense_args a;
+        memset(&a, 0, sizeof a);
+        a.dims = dims;
+        a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)qy->q, 2, qshape);
+        /* Wire layout [token][kv_head][dim] seen as (kv_head, token, dim). */
+        int64_t kshape[3] = {H, (int64_t)T, D};
+        a.k = kvd_tensor_make(m->dtype, buf, 3, kshape);
+        a.k.stride[0] = (int64_t)D * (int64_t)es; /* strides in bytes */
+        a.k.stride[1] = (int64_t)H * D * (int64_t)es;
+        a.k.stride[2] = (int64_t)es;
+        a.v = a.k;
+        a.v.data = buf + bytes / 2;
+        a.out = kvd_tensor_make(KVD_DTYPE_F32, t0 == 0 ? out : wout, 2, qshape);
+        a.lse = kvd_tensor_make(KVD_DTYPE_F32, t0 == 0 ? lse : wlse, 1, lshape);
+        if ((rc = kvd_attn_dense(c->be, 1, &a, err)))
+            break;
+        if (t0 > 0)
+            rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, wout, wlse, err);
+    }
+done:
+    free(buf);
+    free(wout);
+    free(wlse);
+    return rc;
+}
+
+/*
+ * Attention over tokens [start, start + n): whole sealed pages are acquired
+ * from the store (pinned in their memory tier) and attended in their stored
+ * form (kvd_page_attend: INT2/INT4 homomorphic, VQ fused, SVD at the reduced
+ * widths, raw dense); the partial blocks at both ends (and the raw tail) go
+ * through the read cursor.
+ */
+static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const kvd_model_info *m,
+                        uint32_t layer, uint64_t start, uint64_t n, uint64_t layer_tokens,
+                        float scale, float *out, float *lse, kvd_error *err)
+{
+    const uint64_t B = kvd_store_page_tokens(c->store), end = start + n;
+    uint64_t f0 = (start + B - 1) / B, f1 = end / B; /* whole blocks [f0, f1) */
+    if (f1 > layer_tokens / B)
+        f1 = layer_tokens / B;
+    if (f0 >= f1)
+        return attend_range(c, qy, m, layer, start, n, scale, out, lse, err);
+    const int Hq = (int)m->num_q_heads, D = (int)m->head_dim;
+    float *po = malloc(sizeof(float) * (size_t)Hq * D), *pl = malloc(sizeof(float) * Hq);
+    kvd_page_handle *hs = calloc(PAGES_PER_STEP, sizeof *hs);
+    kvd_page_view *vs = calloc(PAGES_PER_STEP, sizeof *vs);
+    kvd_seq_codecs codecs;
+    memset(&codecs, 0, sizeof codecs);
+    int rc = 0, found = 0;
+    if (!po || !pl || !hs || !vs) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    /* VQ/SVD pages attend with the sequence's artifact snapshot. */
+    if ((rc = kvd_store_seq_codecs_get(c->store, qy->id, qy->id_len, &codecs, &found, err)) ||
+        (found && (rc = kvd_seq_codecs_load_arts(c->store, qy->id, qy->id_len, &codecs, err))))
+        goto done;
+    /* Head: [start, f0*B) */
+    if ((rc = attend_range(c, qy, m, layer, start, f0 * B - start, scale, out, lse, err)))
+        goto done;
+    kvd_attn_dims dims = {Hq, (int)m->num_kv_heads, D, D, scale};
+    for (uint64_t b0 = f0; b0 < f1 && rc == 0; b0 += PAGES_PER_STEP) {
+        size_t np = (size_t)(f1 - b0 < PAGES_PER_STEP ? f1 - b0 : PAGES_PER_STEP), got = 0;
+        for (; got < np; got++) {
+            if ((rc = kvd_store_page_acquire(c->store, qy->id, qy->id_len, layer, b0 + got,
+                                             &hs[got], err)))
+                break;
+            if ((rc = kvd_page_decode_nocheck(hs[got].bytes, hs[got].len, &vs[got], err))) {
+                got++;
+                break;
+            }
+        }
+        if (rc == 0 &&
+            (rc = kvd_page_attend(c->be, vs, np, codecs.arts, &dims, qy->q, po, pl, err)) == 0)
+            rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, po, pl, err);
+        for (size_t i = 0; i < got; i++)
+            kvd_store_page_release(c->store, &hs[i]);
+    }
+    /* Tail: [f1*B, end) */
+    if (rc == 0 && f1 * B < end &&
+        (rc = attend_range(c, qy, m, layer, f1 * B, end - f1 * B, scale, po, pl, err)) == 0)
+        rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, po, pl, err);
+done:
+    kvd_seq_codecs_clear(&codecs);
+    free(po);
+    free(pl);
+    free(hs);
+    free(vs);
+    return rc;
+}
+
+void kvd_attend_results_clear(kvd_attend_result *res, size_t n)
+{
+    if (!res)
+        return;
+    for (size_t i = 0; i < n; i++) {
+        free(res[i].out);
+        free(res[i].lse);
+        memset(&res[i], 0, sizeof res[i]);
+    }
+}
+
+int kvd_compute_attend(const kvd_compute *c, uint32_t layer, float scale,
+                       const kvd_attend_query *qs, size_t n, kvd_attend_result *res, kvd_error *err)
+{
+    if (n == 0)
+        return kvd_error_set(err, KVD_EINVAL, "queries: empty");
+    if (n > KVD_ATTEND_MAX_BATCH)
+        return kvd_error_set(err, KVD_EINVAL, "queries: %zu, at most %d per call", n,
+                             KVD_ATTEND_MAX_BATCH);
+    if (!isfinite(scale))
+        return kvd_error_set(err, KVD_EINVAL, "scale: not finite");
+
+    /* Check every query before computing any: a bad batch fails as a whole. */
+    kvd__cseq *sc = calloc(n, sizeof *sc);
+    uint64_t *count = calloc(n, sizeof *count);
+    int rc = 0;
+    if (!sc || !count) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const kvd_attend_query *qy = &qs[i];
+        char field[48];
+        snprintf(field, sizeof field, "queries[%zu].sequence_id", i);
+        if ((rc = kvd__cseq_load(c, qy->id, qy->id_len, field, layer, &sc[i], err)))
+            goto done;
+        size_t want = (size_t)sc[i].model.num_q_heads * sc[i].model.head_dim;
+        if (qy->n_q != want) {
+            rc = kvd_error_set(err, KVD_EINVAL,
+                               "queries[%zu].q: %zu floats, model %s needs num_q_heads x "
+                               "head_dim = %u x %u",
+                               i, qy->n_q, sc[i].model.name, sc[i].model.num_q_heads,
+                               sc[i].model.head_dim);
+            goto done;
+        }
+        count[i] = qy->num_tokens;
+        snprintf(field, sizeof field, "queries[%zu]", i);
+        if ((rc = kvd__token_range(field, qy->token_start, &count[i], sc[i].layer_tokens, err)))
+            goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const kvd_model_info *m = &sc[i].model;
+        res[i].num_q_heads = m->num_q_heads;
+        res[i].head_dim = m->head_dim;
+        res[i].num_tokens = count[i];
+        res[i].out = malloc(sizeof(float) * (size_t)m->num_q_heads * m->head_dim);
+        res[i].lse = malloc(sizeof(float) * m->num_q_heads);
+        if (!res[i].out || !res[i].lse) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+            goto done;
+        }
+        if ((rc =
+                 attend_pages(c, &qs[i], m, layer, qs[i].token_start, count[i], sc[i].layer_tokens,
+                              kvd__default_scale(scale, m->head_dim), res[i].out, res[i].lse, err)))
+            goto done;
+    }
+done:
+    free(count);
+    free(sc);
+    return rc;
+}

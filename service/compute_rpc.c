@@ -1,0 +1,203 @@
+/*
+ * The compute RPCs: Attend, Search, SparseAttend and PlanFetch. Each handler
+ * decodes its request into plain arrays, calls service/compute (compute.h),
+ * and encodes the answer; what is computed, and every check of the
+ * arguments, lives there.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "compute.h"
+#include "kvdepot/v1/kvdepot.pb-c.h"
+#include "rpc.h"
+
+/* Pack m into *reply; KVD_ENOMEM when it exceeds max-message-bytes. */
+static int reply_msg(kvd_req_ctx *ctx, const ProtobufCMessage *m, grpc_byte_buffer **reply,
+                     kvd_error *err)
+{
+    size_t n = protobuf_c_message_get_packed_size(m);
+    if (n > ctx->svc->cfg->max_message_bytes)
+        return kvd_error_set(err, KVD_ENOMEM,
+                             "reply of %zu bytes exceeds max-message-bytes (%llu): send fewer "
+                             "queries per call",
+                             n, (unsigned long long)ctx->svc->cfg->max_message_bytes);
+    *reply = kvd_pack(m);
+    if (!*reply)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+    return 0;
+}
+
+int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                 kvd_error *err)
+{
+    const Kvdepot__V1__AttendRequest *req = (const Kvdepot__V1__AttendRequest *)msg;
+    size_t n = req->n_queries;
+    if (n > KVD_ATTEND_MAX_BATCH) /* before sizing anything by n */
+        return kvd_error_set(err, KVD_EINVAL, "queries: %zu, at most %d per call", n,
+                             KVD_ATTEND_MAX_BATCH);
+    kvd_compute_guard g;
+    kvd_compute c;
+    kvd_ctx_compute(ctx, &g, &c);
+    kvd_attend_query *qs = calloc(n ? n : 1, sizeof *qs);
+    kvd_attend_result *res = calloc(n ? n : 1, sizeof *res);
+    Kvdepot__V1__AttendResult *pr = calloc(n ? n : 1, sizeof *pr);
+    Kvdepot__V1__AttendResult **pp = calloc(n ? n : 1, sizeof *pp);
+    int rc;
+    if (!qs || !res || !pr || !pp) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Kvdepot__V1__AttendQuery *q = req->queries[i];
+        qs[i] = (kvd_attend_query){q->sequence_id.data, q->sequence_id.len, q->q, q->n_q,
+                                   q->token_start,      q->num_tokens};
+    }
+    if ((rc = kvd_compute_attend(&c, req->layer, req->scale, qs, n, res, err)))
+        goto done;
+    for (size_t i = 0; i < n; i++) {
+        kvdepot__v1__attend_result__init(&pr[i]);
+        pr[i].n_output = (size_t)res[i].num_q_heads * res[i].head_dim;
+        pr[i].output = res[i].out;
+        pr[i].n_lse = res[i].num_q_heads;
+        pr[i].lse = res[i].lse;
+        pr[i].num_tokens = res[i].num_tokens;
+        pp[i] = &pr[i];
+    }
+    Kvdepot__V1__AttendResponse resp = KVDEPOT__V1__ATTEND_RESPONSE__INIT;
+    resp.n_results = n;
+    resp.results = pp;
+    rc = reply_msg(ctx, &resp.base, reply, err);
+done:
+    kvd_attend_results_clear(res, res ? n : 0);
+    free(res);
+    free(qs);
+    free(pr);
+    free(pp);
+    return rc;
+}
+
+static void search_args(const Kvdepot__V1__SearchRequest *req, kvd_search_args *a)
+{
+    *a = (kvd_search_args){req->sequence_id.data,
+                           req->sequence_id.len,
+                           req->layer,
+                           req->q,
+                           req->n_q,
+                           req->k,
+                           req->initial_tokens,
+                           req->recent_tokens,
+                           req->token_start,
+                           req->num_tokens};
+}
+
+/* HeadTokens of a result, pointing into it. */
+static int heads_to_pb(const kvd_search_result *r, Kvdepot__V1__HeadTokens **heads_out,
+                       Kvdepot__V1__HeadTokens ***hp_out, kvd_error *err)
+{
+    const size_t H = r->num_kv_heads;
+    Kvdepot__V1__HeadTokens *heads = calloc(H ? H : 1, sizeof *heads);
+    Kvdepot__V1__HeadTokens **hp = calloc(H ? H : 1, sizeof *hp);
+    *heads_out = heads;
+    *hp_out = hp;
+    if (!heads || !hp)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    for (size_t h = 0; h < H; h++) {
+        kvdepot__v1__head_tokens__init(&heads[h]);
+        heads[h].kv_head = (uint32_t)h;
+        heads[h].n_tokens = (size_t)r->per_head;
+        heads[h].tokens = r->tokens + h * r->per_head;
+        heads[h].n_scores = (size_t)r->per_head;
+        heads[h].scores = r->scores + h * r->per_head;
+        hp[h] = &heads[h];
+    }
+    return 0;
+}
+
+int kvd_h_search(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                 kvd_error *err)
+{
+    const Kvdepot__V1__SearchRequest *req = (const Kvdepot__V1__SearchRequest *)msg;
+    kvd_compute_guard g;
+    kvd_compute c;
+    kvd_ctx_compute(ctx, &g, &c);
+    kvd_search_args a;
+    search_args(req, &a);
+    kvd_search_result r;
+    memset(&r, 0, sizeof r);
+    Kvdepot__V1__HeadTokens *heads = NULL, **hp = NULL;
+    int rc;
+    if ((rc = kvd_compute_search(&c, &a, &r, err)) == 0 &&
+        (rc = heads_to_pb(&r, &heads, &hp, err)) == 0) {
+        Kvdepot__V1__SearchResponse resp = KVDEPOT__V1__SEARCH_RESPONSE__INIT;
+        resp.n_heads = r.num_kv_heads;
+        resp.heads = hp;
+        rc = reply_msg(ctx, &resp.base, reply, err);
+    }
+    free(heads);
+    free(hp);
+    kvd_search_result_clear(&r);
+    return rc;
+}
+
+int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                        kvd_error *err)
+{
+    const Kvdepot__V1__SparseAttendRequest *req = (const Kvdepot__V1__SparseAttendRequest *)msg;
+    if (!req->search)
+        return kvd_error_set(err, KVD_EINVAL, "search: missing");
+    kvd_compute_guard g;
+    kvd_compute c;
+    kvd_ctx_compute(ctx, &g, &c);
+    kvd_search_args a;
+    search_args(req->search, &a);
+    kvd_search_result r;
+    memset(&r, 0, sizeof r);
+    Kvdepot__V1__HeadTokens *heads = NULL, **hp = NULL;
+    int rc;
+    if ((rc = kvd_compute_sparse_attend(&c, &a, req->scale, &r, err)) == 0 &&
+        (rc = heads_to_pb(&r, &heads, &hp, err)) == 0) {
+        Kvdepot__V1__AttendResult res = KVDEPOT__V1__ATTEND_RESULT__INIT;
+        res.n_output = (size_t)r.num_q_heads * r.head_dim;
+        res.output = r.out;
+        res.n_lse = r.num_q_heads;
+        res.lse = r.lse;
+        res.num_tokens = r.per_head;
+        Kvdepot__V1__SparseAttendResponse resp = KVDEPOT__V1__SPARSE_ATTEND_RESPONSE__INIT;
+        resp.result = &res;
+        resp.n_heads = r.num_kv_heads;
+        resp.heads = hp;
+        rc = reply_msg(ctx, &resp.base, reply, err);
+    }
+    free(heads);
+    free(hp);
+    kvd_search_result_clear(&r);
+    return rc;
+}
+
+int kvd_h_plan_fetch(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                     kvd_error *err)
+{
+    const Kvdepot__V1__PlanFetchRequest *req = (const Kvdepot__V1__PlanFetchRequest *)msg;
+    kvd_compute_guard g;
+    kvd_compute c;
+    kvd_ctx_compute(ctx, &g, &c);
+    kvd_plan_args a = {req->sequence_id.data,    req->sequence_id.len, req->bandwidth_bytes_per_s,
+                       req->compute_flops_per_s, req->layer_start,     req->num_layers,
+                       req->assume_activations};
+    kvd_plan p;
+    int rc = kvd_compute_plan_fetch(&c, &a, &p, err);
+    if (rc)
+        return rc;
+    Kvdepot__V1__PlanFetchResponse resp = KVDEPOT__V1__PLAN_FETCH_RESPONSE__INIT;
+    resp.split_tokens = p.split_tokens;
+    resp.num_tokens = p.cost.n;
+    resp.predicted_seconds = p.predicted_seconds;
+    resp.kv_only_seconds = p.kv_only_seconds;
+    resp.activation_bytes = p.activation_bytes;
+    resp.kv_bytes = p.kv_bytes;
+    resp.recompute_seconds = p.recompute_seconds;
+    resp.kv_bytes_per_token = p.cost.kv_bytes;
+    resp.activation_bytes_per_token = p.cost.x_bytes;
+    resp.flops_per_token = p.cost.flops;
+    return reply_msg(ctx, &resp.base, reply, err);
+}
