@@ -113,10 +113,10 @@ static int heads_to_pb(const kvd_search_result *r, Kvdepot__V1__HeadTokens **hea
     return 0;
 }
 
-int kvd_h_search(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
-                 kvd_error *err)
+/* Search (sparse = 0) or SparseAttend (1) and its reply. */
+static int search_rpc(kvd_req_ctx *ctx, const Kvdepot__V1__SearchRequest *req, int sparse,
+                      float scale, grpc_byte_buffer **reply, kvd_error *err)
 {
-    const Kvdepot__V1__SearchRequest *req = (const Kvdepot__V1__SearchRequest *)msg;
     kvd_compute_guard g;
     kvd_compute c;
     kvd_ctx_compute(ctx, &g, &c);
@@ -125,18 +125,34 @@ int kvd_h_search(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
     kvd_search_result r;
     memset(&r, 0, sizeof r);
     Kvdepot__V1__HeadTokens *heads = NULL, **hp = NULL;
-    int rc;
-    if ((rc = kvd_compute_search(&c, &a, &r, err)) == 0 &&
-        (rc = heads_to_pb(&r, &heads, &hp, err)) == 0) {
+    int rc = sparse ? kvd_compute_sparse_attend(&c, &a, scale, &r, err)
+                    : kvd_compute_search(&c, &a, &r, err);
+    if (rc == 0 && (rc = heads_to_pb(&r, &heads, &hp, err)) == 0) {
+        Kvdepot__V1__AttendResult res = KVDEPOT__V1__ATTEND_RESULT__INIT;
+        res.n_output = (size_t)r.num_q_heads * r.head_dim;
+        res.output = r.out;
+        res.n_lse = r.num_q_heads;
+        res.lse = r.lse;
+        res.num_tokens = r.per_head;
+        Kvdepot__V1__SparseAttendResponse sresp = KVDEPOT__V1__SPARSE_ATTEND_RESPONSE__INIT;
+        sresp.result = &res;
+        sresp.n_heads = r.num_kv_heads;
+        sresp.heads = hp;
         Kvdepot__V1__SearchResponse resp = KVDEPOT__V1__SEARCH_RESPONSE__INIT;
         resp.n_heads = r.num_kv_heads;
         resp.heads = hp;
-        rc = reply_msg(ctx, &resp.base, reply, err);
+        rc = reply_msg(ctx, sparse ? &sresp.base : &resp.base, reply, err);
     }
     free(heads);
     free(hp);
     kvd_search_result_clear(&r);
     return rc;
+}
+
+int kvd_h_search(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                 kvd_error *err)
+{
+    return search_rpc(ctx, (const Kvdepot__V1__SearchRequest *)msg, 0, 0.0f, reply, err);
 }
 
 int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
@@ -145,33 +161,7 @@ int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte
     const Kvdepot__V1__SparseAttendRequest *req = (const Kvdepot__V1__SparseAttendRequest *)msg;
     if (!req->search)
         return kvd_error_set(err, KVD_EINVAL, "search: missing");
-    kvd_compute_guard g;
-    kvd_compute c;
-    kvd_ctx_compute(ctx, &g, &c);
-    kvd_search_args a;
-    search_args(req->search, &a);
-    kvd_search_result r;
-    memset(&r, 0, sizeof r);
-    Kvdepot__V1__HeadTokens *heads = NULL, **hp = NULL;
-    int rc;
-    if ((rc = kvd_compute_sparse_attend(&c, &a, req->scale, &r, err)) == 0 &&
-        (rc = heads_to_pb(&r, &heads, &hp, err)) == 0) {
-        Kvdepot__V1__AttendResult res = KVDEPOT__V1__ATTEND_RESULT__INIT;
-        res.n_output = (size_t)r.num_q_heads * r.head_dim;
-        res.output = r.out;
-        res.n_lse = r.num_q_heads;
-        res.lse = r.lse;
-        res.num_tokens = r.per_head;
-        Kvdepot__V1__SparseAttendResponse resp = KVDEPOT__V1__SPARSE_ATTEND_RESPONSE__INIT;
-        resp.result = &res;
-        resp.n_heads = r.num_kv_heads;
-        resp.heads = hp;
-        rc = reply_msg(ctx, &resp.base, reply, err);
-    }
-    free(heads);
-    free(hp);
-    kvd_search_result_clear(&r);
-    return rc;
+    return search_rpc(ctx, req->search, 1, req->scale, reply, err);
 }
 
 int kvd_h_plan_fetch(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
