@@ -130,8 +130,24 @@ static kvd_backend *open_backend(kvd_error *err)
     return cpu;
 }
 
+/* Stored caches are private to the service: warn when the data directory
+ * of an earlier start lets other users in (new ones are made 0700). */
+static void check_data_dir_mode(const char *dir)
+{
+    struct stat st;
+    if (stat(dir, &st) == 0 && (st.st_mode & 077)) {
+        char q[1100];
+        kvd_log_quote(q, sizeof q, dir, strlen(dir));
+        KVD_LOG(KVD_LOG_WARN, "the data directory is open to other users: chmod 700 it",
+                "data_dir=%s mode=%03o", q, (unsigned)(st.st_mode & 0777));
+    }
+}
+
 int main(int argc, char **argv)
 {
+    /* Every file kvdepotd creates (RocksDB's, the port file) is 0600 and
+     * every directory 0700: the stored K/V is nobody else's to read. */
+    umask(077);
     const char *prog = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
     kvd_config cfg;
     char err[512];
@@ -247,6 +263,7 @@ int main(int argc, char **argv)
     kvd_store *store = NULL;
     kvd_error serr;
     kvd_error_clear(&serr);
+    check_data_dir_mode(cfg.data_dir);
     kvd_backend *backend = open_backend(&serr);
     int rc = backend ? 0 : KVD_EINTERNAL;
     if (rc)

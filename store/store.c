@@ -195,7 +195,7 @@ static int mkdir_p(const char *path, kvd_error *err)
         if (*p == '/' || *p == '\0') {
             char c = *p;
             *p = '\0';
-            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+            if (mkdir(tmp, 0700) != 0 && errno != EEXIST) {
                 int e = errno;
                 kvd_error_set(err, KVD_EINTERNAL, "cannot create directory %s: %s", tmp,
                               strerror(e));

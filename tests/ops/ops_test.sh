@@ -452,6 +452,29 @@ EOF
     [ "$rc" -eq 1 ] || fail "taken metrics address: exit $rc, want 1"
     stop
     ;;
+modes)
+    # The stored caches are private: a new data directory is 0700 and every
+    # file in it 0600; an existing wider directory is used, with a warning.
+    start
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    ok k put s1 --model m --tokens 600 --file "$(kv 600)"
+    stop # flushed: WAL, SST and blob files on disk
+    [ "$(stat -c %a "$work/data")" = 700 ] || fail "data directory mode $(stat -c %a "$work/data")"
+    [ "$(find "$work/data" -type f | wc -l)" -gt 3 ] || fail "no files to check in the data directory"
+    wide=$(find "$work/data" \( -type f ! -perm 600 \) -o \( -type d ! -perm 700 \))
+    [ -z "$wide" ] || fail "not private: $(ls -l $wide)"
+    [ "$(stat -c %a "$work/port")" = 600 ] || fail "port file mode $(stat -c %a "$work/port")"
+    grep -q 'open to other users' "$work/server.log" && fail "warned about a private directory"
+    chmod 755 "$work/data"
+    start
+    grep -q 'level=warn.*mode=755 msg="the data directory is open to other users' "$work/server.log" ||
+        fail "no warning about a 0755 data directory"
+    ok k put s2 --model m --tokens 300 --file "$(kv 300)"
+    stop
+    wide=$(find "$work/data" -mindepth 1 \( -type f ! -perm 600 \) -o \( -mindepth 1 -type d ! -perm 700 \))
+    [ -z "$wide" ] || fail "new files not private: $(ls -l $wide)"
+    ;;
 *)
     fail "unknown case"
     ;;
