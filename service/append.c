@@ -297,11 +297,14 @@ static int check_room(append_state *st, uint64_t len, kvd_error *err)
 /* The slow path: a full protobuf-c decode with its merge rules. */
 static int recv_slow(kvd_req_ctx *ctx, append_state *st, grpc_byte_buffer *msg, kvd_error *err)
 {
-    Kvdepot__V1__AppendRequest *req =
-        (Kvdepot__V1__AppendRequest *)kvd_bb_unpack(&kvdepot__v1__append_request__descriptor, msg);
+    kvd_error_clear(err);
+    Kvdepot__V1__AppendRequest *req = (Kvdepot__V1__AppendRequest *)kvd_bb_unpack(
+        &kvdepot__v1__append_request__descriptor, msg, err);
     if (!req)
-        return kvd_error_set(err, KVD_EINVAL, "AppendRequest: message %llu does not parse",
-                             (unsigned long long)st->messages + 1);
+        return err && err->code
+                   ? err->code
+                   : kvd_error_set(err, KVD_EINVAL, "AppendRequest: message %llu does not parse",
+                                   (unsigned long long)st->messages + 1);
     int rc = check_header_order(st, req->header != NULL, err);
     if (!rc && req->header) {
         rc = begin(ctx, st, req->header, err);

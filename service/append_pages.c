@@ -45,11 +45,14 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
         *state = st;
     }
+    kvd_error_clear(err);
     Kvdepot__V1__AppendPagesRequest *m = (Kvdepot__V1__AppendPagesRequest *)kvd_bb_unpack(
-        &kvdepot__v1__append_pages_request__descriptor, msg);
+        &kvdepot__v1__append_pages_request__descriptor, msg, err);
     if (!m)
-        return kvd_error_set(err, KVD_EINVAL, "message %zu does not parse as AppendPagesRequest",
-                             st->n);
+        return err && err->code
+                   ? err->code
+                   : kvd_error_set(err, KVD_EINVAL,
+                                   "message %zu does not parse as AppendPagesRequest", st->n);
     int rc = 0;
     if (!st->first) {
         if (!m->header) {

@@ -79,10 +79,14 @@ static int upload_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kv
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
         *state = st;
     }
+    kvd_error_clear(err);
     Kvdepot__V1__UploadArtifactsRequest *m = (Kvdepot__V1__UploadArtifactsRequest *)kvd_bb_unpack(
-        &kvdepot__v1__upload_artifacts_request__descriptor, msg);
+        &kvdepot__v1__upload_artifacts_request__descriptor, msg, err);
     if (!m)
-        return kvd_error_set(err, KVD_EINVAL, "a message does not parse as UploadArtifactsRequest");
+        return err && err->code
+                   ? err->code
+                   : kvd_error_set(err, KVD_EINVAL,
+                                   "a message does not parse as UploadArtifactsRequest");
     int rc = 0;
     if (!st->have_model) {
         size_t nl = m->model ? strlen(m->model) : 0;

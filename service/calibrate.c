@@ -211,10 +211,13 @@ static int cal_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd_e
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
         *state = st;
     }
+    kvd_error_clear(err);
     Kvdepot__V1__CalibrateRequest *m = (Kvdepot__V1__CalibrateRequest *)kvd_bb_unpack(
-        &kvdepot__v1__calibrate_request__descriptor, msg);
+        &kvdepot__v1__calibrate_request__descriptor, msg, err);
     if (!m)
-        return kvd_error_set(err, KVD_EINVAL, "a message does not parse as CalibrateRequest");
+        return err && err->code
+                   ? err->code
+                   : kvd_error_set(err, KVD_EINVAL, "a message does not parse as CalibrateRequest");
     int rc = 0;
     if (!st->have_header) {
         if (!m->header)

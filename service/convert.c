@@ -81,13 +81,126 @@ int kvd_bb_flatten(grpc_byte_buffer *bb, grpc_slice *out)
     return 0;
 }
 
-ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb)
+/* One varint at p[*i] (bounds-checked); 0 when malformed. */
+static int read_varint(const uint8_t *p, size_t n, size_t *i, uint64_t *v)
+{
+    *v = 0;
+    for (int shift = 0; shift < 64 && *i < n; shift += 7) {
+        uint8_t b = p[(*i)++];
+        *v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80))
+            return 1;
+    }
+    return 0;
+}
+
+/* Offset of the first byte that is not valid UTF-8 (RFC 3629: no overlong
+ * forms, no surrogates, nothing past U+10FFFF), or n. */
+static size_t utf8_bad(const uint8_t *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        size_t k;
+        uint32_t cp, min;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xe0) == 0xc0) {
+            k = 1, cp = c & 0x1f, min = 0x80;
+        } else if ((c & 0xf0) == 0xe0) {
+            k = 2, cp = c & 0x0f, min = 0x800;
+        } else if ((c & 0xf8) == 0xf0) {
+            k = 3, cp = c & 0x07, min = 0x10000;
+        } else {
+            return i;
+        }
+        for (size_t j = 1; j <= k; j++) {
+            if (i + j >= n || (s[i + j] & 0xc0) != 0x80)
+                return i;
+            cp = (cp << 6) | (s[i + j] & 0x3f);
+        }
+        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+            return i;
+        i += k + 1;
+    }
+    return n;
+}
+
+/*
+ * Every string field of a message that protobuf-c parsed, checked on the
+ * wire, where its length is known: protobuf-c hands strings over
+ * NUL-terminated, so "a\0b" would be taken for "a". A NUL byte or bytes
+ * that are not UTF-8 (proto3 strings are UTF-8) are KVD_EINVAL naming the
+ * field (path "model.name"). Nested messages are walked too.
+ */
+static int check_wire_strings(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n,
+                              const char *prefix, int depth, kvd_error *err)
+{
+    size_t i = 0;
+    while (i < n) {
+        uint64_t tag, len;
+        if (!read_varint(p, n, &i, &tag))
+            return 0; /* protobuf-c parsed it: nothing of ours to say */
+        switch (tag & 7) {
+        case 0:
+            if (!read_varint(p, n, &i, &len))
+                return 0;
+            continue;
+        case 1:
+            i += 8;
+            continue;
+        case 5:
+            i += 4;
+            continue;
+        case 2:
+            break;
+        default:
+            return 0;
+        }
+        if (!read_varint(p, n, &i, &len) || len > n - i)
+            return 0;
+        const ProtobufCFieldDescriptor *f =
+            tag >> 3 <= UINT32_MAX
+                ? protobuf_c_message_descriptor_get_field(d, (unsigned)(tag >> 3))
+                : NULL;
+        const uint8_t *v = p + i;
+        i += len;
+        if (!f)
+            continue;
+        char path[192];
+        snprintf(path, sizeof path, "%s%s%s", prefix, prefix[0] ? "." : "", f->name);
+        if (f->type == PROTOBUF_C_TYPE_STRING) {
+            const uint8_t *nul = memchr(v, 0, len);
+            if (nul)
+                return kvd_error_set(err, KVD_EINVAL, "%s: NUL byte at offset %zu", path,
+                                     (size_t)(nul - v));
+            size_t bad = utf8_bad(v, len);
+            if (bad < len)
+                return kvd_error_set(err, KVD_EINVAL, "%s: not UTF-8 at byte %zu (0x%02x)", path,
+                                     bad, v[bad]);
+        } else if (f->type == PROTOBUF_C_TYPE_MESSAGE && depth < 16) {
+            int rc = check_wire_strings(f->descriptor, v, len, path, depth + 1, err);
+            if (rc)
+                return rc;
+        }
+    }
+    return 0;
+}
+
+ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb,
+                                kvd_error *why)
 {
     grpc_slice s;
     if (kvd_bb_flatten(bb, &s) != 0)
         return NULL;
-    ProtobufCMessage *m =
-        protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    const uint8_t *p = GRPC_SLICE_START_PTR(s);
+    size_t n = GRPC_SLICE_LENGTH(s);
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, n, p);
+    if (m && check_wire_strings(desc, p, n, "", 0, why)) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        m = NULL;
+    }
     grpc_slice_unref(s);
     return m;
 }

@@ -32,8 +32,12 @@ int kvd_codecs_from_pb(const Kvdepot__V1__SequenceCodecs *c, const kvd_model_inf
  * cannot be read (e.g. it fails to decompress). */
 int kvd_bb_flatten(grpc_byte_buffer *bb, grpc_slice *out);
 
-/* Decode a received message of the given type; NULL when it does not parse.
- * Free with protobuf_c_message_free_unpacked(msg, NULL). */
-ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb);
+/* Decode a received message of the given type; NULL when it does not parse,
+ * or when one of its string fields (nested ones too) holds a NUL byte or
+ * bytes that are not UTF-8: then *why (may be NULL) says which, with
+ * KVD_EINVAL; otherwise why->code stays 0. Free the message with
+ * protobuf_c_message_free_unpacked(msg, NULL). */
+ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb,
+                                kvd_error *why);
 
 #endif /* KVDEPOT_SERVICE_CONVERT_H */

@@ -497,16 +497,19 @@ static void on_request(kvd_call *c, int ok)
         return;
     }
     c->bytes_in += grpc_byte_buffer_length(bb);
-    ProtobufCMessage *req = kvd_bb_unpack(m->request, bb);
+    kvd_error err;
+    kvd_error_clear(&err);
+    ProtobufCMessage *req = kvd_bb_unpack(m->request, bb, &err);
     grpc_byte_buffer_destroy(bb);
     if (!req) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "%s: request message does not parse", m->request->short_name);
+        char msg[sizeof err.msg + 64];
+        if (err.code)
+            snprintf(msg, sizeof msg, "%s", err.msg);
+        else
+            snprintf(msg, sizeof msg, "%s: request message does not parse", m->request->short_name);
         finish(c, KVD_EINVAL, msg, NULL);
         return;
     }
-    kvd_error err;
-    kvd_error_clear(&err);
     if (m->kind == KVD_RPC_UNARY) {
         grpc_byte_buffer *reply = NULL;
         int rc = m->unary(&c->ctx, req, &reply, &err);

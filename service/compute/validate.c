@@ -33,6 +33,8 @@ int kvd_check_model_name(const char *name, const char *field, kvd_error *err)
                                  "%s: byte %zu (0x%02x) is not one of [A-Za-z0-9._-]", field, i,
                                  (unsigned char)c);
     }
+    if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+        return kvd_error_set(err, KVD_EINVAL, "%s: '%s' is not a model name", field, name);
     return 0;
 }
 

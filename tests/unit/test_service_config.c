@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "convert.h"
 #include "log.h"
 #include "rpc.h"
 #include "validate.h"
@@ -237,6 +238,9 @@ static void test_validate(void)
     CHECK(kvd_check_model_name("llama-3.1_8B", "model", &e) == 0);
     CHECK(kvd_check_model_name("", "model", &e) == KVD_EINVAL);
     CHECK(kvd_check_model_name("a/b", "model", &e) == KVD_EINVAL && strstr(e.msg, "model"));
+    CHECK(kvd_check_model_name(".", "model", &e) == KVD_EINVAL);
+    CHECK(kvd_check_model_name("..", "model", &e) == KVD_EINVAL);
+    CHECK(kvd_check_model_name("...", "model", &e) == 0);
     char longname[200];
     memset(longname, 'a', sizeof longname - 1);
     longname[sizeof longname - 1] = '\0';
@@ -296,8 +300,61 @@ static void test_method_table(void)
     CHECK(kvd_method_find(p, 0) == NULL);
 }
 
+/* A received message of raw bytes through kvd_bb_unpack: 0, or the code
+ * with *msg the reason. */
+static int unpack_raw(const ProtobufCMessageDescriptor *d, const void *bytes, size_t n,
+                      kvd_error *why)
+{
+    grpc_slice s = grpc_slice_from_copied_buffer(bytes, n);
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    kvd_error_clear(why);
+    ProtobufCMessage *m = kvd_bb_unpack(d, bb, why);
+    grpc_byte_buffer_destroy(bb);
+    if (m)
+        protobuf_c_message_free_unpacked(m, NULL);
+    return m ? 0 : why->code ? why->code : -1;
+}
+
+/* String fields are checked on the wire, with their length: protobuf-c
+ * would hand "a\0b" over as "a". */
+static void test_wire_strings(void)
+{
+    kvd_error e;
+    const ProtobufCMessageDescriptor *get = &kvdepot__v1__get_model_request__descriptor;
+    const ProtobufCMessageDescriptor *put = &kvdepot__v1__put_model_request__descriptor;
+    /* GetModelRequest.name = field 1 */
+    CHECK(unpack_raw(get, "\x0a\x03" "abc", 5, &e) == 0);
+    CHECK(unpack_raw(get, "\x0a\x03" "a\0b", 5, &e) == KVD_EINVAL &&
+          strstr(e.msg, "name: NUL byte at offset 1"));
+    CHECK(unpack_raw(get, "\x0a\x04\xf0\x9f\x98\x80", 6, &e) == 0); /* U+1F600 */
+    CHECK(unpack_raw(get, "\x0a\x02\xc3\xa9", 4, &e) == 0);            /* U+00E9 */
+    const char *bad[] = {"\xff", "\xc0\x80" /* overlong NUL */, "\xed\xa0\x80" /* surrogate */,
+                         "\xf4\x90\x80\x80" /* past U+10FFFF */, "\xe2\x82" /* cut short */,
+                         "\x80"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        uint8_t msg[16] = {0x0a, (uint8_t)strlen(bad[i])};
+        memcpy(msg + 2, bad[i], strlen(bad[i]));
+        CHECK(unpack_raw(get, msg, 2 + strlen(bad[i]), &e) == KVD_EINVAL &&
+              strstr(e.msg, "name: not UTF-8"));
+    }
+    /* PutModelRequest.model (1) { name (1) = "a\0b", revision (2) = "r" } */
+    const uint8_t nested[] = {0x0a, 0x08, 0x0a, 0x03, 'a', 0, 'b', 0x12, 0x01, 'r'};
+    CHECK(unpack_raw(put, nested, sizeof nested, &e) == KVD_EINVAL &&
+          strstr(e.msg, "model.name: NUL byte"));
+    const uint8_t nested_rev[] = {0x0a, 0x08, 0x0a, 0x01, 'a', 0x12, 0x03, 'r', 0xfe, 'r'};
+    CHECK(unpack_raw(put, nested_rev, sizeof nested_rev, &e) == KVD_EINVAL &&
+          strstr(e.msg, "model.revision: not UTF-8"));
+    /* bytes fields may hold anything: StatSequenceRequest.sequence_id */
+    CHECK(unpack_raw(&kvdepot__v1__stat_sequence_request__descriptor, "\x0a\x02\x00\xff", 4,
+                     &e) == 0);
+    /* a message that does not parse says nothing more */
+    CHECK(unpack_raw(get, "\x0a\x7f", 2, &e) == -1);
+}
+
 int main(void)
 {
+    test_wire_strings();
     test_defaults();
     test_flags();
     test_bad_values();

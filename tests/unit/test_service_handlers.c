@@ -70,7 +70,7 @@ static int unary(kvd_unary_fn fn, const ProtobufCMessage *req, kvd_error *err)
     grpc_byte_buffer *reply = NULL;
     /* Round-trip the request through the wire, as the server does. */
     grpc_byte_buffer *bb = msg_split(req, 3);
-    ProtobufCMessage *m = kvd_bb_unpack(req->descriptor, bb);
+    ProtobufCMessage *m = kvd_bb_unpack(req->descriptor, bb, NULL);
     grpc_byte_buffer_destroy(bb);
     int rc = fn(&ctx, m, &reply, err);
     protobuf_c_message_free_unpacked(m, NULL);
@@ -152,7 +152,7 @@ static uint8_t *read_all(const char *id, uint64_t token_start, uint64_t num_toke
         if (!m)
             break;
         Kvdepot__V1__ReadResponse *r = (Kvdepot__V1__ReadResponse *)kvd_bb_unpack(
-            &kvdepot__v1__read_response__descriptor, m);
+            &kvdepot__v1__read_response__descriptor, m, NULL);
         grpc_byte_buffer_destroy(m);
         CHECK(r != NULL);
         if (!r)

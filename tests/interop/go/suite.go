@@ -431,6 +431,71 @@ func (s *suite) tErrorsGarbage() {
 	}
 }
 
+// ld is a length-delimited protobuf field (strings, bytes, messages).
+func ld(field int, b []byte) []byte {
+	out := []byte{byte(field<<3 | 2)}
+	for n := len(b); ; n >>= 7 {
+		if n < 0x80 {
+			out = append(out, byte(n))
+			break
+		}
+		out = append(out, byte(n&0x7f|0x80))
+	}
+	return append(out, b...)
+}
+
+// Names are checked byte for byte: a NUL byte or bytes that are not UTF-8
+// in any string field are INVALID_ARGUMENT (not a shorter name), and "." and
+// ".." are no model names; nothing changes.
+func (s *suite) tNames() {
+	X := "go-seq"
+	bad := [][]byte{[]byte("go-f16\x00x"), []byte("go-f16\xff"), []byte("go-\xc0\x80")}
+	for _, name := range bad {
+		model := ld(1, name)
+		putModel := ld(1, append(append([]byte{}, model...), 0x18, 2, 0x20, 1, 0x30, 8, 0x40, 1))
+		del := append(ld(1, name), 0x10, 1) // force
+		for _, c := range []struct {
+			method string
+			msg    []byte
+		}{
+			{"PutModel", putModel},
+			{"GetModel", ld(1, name)},
+			{"DeleteModel", del},
+			{"CreateSequence", append(ld(1, []byte("go-names")), ld(2, name)...)},
+			{"ListSequences", ld(1, name)},
+			{"Lookup", ld(1, name)},
+		} {
+			if msg := try(func() {
+				st := expectCode(errOf(s.api.rawUnary(c.method, c.msg)), codes.InvalidArgument)
+				check(strings.Contains(st.Message(), "name") || strings.Contains(st.Message(), "model"),
+					"message does not name the field: %s", st.Message())
+			}); msg != "" {
+				fail("%s with %q: %s", c.method, name, msg)
+			}
+		}
+		for _, c := range []struct {
+			method string
+			msgs   [][]byte
+		}{
+			{"UploadArtifacts", [][]byte{ld(1, name)}},
+			{"Calibrate", [][]byte{ld(1, ld(1, name))}},
+		} {
+			expectCode(s.api.rawStream(c.method, false, true, c.msgs), codes.InvalidArgument)
+		}
+		expectCode(s.api.rawStream("GetArtifacts", true, false, [][]byte{ld(1, name)}),
+			codes.InvalidArgument)
+	}
+	// Nothing happened to the model the names start with.
+	g := must(s.api.getModel("go-f16"))
+	eq(g.NumLayers, uint32(3), "go-f16 after the bad names")
+	expectCode(errOf(s.api.stat("go-names")), codes.NotFound)
+	s.verify(X, "go-seq after the bad names")
+	for _, name := range []string{".", ".."} {
+		expectCode(errOf(s.api.putModel(model(name, 2, 1, 0, 8, f16), false)), codes.InvalidArgument)
+	}
+	check(!contains(must(s.api.listModels()), "."), "a model named . was stored")
+}
+
 // An Append is invisible until acknowledged; of two appends racing for the
 // same token_start exactly one lands.
 func (s *suite) tAppendAtomic() {
@@ -893,6 +958,7 @@ func (s *suite) main() {
 		{"header reserves no memory", s.tHeaderMemory},
 		{"limits and overflow", s.tErrorsLimits},
 		{"garbage messages", s.tErrorsGarbage},
+		{"names byte for byte", s.tNames},
 		{"append atomicity", s.tAppendAtomic},
 		{"cancelled append", s.tCancelledAppend},
 		{"prefix hash and lookup", s.tPrefix},
