@@ -393,7 +393,13 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
     memset(&info, 0, sizeof info);
     kvd_append *ap = st->ap;
     st->ap = NULL; /* commit frees it in every case */
+    /* The reservation becomes usage as the append commits: a usage rescan
+     * sees it in one of the two, never both or neither. */
+    kvd_quota_lock(st->quota);
     int rc = kvd_store_append_commit(ap, &info, err);
+    if (rc == 0 && st->reserved)
+        kvd_quota_settle(st->quota, st->model, 0, st->expected);
+    kvd_quota_unlock(st->quota);
     if (rc)
         return rc;
     st->committed = 1;

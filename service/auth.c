@@ -54,6 +54,7 @@ static void auth_free(kvd_auth *a)
     }
     free(a->tenants);
     pthread_mutex_destroy(&a->mu);
+    pthread_mutex_destroy(&a->commit_mu);
     free(a);
 }
 
@@ -350,6 +351,7 @@ int kvd_auth_load(const char *path, uint64_t max_sequences, uint64_t max_bytes, 
         return fail(err, errlen, "out of memory");
     atomic_init(&a->refs, 1);
     pthread_mutex_init(&a->mu, NULL);
+    pthread_mutex_init(&a->commit_mu, NULL);
     int rc;
     if (path) {
         a->required = 1;
@@ -467,25 +469,67 @@ int kvd_quota_reserve(kvd_auth *a, const char *model, uint64_t sequences, uint64
             if (match_any(t->namespaces, t->n_namespaces, model)) {
                 t->sequences += sequences;
                 t->bytes += bytes;
+                t->inflight_sequences += sequences;
+                t->inflight_bytes += bytes;
             }
         }
     pthread_mutex_unlock(&a->mu);
     return rc;
 }
 
-void kvd_quota_release(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes)
+static uint64_t sub_floor(uint64_t x, uint64_t y)
+{
+    return y < x ? x - y : 0;
+}
+
+/* Usage and/or in-flight amounts of model's tenants down by (seqs, bytes). */
+static void quota_down(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes,
+                       int usage, int inflight)
 {
     if (!a)
         return;
     pthread_mutex_lock(&a->mu);
     for (size_t i = 0; i < a->n_tenants; i++) {
         kvd_tenant *t = &a->tenants[i];
-        if (match_any(t->namespaces, t->n_namespaces, model)) {
-            t->sequences -= sequences < t->sequences ? sequences : t->sequences;
-            t->bytes -= bytes < t->bytes ? bytes : t->bytes;
+        if (!match_any(t->namespaces, t->n_namespaces, model))
+            continue;
+        if (usage) {
+            t->sequences = sub_floor(t->sequences, sequences);
+            t->bytes = sub_floor(t->bytes, bytes);
+        }
+        if (inflight) {
+            t->inflight_sequences = sub_floor(t->inflight_sequences, sequences);
+            t->inflight_bytes = sub_floor(t->inflight_bytes, bytes);
         }
     }
     pthread_mutex_unlock(&a->mu);
+}
+
+void kvd_quota_settle(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes)
+{
+    quota_down(a, model, sequences, bytes, 0, 1);
+}
+
+void kvd_quota_forget(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes)
+{
+    quota_down(a, model, sequences, bytes, 1, 0);
+}
+
+void kvd_quota_lock(kvd_auth *a)
+{
+    if (a)
+        pthread_mutex_lock(&a->commit_mu);
+}
+
+void kvd_quota_unlock(kvd_auth *a)
+{
+    if (a)
+        pthread_mutex_unlock(&a->commit_mu);
+}
+
+void kvd_quota_release(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes)
+{
+    quota_down(a, model, sequences, bytes, 1, 1);
 }
 
 uint64_t kvd_seq_payload_bytes(const kvd_seq_info *s, const kvd_model_info *m)
@@ -517,6 +561,8 @@ int kvd_auth_scan(kvd_auth *a, kvd_store *store, kvd_store_totals *tot, kvd_erro
     int more = 1, rc = 0;
     kvd_model_info m;
     m.name[0] = '\0';
+    /* No change that moves usage commits while the store is counted. */
+    kvd_quota_lock(a);
     while (more && !rc) {
         kvd_seq_info *seqs = NULL;
         size_t n = 0;
@@ -552,13 +598,14 @@ int kvd_auth_scan(kvd_auth *a, kvd_store *store, kvd_store_totals *tot, kvd_erro
     if (!rc) {
         pthread_mutex_lock(&a->mu);
         for (size_t t = 0; t < a->n_tenants; t++) {
-            a->tenants[t].sequences = seqs_of[t];
-            a->tenants[t].bytes = bytes_of[t];
+            a->tenants[t].sequences = seqs_of[t] + a->tenants[t].inflight_sequences;
+            a->tenants[t].bytes = bytes_of[t] + a->tenants[t].inflight_bytes;
         }
         pthread_mutex_unlock(&a->mu);
         if (tot)
             *tot = sum;
     }
+    kvd_quota_unlock(a);
     free(seqs_of);
     free(bytes_of);
     return rc;

@@ -47,6 +47,9 @@ typedef struct kvd_tenant {
     size_t n_namespaces;
     uint64_t max_sequences, max_bytes; /* 0 = unlimited */
     uint64_t sequences, bytes;         /* usage; guarded by kvd_auth.mu */
+    /* the part of the usage reserved by calls not yet committed or failed:
+     * a rescan of the store keeps it */
+    uint64_t inflight_sequences, inflight_bytes;
 } kvd_tenant;
 
 typedef struct kvd_principal {
@@ -66,6 +69,10 @@ typedef struct kvd_auth {
     kvd_tenant *tenants;
     size_t n_tenants;
     pthread_mutex_t mu;
+    /* Held across a store change that moves usage (an append or create
+     * committing, a delete) and across a rescan, so a rescan sees each
+     * change either in the store or in flight, never both or neither. */
+    pthread_mutex_t commit_mu;
 } kvd_auth;
 
 /* Load the tokens file `path` (NULL = no authentication, one anonymous
@@ -80,8 +87,9 @@ typedef struct kvd_store_totals {
     uint64_t sequences, payload_bytes, stored_bytes, sealed_pages;
 } kvd_store_totals;
 
-/* Compute every tenant's usage from the store, and the store's totals (tot
- * may be NULL). Returns 0 or a kvd_status. */
+/* Compute every tenant's usage from the store (plus what calls in flight
+ * have reserved), and the store's totals (tot may be NULL). Returns 0 or a
+ * kvd_status. */
 int kvd_auth_scan(kvd_auth *a, kvd_store *store, kvd_store_totals *tot, kvd_error *err);
 
 void kvd_auth_ref(kvd_auth *a);
@@ -99,13 +107,23 @@ const char *kvd_auth_tenant(const kvd_auth *a, const kvd_principal *p);
 /* 1 when p (NULL = unrestricted) may use the model. */
 int kvd_auth_model_allowed(const kvd_principal *p, const char *model);
 
-/* Reserve one sequence, or `bytes` payload bytes, of model `model` against
- * every tenant whose namespaces hold it. Fails with KVD_ENOMEM naming the
- * quota and the tenant when one would go over; nothing is reserved then.
- * Release undoes a reservation (a failed call, or a deletion). */
+/*
+ * Quotas. Reserve one sequence, or `bytes` payload bytes, of model `model`
+ * against every tenant whose namespaces hold it: it fails with KVD_ENOMEM
+ * naming the quota and the tenant when one would go over (nothing is
+ * reserved then), else the amount counts as usage in flight. The call then
+ * either commits its store change and settles the reservation, both inside
+ * kvd_quota_lock/unlock (the amount stays as usage), or fails and releases
+ * it (any time). Forget gives back the usage of something deleted, inside
+ * kvd_quota_lock/unlock with the deletion. All take NULL for "no quotas".
+ */
 int kvd_quota_reserve(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes,
                       kvd_error *err);
+void kvd_quota_settle(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes);
 void kvd_quota_release(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes);
+void kvd_quota_forget(kvd_auth *a, const char *model, uint64_t sequences, uint64_t bytes);
+void kvd_quota_lock(kvd_auth *a);
+void kvd_quota_unlock(kvd_auth *a);
 
 /* K+V payload bytes a sequence holds: what its appends carried. */
 uint64_t kvd_seq_payload_bytes(const kvd_seq_info *s, const kvd_model_info *m);

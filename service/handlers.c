@@ -197,10 +197,14 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     if (req->ttl_seconds)
         opts.ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
                                                           : req->ttl_seconds * 1000;
+    kvd_quota_lock(ctx->auth);
     rc = kvd_store_seq_create_ex(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                                  req->model, req->prefix_hashes, req->n_prefix_hashes,
                                  req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
                                  req->n_prefix_token_ids, &opts, &info, err);
+    if (rc == 0)
+        kvd_quota_settle(ctx->auth, req->model, 1, bytes);
+    kvd_quota_unlock(ctx->auth);
     if (rc) {
         kvd_quota_release(ctx->auth, req->model, 1, bytes);
         return rc;
@@ -369,13 +373,20 @@ int kvd_h_delete_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         return rc;
     }
     uint64_t freed = 0;
-    if ((rc = kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                   &freed, err))) {
+    /* What the sequence holds when it goes leaves the usage with it. */
+    kvd_quota_lock(ctx->auth);
+    kvd_seq_info_clear(&info);
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                 &info, err)) == 0 &&
+        (rc = kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
+                                   &freed, err)) == 0)
+        kvd_quota_forget(ctx->auth, info.model, 1, kvd_seq_payload_bytes(&info, &mi));
+    kvd_quota_unlock(ctx->auth);
+    if (rc) {
         kvd_seq_info_clear(&info);
         return rc;
     }
     uint64_t bytes = kvd_seq_payload_bytes(&info, &mi);
-    kvd_quota_release(ctx->auth, info.model, 1, bytes);
     KVD_METRIC_ADD(sequences_stored, -1);
     KVD_METRIC_ADD(payload_bytes_stored, -(int64_t)bytes);
     KVD_METRIC_ADD(stored_bytes, -(int64_t)info.stored_bytes);

@@ -131,6 +131,19 @@ static int guard_reserve(void *arg, const char *model, uint64_t bytes, kvd_error
     return kvd_ctx_quota_reserve(arg, model, 0, bytes, err);
 }
 
+static void guard_commit_lock(void *arg, int on)
+{
+    if (on)
+        kvd_quota_lock(((kvd_req_ctx *)arg)->auth);
+    else
+        kvd_quota_unlock(((kvd_req_ctx *)arg)->auth);
+}
+
+static void guard_settle(void *arg, const char *model, uint64_t bytes)
+{
+    kvd_quota_settle(((kvd_req_ctx *)arg)->auth, model, 0, bytes);
+}
+
 static void guard_release(void *arg, const char *model, uint64_t bytes)
 {
     kvd_quota_release(((kvd_req_ctx *)arg)->auth, model, 0, bytes);
@@ -138,6 +151,7 @@ static void guard_release(void *arg, const char *model, uint64_t bytes)
 
 void kvd_ctx_compute(kvd_req_ctx *ctx, kvd_compute_guard *g, kvd_compute *c)
 {
-    *g = (kvd_compute_guard){guard_check_model, guard_reserve, guard_release, ctx};
+    *g = (kvd_compute_guard){guard_check_model, guard_reserve, guard_commit_lock,
+                             guard_settle,      guard_release, ctx};
     *c = (kvd_compute){ctx->svc->store, kvd_store_backend(ctx->svc->store), g};
 }

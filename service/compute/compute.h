@@ -29,12 +29,16 @@
 #include "store.h"
 
 /* What the caller may do: the service's tenant check on a sequence's model
- * (KVD_EPERM) and its quota on appended bytes (reserve may refuse; release
- * gives back what a failed append reserved). A NULL guard, or NULL members,
- * allow everything. */
+ * (KVD_EPERM) and its quota on appended bytes: reserve may refuse; the store
+ * commit then runs between commit_lock(arg, 1) and commit_lock(arg, 0), with
+ * settle(model, bytes) inside when it committed, and release gives back what
+ * a failed append reserved. A NULL guard, or NULL members, allow
+ * everything. */
 typedef struct kvd_compute_guard {
     int (*check_model)(void *arg, const char *model, kvd_error *err);
     int (*reserve)(void *arg, const char *model, uint64_t bytes, kvd_error *err);
+    void (*commit_lock)(void *arg, int on);
+    void (*settle)(void *arg, const char *model, uint64_t bytes);
     void (*release)(void *arg, const char *model, uint64_t bytes);
     void *arg;
 } kvd_compute_guard;

@@ -262,10 +262,17 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
     }
     if (rc == 0)
         rc = kvd_store_append_write(ap, wire, 2 * half, err);
-    if (rc)
+    if (rc) {
         kvd_store_append_abort(ap);
-    else
+    } else {
+        if (g && g->commit_lock)
+            g->commit_lock(g->arg, 1);
         rc = kvd_store_append_commit(ap, out, err);
+        if (rc == 0 && reserved && g && g->settle)
+            g->settle(g->arg, m.name, expected);
+        if (g && g->commit_lock)
+            g->commit_lock(g->arg, 0);
+    }
     if (rc && reserved && g && g->release)
         g->release(g->arg, m.name, expected);
 out:

@@ -14,6 +14,7 @@
 #include <grpc/grpc.h>
 #include <grpc/slice.h>
 
+#include "auth.h"
 #include "convert.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
 #include "rpc.h"
@@ -177,6 +178,75 @@ static uint8_t *read_all(const char *id, uint64_t token_start, uint64_t num_toke
     return out;
 }
 
+/*
+ * Two appends that overlap and together exceed the tenant's byte quota:
+ * exactly one may succeed, even though the second one's refusal makes the
+ * service recount usage from the store while the first is still in flight
+ * (the recount must keep what the first reserved).
+ */
+static void test_quota_overlap(void)
+{
+    const uint64_t T = 64;
+    const size_t bytes = 2 * L * T * ROW;
+    kvd_auth *auth = NULL;
+    char e[256];
+    kvd_error err;
+    CHECK(kvd_auth_load(NULL, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tenants == 1);
+    if (!auth)
+        return;
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
+    const uint64_t before = auth->tenants[0].bytes;
+    auth->tenants[0].max_bytes = before + bytes * 3 / 2; /* room for one of the two */
+    const char *ids[2] = {"q1", "q2"};
+    for (int i = 0; i < 2; i++) {
+        Kvdepot__V1__CreateSequenceRequest cs = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+        cs.sequence_id.data = (uint8_t *)ids[i];
+        cs.sequence_id.len = 2;
+        cs.model = "tm";
+        CHECK(unary(kvd_h_create_sequence, &cs.base, &err) == 0);
+    }
+    uint8_t *data = calloc(1, bytes);
+    svc.auth = auth; /* what a refused reservation recounts */
+    kvd_req_ctx ctx = {.svc = &svc, .req_id = 9, .auth = auth};
+    void *state[2] = {NULL, NULL};
+    int rc[2];
+    for (int i = 0; i < 2; i++) {
+        Kvdepot__V1__AppendHeader h = KVDEPOT__V1__APPEND_HEADER__INIT;
+        h.sequence_id.data = (uint8_t *)ids[i];
+        h.sequence_id.len = 2;
+        h.num_tokens = T;
+        h.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
+        grpc_byte_buffer *m = append_msg(&h, data, bytes / 2, 4096); /* half sent */
+        kvd_error_clear(&err);
+        rc[i] = kvd_append_ops.recv(&ctx, &state[i], m, &err);
+        grpc_byte_buffer_destroy(m);
+    }
+    for (int i = 0; i < 2; i++) {
+        if (rc[i] == 0) {
+            grpc_byte_buffer *m = append_msg(NULL, data + bytes / 2, bytes - bytes / 2, 4096);
+            rc[i] = kvd_append_ops.recv(&ctx, &state[i], m, &err);
+            grpc_byte_buffer_destroy(m);
+        }
+        if (rc[i] == 0) {
+            grpc_byte_buffer *reply = NULL;
+            rc[i] = kvd_append_ops.finish(&ctx, &state[i], &reply, &err);
+            if (reply)
+                grpc_byte_buffer_destroy(reply);
+        }
+        kvd_append_ops.release(state[i]);
+    }
+    CHECK(rc[0] == 0 && rc[1] == KVD_ENOMEM);
+    CHECK(stat_tokens("q1") == T && stat_tokens("q2") == 0);
+    /* Usage is exact afterwards: what is stored, nothing in flight. */
+    CHECK(auth->tenants[0].bytes == before + bytes);
+    CHECK(auth->tenants[0].inflight_bytes == 0 && auth->tenants[0].inflight_sequences == 0);
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0 &&
+          auth->tenants[0].bytes == before + bytes);
+    free(data);
+    svc.auth = NULL;
+    kvd_auth_unref(auth);
+}
+
 int main(void)
 {
     grpc_init();
@@ -334,6 +404,7 @@ int main(void)
               strstr(err.msg, "sequence_id"));
     }
 
+    test_quota_overlap();
     free(data);
     kvd_store_close(svc.store);
     kvd_config_free(&cfg);
