@@ -857,6 +857,14 @@ int main(int argc, char **argv)
     kvd_error_clear(&err);
     kvd_backend *cuda = NULL;
     int rc = self_check ? KVD_EUNAVAIL : kvd_backend_cuda_create(-1, &cuda, &err);
+#ifdef KVD_CUDA_EMU
+    /* test_cuda_ops_emu: the backend on the CPU emulation of CUDA
+     * (tests/backend/cuda_emu), always present. */
+    if (rc != KVD_OK) {
+        fprintf(stderr, "emulated cuda backend: %s\n", err.msg);
+        return 1;
+    }
+#endif
     if (rc == KVD_OK) {
         dut = cuda;
         run_all();

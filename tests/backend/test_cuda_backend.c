@@ -22,12 +22,14 @@ int main(void)
     kvd_error_clear(&err);
     kvd_backend *be = NULL;
     int rc = kvd_backend_cuda_create(-1, &be, &err);
+#ifndef KVD_CUDA_EMU /* the emulated device is always there */
     if (rc == KVD_EUNAVAIL || rc == KVD_EUNSUPP) {
         CHECK(be == NULL);
         CHECK(err.msg[0] != '\0');
         printf("skipped: %s\n", err.msg);
         return 77;
     }
+#endif
     CHECK(rc == KVD_OK && be != NULL);
     CHECK(strcmp(be->iface->name, "cuda") == 0);
 

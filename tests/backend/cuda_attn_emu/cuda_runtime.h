@@ -1,2 +1,0 @@
-/* Stub for the CPU emulation of kernels/cuda/attn.cu: see emu.h. */
-#include "emu.h"
