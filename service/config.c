@@ -91,6 +91,9 @@ static const setting settings[] = {
     {"durability", T_STRING, F(durability), "spill", 0, 0, "MODE",
      "none (pure cache: no WAL, the disk limit drops LRU sequences), spill (appends reach "
      "RocksDB before the reply, WAL not fsynced) or sync (WAL fsynced before the reply)"},
+    {"wal-recovery", T_STRING, F(wal_recovery), "strict", 0, 0, "MODE",
+     "strict (a damaged write-ahead log stops the start, naming the file) or point-in-time "
+     "(keep what precedes the damage, drop the rest, log what was dropped)"},
     {"device-tier-bytes", T_SIZE, F(device_tier_bytes), "1GiB", 0, 1ull << 50, "SIZE",
      "page pool in the compute device's memory (host memory on the CPU backend), "
      "allocated once at start; 0 = no device tier"},

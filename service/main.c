@@ -250,6 +250,17 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 2;
     }
+    if (strcmp(cfg.wal_recovery, "point-in-time") == 0) {
+        sopt.wal_point_in_time = 1;
+    } else if (strcmp(cfg.wal_recovery, "strict") != 0) {
+        fprintf(stderr, "%s: wal-recovery: '%s' is not strict or point-in-time\n", prog,
+                cfg.wal_recovery);
+        kvd_http_stop(http);
+        kvd_auth_unref(auth);
+        close(sfd);
+        kvd_config_free(&cfg);
+        return 2;
+    }
     if (cfg.sync && sopt.durability == KVD_DURABILITY_NONE) {
         fprintf(stderr, "%s: --sync contradicts --durability none\n", prog);
         kvd_http_stop(http);
@@ -280,6 +291,11 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 1;
     }
+    if (kvd_store_recovery_report(store)[0])
+        KVD_LOG(KVD_LOG_WARN,
+                "wal-recovery point-in-time dropped a damaged part of the write-ahead log: "
+                "appends acknowledged after it are gone",
+                "dropped=\"%.900s\"", kvd_store_recovery_report(store));
     svc.store = store;
     kvd_metrics_store = store;
     svc.page_tokens = kvd_store_page_tokens(store);

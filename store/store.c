@@ -5,6 +5,7 @@
 #include "store_internal.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -62,6 +63,8 @@ kvd_backend *kvd_store_backend(kvd_store *st)
 {
     return st->be;
 }
+
+const char *kvd_store_recovery_report(const kvd_store *st) { return st->recovery_report; }
 
 kvd_backend *kvd_store_coding_backend(kvd_store *st)
 {
@@ -184,6 +187,40 @@ int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err)
     }
     atomic_fetch_add(&kvd__db_writes, 1);
     return 0;
+}
+
+/*
+ * What RocksDB's log of this open (dir/LOG, started afresh at every open)
+ * says it dropped from damaged WAL files: "FILE: dropping N bytes; REASON"
+ * lines, joined with "; " into out. 1 when there was one, else 0.
+ */
+static int wal_damage(const char *dir, char *out, size_t cap)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/LOG", dir);
+    FILE *f = fopen(path, "r");
+    out[0] = '\0';
+    if (!f)
+        return 0;
+    char line[1024];
+    size_t used = 0;
+    int found = 0;
+    while (fgets(line, sizeof line, f)) {
+        char *d = strstr(line, ".log: dropping ");
+        if (!d)
+            continue;
+        char *start = d;
+        while (start > line && start[-1] != ' ')
+            start--;
+        line[strcspn(line, "\n")] = '\0';
+        int n = snprintf(out + used, cap - used, "%s%s", found ? "; " : "", start);
+        if (n < 0 || (size_t)n >= cap - used)
+            break;
+        used += (size_t)n;
+        found = 1;
+    }
+    fclose(f);
+    return found;
 }
 
 static int mkdir_p(const char *path, kvd_error *err)
@@ -326,17 +363,33 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     if (st->durability == KVD_DURABILITY_NONE)
         rocksdb_writeoptions_disable_WAL(st->wopt, 1);
     st->ropt = rocksdb_readoptions_create();
+    /* WAL recovery: a record that fails its checksum stops the open
+     * (kTolerateCorruptedTailRecords: only a torn write at the very end,
+     * what a crash leaves, is tolerated), or, when asked, everything from
+     * the damage on is dropped (kPointInTimeRecovery). */
+    rocksdb_options_set_wal_recovery_mode(st->dbopt, opt->wal_point_in_time ? 2 : 0);
 
     char *e = NULL;
     st->db = rocksdb_open(st->dbopt, opt->data_dir, &e);
     if (e) {
-        rc = kvd_error_set(err, strstr(e, "Corruption") ? KVD_ECORRUPT : KVD_EINTERNAL,
-                           "cannot open RocksDB in %s: %s", opt->data_dir, e);
+        char wal[512];
+        if (strstr(e, "Corruption") && wal_damage(opt->data_dir, wal, sizeof wal))
+            rc = kvd_error_set(err, KVD_ECORRUPT,
+                               "write-ahead log damaged, store not opened: appends acknowledged "
+                               "after the damage would be lost (back up the data directory, "
+                               "then start once with --wal-recovery point-in-time to keep what "
+                               "precedes the damage and drop the rest): %.280s",
+                               wal);
+        else
+            rc = kvd_error_set(err, strstr(e, "Corruption") ? KVD_ECORRUPT : KVD_EINTERNAL,
+                               "cannot open RocksDB in %s: %s", opt->data_dir, e);
         rocksdb_free(e);
         st->db = NULL;
         kvd_store_close(st);
         return rc;
     }
+    if (opt->wal_point_in_time)
+        wal_damage(opt->data_dir, st->recovery_report, sizeof st->recovery_report);
     if ((rc = load_meta(st, opt->page_tokens, err)) || (rc = kvd__load_models(st, err)) ||
         (rc = kvd__load_sequences(st, err)) || (rc = kvd__act_load(st, err)) ||
         (rc = kvd__load_expiry(st, err)) ||

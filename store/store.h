@@ -43,6 +43,11 @@ typedef struct kvd_store_options {
     uint64_t disk_bytes;        /* page bytes RocksDB may hold; 0 = unlimited */
     int durability;             /* a kvd_durability; sync_writes = 1 means SYNC */
     uint32_t prefetch_pages;    /* read-ahead of a Read cursor, pages; 0 = none */
+    /* A WAL record that fails its checksum: 0 = the open fails with
+     * KVD_ECORRUPT naming the file (a torn last record, what a crash leaves,
+     * is tolerated); 1 = keep what precedes it, drop the rest
+     * (kvd_store_recovery_report says what was dropped). */
+    int wal_point_in_time;
 } kvd_store_options;
 
 /* What an acknowledged Append is guaranteed to survive (README, "Tiers,
@@ -61,6 +66,10 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
 
 /* Flush and close; NULL is a no-op. No call may be in flight. */
 void kvd_store_close(kvd_store *st);
+
+/* What the open dropped from a damaged WAL under wal_point_in_time (one
+ * line per damaged stretch: file, bytes, reason), or "" when nothing. */
+const char *kvd_store_recovery_report(const kvd_store *st);
 
 uint32_t kvd_store_page_tokens(const kvd_store *st);
 

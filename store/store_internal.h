@@ -275,6 +275,7 @@ struct kvd_store {
     kvd_backend *be;       /* compute backend (options.backend or own_be) */
     kvd_backend *own_be;   /* created at open when none was given */
     kvd_backend be_coding; /* be limited to one thread: page coding */
+    char recovery_report[1024]; /* kvd_store_recovery_report */
 };
 
 uint64_t kvd__now_ms(void);

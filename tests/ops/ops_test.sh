@@ -452,6 +452,55 @@ EOF
     [ "$rc" -eq 1 ] || fail "taken metrics address: exit $rc, want 1"
     stop
     ;;
+wal)
+    # A damaged write-ahead log: acknowledged appends after the damage are
+    # never dropped silently. By default kvdepotd refuses to start, naming
+    # the file, and leaves it as it is; with wal-recovery point-in-time it
+    # keeps what precedes the damage and logs what it dropped, and every
+    # sequence reads back exact, empty or not at all, never different.
+    start
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    for i in 1 2 3 4 5 6 7 8; do
+        kv 300 >/dev/null && mv "$work/kv300.bin" "$work/s$i.bin"
+        ok k put "s$i" --model m --tokens 300 --file "$work/s$i.bin"
+    done
+    kill -KILL "$pid"
+    wait "$pid" 2>/dev/null || true
+    pid=
+    wal=$(ls -S "$work/data"/*.log | head -n 1)
+    size=$(stat -c %s "$wal")
+    [ "$size" -gt 10000 ] || fail "the WAL holds only $size bytes"
+    printf '\125' | dd of="$wal" bs=1 seek=$((size / 2)) conv=notrunc 2>/dev/null
+    printf '\252' | dd of="$wal" bs=1 seek=$((size / 2 + 1)) conv=notrunc 2>/dev/null
+    cp "$wal" "$work/damaged.log"
+    rc=0
+    "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --metrics-listen "" \
+        >"$work/refused.log" 2>&1 || rc=$?
+    [ "$rc" -eq 1 ] || fail "start on a damaged WAL: exit $rc, want 1"
+    grep -q "write-ahead log damaged.*$(basename "$wal"): dropping" "$work/refused.log" ||
+        fail "the refusal does not name the WAL file: $(cat "$work/refused.log")"
+    grep -q "wal-recovery point-in-time" "$work/refused.log" || fail "no way forward: $(cat "$work/refused.log")"
+    cmp -s "$wal" "$work/damaged.log" || fail "the refused start changed the WAL"
+    start --wal-recovery point-in-time
+    grep -q "level=warn.*dropped=.*$(basename "$wal"): dropping" "$work/server.log" ||
+        fail "point-in-time recovery logged nothing about what it dropped"
+    kept=0
+    for i in 1 2 3 4 5 6 7 8; do
+        if k get "s$i" --file "$work/back" >/dev/null 2>"$work/err"; then
+            # each put was one append: all of it, or (created, its append
+            # dropped) none of it
+            if [ -s "$work/back" ]; then
+                cmp -s "$work/back" "$work/s$i.bin" || fail "s$i reads back different bytes"
+                kept=$((kept + 1))
+            fi
+        else
+            grep -q NOT_FOUND "$work/err" || fail "s$i: $(cat "$work/err")"
+        fi
+    done
+    [ "$kept" -ge 1 ] && [ "$kept" -lt 8 ] || fail "$kept of 8 sequences kept"
+    stop
+    ;;
 modes)
     # The stored caches are private: a new data directory is 0700 and every
     # file in it 0600; an existing wider directory is used, with a warning.
