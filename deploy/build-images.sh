@@ -103,8 +103,11 @@ if [ $smoke = 1 ]; then
             exit 1
         fi
         # Serve on loopback from the image's config and answer a health check.
-        run /usr/local/bin/kvdepotd --config /etc/kvdepot/kvdepot.yaml --listen 127.0.0.1:0 \
-            --metrics-listen "" --port-file /data/port >"$ctx.log" 2>&1 &
+        # exec all the way down: $! is kvdepotd itself, so the kill below
+        # stops it (through a function, it would stop only the subshell)
+        (exec chroot --userspec=10001:10001 "$mnt" env -i OMP_WAIT_POLICY=passive HOME=/data \
+            /usr/local/bin/kvdepotd --config /etc/kvdepot/kvdepot.yaml --listen 127.0.0.1:0 \
+            --metrics-listen "" --port-file /data/port) >"$ctx.log" 2>&1 &
         pid=$!
         for _ in $(seq 100); do [ -s "$mnt/data/port" ] && break; sleep 0.1; done
         port=$(cat "$mnt/data/port" 2>/dev/null || true)
