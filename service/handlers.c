@@ -361,32 +361,27 @@ int kvd_h_delete_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
                                err)))
         return rc;
-    /* What the sequence held, to give back to the quotas and gauges. */
+    /* What the sequence holds when it goes leaves the quotas and gauges
+     * with it: one stat and the delete under the quota's commit lock. */
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
     kvd_model_info mi;
-    if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                 &info, err)) ||
-        (rc = kvd_ctx_check_model(ctx, info.model, err)) ||
-        (rc = kvd_store_model_get(ctx->svc->store, info.model, &mi, err))) {
-        kvd_seq_info_clear(&info);
-        return rc;
-    }
-    uint64_t freed = 0;
-    /* What the sequence holds when it goes leaves the usage with it. */
+    uint64_t freed = 0, bytes = 0;
     kvd_quota_lock(ctx->auth);
-    kvd_seq_info_clear(&info);
     if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
                                  &info, err)) == 0 &&
+        (rc = kvd_ctx_check_model(ctx, info.model, err)) == 0 &&
+        (rc = kvd_store_model_get(ctx->svc->store, info.model, &mi, err)) == 0 &&
         (rc = kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                   &freed, err)) == 0)
-        kvd_quota_forget(ctx->auth, info.model, 1, kvd_seq_payload_bytes(&info, &mi));
+                                   &freed, err)) == 0) {
+        bytes = kvd_seq_payload_bytes(&info, &mi);
+        kvd_quota_forget(ctx->auth, info.model, 1, bytes);
+    }
     kvd_quota_unlock(ctx->auth);
     if (rc) {
         kvd_seq_info_clear(&info);
         return rc;
     }
-    uint64_t bytes = kvd_seq_payload_bytes(&info, &mi);
     KVD_METRIC_ADD(sequences_stored, -1);
     KVD_METRIC_ADD(payload_bytes_stored, -(int64_t)bytes);
     KVD_METRIC_ADD(stored_bytes, -(int64_t)info.stored_bytes);
