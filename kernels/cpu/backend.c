@@ -217,6 +217,14 @@ int kvd_backend_download(kvd_backend *be, void *host_dst, const void *src, size_
     return bytes ? be->iface->download(be, host_dst, src, bytes, err) : KVD_OK;
 }
 
+void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out)
+{
+    memset(out, 0, sizeof *out);
+    out->healthy = 1;
+    if (be && be->iface && be->iface->describe)
+        be->iface->describe(be, out);
+}
+
 int kvd_backend_sync(kvd_backend *be, kvd_error *err)
 {
     if (!be || !be->iface || !be->iface->sync)

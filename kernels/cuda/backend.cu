@@ -234,6 +234,14 @@ int cuda_sync(kvd_backend *be, kvd_error *err)
     return rc;
 }
 
+void cuda_describe(const kvd_backend *be, kvd_backend_desc *out)
+{
+    const kvd_cuda_ctx *c = static_cast<const kvd_cuda_ctx *>(be->ctx);
+    snprintf(out->device, sizeof out->device, "%s", c->device_name);
+    out->memory_bytes = c->total_mem;
+    out->healthy = !c->unhealthy;
+}
+
 const kvd_backend_iface cuda_iface = {
     "cuda",
     cuda_free_backend,
@@ -249,6 +257,7 @@ const kvd_backend_iface cuda_iface = {
     &kvd__cuda_pq_ops,
     NULL, /* svd: host-side eigen-decomposition of small matrices, not ported */
     &kvd__cuda_attn_ops,
+    cuda_describe,
 };
 
 } /* namespace */

@@ -22,6 +22,7 @@
 #define KVDEPOT_BACKEND_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "kvdepot/status.h"
 #include "kvdepot/tensor.h"
@@ -36,6 +37,13 @@ struct kvd_vq_ops;
 struct kvd_pq_ops;
 struct kvd_svd_ops;
 struct kvd_attn_ops;
+
+/* What a backend runs on, for logs and stats. */
+typedef struct kvd_backend_desc {
+    char device[128];      /* e.g. "NVIDIA H100 80GB HBM3"; "" for the CPU */
+    uint64_t memory_bytes; /* device memory; 0 for the CPU */
+    int healthy;           /* 0 once an error left the device unusable (never cleared) */
+} kvd_backend_desc;
 
 typedef struct kvd_backend_iface {
     const char *name; /* "cpu", "cuda" */
@@ -54,6 +62,9 @@ typedef struct kvd_backend_iface {
     const struct kvd_pq_ops *pq;
     const struct kvd_svd_ops *svd;
     const struct kvd_attn_ops *attn;
+
+    /* NULL: no device, always healthy */
+    void (*describe)(const kvd_backend *be, kvd_backend_desc *out);
 } kvd_backend_iface;
 
 struct kvd_backend {
@@ -92,6 +103,8 @@ int kvd_backend_upload(kvd_backend *be, void *dst, const void *host_src, size_t 
 int kvd_backend_download(kvd_backend *be, void *host_dst, const void *src, size_t bytes,
                          kvd_error *err);
 int kvd_backend_sync(kvd_backend *be, kvd_error *err);
+/* The backend's device, memory and health. */
+void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out);
 
 /* Runtime CPU features (cached after the first call). */
 int kvd_cpu_has_avx2_fma(void);
