@@ -71,6 +71,11 @@ kvd_backend *kvd_store_coding_backend(kvd_store *st)
     return &st->be_coding;
 }
 
+kvd_backend *kvd_store_device(kvd_store *st)
+{
+    return st->dev;
+}
+
 /* ---- u64 -> pointer map (linear probing; key 0 is stored like any other,
  * emptiness is a NULL value) ------------------------------------------- */
 
@@ -327,6 +332,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         st->be = st->own_be;
     }
     st->be_coding = kvd_backend_narrow(st->be, 1);
+    st->dev = opt->device;
     if ((rc = kvd__cache_init(st, opt, err))) {
         kvd__cache_fini(st);
         kvd_backend_free(st->own_be);

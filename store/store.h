@@ -34,9 +34,10 @@ typedef struct kvd_store_options {
     uint64_t max_seq_tokens;   /* 0 = no limit */
     /* Tiers (see "Tiers" below). Members appended; zero means the old
      * behaviour: no memory tiers, every read goes to RocksDB. */
-    /* The compute backend: it codes pages, trains PQ centroids and holds the
-     * device tier. The caller keeps it alive until kvd_store_close. NULL =
-     * the store creates a CPU backend of its own. */
+    /* The compute backend: it codes pages and trains PQ centroids, on
+     * host memory (the CPU backend), and holds the device tier when no
+     * device is given. The caller keeps it alive until kvd_store_close.
+     * NULL = the store creates a CPU backend of its own. */
     kvd_backend *backend;
     uint64_t device_tier_bytes; /* size of the device pool, allocated once at open */
     uint64_t host_tier_bytes;   /* host-memory tier below it */
@@ -48,6 +49,11 @@ typedef struct kvd_store_options {
      * is tolerated); 1 = keep what precedes it, drop the rest
      * (kvd_store_recovery_report says what was dropped). */
     int wal_point_in_time;
+    /* A device backend (CUDA) whose memory holds the device tier: pages are
+     * coded on the host and copied up; kvd_store_page_acquire_device hands
+     * them out where they lie. NULL = the device tier is in `backend`'s
+     * memory. Kept alive by the caller until kvd_store_close. */
+    kvd_backend *device;
 } kvd_store_options;
 
 /* What an acknowledged Append is guaranteed to survive (README, "Tiers,
@@ -79,6 +85,8 @@ uint32_t kvd_store_page_tokens(const kvd_store *st);
  * store. */
 kvd_backend *kvd_store_backend(kvd_store *st);
 kvd_backend *kvd_store_coding_backend(kvd_store *st);
+/* kvd_store_options.device, or NULL. */
+kvd_backend *kvd_store_device(kvd_store *st);
 
 /* ---- models ------------------------------------------------------------ */
 
@@ -326,9 +334,12 @@ int kvd_store_seq_evict(kvd_store *st, const void *id, size_t id_len, uint64_t *
  * it came from disk; `device` is the same page in the backend's memory when
  * it lies in the device tier, else NULL. Valid until release. */
 typedef struct kvd_page_handle {
-    const uint8_t *bytes;
+    const uint8_t *bytes; /* NULL from kvd_store_page_acquire_device when `layout` is set */
     size_t len;
     const void *device;
+    /* kvd_store_page_acquire_device: where the page's K and V lie in
+     * `device` (the page is in a device tier the host does not read) */
+    const struct kvd_page_layout *layout;
     int tier;    /* KVD_TIER_* the page was found in (DISK: loaded for this call);
                   * it lies in the device tier now whenever `device` is set */
     void *priv_; /* owned by the store */
@@ -340,6 +351,13 @@ typedef struct kvd_page_handle {
  * (no such page), KVD_ECORRUPT (checksum: DATA_LOSS, counted). */
 int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                            uint64_t block, kvd_page_handle *h, kvd_error *err);
+/* kvd_store_page_acquire for compute on the store's device
+ * (kvd_store_options.device): a page in the device tier whose K and V a
+ * kernel reads from the layout alone (raw, INT2, INT4) is handed out as
+ * `device` + `layout` with no copy to the host (bytes NULL); any other page
+ * as kvd_store_page_acquire hands it out. */
+int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                                  uint64_t block, kvd_page_handle *h, kvd_error *err);
 /* Unpin; a zeroed or already released handle is a no-op. */
 void kvd_store_page_release(kvd_store *st, kvd_page_handle *h);
 

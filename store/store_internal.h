@@ -183,6 +183,9 @@ typedef struct kvd__centry {
     int tier;             /* KVD_TIER_DEVICE or KVD_TIER_HOST */
     uint32_t pins;        /* readers and acquirers using data now */
     int dead;             /* out of the map and lists; freed at the last unpin */
+    /* device tier of a pool the host does not read: where K and V lie
+     * (NULL when the page's codecs need more than the page) */
+    struct kvd_page_layout *layout;
     struct kvd__centry *prev, *next; /* LRU list of its tier, head = most recent */
 } kvd__centry;
 
@@ -274,6 +277,7 @@ struct kvd_store {
 
     kvd_backend *be;       /* compute backend (options.backend or own_be) */
     kvd_backend *own_be;   /* created at open when none was given */
+    kvd_backend *dev;      /* options.device: holds the device tier, or NULL */
     kvd_backend be_coding; /* be limited to one thread: page coding */
     char recovery_report[1024]; /* kvd_store_recovery_report */
 };

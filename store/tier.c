@@ -23,6 +23,8 @@
  */
 #include "store_internal.h"
 
+#include "codec.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -204,6 +206,29 @@ static void entry_free_data(kvd__cache *c, kvd__centry *e)
     else
         host_free(e->data, e->len);
     e->data = NULL;
+    free(e->layout);
+    e->layout = NULL;
+}
+
+/* A page entering a pool the host does not read keeps, in host memory,
+ * where its K and V lie (read from its host bytes on the way up), so that
+ * compute on the device needs nothing of it back. Pages whose codecs need
+ * more than the page (VQ, SVD) have none and are copied down to compute. */
+static void entry_set_layout(const kvd__cache *c, kvd__centry *e, const uint8_t *host)
+{
+    free(e->layout);
+    e->layout = NULL;
+    if (c->pool_host)
+        return;
+    kvd_page_view v;
+    kvd_error err;
+    kvd_page_layout *l = malloc(sizeof *l);
+    if (l && kvd_page_decode_nocheck(host, e->len, &v, &err) == 0 &&
+        kvd_page_layout_get(host, &v, l, &err) == 0) {
+        e->layout = l;
+        return;
+    }
+    free(l);
 }
 
 static void entry_destroy(kvd__cache *c, kvd__centry *e)
@@ -255,6 +280,8 @@ static void demote(kvd__cache *c, kvd__centry *e)
         h = NULL;
     }
     pool_free(c, e->off, e->alloc);
+    free(e->layout);
+    e->layout = NULL;
     if (!h) {
         kvd__map_del(&c->map, e->id);
         free(e);
@@ -324,6 +351,7 @@ static int promote(kvd__cache *c, kvd__centry *e)
         t->pages++;
         return -1;
     }
+    entry_set_layout(c, e, e->data);
     host_free(e->data, e->len);
     e->data = c->pool + off;
     e->off = off;
@@ -356,18 +384,20 @@ static int have_tiers(const kvd__cache *c)
 }
 
 static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
-                                  uint8_t **tmp, int *found);
+                                  uint8_t **tmp, int *found, int on_device);
 
 kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
                                 uint8_t **tmp)
 {
     int found;
-    return cache_acquire(st, id, need, bytes, tmp, &found);
+    return cache_acquire(st, id, need, bytes, tmp, &found, 0);
 }
 
-/* kvd__cache_acquire, also saying which tier the page was found in. */
+/* kvd__cache_acquire, also saying which tier the page was found in. With
+ * on_device, a device-tier page that has a layout is not copied to the host
+ * (*bytes NULL). */
 static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
-                                  uint8_t **tmp, int *found)
+                                  uint8_t **tmp, int *found, int on_device)
 {
     kvd__cache *c = &st->tiers;
     *bytes = NULL;
@@ -392,7 +422,9 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
     lru_unlink(t, e);
     lru_push(t, e);
     e->pins++;
-    if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
+    if (e->tier == KVD_TIER_DEVICE && !c->pool_host && on_device && e->layout) {
+        *bytes = NULL;
+    } else if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
         uint8_t *h = malloc(e->len);
         if (!h || pool_get(c, h, e->off, e->len) != 0) {
             free(h);
@@ -456,6 +488,7 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
         e->data = c->pool + off;
         e->off = off;
         e->alloc = alloc;
+        entry_set_layout(c, e, page);
     } else if (make_room(c, KVD_TIER_HOST, host_size(len), NULL) == 0 &&
                (e->data = host_alloc(len))) {
         memcpy(e->data, page, len);
@@ -598,7 +631,7 @@ int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err)
     kvd__cache *c = &st->tiers;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
-    c->be = st->be;
+    c->be = st->dev ? st->dev : st->be;
     c->tier[KVD_TIER_HOST].limit = opt->host_tier_bytes;
     uint64_t dev = opt->device_tier_bytes / GRANULE * GRANULE;
     if (dev) {
@@ -652,6 +685,8 @@ void kvd__cache_fini(kvd_store *st)
         kvd__centry *e = c->map.vals[i];
         if (e && e->tier == KVD_TIER_HOST)
             host_free(e->data, e->len);
+        if (e)
+            free(e->layout);
         free(e);
     }
     kvd__map_free(&c->map);
@@ -916,10 +951,24 @@ int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t
 /* ---- page acquisition for computations -------------------------------------- */
 
 static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer, kvd_page_handle *h,
-                        kvd_error *err);
+                        int on_device, kvd_error *err);
+static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                        uint64_t block, kvd_page_handle *h, int on_device, kvd_error *err);
 
 int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                            uint64_t block, kvd_page_handle *h, kvd_error *err)
+{
+    return page_acquire(st, seq_id, id_len, layer, block, h, 0, err);
+}
+
+int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                                  uint64_t block, kvd_page_handle *h, kvd_error *err)
+{
+    return page_acquire(st, seq_id, id_len, layer, block, h, st->dev != NULL, err);
+}
+
+static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                        uint64_t block, kvd_page_handle *h, int on_device, kvd_error *err)
 {
     if (!h)
         return kvd_error_set(err, KVD_EINVAL, "page acquire: NULL handle");
@@ -955,26 +1004,27 @@ int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uin
     const rocksdb_snapshot_t *snap = rocksdb_create_snapshot(st->db);
     pthread_rwlock_unlock(&st->lock);
     w.snap = snap;
-    rc = acquire_page(st, &w, layer, h, err);
+    rc = acquire_page(st, &w, layer, h, on_device, err);
     rocksdb_release_snapshot(st->db, snap);
     return rc;
 }
 
 /* The rest of kvd_store_page_acquire, once the page is known. */
 static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer, kvd_page_handle *h,
-                        kvd_error *err)
+                        int on_device, kvd_error *err)
 {
     kvd__tail_want w = *wp;
     int rc;
     uint8_t *tmp = NULL;
     const uint8_t *bytes;
     int found;
-    kvd__centry *e = cache_acquire(st, w.page_id, w.need, &bytes, &tmp, &found);
+    kvd__centry *e = cache_acquire(st, w.page_id, w.need, &bytes, &tmp, &found, on_device);
     if (e) {
         h->bytes = bytes;
         h->len = e->len;
         h->tier = found;
         h->device = e->tier == KVD_TIER_DEVICE ? e->data : NULL;
+        h->layout = bytes ? NULL : e->layout;
         h->priv_ = e;
         h->buf_ = tmp;
         return 0;
@@ -1021,6 +1071,10 @@ static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer,
             h->device = e->data;
         if (e->tier == KVD_TIER_HOST || st->tiers.pool_host) {
             h->bytes = e->data;
+            return 0;
+        }
+        if (on_device && e->layout) {
+            h->layout = e->layout;
             return 0;
         }
         h->buf_ = malloc(e->len);

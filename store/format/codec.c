@@ -1345,3 +1345,73 @@ done:
     free(pl);
     return rc;
 }
+
+/* ---- layouts of device-resident pages ------------------------------------ */
+
+static kvd_tensor rel_tensor(kvd_tensor t, const uint8_t *base)
+{
+    t.data = (void *)(uintptr_t)((const uint8_t *)t.data - base);
+    return t;
+}
+
+static kvd_tensor abs_tensor(kvd_tensor t, const void *base)
+{
+    t.data = (uint8_t *)base + (uintptr_t)t.data;
+    return t;
+}
+
+int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_layout *out,
+                        kvd_error *err)
+{
+    memset(out, 0, sizeof *out);
+    const uint8_t kc = v->h.k_codec, vc = v->h.v_codec;
+    const int raw = kc == KVD_CODEC_RAW && vc == KVD_CODEC_RAW;
+    if (!raw && !(is_int(kc) && is_int(vc)))
+        return kvd_error_set(err, KVD_EUNSUPP,
+                             "page codecs K %u / V %u: no fused kernel without artifacts", kc, vc);
+    out->k_codec = kc;
+    out->v_codec = vc;
+    out->dtype = v->h.dtype;
+    out->num_tokens = v->h.num_tokens;
+    out->num_kv_heads = v->h.num_kv_heads;
+    out->head_dim = v->h.head_dim;
+    if (raw) {
+        int64_t sh[3] = {v->h.num_kv_heads, v->h.num_tokens, v->h.head_dim};
+        out->k.codes = rel_tensor(kvd_tensor_make(v->h.dtype, (void *)v->k, 3, sh), page);
+        out->v.codes = rel_tensor(kvd_tensor_make(v->h.dtype, (void *)v->v, 3, sh), page);
+        return 0;
+    }
+    kvd_codec_section *sec = malloc(2 * sizeof *sec);
+    if (!sec)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    int rc;
+    if ((rc = kvd_codec_section_parse(v, KVD_SECTION_K, NULL, &sec[0], err)) == 0 &&
+        (rc = kvd_codec_section_parse(v, KVD_SECTION_V, NULL, &sec[1], err)) == 0) {
+        kvd_attn_qdata *q[2] = {&out->k, &out->v};
+        for (int i = 0; i < 2; i++) {
+            *q[i] = sec[i].q;
+            q[i]->codes = rel_tensor(sec[i].q.codes, page);
+            q[i]->min = rel_tensor(sec[i].q.min, page);
+            q[i]->scale = rel_tensor(sec[i].q.scale, page);
+            q[i]->sum = rel_tensor(sec[i].q.sum, page);
+        }
+    }
+    free(sec);
+    return rc;
+}
+
+void kvd_page_layout_at(const kvd_page_layout *l, const void *base, kvd_attn_qdata *k,
+                        kvd_attn_qdata *v)
+{
+    const kvd_attn_qdata *src[2] = {&l->k, &l->v};
+    kvd_attn_qdata *dst[2] = {k, v};
+    for (int i = 0; i < 2; i++) {
+        *dst[i] = *src[i];
+        dst[i]->codes = abs_tensor(src[i]->codes, base);
+        if (l->k_codec != KVD_CODEC_RAW) {
+            dst[i]->min = abs_tensor(src[i]->min, base);
+            dst[i]->scale = abs_tensor(src[i]->scale, base);
+            dst[i]->sum = abs_tensor(src[i]->sum, base);
+        }
+    }
+}
