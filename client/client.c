@@ -1117,6 +1117,10 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
     out->sequences = resp->sequences;
     snprintf(out->backend, sizeof out->backend, "%s", resp->backend ? resp->backend : "");
     out->backend_threads = resp->backend_threads;
+    snprintf(out->device, sizeof out->device, "%s", resp->device ? resp->device : "");
+    out->device_memory_bytes = resp->device_memory_bytes;
+    out->device_healthy = resp->device_healthy;
+    out->device_pages_attended = resp->device_pages_attended;
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;
 }

@@ -94,8 +94,11 @@ static const setting settings[] = {
     {"wal-recovery", T_STRING, F(wal_recovery), "strict", 0, 0, "MODE",
      "strict (a damaged write-ahead log stops the start, naming the file) or point-in-time "
      "(keep what precedes the damage, drop the rest, log what was dropped)"},
+    {"device", T_STRING, F(device), "auto", 0, 0, "DEV",
+     "where pages are held and attended: auto (the first CUDA device when one is usable, "
+     "else the CPU), cpu, cuda or cuda:N (that device; no fallback)"},
     {"device-tier-bytes", T_SIZE, F(device_tier_bytes), "1GiB", 0, 1ull << 50, "SIZE",
-     "page pool in the compute device's memory (host memory on the CPU backend), "
+     "page pool in the device's memory (host memory when --device resolves to the CPU), "
      "allocated once at start; 0 = no device tier"},
     {"host-tier-bytes", T_SIZE, F(host_tier_bytes), "1GiB", 0, 1ull << 50, "SIZE",
      "host-memory tier below the device tier; 0 = none"},

@@ -54,6 +54,7 @@ typedef struct kvd_config {
     /* Tiers and durability (store.h). */
     char *durability;           /* "none", "spill" or "sync"; --sync means sync */
     char *wal_recovery;         /* "strict" or "point-in-time" */
+    char *device;               /* "auto", "cpu", "cuda" or "cuda:N" */
     uint64_t device_tier_bytes; /* device pool, allocated once */
     uint64_t host_tier_bytes;
     uint64_t disk_bytes;        /* 0 = unlimited */

@@ -108,25 +108,66 @@ static void reload_tokens(kvd_service *svc)
             a->n_tenants);
 }
 
-/* The compute backend of the process, created once. Pages live in host
- * memory, so it is the CPU backend with every CPU this process may use; a
- * CUDA device, when one is usable, is named in the log but does not serve
- * yet. NULL (with err set) when none can be created. */
-static kvd_backend *open_backend(kvd_error *err)
+/* --device: 0 and *cuda = -1 (cpu), 0 (auto: the first device if any),
+ * 1 (cuda: the first device, required) with *index the device (-1 = first);
+ * -1 for anything else. */
+static int parse_device(const char *s, int *cuda, int *index)
 {
-    kvd_backend *cpu = NULL, *cuda = NULL;
+    *index = -1;
+    if (strcmp(s, "cpu") == 0)
+        *cuda = -1;
+    else if (strcmp(s, "auto") == 0)
+        *cuda = 0;
+    else if (strcmp(s, "cuda") == 0)
+        *cuda = 1;
+    else if (strncmp(s, "cuda:", 5) == 0 && s[5] >= '0' && s[5] <= '9' && strlen(s) <= 8) {
+        char *end;
+        long n = strtol(s + 5, &end, 10);
+        if (*end)
+            return -1;
+        *cuda = 1;
+        *index = (int)n;
+    } else
+        return -1;
+    return 0;
+}
+
+/*
+ * The compute backends of the process, created once: the CPU backend with
+ * every CPU this process may use (it codes pages and is the reference and
+ * fallback of every op), and, per --device, a CUDA device whose memory holds
+ * the device tier and attends the pages that lie there (*dev; NULL when the
+ * CPU serves). NULL (with err set) when a backend that was asked for cannot
+ * be created.
+ */
+static kvd_backend *open_backends(int cuda, int index, kvd_backend **dev, kvd_error *err)
+{
+    kvd_backend *cpu = NULL;
+    *dev = NULL;
     kvd_cpu_options opt = {0, 0};
     if (kvd_backend_cpu_create(&opt, &cpu, err) != 0)
         return NULL;
     kvd_error cerr;
     kvd_error_clear(&cerr);
-    int crc = kvd_backend_cuda_create(-1, &cuda, &cerr);
-    kvd_backend_free(cuda);
-    KVD_LOG(KVD_LOG_INFO, "compute backend", "backend=%s threads=%d cuda=%s", cpu->iface->name,
-            cpu->nthreads,
-            crc == 0             ? "present, not used: pages are held in host memory"
-            : crc == KVD_EUNSUPP ? "not in this build"
-                                 : "no usable device");
+    int crc = cuda >= 0 ? kvd_backend_cuda_create(index, dev, &cerr) : KVD_EUNAVAIL;
+    if (crc != 0 && cuda > 0) {
+        kvd_error_set(err, crc, "--device asks for a CUDA device and none is usable: %s", cerr.msg);
+        kvd_backend_free(cpu);
+        return NULL;
+    }
+    if (*dev) {
+        kvd_backend_desc d;
+        kvd_backend_describe(*dev, &d);
+        KVD_LOG(KVD_LOG_INFO, "compute backend: pages are held and attended on the GPU",
+                "backend=cuda device=\"%s\" device_memory_bytes=%llu cpu_threads=%d", d.device,
+                (unsigned long long)d.memory_bytes, cpu->nthreads);
+    } else {
+        KVD_LOG(KVD_LOG_INFO, "compute backend: pages are held and attended on the CPU",
+                "backend=cpu threads=%d cuda=\"%s\"", cpu->nthreads,
+                cuda < 0             ? "not asked for (--device cpu)"
+                : crc == KVD_EUNSUPP ? "not in this build"
+                                     : cerr.msg);
+    }
     return cpu;
 }
 
@@ -261,6 +302,15 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 2;
     }
+    int dev_cuda, dev_index;
+    if (parse_device(cfg.device, &dev_cuda, &dev_index) != 0) {
+        fprintf(stderr, "%s: device: '%s' is not auto, cpu, cuda or cuda:N\n", prog, cfg.device);
+        kvd_http_stop(http);
+        kvd_auth_unref(auth);
+        close(sfd);
+        kvd_config_free(&cfg);
+        return 2;
+    }
     if (cfg.sync && sopt.durability == KVD_DURABILITY_NONE) {
         fprintf(stderr, "%s: --sync contradicts --durability none\n", prog);
         kvd_http_stop(http);
@@ -269,22 +319,26 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 2;
     }
-    /* The one compute backend: it codes pages, trains PQ centroids, runs
-     * attention and search, and holds the device tier. */
+    /* The compute backends: the CPU codes pages, trains PQ centroids and
+     * runs search; a CUDA device, when one serves, holds the device tier and
+     * attends the pages in it. */
     kvd_store *store = NULL;
     kvd_error serr;
     kvd_error_clear(&serr);
     check_data_dir_mode(cfg.data_dir);
-    kvd_backend *backend = open_backend(&serr);
+    kvd_backend *device = NULL;
+    kvd_backend *backend = open_backends(dev_cuda, dev_index, &device, &serr);
     int rc = backend ? 0 : KVD_EINTERNAL;
     if (rc)
         fprintf(stderr, "%s: no compute backend: %s\n", prog, serr.msg);
     sopt.backend = backend;
+    sopt.device = device;
     if (rc == 0 && (rc = kvd_store_open(&sopt, &store, &serr)) != 0)
         fprintf(stderr, "%s: cannot open the store in %s: %s\n", prog, cfg.data_dir,
                 serr.msg[0] ? serr.msg : kvd_strerror(rc));
     if (rc) {
         kvd_backend_free(backend);
+        kvd_backend_free(device);
         kvd_http_stop(http);
         kvd_auth_unref(auth);
         close(sfd);
@@ -304,6 +358,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: cannot count what the store holds: %s\n", prog, serr.msg);
         kvd_store_close(store);
         kvd_backend_free(backend);
+        kvd_backend_free(device);
         kvd_http_stop(http);
         kvd_auth_unref(auth);
         close(sfd);
@@ -322,6 +377,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: %s\n", prog, err);
         kvd_store_close(store);
         kvd_backend_free(backend);
+        kvd_backend_free(device);
         grpc_shutdown();
         kvd_http_stop(http);
         kvd_auth_unref(auth);
@@ -374,6 +430,7 @@ int main(int argc, char **argv)
     kvd_metrics_store = NULL;
     kvd_store_close(store);
     kvd_backend_free(backend);
+    kvd_backend_free(device);
     grpc_shutdown();
     kvd_http_stop(http);
     kvd_auth_unref(svc.auth);

@@ -153,5 +153,6 @@ void kvd_ctx_compute(kvd_req_ctx *ctx, kvd_compute_guard *g, kvd_compute *c)
 {
     *g = (kvd_compute_guard){guard_check_model, guard_reserve, guard_commit_lock,
                              guard_settle,      guard_release, ctx};
-    *c = (kvd_compute){ctx->svc->store, kvd_store_backend(ctx->svc->store), g};
+    *c = (kvd_compute){ctx->svc->store, kvd_store_backend(ctx->svc->store), g,
+                       kvd_store_device(ctx->svc->store)};
 }

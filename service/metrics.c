@@ -10,6 +10,7 @@
 
 #include <microhttpd.h>
 
+#include "compute.h"
 #include "kvdepot/status.h"
 #include "rpc.h"
 
@@ -108,12 +109,31 @@ static void render_tiers(buf *b)
         return;
     static const char *tn[KVD_TIERS] = {"device", "host", "disk"};
     static const char *dn[3] = {"spill", "none", "sync"};
-    const kvd_backend *be = kvd_store_backend(st);
+    const kvd_backend *be = kvd_store_backend(st), *dev = kvd_store_device(st);
+    kvd_backend_desc d;
+    kvd_backend_describe(dev ? dev : be, &d);
+    char devq[sizeof d.device];
+    size_t o = 0;
+    for (const char *p = d.device; *p && o + 1 < sizeof devq; p++)
+        if (*p != '"' && *p != '\\' && *p != '\n')
+            devq[o++] = *p;
+    devq[o] = '\0';
     put(b,
-        "# HELP kvdepot_backend_info compute backend in use, and the threads of its CPU ops\n"
-        "# TYPE kvdepot_backend_info gauge\nkvdepot_backend_info{backend=\"%s\",threads=\"%d\"} "
-        "1\n",
-        be->iface->name, be->nthreads);
+        "# HELP kvdepot_backend_info where the device tier is held and attended (cuda or cpu), "
+        "the GPU, and the threads of the CPU ops\n"
+        "# TYPE kvdepot_backend_info gauge\n"
+        "kvdepot_backend_info{backend=\"%s\",device=\"%s\",threads=\"%d\"} 1\n",
+        (dev ? dev : be)->iface->name, devq, be->nthreads);
+    put(b,
+        "# HELP kvdepot_device_memory_bytes memory of the GPU in use (0 on the CPU)\n"
+        "# TYPE kvdepot_device_memory_bytes gauge\nkvdepot_device_memory_bytes %llu\n"
+        "# HELP kvdepot_device_healthy 0 once a device error left the GPU unusable\n"
+        "# TYPE kvdepot_device_healthy gauge\nkvdepot_device_healthy %d\n"
+        "# HELP kvdepot_device_pages_attended_total pages Attend read where they lie on the GPU\n"
+        "# TYPE kvdepot_device_pages_attended_total counter\n"
+        "kvdepot_device_pages_attended_total %llu\n",
+        (unsigned long long)d.memory_bytes, d.healthy,
+        (unsigned long long)kvd_compute_device_pages());
     put(b,
         "# HELP kvdepot_durability_info durability setting in force\n"
         "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",

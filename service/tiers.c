@@ -4,6 +4,7 @@
  */
 #include <string.h>
 
+#include "compute.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
 #include "rpc.h"
 #include "validate.h"
@@ -44,8 +45,15 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
     resp.sequences_expired = s.sequences_expired;
     resp.sequences = s.sequences;
     kvd_backend *be = kvd_store_backend(ctx->svc->store);
-    resp.backend = (char *)be->iface->name;
+    kvd_backend *dev = kvd_store_device(ctx->svc->store);
+    kvd_backend_desc d;
+    kvd_backend_describe(dev ? dev : be, &d);
+    resp.backend = (char *)(dev ? dev : be)->iface->name;
     resp.backend_threads = (uint32_t)be->nthreads;
+    resp.device = d.device;
+    resp.device_memory_bytes = d.memory_bytes;
+    resp.device_healthy = d.healthy;
+    resp.device_pages_attended = kvd_compute_device_pages();
     *reply = kvd_pack(&resp.base);
     return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
 }

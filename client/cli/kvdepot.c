@@ -507,8 +507,13 @@ static int cmd_stats(kvdepot_client *c, int argc, char **argv)
     int rc = kvdepot_stats_get(c, &s);
     if (rc)
         return fail(c, rc);
-    printf("durability  %s\nsequences   %" PRIu64 "\nbackend     %s (%u threads)\n\n", s.durability,
-           s.sequences, s.backend, s.backend_threads);
+    printf("durability  %s\nsequences   %" PRIu64 "\nbackend     %s (%u CPU threads)\n",
+           s.durability, s.sequences, s.backend, s.backend_threads);
+    if (s.device[0])
+        printf("device      %s, %" PRIu64 " bytes%s, %" PRIu64 " pages attended on it\n", s.device,
+               s.device_memory_bytes, s.device_healthy ? "" : ", UNHEALTHY",
+               s.device_pages_attended);
+    printf("\n");
     printf("%-8s %16s %16s %10s %12s %12s\n", "tier", "limit_bytes", "bytes", "pages", "hits",
            "evictions");
     for (size_t i = 0; i < s.num_tiers; i++)

@@ -919,8 +919,12 @@ typedef struct kvdepot_stats {
     uint64_t sequences_dropped;  /* by the disk limit under durability none */
     uint64_t sequences_expired;  /* by their TTL */
     uint64_t sequences;
-    char backend[16];         /* compute backend: "cpu" (or "cuda") */
+    char backend[16];         /* where the device tier is held and attended: "cuda" or "cpu" */
     uint32_t backend_threads; /* threads of its CPU ops */
+    char device[128];         /* the GPU's name; "" on the CPU */
+    uint64_t device_memory_bytes;   /* its memory; 0 on the CPU */
+    int device_healthy;             /* 0 once a device error left it unusable */
+    uint64_t device_pages_attended; /* pages Attend read where they lie on the GPU */
 } kvdepot_stats;
 
 /**

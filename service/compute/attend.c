@@ -92,8 +92,9 @@ done:
  * Attention over tokens [start, start + n): whole sealed pages are acquired
  * from the store (pinned in their memory tier) and attended in their stored
  * form (kvd_page_attend: INT2/INT4 homomorphic, VQ fused, SVD at the reduced
- * widths, raw dense); the partial blocks at both ends (and the raw tail) go
- * through the read cursor.
+ * widths, raw dense); pages that lie in the device tier of a device
+ * (c->dev) are attended there, where they lie (kvd__attend_device). The
+ * partial blocks at both ends (and the raw tail) go through the read cursor.
  */
 static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const kvd_model_info *m,
                         uint32_t layer, uint64_t start, uint64_t n, uint64_t layer_tokens,
@@ -108,11 +109,12 @@ static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const 
     const int Hq = (int)m->num_q_heads, D = (int)m->head_dim;
     float *po = malloc(sizeof(float) * (size_t)Hq * D), *pl = malloc(sizeof(float) * Hq);
     kvd_page_handle *hs = calloc(PAGES_PER_STEP, sizeof *hs);
+    kvd_page_handle *dv = calloc(PAGES_PER_STEP, sizeof *dv); /* copies of those on c->dev */
     kvd_page_view *vs = calloc(PAGES_PER_STEP, sizeof *vs);
     kvd_seq_codecs codecs;
     memset(&codecs, 0, sizeof codecs);
     int rc = 0, found = 0;
-    if (!po || !pl || !hs || !vs) {
+    if (!po || !pl || !hs || !dv || !vs) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -126,17 +128,28 @@ static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const 
     kvd_attn_dims dims = {Hq, (int)m->num_kv_heads, D, D, scale};
     for (uint64_t b0 = f0; b0 < f1 && rc == 0; b0 += PAGES_PER_STEP) {
         size_t np = (size_t)(f1 - b0 < PAGES_PER_STEP ? f1 - b0 : PAGES_PER_STEP), got = 0;
+        size_t nd = 0, nv = 0; /* pages attended on the device / on the host */
         for (; got < np; got++) {
-            if ((rc = kvd_store_page_acquire(c->store, qy->id, qy->id_len, layer, b0 + got,
-                                             &hs[got], err)))
+            kvd_page_handle *h = &hs[got];
+            if ((rc = c->dev ? kvd_store_page_acquire_device(c->store, qy->id, qy->id_len, layer,
+                                                             b0 + got, h, err)
+                             : kvd_store_page_acquire(c->store, qy->id, qy->id_len, layer, b0 + got,
+                                                      h, err)))
                 break;
-            if ((rc = kvd_page_decode_nocheck(hs[got].bytes, hs[got].len, &vs[got], err))) {
+            if (h->layout) {
+                dv[nd++] = *h;
+                continue;
+            }
+            if ((rc = kvd_page_decode_nocheck(h->bytes, h->len, &vs[nv++], err))) {
                 got++;
                 break;
             }
         }
-        if (rc == 0 &&
-            (rc = kvd_page_attend(c->be, vs, np, codecs.arts, &dims, qy->q, po, pl, err)) == 0)
+        if (rc == 0 && nv > 0 &&
+            (rc = kvd_page_attend(c->be, vs, nv, codecs.arts, &dims, qy->q, po, pl, err)) == 0)
+            rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, po, pl, err);
+        if (rc == 0 && nd > 0 &&
+            (rc = kvd__attend_device(c->dev, dv, nd, &dims, qy->q, po, pl, err)) == 0)
             rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, po, pl, err);
         for (size_t i = 0; i < got; i++)
             kvd_store_page_release(c->store, &hs[i]);
@@ -150,6 +163,7 @@ done:
     free(po);
     free(pl);
     free(hs);
+    free(dv);
     free(vs);
     return rc;
 }

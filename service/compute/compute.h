@@ -44,12 +44,18 @@ typedef struct kvd_compute_guard {
 } kvd_compute_guard;
 
 /* Where compute runs: the store, its compute backend (kvd_store_backend),
- * and the caller's guard (may be NULL). */
+ * the caller's guard (may be NULL), and the device whose memory holds the
+ * store's device tier (kvd_store_device; NULL = none): pages that lie there
+ * are attended on it, the rest on be. */
 typedef struct kvd_compute {
     kvd_store *store;
     kvd_backend *be;
     const kvd_compute_guard *guard;
+    kvd_backend *dev;
 } kvd_compute;
+
+/* Pages Attend read where they lie in a device's memory, since start. */
+uint64_t kvd_compute_device_pages(void);
 
 /* ---- Attend -------------------------------------------------------------- */
 

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "compute.h"
+#include "kvdepot/attention.h"
 
 /* What a compute call needs to know about one sequence. */
 typedef struct kvd__cseq {
@@ -36,6 +37,14 @@ int kvd__token_range(const char *what, uint64_t start, uint64_t *count, uint64_t
  * [token][kv_head][head_dim], model dtype) into buf of `bytes` bytes. */
 int kvd__read_window(kvd_store *st, const void *id, size_t id_len, uint32_t layer, uint64_t start,
                      uint64_t n, uint8_t *buf, uint64_t bytes, kvd_error *err);
+
+/* Attention of q (host, Hq x D) over n pages acquired with
+ * kvd_store_page_acquire_device that all have a layout, on the device
+ * backend dev; the merged result lands in out / lse (host). 0 or the
+ * backend's status (KVD_EUNAVAIL: the device is unhealthy). */
+int kvd__attend_device(kvd_backend *dev, const kvd_page_handle *hs, size_t n,
+                       const kvd_attn_dims *dims, const float *q, float *out, float *lse,
+                       kvd_error *err);
 
 /* scale, or 1/sqrt(D) when 0. */
 float kvd__default_scale(float scale, uint32_t D);

@@ -53,3 +53,14 @@ if(Python3_Interpreter_FOUND AND CMAKE_SYSTEM_NAME STREQUAL "Linux")
   set_tests_properties(cuda_attn_emu_reverse PROPERTIES LABELS "backend;unit" TIMEOUT 1800
                                                         ENVIRONMENT KVD_EMU_REVERSE=1)
 endif()
+
+# kvdepotd on the emulated device: with --device cuda (KVDEPOT_DEVICE=cuda)
+# its device tier lies in emulated device memory and Attend runs the CUDA
+# kernels on the pages there (tests/e2e/e2e_compute.cmake runs the compute
+# tests against it).
+if(TARGET kvd_kernels_cuda_emu AND TARGET kvd_service)
+  add_executable(kvdepotd_cuda_emu ${PROJECT_SOURCE_DIR}/service/main.c)
+  target_compile_definitions(kvdepotd_cuda_emu PRIVATE KVD_VERSION="${PROJECT_VERSION}")
+  target_link_libraries(kvdepotd_cuda_emu PRIVATE kvd_kernels_cuda_emu kvd_service)
+  set_target_properties(kvdepotd_cuda_emu PROPERTIES LINKER_LANGUAGE CXX)
+endif()

@@ -1104,11 +1104,114 @@ static int t_read_pages(kvd_harness *h)
     return 0;
 }
 
+/*
+ * Where the pages are attended. With KVDEPOT_DEVICE=cuda (the server on a
+ * GPU, or kvdepotd_cuda_emu on the CPU emulation of one) Stats names the
+ * device and whole pages are attended where they lie in its memory: raw,
+ * INT4 and INT2 (values on either axis) sequences of odd page counts, in one batch over
+ * several ranges (partial pages at both ends, exact pages, the raw tail),
+ * also after an eviction brought them back from RocksDB. Every answer
+ * equals the client's attention on the data it reads back. With
+ * KVDEPOT_DEVICE=cpu nothing is attended on a device.
+ */
+static int t_device(kvd_harness *h)
+{
+    const char *want = getenv("KVDEPOT_DEVICE");
+    const int on_gpu = want && strncmp(want, "cuda", 4) == 0;
+    const int on_cpu = want && strcmp(want, "cpu") == 0;
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_stats st0;
+    REQUIRE_RC(kvdepot_stats_get(c, &st0), KVDEPOT_OK);
+    printf("backend %s, device '%s', %llu bytes, healthy %d\n", st0.backend, st0.device,
+           (unsigned long long)st0.device_memory_bytes, st0.device_healthy);
+    if (on_gpu) {
+        CHECK(strcmp(st0.backend, "cuda") == 0);
+        CHECK(st0.device[0] != '\0' && st0.device_memory_bytes > 0 && st0.device_healthy);
+    }
+    if (on_cpu)
+        CHECK(strcmp(st0.backend, "cpu") == 0 && st0.device[0] == '\0');
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "dev", 2, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    const uint64_t n = 5 * 256 + 77; /* 5 whole pages and a raw tail */
+    const struct {
+        const char *id;
+        kvdepot_codecs cs;
+    } seqs[] = {
+        {"dev-raw", {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}},
+        {"dev-int4", {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 32, 0, 0, 0}, 0}},
+        {"dev-int2", {{KVDEPOT_CODEC_INT2, 64, 1, 0, 5}, {KVDEPOT_CODEC_INT2, 64, 0, 1, 0}, 0}},
+    };
+    const size_t ns = sizeof seqs / sizeof seqs[0];
+    for (size_t i = 0; i < ns; i++) {
+        REQUIRE_RC(create_coded(c, m.name, seqs[i].id, &seqs[i].cs), KVDEPOT_OK);
+        REQUIRE_RC(make_seq_append_only(c, &m, seqs[i].id, n), KVDEPOT_OK);
+    }
+    /* ranges: all, partial pages at both ends, exact pages, tail only */
+    const uint64_t ranges[][2] = {{0, 0}, {100, 1100}, {256, 768}, {1280, 0}};
+    const size_t nr = sizeof ranges / sizeof ranges[0], nq = ns * nr;
+    kvdepot_attend_query qs[12];
+    float *q[12];
+    for (int pass = 0; pass < 2; pass++) {
+        kvdepot_stats st1;
+        REQUIRE_RC(kvdepot_stats_get(c, &st1), KVDEPOT_OK);
+        for (size_t i = 0; i < nq; i++) {
+            q[i] = make_q(&m, 900 + i);
+            REQUIRE(q[i]);
+            const char *id = seqs[i / nr].id;
+            qs[i] = (kvdepot_attend_query){id,     strlen(id),        q[i],
+                                           8 * 64, ranges[i % nr][0], ranges[i % nr][1]};
+        }
+        kvdepot_attend_result *r = NULL;
+        r = calloc(nq, sizeof *r);
+        REQUIRE(r);
+        for (int layer = 0; layer < 2; layer++) {
+            REQUIRE_RC(kvdepot_attend(c, (uint32_t)layer, 0, qs, nq, r), KVDEPOT_OK);
+            for (size_t i = 0; i < nq; i++) {
+                uint64_t t0 = ranges[i % nr][0],
+                         cnt = ranges[i % nr][1] ? ranges[i % nr][1] : n - t0;
+                float lo[8 * 64], ll[8];
+                REQUIRE_RC(
+                    local_attend(c, &m, seqs[i / nr].id, (uint32_t)layer, t0, cnt, q[i], lo, ll),
+                    KVDEPOT_OK);
+                double eo = nmse(r[i].output, lo, 8 * 64), el = nmse(r[i].lse, ll, 8);
+                if (!(eo <= 1e-3 && el <= 1e-6))
+                    printf("  pass %d layer %d %s [%llu, +%llu): out NMSE %.3g, lse NMSE %.3g\n",
+                           pass, layer, seqs[i / nr].id, (unsigned long long)t0,
+                           (unsigned long long)cnt, eo, el);
+                CHECK(eo <= 1e-3 && el <= 1e-6);
+            }
+            kvdepot_attend_results_free(r, nq);
+        }
+        free(r);
+        for (size_t i = 0; i < nq; i++)
+            free(q[i]);
+        kvdepot_stats st2;
+        REQUIRE_RC(kvdepot_stats_get(c, &st2), KVDEPOT_OK);
+        uint64_t dp = st2.device_pages_attended - st1.device_pages_attended;
+        printf("pass %d: %llu pages attended on the device, device tier %llu pages\n", pass,
+               (unsigned long long)dp, (unsigned long long)st2.tiers[0].pages);
+        if (on_gpu) {
+            /* whole pages of a layer: all 5, [100, 1200) 3, [256, 1024) 3 */
+            CHECK(dp == 2 * ns * (5 + 3 + 3));
+            CHECK(st2.tiers[0].pages > 0);
+        }
+        if (on_cpu)
+            CHECK(dp == 0);
+        /* again from RocksDB: every page goes back up to the device */
+        for (size_t i = 0; i < ns; i++)
+            REQUIRE_RC(kvdepot_sequence_evict(c, seqs[i].id, strlen(seqs[i].id), NULL, NULL),
+                       KVDEPOT_OK);
+    }
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
-    {"attend", t_attend},     {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
-    {"plan_fetch", t_plan_fetch}, {"errors", t_errors},   {"codecs", t_codecs},
-    {"bad_codecs", t_bad_codecs}, {"search", t_search},   {"append_pages", t_append_pages},
-    {"read_pages", t_read_pages},
+    {"attend", t_attend},         {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
+    {"plan_fetch", t_plan_fetch}, {"errors", t_errors},           {"codecs", t_codecs},
+    {"bad_codecs", t_bad_codecs}, {"search", t_search},           {"append_pages", t_append_pages},
+    {"read_pages", t_read_pages}, {"device", t_device},
 };
 
 int main(int argc, char **argv)

@@ -9,6 +9,19 @@ if(TARGET kvd_e2e_harness)
     add_test(NAME compute_${name} COMMAND e2e_compute ${KVD_E2E_SERVER} ${name})
     set_tests_properties(compute_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()
+  add_test(NAME compute_device COMMAND e2e_compute ${KVD_E2E_SERVER} device)
+  set_tests_properties(compute_device PROPERTIES LABELS e2e TIMEOUT 300
+                                                 ENVIRONMENT KVDEPOT_DEVICE=cpu)
+  # The same tests against kvdepotd on the CPU emulation of a GPU
+  # (tests/backend/cuda_emu.cmake): pages held in emulated device memory,
+  # Attend through the CUDA backend's host code and kernels.
+  if(TARGET kvdepotd_cuda_emu)
+    foreach(name device attend codecs lse_merge search append_pages)
+      add_test(NAME compute_emu_${name} COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> ${name})
+      set_tests_properties(compute_emu_${name} PROPERTIES LABELS e2e TIMEOUT 600
+                           ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVDEPOT_DEVICE_TIER_BYTES=256MiB")
+    endforeach()
+  endif()
 endif()
 
 # The compressed-cache and compute benchmark (prints tables; build target only):

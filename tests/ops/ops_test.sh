@@ -402,7 +402,7 @@ metrics)
     [ "$(metric kvdepot_pages_sealed)" -ge 2 ] || fail "sealed pages gauge (2 layers x 1 page)"
     [ "$(metric kvdepot_bytes_received_total)" -gt $((300 * PER_TOKEN)) ] || fail "bytes in"
     metric kvdepot_ready >/dev/null # scrapes into $work/metrics
-    grep -Eq '^kvdepot_backend_info\{backend="cpu",threads="[1-9][0-9]*"\} 1$' "$work/metrics" ||
+    grep -Eq '^kvdepot_backend_info\{backend="(cpu|cuda)",device="[^"]*",threads="[1-9][0-9]*"\} 1$' "$work/metrics" ||
         fail "backend info"
     [ "$(metric kvdepot_ready)" = 1 ] || fail "ready gauge"
     # The whole page parses as Prometheus text, and every histogram is
