@@ -71,9 +71,14 @@ kvd_backend *kvd_store_coding_backend(kvd_store *st)
     return &st->be_coding;
 }
 
-kvd_backend *kvd_store_device(kvd_store *st)
+kvd_backend *kvd_store_device_opened(kvd_store *st)
 {
     return st->dev;
+}
+
+kvd_backend *kvd_store_device(kvd_store *st)
+{
+    return atomic_load(&st->dev_lost) ? NULL : st->dev;
 }
 
 /* ---- u64 -> pointer map (linear probing; key 0 is stored like any other,

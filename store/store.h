@@ -85,8 +85,17 @@ uint32_t kvd_store_page_tokens(const kvd_store *st);
  * store. */
 kvd_backend *kvd_store_backend(kvd_store *st);
 kvd_backend *kvd_store_coding_backend(kvd_store *st);
-/* kvd_store_options.device, or NULL. */
+/* kvd_store_options.device, or NULL (also once the device was lost); and
+ * the device it was opened with, lost or not (for stats and health). */
 kvd_backend *kvd_store_device(kvd_store *st);
+kvd_backend *kvd_store_device_opened(kvd_store *st);
+
+/* The device stopped working (a sticky error): forget every page held in
+ * its memory and keep no device tier from now on, so that later reads and
+ * computations take pages from the host tier and RocksDB on the CPU
+ * (RocksDB holds every page). Pinned pages are forgotten at their release. Returns the pages forgotten the
+ * first time, 0 on later calls. */
+uint64_t kvd_store_device_lost(kvd_store *st);
 
 /* ---- models ------------------------------------------------------------ */
 

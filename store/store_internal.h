@@ -213,6 +213,8 @@ typedef struct kvd__cache {
     kvd__tier tier[2];
     kvd_backend *be;      /* NULL: the pool is malloc'd host memory */
     int pool_host;        /* pool bytes are addressable by the CPU */
+    int dev_broken;       /* a pool copy failed on a device an error left unusable */
+    int dev_gone;         /* the device tier was dropped (kvd_store_device_lost) */
     uint8_t *pool;
     kvd__free_range *freel; /* free ranges of the pool, sorted by offset */
     size_t nfree, capfree;
@@ -278,6 +280,7 @@ struct kvd_store {
     kvd_backend *be;       /* compute backend (options.backend or own_be) */
     kvd_backend *own_be;   /* created at open when none was given */
     kvd_backend *dev;      /* options.device: holds the device tier, or NULL */
+    _Atomic int dev_lost;  /* kvd_store_device_lost was called */
     kvd_backend be_coding; /* be limited to one thread: page coding */
     char recovery_report[1024]; /* kvd_store_recovery_report */
 };

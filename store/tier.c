@@ -242,13 +242,25 @@ static void entry_destroy(kvd__cache *c, kvd__centry *e)
 static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
 
 /* Copy host bytes into a pool range, or pool bytes out to host memory. */
+/* A failed copy on a device an error left unusable: the next cache call
+ * drops the device tier (drop_device). */
+static int pool_failed(kvd__cache *c, int rc)
+{
+    kvd_backend_desc d;
+    kvd_backend_describe(c->be, &d);
+    if (!d.healthy)
+        c->dev_broken = 1;
+    return rc;
+}
+
 static int pool_put(kvd__cache *c, uint64_t off, const uint8_t *src, size_t len)
 {
     if (c->pool_host) {
         memcpy(c->pool + off, src, len);
         return 0;
     }
-    return kvd_backend_upload(c->be, c->pool + off, src, len, NULL);
+    int rc = kvd_backend_upload(c->be, c->pool + off, src, len, NULL);
+    return rc ? pool_failed(c, rc) : 0;
 }
 
 static int pool_get(kvd__cache *c, uint8_t *dst, uint64_t off, size_t len)
@@ -257,7 +269,8 @@ static int pool_get(kvd__cache *c, uint8_t *dst, uint64_t off, size_t len)
         memcpy(dst, c->pool + off, len);
         return 0;
     }
-    return kvd_backend_download(c->be, dst, c->pool + off, len, NULL);
+    int rc = kvd_backend_download(c->be, dst, c->pool + off, len, NULL);
+    return rc ? pool_failed(c, rc) : 0;
 }
 
 /* Demote an unpinned entry one tier down (or out of memory). */
@@ -320,6 +333,8 @@ static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry 
 /* A pool range for alloc bytes in the device tier, evicting as needed. */
 static int device_alloc(kvd__cache *c, uint64_t alloc, const kvd__centry *keep, uint64_t *off)
 {
+    if (c->dev_gone)
+        return -1;
     if (make_room(c, KVD_TIER_DEVICE, alloc, keep))
         return -1;
     /* Within budget but fragmented: free more until a range fits. */
@@ -376,6 +391,28 @@ static void entry_kill(kvd__cache *c, kvd__centry *e)
         entry_destroy(c, e);
 }
 
+/* The device was lost: forget every page in its tier and keep no device
+ * tier from now on (kvd_store_device_lost). Pages forgotten; 0 when it was
+ * done before. */
+static uint64_t drop_device(kvd_store *st)
+{
+    kvd__cache *c = &st->tiers;
+    if (!st->dev || atomic_exchange(&st->dev_lost, 1))
+        return 0;
+    kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
+    uint64_t n = 0;
+    c->dev_gone = 1; /* device_alloc fails from now on: pages go to the host tier */
+    while (t->head) {
+        entry_kill(c, t->head);
+        n++;
+    }
+    store_log("error",
+              "msg=\"device lost (a device error left it unusable): its tier is dropped, pages "
+              "are read from the host tier and RocksDB and computed on the CPU\" pages=%llu",
+              (unsigned long long)n);
+    return n;
+}
+
 /* ---- the cache API ----------------------------------------------------------- */
 
 static int have_tiers(const kvd__cache *c)
@@ -407,6 +444,8 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
         return NULL;
     }
     pthread_mutex_lock(&c->mu);
+    if (c->dev_broken)
+        drop_device(st);
     kvd__centry *e = kvd__map_get(&c->map, id);
     if (!e || e->num_tokens < need) {
         pthread_mutex_unlock(&c->mu);
@@ -459,6 +498,8 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
     if (!have_tiers(c))
         return NULL;
     pthread_mutex_lock(&c->mu);
+    if (c->dev_broken)
+        drop_device(st);
     kvd__centry *old = kvd__map_get(&c->map, id);
     if (old && old->num_tokens >= num_tokens) {
         /* Already there with as much: just touch it. */
@@ -659,6 +700,16 @@ int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err)
         c->tier[KVD_TIER_DEVICE].limit = dev;
     }
     return 0;
+}
+
+uint64_t kvd_store_device_lost(kvd_store *st)
+{
+    if (!st->dev)
+        return 0;
+    pthread_mutex_lock(&st->tiers.mu);
+    uint64_t n = drop_device(st);
+    pthread_mutex_unlock(&st->tiers.mu);
+    return n;
 }
 
 int kvd__cache_start(kvd_store *st, kvd_error *err)
@@ -964,7 +1015,7 @@ int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uin
 int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                                   uint64_t block, kvd_page_handle *h, kvd_error *err)
 {
-    return page_acquire(st, seq_id, id_len, layer, block, h, st->dev != NULL, err);
+    return page_acquire(st, seq_id, id_len, layer, block, h, kvd_store_device(st) != NULL, err);
 }
 
 static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
