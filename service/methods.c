@@ -149,6 +149,16 @@ static void guard_release(void *arg, const char *model, uint64_t bytes)
     kvd_quota_release(((kvd_req_ctx *)arg)->auth, model, 0, bytes);
 }
 
+int kvd_service_device_ok(kvd_store *st)
+{
+    kvd_backend *dev = st ? kvd_store_device_opened(st) : NULL;
+    if (!dev)
+        return 1;
+    kvd_backend_desc d;
+    kvd_backend_describe(dev, &d);
+    return d.healthy;
+}
+
 void kvd_ctx_compute(kvd_req_ctx *ctx, kvd_compute_guard *g, kvd_compute *c)
 {
     *g = (kvd_compute_guard){guard_check_model, guard_reserve, guard_commit_lock,

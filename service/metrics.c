@@ -109,7 +109,7 @@ static void render_tiers(buf *b)
         return;
     static const char *tn[KVD_TIERS] = {"device", "host", "disk"};
     static const char *dn[3] = {"spill", "none", "sync"};
-    const kvd_backend *be = kvd_store_backend(st), *dev = kvd_store_device(st);
+    const kvd_backend *be = kvd_store_backend(st), *dev = kvd_store_device_opened(st);
     kvd_backend_desc d;
     kvd_backend_describe(dev ? dev : be, &d);
     char devq[sizeof d.device];
@@ -288,7 +288,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (strcmp(url, "/healthz") == 0)
         return reply(conn, MHD_HTTP_OK, text, "ok\n", 3, 0);
     if (strcmp(url, "/readyz") == 0) {
-        if (atomic_load(h->ready))
+        if (atomic_load(h->ready) && kvd_service_device_ok(atomic_load(&kvd_metrics_store)))
             return reply(conn, MHD_HTTP_OK, text, "ready\n", 6, 0);
         return reply(conn, MHD_HTTP_SERVICE_UNAVAILABLE, text, "not ready\n", 10, 0);
     }

@@ -45,6 +45,9 @@ typedef struct kvd_service {
     pthread_mutex_t auth_mu;
 } kvd_service;
 
+/* 0 when the store's device (if any) was left unusable by an error. */
+int kvd_service_device_ok(kvd_store *st);
+
 /* Per-call context handed to handlers. */
 typedef struct kvd_req_ctx {
     kvd_service *svc;

@@ -45,7 +45,7 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
     resp.sequences_expired = s.sequences_expired;
     resp.sequences = s.sequences;
     kvd_backend *be = kvd_store_backend(ctx->svc->store);
-    kvd_backend *dev = kvd_store_device(ctx->svc->store);
+    kvd_backend *dev = kvd_store_device_opened(ctx->svc->store);
     kvd_backend_desc d;
     kvd_backend_describe(dev ? dev : be, &d);
     resp.backend = (char *)(dev ? dev : be)->iface->name;

@@ -88,12 +88,60 @@ done:
     return rc;
 }
 
+/* Scratch of attend_pages: PAGES_PER_STEP handles and views, and two
+ * partial results. */
+typedef struct step_bufs {
+    kvd_page_handle *hs, *dv; /* acquired; copies of those on the device */
+    kvd_page_view *vs;
+    float *po, *pl, *po2, *pl2;
+} step_bufs;
+
+/*
+ * Attention over whole pages [b0, b0 + np) into (sb->po, sb->pl): pages
+ * that lie in dev's memory (dev non-NULL) are attended there, the others on
+ * the CPU, and the two parts merged. Every page is released on return.
+ */
+static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_query *qy,
+                       uint32_t layer, uint64_t b0, size_t np, const kvd_seq_codecs *codecs,
+                       const kvd_attn_dims *dims, step_bufs *sb, kvd_error *err)
+{
+    size_t got = 0, nd = 0, nv = 0; /* pages attended on the device / on the host */
+    int rc = 0;
+    for (; got < np; got++) {
+        kvd_page_handle *h = &sb->hs[got];
+        if ((rc = dev ? kvd_store_page_acquire_device(c->store, qy->id, qy->id_len, layer, b0 + got,
+                                                      h, err)
+                      : kvd_store_page_acquire(c->store, qy->id, qy->id_len, layer, b0 + got, h,
+                                               err)))
+            break;
+        if (h->layout) {
+            sb->dv[nd++] = *h;
+            continue;
+        }
+        if ((rc = kvd_page_decode_nocheck(h->bytes, h->len, &sb->vs[nv++], err))) {
+            got++;
+            break;
+        }
+    }
+    const int Hq = dims->n_q_heads, D = dims->head_dim;
+    if (rc == 0)
+        rc = kvd_page_attend(c->be, sb->vs, nv, codecs->arts, dims, qy->q, sb->po, sb->pl, err);
+    if (rc == 0 && nd > 0 &&
+        (rc = kvd__attend_device(dev, sb->dv, nd, dims, qy->q, sb->po2, sb->pl2, err)) == 0)
+        rc = kvd_attn_merge_into(c->be, Hq, D, sb->po, sb->pl, sb->po2, sb->pl2, err);
+    for (size_t i = 0; i < got; i++)
+        kvd_store_page_release(c->store, &sb->hs[i]);
+    return rc;
+}
+
 /*
  * Attention over tokens [start, start + n): whole sealed pages are acquired
  * from the store (pinned in their memory tier) and attended in their stored
  * form (kvd_page_attend: INT2/INT4 homomorphic, VQ fused, SVD at the reduced
  * widths, raw dense); pages that lie in the device tier of a device
- * (c->dev) are attended there, where they lie (kvd__attend_device). The
+ * (c->dev) are attended there, where they lie (kvd__attend_device). A step
+ * the device fails with KVD_EUNAVAIL (it is lost: a sticky error) is
+ * attended again on the CPU after the store dropped its device tier. The
  * partial blocks at both ends (and the raw tail) go through the read cursor.
  */
 static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const kvd_model_info *m,
@@ -107,14 +155,18 @@ static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const 
     if (f0 >= f1)
         return attend_range(c, qy, m, layer, start, n, scale, out, lse, err);
     const int Hq = (int)m->num_q_heads, D = (int)m->head_dim;
-    float *po = malloc(sizeof(float) * (size_t)Hq * D), *pl = malloc(sizeof(float) * Hq);
-    kvd_page_handle *hs = calloc(PAGES_PER_STEP, sizeof *hs);
-    kvd_page_handle *dv = calloc(PAGES_PER_STEP, sizeof *dv); /* copies of those on c->dev */
-    kvd_page_view *vs = calloc(PAGES_PER_STEP, sizeof *vs);
+    const size_t qf = (size_t)Hq * D;
+    step_bufs sb = {calloc(PAGES_PER_STEP, sizeof *sb.hs),
+                    calloc(PAGES_PER_STEP, sizeof *sb.dv),
+                    calloc(PAGES_PER_STEP, sizeof *sb.vs),
+                    malloc(sizeof(float) * qf),
+                    malloc(sizeof(float) * Hq),
+                    malloc(sizeof(float) * qf),
+                    malloc(sizeof(float) * Hq)};
     kvd_seq_codecs codecs;
     memset(&codecs, 0, sizeof codecs);
     int rc = 0, found = 0;
-    if (!po || !pl || !hs || !dv || !vs) {
+    if (!sb.hs || !sb.dv || !sb.vs || !sb.po || !sb.pl || !sb.po2 || !sb.pl2) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -127,44 +179,30 @@ static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const 
         goto done;
     kvd_attn_dims dims = {Hq, (int)m->num_kv_heads, D, D, scale};
     for (uint64_t b0 = f0; b0 < f1 && rc == 0; b0 += PAGES_PER_STEP) {
-        size_t np = (size_t)(f1 - b0 < PAGES_PER_STEP ? f1 - b0 : PAGES_PER_STEP), got = 0;
-        size_t nd = 0, nv = 0; /* pages attended on the device / on the host */
-        for (; got < np; got++) {
-            kvd_page_handle *h = &hs[got];
-            if ((rc = c->dev ? kvd_store_page_acquire_device(c->store, qy->id, qy->id_len, layer,
-                                                             b0 + got, h, err)
-                             : kvd_store_page_acquire(c->store, qy->id, qy->id_len, layer, b0 + got,
-                                                      h, err)))
-                break;
-            if (h->layout) {
-                dv[nd++] = *h;
-                continue;
-            }
-            if ((rc = kvd_page_decode_nocheck(h->bytes, h->len, &vs[nv++], err))) {
-                got++;
-                break;
-            }
+        size_t np = (size_t)(f1 - b0 < PAGES_PER_STEP ? f1 - b0 : PAGES_PER_STEP);
+        kvd_backend *dev = c->dev ? kvd_store_device(c->store) : NULL; /* NULL once lost */
+        rc = attend_step(c, dev, qy, layer, b0, np, &codecs, &dims, &sb, err);
+        if (rc == KVD_EUNAVAIL && dev) {
+            kvd_store_device_lost(c->store);
+            kvd_error_clear(err);
+            rc = attend_step(c, NULL, qy, layer, b0, np, &codecs, &dims, &sb, err);
         }
-        if (rc == 0 && nv > 0 &&
-            (rc = kvd_page_attend(c->be, vs, nv, codecs.arts, &dims, qy->q, po, pl, err)) == 0)
-            rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, po, pl, err);
-        if (rc == 0 && nd > 0 &&
-            (rc = kvd__attend_device(c->dev, dv, nd, &dims, qy->q, po, pl, err)) == 0)
-            rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, po, pl, err);
-        for (size_t i = 0; i < got; i++)
-            kvd_store_page_release(c->store, &hs[i]);
+        if (rc == 0)
+            rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, sb.po, sb.pl, err);
     }
     /* Tail: [f1*B, end) */
     if (rc == 0 && f1 * B < end &&
-        (rc = attend_range(c, qy, m, layer, f1 * B, end - f1 * B, scale, po, pl, err)) == 0)
-        rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, po, pl, err);
+        (rc = attend_range(c, qy, m, layer, f1 * B, end - f1 * B, scale, sb.po, sb.pl, err)) == 0)
+        rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, sb.po, sb.pl, err);
 done:
     kvd_seq_codecs_clear(&codecs);
-    free(po);
-    free(pl);
-    free(hs);
-    free(dv);
-    free(vs);
+    free(sb.hs);
+    free(sb.dv);
+    free(sb.vs);
+    free(sb.po);
+    free(sb.pl);
+    free(sb.po2);
+    free(sb.pl2);
     return rc;
 }
 

@@ -93,9 +93,9 @@ static int make_seq(kvdepot_client *c, const kvdepot_model *m, const char *id, u
     return 0;
 }
 
-/* Append n tokens to every layer of an existing sequence in one call. */
-static int make_seq_append_only(kvdepot_client *c, const kvdepot_model *m, const char *id,
-                                uint64_t n)
+/* Append n tokens at t0 to every layer of an existing sequence in one call. */
+static int append_at(kvdepot_client *c, const kvdepot_model *m, const char *id, uint64_t t0,
+                     uint64_t n)
 {
     size_t cnt = (size_t)m->num_layers * n * m->num_kv_heads * m->head_dim;
     size_t es = kvdepot_dtype_size(m->dtype);
@@ -108,6 +108,7 @@ static int make_seq_append_only(kvdepot_client *c, const kvdepot_model *m, const
     memset(&aa, 0, sizeof aa);
     aa.id = id;
     aa.id_len = strlen(id);
+    aa.token_start = t0;
     aa.num_tokens = n;
     aa.dtype = m->dtype;
     aa.k = k;
@@ -117,6 +118,13 @@ static int make_seq_append_only(kvdepot_client *c, const kvdepot_model *m, const
     free(k);
     free(v);
     return rc;
+}
+
+/* Append n tokens to every layer of a new sequence in one call. */
+static int make_seq_append_only(kvdepot_client *c, const kvdepot_model *m, const char *id,
+                                uint64_t n)
+{
+    return append_at(c, m, id, 0, n);
 }
 
 /* Attention computed by the client on K/V it reads back: the reference. */
@@ -1207,11 +1215,69 @@ static int t_device(kvd_harness *h)
     return 0;
 }
 
+/*
+ * A GPU that faults: kvdepotd_cuda_emu with KVD_EMU_FAULT_AT_LAUNCH=1, whose
+ * first kernel launch fails with an illegal address, a sticky error. The
+ * Attend that met it still answers, from the CPU, what the client computes;
+ * the device tier is dropped and the GPU reported unusable (Stats, health
+ * NOT_SERVING); appends, reads and attention go on from the host tier and
+ * RocksDB.
+ */
+static int t_device_fault(kvd_harness *h)
+{
+    REQUIRE(getenv("KVD_EMU_FAULT_AT_LAUNCH") != NULL);
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_stats st;
+    kvdepot_serving sv;
+    REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+    REQUIRE(strcmp(st.backend, "cuda") == 0 && st.device_healthy);
+    REQUIRE_RC(kvdepot_health_check(c, NULL, &sv), KVDEPOT_OK);
+    CHECK(sv == KVDEPOT_SERVING);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "fault", 1, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    kvdepot_codecs cs = {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, 0};
+    const char *id = "f-int4";
+    const uint64_t n = 3 * 256 + 10;
+    REQUIRE_RC(create_coded(c, m.name, id, &cs), KVDEPOT_OK);
+    REQUIRE_RC(make_seq_append_only(c, &m, id, n), KVDEPOT_OK);
+    REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+    CHECK(st.tiers[0].pages == 4);
+    float *q = make_q(&m, 5);
+    REQUIRE(q);
+    for (int round = 0; round < 2; round++) {
+        uint64_t len = n + (uint64_t)round * 300;
+        kvdepot_attend_query qy = {id, strlen(id), q, 8 * 64, 0, 0};
+        kvdepot_attend_result r;
+        REQUIRE_RC(kvdepot_attend(c, 0, 0, &qy, 1, &r), KVDEPOT_OK);
+        CHECK(r.num_tokens == len);
+        float lo[8 * 64], ll[8];
+        REQUIRE_RC(local_attend(c, &m, id, 0, 0, len, q, lo, ll), KVDEPOT_OK);
+        double eo = nmse(r.output, lo, 8 * 64), el = nmse(r.lse, ll, 8);
+        printf("round %d: attend vs client: out NMSE %.3g, lse NMSE %.3g\n", round, eo, el);
+        CHECK(eo <= 1e-3 && el <= 1e-6);
+        kvdepot_attend_results_free(&r, 1);
+        REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+        printf("  device '%s' healthy %d, %llu pages attended on it, device tier %llu pages, "
+               "host tier %llu\n",
+               st.device, st.device_healthy, (unsigned long long)st.device_pages_attended,
+               (unsigned long long)st.tiers[0].pages, (unsigned long long)st.tiers[1].pages);
+        CHECK(!st.device_healthy && st.device_pages_attended == 0 && st.tiers[0].pages == 0);
+        REQUIRE_RC(kvdepot_health_check(c, NULL, &sv), KVDEPOT_OK);
+        CHECK(sv == KVDEPOT_NOT_SERVING);
+        if (round == 0) /* appends go on, into the host tier */
+            REQUIRE_RC(append_at(c, &m, id, n, 300), KVDEPOT_OK);
+    }
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
     {"attend", t_attend},         {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
     {"plan_fetch", t_plan_fetch}, {"errors", t_errors},           {"codecs", t_codecs},
     {"bad_codecs", t_bad_codecs}, {"search", t_search},           {"append_pages", t_append_pages},
-    {"read_pages", t_read_pages}, {"device", t_device},
+    {"read_pages", t_read_pages}, {"device", t_device},           {"device_fault", t_device_fault},
 };
 
 int main(int argc, char **argv)

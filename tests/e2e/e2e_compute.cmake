@@ -21,6 +21,10 @@ if(TARGET kvd_e2e_harness)
       set_tests_properties(compute_emu_${name} PROPERTIES LABELS e2e TIMEOUT 600
                            ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVDEPOT_DEVICE_TIER_BYTES=256MiB")
     endforeach()
+    add_test(NAME compute_emu_device_fault
+             COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> device_fault)
+    set_tests_properties(compute_emu_device_fault PROPERTIES LABELS e2e TIMEOUT 300
+                         ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVD_EMU_FAULT_AT_LAUNCH=1")
   endif()
 endif()
 

@@ -6,6 +6,10 @@
  * default), KVD_EMU_DEVICE_MIB MiB of memory (8192 by default; an allocation
  * past it fails with cudaErrorMemoryAllocation, as on a full GPU), 227 KiB
  * of opt-in shared memory per block. Fibers get 256 KiB stacks.
+ * KVD_EMU_FAULT_AT_LAUNCH=N makes the Nth launch of the process (from 1)
+ * fail with cudaErrorIllegalAddress without running, as a kernel that
+ * faults does on a GPU: the backend's reaction to a sticky error can be
+ * tested.
  *
  * On x86-64 switching between fibers is _setjmp/_longjmp (no signal mask
  * saved, so no system call per switch) and a fiber is entered the first time
@@ -193,6 +197,13 @@ void emu_run(dim3 grid, dim3 block, size_t smem, const std::function<void()> &bo
         return;
     }
     pthread_mutex_lock(&g_launch_mu);
+    static long launches;
+    static const long fault_at = env_long("KVD_EMU_FAULT_AT_LAUNCH", 0);
+    if (++launches == fault_at) {
+        pthread_mutex_unlock(&g_launch_mu);
+        t_last = cudaErrorIllegalAddress;
+        return;
+    }
     std::vector<unsigned char> sm(smem + 16);
     g_nthreads = nt;
     g_body = &body;
