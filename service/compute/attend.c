@@ -206,6 +206,164 @@ done:
     return rc;
 }
 
+/* Pages a batch pins at once on the device path (a query with more runs
+ * alone, step by step). */
+#define DEVICE_BATCH_PAGES 16384
+
+/* Whole pages [*f0, *f1) of tokens [start, start + n) of a layer holding
+ * layer_tokens. */
+static void whole_pages(uint64_t B, uint64_t start, uint64_t n, uint64_t layer_tokens, uint64_t *f0,
+                        uint64_t *f1)
+{
+    *f0 = (start + B - 1) / B;
+    *f1 = (start + n) / B;
+    if (*f1 > layer_tokens / B)
+        *f1 = layer_tokens / B;
+    if (*f1 < *f0)
+        *f1 = *f0;
+}
+
+/* The pages one query of a device batch holds. */
+typedef struct batch_q {
+    kvd_page_handle *hs; /* acquired */
+    size_t got;
+    kvd_page_handle *dv; /* copies of those on the device */
+    kvd_page_view *vs;   /* views of the others */
+    size_t nd, nv;
+} batch_q;
+
+/*
+ * Queries [i0, i1) of an Attend on the device dev: each query's whole pages
+ * are acquired; those in the device tier become items of one device batch
+ * (kvd__attend_device_batch) over all the queries, the others, the partial
+ * pages at both ends and the raw tail are attended on the CPU, and the
+ * parts of each query are merged by log-sum-exp. When the device is lost
+ * meanwhile (KVD_EUNAVAIL), the store drops its device tier and the queries
+ * are attended again on the CPU.
+ */
+static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, float scale,
+                        const kvd_attend_query *qs, const kvd__cseq *sc, const uint64_t *count,
+                        size_t i0, size_t i1, kvd_attend_result *res, kvd_error *err)
+{
+    const uint64_t B = kvd_store_page_tokens(c->store);
+    const size_t nq = i1 - i0;
+    batch_q *bq = calloc(nq, sizeof *bq);
+    kvd__devq *dq = calloc(nq, sizeof *dq);
+    size_t tmp_floats = 0;
+    for (size_t i = i0; i < i1; i++)
+        tmp_floats += (size_t)sc[i].model.num_q_heads * (sc[i].model.head_dim + 1);
+    float *dres = malloc(sizeof(float) * (tmp_floats + 1)); /* device results */
+    float *po = NULL, *pl = NULL;
+    kvd_seq_codecs codecs;
+    memset(&codecs, 0, sizeof codecs);
+    int rc = 0;
+    if (!bq || !dq || !dres) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    float *dnext = dres;
+    for (size_t k = 0; k < nq && rc == 0; k++) {
+        const size_t i = i0 + k;
+        const kvd_model_info *m = &sc[i].model;
+        const int Hq = (int)m->num_q_heads, D = (int)m->head_dim;
+        const float sc_i = kvd__default_scale(scale, m->head_dim);
+        kvd_attn_dims dims = {Hq, (int)m->num_kv_heads, D, D, sc_i};
+        const uint64_t start = qs[i].token_start, n = count[i];
+        uint64_t f0, f1;
+        whole_pages(B, start, n, sc[i].layer_tokens, &f0, &f1);
+        dq[k] = (kvd__devq){dims, qs[i].q, NULL, 0, dnext, dnext + (size_t)Hq * D};
+        dnext += (size_t)Hq * (D + 1);
+        if (f0 == f1) {
+            rc = attend_range(c, &qs[i], m, layer, start, n, sc_i, res[i].out, res[i].lse, err);
+            continue;
+        }
+        free(po);
+        free(pl);
+        po = malloc(sizeof(float) * (size_t)Hq * D);
+        pl = malloc(sizeof(float) * Hq);
+        batch_q *b = &bq[k];
+        size_t np = (size_t)(f1 - f0);
+        b->hs = calloc(np, sizeof *b->hs);
+        b->dv = calloc(np, sizeof *b->dv);
+        b->vs = calloc(np, sizeof *b->vs);
+        if (!po || !pl || !b->hs || !b->dv || !b->vs) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+            break;
+        }
+        /* Head [start, f0*B) */
+        if ((rc = attend_range(c, &qs[i], m, layer, start, f0 * B - start, sc_i, res[i].out,
+                               res[i].lse, err)))
+            break;
+        for (; b->got < np; b->got++) {
+            kvd_page_handle *h = &b->hs[b->got];
+            if ((rc = kvd_store_page_acquire_device(c->store, qs[i].id, qs[i].id_len, layer,
+                                                    f0 + b->got, h, err)))
+                break;
+            if (h->layout)
+                b->dv[b->nd++] = *h;
+            else if ((rc = kvd_page_decode_nocheck(h->bytes, h->len, &b->vs[b->nv++], err))) {
+                b->got++;
+                break;
+            }
+        }
+        dq[k].pages = b->dv;
+        dq[k].np = b->nd;
+        if (rc)
+            break;
+        /* Pages not on the device, on the CPU (VQ/SVD with the artifacts). */
+        if (b->nv > 0) {
+            int found = 0;
+            kvd_seq_codecs_clear(&codecs);
+            memset(&codecs, 0, sizeof codecs);
+            if ((rc = kvd_store_seq_codecs_get(c->store, qs[i].id, qs[i].id_len, &codecs, &found,
+                                               err)) ||
+                (found &&
+                 (rc = kvd_seq_codecs_load_arts(c->store, qs[i].id, qs[i].id_len, &codecs, err))) ||
+                (rc = kvd_page_attend(c->be, b->vs, b->nv, codecs.arts, &dims, qs[i].q, po, pl,
+                                      err)) ||
+                (rc = kvd_attn_merge_into(c->be, Hq, D, res[i].out, res[i].lse, po, pl, err)))
+                break;
+        }
+        /* Tail [f1*B, end) */
+        if (f1 * B < start + n &&
+            ((rc = attend_range(c, &qs[i], m, layer, f1 * B, start + n - f1 * B, sc_i, po, pl,
+                                err)) ||
+             (rc = kvd_attn_merge_into(c->be, Hq, D, res[i].out, res[i].lse, po, pl, err))))
+            break;
+    }
+    if (rc == 0)
+        rc = kvd__attend_device_batch(dev, dq, nq, err);
+    for (size_t k = 0; k < nq && rc == 0; k++)
+        if (dq[k].np > 0)
+            rc = kvd_attn_merge_into(c->be, dq[k].dims.n_q_heads, dq[k].dims.head_dim,
+                                     res[i0 + k].out, res[i0 + k].lse, dq[k].out, dq[k].lse, err);
+done:
+    for (size_t k = 0; bq && k < nq; k++) {
+        for (size_t j = 0; j < bq[k].got; j++)
+            kvd_store_page_release(c->store, &bq[k].hs[j]);
+        free(bq[k].hs);
+        free(bq[k].dv);
+        free(bq[k].vs);
+    }
+    kvd_seq_codecs_clear(&codecs);
+    free(bq);
+    free(dq);
+    free(dres);
+    free(po);
+    free(pl);
+    if (rc == KVD_EUNAVAIL) {
+        /* The device is lost: everything again on the CPU. */
+        kvd_store_device_lost(c->store);
+        kvd_error_clear(err);
+        rc = 0;
+        for (size_t i = i0; i < i1 && rc == 0; i++)
+            rc = attend_pages(c, &qs[i], &sc[i].model, layer, qs[i].token_start, count[i],
+                              sc[i].layer_tokens, kvd__default_scale(scale, sc[i].model.head_dim),
+                              res[i].out, res[i].lse, err);
+    }
+    return rc;
+}
+
 void kvd_attend_results_clear(kvd_attend_result *res, size_t n)
 {
     if (!res)
@@ -267,10 +425,30 @@ int kvd_compute_attend(const kvd_compute *c, uint32_t layer, float scale,
             rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
             goto done;
         }
-        if ((rc =
-                 attend_pages(c, &qs[i], m, layer, qs[i].token_start, count[i], sc[i].layer_tokens,
-                              kvd__default_scale(scale, m->head_dim), res[i].out, res[i].lse, err)))
-            goto done;
+    }
+    /* With a device: queries in batches of up to DEVICE_BATCH_PAGES whole
+     * pages, one set of launches each; a query with more pages, and every
+     * query without a device, page step by page step. */
+    kvd_backend *dev = c->dev ? kvd_store_device(c->store) : NULL;
+    const uint64_t B = kvd_store_page_tokens(c->store);
+    for (size_t i0 = 0; i0 < n && rc == 0;) {
+        size_t i1 = i0;
+        uint64_t pages = 0, f0, f1;
+        for (; dev && i1 < n; i1++) {
+            whole_pages(B, qs[i1].token_start, count[i1], sc[i1].layer_tokens, &f0, &f1);
+            if (pages + (f1 - f0) > DEVICE_BATCH_PAGES)
+                break;
+            pages += f1 - f0;
+        }
+        if (i1 > i0) {
+            rc = attend_group(c, dev, layer, scale, qs, sc, count, i0, i1, res, err);
+            i0 = i1;
+            continue;
+        }
+        const kvd_model_info *m = &sc[i0].model;
+        rc = attend_pages(c, &qs[i0], m, layer, qs[i0].token_start, count[i0], sc[i0].layer_tokens,
+                          kvd__default_scale(scale, m->head_dim), res[i0].out, res[i0].lse, err);
+        i0++;
     }
 done:
     free(count);

@@ -46,6 +46,21 @@ int kvd__attend_device(kvd_backend *dev, const kvd_page_handle *hs, size_t n,
                        const kvd_attn_dims *dims, const float *q, float *out, float *lse,
                        kvd_error *err);
 
+/* One query of kvd__attend_device_batch: its whole pages on the device. */
+typedef struct kvd__devq {
+    kvd_attn_dims dims;
+    const float *q;               /* host, Hq x D */
+    const kvd_page_handle *pages; /* np pages, each with a layout */
+    size_t np;
+    float *out, *lse;             /* host: the merged result (np = 0: empty) */
+} kvd__devq;
+
+/* Attention of nq queries over their pages on the device dev: every page
+ * of every query is an item of one launch per kind, each query's slots are
+ * merged on the device (ceil(log2 max np) + 1 merge launches for all), and
+ * the results come down in one copy. 0 or the backend's status. */
+int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_error *err);
+
 /* scale, or 1/sqrt(D) when 0. */
 float kvd__default_scale(float scale, uint32_t D);
 

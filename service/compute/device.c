@@ -1,13 +1,15 @@
 /*
  * Attention over pages that lie in the device tier, on the device.
  *
- * The pages of one step are the items of one call per kind of page (raw
- * pages: the dense kernel, INT2/INT4 pages: the homomorphic kernel on their
- * codes), each item pointing into the device pool where its page lies (the
- * page layout the store keeps says where). Every item writes its own
- * (out, lse) slot; the slots are then merged on the device pairwise, half
- * of them per launch, so n pages take ceil(log2 n) merge launches. Only the
- * query and the merged (out, lse) cross the bus.
+ * The pages of every query of a call are the items of one launch per kind
+ * of page (raw pages: the dense kernel, INT2/INT4 pages: the homomorphic
+ * kernel on their codes), each item pointing into the device pool where
+ * its page lies (the page layout the store keeps says where). Every item
+ * writes its own (out, lse) slot; each query's slots are then merged on the
+ * device pairwise, half of them per launch and all queries in the same
+ * launches, so a call whose longest query has n pages takes ceil(log2 n)
+ * merge launches, plus one that gathers the results. Only the queries and
+ * the merged results cross the bus, one copy each way.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -25,96 +27,186 @@ uint64_t kvd_compute_device_pages(void)
     return atomic_load(&device_pages);
 }
 
-int kvd__attend_device(kvd_backend *dev, const kvd_page_handle *hs, size_t n,
-                       const kvd_attn_dims *dims, const float *q, float *out, float *lse,
-                       kvd_error *err)
+/* out = the merge of the results at a and b (device floats: Hq x D
+ * outputs, then Hq lse; b's lse at b + b_lse_at, or right after its
+ * outputs when b_lse_at is 0). */
+static void merge_item(kvd_attn_merge_args *m, const kvd_attn_dims *d, float *a, float *b,
+                       size_t b_lse_at, float *out)
 {
-    const int Hq = dims->n_q_heads, H = dims->n_kv_heads, D = dims->head_dim;
-    const size_t qf = (size_t)Hq * D;
-    if (n == 0) {
-        for (size_t i = 0; i < qf; i++)
-            out[i] = 0.0f;
-        for (int h = 0; h < Hq; h++)
-            lse[h] = -INFINITY;
-        return 0;
+    const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
+    int64_t qsh[2] = {d->n_q_heads, d->head_dim}, lsh[1] = {d->n_q_heads};
+    m->out_a = kvd_tensor_make(KVD_DTYPE_F32, a, 2, qsh);
+    m->lse_a = kvd_tensor_make(KVD_DTYPE_F32, a + qf, 1, lsh);
+    m->out_b = kvd_tensor_make(KVD_DTYPE_F32, b, 2, qsh);
+    m->lse_b = kvd_tensor_make(KVD_DTYPE_F32, b + (b_lse_at ? b_lse_at : qf), 1, lsh);
+    m->out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qsh);
+    m->lse = kvd_tensor_make(KVD_DTYPE_F32, out + qf, 1, lsh);
+}
+
+/* The item of one page: dense for raw pages, homomorphic for INT2/INT4. */
+static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q, float *slot,
+                      kvd_attn_dense_args *da, size_t *nd, kvd_attn_int_args *ia, size_t *ni)
+{
+    const kvd_page_layout *l = h->layout;
+    const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
+    int64_t qsh[2] = {d->n_q_heads, d->head_dim}, lsh[1] = {d->n_q_heads};
+    int64_t esh[3] = {d->n_kv_heads, 0, d->head_dim};
+    kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qsh);
+    kvd_tensor to = kvd_tensor_make(KVD_DTYPE_F32, slot, 2, qsh);
+    kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, slot + qf, 1, lsh);
+    kvd_attn_qdata k, v;
+    kvd_page_layout_at(l, h->device, &k, &v);
+    if (l->k_codec == KVD_CODEC_RAW) {
+        kvd_attn_dense_args *a = &da[(*nd)++];
+        a->dims = *d;
+        a->q = tq;
+        a->k = k.codes;
+        a->v = v.codes;
+        a->out = to;
+        a->lse = tl;
+        return;
     }
-    kvd_attn_int_args *ia = calloc(n, sizeof *ia);
-    kvd_attn_dense_args *da = calloc(n, sizeof *da);
-    kvd_attn_merge_args *ma = calloc(n, sizeof *ma);
-    float *buf = NULL; /* device: q, then n slots of out, then n of lse */
+    kvd_attn_int_args *a = &ia[(*ni)++];
+    a->dims = *d;
+    a->q = tq;
+    a->n_tokens = l->num_tokens;
+    a->k = k;
+    a->v = v;
+    a->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, esh);
+    a->v_tail = a->k_tail;
+    a->out = to;
+    a->lse = tl;
+}
+
+int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_error *err)
+{
+    /* Device memory, in floats: per query its q and one slot (out, lse) per
+     * page; then every query's result, back to back; then one empty result
+     * (out 0, lse -inf) that the last merge takes in. */
+    size_t npages = 0, hq_max = 0, qf_max = 0, total = 0;
+    size_t *off = calloc(3 * nq + 1, sizeof *off); /* q, slots, result of query i */
+    size_t *m = calloc(nq + 1, sizeof *m);         /* slots still to merge */
+    kvd_attn_int_args *ia = NULL;
+    kvd_attn_dense_args *da = NULL;
+    kvd_attn_merge_args *ma = NULL;
+    float *host = NULL, *buf = NULL;
     int rc = 0;
-    if (!ia || !da || !ma) {
+    if (!off || !m) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
-    if ((rc = kvd_backend_alloc(dev, sizeof(float) * (qf + n * qf + n * (size_t)Hq), (void **)&buf,
-                                err)) ||
-        (rc = kvd_backend_upload(dev, buf, q, sizeof(float) * qf, err)))
+    for (size_t i = 0; i < nq; i++) {
+        const size_t hq = (size_t)qs[i].dims.n_q_heads, qf = hq * (size_t)qs[i].dims.head_dim;
+        for (size_t p = 0; p < qs[i].np; p++)
+            if (qs[i].pages[p].layout->num_kv_heads != (uint32_t)qs[i].dims.n_kv_heads ||
+                qs[i].pages[p].layout->head_dim != (uint32_t)qs[i].dims.head_dim) {
+                rc = kvd_error_set(
+                    err, KVD_EINVAL, "page of %u kv heads x %u dims, attention wants %d x %d",
+                    qs[i].pages[p].layout->num_kv_heads, qs[i].pages[p].layout->head_dim,
+                    qs[i].dims.n_kv_heads, qs[i].dims.head_dim);
+                goto done;
+            }
+        npages += qs[i].np;
+        hq_max = hq > hq_max ? hq : hq_max;
+        qf_max = qf > qf_max ? qf : qf_max;
+        off[3 * i] = total;
+        off[3 * i + 1] = total + qf;
+        total += qf + qs[i].np * (qf + hq);
+    }
+    const size_t res_base = total;
+    for (size_t i = 0; i < nq; i++) {
+        off[3 * i + 2] = total;
+        total += (size_t)qs[i].dims.n_q_heads * ((size_t)qs[i].dims.head_dim + 1);
+    }
+    const size_t empty = total;
+    total += qf_max + hq_max;
+    ia = calloc(npages + 1, sizeof *ia);
+    da = calloc(npages + 1, sizeof *da);
+    ma = calloc(npages + nq + 1, sizeof *ma);
+    host = malloc(sizeof(float) * total); /* what goes up, then what comes down */
+    if (!ia || !da || !ma || !host) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for %zu pages", npages);
         goto done;
-    float *dq = buf, *douts = buf + qf, *dlses = douts + n * qf;
-    int64_t qs[2] = {Hq, D}, ls[1] = {Hq}, es[3] = {H, 0, D};
+    }
+    for (size_t i = 0; i < nq; i++)
+        memcpy(host + off[3 * i], qs[i].q,
+               sizeof(float) * (size_t)qs[i].dims.n_q_heads * (size_t)qs[i].dims.head_dim);
+    for (size_t j = 0; j < qf_max; j++)
+        host[empty + j] = 0.0f;
+    for (size_t j = 0; j < hq_max; j++)
+        host[empty + qf_max + j] = -INFINITY;
+    if ((rc = kvd_backend_alloc(dev, sizeof(float) * total, (void **)&buf, err)) ||
+        (rc = kvd_backend_upload(dev, buf, host, sizeof(float) * total, err)))
+        goto done;
+    /* Every page of every query is one item: one launch per kind. */
     size_t ni = 0, nd = 0;
-    for (size_t i = 0; i < n; i++) {
-        const kvd_page_layout *l = hs[i].layout;
-        if ((int)l->num_kv_heads != H || (int)l->head_dim != D) {
-            rc = kvd_error_set(err, KVD_EINVAL,
-                               "page of %u kv heads x %u dims, attention wants %d x %d",
-                               l->num_kv_heads, l->head_dim, H, D);
-            goto done;
-        }
-        kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, dq, 2, qs);
-        kvd_tensor to = kvd_tensor_make(KVD_DTYPE_F32, douts + i * qf, 2, qs);
-        kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, dlses + i * Hq, 1, ls);
-        kvd_attn_qdata k, v;
-        kvd_page_layout_at(l, hs[i].device, &k, &v);
-        if (l->k_codec == KVD_CODEC_RAW) {
-            kvd_attn_dense_args *a = &da[nd++];
-            a->dims = *dims;
-            a->q = tq;
-            a->k = k.codes;
-            a->v = v.codes;
-            a->out = to;
-            a->lse = tl;
-        } else {
-            kvd_attn_int_args *a = &ia[ni++];
-            a->dims = *dims;
-            a->q = tq;
-            a->n_tokens = l->num_tokens;
-            a->k = k;
-            a->v = v;
-            a->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, es);
-            a->v_tail = a->k_tail;
-            a->out = to;
-            a->lse = tl;
-        }
+    for (size_t i = 0; i < nq; i++) {
+        const kvd_attn_dims *d = &qs[i].dims;
+        const size_t sl = (size_t)d->n_q_heads * ((size_t)d->head_dim + 1);
+        for (size_t p = 0; p < qs[i].np; p++)
+            page_item(&qs[i].pages[p], d, buf + off[3 * i], buf + off[3 * i + 1] + p * sl, da, &nd,
+                      ia, &ni);
+        m[i] = qs[i].np;
     }
     if ((rc = kvd_attn_quant(dev, (int)ni, ia, err)) ||
         (rc = kvd_attn_dense(dev, (int)nd, da, err)))
         goto done;
-    /* Slot i takes in slot i + half until one is left. */
-    for (size_t m = n; m > 1;) {
-        size_t half = (m + 1) / 2, np = 0;
-        for (size_t i = 0; i + half < m; i++) {
-            kvd_attn_merge_args *a = &ma[np++];
-            a->out_a = kvd_tensor_make(KVD_DTYPE_F32, douts + i * qf, 2, qs);
-            a->lse_a = kvd_tensor_make(KVD_DTYPE_F32, dlses + i * Hq, 1, ls);
-            a->out_b = kvd_tensor_make(KVD_DTYPE_F32, douts + (i + half) * qf, 2, qs);
-            a->lse_b = kvd_tensor_make(KVD_DTYPE_F32, dlses + (i + half) * Hq, 1, ls);
-            a->out = a->out_a;
-            a->lse = a->lse_a;
+    /* Per query, slot j takes in slot j + half until one is left, all
+     * queries in each launch; the last launch moves every result into
+     * place (merged with the empty result). */
+    for (int last = 0; !last;) {
+        size_t n = 0;
+        last = 1;
+        for (size_t i = 0; i < nq; i++)
+            last &= m[i] <= 1;
+        for (size_t i = 0; i < nq; i++) {
+            const kvd_attn_dims *d = &qs[i].dims;
+            const size_t sl = (size_t)d->n_q_heads * ((size_t)d->head_dim + 1);
+            float *slots = buf + off[3 * i + 1];
+            if (!last && m[i] > 1) {
+                size_t half = (m[i] + 1) / 2;
+                for (size_t j = 0; j + half < m[i]; j++)
+                    merge_item(&ma[n++], d, slots + j * sl, slots + (j + half) * sl, 0,
+                               slots + j * sl);
+                m[i] = half;
+            } else if (last && m[i] == 1) {
+                merge_item(&ma[n++], d, slots, buf + empty, qf_max, buf + off[3 * i + 2]);
+            }
         }
-        if ((rc = kvd_attn_merge(dev, (int)np, ma, err)))
+        if ((rc = kvd_attn_merge(dev, (int)n, ma, err)))
             goto done;
-        m = half;
     }
-    if ((rc = kvd_backend_download(dev, out, douts, sizeof(float) * qf, err)) == 0 &&
-        (rc = kvd_backend_download(dev, lse, dlses, sizeof(float) * Hq, err)) == 0)
-        atomic_fetch_add(&device_pages, n);
+    if ((rc = kvd_backend_download(dev, host + res_base, buf + res_base,
+                                   sizeof(float) * (empty - res_base), err)))
+        goto done;
+    for (size_t i = 0; i < nq; i++) {
+        const size_t hq = (size_t)qs[i].dims.n_q_heads, qf = hq * (size_t)qs[i].dims.head_dim;
+        if (qs[i].np == 0) {
+            memset(qs[i].out, 0, sizeof(float) * qf);
+            for (size_t h = 0; h < hq; h++)
+                qs[i].lse[h] = -INFINITY;
+            continue;
+        }
+        memcpy(qs[i].out, host + off[3 * i + 2], sizeof(float) * qf);
+        memcpy(qs[i].lse, host + off[3 * i + 2] + qf, sizeof(float) * hq);
+    }
+    atomic_fetch_add(&device_pages, npages);
 done:
     if (buf)
         kvd_backend_dealloc(dev, buf);
+    free(host);
     free(ia);
     free(da);
     free(ma);
+    free(m);
+    free(off);
     return rc;
+}
+
+int kvd__attend_device(kvd_backend *dev, const kvd_page_handle *hs, size_t n,
+                       const kvd_attn_dims *dims, const float *q, float *out, float *lse,
+                       kvd_error *err)
+{
+    kvd__devq one = {*dims, q, hs, n, out, lse};
+    return kvd__attend_device_batch(dev, &one, 1, err);
 }

@@ -1139,36 +1139,45 @@ static int t_device(kvd_harness *h)
     }
     if (on_cpu)
         CHECK(strcmp(st0.backend, "cpu") == 0 && st0.device[0] == '\0');
-    kvdepot_model m;
-    REQUIRE_RC(put_model(c, "dev", 2, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    kvdepot_model ms[2];
+    REQUIRE_RC(put_model(c, "dev", 2, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &ms[0]), KVDEPOT_OK);
+    REQUIRE_RC(put_model(c, "dev32", 2, 4, 4, 32, 0, KVDEPOT_DTYPE_F32, &ms[1]), KVDEPOT_OK);
     const uint64_t n = 5 * 256 + 77; /* 5 whole pages and a raw tail */
     const struct {
         const char *id;
         kvdepot_codecs cs;
+        int model;
     } seqs[] = {
         {"dev-raw", {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}},
+        {"dev-f32", {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}, 1}, /* another shape, same batch */
         {"dev-int4", {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 32, 0, 0, 0}, 0}},
         {"dev-int2", {{KVDEPOT_CODEC_INT2, 64, 1, 0, 5}, {KVDEPOT_CODEC_INT2, 64, 0, 1, 0}, 0}},
     };
     const size_t ns = sizeof seqs / sizeof seqs[0];
     for (size_t i = 0; i < ns; i++) {
-        REQUIRE_RC(create_coded(c, m.name, seqs[i].id, &seqs[i].cs), KVDEPOT_OK);
-        REQUIRE_RC(make_seq_append_only(c, &m, seqs[i].id, n), KVDEPOT_OK);
+        const kvdepot_model *m = &ms[seqs[i].model];
+        REQUIRE_RC(create_coded(c, m->name, seqs[i].id, &seqs[i].cs), KVDEPOT_OK);
+        REQUIRE_RC(make_seq_append_only(c, m, seqs[i].id, n), KVDEPOT_OK);
     }
     /* ranges: all, partial pages at both ends, exact pages, tail only */
     const uint64_t ranges[][2] = {{0, 0}, {100, 1100}, {256, 768}, {1280, 0}};
     const size_t nr = sizeof ranges / sizeof ranges[0], nq = ns * nr;
-    kvdepot_attend_query qs[12];
-    float *q[12];
+    kvdepot_attend_query qs[16];
+    float *q[16];
     for (int pass = 0; pass < 2; pass++) {
         kvdepot_stats st1;
         REQUIRE_RC(kvdepot_stats_get(c, &st1), KVDEPOT_OK);
         for (size_t i = 0; i < nq; i++) {
-            q[i] = make_q(&m, 900 + i);
+            const kvdepot_model *m = &ms[seqs[i / nr].model];
+            q[i] = make_q(m, 900 + i);
             REQUIRE(q[i]);
             const char *id = seqs[i / nr].id;
-            qs[i] = (kvdepot_attend_query){id,     strlen(id),        q[i],
-                                           8 * 64, ranges[i % nr][0], ranges[i % nr][1]};
+            qs[i] = (kvdepot_attend_query){id,
+                                           strlen(id),
+                                           q[i],
+                                           (size_t)m->num_q_heads * m->head_dim,
+                                           ranges[i % nr][0],
+                                           ranges[i % nr][1]};
         }
         kvdepot_attend_result *r = NULL;
         r = calloc(nq, sizeof *r);
@@ -1178,11 +1187,13 @@ static int t_device(kvd_harness *h)
             for (size_t i = 0; i < nq; i++) {
                 uint64_t t0 = ranges[i % nr][0],
                          cnt = ranges[i % nr][1] ? ranges[i % nr][1] : n - t0;
+                const kvdepot_model *m = &ms[seqs[i / nr].model];
+                const size_t qf = (size_t)m->num_q_heads * m->head_dim;
                 float lo[8 * 64], ll[8];
                 REQUIRE_RC(
-                    local_attend(c, &m, seqs[i / nr].id, (uint32_t)layer, t0, cnt, q[i], lo, ll),
+                    local_attend(c, m, seqs[i / nr].id, (uint32_t)layer, t0, cnt, q[i], lo, ll),
                     KVDEPOT_OK);
-                double eo = nmse(r[i].output, lo, 8 * 64), el = nmse(r[i].lse, ll, 8);
+                double eo = nmse(r[i].output, lo, qf), el = nmse(r[i].lse, ll, m->num_q_heads);
                 if (!(eo <= 1e-3 && el <= 1e-6))
                     printf("  pass %d layer %d %s [%llu, +%llu): out NMSE %.3g, lse NMSE %.3g\n",
                            pass, layer, seqs[i / nr].id, (unsigned long long)t0,
