@@ -217,6 +217,23 @@ int kvd_backend_download(kvd_backend *be, void *host_dst, const void *src, size_
     return bytes ? be->iface->download(be, host_dst, src, bytes, err) : KVD_OK;
 }
 
+int kvd_backend_scratch(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
+{
+    if (be && be->iface && be->iface->scratch && out) {
+        *out = NULL;
+        return be->iface->scratch(be, bytes, out, err);
+    }
+    return kvd_backend_alloc(be, bytes, out, err);
+}
+
+void kvd_backend_scratch_free(kvd_backend *be, void *ptr)
+{
+    if (be && ptr && be->iface && be->iface->scratch_free)
+        be->iface->scratch_free(be, ptr);
+    else
+        kvd_backend_dealloc(be, ptr);
+}
+
 void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out)
 {
     memset(out, 0, sizeof *out);

@@ -242,6 +242,20 @@ void cuda_describe(const kvd_backend *be, kvd_backend_desc *out)
     out->healthy = !c->unhealthy;
 }
 
+int cuda_scratch(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
+{
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    return rc ? rc : kvd__cuda_scratch(&call, bytes, out, err);
+}
+
+void cuda_scratch_free(kvd_backend *be, void *ptr)
+{
+    kvd_cuda_call call;
+    if (ptr && kvd__cuda_begin(be, &call, NULL) == 0)
+        kvd__cuda_scratch_free(&call, ptr);
+}
+
 const kvd_backend_iface cuda_iface = {
     "cuda",
     cuda_free_backend,
@@ -258,6 +272,8 @@ const kvd_backend_iface cuda_iface = {
     NULL, /* svd: host-side eigen-decomposition of small matrices, not ported */
     &kvd__cuda_attn_ops,
     cuda_describe,
+    cuda_scratch,
+    cuda_scratch_free,
 };
 
 } /* namespace */

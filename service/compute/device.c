@@ -135,7 +135,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         host[empty + j] = 0.0f;
     for (size_t j = 0; j < hq_max; j++)
         host[empty + qf_max + j] = -INFINITY;
-    if ((rc = kvd_backend_alloc(dev, sizeof(float) * total, (void **)&buf, err)) ||
+    if ((rc = kvd_backend_scratch(dev, sizeof(float) * total, (void **)&buf, err)) ||
         (rc = kvd_backend_upload(dev, buf, host, sizeof(float) * total, err)))
         goto done;
     /* Every page of every query is one item: one launch per kind. */
@@ -192,8 +192,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
     }
     atomic_fetch_add(&device_pages, npages);
 done:
-    if (buf)
-        kvd_backend_dealloc(dev, buf);
+    kvd_backend_scratch_free(dev, buf);
     free(host);
     free(ia);
     free(da);

@@ -65,6 +65,11 @@ typedef struct kvd_backend_iface {
 
     /* NULL: no device, always healthy */
     void (*describe)(const kvd_backend *be, kvd_backend_desc *out);
+    /* Memory for the ops the calling thread issues next, freed in their
+     * order (CUDA: stream-ordered on the thread's stream, no device-wide
+     * synchronisation). NULL: alloc / dealloc. */
+    int (*scratch)(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
+    void (*scratch_free)(kvd_backend *be, void *ptr);
 } kvd_backend_iface;
 
 struct kvd_backend {
@@ -103,6 +108,11 @@ int kvd_backend_upload(kvd_backend *be, void *dst, const void *host_src, size_t 
 int kvd_backend_download(kvd_backend *be, void *host_dst, const void *src, size_t bytes,
                          kvd_error *err);
 int kvd_backend_sync(kvd_backend *be, kvd_error *err);
+/* Scratch memory of the calling thread's next ops (see iface.scratch):
+ * cheap to take and give back between calls, valid for ops issued from
+ * the same thread until kvd_backend_scratch_free. */
+int kvd_backend_scratch(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
+void kvd_backend_scratch_free(kvd_backend *be, void *ptr);
 /* The backend's device, memory and health. */
 void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out);
 
