@@ -2,7 +2,9 @@
 # One call on a GPU machine: build the CUDA backend for the device (sm_90:
 # H100/H200), run the comparison tests (every op, then decode attention),
 # then the benchmarks (PQ, K-means, encode, decode attention, each next to
-# PyTorch where torch is importable). Logs and CSV go to $OUT (default: a
+# PyTorch where torch is importable), then kvdepotd itself on the GPU: the
+# end-to-end compute tests with --device cuda and the Attend-over-gRPC
+# benchmark against Read fp16 + PyTorch SDPA (bench_attend_e2e.sh). Logs and CSV go to $OUT (default: a
 # temporary directory); the last lines printed are the summary tables.
 #
 #   tests/bench/bench_cuda_gpu_check.sh [--quick]
@@ -20,6 +22,7 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_ARCHITECTURES="${KVD_CUDA_ARCH:-90}" > "$out/cmake.log" 2>&1 &&
     cmake --build "$build" -j"$jobs" \
         --target test_cuda_ops test_cuda_backend test_cuda_attn bench_cuda bench_cuda_attn \
+        kvdepotd e2e_compute bench_attend_e2e \
         > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 
 (cd "$build" && ./tests/test_cuda_backend && ./tests/test_cuda_ops) > "$out/tests.log" 2>&1
@@ -30,11 +33,23 @@ erc=$?
 arc=$?
 OUT="$out" sh "$root/tests/bench/bench_cuda_run.sh" "$build" ${1:-} > "$out/bench.log" 2>&1
 brc=$?
+# kvdepotd serving from the GPU: the compute e2e tests, then Attend over gRPC
+erc2=0
+for t in device attend codecs lse_merge search append_pages; do
+    (cd "$build" && KVDEPOT_DEVICE=cuda ./tests/e2e_compute ./service/kvdepotd $t) \
+        >> "$out/tests_e2e_gpu.log" 2>&1 || erc2=1
+done
+OUT="$out" bash "$root/tests/bench/bench_attend_e2e.sh" "$build" ${1:-} > "$out/attend_e2e.log" 2>&1
+e2rc=$?
 
 echo "== $(tail -n +2 "$out/gpu.txt" | head -1)"
 echo "== comparison tests (rc $trc; exact K-means rc $erc; attention rc $arc)"
 grep -E "FAILED|passed|skipped" "$out/tests.log" | tail -12
 grep -E "passed" "$out/tests_exact.log" | tail -1
 grep -E "FAILED|passed|skipped" "$out/tests_attn.log" | tail -12
+echo "== kvdepotd --device cuda, e2e compute tests (rc $erc2)"
+grep -E "^(PASS|FAIL)|backend|pages attended" "$out/tests_e2e_gpu.log" | tail -12
 echo "== benchmarks (rc $brc), full output in $out"
 tail -60 "$out/bench.log"
+echo "== Attend over gRPC vs Read fp16 + SDPA (rc $e2rc)"
+cat "$out/attend_sdpa.txt" 2>/dev/null || tail -20 "$out/attend_e2e.log"

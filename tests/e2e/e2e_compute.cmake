@@ -36,6 +36,14 @@ if(TARGET kvd_e2e_harness)
   target_link_libraries(bench_compute PRIVATE kvd_e2e_harness kvd_store m)
 endif()
 
+# Attend over gRPC on the device kvdepotd serves from, 4K..128K tokens x
+# batch 1..64, fp16 / INT4 / INT2 / VQ (prints a table; built with the
+# tests so it keeps compiling, run by tests/bench/bench_attend_e2e.sh).
+if(TARGET kvd_e2e_harness)
+  add_executable(bench_attend_e2e ${PROJECT_SOURCE_DIR}/tests/bench/bench_attend_e2e.c)
+  target_link_libraries(bench_attend_e2e PRIVATE kvd_e2e_harness kvd_kernels m)
+endif()
+
 add_test(NAME compute_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_compute.sh ${KVD_E2E_SERVER}
                                   $<TARGET_FILE:kvdepot>)
 set_tests_properties(compute_cli PROPERTIES LABELS e2e TIMEOUT 120)
