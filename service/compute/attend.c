@@ -126,8 +126,8 @@ static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_
     const int Hq = dims->n_q_heads, D = dims->head_dim;
     if (rc == 0)
         rc = kvd_page_attend(c->be, sb->vs, nv, codecs->arts, dims, qy->q, sb->po, sb->pl, err);
-    if (rc == 0 && nd > 0 &&
-        (rc = kvd__attend_device(dev, sb->dv, nd, dims, qy->q, sb->po2, sb->pl2, err)) == 0)
+    kvd__devq dq = {*dims, qy->q, sb->dv, nd, sb->po2, sb->pl2, codecs->arts, layer};
+    if (rc == 0 && nd > 0 && (rc = kvd__attend_device_batch(dev, &dq, 1, err)) == 0)
         rc = kvd_attn_merge_into(c->be, Hq, D, sb->po, sb->pl, sb->po2, sb->pl2, err);
     for (size_t i = 0; i < got; i++)
         kvd_store_page_release(c->store, &sb->hs[i]);
@@ -139,7 +139,7 @@ static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_
  * from the store (pinned in their memory tier) and attended in their stored
  * form (kvd_page_attend: INT2/INT4 homomorphic, VQ fused, SVD at the reduced
  * widths, raw dense); pages that lie in the device tier of a device
- * (c->dev) are attended there, where they lie (kvd__attend_device). A step
+ * (c->dev) are attended there, where they lie (kvd__attend_device_batch). A step
  * the device fails with KVD_EUNAVAIL (it is lost: a sticky error) is
  * attended again on the CPU after the store dropped its device tier. The
  * partial blocks at both ends (and the raw tail) go through the read cursor.
@@ -225,7 +225,8 @@ static void whole_pages(uint64_t B, uint64_t start, uint64_t n, uint64_t layer_t
 
 /* The pages one query of a device batch holds. */
 typedef struct batch_q {
-    kvd_page_handle *hs; /* acquired */
+    kvd_seq_codecs codecs; /* with the artifacts: VQ and SVD pages */
+    kvd_page_handle *hs;   /* acquired */
     size_t got;
     kvd_page_handle *dv; /* copies of those on the device */
     kvd_page_view *vs;   /* views of the others */
@@ -254,8 +255,6 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
         tmp_floats += (size_t)sc[i].model.num_q_heads * (sc[i].model.head_dim + 1);
     float *dres = malloc(sizeof(float) * (tmp_floats + 1)); /* device results */
     float *po = NULL, *pl = NULL;
-    kvd_seq_codecs codecs;
-    memset(&codecs, 0, sizeof codecs);
     int rc = 0;
     if (!bq || !dq || !dres) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
@@ -271,7 +270,7 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
         const uint64_t start = qs[i].token_start, n = count[i];
         uint64_t f0, f1;
         whole_pages(B, start, n, sc[i].layer_tokens, &f0, &f1);
-        dq[k] = (kvd__devq){dims, qs[i].q, NULL, 0, dnext, dnext + (size_t)Hq * D};
+        dq[k] = (kvd__devq){dims, qs[i].q, NULL, 0, dnext, dnext + (size_t)Hq * D, NULL, layer};
         dnext += (size_t)Hq * (D + 1);
         if (f0 == f1) {
             rc = attend_range(c, &qs[i], m, layer, start, n, sc_i, res[i].out, res[i].lse, err);
@@ -290,6 +289,14 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
             rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
             break;
         }
+        /* VQ and SVD pages attend with the sequence's artifact snapshot. */
+        int found = 0;
+        if ((rc = kvd_store_seq_codecs_get(c->store, qs[i].id, qs[i].id_len, &b->codecs, &found,
+                                           err)) ||
+            (found &&
+             (rc = kvd_seq_codecs_load_arts(c->store, qs[i].id, qs[i].id_len, &b->codecs, err))))
+            break;
+        dq[k].arts = b->codecs.arts;
         /* Head [start, f0*B) */
         if ((rc = attend_range(c, &qs[i], m, layer, start, f0 * B - start, sc_i, res[i].out,
                                res[i].lse, err)))
@@ -310,20 +317,12 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
         dq[k].np = b->nd;
         if (rc)
             break;
-        /* Pages not on the device, on the CPU (VQ/SVD with the artifacts). */
-        if (b->nv > 0) {
-            int found = 0;
-            kvd_seq_codecs_clear(&codecs);
-            memset(&codecs, 0, sizeof codecs);
-            if ((rc = kvd_store_seq_codecs_get(c->store, qs[i].id, qs[i].id_len, &codecs, &found,
-                                               err)) ||
-                (found &&
-                 (rc = kvd_seq_codecs_load_arts(c->store, qs[i].id, qs[i].id_len, &codecs, err))) ||
-                (rc = kvd_page_attend(c->be, b->vs, b->nv, codecs.arts, &dims, qs[i].q, po, pl,
-                                      err)) ||
-                (rc = kvd_attn_merge_into(c->be, Hq, D, res[i].out, res[i].lse, po, pl, err)))
-                break;
-        }
+        /* Pages not on the device, on the CPU. */
+        if (b->nv > 0 &&
+            ((rc = kvd_page_attend(c->be, b->vs, b->nv, b->codecs.arts, &dims, qs[i].q, po, pl,
+                                   err)) ||
+             (rc = kvd_attn_merge_into(c->be, Hq, D, res[i].out, res[i].lse, po, pl, err))))
+            break;
         /* Tail [f1*B, end) */
         if (f1 * B < start + n &&
             ((rc = attend_range(c, &qs[i], m, layer, f1 * B, start + n - f1 * B, sc_i, po, pl,
@@ -344,8 +343,8 @@ done:
         free(bq[k].hs);
         free(bq[k].dv);
         free(bq[k].vs);
+        kvd_seq_codecs_clear(&bq[k].codecs);
     }
-    kvd_seq_codecs_clear(&codecs);
     free(bq);
     free(dq);
     free(dres);

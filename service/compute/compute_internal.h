@@ -8,6 +8,7 @@
 
 #include <stdint.h>
 
+#include "codec.h"
 #include "compute.h"
 #include "kvdepot/attention.h"
 
@@ -38,14 +39,6 @@ int kvd__token_range(const char *what, uint64_t start, uint64_t *count, uint64_t
 int kvd__read_window(kvd_store *st, const void *id, size_t id_len, uint32_t layer, uint64_t start,
                      uint64_t n, uint8_t *buf, uint64_t bytes, kvd_error *err);
 
-/* Attention of q (host, Hq x D) over n pages acquired with
- * kvd_store_page_acquire_device that all have a layout, on the device
- * backend dev; the merged result lands in out / lse (host). 0 or the
- * backend's status (KVD_EUNAVAIL: the device is unhealthy). */
-int kvd__attend_device(kvd_backend *dev, const kvd_page_handle *hs, size_t n,
-                       const kvd_attn_dims *dims, const float *q, float *out, float *lse,
-                       kvd_error *err);
-
 /* One query of kvd__attend_device_batch: its whole pages on the device. */
 typedef struct kvd__devq {
     kvd_attn_dims dims;
@@ -53,6 +46,8 @@ typedef struct kvd__devq {
     const kvd_page_handle *pages; /* np pages, each with a layout */
     size_t np;
     float *out, *lse;             /* host: the merged result (np = 0: empty) */
+    const kvd_codec_arts *arts;   /* the sequence's snapshot: VQ pages' codebooks */
+    uint32_t layer;
 } kvd__devq;
 
 /* Attention of nq queries over their pages on the device dev: every page

@@ -43,9 +43,66 @@ static void merge_item(kvd_attn_merge_args *m, const kvd_attn_dims *d, float *a,
     m->lse = kvd_tensor_make(KVD_DTYPE_F32, out + qf, 1, lsh);
 }
 
-/* The item of one page: dense for raw pages, homomorphic for INT2/INT4. */
+/* A query's VQ codebooks (k NULL: it has no VQ page): the sequence's
+ * artifacts of the layer, where they go in the call's device memory (in
+ * floats), and there. */
+typedef struct vq_books {
+    const kvd_layer_arts *k, *v;
+    size_t at, n_lambda, n_kbook, n_vbook;
+    float *k_lambda, *k_book, *v_book;
+} vq_books;
+
+/* A VQ page of query q is attended with the sequence's codebooks of its
+ * layer: they must be there and be the ones the page was coded with (as
+ * kvd_codec_section_parse checks on the CPU). Sets b on the first page. */
+static int vq_check(const kvd__devq *q, const kvd_page_layout *l, vq_books *b, kvd_error *err)
+{
+    const kvd_codec_arts *a = q->arts;
+    if (!a || q->layer >= a->num_layers || !a->k || !a->v || !a->k[q->layer].codebook ||
+        !a->v[q->layer].codebook)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "VQ page of layer %u, but the sequence has no VQ codebooks for it",
+                             q->layer);
+    const kvd_layer_arts *k = &a->k[q->layer], *v = &a->v[q->layer];
+    if (k->vq_sub_dim != l->k_sub_dim || k->vq_bits != l->k_bits || v->vq_sub_dim != l->v_sub_dim ||
+        v->vq_bits != l->v_bits)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "VQ page coded as K d%db%d / V d%db%d, the sequence's codebooks are "
+                             "K d%ub%u / V d%ub%u",
+                             l->k_sub_dim, l->k_bits, l->v_sub_dim, l->v_bits, k->vq_sub_dim,
+                             k->vq_bits, v->vq_sub_dim, v->vq_bits);
+    if (k->fingerprint != l->k_fingerprint || v->fingerprint != l->v_fingerprint)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "VQ page: artifact fingerprints differ from the sequence's (coded "
+                             "with other artifacts)");
+    if (!b->k) {
+        const size_t H = (size_t)q->dims.n_kv_heads;
+        b->k = k;
+        b->v = v;
+        b->n_lambda = k->lambda ? H * (size_t)q->dims.head_dim : 0;
+        b->n_kbook = H * ((size_t)1 << k->vq_bits) * k->vq_sub_dim;
+        b->n_vbook = H * ((size_t)1 << v->vq_bits) * v->vq_sub_dim;
+    }
+    return 0;
+}
+
+/* Copy b's codebooks into the host image at b->at, and point b at where
+ * they will lie in buf. */
+static void books_place(vq_books *b, float *host, float *buf)
+{
+    memcpy(host + b->at, b->k->lambda ? b->k->lambda : host, sizeof(float) * b->n_lambda);
+    memcpy(host + b->at + b->n_lambda, b->k->codebook, sizeof(float) * b->n_kbook);
+    memcpy(host + b->at + b->n_lambda + b->n_kbook, b->v->codebook, sizeof(float) * b->n_vbook);
+    b->k_lambda = b->n_lambda ? buf + b->at : NULL;
+    b->k_book = buf + b->at + b->n_lambda;
+    b->v_book = buf + b->at + b->n_lambda + b->n_kbook;
+}
+
+/* The item of one page: dense for raw pages, homomorphic for INT2/INT4,
+ * fused VQ with the query's codebooks. */
 static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q, float *slot,
-                      kvd_attn_dense_args *da, size_t *nd, kvd_attn_int_args *ia, size_t *ni)
+                      const vq_books *vb, kvd_attn_dense_args *da, size_t *nd,
+                      kvd_attn_int_args *ia, size_t *ni, kvd_attn_vq_args *va, size_t *nv)
 {
     const kvd_page_layout *l = h->layout;
     const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
@@ -56,6 +113,31 @@ static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q
     kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, slot + qf, 1, lsh);
     kvd_attn_qdata k, v;
     kvd_page_layout_at(l, h->device, &k, &v);
+    if (l->k_codec == KVD_CODEC_VQ) {
+        const int64_t H = d->n_kv_heads, D = d->head_dim;
+        int64_t kb[3] = {H, (int64_t)1 << l->k_bits, l->k_sub_dim};
+        int64_t vbs[3] = {H, (int64_t)1 << l->v_bits, l->v_sub_dim};
+        int64_t ls[2] = {H, D};
+        kvd_attn_vq_args *a = &va[(*nv)++];
+        a->dims = *d;
+        a->q = tq;
+        a->n_tokens = l->num_tokens;
+        a->k_sub_dim = l->k_sub_dim;
+        a->k_bits = l->k_bits;
+        a->k_codes = k.codes;
+        a->k_codebook = kvd_tensor_make(KVD_DTYPE_F32, vb->k_book, 3, kb);
+        a->k_lambda = kvd_tensor_make(KVD_DTYPE_F32, vb->k_lambda, 2, ls);
+        a->k_hadamard = 1;
+        a->v_sub_dim = l->v_sub_dim;
+        a->v_bits = l->v_bits;
+        a->v_codes = v.codes;
+        a->v_codebook = kvd_tensor_make(KVD_DTYPE_F32, vb->v_book, 3, vbs);
+        a->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, esh);
+        a->v_tail = a->k_tail;
+        a->out = to;
+        a->lse = tl;
+        return;
+    }
     if (l->k_codec == KVD_CODEC_RAW) {
         kvd_attn_dense_args *a = &da[(*nd)++];
         a->dims = *d;
@@ -85,13 +167,15 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
      * (out 0, lse -inf) that the last merge takes in. */
     size_t npages = 0, hq_max = 0, qf_max = 0, total = 0;
     size_t *off = calloc(3 * nq + 1, sizeof *off); /* q, slots, result of query i */
-    size_t *m = calloc(nq + 1, sizeof *m);         /* slots still to merge */
+    vq_books *books = calloc(nq + 1, sizeof *books);
+    size_t *m = calloc(nq + 1, sizeof *m); /* slots still to merge */
     kvd_attn_int_args *ia = NULL;
     kvd_attn_dense_args *da = NULL;
+    kvd_attn_vq_args *va = NULL;
     kvd_attn_merge_args *ma = NULL;
     float *host = NULL, *buf = NULL;
     int rc = 0;
-    if (!off || !m) {
+    if (!off || !m || !books) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -106,6 +190,10 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
                     qs[i].dims.n_kv_heads, qs[i].dims.head_dim);
                 goto done;
             }
+        for (size_t p = 0; p < qs[i].np; p++)
+            if (qs[i].pages[p].layout->k_codec == KVD_CODEC_VQ &&
+                (rc = vq_check(&qs[i], qs[i].pages[p].layout, &books[i], err)))
+                goto done;
         npages += qs[i].np;
         hq_max = hq > hq_max ? hq : hq_max;
         qf_max = qf > qf_max ? qf : qf_max;
@@ -118,13 +206,20 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         off[3 * i + 2] = total;
         total += (size_t)qs[i].dims.n_q_heads * ((size_t)qs[i].dims.head_dim + 1);
     }
+    /* the codebooks of the queries with VQ pages */
+    for (size_t i = 0; i < nq; i++)
+        if (books[i].k) {
+            books[i].at = total;
+            total += books[i].n_lambda + books[i].n_kbook + books[i].n_vbook;
+        }
     const size_t empty = total;
     total += qf_max + hq_max;
     ia = calloc(npages + 1, sizeof *ia);
     da = calloc(npages + 1, sizeof *da);
+    va = calloc(npages + 1, sizeof *va);
     ma = calloc(npages + nq + 1, sizeof *ma);
     host = malloc(sizeof(float) * total); /* what goes up, then what comes down */
-    if (!ia || !da || !ma || !host) {
+    if (!ia || !da || !va || !ma || !host) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for %zu pages", npages);
         goto done;
     }
@@ -135,21 +230,25 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         host[empty + j] = 0.0f;
     for (size_t j = 0; j < hq_max; j++)
         host[empty + qf_max + j] = -INFINITY;
-    if ((rc = kvd_backend_scratch(dev, sizeof(float) * total, (void **)&buf, err)) ||
-        (rc = kvd_backend_upload(dev, buf, host, sizeof(float) * total, err)))
+    if ((rc = kvd_backend_scratch(dev, sizeof(float) * total, (void **)&buf, err)))
+        goto done;
+    for (size_t i = 0; i < nq; i++)
+        if (books[i].k)
+            books_place(&books[i], host, buf);
+    if ((rc = kvd_backend_upload(dev, buf, host, sizeof(float) * total, err)))
         goto done;
     /* Every page of every query is one item: one launch per kind. */
-    size_t ni = 0, nd = 0;
+    size_t ni = 0, nd = 0, nv = 0;
     for (size_t i = 0; i < nq; i++) {
         const kvd_attn_dims *d = &qs[i].dims;
         const size_t sl = (size_t)d->n_q_heads * ((size_t)d->head_dim + 1);
         for (size_t p = 0; p < qs[i].np; p++)
-            page_item(&qs[i].pages[p], d, buf + off[3 * i], buf + off[3 * i + 1] + p * sl, da, &nd,
-                      ia, &ni);
+            page_item(&qs[i].pages[p], d, buf + off[3 * i], buf + off[3 * i + 1] + p * sl,
+                      &books[i], da, &nd, ia, &ni, va, &nv);
         m[i] = qs[i].np;
     }
     if ((rc = kvd_attn_quant(dev, (int)ni, ia, err)) ||
-        (rc = kvd_attn_dense(dev, (int)nd, da, err)))
+        (rc = kvd_attn_dense(dev, (int)nd, da, err)) || (rc = kvd_attn_vq(dev, (int)nv, va, err)))
         goto done;
     /* Per query, slot j takes in slot j + half until one is left, all
      * queries in each launch; the last launch moves every result into
@@ -196,16 +295,10 @@ done:
     free(host);
     free(ia);
     free(da);
+    free(va);
     free(ma);
     free(m);
     free(off);
+    free(books);
     return rc;
-}
-
-int kvd__attend_device(kvd_backend *dev, const kvd_page_handle *hs, size_t n,
-                       const kvd_attn_dims *dims, const float *q, float *out, float *lse,
-                       kvd_error *err)
-{
-    kvd__devq one = {*dims, q, hs, n, out, lse};
-    return kvd__attend_device_batch(dev, &one, 1, err);
 }

@@ -699,6 +699,49 @@ static void int_head_views(const uint8_t *block, int bits, int group, int axis, 
 }
 
 /* Parse a VQ or SVD section (codec.h layouts) and check it against arts. */
+/* The prefix, size and codes of a VQ section (out->sub_dim, vq_bits,
+ * vq_codes, fingerprint): everything but what the artifacts must agree
+ * with. */
+static int parse_vq_section(const kvd_page_view *v, int which, kvd_codec_section *out,
+                            kvd_error *err)
+{
+    const int is_v = which == KVD_SECTION_V;
+    const uint8_t *p = is_v ? v->v : v->k;
+    const uint64_t n = is_v ? v->v_len : v->k_len;
+    const char *w = is_v ? "V" : "K";
+    const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
+    if (n < KVD_CODEC_ARTS_PREFIX)
+        return CORRUPT("%s section: %llu bytes, shorter than its codec prefix", w,
+                       (unsigned long long)n);
+    if (!(v->h.flags & KVD_PAGE_SEALED))
+        return CORRUPT("%s section: a coded section in a page that is not sealed", w);
+    const unsigned d = p[0], b = p[1], tr = p[2];
+    if (p[3] || ld32(p + 4))
+        return CORRUPT("%s section: reserved codec bytes are not zero", w);
+    if ((d != 2 && d != 4 && d != 8) || b < 4 || b > 12 || D % d || tr != (is_v ? 0u : 1u))
+        return CORRUPT("%s section: VQ prefix d %u b %u transform %u invalid here", w, d, b, tr);
+    uint64_t want = vq_section_bytes(H, T, D, (int)d, (int)b);
+    if (want != n)
+        return CORRUPT("%s section: %llu bytes, expected %llu for its shape", w,
+                       (unsigned long long)n, (unsigned long long)want);
+    /* Codes come from the wire: the fused kernel indexes tables with them,
+     * so every code must name a codebook row. */
+    const size_t ncodes = (size_t)H * T * (D / d);
+    const unsigned lim = 1u << b;
+    for (size_t i = 0; b != 8 && i < ncodes; i++) {
+        unsigned c = b <= 8 ? p[16 + i] : ld16(p + 16 + 2 * i);
+        if (c >= lim)
+            return CORRUPT("%s section: VQ code %u at %zu out of range for %u bits", w, c, i, b);
+    }
+    out->codec = KVD_CODEC_VQ;
+    out->fingerprint = ld64(p + 8);
+    out->sub_dim = (int)d;
+    out->vq_bits = (int)b;
+    int64_t cs[3] = {H, T, D / d};
+    out->vq_codes = kvd_tensor_make(b <= 8 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, (void *)(p + 16), 3, cs);
+    return 0;
+}
+
 static int parse_arts_section(const kvd_page_view *v, int which, const kvd_codec_arts *arts,
                               kvd_codec_section *out, kvd_error *err)
 {
@@ -715,41 +758,19 @@ static int parse_arts_section(const kvd_page_view *v, int which, const kvd_codec
     out->fingerprint = ld64(p + 8);
     const kvd_layer_arts *la = layer_arts(arts, is_v, v->h.layer);
     if (out->codec == KVD_CODEC_VQ) {
-        const unsigned d = p[0], b = p[1], tr = p[2];
-        if (p[3] || ld32(p + 4))
-            return CORRUPT("%s section: reserved codec bytes are not zero", w);
-        if ((d != 2 && d != 4 && d != 8) || b < 4 || b > 12 || D % d || tr != (is_v ? 0u : 1u))
-            return CORRUPT("%s section: VQ prefix d %u b %u transform %u invalid here", w, d, b,
-                           tr);
-        uint64_t want = vq_section_bytes(H, T, D, (int)d, (int)b);
-        if (want != n)
-            return CORRUPT("%s section: %llu bytes, expected %llu for its shape", w,
-                           (unsigned long long)n, (unsigned long long)want);
+        int rc = parse_vq_section(v, which, out, err);
+        if (rc)
+            return rc;
         if (!la || !la->codebook)
             return kvd_error_set(err, KVD_EPRECOND,
                                  "%s section: VQ page of layer %u, but the sequence has no VQ "
                                  "codebooks for it",
                                  w, v->h.layer);
-        if (la->vq_sub_dim != d || la->vq_bits != b)
+        if (la->vq_sub_dim != out->sub_dim || la->vq_bits != out->vq_bits)
             return kvd_error_set(err, KVD_EPRECOND,
-                                 "%s section: coded as VQ d%ub%u, the sequence's codebooks are "
+                                 "%s section: coded as VQ d%db%d, the sequence's codebooks are "
                                  "d%ub%u",
-                                 w, d, b, la->vq_sub_dim, la->vq_bits);
-        /* Codes come from the wire: the fused kernel indexes tables with
-         * them, so every code must name a codebook row. */
-        const size_t ncodes = (size_t)H * T * (D / d);
-        const unsigned lim = 1u << b;
-        for (size_t i = 0; b != 8 && i < ncodes; i++) {
-            unsigned c = b <= 8 ? p[16 + i] : ld16(p + 16 + 2 * i);
-            if (c >= lim)
-                return CORRUPT("%s section: VQ code %u at %zu out of range for %u bits", w, c, i,
-                               b);
-        }
-        out->sub_dim = (int)d;
-        out->vq_bits = (int)b;
-        int64_t cs[3] = {H, T, D / d};
-        out->vq_codes =
-            kvd_tensor_make(b <= 8 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, (void *)(p + 16), 3, cs);
+                                 w, out->sub_dim, out->vq_bits, la->vq_sub_dim, la->vq_bits);
     } else {
         const size_t we = svd_widths_end(H);
         out->inner = p[0];
@@ -1366,9 +1387,10 @@ int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_la
     memset(out, 0, sizeof *out);
     const uint8_t kc = v->h.k_codec, vc = v->h.v_codec;
     const int raw = kc == KVD_CODEC_RAW && vc == KVD_CODEC_RAW;
-    if (!raw && !(is_int(kc) && is_int(vc)))
+    const int vq = kc == KVD_CODEC_VQ && vc == KVD_CODEC_VQ;
+    if (!raw && !vq && !(is_int(kc) && is_int(vc)))
         return kvd_error_set(err, KVD_EUNSUPP,
-                             "page codecs K %u / V %u: no fused kernel without artifacts", kc, vc);
+                             "page codecs K %u / V %u: no fused kernel for this pair", kc, vc);
     out->k_codec = kc;
     out->v_codec = vc;
     out->dtype = v->h.dtype;
@@ -1385,6 +1407,21 @@ int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_la
     if (!sec)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     int rc;
+    if (vq) {
+        if ((rc = parse_vq_section(v, KVD_SECTION_K, &sec[0], err)) == 0 &&
+            (rc = parse_vq_section(v, KVD_SECTION_V, &sec[1], err)) == 0) {
+            out->k.codes = rel_tensor(sec[0].vq_codes, page);
+            out->v.codes = rel_tensor(sec[1].vq_codes, page);
+            out->k_sub_dim = sec[0].sub_dim;
+            out->k_bits = sec[0].vq_bits;
+            out->k_fingerprint = sec[0].fingerprint;
+            out->v_sub_dim = sec[1].sub_dim;
+            out->v_bits = sec[1].vq_bits;
+            out->v_fingerprint = sec[1].fingerprint;
+        }
+        free(sec);
+        return rc;
+    }
     if ((rc = kvd_codec_section_parse(v, KVD_SECTION_K, NULL, &sec[0], err)) == 0 &&
         (rc = kvd_codec_section_parse(v, KVD_SECTION_V, NULL, &sec[1], err)) == 0) {
         kvd_attn_qdata *q[2] = {&out->k, &out->v};
@@ -1408,7 +1445,7 @@ void kvd_page_layout_at(const kvd_page_layout *l, const void *base, kvd_attn_qda
     for (int i = 0; i < 2; i++) {
         *dst[i] = *src[i];
         dst[i]->codes = abs_tensor(src[i]->codes, base);
-        if (l->k_codec != KVD_CODEC_RAW) {
+        if (is_int(l->k_codec)) {
             dst[i]->min = abs_tensor(src[i]->min, base);
             dst[i]->scale = abs_tensor(src[i]->scale, base);
             dst[i]->sum = abs_tensor(src[i]->sum, base);

@@ -238,22 +238,27 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
 /*
  * Where the attention operands of a page lie, as byte offsets from its first
  * byte: what attends a page held in device memory, whose bytes the host does
- * not read. Both sides raw (k.codes / v.codes: (H, T, D) in the page dtype)
- * or both INT2/INT4 (the four tensors of kvd_attn_qdata); the tensors' data
- * members hold offsets until kvd_page_layout_at places them.
+ * not read. Both sides raw (k.codes / v.codes: (H, T, D) in the page dtype),
+ * both INT2/INT4 (the four tensors of kvd_attn_qdata) or both VQ (k.codes /
+ * v.codes: (H, T, D/d) u8 or u16, every code checked in range; the
+ * codebooks are the sequence's, which must carry the fingerprints). The
+ * tensors' data members hold offsets until kvd_page_layout_at places them.
  */
 typedef struct kvd_page_layout {
-    uint8_t k_codec, v_codec; /* KVD_CODEC_RAW, INT2 or INT4, the same kind on both sides */
+    uint8_t k_codec, v_codec; /* RAW, INT2/INT4 or VQ, the same kind on both sides */
     kvd_dtype dtype;
     uint32_t num_tokens, num_kv_heads, head_dim;
     kvd_attn_qdata k, v;
+    /* VQ */
+    int k_sub_dim, k_bits, v_sub_dim, v_bits;
+    uint64_t k_fingerprint, v_fingerprint;
 } kvd_page_layout;
 
 /*
- * The layout of the checked page at `page` (v its kvd_page_decode view). 0; KVD_EUNSUPP
- * when its sections need more than the page to be attended (VQ and SVD use
- * the sequence's artifacts; one raw side beside a coded one has no fused
- * kernel); KVD_ECORRUPT as kvd_codec_section_parse.
+ * The layout of the checked page at `page` (v its kvd_page_decode view). 0;
+ * KVD_EUNSUPP for pairs of codecs with no fused kernel over the page and
+ * the sequence's codebooks (SVD; one raw side beside a coded one);
+ * KVD_ECORRUPT as kvd_codec_section_parse.
  */
 int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_layout *out,
                         kvd_error *err);

@@ -1142,6 +1142,32 @@ static int t_device(kvd_harness *h)
     kvdepot_model ms[2];
     REQUIRE_RC(put_model(c, "dev", 2, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &ms[0]), KVDEPOT_OK);
     REQUIRE_RC(put_model(c, "dev32", 2, 4, 4, 32, 0, KVDEPOT_DTYPE_F32, &ms[1]), KVDEPOT_OK);
+    {
+        /* VQ codebooks for "dev" (d4 b8, keys smoothed and rotated) */
+        const size_t ns = 1024, cnt = ns * 2 * 64; /* tokens x kv heads x dims */
+        uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+        REQUIRE(k && v);
+        fill_values(k, cnt, KVDEPOT_DTYPE_F16, 31);
+        fill_values(v, cnt, KVDEPOT_DTYPE_F16, 32);
+        kvdepot_calibrate_sample smp[2];
+        memset(smp, 0, sizeof smp);
+        for (uint32_t l = 0; l < 2; l++) {
+            smp[l].layer = l;
+            smp[l].num_tokens = ns;
+            smp[l].k = k;
+            smp[l].v = v;
+            smp[l].kv_bytes = cnt * 2;
+        }
+        kvdepot_calibrate_args ca;
+        memset(&ca, 0, sizeof ca);
+        ca.model = "dev";
+        ca.vq_sub_dim = 4;
+        ca.vq_bits = 8;
+        ca.iterations = 4;
+        REQUIRE_RC(kvdepot_calibrate(c, &ca, smp, 2, NULL), KVDEPOT_OK);
+        free(k);
+        free(v);
+    }
     const uint64_t n = 5 * 256 + 77; /* 5 whole pages and a raw tail */
     const struct {
         const char *id;
@@ -1150,6 +1176,7 @@ static int t_device(kvd_harness *h)
     } seqs[] = {
         {"dev-raw", {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}},
         {"dev-f32", {{0, 0, 0, 0, 0}, {0, 0, 0, 0, 0}, 0}, 1}, /* another shape, same batch */
+        {"dev-vq", {{KVDEPOT_CODEC_VQ, 0, 0, 0, 0, 4, 8}, {KVDEPOT_CODEC_VQ, 0, 0, 0, 0, 4, 8}, 0}},
         {"dev-int4", {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 32, 0, 0, 0}, 0}},
         {"dev-int2", {{KVDEPOT_CODEC_INT2, 64, 1, 0, 5}, {KVDEPOT_CODEC_INT2, 64, 0, 1, 0}, 0}},
     };
@@ -1162,8 +1189,8 @@ static int t_device(kvd_harness *h)
     /* ranges: all, partial pages at both ends, exact pages, tail only */
     const uint64_t ranges[][2] = {{0, 0}, {100, 1100}, {256, 768}, {1280, 0}};
     const size_t nr = sizeof ranges / sizeof ranges[0], nq = ns * nr;
-    kvdepot_attend_query qs[16];
-    float *q[16];
+    kvdepot_attend_query qs[20];
+    float *q[20];
     for (int pass = 0; pass < 2; pass++) {
         kvdepot_stats st1;
         REQUIRE_RC(kvdepot_stats_get(c, &st1), KVDEPOT_OK);
