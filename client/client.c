@@ -1121,6 +1121,7 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
     out->device_memory_bytes = resp->device_memory_bytes;
     out->device_healthy = resp->device_healthy;
     out->device_pages_attended = resp->device_pages_attended;
+    out->device_pages_searched = resp->device_pages_searched;
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;
 }

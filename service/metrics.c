@@ -131,9 +131,13 @@ static void render_tiers(buf *b)
         "# TYPE kvdepot_device_healthy gauge\nkvdepot_device_healthy %d\n"
         "# HELP kvdepot_device_pages_attended_total pages Attend read where they lie on the GPU\n"
         "# TYPE kvdepot_device_pages_attended_total counter\n"
-        "kvdepot_device_pages_attended_total %llu\n",
+        "kvdepot_device_pages_attended_total %llu\n"
+        "# HELP kvdepot_device_pages_searched_total pages whose PQ codes Search read on the GPU\n"
+        "# TYPE kvdepot_device_pages_searched_total counter\n"
+        "kvdepot_device_pages_searched_total %llu\n",
         (unsigned long long)d.memory_bytes, d.healthy,
-        (unsigned long long)kvd_compute_device_pages());
+        (unsigned long long)kvd_compute_device_pages(),
+        (unsigned long long)kvd_compute_device_search_pages());
     put(b,
         "# HELP kvdepot_durability_info durability setting in force\n"
         "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",

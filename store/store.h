@@ -360,13 +360,17 @@ typedef struct kvd_page_handle {
  * (no such page), KVD_ECORRUPT (checksum: DATA_LOSS, counted). */
 int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                            uint64_t block, kvd_page_handle *h, kvd_error *err);
+/* What a computation on the store's device reads of a page in place. */
+#define KVD_ON_DEVICE_ATTEND 1 /* K and V, for a fused attention kernel (layout->attend) */
+#define KVD_ON_DEVICE_PQ 2     /* the PQ codes (layout->pq_m) */
+
 /* kvd_store_page_acquire for compute on the store's device
- * (kvd_store_options.device): a page in the device tier whose K and V a
- * kernel reads from the layout alone (raw, INT2, INT4) is handed out as
- * `device` + `layout` with no copy to the host (bytes NULL); any other page
- * as kvd_store_page_acquire hands it out. */
+ * (kvd_store_options.device): a page in the device tier whose layout gives
+ * what `need` (KVD_ON_DEVICE_* flags) asks for is handed out as `device` +
+ * `layout` with no copy to the host (bytes NULL); any other page as
+ * kvd_store_page_acquire hands it out. */
 int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
-                                  uint64_t block, kvd_page_handle *h, kvd_error *err);
+                                  uint64_t block, int need, kvd_page_handle *h, kvd_error *err);
 /* Unpin; a zeroed or already released handle is a no-op. */
 void kvd_store_page_release(kvd_store *st, kvd_page_handle *h);
 

@@ -423,6 +423,14 @@ static int have_tiers(const kvd__cache *c)
 static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
                                   uint8_t **tmp, int *found, int on_device);
 
+/* Does a page's layout give what a device computation needs (on_device:
+ * KVD_ON_DEVICE_* flags; 0 = it needs the bytes on the host)? */
+static int layout_serves(const kvd_page_layout *l, int on_device)
+{
+    return l && on_device && (!(on_device & KVD_ON_DEVICE_ATTEND) || l->attend) &&
+           (!(on_device & KVD_ON_DEVICE_PQ) || l->pq_m);
+}
+
 kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
                                 uint8_t **tmp)
 {
@@ -431,8 +439,8 @@ kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const
 }
 
 /* kvd__cache_acquire, also saying which tier the page was found in. With
- * on_device, a device-tier page that has a layout is not copied to the host
- * (*bytes NULL). */
+ * on_device (KVD_ON_DEVICE_* flags), a device-tier page whose layout serves
+ * them is not copied to the host (*bytes NULL). */
 static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
                                   uint8_t **tmp, int *found, int on_device)
 {
@@ -461,7 +469,7 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
     lru_unlink(t, e);
     lru_push(t, e);
     e->pins++;
-    if (e->tier == KVD_TIER_DEVICE && !c->pool_host && on_device && e->layout) {
+    if (e->tier == KVD_TIER_DEVICE && !c->pool_host && layout_serves(e->layout, on_device)) {
         *bytes = NULL;
     } else if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
         uint8_t *h = malloc(e->len);
@@ -1013,9 +1021,9 @@ int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uin
 }
 
 int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
-                                  uint64_t block, kvd_page_handle *h, kvd_error *err)
+                                  uint64_t block, int need, kvd_page_handle *h, kvd_error *err)
 {
-    return page_acquire(st, seq_id, id_len, layer, block, h, kvd_store_device(st) != NULL, err);
+    return page_acquire(st, seq_id, id_len, layer, block, h, kvd_store_device(st) ? need : 0, err);
 }
 
 static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
@@ -1124,7 +1132,7 @@ static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer,
             h->bytes = e->data;
             return 0;
         }
-        if (on_device && e->layout) {
+        if (layout_serves(e->layout, on_device)) {
             h->layout = e->layout;
             return 0;
         }

@@ -925,6 +925,7 @@ typedef struct kvdepot_stats {
     uint64_t device_memory_bytes;   /* its memory; 0 on the CPU */
     int device_healthy;             /* 0 once a device error left it unusable */
     uint64_t device_pages_attended; /* pages Attend read where they lie on the GPU */
+    uint64_t device_pages_searched; /* pages whose PQ codes Search read on the GPU */
 } kvdepot_stats;
 
 /**

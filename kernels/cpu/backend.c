@@ -234,6 +234,21 @@ void kvd_backend_scratch_free(kvd_backend *be, void *ptr)
         kvd_backend_dealloc(be, ptr);
 }
 
+int kvd_backend_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *src, size_t spitch,
+                       size_t width, size_t height, kvd_error *err)
+{
+    if (!be || !be->iface)
+        return kvd_error_set(err, KVD_EINVAL, "backend copy: no backend");
+    if (width && height && (!dst || !src))
+        return kvd_error_set(err, KVD_EINVAL, "backend copy: NULL pointer");
+    if (be->iface->copy2d)
+        return width && height ? be->iface->copy2d(be, dst, dpitch, src, spitch, width, height, err)
+                               : KVD_OK;
+    for (size_t r = 0; r < height; r++)
+        memcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    return KVD_OK;
+}
+
 void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out)
 {
     memset(out, 0, sizeof *out);

@@ -256,6 +256,19 @@ void cuda_scratch_free(kvd_backend *be, void *ptr)
         kvd__cuda_scratch_free(&call, ptr);
 }
 
+int cuda_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *src, size_t spitch,
+                size_t width, size_t height, kvd_error *err)
+{
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    if (rc)
+        return rc;
+    return kvd__cuda_status(call.c,
+                            cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
+                                              cudaMemcpyDeviceToDevice, call.s),
+                            "cudaMemcpy2DAsync", err);
+}
+
 const kvd_backend_iface cuda_iface = {
     "cuda",
     cuda_free_backend,
@@ -274,6 +287,7 @@ const kvd_backend_iface cuda_iface = {
     cuda_describe,
     cuda_scratch,
     cuda_scratch_free,
+    cuda_copy2d,
 };
 
 } /* namespace */

@@ -110,7 +110,7 @@ static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_
     for (; got < np; got++) {
         kvd_page_handle *h = &sb->hs[got];
         if ((rc = dev ? kvd_store_page_acquire_device(c->store, qy->id, qy->id_len, layer, b0 + got,
-                                                      h, err)
+                                                      KVD_ON_DEVICE_ATTEND, h, err)
                       : kvd_store_page_acquire(c->store, qy->id, qy->id_len, layer, b0 + got, h,
                                                err)))
             break;
@@ -304,7 +304,7 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
         for (; b->got < np; b->got++) {
             kvd_page_handle *h = &b->hs[b->got];
             if ((rc = kvd_store_page_acquire_device(c->store, qs[i].id, qs[i].id_len, layer,
-                                                    f0 + b->got, h, err)))
+                                                    f0 + b->got, KVD_ON_DEVICE_ATTEND, h, err)))
                 break;
             if (h->layout)
                 b->dv[b->nd++] = *h;

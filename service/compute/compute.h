@@ -54,8 +54,10 @@ typedef struct kvd_compute {
     kvd_backend *dev;
 } kvd_compute;
 
-/* Pages Attend read where they lie in a device's memory, since start. */
+/* Pages Attend read where they lie in a device's memory, and pages whose
+ * PQ codes Search (and SparseAttend) read there, since start. */
 uint64_t kvd_compute_device_pages(void);
+uint64_t kvd_compute_device_search_pages(void);
 
 /* ---- Attend -------------------------------------------------------------- */
 

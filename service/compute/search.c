@@ -4,6 +4,7 @@
  * SearchRequest, for which centroids and codes).
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,6 +49,43 @@ typedef struct search_index {
     int trained;    /* cent trained at call time (the layer has none stored) */
     uint8_t *codes; /* (H, n, M) */
 } search_index;
+
+/* Pages whose PQ codes lie in the device tier (a device search): copied
+ * into the device's index of the range, pinned until the search is done. */
+typedef struct dev_codes {
+    kvd_page_handle *hs;
+    uint64_t *blk;
+    size_t n, cap;
+} dev_codes;
+
+static void dev_codes_release(kvd_store *st, dev_codes *dc)
+{
+    for (size_t i = 0; i < dc->n; i++)
+        kvd_store_page_release(st, &dc->hs[i]);
+    free(dc->hs);
+    free(dc->blk);
+    memset(dc, 0, sizeof *dc);
+}
+
+/* Keep h (pinned) for the device index; 0 or KVD_ENOMEM. */
+static int dev_codes_add(dev_codes *dc, const kvd_page_handle *h, uint64_t blk, kvd_error *err)
+{
+    if (dc->n == dc->cap) {
+        size_t cap = dc->cap ? 2 * dc->cap : 64;
+        kvd_page_handle *hs = realloc(dc->hs, cap * sizeof *hs);
+        if (hs)
+            dc->hs = hs;
+        uint64_t *b = realloc(dc->blk, cap * sizeof *b);
+        if (b)
+            dc->blk = b;
+        if (!hs || !b)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        dc->cap = cap;
+    }
+    dc->hs[dc->n] = *h;
+    dc->blk[dc->n++] = blk;
+    return 0;
+}
 
 /*
  * Codes of tokens [a, b) of the search range (relative to r->start) from
@@ -108,9 +146,11 @@ done:
  * (acquired through the memory tiers) whose centroids are the layer's stored
  * ones; every other token (the raw tail, pages without a section or with
  * another sequence's centroids) is encoded from its keys at call time.
+ * With dc (a device search), pages whose codes lie in the device tier are
+ * left to dc, pinned, and their rows of ix->codes are not written.
  */
 static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const search_run *r,
-                        search_index *ix, uint64_t centroids_id, kvd_error *err)
+                        search_index *ix, uint64_t centroids_id, dev_codes *dc, kvd_error *err)
 {
     kvd_store *st = c->store;
     const uint64_t B = kvd_store_page_tokens(st), end = r->start + r->n;
@@ -124,9 +164,25 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
         kvd_page_handle ph;
         kvd_page_view v;
         kvd_page_pq pq;
-        if ((rc = kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
+        if ((rc = dc ? kvd_store_page_acquire_device(st, sa->id, sa->id_len, sa->layer, blk,
+                                                     KVD_ON_DEVICE_PQ, &ph, err)
+                     : kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
             return rc;
-        int usable = kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
+        const kvd_page_layout *l = ph.layout;
+        if (l && l->pq_m == (uint32_t)M && l->pq_bits == (uint32_t)ix->nb &&
+            l->pq_centroids_id == centroids_id && l->num_kv_heads == (uint32_t)H &&
+            l->num_tokens == B) {
+            if ((rc = dev_codes_add(dc, &ph, blk, err))) {
+                kvd_store_page_release(st, &ph);
+                return rc;
+            }
+            if (todo < t0 &&
+                (rc = encode_tokens(c, sa, r, ix, todo - r->start, t0 - r->start, err)))
+                return rc;
+            todo = t1;
+            continue;
+        }
+        int usable = ph.bytes && kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
                      kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
                      pq.m == (uint32_t)M && pq.bits == (uint32_t)ix->nb &&
                      v.h.num_kv_heads == (uint32_t)H && v.h.num_tokens == B;
@@ -148,6 +204,88 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
     return rc;
 }
 
+static _Atomic uint64_t device_search_pages;
+
+uint64_t kvd_compute_device_search_pages(void)
+{
+    return atomic_load(&device_search_pages);
+}
+
+/*
+ * The per-head searches of one range on the device dev, one batch: the
+ * centroids, the queries and the codes gathered on the host go up, the
+ * codes of the pages in dc are copied within the device from where the
+ * pages lie, and only the selected positions and their scores come down.
+ */
+static int search_device(kvd_backend *dev, const kvd_search_args *sa, search_run *r,
+                         const search_index *ix, const kvd_pq_search_params *sp,
+                         const dev_codes *dc, uint32_t *uidx, uint64_t B, kvd_error *err)
+{
+    const size_t H = (size_t)ix->H, M = (size_t)ix->M, K = (size_t)1 << ix->nb;
+    const size_t D = (size_t)ix->D, G = r->sc.model.num_q_heads / H, n = r->n;
+    const size_t cap = (size_t)(r->per_head ? r->per_head : 1), pc = M * K * (D / M);
+    const size_t nf = H * pc + H * G * D + H * cap; /* centroids, queries, scores */
+    const size_t bytes = sizeof(float) * nf + sizeof(uint32_t) * H * cap + H * n * M;
+    uint8_t *buf = NULL;
+    kvd_pq_search_job *jobs = calloc(H, sizeof *jobs);
+    kvd_tensor *t = calloc(5 * H, sizeof *t);
+    int rc;
+    if (!jobs || !t) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    if ((rc = kvd_backend_scratch(dev, bytes, (void **)&buf, err)))
+        goto done;
+    float *cent = (float *)buf, *q = cent + H * pc, *sc = q + H * G * D;
+    uint32_t *idx = (uint32_t *)(sc + H * cap);
+    uint8_t *codes = (uint8_t *)(idx + H * cap);
+    if ((rc = kvd_backend_upload(dev, cent, ix->cent, sizeof(float) * H * pc, err)) ||
+        (rc = kvd_backend_upload(dev, q, sa->q, sizeof(float) * H * G * D, err)) ||
+        (rc = kvd_backend_upload(dev, codes, ix->codes, H * n * M, err)))
+        goto done;
+    for (size_t i = 0; i < dc->n && rc == 0; i++) {
+        uint64_t b0 = dc->blk[i] * B, t0 = b0 > r->start ? b0 : r->start;
+        uint64_t t1 = b0 + B < r->start + n ? b0 + B : r->start + n;
+        const uint8_t *src =
+            (const uint8_t *)dc->hs[i].device + dc->hs[i].layout->pq_codes + (t0 - b0) * M;
+        rc = kvd_backend_copy2d(dev, codes + (t0 - r->start) * M, n * M, src, B * M, (t1 - t0) * M,
+                                H, err);
+    }
+    if (rc)
+        goto done;
+    for (size_t h = 0; h < H; h++) {
+        int64_t cs[3] = {(int64_t)M, (int64_t)K, (int64_t)(D / M)},
+                ds[2] = {(int64_t)n, (int64_t)M};
+        int64_t qs[2] = {(int64_t)G, (int64_t)D}, os[1] = {r->per_head};
+        kvd_tensor *th = t + 5 * h;
+        th[0] = kvd_tensor_make(KVD_DTYPE_F32, cent + h * pc, 3, cs);
+        th[1] = kvd_tensor_make(KVD_DTYPE_U8, codes + h * n * M, 2, ds);
+        th[2] = kvd_tensor_make(KVD_DTYPE_F32, q + h * G * D, 2, qs);
+        th[3] = kvd_tensor_make(KVD_DTYPE_U32, idx + h * cap, 1, os);
+        th[4] = kvd_tensor_make(KVD_DTYPE_F32, sc + h * cap, 1, os);
+        jobs[h] = (kvd_pq_search_job){&th[0], &th[1], &th[2], &th[3], &th[4], 0};
+    }
+    if ((rc = kvd_pq_search_batch(dev, jobs, (int64_t)H, sp, err)))
+        goto done;
+    for (size_t h = 0; h < H; h++)
+        if (jobs[h].nout != r->per_head) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "search returned %lld of %lld entries",
+                               (long long)jobs[h].nout, (long long)r->per_head);
+            goto done;
+        }
+    if ((rc = kvd_backend_download(dev, uidx, idx, sizeof(uint32_t) * H * cap, err)) ||
+        (rc = kvd_backend_download(dev, r->scores, sc, sizeof(float) * H * cap, err)))
+        goto done;
+    for (size_t i = 0; i < H * (size_t)r->per_head; i++)
+        r->idx[i] = (int32_t)uidx[i];
+    atomic_fetch_add(&device_search_pages, dc->n);
+done:
+    kvd_backend_scratch_free(dev, buf);
+    free(jobs);
+    free(t);
+    return rc;
+}
+
 /*
  * Search one token range of one layer: the layer's stored centroids
  * (store/pqindex.h; trained at call time on the first min(n,
@@ -155,8 +293,8 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
  * codes of the range (gather_codes), and per kv head the summed queries of
  * its GQA group ranking them (kvd_pq_search).
  */
-static int run_search(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
-                      kvd_error *err)
+static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_args *sa,
+                      search_run *r, kvd_error *err)
 {
     memset(r, 0, sizeof *r);
     int rc;
@@ -210,14 +348,20 @@ static int run_search(const kvd_compute *c, const kvd_search_args *sa, search_ru
     ix.codes = malloc((size_t)H * r->n * (size_t)M);
     r->idx = malloc(sizeof(int32_t) * cap * H);
     r->scores = malloc(sizeof(float) * cap * H);
-    uint32_t *uidx = malloc(sizeof(uint32_t) * cap);
+    uint32_t *uidx = malloc(sizeof(uint32_t) * cap * (dev ? H : 1));
+    dev_codes dc;
+    memset(&dc, 0, sizeof dc);
     if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token search",
                            (unsigned long long)r->n);
         goto done;
     }
-    if ((rc = gather_codes(c, sa, r, &ix, stored ? pc.id : 0, err)))
+    if ((rc = gather_codes(c, sa, r, &ix, stored ? pc.id : 0, dev ? &dc : NULL, err)))
         goto done;
+    if (dev) {
+        rc = search_device(dev, sa, r, &ix, &sp, &dc, uidx, kvd_store_page_tokens(c->store), err);
+        goto done;
+    }
     const size_t per_head = (size_t)M * K * (D / M);
     for (int h = 0; h < H && rc == 0; h++) {
         int64_t cs[3] = {M, K, D / M}, cds[2] = {(int64_t)r->n, M};
@@ -239,6 +383,7 @@ static int run_search(const kvd_compute *c, const kvd_search_args *sa, search_ru
             r->idx[(size_t)h * r->per_head + i] = (int32_t)uidx[i];
     }
 done:
+    dev_codes_release(c->store, &dc);
     if (stored)
         kvd_pq_centroids_clear(&pc);
     else
@@ -276,11 +421,28 @@ void kvd_search_result_clear(kvd_search_result *r)
     memset(r, 0, sizeof *r);
 }
 
+/* run_search on the store's device when it has one; when the device is
+ * lost meanwhile, the store drops its device tier and the search runs again
+ * on the CPU. */
+static int run_search_any(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
+                          kvd_error *err)
+{
+    kvd_backend *dev = c->dev ? kvd_store_device(c->store) : NULL;
+    int rc = run_search(c, dev, sa, r, err);
+    if (rc == KVD_EUNAVAIL && dev) {
+        search_run_free(r);
+        kvd_store_device_lost(c->store);
+        kvd_error_clear(err);
+        rc = run_search(c, NULL, sa, r, err);
+    }
+    return rc;
+}
+
 int kvd_compute_search(const kvd_compute *c, const kvd_search_args *a, kvd_search_result *out,
                        kvd_error *err)
 {
     search_run r;
-    int rc = run_search(c, a, &r, err);
+    int rc = run_search_any(c, a, &r, err);
     if (rc == 0)
         rc = fill_result(&r, out, err);
     search_run_free(&r);
@@ -416,7 +578,7 @@ int kvd_compute_sparse_attend(const kvd_compute *c, const kvd_search_args *sa, f
         return kvd_error_set(err, KVD_EINVAL, "scale: not finite");
     search_run r;
     int rc;
-    if ((rc = run_search(c, sa, &r, err)) || (rc = gather_selected(c, sa, &r, err)) ||
+    if ((rc = run_search_any(c, sa, &r, err)) || (rc = gather_selected(c, sa, &r, err)) ||
         (rc = fill_result(&r, out, err))) {
         search_run_free(&r);
         return rc;

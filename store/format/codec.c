@@ -1388,15 +1388,22 @@ int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_la
     const uint8_t kc = v->h.k_codec, vc = v->h.v_codec;
     const int raw = kc == KVD_CODEC_RAW && vc == KVD_CODEC_RAW;
     const int vq = kc == KVD_CODEC_VQ && vc == KVD_CODEC_VQ;
-    if (!raw && !vq && !(is_int(kc) && is_int(vc)))
-        return kvd_error_set(err, KVD_EUNSUPP,
-                             "page codecs K %u / V %u: no fused kernel for this pair", kc, vc);
     out->k_codec = kc;
     out->v_codec = vc;
     out->dtype = v->h.dtype;
     out->num_tokens = v->h.num_tokens;
     out->num_kv_heads = v->h.num_kv_heads;
     out->head_dim = v->h.head_dim;
+    kvd_page_pq pq;
+    if (kvd_page_pq_get(v, &pq)) {
+        out->pq_m = pq.m;
+        out->pq_bits = pq.bits;
+        out->pq_centroids_id = pq.centroids_id;
+        out->pq_codes = (uint64_t)(pq.codes - page);
+    }
+    if (!raw && !vq && !(is_int(kc) && is_int(vc)))
+        return 0; /* no fused kernel for this pair: attend stays 0 */
+    out->attend = 1;
     if (raw) {
         int64_t sh[3] = {v->h.num_kv_heads, v->h.num_tokens, v->h.head_dim};
         out->k.codes = rel_tensor(kvd_tensor_make(v->h.dtype, (void *)v->k, 3, sh), page);

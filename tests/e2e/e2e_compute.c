@@ -848,6 +848,16 @@ static int t_search(kvd_harness *h)
     bad.pq_m = 8;
     bad.pq_bits = 5;
     CHECK_RC(create_coded(c, "pq", "bad", &bad), KVDEPOT_EINVAL);
+    /* Served from a GPU (KVDEPOT_DEVICE=cuda), the searches above read the
+     * codes of the sealed pages where they lie in its memory. */
+    kvdepot_stats st;
+    REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+    printf("%llu pages searched on the device\n", (unsigned long long)st.device_pages_searched);
+    const char *dev = getenv("KVDEPOT_DEVICE");
+    if (dev && strncmp(dev, "cuda", 4) == 0)
+        CHECK(st.device_pages_searched > 0);
+    if (dev && strcmp(dev, "cpu") == 0)
+        CHECK(st.device_pages_searched == 0);
     free(sc);
     free(kapp);
     free(q);

@@ -70,6 +70,10 @@ typedef struct kvd_backend_iface {
      * synchronisation). NULL: alloc / dealloc. */
     int (*scratch)(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
     void (*scratch_free)(kvd_backend *be, void *ptr);
+    /* height rows of width bytes, both in backend memory, ordered after the
+     * calling thread's earlier ops. NULL: a loop of memcpy (host memory). */
+    int (*copy2d)(kvd_backend *be, void *dst, size_t dpitch, const void *src, size_t spitch,
+                  size_t width, size_t height, kvd_error *err);
 } kvd_backend_iface;
 
 struct kvd_backend {
@@ -113,6 +117,10 @@ int kvd_backend_sync(kvd_backend *be, kvd_error *err);
  * the same thread until kvd_backend_scratch_free. */
 int kvd_backend_scratch(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
 void kvd_backend_scratch_free(kvd_backend *be, void *ptr);
+/* Copy height rows of width bytes within the backend's memory: row r from
+ * src + r * spitch to dst + r * dpitch. */
+int kvd_backend_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *src, size_t spitch,
+                       size_t width, size_t height, kvd_error *err);
 /* The backend's device, memory and health. */
 void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out);
 
