@@ -140,8 +140,7 @@ static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_
  * form (kvd_page_attend: INT2/INT4 homomorphic, VQ fused, SVD at the reduced
  * widths, raw dense); pages that lie in the device tier of a device
  * (c->dev) are attended there, where they lie (kvd__attend_device_batch). A step
- * the device fails with KVD_EUNAVAIL (it is lost: a sticky error) is
- * attended again on the CPU after the store dropped its device tier. The
+ * the device fails (kvd__device_fallback) is attended again on the CPU. The
  * partial blocks at both ends (and the raw tail) go through the read cursor.
  */
 static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const kvd_model_info *m,
@@ -182,11 +181,8 @@ static int attend_pages(const kvd_compute *c, const kvd_attend_query *qy, const 
         size_t np = (size_t)(f1 - b0 < PAGES_PER_STEP ? f1 - b0 : PAGES_PER_STEP);
         kvd_backend *dev = c->dev ? kvd_store_device(c->store) : NULL; /* NULL once lost */
         rc = attend_step(c, dev, qy, layer, b0, np, &codecs, &dims, &sb, err);
-        if (rc == KVD_EUNAVAIL && dev) {
-            kvd_store_device_lost(c->store);
-            kvd_error_clear(err);
+        if (kvd__device_fallback(c->store, dev, rc, err))
             rc = attend_step(c, NULL, qy, layer, b0, np, &codecs, &dims, &sb, err);
-        }
         if (rc == 0)
             rc = kvd_attn_merge_into(c->be, Hq, D, out, lse, sb.po, sb.pl, err);
     }
@@ -238,9 +234,8 @@ typedef struct batch_q {
  * are acquired; those in the device tier become items of one device batch
  * (kvd__attend_device_batch) over all the queries, the others, the partial
  * pages at both ends and the raw tail are attended on the CPU, and the
- * parts of each query are merged by log-sum-exp. When the device is lost
- * meanwhile (KVD_EUNAVAIL), the store drops its device tier and the queries
- * are attended again on the CPU.
+ * parts of each query are merged by log-sum-exp. When the device fails
+ * (kvd__device_fallback) the queries are attended again on the CPU.
  */
 static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, float scale,
                         const kvd_attend_query *qs, const kvd__cseq *sc, const uint64_t *count,
@@ -350,13 +345,12 @@ done:
     free(dres);
     free(po);
     free(pl);
-    if (rc == KVD_EUNAVAIL) {
-        /* The device is lost: everything again on the CPU. */
-        kvd_store_device_lost(c->store);
-        kvd_error_clear(err);
+    if (kvd__device_fallback(c->store, dev, rc, err)) {
+        kvd_compute cpu = *c;
+        cpu.dev = NULL;
         rc = 0;
         for (size_t i = i0; i < i1 && rc == 0; i++)
-            rc = attend_pages(c, &qs[i], &sc[i].model, layer, qs[i].token_start, count[i],
+            rc = attend_pages(&cpu, &qs[i], &sc[i].model, layer, qs[i].token_start, count[i],
                               sc[i].layer_tokens, kvd__default_scale(scale, sc[i].model.head_dim),
                               res[i].out, res[i].lse, err);
     }

@@ -421,18 +421,15 @@ void kvd_search_result_clear(kvd_search_result *r)
     memset(r, 0, sizeof *r);
 }
 
-/* run_search on the store's device when it has one; when the device is
- * lost meanwhile, the store drops its device tier and the search runs again
- * on the CPU. */
+/* run_search on the store's device when it has one, again on the CPU when
+ * the device fails (kvd__device_fallback). */
 static int run_search_any(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
                           kvd_error *err)
 {
     kvd_backend *dev = c->dev ? kvd_store_device(c->store) : NULL;
     int rc = run_search(c, dev, sa, r, err);
-    if (rc == KVD_EUNAVAIL && dev) {
+    if (kvd__device_fallback(c->store, dev, rc, err)) {
         search_run_free(r);
-        kvd_store_device_lost(c->store);
-        kvd_error_clear(err);
         rc = run_search(c, NULL, sa, r, err);
     }
     return rc;

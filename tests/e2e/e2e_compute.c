@@ -1321,11 +1321,61 @@ static int t_device_fault(kvd_harness *h)
     return 0;
 }
 
+/*
+ * A GPU with no memory to spare: kvdepotd_cuda_emu with a 2 MiB device
+ * (KVD_EMU_DEVICE_MIB=2) whose 2 MiB device tier takes all of it. Pages
+ * still go to the device tier, but an Attend or a Search finds no memory
+ * for its queries and results there: it is done on the CPU instead, with
+ * the same answers, and the device stays healthy.
+ */
+static int t_device_oom(kvd_harness *h)
+{
+    REQUIRE(getenv("KVD_EMU_DEVICE_MIB") != NULL);
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "oom", 1, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    kvdepot_codecs cs = {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, 0};
+    cs.pq_m = 8;
+    cs.pq_bits = 6;
+    const char *id = "o-int4";
+    const uint64_t n = 4 * 256 + 10;
+    REQUIRE_RC(create_coded(c, m.name, id, &cs), KVDEPOT_OK);
+    REQUIRE_RC(make_seq_append_only(c, &m, id, n), KVDEPOT_OK);
+    float *q = make_q(&m, 6);
+    REQUIRE(q);
+    kvdepot_attend_query qy = {id, strlen(id), q, 8 * 64, 0, 0};
+    kvdepot_attend_result r;
+    REQUIRE_RC(kvdepot_attend(c, 0, 0, &qy, 1, &r), KVDEPOT_OK);
+    float lo[8 * 64], ll[8];
+    REQUIRE_RC(local_attend(c, &m, id, 0, 0, n, q, lo, ll), KVDEPOT_OK);
+    double eo = nmse(r.output, lo, 8 * 64), el = nmse(r.lse, ll, 8);
+    printf("attend vs client: out NMSE %.3g, lse NMSE %.3g\n", eo, el);
+    CHECK(eo <= 1e-3 && el <= 1e-6);
+    kvdepot_attend_results_free(&r, 1);
+    kvdepot_search_args sa = {id, strlen(id), 0, q, 8 * 64, 16, 4, 16, 0, 0};
+    kvdepot_search_result sr;
+    REQUIRE_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_OK);
+    CHECK(sr.num_heads == 2 && sr.heads[0].count == 16 + 4 + 16);
+    kvdepot_search_result_free(&sr);
+    kvdepot_stats st;
+    REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+    printf("device tier %llu pages, %llu attended and %llu searched on the device, healthy %d\n",
+           (unsigned long long)st.tiers[0].pages, (unsigned long long)st.device_pages_attended,
+           (unsigned long long)st.device_pages_searched, st.device_healthy);
+    CHECK(st.tiers[0].pages > 0 && st.device_pages_attended == 0 && st.device_pages_searched == 0 &&
+          st.device_healthy);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
 static const kvd_test tests[] = {
     {"attend", t_attend},         {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
     {"plan_fetch", t_plan_fetch}, {"errors", t_errors},           {"codecs", t_codecs},
     {"bad_codecs", t_bad_codecs}, {"search", t_search},           {"append_pages", t_append_pages},
     {"read_pages", t_read_pages}, {"device", t_device},           {"device_fault", t_device_fault},
+    {"device_oom", t_device_oom},
 };
 
 int main(int argc, char **argv)

@@ -25,6 +25,10 @@ if(TARGET kvd_e2e_harness)
              COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> device_fault)
     set_tests_properties(compute_emu_device_fault PROPERTIES LABELS e2e TIMEOUT 300
                          ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVD_EMU_FAULT_AT_LAUNCH=1")
+    add_test(NAME compute_emu_device_oom
+             COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> device_oom)
+    set_tests_properties(compute_emu_device_oom PROPERTIES LABELS e2e TIMEOUT 300
+      ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVD_EMU_DEVICE_MIB=2;KVDEPOT_DEVICE_TIER_BYTES=2MiB")
   endif()
 endif()
 
