@@ -84,6 +84,9 @@ static const setting settings[] = {
      "close the connection when a ping is not answered within this time"},
     {"keepalive-min-ping-interval-ms", T_UINT, F(keepalive_min_ping_interval_ms), "10000", 0,
      1ull << 31, "MS", "clients pinging more often than this are told to go away"},
+    {"handshake-timeout-ms", T_UINT, F(handshake_timeout_ms), "10000", 100, 600000, "MS",
+     "close a connection that has not completed its TLS handshake and sent its HTTP/2 "
+     "settings within this time"},
     {"keepalive-permit-without-calls", T_BOOL, F(keepalive_permit_without_calls), "true", 0, 0,
      "BOOL", "accept (and send) keepalive pings on connections with no call in flight"},
     {"metrics-listen", T_OPTSTRING, F(metrics_listen), "127.0.0.1:9464", 0, 0, "ADDR",

@@ -46,6 +46,7 @@ typedef struct kvd_config {
     uint64_t max_concurrent_streams;
     uint64_t keepalive_time_ms;
     uint64_t keepalive_timeout_ms;
+    uint64_t handshake_timeout_ms;
     uint64_t keepalive_min_ping_interval_ms;
     int keepalive_permit_without_calls;
 

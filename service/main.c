@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/signalfd.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -184,6 +185,27 @@ static void check_data_dir_mode(const char *dir)
     }
 }
 
+/* Connections, RocksDB's files and the store's threads all take
+ * descriptors, and RocksDB cannot write without them: the soft limit is
+ * raised to the hard one at start, and the log says what it is. */
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return;
+    rlim_t was = rl.rlim_cur;
+    if (rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+            rl.rlim_cur = was;
+    }
+    KVD_LOG(rl.rlim_cur < 4096 ? KVD_LOG_WARN : KVD_LOG_INFO,
+            rl.rlim_cur < 4096 ? "descriptor limit below 4096: raise the hard limit (ulimit -Hn)"
+                               : "descriptor limit",
+            "nofile=%llu was=%llu hard=%llu", (unsigned long long)rl.rlim_cur,
+            (unsigned long long)was, (unsigned long long)rl.rlim_max);
+}
+
 int main(int argc, char **argv)
 {
     /* Every file kvdepotd creates (RocksDB's, the port file) is 0600 and
@@ -326,6 +348,7 @@ int main(int argc, char **argv)
     kvd_error serr;
     kvd_error_clear(&serr);
     check_data_dir_mode(cfg.data_dir);
+    raise_nofile();
     kvd_backend *device = NULL;
     kvd_backend *backend = open_backends(dev_cuda, dev_index, &device, &serr);
     int rc = backend ? 0 : KVD_EINTERNAL;

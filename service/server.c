@@ -841,7 +841,7 @@ int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, s
     /* Limits are set explicitly: the C core's defaults (4 MiB receive) are
      * not ours. SO_REUSEPORT is off so that a second server on the same port
      * fails to start instead of silently sharing it. */
-    grpc_arg args[9];
+    grpc_arg args[10];
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
     args[0].value.integer = (int)cfg->max_message_bytes;
@@ -853,6 +853,9 @@ int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, s
     args[2].value.integer = 0;
     /* Concurrency and keepalive, so that idle or dead peers are noticed and
      * one client cannot open streams without bound. */
+    /* A connection that has not finished its TLS handshake and sent its
+     * HTTP/2 settings within handshake_timeout_ms is closed: idle sockets
+     * cannot hold descriptors for long. */
     static const char *const int_keys[] = {
         GRPC_ARG_MAX_CONCURRENT_STREAMS,
         GRPC_ARG_KEEPALIVE_TIME_MS,
@@ -860,18 +863,19 @@ int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, s
         GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
         GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
         GRPC_ARG_HTTP2_MAX_PING_STRIKES,
+        GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
     };
     const uint64_t int_vals[] = {
         cfg->max_concurrent_streams,         cfg->keepalive_time_ms,
         cfg->keepalive_timeout_ms,           cfg->keepalive_min_ping_interval_ms,
-        (uint64_t)cfg->keepalive_permit_without_calls, 2,
+        (uint64_t)cfg->keepalive_permit_without_calls, 2, cfg->handshake_timeout_ms,
     };
-    for (size_t i = 0; i < 6; i++) {
+    for (size_t i = 0; i < 7; i++) {
         args[3 + i].type = GRPC_ARG_INTEGER;
         args[3 + i].key = (char *)int_keys[i];
         args[3 + i].value.integer = int_vals[i] > INT32_MAX ? INT32_MAX : (int)int_vals[i];
     }
-    grpc_channel_args chargs = {9, args};
+    grpc_channel_args chargs = {10, args};
     s->server = grpc_server_create(&chargs, NULL);
 
     for (size_t i = 0; i < s->nworkers; i++) {

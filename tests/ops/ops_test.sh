@@ -524,6 +524,40 @@ modes)
     wide=$(find "$work/data" -mindepth 1 \( -type f ! -perm 600 \) -o \( -mindepth 1 -type d ! -perm 700 \))
     [ -z "$wide" ] || fail "new files not private: $(ls -l $wide)"
     ;;
+nofile)
+    # Descriptors: the soft limit is raised to the hard one at start, and
+    # idle connections that never complete their handshake are closed after
+    # --handshake-timeout-ms, so a flood of them does not keep descriptors.
+    hard=$(ulimit -Hn)
+    ulimit -Sn 1024
+    start --handshake-timeout-ms 500
+    soft=$(awk '/Max open files/ {print $4}' "/proc/$pid/limits")
+    if [ "$hard" != unlimited ] && [ "$hard" -gt 1024 ]; then
+        [ "$soft" = "$hard" ] || fail "soft descriptor limit $soft, hard $hard"
+        grep -q "nofile=$hard was=1024 hard=$hard msg=\"descriptor limit\"" "$work/server.log" ||
+            fail "the start-up log does not give the descriptor limit"
+    fi
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    base=$(ls "/proc/$pid/fd" | wc -l)
+    fds=()
+    for _ in $(seq 1 300); do
+        exec {fd}<>"/dev/tcp/127.0.0.1/$port" || fail "connect"
+        fds+=("$fd")
+    done
+    sleep 0.3
+    held=$(ls "/proc/$pid/fd" | wc -l)
+    [ "$held" -ge $((base + 250)) ] || fail "300 idle connections hold only $((held - base)) descriptors"
+    for _ in $(seq 1 100); do # idle ones closed after 0.5 s
+        [ "$(ls "/proc/$pid/fd" | wc -l)" -le $((base + 10)) ] && break
+        sleep 0.1
+    done
+    now=$(ls "/proc/$pid/fd" | wc -l)
+    [ "$now" -le $((base + 10)) ] || fail "idle connections still hold $((now - base)) descriptors"
+    for fd in "${fds[@]}"; do exec {fd}>&-; done
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    ok k put s1 --model m --tokens 300 --file "$(kv 300)"
+    stop
+    ;;
 *)
     fail "unknown case"
     ;;
