@@ -698,7 +698,23 @@ static void int_head_views(const uint8_t *block, int bits, int group, int axis, 
     }
 }
 
-/* Parse a VQ or SVD section (codec.h layouts) and check it against arts. */
+/* The checks every VQ or SVD section starts with: its prefix is there and
+ * its page is sealed. *p, *n: the section and its length. */
+static int arts_section_start(const kvd_page_view *v, int which, const uint8_t **p, uint64_t *n,
+                              kvd_error *err)
+{
+    const int is_v = which == KVD_SECTION_V;
+    const char *w = is_v ? "V" : "K";
+    *p = is_v ? v->v : v->k;
+    *n = is_v ? v->v_len : v->k_len;
+    if (*n < KVD_CODEC_ARTS_PREFIX)
+        return CORRUPT("%s section: %llu bytes, shorter than its codec prefix", w,
+                       (unsigned long long)*n);
+    if (!(v->h.flags & KVD_PAGE_SEALED))
+        return CORRUPT("%s section: a coded section in a page that is not sealed", w);
+    return 0;
+}
+
 /* The prefix, size and codes of a VQ section (out->sub_dim, vq_bits,
  * vq_codes, fingerprint): everything but what the artifacts must agree
  * with. */
@@ -706,15 +722,13 @@ static int parse_vq_section(const kvd_page_view *v, int which, kvd_codec_section
                             kvd_error *err)
 {
     const int is_v = which == KVD_SECTION_V;
-    const uint8_t *p = is_v ? v->v : v->k;
-    const uint64_t n = is_v ? v->v_len : v->k_len;
     const char *w = is_v ? "V" : "K";
     const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
-    if (n < KVD_CODEC_ARTS_PREFIX)
-        return CORRUPT("%s section: %llu bytes, shorter than its codec prefix", w,
-                       (unsigned long long)n);
-    if (!(v->h.flags & KVD_PAGE_SEALED))
-        return CORRUPT("%s section: a coded section in a page that is not sealed", w);
+    const uint8_t *p;
+    uint64_t n;
+    int rc = arts_section_start(v, which, &p, &n, err);
+    if (rc)
+        return rc;
     const unsigned d = p[0], b = p[1], tr = p[2];
     if (p[3] || ld32(p + 4))
         return CORRUPT("%s section: reserved codec bytes are not zero", w);
@@ -742,19 +756,18 @@ static int parse_vq_section(const kvd_page_view *v, int which, kvd_codec_section
     return 0;
 }
 
+/* Parse a VQ or SVD section (codec.h layouts) and check it against arts. */
 static int parse_arts_section(const kvd_page_view *v, int which, const kvd_codec_arts *arts,
                               kvd_codec_section *out, kvd_error *err)
 {
     const int is_v = which == KVD_SECTION_V;
-    const uint8_t *p = is_v ? v->v : v->k;
-    const uint64_t n = is_v ? v->v_len : v->k_len;
     const char *w = is_v ? "V" : "K";
     const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
-    if (n < KVD_CODEC_ARTS_PREFIX)
-        return CORRUPT("%s section: %llu bytes, shorter than its codec prefix", w,
-                       (unsigned long long)n);
-    if (!(v->h.flags & KVD_PAGE_SEALED))
-        return CORRUPT("%s section: a coded section in a page that is not sealed", w);
+    const uint8_t *p;
+    uint64_t n;
+    int rc0 = arts_section_start(v, which, &p, &n, err);
+    if (rc0)
+        return rc0;
     out->fingerprint = ld64(p + 8);
     const kvd_layer_arts *la = layer_arts(arts, is_v, v->h.layer);
     if (out->codec == KVD_CODEC_VQ) {
