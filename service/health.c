@@ -3,7 +3,8 @@
  * one state, the service's readiness: NOT_SERVING while starting, SERVING
  * once ready, NOT_SERVING again from the start of shutdown, and for good
  * once the GPU the store was opened with is unusable (the service goes on
- * answering from the CPU, but should be replaced). No token needed.
+ * answering from the CPU, but should be replaced) or the store cannot write
+ * (kvdepotd then exits, see main.c). No token needed.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +22,7 @@ static int known_service(const char *name)
 
 static serving_status current(kvd_req_ctx *ctx)
 {
-    return atomic_load(&ctx->svc->serving) && kvd_service_device_ok(ctx->svc->store)
+    return atomic_load(&ctx->svc->serving) && kvd_service_store_ok(ctx->svc->store)
                ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
                : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
 }

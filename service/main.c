@@ -7,6 +7,7 @@
  * run inside a signal handler.
  */
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -428,6 +429,26 @@ int main(int argc, char **argv)
                 !cfg.tls_cert ? "off" : cfg.tls_client_ca ? "mtls" : "on",
                 cfg.tokens_file ? "tokens" : "off", metrics_port, KVD_VERSION);
         for (;;) {
+            /* Once a second, or at a signal: a store that cannot write any
+             * more (RocksDB's flush failed: no descriptor, no space) does not
+             * come back in this process, while a restart recovers every
+             * acknowledged write from the WAL: stop, exit 1, and let the
+             * supervisor restart kvdepotd. */
+            struct pollfd pfd = {sfd, POLLIN, 0};
+            if (poll(&pfd, 1, 1000) == 0) {
+                const char *why = kvd_store_broken(store);
+                if (why) {
+                    char q[600];
+                    kvd_log_quote(q, sizeof q, why, strlen(why));
+                    KVD_LOG(KVD_LOG_ERROR,
+                            "the store cannot write any more: stopping so that a restart "
+                            "recovers it (acknowledged writes are in the WAL)",
+                            "error=%s", q);
+                    exit_code = 1;
+                    break;
+                }
+                continue;
+            }
             struct signalfd_siginfo si;
             ssize_t n = read(sfd, &si, sizeof si);
             if (n == (ssize_t)sizeof si && si.ssi_signo == SIGHUP) {

@@ -149,6 +149,11 @@ static void guard_release(void *arg, const char *model, uint64_t bytes)
     kvd_quota_release(((kvd_req_ctx *)arg)->auth, model, 0, bytes);
 }
 
+int kvd_service_store_ok(kvd_store *st)
+{
+    return !st || (kvd_store_broken(st) == NULL && kvd_service_device_ok(st));
+}
+
 int kvd_service_device_ok(kvd_store *st)
 {
     kvd_backend *dev = st ? kvd_store_device_opened(st) : NULL;

@@ -296,7 +296,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (strcmp(url, "/healthz") == 0)
         return reply(conn, MHD_HTTP_OK, text, "ok\n", 3, 0);
     if (strcmp(url, "/readyz") == 0) {
-        if (atomic_load(h->ready) && kvd_service_device_ok(atomic_load(&kvd_metrics_store)))
+        if (atomic_load(h->ready) && kvd_service_store_ok(atomic_load(&kvd_metrics_store)))
             return reply(conn, MHD_HTTP_OK, text, "ready\n", 6, 0);
         return reply(conn, MHD_HTTP_SERVICE_UNAVAILABLE, text, "not ready\n", 10, 0);
     }

@@ -47,6 +47,9 @@ typedef struct kvd_service {
 
 /* 0 when the store's device (if any) was left unusable by an error. */
 int kvd_service_device_ok(kvd_store *st);
+/* 0 when the store cannot write (kvd_store_broken) or its device is
+ * unusable: health and readiness say NOT_SERVING. */
+int kvd_service_store_ok(kvd_store *st);
 
 /* Per-call context handed to handlers. */
 typedef struct kvd_req_ctx {

@@ -66,6 +66,11 @@ kvd_backend *kvd_store_backend(kvd_store *st)
 
 const char *kvd_store_recovery_report(const kvd_store *st) { return st->recovery_report; }
 
+const char *kvd_store_broken(kvd_store *st)
+{
+    return atomic_load(&st->broken) ? st->broken_why : NULL;
+}
+
 kvd_backend *kvd_store_coding_backend(kvd_store *st)
 {
     return &st->be_coding;
@@ -192,6 +197,13 @@ int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err)
     rocksdb_write(st->db, st->wopt, b, &e);
     if (e) {
         kvd_error_set(err, KVD_EINTERNAL, "rocksdb write failed: %s", e);
+        /* An I/O error (a failed flush: no descriptor, no space) stops
+         * every later write of this open: the store is broken until a
+         * restart recovers it from the WAL. */
+        if (strncmp(e, "IO error", 8) == 0 && !atomic_exchange(&st->broken_claim, 1)) {
+            snprintf(st->broken_why, sizeof st->broken_why, "%s", e);
+            atomic_store(&st->broken, 1);
+        }
         rocksdb_free(e);
         return KVD_EINTERNAL;
     }

@@ -79,6 +79,12 @@ const char *kvd_store_recovery_report(const kvd_store *st);
 
 uint32_t kvd_store_page_tokens(const kvd_store *st);
 
+/* NULL while the store can write; once a write met an I/O error (RocksDB
+ * could not flush: no descriptor, no space, a failing disk), the error:
+ * every later write fails the same way until the store is reopened, which
+ * recovers every acknowledged write from the WAL. */
+const char *kvd_store_broken(kvd_store *st);
+
 /* The store's compute backend (kvd_store_options.backend, or its own), and
  * the same backend limited to one thread, which codes pages inside a
  * request: requests already run on many threads. Both live as long as the

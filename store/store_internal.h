@@ -281,6 +281,9 @@ struct kvd_store {
     kvd_backend *own_be;   /* created at open when none was given */
     kvd_backend *dev;      /* options.device: holds the device tier, or NULL */
     _Atomic int dev_lost;  /* kvd_store_device_lost was called */
+    _Atomic int broken;    /* a write met an I/O error (kvd_store_broken) */
+    _Atomic int broken_claim; /* the first such write, which fills broken_why */
+    char broken_why[512];  /* set once, before broken */
     kvd_backend be_coding; /* be limited to one thread: page coding */
     char recovery_report[1024]; /* kvd_store_recovery_report */
 };

@@ -38,10 +38,11 @@ cleanup() {
 trap cleanup EXIT
 
 # start ARGS...: kvdepotd on free ports (gRPC and metrics); sets port, mport.
+# $launcher (default none) runs it, e.g. "prlimit --nofile=64:64".
 start() {
     rm -f "$work/port"
     : >"$work/server.log"
-    "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
+    ${launcher:-} "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --port-file "$work/port" \
         --metrics-listen 127.0.0.1:0 --threads 2 "$@" >>"$work/server.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 1200); do # 60 s: CI machines can be busy
@@ -556,6 +557,54 @@ nofile)
     for fd in "${fds[@]}"; do exec {fd}>&-; done
     ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
     ok k put s1 --model m --tokens 300 --file "$(kv 300)"
+    stop
+    ;;
+emfile)
+    # Out of descriptors: a flush RocksDB cannot open a file for leaves the
+    # store unable to write in this process. kvdepotd says so (health
+    # NOT_SERVING), exits 1, and a restart serves every acknowledged write
+    # and takes new ones.
+    launcher="prlimit --nofile=72:72"
+    start --handshake-timeout-ms 600000 --metrics-listen ""
+    launcher=
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    ok k model put m --layers 2 --kv-heads 8 --head-dim 128 --dtype f16
+    head -c $((6000 * 8192)) /dev/urandom >"$work/big.bin"
+    base=$(ls "/proc/$pid/fd" | wc -l)
+    fds=()
+    for _ in $(seq 1 $((72 - base - 1))); do # leave one descriptor: the client's connection
+        exec {fd}<>"/dev/tcp/127.0.0.1/$port" || fail "connect"
+        fds+=("$fd")
+    done
+    acked=0 failed=0
+    for i in 1 2 3 4 5; do # 48 MiB each: the memtable flushes and cannot open its file
+        if k put "s$i" --model m --tokens 6000 --file "$work/big.bin" >/dev/null 2>"$work/err"; then
+            acked=$i
+        else
+            failed=$i
+            grep -q "Too many open files" "$work/err" || fail "put s$i: $(cat "$work/err")"
+            break
+        fi
+    done
+    [ "$failed" -gt 0 ] || fail "5 puts of 48 MiB under 72 descriptors all succeeded"
+    for fd in "${fds[@]}"; do exec {fd}>&-; done # the store stays broken all the same
+    rc=0
+    for _ in $(seq 1 100); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -0 "$pid" 2>/dev/null && fail "kvdepotd still runs 10 s after its store stopped writing"
+    wait "$pid" || rc=$?
+    pid=
+    [ "$rc" -eq 1 ] || fail "kvdepotd exited with $rc, not 1, once the store could not write"
+    grep -q 'level=error .*Too many open files.*msg="the store cannot write any more' \
+        "$work/server.log" || fail "no log line saying why kvdepotd stopped"
+    start
+    for i in $(seq 1 "$acked"); do
+        ok k get "s$i" --file "$work/back.bin"
+        cmp -s "$work/back.bin" "$work/big.bin" || fail "acknowledged s$i differs after the restart"
+    done
+    ok k put s9 --model m --tokens 6000 --file "$work/big.bin"
     stop
     ;;
 *)
