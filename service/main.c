@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <grpc/grpc.h>
+#include <grpc/support/log.h>
 
 #include "auth.h"
 #include "config.h"
@@ -184,6 +185,26 @@ static void check_data_dir_mode(const char *dir)
         KVD_LOG(KVD_LOG_WARN, "the data directory is open to other users: chmod 700 it",
                 "data_dir=%s mode=%03o", q, (unsigned)(st.st_mode & 0777));
     }
+}
+
+/* gRPC's own log lines go through kvdepotd's log. One of them matters: the
+ * gRPC core (1.51) stops listening for good when accept4 fails (descriptors
+ * exhausted: "Failed accept4"), so no new connection would ever be served;
+ * the main loop then stops kvdepotd (exit 1) so that a restart listens
+ * again. */
+static _Atomic int listener_dead;
+
+static void grpc_log(gpr_log_func_args *a)
+{
+    const char *file = a->file ? a->file : "";
+    const char *msg = a->message ? a->message : "";
+    if (strstr(file, "tcp_server") && strstr(msg, "Failed accept4"))
+        atomic_store(&listener_dead, 1);
+    int level = a->severity == GPR_LOG_SEVERITY_ERROR  ? KVD_LOG_ERROR
+                : a->severity == GPR_LOG_SEVERITY_INFO ? KVD_LOG_INFO
+                                                       : KVD_LOG_DEBUG;
+    const char *base = strrchr(file, '/') ? strrchr(file, '/') + 1 : file;
+    KVD_LOG(level, msg, "grpc=%s:%d", base, a->line);
 }
 
 /* Connections, RocksDB's files and the store's threads all take
@@ -394,6 +415,7 @@ int main(int argc, char **argv)
     KVD_METRIC_SET(stored_bytes, tot.stored_bytes);
     KVD_METRIC_SET(pages_sealed, tot.sealed_pages);
 
+    gpr_set_log_function(grpc_log);
     grpc_init();
     kvd_server *srv = NULL;
     int port = 0;
@@ -429,13 +451,22 @@ int main(int argc, char **argv)
                 !cfg.tls_cert ? "off" : cfg.tls_client_ca ? "mtls" : "on",
                 cfg.tokens_file ? "tokens" : "off", metrics_port, KVD_VERSION);
         for (;;) {
-            /* Once a second, or at a signal: a store that cannot write any
-             * more (RocksDB's flush failed: no descriptor, no space) does not
-             * come back in this process, while a restart recovers every
-             * acknowledged write from the WAL: stop, exit 1, and let the
-             * supervisor restart kvdepotd. */
+            /* Once a second, or at a signal: a listener that stopped
+             * accepting (grpc_log) or a store that cannot write any more
+             * (RocksDB's flush failed: no descriptor, no space) does not come
+             * back in this process, while a restart listens again and
+             * recovers every acknowledged write from the WAL: stop, exit 1,
+             * and let the supervisor restart kvdepotd. */
             struct pollfd pfd = {sfd, POLLIN, 0};
             if (poll(&pfd, 1, 1000) == 0) {
+                if (atomic_load(&listener_dead)) {
+                    KVD_LOG(KVD_LOG_ERROR,
+                            "the listener stopped accepting connections (accept4 failed: "
+                            "descriptors exhausted): stopping so that a restart listens again",
+                            NULL);
+                    exit_code = 1;
+                    break;
+                }
                 const char *why = kvd_store_broken(store);
                 if (why) {
                     char q[600];

@@ -607,6 +607,40 @@ emfile)
     ok k put s9 --model m --tokens 6000 --file "$work/big.bin"
     stop
     ;;
+listen_emfile)
+    # More connections than descriptors: the gRPC core stops listening for
+    # good when accept4 fails. kvdepotd logs it, exits 1, and a restart
+    # serves every acknowledged write and takes new ones.
+    launcher="prlimit --nofile=64:64"
+    start --metrics-listen ""
+    launcher=
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    ok k put s1 --model m --tokens 600 --file "$(kv 600)"
+    cp "$work/kv600.bin" "$work/s1.bin"
+    fds=()
+    for _ in $(seq 1 80); do
+        exec {fd}<>"/dev/tcp/127.0.0.1/$port" 2>/dev/null || break
+        fds+=("$fd")
+    done
+    for _ in $(seq 1 100); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    for fd in "${fds[@]}"; do exec {fd}>&-; done
+    kill -0 "$pid" 2>/dev/null && fail "kvdepotd still runs 10 s after its listener stopped"
+    rc=0
+    wait "$pid" || rc=$?
+    pid=
+    [ "$rc" -eq 1 ] || fail "kvdepotd exited with $rc, not 1, once it could not accept"
+    grep -q 'msg="the listener stopped accepting connections' "$work/server.log" ||
+        fail "no log line saying why kvdepotd stopped"
+    start
+    ok k get s1 --file "$work/back.bin"
+    cmp -s "$work/back.bin" "$work/s1.bin" || fail "s1 differs after the restart"
+    ok k put s2 --model m --tokens 300 --file "$(kv 300)"
+    stop
+    ;;
 *)
     fail "unknown case"
     ;;
