@@ -26,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_data.h"
 #include "harness.h"
 #include "kvdepot/tensor.h"
 
@@ -33,26 +34,6 @@
 #define HQ 32
 #define D 128
 #define CHUNK 4096
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void fill_f16(uint16_t *x, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        float a = (float)((s >> 40) & 0xffffff) / (float)(1 << 24);
-        float b = (float)((s >> 16) & 0xffffff) / (float)(1 << 24);
-        x[i] = kvd_f32_to_f16((a + b - 1.0f) * 1.5f);
-    }
-}
 
 /* One sequence of n tokens of layer 0, appended CHUNK tokens at a time. */
 static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_codecs *cs)
@@ -67,8 +48,8 @@ static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_cod
     size_t cnt = (size_t)CHUNK * H * D;
     uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
     for (uint64_t t = 0; rc == 0 && t < n; t += CHUNK) {
-        fill_f16(k, cnt, 2 * t + 1);
-        fill_f16(v, cnt, 2 * t + 2);
+        bench_fill_f16(k, cnt, 2 * t + 1);
+        bench_fill_f16(v, cnt, 2 * t + 2);
         kvdepot_append_args aa;
         memset(&aa, 0, sizeof aa);
         aa.id = id;
@@ -91,8 +72,8 @@ static int calibrate(kvdepot_client *c)
     const uint64_t ns = 1024;
     size_t cnt = (size_t)ns * H * D;
     uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    fill_f16(k, cnt, 101);
-    fill_f16(v, cnt, 102);
+    bench_fill_f16(k, cnt, 101);
+    bench_fill_f16(v, cnt, 102);
     kvdepot_calibrate_sample smp;
     memset(&smp, 0, sizeof smp);
     smp.num_tokens = ns;
@@ -194,12 +175,12 @@ int main(int argc, char **argv)
             ra.num_layers = 1;
             ra.num_tokens = n;
             kvdepot_read_result rr;
-            double t0 = now();
+            double t0 = bench_now();
             if (kvdepot_sequence_read(c, &ra, &rr)) {
                 fprintf(stderr, "read: %s\n", kvdepot_errmsg(NULL));
                 return 1;
             }
-            double dt = now() - t0;
+            double dt = bench_now() - t0;
             kvdepot_free(rr.owned);
             t_read = dt < t_read ? dt : t_read;
         }
@@ -218,12 +199,12 @@ int main(int argc, char **argv)
                 uint64_t pages = 0;
                 for (int rep = 0; rep < 6; rep++) {
                     uint64_t p0 = device_pages(c);
-                    double t0 = now();
+                    double t0 = bench_now();
                     if (kvdepot_attend(c, 0, 0, qs, (size_t)nb, res)) {
                         fprintf(stderr, "attend: %s\n", kvdepot_errmsg(NULL));
                         return 1;
                     }
-                    double dt = now() - t0;
+                    double dt = bench_now() - t0;
                     pages = device_pages(c) - p0;
                     kvdepot_attend_results_free(res, (size_t)nb);
                     if (rep > 0 && dt < best)

@@ -26,6 +26,7 @@
 #include <time.h>
 
 #include "codec.h"
+#include "bench_data.h"
 #include "harness.h"
 #include "kvdepot/quant.h"
 
@@ -33,27 +34,6 @@
 #define HQ 32
 #define D 128
 #define B 256
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void fill_f16(uint16_t *x, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        /* roughly normal: sum of two uniforms */
-        float a = (float)((s >> 40) & 0xffffff) / (float)(1 << 24);
-        float b = (float)((s >> 16) & 0xffffff) / (float)(1 << 24);
-        x[i] = kvd_f32_to_f16((a + b - 1.0f) * 1.5f);
-    }
-}
 
 /*
  * Rows of table 1+2 for the codecs that need model artifacts (VQ, SVD): a
@@ -71,7 +51,7 @@ static void table_bytes_arts(kvd_backend *be, const kvd_page_desc *d, const uint
         rot[i * D + i] = 1.0f;
     }
     uint16_t tmp[4096 * 8];
-    fill_f16(tmp, 4096 * 8, 5);
+    bench_fill_f16(tmp, 4096 * 8, 5);
     for (int i = 0; i < 4096 * 8; i++)
         cb12[i] = kvd_f16_to_f32(tmp[i]);
     for (int i = 0; i < 256 * 4; i++)
@@ -127,7 +107,7 @@ static void table_bytes_arts(kvd_backend *be, const kvd_page_desc *d, const uint
         uint8_t *page = NULL;
         size_t len = 0;
         int iters = 0;
-        double t0 = now(), t1 = t0;
+        double t0 = bench_now(), t1 = t0;
         do {
             free(page);
             page = NULL;
@@ -136,7 +116,7 @@ static void table_bytes_arts(kvd_backend *be, const kvd_page_desc *d, const uint
                 break;
             }
             iters++;
-            t1 = now();
+            t1 = bench_now();
         } while (t1 - t0 < 0.3);
         if (page)
             printf("| %s | %.1f | %.2fx smaller | %.2f |\n", cs[i].name, (double)len / B,
@@ -153,8 +133,8 @@ static void table_bytes(void)
     kvd_backend_cpu_create(&opt, &be, NULL);
     size_t n = (size_t)H * B * D;
     uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
-    fill_f16(k, n, 1);
-    fill_f16(v, n, 2);
+    bench_fill_f16(k, n, 1);
+    bench_fill_f16(v, n, 2);
     kvd_page_desc d = {.dtype = KVD_DTYPE_F16, .layer = 0, .token_start = 0, .num_tokens = B,
                        .page_tokens = B, .num_kv_heads = H, .head_dim = D};
     const struct {
@@ -180,7 +160,7 @@ static void table_bytes(void)
         uint8_t *page = NULL;
         size_t len = 0;
         int iters = 0;
-        double t0 = now(), t1 = t0;
+        double t0 = bench_now(), t1 = t0;
         do {
             free(page);
             kvd_error err;
@@ -189,7 +169,7 @@ static void table_bytes(void)
                 break;
             }
             iters++;
-            t1 = now();
+            t1 = bench_now();
         } while (t1 - t0 < 0.3);
         double per_tok = (double)len / B;
         if (i == 0)
@@ -219,8 +199,8 @@ static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_cod
     size_t cnt = (size_t)step * H * D;
     uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
     for (uint64_t t = 0; t < n && !rc; t += step) {
-        fill_f16(k, cnt, t + 1);
-        fill_f16(v, cnt, t + 2);
+        bench_fill_f16(k, cnt, t + 1);
+        bench_fill_f16(v, cnt, t + 2);
         kvdepot_append_args aa;
         memset(&aa, 0, sizeof aa);
         aa.id = id;
@@ -248,8 +228,8 @@ static int table_attend_codecs(kvdepot_client *c, uint64_t max_tokens, const flo
     const uint64_t ns = 1024; /* one Calibrate message stays under 8 MiB */
     size_t cnt = (size_t)ns * H * D;
     uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    fill_f16(k, cnt, 101);
-    fill_f16(v, cnt, 102);
+    bench_fill_f16(k, cnt, 101);
+    bench_fill_f16(v, cnt, 102);
     kvdepot_calibrate_sample smp;
     memset(&smp, 0, sizeof smp);
     smp.num_tokens = ns;
@@ -311,13 +291,13 @@ static int table_attend_codecs(kvdepot_client *c, uint64_t max_tokens, const flo
             kvdepot_attend_result r;
             double best = 1e9;
             for (int rep = 0; rep < 3; rep++) { /* best of three: the first warms up */
-                double t0 = now();
+                double t0 = bench_now();
                 if (kvdepot_attend(c, 0, 0, &qy, 1, &r)) {
                     fprintf(stderr, "attend %s: %s\n", names[ci], kvdepot_errmsg(NULL));
                     return 1;
                 }
-                if (now() - t0 < best)
-                    best = now() - t0;
+                if (bench_now() - t0 < best)
+                    best = bench_now() - t0;
                 if (rep < 2)
                     kvdepot_attend_results_free(&r, 1);
             }
@@ -398,7 +378,7 @@ int main(int argc, char **argv)
         }
         /* Alternative: read every fp16 cache and attend locally. */
         float *lo = malloc(sizeof(float) * HQ * D * nb), lse[HQ];
-        double t0 = now();
+        double t0 = bench_now();
         for (int s = 0; s < nb; s++) {
             kvdepot_read_args ra;
             memset(&ra, 0, sizeof ra);
@@ -413,7 +393,7 @@ int main(int argc, char **argv)
                                     lo + (size_t)s * HQ * D, lse);
             kvdepot_free(rr.owned);
         }
-        double t_alt = now() - t0;
+        double t_alt = bench_now() - t0;
         for (int which = 0; which < 2; which++) {
             kvdepot_attend_query qs[64];
             for (int s = 0; s < nb; s++)
@@ -422,12 +402,12 @@ int main(int argc, char **argv)
             kvdepot_attend_result res[64];
             double best = 1e9;
             for (int rep = 0; rep < 3; rep++) {
-                double a0 = now();
+                double a0 = bench_now();
                 if (kvdepot_attend(c, 0, 0, qs, nb, res)) {
                     fprintf(stderr, "attend: %s\n", kvdepot_errmsg(NULL));
                     return 1;
                 }
-                double dt = now() - a0;
+                double dt = bench_now() - a0;
                 if (dt < best)
                     best = dt;
                 if (rep < 2)
@@ -485,11 +465,11 @@ int main(int argc, char **argv)
         kvdepot_attend_result full, sp;
         double t0, t_full = 1e9, t_sp = 1e9, t_se = 1e9;
         for (int rep = 0; rep < 2; rep++) { /* best of two: the first warms up */
-            t0 = now();
+            t0 = bench_now();
             if (kvdepot_attend(c, 0, 0, &qy, 1, &full))
                 return 1;
-            if (now() - t0 < t_full)
-                t_full = now() - t0;
+            if (bench_now() - t0 < t_full)
+                t_full = bench_now() - t0;
             if (rep == 0)
                 kvdepot_attend_results_free(&full, 1);
         }
@@ -497,23 +477,23 @@ int main(int argc, char **argv)
                                   16, 256, 0,  0};
         for (int rep = 0; rep < 2; rep++) {
             kvdepot_search_result sr;
-            t0 = now();
+            t0 = bench_now();
             if (kvdepot_search(c, &sa, &sr)) {
                 fprintf(stderr, "search: %s\n", kvdepot_errmsg(NULL));
                 return 1;
             }
-            if (now() - t0 < t_se)
-                t_se = now() - t0;
+            if (bench_now() - t0 < t_se)
+                t_se = bench_now() - t0;
             kvdepot_search_result_free(&sr);
         }
         for (int rep = 0; rep < 2; rep++) {
-            t0 = now();
+            t0 = bench_now();
             if (kvdepot_sparse_attend(c, &sa, 0, &sp, NULL)) {
                 fprintf(stderr, "sparse attend: %s\n", kvdepot_errmsg(NULL));
                 return 1;
             }
-            if (now() - t0 < t_sp)
-                t_sp = now() - t0;
+            if (bench_now() - t0 < t_sp)
+                t_sp = bench_now() - t0;
             if (rep == 0)
                 kvdepot_attend_results_free(&sp, 1);
         }
