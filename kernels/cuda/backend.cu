@@ -251,9 +251,18 @@ int cuda_scratch(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
 
 void cuda_scratch_free(kvd_backend *be, void *ptr)
 {
+    if (!ptr)
+        return;
     kvd_cuda_call call;
-    if (ptr && kvd__cuda_begin(be, &call, NULL) == 0)
+    if (kvd__cuda_begin(be, &call, NULL) == 0) {
         kvd__cuda_scratch_free(&call, ptr);
+        return;
+    }
+    /* An unusable device still gets its memory back (a dead context
+     * refuses, which changes nothing). */
+    cudaSetDevice(ctx_of(be)->device);
+    cudaFree(ptr);
+    cudaGetLastError();
 }
 
 int cuda_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *src, size_t spitch,
