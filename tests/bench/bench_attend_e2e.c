@@ -67,31 +67,6 @@ static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_cod
     return rc;
 }
 
-static int calibrate(kvdepot_client *c)
-{
-    const uint64_t ns = 1024;
-    size_t cnt = (size_t)ns * H * D;
-    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    bench_fill_f16(k, cnt, 101);
-    bench_fill_f16(v, cnt, 102);
-    kvdepot_calibrate_sample smp;
-    memset(&smp, 0, sizeof smp);
-    smp.num_tokens = ns;
-    smp.k = k;
-    smp.v = v;
-    smp.kv_bytes = cnt * 2;
-    kvdepot_calibrate_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.model = "e2e";
-    ca.vq_sub_dim = 4;
-    ca.vq_bits = 8;
-    ca.iterations = 4;
-    int rc = kvdepot_calibrate(c, &ca, &smp, 1, NULL);
-    free(k);
-    free(v);
-    return rc;
-}
-
 static uint64_t device_pages(kvdepot_client *c)
 {
     kvdepot_stats st;
@@ -127,7 +102,7 @@ int main(int argc, char **argv)
     m.num_q_heads = HQ;
     m.head_dim = D;
     m.dtype = KVDEPOT_DTYPE_F16;
-    if (!c || kvdepot_model_put(c, &m, 0, NULL, NULL) || calibrate(c)) {
+    if (!c || kvdepot_model_put(c, &m, 0, NULL, NULL) || bench_calibrate(c, "e2e", H, D, 0)) {
         fprintf(stderr, "setup: %s\n", kvdepot_errmsg(NULL));
         harness_destroy(&h, 1);
         return 1;

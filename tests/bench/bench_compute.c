@@ -225,27 +225,7 @@ static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_cod
  */
 static int table_attend_codecs(kvdepot_client *c, uint64_t max_tokens, const float *q)
 {
-    const uint64_t ns = 1024; /* one Calibrate message stays under 8 MiB */
-    size_t cnt = (size_t)ns * H * D;
-    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    bench_fill_f16(k, cnt, 101);
-    bench_fill_f16(v, cnt, 102);
-    kvdepot_calibrate_sample smp;
-    memset(&smp, 0, sizeof smp);
-    smp.num_tokens = ns;
-    smp.k = k;
-    smp.v = v;
-    smp.kv_bytes = cnt * 2;
-    kvdepot_calibrate_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.model = "bench";
-    ca.vq_sub_dim = 4;
-    ca.vq_bits = 8;
-    ca.svd = 1;
-    ca.iterations = 4;
-    int rc = kvdepot_calibrate(c, &ca, &smp, 1, NULL);
-    free(k);
-    free(v);
+    int rc = bench_calibrate(c, "bench", H, D, 1);
     if (rc) {
         fprintf(stderr, "calibrate: %s\n", kvdepot_errmsg(NULL));
         return 1;

@@ -1,14 +1,18 @@
 /*
  * What the compute benchmarks (bench_compute, bench_attend_e2e) share: a
- * monotonic clock and the K/V data they store.
+ * monotonic clock, the K/V data they store, and the Calibrate of their
+ * model.
  */
 #ifndef KVDEPOT_TESTS_BENCH_DATA_H
 #define KVDEPOT_TESTS_BENCH_DATA_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
+#include "kvdepot.h"
 #include "kvdepot/tensor.h"
 
 static inline double bench_now(void)
@@ -30,6 +34,40 @@ static inline void bench_fill_f16(uint16_t *x, size_t n, uint64_t seed)
         float b = (float)((s >> 16) & 0xffffff) / (float)(1 << 24);
         x[i] = kvd_f32_to_f16((a + b - 1.0f) * 1.5f);
     }
+}
+
+/* Calibrate VQ d4 b8 (and SVD when svd) for a one-layer model of h kv
+ * heads x d dims on 1024 tokens of bench_fill_f16 data (one Calibrate
+ * message stays under 8 MiB). Returns the kvdepot status. */
+static inline int bench_calibrate(kvdepot_client *c, const char *model, int h, int d, int svd)
+{
+    const uint64_t ns = 1024;
+    size_t cnt = (size_t)ns * (size_t)h * (size_t)d;
+    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+    if (!k || !v) {
+        free(k);
+        free(v);
+        return KVDEPOT_ENOMEM;
+    }
+    bench_fill_f16(k, cnt, 101);
+    bench_fill_f16(v, cnt, 102);
+    kvdepot_calibrate_sample smp;
+    memset(&smp, 0, sizeof smp);
+    smp.num_tokens = ns;
+    smp.k = k;
+    smp.v = v;
+    smp.kv_bytes = cnt * 2;
+    kvdepot_calibrate_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.model = model;
+    ca.vq_sub_dim = 4;
+    ca.vq_bits = 8;
+    ca.svd = svd;
+    ca.iterations = 4;
+    int rc = kvdepot_calibrate(c, &ca, &smp, 1, NULL);
+    free(k);
+    free(v);
+    return rc;
 }
 
 #endif /* KVDEPOT_TESTS_BENCH_DATA_H */
