@@ -1122,6 +1122,8 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
     out->device_healthy = resp->device_healthy;
     out->device_pages_attended = resp->device_pages_attended;
     out->device_pages_searched = resp->device_pages_searched;
+    out->device_pages_encoded = resp->device_pages_encoded;
+    out->device_fallbacks = resp->device_fallbacks;
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;
 }

@@ -135,13 +135,16 @@ static void render_tiers(buf *b)
         "# HELP kvdepot_device_pages_searched_total pages whose PQ codes Search read on the GPU\n"
         "# TYPE kvdepot_device_pages_searched_total counter\n"
         "kvdepot_device_pages_searched_total %llu\n"
-        "# HELP kvdepot_device_fallbacks_total computations the GPU failed (lost, or out of "
-        "memory) and the CPU did again\n"
+        "# HELP kvdepot_device_pages_encoded_total pages an Append coded on the GPU\n"
+        "# TYPE kvdepot_device_pages_encoded_total counter\n"
+        "kvdepot_device_pages_encoded_total %llu\n"
+        "# HELP kvdepot_device_fallbacks_total work the GPU failed (lost, or out of memory) and "
+        "the CPU did again\n"
         "# TYPE kvdepot_device_fallbacks_total counter\nkvdepot_device_fallbacks_total %llu\n",
         (unsigned long long)d.memory_bytes, d.healthy,
         (unsigned long long)kvd_compute_device_pages(),
         (unsigned long long)kvd_compute_device_search_pages(),
-        (unsigned long long)kvd_compute_device_fallbacks());
+        (unsigned long long)s.device_pages_encoded, (unsigned long long)s.device_fallbacks);
     put(b,
         "# HELP kvdepot_durability_info durability setting in force\n"
         "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",

@@ -55,6 +55,8 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
     resp.device_healthy = d.healthy;
     resp.device_pages_attended = kvd_compute_device_pages();
     resp.device_pages_searched = kvd_compute_device_search_pages();
+    resp.device_pages_encoded = s.device_pages_encoded;
+    resp.device_fallbacks = s.device_fallbacks;
     *reply = kvd_pack(&resp.base);
     return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
 }

@@ -472,6 +472,26 @@ static void fill_section(const kvd_append *ap, uint8_t *dst, uint64_t t0, uint64
  * tokens. Otherwise the old tail (page and fragments) is read back, merged
  * with the new tokens, cut at page boundaries, and its fragments deleted.
  */
+/* Code a sealing page: on the store's device when it has one (SVD stays on
+ * the CPU), else, or when the device fails (kvd_store_device_fallback), on
+ * the CPU with the thread's coding backend. Same bytes either way. */
+static int encode_page(kvd_store *st, const kvd_page_desc *d, const kvd_seq_codecs *c,
+                       const uint8_t *kp, const uint8_t *vp, uint8_t **out, size_t *len,
+                       kvd_error *err)
+{
+    kvd_backend *dev = kvd_store_device(st);
+    if (dev && !c->k.svd && !c->v.svd) {
+        int rc = kvd_page_encode(dev, d, &c->k, &c->v, kp, vp, out, len, err);
+        if (rc == 0) {
+            atomic_fetch_add(&st->tiers.device_pages_encoded, 1);
+            return 0;
+        }
+        if (!kvd_store_device_fallback(st, rc, err))
+            return rc;
+    }
+    return kvd_page_encode(kvd_store_coding_backend(st), d, &c->k, &c->v, kp, vp, out, len, err);
+}
+
 static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_writebatch_t *b,
                        kvd__layer *nl, kvd_error *err)
 {
@@ -618,8 +638,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             np->bytes = wlen;
         } else if (ap->coded && d.num_tokens == B && p0 >= ap->sink_end) {
             /* The page seals: store it encoded (the raw tail rule). */
-            if ((rc = kvd_page_encode(kvd_store_coding_backend(st), &d, &ap->codecs.k,
-                                      &ap->codecs.v, kp, vp, &coded, &wlen, err)))
+            if ((rc = encode_page(st, &d, &ap->codecs, kp, vp, &coded, &wlen, err)))
                 goto fail;
             wbytes = coded;
             np->bytes = wlen;

@@ -103,6 +103,12 @@ kvd_backend *kvd_store_device_opened(kvd_store *st);
  * first time, 0 on later calls. */
 uint64_t kvd_store_device_lost(kvd_store *st);
 
+/* After work on the store's device ended with rc: 1 when it is to be done
+ * again on the CPU, err cleared: the device was lost (KVD_EUNAVAIL; then
+ * kvd_store_device_lost) or had no memory for it (KVD_ENOMEM). Counted
+ * (kvd_store_stats.device_fallbacks). 0 for any other rc, or no device. */
+int kvd_store_device_fallback(kvd_store *st, int rc, kvd_error *err);
+
 /* ---- models ------------------------------------------------------------ */
 
 typedef struct kvd_model_info {
@@ -326,6 +332,8 @@ typedef struct kvd_store_stats {
     uint64_t sequences_dropped;     /* dropped by the disk limit (durability none) */
     uint64_t sequences_expired;     /* deleted by their TTL */
     uint64_t sequences;             /* stored now */
+    uint64_t device_pages_encoded;  /* pages an Append coded on the device */
+    uint64_t device_fallbacks;      /* device work failed and done again on the CPU */
 } kvd_store_stats;
 
 /* Counters and gauges of the tiers; never fails for a non-NULL store. */

@@ -221,6 +221,7 @@ typedef struct kvd__cache {
     /* Counters, kvd_store_stats order. */
     _Atomic uint64_t hits[2], misses, promotions, evictions[2], prefetched;
     _Atomic uint64_t checksum_failures, sequences_dropped, sequences_expired;
+    _Atomic uint64_t device_pages_encoded, device_fallbacks;
 
     /* Background thread: read-ahead of cursors, TTL expiry. */
     pthread_t thread;

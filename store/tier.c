@@ -720,6 +720,17 @@ uint64_t kvd_store_device_lost(kvd_store *st)
     return n;
 }
 
+int kvd_store_device_fallback(kvd_store *st, int rc, kvd_error *err)
+{
+    if (!st->dev || (rc != KVD_EUNAVAIL && rc != KVD_ENOMEM))
+        return 0;
+    if (rc == KVD_EUNAVAIL)
+        kvd_store_device_lost(st);
+    atomic_fetch_add(&st->tiers.device_fallbacks, 1);
+    kvd_error_clear(err);
+    return 1;
+}
+
 int kvd__cache_start(kvd_store *st, kvd_error *err)
 {
     kvd__cache *c = &st->tiers;
@@ -789,6 +800,8 @@ int kvd_store_stats_get(kvd_store *st, kvd_store_stats *out)
     out->checksum_failures = atomic_load(&c->checksum_failures);
     out->sequences_dropped = atomic_load(&c->sequences_dropped);
     out->sequences_expired = atomic_load(&c->sequences_expired);
+    out->device_pages_encoded = atomic_load(&c->device_pages_encoded);
+    out->device_fallbacks = atomic_load(&c->device_fallbacks);
     pthread_rwlock_rdlock(&st->lock);
     out->sequences = st->nseqs;
     pthread_rwlock_unlock(&st->lock);

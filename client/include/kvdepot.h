@@ -926,6 +926,8 @@ typedef struct kvdepot_stats {
     int device_healthy;             /* 0 once a device error left it unusable */
     uint64_t device_pages_attended; /* pages Attend read where they lie on the GPU */
     uint64_t device_pages_searched; /* pages whose PQ codes Search read on the GPU */
+    uint64_t device_pages_encoded;  /* pages an Append coded on the GPU */
+    uint64_t device_fallbacks;      /* GPU work failed (lost, out of memory), redone on the CPU */
 } kvdepot_stats;
 
 /**

@@ -58,9 +58,6 @@ typedef struct kvd_compute {
  * PQ codes Search (and SparseAttend) read there, since start. */
 uint64_t kvd_compute_device_pages(void);
 uint64_t kvd_compute_device_search_pages(void);
-/* Computations the device failed (lost, or out of memory) and the CPU did
- * again, since start. */
-uint64_t kvd_compute_device_fallbacks(void);
 
 /* ---- Attend -------------------------------------------------------------- */
 

@@ -59,7 +59,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
 /* After a computation on dev (NULL: none) ended with rc: 1 when it is to be
  * done again on the CPU, err cleared: the device was lost (KVD_EUNAVAIL,
  * the store then drops its device tier) or had no memory for it
- * (KVD_ENOMEM); counted (kvd_compute_device_fallbacks). 0 otherwise. */
+ * (KVD_ENOMEM); counted (kvd_store_device_fallback). 0 otherwise. */
 int kvd__device_fallback(kvd_store *st, kvd_backend *dev, int rc, kvd_error *err);
 
 /* scale, or 1/sqrt(D) when 0. */

@@ -20,22 +20,11 @@
 #include "compute_internal.h"
 #include "kvdepot/attention.h"
 
-static _Atomic uint64_t device_pages, device_fallbacks;
-
-uint64_t kvd_compute_device_fallbacks(void)
-{
-    return atomic_load(&device_fallbacks);
-}
+static _Atomic uint64_t device_pages;
 
 int kvd__device_fallback(kvd_store *st, kvd_backend *dev, int rc, kvd_error *err)
 {
-    if (!dev || (rc != KVD_EUNAVAIL && rc != KVD_ENOMEM))
-        return 0;
-    if (rc == KVD_EUNAVAIL)
-        kvd_store_device_lost(st);
-    atomic_fetch_add(&device_fallbacks, 1);
-    kvd_error_clear(err);
-    return 1;
+    return dev && kvd_store_device_fallback(st, rc, err);
 }
 
 uint64_t kvd_compute_device_pages(void)

@@ -142,9 +142,19 @@ static void section_arrays(uint8_t *base, uint32_t H, const kvd_quant_sizes *qs,
     *sum = *scale + (size_t)H * qs->ngroups * 2;
 }
 
-/* Quantize the head-major raw section src into dst (a coded section). */
-static int encode_section(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
-                          int is_v, const void *src, uint8_t *dst, kvd_error *err)
+/* The prefix of an INT section: group, axis, rounding. */
+static void int_prefix(uint8_t *dst, const kvd_codec_spec *s)
+{
+    memset(dst, 0, KVD_CODEC_SECTION_PREFIX);
+    st16(dst, s->group);
+    dst[2] = s->axis;
+    dst[3] = s->rounding;
+}
+
+/* Quantize the head-major raw section src into the arrays of an INT section
+ * (what follows its prefix); both in memory of be. */
+static int quantize_heads(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
+                          int is_v, const void *src, uint8_t *arrays, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
     const int bits = codec_bits(s->codec);
@@ -152,12 +162,8 @@ static int encode_section(kvd_backend *be, const kvd_page_desc *d, const kvd_cod
     int rc = kvd_quant_size(T, D, bits, s->group, (kvd_quant_axis)s->axis, &qs, err);
     if (rc)
         return rc;
-    memset(dst, 0, KVD_CODEC_SECTION_PREFIX);
-    st16(dst, s->group);
-    dst[2] = s->axis;
-    dst[3] = s->rounding;
     uint8_t *codes, *mn, *sc, *sm;
-    section_arrays(dst + KVD_CODEC_SECTION_PREFIX, H, &qs, &codes, &mn, &sc, &sm);
+    section_arrays(arrays, H, &qs, &codes, &mn, &sc, &sm);
     const size_t es = kvd_dtype_size(d->dtype);
     for (uint32_t h = 0; h < H; h++) {
         kvd_qtensor q;
@@ -183,6 +189,14 @@ static int encode_section(kvd_backend *be, const kvd_page_desc *d, const kvd_cod
             return rc;
     }
     return 0;
+}
+
+/* Quantize the head-major raw section src into dst (a coded section). */
+static int encode_section(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
+                          int is_v, const void *src, uint8_t *dst, kvd_error *err)
+{
+    int_prefix(dst, s);
+    return quantize_heads(be, d, s, is_v, src, dst + KVD_CODEC_SECTION_PREFIX, err);
 }
 
 /* ---- artifact snapshots ------------------------------------------------------ */
@@ -560,10 +574,9 @@ static int head_to_f32(kvd_backend *be, const uint8_t *src, kvd_dtype dt, uint32
                        float *dst, kvd_error *err)
 {
     int64_t sh[2] = {T, D};
-    if (dt == KVD_DTYPE_F32) {
-        memcpy(dst, src, sizeof(float) * T * D);
-        return 0;
-    }
+    const size_t bytes = sizeof(float) * T * D;
+    if (dt == KVD_DTYPE_F32) /* a copy in be's memory */
+        return kvd_backend_copy2d(be, dst, bytes, src, bytes, bytes, 1, err);
     kvd_tensor in = kvd_tensor_make(dt, (void *)src, 2, sh);
     kvd_tensor o = kvd_tensor_make(KVD_DTYPE_F32, dst, 2, sh);
     return kvd_convert(be, &o, &in, err);
@@ -582,20 +595,26 @@ static int f32_to(kvd_backend *be, const float *src, kvd_dtype dt, uint32_t T, u
     return kvd_convert(be, &o, &in, err);
 }
 
-static int encode_vq(kvd_backend *be, const kvd_page_desc *d, const kvd_layer_arts *la, int is_v,
-                     const void *src, uint8_t *dst, kvd_error *err)
+static void vq_prefix(uint8_t *dst, const kvd_layer_arts *la, int is_v)
+{
+    memset(dst, 0, KVD_CODEC_ARTS_PREFIX);
+    dst[0] = la->vq_sub_dim;
+    dst[1] = la->vq_bits;
+    dst[2] = is_v ? 0 : 1;
+    st64(dst + 8, la->fingerprint);
+}
+
+/* VQ codes of every head of the head-major raw section src: keys smoothed
+ * by lambda (H, D) and rotated, values as they are, each coded with its
+ * head's codebook (H, 2^b, d). src, codes, lambda, codebook and x (T * D
+ * floats of work space) in memory of be. */
+static int vq_heads(kvd_backend *be, const kvd_page_desc *d, const kvd_layer_arts *la,
+                    const float *lambda, const float *codebook, int is_v, const void *src,
+                    uint8_t *codes, float *x, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
     const int sd = la->vq_sub_dim, b = la->vq_bits, cw = b <= 8 ? 1 : 2;
     const size_t es = kvd_dtype_size(d->dtype);
-    memset(dst, 0, KVD_CODEC_ARTS_PREFIX);
-    dst[0] = (uint8_t)sd;
-    dst[1] = (uint8_t)b;
-    dst[2] = is_v ? 0 : 1;
-    st64(dst + 8, la->fingerprint);
-    float *x = malloc(sizeof(float) * T * D);
-    if (!x)
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory encoding a page");
     int rc = 0;
     for (uint32_t h = 0; h < H && rc == 0; h++) {
         const uint8_t *xs = (const uint8_t *)src + (size_t)h * T * D * es;
@@ -603,19 +622,31 @@ static int encode_vq(kvd_backend *be, const kvd_page_desc *d, const kvd_layer_ar
         kvd_tensor xt = kvd_tensor_make(KVD_DTYPE_F32, x, 2, sh);
         if (!is_v) {
             kvd_tensor kin = kvd_tensor_make(d->dtype, (void *)xs, 2, sh);
-            kvd_tensor lam = kvd_tensor_make(KVD_DTYPE_F32, la->lambda + (size_t)h * D, 1, ls);
+            kvd_tensor lam = kvd_tensor_make(KVD_DTYPE_F32, (float *)lambda + (size_t)h * D, 1, ls);
             rc = kvd_vq_transform_keys(be, &kin, &lam, &xt, err);
         } else {
             rc = head_to_f32(be, xs, d->dtype, T, D, x, err);
         }
         if (rc)
             break;
-        kvd_tensor cb = kvd_tensor_make(KVD_DTYPE_F32, la->codebook + h * cb_floats(la), 2, bs);
-        kvd_tensor codes =
-            kvd_tensor_make(cw == 1 ? KVD_DTYPE_U8 : KVD_DTYPE_U16,
-                            dst + KVD_CODEC_ARTS_PREFIX + (size_t)h * T * (D / sd) * cw, 2, cs);
-        rc = kvd_vq_encode(be, &xt, &cb, &codes, err);
+        kvd_tensor cb =
+            kvd_tensor_make(KVD_DTYPE_F32, (float *)codebook + h * cb_floats(la), 2, bs);
+        kvd_tensor ct = kvd_tensor_make(cw == 1 ? KVD_DTYPE_U8 : KVD_DTYPE_U16,
+                                        codes + (size_t)h * T * (D / sd) * cw, 2, cs);
+        rc = kvd_vq_encode(be, &xt, &cb, &ct, err);
     }
+    return rc;
+}
+
+static int encode_vq(kvd_backend *be, const kvd_page_desc *d, const kvd_layer_arts *la, int is_v,
+                     const void *src, uint8_t *dst, kvd_error *err)
+{
+    vq_prefix(dst, la, is_v);
+    float *x = malloc(sizeof(float) * d->num_tokens * d->head_dim);
+    if (!x)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory encoding a page");
+    int rc = vq_heads(be, d, la, la->lambda, la->codebook, is_v, src, dst + KVD_CODEC_ARTS_PREFIX,
+                      x, err);
     free(x);
     return rc;
 }
@@ -1064,6 +1095,97 @@ static int encode_side(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_
     return encode_section(be, d, s, is_v, src, dst, err);
 }
 
+/* Does be compute in device memory (the CUDA backend) rather than the host's? */
+static int on_device(const kvd_backend *be)
+{
+    kvd_backend_desc desc;
+    kvd_backend_describe(be, &desc);
+    return desc.device[0] != '\0';
+}
+
+static size_t align256(size_t x)
+{
+    return (x + 255) & ~(size_t)255;
+}
+
+/*
+ * Both coded sides of a page on a device backend: the raw K and V (and a VQ
+ * side's smoothing and codebooks) go up once, the kernels code them in
+ * device memory, the coded arrays come down into dst (the sections of the
+ * host page, kb then vb bytes); the prefixes are written here. A raw side
+ * is copied on the host.
+ */
+static int encode_device(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks,
+                         const kvd_codec_spec *vs, const kvd_layer_arts *kla,
+                         const kvd_layer_arts *vla, const void *k, const void *v, size_t rawsec,
+                         uint8_t *dst, uint64_t kb, uint64_t vb, kvd_error *err)
+{
+    if (ks->svd || vs->svd)
+        return kvd_error_set(err, KVD_EUNSUPP, "page encode: SVD sections are coded on the CPU");
+    const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
+    const kvd_codec_spec *sp[2] = {ks, vs};
+    const kvd_layer_arts *la[2] = {kla, vla};
+    const void *raw[2] = {k, v};
+    uint8_t *out[2] = {dst, dst + kb};
+    const uint64_t len[2] = {kb, vb};
+    /* Device scratch per coded side: raw | arrays [| lambda] [| codebooks],
+     * then one f32 work row block for VQ; every part 256-byte aligned. */
+    size_t o_raw[2] = {0, 0}, o_arr[2] = {0, 0}, o_lam = 0, o_cb[2] = {0, 0}, pre[2] = {0, 0};
+    size_t total = 0, xbytes = 0;
+    for (int i = 0; i < 2; i++) {
+        if (sp[i]->codec == KVD_CODEC_RAW)
+            continue;
+        const int vq = sp[i]->codec == KVD_CODEC_VQ;
+        pre[i] = vq ? KVD_CODEC_ARTS_PREFIX : KVD_CODEC_SECTION_PREFIX;
+        o_raw[i] = total;
+        total += align256(rawsec);
+        o_arr[i] = total;
+        total += align256((size_t)len[i] - pre[i]);
+        if (vq) {
+            if (i == 0) {
+                o_lam = total;
+                total += align256(sizeof(float) * H * D);
+            }
+            o_cb[i] = total;
+            total += align256(sizeof(float) * H * cb_floats(la[i]));
+            xbytes = sizeof(float) * T * D;
+        }
+    }
+    const size_t o_x = total;
+    total += align256(xbytes);
+    uint8_t *m = NULL;
+    int rc = kvd_backend_scratch(be, total, (void **)&m, err);
+    if (rc)
+        return rc;
+    for (int i = 0; i < 2 && rc == 0; i++) {
+        const kvd_codec_spec *s = sp[i];
+        if (s->codec == KVD_CODEC_RAW) {
+            memcpy(out[i], raw[i], rawsec);
+            continue;
+        }
+        if ((rc = kvd_backend_upload(be, m + o_raw[i], raw[i], rawsec, err)))
+            break;
+        if (s->codec == KVD_CODEC_VQ) {
+            if ((i == 0 && (rc = kvd_backend_upload(be, m + o_lam, la[i]->lambda,
+                                                    sizeof(float) * H * D, err))) ||
+                (rc = kvd_backend_upload(be, m + o_cb[i], la[i]->codebook,
+                                         sizeof(float) * H * cb_floats(la[i]), err)) ||
+                (rc = vq_heads(be, d, la[i], (const float *)(void *)(m + o_lam),
+                               (const float *)(void *)(m + o_cb[i]), i, m + o_raw[i], m + o_arr[i],
+                               (float *)(void *)(m + o_x), err)))
+                break;
+            vq_prefix(out[i], la[i], i);
+        } else {
+            if ((rc = quantize_heads(be, d, s, i, m + o_raw[i], m + o_arr[i], err)))
+                break;
+            int_prefix(out[i], s);
+        }
+        rc = kvd_backend_download(be, out[i] + pre[i], m + o_arr[i], (size_t)len[i] - pre[i], err);
+    }
+    kvd_backend_scratch_free(be, m);
+    return rc;
+}
+
 int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks_in,
                     const kvd_codec_spec *vs_in, const void *k, const void *v, uint8_t **out,
                     size_t *len, kvd_error *err)
@@ -1129,8 +1251,11 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
     st64(e + 16, vb);
     const size_t rawsec = (size_t)d->num_kv_heads * d->num_tokens * d->head_dim *
                           kvd_dtype_size(d->dtype);
-    if ((rc = encode_side(be, d, &ks, kla, 0, k, rawsec, page + hsize, err)) ||
-        (rc = encode_side(be, d, &vs, vla, 1, v, rawsec, page + hsize + kb, err)))
+    if (on_device(be))
+        rc = encode_device(be, d, &ks, &vs, kla, vla, k, v, rawsec, page + hsize, kb, vb, err);
+    else if ((rc = encode_side(be, d, &ks, kla, 0, k, rawsec, page + hsize, err)) == 0)
+        rc = encode_side(be, d, &vs, vla, 1, v, rawsec, page + hsize + kb, err);
+    if (rc)
         goto fail;
     kvd_page_finish(page, hsize + kb + vb);
     *out = page;

@@ -179,7 +179,12 @@ uint64_t kvd_codec_section_bytes(const kvd_codec_spec *s, uint32_t H, uint32_t T
  * frees) with the given codecs, checksum set. A page that does not hold its
  * whole block (d->num_tokens < page_tokens) is always written raw. VQ and
  * SVD specs code with spec->arts (layer d->layer), stamping its fingerprint.
- * Returns 0, KVD_EINVAL (also: VQ/SVD without arts), KVD_ENOMEM.
+ * k, v and *out are host memory whatever be is. On a device backend (CUDA)
+ * the raw K and V go up once, INT and VQ sections are coded by its kernels
+ * and come back down: the same bytes as the CPU's; SVD sections are not
+ * coded there (KVD_EUNSUPP).
+ * Returns 0, KVD_EINVAL (also: VQ/SVD without arts), KVD_ENOMEM, and the
+ * device's errors (KVD_EUNAVAIL, KVD_ENOMEM for device memory).
  */
 int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks,
                     const kvd_codec_spec *vs, const void *k, const void *v, uint8_t **out,

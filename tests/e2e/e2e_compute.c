@@ -878,17 +878,20 @@ static void gen_kv(const kvdepot_model *m, uint64_t n, uint64_t seed, uint16_t *
 }
 
 /* Pages of every layer of wire K/V ([layer][token][head][dim]) for tokens
- * [t0, t0 + n), encoded by the client. */
-static int encode_all(const kvdepot_model *m, const kvdepot_codecs *cs, uint64_t t0, uint64_t n,
-                      const uint16_t *k, const uint16_t *v, kvdepot_page **pages, size_t *count)
+ * [t0, t0 + n), encoded by the client (VQ with the model's artifacts). */
+static int encode_arts(const kvdepot_model *m, const kvdepot_codecs *cs,
+                       const kvdepot_artifact *arts, size_t na, uint64_t t0, uint64_t n,
+                       const void *k, const void *v, kvdepot_page **pages, size_t *count)
 {
-    size_t per = (size_t)n * m->num_kv_heads * m->head_dim;
+    size_t per = (size_t)n * m->num_kv_heads * m->head_dim * kvdepot_dtype_size(m->dtype);
     kvdepot_page *all = NULL;
     size_t total = 0;
     for (uint32_t l = 0; l < m->num_layers; l++) {
         kvdepot_page *p;
         size_t np;
-        int rc = kvdepot_encode_pages(m, cs, 256, l, t0, n, k + l * per, v + l * per, &p, &np);
+        int rc = kvdepot_encode_pages_with_artifacts(m, cs, arts, na, 256, l, t0, n,
+                                                     (const char *)k + l * per,
+                                                     (const char *)v + l * per, &p, &np);
         if (rc)
             return rc;
         all = realloc(all, (total + np) * sizeof *all);
@@ -899,6 +902,52 @@ static int encode_all(const kvdepot_model *m, const kvdepot_codecs *cs, uint64_t
     *pages = all;
     *count = total;
     return 0;
+}
+
+static int encode_all(const kvdepot_model *m, const kvdepot_codecs *cs, uint64_t t0, uint64_t n,
+                      const uint16_t *k, const uint16_t *v, kvdepot_page **pages, size_t *count)
+{
+    return encode_arts(m, cs, NULL, 0, t0, n, k, v, pages, count);
+}
+
+/* Pages stored for id (append_at's data, tokens [0, n) of every layer)
+ * that differ from what the client's CPU encoder makes of the same data:
+ * where the server coded them (GPU or CPU) must not change a byte. -1 when
+ * the pages cannot be read or made. */
+static long pages_unlike_cpu(kvdepot_client *c, const kvdepot_model *m, const char *id,
+                             const kvdepot_codecs *cs, uint64_t n)
+{
+    kvdepot_artifact *arts = NULL;
+    size_t na = 0;
+    const int vq = cs->k.codec == KVDEPOT_CODEC_VQ || cs->v.codec == KVDEPOT_CODEC_VQ;
+    if (vq && kvdepot_artifacts_get(c, m->name, NULL, 0, &arts, &na) != KVDEPOT_OK)
+        return -1;
+    size_t cnt = (size_t)m->num_layers * n * m->num_kv_heads * m->head_dim;
+    size_t es = kvdepot_dtype_size(m->dtype);
+    void *k = malloc(cnt * es), *v = malloc(cnt * es);
+    kvdepot_page *mine = NULL, *got = NULL;
+    size_t nmine = 0, ngot = 0;
+    long bad = -1;
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = id;
+    ra.id_len = strlen(id);
+    if (k && v) {
+        fill_values(k, cnt, m->dtype, 3);
+        fill_values(v, cnt, m->dtype, 4);
+    }
+    if (k && v && encode_arts(m, cs, arts, na, 0, n, k, v, &mine, &nmine) == 0 &&
+        kvdepot_sequence_read_pages(c, &ra, &got, &ngot) == 0 && ngot == nmine) {
+        bad = 0;
+        for (size_t i = 0; i < ngot; i++)
+            bad += got[i].len != mine[i].len || memcmp(got[i].data, mine[i].data, got[i].len);
+    }
+    kvdepot_pages_free(mine, nmine);
+    kvdepot_pages_free(got, ngot);
+    kvdepot_artifacts_free(arts, na);
+    free(k);
+    free(v);
+    return bad;
 }
 
 /* AppendPages: pages encoded by the client are stored as they are: the
@@ -1195,6 +1244,20 @@ static int t_device(kvd_harness *h)
         const kvdepot_model *m = &ms[seqs[i].model];
         REQUIRE_RC(create_coded(c, m->name, seqs[i].id, &seqs[i].cs), KVDEPOT_OK);
         REQUIRE_RC(make_seq_append_only(c, m, seqs[i].id, n), KVDEPOT_OK);
+        long bad = pages_unlike_cpu(c, m, seqs[i].id, &seqs[i].cs, n);
+        if (bad)
+            printf("%s: %ld stored pages unlike the client's CPU encoding\n", seqs[i].id, bad);
+        CHECK(bad == 0);
+    }
+    {
+        /* the coded sequences' whole pages (3 x 2 layers x 5) were coded on the GPU */
+        kvdepot_stats se;
+        REQUIRE_RC(kvdepot_stats_get(c, &se), KVDEPOT_OK);
+        uint64_t enc = se.device_pages_encoded - st0.device_pages_encoded;
+        printf("%llu pages coded on the device\n", (unsigned long long)enc);
+        if (on_gpu || on_cpu)
+            CHECK(enc == (on_gpu ? 3 * 2 * 5 : 0));
+        CHECK(se.device_fallbacks == st0.device_fallbacks);
     }
     /* ranges: all, partial pages at both ends, exact pages, tail only */
     const uint64_t ranges[][2] = {{0, 0}, {100, 1100}, {256, 768}, {1280, 0}};
@@ -1265,11 +1328,12 @@ static int t_device(kvd_harness *h)
 
 /*
  * A GPU that faults: kvdepotd_cuda_emu with KVD_EMU_FAULT_AT_LAUNCH=1, whose
- * first kernel launch fails with an illegal address, a sticky error. The
- * Attend that met it still answers, from the CPU, what the client computes;
- * the device tier is dropped and the GPU reported unusable (Stats, health
- * NOT_SERVING); appends, reads and attention go on from the host tier and
- * RocksDB.
+ * first kernel launch fails with an illegal address, a sticky error. Raw
+ * pages are stored without a launch, so the first Attend meets it: it still
+ * answers, from the CPU, what the client computes; the device tier is
+ * dropped and the GPU reported unusable (Stats, health NOT_SERVING);
+ * appends (coded on the CPU now), reads and attention go on from the host
+ * tier and RocksDB.
  */
 static int t_device_fault(kvd_harness *h)
 {
@@ -1284,8 +1348,9 @@ static int t_device_fault(kvd_harness *h)
     CHECK(sv == KVDEPOT_SERVING);
     kvdepot_model m;
     REQUIRE_RC(put_model(c, "fault", 1, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
-    kvdepot_codecs cs = {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, 0};
-    const char *id = "f-int4";
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    const char *id = "f-raw";
     const uint64_t n = 3 * 256 + 10;
     REQUIRE_RC(create_coded(c, m.name, id, &cs), KVDEPOT_OK);
     REQUIRE_RC(make_seq_append_only(c, &m, id, n), KVDEPOT_OK);
@@ -1316,6 +1381,57 @@ static int t_device_fault(kvd_harness *h)
         if (round == 0) /* appends go on, into the host tier */
             REQUIRE_RC(append_at(c, &m, id, n, 300), KVDEPOT_OK);
     }
+    /* a coded sequence now: its pages are coded on the CPU */
+    kvdepot_codecs ci = {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT2, 64, 1, 0, 9}, 0};
+    REQUIRE_RC(create_coded(c, m.name, "f-int", &ci), KVDEPOT_OK);
+    REQUIRE_RC(make_seq_append_only(c, &m, "f-int", n), KVDEPOT_OK);
+    CHECK(pages_unlike_cpu(c, &m, "f-int", &ci, n) == 0);
+    REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+    CHECK(st.device_pages_encoded == 0 && st.device_fallbacks == 1);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
+/*
+ * The same fault met by an Append coding its pages on the GPU (the first
+ * launch is its first page's): the append still stores every page, coded
+ * again on the CPU (the bytes the client's encoder makes), and the GPU is
+ * reported unusable; Read and Attend answer from the host tier.
+ */
+static int t_device_fault_append(kvd_harness *h)
+{
+    REQUIRE(getenv("KVD_EMU_FAULT_AT_LAUNCH") != NULL);
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "fa", 2, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    kvdepot_codecs cs = {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT2, 64, 1, 0, 9}, 0};
+    const char *id = "fa-int";
+    const uint64_t n = 3 * 256 + 10;
+    REQUIRE_RC(create_coded(c, m.name, id, &cs), KVDEPOT_OK);
+    REQUIRE_RC(make_seq_append_only(c, &m, id, n), KVDEPOT_OK);
+    kvdepot_stats st;
+    REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+    printf("healthy %d, %llu pages coded on the device, %llu fallbacks, tiers %llu / %llu pages\n",
+           st.device_healthy, (unsigned long long)st.device_pages_encoded,
+           (unsigned long long)st.device_fallbacks, (unsigned long long)st.tiers[0].pages,
+           (unsigned long long)st.tiers[1].pages);
+    CHECK(!st.device_healthy && st.device_pages_encoded == 0 && st.device_fallbacks == 1);
+    CHECK(st.tiers[0].pages == 0 && st.tiers[1].pages == 2 * 4);
+    kvdepot_serving sv;
+    REQUIRE_RC(kvdepot_health_check(c, NULL, &sv), KVDEPOT_OK);
+    CHECK(sv == KVDEPOT_NOT_SERVING);
+    CHECK(pages_unlike_cpu(c, &m, id, &cs, n) == 0);
+    float *q = make_q(&m, 8);
+    REQUIRE(q);
+    kvdepot_attend_query qy = {id, strlen(id), q, 8 * 64, 0, 0};
+    kvdepot_attend_result r;
+    REQUIRE_RC(kvdepot_attend(c, 1, 0, &qy, 1, &r), KVDEPOT_OK);
+    float lo[8 * 64], ll[8];
+    REQUIRE_RC(local_attend(c, &m, id, 1, 0, n, q, lo, ll), KVDEPOT_OK);
+    CHECK(nmse(r.output, lo, 8 * 64) <= 1e-3 && nmse(r.lse, ll, 8) <= 1e-6);
+    kvdepot_attend_results_free(&r, 1);
     free(q);
     kvdepot_close(c);
     return 0;
@@ -1371,11 +1487,20 @@ static int t_device_oom(kvd_harness *h)
 }
 
 static const kvd_test tests[] = {
-    {"attend", t_attend},         {"attend_long", t_attend_long}, {"lse_merge", t_lse_merge},
-    {"plan_fetch", t_plan_fetch}, {"errors", t_errors},           {"codecs", t_codecs},
-    {"bad_codecs", t_bad_codecs}, {"search", t_search},           {"append_pages", t_append_pages},
-    {"read_pages", t_read_pages}, {"device", t_device},           {"device_fault", t_device_fault},
+    {"attend", t_attend},
+    {"attend_long", t_attend_long},
+    {"lse_merge", t_lse_merge},
+    {"plan_fetch", t_plan_fetch},
+    {"errors", t_errors},
+    {"codecs", t_codecs},
+    {"bad_codecs", t_bad_codecs},
+    {"search", t_search},
+    {"append_pages", t_append_pages},
+    {"read_pages", t_read_pages},
+    {"device", t_device},
+    {"device_fault", t_device_fault},
     {"device_oom", t_device_oom},
+    {"device_fault_append", t_device_fault_append},
 };
 
 int main(int argc, char **argv)

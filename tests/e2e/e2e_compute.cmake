@@ -16,7 +16,7 @@ if(TARGET kvd_e2e_harness)
   # (tests/backend/cuda_emu.cmake): pages held in emulated device memory,
   # Attend through the CUDA backend's host code and kernels.
   if(TARGET kvdepotd_cuda_emu)
-    foreach(name device attend codecs lse_merge search append_pages)
+    foreach(name device attend codecs lse_merge search append_pages read_pages)
       add_test(NAME compute_emu_${name} COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> ${name})
       set_tests_properties(compute_emu_${name} PROPERTIES LABELS e2e TIMEOUT 600
                            ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVDEPOT_DEVICE_TIER_BYTES=256MiB")
@@ -24,6 +24,10 @@ if(TARGET kvd_e2e_harness)
     add_test(NAME compute_emu_device_fault
              COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> device_fault)
     set_tests_properties(compute_emu_device_fault PROPERTIES LABELS e2e TIMEOUT 300
+                         ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVD_EMU_FAULT_AT_LAUNCH=1")
+    add_test(NAME compute_emu_device_fault_append
+             COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> device_fault_append)
+    set_tests_properties(compute_emu_device_fault_append PROPERTIES LABELS e2e TIMEOUT 300
                          ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVD_EMU_FAULT_AT_LAUNCH=1")
     add_test(NAME compute_emu_device_oom
              COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> device_oom)
