@@ -23,9 +23,11 @@ struct kvd__pq_append {
     struct pq_layer {
         int known; /* centroids loaded or trained */
         kvd_pq_centroids c;
+        float *dev_c; /* c.data in the device's memory (scratch of dev), or NULL */
     } * layers;
     float *keys; /* page keys of one head, f32 (page_tokens, head_dim) */
     size_t cap_keys;
+    kvd_backend *dev; /* holds the layers' dev_c */
 };
 
 static size_t pq_key(uint8_t *key, const void *id, size_t id_len, uint32_t layer)
@@ -139,17 +141,46 @@ static int to_f32(kvd_backend *be, kvd_dtype dt, const uint8_t *src, int64_t n, 
     return kvd_convert(be, &d, &s, err);
 }
 
+static size_t align256(size_t x)
+{
+    return (x + 255) & ~(size_t)255;
+}
+
+/* kvd_pq_train_head on the device: the keys (host) go up, the centroids
+ * (host) come down. */
+static int train_head_device(kvd_backend *dev, const float *keys, int64_t n, uint32_t D,
+                             const kvd_seq_codecs *c, uint32_t layer, uint32_t h, float *cent,
+                             kvd_error *err)
+{
+    const int64_t ntrain = n < KVD_PQ_TRAIN_TOKENS ? n : KVD_PQ_TRAIN_TOKENS;
+    const size_t kb = align256(sizeof(float) * (size_t)ntrain * D),
+                 cb = sizeof(float) * (size_t)cent_floats(1, D, c->pq_bits);
+    uint8_t *m = NULL;
+    int rc = kvd_backend_scratch(dev, kb + cb, (void **)&m, err);
+    if (rc)
+        return rc;
+    float *dk = (float *)(void *)m, *dc = (float *)(void *)(m + kb);
+    if ((rc = kvd_backend_upload(dev, dk, keys, sizeof(float) * (size_t)ntrain * D, err)) == 0 &&
+        (rc = kvd_pq_train_head(dev, dk, ntrain, D, c->pq_m, c->pq_bits, c->pq_iterations, layer, h,
+                                dc, err)) == 0)
+        rc = kvd_backend_download(dev, cent, dc, cb, err);
+    kvd_backend_scratch_free(dev, m);
+    return rc;
+}
+
 /* Train the centroids of layer d->layer from the page keys and the wire keys
  * after the page, and put the record into b. */
 /* Training runs once per (sequence, layer) but is the heaviest step of an
  * append (K-means over up to KVD_PQ_TRAIN_TOKENS keys per kv head): it runs
  * on the store's backend with every thread (train_be), where the conversions
  * keep the one-thread coding backend (be). K-means does not depend on the
- * thread count. */
-static int train_layer(kvd_backend *be, kvd_backend *train_be, const kvd_seq_codecs *c,
-                       struct rocksdb_writebatch_t *b, const kvd__seq *s, const kvd_page_desc *d,
-                       const uint8_t *k_page, const uint8_t *wire_k, uint64_t wire_ts,
-                       uint64_t wire_end, kvd_pq_centroids *out, kvd_error *err)
+ * thread count. With a device (the store's) it runs there (the GPU's
+ * K-means: other centroids than the CPU's, of the same quality), or on the
+ * CPU when the device fails. */
+static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
+                       const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
+                       const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *wire_k,
+                       uint64_t wire_ts, uint64_t wire_end, kvd_pq_centroids *out, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
     const size_t es = kvd_dtype_size(d->dtype);
@@ -181,8 +212,15 @@ static int train_layer(kvd_backend *be, kvd_backend *train_be, const kvd_seq_cod
             (rc = to_f32(be, d->dtype, wh, from_wire, D, (int64_t)(H * D * es),
                          keys + (size_t)from_page * D, err)))
             break;
-        rc = kvd_pq_train_head(train_be, keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations,
-                               d->layer, h, cent + (size_t)h * (nf / H), err);
+        float *ch = cent + (size_t)h * (nf / H);
+        kvd_backend *dev = kvd_store_device(st);
+        rc = -1;
+        if (dev && (rc = train_head_device(dev, keys, n, D, c, d->layer, h, ch, err)) &&
+            !kvd_store_device_fallback(st, rc, err))
+            break;
+        if (rc)
+            rc = kvd_pq_train_head(train_be, keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations,
+                                   d->layer, h, ch, err);
     }
     if (rc)
         goto done;
@@ -204,6 +242,73 @@ static int train_layer(kvd_backend *be, kvd_backend *train_be, const kvd_seq_cod
 done:
     free(rec);
     free(keys);
+    return rc;
+}
+
+/* The layer's centroids in the device's memory, copied up at the first page
+ * coded there and kept for the append. */
+static int layer_on_device(struct kvd__pq_append *ps, struct pq_layer *L, kvd_backend *dev,
+                           const float **out, kvd_error *err)
+{
+    if (!L->dev_c) {
+        size_t bytes = 4 * (size_t)cent_floats(L->c.num_kv_heads, L->c.head_dim, L->c.bits);
+        void *p;
+        int rc = kvd_backend_scratch(dev, bytes, &p, err);
+        if (rc)
+            return rc;
+        if ((rc = kvd_backend_upload(dev, p, L->c.data, bytes, err))) {
+            kvd_backend_scratch_free(dev, p);
+            return rc;
+        }
+        L->dev_c = p;
+        ps->dev = dev;
+    }
+    *out = L->dev_c;
+    return 0;
+}
+
+/* PQ codes (H, B, M) into codes (host) of a page's keys (head-major
+ * (H, B, D) in d->dtype, host memory) with centroids cent (H, M, 2^bits,
+ * D/M) in memory of be. On the device the keys go up once and the codes
+ * come down; keys is work space of B * D floats in be's memory (NULL on a
+ * device: taken from its scratch). */
+static int page_codes(kvd_backend *be, int on_dev, const kvd_page_desc *d, uint32_t M,
+                      uint32_t bits, const float *cent, const uint8_t *k_page, float *keys,
+                      uint8_t *codes, kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
+    const size_t es = kvd_dtype_size(d->dtype), raw = (size_t)H * B * D * es;
+    const uint64_t per_head = cent_floats(1, D, bits);
+    uint8_t *m = NULL, *dst = codes;
+    const uint8_t *src = k_page;
+    int rc = 0;
+    if (on_dev) {
+        const size_t o_keys = align256(raw), o_codes = o_keys + align256(sizeof(float) * B * D);
+        if ((rc = kvd_backend_scratch(be, o_codes + (size_t)H * B * M, (void **)&m, err)))
+            return rc;
+        if ((rc = kvd_backend_upload(be, m, k_page, raw, err))) {
+            kvd_backend_scratch_free(be, m);
+            return rc;
+        }
+        src = m;
+        keys = (float *)(void *)(m + o_keys);
+        dst = m + o_codes;
+    }
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        if ((rc = to_f32(be, d->dtype, src + (size_t)h * B * D * es, B, D, (int64_t)(D * es), keys,
+                         err)))
+            break;
+        int64_t ks[2] = {B, D}, cs[3] = {M, (int64_t)1 << bits, D / M}, ds[2] = {B, M};
+        kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
+        kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, (float *)cent + h * per_head, 3, cs);
+        kvd_tensor td = kvd_tensor_make(KVD_DTYPE_U8, dst + (size_t)h * B * M, 2, ds);
+        rc = kvd_pq_encode(be, &tk, &tc, &td, err);
+    }
+    if (on_dev) {
+        if (rc == 0)
+            rc = kvd_backend_download(be, codes, dst, (size_t)H * B * M, err);
+        kvd_backend_scratch_free(be, m);
+    }
     return rc;
 }
 
@@ -237,7 +342,7 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
         int found = 0;
         if ((rc = kvd_store_pq_centroids_get(st, s->id, s->id_len, d->layer, &L->c, &found, err)))
             return rc;
-        if (!found && (rc = train_layer(be, kvd_store_backend(st), c, b, s, d, k_page, wire_k,
+        if (!found && (rc = train_layer(st, be, kvd_store_backend(st), c, b, s, d, k_page, wire_k,
                                         wire_ts, wire_end, &L->c, err))) {
             kvd_pq_centroids_clear(&L->c);
             return rc;
@@ -267,19 +372,23 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
     sec[2] = (uint8_t)c->pq_bits;
     for (int i = 0; i < 8; i++)
         sec[8 + i] = (uint8_t)(L->c.id >> (8 * i));
-    const size_t es = kvd_dtype_size(d->dtype);
-    const uint64_t per_head = cent_floats(1, D, c->pq_bits);
-    for (uint32_t h = 0; h < H && rc == 0; h++) {
-        if ((rc = to_f32(be, d->dtype, k_page + (size_t)h * B * D * es, B, D, (int64_t)(D * es),
-                         ps->keys, err)))
-            break;
-        int64_t ks[2] = {B, D}, cs[3] = {M, (int64_t)1 << c->pq_bits, D / M}, ds[2] = {B, M};
-        kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, ps->keys, 2, ks);
-        kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, L->c.data + h * per_head, 3, cs);
-        kvd_tensor td =
-            kvd_tensor_make(KVD_DTYPE_U8, sec + KVD_PAGE_PQ_HEADER + (size_t)h * B * M, 2, ds);
-        rc = kvd_pq_encode(be, &tk, &tc, &td, err);
+    uint8_t *codes = sec + KVD_PAGE_PQ_HEADER;
+    kvd_backend *dev = kvd_store_device(st);
+    rc = -1;
+    if (dev) {
+        /* On the device (the CPU's codes), or on the CPU when it fails. */
+        const float *dc = NULL;
+        if ((rc = layer_on_device(ps, L, dev, &dc, err)) == 0)
+            rc = page_codes(dev, 1, d, M, c->pq_bits, dc, k_page, NULL, codes, err);
+        if (rc == 0 && c->k.codec == KVD_CODEC_RAW && c->v.codec == KVD_CODEC_RAW)
+            atomic_fetch_add(&st->tiers.device_pages_encoded, 1); /* else counted by its codec */
+        if (rc && !kvd_store_device_fallback(st, rc, err)) {
+            free(page);
+            return rc;
+        }
     }
+    if (rc)
+        rc = page_codes(be, 0, d, M, c->pq_bits, L->c.data, k_page, ps->keys, codes, err);
     if (rc) {
         free(page);
         return rc;
@@ -294,8 +403,11 @@ void kvd__pq_append_free(struct kvd__pq_append *state)
 {
     if (!state)
         return;
-    for (uint32_t l = 0; l < state->num_layers; l++)
+    for (uint32_t l = 0; l < state->num_layers; l++) {
         kvd_pq_centroids_clear(&state->layers[l].c);
+        if (state->layers[l].dev_c)
+            kvd_backend_scratch_free(state->dev, state->layers[l].dev_c);
+    }
     free(state->layers);
     free(state->keys);
     free(state);

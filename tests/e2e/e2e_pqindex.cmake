@@ -10,4 +10,14 @@ if(TARGET kvd_e2e_harness)
     add_test(NAME pqindex_${name} COMMAND e2e_pqindex ${KVD_E2E_SERVER} ${name})
     set_tests_properties(pqindex_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()
+  # Against kvdepotd on the CPU emulation of a GPU, which trains the
+  # centroids with the GPU's K-means and codes the pages there.
+  if(TARGET kvdepotd_cuda_emu)
+    foreach(name stored pages)
+      add_test(NAME pqindex_emu_${name}
+               COMMAND e2e_pqindex $<TARGET_FILE:kvdepotd_cuda_emu> ${name})
+      set_tests_properties(pqindex_emu_${name} PROPERTIES LABELS e2e TIMEOUT 600
+                           ENVIRONMENT "KVDEPOT_DEVICE=cuda")
+    endforeach()
+  endif()
 endif()
