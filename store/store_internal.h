@@ -183,6 +183,8 @@ typedef struct kvd__centry {
     int tier;             /* KVD_TIER_DEVICE or KVD_TIER_HOST */
     uint32_t pins;        /* readers and acquirers using data now */
     int dead;             /* out of the map and lists; freed at the last unpin */
+    int moving;           /* being copied into the device tier, cache->mu released:
+                           * pinned by the copier; acquirers wait (cache->moved) */
     /* device tier of a pool the host does not read: where K and V lie
      * (NULL when the page's codecs need more than the page) */
     struct kvd_page_layout *layout;
@@ -213,7 +215,7 @@ typedef struct kvd__cache {
     kvd__tier tier[2];
     kvd_backend *be;      /* NULL: the pool is malloc'd host memory */
     int pool_host;        /* pool bytes are addressable by the CPU */
-    int dev_broken;       /* a pool copy failed on a device an error left unusable */
+    _Atomic int dev_broken; /* a pool copy failed on a device an error left unusable */
     int dev_gone;         /* the device tier was dropped (kvd_store_device_lost) */
     uint8_t *pool;
     kvd__free_range *freel; /* free ranges of the pool, sorted by offset */
@@ -227,6 +229,7 @@ typedef struct kvd__cache {
     pthread_t thread;
     int thread_started, stop;
     pthread_cond_t cv;
+    pthread_cond_t moved; /* an entry stopped moving */
     kvd__prefetch_item queue[KVD__PREFETCH_QUEUE];
     size_t qhead, qlen;
 } kvd__cache;

@@ -17,6 +17,13 @@
  * (RocksDB still holds it). A pinned entry is never moved or freed; one
  * dropped while pinned is unlinked at once and freed at its last unpin.
  *
+ * Copies into the device pool (a page inserted or promoted) and out of it
+ * for a reader run with cache->mu released, so that one PCIe copy does not
+ * hold up every other lookup: the entry is pinned by the copier, its range
+ * already charged to the tier, and marked moving; acquirers of its id wait
+ * on cache->moved until the copy is done. Demotion (device -> host) still
+ * copies under the lock.
+ *
  * A background thread serves read-ahead requests of Read cursors (pages
  * loaded from RocksDB, verified, and inserted) and deletes sequences whose
  * TTL has passed.
@@ -352,20 +359,46 @@ static int device_alloc(kvd__cache *c, uint64_t alloc, const kvd__centry *keep, 
     return 0;
 }
 
-/* Move an unpinned host entry to the device tier; 0 or -1 (it stays). */
+/* Copy `len` bytes into a pool range with cache->mu released, e marked
+ * moving meanwhile (the caller pinned it: nothing moves or frees it, and
+ * acquirers of its id wait). 0, or -1 when the copy failed. */
+static int put_unlocked(kvd__cache *c, kvd__centry *e, uint64_t off, const uint8_t *src, size_t len)
+{
+    e->moving = 1;
+    pthread_mutex_unlock(&c->mu);
+    int rc = pool_put(c, off, src, len);
+    pthread_mutex_lock(&c->mu);
+    e->moving = 0;
+    pthread_cond_broadcast(&c->moved);
+    return rc ? -1 : 0;
+}
+
+/* The entry of id, once it is not moving (cache->mu held). */
+static kvd__centry *entry_settled(kvd__cache *c, uint64_t id)
+{
+    kvd__centry *e;
+    while ((e = kvd__map_get(&c->map, id)) && e->moving)
+        pthread_cond_wait(&c->moved, &c->mu);
+    return e;
+}
+
+/* Move a host entry that only the caller pins to the device tier; 0 or -1
+ * (it stays). The copy runs with cache->mu released (put_unlocked): the
+ * range is charged to the device tier meanwhile. */
 static int promote(kvd__cache *c, kvd__centry *e)
 {
     uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
     uint64_t off;
-    /* Detach first so make_room cannot choose e and its bytes stay put. */
-    tier_detach(c, e);
-    if (device_alloc(c, alloc, e, &off) != 0 || pool_put(c, off, e->data, e->len) != 0) {
-        kvd__tier *t = &c->tier[KVD_TIER_HOST];
-        lru_push(t, e);
-        t->used += e->alloc;
-        t->pages++;
+    if (device_alloc(c, alloc, e, &off) != 0)
+        return -1;
+    c->tier[KVD_TIER_DEVICE].used += alloc;
+    int rc = put_unlocked(c, e, off, e->data, e->len);
+    c->tier[KVD_TIER_DEVICE].used -= alloc;
+    if (rc || e->dead || c->dev_gone) {
+        pool_free(c, off, alloc);
         return -1;
     }
+    tier_detach(c, e);
     entry_set_layout(c, e, e->data);
     host_free(e->data, e->len);
     e->data = c->pool + off;
@@ -454,7 +487,7 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
     pthread_mutex_lock(&c->mu);
     if (c->dev_broken)
         drop_device(st);
-    kvd__centry *e = kvd__map_get(&c->map, id);
+    kvd__centry *e = entry_settled(c, id);
     if (!e || e->num_tokens < need) {
         pthread_mutex_unlock(&c->mu);
         atomic_fetch_add(&c->misses, 1);
@@ -462,25 +495,30 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
     }
     atomic_fetch_add(&c->hits[e->tier], 1);
     *found = e->tier;
-    /* Another holder may be reading e's bytes: only an unpinned entry moves. */
-    if (e->tier == KVD_TIER_HOST && e->pins == 0)
-        promote(c, e);
     kvd__tier *t = &c->tier[e->tier];
     lru_unlink(t, e);
     lru_push(t, e);
+    /* Another holder may be reading e's bytes: only an unpinned entry moves. */
+    const int up = e->tier == KVD_TIER_HOST && e->pins == 0;
     e->pins++;
+    if (up)
+        promote(c, e);
     if (e->tier == KVD_TIER_DEVICE && !c->pool_host && layout_serves(e->layout, on_device)) {
         *bytes = NULL;
     } else if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
-        uint8_t *h = malloc(e->len);
-        if (!h || pool_get(c, h, e->off, e->len) != 0) {
+        /* Pinned, so its range stays put: copy it down unlocked. */
+        const uint64_t off = e->off;
+        const size_t len = e->len;
+        pthread_mutex_unlock(&c->mu);
+        uint8_t *h = malloc(len);
+        if (!h || pool_get(c, h, off, len) != 0) {
             free(h);
-            e->pins--;
-            pthread_mutex_unlock(&c->mu);
+            kvd__cache_release(st, e);
             return NULL;
         }
         *tmp = h;
         *bytes = h;
+        return e;
     } else {
         *bytes = e->data;
     }
@@ -508,7 +546,7 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
     pthread_mutex_lock(&c->mu);
     if (c->dev_broken)
         drop_device(st);
-    kvd__centry *old = kvd__map_get(&c->map, id);
+    kvd__centry *old = entry_settled(c, id);
     if (old && old->num_tokens >= num_tokens) {
         /* Already there with as much: just touch it. */
         kvd__tier *t = &c->tier[old->tier];
@@ -532,14 +570,39 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
     e->num_tokens = num_tokens;
     uint64_t alloc = (len + GRANULE - 1) / GRANULE * GRANULE;
     uint64_t off;
-    if (device_alloc(c, alloc, NULL, &off) == 0 && pool_put(c, off, page, len) == 0) {
+    if (device_alloc(c, alloc, NULL, &off) == 0) {
+        /* In the device tier at once, pinned and moving while its bytes go
+         * up unlocked (put_unlocked). */
         e->tier = KVD_TIER_DEVICE;
         e->data = c->pool + off;
         e->off = off;
         e->alloc = alloc;
-        entry_set_layout(c, e, page);
-    } else if (make_room(c, KVD_TIER_HOST, host_size(len), NULL) == 0 &&
-               (e->data = host_alloc(len))) {
+        kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
+        lru_push(t, e);
+        t->used += alloc;
+        t->pages++;
+        e->pins++;
+        int rc = put_unlocked(c, e, off, page, len);
+        if (rc == 0) {
+            entry_set_layout(c, e, page);
+            if (!pin && --e->pins == 0 && e->dead) /* dropped meanwhile */
+                entry_destroy(c, e);
+            pthread_mutex_unlock(&c->mu);
+            return pin ? e : NULL;
+        }
+        if (e->dead) {
+            if (--e->pins == 0)
+                entry_destroy(c, e);
+            pthread_mutex_unlock(&c->mu);
+            return NULL;
+        }
+        /* The copy failed: try the host tier. */
+        e->pins--;
+        tier_detach(c, e);
+        pool_free(c, off, alloc);
+        e->data = NULL;
+    }
+    if (make_room(c, KVD_TIER_HOST, host_size(len), NULL) == 0 && (e->data = host_alloc(len))) {
         memcpy(e->data, page, len);
         e->tier = KVD_TIER_HOST;
         e->alloc = host_size(len);
@@ -680,6 +743,7 @@ int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err)
     kvd__cache *c = &st->tiers;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->moved, NULL);
     c->be = st->dev ? st->dev : st->be;
     c->tier[KVD_TIER_HOST].limit = opt->host_tier_bytes;
     uint64_t dev = opt->device_tier_bytes / GRANULE * GRANULE;
@@ -768,6 +832,7 @@ void kvd__cache_fini(kvd_store *st)
     }
     free(c->freel);
     pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->moved);
     pthread_mutex_destroy(&c->mu);
 }
 

@@ -4,7 +4,10 @@
  * kvd_store_page_acquire, eviction, and 8 threads appending, reading and
  * acquiring while pages are evicted (the test the ThreadSanitizer pass of
  * deploy/dev.sh runs). Content is a function of (sequence, part, layer,
- * token), so readers check every byte they get.
+ * token), so readers check every byte they get. With KVD_TEST_DEVICE=cuda
+ * the device tier lies in the memory of a CUDA backend (test_tier_cuda_emu:
+ * the CPU emulation of one), where pages move by copies made with the
+ * cache's lock released.
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -156,13 +159,16 @@ static int check_page(const kvd_page_handle *h, uint32_t s, uint32_t l, uint64_t
     return 0;
 }
 
+static kvd_backend *device; /* KVD_TEST_DEVICE=cuda */
+
 static kvd_store *open_store(const char *dir, uint64_t dev, uint64_t host)
 {
     kvd_store_options o = {.data_dir = dir,
                            .page_tokens = PT,
                            .device_tier_bytes = dev,
                            .host_tier_bytes = host,
-                           .prefetch_pages = 2};
+                           .prefetch_pages = 2,
+                           .device = device};
     kvd_store *st = NULL;
     kvd_error e;
     kvd_error_clear(&e);
@@ -426,6 +432,14 @@ int main(void)
     char *root = mkdtemp(tmpl);
     if (!root)
         return 1;
+    const char *want = getenv("KVD_TEST_DEVICE");
+    if (want && strcmp(want, "cuda") == 0) {
+        kvd_error e;
+        if (kvd_backend_cuda_create(-1, &device, &e)) {
+            fprintf(stderr, "KVD_TEST_DEVICE=cuda: %s\n", e.msg);
+            return 1;
+        }
+    }
     char d1[128], d2[128], cmd[200];
     snprintf(d1, sizeof d1, "%s/lru", root);
     snprintf(d2, sizeof d2, "%s/threads", root);
@@ -434,6 +448,7 @@ int main(void)
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0)
         fprintf(stderr, "could not remove %s\n", root);
+    kvd_backend_free(device);
     printf("%s (%d failures)\n", failures ? "FAIL" : "PASS", failures);
     return failures != 0;
 }
