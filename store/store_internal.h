@@ -200,6 +200,13 @@ typedef struct kvd__free_range {
     uint64_t off, len;
 } kvd__free_range;
 
+/* One block of memory carved by a first-fit allocator (tier.c). */
+typedef struct kvd__pool {
+    uint8_t *base;
+    kvd__free_range *freel; /* free ranges, sorted by offset */
+    size_t nfree, capfree;
+} kvd__pool;
+
 typedef struct kvd__prefetch_item {
     uint64_t page_id;
     uint32_t layer, need, B, H, D;
@@ -217,9 +224,9 @@ typedef struct kvd__cache {
     int pool_host;        /* pool bytes are addressable by the CPU */
     _Atomic int dev_broken; /* a pool copy failed on a device an error left unusable */
     int dev_gone;         /* the device tier was dropped (kvd_store_device_lost) */
-    uint8_t *pool;
-    kvd__free_range *freel; /* free ranges of the pool, sorted by offset */
-    size_t nfree, capfree;
+    kvd__pool dpool;      /* the device tier */
+    kvd__pool hpool;      /* the host tier when it is one pinned block of the
+                           * device's (base NULL: one mapping per page) */
     /* Counters, kvd_store_stats order. */
     _Atomic uint64_t hits[2], misses, promotions, evictions[2], prefetched;
     _Atomic uint64_t checksum_failures, sequences_dropped, sequences_expired;

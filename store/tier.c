@@ -11,7 +11,10 @@
  * Device tier: one pool of device_tier_bytes allocated once through the
  * backend at open (host memory from malloc when there is no backend),
  * carved by a first-fit allocator over a sorted list of free ranges (64-byte
- * granules, neighbours coalesced on free). Host tier: one malloc per page.
+ * granules, neighbours coalesced on free). Host tier: with a device, one
+ * pinned block of host_tier_bytes from it (kvd_backend_host_alloc), carved
+ * the same way, so that pages move up and down by direct DMA; otherwise one
+ * mapping per page.
  * Each tier keeps an LRU list; to make room, the least recently used entry
  * that nobody has pinned moves down: device -> host, host -> out of memory
  * (RocksDB still holds it). A pinned entry is never moved or freed; one
@@ -86,65 +89,76 @@ void kvd__note_corrupt(kvd_store *st, uint64_t page_id, const kvd_error *err)
               (unsigned long long)page_id, msg);
 }
 
-/* ---- device pool allocator ------------------------------------------------- */
+/* ---- pool allocator (the device tier; the host tier when pinned) ----------- */
 
-static int pool_alloc(kvd__cache *c, uint64_t len, uint64_t *off)
+static int pool_alloc(kvd__pool *pl, uint64_t len, uint64_t *off)
 {
-    for (size_t i = 0; i < c->nfree; i++) {
-        if (c->freel[i].len < len)
+    for (size_t i = 0; i < pl->nfree; i++) {
+        if (pl->freel[i].len < len)
             continue;
-        *off = c->freel[i].off;
-        c->freel[i].off += len;
-        c->freel[i].len -= len;
-        if (c->freel[i].len == 0) {
-            memmove(c->freel + i, c->freel + i + 1, (c->nfree - i - 1) * sizeof *c->freel);
-            c->nfree--;
+        *off = pl->freel[i].off;
+        pl->freel[i].off += len;
+        pl->freel[i].len -= len;
+        if (pl->freel[i].len == 0) {
+            memmove(pl->freel + i, pl->freel + i + 1, (pl->nfree - i - 1) * sizeof *pl->freel);
+            pl->nfree--;
         }
         return 0;
     }
     return -1;
 }
 
-static void pool_free(kvd__cache *c, uint64_t off, uint64_t len)
+static void pool_free(kvd__pool *pl, uint64_t off, uint64_t len)
 {
-    size_t lo = 0, hi = c->nfree;
+    size_t lo = 0, hi = pl->nfree;
     while (lo < hi) {
         size_t mid = (lo + hi) / 2;
-        if (c->freel[mid].off < off)
+        if (pl->freel[mid].off < off)
             lo = mid + 1;
         else
             hi = mid;
     }
     /* lo: first range after off. */
-    int merge_prev = lo > 0 && c->freel[lo - 1].off + c->freel[lo - 1].len == off;
-    int merge_next = lo < c->nfree && off + len == c->freel[lo].off;
+    int merge_prev = lo > 0 && pl->freel[lo - 1].off + pl->freel[lo - 1].len == off;
+    int merge_next = lo < pl->nfree && off + len == pl->freel[lo].off;
     if (merge_prev && merge_next) {
-        c->freel[lo - 1].len += len + c->freel[lo].len;
-        memmove(c->freel + lo, c->freel + lo + 1, (c->nfree - lo - 1) * sizeof *c->freel);
-        c->nfree--;
+        pl->freel[lo - 1].len += len + pl->freel[lo].len;
+        memmove(pl->freel + lo, pl->freel + lo + 1, (pl->nfree - lo - 1) * sizeof *pl->freel);
+        pl->nfree--;
         return;
     }
     if (merge_prev) {
-        c->freel[lo - 1].len += len;
+        pl->freel[lo - 1].len += len;
         return;
     }
     if (merge_next) {
-        c->freel[lo].off = off;
-        c->freel[lo].len += len;
+        pl->freel[lo].off = off;
+        pl->freel[lo].len += len;
         return;
     }
-    if (c->nfree == c->capfree) {
-        size_t nc = c->capfree ? 2 * c->capfree : 64;
-        kvd__free_range *n = realloc(c->freel, nc * sizeof *n);
+    if (pl->nfree == pl->capfree) {
+        size_t nc = pl->capfree ? 2 * pl->capfree : 64;
+        kvd__free_range *n = realloc(pl->freel, nc * sizeof *n);
         if (!n)
             return; /* the range is lost to the pool until restart; never unsafe */
-        c->freel = n;
-        c->capfree = nc;
+        pl->freel = n;
+        pl->capfree = nc;
     }
-    memmove(c->freel + lo + 1, c->freel + lo, (c->nfree - lo) * sizeof *c->freel);
-    c->freel[lo].off = off;
-    c->freel[lo].len = len;
-    c->nfree++;
+    memmove(pl->freel + lo + 1, pl->freel + lo, (pl->nfree - lo) * sizeof *pl->freel);
+    pl->freel[lo].off = off;
+    pl->freel[lo].len = len;
+    pl->nfree++;
+}
+
+static int pool_init(kvd__pool *pl, uint64_t bytes)
+{
+    pl->freel = malloc(sizeof *pl->freel);
+    if (!pl->freel)
+        return -1;
+    pl->freel[0].off = 0;
+    pl->freel[0].len = bytes;
+    pl->nfree = pl->capfree = 1;
+    return 0;
 }
 
 /* ---- host tier memory ------------------------------------------------------ */
@@ -169,6 +183,52 @@ static void host_free(uint8_t *p, size_t len)
 {
     if (p)
         munmap(p, (size_t)host_size(len));
+}
+
+/* With a device, the host tier is one pinned block of it (hpool), charged
+ * by granule: the device copies to and from it directly. */
+static uint64_t host_charge(const kvd__cache *c, size_t len)
+{
+    return c->hpool.base ? ((uint64_t)len + GRANULE - 1) / GRANULE * GRANULE : host_size(len);
+}
+
+static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
+static void demote(kvd__cache *c, kvd__centry *e);
+
+/* Memory for a host-tier page of len bytes, making room (entries other than
+ * keep move out); *off is its offset in hpool. 0 or -1. */
+static int host_take(kvd__cache *c, size_t len, const kvd__centry *keep, uint8_t **out,
+                     uint64_t *off)
+{
+    *out = NULL;
+    *off = 0;
+    const uint64_t charge = host_charge(c, len);
+    if (make_room(c, KVD_TIER_HOST, charge, keep) != 0)
+        return -1;
+    if (!c->hpool.base)
+        return (*out = host_alloc(len)) ? 0 : -1;
+    /* Within budget but fragmented: free more until a range fits. */
+    kvd__centry *v = c->tier[KVD_TIER_HOST].tail;
+    while (pool_alloc(&c->hpool, charge, off) != 0) {
+        while (v && (v->pins || v == keep))
+            v = v->prev;
+        if (!v)
+            return -1;
+        kvd__centry *prev = v->prev;
+        demote(c, v);
+        v = prev;
+    }
+    *out = c->hpool.base + *off;
+    return 0;
+}
+
+/* Give back the memory of a host-tier entry. */
+static void host_give(kvd__cache *c, kvd__centry *e)
+{
+    if (c->hpool.base)
+        pool_free(&c->hpool, e->off, e->alloc);
+    else
+        host_free(e->data, e->len);
 }
 
 /* ---- LRU lists ------------------------------------------------------------- */
@@ -209,9 +269,9 @@ static void tier_detach(kvd__cache *c, kvd__centry *e)
 static void entry_free_data(kvd__cache *c, kvd__centry *e)
 {
     if (e->tier == KVD_TIER_DEVICE)
-        pool_free(c, e->off, e->alloc);
+        pool_free(&c->dpool, e->off, e->alloc);
     else
-        host_free(e->data, e->len);
+        host_give(c, e);
     e->data = NULL;
     free(e->layout);
     e->layout = NULL;
@@ -246,8 +306,6 @@ static void entry_destroy(kvd__cache *c, kvd__centry *e)
 
 /* ---- moving pages between tiers (cache->mu held) --------------------------- */
 
-static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
-
 /* Copy host bytes into a pool range, or pool bytes out to host memory. */
 /* A failed copy on a device an error left unusable: the next cache call
  * drops the device tier (drop_device). */
@@ -263,20 +321,20 @@ static int pool_failed(kvd__cache *c, int rc)
 static int pool_put(kvd__cache *c, uint64_t off, const uint8_t *src, size_t len)
 {
     if (c->pool_host) {
-        memcpy(c->pool + off, src, len);
+        memcpy(c->dpool.base + off, src, len);
         return 0;
     }
-    int rc = kvd_backend_upload(c->be, c->pool + off, src, len, NULL);
+    int rc = kvd_backend_upload(c->be, c->dpool.base + off, src, len, NULL);
     return rc ? pool_failed(c, rc) : 0;
 }
 
 static int pool_get(kvd__cache *c, uint8_t *dst, uint64_t off, size_t len)
 {
     if (c->pool_host) {
-        memcpy(dst, c->pool + off, len);
+        memcpy(dst, c->dpool.base + off, len);
         return 0;
     }
-    int rc = kvd_backend_download(c->be, dst, c->pool + off, len, NULL);
+    int rc = kvd_backend_download(c->be, dst, c->dpool.base + off, len, NULL);
     return rc ? pool_failed(c, rc) : 0;
 }
 
@@ -291,15 +349,18 @@ static void demote(kvd__cache *c, kvd__centry *e)
         return;
     }
     atomic_fetch_add(&c->evictions[0], 1);
-    uint64_t halloc = host_size(e->len);
+    const uint64_t halloc = host_charge(c, e->len), doff = e->off, dalloc = e->alloc;
     uint8_t *h = NULL;
-    if (halloc <= c->tier[KVD_TIER_HOST].limit && make_room(c, KVD_TIER_HOST, halloc, e) == 0)
-        h = host_alloc(e->len);
-    if (h && pool_get(c, h, e->off, e->len) != 0) {
-        host_free(h, e->len);
+    uint64_t hoff = 0;
+    if (halloc <= c->tier[KVD_TIER_HOST].limit && host_take(c, e->len, e, &h, &hoff) == 0 &&
+        pool_get(c, h, doff, e->len) != 0) {
+        if (c->hpool.base)
+            pool_free(&c->hpool, hoff, halloc);
+        else
+            host_free(h, e->len);
         h = NULL;
     }
-    pool_free(c, e->off, e->alloc);
+    pool_free(&c->dpool, doff, dalloc);
     free(e->layout);
     e->layout = NULL;
     if (!h) {
@@ -308,6 +369,7 @@ static void demote(kvd__cache *c, kvd__centry *e)
         return;
     }
     e->data = h;
+    e->off = hoff;
     e->tier = KVD_TIER_HOST;
     e->alloc = halloc;
     kvd__tier *t = &c->tier[KVD_TIER_HOST];
@@ -347,7 +409,7 @@ static int device_alloc(kvd__cache *c, uint64_t alloc, const kvd__centry *keep, 
     /* Within budget but fragmented: free more until a range fits. */
     kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
     kvd__centry *v = t->tail;
-    while (pool_alloc(c, alloc, off) != 0) {
+    while (pool_alloc(&c->dpool, alloc, off) != 0) {
         while (v && (v->pins || v == keep))
             v = v->prev;
         if (!v)
@@ -395,13 +457,13 @@ static int promote(kvd__cache *c, kvd__centry *e)
     int rc = put_unlocked(c, e, off, e->data, e->len);
     c->tier[KVD_TIER_DEVICE].used -= alloc;
     if (rc || e->dead || c->dev_gone) {
-        pool_free(c, off, alloc);
+        pool_free(&c->dpool, off, alloc);
         return -1;
     }
     tier_detach(c, e);
     entry_set_layout(c, e, e->data);
-    host_free(e->data, e->len);
-    e->data = c->pool + off;
+    host_give(c, e);
+    e->data = c->dpool.base + off;
     e->off = off;
     e->alloc = alloc;
     e->tier = KVD_TIER_DEVICE;
@@ -574,7 +636,7 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
         /* In the device tier at once, pinned and moving while its bytes go
          * up unlocked (put_unlocked). */
         e->tier = KVD_TIER_DEVICE;
-        e->data = c->pool + off;
+        e->data = c->dpool.base + off;
         e->off = off;
         e->alloc = alloc;
         kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
@@ -599,13 +661,13 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
         /* The copy failed: try the host tier. */
         e->pins--;
         tier_detach(c, e);
-        pool_free(c, off, alloc);
+        pool_free(&c->dpool, off, alloc);
         e->data = NULL;
     }
-    if (make_room(c, KVD_TIER_HOST, host_size(len), NULL) == 0 && (e->data = host_alloc(len))) {
+    if (host_take(c, len, NULL, &e->data, &e->off) == 0) {
         memcpy(e->data, page, len);
         e->tier = KVD_TIER_HOST;
-        e->alloc = host_size(len);
+        e->alloc = host_charge(c, len);
     } else {
         kvd__map_del(&c->map, id);
         free(e);
@@ -762,14 +824,30 @@ int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err)
                                      (unsigned long long)dev);
             c->pool_host = 1;
         }
-        c->pool = p;
-        c->freel = malloc(sizeof *c->freel);
-        if (!c->freel)
+        c->dpool.base = p;
+        if (pool_init(&c->dpool, dev))
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
-        c->freel[0].off = 0;
-        c->freel[0].len = dev;
-        c->nfree = c->capfree = 1;
         c->tier[KVD_TIER_DEVICE].limit = dev;
+    }
+    /* With a device, the host tier is one pinned block of it, so that
+     * promotion and demotion are direct DMA; without one, or when the
+     * system will not lock that much, a mapping per page. */
+    uint64_t host = opt->host_tier_bytes / GRANULE * GRANULE;
+    if (st->dev && host) {
+        void *p = NULL;
+        kvd_error e2;
+        if (kvd_backend_host_alloc(st->dev, (size_t)host, &p, &e2) == 0) {
+            c->hpool.base = p;
+            if (pool_init(&c->hpool, host))
+                return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+            store_log("info", "msg=\"host tier in pinned memory\" bytes=%llu",
+                      (unsigned long long)host);
+        } else {
+            store_log("warn",
+                      "msg=\"host tier not pinned: pages go to and from the GPU through a "
+                      "staging buffer\" bytes=%llu error=\"%s\"",
+                      (unsigned long long)host, e2.msg);
+        }
     }
     return 0;
 }
@@ -817,20 +895,23 @@ void kvd__cache_fini(kvd_store *st)
     }
     for (size_t i = 0; i < c->map.cap; i++) {
         kvd__centry *e = c->map.vals[i];
-        if (e && e->tier == KVD_TIER_HOST)
+        if (e && e->tier == KVD_TIER_HOST && !c->hpool.base)
             host_free(e->data, e->len);
         if (e)
             free(e->layout);
         free(e);
     }
     kvd__map_free(&c->map);
-    if (c->pool) {
+    if (c->dpool.base) {
         if (c->be)
-            kvd_backend_dealloc(c->be, c->pool);
+            kvd_backend_dealloc(c->be, c->dpool.base);
         else
-            free(c->pool);
+            free(c->dpool.base);
     }
-    free(c->freel);
+    free(c->dpool.freel);
+    if (c->hpool.base)
+        kvd_backend_host_free(st->dev, c->hpool.base);
+    free(c->hpool.freel);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->moved);
     pthread_mutex_destroy(&c->mu);

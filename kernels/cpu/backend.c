@@ -226,6 +226,26 @@ int kvd_backend_scratch(kvd_backend *be, size_t bytes, void **out, kvd_error *er
     return kvd_backend_alloc(be, bytes, out, err);
 }
 
+int kvd_backend_host_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
+{
+    if (!out)
+        return kvd_error_set(err, KVD_EINVAL, "host alloc: out is NULL");
+    *out = NULL;
+    if (be && be->iface && be->iface->host_alloc)
+        return be->iface->host_alloc(be, bytes, out, err);
+    *out = aligned_alloc(64, (bytes + 63) / 64 * 64 + (bytes == 0) * 64);
+    return *out ? KVD_OK
+                : kvd_error_set(err, KVD_ENOMEM, "host alloc: out of memory (%zu bytes)", bytes);
+}
+
+void kvd_backend_host_free(kvd_backend *be, void *ptr)
+{
+    if (be && ptr && be->iface && be->iface->host_free)
+        be->iface->host_free(be, ptr);
+    else
+        free(ptr);
+}
+
 void kvd_backend_scratch_free(kvd_backend *be, void *ptr)
 {
     if (be && ptr && be->iface && be->iface->scratch_free)

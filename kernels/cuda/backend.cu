@@ -69,6 +69,7 @@ void cuda_free_backend(kvd_backend *be)
                 cudaStreamDestroy(s->stream);
             pthread_mutex_destroy(&s->mu);
         }
+        pthread_mutex_destroy(&c->pinned_mu);
         free(c);
     }
     free(be);
@@ -186,6 +187,19 @@ int staged_download(kvd_cuda_call *call, char *dst, const char *src, size_t byte
     return rc;
 }
 
+/* Does [p, p + n) lie in a pinned block of host_alloc? */
+int in_pinned(kvd_cuda_ctx *c, const void *p, size_t n)
+{
+    const char *a = static_cast<const char *>(p);
+    int in = 0;
+    pthread_mutex_lock(&c->pinned_mu);
+    for (int i = 0; i < KVD_CUDA_PINNED_BLOCKS && !in; i++)
+        in = c->pinned[i].p && a >= c->pinned[i].p && n <= c->pinned[i].n &&
+             (size_t)(a - c->pinned[i].p) <= c->pinned[i].n - n;
+    pthread_mutex_unlock(&c->pinned_mu);
+    return in;
+}
+
 int cuda_copy(kvd_backend *be, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
               kvd_error *err)
 {
@@ -193,7 +207,8 @@ int cuda_copy(kvd_backend *be, void *dst, const void *src, size_t bytes, cudaMem
     int rc = kvd__cuda_begin(be, &call, err);
     if (rc || bytes == 0)
         return rc;
-    if (bytes >= KVD_CUDA_STAGE_MIN) {
+    const void *host = kind == cudaMemcpyHostToDevice ? src : dst;
+    if (bytes >= KVD_CUDA_STAGE_MIN && !in_pinned(call.c, host, bytes)) {
         pthread_mutex_lock(&call.slot->mu);
         rc = slot_pinned(&call, err);
         if (!rc)
@@ -265,6 +280,48 @@ void cuda_scratch_free(kvd_backend *be, void *ptr)
     cudaGetLastError();
 }
 
+int cuda_host_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err)
+{
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    if (rc)
+        return rc;
+    kvd_cuda_ctx *c = call.c;
+    pthread_mutex_lock(&c->pinned_mu);
+    int slot = -1;
+    for (int i = 0; i < KVD_CUDA_PINNED_BLOCKS && slot < 0; i++)
+        if (!c->pinned[i].p)
+            slot = i;
+    if (slot < 0) {
+        pthread_mutex_unlock(&c->pinned_mu);
+        return kvd_error_set(err, KVD_ENOMEM, "cuda: more than %d pinned host blocks",
+                             KVD_CUDA_PINNED_BLOCKS);
+    }
+    cudaError_t e = cudaHostAlloc(out, bytes ? bytes : 1, cudaHostAllocPortable);
+    if (e == cudaSuccess) {
+        c->pinned[slot].p = static_cast<char *>(*out);
+        c->pinned[slot].n = bytes;
+    } else {
+        *out = NULL;
+        cudaGetLastError(); /* not sticky */
+    }
+    pthread_mutex_unlock(&c->pinned_mu);
+    return kvd__cuda_status(c, e, "cudaHostAlloc", err);
+}
+
+void cuda_host_free(kvd_backend *be, void *ptr)
+{
+    kvd_cuda_ctx *c = ctx_of(be);
+    pthread_mutex_lock(&c->pinned_mu);
+    for (int i = 0; i < KVD_CUDA_PINNED_BLOCKS; i++)
+        if (c->pinned[i].p == ptr)
+            c->pinned[i].p = NULL;
+    pthread_mutex_unlock(&c->pinned_mu);
+    cudaSetDevice(c->device);
+    cudaFreeHost(ptr);
+    cudaGetLastError();
+}
+
 int cuda_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *src, size_t spitch,
                 size_t width, size_t height, kvd_error *err)
 {
@@ -297,6 +354,8 @@ const kvd_backend_iface cuda_iface = {
     cuda_scratch,
     cuda_scratch_free,
     cuda_copy2d,
+    cuda_host_alloc,
+    cuda_host_free,
 };
 
 } /* namespace */
@@ -425,6 +484,7 @@ extern "C" int kvd_backend_cuda_create(int device, kvd_backend **out, kvd_error 
     c->device = device;
     for (int i = 0; i < KVD_CUDA_SLOTS; i++)
         pthread_mutex_init(&c->slots[i].mu, NULL);
+    pthread_mutex_init(&c->pinned_mu, NULL);
     be->iface = &cuda_iface;
     be->ctx = c;
     be->nthreads = 1;

@@ -43,6 +43,7 @@ extern "C" {
  * from pageable memory (the driver stages them itself, no win in ours). */
 #define KVD_CUDA_STAGE_BYTES (8u << 20)
 #define KVD_CUDA_STAGE_MIN (256u << 10)
+#define KVD_CUDA_PINNED_BLOCKS 8 /* host_alloc blocks a backend tracks */
 
 struct kvd_cuda_slot {
     cudaStream_t stream;
@@ -61,6 +62,13 @@ struct kvd_cuda_ctx {
     size_t smem_optin;      /* max dynamic shared memory per block after opt-in */
     double hbm_peak_gbs;    /* 2 * memory clock * bus width, GB/s */
     kvd_cuda_slot slots[KVD_CUDA_SLOTS];
+    /* Pinned host blocks of host_alloc: copies from or to inside one go
+     * straight to the DMA engine. */
+    pthread_mutex_t pinned_mu;
+    struct {
+        char *p;
+        size_t n;
+    } pinned[KVD_CUDA_PINNED_BLOCKS];
 };
 
 /* What an op needs: the context, the calling thread's slot and stream. */

@@ -775,6 +775,21 @@ static void test_transfers(void)
                  e.msg);
         TU_CHECK(memcmp(h, back, n) == 0, "round trip of %zu bytes differs", n);
         TU_CHECK(dbuf_guard_ok(&d), "transfer guard");
+        /* The same from and to the backend's host memory (CUDA: pinned,
+         * copied without staging), at an offset inside it. */
+        unsigned char *ph = NULL;
+        TU_CHECK(kvd_backend_host_alloc(dut, 2 * n + 64, (void **)&ph, &e) == 0, "host alloc: %s",
+                 e.msg);
+        if (ph) {
+            memcpy(ph + 3, h, n);
+            memset(ph + n + 32, 0, n);
+            TU_CHECK(kvd_backend_upload(dut, (char *)dptr(&d) + 1, ph + 3, n, &e) == 0,
+                     "pinned upload: %s", e.msg);
+            TU_CHECK(kvd_backend_download(dut, ph + n + 32, (char *)dptr(&d) + 1, n, &e) == 0,
+                     "pinned download: %s", e.msg);
+            TU_CHECK(memcmp(h, ph + n + 32, n) == 0, "pinned round trip of %zu bytes differs", n);
+            kvd_backend_host_free(dut, ph);
+        }
         free(h), free(back);
         dbuf_free(&d);
     }

@@ -74,6 +74,11 @@ typedef struct kvd_backend_iface {
      * calling thread's earlier ops. NULL: a loop of memcpy (host memory). */
     int (*copy2d)(kvd_backend *be, void *dst, size_t dpitch, const void *src, size_t spitch,
                   size_t width, size_t height, kvd_error *err);
+    /* Host memory the device copies to and from directly (CUDA: pinned,
+     * page-locked; upload/download from inside it skip the staging copy).
+     * NULL: aligned_alloc / free. */
+    int (*host_alloc)(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
+    void (*host_free)(kvd_backend *be, void *ptr);
 } kvd_backend_iface;
 
 struct kvd_backend {
@@ -123,6 +128,11 @@ int kvd_backend_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *sr
                        size_t width, size_t height, kvd_error *err);
 /* The backend's device, memory and health. */
 void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out);
+/* Host memory for transfers with the backend (see iface.host_alloc),
+ * 64-byte aligned; KVD_ENOMEM when none is left (pinned memory is limited
+ * by the system's locked-memory limits). */
+int kvd_backend_host_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
+void kvd_backend_host_free(kvd_backend *be, void *ptr);
 
 /* Runtime CPU features (cached after the first call). */
 int kvd_cpu_has_avx2_fma(void);
