@@ -307,10 +307,21 @@ static int cpu_channel_scale(kvd_backend *be, const kvd_tensor *dst, const kvd_t
     return channel_scale_fast(be, dst, src, s, divide, err);
 }
 
+static int cpu_gather_rows(kvd_backend *be, void *dst, const uint64_t *src, int64_t n, size_t row,
+                           kvd_error *err)
+{
+    (void)be;
+    (void)err;
+    for (int64_t i = 0; i < n; i++)
+        memcpy((uint8_t *)dst + (size_t)i * row, (const void *)(uintptr_t)src[i], row);
+    return KVD_OK;
+}
+
 const struct kvd_convert_ops kvd__cpu_convert_ops = {
     .convert = cpu_convert,
     .hadamard = cpu_hadamard,
     .channel_scale = cpu_channel_scale,
+    .gather_rows = cpu_gather_rows,
 };
 
 /* ---- checked wrappers ---- */
@@ -406,4 +417,14 @@ int kvd_channel_scale(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *
     if (kvd_tensor_nelem(src) == 0)
         return KVD_OK;
     return be->iface->convert->channel_scale(be, dst, src, s, divide != 0, err);
+}
+
+int kvd_gather_rows(kvd_backend *be, void *dst, const uint64_t *src, int64_t n, size_t row,
+                    kvd_error *err)
+{
+    if (n < 0 || row == 0 || (n > 0 && (!dst || !src)))
+        return kvd_error_set(err, KVD_EINVAL, "gather_rows: n %lld, row %zu, dst %p, src %p",
+                             (long long)n, row, dst, (const void *)src);
+    NEED_OP(be, gather_rows, "gather_rows");
+    return n ? be->iface->convert->gather_rows(be, dst, src, n, row, err) : KVD_OK;
 }

@@ -153,6 +153,40 @@ int cuda_channel_scale(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor 
     return kvd__cuda_launched(&call, "channel_scale", err);
 }
 
+/* One warp per row: 16-byte words when the row and both ends allow, else
+ * bytes. */
+__global__ void gather_kernel(char *dst, const unsigned long long *src, long long n,
+                              unsigned long long row)
+{
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x & 31;
+    for (long long i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < n; i += warps) {
+        const char *s = (const char *)src[i];
+        char *d = dst + i * row;
+        if ((((unsigned long long)s | (unsigned long long)d | row) & 15) == 0) {
+            const uint4 *s4 = (const uint4 *)s;
+            uint4 *d4 = (uint4 *)d;
+            for (unsigned long long j = lane; j < row / 16; j += 32)
+                d4[j] = s4[j];
+        } else {
+            for (unsigned long long j = lane; j < row; j += 32)
+                d[j] = s[j];
+        }
+    }
+}
+
+int cuda_gather_rows(kvd_backend *be, void *dst, const uint64_t *src, int64_t n, size_t row,
+                     kvd_error *err)
+{
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    if (rc)
+        return rc;
+    gather_kernel<<<kvd__cuda_blocks(n * 32, kThreads), kThreads, 0, call.s>>>(
+        static_cast<char *>(dst), reinterpret_cast<const unsigned long long *>(src), n, row);
+    return kvd__cuda_launched(&call, "gather_rows", err);
+}
+
 } /* namespace */
 
 int kvd__cuda_scale_hadamard(kvd_cuda_call *call, const kvd_tensor *src, const kvd_tensor *s,
@@ -165,4 +199,5 @@ const struct kvd_convert_ops kvd__cuda_convert_ops = {
     cuda_convert,
     cuda_hadamard,
     cuda_channel_scale,
+    cuda_gather_rows,
 };

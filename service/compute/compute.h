@@ -54,7 +54,7 @@ typedef struct kvd_compute {
     kvd_backend *dev;
 } kvd_compute;
 
-/* Pages Attend read where they lie in a device's memory, and pages whose
+/* Pages Attend and SparseAttend read where they lie in a device's memory, and pages whose
  * PQ codes Search (and SparseAttend) read there, since start. */
 uint64_t kvd_compute_device_pages(void);
 uint64_t kvd_compute_device_search_pages(void);

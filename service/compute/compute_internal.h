@@ -62,6 +62,10 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
  * (KVD_ENOMEM); counted (kvd_store_device_fallback). 0 otherwise. */
 int kvd__device_fallback(kvd_store *st, kvd_backend *dev, int rc, kvd_error *err);
 
+/* Count pages a computation read where they lie on the device
+ * (kvd_compute_device_pages). */
+void kvd__device_pages_add(uint64_t n);
+
 /* scale, or 1/sqrt(D) when 0. */
 float kvd__default_scale(float scale, uint32_t D);
 

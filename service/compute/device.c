@@ -27,6 +27,11 @@ int kvd__device_fallback(kvd_store *st, kvd_backend *dev, int rc, kvd_error *err
     return dev && kvd_store_device_fallback(st, rc, err);
 }
 
+void kvd__device_pages_add(uint64_t n)
+{
+    atomic_fetch_add(&device_pages, n);
+}
+
 uint64_t kvd_compute_device_pages(void)
 {
     return atomic_load(&device_pages);

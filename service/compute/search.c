@@ -31,11 +31,18 @@ typedef struct search_run {
     int64_t per_head;  /* entries per kv head */
     int32_t *idx;      /* (Hkv, per_head) positions within the range */
     float *scores;     /* (Hkv, per_head) */
+    /* SparseAttend on a device (sparse_device): where each row of kv
+     * comes from, K rows then V rows in kv's order: a raw page in the
+     * device tier, or the copy of kv at `up` in device memory. */
+    uint64_t *addr;
+    const uint8_t *up;
+    size_t n_up; /* rows of kv read on the host */
 } search_run;
 
 static void search_run_free(search_run *r)
 {
     kvd_seq_codecs_clear(&r->codecs);
+    free(r->addr);
     free(r->kv);
     free(r->idx);
     free(r->scores);
@@ -463,9 +470,8 @@ static int sel_cmp(const void *pa, const void *pb)
 /* Copy the K and V rows of entries [e0, e1) from rows laid out at k / v with
  * `tstride` bytes per token and `hstride` per head, token t0 first, into
  * r->kv. */
-static void copy_rows(const search_run *r, const sel_entry *e, size_t e0, size_t e1,
-                      const uint8_t *k, const uint8_t *v, uint64_t t0, size_t tstride,
-                      size_t hstride, size_t row)
+static void copy_rows(search_run *r, const sel_entry *e, size_t e0, size_t e1, const uint8_t *k,
+                      const uint8_t *v, uint64_t t0, size_t tstride, size_t hstride, size_t row)
 {
     const size_t P = (size_t)r->per_head, H = r->sc.model.num_kv_heads;
     uint8_t *kc = r->kv, *vc = r->kv + H * P * row;
@@ -474,6 +480,26 @@ static void copy_rows(const search_run *r, const sel_entry *e, size_t e0, size_t
         size_t dst = ((size_t)e[x].h * P + e[x].i) * row;
         memcpy(kc + dst, k + src, row);
         memcpy(vc + dst, v + src, row);
+        if (r->addr) { /* goes up with kv */
+            r->n_up++;
+            r->addr[dst / row] = (uint64_t)(uintptr_t)(r->up + dst);
+            r->addr[H * P + dst / row] = (uint64_t)(uintptr_t)(r->up + H * P * row + dst);
+        }
+    }
+}
+
+/* The same rows where they lie in a raw page of the device tier (its K and
+ * V (Hkv, B, D) tensors k and v): their addresses into r->addr. */
+static void device_rows(const search_run *r, const sel_entry *e, size_t e0, size_t e1,
+                        const kvd_tensor *k, const kvd_tensor *v, uint64_t t0)
+{
+    const size_t P = (size_t)r->per_head, H = r->sc.model.num_kv_heads;
+    for (size_t x = e0; x < e1; x++) {
+        const size_t i = (size_t)e[x].h * P + e[x].i, t = (size_t)(e[x].t - t0);
+        r->addr[i] = (uint64_t)(uintptr_t)((const uint8_t *)k->data + e[x].h * k->stride[0] +
+                                           t * k->stride[1]);
+        r->addr[H * P + i] = (uint64_t)(uintptr_t)((const uint8_t *)v->data +
+                                                   e[x].h * v->stride[0] + t * v->stride[1]);
     }
 }
 
@@ -483,9 +509,12 @@ static void copy_rows(const search_run *r, const sel_entry *e, size_t e0, size_t
  * pinned through the tiers; tokens of coded pages and of the raw tail come
  * through the read cursor, in runs of whole blocks of at most ENCODE_WINDOW
  * tokens. Only blocks holding a selected token are read.
+ * With r->addr (sparse_device), raw sealed pages of the device tier are not
+ * read: the addresses of their rows go into r->addr, and the pages stay
+ * pinned in *held (n_held of them; the caller releases them).
  */
 static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
-                           kvd_error *err)
+                           kvd_page_handle *held, size_t *n_held, kvd_error *err)
 {
     kvd_store *st = c->store;
     const kvd_model_info *m = &r->sc.model;
@@ -493,6 +522,7 @@ static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, sear
     const size_t row = (size_t)m->head_dim * kvd_dtype_size(m->dtype);
     const uint64_t B = kvd_store_page_tokens(st), sealed = r->sc.layer_tokens / B;
     const uint64_t end = r->start + r->n;
+    free(r->kv); /* from a device attempt that failed */
     r->kv = malloc(2 * (n_sel ? n_sel : 1) * row);
     sel_entry *e = malloc(sizeof *e * (n_sel ? n_sel : 1));
     uint8_t *buf = NULL;
@@ -514,7 +544,23 @@ static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, sear
         while (y < n_sel && e[y].t / B == blk)
             y++;
         int in_place = 0;
-        if (blk < sealed) {
+        if (blk < sealed && r->addr) {
+            kvd_page_handle ph;
+            if ((rc = kvd_store_page_acquire_device(st, sa->id, sa->id_len, sa->layer, blk,
+                                                    KVD_ON_DEVICE_ATTEND, &ph, err)))
+                break;
+            const kvd_page_layout *l = ph.layout;
+            if (l && ph.device && l->k_codec == KVD_CODEC_RAW && l->num_tokens == B) {
+                kvd_attn_qdata kq, vq;
+                kvd_page_layout_at(l, ph.device, &kq, &vq);
+                device_rows(r, e, x, y, &kq.codes, &vq.codes, blk * B);
+                held[(*n_held)++] = ph;
+                in_place = 1;
+            } else {
+                kvd_store_page_release(st, &ph);
+            }
+        }
+        if (blk < sealed && !in_place) {
             kvd_page_handle ph;
             kvd_page_view v;
             if ((rc = kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
@@ -568,6 +614,91 @@ done:
     return rc;
 }
 
+/* The selected rows on the device (gather_selected with r->addr), the
+ * attention over them there: one gather_rows and one sparse attention
+ * launch; up go the rows read on the host, the row addresses, the query and
+ * the identity index, down the output and LSE. */
+static int sparse_device(const kvd_compute *c, kvd_backend *dev, const kvd_search_args *sa,
+                         search_run *r, const kvd_attn_dims *dims, float *out, float *lse,
+                         kvd_error *err)
+{
+    const kvd_model_info *m = &r->sc.model;
+    const size_t H = m->num_kv_heads, P = (size_t)r->per_head, n_sel = H * P;
+    const size_t D = m->head_dim, Hq = m->num_q_heads;
+    const size_t row = D * kvd_dtype_size(m->dtype), kv = 2 * n_sel * row;
+    const uint64_t B = kvd_store_page_tokens(c->store);
+    /* Device memory: the host rows | the gathered rows | addresses | q |
+     * identity index | out, lse; each part 256-byte aligned. */
+    size_t o[7], total = 0;
+    const size_t part[6] = {kv,
+                            kv,
+                            sizeof(uint64_t) * 2 * n_sel,
+                            sizeof(float) * Hq * D,
+                            sizeof(int32_t) * n_sel,
+                            sizeof(float) * Hq * (D + 1)};
+    for (int i = 0; i < 6; i++) {
+        o[i] = total;
+        total += (part[i] + 255) & ~(size_t)255;
+    }
+    uint8_t *m_dev = NULL;
+    size_t n_held = 0;
+    const uint64_t max_pages = r->n / B + 2;
+    kvd_page_handle *held =
+        malloc(sizeof *held * (size_t)(max_pages < n_sel ? max_pages : n_sel + 1));
+    int32_t *seq = malloc(sizeof(int32_t) * (n_sel ? n_sel : 1));
+    r->addr = malloc(sizeof(uint64_t) * 2 * (n_sel ? n_sel : 1));
+    int rc = 0;
+    if (!held || !seq || !r->addr) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    if ((rc = kvd_backend_scratch(dev, total, (void **)&m_dev, err)))
+        goto done;
+    r->up = m_dev + o[0];
+    if ((rc = gather_selected(c, sa, r, held, &n_held, err)))
+        goto done;
+    for (size_t h = 0; h < H; h++)
+        for (size_t i = 0; i < P; i++)
+            seq[h * P + i] = (int32_t)i;
+    float *d_out = (float *)(void *)(m_dev + o[5]);
+    if ((r->n_up && (rc = kvd_backend_upload(dev, m_dev + o[0], r->kv, kv, err))) ||
+        (rc = kvd_backend_upload(dev, m_dev + o[2], r->addr, part[2], err)) ||
+        (rc = kvd_backend_upload(dev, m_dev + o[3], sa->q, part[3], err)) ||
+        (rc = kvd_backend_upload(dev, m_dev + o[4], seq, part[4], err)) ||
+        (rc = kvd_gather_rows(dev, m_dev + o[1], (const uint64_t *)(void *)(m_dev + o[2]),
+                              (int64_t)(2 * n_sel), row, err)))
+        goto done;
+    kvd_attn_sparse_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = *dims;
+    int64_t qs[2] = {(int64_t)Hq, (int64_t)D}, ls[1] = {(int64_t)Hq},
+            ks[3] = {(int64_t)H, (int64_t)(P ? P : 1), (int64_t)D},
+            is[2] = {(int64_t)H, (int64_t)P};
+    a.q = kvd_tensor_make(KVD_DTYPE_F32, m_dev + o[3], 2, qs);
+    a.k = kvd_tensor_make(m->dtype, m_dev + o[1], 3, ks);
+    a.v = a.k;
+    a.v.data = m_dev + o[1] + n_sel * row;
+    a.idx = kvd_tensor_make(KVD_DTYPE_I32, m_dev + o[4], 2, is);
+    a.out = kvd_tensor_make(KVD_DTYPE_F32, d_out, 2, qs);
+    a.lse = kvd_tensor_make(KVD_DTYPE_F32, d_out + Hq * D, 1, ls);
+    if ((rc = kvd_attn_sparse(dev, 1, &a, err)) ||
+        (rc = kvd_backend_download(dev, out, d_out, sizeof(float) * Hq * D, err)) ||
+        (rc = kvd_backend_download(dev, lse, d_out + Hq * D, sizeof(float) * Hq, err)))
+        goto done;
+    kvd__device_pages_add(n_held);
+done:
+    for (size_t i = 0; i < n_held; i++)
+        kvd_store_page_release(c->store, &held[i]);
+    kvd_backend_scratch_free(dev, m_dev);
+    free(held);
+    free(seq);
+    free(r->addr);
+    r->addr = NULL;
+    r->up = NULL;
+    r->n_up = 0;
+    return rc;
+}
+
 int kvd_compute_sparse_attend(const kvd_compute *c, const kvd_search_args *sa, float scale,
                               kvd_search_result *out, kvd_error *err)
 {
@@ -575,8 +706,33 @@ int kvd_compute_sparse_attend(const kvd_compute *c, const kvd_search_args *sa, f
         return kvd_error_set(err, KVD_EINVAL, "scale: not finite");
     search_run r;
     int rc;
-    if ((rc = run_search_any(c, sa, &r, err)) || (rc = gather_selected(c, sa, &r, err)) ||
-        (rc = fill_result(&r, out, err))) {
+    if ((rc = run_search_any(c, sa, &r, err)) || (rc = fill_result(&r, out, err))) {
+        search_run_free(&r);
+        return rc;
+    }
+    kvd_backend *dev = c->dev ? kvd_store_device(c->store) : NULL;
+    if (dev) {
+        const kvd_model_info *m = &r.sc.model;
+        const int Hq = (int)m->num_q_heads, D = (int)m->head_dim;
+        kvd_attn_dims dims = {Hq, (int)m->num_kv_heads, D, D,
+                              kvd__default_scale(scale, m->head_dim)};
+        out->out = malloc(sizeof(float) * (size_t)Hq * D);
+        out->lse = malloc(sizeof(float) * Hq);
+        out->num_q_heads = (uint32_t)Hq;
+        out->head_dim = (uint32_t)D;
+        if (!out->out || !out->lse)
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        else
+            rc = sparse_device(c, dev, sa, &r, &dims, out->out, out->lse, err);
+        if (!kvd__device_fallback(c->store, dev, rc, err)) {
+            search_run_free(&r);
+            return rc;
+        }
+        free(out->out);
+        free(out->lse);
+        out->out = out->lse = NULL;
+    }
+    if ((rc = gather_selected(c, sa, &r, NULL, NULL, err))) {
         search_run_free(&r);
         return rc;
     }

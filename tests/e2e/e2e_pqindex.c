@@ -532,7 +532,9 @@ static int t_pages(kvd_harness *h)
 
 /* Raw pages: SparseAttend reads the selected tokens in place from the
  * pinned pages; coded (INT4) ones through the cursor; both equal attention
- * over Search's tokens, over ranges that start and end inside pages. */
+ * over Search's tokens, over ranges that start and end inside pages. Served
+ * from a GPU (KVDEPOT_DEVICE=cuda), the raw pages' rows are gathered where
+ * they lie in its memory and the attention runs there. */
 static int t_sparse(kvd_harness *h)
 {
     kvdepot_client *c = harness_client(h);
@@ -544,6 +546,8 @@ static int t_sparse(kvd_harness *h)
     const uint64_t n = 3 * PT + 40;
     float *q = make_q(4);
     const char *ids[2] = {"raw", "int4"};
+    const char *dev = getenv("KVDEPOT_DEVICE");
+    const int on_gpu = dev && strncmp(dev, "cuda", 4) == 0;
     for (int s = 0; s < 2; s++) {
         REQUIRE_RC(create(c, ids[s], s == 0 ? 2 : 1), KVDEPOT_OK);
         REQUIRE_RC(append(c, ids[s], 0, n), KVDEPOT_OK);
@@ -570,6 +574,8 @@ static int t_sparse(kvd_harness *h)
             uint64_t t0, nt;
             uint32_t k, init, recent;
         } cases[] = {{0, 0, 64, 4, 16}, {100, 600, 30, 2, 2}, {0, 0, 0, 0, 0}, {700, 0, 3, 1, 1}};
+        kvdepot_stats st0, st1;
+        REQUIRE_RC(kvdepot_stats_get(c, &st0), KVDEPOT_OK);
         for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
             kvdepot_search_args sa = {ids[s],
                                       strlen(ids[s]),
@@ -586,6 +592,13 @@ static int t_sparse(kvd_harness *h)
             CHECK(check_sparse(c, be, &sa, n, &sr) == 0);
             kvdepot_search_result_free(&sr);
         }
+        REQUIRE_RC(kvdepot_stats_get(c, &st1), KVDEPOT_OK);
+        uint64_t dp = st1.device_pages_attended - st0.device_pages_attended;
+        printf("%s: %llu pages read on the device\n", ids[s], (unsigned long long)dp);
+        if (on_gpu)
+            CHECK(s == 0 ? dp > 0 : dp == 0);
+        if (dev && strcmp(dev, "cpu") == 0)
+            CHECK(dp == 0);
     }
     free(q);
     kvd_backend_free(be);

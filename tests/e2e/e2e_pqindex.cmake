@@ -8,12 +8,13 @@ if(TARGET kvd_e2e_harness)
   target_link_libraries(e2e_pqindex PRIVATE kvd_e2e_harness kvd_store kvd_kernels m)
   foreach(name stored pages sparse prefix errors)
     add_test(NAME pqindex_${name} COMMAND e2e_pqindex ${KVD_E2E_SERVER} ${name})
-    set_tests_properties(pqindex_${name} PROPERTIES LABELS e2e TIMEOUT 300)
+    set_tests_properties(pqindex_${name} PROPERTIES LABELS e2e TIMEOUT 300
+                         ENVIRONMENT KVDEPOT_DEVICE=cpu)
   endforeach()
   # Against kvdepotd on the CPU emulation of a GPU, which trains the
   # centroids with the GPU's K-means and codes the pages there.
   if(TARGET kvdepotd_cuda_emu)
-    foreach(name stored pages)
+    foreach(name stored pages sparse)
       add_test(NAME pqindex_emu_${name}
                COMMAND e2e_pqindex $<TARGET_FILE:kvdepotd_cuda_emu> ${name})
       set_tests_properties(pqindex_emu_${name} PROPERTIES LABELS e2e TIMEOUT 600

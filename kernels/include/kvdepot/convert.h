@@ -40,6 +40,9 @@ struct kvd_convert_ops {
                     kvd_error *err);
     int (*channel_scale)(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *src,
                          const kvd_tensor *s, int divide, kvd_error *err);
+    /* appended */
+    int (*gather_rows)(kvd_backend *be, void *dst, const uint64_t *src, int64_t n, size_t row,
+                       kvd_error *err);
 };
 
 /*
@@ -64,6 +67,16 @@ int kvd_hadamard(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *src, 
  */
 int kvd_channel_scale(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *src,
                       const kvd_tensor *s, int divide, kvd_error *err);
+
+/*
+ * Gather n rows of `row` bytes: row i is copied from the address src[i] to
+ * dst + i * row. dst, the array src and every row it points at are memory
+ * of be (on CUDA: device memory; one launch however many rows, e.g. tokens
+ * picked from many pages of the device tier).
+ * @return KVD_OK; KVD_EINVAL (NULL pointer, n < 0, row 0); KVD_EUNSUPP.
+ */
+int kvd_gather_rows(kvd_backend *be, void *dst, const uint64_t *src, int64_t n, size_t row,
+                    kvd_error *err);
 
 /* Scalar references on host memory: the specification. Arguments must be
  * valid. kvd_hadamard_ref is the O(n^2) matrix product of the definition,
