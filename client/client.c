@@ -831,6 +831,12 @@ int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequen
     out->created_unix_ms = pb->created_unix_ms;
     out->prefix_blocks = pb->prefix_blocks;
     out->activation_tokens = pb->activation_tokens;
+    if (pb->recovery_loss) {
+        out->recovery_loss = 1;
+        out->loss_acknowledged_tokens = pb->recovery_loss->acknowledged_tokens;
+        out->loss_recovered_tokens = pb->recovery_loss->recovered_tokens;
+        out->loss_unix_ms = pb->recovery_loss->recovered_unix_ms;
+    }
     if (pb->n_layer_tokens) {
         out->layer_tokens = malloc(pb->n_layer_tokens * sizeof(uint64_t));
         if (!out->layer_tokens)

@@ -27,6 +27,18 @@ void kvd_seq_info_to_pb(const kvd_seq_info *in, Kvdepot__V1__SequenceInfo *out)
     out->activation_tokens = in->activation_tokens;
 }
 
+void kvd_seq_loss_to_pb(const kvd_seq_info *in, Kvdepot__V1__WalRecoveryLoss *out,
+                        Kvdepot__V1__SequenceInfo *info)
+{
+    kvdepot__v1__wal_recovery_loss__init(out);
+    if (!in->recovery_loss)
+        return;
+    out->acknowledged_tokens = in->loss_acknowledged;
+    out->recovered_tokens = in->loss_recovered;
+    out->recovered_unix_ms = in->loss_at_unix_ms;
+    info->recovery_loss = out;
+}
+
 void kvd_model_to_pb(const kvd_model_info *in, Kvdepot__V1__Model *out)
 {
     kvdepot__v1__model__init(out);

@@ -14,6 +14,9 @@
 /* Fill `out` (initialised here) so that it points into `in`: no copies, so
  * `in` must outlive every use of `out` (typically until it is packed). */
 void kvd_seq_info_to_pb(const kvd_seq_info *in, Kvdepot__V1__SequenceInfo *out);
+/* in's recovery loss into out, and info->recovery_loss = out when it has one. */
+void kvd_seq_loss_to_pb(const kvd_seq_info *in, Kvdepot__V1__WalRecoveryLoss *out,
+                        Kvdepot__V1__SequenceInfo *info);
 void kvd_model_to_pb(const kvd_model_info *in, Kvdepot__V1__Model *out);
 
 /* Copy a wire model into a store model, checking string lengths (the store

@@ -266,6 +266,8 @@ int kvd_h_stat_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     }
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    Kvdepot__V1__WalRecoveryLoss loss;
+    kvd_seq_loss_to_pb(&info, &loss, &si);
     Kvdepot__V1__StatSequenceResponse resp = KVDEPOT__V1__STAT_SEQUENCE_RESPONSE__INIT;
     resp.sequence = &si;
     rc = reply_or_oom(reply, &resp.base, ctx, err);

@@ -395,6 +395,20 @@ int main(int argc, char **argv)
                 "wal-recovery point-in-time dropped a damaged part of the write-ahead log: "
                 "appends acknowledged after it are gone",
                 "dropped=\"%.900s\"", kvd_store_recovery_report(store));
+    const kvd_recovery_loss *loss;
+    size_t nloss = kvd_store_recovery_losses(store, &loss);
+    for (size_t i = 0; i < nloss; i++) {
+        static const char *what[] = {"", "came back with fewer tokens than were acknowledged",
+                                     "was created after the damage: it is gone with its tokens",
+                                     "was deleted after the damage: it is back",
+                                     "lost an acknowledged write (its record was unreadable)"};
+        char id[4 * KVD_SEQ_ID_MAX + 3];
+        kvd_log_quote(id, sizeof id, (const char *)loss[i].id, loss[i].id_len);
+        KVD_LOG(KVD_LOG_WARN, "a sequence lost acknowledged writes to the damaged write-ahead log",
+                "sequence=%s loss=\"%s\" acknowledged_tokens=%llu recovered_tokens=%llu", id,
+                what[loss[i].kind], (unsigned long long)loss[i].acknowledged,
+                (unsigned long long)loss[i].recovered);
+    }
     svc.store = store;
     kvd_metrics_store = store;
     svc.page_tokens = kvd_store_page_tokens(store);

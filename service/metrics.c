@@ -145,6 +145,13 @@ static void render_tiers(buf *b)
         (unsigned long long)kvd_compute_device_pages(),
         (unsigned long long)kvd_compute_device_search_pages(),
         (unsigned long long)s.device_pages_encoded, (unsigned long long)s.device_fallbacks);
+    const kvd_recovery_loss *loss;
+    put(b,
+        "# HELP kvdepot_wal_recovery_sequences_lost sequences whose acknowledged writes the "
+        "point-in-time recovery of a damaged write-ahead log dropped at this start\n"
+        "# TYPE kvdepot_wal_recovery_sequences_lost gauge\nkvdepot_wal_recovery_sequences_lost "
+        "%zu\n",
+        kvd_store_recovery_losses(st, &loss));
     put(b,
         "# HELP kvdepot_durability_info durability setting in force\n"
         "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",

@@ -272,6 +272,30 @@ static uint64_t page_bytes(const kvd__model *m, uint32_t page_tokens, uint32_t n
     return kvd_page_raw_size(&d);
 }
 
+int64_t kvd__seq_record_tokens(const uint8_t *v, size_t vlen)
+{
+    rbuf r = {v, vlen, 0, 0};
+    uint64_t ver = rb_uint(&r, 1);
+    if (ver != SEQ_RECORD_VERSION && ver != 1)
+        return -2;
+    uint64_t ml = rb_count(&r, 1, 1);
+    r.off += ml;
+    rb_uint(&r, 8); /* created */
+    rb_uint(&r, 8); /* prefix blocks */
+    uint32_t nl = (uint32_t)rb_uint(&r, 4);
+    r.off += rb_count(&r, 8, 8) * 8; /* block hashes */
+    r.off += rb_count(&r, 8, 4) * 4; /* token ids */
+    uint64_t min = UINT64_MAX;
+    const size_t per = ver == 1 ? 8 : 16;
+    for (uint32_t l = 0; l < nl && !r.bad; l++) {
+        uint64_t t = rb_uint(&r, 8);
+        r.off += rb_count(&r, 4, per) * per;
+        if (t < min)
+            min = t;
+    }
+    return r.bad || r.off != r.n || nl == 0 || min > INT64_MAX ? -2 : (int64_t)min;
+}
+
 int kvd__seq_fill_info(kvd_store *st, const kvd__seq *s, kvd_seq_info *out, kvd_error *err)
 {
     memset(out, 0, sizeof *out);
@@ -553,8 +577,9 @@ int kvd_store_seq_stat(kvd_store *st, const void *id, size_t id_len, kvd_seq_inf
     if (!s)
         rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
                            kvd__id_str(id, id_len, idb, sizeof idb));
-    else
-        rc = kvd__seq_fill_info(st, s, out, err);
+    else if ((rc = kvd__seq_fill_info(st, s, out, err)) == 0)
+        out->recovery_loss = kvd__loss_get(st, id, id_len, &out->loss_acknowledged,
+                                           &out->loss_recovered, &out->loss_at_unix_ms);
     pthread_rwlock_unlock(&st->lock);
     return rc;
 }
@@ -693,6 +718,7 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         kvd__expiry_delete(b, s);
     kvd__pq_delete(b, s); /* PQ centroids (pqindex.h) */
     kvd__act_delete(b, s);
+    kvd__loss_delete(b, s); /* what a WAL recovery dropped of it (walscan.c) */
     for (uint32_t l = 0; l < s->num_layers; l++) {
         for (uint32_t i = 0; i < s->layers[l].npages; i++) {
             kvd__page *p = s->layers[l].pages[i];

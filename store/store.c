@@ -392,6 +392,8 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
      * the damage on is dropped (kPointInTimeRecovery). */
     rocksdb_options_set_wal_recovery_mode(st->dbopt, opt->wal_point_in_time ? 2 : 0);
 
+    /* What the WAL holds, to tell what a point-in-time recovery drops. */
+    void *wal_writes = opt->wal_point_in_time ? kvd__wal_scan(opt->data_dir) : NULL;
     char *e = NULL;
     st->db = rocksdb_open(st->dbopt, opt->data_dir, &e);
     if (e) {
@@ -408,18 +410,23 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
                                "cannot open RocksDB in %s: %s", opt->data_dir, e);
         rocksdb_free(e);
         st->db = NULL;
+        kvd__wal_scan_free(wal_writes);
         kvd_store_close(st);
         return rc;
     }
+    const uint64_t recovered = rocksdb_get_latest_sequence_number(st->db);
     if (opt->wal_point_in_time)
         wal_damage(opt->data_dir, st->recovery_report, sizeof st->recovery_report);
     if ((rc = load_meta(st, opt->page_tokens, err)) || (rc = kvd__load_models(st, err)) ||
         (rc = kvd__load_sequences(st, err)) || (rc = kvd__act_load(st, err)) ||
         (rc = kvd__load_expiry(st, err)) ||
+        (rc = kvd__wal_losses(st, wal_writes, recovered, err)) ||
         (rc = kvd__cache_start(st, err))) {
+        kvd__wal_scan_free(wal_writes);
         kvd_store_close(st);
         return rc;
     }
+    kvd__wal_scan_free(wal_writes);
     *out = st;
     return 0;
 }
@@ -440,6 +447,7 @@ void kvd_store_close(kvd_store *st)
         kvd__seq_unref(s);
     }
     free(st->seqs);
+    free(st->losses);
     for (size_t i = 0; i < st->nmodels; i++) {
         kvd__model *m = st->models[i];
         for (size_t j = 0; j < m->prefixes.cap; j++) {

@@ -77,6 +77,28 @@ void kvd_store_close(kvd_store *st);
  * line per damaged stretch: file, bytes, reason), or "" when nothing. */
 const char *kvd_store_recovery_report(const kvd_store *st);
 
+/* What a point-in-time WAL recovery at this open dropped, per sequence. */
+typedef enum kvd_loss_kind {
+    KVD_LOSS_SHORTER = 1, /* came back with fewer tokens than acknowledged */
+    KVD_LOSS_GONE = 2,    /* created after the damage: gone, with its tokens */
+    KVD_LOSS_BACK = 3,    /* deleted after the damage: back */
+    KVD_LOSS_UNKNOWN = 4, /* a write to it was dropped; its record was unreadable */
+} kvd_loss_kind;
+
+typedef struct kvd_recovery_loss {
+    uint8_t id[KVD_SEQ_ID_MAX];
+    size_t id_len;
+    int kind;                         /* kvd_loss_kind */
+    int exists;                       /* the sequence is in the store now */
+    uint64_t acknowledged, recovered; /* tokens (acknowledged 0 for BACK, UNKNOWN) */
+} kvd_recovery_loss;
+
+/* The losses of this open's point-in-time recovery (none without
+ * wal_point_in_time, or when it dropped nothing): *out valid while the
+ * store is open. Each sequence that still exists also carries the loss in
+ * kvd_store_seq_stat. */
+size_t kvd_store_recovery_losses(const kvd_store *st, const kvd_recovery_loss **out);
+
 uint32_t kvd_store_page_tokens(const kvd_store *st);
 
 /* NULL while the store can write; once a write met an I/O error (RocksDB
@@ -154,6 +176,13 @@ typedef struct kvd_seq_info {
      * layer, and the X bytes stored (also counted in stored_bytes). */
     uint64_t activation_tokens;
     uint64_t activation_bytes;
+    /* Set by kvd_store_seq_stat when a point-in-time recovery of a damaged
+     * write-ahead log (wal_point_in_time) dropped acknowledged writes of
+     * the sequence: the tokens it had acknowledged (0: unknown, or it had
+     * been deleted), those that came back, and when. Kept until the
+     * sequence is deleted. */
+    int recovery_loss;
+    uint64_t loss_acknowledged, loss_recovered, loss_at_unix_ms;
 } kvd_seq_info;
 
 /* Release the arrays inside an info filled by the store (not the struct). */

@@ -297,6 +297,8 @@ struct kvd_store {
     char broken_why[512];  /* set once, before broken */
     kvd_backend be_coding; /* be limited to one thread: page coding */
     char recovery_report[1024]; /* kvd_store_recovery_report */
+    kvd_recovery_loss *losses;  /* kvd_store_recovery_losses */
+    size_t nlosses;
 };
 
 uint64_t kvd__now_ms(void);
@@ -358,6 +360,20 @@ void kvd__disk_make_room(kvd_store *st, const kvd__seq *keep, uint64_t need);
 /* Delete the sequences whose TTL passed. */
 void kvd__expire(kvd_store *st);
 int kvd__load_sequences(kvd_store *st, kvd_error *err);
+
+/* walscan.c: tokens readable on every layer of a sequence record (-2 when
+ * it does not parse); the sequence-record writes of the WAL files in dir
+ * (before a point-in-time recovery opens them; NULL on no memory); after
+ * it, the losses of the writes numbered above `latest` (the recovered
+ * database's last sequence number): into st->losses and 'L' records. */
+int64_t kvd__seq_record_tokens(const uint8_t *v, size_t vlen);
+void *kvd__wal_scan(const char *dir);
+int kvd__wal_losses(kvd_store *st, void *scan, uint64_t latest, kvd_error *err);
+void kvd__wal_scan_free(void *scan);
+/* The 'L' record of a sequence (1 found, 0 none); its delete into b. */
+int kvd__loss_get(kvd_store *st, const void *id, size_t id_len, uint64_t *acknowledged,
+                  uint64_t *recovered, uint64_t *at_ms);
+void kvd__loss_delete(struct rocksdb_writebatch_t *b, const kvd__seq *s);
 
 /* ---- activations (activation.c; layout in activation.h) ------------------ */
 

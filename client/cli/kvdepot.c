@@ -456,6 +456,10 @@ static void print_info(const kvdepot_sequence_info *s)
     printf("prefix_blocks: %" PRIu64 "\n", s->prefix_blocks);
     if (s->activation_tokens)
         printf("activation_tokens: %" PRIu64 "\n", s->activation_tokens);
+    if (s->recovery_loss)
+        printf("recovery_loss: acknowledged %" PRIu64 " tokens, %" PRIu64
+               " came back (point-in-time WAL recovery, unix ms %" PRIu64 ")\n",
+               s->loss_acknowledged_tokens, s->loss_recovered_tokens, s->loss_unix_ms);
     printf("block_hashes: ");
     for (size_t i = 0; i < s->num_block_hashes; i++)
         printf(" %016" PRIx64, s->block_hashes[i]);

@@ -352,6 +352,12 @@ typedef struct kvdepot_sequence_info {
     /* Leading tokens whose activations X are stored on every layer (a
      * sequence created with store_activations; see kvdepot_append_args.x). */
     uint64_t activation_tokens;
+    /* kvdepot_sequence_stat: 1 when the server, started with --wal-recovery
+     * point-in-time on a damaged write-ahead log, dropped acknowledged
+     * writes of this sequence: tokens acknowledged (0: unknown, or it had
+     * been deleted and came back), tokens that came back, and when. */
+    int recovery_loss;
+    uint64_t loss_acknowledged_tokens, loss_recovered_tokens, loss_unix_ms;
 } kvdepot_sequence_info;
 
 /* Free the arrays of info and zero it. NULL, or a zeroed info, is a no-op. */

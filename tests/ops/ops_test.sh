@@ -458,7 +458,9 @@ wal)
     # never dropped silently. By default kvdepotd refuses to start, naming
     # the file, and leaves it as it is; with wal-recovery point-in-time it
     # keeps what precedes the damage and logs what it dropped, and every
-    # sequence reads back exact, empty or not at all, never different.
+    # sequence reads back exact, empty or not at all, never different. Every
+    # sequence that lost tokens, and no other, is named in the log, counted
+    # on /metrics and marked in StatSequence until it is deleted.
     start
     k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
     ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
@@ -486,20 +488,44 @@ wal)
     start --wal-recovery point-in-time
     grep -q "level=warn.*dropped=.*$(basename "$wal"): dropping" "$work/server.log" ||
         fail "point-in-time recovery logged nothing about what it dropped"
-    kept=0
+    kept=0 lost=0 marked=
     for i in 1 2 3 4 5 6 7 8; do
+        line=$(grep "sequence=s$i .*a sequence lost acknowledged writes" "$work/server.log" || true)
         if k get "s$i" --file "$work/back" >/dev/null 2>"$work/err"; then
             # each put was one append: all of it, or (created, its append
             # dropped) none of it
             if [ -s "$work/back" ]; then
                 cmp -s "$work/back" "$work/s$i.bin" || fail "s$i reads back different bytes"
+                [ -z "$line" ] || fail "s$i came back whole, yet reported: $line"
                 kept=$((kept + 1))
+                continue
             fi
+            echo "$line" | grep -q "fewer tokens.*acknowledged_tokens=300 recovered_tokens=0" ||
+                fail "s$i came back empty; the log says: '$line'"
+            k seq stat "s$i" >"$work/stat" || fail "stat s$i"
+            grep -q "recovery_loss: acknowledged 300 tokens, 0 came back" "$work/stat" ||
+                fail "s$i: no loss in StatSequence: $(cat "$work/stat")"
+            marked="$marked s$i"
         else
             grep -q NOT_FOUND "$work/err" || fail "s$i: $(cat "$work/err")"
+            echo "$line" | grep -q "created after the damage.*acknowledged_tokens=300" ||
+                fail "s$i is gone; the log says: '$line'"
         fi
+        lost=$((lost + 1))
     done
     [ "$kept" -ge 1 ] && [ "$kept" -lt 8 ] || fail "$kept of 8 sequences kept"
+    [ "$(metric kvdepot_wal_recovery_sequences_lost)" = "$lost" ] ||
+        fail "kvdepot_wal_recovery_sequences_lost $(metric kvdepot_wal_recovery_sequences_lost), want $lost"
+    stop
+    # The marks outlive a restart, and go with their sequence.
+    start
+    [ "$(metric kvdepot_wal_recovery_sequences_lost)" = 0 ] || fail "losses counted again"
+    for s in $marked; do
+        k seq stat "$s" | grep -q "recovery_loss: acknowledged 300" || fail "$s: mark gone"
+        ok k seq rm "$s"
+        ok k put "$s" --model m --tokens 300 --file "$work/s1.bin"
+        k seq stat "$s" | grep -q recovery_loss && fail "$s: the mark outlived its sequence"
+    done
     stop
     ;;
 modes)
