@@ -241,6 +241,13 @@ int main(int argc, char **argv)
         return 1;
     }
     int action = KVD_CONFIG_RUN;
+    /* `kvdepotd repair [settings]`: repair the store in data-dir, then exit. */
+    const int repair = argc > 1 && strcmp(argv[1], "repair") == 0;
+    if (repair) {
+        argv[1] = argv[0];
+        argv++;
+        argc--;
+    }
     if (kvd_config_load(&cfg, argc, argv, getenv, &action, err, sizeof err) != 0) {
         fprintf(stderr, "%s: %s\n", prog, err);
         kvd_config_free(&cfg);
@@ -260,6 +267,12 @@ int main(int argc, char **argv)
         printf("kvdepotd %s\n", KVD_VERSION);
         kvd_config_free(&cfg);
         return 0;
+    }
+    if (repair && action == KVD_CONFIG_RUN) {
+        kvd_log_threshold = cfg.log_level;
+        int rc = kvd_repair_run(&cfg, prog);
+        kvd_config_free(&cfg);
+        return rc;
     }
     if (cfg.threads == 0) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -378,9 +391,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: no compute backend: %s\n", prog, serr.msg);
     sopt.backend = backend;
     sopt.device = device;
-    if (rc == 0 && (rc = kvd_store_open(&sopt, &store, &serr)) != 0)
+    if (rc == 0 && (rc = kvd_store_open(&sopt, &store, &serr)) != 0) {
         fprintf(stderr, "%s: cannot open the store in %s: %s\n", prog, cfg.data_dir,
                 serr.msg[0] ? serr.msg : kvd_strerror(rc));
+        /* A damaged table or MANIFEST (the WAL's message has its own way). */
+        if ((rc == KVD_ECORRUPT || strstr(serr.msg, "Corruption")) &&
+            !strstr(serr.msg, "wal-recovery") && !strstr(serr.msg, "kvdepotd repair"))
+            fprintf(stderr,
+                    "%s: the store's files are damaged: back up %s, then run `%s repair "
+                    "--data-dir %s` (README, \"A damaged store\")\n",
+                    prog, cfg.data_dir, prog, cfg.data_dir);
+    }
     if (rc) {
         kvd_backend_free(backend);
         kvd_backend_free(device);

@@ -23,6 +23,12 @@ int kvd_server_start(kvd_service *svc, kvd_server **out, int *port, char *err, s
  * configuration error: exit status 2). */
 int kvd_server_check_security(const kvd_config *cfg, char *err, size_t errlen);
 
+/* `kvdepotd repair` (repair.c): RocksDB's repair of cfg->data_dir, then
+ * every page of every sequence read and verified; prints the sequences
+ * that lost pages. Exit status: 0 intact, 3 some sequences lost pages,
+ * 1 the repair failed. */
+int kvd_repair_run(const kvd_config *cfg, const char *prog);
+
 /* 1 when a gRPC listen address can only be reached from this machine
  * (127.0.0.0/8, ::1, localhost, unix sockets). */
 int kvd_listen_is_loopback(const char *listen);

@@ -357,8 +357,9 @@ int kvd__act_load(kvd_store *st, kvd_error *err)
 {
     int rc = 0;
     uint64_t total = 0;
-    rocksdb_iterator_t *it = rocksdb_create_iterator(st->db, st->ropt);
     char start = KVD__KEY_ACT_META;
+    kvd__scan sc;
+    rocksdb_iterator_t *it = kvd__scan_open(st, &sc, &start, 1);
     for (rocksdb_iter_seek(it, &start, 1); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
         size_t klen, vlen;
         const char *k = rocksdb_iter_key(it, &klen);
@@ -398,7 +399,7 @@ int kvd__act_load(kvd_store *st, kvd_error *err)
             rocksdb_free(e);
         }
     }
-    rocksdb_iter_destroy(it);
+    kvd__scan_close(&sc);
     atomic_fetch_add(&st->disk_bytes, total);
     return rc;
 }

@@ -169,8 +169,9 @@ static int model_add(kvd_store *st, const kvd_model_info *info, kvd__model **out
 
 int kvd__load_models(kvd_store *st, kvd_error *err)
 {
-    rocksdb_iterator_t *it = rocksdb_create_iterator(st->db, st->ropt);
     char start = KVD__KEY_MODEL;
+    kvd__scan sc;
+    rocksdb_iterator_t *it = kvd__scan_open(st, &sc, &start, 1);
     int rc = 0;
     for (rocksdb_iter_seek(it, &start, 1); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
         size_t klen, vlen;
@@ -200,7 +201,7 @@ int kvd__load_models(kvd_store *st, kvd_error *err)
             rocksdb_free(e);
         }
     }
-    rocksdb_iter_destroy(it);
+    kvd__scan_close(&sc);
     return rc;
 }
 

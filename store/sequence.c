@@ -879,13 +879,35 @@ oom:
     return kvd_error_set(err, KVD_ENOMEM, "out of memory loading sequences");
 }
 
+/* Salvage: a sequence record that does not load is deleted and listed. */
+static int salvage_drop(kvd_store *st, const char *key, size_t klen, kvd_error *err)
+{
+    kvd_recovery_loss *nl = realloc(st->losses, (st->nlosses + 1) * sizeof *nl);
+    if (!nl)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    st->losses = nl;
+    kvd_recovery_loss *l = &st->losses[st->nlosses++];
+    memset(l, 0, sizeof *l);
+    l->kind = KVD_LOSS_UNREADABLE;
+    l->id_len = klen - 1 < KVD_SEQ_ID_MAX ? klen - 1 : KVD_SEQ_ID_MAX;
+    memcpy(l->id, key + 1, l->id_len);
+    char *e = NULL;
+    rocksdb_delete(st->db, st->wopt, key, klen, &e);
+    if (!e)
+        return 0;
+    int rc = kvd_error_set(err, KVD_EINTERNAL, "deleting an unreadable sequence record: %s", e);
+    rocksdb_free(e);
+    return rc;
+}
+
 int kvd__load_sequences(kvd_store *st, kvd_error *err)
 {
     kvd__map pages = {0};
     uint64_t max_page = 0;
     int rc = 0;
-    rocksdb_iterator_t *it = rocksdb_create_iterator(st->db, st->ropt);
     char start = KVD__KEY_SEQ;
+    kvd__scan sc;
+    rocksdb_iterator_t *it = kvd__scan_open(st, &sc, &start, 1);
     for (rocksdb_iter_seek(it, &start, 1); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
         size_t klen, vlen;
         const char *k = rocksdb_iter_key(it, &klen);
@@ -893,8 +915,10 @@ int kvd__load_sequences(kvd_store *st, kvd_error *err)
             break;
         const char *v = rocksdb_iter_value(it, &vlen);
         if ((rc = load_one(st, (const uint8_t *)k, klen, (const uint8_t *)v, vlen, &pages,
-                           &max_page, err)))
-            break;
+                           &max_page, err))) {
+            if (rc != KVD_ECORRUPT || !st->salvage || (rc = salvage_drop(st, k, klen, err)))
+                break;
+        }
     }
     if (!rc) {
         char *e = NULL;
@@ -904,7 +928,7 @@ int kvd__load_sequences(kvd_store *st, kvd_error *err)
             rocksdb_free(e);
         }
     }
-    rocksdb_iter_destroy(it);
+    kvd__scan_close(&sc);
     /* Pages now belong to the sequences; free those left unreferenced by a
      * failed load. */
     uint64_t disk = 0, ndisk = 0;

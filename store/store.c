@@ -4,12 +4,14 @@
  */
 #include "store_internal.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 /* The streaming state lives on the stack; its layout is in the header. */
 #define XXH_STATIC_LINKING_ONLY
@@ -69,6 +71,27 @@ const char *kvd_store_recovery_report(const kvd_store *st) { return st->recovery
 const char *kvd_store_broken(kvd_store *st)
 {
     return atomic_load(&st->broken) ? st->broken_why : NULL;
+}
+
+rocksdb_iterator_t *kvd__scan_open(kvd_store *st, kvd__scan *sc, const void *prefix, size_t plen)
+{
+    size_t n = plen < sizeof sc->upper ? plen : sizeof sc->upper;
+    memcpy(sc->upper, prefix, n);
+    while (n > 0 && (unsigned char)sc->upper[n - 1] == 0xff)
+        n--; /* the next prefix: carry */
+    sc->ro = rocksdb_readoptions_create();
+    if (n > 0) {
+        sc->upper[n - 1]++;
+        rocksdb_readoptions_set_iterate_upper_bound(sc->ro, sc->upper, n);
+    }
+    sc->it = rocksdb_create_iterator(st->db, sc->ro);
+    return sc->it;
+}
+
+void kvd__scan_close(kvd__scan *sc)
+{
+    rocksdb_iter_destroy(sc->it);
+    rocksdb_readoptions_destroy(sc->ro);
 }
 
 kvd_backend *kvd_store_coding_backend(kvd_store *st)
@@ -270,6 +293,129 @@ static int mkdir_p(const char *path, kvd_error *err)
     return 0;
 }
 
+/* RocksDB's options of every store (and of its repair). */
+static rocksdb_options_t *db_options(void)
+{
+    rocksdb_options_t *o = rocksdb_options_create();
+    rocksdb_options_set_create_if_missing(o, 1);
+    rocksdb_options_increase_parallelism(o, 2);
+    /* Pages are large, incompressible floats: keep them in blob files so
+     * compaction moves only the small keys and metadata. */
+    rocksdb_options_set_enable_blob_files(o, 1);
+    rocksdb_options_set_min_blob_size(o, 4096);
+    rocksdb_options_set_enable_blob_gc(o, 1);
+    rocksdb_options_set_compression(o, rocksdb_no_compression);
+    /* Page bytes sit in the memtable until it is flushed to blob files; the
+     * memory tiers are what should hold hot pages, so keep memtables small
+     * (at most two of 16 MiB: part of kvdepotd's fixed memory overhead). */
+    rocksdb_options_set_write_buffer_size(o, 16u << 20);
+    rocksdb_options_set_max_write_buffer_number(o, 2);
+    return o;
+}
+
+/* A directory holding a store's files (tables, logs, a MANIFEST) without
+ * its CURRENT file: RocksDB would begin an empty store beside them. */
+static int check_current(const char *dir, kvd_error *err)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/CURRENT", dir);
+    if (access(path, F_OK) == 0)
+        return 0;
+    DIR *d = opendir(dir);
+    if (!d)
+        return 0;
+    struct dirent *de;
+    const char *found = NULL;
+    while (!found && (de = readdir(d))) {
+        const char *n = de->d_name, *dot = strrchr(n, '.');
+        if (strncmp(n, "MANIFEST-", 9) == 0 ||
+            (dot && (!strcmp(dot, ".sst") || !strcmp(dot, ".log") || !strcmp(dot, ".blob"))))
+            found = n;
+    }
+    int rc = found ? kvd_error_set(err, KVD_ECORRUPT,
+                                   "%s holds a store (%s, ...) but not its CURRENT file, "
+                                   "RocksDB's pointer to its MANIFEST: not opened, which would "
+                                   "start an empty store beside it. Back up the directory, then "
+                                   "run `kvdepotd repair --data-dir %s`",
+                                   dir, found, dir)
+                   : 0;
+    closedir(d);
+    return rc;
+}
+
+/* A lost CURRENT with its MANIFEST intact: point CURRENT at the newest
+ * MANIFEST again, which keeps everything (blob files included). 1 when the
+ * store then opens, 0 when it did not apply (CURRENT removed again). */
+static int restore_current(const char *dir, rocksdb_options_t *o)
+{
+    char path[4096], tmp[4096], best[256] = "";
+    snprintf(path, sizeof path, "%s/CURRENT", dir);
+    if (access(path, F_OK) == 0)
+        return 0;
+    DIR *d = opendir(dir);
+    if (!d)
+        return 0;
+    unsigned long long top = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        unsigned long long n;
+        char rest;
+        if (sscanf(de->d_name, "MANIFEST-%llu%c", &n, &rest) == 1 && n >= top &&
+            strlen(de->d_name) < sizeof best) {
+            top = n;
+            snprintf(best, sizeof best, "%s", de->d_name);
+        }
+    }
+    closedir(d);
+    if (!best[0])
+        return 0;
+    snprintf(tmp, sizeof tmp, "%s/CURRENT.repair", dir);
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return 0;
+    int ok = fprintf(f, "%s\n", best) > 0;
+    ok = (fflush(f) == 0 && fsync(fileno(f)) == 0) && ok;
+    fclose(f);
+    if (!ok || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return 0;
+    }
+    char *e = NULL;
+    rocksdb_options_set_create_if_missing(o, 0);
+    rocksdb_t *db = rocksdb_open(o, dir, &e);
+    rocksdb_options_set_create_if_missing(o, 1);
+    if (db) {
+        rocksdb_close(db);
+        return 1;
+    }
+    rocksdb_free(e);
+    unlink(path);
+    return 0;
+}
+
+int kvd_store_repair(const char *dir, int *how, kvd_error *err)
+{
+    *how = 0;
+    if (!dir || !dir[0])
+        return kvd_error_set(err, KVD_EINVAL, "repair: data_dir is not set");
+    rocksdb_options_t *o = db_options();
+    if (restore_current(dir, o)) {
+        rocksdb_options_destroy(o);
+        *how = 1;
+        return 0;
+    }
+    char *e = NULL;
+    rocksdb_repair_db(o, dir, &e);
+    rocksdb_options_destroy(o);
+    if (!e) {
+        *how = 2;
+        return 0;
+    }
+    int rc = kvd_error_set(err, KVD_EINTERNAL, "RocksDB repair of %s failed: %s", dir, e);
+    rocksdb_free(e);
+    return rc;
+}
+
 /* Read or create the store record; it pins the page size for the directory. */
 static int load_meta(kvd_store *st, uint32_t want_page_tokens, kvd_error *err)
 {
@@ -337,6 +483,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         return kvd_error_set(err, KVD_EINVAL, "unknown durability %d", opt->durability);
     }
     st->disk_limit = opt->disk_bytes;
+    st->salvage = opt->salvage;
     st->prefetch_pages = opt->prefetch_pages;
     st->be = opt->backend;
     if (!st->be) {
@@ -358,20 +505,14 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         return rc;
     }
 
-    st->dbopt = rocksdb_options_create();
-    rocksdb_options_set_create_if_missing(st->dbopt, 1);
-    rocksdb_options_increase_parallelism(st->dbopt, 2);
-    /* Pages are large, incompressible floats: keep them in blob files so
-     * compaction moves only the small keys and metadata. */
-    rocksdb_options_set_enable_blob_files(st->dbopt, 1);
-    rocksdb_options_set_min_blob_size(st->dbopt, 4096);
-    rocksdb_options_set_enable_blob_gc(st->dbopt, 1);
-    rocksdb_options_set_compression(st->dbopt, rocksdb_no_compression);
-    /* Page bytes sit in the memtable until it is flushed to blob files; the
-     * memory tiers are what should hold hot pages, so keep memtables small
-     * (at most two of 16 MiB: part of kvdepotd's fixed memory overhead). */
-    rocksdb_options_set_write_buffer_size(st->dbopt, 16u << 20);
-    rocksdb_options_set_max_write_buffer_number(st->dbopt, 2);
+    if ((rc = check_current(opt->data_dir, err))) {
+        kvd__cache_fini(st);
+        kvd_backend_free(st->own_be);
+        pthread_rwlock_destroy(&st->lock);
+        free(st);
+        return rc;
+    }
+    st->dbopt = db_options();
     st->bbopt = rocksdb_block_based_options_create();
     st->cache = rocksdb_cache_create_lru(opt->block_cache_bytes ? opt->block_cache_bytes
                                                                 : (size_t)64 << 20);

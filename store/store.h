@@ -49,6 +49,11 @@ typedef struct kvd_store_options {
      * is tolerated); 1 = keep what precedes it, drop the rest
      * (kvd_store_recovery_report says what was dropped). */
     int wal_point_in_time;
+    /* 1 (kvdepotd repair): a sequence record that does not load (malformed,
+     * or naming a model whose record was lost) is deleted, and listed in
+     * kvd_store_recovery_losses (KVD_LOSS_UNREADABLE), instead of failing
+     * the open. */
+    int salvage;
     /* A device backend (CUDA) whose memory holds the device tier: pages are
      * coded on the host and copied up; kvd_store_page_acquire_device hands
      * them out where they lie. NULL = the device tier is in `backend`'s
@@ -77,12 +82,22 @@ void kvd_store_close(kvd_store *st);
  * line per damaged stretch: file, bytes, reason), or "" when nothing. */
 const char *kvd_store_recovery_report(const kvd_store *st);
 
+/* Repair the store in dir (not open). A lost CURRENT file whose MANIFEST
+ * is intact is written again, pointing at the newest MANIFEST: nothing is
+ * lost (*how = 1). Otherwise RocksDB's repair rebuilds the MANIFEST from
+ * the table files, keeping every record it can read (*how = 2); RocksDB
+ * 7.8's repair does not carry blob files over, so the page bytes stored
+ * in them are lost (their reads answer DATA_LOSS). Read every page
+ * afterwards to know what was lost (kvdepotd repair does). */
+int kvd_store_repair(const char *dir, int *how, kvd_error *err);
+
 /* What a point-in-time WAL recovery at this open dropped, per sequence. */
 typedef enum kvd_loss_kind {
-    KVD_LOSS_SHORTER = 1, /* came back with fewer tokens than acknowledged */
-    KVD_LOSS_GONE = 2,    /* created after the damage: gone, with its tokens */
-    KVD_LOSS_BACK = 3,    /* deleted after the damage: back */
-    KVD_LOSS_UNKNOWN = 4, /* a write to it was dropped; its record was unreadable */
+    KVD_LOSS_SHORTER = 1,    /* came back with fewer tokens than acknowledged */
+    KVD_LOSS_GONE = 2,       /* created after the damage: gone, with its tokens */
+    KVD_LOSS_BACK = 3,       /* deleted after the damage: back */
+    KVD_LOSS_UNKNOWN = 4,    /* a write to it was dropped; its record was unreadable */
+    KVD_LOSS_UNREADABLE = 5, /* its record did not load (salvage): deleted */
 } kvd_loss_kind;
 
 typedef struct kvd_recovery_loss {

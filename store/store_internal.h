@@ -298,6 +298,7 @@ struct kvd_store {
     kvd_backend be_coding; /* be limited to one thread: page coding */
     char recovery_report[1024]; /* kvd_store_recovery_report */
     kvd_recovery_loss *losses;  /* kvd_store_recovery_losses */
+    int salvage;                /* kvd_store_options.salvage */
     size_t nlosses;
 };
 
@@ -360,6 +361,18 @@ void kvd__disk_make_room(kvd_store *st, const kvd__seq *keep, uint64_t need);
 /* Delete the sequences whose TTL passed. */
 void kvd__expire(kvd_store *st);
 int kvd__load_sequences(kvd_store *st, kvd_error *err);
+
+/* An iterator over the keys that start with a prefix (at most 64 bytes),
+ * bounded above so that it never steps onto a key past them: the scans of
+ * small records at start do not read a page's value (in a blob file that
+ * may be damaged). Close with kvd__scan_close. */
+typedef struct kvd__scan {
+    rocksdb_iterator_t *it;
+    rocksdb_readoptions_t *ro;
+    char upper[64];
+} kvd__scan;
+rocksdb_iterator_t *kvd__scan_open(kvd_store *st, kvd__scan *sc, const void *prefix, size_t plen);
+void kvd__scan_close(kvd__scan *sc);
 
 /* walscan.c: tokens readable on every layer of a sequence record (-2 when
  * it does not parse); the sequence-record writes of the WAL files in dir

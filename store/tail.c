@@ -75,7 +75,14 @@ int kvd__tail_load(kvd_store *st, const rocksdb_readoptions_t *ro, const kvd__ta
     char *e = NULL;
     out->ps = rocksdb_get_pinned(st->db, ro, (const char *)key, sizeof key, &e);
     if (e) {
-        int rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb read of page %llu failed: %s",
+        /* A damaged file (a checksum that fails) or a missing one (a blob
+         * file deleted or lost) loses this page's bytes: DATA_LOSS for it,
+         * not an outage. Other errors (descriptors, I/O) may pass. */
+        int lost = strstr(e, "Corruption") || strstr(e, "No such file or directory");
+        int rc = kvd_error_set(err, lost ? KVD_ECORRUPT : KVD_EINTERNAL,
+                               lost ? "page %llu is unreadable, a file of the store is damaged or "
+                                      "missing: %s"
+                                    : "rocksdb read of page %llu failed: %s",
                                (unsigned long long)w->page_id, e);
         rocksdb_free(e);
         return rc;

@@ -1104,8 +1104,9 @@ void kvd__expiry_delete(rocksdb_writebatch_t *b, const kvd__seq *s)
 int kvd__load_expiry(kvd_store *st, kvd_error *err)
 {
     int rc = 0;
-    rocksdb_iterator_t *it = rocksdb_create_iterator(st->db, st->ropt);
     char start = KVD__KEY_EXPIRY;
+    kvd__scan sc;
+    rocksdb_iterator_t *it = kvd__scan_open(st, &sc, &start, 1);
     for (rocksdb_iter_seek(it, &start, 1); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
         size_t klen, vlen;
         const char *k = rocksdb_iter_key(it, &klen);
@@ -1129,7 +1130,7 @@ int kvd__load_expiry(kvd_store *st, kvd_error *err)
         rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb scan of expiry records failed: %s", e);
         rocksdb_free(e);
     }
-    rocksdb_iter_destroy(it);
+    kvd__scan_close(&sc);
     return rc;
 }
 

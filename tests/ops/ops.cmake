@@ -8,8 +8,8 @@ else()
   set(KVD_OPS_SERVER ${CMAKE_BINARY_DIR}/service/kvdepotd)
 endif()
 
-foreach(name tls mtls auth reload quota limits deadline config metrics modes wal nofile emfile
-             listen_emfile)
+foreach(name tls mtls auth reload quota limits deadline config metrics modes wal damage nofile
+             emfile listen_emfile)
   add_test(NAME ops_${name}
            COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/ops_test.sh ${KVD_OPS_SERVER}
                    $<TARGET_FILE:kvdepot> ${name})

@@ -528,6 +528,97 @@ wal)
     done
     stop
     ;;
+damage)
+    # One damaged file does not take the whole store offline, and never
+    # serves other bytes: a lost or cut blob file costs DATA_LOSS on the
+    # pages it held, the rest reads back exact; a lost CURRENT is refused
+    # with the way forward and `kvdepotd repair` brings everything back; a
+    # table that fails its checksum is refused with the way forward, and
+    # after `kvdepotd repair` the store serves: every sequence reads back
+    # exact, or answers DATA_LOSS or NOT_FOUND, and the repair names every
+    # sequence that lost pages.
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    start
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    kv 600 >/dev/null && mv "$work/kv600.bin" "$work/s1.bin"
+    ok k put s1 --model m --tokens 600 --file "$work/s1.bin"
+    stop # flushed: s1's sealed pages in one blob file
+    start
+    kv 600 >/dev/null && mv "$work/kv600.bin" "$work/s2.bin"
+    ok k put s2 --model m --tokens 600 --file "$work/s2.bin"
+    stop # and s2's in another
+    blobs=$(ls "$work/data"/*.blob | sort)
+    [ "$(echo "$blobs" | wc -l)" -eq 2 ] || fail "want 2 blob files: $blobs"
+    cp -a "$work/data" "$work/good"
+    restore() { rm -rf "$work/data" && cp -a "$work/good" "$work/data"; }
+    # reads NAME...: each sequence exact (x), DATA_LOSS (d) or NOT_FOUND (n)
+    reads() {
+        local s out=
+        for s in "$@"; do
+            if k get "$s" --file "$work/back" >/dev/null 2>"$work/err"; then
+                cmp -s "$work/back" "$work/$s.bin" || fail "$s reads back different bytes"
+                out="${out}x"
+            elif grep -q DATA_LOSS "$work/err"; then
+                out="${out}d"
+            elif grep -q NOT_FOUND "$work/err"; then
+                out="${out}n"
+            else
+                fail "$s: $(cat "$work/err")"
+            fi
+        done
+        echo "$out"
+    }
+    rm "$(echo "$blobs" | head -1)"
+    start
+    [ "$(reads s1 s2)" = dx ] || fail "a lost blob file: s1 s2 read $(reads s1 s2), want dx"
+    stop
+    restore
+    last=$(echo "$blobs" | tail -1)
+    truncate -s $(($(stat -c %s "$last") / 2)) "$last"
+    start
+    [ "$(reads s1 s2)" = xd ] || fail "a cut blob file: s1 s2 read $(reads s1 s2), want xd"
+    stop
+    restore
+    rm "$work/data/CURRENT"
+    rc=0
+    "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --metrics-listen "" \
+        >"$work/refused.log" 2>&1 || rc=$?
+    [ "$rc" -eq 1 ] || fail "start without CURRENT: exit $rc, want 1"
+    grep -q "not its CURRENT file.*kvdepotd repair --data-dir" "$work/refused.log" ||
+        fail "no clear refusal: $(cat "$work/refused.log")"
+    [ ! -e "$work/data/CURRENT" ] || fail "the refused start created CURRENT"
+    rc=0
+    "$server" repair --data-dir "$work/data" >"$work/repair.out" 2>&1 || rc=$?
+    [ "$rc" -eq 0 ] || fail "repair after a lost CURRENT: exit $rc: $(cat "$work/repair.out")"
+    start
+    [ "$(reads s1 s2)" = xx ] || fail "after repair: s1 s2 read $(reads s1 s2), want xx"
+    stop
+    restore
+    sst=$(ls -S "$work/data"/*.sst | head -1)
+    printf '\125\252' | dd of="$sst" bs=1 seek=$(($(stat -c %s "$sst") / 3)) conv=notrunc 2>/dev/null
+    rc=0
+    "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --metrics-listen "" \
+        >"$work/refused.log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        [ "$rc" -eq 1 ] || fail "start on a damaged table: exit $rc, want 1"
+        grep -q "kvdepotd repair --data-dir" "$work/refused.log" ||
+            fail "no way forward: $(cat "$work/refused.log")"
+        rc=0
+        "$server" repair --data-dir "$work/data" >"$work/repair.out" 2>"$work/repair.err" || rc=$?
+        [ "$rc" -eq 0 ] || [ "$rc" -eq 3 ] || fail "repair: exit $rc: $(cat "$work/repair.err")"
+        grep -q "^repaired: " "$work/repair.out" || fail "no repair report: $(cat "$work/repair.out")"
+    fi
+    start
+    got=$(reads s1 s2)
+    for i in 1 2; do
+        r=$(echo "$got" | cut -c$i)
+        named=$(grep -c "^sequence s$i:" "$work/repair.out" 2>/dev/null || true)
+        [ "$r" = d ] && [ "$named" = 0 ] && [ "$rc" -ne 0 ] && fail "s$i: DATA_LOSS, not reported"
+        [ "$r" = x ] && [ "$named" != 0 ] && fail "s$i reads back exact, yet reported lost"
+    done
+    echo "damaged table: s1 s2 read $got; $(tail -1 "$work/repair.out" 2>/dev/null)"
+    stop
+    ;;
 modes)
     # The stored caches are private: a new data directory is 0700 and every
     # file in it 0600; an existing wider directory is used, with a warning.

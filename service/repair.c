@@ -1,0 +1,115 @@
+/*
+ * `kvdepotd repair`: bring back a store whose RocksDB files are damaged
+ * (a table that fails its checksum, a lost MANIFEST or CURRENT), then say
+ * which sequences lost pages.
+ *
+ * RocksDB's repair rebuilds the MANIFEST and CURRENT from the table and
+ * blob files it can read; records in tables it cannot read are gone. The
+ * store is then opened and every page of every sequence is read and
+ * verified (its checksum): a sequence whose record survived but some of
+ * whose pages did not is reported with the count; one whose record is gone
+ * is simply no longer there (not found, as after a delete).
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "log.h"
+#include "server.h"
+#include "store.h"
+
+/* Read and verify every page of one sequence: the pages that fail. */
+static uint64_t check_seq(kvd_store *st, const kvd_seq_info *s, uint64_t *pages, char *first,
+                          size_t cap)
+{
+    uint64_t bad = 0;
+    for (uint32_t l = 0; l < s->num_layers; l++) {
+        const uint64_t blocks = (s->layer_tokens[l] + s->page_tokens - 1) / s->page_tokens;
+        for (uint64_t b = 0; b < blocks; b++) {
+            kvd_page_handle h;
+            kvd_error e;
+            kvd_error_clear(&e);
+            (*pages)++;
+            if (kvd_store_page_acquire(st, s->id, s->id_len, l, b, &h, &e) == 0) {
+                kvd_store_page_release(st, &h);
+                continue;
+            }
+            if (!bad++)
+                snprintf(first, cap, "layer %u page %" PRIu64 ": %s", l, b, e.msg);
+        }
+    }
+    return bad;
+}
+
+int kvd_repair_run(const kvd_config *cfg, const char *prog)
+{
+    kvd_error err;
+    kvd_error_clear(&err);
+    fprintf(stderr, "%s: repairing the store in %s\n", prog, cfg->data_dir);
+    int how = 0;
+    if (kvd_store_repair(cfg->data_dir, &how, &err)) {
+        fprintf(stderr, "%s: %s\n", prog, err.msg);
+        return 1;
+    }
+    fprintf(stderr, "%s: %s\n", prog,
+            how == 1 ? "CURRENT was missing: written again, pointing at the newest MANIFEST"
+                     : "the MANIFEST was rebuilt from the table files (RocksDB repair); page "
+                       "bytes held in blob files are not carried over");
+    kvd_store_options o = {
+        .data_dir = cfg->data_dir, .page_tokens = (uint32_t)cfg->page_tokens, .salvage = 1};
+    kvd_store *st = NULL;
+    if (kvd_store_open(&o, &st, &err)) {
+        fprintf(stderr, "%s: the repaired store does not open: %s\n", prog, err.msg);
+        return 1;
+    }
+    uint64_t nseq = 0, damaged = 0, pages = 0, bad_pages = 0;
+    const kvd_recovery_loss *lost;
+    size_t nlost = kvd_store_recovery_losses(st, &lost);
+    for (size_t i = 0; i < nlost; i++) {
+        char id[4 * KVD_SEQ_ID_MAX + 3];
+        kvd_log_quote(id, sizeof id, (const char *)lost[i].id, lost[i].id_len);
+        printf("sequence %s: lost (its record, or its model's, was unreadable; deleted)\n", id);
+    }
+    uint8_t after[KVD_SEQ_ID_MAX];
+    size_t after_len = 0;
+    int more = 1, rc = 0;
+    while (more && rc == 0) {
+        kvd_seq_info *list = NULL;
+        size_t n = 0;
+        if ((rc = kvd_store_seq_list(st, NULL, after_len ? after : NULL, after_len, 256, &list, &n,
+                                     &more, &err))) {
+            fprintf(stderr, "%s: listing sequences: %s\n", prog, err.msg);
+            break;
+        }
+        for (size_t i = 0; i < n; i++) {
+            char first[400] = "", id[4 * KVD_SEQ_ID_MAX + 3];
+            uint64_t np = 0, bad = check_seq(st, &list[i], &np, first, sizeof first);
+            nseq++;
+            pages += np;
+            bad_pages += bad;
+            if (bad) {
+                damaged++;
+                kvd_log_quote(id, sizeof id, (const char *)list[i].id, list[i].id_len);
+                printf("sequence %s: %" PRIu64 " of %" PRIu64 " pages lost (%s)\n", id, bad, np,
+                       first);
+            }
+        }
+        if (n) {
+            memcpy(after, list[n - 1].id, list[n - 1].id_len);
+            after_len = list[n - 1].id_len;
+        }
+        for (size_t i = 0; i < n; i++)
+            kvd_seq_info_clear(&list[i]);
+        free(list);
+    }
+    kvd_store_close(st);
+    if (rc)
+        return 1;
+    printf("repaired: %" PRIu64 " sequences, %" PRIu64 " pages checked; %" PRIu64
+           " sequences lost %" PRIu64 " pages (reads of those pages answer DATA_LOSS); %zu "
+           "sequences lost\n",
+           nseq, pages, damaged, bad_pages, nlost);
+    return damaged || nlost ? 3 : 0;
+}
