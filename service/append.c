@@ -25,6 +25,7 @@ typedef struct append_state {
     kvd_append *ap;
     /* Kept until the append ends: the store spec points into it. */
     Kvdepot__V1__AppendHeader *hdr;
+    kvd_seq_key key;
     uint64_t expected, received;
     uint64_t messages;
     /* Quota reserved at the header: `expected` bytes against the tenants of
@@ -202,8 +203,7 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
                  kvd_error *err)
 {
     int rc;
-    if ((rc = kvd_check_seq_id(h->sequence_id.data, h->sequence_id.len, "header.sequence_id",
-                               err)) ||
+    if ((rc = kvd_ctx_seq_key(ctx, &h->sequence_id, "header.sequence_id", &st->key, err)) ||
         (rc = kvd_check_dtype(h->dtype, "header.dtype", err)))
         return rc;
     if (h->num_tokens == 0)
@@ -218,8 +218,8 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
                              "header.token_ids: %zu ids for %llu tokens (give all or none)",
                              h->n_token_ids, (unsigned long long)h->num_tokens);
     kvd_append_spec spec = {
-        .seq_id = h->sequence_id.data,
-        .seq_id_len = h->sequence_id.len,
+        .seq_id = st->key.id,
+        .seq_id_len = st->key.len,
         .layer_start = h->layer_start,
         .num_layers = h->num_layers,
         .token_start = h->token_start,
@@ -235,8 +235,7 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
      * bytes count against; its current size gives the gauges' deltas. */
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
-    if ((rc = kvd_store_seq_stat(ctx->svc->store, h->sequence_id.data, h->sequence_id.len,
-                                 &info, err)))
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, st->key.id, st->key.len, &info, err)))
         return rc;
     snprintf(st->model, sizeof st->model, "%s", info.model);
     st->old_stored_bytes = info.stored_bytes;
@@ -408,10 +407,10 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
     KVD_METRIC_ADD(pages_sealed, (int64_t)info.sealed_pages - (int64_t)st->old_sealed_pages);
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__AppendResponse resp = KVDEPOT__V1__APPEND_RESPONSE__INIT;
     resp.sequence = &si;
     resp.bytes_received = st->received;
-    (void)ctx;
     *reply = kvd_pack(&resp.base);
     kvd_seq_info_clear(&info);
     if (!*reply)

@@ -109,19 +109,25 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     for (size_t i = 0; i < st->n; i++)
         in[i] = (kvd_page_in){st->pages[i].bytes, st->pages[i].len};
-    kvd_pages_args a = {
-        h->sequence_id.data, h->sequence_id.len, in, st->n, h->token_ids, h->n_token_ids,
-        h->block_hashes,     h->n_block_hashes};
+    kvd_seq_key key;
+    int rc = kvd_ctx_seq_key(ctx, &h->sequence_id, "header.sequence_id", &key, err);
+    if (rc) {
+        free(in);
+        return rc;
+    }
+    kvd_pages_args a = {key.id,          key.len,          in, st->n, h->token_ids, h->n_token_ids,
+                        h->block_hashes, h->n_block_hashes};
     kvd_compute_guard g;
     kvd_compute c;
     kvd_ctx_compute(ctx, &g, &c);
     kvd_seq_info info;
-    int rc = kvd_compute_append_pages(&c, &a, &info, err);
+    rc = kvd_compute_append_pages(&c, &a, &info, err);
     free(in);
     if (rc)
         return rc;
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__AppendPagesResponse resp = KVDEPOT__V1__APPEND_PAGES_RESPONSE__INIT;
     resp.sequence = &si;
     resp.pages_received = st->n;

@@ -198,16 +198,22 @@ static int parse_token(doc *D, kvd_auth *a, yaml_node_t *n, uint64_t dseq, uint6
             return doc_fail(D, n, "token: only printable ASCII without spaces");
     if (!tenant || !tenant[0])
         return doc_fail(D, n, "tenant: missing");
+    /* The tenant names its namespace of sequence ids ("<tenant>/<id>"). */
+    if (strlen(tenant) > 64 || strspn(tenant, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                              "0123456789._-") != strlen(tenant))
+        return doc_fail(D, n, "tenant: '%.80s' is not 1 to 64 of [A-Za-z0-9._-]", tenant);
     for (size_t i = 0; i < a->n_tokens; i++)
         if (strcmp(a->tokens[i].token, token) == 0)
             return doc_fail(D, n, "a token is listed twice (tenant %s)", tenant);
-    int read_only;
+    int read_only, admin = 0;
     if (strcmp(access, "read-only") == 0 || strcmp(access, "ro") == 0)
         read_only = 1;
     else if (strcmp(access, "read-write") == 0 || strcmp(access, "rw") == 0)
         read_only = 0;
+    else if (strcmp(access, "admin") == 0)
+        read_only = 0, admin = 1;
     else
-        return doc_fail(D, n, "access: '%s' is not read-only or read-write", access);
+        return doc_fail(D, n, "access: '%s' is not read-only, read-write or admin", access);
     int64_t exp = 0;
     if (expires && parse_time(expires, &exp) != 0)
         return doc_fail(D, n, "expires: '%s' is not a UTC time like 2027-01-01T00:00:00Z", expires);
@@ -220,6 +226,7 @@ static int parse_token(doc *D, kvd_auth *a, yaml_node_t *n, uint64_t dseq, uint6
     memset(p, 0, sizeof *p);
     p->tenant = (size_t)ti;
     p->read_only = read_only;
+    p->admin = admin;
     p->expires = exp;
     if (!(p->token = strdup(token)))
         return doc_fail(D, n, "out of memory");
@@ -417,6 +424,17 @@ int kvd_auth_check(const kvd_auth *a, const grpc_metadata_array *md, int64_t now
                              a->tenants[found->tenant].name);
     *out = found;
     return 0;
+}
+
+void kvd_auth_usage(kvd_auth *a, const kvd_principal *p, uint64_t *sequences, uint64_t *bytes)
+{
+    *sequences = *bytes = 0;
+    if (!a || !p)
+        return;
+    pthread_mutex_lock(&a->mu);
+    *sequences = a->tenants[p->tenant].sequences;
+    *bytes = a->tenants[p->tenant].bytes;
+    pthread_mutex_unlock(&a->mu);
 }
 
 const char *kvd_auth_tenant(const kvd_auth *a, const kvd_principal *p)

@@ -58,6 +58,7 @@ typedef struct kvd_principal {
     char **namespaces;
     size_t n_namespaces;
     int read_only;
+    int admin;       /* access: admin: read-write, and Stats tells of the whole server */
     int64_t expires; /* unix seconds; 0 = never */
 } kvd_principal;
 
@@ -103,6 +104,8 @@ int kvd_auth_check(const kvd_auth *a, const grpc_metadata_array *md, int64_t now
 
 /* Tenant name of a principal ("anonymous" for NULL). */
 const char *kvd_auth_tenant(const kvd_auth *a, const kvd_principal *p);
+/* What the principal's tenant holds (its quota usage): sequences, bytes. */
+void kvd_auth_usage(kvd_auth *a, const kvd_principal *p, uint64_t *sequences, uint64_t *bytes);
 
 /* 1 when p (NULL = unrestricted) may use the model. */
 int kvd_auth_model_allowed(const kvd_principal *p, const char *model);

@@ -42,16 +42,22 @@ int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
     kvd_attend_result *res = calloc(n ? n : 1, sizeof *res);
     Kvdepot__V1__AttendResult *pr = calloc(n ? n : 1, sizeof *pr);
     Kvdepot__V1__AttendResult **pp = calloc(n ? n : 1, sizeof *pp);
-    int rc;
-    if (!qs || !res || !pr || !pp) {
+    kvd_seq_key *keys = malloc((n ? n : 1) * sizeof *keys);
+    int rc = 0;
+    if (!qs || !res || !pr || !pp || !keys) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n && rc == 0; i++) {
         const Kvdepot__V1__AttendQuery *q = req->queries[i];
-        qs[i] = (kvd_attend_query){q->sequence_id.data, q->sequence_id.len, q->q, q->n_q,
-                                   q->token_start,      q->num_tokens};
+        char field[48];
+        snprintf(field, sizeof field, "queries[%zu].sequence_id", i);
+        rc = kvd_ctx_seq_key(ctx, &q->sequence_id, field, &keys[i], err);
+        qs[i] = (kvd_attend_query){keys[i].id, keys[i].len,    q->q,
+                                   q->n_q,     q->token_start, q->num_tokens};
     }
+    if (rc)
+        goto done;
     if ((rc = kvd_compute_attend(&c, req->layer, req->scale, qs, n, res, err)))
         goto done;
     for (size_t i = 0; i < n; i++) {
@@ -71,23 +77,19 @@ done:
     kvd_attend_results_clear(res, res ? n : 0);
     free(res);
     free(qs);
+    free(keys);
     free(pr);
     free(pp);
     return rc;
 }
 
-static void search_args(const Kvdepot__V1__SearchRequest *req, kvd_search_args *a)
+static void search_args(const Kvdepot__V1__SearchRequest *req, const kvd_seq_key *key,
+                        kvd_search_args *a)
 {
-    *a = (kvd_search_args){req->sequence_id.data,
-                           req->sequence_id.len,
-                           req->layer,
-                           req->q,
-                           req->n_q,
-                           req->k,
-                           req->initial_tokens,
-                           req->recent_tokens,
-                           req->token_start,
-                           req->num_tokens};
+    *a =
+        (kvd_search_args){key->id,          key->len,       req->layer,          req->q,
+                          req->n_q,         req->k,         req->initial_tokens, req->recent_tokens,
+                          req->token_start, req->num_tokens};
 }
 
 /* HeadTokens of a result, pointing into it. */
@@ -120,13 +122,17 @@ static int search_rpc(kvd_req_ctx *ctx, const Kvdepot__V1__SearchRequest *req, i
     kvd_compute_guard g;
     kvd_compute c;
     kvd_ctx_compute(ctx, &g, &c);
+    kvd_seq_key key;
+    int rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err);
+    if (rc)
+        return rc;
     kvd_search_args a;
-    search_args(req, &a);
+    search_args(req, &key, &a);
     kvd_search_result r;
     memset(&r, 0, sizeof r);
     Kvdepot__V1__HeadTokens *heads = NULL, **hp = NULL;
-    int rc = sparse ? kvd_compute_sparse_attend(&c, &a, scale, &r, err)
-                    : kvd_compute_search(&c, &a, &r, err);
+    rc = sparse ? kvd_compute_sparse_attend(&c, &a, scale, &r, err)
+                : kvd_compute_search(&c, &a, &r, err);
     if (rc == 0 && (rc = heads_to_pb(&r, &heads, &hp, err)) == 0) {
         Kvdepot__V1__AttendResult res = KVDEPOT__V1__ATTEND_RESULT__INIT;
         res.n_output = (size_t)r.num_q_heads * r.head_dim;
@@ -171,11 +177,15 @@ int kvd_h_plan_fetch(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_bu
     kvd_compute_guard g;
     kvd_compute c;
     kvd_ctx_compute(ctx, &g, &c);
-    kvd_plan_args a = {req->sequence_id.data,    req->sequence_id.len, req->bandwidth_bytes_per_s,
-                       req->compute_flops_per_s, req->layer_start,     req->num_layers,
-                       req->assume_activations};
+    kvd_seq_key key;
+    int rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err);
+    if (rc)
+        return rc;
+    kvd_plan_args a = {
+        key.id,           key.len,         req->bandwidth_bytes_per_s, req->compute_flops_per_s,
+        req->layer_start, req->num_layers, req->assume_activations};
     kvd_plan p;
-    int rc = kvd_compute_plan_fetch(&c, &a, &p, err);
+    rc = kvd_compute_plan_fetch(&c, &a, &p, err);
     if (rc)
         return rc;
     Kvdepot__V1__PlanFetchResponse resp = KVDEPOT__V1__PLAN_FETCH_RESPONSE__INIT;

@@ -149,8 +149,8 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     const Kvdepot__V1__CreateSequenceRequest *req =
         (const Kvdepot__V1__CreateSequenceRequest *)msg;
     int rc;
-    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
-                               err)) ||
+    kvd_seq_key key;
+    if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)) ||
         (rc = kvd_check_model_name(req->model, "model", err)) ||
         (rc = kvd_ctx_check_model(ctx, req->model, err)))
         return rc;
@@ -198,8 +198,8 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         opts.ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
                                                           : req->ttl_seconds * 1000;
     kvd_quota_lock(ctx->auth);
-    rc = kvd_store_seq_create_ex(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                 req->model, req->prefix_hashes, req->n_prefix_hashes,
+    rc = kvd_store_seq_create_ex(ctx->svc->store, key.id, key.len, req->model, req->prefix_hashes,
+                                 req->n_prefix_hashes,
                                  req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
                                  req->n_prefix_token_ids, &opts, &info, err);
     if (rc == 0)
@@ -215,6 +215,7 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     KVD_METRIC_ADD(pages_sealed, info.sealed_pages);
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__CreateSequenceResponse resp = KVDEPOT__V1__CREATE_SEQUENCE_RESPONSE__INIT;
     resp.sequence = &si;
     rc = reply_or_oom(reply, &resp.base, ctx, err);
@@ -252,13 +253,12 @@ int kvd_h_stat_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
 {
     const Kvdepot__V1__StatSequenceRequest *req = (const Kvdepot__V1__StatSequenceRequest *)msg;
     int rc;
-    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
-                               err)))
+    kvd_seq_key key;
+    if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)))
         return rc;
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
-    if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                 &info, err)))
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, key.id, key.len, &info, err)))
         return rc;
     if ((rc = kvd_ctx_check_model(ctx, info.model, err))) {
         kvd_seq_info_clear(&info);
@@ -266,6 +266,7 @@ int kvd_h_stat_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     }
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__WalRecoveryLoss loss;
     kvd_seq_loss_to_pb(&info, &loss, &si);
     Kvdepot__V1__StatSequenceResponse resp = KVDEPOT__V1__STAT_SEQUENCE_RESPONSE__INIT;
@@ -285,9 +286,21 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         ((rc = kvd_check_model_name(req->model, "model", err)) ||
          (rc = kvd_ctx_check_model(ctx, req->model, err))))
         return rc;
-    if (req->page_token.len > KVD_SEQ_ID_MAX)
+    if (req->page_token.len > KVD_WIRE_SEQ_ID_MAX)
         return kvd_error_set(err, KVD_EINVAL, "page_token: %zu bytes, not one this server issued",
                              req->page_token.len);
+    /* A tenant lists its own namespace: from its start, or from the page
+     * token (an id in it) on. */
+    kvd_seq_key after;
+    after.len = after.ns = 0;
+    if (req->page_token.len &&
+        (rc = kvd_ctx_seq_key(ctx, &req->page_token, "page_token", &after, err)))
+        return rc;
+    if (!req->page_token.len && ctx->principal) {
+        ProtobufCBinaryData one = {1, (uint8_t *)"x"};
+        kvd_ctx_seq_key(ctx, &one, "page_token", &after, err);
+        after.len = after.ns; /* the namespace alone: every id in it sorts after */
+    }
     size_t limit = req->page_size ? req->page_size : LIST_PAGE_DEFAULT;
     if (limit > LIST_PAGE_MAX)
         limit = LIST_PAGE_MAX;
@@ -295,10 +308,17 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     size_t n = 0;
     int more = 0;
     rc = kvd_store_seq_list(ctx->svc->store, req->model && req->model[0] ? req->model : NULL,
-                            req->page_token.len ? req->page_token.data : NULL,
-                            req->page_token.len, limit, &seqs, &n, &more, err);
+                            after.len ? after.id : NULL, after.len, limit, &seqs, &n, &more, err);
     if (rc)
         return rc;
+    /* Past the namespace's ids: the list ends there. */
+    for (size_t i = 0; i < n && after.ns; i++)
+        if (seqs[i].id_len < after.ns || memcmp(seqs[i].id, after.id, after.ns) != 0) {
+            for (size_t j = i; j < n; j++)
+                kvd_seq_info_clear(&seqs[j]);
+            n = i;
+            more = 0;
+        }
     /* A tenant sees the sequences of its namespaces only. The page token
      * stays the last id scanned, so a page filtered down to nothing still
      * lets the caller go on. */
@@ -324,6 +344,7 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     }
     for (size_t i = 0; i < n; i++) {
         kvd_seq_info_to_pb(&seqs[i], &sis[i]);
+        kvd_ctx_seq_wire(ctx, &sis[i].sequence_id);
         ptrs[i] = &sis[i];
     }
     Kvdepot__V1__ListSequencesResponse resp = KVDEPOT__V1__LIST_SEQUENCES_RESPONSE__INIT;
@@ -339,6 +360,7 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
             cut && keep ? (uint8_t *)seqs[keep - 1].id : cut && more ? last_id : NULL;
         resp.next_page_token.len =
             cut && keep ? seqs[keep - 1].id_len : cut && more ? last_len : 0;
+        kvd_ctx_seq_wire(ctx, &resp.next_page_token); /* the id in the caller's terms */
         size_t sz = protobuf_c_message_get_packed_size(&resp.base);
         if (sz <= ctx->svc->cfg->max_message_bytes || keep <= 1)
             break;
@@ -360,8 +382,8 @@ int kvd_h_delete_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     const Kvdepot__V1__DeleteSequenceRequest *req =
         (const Kvdepot__V1__DeleteSequenceRequest *)msg;
     int rc;
-    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
-                               err)))
+    kvd_seq_key key;
+    if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)))
         return rc;
     /* What the sequence holds when it goes leaves the quotas and gauges
      * with it: one stat and the delete under the quota's commit lock. */
@@ -370,12 +392,10 @@ int kvd_h_delete_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     kvd_model_info mi;
     uint64_t freed = 0, bytes = 0;
     kvd_quota_lock(ctx->auth);
-    if ((rc = kvd_store_seq_stat(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                 &info, err)) == 0 &&
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, key.id, key.len, &info, err)) == 0 &&
         (rc = kvd_ctx_check_model(ctx, info.model, err)) == 0 &&
         (rc = kvd_store_model_get(ctx->svc->store, info.model, &mi, err)) == 0 &&
-        (rc = kvd_store_seq_delete(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                   &freed, err)) == 0) {
+        (rc = kvd_store_seq_delete(ctx->svc->store, key.id, key.len, &freed, err)) == 0) {
         bytes = kvd_seq_payload_bytes(&info, &mi);
         kvd_quota_forget(ctx->auth, info.model, 1, bytes);
     }

@@ -8,6 +8,7 @@
 #include "kvdepot/v1/kvdepot.pb-c.h"
 #include "metrics.h"
 #include "rpc.h"
+#include "validate.h"
 
 #define KVD_SVC "/kvdepot.v1.KVDepot/"
 #define HEALTH_SVC "/grpc.health.v1.Health/"
@@ -76,6 +77,40 @@ kvd_auth *kvd_service_auth(kvd_service *svc)
         kvd_auth_ref(a);
     pthread_mutex_unlock(&svc->auth_mu);
     return a;
+}
+
+/* The caller's namespace: "<tenant>/", or "" without a tokens file. */
+static size_t seq_ns(const kvd_req_ctx *ctx, char *out, size_t cap)
+{
+    if (!ctx->principal)
+        return 0;
+    int n = snprintf(out, cap, "%s/", kvd_auth_tenant(ctx->auth, ctx->principal));
+    return n > 0 && (size_t)n < cap ? (size_t)n : 0;
+}
+
+int kvd_ctx_seq_key(const kvd_req_ctx *ctx, const ProtobufCBinaryData *wire, const char *field,
+                    kvd_seq_key *out, kvd_error *err)
+{
+    out->len = out->ns = 0;
+    int rc = kvd_check_seq_id(wire->data, wire->len, field, err);
+    if (rc)
+        return rc;
+    char ns[KVD_SEQ_ID_MAX - KVD_WIRE_SEQ_ID_MAX + 1];
+    out->ns = seq_ns(ctx, ns, sizeof ns);
+    memcpy(out->id, ns, out->ns);
+    memcpy(out->id + out->ns, wire->data, wire->len);
+    out->len = out->ns + wire->len;
+    return 0;
+}
+
+void kvd_ctx_seq_wire(const kvd_req_ctx *ctx, ProtobufCBinaryData *id)
+{
+    char ns[KVD_SEQ_ID_MAX - KVD_WIRE_SEQ_ID_MAX + 1];
+    size_t n = seq_ns(ctx, ns, sizeof ns);
+    if (n && id->len >= n && memcmp(id->data, ns, n) == 0) {
+        id->data += n;
+        id->len -= n;
+    }
 }
 
 int kvd_ctx_check_model(kvd_req_ctx *ctx, const char *model, kvd_error *err)

@@ -55,12 +55,12 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
 {
     const Kvdepot__V1__ReadRequest *req = (const Kvdepot__V1__ReadRequest *)msg;
     int rc;
-    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id",
-                               err)) ||
-        (rc = kvd_check_range(req->token_start, req->num_tokens, 64, "token_start",
-                              "num_tokens", err)) ||
-        (rc = kvd_check_range(req->layer_start, req->num_layers, 32, "layer_start",
-                              "num_layers", err)))
+    kvd_seq_key key;
+    if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)) ||
+        (rc = kvd_check_range(req->token_start, req->num_tokens, 64, "token_start", "num_tokens",
+                              err)) ||
+        (rc = kvd_check_range(req->layer_start, req->num_layers, 32, "layer_start", "num_layers",
+                              err)))
         return rc;
     const int pages = req->format == KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES;
     if (!pages && req->format != KVDEPOT__V1__READ_FORMAT__READ_FORMAT_DECODED)
@@ -71,7 +71,7 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
     if (req->max_chunk_bytes > CHUNK_MAX)
         return kvd_error_set(err, KVD_EINVAL, "max_chunk_bytes: %u exceeds the limit %u",
                              req->max_chunk_bytes, CHUNK_MAX);
-    if ((rc = kvd_ctx_check_seq(ctx, req->sequence_id.data, req->sequence_id.len, err)))
+    if ((rc = kvd_ctx_check_seq(ctx, key.id, key.len, err)))
         return rc;
     size_t chunk = req->max_chunk_bytes ? req->max_chunk_bytes : CHUNK_DEFAULT;
     uint64_t send_limit = ctx->svc->cfg->max_message_bytes;
@@ -82,8 +82,8 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
     if (!st)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     kvd_read_spec spec = {
-        .seq_id = req->sequence_id.data,
-        .seq_id_len = req->sequence_id.len,
+        .seq_id = key.id,
+        .seq_id_len = key.len,
         .layer_start = req->layer_start,
         .num_layers = req->num_layers,
         .token_start = req->token_start,
@@ -94,8 +94,8 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
         free(st);
         return rc;
     }
-    memcpy(st->id, req->sequence_id.data, req->sequence_id.len);
-    st->id_len = req->sequence_id.len;
+    memcpy(st->id, key.id, key.len);
+    st->id_len = key.len;
     st->chunk = chunk;
     if (pages) {
         /* The shape (and the range check) come from the cursor; the pages
@@ -171,13 +171,13 @@ static int next_page(read_state *st, grpc_byte_buffer **msg, kvd_error *err)
 
 static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_error *err)
 {
-    (void)ctx;
     read_state *st = state;
     *msg = NULL;
     if (!st->header_sent) {
         Kvdepot__V1__ReadHeader h = KVDEPOT__V1__READ_HEADER__INIT;
         h.sequence_id.data = st->id;
         h.sequence_id.len = st->id_len;
+        kvd_ctx_seq_wire(ctx, &h.sequence_id);
         h.layer_start = st->shape.layer_start;
         h.num_layers = st->shape.num_layers;
         h.token_start = st->shape.token_start;

@@ -80,6 +80,23 @@ typedef enum kvd_access {
  * kvd_auth_unref(). */
 kvd_auth *kvd_service_auth(kvd_service *svc);
 
+/* A sequence id as the store keys it. With a tokens file, ids live in a
+ * namespace per tenant: "<tenant>/" then the id the client gave, so two
+ * tenants can each own "req-1" and another tenant's sequence is, to a
+ * caller, one that does not exist. Without one, the id as given. */
+typedef struct kvd_seq_key {
+    uint8_t id[KVD_SEQ_ID_MAX];
+    size_t len;
+    size_t ns; /* namespace bytes before the client's id */
+} kvd_seq_key;
+
+/* Check a wire id (kvd_check_seq_id, naming `field`) and key it. */
+int kvd_ctx_seq_key(const kvd_req_ctx *ctx, const ProtobufCBinaryData *wire, const char *field,
+                    kvd_seq_key *out, kvd_error *err);
+/* A store id of the caller's namespace as the caller knows it (id->data
+ * and id->len moved past the namespace). */
+void kvd_ctx_seq_wire(const kvd_req_ctx *ctx, ProtobufCBinaryData *id);
+
 /* PERMISSION_DENIED unless the caller may use `model`. */
 int kvd_ctx_check_model(kvd_req_ctx *ctx, const char *model, kvd_error *err);
 /* The same for the model of a stored sequence (NOT_FOUND when there is

@@ -57,6 +57,20 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
     resp.device_pages_searched = kvd_compute_device_search_pages();
     resp.device_pages_encoded = s.device_pages_encoded;
     resp.device_fallbacks = s.device_fallbacks;
+    if (ctx->principal && !ctx->principal->admin) {
+        /* A tenant learns its own usage, and how the server is set up;
+         * what the others hold and do is for admin tokens. */
+        uint64_t seqs, bytes;
+        kvd_auth_usage(ctx->auth, ctx->principal, &seqs, &bytes);
+        for (int i = 0; i < KVD_TIERS; i++)
+            t[i].bytes = t[i].pages = t[i].hits = t[i].evictions = 0;
+        t[KVD_TIER_DISK].bytes = bytes;
+        resp.misses = resp.promotions = resp.prefetched = resp.checksum_failures = 0;
+        resp.sequences_dropped = resp.sequences_expired = 0;
+        resp.sequences = seqs;
+        resp.device_pages_attended = resp.device_pages_searched = 0;
+        resp.device_pages_encoded = resp.device_fallbacks = 0;
+    }
     *reply = kvd_pack(&resp.base);
     return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
 }
@@ -66,12 +80,12 @@ int kvd_h_evict_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byt
 {
     const Kvdepot__V1__EvictSequenceRequest *req = (const Kvdepot__V1__EvictSequenceRequest *)msg;
     int rc;
-    if ((rc = kvd_check_seq_id(req->sequence_id.data, req->sequence_id.len, "sequence_id", err)) ||
-        (rc = kvd_ctx_check_seq(ctx, req->sequence_id.data, req->sequence_id.len, err)))
+    kvd_seq_key key;
+    if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)) ||
+        (rc = kvd_ctx_check_seq(ctx, key.id, key.len, err)))
         return rc;
     uint64_t pages = 0, bytes = 0;
-    if ((rc = kvd_store_seq_evict(ctx->svc->store, req->sequence_id.data, req->sequence_id.len,
-                                  &pages, &bytes, err)))
+    if ((rc = kvd_store_seq_evict(ctx->svc->store, key.id, key.len, &pages, &bytes, err)))
         return rc;
     Kvdepot__V1__EvictSequenceResponse resp = KVDEPOT__V1__EVICT_SEQUENCE_RESPONSE__INIT;
     resp.pages = pages;

@@ -21,7 +21,7 @@
 
 #define KVD_MODEL_NAME_MAX 128  /* bytes, [A-Za-z0-9._-] */
 #define KVD_REVISION_MAX 128    /* bytes */
-#define KVD_SEQ_ID_MAX 256      /* bytes, any value */
+#define KVD_SEQ_ID_MAX 330      /* bytes, any value (kvdepotd: a tenant's namespace + 256) */
 #define KVD_DEFAULT_PAGE_TOKENS 256
 
 typedef struct kvd_store kvd_store;

@@ -191,7 +191,7 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
 {
     memset(out, 0, sizeof *out);
     int rc;
-    if ((rc = kvd_check_seq_id(a->id, a->id_len, "header.sequence_id", err)))
+    if ((rc = kvd_check_key_id(a->id, a->id_len, "header.sequence_id", err)))
         return rc;
     if (a->n == 0)
         return kvd_error_set(err, KVD_EINVAL, "pages: none sent");

@@ -13,7 +13,7 @@ int kvd__cseq_load(const kvd_compute *c, const void *id, size_t id_len, const ch
                    uint32_t layer, kvd__cseq *out, kvd_error *err)
 {
     int rc;
-    if ((rc = kvd_check_seq_id(id, id_len, field, err)))
+    if ((rc = kvd_check_key_id(id, id_len, field, err)))
         return rc;
     kvd_seq_info info;
     memset(&info, 0, sizeof info);

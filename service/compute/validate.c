@@ -10,6 +10,17 @@ int kvd_check_seq_id(const uint8_t *id, size_t len, const char *field, kvd_error
     (void)id;
     if (len == 0)
         return kvd_error_set(err, KVD_EINVAL, "%s: must not be empty", field);
+    if (len > KVD_WIRE_SEQ_ID_MAX)
+        return kvd_error_set(err, KVD_EINVAL, "%s: %zu bytes, at most %d allowed", field, len,
+                             KVD_WIRE_SEQ_ID_MAX);
+    return 0;
+}
+
+int kvd_check_key_id(const uint8_t *id, size_t len, const char *field, kvd_error *err)
+{
+    (void)id;
+    if (len == 0)
+        return kvd_error_set(err, KVD_EINVAL, "%s: must not be empty", field);
     if (len > KVD_SEQ_ID_MAX)
         return kvd_error_set(err, KVD_EINVAL, "%s: %zu bytes, at most %d allowed", field, len,
                              KVD_SEQ_ID_MAX);

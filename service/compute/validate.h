@@ -11,7 +11,12 @@
 
 #include "kvdepot/status.h"
 
-/* 1..KVD_SEQ_ID_MAX bytes of anything. */
+/* What a client may name a sequence: 1..256 bytes of anything (kvdepotd
+ * puts a tenant's namespace before it, up to KVD_SEQ_ID_MAX in all). */
+#define KVD_WIRE_SEQ_ID_MAX 256
+/* A store id (the service's key of one: compute takes those), 1 to
+ * KVD_SEQ_ID_MAX bytes. */
+int kvd_check_key_id(const uint8_t *id, size_t len, const char *field, kvd_error *err);
 int kvd_check_seq_id(const uint8_t *id, size_t len, const char *field, kvd_error *err);
 
 /* Non-empty, at most KVD_MODEL_NAME_MAX bytes, [A-Za-z0-9._-]. */

@@ -170,6 +170,10 @@ tokens:
     tenant: team-a
     namespaces: ["a-*"]
     expires: 2001-01-01T00:00:00Z
+  - token: "tok-admin-0123456789"
+    tenant: ops
+    namespaces: ["*"]
+    access: admin
 EOF
     start --tokens-file "$work/tokens.yaml" --log-level debug
     k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
@@ -188,11 +192,36 @@ EOF
     expect PERMISSION_DENIED k --token tok-a-rw-0123456789 model get b-m
     f=$(kv 4)
     ok k --token tok-b-rw-0123456789 put b-seq --model b-m --tokens 4 --file "$f"
-    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 get b-seq --file "$work/x"
-    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 seq stat b-seq
-    expect PERMISSION_DENIED k --token tok-a-rw-0123456789 seq rm b-seq
+    # Sequence ids live in a namespace per tenant: another tenant's sequence
+    # is one that does not exist, to the letter of the message.
+    for cmd in "get b-seq --file $work/x" "seq stat b-seq" "seq rm b-seq" "seq evict b-seq"; do
+        expect NOT_FOUND k --token tok-a-rw-0123456789 $cmd
+        theirs=$last_out
+        expect NOT_FOUND k --token tok-a-rw-0123456789 ${cmd/b-seq/no-such}
+        [ "${theirs//b-seq/X}" = "${last_out//no-such/X}" ] ||
+            fail "'$cmd' tells theirs from none: '$theirs' vs '$last_out'"
+    done
     k --token tok-a-rw-0123456789 models | grep_q b-m && fail "team-a sees team-b's model"
     k --token tok-a-rw-0123456789 seqs | grep_q b-seq && fail "team-a sees team-b's sequence"
+    # Each tenant can own "req-1"; each reads back its own bytes.
+    g=$(kv 4)
+    cp "$g" "$work/g.bin"
+    ok k --token tok-b-rw-0123456789 put req-1 --model b-m --tokens 4 --file "$f"
+    ok k --token tok-a-rw-0123456789 put req-1 --model a-m --tokens 4 --file "$work/g.bin"
+    ok k --token tok-b-rw-0123456789 get req-1 --file "$work/back"
+    cmp -s "$f" "$work/back" || fail "team-b's req-1 reads back other bytes"
+    ok k --token tok-a-rw-0123456789 get req-1 --file "$work/back"
+    cmp -s "$work/g.bin" "$work/back" || fail "team-a's req-1 reads back other bytes"
+    k --token tok-a-rw-0123456789 seq stat req-1 | grep -q "model: *a-m" || fail "team-a's req-1"
+    [ "$(k --token tok-b-rw-0123456789 seqs | grep -c req-1)" = 1 ] || fail "team-b lists req-1"
+    # Stats: a tenant sees its own usage; an admin token the whole server.
+    k --token tok-b-rw-0123456789 stats >"$work/stats-b" || fail "stats for team-b"
+    k --token tok-admin-0123456789 stats >"$work/stats-admin" || fail "stats for the admin"
+    grep -q "^sequences *2$" "$work/stats-b" || fail "team-b's stats: $(cat "$work/stats-b")"
+    grep -q "^sequences *3$" "$work/stats-admin" ||
+        fail "the admin's stats: $(cat "$work/stats-admin")"
+    ok k --token tok-a-rw-0123456789 seq rm req-1
+    ok k --token tok-b-rw-0123456789 get req-1 --file "$work/back" # still there
     # Read-only writing.
     ok k --token tok-a-ro-0123456789 models
     expect PERMISSION_DENIED k --token tok-a-ro-0123456789 put a-seq --model a-m --tokens 4 \

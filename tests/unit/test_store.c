@@ -328,7 +328,7 @@ static void test_validation(void)
     bad.seq_id = longid;
     bad.seq_id_len = sizeof longid;
     CHECK(kvd_store_append_begin(st, &bad, &ap, &exp, &err) == KVD_EINVAL &&
-              strstr(err.msg, "sequence id longer than 256 bytes"),
+              strstr(err.msg, "sequence id longer than 330 bytes"),
           "long id: %s", err.msg);
     uint32_t ids[2] = {1, 2};
     bad = sp;
