@@ -16,9 +16,15 @@ if(TARGET kvd_e2e_harness)
   # (tests/backend/cuda_emu.cmake): pages held in emulated device memory,
   # Attend through the CUDA backend's host code and kernels.
   if(TARGET kvdepotd_cuda_emu)
+    # device and search run the emulated VQ coding and K-means, minutes
+    # under the sanitizers: "slow" keeps them to the first pass.
     foreach(name device attend codecs lse_merge search append_pages read_pages)
+      set(labels e2e)
+      if(name STREQUAL "device" OR name STREQUAL "search")
+        set(labels "e2e;slow")
+      endif()
       add_test(NAME compute_emu_${name} COMMAND e2e_compute $<TARGET_FILE:kvdepotd_cuda_emu> ${name})
-      set_tests_properties(compute_emu_${name} PROPERTIES LABELS e2e TIMEOUT 600
+      set_tests_properties(compute_emu_${name} PROPERTIES LABELS "${labels}" TIMEOUT 600
                            ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVDEPOT_DEVICE_TIER_BYTES=256MiB")
     endforeach()
     add_test(NAME compute_emu_device_fault

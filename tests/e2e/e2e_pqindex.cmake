@@ -12,12 +12,13 @@ if(TARGET kvd_e2e_harness)
                          ENVIRONMENT KVDEPOT_DEVICE=cpu)
   endforeach()
   # Against kvdepotd on the CPU emulation of a GPU, which trains the
-  # centroids with the GPU's K-means and codes the pages there.
+  # centroids with the GPU's K-means and codes the pages there (minutes
+  # under the sanitizers: "slow" keeps them to the first pass).
   if(TARGET kvdepotd_cuda_emu)
     foreach(name stored pages sparse)
       add_test(NAME pqindex_emu_${name}
                COMMAND e2e_pqindex $<TARGET_FILE:kvdepotd_cuda_emu> ${name})
-      set_tests_properties(pqindex_emu_${name} PROPERTIES LABELS e2e TIMEOUT 600
+      set_tests_properties(pqindex_emu_${name} PROPERTIES LABELS "e2e;slow" TIMEOUT 600
                            ENVIRONMENT "KVDEPOT_DEVICE=cuda")
     endforeach()
   endif()
