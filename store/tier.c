@@ -195,6 +195,26 @@ static uint64_t host_charge(const kvd__cache *c, size_t len)
 static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
 static void demote(kvd__cache *c, kvd__centry *e);
 
+/* A range of alloc bytes in the tier's pool, within its budget already but
+ * maybe fragmented: its least recently used unpinned entries other than
+ * keep move down until one fits. 0 or -1. */
+static int pool_fit(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep,
+                    uint64_t *off)
+{
+    kvd__pool *pl = tier == KVD_TIER_DEVICE ? &c->dpool : &c->hpool;
+    kvd__centry *v = c->tier[tier].tail;
+    while (pool_alloc(pl, alloc, off) != 0) {
+        while (v && (v->pins || v == keep))
+            v = v->prev;
+        if (!v)
+            return -1;
+        kvd__centry *prev = v->prev;
+        demote(c, v);
+        v = prev;
+    }
+    return 0;
+}
+
 /* Memory for a host-tier page of len bytes, making room (entries other than
  * keep move out); *off is its offset in hpool. 0 or -1. */
 static int host_take(kvd__cache *c, size_t len, const kvd__centry *keep, uint8_t **out,
@@ -207,17 +227,8 @@ static int host_take(kvd__cache *c, size_t len, const kvd__centry *keep, uint8_t
         return -1;
     if (!c->hpool.base)
         return (*out = host_alloc(len)) ? 0 : -1;
-    /* Within budget but fragmented: free more until a range fits. */
-    kvd__centry *v = c->tier[KVD_TIER_HOST].tail;
-    while (pool_alloc(&c->hpool, charge, off) != 0) {
-        while (v && (v->pins || v == keep))
-            v = v->prev;
-        if (!v)
-            return -1;
-        kvd__centry *prev = v->prev;
-        demote(c, v);
-        v = prev;
-    }
+    if (pool_fit(c, KVD_TIER_HOST, charge, keep, off))
+        return -1;
     *out = c->hpool.base + *off;
     return 0;
 }
@@ -406,19 +417,7 @@ static int device_alloc(kvd__cache *c, uint64_t alloc, const kvd__centry *keep, 
         return -1;
     if (make_room(c, KVD_TIER_DEVICE, alloc, keep))
         return -1;
-    /* Within budget but fragmented: free more until a range fits. */
-    kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
-    kvd__centry *v = t->tail;
-    while (pool_alloc(&c->dpool, alloc, off) != 0) {
-        while (v && (v->pins || v == keep))
-            v = v->prev;
-        if (!v)
-            return -1;
-        kvd__centry *prev = v->prev;
-        demote(c, v);
-        v = prev;
-    }
-    return 0;
+    return pool_fit(c, KVD_TIER_DEVICE, alloc, keep, off);
 }
 
 /* Copy `len` bytes into a pool range with cache->mu released, e marked
