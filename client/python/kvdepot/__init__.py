@@ -1,0 +1,23 @@
+"""kvdepot: the Python client of kvdepot, over libkvdepot.
+
+    import numpy as np, kvdepot
+    with kvdepot.Client("127.0.0.1:50051") as c:
+        c.put_model(kvdepot.Model("m", num_layers=2, num_kv_heads=8, head_dim=128))
+        c.create_sequence("req-1", "m")
+        k = np.zeros((2, 16, 8, 128), np.float16)
+        c.append("req-1", k, k, token_start=0)
+        k2, v2 = c.read("req-1")
+"""
+from .client import AttendResult, Client, Model, SequenceInfo
+from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
+                     FailedPrecondition, Internal, InvalidArgument, KvdepotError, NotFound,
+                     OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
+                     Unavailable, Unimplemented, Unknown)
+
+__all__ = [
+    "Client", "Model", "SequenceInfo", "AttendResult", "KvdepotError", "Cancelled", "Unknown",
+    "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
+    "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",
+    "Internal", "Unavailable", "DataLoss", "Unauthenticated",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,211 @@
+"""The cffi builder of kvdepot._native.
+
+API mode: the extension is compiled against kvdepot.h, so the compiler, not
+this file, lays out every struct (the declarations below end in "...;" and
+name only the members Python uses). Where to find the library:
+
+  KVDEPOT_INCLUDE_DIR  directory of kvdepot.h (default: ../../include, the
+                       repository's client/include)
+  KVDEPOT_LIB_DIR      directory of libkvdepot.so (default: the system's);
+                       it is also recorded as the extension's run path
+"""
+import os
+
+from cffi import FFI
+
+CDEF = r"""
+typedef struct kvdepot_client kvdepot_client;
+typedef enum kvdepot_dtype {
+    KVDEPOT_DTYPE_UNSPECIFIED, KVDEPOT_DTYPE_F16, KVDEPOT_DTYPE_BF16, KVDEPOT_DTYPE_F32, ...
+} kvdepot_dtype;
+typedef enum kvdepot_serving {
+    KVDEPOT_SERVING_UNKNOWN, KVDEPOT_SERVING, KVDEPOT_NOT_SERVING, KVDEPOT_SERVICE_UNKNOWN, ...
+} kvdepot_serving;
+#define KVDEPOT_NAME_MAX ...
+#define KVDEPOT_ID_MAX ...
+
+typedef struct kvdepot_options {
+    const char *address;
+    uint32_t deadline_ms;
+    int wait_for_ready;
+    int tls;
+    const char *tls_ca_file;
+    const char *tls_cert_file;
+    const char *tls_key_file;
+    const char *tls_server_name;
+    const char *token;
+    ...;
+} kvdepot_options;
+
+typedef struct kvdepot_model {
+    char name[];
+    char revision[];
+    uint32_t num_layers;
+    uint32_t num_kv_heads;
+    uint32_t num_q_heads;
+    uint32_t head_dim;
+    uint32_t hidden_size;
+    kvdepot_dtype dtype;
+    uint64_t created_unix_ms;
+    ...;
+} kvdepot_model;
+
+typedef struct kvdepot_sequence_info {
+    uint8_t id[];
+    size_t id_len;
+    char model[];
+    uint64_t num_tokens;
+    uint64_t *layer_tokens;
+    size_t num_layers;
+    uint32_t page_tokens;
+    uint64_t sealed_pages;
+    uint64_t stored_bytes;
+    uint64_t created_unix_ms;
+    uint64_t prefix_blocks;
+    uint64_t activation_tokens;
+    ...;
+} kvdepot_sequence_info;
+
+typedef struct kvdepot_create_args {
+    const void *id;
+    size_t id_len;
+    const char *model;
+    uint64_t ttl_seconds;
+    ...;
+} kvdepot_create_args;
+
+typedef struct kvdepot_append_args {
+    const void *id;
+    size_t id_len;
+    uint32_t layer_start;
+    uint32_t num_layers;
+    uint64_t token_start;
+    uint64_t num_tokens;
+    kvdepot_dtype dtype;
+    const void *k;
+    size_t k_bytes;
+    const void *v;
+    size_t v_bytes;
+    const uint32_t *token_ids;
+    size_t num_token_ids;
+    ...;
+} kvdepot_append_args;
+
+typedef struct kvdepot_read_args {
+    const void *id;
+    size_t id_len;
+    uint32_t layer_start;
+    uint32_t num_layers;
+    uint64_t token_start;
+    uint64_t num_tokens;
+    ...;
+} kvdepot_read_args;
+
+typedef struct kvdepot_read_result {
+    uint32_t layer_start;
+    uint32_t num_layers;
+    uint64_t token_start;
+    uint64_t num_tokens;
+    uint32_t num_kv_heads;
+    uint32_t head_dim;
+    kvdepot_dtype dtype;
+    size_t kv_bytes;
+    void *k;
+    void *v;
+    void *owned;
+    ...;
+} kvdepot_read_result;
+
+typedef struct kvdepot_attend_query {
+    const void *id;
+    size_t id_len;
+    const float *q;
+    size_t q_len;
+    uint64_t token_start;
+    uint64_t num_tokens;
+    ...;
+} kvdepot_attend_query;
+
+typedef struct kvdepot_attend_result {
+    float *output;
+    float *lse;
+    size_t num_q_heads;
+    size_t head_dim;
+    uint64_t num_tokens;
+    ...;
+} kvdepot_attend_result;
+
+typedef struct kvdepot_tier_stats {
+    char name[];
+    uint64_t limit_bytes;
+    uint64_t bytes;
+    uint64_t pages;
+    uint64_t hits;
+    uint64_t evictions;
+    ...;
+} kvdepot_tier_stats;
+
+typedef struct kvdepot_stats {
+    char durability[];
+    kvdepot_tier_stats tiers[3];
+    size_t num_tiers;
+    uint64_t sequences;
+    char backend[];
+    char device[];
+    uint64_t device_memory_bytes;
+    int device_healthy;
+    ...;
+} kvdepot_stats;
+
+const char *kvdepot_status_name(int status);
+const char *kvdepot_errmsg(const kvdepot_client *client);
+void kvdepot_free(void *ptr);
+size_t kvdepot_dtype_size(kvdepot_dtype dtype);
+void kvdepot_options_init(kvdepot_options *opt);
+int kvdepot_connect(const kvdepot_options *opt, kvdepot_client **out);
+void kvdepot_close(kvdepot_client *client);
+int kvdepot_health_check(kvdepot_client *client, const char *service, kvdepot_serving *out);
+int kvdepot_model_put(kvdepot_client *client, const kvdepot_model *model, int replace,
+                      kvdepot_model *out, int *created);
+int kvdepot_model_get(kvdepot_client *client, const char *name, kvdepot_model *out);
+int kvdepot_model_delete(kvdepot_client *client, const char *name, int force,
+                         uint64_t *deleted_sequences);
+void kvdepot_sequence_info_clear(kvdepot_sequence_info *info);
+int kvdepot_sequence_create(kvdepot_client *client, const kvdepot_create_args *args,
+                            kvdepot_sequence_info *out);
+int kvdepot_sequence_stat(kvdepot_client *client, const void *id, size_t id_len,
+                          kvdepot_sequence_info *out);
+int kvdepot_sequence_list(kvdepot_client *client, const char *model,
+                          kvdepot_sequence_info **out, size_t *count);
+void kvdepot_sequence_list_free(kvdepot_sequence_info *list, size_t count);
+int kvdepot_sequence_delete(kvdepot_client *client, const void *id, size_t id_len,
+                            uint64_t *freed_pages);
+int kvdepot_sequence_append(kvdepot_client *client, const kvdepot_append_args *args,
+                            kvdepot_sequence_info *out);
+int kvdepot_sequence_read(kvdepot_client *client, const kvdepot_read_args *args,
+                          kvdepot_read_result *out);
+int kvdepot_sequence_evict(kvdepot_client *client, const void *id, size_t id_len,
+                           uint64_t *pages, uint64_t *bytes);
+int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,
+                   const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out);
+void kvdepot_attend_results_free(kvdepot_attend_result *results, size_t n);
+int kvdepot_stats_get(kvdepot_client *client, kvdepot_stats *out);
+"""
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+INCLUDE = os.environ.get("KVDEPOT_INCLUDE_DIR") or os.path.join(HERE, "..", "..", "include")
+LIBDIR = os.environ.get("KVDEPOT_LIB_DIR")
+
+ffi = FFI()
+ffi.cdef(CDEF)
+ffi.set_source(
+    "kvdepot._native",
+    '#include "kvdepot.h"',
+    libraries=["kvdepot"],
+    include_dirs=[INCLUDE],
+    library_dirs=[LIBDIR] if LIBDIR else [],
+    extra_link_args=["-Wl,-rpath," + LIBDIR] if LIBDIR else [],
+)
+
+if __name__ == "__main__":
+    ffi.compile(verbose=True)

@@ -1,0 +1,354 @@
+"""kvdepot.Client: the RPCs of libkvdepot for Python, NumPy in and out.
+
+K and V travel in kvdepot's wire layout, [layer][token][kv_head][head_dim]
+row-major: a C-contiguous NumPy array of shape (layers, tokens, kv_heads,
+head_dim) in the model's dtype (float16, float32, or uint16 holding bfloat16
+bits) is sent from its own memory, without a copy. Reads come back as
+arrays over the buffer libkvdepot received them into (freed when the arrays
+are). Every failure raises a kvdepot.errors exception.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ._native import ffi, lib
+from .errors import InvalidArgument, error_for
+
+Id = Union[str, bytes]
+
+_DTYPE_BY_NAME = {"f16": lib.KVDEPOT_DTYPE_F16, "bf16": lib.KVDEPOT_DTYPE_BF16,
+                  "f32": lib.KVDEPOT_DTYPE_F32}
+_NAME_BY_DTYPE = {v: k for k, v in _DTYPE_BY_NAME.items()}
+_NUMPY_BY_DTYPE = {lib.KVDEPOT_DTYPE_F16: np.float16, lib.KVDEPOT_DTYPE_BF16: np.uint16,
+                   lib.KVDEPOT_DTYPE_F32: np.float32}
+_SERVING = {lib.KVDEPOT_SERVING_UNKNOWN: "UNKNOWN", lib.KVDEPOT_SERVING: "SERVING",
+            lib.KVDEPOT_NOT_SERVING: "NOT_SERVING", lib.KVDEPOT_SERVICE_UNKNOWN: "SERVICE_UNKNOWN"}
+
+
+@dataclass
+class Model:
+    """A registered shape profile (kvdepot.v1.Model)."""
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "f16"
+    num_q_heads: int = 0
+    hidden_size: int = 0
+    revision: str = ""
+    created_unix_ms: int = 0
+
+
+@dataclass
+class SequenceInfo:
+    """The state of a sequence (kvdepot.v1.SequenceInfo)."""
+    id: bytes
+    model: str
+    num_tokens: int
+    layer_tokens: List[int] = field(default_factory=list)
+    page_tokens: int = 0
+    sealed_pages: int = 0
+    stored_bytes: int = 0
+    created_unix_ms: int = 0
+    prefix_blocks: int = 0
+    activation_tokens: int = 0
+
+
+@dataclass
+class AttendResult:
+    """Attention of one query: output (num_q_heads, head_dim) and the
+    log-sum-exp (num_q_heads) of the scores, over num_tokens tokens."""
+    output: np.ndarray
+    lse: np.ndarray
+    num_tokens: int
+
+
+def _id(sid: Id) -> bytes:
+    b = sid.encode() if isinstance(sid, str) else bytes(sid)
+    if not b:
+        raise InvalidArgument("sequence id: must not be empty", -3, "INVALID_ARGUMENT")
+    return b
+
+
+def _model_of(m) -> Model:
+    return Model(name=ffi.string(m.name).decode(), num_layers=m.num_layers,
+                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                 dtype=_NAME_BY_DTYPE.get(m.dtype, str(m.dtype)), num_q_heads=m.num_q_heads,
+                 hidden_size=m.hidden_size, revision=ffi.string(m.revision).decode(),
+                 created_unix_ms=m.created_unix_ms)
+
+
+def _info_of(s) -> SequenceInfo:
+    return SequenceInfo(
+        id=bytes(ffi.buffer(s.id, s.id_len)), model=ffi.string(s.model).decode(),
+        num_tokens=s.num_tokens,
+        layer_tokens=[s.layer_tokens[i] for i in range(s.num_layers)] if s.layer_tokens else [],
+        page_tokens=s.page_tokens, sealed_pages=s.sealed_pages, stored_bytes=s.stored_bytes,
+        created_unix_ms=s.created_unix_ms, prefix_blocks=s.prefix_blocks,
+        activation_tokens=s.activation_tokens)
+
+
+def _kv_array(a, what: str) -> np.ndarray:
+    """A C-contiguous (layers, tokens, kv_heads, head_dim) array, as given."""
+    arr = np.asarray(a)
+    if arr.ndim != 4:
+        raise InvalidArgument(f"{what}: shape {arr.shape}, want (layers, tokens, kv_heads, "
+                              "head_dim)", -3, "INVALID_ARGUMENT")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+class Client:
+    """A connection to kvdepotd (or, with several endpoints in the address,
+    to a sharded set of them; see libkvdepot). Use as a context manager or
+    call close()."""
+
+    def __init__(self, address: str, *, token: Optional[str] = None,
+                 deadline_ms: Optional[int] = None, wait_for_ready: bool = False,
+                 tls: bool = False, tls_ca_file: Optional[str] = None,
+                 tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
+                 tls_server_name: Optional[str] = None):
+        opt = ffi.new("kvdepot_options *")
+        lib.kvdepot_options_init(opt)
+        keep = []
+
+        def cstr(s):
+            if s is None:
+                return ffi.NULL
+            c = ffi.new("char[]", s.encode())
+            keep.append(c)
+            return c
+
+        opt.address = cstr(address)
+        if deadline_ms is not None:
+            opt.deadline_ms = deadline_ms
+        opt.wait_for_ready = int(wait_for_ready)
+        opt.tls = int(tls)
+        opt.tls_ca_file = cstr(tls_ca_file)
+        opt.tls_cert_file = cstr(tls_cert_file)
+        opt.tls_key_file = cstr(tls_key_file)
+        opt.tls_server_name = cstr(tls_server_name)
+        opt.token = cstr(token)
+        out = ffi.new("kvdepot_client **")
+        rc = lib.kvdepot_connect(opt, out)
+        if rc:
+            raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+        self._c = out[0]
+
+    # ---- plumbing ----
+
+    def _check(self, rc: int) -> None:
+        if rc:
+            msg = lib.kvdepot_errmsg(self._c if self._c else ffi.NULL)
+            raise error_for(rc, ffi.string(msg).decode(errors="replace") if msg else "")
+
+    def _client(self):
+        if not self._c:
+            raise error_for(-14, "client closed")
+        return self._c
+
+    def close(self) -> None:
+        """Close the connection; later calls raise Unavailable."""
+        if getattr(self, "_c", None):
+            lib.kvdepot_close(self._c)
+            self._c = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    # ---- health, models ----
+
+    def health(self, service: str = "") -> str:
+        """gRPC health: "SERVING", "NOT_SERVING", ..."""
+        out = ffi.new("kvdepot_serving *")
+        self._check(lib.kvdepot_health_check(self._client(), service.encode(), out))
+        return _SERVING.get(out[0], str(out[0]))
+
+    def put_model(self, model: Model, replace: bool = False) -> Tuple[Model, bool]:
+        """Register a model; returns it as stored and whether it was created."""
+        m = ffi.new("kvdepot_model *")
+        name, rev = model.name.encode(), model.revision.encode()
+        if len(name) > lib.KVDEPOT_NAME_MAX or len(rev) > lib.KVDEPOT_NAME_MAX:
+            raise InvalidArgument("model name or revision longer than %d bytes"
+                                  % lib.KVDEPOT_NAME_MAX, -3, "INVALID_ARGUMENT")
+        m.name = name
+        m.revision = rev
+        m.num_layers, m.num_kv_heads, m.head_dim = (model.num_layers, model.num_kv_heads,
+                                                    model.head_dim)
+        m.num_q_heads, m.hidden_size = model.num_q_heads, model.hidden_size
+        if model.dtype not in _DTYPE_BY_NAME:
+            raise InvalidArgument(f"dtype: {model.dtype!r} is not f16, bf16 or f32", -3,
+                                  "INVALID_ARGUMENT")
+        m.dtype = _DTYPE_BY_NAME[model.dtype]
+        out = ffi.new("kvdepot_model *")
+        created = ffi.new("int *")
+        self._check(lib.kvdepot_model_put(self._client(), m, int(replace), out, created))
+        return _model_of(out), bool(created[0])
+
+    def get_model(self, name: str) -> Model:
+        out = ffi.new("kvdepot_model *")
+        self._check(lib.kvdepot_model_get(self._client(), name.encode(), out))
+        return _model_of(out)
+
+    def delete_model(self, name: str, force: bool = False) -> int:
+        """Delete a model (force: with its sequences); the sequences deleted."""
+        n = ffi.new("uint64_t *")
+        self._check(lib.kvdepot_model_delete(self._client(), name.encode(), int(force), n))
+        return n[0]
+
+    # ---- sequences ----
+
+    def _info_call(self, fn, *args) -> SequenceInfo:
+        info = ffi.new("kvdepot_sequence_info *")
+        try:
+            self._check(fn(self._client(), *args, info))
+            return _info_of(info)
+        finally:
+            lib.kvdepot_sequence_info_clear(info)
+
+    def create_sequence(self, sid: Id, model: str, *, ttl_seconds: int = 0) -> SequenceInfo:
+        b = _id(sid)
+        a = ffi.new("kvdepot_create_args *")
+        idb, mb = ffi.from_buffer(b), ffi.new("char[]", model.encode())
+        a.id, a.id_len, a.model, a.ttl_seconds = idb, len(b), mb, ttl_seconds
+        return self._info_call(lib.kvdepot_sequence_create, a)
+
+    def stat(self, sid: Id) -> SequenceInfo:
+        b = _id(sid)
+        return self._info_call(lib.kvdepot_sequence_stat, ffi.from_buffer(b), len(b))
+
+    def list_sequences(self, model: Optional[str] = None) -> List[SequenceInfo]:
+        out = ffi.new("kvdepot_sequence_info **")
+        n = ffi.new("size_t *")
+        self._check(lib.kvdepot_sequence_list(self._client(),
+                                              model.encode() if model else ffi.NULL, out, n))
+        try:
+            return [_info_of(out[0][i]) for i in range(n[0])]
+        finally:
+            lib.kvdepot_sequence_list_free(out[0], n[0])
+
+    def delete_sequence(self, sid: Id) -> int:
+        """Delete a sequence; the pages freed."""
+        b = _id(sid)
+        n = ffi.new("uint64_t *")
+        self._check(lib.kvdepot_sequence_delete(self._client(), ffi.from_buffer(b), len(b), n))
+        return n[0]
+
+    def evict(self, sid: Id) -> Tuple[int, int]:
+        """Move a sequence's pages out of the memory tiers: (pages, bytes)."""
+        b = _id(sid)
+        p, n = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        self._check(lib.kvdepot_sequence_evict(self._client(), ffi.from_buffer(b), len(b), p, n))
+        return p[0], n[0]
+
+    def append(self, sid: Id, k, v, *, token_start: int, layer_start: int = 0,
+               dtype: Optional[str] = None,
+               token_ids: Optional[Sequence[int]] = None) -> SequenceInfo:
+        """Append K and V, each (layers, tokens, kv_heads, head_dim) in the
+        model's dtype, at token_start of layers [layer_start, +layers).
+        dtype: "f16", "f32" or "bf16" (uint16 arrays of bfloat16 bits);
+        default from the arrays. All or nothing."""
+        b = _id(sid)
+        ka, va = _kv_array(k, "k"), _kv_array(v, "v")
+        if ka.shape != va.shape or ka.dtype != va.dtype:
+            raise InvalidArgument(f"k {ka.shape} {ka.dtype} and v {va.shape} {va.dtype} differ",
+                                  -3, "INVALID_ARGUMENT")
+        if dtype is None:
+            dtype = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(ka.dtype)
+            if dtype is None:
+                raise InvalidArgument(f"k, v: dtype {ka.dtype}: give dtype= (bf16: uint16 bits)",
+                                      -3, "INVALID_ARGUMENT")
+        a = ffi.new("kvdepot_append_args *")
+        idb = ffi.from_buffer(b)
+        kb, vb = ffi.from_buffer(ka), ffi.from_buffer(va)
+        a.id, a.id_len = idb, len(b)
+        a.layer_start, a.num_layers = layer_start, ka.shape[0]
+        a.token_start, a.num_tokens = token_start, ka.shape[1]
+        a.dtype = _DTYPE_BY_NAME[dtype]
+        a.k, a.k_bytes, a.v, a.v_bytes = kb, ka.nbytes, vb, va.nbytes
+        ids = None
+        if token_ids is not None:
+            ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.uint32))
+            a.token_ids, a.num_token_ids = ffi.cast("const uint32_t *", ffi.from_buffer(ids)), \
+                len(ids)
+        return self._info_call(lib.kvdepot_sequence_append, a)
+
+    def read(self, sid: Id, *, layer_start: int = 0, num_layers: int = 0, token_start: int = 0,
+             num_tokens: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+        """K and V of layers [layer_start, +num_layers) x tokens
+        [token_start, +num_tokens) (0: all layers from layer_start, tokens
+        to the end), each (layers, tokens, kv_heads, head_dim)."""
+        b = _id(sid)
+        a = ffi.new("kvdepot_read_args *")
+        idb = ffi.from_buffer(b)
+        a.id, a.id_len = idb, len(b)
+        a.layer_start, a.num_layers = layer_start, num_layers
+        a.token_start, a.num_tokens = token_start, num_tokens
+        r = ffi.new("kvdepot_read_result *")
+        self._check(lib.kvdepot_sequence_read(self._client(), a, r))
+        owned = ffi.gc(r.owned, lib.kvdepot_free) if r.owned != ffi.NULL else None
+        npdt = _NUMPY_BY_DTYPE[r.dtype]
+        shape = (r.num_layers, r.num_tokens, r.num_kv_heads, r.head_dim)
+        if owned is None or r.kv_bytes == 0:
+            empty = np.zeros(shape, dtype=npdt)
+            return empty, empty.copy()
+        buf = ffi.buffer(owned, 2 * r.kv_bytes)
+        whole = np.frombuffer(buf, dtype=npdt)
+        n = r.kv_bytes // np.dtype(npdt).itemsize
+        return whole[:n].reshape(shape), whole[n:].reshape(shape)
+
+    # ---- compute ----
+
+    def attend(self, layer: int, queries: Sequence[Tuple], scale: float = 0.0
+               ) -> List[AttendResult]:
+        """Attention of each query over its sequence's stored K/V of `layer`
+        on the server, in one call: queries are (id, q) or (id, q,
+        token_start, num_tokens) with q (num_q_heads, head_dim) float32.
+        scale 0: 1/sqrt(head_dim)."""
+        n = len(queries)
+        qs = ffi.new("kvdepot_attend_query[]", max(n, 1))
+        keep = []
+        for i, qd in enumerate(queries):
+            sid, q = qd[0], qd[1]
+            t0 = qd[2] if len(qd) > 2 else 0
+            nt = qd[3] if len(qd) > 3 else 0
+            b = _id(sid)
+            qa = np.ascontiguousarray(np.asarray(q, dtype=np.float32))
+            idb, qb = ffi.from_buffer(b), ffi.from_buffer(qa)
+            keep += [b, qa, idb, qb]
+            qs[i].id, qs[i].id_len = idb, len(b)
+            qs[i].q, qs[i].q_len = ffi.cast("const float *", qb), qa.size
+            qs[i].token_start, qs[i].num_tokens = t0, nt
+        res = ffi.new("kvdepot_attend_result[]", max(n, 1))
+        self._check(lib.kvdepot_attend(self._client(), layer, scale, qs, n, res))
+        try:
+            out = []
+            for i in range(n):
+                h, d = res[i].num_q_heads, res[i].head_dim
+                o = np.frombuffer(ffi.buffer(res[i].output, 4 * h * d), dtype=np.float32)
+                lse = np.frombuffer(ffi.buffer(res[i].lse, 4 * h), dtype=np.float32)
+                out.append(AttendResult(o.reshape(h, d).copy(), lse.copy(), res[i].num_tokens))
+            return out
+        finally:
+            lib.kvdepot_attend_results_free(res, n)
+
+    def stats(self) -> Dict:
+        """The server's Stats: tiers, sequences, backend and device."""
+        s = ffi.new("kvdepot_stats *")
+        self._check(lib.kvdepot_stats_get(self._client(), s))
+        tiers = [{"name": ffi.string(t.name).decode(), "limit_bytes": t.limit_bytes,
+                  "bytes": t.bytes, "pages": t.pages, "hits": t.hits, "evictions": t.evictions}
+                 for t in (s.tiers[i] for i in range(s.num_tiers))]
+        return {"durability": ffi.string(s.durability).decode(), "tiers": tiers,
+                "sequences": s.sequences, "backend": ffi.string(s.backend).decode(),
+                "device": ffi.string(s.device).decode(),
+                "device_memory_bytes": s.device_memory_bytes,
+                "device_healthy": bool(s.device_healthy)}
