@@ -8,8 +8,8 @@ py=$1 client=$2 libdir=$3 server=$4 work=$5
 fatal() { echo "python_client: FATAL: $*" >&2; exit 1; }
 rm -rf "$work"
 mkdir -p "$work"
-"$py" -c 'import cffi, numpy, pytest, setuptools' 2>/dev/null ||
-    fatal "$py lacks cffi, numpy, pytest or setuptools (deploy/dev.sh test installs python3-cffi python3-numpy python3-pytest python3-setuptools)"
+"$py" -c 'import cffi, numpy, pytest, setuptools, wheel' 2>/dev/null ||
+    fatal "$py lacks cffi, numpy, pytest or setuptools (deploy/dev.sh test installs python3-cffi python3-numpy python3-pytest python3-setuptools python3-wheel)"
 "$py" -m venv --system-site-packages "$work/venv" || fatal "python3 -m venv failed (python3-venv)"
 cp -r "$client/python" "$work/src" # builds leave their files beside the sources
 export KVDEPOT_INCLUDE_DIR=$client/include KVDEPOT_LIB_DIR=$libdir
