@@ -8,14 +8,16 @@
         c.append("req-1", k, k, token_start=0)
         k2, v2 = c.read("req-1")
 """
-from .client import AttendResult, Client, Model, SequenceInfo
+from .client import (AttendResult, Client, Codecs, FetchPlan, HeadTokens, Model, SequenceInfo,
+                     prefix_hashes)
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                      FailedPrecondition, Internal, InvalidArgument, KvdepotError, NotFound,
                      OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
                      Unavailable, Unimplemented, Unknown)
 
 __all__ = [
-    "Client", "Model", "SequenceInfo", "AttendResult", "KvdepotError", "Cancelled", "Unknown",
+    "Client", "Model", "SequenceInfo", "AttendResult", "Codecs", "HeadTokens", "FetchPlan",
+    "prefix_hashes", "KvdepotError", "Cancelled", "Unknown",
     "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
     "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",
     "Internal", "Unavailable", "DataLoss", "Unauthenticated",

@@ -66,13 +66,77 @@ typedef struct kvdepot_sequence_info {
     ...;
 } kvdepot_sequence_info;
 
+typedef enum kvdepot_codec {
+    KVDEPOT_CODEC_RAW, KVDEPOT_CODEC_INT2, KVDEPOT_CODEC_INT4, KVDEPOT_CODEC_VQ, ...
+} kvdepot_codec;
+typedef enum kvdepot_quant_axis {
+    KVDEPOT_AXIS_DEFAULT, KVDEPOT_AXIS_TOKEN, KVDEPOT_AXIS_CHANNEL, ...
+} kvdepot_quant_axis;
+typedef struct kvdepot_codec_spec {
+    kvdepot_codec codec;
+    uint32_t group_size;
+    int stochastic;
+    kvdepot_quant_axis axis;
+    uint64_t seed;
+    uint32_t vq_sub_dim, vq_bits;
+    ...;
+} kvdepot_codec_spec;
+typedef struct kvdepot_codecs {
+    kvdepot_codec_spec k;
+    kvdepot_codec_spec v;
+    uint32_t raw_sink_tokens;
+    uint32_t pq_m;
+    uint32_t pq_bits;
+    uint32_t pq_iterations;
+    ...;
+} kvdepot_codecs;
+
 typedef struct kvdepot_create_args {
     const void *id;
     size_t id_len;
     const char *model;
+    const uint64_t *prefix_hashes;
+    size_t num_prefix_hashes;
     uint64_t ttl_seconds;
+    const kvdepot_codecs *codecs;
     ...;
 } kvdepot_create_args;
+
+typedef struct kvdepot_search_args {
+    const void *id;
+    size_t id_len;
+    uint32_t layer;
+    const float *q;
+    size_t q_len;
+    uint32_t k;
+    uint32_t initial_tokens;
+    uint32_t recent_tokens;
+    uint64_t token_start;
+    uint64_t num_tokens;
+    ...;
+} kvdepot_search_args;
+typedef struct kvdepot_head_tokens {
+    uint32_t kv_head;
+    size_t count;
+    uint64_t *tokens;
+    float *scores;
+    ...;
+} kvdepot_head_tokens;
+typedef struct kvdepot_search_result {
+    size_t num_heads;
+    kvdepot_head_tokens *heads;
+    ...;
+} kvdepot_search_result;
+typedef struct kvdepot_fetch_plan {
+    uint64_t split_tokens;
+    uint64_t num_tokens;
+    double predicted_seconds;
+    double kv_only_seconds;
+    double recompute_seconds;
+    uint64_t activation_bytes;
+    uint64_t kv_bytes;
+    ...;
+} kvdepot_fetch_plan;
 
 typedef struct kvdepot_append_args {
     const void *id;
@@ -190,6 +254,19 @@ int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,
                    const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out);
 void kvdepot_attend_results_free(kvdepot_attend_result *results, size_t n);
 int kvdepot_stats_get(kvdepot_client *client, kvdepot_stats *out);
+int kvdepot_search(kvdepot_client *client, const kvdepot_search_args *args,
+                   kvdepot_search_result *out);
+int kvdepot_sparse_attend(kvdepot_client *client, const kvdepot_search_args *args, float scale,
+                          kvdepot_attend_result *out, kvdepot_search_result *tokens);
+void kvdepot_search_result_free(kvdepot_search_result *r);
+int kvdepot_plan_fetch(kvdepot_client *client, const void *id, size_t id_len,
+                       double bandwidth_bytes_per_s, double compute_flops_per_s,
+                       uint32_t layer_start, uint32_t num_layers, int assume_activations,
+                       kvdepot_fetch_plan *out);
+size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t page_tokens,
+                                 uint64_t *out);
+int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint64_t *hashes,
+                          size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
 """
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -22,6 +22,10 @@ _DTYPE_BY_NAME = {"f16": lib.KVDEPOT_DTYPE_F16, "bf16": lib.KVDEPOT_DTYPE_BF16,
 _NAME_BY_DTYPE = {v: k for k, v in _DTYPE_BY_NAME.items()}
 _NUMPY_BY_DTYPE = {lib.KVDEPOT_DTYPE_F16: np.float16, lib.KVDEPOT_DTYPE_BF16: np.uint16,
                    lib.KVDEPOT_DTYPE_F32: np.float32}
+_CODEC = {"raw": lib.KVDEPOT_CODEC_RAW, "int2": lib.KVDEPOT_CODEC_INT2,
+          "int4": lib.KVDEPOT_CODEC_INT4, "vq": lib.KVDEPOT_CODEC_VQ}
+_AXIS = {"default": lib.KVDEPOT_AXIS_DEFAULT, "token": lib.KVDEPOT_AXIS_TOKEN,
+         "channel": lib.KVDEPOT_AXIS_CHANNEL}
 _SERVING = {lib.KVDEPOT_SERVING_UNKNOWN: "UNKNOWN", lib.KVDEPOT_SERVING: "SERVING",
             lib.KVDEPOT_NOT_SERVING: "NOT_SERVING", lib.KVDEPOT_SERVICE_UNKNOWN: "SERVICE_UNKNOWN"}
 
@@ -56,6 +60,52 @@ class SequenceInfo:
 
 
 @dataclass
+class Codecs:
+    """How a sequence's pages are stored once they seal (kvdepot_codecs).
+    k, v: "raw", "int2", "int4" or "vq"; group: 32, 64 or 128 (0 = 64);
+    axis: "default", "token" or "channel" (V only); stochastic rounding
+    with seed; VQ sub-vector width and bits (the model needs calibrated
+    codebooks); raw_sink_tokens: leading tokens kept raw; pq_m > 0 builds
+    the PQ index Search and SparseAttend use (pq_bits 4, 6 or 8)."""
+    k: str = "raw"
+    v: str = "raw"
+    k_group: int = 0
+    v_group: int = 0
+    k_axis: str = "default"
+    v_axis: str = "default"
+    stochastic: bool = False
+    seed: int = 0
+    vq_sub_dim: int = 0
+    vq_bits: int = 0
+    raw_sink_tokens: int = 0
+    pq_m: int = 0
+    pq_bits: int = 0
+    pq_iterations: int = 0
+
+
+@dataclass
+class HeadTokens:
+    """The tokens Search chose for one kv head, best first, with their
+    approximate scores."""
+    kv_head: int
+    tokens: np.ndarray
+    scores: np.ndarray
+
+
+@dataclass
+class FetchPlan:
+    """PlanFetch: send activations for tokens [0, split_tokens), K/V for the
+    rest; the predicted time, and that of a plain K/V fetch."""
+    split_tokens: int
+    num_tokens: int
+    predicted_seconds: float
+    kv_only_seconds: float
+    recompute_seconds: float
+    activation_bytes: int
+    kv_bytes: int
+
+
+@dataclass
 class AttendResult:
     """Attention of one query: output (num_q_heads, head_dim) and the
     log-sum-exp (num_q_heads) of the scores, over num_tokens tokens."""
@@ -87,6 +137,47 @@ def _info_of(s) -> SequenceInfo:
         page_tokens=s.page_tokens, sealed_pages=s.sealed_pages, stored_bytes=s.stored_bytes,
         created_unix_ms=s.created_unix_ms, prefix_blocks=s.prefix_blocks,
         activation_tokens=s.activation_tokens)
+
+
+def _bad(msg: str) -> InvalidArgument:
+    return InvalidArgument(msg, -3, "INVALID_ARGUMENT")
+
+
+def _codecs_c(c: Codecs):
+    out = ffi.new("kvdepot_codecs *")
+    for side, codec, group, axis in ((out.k, c.k, c.k_group, c.k_axis),
+                                     (out.v, c.v, c.v_group, c.v_axis)):
+        if codec not in _CODEC or axis not in _AXIS:
+            raise _bad(f"codecs: {codec!r} / axis {axis!r}: codec raw, int2, int4 or vq; "
+                       "axis default, token or channel")
+        side.codec, side.group_size, side.axis = _CODEC[codec], group, _AXIS[axis]
+        side.stochastic, side.seed = int(c.stochastic), c.seed
+        side.vq_sub_dim, side.vq_bits = c.vq_sub_dim, c.vq_bits
+    out.raw_sink_tokens = c.raw_sink_tokens
+    out.pq_m, out.pq_bits, out.pq_iterations = c.pq_m, c.pq_bits, c.pq_iterations
+    return out
+
+
+def _heads_of(r) -> List[HeadTokens]:
+    heads = []
+    for i in range(r.num_heads):
+        h = r.heads[i]
+        t = np.frombuffer(ffi.buffer(h.tokens, 8 * h.count), dtype=np.uint64).copy()
+        s = np.frombuffer(ffi.buffer(h.scores, 4 * h.count), dtype=np.float32).copy()
+        heads.append(HeadTokens(h.kv_head, t, s))
+    return heads
+
+
+def prefix_hashes(token_ids: Sequence[int], page_tokens: int = 256) -> np.ndarray:
+    """The prefix-index hash chain of token ids: one uint64 per complete
+    block of page_tokens tokens (the server's page size), as the server
+    computes it from Append's token_ids."""
+    ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.uint32))
+    out = np.zeros(max(len(ids) // page_tokens, 1) if page_tokens else 1, dtype=np.uint64)
+    n = lib.kvdepot_prefix_hash_chain(ffi.cast("const uint32_t *", ffi.from_buffer(ids)),
+                                      len(ids), page_tokens,
+                                      ffi.cast("uint64_t *", ffi.from_buffer(out)))
+    return out[:n]
 
 
 def _kv_array(a, what: str) -> np.ndarray:
@@ -214,12 +305,36 @@ class Client:
         finally:
             lib.kvdepot_sequence_info_clear(info)
 
-    def create_sequence(self, sid: Id, model: str, *, ttl_seconds: int = 0) -> SequenceInfo:
+    def create_sequence(self, sid: Id, model: str, *, ttl_seconds: int = 0,
+                        codecs: Optional[Codecs] = None,
+                        prefix_hashes: Optional[Sequence[int]] = None) -> SequenceInfo:
+        """Create a sequence of `model`: its codecs (default raw), a time to
+        live, and optionally the stored prefix it starts from (a hash
+        chain, see prefix_hashes and lookup)."""
         b = _id(sid)
         a = ffi.new("kvdepot_create_args *")
         idb, mb = ffi.from_buffer(b), ffi.new("char[]", model.encode())
         a.id, a.id_len, a.model, a.ttl_seconds = idb, len(b), mb, ttl_seconds
+        cc = _codecs_c(codecs) if codecs is not None else None
+        if cc is not None:
+            a.codecs = cc
+        hs = None
+        if prefix_hashes is not None and len(prefix_hashes):
+            hs = np.ascontiguousarray(np.asarray(prefix_hashes, dtype=np.uint64))
+            a.prefix_hashes = ffi.cast("const uint64_t *", ffi.from_buffer(hs))
+            a.num_prefix_hashes = len(hs)
         return self._info_call(lib.kvdepot_sequence_create, a)
+
+    def lookup(self, model: str, hashes: Sequence[int]) -> Tuple[int, int]:
+        """How many leading blocks of a hash chain the server stores for
+        `model`: (blocks, tokens)."""
+        hs = np.ascontiguousarray(np.asarray(hashes, dtype=np.uint64))
+        nb, nt = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        self._check(lib.kvdepot_prefix_lookup(
+            self._client(), model.encode(),
+            ffi.cast("const uint64_t *", ffi.from_buffer(hs)) if len(hs) else ffi.NULL, len(hs),
+            nb, nt))
+        return nb[0], nt[0]
 
     def stat(self, sid: Id) -> SequenceInfo:
         b = _id(sid)
@@ -339,6 +454,68 @@ class Client:
             return out
         finally:
             lib.kvdepot_attend_results_free(res, n)
+
+    def _search_args(self, sid, layer, q, k, initial_tokens, recent_tokens, token_start,
+                     num_tokens, keep):
+        b = _id(sid)
+        qa = np.ascontiguousarray(np.asarray(q, dtype=np.float32))
+        idb, qb = ffi.from_buffer(b), ffi.from_buffer(qa)
+        keep += [b, qa, idb, qb]
+        a = ffi.new("kvdepot_search_args *")
+        a.id, a.id_len, a.layer = idb, len(b), layer
+        a.q, a.q_len = ffi.cast("const float *", qb), qa.size
+        a.k, a.initial_tokens, a.recent_tokens = k, initial_tokens, recent_tokens
+        a.token_start, a.num_tokens = token_start, num_tokens
+        return a
+
+    def search(self, sid: Id, layer: int, q, k: int, *, initial_tokens: int = 0,
+               recent_tokens: int = 0, token_start: int = 0,
+               num_tokens: int = 0) -> List[HeadTokens]:
+        """Top-k tokens per kv head by PQ-approximate q.k over the
+        sequence's PQ index (a sequence created with Codecs(pq_m=...)),
+        plus the first initial_tokens and last recent_tokens of the range."""
+        keep = []
+        a = self._search_args(sid, layer, q, k, initial_tokens, recent_tokens, token_start,
+                              num_tokens, keep)
+        r = ffi.new("kvdepot_search_result *")
+        self._check(lib.kvdepot_search(self._client(), a, r))
+        try:
+            return _heads_of(r)
+        finally:
+            lib.kvdepot_search_result_free(r)
+
+    def sparse_attend(self, sid: Id, layer: int, q, k: int, *, initial_tokens: int = 0,
+                      recent_tokens: int = 0, token_start: int = 0, num_tokens: int = 0,
+                      scale: float = 0.0) -> Tuple[AttendResult, List[HeadTokens]]:
+        """search, then attention of every query head over the tokens chosen
+        for its kv head, in one call: the result and the tokens."""
+        keep = []
+        a = self._search_args(sid, layer, q, k, initial_tokens, recent_tokens, token_start,
+                              num_tokens, keep)
+        res = ffi.new("kvdepot_attend_result *")
+        r = ffi.new("kvdepot_search_result *")
+        self._check(lib.kvdepot_sparse_attend(self._client(), a, scale, res, r))
+        try:
+            h, d = res.num_q_heads, res.head_dim
+            o = np.frombuffer(ffi.buffer(res.output, 4 * h * d), dtype=np.float32)
+            lse = np.frombuffer(ffi.buffer(res.lse, 4 * h), dtype=np.float32)
+            return AttendResult(o.reshape(h, d).copy(), lse.copy(), res.num_tokens), _heads_of(r)
+        finally:
+            lib.kvdepot_attend_results_free(res, 1)
+            lib.kvdepot_search_result_free(r)
+
+    def plan_fetch(self, sid: Id, bandwidth_bytes_per_s: float, compute_flops_per_s: float, *,
+                   layer_start: int = 0, num_layers: int = 0,
+                   assume_activations: bool = False) -> FetchPlan:
+        """PlanFetch: where to split a fetch between activations (recomputed
+        into K/V by the caller) and K/V, for the given link and compute."""
+        b = _id(sid)
+        p = ffi.new("kvdepot_fetch_plan *")
+        self._check(lib.kvdepot_plan_fetch(self._client(), ffi.from_buffer(b), len(b),
+                                           bandwidth_bytes_per_s, compute_flops_per_s,
+                                           layer_start, num_layers, int(assume_activations), p))
+        return FetchPlan(p.split_tokens, p.num_tokens, p.predicted_seconds, p.kv_only_seconds,
+                         p.recompute_seconds, p.activation_bytes, p.kv_bytes)
 
     def stats(self) -> Dict:
         """The server's Stats: tiers, sequences, backend and device."""

@@ -117,3 +117,59 @@ def test_closed_client(server):
     c.close()
     with pytest.raises(kvdepot.Unavailable):
         c.stats()
+
+
+def test_coded_sequence(client):
+    """INT4 keys, INT2 values: read back within the codecs' error, smaller."""
+    k, v = kv(512, 8), kv(512, 9)
+    client.create_sequence("c1", "py", codecs=kvdepot.Codecs(k="int4", v="int2"))
+    client.create_sequence("r1", "py")
+    info = client.append("c1", k, v, token_start=0)
+    raw = client.append("r1", k, v, token_start=0)
+    assert info.sealed_pages == raw.sealed_pages and info.stored_bytes < raw.stored_bytes / 3
+    k2, v2 = client.read("c1")
+    ek = np.abs(k2.astype(np.float32) - k.astype(np.float32)).max()
+    ev = np.abs(v2.astype(np.float32) - v.astype(np.float32)).max()
+    assert 0 < ek < 0.6 and 0 < ev < 2.5, (ek, ev)  # groups of 64 over N(0, 1) values
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.create_sequence("c2", "py", codecs=kvdepot.Codecs(k="int3"))
+
+
+def test_search_sparse_attend_plan(client):
+    k, v = kv(700, 10), kv(700, 11)
+    client.create_sequence("p1", "py", codecs=kvdepot.Codecs(pq_m=8, pq_bits=6))
+    client.append("p1", k, v, token_start=0)
+    q = np.random.default_rng(12).standard_normal((HQ, D)).astype(np.float32)
+    heads = client.search("p1", 0, q, 16, initial_tokens=2, recent_tokens=4)
+    assert [h.kv_head for h in heads] == list(range(H))
+    for h in heads:
+        assert len(h.tokens) == 16 + 2 + 4 and len(set(h.tokens.tolist())) == 22
+        assert {0, 1, 696, 697, 698, 699} <= set(h.tokens.tolist()) and h.tokens.max() < 700
+    r, chosen = client.sparse_attend("p1", 0, q, 16, initial_tokens=2, recent_tokens=4)
+    assert r.num_tokens == 22 and len(chosen) == H
+    # the reference: each query head over its kv head's chosen tokens
+    for hq in range(HQ):
+        kh = hq // (HQ // H)
+        t = np.sort(chosen[kh].tokens.astype(np.int64))
+        ref, lse = reference_attention(q, k[0, t], v[0, t])
+        assert np.allclose(r.output[hq], ref[hq], rtol=1e-3, atol=1e-4)
+        assert np.allclose(r.lse[hq], lse[hq], rtol=1e-4, atol=1e-4)
+    plan = client.plan_fetch("p1", 1e9, 1e12)
+    assert plan.num_tokens == 700 and plan.split_tokens == 0  # no activations stored
+    assert plan.kv_only_seconds > 0 and plan.predicted_seconds == pytest.approx(
+        plan.kv_only_seconds)
+
+
+def test_prefix_chain(client):
+    ids = np.arange(600, dtype=np.uint32) * 7 + 3
+    k, v = kv(600, 13), kv(600, 14)
+    client.create_sequence("x1", "py")
+    client.append("x1", k, v, token_start=0, token_ids=ids)
+    hashes = kvdepot.prefix_hashes(ids, client.stat("x1").page_tokens)
+    assert len(hashes) == 600 // client.stat("x1").page_tokens
+    assert client.lookup("py", hashes) == (len(hashes), 256 * len(hashes))
+    assert client.lookup("py", kvdepot.prefix_hashes(ids + 1)) == (0, 0)
+    info = client.create_sequence("x2", "py", prefix_hashes=hashes)
+    assert info.num_tokens == 256 * len(hashes) and info.prefix_blocks == len(hashes)
+    k2, _ = client.read("x2")
+    assert np.array_equal(k2, k[:, :256 * len(hashes)])
