@@ -292,14 +292,11 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     /* A tenant lists its own namespace: from its start, or from the page
      * token (an id in it) on. */
     kvd_seq_key after;
-    after.len = after.ns = 0;
-    if (req->page_token.len &&
-        (rc = kvd_ctx_seq_key(ctx, &req->page_token, "page_token", &after, err)))
-        return rc;
-    if (!req->page_token.len && ctx->principal) {
-        ProtobufCBinaryData one = {1, (uint8_t *)"x"};
-        kvd_ctx_seq_key(ctx, &one, "page_token", &after, err);
-        after.len = after.ns; /* the namespace alone: every id in it sorts after */
+    if (req->page_token.len) {
+        if ((rc = kvd_ctx_seq_key(ctx, &req->page_token, "page_token", &after, err)))
+            return rc;
+    } else {
+        kvd_ctx_seq_ns(ctx, &after); /* "" without a tokens file: from the start */
     }
     size_t limit = req->page_size ? req->page_size : LIST_PAGE_DEFAULT;
     if (limit > LIST_PAGE_MAX)

@@ -103,6 +103,11 @@ int kvd_ctx_seq_key(const kvd_req_ctx *ctx, const ProtobufCBinaryData *wire, con
     return 0;
 }
 
+void kvd_ctx_seq_ns(const kvd_req_ctx *ctx, kvd_seq_key *out)
+{
+    out->ns = out->len = seq_ns(ctx, (char *)out->id, sizeof out->id);
+}
+
 void kvd_ctx_seq_wire(const kvd_req_ctx *ctx, ProtobufCBinaryData *id)
 {
     char ns[KVD_SEQ_ID_MAX - KVD_WIRE_SEQ_ID_MAX + 1];

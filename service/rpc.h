@@ -93,6 +93,8 @@ typedef struct kvd_seq_key {
 /* Check a wire id (kvd_check_seq_id, naming `field`) and key it. */
 int kvd_ctx_seq_key(const kvd_req_ctx *ctx, const ProtobufCBinaryData *wire, const char *field,
                     kvd_seq_key *out, kvd_error *err);
+/* The caller's namespace alone (ns == len): every id in it sorts after. */
+void kvd_ctx_seq_ns(const kvd_req_ctx *ctx, kvd_seq_key *out);
 /* A store id of the caller's namespace as the caller knows it (id->data
  * and id->len moved past the namespace). */
 void kvd_ctx_seq_wire(const kvd_req_ctx *ctx, ProtobufCBinaryData *id);

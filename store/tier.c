@@ -195,6 +195,20 @@ static uint64_t host_charge(const kvd__cache *c, size_t len)
 static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
 static void demote(kvd__cache *c, kvd__centry *e);
 
+/* Demote the least recently used entry from *v up that nobody pins and is
+ * not keep; *v moves past it. 0, or -1 when there is none. */
+static int demote_next(kvd__cache *c, kvd__centry **v, const kvd__centry *keep)
+{
+    while (*v && ((*v)->pins || *v == keep))
+        *v = (*v)->prev;
+    if (!*v)
+        return -1;
+    kvd__centry *prev = (*v)->prev;
+    demote(c, *v);
+    *v = prev;
+    return 0;
+}
+
 /* A range of alloc bytes in the tier's pool, within its budget already but
  * maybe fragmented: its least recently used unpinned entries other than
  * keep move down until one fits. 0 or -1. */
@@ -203,15 +217,9 @@ static int pool_fit(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *
 {
     kvd__pool *pl = tier == KVD_TIER_DEVICE ? &c->dpool : &c->hpool;
     kvd__centry *v = c->tier[tier].tail;
-    while (pool_alloc(pl, alloc, off) != 0) {
-        while (v && (v->pins || v == keep))
-            v = v->prev;
-        if (!v)
+    while (pool_alloc(pl, alloc, off) != 0)
+        if (demote_next(c, &v, keep))
             return -1;
-        kvd__centry *prev = v->prev;
-        demote(c, v);
-        v = prev;
-    }
     return 0;
 }
 
@@ -398,15 +406,9 @@ static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry 
     if (alloc > t->limit)
         return -1;
     kvd__centry *v = t->tail;
-    while (t->used + alloc > t->limit) {
-        while (v && (v->pins || v == keep))
-            v = v->prev;
-        if (!v)
+    while (t->used + alloc > t->limit)
+        if (demote_next(c, &v, keep))
             return -1;
-        kvd__centry *prev = v->prev;
-        demote(c, v);
-        v = prev;
-    }
     return 0;
 }
 

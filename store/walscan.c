@@ -244,12 +244,28 @@ void kvd__loss_delete(struct rocksdb_writebatch_t *b, const kvd__seq *s)
                               loss_key(key, s->id, s->id_len));
 }
 
+static int same_id(const wal_write *a, const wal_write *b)
+{
+    return a->id_len == b->id_len && memcmp(a->id, b->id, a->id_len) == 0;
+}
+
+static int write_cmp(const void *pa, const void *pb)
+{
+    const wal_write *a = pa, *b = pb;
+    size_t n = a->id_len < b->id_len ? a->id_len : b->id_len;
+    int c = memcmp(a->id, b->id, n);
+    if (c || a->id_len != b->id_len)
+        return c ? c : (a->id_len < b->id_len ? -1 : 1);
+    return (a->seqno > b->seqno) - (a->seqno < b->seqno);
+}
+
 int kvd__wal_losses(kvd_store *st, void *scan, uint64_t latest, kvd_error *err)
 {
     wal_writes *ws = scan;
     if (!ws)
         return 0;
-    /* The last dropped write of each sequence. */
+    /* The last dropped write of each sequence: sorted by (id, number), the
+     * last of each id's run. */
     wal_write **last = calloc(ws->n ? ws->n : 1, sizeof *last);
     size_t nl = 0;
     int rc = 0;
@@ -257,17 +273,15 @@ int kvd__wal_losses(kvd_store *st, void *scan, uint64_t latest, kvd_error *err)
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
+    qsort(ws->w, ws->n, sizeof *ws->w, write_cmp);
     for (size_t i = 0; i < ws->n; i++) {
         wal_write *w = &ws->w[i];
         if (w->seqno <= latest)
             continue;
-        size_t j = 0;
-        while (j < nl && !(last[j]->id_len == w->id_len && !memcmp(last[j]->id, w->id, w->id_len)))
-            j++;
-        if (j == nl)
+        if (nl && same_id(last[nl - 1], w))
+            last[nl - 1] = w; /* a later write of the same sequence */
+        else
             last[nl++] = w;
-        else if (w->seqno >= last[j]->seqno)
-            last[j] = w;
     }
     const uint64_t now = (uint64_t)time(NULL) * 1000;
     rocksdb_writebatch_t *b = rocksdb_writebatch_create();
