@@ -193,18 +193,25 @@ static uint64_t host_charge(const kvd__cache *c, size_t len)
 }
 
 static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
-static void demote(kvd__cache *c, kvd__centry *e);
+static void evict_host(kvd__cache *c, kvd__centry *e);
+static int move_down(kvd__cache *c, uint64_t want, const kvd__centry *keep);
 
-/* Demote the least recently used entry from *v up that nobody pins and is
- * not keep; *v moves past it. 0, or -1 when there is none. */
-static int demote_next(kvd__cache *c, kvd__centry **v, const kvd__centry *keep)
+/* Make room in a tier: its least recently used entries that nobody pins,
+ * other than keep, leave it. The device tier's move down to the host tier
+ * in batches (move_down: cache->mu is released while their bytes come
+ * down); the host tier's are dropped, from *v up (*v moves past them).
+ * 0, or -1 when there is none. */
+static int demote_next(kvd__cache *c, int tier, kvd__centry **v, uint64_t want,
+                       const kvd__centry *keep)
 {
+    if (tier == KVD_TIER_DEVICE)
+        return move_down(c, want, keep);
     while (*v && ((*v)->pins || *v == keep))
         *v = (*v)->prev;
     if (!*v)
         return -1;
     kvd__centry *prev = (*v)->prev;
-    demote(c, *v);
+    evict_host(c, *v);
     *v = prev;
     return 0;
 }
@@ -218,7 +225,7 @@ static int pool_fit(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *
     kvd__pool *pl = tier == KVD_TIER_DEVICE ? &c->dpool : &c->hpool;
     kvd__centry *v = c->tier[tier].tail;
     while (pool_alloc(pl, alloc, off) != 0)
-        if (demote_next(c, &v, keep))
+        if (demote_next(c, tier, &v, alloc, keep))
             return -1;
     return 0;
 }
@@ -241,13 +248,19 @@ static int host_take(kvd__cache *c, size_t len, const kvd__centry *keep, uint8_t
     return 0;
 }
 
+/* Give back host-tier memory of a page of len bytes (host_take's). */
+static void host_return(kvd__cache *c, uint8_t *h, uint64_t off, size_t len)
+{
+    if (c->hpool.base)
+        pool_free(&c->hpool, off, host_charge(c, len));
+    else
+        host_free(h, len);
+}
+
 /* Give back the memory of a host-tier entry. */
 static void host_give(kvd__cache *c, kvd__centry *e)
 {
-    if (c->hpool.base)
-        pool_free(&c->hpool, e->off, e->alloc);
-    else
-        host_free(e->data, e->len);
+    host_return(c, e->data, e->off, e->len);
 }
 
 /* ---- LRU lists ------------------------------------------------------------- */
@@ -357,44 +370,106 @@ static int pool_get(kvd__cache *c, uint8_t *dst, uint64_t off, size_t len)
     return rc ? pool_failed(c, rc) : 0;
 }
 
-/* Demote an unpinned entry one tier down (or out of memory). */
-static void demote(kvd__cache *c, kvd__centry *e)
+/* Drop an unpinned host-tier entry from memory (RocksDB keeps the page). */
+static void evict_host(kvd__cache *c, kvd__centry *e)
 {
     tier_detach(c, e);
-    if (e->tier == KVD_TIER_HOST) {
-        atomic_fetch_add(&c->evictions[1], 1);
-        kvd__map_del(&c->map, e->id);
-        entry_destroy(c, e);
-        return;
+    atomic_fetch_add(&c->evictions[1], 1);
+    kvd__map_del(&c->map, e->id);
+    entry_destroy(c, e);
+}
+
+/* One device-tier entry on its way down (move_down). */
+typedef struct down_job {
+    kvd__centry *e;
+    uint8_t *h;    /* its host-tier memory; NULL: it leaves memory */
+    uint64_t hoff; /* offset of h in hpool */
+} down_job;
+
+#define KVD__DOWN_BATCH 64
+
+/*
+ * Move the least recently used device-tier entries that nobody pins (other
+ * than keep) down to the host tier, at least `want` bytes of them (up to
+ * KVD__DOWN_BATCH entries), as one batch of copies: each is pinned and
+ * marked moving, its host memory taken, then cache->mu is released while
+ * their bytes come down together (kvd_backend_copy_batch, one wait), and
+ * retaken to settle them. Entries that find no host memory, or whose copy
+ * failed, leave memory (RocksDB keeps every page). 0, or -1 when none can
+ * move.
+ */
+static int move_down(kvd__cache *c, uint64_t want, const kvd__centry *keep)
+{
+    down_job jobs[KVD__DOWN_BATCH];
+    kvd_copy ops[KVD__DOWN_BATCH];
+    size_t n = 0, nops = 0;
+    uint64_t got = 0;
+    const uint64_t hlimit = c->tier[KVD_TIER_HOST].limit;
+    for (kvd__centry *v = c->tier[KVD_TIER_DEVICE].tail; v && got < want && n < KVD__DOWN_BATCH;
+         v = v->prev) {
+        if (v->pins || v == keep)
+            continue;
+        down_job *j = &jobs[n++];
+        j->e = v;
+        j->h = NULL;
+        j->hoff = 0;
+        v->pins++; /* nothing frees or moves it meanwhile */
+        v->moving = 1;
+        got += v->alloc;
+        if (host_charge(c, v->len) <= hlimit && host_take(c, v->len, v, &j->h, &j->hoff) == 0)
+            ops[nops++] = (kvd_copy){.dst = j->h, .src = v->data, .bytes = v->len, .to_device = 0};
     }
-    atomic_fetch_add(&c->evictions[0], 1);
-    const uint64_t halloc = host_charge(c, e->len), doff = e->off, dalloc = e->alloc;
-    uint8_t *h = NULL;
-    uint64_t hoff = 0;
-    if (halloc <= c->tier[KVD_TIER_HOST].limit && host_take(c, e->len, e, &h, &hoff) == 0 &&
-        pool_get(c, h, doff, e->len) != 0) {
-        if (c->hpool.base)
-            pool_free(&c->hpool, hoff, halloc);
-        else
-            host_free(h, e->len);
-        h = NULL;
+    if (!n)
+        return -1;
+    int rc = 0;
+    if (nops && !c->pool_host) {
+        pthread_mutex_unlock(&c->mu);
+        kvd_error err;
+        rc = kvd_backend_copy_batch(c->be, ops, nops, &err);
+        pthread_mutex_lock(&c->mu);
+        if (rc)
+            pool_failed(c, rc);
+    } else {
+        for (size_t i = 0; i < nops; i++)
+            memcpy(ops[i].dst, ops[i].src, ops[i].bytes);
     }
-    pool_free(&c->dpool, doff, dalloc);
-    free(e->layout);
-    e->layout = NULL;
-    if (!h) {
-        kvd__map_del(&c->map, e->id);
-        free(e);
-        return;
+    for (size_t i = 0; i < n; i++) {
+        kvd__centry *e = jobs[i].e;
+        uint8_t *h = rc ? NULL : jobs[i].h;
+        if (rc && jobs[i].h)
+            host_return(c, jobs[i].h, jobs[i].hoff, e->len);
+        e->moving = 0;
+        e->pins--;
+        if (e->dead) {
+            /* Dropped meanwhile (the device was lost): out of the map and
+             * lists already; its device range goes with it. */
+            if (h)
+                host_return(c, h, jobs[i].hoff, e->len);
+            if (!e->pins)
+                entry_destroy(c, e);
+            continue;
+        }
+        atomic_fetch_add(&c->evictions[0], 1);
+        tier_detach(c, e);
+        pool_free(&c->dpool, e->off, e->alloc);
+        free(e->layout);
+        e->layout = NULL;
+        if (!h) {
+            kvd__map_del(&c->map, e->id);
+            free(e);
+            continue;
+        }
+        e->data = h;
+        e->off = jobs[i].hoff;
+        e->tier = KVD_TIER_HOST;
+        e->alloc = host_charge(c, e->len);
+        kvd__tier *t = &c->tier[KVD_TIER_HOST];
+        lru_push(t, e);
+        t->used += e->alloc;
+        t->pages++;
     }
-    e->data = h;
-    e->off = hoff;
-    e->tier = KVD_TIER_HOST;
-    e->alloc = halloc;
-    kvd__tier *t = &c->tier[KVD_TIER_HOST];
-    lru_push(t, e);
-    t->used += e->alloc;
-    t->pages++;
+    pthread_cond_broadcast(&c->moved);
+    return 0;
 }
 
 /* Make `alloc` bytes fit in the tier's budget (and, for the device tier, the
@@ -407,7 +482,7 @@ static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry 
         return -1;
     kvd__centry *v = t->tail;
     while (t->used + alloc > t->limit)
-        if (demote_next(c, &v, keep))
+        if (demote_next(c, tier, &v, t->used + alloc - t->limit, keep))
             return -1;
     return 0;
 }
@@ -422,18 +497,22 @@ static int device_alloc(kvd__cache *c, uint64_t alloc, const kvd__centry *keep, 
     return pool_fit(c, KVD_TIER_DEVICE, alloc, keep, off);
 }
 
-/* Copy `len` bytes into a pool range with cache->mu released, e marked
- * moving meanwhile (the caller pinned it: nothing moves or frees it, and
- * acquirers of its id wait). 0, or -1 when the copy failed. */
-static int put_unlocked(kvd__cache *c, kvd__centry *e, uint64_t off, const uint8_t *src, size_t len)
+/* Copy `len` bytes into a pool range with cache->mu released. The caller
+ * pinned e and marked it moving (nothing moves or frees it, acquirers of
+ * its id wait) and ends that with settle(). 0, or -1 when the copy failed. */
+static int put_unlocked(kvd__cache *c, uint64_t off, const uint8_t *src, size_t len)
 {
-    e->moving = 1;
     pthread_mutex_unlock(&c->mu);
     int rc = pool_put(c, off, src, len);
     pthread_mutex_lock(&c->mu);
+    return rc ? -1 : 0;
+}
+
+/* e stops moving: acquirers waiting for it go on. */
+static void settle(kvd__cache *c, kvd__centry *e)
+{
     e->moving = 0;
     pthread_cond_broadcast(&c->moved);
-    return rc ? -1 : 0;
 }
 
 /* The entry of id, once it is not moving (cache->mu held). */
@@ -452,11 +531,17 @@ static int promote(kvd__cache *c, kvd__centry *e)
 {
     uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
     uint64_t off;
-    if (device_alloc(c, alloc, e, &off) != 0)
+    /* Moving from here: making room may release cache->mu, and a reader
+     * let in meanwhile would read host bytes given back below. */
+    e->moving = 1;
+    if (device_alloc(c, alloc, e, &off) != 0) {
+        settle(c, e);
         return -1;
+    }
     c->tier[KVD_TIER_DEVICE].used += alloc;
-    int rc = put_unlocked(c, e, off, e->data, e->len);
+    int rc = put_unlocked(c, off, e->data, e->len);
     c->tier[KVD_TIER_DEVICE].used -= alloc;
+    settle(c, e);
     if (rc || e->dead || c->dev_gone) {
         pool_free(&c->dpool, off, alloc);
         return -1;
@@ -631,11 +716,14 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
     e->id = id;
     e->len = len;
     e->num_tokens = num_tokens;
+    /* Moving until placed, in no tier's list yet: making room may release
+     * cache->mu, and acquirers, drops and evictions of id wait for it. */
+    e->moving = 1;
     uint64_t alloc = (len + GRANULE - 1) / GRANULE * GRANULE;
     uint64_t off;
     if (device_alloc(c, alloc, NULL, &off) == 0) {
-        /* In the device tier at once, pinned and moving while its bytes go
-         * up unlocked (put_unlocked). */
+        /* In the device tier at once, pinned while its bytes go up
+         * unlocked (put_unlocked). */
         e->tier = KVD_TIER_DEVICE;
         e->data = c->dpool.base + off;
         e->off = off;
@@ -645,7 +733,8 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
         t->used += alloc;
         t->pages++;
         e->pins++;
-        int rc = put_unlocked(c, e, off, page, len);
+        int rc = put_unlocked(c, off, page, len);
+        settle(c, e);
         if (rc == 0) {
             entry_set_layout(c, e, page);
             if (!pin && --e->pins == 0 && e->dead) /* dropped meanwhile */
@@ -664,12 +753,15 @@ kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, 
         tier_detach(c, e);
         pool_free(&c->dpool, off, alloc);
         e->data = NULL;
+        e->moving = 1;
     }
     if (host_take(c, len, NULL, &e->data, &e->off) == 0) {
         memcpy(e->data, page, len);
         e->tier = KVD_TIER_HOST;
         e->alloc = host_charge(c, len);
+        settle(c, e);
     } else {
+        settle(c, e);
         kvd__map_del(&c->map, id);
         free(e);
         pthread_mutex_unlock(&c->mu);
@@ -691,7 +783,7 @@ void kvd__cache_drop(kvd_store *st, uint64_t id)
     if (!have_tiers(c))
         return;
     pthread_mutex_lock(&c->mu);
-    kvd__centry *e = kvd__map_get(&c->map, id);
+    kvd__centry *e = entry_settled(c, id);
     if (e)
         entry_kill(c, e);
     pthread_mutex_unlock(&c->mu);
@@ -704,7 +796,7 @@ uint64_t kvd__cache_evict(kvd_store *st, uint64_t id)
         return 0;
     uint64_t freed = 0;
     pthread_mutex_lock(&c->mu);
-    kvd__centry *e = kvd__map_get(&c->map, id);
+    kvd__centry *e = entry_settled(c, id);
     if (e && !e->pins) {
         freed = e->len;
         atomic_fetch_add(&c->evictions[e->tier], 1);

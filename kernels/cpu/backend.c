@@ -269,6 +269,24 @@ int kvd_backend_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *sr
     return KVD_OK;
 }
 
+int kvd_backend_copy_batch(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *err)
+{
+    if (!be || !be->iface)
+        return kvd_error_set(err, KVD_EINVAL, "backend copy: no backend");
+    if (n && !ops)
+        return kvd_error_set(err, KVD_EINVAL, "backend copy: NULL copies");
+    for (size_t i = 0; i < n; i++)
+        if (ops[i].bytes && (!ops[i].dst || !ops[i].src))
+            return kvd_error_set(err, KVD_EINVAL, "backend copy %zu: NULL pointer", i);
+    if (be->iface->copy_batch)
+        return n ? be->iface->copy_batch(be, ops, n, err) : KVD_OK;
+    int rc = KVD_OK;
+    for (size_t i = 0; i < n && !rc; i++)
+        rc = ops[i].to_device ? kvd_backend_upload(be, ops[i].dst, ops[i].src, ops[i].bytes, err)
+                              : kvd_backend_download(be, ops[i].dst, ops[i].src, ops[i].bytes, err);
+    return rc;
+}
+
 void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out)
 {
     memset(out, 0, sizeof *out);

@@ -335,6 +335,36 @@ int cuda_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *src, size
                             "cudaMemcpy2DAsync", err);
 }
 
+/* Copies with a pinned host side go on the thread's stream back to back and
+ * are waited for once; the others take cuda_copy's staged path in turn. */
+int cuda_copy_batch(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *err)
+{
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    int queued = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        const kvd_copy *o = &ops[i];
+        if (!o->bytes)
+            continue;
+        const cudaMemcpyKind kind = o->to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+        const void *host = o->to_device ? o->src : o->dst;
+        if (!in_pinned(call.c, host, o->bytes)) {
+            rc = cuda_copy(be, o->dst, o->src, o->bytes, kind, err);
+            continue;
+        }
+        rc = kvd__cuda_status(call.c, cudaMemcpyAsync(o->dst, o->src, o->bytes, kind, call.s),
+                              "cudaMemcpyAsync", err);
+        queued = 1;
+    }
+    if (!queued)
+        return rc;
+    if (rc) {
+        cudaStreamSynchronize(call.s); /* nothing queued may outlive the call */
+        return rc;
+    }
+    return kvd__cuda_wait(&call, "copy batch", err);
+}
+
 const kvd_backend_iface cuda_iface = {
     "cuda",
     cuda_free_backend,
@@ -356,6 +386,7 @@ const kvd_backend_iface cuda_iface = {
     cuda_copy2d,
     cuda_host_alloc,
     cuda_host_free,
+    cuda_copy_batch,
 };
 
 } /* namespace */

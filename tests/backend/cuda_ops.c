@@ -795,6 +795,57 @@ static void test_transfers(void)
     }
 }
 
+/* copy_batch: 9 copies up then 9 down in two batches, each host side in
+ * the backend's host memory (CUDA: pinned, DMA'd back to back, one wait)
+ * or in plain memory (the staged path), sizes around the staging
+ * threshold, at odd device offsets; then a NULL pointer refused. */
+static void test_copy_batch(void)
+{
+    enum { N = 9 };
+    const size_t sizes[N] = {
+        1,          100, 4096,          (64u << 10) + 3, (256u << 10), (256u << 10) + 1,
+        (1u << 20), 7,   (3u << 20) + 5};
+    size_t total = 0;
+    for (int i = 0; i < N; i++)
+        total += sizes[i] + 64;
+    unsigned char *pin = NULL, *plain = malloc(2 * total);
+    kvd_error e;
+    TU_CHECK(kvd_backend_host_alloc(dut, 2 * total, (void **)&pin, &e) == 0, "host alloc: %s",
+             e.msg);
+    dbuf d = dbuf_new(total);
+    if (!pin || !plain) {
+        free(plain);
+        kvd_backend_host_free(dut, pin);
+        dbuf_free(&d);
+        return;
+    }
+    kvd_copy up[N], down[N];
+    size_t off = 0;
+    for (int i = 0; i < N; i++) {
+        unsigned char *h = (i % 2 ? plain : pin) + off + 1;
+        unsigned char *back = (i % 3 ? pin : plain) + total + off + 5;
+        for (size_t j = 0; j < sizes[i]; j++)
+            h[j] = (unsigned char)((j + 31 * i) * 2654435761u >> 13);
+        memset(back, 0, sizes[i]);
+        char *dv = (char *)dptr(&d) + off + 3;
+        up[i] = (kvd_copy){.dst = dv, .src = h, .bytes = sizes[i], .to_device = 1};
+        down[i] = (kvd_copy){.dst = back, .src = dv, .bytes = sizes[i], .to_device = 0};
+        off += sizes[i] + 64;
+    }
+    TU_CHECK(kvd_backend_copy_batch(dut, up, N, &e) == 0, "copy batch up: %s", e.msg);
+    TU_CHECK(kvd_backend_copy_batch(dut, down, N, &e) == 0, "copy batch down: %s", e.msg);
+    for (int i = 0; i < N; i++)
+        TU_CHECK(memcmp(up[i].src, down[i].dst, sizes[i]) == 0,
+                 "copy batch: copy %d (%zu bytes) came back different", i, sizes[i]);
+    TU_CHECK(dbuf_guard_ok(&d), "copy batch guard");
+    down[4].src = NULL;
+    TU_CHECK(kvd_backend_copy_batch(dut, down, N, &e) == KVD_EINVAL, "copy batch with NULL");
+    TU_CHECK(kvd_backend_copy_batch(dut, NULL, 0, &e) == 0, "empty copy batch");
+    kvd_backend_host_free(dut, pin);
+    free(plain);
+    dbuf_free(&d);
+}
+
 /* gather_rows: rows picked at random addresses of a device buffer, 16-byte
  * aligned rows (the vector path) and odd ones (bytes), equal what the host
  * copies. */
@@ -886,6 +937,7 @@ static void test_threads(void)
 static void run_all(void)
 {
     test_transfers();
+    test_copy_batch();
     test_gather();
     test_threads();
     test_convert();

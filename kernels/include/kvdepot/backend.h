@@ -45,6 +45,14 @@ typedef struct kvd_backend_desc {
     int healthy;           /* 0 once an error left the device unusable (never cleared) */
 } kvd_backend_desc;
 
+/* One copy of a batch (kvd_backend_copy_batch). */
+typedef struct kvd_copy {
+    void *dst;
+    const void *src;
+    size_t bytes;
+    int to_device; /* 1: host src -> backend dst; 0: backend src -> host dst */
+} kvd_copy;
+
 typedef struct kvd_backend_iface {
     const char *name; /* "cpu", "cuda" */
 
@@ -79,6 +87,11 @@ typedef struct kvd_backend_iface {
      * NULL: aligned_alloc / free. */
     int (*host_alloc)(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
     void (*host_free)(kvd_backend *be, void *ptr);
+    /* n copies between host and backend memory queued together on the
+     * calling thread's stream, waited for once (CUDA: host sides inside
+     * host_alloc memory are DMA'd directly, without staging or a wait per
+     * copy). NULL: upload / download each. */
+    int (*copy_batch)(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *err);
 } kvd_backend_iface;
 
 struct kvd_backend {
@@ -133,6 +146,9 @@ void kvd_backend_describe(const kvd_backend *be, kvd_backend_desc *out);
  * by the system's locked-memory limits). */
 int kvd_backend_host_alloc(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
 void kvd_backend_host_free(kvd_backend *be, void *ptr);
+/* The copies of ops (see iface.copy_batch), all done when it returns; on
+ * an error some may not have been made. */
+int kvd_backend_copy_batch(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *err);
 
 /* Runtime CPU features (cached after the first call). */
 int kvd_cpu_has_avx2_fma(void);
