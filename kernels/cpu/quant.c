@@ -453,6 +453,39 @@ int kvd_quantize(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor *q,
     return be->iface->quant->quantize(be, x, q, rounding, seed, err);
 }
 
+int kvd_quantize_batch(kvd_backend *be, int n, const kvd_tensor *x, const kvd_qtensor *q,
+                       kvd_rounding rounding, const uint64_t *seeds, kvd_error *err)
+{
+    if (n < 0 || (n > 0 && (!x || !q || !seeds)))
+        return kvd_error_set(err, KVD_EINVAL, "quantize batch: %d items, or NULL arrays", n);
+    for (int i = 0; i < n; i++) {
+        int rc;
+        kvd_error e;
+        if ((rc = check_qtensor(&q[i], "quantize", &e)) ||
+            (rc = check_dense(&x[i], &q[i], "quantize", "x", &e)))
+            return kvd_error_set(err, rc, "quantize batch item %d: %s", i, e.msg);
+        if (q[i].bits != q[0].bits || q[i].group != q[0].group || q[i].axis != q[0].axis ||
+            q[i].ntok != q[0].ntok || q[i].dim != q[0].dim || x[i].dtype != x[0].dtype)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "quantize batch item %d: format or dtype differs from item 0", i);
+    }
+    if (rounding != KVD_ROUND_NEAREST && rounding != KVD_ROUND_STOCHASTIC)
+        return kvd_error_set(err, KVD_EINVAL, "quantize: unknown rounding mode %d", (int)rounding);
+    if (!be || !be->iface || !be->iface->quant || !be->iface->quant->quantize)
+        return kvd_error_set(err, KVD_EUNSUPP, "quantize: not supported by backend %s",
+                             be && be->iface ? be->iface->name : "(none)");
+    if (n == 0 || q[0].ntok * q[0].dim == 0)
+        return KVD_OK;
+    if (be->iface->quant->quantize_batch)
+        return be->iface->quant->quantize_batch(be, n, x, q, rounding, seeds, err);
+    for (int i = 0; i < n; i++) {
+        int rc = be->iface->quant->quantize(be, &x[i], &q[i], rounding, seeds[i], err);
+        if (rc)
+            return rc;
+    }
+    return KVD_OK;
+}
+
 int kvd_dequantize(kvd_backend *be, const kvd_qtensor *q, const kvd_tensor *y, kvd_error *err)
 {
     int rc = check_qtensor(q, "dequantize", err);

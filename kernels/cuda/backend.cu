@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <vector>
 
 #include "cuda_internal.h"
 
@@ -335,29 +336,104 @@ int cuda_copy2d(kvd_backend *be, void *dst, size_t dpitch, const void *src, size
                             "cudaMemcpy2DAsync", err);
 }
 
-/* Copies with a pinned host side go on the thread's stream back to back and
- * are waited for once; the others take cuda_copy's staged path in turn. */
+/* A piece of a device -> host copy waiting in a staging half. */
+struct StagedPiece {
+    char *host;
+    size_t off; /* in its half */
+    size_t n;
+};
+
+/*
+ * The copies of a batch on the thread's stream, waited for once. Host sides
+ * inside host_alloc blocks are DMA'd directly; the others travel through
+ * the slot's two pinned staging halves as one stream of pieces, several
+ * copies sharing a half: a half is closed by an event, and reused (its
+ * downloaded pieces copied out first) once that event has passed, so the
+ * memcpy into or out of one half overlaps the DMA of the other.
+ */
 int cuda_copy_batch(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *err)
 {
     kvd_cuda_call call;
     int rc = kvd__cuda_begin(be, &call, err);
-    int queued = 0;
+    if (rc)
+        return rc;
+    size_t staged = 0;
     for (size_t i = 0; i < n && !rc; i++) {
         const kvd_copy *o = &ops[i];
+        const void *host = o->to_device ? o->src : o->dst;
         if (!o->bytes)
             continue;
-        const cudaMemcpyKind kind = o->to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
-        const void *host = o->to_device ? o->src : o->dst;
         if (!in_pinned(call.c, host, o->bytes)) {
-            rc = cuda_copy(be, o->dst, o->src, o->bytes, kind, err);
+            staged++;
             continue;
         }
-        rc = kvd__cuda_status(call.c, cudaMemcpyAsync(o->dst, o->src, o->bytes, kind, call.s),
+        rc = kvd__cuda_status(call.c,
+                              cudaMemcpyAsync(o->dst, o->src, o->bytes,
+                                              o->to_device ? cudaMemcpyHostToDevice
+                                                           : cudaMemcpyDeviceToHost,
+                                              call.s),
                               "cudaMemcpyAsync", err);
-        queued = 1;
     }
-    if (!queued)
+    if (!rc && staged) {
+        kvd_cuda_slot *sl = call.slot;
+        pthread_mutex_lock(&sl->mu);
+        rc = slot_pinned(&call, err);
+        const size_t half = KVD_CUDA_STAGE_BYTES / 2;
+        std::vector<StagedPiece> pend[2];
+        int cur = 0, used[2] = {0, 0};
+        size_t fill = 0;
+        for (size_t i = 0; i < n && !rc; i++) {
+            const kvd_copy *o = &ops[i];
+            if (!o->bytes || in_pinned(call.c, o->to_device ? o->src : o->dst, o->bytes))
+                continue;
+            for (size_t off = 0; off < o->bytes && !rc;) {
+                if (fill == half) { /* close this half, take the other once free */
+                    rc = kvd__cuda_status(call.c, cudaEventRecord(sl->ev[cur], call.s),
+                                          "cudaEventRecord", err);
+                    used[cur] = 1;
+                    cur ^= 1;
+                    fill = 0;
+                    if (!rc && used[cur])
+                        rc = kvd__cuda_status(call.c, cudaEventSynchronize(sl->ev[cur]),
+                                              "cudaEventSynchronize", err);
+                    char *base = static_cast<char *>(sl->pinned) + cur * half;
+                    for (const StagedPiece &p : pend[cur])
+                        if (!rc)
+                            memcpy(p.host, base + p.off, p.n);
+                    pend[cur].clear();
+                    if (rc)
+                        break;
+                }
+                const size_t m = o->bytes - off < half - fill ? o->bytes - off : half - fill;
+                char *stage = static_cast<char *>(sl->pinned) + cur * half + fill;
+                if (o->to_device) {
+                    memcpy(stage, static_cast<const char *>(o->src) + off, m);
+                    rc = kvd__cuda_status(call.c,
+                                          cudaMemcpyAsync(static_cast<char *>(o->dst) + off, stage,
+                                                          m, cudaMemcpyHostToDevice, call.s),
+                                          "cudaMemcpyAsync", err);
+                } else {
+                    rc = kvd__cuda_status(
+                        call.c,
+                        cudaMemcpyAsync(stage, static_cast<const char *>(o->src) + off, m,
+                                        cudaMemcpyDeviceToHost, call.s),
+                        "cudaMemcpyAsync", err);
+                    pend[cur].push_back({static_cast<char *>(o->dst) + off, fill, m});
+                }
+                fill += m;
+                off += m;
+            }
+        }
+        if (!rc)
+            rc = kvd__cuda_wait(&call, "copy batch", err);
+        else
+            cudaStreamSynchronize(call.s); /* no DMA may still use the staging halves */
+        for (int h = 0; h < 2 && !rc; h++)
+            for (const StagedPiece &p : pend[h])
+                memcpy(p.host, static_cast<char *>(sl->pinned) + h * half + p.off, p.n);
+        pthread_mutex_unlock(&sl->mu);
         return rc;
+    }
     if (rc) {
         cudaStreamSynchronize(call.s); /* nothing queued may outlive the call */
         return rc;

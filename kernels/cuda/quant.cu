@@ -21,6 +21,8 @@
  *                  thread writes its group's PI*bits/8 code bytes.
  *   dequantize     one thread per element, grid-stride over T*D.
  */
+#include <vector>
+
 #include "cuda_internal.h"
 
 namespace {
@@ -110,9 +112,9 @@ __device__ __forceinline__ uint32_t qcode(float x, float mn, float inv, float ad
 
 /* Token axis: warp per group. V values per lane (1, 2 or 4). */
 template <int V>
-__global__ void quant_token_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins, uint16_t *scales,
-                                   uint16_t *sums, long long T, long long D, int bits,
-                                   int stochastic, uint32_t key)
+__device__ void quant_token_body(const kvd_dview &x, uint8_t *codes, uint16_t *mins,
+                                 uint16_t *scales, uint16_t *sums, long long T, long long D,
+                                 int bits, int stochastic, uint32_t key)
 {
     const int P = 32 * V;
     const long long ng = D / P, groups = T * ng, rowbytes = D * bits / 8;
@@ -170,10 +172,37 @@ __global__ void quant_token_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins, 
     }
 }
 
+template <int V>
+__global__ void quant_token_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins, uint16_t *scales,
+                                   uint16_t *sums, long long T, long long D, int bits,
+                                   int stochastic, uint32_t key)
+{
+    quant_token_body<V>(x, codes, mins, scales, sums, T, D, bits, stochastic, key);
+}
+
+/* One block of a batch (quantize_batch): the input and arrays of one
+ * item, its rounding key. */
+struct QItem {
+    kvd_dview x;
+    uint8_t *codes;
+    uint16_t *mins, *scales, *sums;
+    uint32_t key;
+};
+
+/* The items of a batch along grid y. */
+template <int V>
+__global__ void quant_token_batch_kernel(const QItem *items, long long T, long long D, int bits,
+                                         int stochastic)
+{
+    const QItem it = items[blockIdx.y];
+    quant_token_body<V>(it.x, it.codes, it.mins, it.scales, it.sums, T, D, bits, stochastic,
+                        it.key);
+}
+
 /* Channel axis: thread per (channel, group); adjacent threads, adjacent channels. */
-__global__ void quant_channel_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins,
-                                     uint16_t *scales, uint16_t *sums, long long T, long long D,
-                                     int bits, int P, int stochastic, uint32_t key)
+__device__ void quant_channel_body(const kvd_dview &x, uint8_t *codes, uint16_t *mins,
+                                   uint16_t *scales, uint16_t *sums, long long T, long long D,
+                                   int bits, int P, int stochastic, uint32_t key)
 {
     const long long ng = T / P, rowbytes = T * bits / 8;
     const float qmax = (float)((1 << bits) - 1);
@@ -210,6 +239,21 @@ __global__ void quant_channel_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins
         scales[gi] = q.scale_h;
         sums[gi] = (uint16_t)s;
     }
+}
+
+__global__ void quant_channel_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins,
+                                     uint16_t *scales, uint16_t *sums, long long T, long long D,
+                                     int bits, int P, int stochastic, uint32_t key)
+{
+    quant_channel_body(x, codes, mins, scales, sums, T, D, bits, P, stochastic, key);
+}
+
+__global__ void quant_channel_batch_kernel(const QItem *items, long long T, long long D, int bits,
+                                           int P, int stochastic)
+{
+    const QItem it = items[blockIdx.y];
+    quant_channel_body(it.x, it.codes, it.mins, it.scales, it.sums, T, D, bits, P, stochastic,
+                       it.key);
 }
 
 __global__ void dequant_kernel(const uint8_t *codes, const uint16_t *mins,
@@ -287,7 +331,57 @@ int cuda_dequantize(kvd_backend *be, const kvd_qtensor *q, const kvd_tensor *y, 
 
 } /* namespace */
 
+/* The items go up in one copy into stream-ordered scratch; one launch per
+ * 65535 of them (grid y). */
+int cuda_quantize_batch(kvd_backend *be, int n, const kvd_tensor *x, const kvd_qtensor *q,
+                        kvd_rounding rounding, const uint64_t *seeds, kvd_error *err)
+{
+    kvd_cuda_call call;
+    int rc = kvd__cuda_begin(be, &call, err);
+    if (rc || n == 0)
+        return rc;
+    const long long T = q[0].ntok, D = q[0].dim;
+    const int st = rounding == KVD_ROUND_STOCHASTIC, bits = q[0].bits, P = q[0].group;
+    std::vector<QItem> items((size_t)n);
+    for (int i = 0; i < n; i++)
+        items[(size_t)i] = {kvd__dview(&x[i]), q[i].codes, q[i].min, q[i].scale, q[i].sum,
+                            host_qkey(seeds[i])};
+    void *d = NULL;
+    if ((rc = kvd__cuda_scratch(&call, sizeof(QItem) * (size_t)n, &d, err)))
+        return rc;
+    QItem *dv = static_cast<QItem *>(d);
+    rc = kvd__cuda_status(call.c,
+                          cudaMemcpyAsync(dv, items.data(), sizeof(QItem) * (size_t)n,
+                                          cudaMemcpyHostToDevice, call.s),
+                          "cudaMemcpyAsync", err);
+    for (int i0 = 0; i0 < n && !rc; i0 += 65535) {
+        const unsigned ny = (unsigned)(n - i0 < 65535 ? n - i0 : 65535);
+        if (q[0].axis == KVD_QAXIS_TOKEN) {
+            const dim3 grid(kvd__cuda_blocks(T * (D / P), kThreads / 32), ny);
+            switch (P) {
+            case 32:
+                quant_token_batch_kernel<1><<<grid, kThreads, 0, call.s>>>(dv + i0, T, D, bits, st);
+                break;
+            case 64:
+                quant_token_batch_kernel<2><<<grid, kThreads, 0, call.s>>>(dv + i0, T, D, bits, st);
+                break;
+            default:
+                quant_token_batch_kernel<4><<<grid, kThreads, 0, call.s>>>(dv + i0, T, D, bits, st);
+            }
+        } else {
+            const dim3 grid(kvd__cuda_blocks((T / P) * D, kThreads), ny);
+            quant_channel_batch_kernel<<<grid, kThreads, 0, call.s>>>(dv + i0, T, D, bits, P, st);
+        }
+        rc = kvd__cuda_launched(&call, "quantize batch", err);
+    }
+    if (rc == 0) /* the items array of the host: the copy above must be done */
+        rc = kvd__cuda_wait(&call, "quantize batch", err);
+    kvd__cuda_scratch_free(&call, d);
+    return rc;
+}
+
 const struct kvd_quant_ops kvd__cuda_quant_ops = {
     cuda_quantize,
     cuda_dequantize,
+    cuda_quantize_batch,
 };

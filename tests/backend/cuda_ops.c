@@ -336,6 +336,80 @@ static void test_quant(void)
                     }
 }
 
+/* quantize_batch: 5 blocks with their own seeds at every format, in one
+ * call, each equal to the reference's kvd_quantize of that block; a batch
+ * whose items differ in format is refused. */
+static void test_quant_batch(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 17);
+    enum { N = 5 };
+    const int bitss[] = {2, 4}, groups[] = {32, 64, 128};
+    for (int ax = 0; ax < 2; ax++)
+        for (int bi = 0; bi < 2; bi++)
+            for (int gi = 0; gi < 3; gi++)
+                for (int rnd = 0; rnd < 2; rnd++) {
+                    const int bits = bitss[bi], P = groups[gi];
+                    const kvd_quant_axis axis = ax ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN;
+                    const int64_t T = ax ? 2 * P : 11, D = ax ? 40 : 2 * P;
+                    const size_t n = (size_t)(T * D);
+                    const kvd_dtype dt = kFloat[(ax + bi + gi) % 3];
+                    const size_t es = kvd_dtype_size(dt);
+                    kvd_quant_sizes sz;
+                    kvd_quant_size(T, D, bits, P, axis, &sz, NULL);
+                    float *x = malloc(n * 4);
+                    unsigned char *hx = malloc(N * n * es), *hq = malloc(N * sz.total_bytes);
+                    unsigned char *got = malloc(N * sz.total_bytes);
+                    kvd_tensor tx[N], tdx[N];
+                    kvd_qtensor qd[N];
+                    uint64_t seeds[N];
+                    dbuf dq = dbuf_new(N * sz.total_bytes);
+                    for (int i = 0; i < N; i++) {
+                        tu_kv_opts o = {4, 20.0f, 0.3f, 1};
+                        tu_gen_kv(&r, x, T, D, &o);
+                        void *c = host_cast(x, n, dt);
+                        memcpy(hx + i * n * es, c, n * es);
+                        free(c);
+                        seeds[i] = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1) + (uint64_t)bits;
+                        kvd_qtensor qr;
+                        kvd_qtensor_init(&qr, T, D, bits, P, axis, hq + i * sz.total_bytes, NULL);
+                        tx[i] = mk(dt, hx + i * n * es, 2, T, D, 0);
+                        TU_CHECK(kvd_quantize(ref, &tx[i], &qr,
+                                              rnd ? KVD_ROUND_STOCHASTIC : KVD_ROUND_NEAREST,
+                                              seeds[i], NULL) == 0,
+                                 "ref quantize");
+                    }
+                    dbuf dx = dbuf_from(hx, N * n * es);
+                    for (int i = 0; i < N; i++) {
+                        kvd_qtensor_init(&qd[i], T, D, bits, P, axis,
+                                         (char *)dptr(&dq) + i * sz.total_bytes, NULL);
+                        tdx[i] = mk(dt, (char *)dptr(&dx) + i * n * es, 2, T, D, 0);
+                    }
+                    kvd_error e;
+                    TU_CHECK(kvd_quantize_batch(dut, N, tdx, qd,
+                                                rnd ? KVD_ROUND_STOCHASTIC : KVD_ROUND_NEAREST,
+                                                seeds, &e) == 0,
+                             "quantize batch: %s", e.msg);
+                    dbuf_get(&dq, got, N * sz.total_bytes);
+                    TU_CHECK(dbuf_guard_ok(&dq), "quantize batch guard");
+                    for (int i = 0; i < N; i++)
+                        TU_CHECK(memcmp(got + i * sz.total_bytes, hq + i * sz.total_bytes,
+                                        sz.total_bytes) == 0,
+                                 "quantize batch item %d differs: axis=%d bits=%d P=%d %s", i, ax,
+                                 bits, P, rnd ? "stochastic" : "nearest");
+                    if (ax == 0 && bi == 0 && gi == 0 && rnd == 0) {
+                        kvd_qtensor bad[N];
+                        memcpy(bad, qd, sizeof bad);
+                        bad[3].bits = 4;
+                        TU_CHECK(kvd_quantize_batch(dut, N, tdx, bad, KVD_ROUND_NEAREST, seeds,
+                                                    &e) == KVD_EINVAL,
+                                 "quantize batch of mixed formats");
+                    }
+                    free(x), free(hx), free(hq), free(got);
+                    dbuf_free(&dx), dbuf_free(&dq);
+                }
+}
+
 /* ---- K-means, VQ -------------------------------------------------------- */
 
 static void test_kmeans_one(void)
@@ -943,6 +1017,7 @@ static void run_all(void)
     test_convert();
     test_hadamard_scale();
     test_quant();
+    test_quant_batch();
     test_kmeans();
     test_vq();
     test_pq();

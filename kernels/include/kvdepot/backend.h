@@ -87,10 +87,11 @@ typedef struct kvd_backend_iface {
      * NULL: aligned_alloc / free. */
     int (*host_alloc)(kvd_backend *be, size_t bytes, void **out, kvd_error *err);
     void (*host_free)(kvd_backend *be, void *ptr);
-    /* n copies between host and backend memory queued together on the
-     * calling thread's stream, waited for once (CUDA: host sides inside
-     * host_alloc memory are DMA'd directly, without staging or a wait per
-     * copy). NULL: upload / download each. */
+    /* n copies between host and backend memory, none overlapping another,
+     * queued together on the calling thread's stream and waited for once
+     * (CUDA: host sides inside host_alloc memory are DMA'd directly, the
+     * others pipelined through the staging buffer, several to a half).
+     * NULL: upload / download each. */
     int (*copy_batch)(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *err);
 } kvd_backend_iface;
 

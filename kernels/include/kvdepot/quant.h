@@ -150,6 +150,9 @@ struct kvd_quant_ops {
     /* q -> y (T, D) f32|f16|bf16 of any strides. */
     int (*dequantize)(kvd_backend *be, const kvd_qtensor *q, const kvd_tensor *y,
                       kvd_error *err);
+    /* n blocks of one format (kvd_quantize_batch). NULL: quantize each. */
+    int (*quantize_batch)(kvd_backend *be, int n, const kvd_tensor *x, const kvd_qtensor *q,
+                          kvd_rounding rounding, const uint64_t *seeds, kvd_error *err);
 };
 
 /*
@@ -162,6 +165,15 @@ struct kvd_quant_ops {
  */
 int kvd_quantize(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor *q,
                  kvd_rounding rounding, uint64_t seed, kvd_error *err);
+
+/*
+ * n quantizations at once (CUDA: one launch): x[i] into q[i] with seeds[i],
+ * each exactly what kvd_quantize(be, &x[i], &q[i], rounding, seeds[i])
+ * gives. Every q[i] has the same format (bits, group, axis, T, D) and every
+ * x[i] the same dtype. @return as kvd_quantize; KVD_EINVAL names the item.
+ */
+int kvd_quantize_batch(kvd_backend *be, int n, const kvd_tensor *x, const kvd_qtensor *q,
+                       kvd_rounding rounding, const uint64_t *seeds, kvd_error *err);
 
 /*
  * Dequantize q into y (2-D (T, D), f32/f16/bf16, any strides).
