@@ -472,24 +472,37 @@ static void fill_section(const kvd_append *ap, uint8_t *dst, uint64_t t0, uint64
  * tokens. Otherwise the old tail (page and fragments) is read back, merged
  * with the new tokens, cut at page boundaries, and its fragments deleted.
  */
-/* Code a sealing page: on the store's device when it has one (SVD stays on
- * the CPU), else, or when the device fails (kvd_store_device_fallback), on
- * the CPU with the thread's coding backend. Same bytes either way. */
-static int encode_page(kvd_store *st, const kvd_page_desc *d, const kvd_seq_codecs *c,
-                       const uint8_t *kp, const uint8_t *vp, uint8_t **out, size_t *len,
-                       kvd_error *err)
+/* Sealing pages a device codes together (kvd_pages_encode), at most: the
+ * raw pages of one window are held at once. */
+#define KVD__ENCODE_WINDOW 32
+
+/* Does the store's device code this sequence's pages (SVD stays on the CPU)? */
+static kvd_backend *coding_device(kvd_store *st, const kvd_seq_codecs *c)
 {
     kvd_backend *dev = kvd_store_device(st);
-    if (dev && !c->k.svd && !c->v.svd) {
-        int rc = kvd_page_encode(dev, d, &c->k, &c->v, kp, vp, out, len, err);
+    return dev && !c->k.svd && !c->v.svd ? dev : NULL;
+}
+
+/* Code n sealing pages: on the store's device when it codes them
+ * (coding_device), else, or when the device fails
+ * (kvd_store_device_fallback), on the CPU with the thread's coding backend.
+ * Same bytes either way. */
+static int encode_pages(kvd_store *st, size_t n, const kvd_page_desc *d, const kvd_seq_codecs *c,
+                        const void *const *kp, const void *const *vp, uint8_t **out, size_t *len,
+                        kvd_error *err)
+{
+    kvd_backend *dev = coding_device(st, c);
+    if (dev) {
+        int rc = kvd_pages_encode(dev, n, d, &c->k, &c->v, kp, vp, out, len, err);
         if (rc == 0) {
-            atomic_fetch_add(&st->tiers.device_pages_encoded, 1);
+            atomic_fetch_add(&st->tiers.device_pages_encoded, n);
             return 0;
         }
         if (!kvd_store_device_fallback(st, rc, err))
             return rc;
     }
-    return kvd_page_encode(kvd_store_coding_backend(st), d, &c->k, &c->v, kp, vp, out, len, err);
+    return kvd_pages_encode(kvd_store_coding_backend(st), n, d, &c->k, &c->v, kp, vp, out, len,
+                            err);
 }
 
 static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_writebatch_t *b,
@@ -587,79 +600,121 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         }
     }
 
-    for (uint64_t pi = first; pi < npages; pi++) {
-        uint64_t p0 = pi * B, p1 = p0 + B < end ? p0 + B : end;
-        kvd_page_desc d = {.dtype = ap->dtype,
-                           .layer = l,
-                           .token_start = p0,
-                           .num_tokens = (uint32_t)(p1 - p0),
-                           .page_tokens = B,
-                           .num_kv_heads = ap->H,
-                           .head_dim = ap->D};
-        if (d.num_tokens == B && pi < pl->n_hashes) {
-            d.has_prefix_hash = 1;
-            d.prefix_hash = pl->hashes[pi];
+    /* The pages go in windows: built raw, the sealing ones to code coded
+     * together (one page per window without a coding device), then written. */
+    const uint64_t W = ap->coded && coding_device(st, &ap->codecs) ? KVD__ENCODE_WINDOW : 1;
+    kvd_page_desc full = {.dtype = ap->dtype,
+                          .page_tokens = B,
+                          .num_tokens = B,
+                          .num_kv_heads = ap->H,
+                          .head_dim = ap->D};
+    const size_t full_size = (size_t)kvd_page_raw_size(&full);
+    uint8_t *raw[KVD__ENCODE_WINDOW] = {0}, *coded[KVD__ENCODE_WINDOW] = {0};
+    const void *ck[KVD__ENCODE_WINDOW], *cv[KVD__ENCODE_WINDOW];
+    uint8_t *kps[KVD__ENCODE_WINDOW];
+    kvd_page_desc ds[KVD__ENCODE_WINDOW], cd[KVD__ENCODE_WINDOW];
+    size_t clen[KVD__ENCODE_WINDOW];
+    int code_it[KVD__ENCODE_WINDOW];
+    for (uint64_t w0 = first; w0 < npages && rc == 0; w0 += W) {
+        const uint64_t w1 = w0 + W < npages ? w0 + W : npages;
+        size_t nc = 0;
+        for (uint64_t pi = w0; pi < w1; pi++) {
+            const size_t at = (size_t)(pi - w0);
+            uint64_t p0 = pi * B, p1 = p0 + B < end ? p0 + B : end;
+            kvd_page_desc d = {.dtype = ap->dtype,
+                               .layer = l,
+                               .token_start = p0,
+                               .num_tokens = (uint32_t)(p1 - p0),
+                               .page_tokens = B,
+                               .num_kv_heads = ap->H,
+                               .head_dim = ap->D};
+            if (d.num_tokens == B && pi < pl->n_hashes) {
+                d.has_prefix_hash = 1;
+                d.prefix_hash = pl->hashes[pi];
+            }
+            uint64_t size = kvd_page_raw_size(&d);
+            kvd__page *np = calloc(1, sizeof *np);
+            /* One buffer per window slot, sized for a full page, serves
+             * every page built there: the batch keeps its own copy. */
+            if (!raw[at])
+                raw[at] = malloc(full_size);
+            if (!np || !raw[at]) {
+                free(np);
+                rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
+                break;
+            }
+            nl->pages[pi] = np;
+            np->id = (pi == first && tail) ? tail->id : atomic_fetch_add(&st->next_page_id, 1);
+            np->refs = 1;
+            np->num_tokens = d.num_tokens;
+            np->bytes = size;
+            np->nfrags = 0;
+            uint8_t *kp, *vp;
+            if ((rc = kvd_page_init_raw(&d, raw[at], (size_t)size, &kp, &vp, err)))
+                break;
+            fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
+            fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
+            kvd_page_finish(raw[at], (size_t)size);
+            ds[at] = d;
+            kps[at] = kp;
+            /* A page that seals is stored encoded (the raw tail rule),
+             * unless the client encoded it (given_page). */
+            code_it[at] =
+                ap->coded && d.num_tokens == B && p0 >= ap->sink_end && !given_page(ap, l, pi);
+            if (code_it[at]) {
+                cd[nc] = d;
+                ck[nc] = kp;
+                cv[nc] = vp;
+                nc++;
+            }
         }
-        uint64_t size = kvd_page_raw_size(&d);
-        kvd__page *np = calloc(1, sizeof *np);
-        if (!page) {
-            /* One buffer, sized for a full page, serves every page of the
-             * layer: the batch keeps its own copy. */
-            kvd_page_desc full = d;
-            full.token_start = 0;
-            full.num_tokens = B;
-            page = malloc((size_t)kvd_page_raw_size(&full));
-        }
-        if (!np || !page) {
-            free(np);
-            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
-            goto fail;
-        }
-        nl->pages[pi] = np;
-        np->id = (pi == first && tail) ? tail->id : atomic_fetch_add(&st->next_page_id, 1);
-        np->refs = 1;
-        np->num_tokens = d.num_tokens;
-        np->bytes = size;
-        np->nfrags = 0;
-        uint8_t *kp, *vp;
-        if ((rc = kvd_page_init_raw(&d, page, (size_t)size, &kp, &vp, err)))
-            goto fail;
-        fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
-        fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
-        kvd_page_finish(page, (size_t)size);
-        const uint8_t *wbytes = page;
-        size_t wlen = (size_t)size;
-        uint8_t *coded = NULL;
-        const struct given_page *gp = d.num_tokens == B ? given_page(ap, l, pi) : NULL;
-        if (gp) {
-            /* Encoded once at the client: these bytes are what is stored. */
-            wbytes = gp->bytes;
-            wlen = gp->len;
+        if (rc == 0 && nc)
+            rc = encode_pages(st, nc, cd, &ap->codecs, ck, cv, coded, clen, err);
+        for (uint64_t pi = w0, ci = 0; pi < w1 && rc == 0; pi++) {
+            const size_t at = (size_t)(pi - w0);
+            const kvd_page_desc *d = &ds[at];
+            kvd__page *np = nl->pages[pi];
+            const uint8_t *wbytes = raw[at];
+            size_t wlen = (size_t)np->bytes;
+            uint8_t *own = NULL;
+            const struct given_page *gp = d->num_tokens == B ? given_page(ap, l, pi) : NULL;
+            if (gp) {
+                /* Encoded once at the client: these bytes are what is stored. */
+                wbytes = gp->bytes;
+                wlen = gp->len;
+            } else if (code_it[at]) {
+                wbytes = own = coded[ci];
+                wlen = clen[ci];
+                coded[ci++] = NULL;
+            }
             np->bytes = wlen;
-        } else if (ap->coded && d.num_tokens == B && p0 >= ap->sink_end) {
-            /* The page seals: store it encoded (the raw tail rule). */
-            if ((rc = encode_page(st, &d, &ap->codecs, kp, vp, &coded, &wlen, err)))
-                goto fail;
-            wbytes = coded;
-            np->bytes = wlen;
+            if (ap->codecs.pq_m && d->num_tokens == B) {
+                /* The page seals: add its PQ codes (pqindex.h). */
+                uint8_t *withpq = NULL;
+                rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, d, kps[at], wk, ap->ts,
+                                          end, wbytes, wlen, &withpq, &wlen, err);
+                free(own);
+                own = NULL;
+                if (rc)
+                    break;
+                wbytes = own = withpq;
+                np->bytes = wlen;
+            }
+            keep_built(ap, np->id, wbytes, wlen, d->num_tokens);
+            uint8_t key[KVD__PAGE_KEY_LEN];
+            kvd__page_key(key, np->id);
+            rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)wbytes, wlen);
+            free(own);
         }
-        if (ap->codecs.pq_m && d.num_tokens == B) {
-            /* The page seals: add its PQ codes (pqindex.h). */
-            uint8_t *withpq = NULL;
-            rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, &d, kp, wk, ap->ts, end,
-                                      wbytes, wlen, &withpq, &wlen, err);
-            free(coded);
-            if (rc)
-                goto fail;
-            wbytes = coded = withpq;
-            np->bytes = wlen;
+        for (size_t i = 0; i < nc; i++) {
+            free(coded[i]);
+            coded[i] = NULL;
         }
-        keep_built(ap, np->id, wbytes, wlen, d.num_tokens);
-        uint8_t key[KVD__PAGE_KEY_LEN];
-        kvd__page_key(key, np->id);
-        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)wbytes, wlen);
-        free(coded);
     }
+    for (size_t i = 0; i < KVD__ENCODE_WINDOW; i++)
+        free(raw[i]);
+    if (rc)
+        goto fail;
     free(page);
     kvd__tail_release(&old);
     return 0;

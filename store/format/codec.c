@@ -153,8 +153,12 @@ static void int_prefix(uint8_t *dst, const kvd_codec_spec *s)
 
 /* Quantize the head-major raw section src into the arrays of an INT section
  * (what follows its prefix); both in memory of be. */
-static int quantize_heads(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
-                          int is_v, const void *src, uint8_t *arrays, kvd_error *err)
+/* The quantizations of an INT section, one per head (x[h] -> q[h] with
+ * seeds[h]): the head-major raw section src into arrays (what follows the
+ * section's prefix), both in memory of the backend that runs them. */
+static int head_blocks(const kvd_page_desc *d, const kvd_codec_spec *s, int is_v, const void *src,
+                       uint8_t *arrays, kvd_tensor *x, kvd_qtensor *q, uint64_t *seeds,
+                       kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
     const int bits = codec_bits(s->codec);
@@ -166,29 +170,42 @@ static int quantize_heads(kvd_backend *be, const kvd_page_desc *d, const kvd_cod
     section_arrays(arrays, H, &qs, &codes, &mn, &sc, &sm);
     const size_t es = kvd_dtype_size(d->dtype);
     for (uint32_t h = 0; h < H; h++) {
-        kvd_qtensor q;
-        memset(&q, 0, sizeof q);
-        q.bits = bits;
-        q.group = s->group;
-        q.axis = (kvd_quant_axis)s->axis;
-        q.ntok = T;
-        q.dim = D;
-        q.codes = codes + (size_t)h * qs.codes_bytes;
-        q.min = (uint16_t *)(void *)(mn + (size_t)h * qs.ngroups * 2);
-        q.scale = (uint16_t *)(void *)(sc + (size_t)h * qs.ngroups * 2);
-        q.sum = (uint16_t *)(void *)(sm + (size_t)h * qs.ngroups * 2);
+        memset(&q[h], 0, sizeof q[h]);
+        q[h].bits = bits;
+        q[h].group = s->group;
+        q[h].axis = (kvd_quant_axis)s->axis;
+        q[h].ntok = T;
+        q[h].dim = D;
+        q[h].codes = codes + (size_t)h * qs.codes_bytes;
+        q[h].min = (uint16_t *)(void *)(mn + (size_t)h * qs.ngroups * 2);
+        q[h].scale = (uint16_t *)(void *)(sc + (size_t)h * qs.ngroups * 2);
+        q[h].sum = (uint16_t *)(void *)(sm + (size_t)h * qs.ngroups * 2);
         int64_t shape[2] = {T, D};
-        kvd_tensor x = kvd_tensor_make(d->dtype, (uint8_t *)src + (size_t)h * T * D * es, 2,
-                                       shape);
+        x[h] = kvd_tensor_make(d->dtype, (uint8_t *)src + (size_t)h * T * D * es, 2, shape);
         /* A different stream per (layer, page, head, K/V), so stochastic
          * rounding errors do not line up across heads or pages. */
-        uint64_t seed = s->seed ^ (0x9e3779b97f4a7c15ull * (d->layer + 1)) ^
-                        ((d->token_start / (d->page_tokens ? d->page_tokens : 1)) << 20) ^
-                        ((uint64_t)h << 8) ^ (uint64_t)is_v;
-        if ((rc = kvd_quantize(be, &x, &q, (kvd_rounding)s->rounding, seed, err)))
-            return rc;
+        seeds[h] = s->seed ^ (0x9e3779b97f4a7c15ull * (d->layer + 1)) ^
+                   ((d->token_start / (d->page_tokens ? d->page_tokens : 1)) << 20) ^
+                   ((uint64_t)h << 8) ^ (uint64_t)is_v;
     }
     return 0;
+}
+
+static int quantize_heads(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
+                          int is_v, const void *src, uint8_t *arrays, kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads;
+    kvd_tensor *x = malloc(sizeof *x * H);
+    kvd_qtensor *q = malloc(sizeof *q * H);
+    uint64_t *seeds = malloc(sizeof *seeds * H);
+    int rc = x && q && seeds ? head_blocks(d, s, is_v, src, arrays, x, q, seeds, err)
+                             : kvd_error_set(err, KVD_ENOMEM, "out of memory coding a page");
+    if (rc == 0)
+        rc = kvd_quantize_batch(be, (int)H, x, q, (kvd_rounding)s->rounding, seeds, err);
+    free(x);
+    free(q);
+    free(seeds);
+    return rc;
 }
 
 /* Quantize the head-major raw section src into dst (a coded section). */
@@ -1186,37 +1203,45 @@ static int encode_device(kvd_backend *be, const kvd_page_desc *d, const kvd_code
     return rc;
 }
 
-int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks_in,
-                    const kvd_codec_spec *vs_in, const void *k, const void *v, uint8_t **out,
-                    size_t *len, kvd_error *err)
+/* A page on its way to being coded (page_prepare): its specs after the
+ * raw tail rule, their artifacts, and the page with header and section
+ * table written, its sections still to fill. */
+typedef struct page_job {
+    kvd_codec_spec ks, vs;
+    const kvd_layer_arts *kla, *vla;
+    uint8_t *page; /* hsize + kb + vb bytes; NULL for a raw page */
+    size_t hsize, rawsec;
+    uint64_t kb, vb;
+} page_job;
+
+static int page_prepare(const kvd_page_desc *d, const kvd_codec_spec *ks_in,
+                        const kvd_codec_spec *vs_in, page_job *j, kvd_error *err)
 {
-    *out = NULL;
-    *len = 0;
-    if (!be || !d || !ks_in || !vs_in || !k || !v)
-        return kvd_error_set(err, KVD_EINVAL, "page encode: NULL argument");
-    kvd_codec_spec ks = *ks_in, vs = *vs_in;
+    memset(j, 0, sizeof *j);
+    j->ks = *ks_in;
+    j->vs = *vs_in;
     /* The raw tail rule: only a page holding its whole block is coded. */
     if (d->num_tokens < d->page_tokens) {
-        ks.codec = KVD_CODEC_RAW;
-        vs.codec = KVD_CODEC_RAW;
+        j->ks.codec = KVD_CODEC_RAW;
+        j->vs.codec = KVD_CODEC_RAW;
     }
     int rc;
-    if ((rc = kvd_codec_spec_check(&ks, 0, d->page_tokens, d->head_dim, err)) ||
-        (rc = kvd_codec_spec_check(&vs, 1, d->page_tokens, d->head_dim, err)))
+    if ((rc = kvd_codec_spec_check(&j->ks, 0, d->page_tokens, d->head_dim, err)) ||
+        (rc = kvd_codec_spec_check(&j->vs, 1, d->page_tokens, d->head_dim, err)))
         return rc;
-    if (ks.codec == KVD_CODEC_RAW && vs.codec == KVD_CODEC_RAW && !ks.svd && !vs.svd)
-        return kvd_page_encode_raw(d, k, v, out, len, err);
-    const kvd_layer_arts *kla = NULL, *vla = NULL;
-    if ((rc = encode_arts(&ks, 0, d, &kla, err)) || (rc = encode_arts(&vs, 1, d, &vla, err)))
+    if (j->ks.codec == KVD_CODEC_RAW && j->vs.codec == KVD_CODEC_RAW && !j->ks.svd && !j->vs.svd)
+        return 0; /* a raw page: kvd_page_encode_raw */
+    if ((rc = encode_arts(&j->ks, 0, d, &j->kla, err)) ||
+        (rc = encode_arts(&j->vs, 1, d, &j->vla, err)))
         return rc;
     /* The header and table are those of a raw page with other codecs and
      * lengths: build the raw header into a scratch page, then patch. */
-    const uint64_t kb = side_bytes(&ks, kla, d);
-    const uint64_t vb = side_bytes(&vs, vla, d);
-    const size_t hsize = KVD_PAGE_FIXED_HEADER + 2 * KVD_PAGE_SECTION_ENTRY;
-    if (!kb || !vb)
+    j->kb = side_bytes(&j->ks, j->kla, d);
+    j->vb = side_bytes(&j->vs, j->vla, d);
+    j->hsize = KVD_PAGE_FIXED_HEADER + 2 * KVD_PAGE_SECTION_ENTRY;
+    if (!j->kb || !j->vb)
         return kvd_error_set(err, KVD_EINVAL, "page encode: shape does not fit the codec");
-    uint8_t *page = malloc(hsize + kb + vb);
+    uint8_t *page = malloc(j->hsize + j->kb + j->vb);
     if (!page)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory encoding a page");
     kvd_page_desc one = *d;
@@ -1234,35 +1259,196 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
         free(page);
         return rc;
     }
-    memcpy(page, scratch, hsize);
+    memcpy(page, scratch, j->hsize);
     free(scratch);
     st32(page + 24, d->num_tokens);
     page[11] |= KVD_PAGE_SEALED; /* num_tokens == page_tokens here */
-    const uint8_t kc = ks.svd ? KVD_CODEC_SVD : ks.codec, vc = vs.svd ? KVD_CODEC_SVD : vs.codec;
+    const uint8_t kc = j->ks.svd ? KVD_CODEC_SVD : j->ks.codec;
+    const uint8_t vc = j->vs.svd ? KVD_CODEC_SVD : j->vs.codec;
     page[8] = kc;
     page[9] = vc;
     uint8_t *e = page + KVD_PAGE_FIXED_HEADER;
     e[2] = kc;
-    st64(e + 8, hsize);
-    st64(e + 16, kb);
+    st64(e + 8, j->hsize);
+    st64(e + 16, j->kb);
     e += KVD_PAGE_SECTION_ENTRY;
     e[2] = vc;
-    st64(e + 8, hsize + kb);
-    st64(e + 16, vb);
-    const size_t rawsec = (size_t)d->num_kv_heads * d->num_tokens * d->head_dim *
-                          kvd_dtype_size(d->dtype);
-    if (on_device(be))
-        rc = encode_device(be, d, &ks, &vs, kla, vla, k, v, rawsec, page + hsize, kb, vb, err);
-    else if ((rc = encode_side(be, d, &ks, kla, 0, k, rawsec, page + hsize, err)) == 0)
-        rc = encode_side(be, d, &vs, vla, 1, v, rawsec, page + hsize + kb, err);
-    if (rc)
-        goto fail;
-    kvd_page_finish(page, hsize + kb + vb);
-    *out = page;
-    *len = hsize + kb + vb;
+    st64(e + 8, j->hsize + j->kb);
+    st64(e + 16, j->vb);
+    j->rawsec = (size_t)d->num_kv_heads * d->num_tokens * d->head_dim * kvd_dtype_size(d->dtype);
+    j->page = page;
     return 0;
-fail:
-    free(page);
+}
+
+int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks_in,
+                    const kvd_codec_spec *vs_in, const void *k, const void *v, uint8_t **out,
+                    size_t *len, kvd_error *err)
+{
+    *out = NULL;
+    *len = 0;
+    if (!be || !d || !ks_in || !vs_in || !k || !v)
+        return kvd_error_set(err, KVD_EINVAL, "page encode: NULL argument");
+    page_job j;
+    int rc = page_prepare(d, ks_in, vs_in, &j, err);
+    if (rc)
+        return rc;
+    if (!j.page)
+        return kvd_page_encode_raw(d, k, v, out, len, err);
+    uint8_t *sec = j.page + j.hsize;
+    if (on_device(be))
+        rc = encode_device(be, d, &j.ks, &j.vs, j.kla, j.vla, k, v, j.rawsec, sec, j.kb, j.vb, err);
+    else if ((rc = encode_side(be, d, &j.ks, j.kla, 0, k, j.rawsec, sec, err)) == 0)
+        rc = encode_side(be, d, &j.vs, j.vla, 1, v, j.rawsec, sec + j.kb, err);
+    if (rc) {
+        free(j.page);
+        return rc;
+    }
+    kvd_page_finish(j.page, j.hsize + j.kb + j.vb);
+    *out = j.page;
+    *len = j.hsize + j.kb + j.vb;
+    return 0;
+}
+
+/*
+ * Sealing pages with INT (or raw) sides on a device, together: every
+ * page's coded sides go up in one batch of copies into one scratch block,
+ * each side is one quantize batch over all pages and heads, and the coded
+ * arrays come down in one batch of copies.
+ */
+static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d,
+                               const page_job *jobs, const void *const *k, const void *const *v,
+                               kvd_error *err)
+{
+    const uint32_t H = d[0].num_kv_heads;
+    const size_t rawsec = jobs[0].rawsec;
+    const kvd_codec_spec *sp[2] = {&jobs[0].ks, &jobs[0].vs};
+    const uint64_t len[2] = {jobs[0].kb, jobs[0].vb};
+    size_t arr[2] = {0, 0}, o_side[2] = {0, 0}, per[2] = {0, 0}, total = 0;
+    for (int i = 0; i < 2; i++) {
+        if (sp[i]->codec == KVD_CODEC_RAW)
+            continue;
+        arr[i] = (size_t)len[i] - KVD_CODEC_SECTION_PREFIX;
+        per[i] = align256(rawsec) + align256(arr[i]); /* one page: raw | arrays */
+        o_side[i] = total;
+        total += n * per[i];
+    }
+    uint8_t *m = NULL;
+    kvd_copy *ops = malloc(sizeof *ops * 2 * n);
+    kvd_tensor *x = malloc(sizeof *x * n * H);
+    kvd_qtensor *q = malloc(sizeof *q * n * H);
+    uint64_t *seeds = malloc(sizeof *seeds * n * H);
+    int rc = ops && x && q && seeds ? kvd_backend_scratch(be, total, (void **)&m, err)
+                                    : kvd_error_set(err, KVD_ENOMEM, "out of memory coding pages");
+    size_t nops = 0;
+    for (size_t p = 0; p < n && rc == 0; p++)
+        for (int i = 0; i < 2; i++) {
+            uint8_t *sec = jobs[p].page + jobs[p].hsize + (i ? jobs[p].kb : 0);
+            if (sp[i]->codec == KVD_CODEC_RAW) {
+                memcpy(sec, i ? v[p] : k[p], rawsec);
+                continue;
+            }
+            int_prefix(sec, sp[i]);
+            ops[nops++] = (kvd_copy){.dst = m + o_side[i] + p * per[i],
+                                     .src = i ? v[p] : k[p],
+                                     .bytes = rawsec,
+                                     .to_device = 1};
+        }
+    if (rc == 0)
+        rc = kvd_backend_copy_batch(be, ops, nops, err);
+    for (int i = 0; i < 2 && rc == 0; i++) {
+        if (sp[i]->codec == KVD_CODEC_RAW)
+            continue;
+        for (size_t p = 0; p < n && rc == 0; p++) {
+            uint8_t *raw = m + o_side[i] + p * per[i];
+            rc = head_blocks(&d[p], sp[i], i, raw, raw + align256(rawsec), x + p * H, q + p * H,
+                             seeds + p * H, err);
+        }
+        if (rc == 0)
+            rc = kvd_quantize_batch(be, (int)(n * H), x, q, (kvd_rounding)sp[i]->rounding, seeds,
+                                    err);
+    }
+    nops = 0;
+    for (size_t p = 0; p < n && rc == 0; p++)
+        for (int i = 0; i < 2; i++)
+            if (sp[i]->codec != KVD_CODEC_RAW)
+                ops[nops++] = (kvd_copy){.dst = jobs[p].page + jobs[p].hsize +
+                                                (i ? jobs[p].kb : 0) + KVD_CODEC_SECTION_PREFIX,
+                                         .src = m + o_side[i] + p * per[i] + align256(rawsec),
+                                         .bytes = arr[i],
+                                         .to_device = 0};
+    if (rc == 0)
+        rc = kvd_backend_copy_batch(be, ops, nops, err);
+    if (m)
+        kvd_backend_scratch_free(be, m);
+    free(ops);
+    free(x);
+    free(q);
+    free(seeds);
+    return rc;
+}
+
+int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kvd_codec_spec *ks,
+                     const kvd_codec_spec *vs, const void *const *k, const void *const *v,
+                     uint8_t **out, size_t *len, kvd_error *err)
+{
+    if (n && (!be || !d || !ks || !vs || !k || !v || !out || !len))
+        return kvd_error_set(err, KVD_EINVAL, "pages encode: NULL argument");
+    for (size_t p = 0; p < n; p++) {
+        out[p] = NULL;
+        len[p] = 0;
+        if (!k[p] || !v[p])
+            return kvd_error_set(err, KVD_EINVAL, "pages encode: page %zu has no K or V", p);
+    }
+    int rc = 0;
+    const int together = n > 1 && on_device(be) && !ks->svd && !vs->svd &&
+                         ks->codec != KVD_CODEC_VQ && vs->codec != KVD_CODEC_VQ;
+    page_job *jobs = together ? calloc(n, sizeof *jobs) : NULL;
+    for (size_t p = 0; p < n && jobs; p++) {
+        const kvd_page_desc *a = &d[p], *b = &d[0];
+        if (a->dtype != b->dtype || a->layer != b->layer || a->num_tokens != a->page_tokens ||
+            a->page_tokens != b->page_tokens || a->num_kv_heads != b->num_kv_heads ||
+            a->head_dim != b->head_dim) {
+            rc = kvd_error_set(err, KVD_EINVAL,
+                               "pages encode: page %zu is not a sealing page of page 0's layer "
+                               "and shape",
+                               p);
+            break;
+        }
+        if ((rc = page_prepare(a, ks, vs, &jobs[p], err)))
+            break;
+    }
+    if (jobs && rc == 0 && jobs[0].page) {
+        rc = encode_device_batch(be, n, d, jobs, k, v, err);
+        for (size_t p = 0; p < n; p++) {
+            if (rc == 0) {
+                len[p] = jobs[p].hsize + jobs[p].kb + jobs[p].vb;
+                kvd_page_finish(jobs[p].page, len[p]);
+                out[p] = jobs[p].page;
+            } else {
+                free(jobs[p].page);
+            }
+        }
+        free(jobs);
+        return rc;
+    }
+    if (jobs) {
+        for (size_t p = 0; p < n; p++)
+            free(jobs[p].page);
+        free(jobs);
+        if (rc)
+            return rc;
+    } else if (together) {
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory coding pages");
+    }
+    /* One page at a time: on the CPU, VQ and SVD sides, raw pages. */
+    for (size_t p = 0; p < n && rc == 0; p++)
+        rc = kvd_page_encode(be, &d[p], ks, vs, k[p], v[p], &out[p], &len[p], err);
+    if (rc)
+        for (size_t p = 0; p < n; p++) {
+            free(out[p]);
+            out[p] = NULL;
+            len[p] = 0;
+        }
     return rc;
 }
 

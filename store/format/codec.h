@@ -190,6 +190,19 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
                     const kvd_codec_spec *vs, const void *k, const void *v, uint8_t **out,
                     size_t *len, kvd_error *err);
 
+/*
+ * kvd_page_encode of n pages with the same specs: out[i], len[i] are the
+ * bytes kvd_page_encode gives for page i. On a device backend, n sealing
+ * pages of one layer and shape with INT or raw sides are coded together:
+ * their raw sides go up in one batch of copies, each coded side is one
+ * quantize batch over every page and head (one launch), the coded arrays
+ * come down in one batch. Otherwise (the CPU, VQ or SVD sides) one page at
+ * a time. On failure every out[i] is NULL. Returns as kvd_page_encode.
+ */
+int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kvd_codec_spec *ks,
+                     const kvd_codec_spec *vs, const void *const *k, const void *const *v,
+                     uint8_t **out, size_t *len, kvd_error *err);
+
 /* A coded section, parsed and checked against its page's shape. */
 typedef struct kvd_codec_section {
     uint8_t codec;
