@@ -880,8 +880,14 @@ int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
     req.ttl_seconds = a->ttl_seconds;
     kvdepot__codecs_pb cpb;
     req.codecs = kvdepot__codecs_to_pb(a->codecs, &cpb);
+    int rc = kvdepot__engine_pb(c, &a->engine_prefix, "sequence create", &req.engine_prefix_hashes);
+    if (rc)
+        return rc;
+    req.n_engine_prefix_hashes = a->engine_prefix.num;
+    req.engine_block_tokens = a->engine_prefix.block_tokens;
     Kvdepot__V1__CreateSequenceResponse *resp;
-    int rc = UNARY(c, KVDEPOT__CREATE_SEQUENCE, &req, kvdepot__v1__create_sequence_response, &resp);
+    rc = UNARY(c, KVDEPOT__CREATE_SEQUENCE, &req, kvdepot__v1__create_sequence_response, &resp);
+    free(req.engine_prefix_hashes);
     if (rc)
         return rc;
     if (out)
@@ -1053,6 +1059,62 @@ size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t pag
         }
     }
     return blocks;
+}
+
+uint64_t kvdepot_engine_hash_key(const void *name, size_t len)
+{
+    return name || !len ? XXH3_64bits(name, len) : 0;
+}
+
+int kvdepot__engine_pb(kvdepot_client *c, const kvdepot_engine_hashes *h, const char *what,
+                       ProtobufCBinaryData **out)
+{
+    *out = NULL;
+    if (!h->num)
+        return KVDEPOT_OK;
+    if (!h->bytes || h->len < 1 || h->len > 64)
+        return kvdepot__fail(c, KVDEPOT_EINVAL,
+                             "%s: engine hashes need bytes and a length of 1..64 (%zu given)", what,
+                             h->len);
+    ProtobufCBinaryData *b = malloc(sizeof *b * h->num);
+    if (!b)
+        return kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: out of memory", what);
+    for (size_t i = 0; i < h->num; i++)
+        b[i] = (ProtobufCBinaryData){h->len, (uint8_t *)h->bytes + i * h->len};
+    *out = b;
+    return KVDEPOT_OK;
+}
+
+int kvdepot_engine_lookup(kvdepot_client *c, const char *model, const kvdepot_engine_hashes *h,
+                          uint64_t *matched_blocks, uint64_t *matched_tokens)
+{
+    if (c && c->cluster && h)
+        return kvdepot__cluster_engine_lookup(c, model, h, matched_blocks, matched_tokens);
+    kvdepot__clear_error();
+    if (matched_blocks)
+        *matched_blocks = 0;
+    if (matched_tokens)
+        *matched_tokens = 0;
+    if (!c || !model || !h)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "engine lookup: NULL argument");
+    Kvdepot__V1__LookupRequest req = KVDEPOT__V1__LOOKUP_REQUEST__INIT;
+    req.model = (char *)model;
+    int rc = kvdepot__engine_pb(c, h, "engine lookup", &req.engine_block_hashes);
+    if (rc)
+        return rc;
+    req.n_engine_block_hashes = h->num;
+    req.engine_block_tokens = h->block_tokens;
+    Kvdepot__V1__LookupResponse *resp;
+    rc = UNARY(c, KVDEPOT__LOOKUP, &req, kvdepot__v1__lookup_response, &resp);
+    free(req.engine_block_hashes);
+    if (rc)
+        return rc;
+    if (matched_blocks)
+        *matched_blocks = resp->matched_blocks;
+    if (matched_tokens)
+        *matched_tokens = resp->matched_tokens;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
 }
 
 int kvdepot_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes, size_t n,

@@ -139,6 +139,9 @@ int kvdepot__cluster_sequence_evict(kvdepot_client *c, const void *id, size_t id
                                     uint64_t *pages, uint64_t *bytes);
 int kvdepot__cluster_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes,
                                    size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
+int kvdepot__cluster_engine_lookup(kvdepot_client *c, const char *model,
+                                   const kvdepot_engine_hashes *h, uint64_t *matched_blocks,
+                                   uint64_t *matched_tokens);
 int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale,
                             const kvdepot_attend_query *queries, size_t n,
                             kvdepot_attend_result *out);
@@ -217,5 +220,10 @@ typedef struct kvdepot__codecs_pb {
     _Alignas(16) unsigned char storage[1024];
 } kvdepot__codecs_pb;
 void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb);
+/* Engine block names as repeated bytes fields: *out (malloc'd; NULL when
+ * there are none) points into h->bytes. KVDEPOT_OK, KVDEPOT_EINVAL (NULL
+ * bytes, a length outside 1..64) or KVDEPOT_ENOMEM, failing c. */
+int kvdepot__engine_pb(kvdepot_client *c, const kvdepot_engine_hashes *h, const char *what,
+                       ProtobufCBinaryData **out);
 
 #endif /* KVDEPOT_CLIENT_INTERNAL_H */

@@ -1243,6 +1243,40 @@ int kvdepot__cluster_prefix_lookup(kvdepot_client *c, const char *model, const u
     return rc;
 }
 
+struct engine_lookup_ctx {
+    const char *model;
+    const kvdepot_engine_hashes *h;
+    uint64_t *blocks, *tokens;
+};
+
+static int op_engine_lookup(kvdepot_client *m, void *p)
+{
+    struct engine_lookup_ctx *x = p;
+    return kvdepot_engine_lookup(m, x->model, x->h, x->blocks, x->tokens);
+}
+
+/* An engine chain lives with the key of its first name (as prefix chains
+ * with their first hash); an unreachable owner is a miss. */
+int kvdepot__cluster_engine_lookup(kvdepot_client *c, const char *model,
+                                   const kvdepot_engine_hashes *h, uint64_t *matched_blocks,
+                                   uint64_t *matched_tokens)
+{
+    char key[17] = "";
+    if (h->bytes && h->num && h->len)
+        snprintf(key, sizeof key, "%016llx",
+                 (unsigned long long)kvdepot_engine_hash_key(h->bytes, h->len));
+    struct engine_lookup_ctx x = {model, h, matched_blocks, matched_tokens};
+    int rc = run_keyed(c, (const uint8_t *)key, strlen(key), op_engine_lookup, &x);
+    if (rc == KVDEPOT_EUNAVAIL) {
+        if (matched_blocks)
+            *matched_blocks = 0;
+        if (matched_tokens)
+            *matched_tokens = 0;
+        return KVDEPOT_OK;
+    }
+    return rc;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Compute calls, pages and artifacts                                        */
 /* ------------------------------------------------------------------------ */

@@ -105,7 +105,10 @@ static size_t append_msg_write(uint8_t *p, const uint8_t *hdr, size_t hlen, int 
     return n;
 }
 
-static void header_from_args(const kvdepot_append_args *a, Kvdepot__V1__AppendHeader *h)
+/* The header of an append; its engine block names (malloc'd, freed by the
+ * caller once the header is packed) point into a's. */
+static int header_from_args(kvdepot_client *c, const kvdepot_append_args *a,
+                            Kvdepot__V1__AppendHeader *h)
 {
     kvdepot__v1__append_header__init(h);
     h->sequence_id.data = (uint8_t *)a->id;
@@ -120,18 +123,24 @@ static void header_from_args(const kvdepot_append_args *a, Kvdepot__V1__AppendHe
     h->block_hashes = (uint64_t *)a->block_hashes;
     h->n_block_hashes = a->num_block_hashes;
     h->with_activations = a->x != NULL;
+    h->engine_block_tokens = a->engine_hashes.block_tokens;
+    h->n_engine_block_hashes = a->engine_hashes.num;
+    return kvdepot__engine_pb(c, &a->engine_hashes, "append", &h->engine_block_hashes);
 }
 
 void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, size_t data_len,
                              int with_header, size_t *len)
 {
     Kvdepot__V1__AppendHeader h;
-    header_from_args(a, &h);
+    if (header_from_args(NULL, a, &h))
+        return NULL;
     size_t hlen = protobuf_c_message_get_packed_size(&h.base);
     uint8_t *hdr = malloc(hlen ? hlen : 1);
+    if (hdr)
+        protobuf_c_message_pack(&h.base, hdr);
+    free(h.engine_block_hashes);
     if (!hdr)
         return NULL;
-    protobuf_c_message_pack(&h.base, hdr);
     kv_src src = {.k = data, .k_bytes = data_len};
     size_t n = append_msg_len(hlen, with_header, data_len);
     uint8_t *p = malloc(n ? n : 1);
@@ -157,12 +166,16 @@ int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
         return kvdepot__fail(c, KVDEPOT_EINVAL, "append: NULL pointer with a nonzero length");
 
     Kvdepot__V1__AppendHeader h;
-    header_from_args(a, &h);
+    int hrc = header_from_args(c, a, &h);
+    if (hrc)
+        return hrc;
     size_t hlen = protobuf_c_message_get_packed_size(&h.base);
     uint8_t *hdr = malloc(hlen ? hlen : 1);
+    if (hdr)
+        protobuf_c_message_pack(&h.base, hdr);
+    free(h.engine_block_hashes);
     if (!hdr)
         return kvdepot__fail(c, KVDEPOT_ENOMEM, "append: out of memory");
-    protobuf_c_message_pack(&h.base, hdr);
 
     kvdepot__call k;
     int rc = kvdepot__call_start(c, KVDEPOT__APPEND, NULL, &k);

@@ -217,6 +217,26 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
         return kvd_error_set(err, KVD_EINVAL,
                              "header.token_ids: %zu ids for %llu tokens (give all or none)",
                              h->n_token_ids, (unsigned long long)h->num_tokens);
+    if (h->n_engine_block_hashes && h->n_block_hashes)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "header: block_hashes and engine_block_hashes are exclusive");
+    uint64_t *engine = NULL; /* page hashes from engine block hashes */
+    size_t n_engine = 0;
+    if (h->n_engine_block_hashes || h->engine_block_tokens) {
+        const uint32_t bt = h->engine_block_tokens;
+        const uint64_t end = h->token_start + h->num_tokens;
+        if (bt && h->n_engine_block_hashes != end / bt - h->token_start / bt)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "header.engine_block_hashes: %zu given; tokens [%llu, %llu) end "
+                                 "%llu blocks of %u tokens",
+                                 h->n_engine_block_hashes, (unsigned long long)h->token_start,
+                                 (unsigned long long)end,
+                                 (unsigned long long)(end / bt - h->token_start / bt), bt);
+        if ((rc = kvd_ctx_engine_pages(ctx, h->engine_block_hashes, h->n_engine_block_hashes, bt,
+                                       bt ? h->token_start / bt : 0, "header.engine_block_hashes",
+                                       &engine, &n_engine, err)))
+            return rc;
+    }
     kvd_append_spec spec = {
         .seq_id = st->key.id,
         .seq_id_len = st->key.len,
@@ -227,25 +247,31 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
         .dtype = (kvd_dtype)h->dtype,
         .token_ids = h->n_token_ids ? h->token_ids : NULL,
         .n_token_ids = h->n_token_ids,
-        .block_hashes = h->n_block_hashes ? h->block_hashes : NULL,
-        .n_block_hashes = h->n_block_hashes,
+        .block_hashes = h->n_block_hashes ? h->block_hashes : engine,
+        .n_block_hashes = h->n_block_hashes ? h->n_block_hashes : n_engine,
         .with_activations = h->with_activations,
     };
     /* The sequence's model decides the namespace check and whose quota the
      * bytes count against; its current size gives the gauges' deltas. */
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
-    if ((rc = kvd_store_seq_stat(ctx->svc->store, st->key.id, st->key.len, &info, err)))
+    if ((rc = kvd_store_seq_stat(ctx->svc->store, st->key.id, st->key.len, &info, err))) {
+        free(engine);
         return rc;
+    }
     snprintf(st->model, sizeof st->model, "%s", info.model);
     st->old_stored_bytes = info.stored_bytes;
     st->old_sealed_pages = info.sealed_pages;
     kvd_seq_info_clear(&info);
-    if ((rc = kvd_ctx_check_model(ctx, st->model, err)))
+    if ((rc = kvd_ctx_check_model(ctx, st->model, err))) {
+        free(engine);
         return rc;
+    }
     kvd_append *ap = NULL;
     uint64_t expected = 0;
-    if ((rc = kvd_store_append_begin(ctx->svc->store, &spec, &ap, &expected, err)))
+    rc = kvd_store_append_begin(ctx->svc->store, &spec, &ap, &expected, err);
+    free(engine); /* the append keeps its own copy */
+    if (rc)
         return rc;
     uint64_t limit = ctx->svc->cfg->max_append_bytes;
     if (expected > limit) {

@@ -143,6 +143,10 @@ int kvd_h_delete_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_
     return reply_or_oom(reply, &resp.base, ctx, err);
 }
 
+static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
+                           const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
+                           grpc_byte_buffer **reply, kvd_error *err);
+
 int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
                           grpc_byte_buffer **reply, kvd_error *err)
 {
@@ -155,12 +159,43 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         (rc = kvd_ctx_check_model(ctx, req->model, err)))
         return rc;
     uint32_t pt = ctx->svc->page_tokens;
-    if (req->n_prefix_token_ids && req->n_prefix_token_ids != req->n_prefix_hashes * pt)
+    /* The prefix's page hashes: given, or from engine block hashes. */
+    const uint64_t *prefix = req->n_prefix_hashes ? req->prefix_hashes : NULL;
+    size_t n_prefix = req->n_prefix_hashes;
+    uint64_t *engine = NULL;
+    if (req->n_engine_prefix_hashes || req->engine_block_tokens) {
+        const uint32_t bt = req->engine_block_tokens;
+        if (req->n_prefix_hashes)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "prefix_hashes and engine_prefix_hashes are exclusive");
+        if (bt && pt % bt == 0 && req->n_engine_prefix_hashes % (pt / bt))
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "engine_prefix_hashes: %zu blocks of %u tokens are not whole "
+                                 "pages of %u tokens (give a multiple of %u)",
+                                 req->n_engine_prefix_hashes, bt, pt, pt / bt);
+        if ((rc = kvd_ctx_engine_pages(ctx, req->engine_prefix_hashes, req->n_engine_prefix_hashes,
+                                       bt, 0, "engine_prefix_hashes", &engine, &n_prefix, err)))
+            return rc;
+        prefix = engine;
+    }
+    rc = create_sequence(ctx, req, &key, prefix, n_prefix, reply, err);
+    free(engine);
+    return rc;
+}
+
+static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
+                           const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
+                           grpc_byte_buffer **reply, kvd_error *err)
+{
+    int rc;
+    const kvd_seq_key key = *kp;
+    uint32_t pt = ctx->svc->page_tokens;
+    if (req->n_prefix_token_ids && req->n_prefix_token_ids != n_prefix * pt)
         return kvd_error_set(err, KVD_EINVAL,
                              "prefix_token_ids: %zu ids given, %zu prefix blocks of %u tokens "
                              "need %llu (or none)",
-                             req->n_prefix_token_ids, req->n_prefix_hashes, pt,
-                             (unsigned long long)req->n_prefix_hashes * pt);
+                             req->n_prefix_token_ids, n_prefix, pt,
+                             (unsigned long long)n_prefix * pt);
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
     /* A sequence started from a prefix holds the prefix's tokens from the
@@ -173,14 +208,14 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     if ((rc = kvd_codecs_from_pb(req->codecs, &mi, pt, &codecs, err)))
         return rc;
     const int store_x = req->codecs && req->codecs->store_activations;
-    if (store_x && req->n_prefix_hashes)
+    if (store_x && n_prefix)
         return kvd_error_set(err, KVD_EINVAL,
                              "codecs.store_activations: not with prefix_hashes (activations "
                              "must start at token 0, and a shared prefix carries none)");
-    if (req->n_prefix_hashes) {
+    if (n_prefix) {
         kvd_seq_info shape;
         memset(&shape, 0, sizeof shape);
-        uint64_t tokens = (uint64_t)req->n_prefix_hashes * pt * mi.num_layers;
+        uint64_t tokens = (uint64_t)n_prefix * pt * mi.num_layers;
         shape.num_layers = 1;
         shape.layer_tokens = &tokens;
         bytes = kvd_seq_payload_bytes(&shape, &mi);
@@ -198,8 +233,7 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         opts.ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
                                                           : req->ttl_seconds * 1000;
     kvd_quota_lock(ctx->auth);
-    rc = kvd_store_seq_create_ex(ctx->svc->store, key.id, key.len, req->model, req->prefix_hashes,
-                                 req->n_prefix_hashes,
+    rc = kvd_store_seq_create_ex(ctx->svc->store, key.id, key.len, req->model, prefix, n_prefix,
                                  req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
                                  req->n_prefix_token_ids, &opts, &info, err);
     if (rc == 0)
@@ -231,8 +265,25 @@ int kvd_h_lookup(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
     if ((rc = kvd_check_model_name(req->model, "model", err)) ||
         (rc = kvd_ctx_check_model(ctx, req->model, err)))
         return rc;
-    uint64_t matched = 0;
-    if (req->n_block_hashes) {
+    uint64_t matched = 0, per = 1; /* blocks of the request per page */
+    if (req->n_block_hashes && (req->n_engine_block_hashes || req->engine_block_tokens))
+        return kvd_error_set(err, KVD_EINVAL, "block_hashes and engine_block_hashes are exclusive");
+    if (req->n_engine_block_hashes || req->engine_block_tokens) {
+        uint64_t *hs = NULL;
+        size_t n = 0;
+        if ((rc = kvd_ctx_engine_pages(ctx, req->engine_block_hashes, req->n_engine_block_hashes,
+                                       req->engine_block_tokens, 0, "engine_block_hashes", &hs, &n,
+                                       err)))
+            return rc;
+        per = ctx->svc->page_tokens / req->engine_block_tokens;
+        if (n)
+            rc = kvd_store_lookup(ctx->svc->store, req->model, hs, n, &matched, err);
+        else {
+            kvd_model_info mi;
+            rc = kvd_store_model_get(ctx->svc->store, req->model, &mi, err);
+        }
+        free(hs);
+    } else if (req->n_block_hashes) {
         rc = kvd_store_lookup(ctx->svc->store, req->model, req->block_hashes,
                               req->n_block_hashes, &matched, err);
     } else {
@@ -243,7 +294,7 @@ int kvd_h_lookup(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
     if (rc)
         return rc;
     Kvdepot__V1__LookupResponse resp = KVDEPOT__V1__LOOKUP_RESPONSE__INIT;
-    resp.matched_blocks = matched;
+    resp.matched_blocks = matched * per;
     resp.matched_tokens = matched * ctx->svc->page_tokens;
     return reply_or_oom(reply, &resp.base, ctx, err);
 }

@@ -1,8 +1,11 @@
 /*
  * The method table: every RPC kvdepotd serves, in one place.
  */
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <xxhash.h>
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
@@ -116,6 +119,48 @@ void kvd_ctx_seq_wire(const kvd_req_ctx *ctx, ProtobufCBinaryData *id)
         id->data += n;
         id->len -= n;
     }
+}
+
+int kvd_ctx_engine_pages(const kvd_req_ctx *ctx, const ProtobufCBinaryData *h, size_t n,
+                         uint32_t block_tokens, uint64_t first_block, const char *field,
+                         uint64_t **out, size_t *nout, kvd_error *err)
+{
+    *out = NULL;
+    *nout = 0;
+    const uint32_t pt = ctx->svc->page_tokens;
+    if (!block_tokens || pt % block_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "%s: engine_block_tokens %u must divide the server's page size %u",
+                             field, block_tokens, pt);
+    for (size_t i = 0; i < n; i++)
+        if (h[i].len < 1 || h[i].len > KVD_ENGINE_HASH_MAX)
+            return kvd_error_set(err, KVD_EINVAL, "%s[%zu]: %zu bytes; a hash is 1..%d bytes",
+                                 field, i, h[i].len, KVD_ENGINE_HASH_MAX);
+    const uint64_t r = pt / block_tokens, end = first_block + n;
+    /* Pages whose last block ((p + 1) * r - 1) lies in [first_block, end). */
+    const uint64_t p0 = first_block / r, p1 = end / r;
+    if (p1 <= p0)
+        return 0;
+    uint64_t *hs = malloc(sizeof *hs * (size_t)(p1 - p0));
+    if (!hs)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    const char *tenant = ctx->principal ? kvd_auth_tenant(ctx->auth, ctx->principal) : "";
+    XXH3_state_t *x = XXH3_createState();
+    if (!x) {
+        free(hs);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    for (uint64_t p = p0; p < p1; p++) {
+        const ProtobufCBinaryData *name = &h[(p + 1) * r - 1 - first_block];
+        XXH3_64bits_reset_withSeed(x, KVD_ENGINE_HASH_SEED);
+        XXH3_64bits_update(x, tenant, strlen(tenant) + 1); /* with its NUL */
+        XXH3_64bits_update(x, name->data, name->len);
+        hs[p - p0] = XXH3_64bits_digest(x);
+    }
+    XXH3_freeState(x);
+    *out = hs;
+    *nout = (size_t)(p1 - p0);
+    return 0;
 }
 
 int kvd_ctx_check_model(kvd_req_ctx *ctx, const char *model, kvd_error *err)

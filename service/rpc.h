@@ -99,6 +99,23 @@ void kvd_ctx_seq_ns(const kvd_req_ctx *ctx, kvd_seq_key *out);
  * and id->len moved past the namespace). */
 void kvd_ctx_seq_wire(const kvd_req_ctx *ctx, ProtobufCBinaryData *id);
 
+/* Longest engine block hash (proto: "Engine block hashes"). */
+#define KVD_ENGINE_HASH_MAX 64
+
+/*
+ * Engine block hashes as the prefix index's page hashes. h[0..n) name the
+ * engine blocks first_block .. first_block + n - 1 of block_tokens tokens
+ * each (block_tokens must divide the server's page size); *out (malloc'd,
+ * *nout entries, NULL when none) gets, in order, the hash of every page
+ * whose last engine block is among them: the name of that block keyed by
+ * the caller's tenant (XXH3-64 of tenant, 0, name; seed
+ * KVD_ENGINE_HASH_SEED). Errors (KVD_EINVAL) name `field`.
+ */
+#define KVD_ENGINE_HASH_SEED 0x6b76646570656e67ull
+int kvd_ctx_engine_pages(const kvd_req_ctx *ctx, const ProtobufCBinaryData *h, size_t n,
+                         uint32_t block_tokens, uint64_t first_block, const char *field,
+                         uint64_t **out, size_t *nout, kvd_error *err);
+
 /* PERMISSION_DENIED unless the caller may use `model`. */
 int kvd_ctx_check_model(kvd_req_ctx *ctx, const char *model, kvd_error *err);
 /* The same for the model of a stored sequence (NOT_FOUND when there is

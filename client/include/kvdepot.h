@@ -425,6 +425,29 @@ typedef struct kvdepot_codecs {
     int store_activations;
 } kvdepot_codecs;
 
+/*
+ * Engine block hashes: an engine's own names for its blocks (vLLM's sha256
+ * chain over 16-token blocks, SGLang's, LMCache's), passed as they are
+ * instead of kvdepot's 64-bit chain. Names are opaque bytes, all `len`
+ * bytes long in one call (1..64), hash i at bytes + i * len. block_tokens
+ * is the engine's block size and must divide the server's page_tokens; a
+ * page is known by the name of its last engine block, so names must stand
+ * for the whole prefix up to their block (chained, as engines' hashes are).
+ * The server keys names by the caller's tenant and the model: tenants never
+ * share or see each other's prefixes. Over several servers a chain lives
+ * with kvdepot_shard_prefix_tag(kvdepot_engine_hash_key(first name)).
+ */
+typedef struct kvdepot_engine_hashes {
+    const uint8_t *bytes; /* num * len bytes */
+    size_t len;           /* bytes per name, 1..64 */
+    size_t num;           /* names */
+    uint32_t block_tokens;
+} kvdepot_engine_hashes;
+
+/* 64-bit key of an engine block name (XXH3-64 of its bytes): what a
+ * sharded client routes an engine chain by (see kvdepot_shard_prefix_tag). */
+uint64_t kvdepot_engine_hash_key(const void *name, size_t len);
+
 typedef struct kvdepot_create_args {
     const void *id;            /* sequence id, 1..KVDEPOT_ID_MAX bytes */
     size_t id_len;
@@ -449,6 +472,12 @@ typedef struct kvdepot_create_args {
      * SVD copy the model's artifacts into the sequence at creation: a later
      * recalibration does not change how its pages decode. */
     const kvdepot_codecs *codecs;
+    /* Optional, instead of prefix_hashes: the stored prefix named by
+     * engine block hashes (whole pages of them: num a multiple of
+     * page_tokens / block_tokens, else KVDEPOT_EINVAL; every page stored,
+     * else KVDEPOT_ENOTFOUND). prefix_token_ids then count the prefix's
+     * tokens. */
+    kvdepot_engine_hashes engine_prefix;
 } kvdepot_create_args;
 
 /*
@@ -538,6 +567,12 @@ typedef struct kvdepot_append_args {
      * earlier tokens only (activation_tokens stops growing). */
     const void *x;
     size_t x_bytes;
+    /* Optional, instead of block_hashes: the engine's names of every
+     * engine block whose last token is in this append, in order (num =
+     * (token_start + num_tokens) / block_tokens - token_start /
+     * block_tokens); the pages the append completes are registered under
+     * the names of their last blocks. */
+    kvdepot_engine_hashes engine_hashes;
 } kvdepot_append_args;
 
 /*
@@ -672,6 +707,18 @@ size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t pag
  */
 int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint64_t *hashes,
                           size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
+
+/*
+ * Lookup by engine block hashes (a chain from block 0): how many leading
+ * engine blocks the server stores for the model, in whole pages.
+ * @param[out] matched_blocks  engine blocks (may be NULL)
+ * @param[out] matched_tokens  (may be NULL)
+ * @return as kvdepot_prefix_lookup; KVDEPOT_EINVAL for a block size not
+ *         dividing the server's page size or a name of 0 or > 64 bytes.
+ */
+int kvdepot_engine_lookup(kvdepot_client *client, const char *model,
+                          const kvdepot_engine_hashes *hashes, uint64_t *matched_blocks,
+                          uint64_t *matched_tokens);
 
 /* ------------------------------------------------------------------------ */
 /* Several servers                                                           */

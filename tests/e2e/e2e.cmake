@@ -18,12 +18,12 @@ target_link_libraries(kvd_e2e_harness PUBLIC kvdepot_static)
 add_executable(e2e_client ${KVD_E2E_DIR}/e2e_client.c)
 # The bad-stream cases use the library's internal raw-call entry point.
 target_include_directories(e2e_client PRIVATE ${PROJECT_SOURCE_DIR}/client)
-target_link_libraries(e2e_client PRIVATE kvd_e2e_harness kvd_proto Threads::Threads)
+target_link_libraries(e2e_client PRIVATE kvd_e2e_harness kvd_proto Threads::Threads PkgConfig::XXHASH)
 
 add_executable(e2e_big ${KVD_E2E_DIR}/e2e_big.c)
 target_link_libraries(e2e_big PRIVATE kvd_e2e_harness PkgConfig::XXHASH)
 
-foreach(name models chunks reconnect dtypes layers prefix bad_models bad_sequences bad_appends
+foreach(name models chunks reconnect dtypes layers prefix engine bad_models bad_sequences bad_appends
              bad_streams bad_reads threads race many crash limit errors)
   add_test(NAME e2e_${name} COMMAND e2e_client ${KVD_E2E_SERVER} ${name})
   set_tests_properties(e2e_${name} PROPERTIES LABELS e2e TIMEOUT 300)

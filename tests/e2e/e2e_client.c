@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 /* A small model so each test moves little data but crosses page boundaries. */
 static kvdepot_model small_model(const char *name)
@@ -300,6 +301,160 @@ static int test_layers(kvd_harness *h)
     REQUIRE(c);
     CHECK(ref_verify(c, &r) == 0);
     ref_free(&r);
+    kvdepot_close(c);
+    return 0;
+}
+
+/* 32-byte engine block names chained like vLLM's (each from its parent
+ * and its block), here from xxh3-128 rather than sha256: opaque bytes to
+ * the server either way. */
+static void engine_chain(uint8_t *out, size_t n, uint64_t salt)
+{
+    uint8_t prev[32] = {0};
+    for (size_t j = 0; j < n; j++) {
+        uint8_t in[48];
+        memcpy(in, prev, 32);
+        memcpy(in + 32, &salt, 8);
+        uint64_t jj = j;
+        memcpy(in + 40, &jj, 8);
+        XXH128_hash_t a = XXH3_128bits(in, sizeof in), b = XXH3_128bits_withSeed(in, sizeof in, 7);
+        memcpy(out + 32 * j, &a, 16);
+        memcpy(out + 32 * j + 16, &b, 16);
+        memcpy(prev, out + 32 * j, 32);
+    }
+}
+
+/* Engine block hashes: appends name their blocks with 32-byte engine
+ * hashes at 16 tokens a block; Lookup and CreateSequence find the pages by
+ * the names of their last blocks; bad counts, sizes and mixes refused with
+ * nothing stored. */
+static int test_engine(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m = small_model("eng");
+    m.num_layers = 2;
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(create_seq(c, "a", "eng"), KVDEPOT_OK);
+    const uint32_t P = page_tokens_of(c, "a"), B = 16;
+    REQUIRE(P >= 2 * B && P % B == 0);
+    const size_t r = P / B, N = 2 * (size_t)P + 50, nb = N / B;
+    uint8_t *names = malloc(32 * (nb + 8));
+    REQUIRE(names);
+    engine_chain(names, nb + 8, 1);
+    ref_seq a;
+    REQUIRE(ref_init(&a, "a", &m, 4 * (uint64_t)P) == 0);
+
+    /* First append ends inside page 0: the names of the blocks it ends. */
+    const uint64_t t1 = P - 10;
+    kvdepot_engine_hashes eh = {.bytes = names, .len = 32, .num = t1 / B, .block_tokens = B};
+    eh.num = t1 / B + 1; /* one too many: refused, nothing stored */
+    CHECK_RC(ref_append_engine(c, &a, 0, 2, t1, 1, &eh), KVDEPOT_EINVAL);
+    eh.num = t1 / B;
+    eh.block_tokens = 24; /* does not divide the page size */
+    CHECK_RC(ref_append_engine(c, &a, 0, 2, t1, 1, &eh), KVDEPOT_EINVAL);
+    eh.block_tokens = B;
+    eh.len = 65;
+    CHECK_RC(ref_append_engine(c, &a, 0, 2, t1, 1, &eh), KVDEPOT_EINVAL);
+    eh.len = 32;
+    kvdepot_sequence_info s;
+    CHECK_RC(kvdepot_sequence_stat(c, "a", 1, &s), KVDEPOT_OK);
+    CHECK(s.num_tokens == 0);
+    kvdepot_sequence_info_clear(&s);
+    CHECK_RC(ref_append_engine(c, &a, 0, 2, t1, 1, &eh), KVDEPOT_OK);
+    /* Second: blocks t1/B .. N/B - 1 (their last tokens are in it). */
+    eh.bytes = names + 32 * (t1 / B);
+    eh.num = nb - t1 / B;
+    CHECK_RC(ref_append_engine(c, &a, 0, 2, N - t1, 2, &eh), KVDEPOT_OK);
+    CHECK(ref_verify(c, &a) == 0);
+    CHECK_RC(kvdepot_sequence_stat(c, "a", 1, &s), KVDEPOT_OK);
+    CHECK(s.num_block_hashes == 2); /* pages 0 and 1 registered */
+    kvdepot_sequence_info_clear(&s);
+
+    /* Lookup by the chain from block 0. */
+    uint64_t blocks = 99, toks = 99;
+    kvdepot_engine_hashes q = {.bytes = names, .len = 32, .num = nb, .block_tokens = B};
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
+    CHECK(blocks == 2 * r && toks == 2 * (uint64_t)P);
+    q.num = r - 1; /* not a whole page */
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
+    CHECK(blocks == 0 && toks == 0);
+    q.num = 2 * r;
+    uint8_t *probe = malloc(32 * 2 * r);
+    REQUIRE(probe);
+    memcpy(probe, names, 32 * 2 * r);
+    probe[32 * (2 * r - 1)] ^= 1; /* page 1's last name differs */
+    q.bytes = probe;
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
+    CHECK(blocks == r && toks == P);
+    probe[32 * (r - 1)] ^= 1; /* and page 0's: nothing */
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
+    CHECK(blocks == 0);
+    /* The same bytes as 64-bit hashes, or under another model: not found. */
+    q.bytes = names;
+    CHECK_RC(kvdepot_engine_lookup(c, "eng-none", &q, &blocks, &toks), KVDEPOT_ENOTFOUND);
+    q.block_tokens = 0;
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_EINVAL);
+    q.block_tokens = B;
+
+    /* A sequence from the 2-page engine prefix reads back a's first pages. */
+    kvdepot_create_args ca = {.id = "b", .id_len = 1, .model = "eng"};
+    ca.engine_prefix =
+        (kvdepot_engine_hashes){.bytes = names, .len = 32, .num = 2 * r - 1, .block_tokens = B};
+    CHECK_RC(kvdepot_sequence_create(c, &ca, &s), KVDEPOT_EINVAL); /* not whole pages */
+    ca.engine_prefix.num = 2 * r;
+    ca.engine_prefix.bytes = probe;
+    CHECK_RC(kvdepot_sequence_create(c, &ca, &s), KVDEPOT_ENOTFOUND);
+    ca.prefix_hashes = (const uint64_t[]){1};
+    ca.num_prefix_hashes = 1;
+    ca.engine_prefix.bytes = names;
+    CHECK_RC(kvdepot_sequence_create(c, &ca, &s), KVDEPOT_EINVAL); /* both kinds */
+    ca.prefix_hashes = NULL;
+    ca.num_prefix_hashes = 0;
+    CHECK_RC(kvdepot_sequence_create(c, &ca, &s), KVDEPOT_OK);
+    CHECK(s.num_tokens == 2 * (uint64_t)P && s.prefix_blocks == 2);
+    kvdepot_sequence_info_clear(&s);
+    ref_seq b;
+    REQUIRE(ref_init(&b, "b", &m, 4 * (uint64_t)P) == 0);
+    for (uint32_t l = 0; l < 2; l++) {
+        memcpy(b.k + (size_t)l * b.cap_tokens * b.token_bytes,
+               a.k + (size_t)l * a.cap_tokens * a.token_bytes, 2 * (size_t)P * a.token_bytes);
+        memcpy(b.v + (size_t)l * b.cap_tokens * b.token_bytes,
+               a.v + (size_t)l * a.cap_tokens * a.token_bytes, 2 * (size_t)P * a.token_bytes);
+        b.layer_tokens[l] = 2 * (uint64_t)P;
+    }
+    CHECK(ref_verify(c, &b) == 0);
+    /* b grows with names of its own: its third page is found by them,
+     * a's chain is unchanged. */
+    uint8_t *nb3 = malloc(32 * 3 * r);
+    REQUIRE(nb3);
+    memcpy(nb3, names, 32 * 2 * r);
+    engine_chain(nb3 + 32 * 2 * r, r, 2);
+    kvdepot_engine_hashes e3 = {.bytes = nb3 + 32 * 2 * r, .len = 32, .num = r, .block_tokens = B};
+    CHECK_RC(ref_append_engine(c, &b, 0, 2, P, 3, &e3), KVDEPOT_OK);
+    q.bytes = nb3;
+    q.num = 3 * r;
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
+    CHECK(blocks == 3 * r && toks == 3 * (uint64_t)P);
+    q.bytes = names;
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
+    CHECK(blocks == 2 * r); /* a's own third page never sealed */
+    CHECK(ref_verify(c, &a) == 0 && ref_verify(c, &b) == 0);
+
+    /* Kept across a restart. */
+    REQUIRE(harness_restart(h) == 0);
+    kvdepot_close(c);
+    c = harness_client(h);
+    REQUIRE(c);
+    q.bytes = nb3;
+    CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
+    CHECK(blocks == 3 * r);
+    CHECK(ref_verify(c, &b) == 0);
+    ref_free(&a);
+    ref_free(&b);
+    free(names);
+    free(probe);
+    free(nb3);
     kvdepot_close(c);
     return 0;
 }
@@ -1595,6 +1750,7 @@ static const kvd_test tests[] = {
     {"dtypes", test_dtypes},
     {"layers", test_layers},
     {"prefix", test_prefix},
+    {"engine", test_engine},
     {"bad_models", test_bad_models},
     {"bad_sequences", test_bad_sequences},
     {"bad_appends", test_bad_appends},

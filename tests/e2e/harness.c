@@ -390,8 +390,23 @@ void ref_commit(ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt, const uint8_t
     }
 }
 
+static int append_ex(kvdepot_client *c, ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt,
+                     uint64_t seed, const uint32_t *token_ids, const kvdepot_engine_hashes *eh);
+
 int ref_append(kvdepot_client *c, ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt, uint64_t seed,
                const uint32_t *token_ids)
+{
+    return append_ex(c, r, l0, nl, nt, seed, token_ids, NULL);
+}
+
+int ref_append_engine(kvdepot_client *c, ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt,
+                      uint64_t seed, const kvdepot_engine_hashes *eh)
+{
+    return append_ex(c, r, l0, nl, nt, seed, NULL, eh);
+}
+
+static int append_ex(kvdepot_client *c, ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt,
+                     uint64_t seed, const uint32_t *token_ids, const kvdepot_engine_hashes *eh)
 {
     /* nl = 0 asks the server for all layers from l0; the data covers them. */
     uint32_t eff = nl ? nl : r->model.num_layers - l0;
@@ -418,6 +433,8 @@ int ref_append(kvdepot_client *c, ref_seq *r, uint32_t l0, uint32_t nl, uint64_t
         .token_ids = token_ids,
         .num_token_ids = token_ids ? nt : 0,
     };
+    if (eh)
+        a.engine_hashes = *eh;
     kvdepot_sequence_info info;
     int rc = kvdepot_sequence_append(c, &a, &info);
     if (rc == KVDEPOT_OK) {

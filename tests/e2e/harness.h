@@ -171,6 +171,9 @@ void ref_commit(ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt, const uint8_t
  */
 int ref_append(kvdepot_client *c, ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt,
                uint64_t seed, const uint32_t *token_ids);
+/* ref_append naming the blocks it completes with engine block hashes. */
+int ref_append_engine(kvdepot_client *c, ref_seq *r, uint32_t l0, uint32_t nl, uint64_t nt,
+                      uint64_t seed, const kvdepot_engine_hashes *eh);
 
 /*
  * Read layers [l0, l0+nl) × tokens [t0, t0+nt) and compare with the

@@ -21,12 +21,12 @@
 
 static int failures;
 
-#define CHECK(cond)                                                                  \
-    do {                                                                             \
-        if (!(cond)) {                                                               \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            failures++;                                                              \
-        }                                                                            \
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+            failures++;                                                                            \
+        }                                                                                          \
     } while (0)
 
 #define L 3
@@ -124,8 +124,8 @@ static grpc_byte_buffer *append_msg(const Kvdepot__V1__AppendHeader *h, const ui
 }
 
 /* Read the whole sequence back through the Read handler. */
-static uint8_t *read_all(const char *id, uint64_t token_start, uint64_t num_tokens,
-                         uint32_t chunk, size_t *len, int *nmsgs)
+static uint8_t *read_all(const char *id, uint64_t token_start, uint64_t num_tokens, uint32_t chunk,
+                         size_t *len, int *nmsgs)
 {
     kvd_req_ctx ctx = {.svc = &svc, .req_id = 3};
     Kvdepot__V1__ReadRequest req = KVDEPOT__V1__READ_REQUEST__INIT;
@@ -244,6 +244,146 @@ static void test_quota_overlap(void)
           auth->tenants[0].bytes == before + bytes);
     free(data);
     svc.auth = NULL;
+    kvd_auth_unref(auth);
+}
+
+/* A unary handler run as the caller of ctx, the request through the wire. */
+static int unary_as(kvd_req_ctx *ctx, kvd_unary_fn fn, const ProtobufCMessage *req,
+                    grpc_byte_buffer **reply, kvd_error *err)
+{
+    grpc_byte_buffer *bb = msg_split(req, 3);
+    ProtobufCMessage *m = kvd_bb_unpack(req->descriptor, bb, NULL);
+    grpc_byte_buffer_destroy(bb);
+    int rc = fn(ctx, m, reply, err);
+    protobuf_c_message_free_unpacked(m, NULL);
+    return rc;
+}
+
+/* Lookup of engine names as ctx's caller: matched blocks, or -1. */
+static int64_t engine_lookup_as(kvd_req_ctx *ctx, ProtobufCBinaryData *names, size_t n)
+{
+    Kvdepot__V1__LookupRequest q = KVDEPOT__V1__LOOKUP_REQUEST__INIT;
+    q.model = "tm";
+    q.engine_block_hashes = names;
+    q.n_engine_block_hashes = n;
+    q.engine_block_tokens = 4;
+    grpc_byte_buffer *reply = NULL;
+    kvd_error err;
+    if (unary_as(ctx, kvd_h_lookup, &q.base, &reply, &err) != 0)
+        return -1;
+    Kvdepot__V1__LookupResponse *r = (Kvdepot__V1__LookupResponse *)kvd_bb_unpack(
+        &kvdepot__v1__lookup_response__descriptor, reply, NULL);
+    grpc_byte_buffer_destroy(reply);
+    int64_t blocks = r ? (int64_t)r->matched_blocks : -1;
+    if (r)
+        kvdepot__v1__lookup_response__free_unpacked(r, NULL);
+    return blocks;
+}
+
+/*
+ * Engine block hashes are keyed by tenant: team-a appends a sequence whose
+ * two pages (16 tokens, engine blocks of 4) are named by 8 engine hashes;
+ * team-a finds both pages by them and starts a sequence from them, team-b
+ * and a caller without a token find nothing and cannot start from them.
+ */
+static void test_engine_tenants(const char *dir)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokens.yaml", dir);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (!f)
+        return;
+    fputs("tokens:\n"
+          "  - token: \"tok-engine-a-0123456789\"\n    tenant: team-a\n    namespaces: [\"*\"]\n"
+          "  - token: \"tok-engine-b-0123456789\"\n    tenant: team-b\n    namespaces: [\"*\"]\n",
+          f);
+    fclose(f);
+    kvd_auth *auth = NULL;
+    char e[256];
+    CHECK(kvd_auth_load(path, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tokens == 2);
+    if (!auth || auth->n_tokens != 2) {
+        fprintf(stderr, "tokens: %s\n", e);
+        kvd_auth_unref(auth);
+        return;
+    }
+    kvd_error err;
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
+    kvd_req_ctx a = {.svc = &svc, .req_id = 20, .auth = auth, .principal = &auth->tokens[0]};
+    kvd_req_ctx b = {.svc = &svc, .req_id = 21, .auth = auth, .principal = &auth->tokens[1]};
+    kvd_req_ctx anon = {.svc = &svc, .req_id = 22};
+    CHECK(strcmp(kvd_auth_tenant(auth, a.principal), "team-a") == 0 &&
+          strcmp(kvd_auth_tenant(auth, b.principal), "team-b") == 0);
+
+    enum { NB = 8 };
+    uint8_t bytes[NB][32];
+    ProtobufCBinaryData names[NB];
+    for (int j = 0; j < NB; j++) {
+        for (int i = 0; i < 32; i++)
+            bytes[j][i] = (uint8_t)(j * 37 + i * 11 + 5);
+        names[j] = (ProtobufCBinaryData){32, bytes[j]};
+    }
+    /* The same names give each tenant its own page keys. */
+    uint64_t *ka = NULL, *kb = NULL, *kn = NULL;
+    size_t na = 0, nb2 = 0, nn = 0;
+    CHECK(kvd_ctx_engine_pages(&a, names, NB, 4, 0, "t", &ka, &na, &err) == 0 && na == 2);
+    CHECK(kvd_ctx_engine_pages(&b, names, NB, 4, 0, "t", &kb, &nb2, &err) == 0 && nb2 == 2);
+    CHECK(kvd_ctx_engine_pages(&anon, names, NB, 4, 0, "t", &kn, &nn, &err) == 0 && nn == 2);
+    if (na == 2 && nb2 == 2 && nn == 2)
+        CHECK(ka[0] != kb[0] && ka[1] != kb[1] && ka[0] != kn[0] && kb[0] != kn[0] &&
+              ka[0] != ka[1]);
+    free(ka), free(kb), free(kn);
+
+    Kvdepot__V1__CreateSequenceRequest cs = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    cs.sequence_id.data = (uint8_t *)"eng";
+    cs.sequence_id.len = 3;
+    cs.model = "tm";
+    grpc_byte_buffer *reply = NULL;
+    CHECK(unary_as(&a, kvd_h_create_sequence, &cs.base, &reply, &err) == 0);
+    if (reply)
+        grpc_byte_buffer_destroy(reply);
+    const uint64_t T = 32;
+    const size_t total = 2 * L * T * ROW;
+    uint8_t *data = calloc(1, total);
+    Kvdepot__V1__AppendHeader h = KVDEPOT__V1__APPEND_HEADER__INIT;
+    h.sequence_id = cs.sequence_id;
+    h.num_tokens = T;
+    h.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
+    h.engine_block_hashes = names;
+    h.n_engine_block_hashes = NB;
+    h.engine_block_tokens = 4;
+    void *state = NULL;
+    grpc_byte_buffer *m = append_msg(&h, data, total, 4096);
+    int rc = kvd_append_ops.recv(&a, &state, m, &err);
+    grpc_byte_buffer_destroy(m);
+    if (rc == 0) {
+        rc = kvd_append_ops.finish(&a, &state, &reply, &err);
+        if (reply)
+            grpc_byte_buffer_destroy(reply);
+    }
+    kvd_append_ops.release(state);
+    CHECK(rc == 0);
+    if (rc)
+        fprintf(stderr, "engine append: %s\n", err.msg);
+
+    CHECK(engine_lookup_as(&a, names, NB) == 8);
+    CHECK(engine_lookup_as(&b, names, NB) == 0);
+    CHECK(engine_lookup_as(&anon, names, NB) == 0);
+    /* Starting from the prefix: team-a may, team-b finds no such prefix. */
+    Kvdepot__V1__CreateSequenceRequest cp = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    cp.sequence_id.data = (uint8_t *)"eng2";
+    cp.sequence_id.len = 4;
+    cp.model = "tm";
+    cp.engine_prefix_hashes = names;
+    cp.n_engine_prefix_hashes = NB;
+    cp.engine_block_tokens = 4;
+    reply = NULL;
+    CHECK(unary_as(&b, kvd_h_create_sequence, &cp.base, &reply, &err) == KVD_ENOTFOUND);
+    CHECK(unary_as(&a, kvd_h_create_sequence, &cp.base, &reply, &err) == 0);
+    if (reply)
+        grpc_byte_buffer_destroy(reply);
+    CHECK(stat_tokens("team-a/eng2") == T);
+    free(data);
     kvd_auth_unref(auth);
 }
 
@@ -405,6 +545,7 @@ int main(void)
     }
 
     test_quota_overlap();
+    test_engine_tenants(dir);
     free(data);
     kvd_store_close(svc.store);
     kvd_config_free(&cfg);

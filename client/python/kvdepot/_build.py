@@ -91,6 +91,13 @@ typedef struct kvdepot_codecs {
     ...;
 } kvdepot_codecs;
 
+typedef struct kvdepot_engine_hashes {
+    const uint8_t *bytes;
+    size_t len;
+    size_t num;
+    uint32_t block_tokens;
+} kvdepot_engine_hashes;
+
 typedef struct kvdepot_create_args {
     const void *id;
     size_t id_len;
@@ -99,6 +106,7 @@ typedef struct kvdepot_create_args {
     size_t num_prefix_hashes;
     uint64_t ttl_seconds;
     const kvdepot_codecs *codecs;
+    kvdepot_engine_hashes engine_prefix;
     ...;
 } kvdepot_create_args;
 
@@ -152,6 +160,7 @@ typedef struct kvdepot_append_args {
     size_t v_bytes;
     const uint32_t *token_ids;
     size_t num_token_ids;
+    kvdepot_engine_hashes engine_hashes;
     ...;
 } kvdepot_append_args;
 
@@ -265,6 +274,9 @@ int kvdepot_plan_fetch(kvdepot_client *client, const void *id, size_t id_len,
                        kvdepot_fetch_plan *out);
 size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t page_tokens,
                                  uint64_t *out);
+int kvdepot_engine_lookup(kvdepot_client *client, const char *model,
+                          const kvdepot_engine_hashes *hashes, uint64_t *matched_blocks,
+                          uint64_t *matched_tokens);
 int kvdepot_prefix_lookup(kvdepot_client *client, const char *model, const uint64_t *hashes,
                           size_t n, uint64_t *matched_blocks, uint64_t *matched_tokens);
 """

@@ -180,6 +180,32 @@ def prefix_hashes(token_ids: Sequence[int], page_tokens: int = 256) -> np.ndarra
     return out[:n]
 
 
+class EngineHashes:
+    """An engine's own names for its blocks (vLLM's sha256 chain, ...):
+    `hashes`, one bytes object per engine block, all of one length (1..64),
+    at `block_tokens` tokens a block (a divisor of the server's page size).
+    A page is known by the name of its last engine block, so names must
+    stand for the whole prefix up to their block, as chained hashes do.
+    The server keys them by tenant and model."""
+
+    def __init__(self, hashes: Sequence[bytes], block_tokens: int):
+        self.hashes = [bytes(h) for h in hashes]
+        self.block_tokens = int(block_tokens)
+        lens = {len(h) for h in self.hashes}
+        if len(lens) > 1:
+            raise InvalidArgument(f"engine hashes: lengths {sorted(lens)} differ; give one length",
+                                  -3, "INVALID_ARGUMENT")
+        self._buf = b"".join(self.hashes)
+
+    def _fill(self, c) -> None:
+        """Point a kvdepot_engine_hashes at these names (kept alive by self)."""
+        self._cbuf = ffi.from_buffer(self._buf)
+        c.bytes = ffi.cast("const uint8_t *", self._cbuf) if self._buf else ffi.NULL
+        c.len = len(self.hashes[0]) if self.hashes else 0
+        c.num = len(self.hashes)
+        c.block_tokens = self.block_tokens
+
+
 def _kv_array(a, what: str) -> np.ndarray:
     """A C-contiguous (layers, tokens, kv_heads, head_dim) array, as given."""
     arr = np.asarray(a)
@@ -307,10 +333,12 @@ class Client:
 
     def create_sequence(self, sid: Id, model: str, *, ttl_seconds: int = 0,
                         codecs: Optional[Codecs] = None,
-                        prefix_hashes: Optional[Sequence[int]] = None) -> SequenceInfo:
+                        prefix_hashes: Optional[Sequence[int]] = None,
+                        engine_prefix: Optional[EngineHashes] = None) -> SequenceInfo:
         """Create a sequence of `model`: its codecs (default raw), a time to
         live, and optionally the stored prefix it starts from (a hash
-        chain, see prefix_hashes and lookup)."""
+        chain, see prefix_hashes and lookup, or engine block names in whole
+        pages, see EngineHashes and engine_lookup)."""
         b = _id(sid)
         a = ffi.new("kvdepot_create_args *")
         idb, mb = ffi.from_buffer(b), ffi.new("char[]", model.encode())
@@ -323,7 +351,19 @@ class Client:
             hs = np.ascontiguousarray(np.asarray(prefix_hashes, dtype=np.uint64))
             a.prefix_hashes = ffi.cast("const uint64_t *", ffi.from_buffer(hs))
             a.num_prefix_hashes = len(hs)
+        if engine_prefix is not None:
+            engine_prefix._fill(a.engine_prefix)
         return self._info_call(lib.kvdepot_sequence_create, a)
+
+    def engine_lookup(self, model: str, hashes: EngineHashes) -> Tuple[int, int]:
+        """How many leading engine blocks of a chain of engine block names
+        (from block 0) the server stores for `model`, in whole pages:
+        (engine blocks, tokens)."""
+        c = ffi.new("kvdepot_engine_hashes *")
+        hashes._fill(c)
+        nb, nt = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        self._check(lib.kvdepot_engine_lookup(self._client(), model.encode(), c, nb, nt))
+        return nb[0], nt[0]
 
     def lookup(self, model: str, hashes: Sequence[int]) -> Tuple[int, int]:
         """How many leading blocks of a hash chain the server stores for
@@ -366,11 +406,14 @@ class Client:
 
     def append(self, sid: Id, k, v, *, token_start: int, layer_start: int = 0,
                dtype: Optional[str] = None,
-               token_ids: Optional[Sequence[int]] = None) -> SequenceInfo:
+               token_ids: Optional[Sequence[int]] = None,
+               engine_hashes: Optional[EngineHashes] = None) -> SequenceInfo:
         """Append K and V, each (layers, tokens, kv_heads, head_dim) in the
         model's dtype, at token_start of layers [layer_start, +layers).
         dtype: "f16", "f32" or "bf16" (uint16 arrays of bfloat16 bits);
-        default from the arrays. All or nothing."""
+        default from the arrays. token_ids, or engine_hashes (the names of
+        every engine block whose last token is in this append), register
+        the pages it completes for prefix reuse. All or nothing."""
         b = _id(sid)
         ka, va = _kv_array(k, "k"), _kv_array(v, "v")
         if ka.shape != va.shape or ka.dtype != va.dtype:
@@ -394,6 +437,8 @@ class Client:
             ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.uint32))
             a.token_ids, a.num_token_ids = ffi.cast("const uint32_t *", ffi.from_buffer(ids)), \
                 len(ids)
+        if engine_hashes is not None:
+            engine_hashes._fill(a.engine_hashes)
         return self._info_call(lib.kvdepot_sequence_append, a)
 
     def read(self, sid: Id, *, layer_start: int = 0, num_layers: int = 0, token_start: int = 0,

@@ -173,3 +173,39 @@ def test_prefix_chain(client):
     assert info.num_tokens == 256 * len(hashes) and info.prefix_blocks == len(hashes)
     k2, _ = client.read("x2")
     assert np.array_equal(k2, k[:, :256 * len(hashes)])
+
+
+def test_engine_block_hashes(client):
+    """vLLM-style names: sha256 over 16-token blocks chained with the
+    parent's; the server finds pages by the names of their last blocks."""
+    import hashlib
+    ids = np.arange(600, dtype=np.uint32) * 5 + 1
+    names, parent = [], b""
+    for j in range(600 // 16):
+        parent = hashlib.sha256(parent + ids[16 * j:16 * (j + 1)].tobytes()).digest()
+        names.append(parent)
+    k, v = kv(600, 21), kv(600, 22)
+    client.create_sequence("e1", "py")
+    # Two appends: the names of the blocks whose last token each carries.
+    client.append("e1", k[:, :300], v[:, :300], token_start=0,
+                  engine_hashes=kvdepot.EngineHashes(names[:300 // 16], 16))
+    client.append("e1", k[:, 300:], v[:, 300:], token_start=300,
+                  engine_hashes=kvdepot.EngineHashes(names[300 // 16:], 16))
+    pt = client.stat("e1").page_tokens
+    per = pt // 16
+    full = 600 // pt
+    assert client.engine_lookup("py", kvdepot.EngineHashes(names, 16)) == (full * per, full * pt)
+    other = [hashlib.sha256(b"x" + n).digest() for n in names]
+    assert client.engine_lookup("py", kvdepot.EngineHashes(other, 16)) == (0, 0)
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.engine_lookup("py", kvdepot.EngineHashes(names, 24))
+    with pytest.raises(kvdepot.InvalidArgument):  # a count that does not match the append
+        client.append("e1", k[:, :16], v[:, :16], token_start=600,
+                      engine_hashes=kvdepot.EngineHashes(names[:3], 16))
+    info = client.create_sequence("e2", "py",
+                                  engine_prefix=kvdepot.EngineHashes(names[:full * per], 16))
+    assert info.num_tokens == full * pt and info.prefix_blocks == full
+    k2, v2 = client.read("e2")
+    assert np.array_equal(k2, k[:, :full * pt]) and np.array_equal(v2, v[:, :full * pt])
+    with pytest.raises(kvdepot.NotFound):
+        client.create_sequence("e3", "py", engine_prefix=kvdepot.EngineHashes(other[:per], 16))
