@@ -669,6 +669,63 @@ int kvdepot_sequence_read(kvdepot_client *client, const kvdepot_read_args *args,
                           kvdepot_read_result *out);
 
 /* ------------------------------------------------------------------------ */
+/* Non-blocking transfers                                                    */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * An engine overlaps moving layer l's cache with computing layer l + 1:
+ * kvdepot_append_start / kvdepot_read_start begin an append or a read (as
+ * kvdepot_sequence_append / kvdepot_sequence_read) and return at once with
+ * a transfer to poll or wait on, or a callback. Transfers run on a pool of
+ * threads the library keeps for the process (up to 8, see
+ * kvdepot_transfer_threads; created as transfers wait, idle ones sleep);
+ * each is its own gRPC call, so many in flight share the client's
+ * connection. Appends of different layers of one sequence may be in flight
+ * together (each layer's token_start is checked on its own); appends of
+ * the same layers must be started after the earlier one completed.
+ *
+ * The args, and every buffer they point to (K, V, X, ids, hashes, the read
+ * result and its buffers), must stay valid and unchanged until the
+ * transfer completed; the client must not be closed before then.
+ */
+typedef struct kvdepot_transfer kvdepot_transfer;
+
+/* Called on a pool thread when a transfer completed, with its status,
+ * before kvdepot_transfer_poll says so. It must not wait on transfers or
+ * free t (kvdepot_transfer_wait still must be called). */
+typedef void (*kvdepot_transfer_fn)(void *arg, kvdepot_transfer *t, int status);
+
+/*
+ * Start an append.
+ * @param[in]  done, arg  optional completion callback
+ * @param[out] out        the transfer: wait on it exactly once
+ * @return KVDEPOT_OK (its own status comes from kvdepot_transfer_wait);
+ *         KVDEPOT_EINVAL for NULL arguments; KVDEPOT_ENOMEM.
+ */
+int kvdepot_append_start(kvdepot_client *client, const kvdepot_append_args *args,
+                         kvdepot_transfer_fn done, void *arg, kvdepot_transfer **out);
+
+/* Start a read into *result (as kvdepot_sequence_read fills it). */
+int kvdepot_read_start(kvdepot_client *client, const kvdepot_read_args *args,
+                       kvdepot_read_result *result, kvdepot_transfer_fn done, void *arg,
+                       kvdepot_transfer **out);
+
+/* 1 once the transfer completed (kvdepot_transfer_wait then returns at
+ * once), else 0. */
+int kvdepot_transfer_poll(const kvdepot_transfer *t);
+
+/*
+ * Wait until the transfer completed, free it, and return its status (its
+ * message in kvdepot_errmsg on this thread).
+ * @param[out] info  an append's sequence info (may be NULL); clear it with
+ *                   kvdepot_sequence_info_clear(). Zeroed for reads.
+ */
+int kvdepot_transfer_wait(kvdepot_transfer *t, kvdepot_sequence_info *info);
+
+/* Most threads the transfer pool runs (1..256, default 8). */
+int kvdepot_transfer_threads(unsigned n);
+
+/* ------------------------------------------------------------------------ */
 /* Prefix sharing                                                            */
 /* ------------------------------------------------------------------------ */
 

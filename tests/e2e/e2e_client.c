@@ -11,8 +11,10 @@
 
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 /* A small model so each test moves little data but crosses page boundaries. */
@@ -455,6 +457,124 @@ static int test_engine(kvd_harness *h)
     free(names);
     free(probe);
     free(nb3);
+    kvdepot_close(c);
+    return 0;
+}
+
+static void count_done(void *arg, kvdepot_transfer *t, int status)
+{
+    (void)t;
+    atomic_fetch_add((atomic_int *)arg, status == KVDEPOT_OK ? 1 : 1000);
+}
+
+/* Non-blocking transfers: a layer-wise prefill (every layer's append in
+ * flight at once) on two threads of the pool, reads into the caller's
+ * buffers in flight together, a failing append whose status and message
+ * come back through wait, a callback per transfer. */
+static int test_transfers(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m = small_model("xfer");
+    m.num_layers = 8;
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(create_seq(c, "x", "xfer"), KVDEPOT_OK);
+    ref_seq r;
+    REQUIRE(ref_init(&r, "x", &m, 2048) == 0);
+    CHECK_RC(kvdepot_transfer_threads(0), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_transfer_threads(2), KVDEPOT_OK);
+    atomic_int calls = 0;
+    for (int round = 0; round < 3; round++) {
+        const uint64_t nt = round == 0 ? 700 : 37;
+        uint8_t *k[8], *v[8];
+        size_t bytes[8];
+        kvdepot_append_args a[8];
+        kvdepot_transfer *t[8];
+        for (uint32_t l = 0; l < 8; l++) {
+            REQUIRE(ref_make(&r, l, 1, nt, 100 * round + l, &k[l], &v[l], &bytes[l]) == 0);
+            a[l] = (kvdepot_append_args){.id = "x",
+                                         .id_len = 1,
+                                         .layer_start = l,
+                                         .num_layers = 1,
+                                         .token_start = r.layer_tokens[l],
+                                         .num_tokens = nt,
+                                         .dtype = m.dtype,
+                                         .k = k[l],
+                                         .k_bytes = bytes[l],
+                                         .v = v[l],
+                                         .v_bytes = bytes[l]};
+            CHECK_RC(kvdepot_append_start(c, &a[l], count_done, &calls, &t[l]), KVDEPOT_OK);
+        }
+        for (uint32_t l = 0; l < 8; l++) {
+            kvdepot_sequence_info info;
+            CHECK_RC(kvdepot_transfer_wait(t[l], &info), KVDEPOT_OK);
+            CHECK(info.layer_tokens && info.layer_tokens[l] == r.layer_tokens[l] + nt);
+            kvdepot_sequence_info_clear(&info);
+            ref_commit(&r, l, 1, nt, k[l], v[l]);
+            free(k[l]);
+            free(v[l]);
+        }
+    }
+    CHECK(atomic_load(&calls) == 24);
+    CHECK(ref_verify(c, &r) == 0);
+
+    /* Reads of every layer in flight together, into the caller's buffers. */
+    const uint64_t T = r.layer_tokens[0];
+    const size_t lb = T * r.token_bytes;
+    uint8_t *kb = malloc(8 * lb), *vb = malloc(8 * lb);
+    REQUIRE(kb && vb);
+    kvdepot_read_args ra[8];
+    kvdepot_read_result rr[8];
+    kvdepot_transfer *t[8];
+    for (uint32_t l = 0; l < 8; l++) {
+        ra[l] = (kvdepot_read_args){.id = "x",
+                                    .id_len = 1,
+                                    .layer_start = l,
+                                    .num_layers = 1,
+                                    .k = kb + l * lb,
+                                    .v = vb + l * lb,
+                                    .capacity = lb};
+        CHECK_RC(kvdepot_read_start(c, &ra[l], &rr[l], NULL, NULL, &t[l]), KVDEPOT_OK);
+    }
+    for (uint32_t l = 0; l < 8; l++) {
+        CHECK_RC(kvdepot_transfer_wait(t[l], NULL), KVDEPOT_OK);
+        CHECK(rr[l].num_tokens == T && rr[l].kv_bytes == lb);
+        CHECK(memcmp(kb + l * lb, r.k + (size_t)l * r.cap_tokens * r.token_bytes, lb) == 0);
+        CHECK(memcmp(vb + l * lb, r.v + (size_t)l * r.cap_tokens * r.token_bytes, lb) == 0);
+    }
+    free(kb);
+    free(vb);
+
+    /* A failing append: its status and message through wait; polled done. */
+    uint8_t *k1, *v1;
+    size_t b1;
+    REQUIRE(ref_make(&r, 0, 1, 5, 9, &k1, &v1, &b1) == 0);
+    kvdepot_append_args bad = {.id = "x",
+                               .id_len = 1,
+                               .layer_start = 0,
+                               .num_layers = 1,
+                               .token_start = T + 3,
+                               .num_tokens = 5,
+                               .dtype = m.dtype,
+                               .k = k1,
+                               .k_bytes = b1,
+                               .v = v1,
+                               .v_bytes = b1};
+    kvdepot_transfer *tb;
+    CHECK_RC(kvdepot_append_start(c, &bad, count_done, &calls, &tb), KVDEPOT_OK);
+    for (int i = 0; i < 5000 && !kvdepot_transfer_poll(tb); i++)
+        usleep(1000);
+    CHECK(kvdepot_transfer_poll(tb) == 1);
+    CHECK(atomic_load(&calls) == 24 + 1000); /* the callback ran first */
+    int rc = kvdepot_transfer_wait(tb, NULL);
+    CHECK(rc != KVDEPOT_OK && strstr(kvdepot_errmsg(c), "token_start") != NULL);
+    free(k1);
+    free(v1);
+    CHECK(ref_verify(c, &r) == 0);
+    CHECK_RC(kvdepot_append_start(c, NULL, NULL, NULL, &tb), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_transfer_wait(NULL, NULL), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_transfer_threads(8), KVDEPOT_OK);
+    ref_free(&r);
     kvdepot_close(c);
     return 0;
 }
@@ -1751,6 +1871,7 @@ static const kvd_test tests[] = {
     {"layers", test_layers},
     {"prefix", test_prefix},
     {"engine", test_engine},
+    {"transfers", test_transfers},
     {"bad_models", test_bad_models},
     {"bad_sequences", test_bad_sequences},
     {"bad_appends", test_bad_appends},
