@@ -9,7 +9,7 @@
         k2, v2 = c.read("req-1")
 """
 from .client import (AttendResult, Client, Codecs, EngineHashes, FetchPlan, HeadTokens, Model,
-                     SequenceInfo, prefix_hashes)
+                     SequenceInfo, Transfer, prefix_hashes)
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                      FailedPrecondition, Internal, InvalidArgument, KvdepotError, NotFound,
                      OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
@@ -17,7 +17,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
 
 __all__ = [
     "Client", "Model", "SequenceInfo", "AttendResult", "Codecs", "HeadTokens", "FetchPlan",
-    "EngineHashes", "prefix_hashes", "KvdepotError", "Cancelled", "Unknown",
+    "EngineHashes", "Transfer", "prefix_hashes", "KvdepotError", "Cancelled", "Unknown",
     "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
     "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",
     "Internal", "Unavailable", "DataLoss", "Unauthenticated",

@@ -171,6 +171,9 @@ typedef struct kvdepot_read_args {
     uint32_t num_layers;
     uint64_t token_start;
     uint64_t num_tokens;
+    void *k;
+    void *v;
+    size_t capacity;
     ...;
 } kvdepot_read_args;
 
@@ -257,6 +260,17 @@ int kvdepot_sequence_append(kvdepot_client *client, const kvdepot_append_args *a
                             kvdepot_sequence_info *out);
 int kvdepot_sequence_read(kvdepot_client *client, const kvdepot_read_args *args,
                           kvdepot_read_result *out);
+
+typedef struct kvdepot_transfer kvdepot_transfer;
+typedef void (*kvdepot_transfer_fn)(void *arg, kvdepot_transfer *t, int status);
+int kvdepot_append_start(kvdepot_client *client, const kvdepot_append_args *args,
+                         kvdepot_transfer_fn done, void *arg, kvdepot_transfer **out);
+int kvdepot_read_start(kvdepot_client *client, const kvdepot_read_args *args,
+                       kvdepot_read_result *result, kvdepot_transfer_fn done, void *arg,
+                       kvdepot_transfer **out);
+int kvdepot_transfer_poll(const kvdepot_transfer *t);
+int kvdepot_transfer_wait(kvdepot_transfer *t, kvdepot_sequence_info *info);
+int kvdepot_transfer_threads(unsigned n);
 int kvdepot_sequence_evict(kvdepot_client *client, const void *id, size_t id_len,
                            uint64_t *pages, uint64_t *bytes);
 int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,

@@ -180,6 +180,37 @@ def prefix_hashes(token_ids: Sequence[int], page_tokens: int = 256) -> np.ndarra
     return out[:n]
 
 
+class Transfer:
+    """An append or read in flight (Client.append_start, read_start): done()
+    polls, wait() blocks until it completed and raises its error (appends
+    return the SequenceInfo). Wait on every transfer once; the client must
+    stay open until then."""
+
+    def __init__(self, client, t, keep, is_append: bool):
+        self._c, self._t, self._keep, self._append = client, t, keep, is_append
+        self._result = None
+
+    def done(self) -> bool:
+        return self._t is None or bool(lib.kvdepot_transfer_poll(self._t))
+
+    def wait(self) -> Optional["SequenceInfo"]:
+        if self._t is None:
+            return self._result
+        info = ffi.new("kvdepot_sequence_info *")
+        t, self._t = self._t, None
+        try:
+            self._c._check(lib.kvdepot_transfer_wait(t, info))
+            self._result = _info_of(info) if self._append else None
+            return self._result
+        finally:
+            lib.kvdepot_sequence_info_clear(info)
+            self._keep = None
+
+    def __del__(self):
+        if getattr(self, "_t", None) is not None:  # never leave a transfer behind
+            lib.kvdepot_transfer_wait(self._t, ffi.NULL)
+
+
 class EngineHashes:
     """An engine's own names for its blocks (vLLM's sha256 chain, ...):
     `hashes`, one bytes object per engine block, all of one length (1..64),
@@ -414,6 +445,24 @@ class Client:
         default from the arrays. token_ids, or engine_hashes (the names of
         every engine block whose last token is in this append), register
         the pages it completes for prefix reuse. All or nothing."""
+        a, keep = self._append_args(sid, k, v, token_start, layer_start, dtype, token_ids,
+                                    engine_hashes)
+        return self._info_call(lib.kvdepot_sequence_append, a)
+
+    def append_start(self, sid: Id, k, v, *, token_start: int, layer_start: int = 0,
+                     dtype: Optional[str] = None, token_ids: Optional[Sequence[int]] = None,
+                     engine_hashes: Optional[EngineHashes] = None) -> "Transfer":
+        """append() without waiting: returns a Transfer at once while the
+        append runs on libkvdepot's transfer threads (an engine puts layer
+        l while computing layer l + 1). k and v must not change until the
+        transfer is done (the Transfer keeps them alive)."""
+        a, keep = self._append_args(sid, k, v, token_start, layer_start, dtype, token_ids,
+                                    engine_hashes)
+        out = ffi.new("kvdepot_transfer **")
+        self._check(lib.kvdepot_append_start(self._client(), a, ffi.NULL, ffi.NULL, out))
+        return Transfer(self, out[0], (a, keep), True)
+
+    def _append_args(self, sid, k, v, token_start, layer_start, dtype, token_ids, engine_hashes):
         b = _id(sid)
         ka, va = _kv_array(k, "k"), _kv_array(v, "v")
         if ka.shape != va.shape or ka.dtype != va.dtype:
@@ -439,7 +488,44 @@ class Client:
                 len(ids)
         if engine_hashes is not None:
             engine_hashes._fill(a.engine_hashes)
-        return self._info_call(lib.kvdepot_sequence_append, a)
+        return a, (b, idb, ka, va, kb, vb, ids, engine_hashes)
+
+    def _read_into_args(self, sid, k_out, v_out, layer_start, token_start, num_tokens):
+        for name, arr in (("k_out", k_out), ("v_out", v_out)):
+            if not isinstance(arr, np.ndarray) or arr.ndim != 4 or \
+                    not arr.flags.c_contiguous or not arr.flags.writeable:
+                raise _bad(f"{name}: a writable C-contiguous (layers, tokens, kv_heads, "
+                           f"head_dim) array")
+        if k_out.shape != v_out.shape or k_out.dtype != v_out.dtype:
+            raise _bad(f"k_out {k_out.shape} and v_out {v_out.shape} differ")
+        b = _id(sid)
+        a = ffi.new("kvdepot_read_args *")
+        idb = ffi.from_buffer(b)
+        kb, vb = ffi.from_buffer(k_out), ffi.from_buffer(v_out)
+        a.id, a.id_len = idb, len(b)
+        a.layer_start, a.num_layers = layer_start, k_out.shape[0]
+        a.token_start, a.num_tokens = token_start, num_tokens or k_out.shape[1]
+        a.k, a.v, a.capacity = kb, vb, k_out.nbytes
+        return a, (b, idb, kb, vb, k_out, v_out)
+
+    def read_into(self, sid: Id, k_out: np.ndarray, v_out: np.ndarray, *, layer_start: int = 0,
+                  token_start: int = 0, num_tokens: int = 0) -> None:
+        """Read layers [layer_start, +k_out.shape[0]) x tokens [token_start,
+        +k_out.shape[1]) straight into the caller's arrays (the model's
+        dtype, (layers, tokens, kv_heads, head_dim), C-contiguous)."""
+        a, keep = self._read_into_args(sid, k_out, v_out, layer_start, token_start, num_tokens)
+        r = ffi.new("kvdepot_read_result *")
+        self._check(lib.kvdepot_sequence_read(self._client(), a, r))
+
+    def read_start(self, sid: Id, k_out: np.ndarray, v_out: np.ndarray, *, layer_start: int = 0,
+                   token_start: int = 0, num_tokens: int = 0) -> "Transfer":
+        """read_into() without waiting: returns a Transfer; the arrays are
+        filled once it is done."""
+        a, keep = self._read_into_args(sid, k_out, v_out, layer_start, token_start, num_tokens)
+        r = ffi.new("kvdepot_read_result *")
+        out = ffi.new("kvdepot_transfer **")
+        self._check(lib.kvdepot_read_start(self._client(), a, r, ffi.NULL, ffi.NULL, out))
+        return Transfer(self, out[0], (a, r, keep), False)
 
     def read(self, sid: Id, *, layer_start: int = 0, num_layers: int = 0, token_start: int = 0,
              num_tokens: int = 0) -> Tuple[np.ndarray, np.ndarray]:

@@ -209,3 +209,27 @@ def test_engine_block_hashes(client):
     assert np.array_equal(k2, k[:, :full * pt]) and np.array_equal(v2, v[:, :full * pt])
     with pytest.raises(kvdepot.NotFound):
         client.create_sequence("e3", "py", engine_prefix=kvdepot.EngineHashes(other[:per], 16))
+
+
+def test_layerwise_transfers(client):
+    """Every layer's put in flight at once, then reads into caller arrays in
+    flight together; a failing put raises from wait()."""
+    k, v = kv(500, 31), kv(500, 32)
+    client.create_sequence("lw", "py")
+    ts = [client.append_start("lw", k[l:l + 1], v[l:l + 1], token_start=0, layer_start=l)
+          for l in range(L)]
+    infos = [t.wait() for t in ts]
+    assert all(t.done() for t in ts)
+    assert infos[-1].num_tokens == 500 or max(i.num_tokens for i in infos) == 500
+    assert client.stat("lw").num_tokens == 500
+    kb, vb = np.empty_like(k), np.empty_like(v)
+    rs = [client.read_start("lw", kb[l:l + 1], vb[l:l + 1], layer_start=l) for l in range(L)]
+    for r in rs:
+        assert r.wait() is None
+    assert np.array_equal(kb, k) and np.array_equal(vb, v)
+    bad = client.append_start("lw", k[:1, :5], v[:1, :5], token_start=7)
+    with pytest.raises(kvdepot.KvdepotError) as e:
+        bad.wait()
+    assert "token_start" in str(e.value)
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.read_start("lw", kb[:, :3].copy()[:, ::2], vb[:, :2])
