@@ -11,3 +11,11 @@ if(HIREDIS_FOUND AND TARGET kvdepot_static)
 else()
   message(STATUS "kvdepot: bench_stream not built (needs libhiredis-dev and kvdepot_static)")
 endif()
+
+# bench_layerwise: a simulated forward pass putting each layer's K/V as it is
+# computed, blocking and overlapped (kvdepot_append_start). A benchmark, not
+# a test: run it with tests/bench/run_layerwise_bench.sh.
+if(TARGET kvdepot_static)
+  add_executable(bench_layerwise ${CMAKE_CURRENT_LIST_DIR}/bench_layerwise.c)
+  target_link_libraries(bench_layerwise PRIVATE kvdepot_static)
+endif()
