@@ -36,10 +36,12 @@ build_pkgs=(build-essential cmake pkg-config ca-certificates
             librocksdb-dev libxxhash-dev libyaml-dev libmicrohttpd-dev)
 # Test tools, all from Debian: the Python interop client (grpcio), the Go
 # interop client (gRPC-Go and the v1.3 protoc-gen-go it speaks), Redis, and
-# what the Python package builds and tests with (cffi, NumPy, pytest, venv).
+# what the Python package builds and tests with (cffi, NumPy, pytest, venv;
+# PyTorch for the transformers integration, whose other packages come from
+# PyPI, pinned: engines_venv).
 test_pkgs=(libcmocka-dev python3 python3-yaml python3-grpcio python3-protobuf protobuf-compiler
            python3-dev python3-venv python3-setuptools python3-wheel python3-cffi python3-numpy
-           python3-pytest
+           python3-pytest python3-torch
            golang-go golang-google-grpc-dev protoc-gen-go-1-3
            redis-server redis-tools libhiredis-dev procps openssl curl)
 
@@ -71,6 +73,16 @@ deps() {
     fi
 }
 
+# The python_transformers test's virtual environment: Debian's torch (CPU)
+# through the system site packages, transformers and its dependencies from
+# PyPI at the versions tests/python/engine-requirements.txt pins.
+engines_venv() {
+    local venv=$build/py-engines
+    [ -x "$venv/bin/pip" ] || /usr/bin/python3 -m venv --system-site-packages "$venv"
+    "$venv/bin/pip" install -q --require-virtualenv --disable-pip-version-check \
+        -r "$root/tests/python/engine-requirements.txt"
+}
+
 configure_and_build() {
     # shellcheck disable=SC2086
     cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${KVD_CMAKE_ARGS:-} >/dev/null
@@ -88,6 +100,7 @@ test)
     shift
     deps --test
     configure_and_build
+    engines_venv
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
     # Second pass: the unit, backend and end-to-end suites again under
     # AddressSanitizer + UndefinedBehaviorSanitizer (CPU build; the slow

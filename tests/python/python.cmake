@@ -16,4 +16,18 @@ if(TARGET kvdepot_shared AND TARGET kvdepotd)
              "echo 'python_client: FATAL: /usr/bin/python3 not found (deploy/dev.sh test installs it)' >&2; exit 1")
   endif()
   set_tests_properties(python_client PROPERTIES LABELS python TIMEOUT 600)
+
+  # kvdepot.integrations.transformers with a small random Llama: in the
+  # virtual environment deploy/dev.sh test prepares (Debian's python3-torch,
+  # transformers and its dependencies pinned in engine-requirements.txt).
+  set(KVD_PY_ENGINES_VENV ${CMAKE_BINARY_DIR}/py-engines
+      CACHE PATH "virtual environment of the python_transformers test")
+  if(KVD_PYTHON_DEBIAN)
+    add_test(NAME python_transformers
+             COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run_python_client.sh ${KVD_PYTHON_DEBIAN}
+                     ${PROJECT_SOURCE_DIR}/client $<TARGET_FILE_DIR:kvdepot_shared>
+                     $<TARGET_FILE:kvdepotd> ${CMAKE_CURRENT_BINARY_DIR}/python_transformers
+                     test_transformers.py ${KVD_PY_ENGINES_VENV})
+    set_tests_properties(python_transformers PROPERTIES LABELS python TIMEOUT 600)
+  endif()
 endif()

@@ -1,0 +1,1 @@
+"""Engine integrations of kvdepot (each imports its engine only when used)."""
