@@ -8,8 +8,10 @@
         c.append("req-1", k, k, token_start=0)
         k2, v2 = c.read("req-1")
 """
-from .client import (AttendResult, Client, Codecs, EngineHashes, FetchPlan, HeadTokens, Model,
-                     SequenceInfo, Transfer, prefix_hashes)
+from .client import (ARTIFACT_KINDS, Artifact, AttendResult, CalibrateResult, CalibrationError,
+                     Client, Codecs, EngineHashes, FetchPlan, HeadTokens, Model, SequenceInfo,
+                     Transfer, attention_local, attention_merge, encode_pages, prefix_hashes,
+                     transfer_threads)
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                      FailedPrecondition, Internal, InvalidArgument, KvdepotError, NotFound,
                      OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
@@ -17,7 +19,9 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
 
 __all__ = [
     "Client", "Model", "SequenceInfo", "AttendResult", "Codecs", "HeadTokens", "FetchPlan",
-    "EngineHashes", "Transfer", "prefix_hashes", "KvdepotError", "Cancelled", "Unknown",
+    "EngineHashes", "Transfer", "Artifact", "ARTIFACT_KINDS", "CalibrateResult",
+    "CalibrationError", "prefix_hashes", "encode_pages", "attention_local", "attention_merge",
+    "transfer_threads", "KvdepotError", "Cancelled", "Unknown",
     "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
     "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",
     "Internal", "Unavailable", "DataLoss", "Unauthenticated",

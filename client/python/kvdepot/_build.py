@@ -271,6 +271,74 @@ int kvdepot_read_start(kvdepot_client *client, const kvdepot_read_args *args,
 int kvdepot_transfer_poll(const kvdepot_transfer *t);
 int kvdepot_transfer_wait(kvdepot_transfer *t, kvdepot_sequence_info *info);
 int kvdepot_transfer_threads(unsigned n);
+
+int kvdepot_model_list(kvdepot_client *client, kvdepot_model **out, size_t *count);
+
+typedef struct kvdepot_page {
+    void *data;
+    size_t len;
+} kvdepot_page;
+typedef struct kvdepot_artifact {
+    int kind;
+    uint32_t layer;
+    uint32_t kv_head;
+    uint32_t ndim;
+    uint32_t shape[2];
+    float *data;
+} kvdepot_artifact;
+int kvdepot_encode_pages_with_artifacts(const kvdepot_model *model, const kvdepot_codecs *codecs,
+                                        const kvdepot_artifact *artifacts, size_t n_artifacts,
+                                        uint32_t page_tokens, uint32_t layer,
+                                        uint64_t token_start, uint64_t num_tokens, const void *k,
+                                        const void *v, kvdepot_page **pages, size_t *count);
+void kvdepot_pages_free(kvdepot_page *pages, size_t count);
+int kvdepot_sequence_read_pages(kvdepot_client *client, const kvdepot_read_args *args,
+                                kvdepot_page **pages, size_t *count);
+int kvdepot_append_pages(kvdepot_client *client, const void *id, size_t id_len,
+                         const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out);
+int kvdepot_artifacts_upload(kvdepot_client *client, const char *model,
+                             const kvdepot_artifact *a, size_t count, uint32_t *stored);
+int kvdepot_artifacts_get(kvdepot_client *client, const char *model, const int *kinds,
+                          size_t nkinds, kvdepot_artifact **out, size_t *count);
+void kvdepot_artifacts_free(kvdepot_artifact *a, size_t count);
+
+typedef struct kvdepot_calibrate_args {
+    const char *model;
+    uint32_t vq_sub_dim;
+    uint32_t vq_bits;
+    int svd;
+    uint32_t iterations;
+    uint64_t seed;
+    uint64_t max_samples;
+} kvdepot_calibrate_args;
+typedef struct kvdepot_calibrate_sample {
+    uint32_t layer;
+    uint64_t num_tokens;
+    const void *k, *v, *q;
+    size_t kv_bytes;
+    size_t q_bytes;
+} kvdepot_calibrate_sample;
+typedef struct kvdepot_calibration_error {
+    uint32_t layer, kv_head;
+    double vq_k, vq_v, svd_k, svd_v;
+    uint32_t svd_width_k, svd_width_v;
+} kvdepot_calibration_error;
+typedef struct kvdepot_calibrate_result {
+    uint64_t samples;
+    uint32_t artifacts;
+    kvdepot_calibration_error *errors;
+    size_t n_errors;
+} kvdepot_calibrate_result;
+int kvdepot_calibrate(kvdepot_client *client, const kvdepot_calibrate_args *a,
+                      const kvdepot_calibrate_sample *samples, size_t count,
+                      kvdepot_calibrate_result *out);
+void kvdepot_calibrate_result_clear(kvdepot_calibrate_result *r);
+
+int kvdepot_attention_local(kvdepot_dtype dtype, uint32_t num_q_heads, uint32_t num_kv_heads,
+                            uint32_t head_dim, float scale, const float *q, const void *k,
+                            const void *v, uint64_t num_tokens, float *out, float *lse);
+int kvdepot_attention_merge(uint32_t num_q_heads, uint32_t head_dim, float *out_a, float *lse_a,
+                            const float *out_b, const float *lse_b);
 int kvdepot_sequence_evict(kvdepot_client *client, const void *id, size_t id_len,
                            uint64_t *pages, uint64_t *bytes);
 int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,

@@ -180,6 +180,159 @@ def prefix_hashes(token_ids: Sequence[int], page_tokens: int = 256) -> np.ndarra
     return out[:n]
 
 
+@dataclass
+class Artifact:
+    """One calibration artifact of a model (kvdepot_artifact): kind (one of
+    ARTIFACT_KINDS), layer, kv_head and its f32 array."""
+    kind: str
+    layer: int
+    kv_head: int
+    data: np.ndarray
+
+
+ARTIFACT_KINDS = {"key_smoothing": 1, "vq_codebook_k": 2, "vq_codebook_v": 3,
+                  "svd_rotation_k": 4, "svd_rotation_v": 5, "svd_spectrum_k": 6,
+                  "svd_spectrum_v": 7}
+_KIND_NAME = {v: k for k, v in ARTIFACT_KINDS.items()}
+
+
+@dataclass
+class CalibrationError:
+    """Relative reconstruction errors of one (layer, kv head) after Calibrate."""
+    layer: int
+    kv_head: int
+    vq_k: float
+    vq_v: float
+    svd_k: float
+    svd_v: float
+    svd_width_k: int
+    svd_width_v: int
+
+
+@dataclass
+class CalibrateResult:
+    samples: int
+    artifacts: int
+    errors: List[CalibrationError]
+
+
+def _model_c(model: "Model"):
+    m = ffi.new("kvdepot_model *")
+    name, rev = model.name.encode(), model.revision.encode()
+    if len(name) > lib.KVDEPOT_NAME_MAX or len(rev) > lib.KVDEPOT_NAME_MAX:
+        raise InvalidArgument("model name or revision longer than %d bytes"
+                              % lib.KVDEPOT_NAME_MAX, -3, "INVALID_ARGUMENT")
+    m.name = name
+    m.revision = rev
+    m.num_layers, m.num_kv_heads, m.head_dim = (model.num_layers, model.num_kv_heads,
+                                                model.head_dim)
+    m.num_q_heads, m.hidden_size = model.num_q_heads, model.hidden_size
+    if model.dtype not in _DTYPE_BY_NAME:
+        raise InvalidArgument(f"dtype: {model.dtype!r} is not f16, bf16 or f32", -3,
+                              "INVALID_ARGUMENT")
+    m.dtype = _DTYPE_BY_NAME[model.dtype]
+    return m
+
+
+def _artifacts_c(artifacts: Sequence[Artifact]):
+    """A kvdepot_artifact array over the artifacts' f32 arrays (kept alive
+    by the returned list)."""
+    a = ffi.new("kvdepot_artifact[]", max(len(artifacts), 1))
+    keep = [a]
+    for i, art in enumerate(artifacts):
+        if art.kind not in ARTIFACT_KINDS:
+            raise _bad(f"artifact {i}: kind {art.kind!r} is not one of {sorted(ARTIFACT_KINDS)}")
+        d = np.ascontiguousarray(np.asarray(art.data, dtype=np.float32))
+        if d.ndim not in (1, 2):
+            raise _bad(f"artifact {i}: {d.ndim}-d data; artifacts are 1-d or 2-d")
+        a[i].kind, a[i].layer, a[i].kv_head = ARTIFACT_KINDS[art.kind], art.layer, art.kv_head
+        a[i].ndim = d.ndim
+        a[i].shape[0] = d.shape[0]
+        a[i].shape[1] = d.shape[1] if d.ndim == 2 else 0
+        buf = ffi.from_buffer(d)
+        a[i].data = ffi.cast("float *", buf)
+        keep += [d, buf]
+    return a, keep
+
+
+def _pages_out(pages, count) -> List[bytes]:
+    try:
+        return [bytes(ffi.buffer(pages[0][i].data, pages[0][i].len)) for i in range(count[0])]
+    finally:
+        lib.kvdepot_pages_free(pages[0], count[0])
+
+
+def encode_pages(model: "Model", k, v, *, layer: int, token_start: int = 0,
+                 page_tokens: int = 256, codecs: Optional[Codecs] = None,
+                 artifacts: Sequence[Artifact] = ()) -> List[bytes]:
+    """Encode K and V of one layer, each (tokens, kv_heads, head_dim) in the
+    model's dtype, into pages of page_tokens tokens with the server's own
+    encoder (whole blocks coded with codecs, partial ones raw); VQ and SVD
+    need the model's artifacts. The pages go to Client.append_pages."""
+    ka, va = _kv_array(k, "k", 3), _kv_array(v, "v", 3)
+    if ka.shape != va.shape:
+        raise _bad(f"k {ka.shape} and v {va.shape}: want equal (tokens, kv_heads, head_dim)")
+    m = _model_c(model)
+    cc = _codecs_c(codecs) if codecs is not None else ffi.NULL
+    arts, keep = _artifacts_c(artifacts)
+    pages, count = ffi.new("kvdepot_page **"), ffi.new("size_t *")
+    rc = lib.kvdepot_encode_pages_with_artifacts(
+        m, cc, arts, len(artifacts), page_tokens, layer, token_start, ka.shape[0],
+        ffi.from_buffer(ka), ffi.from_buffer(va), pages, count)
+    if rc:
+        msg = lib.kvdepot_errmsg(ffi.NULL)
+        raise error_for(rc, ffi.string(msg).decode(errors="replace") if msg else "")
+    return _pages_out(pages, count)
+
+
+def attention_local(q, k, v, *, scale: float = 0.0, dtype: Optional[str] = None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+    """Attention of q (num_q_heads, head_dim) over K and V of one layer,
+    each (tokens, kv_heads, head_dim), with the server's CPU kernels:
+    (output (num_q_heads, head_dim), lse (num_q_heads)), f32."""
+    qa = np.ascontiguousarray(np.asarray(q, dtype=np.float32))
+    ka, va = _kv_array(k, "k", 3), _kv_array(v, "v", 3)
+    if ka.shape != va.shape or qa.ndim != 2 or qa.shape[1] != ka.shape[2]:
+        raise _bad(f"q {qa.shape}, k {ka.shape}, v {va.shape} do not fit")
+    if dtype is None:
+        dtype = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(ka.dtype)
+    out = np.empty(qa.shape, np.float32)
+    lse = np.empty(qa.shape[0], np.float32)
+    rc = lib.kvdepot_attention_local(
+        _DTYPE_BY_NAME[dtype], qa.shape[0], ka.shape[1], qa.shape[1], scale,
+        ffi.cast("const float *", ffi.from_buffer(qa)), ffi.from_buffer(ka), ffi.from_buffer(va),
+        ka.shape[0], ffi.cast("float *", ffi.from_buffer(out)),
+        ffi.cast("float *", ffi.from_buffer(lse)))
+    if rc:
+        raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+    return out, lse
+
+
+def attention_merge(out_a, lse_a, out_b, lse_b) -> Tuple[np.ndarray, np.ndarray]:
+    """Combine attention over two disjoint token ranges by log-sum-exp."""
+    oa = np.array(out_a, dtype=np.float32, order="C")
+    la = np.array(lse_a, dtype=np.float32, order="C")
+    ob = np.ascontiguousarray(np.asarray(out_b, dtype=np.float32))
+    lb = np.ascontiguousarray(np.asarray(lse_b, dtype=np.float32))
+    if oa.ndim != 2 or oa.shape != ob.shape or la.shape != (oa.shape[0],) or lb.shape != la.shape:
+        raise _bad(f"out {oa.shape}/{ob.shape} and lse {la.shape}/{lb.shape} do not fit")
+    rc = lib.kvdepot_attention_merge(oa.shape[0], oa.shape[1],
+                                     ffi.cast("float *", ffi.from_buffer(oa)),
+                                     ffi.cast("float *", ffi.from_buffer(la)),
+                                     ffi.cast("const float *", ffi.from_buffer(ob)),
+                                     ffi.cast("const float *", ffi.from_buffer(lb)))
+    if rc:
+        raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+    return oa, la
+
+
+def transfer_threads(n: int) -> None:
+    """Most threads libkvdepot's transfer pool runs (1..256, default 8)."""
+    rc = lib.kvdepot_transfer_threads(n)
+    if rc:
+        raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+
+
 class Transfer:
     """An append or read in flight (Client.append_start, read_start): done()
     polls, wait() blocks until it completed and raises its error (appends
@@ -237,12 +390,14 @@ class EngineHashes:
         c.block_tokens = self.block_tokens
 
 
-def _kv_array(a, what: str) -> np.ndarray:
-    """A C-contiguous (layers, tokens, kv_heads, head_dim) array, as given."""
+def _kv_array(a, what: str, ndim: int = 4) -> np.ndarray:
+    """A C-contiguous array, as given: (layers, tokens, kv_heads, head_dim),
+    or with ndim 3 one layer's (tokens, heads, head_dim). PyTorch CPU
+    tensors come through their own buffer."""
     arr = np.asarray(a)
-    if arr.ndim != 4:
-        raise InvalidArgument(f"{what}: shape {arr.shape}, want (layers, tokens, kv_heads, "
-                              "head_dim)", -3, "INVALID_ARGUMENT")
+    if arr.ndim != ndim:
+        want = "(layers, tokens, kv_heads, head_dim)" if ndim == 4 else "(tokens, heads, head_dim)"
+        raise InvalidArgument(f"{what}: shape {arr.shape}, want {want}", -3, "INVALID_ARGUMENT")
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return arr
@@ -322,24 +477,19 @@ class Client:
 
     def put_model(self, model: Model, replace: bool = False) -> Tuple[Model, bool]:
         """Register a model; returns it as stored and whether it was created."""
-        m = ffi.new("kvdepot_model *")
-        name, rev = model.name.encode(), model.revision.encode()
-        if len(name) > lib.KVDEPOT_NAME_MAX or len(rev) > lib.KVDEPOT_NAME_MAX:
-            raise InvalidArgument("model name or revision longer than %d bytes"
-                                  % lib.KVDEPOT_NAME_MAX, -3, "INVALID_ARGUMENT")
-        m.name = name
-        m.revision = rev
-        m.num_layers, m.num_kv_heads, m.head_dim = (model.num_layers, model.num_kv_heads,
-                                                    model.head_dim)
-        m.num_q_heads, m.hidden_size = model.num_q_heads, model.hidden_size
-        if model.dtype not in _DTYPE_BY_NAME:
-            raise InvalidArgument(f"dtype: {model.dtype!r} is not f16, bf16 or f32", -3,
-                                  "INVALID_ARGUMENT")
-        m.dtype = _DTYPE_BY_NAME[model.dtype]
+        m = _model_c(model)
         out = ffi.new("kvdepot_model *")
         created = ffi.new("int *")
         self._check(lib.kvdepot_model_put(self._client(), m, int(replace), out, created))
         return _model_of(out), bool(created[0])
+
+    def list_models(self) -> List[Model]:
+        out, n = ffi.new("kvdepot_model **"), ffi.new("size_t *")
+        self._check(lib.kvdepot_model_list(self._client(), out, n))
+        try:
+            return [_model_of(out[0][i]) for i in range(n[0])]
+        finally:
+            lib.kvdepot_free(out[0])
 
     def get_model(self, name: str) -> Model:
         out = ffi.new("kvdepot_model *")
@@ -550,6 +700,99 @@ class Client:
         whole = np.frombuffer(buf, dtype=npdt)
         n = r.kv_bytes // np.dtype(npdt).itemsize
         return whole[:n].reshape(shape), whole[n:].reshape(shape)
+
+    # ---- pages, artifacts, calibration ----
+
+    def read_pages(self, sid: Id, *, layer_start: int = 0, num_layers: int = 0,
+                   token_start: int = 0, num_tokens: int = 0) -> List[bytes]:
+        """The stored pages of a layer range x token range as the server
+        keeps them (encoded, checksummed; docs/page-format.md)."""
+        b = _id(sid)
+        a = ffi.new("kvdepot_read_args *")
+        idb = ffi.from_buffer(b)
+        a.id, a.id_len = idb, len(b)
+        a.layer_start, a.num_layers = layer_start, num_layers
+        a.token_start, a.num_tokens = token_start, num_tokens
+        pages, count = ffi.new("kvdepot_page **"), ffi.new("size_t *")
+        self._check(lib.kvdepot_sequence_read_pages(self._client(), a, pages, count))
+        return _pages_out(pages, count)
+
+    def append_pages(self, sid: Id, pages: Sequence[bytes]) -> SequenceInfo:
+        """Store pages encoded here (encode_pages): only their bytes cross
+        the network; each is checked before any is stored."""
+        b = _id(sid)
+        arr = ffi.new("kvdepot_page[]", max(len(pages), 1))
+        keep = []
+        for i, p in enumerate(pages):
+            buf = ffi.from_buffer(bytes(p))
+            keep.append(buf)
+            arr[i].data, arr[i].len = buf, len(p)
+        return self._info_call(lib.kvdepot_append_pages, ffi.from_buffer(b), len(b), arr,
+                               len(pages))
+
+    def upload_artifacts(self, model: str, artifacts: Sequence[Artifact]) -> int:
+        """Store calibration artifacts of a model (all or nothing); the count."""
+        a, keep = _artifacts_c(artifacts)
+        n = ffi.new("uint32_t *")
+        self._check(lib.kvdepot_artifacts_upload(self._client(), model.encode(), a,
+                                                 len(artifacts), n))
+        return n[0]
+
+    def get_artifacts(self, model: str, kinds: Sequence[str] = ()) -> List[Artifact]:
+        """The model's stored artifacts (of the given kinds; all when none)."""
+        ks = [ARTIFACT_KINDS[k] for k in kinds]
+        kc = ffi.new("int[]", ks) if ks else ffi.NULL
+        out, n = ffi.new("kvdepot_artifact **"), ffi.new("size_t *")
+        self._check(lib.kvdepot_artifacts_get(self._client(), model.encode(), kc, len(ks), out,
+                                              n))
+        try:
+            res = []
+            for i in range(n[0]):
+                a = out[0][i]
+                shape = (a.shape[0],) if a.ndim == 1 else (a.shape[0], a.shape[1])
+                size = int(np.prod(shape))
+                d = np.frombuffer(ffi.buffer(a.data, 4 * size), dtype=np.float32).reshape(shape)
+                res.append(Artifact(_KIND_NAME.get(a.kind, str(a.kind)), a.layer, a.kv_head,
+                                    d.copy()))
+            return res
+        finally:
+            lib.kvdepot_artifacts_free(out[0], n[0])
+
+    def calibrate(self, model: str, samples: Sequence[Tuple], *, vq_sub_dim: int = 0,
+                  vq_bits: int = 0, svd: bool = False, iterations: int = 0, seed: int = 0,
+                  max_samples: int = 0) -> CalibrateResult:
+        """Fit the model's artifacts (key smoothing, VQ codebooks, SVD
+        rotations) on samples: (layer, k, v) or (layer, k, v, q), k and v
+        (tokens, kv_heads, head_dim), q (tokens, q_heads, head_dim), in the
+        model's dtype. Stores them; returns the per-head errors."""
+        a = ffi.new("kvdepot_calibrate_args *")
+        mb = ffi.new("char[]", model.encode())
+        a.model, a.vq_sub_dim, a.vq_bits, a.svd = mb, vq_sub_dim, vq_bits, int(svd)
+        a.iterations, a.seed, a.max_samples = iterations, seed, max_samples
+        cs = ffi.new("kvdepot_calibrate_sample[]", max(len(samples), 1))
+        keep = []
+        for i, smp in enumerate(samples):
+            layer, k, v = smp[0], _kv_array(smp[1], "k", 3), _kv_array(smp[2], "v", 3)
+            if k.shape != v.shape:
+                raise _bad(f"sample {i}: k {k.shape} and v {v.shape} differ")
+            kb, vb = ffi.from_buffer(k), ffi.from_buffer(v)
+            keep += [k, v, kb, vb]
+            cs[i].layer, cs[i].num_tokens = layer, k.shape[0]
+            cs[i].k, cs[i].v, cs[i].kv_bytes = kb, vb, k.nbytes
+            if len(smp) > 3 and smp[3] is not None:
+                q = _kv_array(smp[3], "q", 3)
+                qb = ffi.from_buffer(q)
+                keep += [q, qb]
+                cs[i].q, cs[i].q_bytes = qb, q.nbytes
+        r = ffi.new("kvdepot_calibrate_result *")
+        self._check(lib.kvdepot_calibrate(self._client(), a, cs, len(samples), r))
+        try:
+            errs = [CalibrationError(e.layer, e.kv_head, e.vq_k, e.vq_v, e.svd_k, e.svd_v,
+                                     e.svd_width_k, e.svd_width_v)
+                    for e in (r.errors[i] for i in range(r.n_errors))]
+            return CalibrateResult(r.samples, r.artifacts, errs)
+        finally:
+            lib.kvdepot_calibrate_result_clear(r)
 
     # ---- compute ----
 

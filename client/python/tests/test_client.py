@@ -233,3 +233,104 @@ def test_layerwise_transfers(client):
     assert "token_start" in str(e.value)
     with pytest.raises(kvdepot.InvalidArgument):
         client.read_start("lw", kb[:, :3].copy()[:, ::2], vb[:, :2])
+
+
+def test_models_listed(client):
+    names = [m.name for m in client.list_models()]
+    assert "py" in names
+
+
+def test_pages_encoded_here(client):
+    """Pages encoded by the client (INT4 whole blocks, raw tail) go up with
+    append_pages, come back byte for byte with read_pages, and decode to
+    what the server's own coding of the same K/V gives."""
+    m = client.get_model("py")
+    k, v = kv(600, 41), kv(600, 42)
+    codecs = kvdepot.Codecs(k="int4", v="int4")
+    client.create_sequence("pg", "py", codecs=codecs)
+    pages = []
+    for layer in range(L):
+        pages += kvdepot.encode_pages(m, k[layer], v[layer], layer=layer, codecs=codecs)
+    assert len(pages) == L * 3  # two whole pages and the raw tail per layer
+    info = client.append_pages("pg", pages)
+    assert info.num_tokens == 600
+    back = client.read_pages("pg")
+    assert sorted(back) == sorted(pages)
+    client.create_sequence("pg2", "py", codecs=codecs)
+    client.append("pg2", k, v, token_start=0)
+    a, _ = client.read("pg")
+    b, _ = client.read("pg2")
+    assert np.array_equal(a, b)
+    with pytest.raises(kvdepot.DataLoss):
+        bad = bytearray(pages[0])
+        bad[-1] ^= 1
+        client.create_sequence("pg3", "py", codecs=codecs)
+        client.append_pages("pg3", [bytes(bad)])
+
+
+def test_artifacts_and_calibrate(client):
+    """Calibrate stores smoothing factors and SVD rotations fitted on the
+    samples; get_artifacts reads them back; an upload round-trips."""
+    k, v = kv(512, 51), kv(512, 52)
+    res = client.calibrate("py", [(layer, k[layer], v[layer]) for layer in range(L)], svd=True)
+    assert res.samples == L * 512 and res.artifacts > 0
+    assert len(res.errors) == L * H and all(0 <= e.svd_k < 1 for e in res.errors)
+    arts = client.get_artifacts("py", ["svd_rotation_k"])
+    assert len(arts) == L * H and arts[0].data.shape == (D, D)
+    r = arts[0].data.astype(np.float64)
+    assert np.allclose(r.T @ r, np.eye(D), atol=1e-3)  # a rotation
+    mine = kvdepot.Artifact("key_smoothing", 0, 0, np.linspace(0.5, 2.0, D, dtype=np.float32))
+    assert client.upload_artifacts("py", [mine]) == 1
+    [got] = [a for a in client.get_artifacts("py", ["key_smoothing"])
+             if (a.layer, a.kv_head) == (0, 0)]
+    assert np.array_equal(got.data, mine.data)
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.upload_artifacts("py", [kvdepot.Artifact("key_smoothing", 0, 0,
+                                                        np.ones(D + 1, np.float32))])
+
+
+def test_local_attention_helpers(client):
+    rng = np.random.default_rng(3)
+    k, v = kv(300, 61)[0], kv(300, 62)[0]
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    out, lse = kvdepot.attention_local(q, k, v)
+    ro, rl = reference_attention(q, k, v)
+    assert np.allclose(out, ro, rtol=1e-3, atol=1e-4) and np.allclose(lse, rl, atol=1e-4)
+    oa, la = kvdepot.attention_local(q, k[:100], v[:100])
+    ob, lb = kvdepot.attention_local(q, k[100:], v[100:])
+    om, lm = kvdepot.attention_merge(oa, la, ob, lb)
+    assert np.allclose(om, ro, rtol=1e-3, atol=1e-4) and np.allclose(lm, rl, atol=1e-4)
+    kvdepot.transfer_threads(8)
+    with pytest.raises(kvdepot.InvalidArgument):
+        kvdepot.transfer_threads(0)
+
+
+def test_module_cli(client, server, tmp_path):
+    """python -m kvdepot: the CLI's common commands through the package."""
+    import subprocess
+    import sys
+
+    def cli(*args, ok=True):
+        p = subprocess.run([sys.executable, "-m", "kvdepot", "--addr", server, *args],
+                           capture_output=True, text=True, timeout=120)
+        assert (p.returncode == 0) == ok, p.stderr
+        return p
+
+    assert cli("health").stdout.strip() == "SERVING"
+    cli("model", "put", "cli-m", "--layers", "2", "--kv-heads", "2", "--head-dim", "64")
+    assert "cli-m" in cli("models").stdout
+    k, v = kv(300, 71), kv(300, 72)
+    np.savez(tmp_path / "in.npz", k=k, v=v)
+    assert "300 tokens" in cli("put", "cli-1", "--model", "cli-m", "--file",
+                               str(tmp_path / "in.npz")).stdout
+    p = cli("put", "cli-1", "--model", "py", "--file", str(tmp_path / "in.npz"), ok=False)
+    assert p.returncode == 2 and "holds model cli-m" in p.stderr
+    cli("get", "cli-1", "--file", str(tmp_path / "out.npz"), "--tokens", "200")
+    with np.load(tmp_path / "out.npz") as z:
+        assert np.array_equal(z["k"], k[:, :200]) and np.array_equal(z["v"], v[:, :200])
+    assert '"num_tokens": 300' in cli("seq", "stat", "cli-1").stdout
+    assert "cli-1" in cli("seqs", "--model", "cli-m").stdout
+    p = cli("seq", "stat", "nope", ok=False)
+    assert p.returncode == 1 and "NOT_FOUND" in p.stderr
+    cli("seq", "rm", "cli-1")
+    cli("model", "rm", "cli-m")
