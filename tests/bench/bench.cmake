@@ -19,3 +19,10 @@ if(TARGET kvdepot_static)
   add_executable(bench_layerwise ${CMAKE_CURRENT_LIST_DIR}/bench_layerwise.c)
   target_link_libraries(bench_layerwise PRIVATE kvdepot_static)
 endif()
+
+# bench_read_c: the C client's Read, next to the Python package's in
+# tests/bench/bench_python_read.py (run_python_bench.sh).
+if(TARGET kvdepot_static)
+  add_executable(bench_read_c ${CMAKE_CURRENT_LIST_DIR}/bench_read_c.c)
+  target_link_libraries(bench_read_c PRIVATE kvdepot_static)
+endif()

@@ -140,3 +140,17 @@ def test_compressed_continuation_reported(model, client, codec):
     assert torch.isfinite(scores).all()
     raw = 3 * 300 * 2 * 32 * 4 * 2  # layers x tokens x kv heads x dim x f32 x (K, V)
     assert client.stat(sid).stored_bytes < 0.6 * raw
+
+
+def test_example_runs(server):
+    """The README's example script runs as written against a server."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    ex = os.path.join(here, "..", "examples", "transformers_offload.py")
+    p = subprocess.run([sys.executable, ex, "--addr", server], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "offloaded request 1" in p.stdout and "(same as local)" in p.stdout
+    assert "request 2 reused 256 prefix tokens" in p.stdout
