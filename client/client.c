@@ -1061,6 +1061,22 @@ size_t kvdepot_prefix_hash_chain(const uint32_t *token_ids, size_t n, size_t pag
     return blocks;
 }
 
+/* The Lookup call of both kinds of chain; the outputs were zeroed. */
+static int lookup_rpc(kvdepot_client *c, const Kvdepot__V1__LookupRequest *req,
+                      uint64_t *matched_blocks, uint64_t *matched_tokens)
+{
+    Kvdepot__V1__LookupResponse *resp;
+    int rc = UNARY(c, KVDEPOT__LOOKUP, req, kvdepot__v1__lookup_response, &resp);
+    if (rc)
+        return rc;
+    if (matched_blocks)
+        *matched_blocks = resp->matched_blocks;
+    if (matched_tokens)
+        *matched_tokens = resp->matched_tokens;
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
 uint64_t kvdepot_engine_hash_key(const void *name, size_t len)
 {
     return name || !len ? XXH3_64bits(name, len) : 0;
@@ -1104,17 +1120,9 @@ int kvdepot_engine_lookup(kvdepot_client *c, const char *model, const kvdepot_en
         return rc;
     req.n_engine_block_hashes = h->num;
     req.engine_block_tokens = h->block_tokens;
-    Kvdepot__V1__LookupResponse *resp;
-    rc = UNARY(c, KVDEPOT__LOOKUP, &req, kvdepot__v1__lookup_response, &resp);
+    rc = lookup_rpc(c, &req, matched_blocks, matched_tokens);
     free(req.engine_block_hashes);
-    if (rc)
-        return rc;
-    if (matched_blocks)
-        *matched_blocks = resp->matched_blocks;
-    if (matched_tokens)
-        *matched_tokens = resp->matched_tokens;
-    protobuf_c_message_free_unpacked(&resp->base, NULL);
-    return KVDEPOT_OK;
+    return rc;
 }
 
 int kvdepot_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *hashes, size_t n,
@@ -1133,16 +1141,7 @@ int kvdepot_prefix_lookup(kvdepot_client *c, const char *model, const uint64_t *
     req.model = (char *)model;
     req.block_hashes = (uint64_t *)hashes;
     req.n_block_hashes = n;
-    Kvdepot__V1__LookupResponse *resp;
-    int rc = UNARY(c, KVDEPOT__LOOKUP, &req, kvdepot__v1__lookup_response, &resp);
-    if (rc)
-        return rc;
-    if (matched_blocks)
-        *matched_blocks = resp->matched_blocks;
-    if (matched_tokens)
-        *matched_tokens = resp->matched_tokens;
-    protobuf_c_message_free_unpacked(&resp->base, NULL);
-    return KVDEPOT_OK;
+    return lookup_rpc(c, &req, matched_blocks, matched_tokens);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -307,6 +307,21 @@ static int test_layers(kvd_harness *h)
     return 0;
 }
 
+/* dst (empty) holds src's first `tokens` tokens of `layers` layers: what a
+ * sequence created from src's stored prefix reads back. */
+static void ref_share_prefix(ref_seq *dst, const ref_seq *src, uint32_t layers, uint64_t tokens)
+{
+    for (uint32_t l = 0; l < layers; l++) {
+        memcpy(dst->k + (size_t)l * dst->cap_tokens * dst->token_bytes,
+               src->k + (size_t)l * src->cap_tokens * src->token_bytes,
+               (size_t)tokens * src->token_bytes);
+        memcpy(dst->v + (size_t)l * dst->cap_tokens * dst->token_bytes,
+               src->v + (size_t)l * src->cap_tokens * src->token_bytes,
+               (size_t)tokens * src->token_bytes);
+        dst->layer_tokens[l] = tokens;
+    }
+}
+
 /* 32-byte engine block names chained like vLLM's (each from its parent
  * and its block), here from xxh3-128 rather than sha256: opaque bytes to
  * the server either way. */
@@ -418,13 +433,7 @@ static int test_engine(kvd_harness *h)
     kvdepot_sequence_info_clear(&s);
     ref_seq b;
     REQUIRE(ref_init(&b, "b", &m, 4 * (uint64_t)P) == 0);
-    for (uint32_t l = 0; l < 2; l++) {
-        memcpy(b.k + (size_t)l * b.cap_tokens * b.token_bytes,
-               a.k + (size_t)l * a.cap_tokens * a.token_bytes, 2 * (size_t)P * a.token_bytes);
-        memcpy(b.v + (size_t)l * b.cap_tokens * b.token_bytes,
-               a.v + (size_t)l * a.cap_tokens * a.token_bytes, 2 * (size_t)P * a.token_bytes);
-        b.layer_tokens[l] = 2 * (uint64_t)P;
-    }
+    ref_share_prefix(&b, &a, 2, 2 * (uint64_t)P);
     CHECK(ref_verify(c, &b) == 0);
     /* b grows with names of its own: its third page is found by them,
      * a's chain is unchanged. */
@@ -439,6 +448,7 @@ static int test_engine(kvd_harness *h)
     CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
     CHECK(blocks == 3 * r && toks == 3 * (uint64_t)P);
     q.bytes = names;
+    q.num = nb;
     CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
     CHECK(blocks == 2 * r); /* a's own third page never sealed */
     CHECK(ref_verify(c, &a) == 0 && ref_verify(c, &b) == 0);
@@ -449,6 +459,7 @@ static int test_engine(kvd_harness *h)
     c = harness_client(h);
     REQUIRE(c);
     q.bytes = nb3;
+    q.num = 3 * r;
     CHECK_RC(kvdepot_engine_lookup(c, "eng", &q, &blocks, &toks), KVDEPOT_OK);
     CHECK(blocks == 3 * r);
     CHECK(ref_verify(c, &b) == 0);
@@ -654,13 +665,7 @@ static int test_prefix(kvd_harness *h)
     kvdepot_sequence_info_clear(&s);
     ref_seq b;
     REQUIRE(ref_init(&b, "b", &m, 4 * (uint64_t)P) == 0);
-    for (uint32_t l = 0; l < 2; l++) {
-        memcpy(b.k + (size_t)l * b.cap_tokens * b.token_bytes,
-               a.k + (size_t)l * a.cap_tokens * a.token_bytes, 2 * (size_t)P * a.token_bytes);
-        memcpy(b.v + (size_t)l * b.cap_tokens * b.token_bytes,
-               a.v + (size_t)l * a.cap_tokens * a.token_bytes, 2 * (size_t)P * a.token_bytes);
-        b.layer_tokens[l] = 2 * (uint64_t)P;
-    }
+    ref_share_prefix(&b, &a, 2, 2 * (uint64_t)P);
     CHECK(ref_verify(c, &b) == 0);
 
     /* b grows on its own; a is untouched by it. Different ids than a's
@@ -684,13 +689,7 @@ static int test_prefix(kvd_harness *h)
     kvdepot_sequence_info_clear(&s);
     ref_seq cs;
     REQUIRE(ref_init(&cs, "c", &m, 2 * (uint64_t)P) == 0);
-    for (uint32_t l = 0; l < 2; l++) {
-        memcpy(cs.k + (size_t)l * cs.cap_tokens * cs.token_bytes,
-               a.k + (size_t)l * a.cap_tokens * a.token_bytes, (size_t)P * a.token_bytes);
-        memcpy(cs.v + (size_t)l * cs.cap_tokens * cs.token_bytes,
-               a.v + (size_t)l * a.cap_tokens * a.token_bytes, (size_t)P * a.token_bytes);
-        cs.layer_tokens[l] = P;
-    }
+    ref_share_prefix(&cs, &a, 2, P);
     CHECK(ref_verify(c, &cs) == 0);
 
     /* Engine-supplied block hashes instead of token ids. */
