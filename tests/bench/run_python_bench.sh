@@ -14,6 +14,7 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
     build=$1
     shift
 fi
+build=$(cd "$build" && pwd)
 kvdepotd=$build/service/kvdepotd
 bench_c=$build/tests/bench_read_c
 # shellcheck source=servers.sh
