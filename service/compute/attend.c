@@ -402,6 +402,9 @@ int kvd_compute_attend(const kvd_compute *c, uint32_t layer, float scale,
                                sc[i].model.head_dim);
             goto done;
         }
+        snprintf(field, sizeof field, "queries[%zu].q", i);
+        if ((rc = kvd__query_finite(field, qy->q, qy->n_q, sc[i].model.head_dim, err)))
+            goto done;
         count[i] = qy->num_tokens;
         snprintf(field, sizeof field, "queries[%zu]", i);
         if ((rc = kvd__token_range(field, qy->token_start, &count[i], sc[i].layer_tokens, err)))

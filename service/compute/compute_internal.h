@@ -29,6 +29,12 @@ typedef struct kvd__cseq {
 int kvd__cseq_load(const kvd_compute *c, const void *id, size_t id_len, const char *field,
                    uint32_t layer, kvd__cseq *out, kvd_error *err);
 
+/* 0 when the n floats of query `field` are all finite, else KVD_EINVAL
+ * naming the query, the head and the value: a NaN or infinite query would
+ * answer NaN. */
+int kvd__query_finite(const char *field, const float *q, size_t n, uint32_t head_dim,
+                      kvd_error *err);
+
 /* Resolve [start, start + *count) against the tokens stored (count 0 = to
  * the end). KVD_ERANGE past the end, KVD_EINVAL when it overflows. */
 int kvd__token_range(const char *what, uint64_t start, uint64_t *count, uint64_t stored,

@@ -319,6 +319,8 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
         return kvd_error_set(err, KVD_EINVAL,
                              "q: %zu floats, model %s needs num_q_heads x head_dim = %u x %u",
                              sa->n_q, m->name, m->num_q_heads, m->head_dim);
+    if ((rc = kvd__query_finite("q", sa->q, sa->n_q, m->head_dim, err)))
+        return rc;
     r->start = sa->token_start;
     r->n = sa->num_tokens;
     if ((rc = kvd__token_range("search", r->start, &r->n, r->sc.layer_tokens, err)))

@@ -39,6 +39,17 @@ done:
     return rc;
 }
 
+int kvd__query_finite(const char *field, const float *q, size_t n, uint32_t head_dim,
+                      kvd_error *err)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(q[i]))
+            return kvd_error_set(
+                err, KVD_EINVAL, "%s: not finite (%g at q head %zu, dimension %zu)", field,
+                (double)q[i], head_dim ? i / head_dim : 0, head_dim ? i % head_dim : i);
+    return 0;
+}
+
 int kvd__token_range(const char *what, uint64_t start, uint64_t *count, uint64_t stored,
                      kvd_error *err)
 {

@@ -436,6 +436,17 @@ static int t_errors(kvd_harness *h)
     CHECK_RC(kvdepot_attend(c, 0, NAN, &good, 1, r), KVDEPOT_EINVAL);
     bad = (kvdepot_attend_query){"", 0, q, 128, 0, 0};
     CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_EINVAL);
+    /* a NaN or an infinity in a query: refused, naming it, the batch with it */
+    float qn[4 * 32];
+    memcpy(qn, q, sizeof qn);
+    qn[32 + 5] = NAN;
+    bad = (kvdepot_attend_query){"e", 1, qn, 128, 0, 0};
+    kvdepot_attend_query nb[2] = {good, bad};
+    CHECK_RC(kvdepot_attend(c, 0, 0, nb, 2, r), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(NULL), "queries[1].q: not finite") != NULL &&
+          strstr(kvdepot_errmsg(NULL), "q head 1, dimension 5") != NULL);
+    qn[32 + 5] = -INFINITY;
+    CHECK_RC(kvdepot_attend(c, 0, 0, &bad, 1, r), KVDEPOT_EINVAL);
     /* the sequence is as it was, and still answers */
     REQUIRE_RC(kvdepot_sequence_stat(c, "e", 1, &after), KVDEPOT_OK);
     CHECK(after.num_tokens == before.num_tokens && after.stored_bytes == before.stored_bytes);
@@ -832,6 +843,14 @@ static int t_search(kvd_harness *h)
     sa.token_start = 901;
     CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_ERANGE);
     sa.token_start = 0;
+    q[7] = INFINITY; /* a non-finite query: refused by Search and SparseAttend */
+    CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(NULL), "not finite") != NULL);
+    {
+        kvdepot_attend_result a2;
+        CHECK_RC(kvdepot_sparse_attend(c, &sa, 0, &a2, NULL), KVDEPOT_EINVAL);
+    }
+    q[7] = 0.25f;
     sa.id = "nope";
     sa.id_len = 4;
     CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_ENOTFOUND);
