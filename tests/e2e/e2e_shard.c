@@ -202,6 +202,30 @@ static int test_spread(kvd_harness *h)
     CHECK_RC(kvdepot_shard_owner(c, "0123456789abcdef", 16, o2, sizeof o2), KVDEPOT_OK);
     CHECK(strcmp(o1, o2) == 0);
 
+    /* An engine chain lives with the key of its first name: a sequence
+     * tagged with it, appended with engine names, is found by a lookup
+     * through the sharded client. */
+    {
+        const uint32_t B = 16, P = 256, r = P / B;
+        uint8_t names[16 * 32];
+        for (size_t i = 0; i < sizeof names; i++)
+            names[i] = (uint8_t)(i * 131 + 7);
+        CHECK_RC(kvdepot_shard_prefix_tag(kvdepot_engine_hash_key(names, 32), tag, sizeof tag),
+                 KVDEPOT_OK);
+        snprintf(tagged, sizeof tagged, "%seng", tag);
+        kvdepot_create_args ca = {.id = tagged, .id_len = strlen(tagged), .model = m.name};
+        CHECK_RC(kvdepot_sequence_create(c, &ca, NULL), KVDEPOT_OK);
+        ref_seq e;
+        REQUIRE(ref_init(&e, tagged, &m, P) == 0);
+        kvdepot_engine_hashes eh = {.bytes = names, .len = 32, .num = r, .block_tokens = B};
+        CHECK_RC(ref_append_engine(c, &e, 0, 2, P, 9, &eh), KVDEPOT_OK);
+        uint64_t blocks = 0, toks = 0;
+        CHECK_RC(kvdepot_engine_lookup(c, m.name, &eh, &blocks, &toks), KVDEPOT_OK);
+        CHECK(blocks == r && toks == P);
+        ref_free(&e);
+        CHECK_RC(kvdepot_sequence_delete(c, tagged, strlen(tagged), NULL), KVDEPOT_OK);
+    }
+
     /* A name standing for its addresses (numeric here: no DNS in CI). */
     char dns[128];
     snprintf(dns, sizeof dns, "shards:127.0.0.1:%d", cl.hs[1]->port);
