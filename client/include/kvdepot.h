@@ -717,8 +717,10 @@ int kvdepot_transfer_poll(const kvdepot_transfer *t);
 /*
  * Wait until the transfer completed, free it, and return its status (its
  * message in kvdepot_errmsg on this thread).
- * @param[out] info  an append's sequence info (may be NULL); clear it with
- *                   kvdepot_sequence_info_clear(). Zeroed for reads.
+ * @param[out] info  an append's sequence info as its commit left it (appends
+ *                   of other layers in flight may land after it; may be
+ *                   NULL); clear it with kvdepot_sequence_info_clear().
+ *                   Zeroed for reads.
  */
 int kvdepot_transfer_wait(kvdepot_transfer *t, kvdepot_sequence_info *info);
 

@@ -114,6 +114,12 @@ class AttendResult:
     num_tokens: int
 
 
+def _raise(rc: int, client=None) -> None:
+    """Raise the exception of status rc with the calling thread's message."""
+    msg = lib.kvdepot_errmsg(client if client else ffi.NULL)
+    raise error_for(rc, ffi.string(msg).decode(errors="replace") if msg else "")
+
+
 def _id(sid: Id) -> bytes:
     b = sid.encode() if isinstance(sid, str) else bytes(sid)
     if not b:
@@ -280,8 +286,7 @@ def encode_pages(model: "Model", k, v, *, layer: int, token_start: int = 0,
         m, cc, arts, len(artifacts), page_tokens, layer, token_start, ka.shape[0],
         ffi.from_buffer(ka), ffi.from_buffer(va), pages, count)
     if rc:
-        msg = lib.kvdepot_errmsg(ffi.NULL)
-        raise error_for(rc, ffi.string(msg).decode(errors="replace") if msg else "")
+        _raise(rc)
     return _pages_out(pages, count)
 
 
@@ -304,7 +309,7 @@ def attention_local(q, k, v, *, scale: float = 0.0, dtype: Optional[str] = None
         ka.shape[0], ffi.cast("float *", ffi.from_buffer(out)),
         ffi.cast("float *", ffi.from_buffer(lse)))
     if rc:
-        raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+        _raise(rc)
     return out, lse
 
 
@@ -322,7 +327,7 @@ def attention_merge(out_a, lse_a, out_b, lse_b) -> Tuple[np.ndarray, np.ndarray]
                                      ffi.cast("const float *", ffi.from_buffer(ob)),
                                      ffi.cast("const float *", ffi.from_buffer(lb)))
     if rc:
-        raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+        _raise(rc)
     return oa, la
 
 
@@ -330,13 +335,14 @@ def transfer_threads(n: int) -> None:
     """Most threads libkvdepot's transfer pool runs (1..256, default 8)."""
     rc = lib.kvdepot_transfer_threads(n)
     if rc:
-        raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+        _raise(rc)
 
 
 class Transfer:
     """An append or read in flight (Client.append_start, read_start): done()
     polls, wait() blocks until it completed and raises its error (appends
-    return the SequenceInfo). Wait on every transfer once; the client must
+    return the SequenceInfo as that append's commit left it: appends of
+    other layers in flight may land after it). Wait on every transfer once; the client must
     stay open until then."""
 
     def __init__(self, client, t, keep, is_append: bool):
@@ -437,15 +443,14 @@ class Client:
         out = ffi.new("kvdepot_client **")
         rc = lib.kvdepot_connect(opt, out)
         if rc:
-            raise error_for(rc, ffi.string(lib.kvdepot_errmsg(ffi.NULL)).decode(errors="replace"))
+            _raise(rc)
         self._c = out[0]
 
     # ---- plumbing ----
 
     def _check(self, rc: int) -> None:
         if rc:
-            msg = lib.kvdepot_errmsg(self._c if self._c else ffi.NULL)
-            raise error_for(rc, ffi.string(msg).decode(errors="replace") if msg else "")
+            _raise(rc, self._c)
 
     def _client(self):
         if not self._c:

@@ -38,9 +38,7 @@ from .. import Client, Codecs, EngineHashes, Model, SequenceInfo, prefix_hashes
 
 ATTENTION_NAME = "kvdepot"
 
-_TORCH_TO_WIRE = {torch.float32: ("f32", np.float32), torch.float16: ("f16", np.float16),
-                  torch.bfloat16: ("bf16", np.uint16)}
-_WIRE_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
+_WIRE_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 def model_of(model, name: str, dtype: Optional[torch.dtype] = None) -> Model:
@@ -49,7 +47,7 @@ def model_of(model, name: str, dtype: Optional[torch.dtype] = None) -> Model:
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    wire = _TORCH_TO_WIRE[dtype or model.dtype][0]
+    wire = _WIRE_DTYPE[dtype or model.dtype]
     return Model(name, num_layers=c.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                  num_q_heads=heads, dtype=wire)
 
@@ -96,10 +94,11 @@ class KvdepotCache(DynamicCache):
                 ids = np.asarray(token_ids, dtype=np.uint32)[: n - start]
             ts.append(client.append_start(sid, k, v, token_start=start, layer_start=layer,
                                           dtype=dt, token_ids=ids, engine_hashes=engine_hashes))
-        info = None
         for t in ts:
-            info = t.wait()
-        return info if info is not None else client.stat(sid)
+            t.wait()
+        # Each append's answer is the sequence as its own commit left it
+        # (layers complete in any order): the state after all of them.
+        return client.stat(sid)
 
     @classmethod
     def restore(cls, client: Client, sid, *, num_tokens: int = 0,
@@ -146,7 +145,9 @@ def restore_prefix(client: Client, model: str, token_ids: Sequence[int], sid,
     keep = min(tokens, len(ids) - 1)
     if keep <= 0:
         return KvdepotCache()
-    assert info.num_tokens == tokens
+    if info.num_tokens != tokens:
+        raise RuntimeError(f"sequence {sid!r} started from a {tokens}-token prefix holds "
+                           f"{info.num_tokens} tokens")
     return KvdepotCache.restore(client, sid, num_tokens=keep)
 
 
@@ -165,7 +166,7 @@ class RemotePrefixCache(DynamicCache):
         return self.prefix_tokens + super().get_seq_length(layer_idx)
 
 
-def _local_attention(module, query, key, value, mask, scaling):
+def _local_attention(query, key, value, mask, scaling):
     """Attention over the local keys with its log-sum-exp (natural log)."""
     groups = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(groups, dim=1)
@@ -191,7 +192,7 @@ def kvdepot_attention(module, query, key, value, attention_mask, scaling=None, d
     b, hq, q_len, d = query.shape
     scaling = scaling if scaling is not None else d ** -0.5
     mask = attention_mask[:, :, :, p:p + key.shape[-2]] if attention_mask is not None else None
-    out_l, lse_l = _local_attention(module, query, key, value, mask, scaling)
+    out_l, lse_l = _local_attention(query, key, value, mask, scaling)
     qs = query.detach().float().cpu().numpy()
     batch = [(sid, qs[0, :, i, :], 0, p) for i in range(q_len)]
     res = client.attend(module.layer_idx, batch, scale=float(scaling))
