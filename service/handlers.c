@@ -188,7 +188,6 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
                            grpc_byte_buffer **reply, kvd_error *err)
 {
     int rc;
-    const kvd_seq_key key = *kp;
     uint32_t pt = ctx->svc->page_tokens;
     if (req->n_prefix_token_ids && req->n_prefix_token_ids != n_prefix * pt)
         return kvd_error_set(err, KVD_EINVAL,
@@ -233,7 +232,7 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
         opts.ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
                                                           : req->ttl_seconds * 1000;
     kvd_quota_lock(ctx->auth);
-    rc = kvd_store_seq_create_ex(ctx->svc->store, key.id, key.len, req->model, prefix, n_prefix,
+    rc = kvd_store_seq_create_ex(ctx->svc->store, kp->id, kp->len, req->model, prefix, n_prefix,
                                  req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
                                  req->n_prefix_token_ids, &opts, &info, err);
     if (rc == 0)

@@ -615,6 +615,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     kvd_page_desc ds[KVD__ENCODE_WINDOW], cd[KVD__ENCODE_WINDOW];
     size_t clen[KVD__ENCODE_WINDOW];
     int code_it[KVD__ENCODE_WINDOW];
+    const struct given_page *given[KVD__ENCODE_WINDOW];
     for (uint64_t w0 = first; w0 < npages && rc == 0; w0 += W) {
         const uint64_t w1 = w0 + W < npages ? w0 + W : npages;
         size_t nc = 0;
@@ -659,8 +660,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             kps[at] = kp;
             /* A page that seals is stored encoded (the raw tail rule),
              * unless the client encoded it (given_page). */
-            code_it[at] =
-                ap->coded && d.num_tokens == B && p0 >= ap->sink_end && !given_page(ap, l, pi);
+            given[at] = d.num_tokens == B ? given_page(ap, l, pi) : NULL;
+            code_it[at] = ap->coded && d.num_tokens == B && p0 >= ap->sink_end && !given[at];
             if (code_it[at]) {
                 cd[nc] = d;
                 ck[nc] = kp;
@@ -677,7 +678,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             const uint8_t *wbytes = raw[at];
             size_t wlen = (size_t)np->bytes;
             uint8_t *own = NULL;
-            const struct given_page *gp = d->num_tokens == B ? given_page(ap, l, pi) : NULL;
+            const struct given_page *gp = given[at];
             if (gp) {
                 /* Encoded once at the client: these bytes are what is stored. */
                 wbytes = gp->bytes;
