@@ -429,6 +429,14 @@ int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uin
  * kvd_store_page_acquire hands it out. */
 int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                                   uint64_t block, int need, kvd_page_handle *h, kvd_error *err);
+/* kvd_store_page_acquire_device for pages [block, block + n) of a layer,
+ * hs[i] for page block + i, read as of one page table: the pages that must
+ * move into the device tier go up as one batch of copies, and those that must
+ * come down to the host as another, instead of one wait per page. On an
+ * error no handle is held (all are zeroed). */
+int kvd_store_pages_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                                   uint64_t block, size_t n, int need, kvd_page_handle *hs,
+                                   kvd_error *err);
 /* Unpin; a zeroed or already released handle is a no-op. */
 void kvd_store_page_release(kvd_store *st, kvd_page_handle *h);
 

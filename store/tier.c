@@ -21,11 +21,13 @@
  * dropped while pinned is unlinked at once and freed at its last unpin.
  *
  * Copies into the device pool (a page inserted or promoted) and out of it
- * for a reader run with cache->mu released, so that one PCIe copy does not
- * hold up every other lookup: the entry is pinned by the copier, its range
- * already charged to the tier, and marked moving; acquirers of its id wait
- * on cache->moved until the copy is done. Demotion (device -> host) still
- * copies under the lock.
+ * (demoted, or for a reader) run with cache->mu released, so that one PCIe
+ * copy does not hold up every other lookup: the entry is pinned by the
+ * copier, its range already charged to the tier, and marked moving;
+ * acquirers of its id wait on cache->moved until the copy is done. Pages
+ * move in batches where they can: a computation's pages that must go up
+ * (kvd_store_pages_acquire_device), and the pages demoted to make room, go
+ * as one kvd_backend_copy_batch each, one wait for the lot.
  *
  * A background thread serves read-ahead requests of Read cursors (pages
  * loaded from RocksDB, verified, and inserted) and deletes sequences whose
@@ -524,41 +526,93 @@ static kvd__centry *entry_settled(kvd__cache *c, uint64_t id)
     return e;
 }
 
-/* Move a host entry that only the caller pins to the device tier; 0 or -1
- * (it stays). The copy runs with cache->mu released (put_unlocked): the
- * range is charged to the device tier meanwhile. */
-static int promote(kvd__cache *c, kvd__centry *e)
+/*
+ * Move host-tier entries that the caller pinned, and nobody else, to the
+ * device tier as one batch of copies (up to KVD__DOWN_BATCH): each is
+ * marked moving, given a device range (making room may release cache->mu,
+ * the range is charged to the device tier meanwhile), then cache->mu is
+ * released while their bytes go up together (kvd_backend_copy_batch, one
+ * wait) and retaken to settle them. An entry pinned by another holder too,
+ * dead or moving is left alone; one that finds no room, or whose copy
+ * failed, stays in the host tier. Entries moved.
+ */
+static size_t promote_chunk(kvd__cache *c, kvd__centry *const *es, size_t n)
 {
-    uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
-    uint64_t off;
-    /* Moving from here: making room may release cache->mu, and a reader
-     * let in meanwhile would read host bytes given back below. */
-    e->moving = 1;
-    if (device_alloc(c, alloc, e, &off) != 0) {
-        settle(c, e);
-        return -1;
+    kvd__centry *up[KVD__DOWN_BATCH];
+    uint64_t offs[KVD__DOWN_BATCH];
+    kvd_copy ops[KVD__DOWN_BATCH];
+    size_t m = 0, k = 0;
+    for (size_t i = 0; i < n && m < KVD__DOWN_BATCH; i++) {
+        kvd__centry *e = es[i];
+        if (e->dead || e->moving || e->tier != KVD_TIER_HOST || e->pins != 1)
+            continue;
+        /* Moving from here: making room may release cache->mu, and a
+         * reader let in meanwhile would read host bytes given back below. */
+        e->moving = 1;
+        up[m++] = e;
     }
-    c->tier[KVD_TIER_DEVICE].used += alloc;
-    int rc = put_unlocked(c, off, e->data, e->len);
-    c->tier[KVD_TIER_DEVICE].used -= alloc;
-    settle(c, e);
-    if (rc || e->dead || c->dev_gone) {
-        pool_free(&c->dpool, off, alloc);
-        return -1;
+    for (size_t i = 0; i < m; i++) {
+        kvd__centry *e = up[i];
+        const uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
+        uint64_t off;
+        if (device_alloc(c, alloc, e, &off) != 0) {
+            e->moving = 0;
+            continue;
+        }
+        c->tier[KVD_TIER_DEVICE].used += alloc;
+        up[k] = e;
+        offs[k] = off;
+        ops[k++] =
+            (kvd_copy){.dst = c->dpool.base + off, .src = e->data, .bytes = e->len, .to_device = 1};
     }
-    tier_detach(c, e);
-    entry_set_layout(c, e, e->data);
-    host_give(c, e);
-    e->data = c->dpool.base + off;
-    e->off = off;
-    e->alloc = alloc;
-    e->tier = KVD_TIER_DEVICE;
-    kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
-    lru_push(t, e);
-    t->used += alloc;
-    t->pages++;
-    atomic_fetch_add(&c->promotions, 1);
-    return 0;
+    int rc = 0;
+    if (k && c->pool_host) {
+        for (size_t i = 0; i < k; i++)
+            memcpy(ops[i].dst, ops[i].src, ops[i].bytes);
+    } else if (k) {
+        pthread_mutex_unlock(&c->mu);
+        kvd_error err;
+        rc = kvd_backend_copy_batch(c->be, ops, k, &err);
+        pthread_mutex_lock(&c->mu);
+        if (rc)
+            pool_failed(c, rc);
+    }
+    size_t moved = 0;
+    for (size_t i = 0; i < k; i++) {
+        kvd__centry *e = up[i];
+        const uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
+        c->tier[KVD_TIER_DEVICE].used -= alloc;
+        e->moving = 0;
+        if (rc || e->dead || c->dev_gone) {
+            pool_free(&c->dpool, offs[i], alloc);
+            continue;
+        }
+        tier_detach(c, e);
+        entry_set_layout(c, e, e->data);
+        host_give(c, e);
+        e->data = c->dpool.base + offs[i];
+        e->off = offs[i];
+        e->alloc = alloc;
+        e->tier = KVD_TIER_DEVICE;
+        kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
+        lru_push(t, e);
+        t->used += alloc;
+        t->pages++;
+        atomic_fetch_add(&c->promotions, 1);
+        moved++;
+    }
+    if (m)
+        pthread_cond_broadcast(&c->moved);
+    return moved;
+}
+
+/* promote_chunk over any number of entries. */
+static size_t promote_batch(kvd__cache *c, kvd__centry *const *es, size_t n)
+{
+    size_t moved = 0;
+    for (size_t i = 0; i < n; i += KVD__DOWN_BATCH)
+        moved += promote_chunk(c, es + i, n - i < KVD__DOWN_BATCH ? n - i : KVD__DOWN_BATCH);
+    return moved;
 }
 
 /* Remove an entry from the map; free it now or at its last unpin. */
@@ -650,7 +704,7 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
     const int up = e->tier == KVD_TIER_HOST && e->pins == 0;
     e->pins++;
     if (up)
-        promote(c, e);
+        promote_batch(c, &e, 1);
     if (e->tier == KVD_TIER_DEVICE && !c->pool_host && layout_serves(e->layout, on_device)) {
         *bytes = NULL;
     } else if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
@@ -1279,16 +1333,17 @@ int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_l
     return page_acquire(st, seq_id, id_len, layer, block, h, kvd_store_device(st) ? need : 0, err);
 }
 
-static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
-                        uint64_t block, kvd_page_handle *h, int on_device, kvd_error *err)
+/* What to load of pages [block, block + n) of a layer of a sequence, as of
+ * its page table now: ws[i] for page block + i, read through one RocksDB
+ * snapshot (*snap, the caller releases it). */
+static int resolve_pages(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                         uint64_t block, size_t n, kvd__tail_want *ws,
+                         const rocksdb_snapshot_t **snap, kvd_error *err)
 {
-    if (!h)
-        return kvd_error_set(err, KVD_EINVAL, "page acquire: NULL handle");
-    memset(h, 0, sizeof *h);
+    *snap = NULL;
     int rc = kvd__check_seq_id(seq_id, id_len, err);
     if (rc)
         return rc;
-    kvd__tail_want w = {.layer = layer, .B = st->page_tokens};
     char idb[KVD__ID_STR_MAX];
     pthread_rwlock_rdlock(&st->lock);
     kvd__seq *s = kvd__seq_find(st, seq_id, id_len, NULL);
@@ -1297,25 +1352,48 @@ static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32
         return kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
                              kvd__id_str(seq_id, id_len, idb, sizeof idb));
     }
-    if (layer >= s->num_layers || block >= s->layers[layer].npages) {
+    if (layer >= s->num_layers || block >= s->layers[layer].npages ||
+        n > s->layers[layer].npages - block) {
+        uint64_t miss = layer < s->num_layers && block < s->layers[layer].npages
+                            ? s->layers[layer].npages
+                            : block;
         pthread_rwlock_unlock(&st->lock);
         return kvd_error_set(err, KVD_ERANGE, "sequence %s has no page %llu on layer %u",
-                             kvd__id_str(seq_id, id_len, idb, sizeof idb),
-                             (unsigned long long)block, layer);
+                             kvd__id_str(seq_id, id_len, idb, sizeof idb), (unsigned long long)miss,
+                             layer);
     }
-    const kvd__page *p = s->layers[layer].pages[block];
-    w.page_id = p->id;
-    w.need = p->num_tokens;
-    w.p0 = block * st->page_tokens;
-    w.H = s->model->info.num_kv_heads;
-    w.D = s->model->info.head_dim;
-    w.dtype = s->model->info.dtype;
+    for (size_t i = 0; i < n; i++) {
+        const kvd__page *p = s->layers[layer].pages[block + i];
+        ws[i] = (kvd__tail_want){.page_id = p->id,
+                                 .layer = layer,
+                                 .p0 = (block + i) * st->page_tokens,
+                                 .need = p->num_tokens,
+                                 .B = st->page_tokens,
+                                 .H = s->model->info.num_kv_heads,
+                                 .D = s->model->info.head_dim,
+                                 .dtype = s->model->info.dtype};
+    }
     atomic_store(&s->last_access_ms, kvd__now_ms());
-    /* Page and fragments must be read as of this page table: a concurrent
-     * Append may merge the fragments into the page meanwhile. */
-    const rocksdb_snapshot_t *snap = rocksdb_create_snapshot(st->db);
+    /* Pages and fragments must be read as of this page table: a concurrent
+     * Append may merge the fragments into a page meanwhile. */
+    *snap = rocksdb_create_snapshot(st->db);
     pthread_rwlock_unlock(&st->lock);
-    w.snap = snap;
+    for (size_t i = 0; i < n; i++)
+        ws[i].snap = *snap;
+    return 0;
+}
+
+static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                        uint64_t block, kvd_page_handle *h, int on_device, kvd_error *err)
+{
+    if (!h)
+        return kvd_error_set(err, KVD_EINVAL, "page acquire: NULL handle");
+    memset(h, 0, sizeof *h);
+    kvd__tail_want w;
+    const rocksdb_snapshot_t *snap;
+    int rc = resolve_pages(st, seq_id, id_len, layer, block, 1, &w, &snap, err);
+    if (rc)
+        return rc;
     rc = acquire_page(st, &w, layer, h, on_device, err);
     rocksdb_release_snapshot(st->db, snap);
     return rc;
@@ -1404,6 +1482,116 @@ static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer,
     h->tier = KVD_TIER_DISK;
     h->buf_ = own;
     return 0;
+}
+
+/*
+ * The pages of ws found in a memory tier, pinned and handed out in hs
+ * (others left zeroed): those in the host tier that nobody else holds are
+ * promoted together (promote_batch), and those a device computation cannot
+ * read in place come down together. An entry being moved is left to the
+ * caller's page-by-page acquire, which waits for it: waiting here, with
+ * promotions of this batch marked moving, could wait on a batch waiting on
+ * this one.
+ */
+static int acquire_cached(kvd_store *st, const kvd__tail_want *ws, size_t n, int on_device,
+                          kvd_page_handle *hs, kvd_error *err)
+{
+    kvd__cache *c = &st->tiers;
+    if (!have_tiers(c))
+        return 0;
+    kvd__centry **up = malloc(n * sizeof *up);
+    kvd_copy *down = malloc(n * sizeof *down);
+    size_t *di = malloc(n * sizeof *di); /* down[j] is the page of hs[di[j]] */
+    if (!up || !down || !di) {
+        free(up);
+        free(down);
+        free(di);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring pages");
+    }
+    size_t nup = 0, ndown = 0;
+    pthread_mutex_lock(&c->mu);
+    if (c->dev_broken)
+        drop_device(st);
+    for (size_t i = 0; i < n; i++) {
+        kvd__centry *e = kvd__map_get(&c->map, ws[i].page_id);
+        if (!e || e->moving || e->num_tokens < ws[i].need)
+            continue;
+        atomic_fetch_add(&c->hits[e->tier], 1);
+        kvd__tier *t = &c->tier[e->tier];
+        lru_unlink(t, e);
+        lru_push(t, e);
+        if (e->tier == KVD_TIER_HOST && e->pins == 0)
+            up[nup++] = e;
+        e->pins++;
+        hs[i].priv_ = e;
+        hs[i].tier = e->tier;
+    }
+    promote_batch(c, up, nup);
+    for (size_t i = 0; i < n; i++) {
+        kvd__centry *e = hs[i].priv_;
+        if (!e)
+            continue;
+        kvd_page_handle *h = &hs[i];
+        h->len = e->len;
+        h->device = e->tier == KVD_TIER_DEVICE ? e->data : NULL;
+        if (e->tier == KVD_TIER_DEVICE && !c->pool_host && layout_serves(e->layout, on_device))
+            h->layout = e->layout;
+        else if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
+            /* Pinned, so its range stays put: it comes down unlocked. */
+            di[ndown] = i;
+            down[ndown++] = (kvd_copy){.src = e->data, .bytes = e->len, .to_device = 0};
+        } else
+            h->bytes = e->data;
+    }
+    pthread_mutex_unlock(&c->mu);
+    int rc = 0;
+    for (size_t j = 0; j < ndown && rc == 0; j++) {
+        kvd_page_handle *h = &hs[di[j]];
+        if (!(h->buf_ = malloc(down[j].bytes)))
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring pages");
+        h->bytes = h->buf_;
+        down[j].dst = h->buf_;
+    }
+    if (rc == 0 && ndown && (rc = kvd_backend_copy_batch(c->be, down, ndown, err)) != 0) {
+        pthread_mutex_lock(&c->mu);
+        pool_failed(c, rc);
+        pthread_mutex_unlock(&c->mu);
+        rc = kvd_error_set(err, KVD_EINTERNAL, "cannot copy pages out of the device tier");
+    }
+    free(up);
+    free(down);
+    free(di);
+    return rc;
+}
+
+int kvd_store_pages_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                                   uint64_t block, size_t n, int need, kvd_page_handle *hs,
+                                   kvd_error *err)
+{
+    if (!hs && n)
+        return kvd_error_set(err, KVD_EINVAL, "pages acquire: NULL handles");
+    memset(hs, 0, n * sizeof *hs);
+    if (!n)
+        return 0;
+    const int on_device = kvd_store_device(st) ? need : 0;
+    kvd__tail_want *ws = malloc(n * sizeof *ws);
+    if (!ws)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring pages");
+    const rocksdb_snapshot_t *snap;
+    int rc = resolve_pages(st, seq_id, id_len, layer, block, n, ws, &snap, err);
+    if (rc == 0) {
+        rc = acquire_cached(st, ws, n, on_device, hs, err);
+        /* The rest from RocksDB (or a memory tier, once moved), page by page. */
+        for (size_t i = 0; i < n && rc == 0; i++)
+            if (!hs[i].priv_)
+                rc = acquire_page(st, &ws[i], layer, &hs[i], on_device, err);
+        rocksdb_release_snapshot(st->db, snap);
+    }
+    if (rc)
+        for (size_t i = 0; i < n; i++)
+            kvd_store_page_release(st, &hs[i]);
+    free(ws);
+    return rc;
 }
 
 void kvd_store_page_release(kvd_store *st, kvd_page_handle *h)

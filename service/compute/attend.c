@@ -106,22 +106,16 @@ static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_
                        const kvd_attn_dims *dims, step_bufs *sb, kvd_error *err)
 {
     size_t got = 0, nd = 0, nv = 0; /* pages attended on the device / on the host */
-    int rc = 0;
-    for (; got < np; got++) {
-        kvd_page_handle *h = &sb->hs[got];
-        if ((rc = dev ? kvd_store_page_acquire_device(c->store, qy->id, qy->id_len, layer, b0 + got,
-                                                      KVD_ON_DEVICE_ATTEND, h, err)
-                      : kvd_store_page_acquire(c->store, qy->id, qy->id_len, layer, b0 + got, h,
-                                               err)))
-            break;
-        if (h->layout) {
+    int rc = kvd_store_pages_acquire_device(c->store, qy->id, qy->id_len, layer, b0, np,
+                                            dev ? KVD_ON_DEVICE_ATTEND : 0, sb->hs, err);
+    if (rc == 0)
+        got = np;
+    for (size_t i = 0; i < got && rc == 0; i++) {
+        const kvd_page_handle *h = &sb->hs[i];
+        if (h->layout)
             sb->dv[nd++] = *h;
-            continue;
-        }
-        if ((rc = kvd_page_decode_nocheck(h->bytes, h->len, &sb->vs[nv++], err))) {
-            got++;
-            break;
-        }
+        else
+            rc = kvd_page_decode_nocheck(h->bytes, h->len, &sb->vs[nv++], err);
     }
     const int Hq = dims->n_q_heads, D = dims->head_dim;
     if (rc == 0)
@@ -296,17 +290,16 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
         if ((rc = attend_range(c, &qs[i], m, layer, start, f0 * B - start, sc_i, res[i].out,
                                res[i].lse, err)))
             break;
-        for (; b->got < np; b->got++) {
-            kvd_page_handle *h = &b->hs[b->got];
-            if ((rc = kvd_store_page_acquire_device(c->store, qs[i].id, qs[i].id_len, layer,
-                                                    f0 + b->got, KVD_ON_DEVICE_ATTEND, h, err)))
-                break;
+        if (np && (rc = kvd_store_pages_acquire_device(c->store, qs[i].id, qs[i].id_len, layer, f0,
+                                                       np, KVD_ON_DEVICE_ATTEND, b->hs, err)))
+            break;
+        b->got = np;
+        for (size_t j = 0; j < np && rc == 0; j++) {
+            const kvd_page_handle *h = &b->hs[j];
             if (h->layout)
                 b->dv[b->nd++] = *h;
-            else if ((rc = kvd_page_decode_nocheck(h->bytes, h->len, &b->vs[b->nv++], err))) {
-                b->got++;
-                break;
-            }
+            else
+                rc = kvd_page_decode_nocheck(h->bytes, h->len, &b->vs[b->nv++], err);
         }
         dq[k].pages = b->dv;
         dq[k].np = b->nd;

@@ -20,6 +20,9 @@
 /* Tokens read back per step where keys are encoded at call time (32 MiB of
  * K+V at 8 kv heads x 128 dims x f16); at least KVD_PQ_TRAIN_TOKENS. */
 #define ENCODE_WINDOW 8192
+/* Sealed pages whose codes a search gathers per batch of acquires (their
+ * moves between tiers go as one batch of copies). */
+#define GATHER_WINDOW 64
 
 /* State of one search, kept for SparseAttend's attention step. */
 typedef struct search_run {
@@ -165,46 +168,54 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
     const int H = ix->H, M = ix->M;
     uint64_t todo = r->start; /* tokens [todo, t0) still need encoding */
     int rc = 0;
-    for (uint64_t blk = r->start / B; !ix->trained && blk < sealed && blk * B < end; blk++) {
-        uint64_t t0 = blk * B > r->start ? blk * B : r->start;
-        uint64_t t1 = blk * B + B < end ? blk * B + B : end;
-        kvd_page_handle ph;
-        kvd_page_view v;
-        kvd_page_pq pq;
-        if ((rc = dc ? kvd_store_page_acquire_device(st, sa->id, sa->id_len, sa->layer, blk,
-                                                     KVD_ON_DEVICE_PQ, &ph, err)
-                     : kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
+    const uint64_t last = (end + B - 1) / B < sealed ? (end + B - 1) / B : sealed;
+    kvd_page_handle hs[GATHER_WINDOW];
+    for (uint64_t w0 = r->start / B; !ix->trained && w0 < last; w0 += GATHER_WINDOW) {
+        const size_t nw = (size_t)(last - w0 < GATHER_WINDOW ? last - w0 : GATHER_WINDOW);
+        if ((rc = kvd_store_pages_acquire_device(st, sa->id, sa->id_len, sa->layer, w0, nw,
+                                                 dc ? KVD_ON_DEVICE_PQ : 0, hs, err)))
             return rc;
-        const kvd_page_layout *l = ph.layout;
-        if (l && l->pq_m == (uint32_t)M && l->pq_bits == (uint32_t)ix->nb &&
-            l->pq_centroids_id == centroids_id && l->num_kv_heads == (uint32_t)H &&
-            l->num_tokens == B) {
-            if ((rc = dev_codes_add(dc, &ph, blk, err))) {
-                kvd_store_page_release(st, &ph);
-                return rc;
+        size_t i = 0;
+        for (; i < nw && rc == 0; i++) {
+            const uint64_t blk = w0 + i;
+            uint64_t t0 = blk * B > r->start ? blk * B : r->start;
+            uint64_t t1 = blk * B + B < end ? blk * B + B : end;
+            kvd_page_handle *ph = &hs[i];
+            kvd_page_view v;
+            kvd_page_pq pq;
+            const kvd_page_layout *l = ph->layout;
+            if (l && l->pq_m == (uint32_t)M && l->pq_bits == (uint32_t)ix->nb &&
+                l->pq_centroids_id == centroids_id && l->num_kv_heads == (uint32_t)H &&
+                l->num_tokens == B) {
+                if ((rc = dev_codes_add(dc, ph, blk, err)))
+                    break; /* hs[i] is still this loop's to release */
+                /* dc holds the page from here (released with dc) */
+                if (todo < t0)
+                    rc = encode_tokens(c, sa, r, ix, todo - r->start, t0 - r->start, err);
+                todo = t1;
+                continue;
             }
-            if (todo < t0 &&
-                (rc = encode_tokens(c, sa, r, ix, todo - r->start, t0 - r->start, err)))
-                return rc;
+            int usable = ph->bytes && kvd_page_decode_nocheck(ph->bytes, ph->len, &v, NULL) == 0 &&
+                         kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
+                         pq.m == (uint32_t)M && pq.bits == (uint32_t)ix->nb &&
+                         v.h.num_kv_heads == (uint32_t)H && v.h.num_tokens == B;
+            if (usable) {
+                /* section (kv_head, token, m) -> index (kv_head, range token, m) */
+                for (int h = 0; h < H; h++)
+                    memcpy(ix->codes + ((size_t)h * r->n + (t0 - r->start)) * M,
+                           pq.codes + ((size_t)h * B + (t0 - blk * B)) * M, (size_t)(t1 - t0) * M);
+            }
+            kvd_store_page_release(st, ph);
+            if (!usable)
+                continue;
+            if (todo < t0)
+                rc = encode_tokens(c, sa, r, ix, todo - r->start, t0 - r->start, err);
             todo = t1;
-            continue;
         }
-        int usable = ph.bytes && kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
-                     kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
-                     pq.m == (uint32_t)M && pq.bits == (uint32_t)ix->nb &&
-                     v.h.num_kv_heads == (uint32_t)H && v.h.num_tokens == B;
-        if (usable) {
-            /* section (kv_head, token, m) -> index (kv_head, range token, m) */
-            for (int h = 0; h < H; h++)
-                memcpy(ix->codes + ((size_t)h * r->n + (t0 - r->start)) * M,
-                       pq.codes + ((size_t)h * B + (t0 - blk * B)) * M, (size_t)(t1 - t0) * M);
-        }
-        kvd_store_page_release(st, &ph);
-        if (!usable)
-            continue;
-        if (todo < t0 && (rc = encode_tokens(c, sa, r, ix, todo - r->start, t0 - r->start, err)))
+        for (; i < nw; i++) /* left by an error */
+            kvd_store_page_release(st, &hs[i]);
+        if (rc)
             return rc;
-        todo = t1;
     }
     if (todo < end)
         rc = encode_tokens(c, sa, r, ix, todo - r->start, r->n, err);

@@ -293,6 +293,97 @@ static void test_lru(const char *dir)
     kvd_store_close(st);
 }
 
+/* ---- acquiring pages in batches ------------------------------------------- */
+
+/* Acquire pages [block, block + n) of layer l of s000 in one batch (need:
+ * KVD_ON_DEVICE_* flags): each holds its rows, and its tier is `tier` (-1:
+ * any). The handles stay held. */
+static void batch_check(kvd_store *st, uint32_t l, uint64_t block, size_t n, int need, int tier,
+                        kvd_page_handle *hs)
+{
+    kvd_error e;
+    kvd_error_clear(&e);
+    int rc = kvd_store_pages_acquire_device(st, "s000", 4, l, block, n, need, hs, &e);
+    CHECK(rc == 0);
+    if (rc) {
+        fprintf(stderr, "batch layer %u [%" PRIu64 ", +%zu): %s\n", l, block, n, e.msg);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        CHECK(tier < 0 || hs[i].tier == tier);
+        /* In place on a device the host does not read: no host bytes. */
+        if (hs[i].layout)
+            CHECK(device && need && hs[i].device && !hs[i].bytes);
+        else
+            CHECK(check_page(&hs[i], 0, l, block + i) == 0);
+    }
+}
+
+static void test_batch(const char *dir)
+{
+    /* Device tier: 8 full pages. Host tier: 4, whether pages are charged by
+     * mapping (20 KiB each) or by 64-byte granule in a pinned block. */
+    kvd_store *st = open_store(dir, 8 * (2 * PAGE_K + 256), 4 * (2 * PAGE_K + 4096) + 100);
+    CHECK(st);
+    if (!st)
+        return;
+    CHECK(create(st, 0) == 0);
+    CHECK(append_gen(st, 0, 0, 16 * PT) == 0); /* 16 pages a layer, layer 0's first */
+    kvd_store_stats s0, s;
+    kvd_store_stats_get(st, &s0);
+    CHECK(s0.tier_pages[KVD_TIER_DEVICE] == 8 && s0.tier_pages[KVD_TIER_HOST] == 4);
+    kvd_page_handle a[8], b[8];
+
+    /* Layer 1's pages 4..7 lie in the host tier: one batch moves them up. */
+    batch_check(st, 1, 4, 4, 0, KVD_TIER_HOST, a);
+    for (int i = 0; i < 4; i++)
+        CHECK(a[i].device != NULL);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.promotions == s0.promotions + 4 && s.hits[1] == s0.hits[1] + 4);
+    CHECK(s.tier_pages[KVD_TIER_DEVICE] == 8);
+    for (int i = 0; i < 4; i++)
+        kvd_store_page_release(st, &a[i]);
+
+    /* Layer 0's first pages are only on disk. */
+    batch_check(st, 0, 0, 4, 0, KVD_TIER_DISK, a);
+    kvd_store_stats_get(st, &s0);
+    CHECK(s0.misses == s.misses + 4);
+    for (int i = 0; i < 4; i++)
+        kvd_store_page_release(st, &a[i]);
+
+    /* Eight pages held fill the device tier: a batch that finds no room
+     * there is served from the host tier or a private copy, every byte
+     * right, and the held pages stay put. */
+    batch_check(st, 1, 8, 8, KVD_ON_DEVICE_ATTEND, -1, a);
+    for (int i = 0; i < 8; i++)
+        CHECK(a[i].device != NULL);
+    batch_check(st, 0, 8, 3, 0, -1, b);
+    for (int i = 0; i < 3; i++)
+        CHECK(b[i].device == NULL);
+    for (int i = 0; i < 8; i++)
+        if (!a[i].layout)
+            CHECK(check_page(&a[i], 0, 1, 8 + (uint64_t)i) == 0);
+    for (int i = 0; i < 3; i++)
+        kvd_store_page_release(st, &b[i]);
+    for (int i = 0; i < 8; i++)
+        kvd_store_page_release(st, &a[i]);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] <= s.tier_limit[KVD_TIER_DEVICE]);
+    CHECK(s.tier_bytes[KVD_TIER_HOST] <= s.tier_limit[KVD_TIER_HOST]);
+
+    /* Past the end, unknown: an error, and no handle held. */
+    kvd_error e;
+    kvd_error_clear(&e);
+    memset(b, 0x5a, sizeof b);
+    CHECK(kvd_store_pages_acquire_device(st, "s000", 4, 1, 14, 3, 0, b, &e) == KVD_ERANGE);
+    CHECK(strstr(e.msg, "no page 16 on layer 1") != NULL);
+    CHECK(b[0].priv_ == NULL && b[2].bytes == NULL);
+    CHECK(kvd_store_pages_acquire_device(st, "nope", 4, 0, 0, 1, 0, b, &e) == KVD_ENOTFOUND);
+    CHECK(kvd_store_pages_acquire_device(st, "s000", 4, LAYERS, 0, 1, 0, b, &e) == KVD_ERANGE);
+    CHECK(kvd_store_pages_acquire_device(st, "s000", 4, 0, 0, 0, 0, b, &e) == 0);
+    kvd_store_close(st);
+}
+
 /* ---- 8 threads with eviction ------------------------------------------------ */
 
 #define NSEQ 8
@@ -363,14 +454,25 @@ static void *reader(void *p)
             id_of(id, s);
             uint64_t block = (rnd >> 8) % ((n + PT - 1) / PT);
             uint32_t l = (uint32_t)((rnd >> 40) % LAYERS);
-            kvd_page_handle h;
             kvd_error e;
             kvd_error_clear(&e);
-            int rc = kvd_store_page_acquire(c->st, id, strlen(id), l, block, &h, &e);
+            /* One page, or up to three in one batch. */
+            kvd_page_handle hs[3];
+            size_t nb = 1 + (rnd >> 44) % 3;
+            if (block + nb > (n + PT - 1) / PT)
+                nb = (size_t)((n + PT - 1) / PT - block);
+            int rc = (rnd >> 46) % 2
+                         ? kvd_store_page_acquire(c->st, id, strlen(id), l, block, &hs[0], &e)
+                         : kvd_store_pages_acquire_device(c->st, id, strlen(id), l, block, nb, 0,
+                                                          hs, &e);
+            if ((rnd >> 46) % 2)
+                nb = 1;
             if (rc == 0) {
-                if (check_page(&h, s, l, block))
-                    atomic_fetch_add(&c->wrong, 1);
-                kvd_store_page_release(c->st, &h);
+                for (size_t j = 0; j < nb; j++) {
+                    if (check_page(&hs[j], s, l, block + j))
+                        atomic_fetch_add(&c->wrong, 1);
+                    kvd_store_page_release(c->st, &hs[j]);
+                }
             } else {
                 fprintf(stderr, "acquire %s layer %u block %" PRIu64 ": %s\n", id, l, block, e.msg);
                 atomic_fetch_add(&c->errors, 1);
@@ -440,10 +542,12 @@ int main(void)
             return 1;
         }
     }
-    char d1[128], d2[128], cmd[200];
+    char d1[128], d2[128], d3[128], cmd[200];
     snprintf(d1, sizeof d1, "%s/lru", root);
     snprintf(d2, sizeof d2, "%s/threads", root);
+    snprintf(d3, sizeof d3, "%s/batch", root);
     test_lru(d1);
+    test_batch(d3);
     test_threads(d2);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0)
