@@ -860,9 +860,13 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     pthread_rwlock_unlock(&st->lock);
     /* Durable and published: the new pages enter the device tier. Still
      * under s->mu, so a delete of this sequence cannot drop them first. */
-    for (size_t i = 0; i < ap->nbuilt; i++)
-        kvd__cache_insert(st, ap->built[i].id, ap->built[i].bytes, ap->built[i].len,
-                          ap->built[i].num_tokens, 0);
+    kvd__cache_put *puts = ap->nbuilt ? malloc(ap->nbuilt * sizeof *puts) : NULL;
+    for (size_t i = 0; puts && i < ap->nbuilt; i++)
+        puts[i] = (kvd__cache_put){ap->built[i].id, ap->built[i].bytes, ap->built[i].len,
+                                   ap->built[i].num_tokens};
+    if (puts) /* (without, they are read from RocksDB when wanted) */
+        kvd__cache_insert_batch(st, puts, ap->nbuilt, 0, NULL);
+    free(puts);
 out:
     if (nls) {
         for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < s->num_layers; l++) {

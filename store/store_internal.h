@@ -256,6 +256,19 @@ void kvd__cache_release(kvd_store *st, kvd__centry *e);
  * returns it pinned (NULL when it was not cached). */
 kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, size_t len,
                                uint32_t num_tokens, int pin);
+/* A page for kvd__cache_insert_batch. */
+typedef struct kvd__cache_put {
+    uint64_t id;
+    const uint8_t *page;
+    size_t len;
+    uint32_t num_tokens;
+} kvd__cache_put;
+/* kvd__cache_insert of n pages: those the device tier takes go up as one
+ * batch of copies (per 64 pages) instead of one wait each. With pin, out[i]
+ * is page i's entry pinned (NULL when it was not cached); out may be NULL
+ * without. */
+void kvd__cache_insert_batch(kvd_store *st, const kvd__cache_put *ps, size_t n, int pin,
+                             kvd__centry **out);
 /* Forget page id (the page is gone). */
 void kvd__cache_drop(kvd_store *st, uint64_t id);
 /* Move page id out of memory; returns bytes freed (0 if not cached or pinned). */

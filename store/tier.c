@@ -340,7 +340,6 @@ static void entry_destroy(kvd__cache *c, kvd__centry *e)
 
 /* ---- moving pages between tiers (cache->mu held) --------------------------- */
 
-/* Copy host bytes into a pool range, or pool bytes out to host memory. */
 /* A failed copy on a device an error left unusable: the next cache call
  * drops the device tier (drop_device). */
 static int pool_failed(kvd__cache *c, int rc)
@@ -352,16 +351,26 @@ static int pool_failed(kvd__cache *c, int rc)
     return rc;
 }
 
-static int pool_put(kvd__cache *c, uint64_t off, const uint8_t *src, size_t len)
+/* Copies into or out of the device pool, as one batch with cache->mu
+ * released (held on entry and return) when they are the device's: the
+ * caller pinned and marked moving what they touch. 0 or the error. */
+static int pool_copy_batch(kvd__cache *c, const kvd_copy *ops, size_t n)
 {
-    if (c->pool_host) {
-        memcpy(c->dpool.base + off, src, len);
-        return 0;
+    if (n && c->pool_host) {
+        for (size_t i = 0; i < n; i++)
+            memcpy(ops[i].dst, ops[i].src, ops[i].bytes);
+    } else if (n) {
+        pthread_mutex_unlock(&c->mu);
+        kvd_error err;
+        int rc = kvd_backend_copy_batch(c->be, ops, n, &err);
+        pthread_mutex_lock(&c->mu);
+        if (rc)
+            return pool_failed(c, rc);
     }
-    int rc = kvd_backend_upload(c->be, c->dpool.base + off, src, len, NULL);
-    return rc ? pool_failed(c, rc) : 0;
+    return 0;
 }
 
+/* Copy pool bytes out to host memory. */
 static int pool_get(kvd__cache *c, uint8_t *dst, uint64_t off, size_t len)
 {
     if (c->pool_host) {
@@ -423,18 +432,7 @@ static int move_down(kvd__cache *c, uint64_t want, const kvd__centry *keep)
     }
     if (!n)
         return -1;
-    int rc = 0;
-    if (nops && !c->pool_host) {
-        pthread_mutex_unlock(&c->mu);
-        kvd_error err;
-        rc = kvd_backend_copy_batch(c->be, ops, nops, &err);
-        pthread_mutex_lock(&c->mu);
-        if (rc)
-            pool_failed(c, rc);
-    } else {
-        for (size_t i = 0; i < nops; i++)
-            memcpy(ops[i].dst, ops[i].src, ops[i].bytes);
-    }
+    const int rc = pool_copy_batch(c, ops, nops);
     for (size_t i = 0; i < n; i++) {
         kvd__centry *e = jobs[i].e;
         uint8_t *h = rc ? NULL : jobs[i].h;
@@ -499,24 +497,6 @@ static int device_alloc(kvd__cache *c, uint64_t alloc, const kvd__centry *keep, 
     return pool_fit(c, KVD_TIER_DEVICE, alloc, keep, off);
 }
 
-/* Copy `len` bytes into a pool range with cache->mu released. The caller
- * pinned e and marked it moving (nothing moves or frees it, acquirers of
- * its id wait) and ends that with settle(). 0, or -1 when the copy failed. */
-static int put_unlocked(kvd__cache *c, uint64_t off, const uint8_t *src, size_t len)
-{
-    pthread_mutex_unlock(&c->mu);
-    int rc = pool_put(c, off, src, len);
-    pthread_mutex_lock(&c->mu);
-    return rc ? -1 : 0;
-}
-
-/* e stops moving: acquirers waiting for it go on. */
-static void settle(kvd__cache *c, kvd__centry *e)
-{
-    e->moving = 0;
-    pthread_cond_broadcast(&c->moved);
-}
-
 /* The entry of id, once it is not moving (cache->mu held). */
 static kvd__centry *entry_settled(kvd__cache *c, uint64_t id)
 {
@@ -565,18 +545,7 @@ static size_t promote_chunk(kvd__cache *c, kvd__centry *const *es, size_t n)
         ops[k++] =
             (kvd_copy){.dst = c->dpool.base + off, .src = e->data, .bytes = e->len, .to_device = 1};
     }
-    int rc = 0;
-    if (k && c->pool_host) {
-        for (size_t i = 0; i < k; i++)
-            memcpy(ops[i].dst, ops[i].src, ops[i].bytes);
-    } else if (k) {
-        pthread_mutex_unlock(&c->mu);
-        kvd_error err;
-        rc = kvd_backend_copy_batch(c->be, ops, k, &err);
-        pthread_mutex_lock(&c->mu);
-        if (rc)
-            pool_failed(c, rc);
-    }
+    const int rc = pool_copy_batch(c, ops, k);
     size_t moved = 0;
     for (size_t i = 0; i < k; i++) {
         kvd__centry *e = up[i];
@@ -655,9 +624,6 @@ static int have_tiers(const kvd__cache *c)
     return c->tier[0].limit || c->tier[1].limit;
 }
 
-static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
-                                  uint8_t **tmp, int *found, int on_device);
-
 /* Does a page's layout give what a device computation needs (on_device:
  * KVD_ON_DEVICE_* flags; 0 = it needs the bytes on the host)? */
 static int layout_serves(const kvd_page_layout *l, int on_device)
@@ -668,16 +634,6 @@ static int layout_serves(const kvd_page_layout *l, int on_device)
 
 kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
                                 uint8_t **tmp)
-{
-    int found;
-    return cache_acquire(st, id, need, bytes, tmp, &found, 0);
-}
-
-/* kvd__cache_acquire, also saying which tier the page was found in. With
- * on_device (KVD_ON_DEVICE_* flags), a device-tier page whose layout serves
- * them is not copied to the host (*bytes NULL). */
-static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const uint8_t **bytes,
-                                  uint8_t **tmp, int *found, int on_device)
 {
     kvd__cache *c = &st->tiers;
     *bytes = NULL;
@@ -696,7 +652,6 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
         return NULL;
     }
     atomic_fetch_add(&c->hits[e->tier], 1);
-    *found = e->tier;
     kvd__tier *t = &c->tier[e->tier];
     lru_unlink(t, e);
     lru_push(t, e);
@@ -705,9 +660,7 @@ static kvd__centry *cache_acquire(kvd_store *st, uint64_t id, uint32_t need, con
     e->pins++;
     if (up)
         promote_batch(c, &e, 1);
-    if (e->tier == KVD_TIER_DEVICE && !c->pool_host && layout_serves(e->layout, on_device)) {
-        *bytes = NULL;
-    } else if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
+    if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
         /* Pinned, so its range stays put: copy it down unlocked. */
         const uint64_t off = e->off;
         const size_t len = e->len;
@@ -739,96 +692,179 @@ void kvd__cache_release(kvd_store *st, kvd__centry *e)
     pthread_mutex_unlock(&c->mu);
 }
 
-kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, size_t len,
-                               uint32_t num_tokens, int pin)
+/* Place a new entry (moving, in no list) in the host tier, copying its
+ * bytes there; 0, or -1 (nothing changed) when the tier has no room. */
+static int place_host(kvd__cache *c, kvd__centry *e, const uint8_t *page)
 {
-    kvd__cache *c = &st->tiers;
-    if (!have_tiers(c))
-        return NULL;
-    pthread_mutex_lock(&c->mu);
-    if (c->dev_broken)
-        drop_device(st);
-    kvd__centry *old = entry_settled(c, id);
-    if (old && old->num_tokens >= num_tokens) {
-        /* Already there with as much: just touch it. */
-        kvd__tier *t = &c->tier[old->tier];
-        lru_unlink(t, old);
-        lru_push(t, old);
-        if (pin)
-            old->pins++;
-        pthread_mutex_unlock(&c->mu);
-        return pin ? old : NULL;
-    }
-    if (old)
-        entry_kill(c, old);
-    kvd__centry *e = calloc(1, sizeof *e);
-    if (!e || kvd__map_put(&c->map, id, e)) {
-        free(e);
-        pthread_mutex_unlock(&c->mu);
-        return NULL;
-    }
-    e->id = id;
-    e->len = len;
-    e->num_tokens = num_tokens;
-    /* Moving until placed, in no tier's list yet: making room may release
-     * cache->mu, and acquirers, drops and evictions of id wait for it. */
-    e->moving = 1;
-    uint64_t alloc = (len + GRANULE - 1) / GRANULE * GRANULE;
-    uint64_t off;
-    if (device_alloc(c, alloc, NULL, &off) == 0) {
-        /* In the device tier at once, pinned while its bytes go up
-         * unlocked (put_unlocked). */
-        e->tier = KVD_TIER_DEVICE;
-        e->data = c->dpool.base + off;
-        e->off = off;
-        e->alloc = alloc;
-        kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
-        lru_push(t, e);
-        t->used += alloc;
-        t->pages++;
-        e->pins++;
-        int rc = put_unlocked(c, off, page, len);
-        settle(c, e);
-        if (rc == 0) {
-            entry_set_layout(c, e, page);
-            if (!pin && --e->pins == 0 && e->dead) /* dropped meanwhile */
-                entry_destroy(c, e);
-            pthread_mutex_unlock(&c->mu);
-            return pin ? e : NULL;
-        }
-        if (e->dead) {
-            if (--e->pins == 0)
-                entry_destroy(c, e);
-            pthread_mutex_unlock(&c->mu);
-            return NULL;
-        }
-        /* The copy failed: try the host tier. */
-        e->pins--;
-        tier_detach(c, e);
-        pool_free(&c->dpool, off, alloc);
-        e->data = NULL;
-        e->moving = 1;
-    }
-    if (host_take(c, len, NULL, &e->data, &e->off) == 0) {
-        memcpy(e->data, page, len);
-        e->tier = KVD_TIER_HOST;
-        e->alloc = host_charge(c, len);
-        settle(c, e);
-    } else {
-        settle(c, e);
-        kvd__map_del(&c->map, id);
-        free(e);
-        pthread_mutex_unlock(&c->mu);
-        return NULL;
-    }
-    kvd__tier *t = &c->tier[e->tier];
+    if (host_take(c, e->len, NULL, &e->data, &e->off) != 0)
+        return -1;
+    memcpy(e->data, page, e->len);
+    e->tier = KVD_TIER_HOST;
+    e->alloc = host_charge(c, e->len);
+    kvd__tier *t = &c->tier[KVD_TIER_HOST];
     lru_push(t, e);
     t->used += e->alloc;
     t->pages++;
-    if (pin)
-        e->pins++;
+    return 0;
+}
+
+/*
+ * kvd__cache_insert_batch of at most KVD__DOWN_BATCH pages. New entries are
+ * made moving first (acquirers, drops and evictions of their ids wait), then
+ * placed: those given a device range are pinned in the device tier while
+ * their bytes go up together with cache->mu released (one
+ * kvd_backend_copy_batch), the others are copied into the host tier. A page
+ * whose old entry is moving is left in *defer (waiting for it here, with
+ * this chunk's entries marked moving, could wait on a chunk waiting on this
+ * one) unless nothing is marked yet. Returns pages deferred.
+ */
+static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, int pin,
+                           kvd__centry **out, size_t *defer)
+{
+    kvd__cache *c = &st->tiers;
+    kvd__centry *es[KVD__DOWN_BATCH] = {0};
+    kvd_copy ops[KVD__DOWN_BATCH];
+    size_t up[KVD__DOWN_BATCH];
+    size_t nd = 0, k = 0, marked = 0;
+    pthread_mutex_lock(&c->mu);
+    if (c->dev_broken)
+        drop_device(st);
+    for (size_t i = 0; i < n; i++) {
+        kvd__centry *old = kvd__map_get(&c->map, ps[i].id);
+        if (old && old->moving) {
+            if (marked) {
+                defer[nd++] = i;
+                continue;
+            }
+            old = entry_settled(c, ps[i].id);
+        }
+        if (old && old->num_tokens >= ps[i].num_tokens) {
+            /* Already there with as much: just touch it. */
+            kvd__tier *t = &c->tier[old->tier];
+            lru_unlink(t, old);
+            lru_push(t, old);
+            if (pin) {
+                old->pins++;
+                out[i] = old;
+            }
+            continue;
+        }
+        if (old)
+            entry_kill(c, old);
+        kvd__centry *e = calloc(1, sizeof *e);
+        if (!e || kvd__map_put(&c->map, ps[i].id, e)) {
+            free(e);
+            continue;
+        }
+        e->id = ps[i].id;
+        e->len = ps[i].len;
+        e->num_tokens = ps[i].num_tokens;
+        /* Moving until placed, in no tier's list yet: making room may
+         * release cache->mu. Pinned until the end: placing the pages after
+         * it must not move or evict it. */
+        e->moving = 1;
+        e->pins = 1;
+        es[i] = e;
+        marked++;
+    }
+    /* The last pages first: when not all fit, those are the ones to keep
+     * (an LRU order, restored below, would have evicted the first). */
+    for (size_t i = n; i-- > 0;) {
+        kvd__centry *e = es[i];
+        if (!e)
+            continue;
+        const uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
+        uint64_t off;
+        if (device_alloc(c, alloc, NULL, &off) == 0) {
+            /* In the device tier at once, pinned while its bytes go up. */
+            e->tier = KVD_TIER_DEVICE;
+            e->data = c->dpool.base + off;
+            e->off = off;
+            e->alloc = alloc;
+            kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
+            lru_push(t, e);
+            t->used += alloc;
+            t->pages++;
+            up[k] = i;
+            ops[k++] =
+                (kvd_copy){.dst = e->data, .src = ps[i].page, .bytes = e->len, .to_device = 1};
+            continue;
+        }
+        if (place_host(c, e, ps[i].page) == 0) {
+            e->moving = 0;
+            continue;
+        }
+        kvd__map_del(&c->map, e->id);
+        free(e);
+        es[i] = NULL;
+    }
+    const int rc = pool_copy_batch(c, ops, k);
+    for (size_t j = 0; j < k; j++) {
+        const size_t i = up[j];
+        kvd__centry *e = es[i];
+        e->moving = 0;
+        if (e->dead) { /* dropped meanwhile */
+            if (--e->pins == 0)
+                entry_destroy(c, e);
+            es[i] = NULL;
+        } else if (rc == 0) {
+            entry_set_layout(c, e, ps[i].page);
+        } else {
+            /* The copies failed: try the host tier. */
+            tier_detach(c, e);
+            pool_free(&c->dpool, e->off, e->alloc);
+            e->data = NULL;
+            if (place_host(c, e, ps[i].page) != 0) {
+                kvd__map_del(&c->map, e->id);
+                free(e);
+                es[i] = NULL;
+            }
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvd__centry *e = es[i];
+        if (!e)
+            continue;
+        kvd__tier *t = &c->tier[e->tier];
+        lru_unlink(t, e); /* the last page the most recent */
+        lru_push(t, e);
+        if (pin)
+            out[i] = e; /* keeps its pin */
+        else
+            e->pins--;
+    }
+    if (marked)
+        pthread_cond_broadcast(&c->moved);
     pthread_mutex_unlock(&c->mu);
-    return pin ? e : NULL;
+    return nd;
+}
+
+void kvd__cache_insert_batch(kvd_store *st, const kvd__cache_put *ps, size_t n, int pin,
+                             kvd__centry **out)
+{
+    if (pin)
+        memset(out, 0, n * sizeof *out);
+    if (!have_tiers(&st->tiers))
+        return;
+    size_t defer[KVD__DOWN_BATCH];
+    for (size_t i0 = 0; i0 < n; i0 += KVD__DOWN_BATCH) {
+        const size_t m = n - i0 < KVD__DOWN_BATCH ? n - i0 : KVD__DOWN_BATCH;
+        size_t nd = insert_chunk(st, ps + i0, m, pin, pin ? out + i0 : NULL, defer);
+        /* Pages whose old entries were moving, one at a time: each waits. */
+        for (size_t j = 0; j < nd; j++) {
+            const size_t i = i0 + defer[j];
+            insert_chunk(st, ps + i, 1, pin, pin ? out + i : NULL, defer);
+        }
+    }
+}
+
+kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, size_t len,
+                               uint32_t num_tokens, int pin)
+{
+    const kvd__cache_put p = {id, page, len, num_tokens};
+    kvd__centry *e = NULL;
+    kvd__cache_insert_batch(st, &p, 1, pin, &e);
+    return e;
 }
 
 void kvd__cache_drop(kvd_store *st, uint64_t id)
@@ -1316,21 +1352,21 @@ int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t
 
 /* ---- page acquisition for computations -------------------------------------- */
 
-static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer, kvd_page_handle *h,
-                        int on_device, kvd_error *err);
-static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
-                        uint64_t block, kvd_page_handle *h, int on_device, kvd_error *err);
+static int pages_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                         uint64_t block, size_t n, int on_device, kvd_page_handle *hs,
+                         kvd_error *err);
 
 int kvd_store_page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                            uint64_t block, kvd_page_handle *h, kvd_error *err)
 {
-    return page_acquire(st, seq_id, id_len, layer, block, h, 0, err);
+    return pages_acquire(st, seq_id, id_len, layer, block, 1, 0, h, err);
 }
 
 int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                                   uint64_t block, int need, kvd_page_handle *h, kvd_error *err)
 {
-    return page_acquire(st, seq_id, id_len, layer, block, h, kvd_store_device(st) ? need : 0, err);
+    return pages_acquire(st, seq_id, id_len, layer, block, 1, kvd_store_device(st) ? need : 0, h,
+                         err);
 }
 
 /* What to load of pages [block, block + n) of a layer of a sequence, as of
@@ -1383,184 +1419,190 @@ static int resolve_pages(kvd_store *st, const void *seq_id, size_t id_len, uint3
     return 0;
 }
 
-static int page_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
-                        uint64_t block, kvd_page_handle *h, int on_device, kvd_error *err)
+/* Fill h from entry e, pinned for it, found in tier `found`. A page in a
+ * device pool the host does not read gets no bytes unless its layout
+ * serves on_device: bring_down copies those. */
+static void handle_from_entry(const kvd__cache *c, kvd__centry *e, int found, int on_device,
+                              kvd_page_handle *h)
 {
-    if (!h)
-        return kvd_error_set(err, KVD_EINVAL, "page acquire: NULL handle");
-    memset(h, 0, sizeof *h);
-    kvd__tail_want w;
-    const rocksdb_snapshot_t *snap;
-    int rc = resolve_pages(st, seq_id, id_len, layer, block, 1, &w, &snap, err);
-    if (rc)
-        return rc;
-    rc = acquire_page(st, &w, layer, h, on_device, err);
-    rocksdb_release_snapshot(st->db, snap);
-    return rc;
-}
-
-/* The rest of kvd_store_page_acquire, once the page is known. */
-static int acquire_page(kvd_store *st, const kvd__tail_want *wp, uint32_t layer, kvd_page_handle *h,
-                        int on_device, kvd_error *err)
-{
-    kvd__tail_want w = *wp;
-    int rc;
-    uint8_t *tmp = NULL;
-    const uint8_t *bytes;
-    int found;
-    kvd__centry *e = cache_acquire(st, w.page_id, w.need, &bytes, &tmp, &found, on_device);
-    if (e) {
-        h->bytes = bytes;
-        h->len = e->len;
-        h->tier = found;
-        h->device = e->tier == KVD_TIER_DEVICE ? e->data : NULL;
-        h->layout = bytes ? NULL : e->layout;
-        h->priv_ = e;
-        h->buf_ = tmp;
-        return 0;
-    }
-    kvd__tail pg;
-    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
-    rocksdb_readoptions_set_snapshot(ro, w.snap);
-    rocksdb_readoptions_set_verify_checksums(ro, 0); /* the page's own checksum is checked */
-    rc = kvd__tail_load(st, ro, &w, &pg, err);
-    rocksdb_readoptions_destroy(ro);
-    if (rc) {
-        if (rc == KVD_ECORRUPT)
-            kvd__note_corrupt(st, w.page_id, err);
-        return rc;
-    }
-    uint8_t *own = NULL;
-    size_t len = 0;
-    if (pg.nfrags == 0) {
-        const char *v = rocksdb_pinnableslice_value(pg.ps, &len);
-        e = kvd__cache_insert(st, w.page_id, (const uint8_t *)v, len, pg.num_tokens, 1);
-        if (!e && (own = malloc(len)))
-            memcpy(own, v, len);
-    } else {
-        /* A tail assembled from fragments: hand out one page of it. */
-        kvd_page_desc d = {.dtype = w.dtype,
-                           .layer = layer,
-                           .token_start = w.p0,
-                           .num_tokens = pg.num_tokens,
-                           .page_tokens = w.B,
-                           .num_kv_heads = w.H,
-                           .head_dim = w.D};
-        rc = kvd_page_encode_raw(&d, pg.k, pg.v, &own, &len, err);
-    }
-    kvd__tail_release(&pg);
-    if (rc)
-        return rc;
-    if (e) {
-        /* Pinned: its tier and bytes stay put until release. */
-        h->priv_ = e;
-        h->len = e->len;
-        h->tier = KVD_TIER_DISK;
-        atomic_fetch_add(&st->tiers.promotions, 1);
-        if (e->tier == KVD_TIER_DEVICE)
-            h->device = e->data;
-        if (e->tier == KVD_TIER_HOST || st->tiers.pool_host) {
-            h->bytes = e->data;
-            return 0;
-        }
-        if (layout_serves(e->layout, on_device)) {
+    h->priv_ = e;
+    h->len = e->len;
+    h->tier = found;
+    h->device = e->tier == KVD_TIER_DEVICE ? e->data : NULL;
+    if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
+        if (layout_serves(e->layout, on_device))
             h->layout = e->layout;
-            return 0;
-        }
-        h->buf_ = malloc(e->len);
-        if (!h->buf_ || pool_get(&st->tiers, h->buf_, e->off, e->len) != 0) {
-            kvd_store_page_release(st, h);
-            return kvd_error_set(err, KVD_EINTERNAL, "cannot copy a page out of the device tier");
-        }
-        h->bytes = h->buf_;
-        return 0;
+    } else {
+        h->bytes = e->data;
     }
-    if (!own)
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring a page");
-    h->bytes = own;
-    h->len = len;
-    h->tier = KVD_TIER_DISK;
-    h->buf_ = own;
-    return 0;
 }
 
 /*
- * The pages of ws found in a memory tier, pinned and handed out in hs
- * (others left zeroed): those in the host tier that nobody else holds are
- * promoted together (promote_batch), and those a device computation cannot
- * read in place come down together. An entry being moved is left to the
- * caller's page-by-page acquire, which waits for it: waiting here, with
- * promotions of this batch marked moving, could wait on a batch waiting on
- * this one.
+ * The pages of ws found in a memory tier with the tokens wanted, pinned and
+ * handed out in hs (the others left zeroed, counted as misses). Those in the
+ * host tier that nobody else holds are promoted together (promote_batch).
  */
-static int acquire_cached(kvd_store *st, const kvd__tail_want *ws, size_t n, int on_device,
-                          kvd_page_handle *hs, kvd_error *err)
+static void acquire_cached(kvd_store *st, const kvd__tail_want *ws, size_t n, int on_device,
+                           kvd_page_handle *hs)
 {
     kvd__cache *c = &st->tiers;
-    if (!have_tiers(c))
-        return 0;
-    kvd__centry **up = malloc(n * sizeof *up);
-    kvd_copy *down = malloc(n * sizeof *down);
-    size_t *di = malloc(n * sizeof *di); /* down[j] is the page of hs[di[j]] */
-    if (!up || !down || !di) {
-        free(up);
-        free(down);
-        free(di);
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring pages");
+    if (!have_tiers(c)) {
+        atomic_fetch_add(&c->misses, n);
+        return;
     }
-    size_t nup = 0, ndown = 0;
+    kvd__centry *up[KVD__DOWN_BATCH];
+    size_t nup = 0;
     pthread_mutex_lock(&c->mu);
     if (c->dev_broken)
         drop_device(st);
     for (size_t i = 0; i < n; i++) {
-        kvd__centry *e = kvd__map_get(&c->map, ws[i].page_id);
-        if (!e || e->moving || e->num_tokens < ws[i].need)
+        /* Waiting for a moving entry is safe here: this batch holds no entry
+         * marked moving (promote_batch marks and settles its own). */
+        kvd__centry *e = entry_settled(c, ws[i].page_id);
+        if (!e || e->num_tokens < ws[i].need) {
+            atomic_fetch_add(&c->misses, 1);
             continue;
+        }
         atomic_fetch_add(&c->hits[e->tier], 1);
         kvd__tier *t = &c->tier[e->tier];
         lru_unlink(t, e);
         lru_push(t, e);
+        hs[i].tier = e->tier;
         if (e->tier == KVD_TIER_HOST && e->pins == 0)
             up[nup++] = e;
         e->pins++;
         hs[i].priv_ = e;
-        hs[i].tier = e->tier;
+        if (nup == KVD__DOWN_BATCH) {
+            promote_batch(c, up, nup);
+            nup = 0;
+        }
     }
     promote_batch(c, up, nup);
-    for (size_t i = 0; i < n; i++) {
-        kvd__centry *e = hs[i].priv_;
-        if (!e)
-            continue;
-        kvd_page_handle *h = &hs[i];
-        h->len = e->len;
-        h->device = e->tier == KVD_TIER_DEVICE ? e->data : NULL;
-        if (e->tier == KVD_TIER_DEVICE && !c->pool_host && layout_serves(e->layout, on_device))
-            h->layout = e->layout;
-        else if (e->tier == KVD_TIER_DEVICE && !c->pool_host) {
-            /* Pinned, so its range stays put: it comes down unlocked. */
-            di[ndown] = i;
-            down[ndown++] = (kvd_copy){.src = e->data, .bytes = e->len, .to_device = 0};
-        } else
-            h->bytes = e->data;
-    }
+    for (size_t i = 0; i < n; i++)
+        if (hs[i].priv_)
+            handle_from_entry(c, hs[i].priv_, hs[i].tier, on_device, &hs[i]);
     pthread_mutex_unlock(&c->mu);
+}
+
+/*
+ * Load pages ws[idx[0..m)] (m <= KVD__DOWN_BATCH) from RocksDB, verified,
+ * into hs: whole stored pages enter the memory tiers together
+ * (kvd__cache_insert_batch, pinned for the handles), or are private copies
+ * when no tier takes them; a tail held in fragments is handed out as one
+ * page of its own.
+ */
+static int load_pages(kvd_store *st, const kvd__tail_want *ws, const size_t *idx, size_t m,
+                      int on_device, kvd_page_handle *hs, kvd_error *err)
+{
+    kvd__tail pg[KVD__DOWN_BATCH];
+    kvd__cache_put puts[KVD__DOWN_BATCH];
+    kvd__centry *es[KVD__DOWN_BATCH];
+    size_t at[KVD__DOWN_BATCH]; /* puts[k] is the page of hs[at[k]] */
+    size_t loaded = 0, np = 0;
     int rc = 0;
-    for (size_t j = 0; j < ndown && rc == 0; j++) {
-        kvd_page_handle *h = &hs[di[j]];
-        if (!(h->buf_ = malloc(down[j].bytes)))
-            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring pages");
+    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
+    rocksdb_readoptions_set_snapshot(ro, ws[idx[0]].snap);
+    rocksdb_readoptions_set_verify_checksums(ro, 0); /* the page's own checksum is checked */
+    for (; loaded < m && rc == 0; loaded++) {
+        const kvd__tail_want *w = &ws[idx[loaded]];
+        kvd_page_handle *h = &hs[idx[loaded]];
+        if ((rc = kvd__tail_load(st, ro, w, &pg[loaded], err))) {
+            if (rc == KVD_ECORRUPT)
+                kvd__note_corrupt(st, w->page_id, err);
+            break;
+        }
+        h->tier = KVD_TIER_DISK;
+        if (pg[loaded].nfrags == 0) {
+            size_t len;
+            const char *v = rocksdb_pinnableslice_value(pg[loaded].ps, &len);
+            puts[np] = (kvd__cache_put){w->page_id, (const uint8_t *)v, len, pg[loaded].num_tokens};
+            at[np++] = idx[loaded];
+            continue;
+        }
+        /* A tail assembled from fragments: hand out one page of it. */
+        kvd_page_desc d = {.dtype = w->dtype,
+                           .layer = w->layer,
+                           .token_start = w->p0,
+                           .num_tokens = pg[loaded].num_tokens,
+                           .page_tokens = w->B,
+                           .num_kv_heads = w->H,
+                           .head_dim = w->D};
+        uint8_t *own = NULL;
+        rc = kvd_page_encode_raw(&d, pg[loaded].k, pg[loaded].v, &own, &h->len, err);
+        h->bytes = h->buf_ = own;
+    }
+    rocksdb_readoptions_destroy(ro);
+    if (rc == 0)
+        kvd__cache_insert_batch(st, puts, np, 1, es);
+    for (size_t k = 0; k < np && rc == 0; k++) {
+        kvd_page_handle *h = &hs[at[k]];
+        if (es[k]) { /* pinned: its tier and bytes stay put until release */
+            handle_from_entry(&st->tiers, es[k], KVD_TIER_DISK, on_device, h);
+            atomic_fetch_add(&st->tiers.promotions, 1);
+        } else if ((h->buf_ = malloc(puts[k].len))) {
+            memcpy(h->buf_, puts[k].page, puts[k].len);
+            h->bytes = h->buf_;
+            h->len = puts[k].len;
+        } else {
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring a page");
+        }
+    }
+    for (size_t j = 0; j < loaded; j++)
+        kvd__tail_release(&pg[j]);
+    return rc;
+}
+
+/* Copy down, as batches, the pages of hs that lie in a device pool the
+ * host does not read and were handed out without bytes or a layout. */
+static int bring_down(kvd_store *st, kvd_page_handle *hs, size_t n, kvd_error *err)
+{
+    kvd_copy ops[KVD__DOWN_BATCH];
+    size_t k = 0;
+    for (size_t i = 0; i <= n; i++) {
+        if (k == KVD__DOWN_BATCH || (i == n && k)) {
+            int rc = kvd_backend_copy_batch(st->tiers.be, ops, k, err);
+            if (rc) {
+                pthread_mutex_lock(&st->tiers.mu);
+                pool_failed(&st->tiers, rc);
+                pthread_mutex_unlock(&st->tiers.mu);
+                return kvd_error_set(err, KVD_EINTERNAL,
+                                     "cannot copy a page out of the device tier");
+            }
+            k = 0;
+        }
+        kvd_page_handle *h = &hs[i];
+        if (i == n || !h->priv_ || h->bytes || h->layout)
+            continue;
+        if (!(h->buf_ = malloc(h->len)))
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring a page");
         h->bytes = h->buf_;
-        down[j].dst = h->buf_;
+        ops[k++] = (kvd_copy){.dst = h->buf_, .src = h->device, .bytes = h->len, .to_device = 0};
     }
-    if (rc == 0 && ndown && (rc = kvd_backend_copy_batch(c->be, down, ndown, err)) != 0) {
-        pthread_mutex_lock(&c->mu);
-        pool_failed(c, rc);
-        pthread_mutex_unlock(&c->mu);
-        rc = kvd_error_set(err, KVD_EINTERNAL, "cannot copy pages out of the device tier");
+    return 0;
+}
+
+/* Acquire the pages ws (all of one snapshot) into hs: from the memory tiers
+ * (acquire_cached), the rest from RocksDB (load_pages), then what must come
+ * down (bring_down). On an error no handle is held. */
+static int acquire_pages(kvd_store *st, const kvd__tail_want *ws, size_t n, int on_device,
+                         kvd_page_handle *hs, kvd_error *err)
+{
+    acquire_cached(st, ws, n, on_device, hs);
+    size_t idx[KVD__DOWN_BATCH], m = 0;
+    int rc = 0;
+    for (size_t i = 0; i <= n && rc == 0; i++) {
+        if (m == KVD__DOWN_BATCH || (i == n && m)) {
+            rc = load_pages(st, ws, idx, m, on_device, hs, err);
+            m = 0;
+        }
+        if (i < n && !hs[i].priv_)
+            idx[m++] = i;
     }
-    free(up);
-    free(down);
-    free(di);
+    if (rc == 0)
+        rc = bring_down(st, hs, n, err);
+    if (rc)
+        for (size_t i = 0; i < n; i++)
+            kvd_store_page_release(st, &hs[i]);
     return rc;
 }
 
@@ -1568,29 +1610,30 @@ int kvd_store_pages_acquire_device(kvd_store *st, const void *seq_id, size_t id_
                                    uint64_t block, size_t n, int need, kvd_page_handle *hs,
                                    kvd_error *err)
 {
+    return pages_acquire(st, seq_id, id_len, layer, block, n, kvd_store_device(st) ? need : 0, hs,
+                         err);
+}
+
+static int pages_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                         uint64_t block, size_t n, int on_device, kvd_page_handle *hs,
+                         kvd_error *err)
+{
     if (!hs && n)
-        return kvd_error_set(err, KVD_EINVAL, "pages acquire: NULL handles");
-    memset(hs, 0, n * sizeof *hs);
+        return kvd_error_set(err, KVD_EINVAL, "page acquire: NULL handle");
     if (!n)
         return 0;
-    const int on_device = kvd_store_device(st) ? need : 0;
-    kvd__tail_want *ws = malloc(n * sizeof *ws);
+    memset(hs, 0, n * sizeof *hs);
+    kvd__tail_want one, *ws = n == 1 ? &one : malloc(n * sizeof *ws);
     if (!ws)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring pages");
     const rocksdb_snapshot_t *snap;
     int rc = resolve_pages(st, seq_id, id_len, layer, block, n, ws, &snap, err);
     if (rc == 0) {
-        rc = acquire_cached(st, ws, n, on_device, hs, err);
-        /* The rest from RocksDB (or a memory tier, once moved), page by page. */
-        for (size_t i = 0; i < n && rc == 0; i++)
-            if (!hs[i].priv_)
-                rc = acquire_page(st, &ws[i], layer, &hs[i], on_device, err);
+        rc = acquire_pages(st, ws, n, on_device, hs, err);
         rocksdb_release_snapshot(st->db, snap);
     }
-    if (rc)
-        for (size_t i = 0; i < n; i++)
-            kvd_store_page_release(st, &hs[i]);
-    free(ws);
+    if (ws != &one)
+        free(ws);
     return rc;
 }
 
