@@ -1125,84 +1125,6 @@ static size_t align256(size_t x)
     return (x + 255) & ~(size_t)255;
 }
 
-/*
- * Both coded sides of a page on a device backend: the raw K and V (and a VQ
- * side's smoothing and codebooks) go up once, the kernels code them in
- * device memory, the coded arrays come down into dst (the sections of the
- * host page, kb then vb bytes); the prefixes are written here. A raw side
- * is copied on the host.
- */
-static int encode_device(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks,
-                         const kvd_codec_spec *vs, const kvd_layer_arts *kla,
-                         const kvd_layer_arts *vla, const void *k, const void *v, size_t rawsec,
-                         uint8_t *dst, uint64_t kb, uint64_t vb, kvd_error *err)
-{
-    if (ks->svd || vs->svd)
-        return kvd_error_set(err, KVD_EUNSUPP, "page encode: SVD sections are coded on the CPU");
-    const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
-    const kvd_codec_spec *sp[2] = {ks, vs};
-    const kvd_layer_arts *la[2] = {kla, vla};
-    const void *raw[2] = {k, v};
-    uint8_t *out[2] = {dst, dst + kb};
-    const uint64_t len[2] = {kb, vb};
-    /* Device scratch per coded side: raw | arrays [| lambda] [| codebooks],
-     * then one f32 work row block for VQ; every part 256-byte aligned. */
-    size_t o_raw[2] = {0, 0}, o_arr[2] = {0, 0}, o_lam = 0, o_cb[2] = {0, 0}, pre[2] = {0, 0};
-    size_t total = 0, xbytes = 0;
-    for (int i = 0; i < 2; i++) {
-        if (sp[i]->codec == KVD_CODEC_RAW)
-            continue;
-        const int vq = sp[i]->codec == KVD_CODEC_VQ;
-        pre[i] = vq ? KVD_CODEC_ARTS_PREFIX : KVD_CODEC_SECTION_PREFIX;
-        o_raw[i] = total;
-        total += align256(rawsec);
-        o_arr[i] = total;
-        total += align256((size_t)len[i] - pre[i]);
-        if (vq) {
-            if (i == 0) {
-                o_lam = total;
-                total += align256(sizeof(float) * H * D);
-            }
-            o_cb[i] = total;
-            total += align256(sizeof(float) * H * cb_floats(la[i]));
-            xbytes = sizeof(float) * T * D;
-        }
-    }
-    const size_t o_x = total;
-    total += align256(xbytes);
-    uint8_t *m = NULL;
-    int rc = kvd_backend_scratch(be, total, (void **)&m, err);
-    if (rc)
-        return rc;
-    for (int i = 0; i < 2 && rc == 0; i++) {
-        const kvd_codec_spec *s = sp[i];
-        if (s->codec == KVD_CODEC_RAW) {
-            memcpy(out[i], raw[i], rawsec);
-            continue;
-        }
-        if ((rc = kvd_backend_upload(be, m + o_raw[i], raw[i], rawsec, err)))
-            break;
-        if (s->codec == KVD_CODEC_VQ) {
-            if ((i == 0 && (rc = kvd_backend_upload(be, m + o_lam, la[i]->lambda,
-                                                    sizeof(float) * H * D, err))) ||
-                (rc = kvd_backend_upload(be, m + o_cb[i], la[i]->codebook,
-                                         sizeof(float) * H * cb_floats(la[i]), err)) ||
-                (rc = vq_heads(be, d, la[i], (const float *)(void *)(m + o_lam),
-                               (const float *)(void *)(m + o_cb[i]), i, m + o_raw[i], m + o_arr[i],
-                               (float *)(void *)(m + o_x), err)))
-                break;
-            vq_prefix(out[i], la[i], i);
-        } else {
-            if ((rc = quantize_heads(be, d, s, i, m + o_raw[i], m + o_arr[i], err)))
-                break;
-            int_prefix(out[i], s);
-        }
-        rc = kvd_backend_download(be, out[i] + pre[i], m + o_arr[i], (size_t)len[i] - pre[i], err);
-    }
-    kvd_backend_scratch_free(be, m);
-    return rc;
-}
-
 /* A page on its way to being coded (page_prepare): its specs after the
  * raw tail rule, their artifacts, and the page with header and section
  * table written, its sections still to fill. */
@@ -1280,6 +1202,10 @@ static int page_prepare(const kvd_page_desc *d, const kvd_codec_spec *ks_in,
     return 0;
 }
 
+static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d,
+                               const page_job *jobs, const void *const *k, const void *const *v,
+                               kvd_error *err);
+
 int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks_in,
                     const kvd_codec_spec *vs_in, const void *k, const void *v, uint8_t **out,
                     size_t *len, kvd_error *err)
@@ -1296,7 +1222,7 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
         return kvd_page_encode_raw(d, k, v, out, len, err);
     uint8_t *sec = j.page + j.hsize;
     if (on_device(be))
-        rc = encode_device(be, d, &j.ks, &j.vs, j.kla, j.vla, k, v, j.rawsec, sec, j.kb, j.vb, err);
+        rc = encode_device_batch(be, 1, d, &j, &k, &v, err);
     else if ((rc = encode_side(be, d, &j.ks, j.kla, 0, k, j.rawsec, sec, err)) == 0)
         rc = encode_side(be, d, &j.vs, j.vla, 1, v, j.rawsec, sec + j.kb, err);
     if (rc) {
@@ -1310,30 +1236,56 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
 }
 
 /*
- * Sealing pages with INT (or raw) sides on a device, together: every
- * page's coded sides go up in one batch of copies into one scratch block,
- * each side is one quantize batch over all pages and heads, and the coded
- * arrays come down in one batch of copies.
+ * Sealing pages of one layer on a device, together: every page's coded
+ * sides (and a VQ side's smoothing and codebooks, once) go up in one batch
+ * of copies into one scratch block, an INT side is one quantize batch over
+ * all pages and heads, a VQ side a transform and an encode launch per page
+ * and head, and the coded arrays come down in one batch of copies. A raw
+ * side is copied on the host. The pages' headers and prefixes are written
+ * here (jobs[p].page).
  */
 static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d,
                                const page_job *jobs, const void *const *k, const void *const *v,
                                kvd_error *err)
 {
-    const uint32_t H = d[0].num_kv_heads;
+    if (jobs[0].ks.svd || jobs[0].vs.svd)
+        return kvd_error_set(err, KVD_EUNSUPP, "page encode: SVD sections are coded on the CPU");
+    const uint32_t H = d[0].num_kv_heads, T = d[0].num_tokens, D = d[0].head_dim;
     const size_t rawsec = jobs[0].rawsec;
     const kvd_codec_spec *sp[2] = {&jobs[0].ks, &jobs[0].vs};
+    const kvd_layer_arts *la[2] = {jobs[0].kla, jobs[0].vla};
     const uint64_t len[2] = {jobs[0].kb, jobs[0].vb};
-    size_t arr[2] = {0, 0}, o_side[2] = {0, 0}, per[2] = {0, 0}, total = 0;
+    /* Scratch: per coded side, n x (raw | arrays); then the K side's
+     * smoothing and each VQ side's codebooks; then one f32 (T, D) work
+     * block for VQ. Every part 256-byte aligned. */
+    size_t pre[2] = {0, 0}, arr[2] = {0, 0}, o_side[2] = {0, 0}, per[2] = {0, 0};
+    size_t o_cb[2] = {0, 0}, o_lam = 0, total = 0, xbytes = 0;
+    int vq[2] = {0, 0};
     for (int i = 0; i < 2; i++) {
         if (sp[i]->codec == KVD_CODEC_RAW)
             continue;
-        arr[i] = (size_t)len[i] - KVD_CODEC_SECTION_PREFIX;
-        per[i] = align256(rawsec) + align256(arr[i]); /* one page: raw | arrays */
+        vq[i] = sp[i]->codec == KVD_CODEC_VQ;
+        pre[i] = vq[i] ? KVD_CODEC_ARTS_PREFIX : KVD_CODEC_SECTION_PREFIX;
+        arr[i] = (size_t)len[i] - pre[i];
+        per[i] = align256(rawsec) + align256(arr[i]);
         o_side[i] = total;
         total += n * per[i];
     }
+    for (int i = 0; i < 2; i++) {
+        if (!vq[i])
+            continue;
+        if (i == 0) {
+            o_lam = total;
+            total += align256(sizeof(float) * H * D);
+        }
+        o_cb[i] = total;
+        total += align256(sizeof(float) * H * cb_floats(la[i]));
+        xbytes = sizeof(float) * T * D;
+    }
+    const size_t o_x = total;
+    total += align256(xbytes);
     uint8_t *m = NULL;
-    kvd_copy *ops = malloc(sizeof *ops * 2 * n);
+    kvd_copy *ops = malloc(sizeof *ops * (2 * n + 3));
     kvd_tensor *x = malloc(sizeof *x * n * H);
     kvd_qtensor *q = malloc(sizeof *q * n * H);
     uint64_t *seeds = malloc(sizeof *seeds * n * H);
@@ -1347,12 +1299,26 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
                 memcpy(sec, i ? v[p] : k[p], rawsec);
                 continue;
             }
-            int_prefix(sec, sp[i]);
+            if (vq[i])
+                vq_prefix(sec, la[i], i);
+            else
+                int_prefix(sec, sp[i]);
             ops[nops++] = (kvd_copy){.dst = m + o_side[i] + p * per[i],
                                      .src = i ? v[p] : k[p],
                                      .bytes = rawsec,
                                      .to_device = 1};
         }
+    for (int i = 0; i < 2 && rc == 0; i++) {
+        if (!vq[i])
+            continue;
+        if (i == 0)
+            ops[nops++] = (kvd_copy){
+                .dst = m + o_lam, .src = la[i]->lambda, .bytes = sizeof(float) * H * D, .to_device = 1};
+        ops[nops++] = (kvd_copy){.dst = m + o_cb[i],
+                                 .src = la[i]->codebook,
+                                 .bytes = sizeof(float) * H * cb_floats(la[i]),
+                                 .to_device = 1};
+    }
     if (rc == 0)
         rc = kvd_backend_copy_batch(be, ops, nops, err);
     for (int i = 0; i < 2 && rc == 0; i++) {
@@ -1360,10 +1326,13 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
             continue;
         for (size_t p = 0; p < n && rc == 0; p++) {
             uint8_t *raw = m + o_side[i] + p * per[i];
-            rc = head_blocks(&d[p], sp[i], i, raw, raw + align256(rawsec), x + p * H, q + p * H,
-                             seeds + p * H, err);
+            rc = vq[i] ? vq_heads(be, &d[p], la[i], (const float *)(void *)(m + o_lam),
+                                  (const float *)(void *)(m + o_cb[i]), i, raw,
+                                  raw + align256(rawsec), (float *)(void *)(m + o_x), err)
+                       : head_blocks(&d[p], sp[i], i, raw, raw + align256(rawsec), x + p * H,
+                                     q + p * H, seeds + p * H, err);
         }
-        if (rc == 0)
+        if (rc == 0 && !vq[i])
             rc = kvd_quantize_batch(be, (int)(n * H), x, q, (kvd_rounding)sp[i]->rounding, seeds,
                                     err);
     }
@@ -1372,7 +1341,7 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
         for (int i = 0; i < 2; i++)
             if (sp[i]->codec != KVD_CODEC_RAW)
                 ops[nops++] = (kvd_copy){.dst = jobs[p].page + jobs[p].hsize +
-                                                (i ? jobs[p].kb : 0) + KVD_CODEC_SECTION_PREFIX,
+                                                (i ? jobs[p].kb : 0) + pre[i],
                                          .src = m + o_side[i] + p * per[i] + align256(rawsec),
                                          .bytes = arr[i],
                                          .to_device = 0};
@@ -1400,8 +1369,7 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
             return kvd_error_set(err, KVD_EINVAL, "pages encode: page %zu has no K or V", p);
     }
     int rc = 0;
-    const int together = n > 1 && on_device(be) && !ks->svd && !vs->svd &&
-                         ks->codec != KVD_CODEC_VQ && vs->codec != KVD_CODEC_VQ;
+    const int together = n > 1 && on_device(be) && !ks->svd && !vs->svd;
     page_job *jobs = together ? calloc(n, sizeof *jobs) : NULL;
     for (size_t p = 0; p < n && jobs; p++) {
         const kvd_page_desc *a = &d[p], *b = &d[0];
@@ -1440,7 +1408,7 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
     } else if (together) {
         return kvd_error_set(err, KVD_ENOMEM, "out of memory coding pages");
     }
-    /* One page at a time: on the CPU, VQ and SVD sides, raw pages. */
+    /* One page at a time: on the CPU, SVD sides, a single page. */
     for (size_t p = 0; p < n && rc == 0; p++)
         rc = kvd_page_encode(be, &d[p], ks, vs, k[p], v[p], &out[p], &len[p], err);
     if (rc)
