@@ -483,21 +483,66 @@ static kvd_backend *coding_device(kvd_store *st, const kvd_seq_codecs *c)
     return dev && !c->k.svd && !c->v.svd ? dev : NULL;
 }
 
+/* The raw K and V of the pages a window codes on the device, put there
+ * once for their coding and their PQ codes (NULL m: none there). */
+typedef struct dev_raw {
+    kvd_backend *dev;
+    uint8_t *m;
+    const void *k[KVD__ENCODE_WINDOW], *v[KVD__ENCODE_WINDOW];
+} dev_raw;
+
+static void dev_raw_free(dev_raw *r)
+{
+    if (r->m)
+        kvd_backend_scratch_free(r->dev, r->m);
+    r->m = NULL;
+}
+
+/* Put the raw sections of n pages (n <= KVD__ENCODE_WINDOW) on dev, as
+ * one batch of copies. */
+static int dev_raw_up(kvd_backend *dev, size_t n, const kvd_page_desc *d, const void *const *kp,
+                      const void *const *vp, dev_raw *r, kvd_error *err)
+{
+    const size_t sec =
+        (size_t)d[0].num_kv_heads * d[0].num_tokens * d[0].head_dim * kvd_dtype_size(d[0].dtype);
+    const size_t step = (sec + 255) & ~(size_t)255;
+    kvd_copy ops[2 * KVD__ENCODE_WINDOW];
+    r->dev = dev;
+    int rc = kvd_backend_scratch(dev, 2 * n * step, (void **)&r->m, err);
+    if (rc) {
+        r->m = NULL;
+        return rc;
+    }
+    for (size_t p = 0; p < n; p++) {
+        r->k[p] = r->m + 2 * p * step;
+        r->v[p] = r->m + (2 * p + 1) * step;
+        ops[2 * p] = (kvd_copy){.dst = (void *)r->k[p], .src = kp[p], .bytes = sec, .to_device = 1};
+        ops[2 * p + 1] =
+            (kvd_copy){.dst = (void *)r->v[p], .src = vp[p], .bytes = sec, .to_device = 1};
+    }
+    if ((rc = kvd_backend_copy_batch(dev, ops, 2 * n, err)))
+        dev_raw_free(r);
+    return rc;
+}
+
 /* Code n sealing pages: on the store's device when it codes them
- * (coding_device), else, or when the device fails
- * (kvd_store_device_fallback), on the CPU with the thread's coding backend.
- * Same bytes either way. */
+ * (coding_device), their raw sections put there once (r, kept for their PQ
+ * codes), else, or when the device fails (kvd_store_device_fallback), on
+ * the CPU with the thread's coding backend. Same bytes either way. */
 static int encode_pages(kvd_store *st, size_t n, const kvd_page_desc *d, const kvd_seq_codecs *c,
                         const void *const *kp, const void *const *vp, uint8_t **out, size_t *len,
-                        kvd_error *err)
+                        dev_raw *r, kvd_error *err)
 {
     kvd_backend *dev = coding_device(st, c);
     if (dev) {
-        int rc = kvd_pages_encode(dev, n, d, &c->k, &c->v, kp, vp, out, len, err);
+        int rc = dev_raw_up(dev, n, d, kp, vp, r, err);
+        if (rc == 0)
+            rc = kvd_pages_encode_device(dev, n, d, &c->k, &c->v, r->k, r->v, out, len, err);
         if (rc == 0) {
             atomic_fetch_add(&st->tiers.device_pages_encoded, n);
             return 0;
         }
+        dev_raw_free(r);
         if (!kvd_store_device_fallback(st, rc, err))
             return rc;
     }
@@ -616,6 +661,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     size_t clen[KVD__ENCODE_WINDOW];
     int code_it[KVD__ENCODE_WINDOW];
     const struct given_page *given[KVD__ENCODE_WINDOW];
+    dev_raw draw = {0};
     for (uint64_t w0 = first; w0 < npages && rc == 0; w0 += W) {
         const uint64_t w1 = w0 + W < npages ? w0 + W : npages;
         size_t nc = 0;
@@ -670,7 +716,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             }
         }
         if (rc == 0 && nc)
-            rc = encode_pages(st, nc, cd, &ap->codecs, ck, cv, coded, clen, err);
+            rc = encode_pages(st, nc, cd, &ap->codecs, ck, cv, coded, clen, &draw, err);
         for (uint64_t pi = w0, ci = 0; pi < w1 && rc == 0; pi++) {
             const size_t at = (size_t)(pi - w0);
             const kvd_page_desc *d = &ds[at];
@@ -678,6 +724,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             const uint8_t *wbytes = raw[at];
             size_t wlen = (size_t)np->bytes;
             uint8_t *own = NULL;
+            const void *kdev = NULL; /* its raw K on the device */
             const struct given_page *gp = given[at];
             if (gp) {
                 /* Encoded once at the client: these bytes are what is stored. */
@@ -686,14 +733,15 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             } else if (code_it[at]) {
                 wbytes = own = coded[ci];
                 wlen = clen[ci];
+                kdev = draw.m && kvd_store_device(st) ? draw.k[ci] : NULL;
                 coded[ci++] = NULL;
             }
             np->bytes = wlen;
             if (ap->codecs.pq_m && d->num_tokens == B) {
                 /* The page seals: add its PQ codes (pqindex.h). */
                 uint8_t *withpq = NULL;
-                rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, d, kps[at], wk, ap->ts,
-                                          end, wbytes, wlen, &withpq, &wlen, err);
+                rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, d, kps[at], kdev, wk,
+                                          ap->ts, end, wbytes, wlen, &withpq, &wlen, err);
                 free(own);
                 own = NULL;
                 if (rc)
@@ -711,6 +759,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             free(coded[i]);
             coded[i] = NULL;
         }
+        dev_raw_free(&draw);
     }
     for (size_t i = 0; i < KVD__ENCODE_WINDOW; i++)
         free(raw[i]);

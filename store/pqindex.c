@@ -273,8 +273,8 @@ static int layer_on_device(struct kvd__pq_append *ps, struct pq_layer *L, kvd_ba
  * come down; keys is work space of B * D floats in be's memory (NULL on a
  * device: taken from its scratch). */
 static int page_codes(kvd_backend *be, int on_dev, const kvd_page_desc *d, uint32_t M,
-                      uint32_t bits, const float *cent, const uint8_t *k_page, float *keys,
-                      uint8_t *codes, kvd_error *err)
+                      uint32_t bits, const float *cent, const uint8_t *k_page, const void *k_dev,
+                      float *keys, uint8_t *codes, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
     const size_t es = kvd_dtype_size(d->dtype), raw = (size_t)H * B * D * es;
@@ -283,14 +283,16 @@ static int page_codes(kvd_backend *be, int on_dev, const kvd_page_desc *d, uint3
     const uint8_t *src = k_page;
     int rc = 0;
     if (on_dev) {
-        const size_t o_keys = align256(raw), o_codes = o_keys + align256(sizeof(float) * B * D);
+        /* The keys go up unless they lie on the device already (k_dev). */
+        const size_t o_keys = k_dev ? 0 : align256(raw);
+        const size_t o_codes = o_keys + align256(sizeof(float) * B * D);
         if ((rc = kvd_backend_scratch(be, o_codes + (size_t)H * B * M, (void **)&m, err)))
             return rc;
-        if ((rc = kvd_backend_upload(be, m, k_page, raw, err))) {
+        if (!k_dev && (rc = kvd_backend_upload(be, m, k_page, raw, err))) {
             kvd_backend_scratch_free(be, m);
             return rc;
         }
-        src = m;
+        src = k_dev ? k_dev : m;
         keys = (float *)(void *)(m + o_keys);
         dst = m + o_codes;
     }
@@ -314,9 +316,10 @@ static int page_codes(kvd_backend *be, int on_dev, const kvd_page_desc *d, uint3
 
 int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd__seq *s,
                          const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
-                         const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *wire_k,
-                         uint64_t wire_ts, uint64_t wire_end, const uint8_t *in, size_t in_len,
-                         uint8_t **out, size_t *out_len, kvd_error *err)
+                         const kvd_page_desc *d, const uint8_t *k_page, const void *k_dev,
+                         const uint8_t *wire_k, uint64_t wire_ts, uint64_t wire_end,
+                         const uint8_t *in, size_t in_len, uint8_t **out, size_t *out_len,
+                         kvd_error *err)
 {
     *out = NULL;
     *out_len = 0;
@@ -379,7 +382,7 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
         /* On the device (the CPU's codes), or on the CPU when it fails. */
         const float *dc = NULL;
         if ((rc = layer_on_device(ps, L, dev, &dc, err)) == 0)
-            rc = page_codes(dev, 1, d, M, c->pq_bits, dc, k_page, NULL, codes, err);
+            rc = page_codes(dev, 1, d, M, c->pq_bits, dc, k_page, k_dev, NULL, codes, err);
         if (rc == 0 && c->k.codec == KVD_CODEC_RAW && c->v.codec == KVD_CODEC_RAW)
             atomic_fetch_add(&st->tiers.device_pages_encoded, 1); /* else counted by its codec */
         if (rc && !kvd_store_device_fallback(st, rc, err)) {
@@ -388,7 +391,7 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
         }
     }
     if (rc)
-        rc = page_codes(be, 0, d, M, c->pq_bits, L->c.data, k_page, ps->keys, codes, err);
+        rc = page_codes(be, 0, d, M, c->pq_bits, L->c.data, k_page, NULL, ps->keys, codes, err);
     if (rc) {
         free(page);
         return rc;

@@ -99,6 +99,8 @@ struct rocksdb_writebatch_t;
  * @param[in,out] state   per-append cache, NULL at first (kvd__pq_append_free)
  * @param[in] k_page      the page's keys as appended, (kv_head, token, dim)
  *                        in d->dtype, page_tokens tokens
+ * @param[in] k_dev       the same keys in the memory of the store's device,
+ *                        or NULL (they go up when the codes are made there)
  * @param[in] wire_k      keys of the append, (token, kv_head, dim), tokens
  *                        [wire_ts, wire_end): training keys after the page
  * @return 0; KVD_ECORRUPT (invalid page, stored centroids of another
@@ -107,9 +109,10 @@ struct rocksdb_writebatch_t;
  */
 int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const struct kvd__seq *s,
                          const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
-                         const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *wire_k,
-                         uint64_t wire_ts, uint64_t wire_end, const uint8_t *in, size_t in_len,
-                         uint8_t **out, size_t *out_len, kvd_error *err);
+                         const kvd_page_desc *d, const uint8_t *k_page, const void *k_dev,
+                         const uint8_t *wire_k, uint64_t wire_ts, uint64_t wire_end,
+                         const uint8_t *in, size_t in_len, uint8_t **out, size_t *out_len,
+                         kvd_error *err);
 
 void kvd__pq_append_free(struct kvd__pq_append *state);
 

@@ -1204,7 +1204,7 @@ static int page_prepare(const kvd_page_desc *d, const kvd_codec_spec *ks_in,
 
 static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d,
                                const page_job *jobs, const void *const *k, const void *const *v,
-                               kvd_error *err);
+                               int in_dev, kvd_error *err);
 
 int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks_in,
                     const kvd_codec_spec *vs_in, const void *k, const void *v, uint8_t **out,
@@ -1222,7 +1222,7 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
         return kvd_page_encode_raw(d, k, v, out, len, err);
     uint8_t *sec = j.page + j.hsize;
     if (on_device(be))
-        rc = encode_device_batch(be, 1, d, &j, &k, &v, err);
+        rc = encode_device_batch(be, 1, d, &j, &k, &v, 0, err);
     else if ((rc = encode_side(be, d, &j.ks, j.kla, 0, k, j.rawsec, sec, err)) == 0)
         rc = encode_side(be, d, &j.vs, j.vla, 1, v, j.rawsec, sec + j.kb, err);
     if (rc) {
@@ -1242,11 +1242,13 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
  * all pages and heads, a VQ side a transform and an encode launch per page
  * and head, and the coded arrays come down in one batch of copies. A raw
  * side is copied on the host. The pages' headers and prefixes are written
- * here (jobs[p].page).
+ * here (jobs[p].page). With in_dev, k[p] and v[p] are already in be's
+ * memory: nothing goes up but the artifacts, and a raw side comes down
+ * with the coded arrays.
  */
 static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d,
                                const page_job *jobs, const void *const *k, const void *const *v,
-                               kvd_error *err)
+                               int in_dev, kvd_error *err)
 {
     if (jobs[0].ks.svd || jobs[0].vs.svd)
         return kvd_error_set(err, KVD_EUNSUPP, "page encode: SVD sections are coded on the CPU");
@@ -1255,7 +1257,7 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     const kvd_codec_spec *sp[2] = {&jobs[0].ks, &jobs[0].vs};
     const kvd_layer_arts *la[2] = {jobs[0].kla, jobs[0].vla};
     const uint64_t len[2] = {jobs[0].kb, jobs[0].vb};
-    /* Scratch: per coded side, n x (raw | arrays); then the K side's
+    /* Scratch: per coded side, n x ([raw |] arrays); then the K side's
      * smoothing and each VQ side's codebooks; then one f32 (T, D) work
      * block for VQ. Every part 256-byte aligned. */
     size_t pre[2] = {0, 0}, arr[2] = {0, 0}, o_side[2] = {0, 0}, per[2] = {0, 0};
@@ -1267,7 +1269,7 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
         vq[i] = sp[i]->codec == KVD_CODEC_VQ;
         pre[i] = vq[i] ? KVD_CODEC_ARTS_PREFIX : KVD_CODEC_SECTION_PREFIX;
         arr[i] = (size_t)len[i] - pre[i];
-        per[i] = align256(rawsec) + align256(arr[i]);
+        per[i] = (in_dev ? 0 : align256(rawsec)) + align256(arr[i]);
         o_side[i] = total;
         total += n * per[i];
     }
@@ -1285,6 +1287,7 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     const size_t o_x = total;
     total += align256(xbytes);
     uint8_t *m = NULL;
+    const size_t o_arr = in_dev ? 0 : align256(rawsec); /* arrays within a page's part */
     kvd_copy *ops = malloc(sizeof *ops * (2 * n + 3));
     kvd_tensor *x = malloc(sizeof *x * n * H);
     kvd_qtensor *q = malloc(sizeof *q * n * H);
@@ -1296,13 +1299,16 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
         for (int i = 0; i < 2; i++) {
             uint8_t *sec = jobs[p].page + jobs[p].hsize + (i ? jobs[p].kb : 0);
             if (sp[i]->codec == KVD_CODEC_RAW) {
-                memcpy(sec, i ? v[p] : k[p], rawsec);
+                if (!in_dev)
+                    memcpy(sec, i ? v[p] : k[p], rawsec);
                 continue;
             }
             if (vq[i])
                 vq_prefix(sec, la[i], i);
             else
                 int_prefix(sec, sp[i]);
+            if (in_dev)
+                continue;
             ops[nops++] = (kvd_copy){.dst = m + o_side[i] + p * per[i],
                                      .src = i ? v[p] : k[p],
                                      .bytes = rawsec,
@@ -1325,12 +1331,13 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
         if (sp[i]->codec == KVD_CODEC_RAW)
             continue;
         for (size_t p = 0; p < n && rc == 0; p++) {
-            uint8_t *raw = m + o_side[i] + p * per[i];
+            uint8_t *part = m + o_side[i] + p * per[i];
+            const void *raw = in_dev ? (i ? v[p] : k[p]) : part;
             rc = vq[i] ? vq_heads(be, &d[p], la[i], (const float *)(void *)(m + o_lam),
-                                  (const float *)(void *)(m + o_cb[i]), i, raw,
-                                  raw + align256(rawsec), (float *)(void *)(m + o_x), err)
-                       : head_blocks(&d[p], sp[i], i, raw, raw + align256(rawsec), x + p * H,
-                                     q + p * H, seeds + p * H, err);
+                                  (const float *)(void *)(m + o_cb[i]), i, raw, part + o_arr,
+                                  (float *)(void *)(m + o_x), err)
+                       : head_blocks(&d[p], sp[i], i, raw, part + o_arr, x + p * H, q + p * H,
+                                     seeds + p * H, err);
         }
         if (rc == 0 && !vq[i])
             rc = kvd_quantize_batch(be, (int)(n * H), x, q, (kvd_rounding)sp[i]->rounding, seeds,
@@ -1338,13 +1345,17 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     }
     nops = 0;
     for (size_t p = 0; p < n && rc == 0; p++)
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < 2; i++) {
+            uint8_t *sec = jobs[p].page + jobs[p].hsize + (i ? jobs[p].kb : 0);
             if (sp[i]->codec != KVD_CODEC_RAW)
-                ops[nops++] = (kvd_copy){.dst = jobs[p].page + jobs[p].hsize +
-                                                (i ? jobs[p].kb : 0) + pre[i],
-                                         .src = m + o_side[i] + p * per[i] + align256(rawsec),
+                ops[nops++] = (kvd_copy){.dst = sec + pre[i],
+                                         .src = m + o_side[i] + p * per[i] + o_arr,
                                          .bytes = arr[i],
                                          .to_device = 0};
+            else if (in_dev)
+                ops[nops++] = (kvd_copy){
+                    .dst = sec, .src = i ? v[p] : k[p], .bytes = rawsec, .to_device = 0};
+        }
     if (rc == 0)
         rc = kvd_backend_copy_batch(be, ops, nops, err);
     if (m)
@@ -1356,9 +1367,10 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     return rc;
 }
 
-int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kvd_codec_spec *ks,
-                     const kvd_codec_spec *vs, const void *const *k, const void *const *v,
-                     uint8_t **out, size_t *len, kvd_error *err)
+/* Check the arguments of kvd_pages_encode(_device); clears out and len. */
+static int pages_args(kvd_backend *be, size_t n, const kvd_page_desc *d, const kvd_codec_spec *ks,
+                      const kvd_codec_spec *vs, const void *const *k, const void *const *v,
+                      uint8_t **out, size_t *len, kvd_error *err)
 {
     if (n && (!be || !d || !ks || !vs || !k || !v || !out || !len))
         return kvd_error_set(err, KVD_EINVAL, "pages encode: NULL argument");
@@ -1368,47 +1380,60 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
         if (!k[p] || !v[p])
             return kvd_error_set(err, KVD_EINVAL, "pages encode: page %zu has no K or V", p);
     }
+    return 0;
+}
+
+/* n sealing pages of one layer and shape coded together on be
+ * (encode_device_batch): out[p], len[p], or all NULL on failure. */
+static int pages_together(kvd_backend *be, size_t n, const kvd_page_desc *d,
+                          const kvd_codec_spec *ks, const kvd_codec_spec *vs, const void *const *k,
+                          const void *const *v, int in_dev, uint8_t **out, size_t *len,
+                          kvd_error *err)
+{
+    page_job *jobs = calloc(n, sizeof *jobs);
+    if (!jobs)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory coding pages");
     int rc = 0;
-    const int together = n > 1 && on_device(be) && !ks->svd && !vs->svd;
-    page_job *jobs = together ? calloc(n, sizeof *jobs) : NULL;
-    for (size_t p = 0; p < n && jobs; p++) {
+    for (size_t p = 0; p < n && rc == 0; p++) {
         const kvd_page_desc *a = &d[p], *b = &d[0];
         if (a->dtype != b->dtype || a->layer != b->layer || a->num_tokens != a->page_tokens ||
             a->page_tokens != b->page_tokens || a->num_kv_heads != b->num_kv_heads ||
-            a->head_dim != b->head_dim) {
+            a->head_dim != b->head_dim)
             rc = kvd_error_set(err, KVD_EINVAL,
                                "pages encode: page %zu is not a sealing page of page 0's layer "
                                "and shape",
                                p);
-            break;
-        }
-        if ((rc = page_prepare(a, ks, vs, &jobs[p], err)))
-            break;
+        else
+            rc = page_prepare(a, ks, vs, &jobs[p], err);
     }
-    if (jobs && rc == 0 && jobs[0].page) {
-        rc = encode_device_batch(be, n, d, jobs, k, v, err);
-        for (size_t p = 0; p < n; p++) {
-            if (rc == 0) {
-                len[p] = jobs[p].hsize + jobs[p].kb + jobs[p].vb;
-                kvd_page_finish(jobs[p].page, len[p]);
-                out[p] = jobs[p].page;
-            } else {
-                free(jobs[p].page);
-            }
-        }
-        free(jobs);
-        return rc;
-    }
-    if (jobs) {
-        for (size_t p = 0; p < n; p++)
+    if (rc == 0 && !jobs[0].page) /* both sides raw: nothing to code */
+        rc = kvd_error_set(err, KVD_EINVAL, "pages encode: both sides are raw");
+    if (rc == 0)
+        rc = encode_device_batch(be, n, d, jobs, k, v, in_dev, err);
+    for (size_t p = 0; p < n; p++) {
+        if (rc == 0) {
+            len[p] = jobs[p].hsize + jobs[p].kb + jobs[p].vb;
+            kvd_page_finish(jobs[p].page, len[p]);
+            out[p] = jobs[p].page;
+        } else {
             free(jobs[p].page);
-        free(jobs);
-        if (rc)
-            return rc;
-    } else if (together) {
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory coding pages");
+        }
     }
-    /* One page at a time: on the CPU, SVD sides, a single page. */
+    free(jobs);
+    return rc;
+}
+
+int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kvd_codec_spec *ks,
+                     const kvd_codec_spec *vs, const void *const *k, const void *const *v,
+                     uint8_t **out, size_t *len, kvd_error *err)
+{
+    int rc = pages_args(be, n, d, ks, vs, k, v, out, len, err);
+    if (rc)
+        return rc;
+    const int coded = ks->codec != KVD_CODEC_RAW || vs->codec != KVD_CODEC_RAW;
+    if (n > 1 && coded && on_device(be) && !ks->svd && !vs->svd)
+        return pages_together(be, n, d, ks, vs, k, v, 0, out, len, err);
+    /* One page at a time: on the CPU, SVD sides, raw pages, a single page. */
     for (size_t p = 0; p < n && rc == 0; p++)
         rc = kvd_page_encode(be, &d[p], ks, vs, k[p], v[p], &out[p], &len[p], err);
     if (rc)
@@ -1418,6 +1443,22 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
             len[p] = 0;
         }
     return rc;
+}
+
+int kvd_pages_encode_device(kvd_backend *be, size_t n, const kvd_page_desc *d,
+                            const kvd_codec_spec *ks, const kvd_codec_spec *vs,
+                            const void *const *k, const void *const *v, uint8_t **out,
+                            size_t *len, kvd_error *err)
+{
+    int rc = pages_args(be, n, d, ks, vs, k, v, out, len, err);
+    if (rc || !n)
+        return rc;
+    if (!on_device(be))
+        return kvd_error_set(err, KVD_EINVAL, "pages encode: K and V in device memory need a "
+                                              "device backend");
+    if (ks->svd || vs->svd)
+        return kvd_error_set(err, KVD_EUNSUPP, "page encode: SVD sections are coded on the CPU");
+    return pages_together(be, n, d, ks, vs, k, v, 1, out, len, err);
 }
 
 int kvd_codec_section_parse(const kvd_page_view *v, int which, const kvd_codec_arts *arts,

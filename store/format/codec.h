@@ -205,6 +205,19 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
                      const kvd_codec_spec *vs, const void *const *k, const void *const *v,
                      uint8_t **out, size_t *len, kvd_error *err);
 
+/*
+ * kvd_pages_encode of n sealing pages of one layer and shape whose raw K and
+ * V sections (head-major, as in a raw page) already lie in the memory of the
+ * device backend be: only the artifacts go up; a raw side comes down with
+ * the coded arrays. For a caller that keeps the raw pages on the device for
+ * other work too (the PQ codes of an append). KVD_EINVAL without a device
+ * backend or when neither side is coded, KVD_EUNSUPP for SVD sides.
+ */
+int kvd_pages_encode_device(kvd_backend *be, size_t n, const kvd_page_desc *d,
+                            const kvd_codec_spec *ks, const kvd_codec_spec *vs,
+                            const void *const *k, const void *const *v, uint8_t **out,
+                            size_t *len, kvd_error *err);
+
 /* A coded section, parsed and checked against its page's shape. */
 typedef struct kvd_codec_section {
     uint8_t codec;
