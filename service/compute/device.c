@@ -3,7 +3,9 @@
  *
  * The pages of every query of a call are the items of one launch per kind
  * of page (raw pages: the dense kernel, INT2/INT4 pages: the homomorphic
- * kernel on their codes), each item pointing into the device pool where
+ * kernel on their codes, VQ pages: the fused VQ kernel with the sequence's
+ * codebooks, SVD + raw pages: the reduced-dimension kernel with its
+ * rotations), each item pointing into the device pool where
  * its page lies (the page layout the store keeps says where). Every item
  * writes its own (out, lse) slot; each query's slots are then merged on the
  * device pairwise, half of them per launch and all queries in the same
@@ -53,13 +55,16 @@ static void merge_item(kvd_attn_merge_args *m, const kvd_attn_dims *d, float *a,
     m->lse = kvd_tensor_make(KVD_DTYPE_F32, out + qf, 1, lsh);
 }
 
-/* A query's VQ codebooks (k NULL: it has no VQ page): the sequence's
- * artifacts of the layer, where they go in the call's device memory (in
- * floats), and there. */
+/* A query's VQ codebooks (k NULL: it has no VQ page) and SVD rotations
+ * (sk NULL: no SVD page): the sequence's artifacts of the layer, where they
+ * go in the call's device memory (in floats), and there. */
 typedef struct vq_books {
     const kvd_layer_arts *k, *v;
     size_t at, n_lambda, n_kbook, n_vbook;
     float *k_lambda, *k_book, *v_book;
+    const kvd_layer_arts *sk, *sv;
+    size_t s_at, n_rot;
+    float *rk, *rv;
 } vq_books;
 
 /* A VQ page of query q is attended with the sequence's codebooks of its
@@ -96,6 +101,39 @@ static int vq_check(const kvd__devq *q, const kvd_page_layout *l, vq_books *b, k
     return 0;
 }
 
+/* An SVD page of query q is attended with the sequence's rotations and
+ * kept widths of its layer: they must be there and be the ones the page was
+ * coded with (its fingerprints). Sets b on the first page. */
+static int svd_check(const kvd__devq *q, const kvd_page_layout *l, vq_books *b, kvd_error *err)
+{
+    const kvd_codec_arts *a = q->arts;
+    if (!a || q->layer >= a->num_layers || !a->k || !a->v || !a->k[q->layer].rotation ||
+        !a->v[q->layer].rotation || !a->k[q->layer].widths || !a->v[q->layer].widths)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "SVD page of layer %u, but the sequence has no rotations for it",
+                             q->layer);
+    const kvd_layer_arts *k = &a->k[q->layer], *v = &a->v[q->layer];
+    if (k->fingerprint != l->k_fingerprint || v->fingerprint != l->v_fingerprint)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "SVD page: artifact fingerprints differ from the sequence's (coded "
+                             "with other artifacts)");
+    uint64_t wk = 0, wv = 0;
+    for (int h = 0; h < q->dims.n_kv_heads; h++) {
+        wk += (uint64_t)k->widths[h];
+        wv += (uint64_t)v->widths[h];
+    }
+    if ((uint64_t)l->k.codes.shape[0] != wk * l->num_tokens ||
+        (uint64_t)l->v.codes.shape[0] != wv * l->num_tokens)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "SVD page: its kept widths differ from the sequence's");
+    if (!b->sk) {
+        b->sk = k;
+        b->sv = v;
+        b->n_rot = (size_t)q->dims.n_kv_heads * (size_t)q->dims.head_dim * q->dims.head_dim;
+    }
+    return 0;
+}
+
 /* Copy b's codebooks into the host image at b->at, and point b at where
  * they will lie in buf. */
 static void books_place(vq_books *b, float *host, float *buf)
@@ -108,11 +146,22 @@ static void books_place(vq_books *b, float *host, float *buf)
     b->v_book = buf + b->at + b->n_lambda + b->n_kbook;
 }
 
+/* The same for b's rotations at b->s_at. */
+static void rotations_place(vq_books *b, float *host, float *buf)
+{
+    memcpy(host + b->s_at, b->sk->rotation, sizeof(float) * b->n_rot);
+    memcpy(host + b->s_at + b->n_rot, b->sv->rotation, sizeof(float) * b->n_rot);
+    b->rk = buf + b->s_at;
+    b->rv = buf + b->s_at + b->n_rot;
+}
+
 /* The item of one page: dense for raw pages, homomorphic for INT2/INT4,
- * fused VQ with the query's codebooks. */
+ * fused VQ with the query's codebooks, reduced-dimension for SVD + raw with
+ * its rotations. */
 static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q, float *slot,
                       const vq_books *vb, kvd_attn_dense_args *da, size_t *nd,
-                      kvd_attn_int_args *ia, size_t *ni, kvd_attn_vq_args *va, size_t *nv)
+                      kvd_attn_int_args *ia, size_t *ni, kvd_attn_vq_args *va, size_t *nv,
+                      kvd_attn_svd_args *sa, size_t *ns)
 {
     const kvd_page_layout *l = h->layout;
     const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
@@ -123,6 +172,23 @@ static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q
     kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, slot + qf, 1, lsh);
     kvd_attn_qdata k, v;
     kvd_page_layout_at(l, h->device, &k, &v);
+    if (l->k_codec == KVD_CODEC_SVD) {
+        int64_t rs[3] = {d->n_kv_heads, d->head_dim, d->head_dim};
+        kvd_attn_svd_args *a = &sa[(*ns)++];
+        a->dims = *d;
+        a->q = tq;
+        a->rk = kvd_tensor_make(KVD_DTYPE_F32, vb->rk, 3, rs);
+        a->rv = kvd_tensor_make(KVD_DTYPE_F32, vb->rv, 3, rs);
+        a->k_width = vb->sk->widths;
+        a->v_width = vb->sv->widths;
+        a->n_tokens = l->num_tokens;
+        a->dtype = l->dtype;
+        a->k_red = k.codes.data;
+        a->v_red = v.codes.data;
+        a->out = to;
+        a->lse = tl;
+        return;
+    }
     if (l->k_codec == KVD_CODEC_VQ) {
         const int64_t H = d->n_kv_heads, D = d->head_dim;
         int64_t kb[3] = {H, (int64_t)1 << l->k_bits, l->k_sub_dim};
@@ -182,6 +248,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
     kvd_attn_int_args *ia = NULL;
     kvd_attn_dense_args *da = NULL;
     kvd_attn_vq_args *va = NULL;
+    kvd_attn_svd_args *sa = NULL;
     kvd_attn_merge_args *ma = NULL;
     float *host = NULL, *buf = NULL;
     int rc = 0;
@@ -200,10 +267,12 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
                     qs[i].dims.n_kv_heads, qs[i].dims.head_dim);
                 goto done;
             }
-        for (size_t p = 0; p < qs[i].np; p++)
-            if (qs[i].pages[p].layout->k_codec == KVD_CODEC_VQ &&
-                (rc = vq_check(&qs[i], qs[i].pages[p].layout, &books[i], err)))
+        for (size_t p = 0; p < qs[i].np; p++) {
+            const kvd_page_layout *l = qs[i].pages[p].layout;
+            if ((l->k_codec == KVD_CODEC_VQ && (rc = vq_check(&qs[i], l, &books[i], err))) ||
+                (l->k_codec == KVD_CODEC_SVD && (rc = svd_check(&qs[i], l, &books[i], err))))
                 goto done;
+        }
         npages += qs[i].np;
         hq_max = hq > hq_max ? hq : hq_max;
         qf_max = qf > qf_max ? qf : qf_max;
@@ -217,19 +286,25 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         total += (size_t)qs[i].dims.n_q_heads * ((size_t)qs[i].dims.head_dim + 1);
     }
     /* the codebooks of the queries with VQ pages */
-    for (size_t i = 0; i < nq; i++)
+    for (size_t i = 0; i < nq; i++) {
         if (books[i].k) {
             books[i].at = total;
             total += books[i].n_lambda + books[i].n_kbook + books[i].n_vbook;
         }
+        if (books[i].sk) {
+            books[i].s_at = total;
+            total += 2 * books[i].n_rot;
+        }
+    }
     const size_t empty = total;
     total += qf_max + hq_max;
     ia = calloc(npages + 1, sizeof *ia);
     da = calloc(npages + 1, sizeof *da);
     va = calloc(npages + 1, sizeof *va);
+    sa = calloc(npages + 1, sizeof *sa);
     ma = calloc(npages + nq + 1, sizeof *ma);
     host = malloc(sizeof(float) * total); /* what goes up, then what comes down */
-    if (!ia || !da || !va || !ma || !host) {
+    if (!ia || !da || !va || !sa || !ma || !host) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for %zu pages", npages);
         goto done;
     }
@@ -242,23 +317,27 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         host[empty + qf_max + j] = -INFINITY;
     if ((rc = kvd_backend_scratch(dev, sizeof(float) * total, (void **)&buf, err)))
         goto done;
-    for (size_t i = 0; i < nq; i++)
+    for (size_t i = 0; i < nq; i++) {
         if (books[i].k)
             books_place(&books[i], host, buf);
+        if (books[i].sk)
+            rotations_place(&books[i], host, buf);
+    }
     if ((rc = kvd_backend_upload(dev, buf, host, sizeof(float) * total, err)))
         goto done;
     /* Every page of every query is one item: one launch per kind. */
-    size_t ni = 0, nd = 0, nv = 0;
+    size_t ni = 0, nd = 0, nv = 0, ns = 0;
     for (size_t i = 0; i < nq; i++) {
         const kvd_attn_dims *d = &qs[i].dims;
         const size_t sl = (size_t)d->n_q_heads * ((size_t)d->head_dim + 1);
         for (size_t p = 0; p < qs[i].np; p++)
             page_item(&qs[i].pages[p], d, buf + off[3 * i], buf + off[3 * i + 1] + p * sl,
-                      &books[i], da, &nd, ia, &ni, va, &nv);
+                      &books[i], da, &nd, ia, &ni, va, &nv, sa, &ns);
         m[i] = qs[i].np;
     }
     if ((rc = kvd_attn_quant(dev, (int)ni, ia, err)) ||
-        (rc = kvd_attn_dense(dev, (int)nd, da, err)) || (rc = kvd_attn_vq(dev, (int)nv, va, err)))
+        (rc = kvd_attn_dense(dev, (int)nd, da, err)) || (rc = kvd_attn_vq(dev, (int)nv, va, err)) ||
+        (rc = kvd_attn_svd(dev, (int)ns, sa, err)))
         goto done;
     /* Per query, slot j takes in slot j + half until one is left, all
      * queries in each launch; the last launch moves every result into
@@ -306,6 +385,7 @@ done:
     free(ia);
     free(da);
     free(va);
+    free(sa);
     free(ma);
     free(m);
     free(off);

@@ -1714,6 +1714,38 @@ static kvd_tensor abs_tensor(kvd_tensor t, const void *base)
     return t;
 }
 
+/* Where the reduced rows of an SVD + raw section of a checked page start
+ * (its head 0 block), and its fingerprint: the kept widths the section
+ * holds must add up to its length. 0 or KVD_ECORRUPT. */
+static int svd_raw_layout(const kvd_page_view *v, int which, const uint8_t *page, kvd_tensor *rows,
+                          uint64_t *fingerprint, kvd_error *err)
+{
+    const uint8_t *p = which == KVD_SECTION_K ? v->k : v->v;
+    const uint64_t n = which == KVD_SECTION_K ? v->k_len : v->v_len;
+    const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
+    const char *w = which == KVD_SECTION_K ? "K" : "V";
+    const uint64_t head = svd_widths_end(H);
+    if (n < head)
+        return kvd_error_set(err, KVD_ECORRUPT, "%s section: %llu bytes, shorter than its widths",
+                             w, (unsigned long long)n);
+    uint64_t sum = 0;
+    for (uint32_t h = 0; h < H; h++) {
+        const uint32_t r = ld16(p + KVD_CODEC_ARTS_PREFIX + 2 * h);
+        if (r > D)
+            return kvd_error_set(err, KVD_ECORRUPT, "%s section: kept width %u of head %u over %u",
+                                 w, r, h, D);
+        sum += r;
+    }
+    if (n != head + sum * T * kvd_dtype_size(v->h.dtype))
+        return kvd_error_set(err, KVD_ECORRUPT,
+                             "%s section: %llu bytes, not what its kept widths need", w,
+                             (unsigned long long)n);
+    int64_t sh[1] = {(int64_t)(sum * T)};
+    *rows = rel_tensor(kvd_tensor_make(v->h.dtype, (void *)(p + head), 1, sh), page);
+    *fingerprint = ld64(p + 8);
+    return 0;
+}
+
 int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_layout *out,
                         kvd_error *err)
 {
@@ -1733,6 +1765,16 @@ int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_la
         out->pq_bits = pq.bits;
         out->pq_centroids_id = pq.centroids_id;
         out->pq_codes = (uint64_t)(pq.codes - page);
+    }
+    if (kc == KVD_CODEC_SVD && vc == KVD_CODEC_SVD && v->k_len && v->v_len &&
+        v->k[0] == KVD_CODEC_RAW && v->v[0] == KVD_CODEC_RAW) {
+        /* SVD + raw: the reduced-dimension kernel over the rows, with the
+         * sequence's rotations and widths (checked by fingerprint). */
+        int rc = svd_raw_layout(v, KVD_SECTION_K, page, &out->k.codes, &out->k_fingerprint, err);
+        if (rc == 0)
+            rc = svd_raw_layout(v, KVD_SECTION_V, page, &out->v.codes, &out->v_fingerprint, err);
+        out->attend = rc == 0;
+        return rc;
     }
     if (!raw && !vq && !(is_int(kc) && is_int(vc)))
         return 0; /* no fused kernel for this pair: attend stays 0 */

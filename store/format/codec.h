@@ -279,13 +279,15 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
  */
 typedef struct kvd_page_layout {
     uint8_t attend;           /* 1: k and v below are set (a fused kernel reads them) */
-    uint8_t k_codec, v_codec; /* RAW, INT2/INT4 or VQ, the same kind on both sides */
+    uint8_t k_codec, v_codec; /* RAW, INT2/INT4, VQ or SVD (+ raw), the same kind on both
+                               * sides; SVD: k.codes and v.codes are the reduced rows (1-D,
+                               * ragged per head, kvd_attn_svd_args.k_red) */
     kvd_dtype dtype;
     uint32_t num_tokens, num_kv_heads, head_dim;
     kvd_attn_qdata k, v;
     /* VQ */
     int k_sub_dim, k_bits, v_sub_dim, v_bits;
-    uint64_t k_fingerprint, v_fingerprint;
+    uint64_t k_fingerprint, v_fingerprint; /* VQ and SVD: of the artifacts coded with */
     /* PQ codes section (pq_m 0: none): codes (H, T, pq_m) u8 at pq_codes */
     uint32_t pq_m, pq_bits;
     uint64_t pq_centroids_id;
@@ -295,8 +297,8 @@ typedef struct kvd_page_layout {
 /*
  * The layout of the checked page at `page` (v its kvd_page_decode view):
  * attend = 0 for pairs of codecs with no fused kernel over the page and
- * the sequence's codebooks (SVD; one raw side beside a coded one), the PQ
- * codes whatever the codecs. 0 or KVD_ECORRUPT as kvd_codec_section_parse.
+ * the sequence's artifacts (SVD + INT; one raw side beside a coded one),
+ * the PQ codes whatever the codecs. 0 or KVD_ECORRUPT as kvd_codec_section_parse.
  */
 int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_layout *out,
                         kvd_error *err);

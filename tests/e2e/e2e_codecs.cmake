@@ -10,4 +10,11 @@ if(TARGET kvd_e2e_harness)
     add_test(NAME codecs_${name} COMMAND e2e_codecs ${KVD_E2E_SERVER} ${name})
     set_tests_properties(codecs_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()
+  # SVD + raw pages attended in (emulated) GPU memory by the reduced-dimension
+  # kernel, with the same answers.
+  if(TARGET kvdepotd_cuda_emu)
+    add_test(NAME codecs_emu_svd COMMAND e2e_codecs $<TARGET_FILE:kvdepotd_cuda_emu> svd)
+    set_tests_properties(codecs_emu_svd PROPERTIES LABELS e2e TIMEOUT 300
+                         ENVIRONMENT "KVDEPOT_DEVICE=cuda;KVDEPOT_DEVICE_TIER_BYTES=256MiB")
+  endif()
 endif()
