@@ -454,7 +454,7 @@ const kvd_backend_iface cuda_iface = {
     &kvd__cuda_kmeans_ops,
     &kvd__cuda_vq_ops,
     &kvd__cuda_pq_ops,
-    NULL, /* svd: host-side eigen-decomposition of small matrices, not ported */
+    &kvd__cuda_svd_ops, /* projections; the eigendecomposition stays on the host */
     &kvd__cuda_attn_ops,
     cuda_describe,
     cuda_scratch,

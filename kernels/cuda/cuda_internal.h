@@ -34,6 +34,7 @@ extern "C" {
 #include "kvdepot/kmeans.h"
 #include "kvdepot/pq.h"
 #include "kvdepot/quant.h"
+#include "kvdepot/svd.h"
 #include "kvdepot/vq.h"
 }
 
@@ -182,6 +183,7 @@ extern const struct kvd_quant_ops kvd__cuda_quant_ops;
 extern const struct kvd_kmeans_ops kvd__cuda_kmeans_ops;
 extern const struct kvd_vq_ops kvd__cuda_vq_ops;
 extern const struct kvd_pq_ops kvd__cuda_pq_ops;
+extern const struct kvd_svd_ops kvd__cuda_svd_ops;
 extern const struct kvd_attn_ops kvd__cuda_attn_ops;
 
 /* Shared between kmeans.cu, vq.cu and pq.cu: K-means on device points

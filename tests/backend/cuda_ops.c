@@ -36,6 +36,7 @@
 #include "kvdepot/kmeans.h"
 #include "kvdepot/pq.h"
 #include "kvdepot/quant.h"
+#include "kvdepot/svd.h"
 #include "kvdepot/vq.h"
 #include "testutil.h"
 
@@ -408,6 +409,95 @@ static void test_quant_batch(void)
                     free(x), free(hx), free(hq), free(got);
                     dbuf_free(&dx), dbuf_free(&dq);
                 }
+}
+
+/* ---- SVD projections ----------------------------------------------------- */
+
+/* Largest |a - b| over n values, relative to the largest |b| (1 if none). */
+static double rel_err(const float *a, const float *b, size_t n)
+{
+    double m = 0, s = 0;
+    for (size_t i = 0; i < n; i++) {
+        m = fmax(m, fabs((double)a[i] - b[i]));
+        s = fmax(s, fabs((double)b[i]));
+    }
+    return m / (s > 0 ? s : 1);
+}
+
+/* project (rows of every float dtype, contiguous or padded) and unproject,
+ * kept widths 0 < r < D, r = D and r = 0, against the CPU reference: the
+ * projection has the bits of the CPU backend's fast path (what the server
+ * codes SVD pages with), the back-projection those of the reference. */
+static void test_svd(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 29);
+    kvd_backend *fast = tu_cpu_backend(1, 0);
+    enum { D = 64, N = 300, PAD = 24 };
+    float *R = malloc(sizeof(float) * D * D);
+    for (int i = 0; i < D * D; i++)
+        R[i] = tu_rng_normal(&r) / 8.0f;
+    dbuf dR = dbuf_from(R, sizeof(float) * D * D);
+    const int widths[] = {17, D, 0};
+    for (int di = 0; di < 3; di++)
+        for (int pad = 0; pad < 2; pad++)
+            for (int wi = 0; wi < 3; wi++) {
+                const kvd_dtype dt = kFloat[di];
+                const size_t es = kvd_dtype_size(dt);
+                const int rr = widths[wi];
+                const int64_t stride = (int64_t)((D + (pad ? PAD : 0)) * es);
+                float *x = malloc(sizeof(float) * N * D);
+                for (int i = 0; i < N * D; i++)
+                    x[i] = tu_rng_normal(&r);
+                void *c = host_cast(x, (size_t)N * D, dt);
+                unsigned char *hx = calloc(N, (size_t)stride);
+                for (int t = 0; t < N; t++)
+                    memcpy(hx + (size_t)t * stride, (char *)c + (size_t)t * D * es, D * es);
+                free(c);
+                const size_t ny = (size_t)N * (rr ? rr : 1);
+                float *want = calloc(ny, sizeof(float)), *got = calloc(ny, sizeof(float));
+                float *xw = malloc(sizeof(float) * N * D), *xg = malloc(sizeof(float) * N * D);
+                kvd_error e;
+                TU_CHECK(kvd_svd_project(ref, R, D, rr, hx, dt, N, stride, want, &e) == 0,
+                         "ref project: %s", e.msg);
+                dbuf dx = dbuf_from(hx, (size_t)N * stride), dy = dbuf_new(sizeof(float) * ny);
+                dbuf dback = dbuf_new(sizeof(float) * N * D);
+                TU_CHECK(kvd_svd_project(dut, dptr(&dR), D, rr, dptr(&dx), dt, N, stride, dptr(&dy),
+                                         &e) == 0,
+                         "project: %s", e.msg);
+                if (rr) {
+                    dbuf_get(&dy, got, sizeof(float) * (size_t)N * rr);
+                    TU_CHECK(rel_err(got, want, (size_t)N * rr) <= 1e-5,
+                             "project %s pad %d r %d: error %.3g", kvd_dtype_name(dt), pad, rr,
+                             rel_err(got, want, (size_t)N * rr));
+                    float *fy = malloc(sizeof(float) * ny);
+                    TU_CHECK(kvd_svd_project(fast, R, D, rr, hx, dt, N, stride, fy, &e) == 0,
+                             "fast project: %s", e.msg);
+                    TU_CHECK(float_mismatch(got, fy, (size_t)N * rr) == (size_t)-1,
+                             "project %s pad %d r %d: not the bits of the CPU's fast path",
+                             kvd_dtype_name(dt), pad, rr);
+                    free(fy);
+                }
+                TU_CHECK(dbuf_guard_ok(&dy), "project guard");
+                /* back from the reference's projection */
+                dbuf_free(&dy);
+                dy = dbuf_from(want, sizeof(float) * ny);
+                TU_CHECK(kvd_svd_unproject(ref, R, D, rr, want, N, xw, &e) == 0,
+                         "ref unproject: %s", e.msg);
+                TU_CHECK(kvd_svd_unproject(dut, dptr(&dR), D, rr, dptr(&dy), N, dptr(&dback), &e) ==
+                             0,
+                         "unproject: %s", e.msg);
+                dbuf_get(&dback, xg, sizeof(float) * N * D);
+                TU_CHECK(float_mismatch(xg, xw, (size_t)N * D) == (size_t)-1,
+                         "unproject %s pad %d r %d: error %.3g", kvd_dtype_name(dt), pad, rr,
+                         rel_err(xg, xw, (size_t)N * D));
+                TU_CHECK(dbuf_guard_ok(&dback), "unproject guard");
+                free(x), free(hx), free(want), free(got), free(xw), free(xg);
+                dbuf_free(&dx), dbuf_free(&dy), dbuf_free(&dback);
+            }
+    free(R);
+    dbuf_free(&dR);
+    kvd_backend_free(fast);
 }
 
 /* ---- K-means, VQ -------------------------------------------------------- */
@@ -1018,6 +1108,7 @@ static void run_all(void)
     test_hadamard_scale();
     test_quant();
     test_quant_batch();
+    test_svd();
     test_kmeans();
     test_vq();
     test_pq();
