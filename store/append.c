@@ -476,13 +476,6 @@ static void fill_section(const kvd_append *ap, uint8_t *dst, uint64_t t0, uint64
  * raw pages of one window are held at once. */
 #define KVD__ENCODE_WINDOW 32
 
-/* Does the store's device code this sequence's pages (SVD stays on the CPU)? */
-static kvd_backend *coding_device(kvd_store *st, const kvd_seq_codecs *c)
-{
-    kvd_backend *dev = kvd_store_device(st);
-    return dev && !c->k.svd && !c->v.svd ? dev : NULL;
-}
-
 /* The raw K and V of the pages a window codes on the device, put there
  * once for their coding and their PQ codes (NULL m: none there). */
 typedef struct dev_raw {
@@ -526,14 +519,14 @@ static int dev_raw_up(kvd_backend *dev, size_t n, const kvd_page_desc *d, const 
 }
 
 /* Code n sealing pages: on the store's device when it codes them
- * (coding_device), their raw sections put there once (r, kept for their PQ
+ * (kvd_store_device), their raw sections put there once (r, kept for their PQ
  * codes), else, or when the device fails (kvd_store_device_fallback), on
  * the CPU with the thread's coding backend. Same bytes either way. */
 static int encode_pages(kvd_store *st, size_t n, const kvd_page_desc *d, const kvd_seq_codecs *c,
                         const void *const *kp, const void *const *vp, uint8_t **out, size_t *len,
                         dev_raw *r, kvd_error *err)
 {
-    kvd_backend *dev = coding_device(st, c);
+    kvd_backend *dev = kvd_store_device(st);
     if (dev) {
         int rc = dev_raw_up(dev, n, d, kp, vp, r, err);
         if (rc == 0)
@@ -647,7 +640,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
 
     /* The pages go in windows: built raw, the sealing ones to code coded
      * together (one page per window without a coding device), then written. */
-    const uint64_t W = ap->coded && coding_device(st, &ap->codecs) ? KVD__ENCODE_WINDOW : 1;
+    const uint64_t W = ap->coded && kvd_store_device(st) ? KVD__ENCODE_WINDOW : 1;
     kvd_page_desc full = {.dtype = ap->dtype,
                           .page_tokens = B,
                           .num_tokens = B,

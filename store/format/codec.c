@@ -671,17 +671,90 @@ static int encode_vq(kvd_backend *be, const kvd_page_desc *d, const kvd_layer_ar
 static int encode_section(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
                           int is_v, const void *src, uint8_t *dst, kvd_error *err);
 
+/* The prefix and kept widths of an SVD section (H kv heads). */
+static void svd_prefix(uint8_t *dst, const kvd_codec_spec *s, const kvd_layer_arts *la, uint32_t H)
+{
+    memset(dst, 0, svd_widths_end(H));
+    dst[0] = s->codec;
+    st64(dst + 8, la->fingerprint);
+    for (uint32_t h = 0; h < H; h++)
+        st16(dst + KVD_CODEC_ARTS_PREFIX + 2 * h, (uint16_t)la->widths[h]);
+}
+
+/* The inner codec's spec of head h of an SVD side: its own rounding
+ * stream per head. */
+static kvd_codec_spec svd_inner(const kvd_codec_spec *s, uint32_t h)
+{
+    kvd_codec_spec in = *s;
+    in.svd = 0;
+    in.seed ^= 0xd1b54a32d192ed03ull * (h + 1);
+    return in;
+}
+
+/* The head blocks of an SVD section on a device backend (everything in its
+ * memory): each head of the head-major raw section src projected with its
+ * rotation (rot: H x D x D) into y (T x D floats of work space), then
+ * stored raw in the page's dtype or quantized into blocks. The INT blocks'
+ * prefixes are the host's to write (svd_int_prefixes). */
+static int svd_heads(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
+                     const kvd_layer_arts *la, const float *rot, int is_v, const void *src,
+                     uint8_t *blocks, float *y, kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
+    const size_t es = kvd_dtype_size(d->dtype);
+    int rc = 0;
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        const uint32_t r = (uint32_t)la->widths[h];
+        if ((rc = kvd_svd_project(be, rot + (size_t)h * D * D, (int)D, (int)r,
+                                  (const uint8_t *)src + (size_t)h * T * D * es, d->dtype, T,
+                                  (int64_t)(D * es), y, err)))
+            break;
+        if (r == 0) {
+            /* nothing kept of this head: an empty block */
+        } else if (s->codec == KVD_CODEC_RAW && d->dtype == KVD_DTYPE_F32) {
+            rc = kvd_backend_copy2d(be, blocks, sizeof(float) * T * r, y, sizeof(float) * T * r,
+                                    sizeof(float) * T * r, 1, err);
+        } else if (s->codec == KVD_CODEC_RAW) {
+            int64_t sh[2] = {T, r};
+            kvd_tensor in = kvd_tensor_make(KVD_DTYPE_F32, y, 2, sh);
+            kvd_tensor o = kvd_tensor_make(d->dtype, blocks, 2, sh);
+            rc = kvd_convert(be, &o, &in, err);
+        } else {
+            kvd_page_desc one = *d;
+            one.num_kv_heads = 1;
+            one.head_dim = r;
+            one.dtype = KVD_DTYPE_F32;
+            const kvd_codec_spec in = svd_inner(s, h);
+            rc = quantize_heads(be, &one, &in, is_v, y, blocks + KVD_CODEC_SECTION_PREFIX, err);
+        }
+        blocks += svd_block_bytes(s, T, r, d->dtype);
+    }
+    return rc;
+}
+
+/* The prefixes of the INT head blocks of an SVD section at sec (host). */
+static void svd_int_prefixes(uint8_t *sec, const kvd_page_desc *d, const kvd_codec_spec *s,
+                             const kvd_layer_arts *la)
+{
+    if (s->codec == KVD_CODEC_RAW)
+        return;
+    uint8_t *o = sec + svd_widths_end(d->num_kv_heads);
+    for (uint32_t h = 0; h < d->num_kv_heads; h++) {
+        const uint32_t r = (uint32_t)la->widths[h];
+        const kvd_codec_spec in = svd_inner(s, h);
+        if (r)
+            int_prefix(o, &in);
+        o += svd_block_bytes(s, d->num_tokens, r, d->dtype);
+    }
+}
+
 static int encode_svd(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *s,
                       const kvd_layer_arts *la, int is_v, const void *src, uint8_t *dst,
                       kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
     const size_t es = kvd_dtype_size(d->dtype);
-    memset(dst, 0, svd_widths_end(H));
-    dst[0] = s->codec;
-    st64(dst + 8, la->fingerprint);
-    for (uint32_t h = 0; h < H; h++)
-        st16(dst + KVD_CODEC_ARTS_PREFIX + 2 * h, (uint16_t)la->widths[h]);
+    svd_prefix(dst, s, la, H);
     float *y = malloc(sizeof(float) * T * D);
     if (!y)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory encoding a page");
@@ -700,9 +773,7 @@ static int encode_svd(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_s
             one.num_kv_heads = 1;
             one.head_dim = r;
             one.dtype = KVD_DTYPE_F32;
-            kvd_codec_spec in = *s;
-            in.svd = 0;
-            in.seed ^= 0xd1b54a32d192ed03ull * (h + 1);
+            const kvd_codec_spec in = svd_inner(s, h);
             rc = encode_section(be, &one, &in, is_v, y, o, err);
         }
         o += svd_block_bytes(s, T, r, d->dtype);
@@ -1250,30 +1321,36 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
                                const page_job *jobs, const void *const *k, const void *const *v,
                                int in_dev, kvd_error *err)
 {
-    if (jobs[0].ks.svd || jobs[0].vs.svd)
-        return kvd_error_set(err, KVD_EUNSUPP, "page encode: SVD sections are coded on the CPU");
     const uint32_t H = d[0].num_kv_heads, T = d[0].num_tokens, D = d[0].head_dim;
     const size_t rawsec = jobs[0].rawsec;
     const kvd_codec_spec *sp[2] = {&jobs[0].ks, &jobs[0].vs};
     const kvd_layer_arts *la[2] = {jobs[0].kla, jobs[0].vla};
     const uint64_t len[2] = {jobs[0].kb, jobs[0].vb};
     /* Scratch: per coded side, n x ([raw |] arrays); then the K side's
-     * smoothing and each VQ side's codebooks; then one f32 (T, D) work
-     * block for VQ. Every part 256-byte aligned. */
+     * smoothing and each VQ side's codebooks, each SVD side's rotations;
+     * then one f32 (T, D) work block for VQ and SVD. Every part 256-byte
+     * aligned. An SVD side's arrays are its head blocks. */
     size_t pre[2] = {0, 0}, arr[2] = {0, 0}, o_side[2] = {0, 0}, per[2] = {0, 0};
-    size_t o_cb[2] = {0, 0}, o_lam = 0, total = 0, xbytes = 0;
-    int vq[2] = {0, 0};
+    size_t o_cb[2] = {0, 0}, o_rot[2] = {0, 0}, o_lam = 0, total = 0, xbytes = 0;
+    int vq[2] = {0, 0}, svd[2] = {sp[0]->svd, sp[1]->svd};
     for (int i = 0; i < 2; i++) {
-        if (sp[i]->codec == KVD_CODEC_RAW)
+        if (sp[i]->codec == KVD_CODEC_RAW && !svd[i])
             continue;
         vq[i] = sp[i]->codec == KVD_CODEC_VQ;
-        pre[i] = vq[i] ? KVD_CODEC_ARTS_PREFIX : KVD_CODEC_SECTION_PREFIX;
+        pre[i] = svd[i]  ? svd_widths_end(H)
+                 : vq[i] ? KVD_CODEC_ARTS_PREFIX
+                         : KVD_CODEC_SECTION_PREFIX;
         arr[i] = (size_t)len[i] - pre[i];
         per[i] = (in_dev ? 0 : align256(rawsec)) + align256(arr[i]);
         o_side[i] = total;
         total += n * per[i];
     }
     for (int i = 0; i < 2; i++) {
+        if (svd[i]) {
+            o_rot[i] = total;
+            total += align256(sizeof(float) * H * D * D);
+            xbytes = sizeof(float) * T * D;
+        }
         if (!vq[i])
             continue;
         if (i == 0) {
@@ -1288,7 +1365,7 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     total += align256(xbytes);
     uint8_t *m = NULL;
     const size_t o_arr = in_dev ? 0 : align256(rawsec); /* arrays within a page's part */
-    kvd_copy *ops = malloc(sizeof *ops * (2 * n + 3));
+    kvd_copy *ops = malloc(sizeof *ops * (2 * n + 5));
     kvd_tensor *x = malloc(sizeof *x * n * H);
     kvd_qtensor *q = malloc(sizeof *q * n * H);
     uint64_t *seeds = malloc(sizeof *seeds * n * H);
@@ -1298,12 +1375,14 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     for (size_t p = 0; p < n && rc == 0; p++)
         for (int i = 0; i < 2; i++) {
             uint8_t *sec = jobs[p].page + jobs[p].hsize + (i ? jobs[p].kb : 0);
-            if (sp[i]->codec == KVD_CODEC_RAW) {
+            if (sp[i]->codec == KVD_CODEC_RAW && !svd[i]) {
                 if (!in_dev)
                     memcpy(sec, i ? v[p] : k[p], rawsec);
                 continue;
             }
-            if (vq[i])
+            if (svd[i])
+                svd_prefix(sec, sp[i], la[i], H);
+            else if (vq[i])
                 vq_prefix(sec, la[i], i);
             else
                 int_prefix(sec, sp[i]);
@@ -1315,6 +1394,11 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
                                      .to_device = 1};
         }
     for (int i = 0; i < 2 && rc == 0; i++) {
+        if (svd[i])
+            ops[nops++] = (kvd_copy){.dst = m + o_rot[i],
+                                     .src = la[i]->rotation,
+                                     .bytes = sizeof(float) * H * D * D,
+                                     .to_device = 1};
         if (!vq[i])
             continue;
         if (i == 0)
@@ -1328,18 +1412,20 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     if (rc == 0)
         rc = kvd_backend_copy_batch(be, ops, nops, err);
     for (int i = 0; i < 2 && rc == 0; i++) {
-        if (sp[i]->codec == KVD_CODEC_RAW)
+        if (sp[i]->codec == KVD_CODEC_RAW && !svd[i])
             continue;
         for (size_t p = 0; p < n && rc == 0; p++) {
             uint8_t *part = m + o_side[i] + p * per[i];
             const void *raw = in_dev ? (i ? v[p] : k[p]) : part;
-            rc = vq[i] ? vq_heads(be, &d[p], la[i], (const float *)(void *)(m + o_lam),
-                                  (const float *)(void *)(m + o_cb[i]), i, raw, part + o_arr,
-                                  (float *)(void *)(m + o_x), err)
-                       : head_blocks(&d[p], sp[i], i, raw, part + o_arr, x + p * H, q + p * H,
-                                     seeds + p * H, err);
+            rc = svd[i]  ? svd_heads(be, &d[p], sp[i], la[i], (const float *)(void *)(m + o_rot[i]),
+                                     i, raw, part + o_arr, (float *)(void *)(m + o_x), err)
+                 : vq[i] ? vq_heads(be, &d[p], la[i], (const float *)(void *)(m + o_lam),
+                                    (const float *)(void *)(m + o_cb[i]), i, raw, part + o_arr,
+                                    (float *)(void *)(m + o_x), err)
+                         : head_blocks(&d[p], sp[i], i, raw, part + o_arr, x + p * H, q + p * H,
+                                       seeds + p * H, err);
         }
-        if (rc == 0 && !vq[i])
+        if (rc == 0 && !vq[i] && !svd[i])
             rc = kvd_quantize_batch(be, (int)(n * H), x, q, (kvd_rounding)sp[i]->rounding, seeds,
                                     err);
     }
@@ -1347,7 +1433,7 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     for (size_t p = 0; p < n && rc == 0; p++)
         for (int i = 0; i < 2; i++) {
             uint8_t *sec = jobs[p].page + jobs[p].hsize + (i ? jobs[p].kb : 0);
-            if (sp[i]->codec != KVD_CODEC_RAW)
+            if (sp[i]->codec != KVD_CODEC_RAW || svd[i])
                 ops[nops++] = (kvd_copy){.dst = sec + pre[i],
                                          .src = m + o_side[i] + p * per[i] + o_arr,
                                          .bytes = arr[i],
@@ -1358,6 +1444,11 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
         }
     if (rc == 0)
         rc = kvd_backend_copy_batch(be, ops, nops, err);
+    for (size_t p = 0; p < n && rc == 0; p++)
+        for (int i = 0; i < 2; i++)
+            if (svd[i])
+                svd_int_prefixes(jobs[p].page + jobs[p].hsize + (i ? jobs[p].kb : 0), &d[p], sp[i],
+                                 la[i]);
     if (m)
         kvd_backend_scratch_free(be, m);
     free(ops);
@@ -1430,10 +1521,11 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
     int rc = pages_args(be, n, d, ks, vs, k, v, out, len, err);
     if (rc)
         return rc;
-    const int coded = ks->codec != KVD_CODEC_RAW || vs->codec != KVD_CODEC_RAW;
-    if (n > 1 && coded && on_device(be) && !ks->svd && !vs->svd)
+    const int coded =
+        ks->codec != KVD_CODEC_RAW || vs->codec != KVD_CODEC_RAW || ks->svd || vs->svd;
+    if (n > 1 && coded && on_device(be))
         return pages_together(be, n, d, ks, vs, k, v, 0, out, len, err);
-    /* One page at a time: on the CPU, SVD sides, raw pages, a single page. */
+    /* One page at a time: on the CPU, raw pages, a single page. */
     for (size_t p = 0; p < n && rc == 0; p++)
         rc = kvd_page_encode(be, &d[p], ks, vs, k[p], v[p], &out[p], &len[p], err);
     if (rc)
@@ -1454,10 +1546,9 @@ int kvd_pages_encode_device(kvd_backend *be, size_t n, const kvd_page_desc *d,
     if (rc || !n)
         return rc;
     if (!on_device(be))
-        return kvd_error_set(err, KVD_EINVAL, "pages encode: K and V in device memory need a "
-                                              "device backend");
-    if (ks->svd || vs->svd)
-        return kvd_error_set(err, KVD_EUNSUPP, "page encode: SVD sections are coded on the CPU");
+        return kvd_error_set(err, KVD_EINVAL,
+                             "pages encode: K and V in device memory need a "
+                             "device backend");
     return pages_together(be, n, d, ks, vs, k, v, 1, out, len, err);
 }
 

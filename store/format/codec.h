@@ -193,13 +193,14 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
 /*
  * kvd_page_encode of n pages with the same specs: out[i], len[i] are the
  * bytes kvd_page_encode gives for page i. On a device backend, n sealing
- * pages of one layer and shape with INT, VQ or raw sides are coded
- * together: their raw sides (and a VQ side's smoothing and codebooks, once)
- * go up in one batch of copies, an INT side is one quantize batch over every
- * page and head (one launch), a VQ side a transform and an encode launch per
- * page and head, and the coded arrays come down in one batch. Otherwise
- * (the CPU, SVD sides) one page at a time. On failure every out[i] is NULL.
- * Returns as kvd_page_encode.
+ * pages of one layer and shape are coded together: their raw sides (and a
+ * VQ side's smoothing and codebooks, an SVD side's rotations, once) go up in
+ * one batch of copies, an INT side is one quantize batch over every page and
+ * head (one launch), a VQ side a transform and an encode launch per page and
+ * head, an SVD side a projection and its inner codec's launch per page and
+ * head, and the coded arrays come down in one batch. Otherwise (the CPU) one
+ * page at a time. On failure every out[i] is NULL. Returns as
+ * kvd_page_encode.
  */
 int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kvd_codec_spec *ks,
                      const kvd_codec_spec *vs, const void *const *k, const void *const *v,
@@ -211,7 +212,7 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
  * device backend be: only the artifacts go up; a raw side comes down with
  * the coded arrays. For a caller that keeps the raw pages on the device for
  * other work too (the PQ codes of an append). KVD_EINVAL without a device
- * backend or when neither side is coded, KVD_EUNSUPP for SVD sides.
+ * backend or when neither side is coded.
  */
 int kvd_pages_encode_device(kvd_backend *be, size_t n, const kvd_page_desc *d,
                             const kvd_codec_spec *ks, const kvd_codec_spec *vs,

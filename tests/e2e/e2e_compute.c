@@ -938,7 +938,8 @@ static long pages_unlike_cpu(kvdepot_client *c, const kvdepot_model *m, const ch
 {
     kvdepot_artifact *arts = NULL;
     size_t na = 0;
-    const int vq = cs->k.codec == KVDEPOT_CODEC_VQ || cs->v.codec == KVDEPOT_CODEC_VQ;
+    const int vq = cs->k.codec == KVDEPOT_CODEC_VQ || cs->v.codec == KVDEPOT_CODEC_VQ ||
+                   cs->k.svd_removal_rate > 0 || cs->v.svd_removal_rate > 0;
     if (vq && kvdepot_artifacts_get(c, m->name, NULL, 0, &arts, &na) != KVDEPOT_OK)
         return -1;
     size_t cnt = (size_t)m->num_layers * n * m->num_kv_heads * m->head_dim;
@@ -1193,12 +1194,14 @@ static int t_read_pages(kvd_harness *h)
 /*
  * Where the pages are attended. With KVDEPOT_DEVICE=cuda (the server on a
  * GPU, or kvdepotd_cuda_emu on the CPU emulation of one) Stats names the
- * device and whole pages are attended where they lie in its memory: raw,
- * INT4 and INT2 (values on either axis) sequences of odd page counts, in one batch over
- * several ranges (partial pages at both ends, exact pages, the raw tail),
- * also after an eviction brought them back from RocksDB. Every answer
- * equals the client's attention on the data it reads back. With
- * KVDEPOT_DEVICE=cpu nothing is attended on a device.
+ * device, every coded page is coded there with the client's CPU bytes, and
+ * whole pages are attended where they lie in its memory: raw, VQ, INT4,
+ * INT2 (values on either axis) and SVD + raw sequences of odd page counts,
+ * in one batch over several ranges (partial pages at both ends, exact
+ * pages, the raw tail), also after an eviction brought them back from
+ * RocksDB; SVD + INT pages are attended on the CPU. Every answer equals the
+ * client's attention on the data it reads back. With KVDEPOT_DEVICE=cpu
+ * nothing is coded or attended on a device.
  */
 static int t_device(kvd_harness *h)
 {
@@ -1221,7 +1224,8 @@ static int t_device(kvd_harness *h)
     REQUIRE_RC(put_model(c, "dev", 2, 2, 8, 64, 0, KVDEPOT_DTYPE_F16, &ms[0]), KVDEPOT_OK);
     REQUIRE_RC(put_model(c, "dev32", 2, 4, 4, 32, 0, KVDEPOT_DTYPE_F32, &ms[1]), KVDEPOT_OK);
     {
-        /* VQ codebooks for "dev" (d4 b8, keys smoothed and rotated) */
+        /* VQ codebooks for "dev" (d4 b8, keys smoothed and rotated), SVD
+         * rotations and spectra */
         const size_t ns = 1024, cnt = ns * 2 * 64; /* tokens x kv heads x dims */
         uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
         REQUIRE(k && v);
@@ -1242,6 +1246,7 @@ static int t_device(kvd_harness *h)
         ca.vq_sub_dim = 4;
         ca.vq_bits = 8;
         ca.iterations = 4;
+        ca.svd = 1;
         REQUIRE_RC(kvdepot_calibrate(c, &ca, smp, 2, NULL), KVDEPOT_OK);
         free(k);
         free(v);
@@ -1257,6 +1262,12 @@ static int t_device(kvd_harness *h)
         {"dev-vq", {{KVDEPOT_CODEC_VQ, 0, 0, 0, 0, 4, 8}, {KVDEPOT_CODEC_VQ, 0, 0, 0, 0, 4, 8}, 0}},
         {"dev-int4", {{KVDEPOT_CODEC_INT4, 64, 0, 0, 0}, {KVDEPOT_CODEC_INT4, 32, 0, 0, 0}, 0}},
         {"dev-int2", {{KVDEPOT_CODEC_INT2, 64, 1, 0, 5}, {KVDEPOT_CODEC_INT2, 64, 0, 1, 0}, 0}},
+        {"dev-svd", {.k = {.svd_removal_rate = 0.1}, .v = {.svd_removal_rate = 0.1}}, 0},
+        /* last: SVD + INT pages are attended on the CPU */
+        {"dev-svdint",
+         {.k = {.codec = KVDEPOT_CODEC_INT4, .group_size = 32, .svd_removal_rate = 0.1},
+          .v = {.codec = KVDEPOT_CODEC_INT2, .stochastic = 1, .svd_removal_rate = 0.1}},
+         0},
     };
     const size_t ns = sizeof seqs / sizeof seqs[0];
     for (size_t i = 0; i < ns; i++) {
@@ -1269,20 +1280,20 @@ static int t_device(kvd_harness *h)
         CHECK(bad == 0);
     }
     {
-        /* the coded sequences' whole pages (3 x 2 layers x 5) were coded on the GPU */
+        /* the coded sequences' whole pages (5 x 2 layers x 5) were coded on the GPU */
         kvdepot_stats se;
         REQUIRE_RC(kvdepot_stats_get(c, &se), KVDEPOT_OK);
         uint64_t enc = se.device_pages_encoded - st0.device_pages_encoded;
         printf("%llu pages coded on the device\n", (unsigned long long)enc);
         if (on_gpu || on_cpu)
-            CHECK(enc == (on_gpu ? 3 * 2 * 5 : 0));
+            CHECK(enc == (on_gpu ? 5 * 2 * 5 : 0));
         CHECK(se.device_fallbacks == st0.device_fallbacks);
     }
     /* ranges: all, partial pages at both ends, exact pages, tail only */
     const uint64_t ranges[][2] = {{0, 0}, {100, 1100}, {256, 768}, {1280, 0}};
     const size_t nr = sizeof ranges / sizeof ranges[0], nq = ns * nr;
-    kvdepot_attend_query qs[20];
-    float *q[20];
+    kvdepot_attend_query qs[28];
+    float *q[28];
     for (int pass = 0; pass < 2; pass++) {
         kvdepot_stats st1;
         REQUIRE_RC(kvdepot_stats_get(c, &st1), KVDEPOT_OK);
@@ -1330,8 +1341,9 @@ static int t_device(kvd_harness *h)
         printf("pass %d: %llu pages attended on the device, device tier %llu pages\n", pass,
                (unsigned long long)dp, (unsigned long long)st2.tiers[0].pages);
         if (on_gpu) {
-            /* whole pages of a layer: all 5, [100, 1200) 3, [256, 1024) 3 */
-            CHECK(dp == 2 * ns * (5 + 3 + 3));
+            /* whole pages of a layer: all 5, [100, 1200) 3, [256, 1024) 3;
+             * every sequence but the SVD + INT one */
+            CHECK(dp == 2 * (ns - 1) * (5 + 3 + 3));
             CHECK(st2.tiers[0].pages > 0);
         }
         if (on_cpu)
