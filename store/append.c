@@ -543,6 +543,37 @@ static int encode_pages(kvd_store *st, size_t n, const kvd_page_desc *d, const k
                             err);
 }
 
+/*
+ * The PQ codes of the nc pages a window coded on the device (cd, their keys
+ * there in r), made together (kvd__pq_pages_codes) into *codes (malloc'd,
+ * nc x pq bytes): the layer's centroids are trained, if need be, from the
+ * window's first page that seals (ds, kps: its n pages), as the page-by-page
+ * path would. When the device fails in a way kvd_store_device_fallback
+ * takes, *codes is NULL and each page's codes are made on its own.
+ */
+static int pq_window(kvd_append *ap, rocksdb_writebatch_t *b, const kvd_page_desc *ds,
+                     uint8_t *const *kps, uint64_t n, const kvd_page_desc *cd, size_t nc,
+                     const dev_raw *r, uint8_t **codes, kvd_error *err)
+{
+    *codes = NULL;
+    uint64_t first = 0;
+    while (first < n && ds[first].num_tokens != ds[first].page_tokens)
+        first++;
+    const size_t tok_bytes = (size_t)ap->H * ap->D * ap->es;
+    const uint8_t *wk = ap->buf + (size_t)(cd[0].layer - ap->ls) * ap->n * tok_bytes;
+    uint8_t *c = malloc(nc * (size_t)ap->H * cd[0].page_tokens * ap->codecs.pq_m);
+    if (!c)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory for PQ codes");
+    int rc = kvd__pq_pages_codes(&ap->pq, ap->st, ap->s, &ap->codecs, b, &ds[first], kps[first], wk,
+                                 ap->ts, ap->ts + ap->n, nc, cd, r->k, c, err);
+    if (rc == 0) {
+        *codes = c;
+        return 0;
+    }
+    free(c);
+    return kvd_store_device_fallback(ap->st, rc, err) ? 0 : rc;
+}
+
 static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_writebatch_t *b,
                        kvd__layer *nl, kvd_error *err)
 {
@@ -655,6 +686,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     int code_it[KVD__ENCODE_WINDOW];
     const struct given_page *given[KVD__ENCODE_WINDOW];
     dev_raw draw = {0};
+    uint8_t *pqc = NULL; /* the PQ codes of a window's coded pages, or NULL */
+    const size_t pq_bytes = (size_t)ap->H * B * ap->codecs.pq_m;
     for (uint64_t w0 = first; w0 < npages && rc == 0; w0 += W) {
         const uint64_t w1 = w0 + W < npages ? w0 + W : npages;
         size_t nc = 0;
@@ -710,6 +743,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         }
         if (rc == 0 && nc)
             rc = encode_pages(st, nc, cd, &ap->codecs, ck, cv, coded, clen, &draw, err);
+        if (rc == 0 && nc && draw.m && ap->codecs.pq_m)
+            rc = pq_window(ap, b, ds, kps, w1 - w0, cd, nc, &draw, &pqc, err);
         for (uint64_t pi = w0, ci = 0; pi < w1 && rc == 0; pi++) {
             const size_t at = (size_t)(pi - w0);
             const kvd_page_desc *d = &ds[at];
@@ -717,7 +752,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             const uint8_t *wbytes = raw[at];
             size_t wlen = (size_t)np->bytes;
             uint8_t *own = NULL;
-            const void *kdev = NULL; /* its raw K on the device */
+            const uint8_t *ready = NULL; /* its PQ codes, made with the window's */
             const struct given_page *gp = given[at];
             if (gp) {
                 /* Encoded once at the client: these bytes are what is stored. */
@@ -726,14 +761,14 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             } else if (code_it[at]) {
                 wbytes = own = coded[ci];
                 wlen = clen[ci];
-                kdev = draw.m && kvd_store_device(st) ? draw.k[ci] : NULL;
+                ready = pqc ? pqc + ci * pq_bytes : NULL;
                 coded[ci++] = NULL;
             }
             np->bytes = wlen;
             if (ap->codecs.pq_m && d->num_tokens == B) {
                 /* The page seals: add its PQ codes (pqindex.h). */
                 uint8_t *withpq = NULL;
-                rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, d, kps[at], kdev, wk,
+                rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, d, kps[at], ready, wk,
                                           ap->ts, end, wbytes, wlen, &withpq, &wlen, err);
                 free(own);
                 own = NULL;
@@ -753,6 +788,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             coded[i] = NULL;
         }
         dev_raw_free(&draw);
+        free(pqc);
+        pqc = NULL;
     }
     for (size_t i = 0; i < KVD__ENCODE_WINDOW; i++)
         free(raw[i]);

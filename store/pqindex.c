@@ -273,8 +273,8 @@ static int layer_on_device(struct kvd__pq_append *ps, struct pq_layer *L, kvd_ba
  * come down; keys is work space of B * D floats in be's memory (NULL on a
  * device: taken from its scratch). */
 static int page_codes(kvd_backend *be, int on_dev, const kvd_page_desc *d, uint32_t M,
-                      uint32_t bits, const float *cent, const uint8_t *k_page, const void *k_dev,
-                      float *keys, uint8_t *codes, kvd_error *err)
+                      uint32_t bits, const float *cent, const uint8_t *k_page, float *keys,
+                      uint8_t *codes, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
     const size_t es = kvd_dtype_size(d->dtype), raw = (size_t)H * B * D * es;
@@ -283,16 +283,14 @@ static int page_codes(kvd_backend *be, int on_dev, const kvd_page_desc *d, uint3
     const uint8_t *src = k_page;
     int rc = 0;
     if (on_dev) {
-        /* The keys go up unless they lie on the device already (k_dev). */
-        const size_t o_keys = k_dev ? 0 : align256(raw);
-        const size_t o_codes = o_keys + align256(sizeof(float) * B * D);
+        const size_t o_keys = align256(raw), o_codes = o_keys + align256(sizeof(float) * B * D);
         if ((rc = kvd_backend_scratch(be, o_codes + (size_t)H * B * M, (void **)&m, err)))
             return rc;
-        if (!k_dev && (rc = kvd_backend_upload(be, m, k_page, raw, err))) {
+        if ((rc = kvd_backend_upload(be, m, k_page, raw, err))) {
             kvd_backend_scratch_free(be, m);
             return rc;
         }
-        src = k_dev ? k_dev : m;
+        src = m;
         keys = (float *)(void *)(m + o_keys);
         dst = m + o_codes;
     }
@@ -314,16 +312,13 @@ static int page_codes(kvd_backend *be, int on_dev, const kvd_page_desc *d, uint3
     return rc;
 }
 
-int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd__seq *s,
-                         const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
-                         const kvd_page_desc *d, const uint8_t *k_page, const void *k_dev,
-                         const uint8_t *wire_k, uint64_t wire_ts, uint64_t wire_end,
-                         const uint8_t *in, size_t in_len, uint8_t **out, size_t *out_len,
-                         kvd_error *err)
+/* The append's state and layer d->layer's centroids, loaded or trained
+ * (from this page and the append's keys after it) at its first page. */
+static int layer_ready(struct kvd__pq_append **state, kvd_store *st, const kvd__seq *s,
+                       const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
+                       const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *wire_k,
+                       uint64_t wire_ts, uint64_t wire_end, struct pq_layer **out, kvd_error *err)
 {
-    *out = NULL;
-    *out_len = 0;
-    kvd_backend *be = kvd_store_coding_backend(st);
     if (d->layer >= s->num_layers || d->num_tokens != d->page_tokens)
         return kvd_error_set(err, KVD_EINVAL, "PQ codes for a page that does not seal");
     int rc;
@@ -339,14 +334,14 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
         ps->num_layers = s->num_layers;
         *state = ps;
     }
-    const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens, M = c->pq_m;
+    const uint32_t H = d->num_kv_heads, D = d->head_dim, M = c->pq_m;
     struct pq_layer *L = &ps->layers[d->layer];
     if (!L->known) {
         int found = 0;
         if ((rc = kvd_store_pq_centroids_get(st, s->id, s->id_len, d->layer, &L->c, &found, err)))
             return rc;
-        if (!found && (rc = train_layer(st, be, kvd_store_backend(st), c, b, s, d, k_page, wire_k,
-                                        wire_ts, wire_end, &L->c, err))) {
+        if (!found && (rc = train_layer(st, kvd_store_coding_backend(st), kvd_store_backend(st), c,
+                                        b, s, d, k_page, wire_k, wire_ts, wire_end, &L->c, err))) {
             kvd_pq_centroids_clear(&L->c);
             return rc;
         }
@@ -357,6 +352,76 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
                              "stored PQ centroids of layer %u (%u heads x %u, m %u, %u bits) do "
                              "not match the sequence",
                              d->layer, L->c.num_kv_heads, L->c.head_dim, L->c.m, L->c.bits);
+    *out = L;
+    return 0;
+}
+
+int kvd__pq_pages_codes(struct kvd__pq_append **state, kvd_store *st, const kvd__seq *s,
+                        const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
+                        const kvd_page_desc *train_d, const uint8_t *train_k, const uint8_t *wire_k,
+                        uint64_t wire_ts, uint64_t wire_end, size_t n, const kvd_page_desc *d,
+                        const void *const *k_dev, uint8_t *codes, kvd_error *err)
+{
+    struct pq_layer *L;
+    int rc = layer_ready(state, st, s, c, b, train_d, train_k, wire_k, wire_ts, wire_end, &L, err);
+    kvd_backend *dev = kvd_store_device(st);
+    if (rc || !n)
+        return rc;
+    if (!dev)
+        return kvd_error_set(err, KVD_EINVAL, "PQ codes on the device: the store has none");
+    const uint32_t H = d[0].num_kv_heads, D = d[0].head_dim, B = d[0].page_tokens, M = c->pq_m;
+    const size_t es = kvd_dtype_size(d[0].dtype), per = (size_t)H * B * M;
+    const float *dc = NULL;
+    uint8_t *m = NULL;
+    const size_t o_codes = align256(sizeof(float) * B * D);
+    if ((rc = layer_on_device(*state, L, dev, &dc, err)) ||
+        (rc = kvd_backend_scratch(dev, o_codes + n * per, (void **)&m, err)))
+        return rc;
+    float *keys = (float *)(void *)m;
+    const uint64_t per_head = cent_floats(1, D, c->pq_bits);
+    for (size_t p = 0; p < n && rc == 0; p++) {
+        if (d[p].layer != train_d->layer || d[p].num_tokens != B || d[p].num_kv_heads != H ||
+            d[p].head_dim != D) {
+            rc = kvd_error_set(err, KVD_EINVAL,
+                               "PQ codes: page %zu is not a sealing page of "
+                               "the layer",
+                               p);
+            break;
+        }
+        for (uint32_t h = 0; h < H && rc == 0; h++) {
+            if ((rc = to_f32(dev, d[p].dtype, (const uint8_t *)k_dev[p] + (size_t)h * B * D * es, B,
+                             D, (int64_t)(D * es), keys, err)))
+                break;
+            int64_t ks[2] = {B, D}, cs[3] = {M, (int64_t)1 << c->pq_bits, D / M}, ds[2] = {B, M};
+            kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, keys, 2, ks);
+            kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, (float *)dc + h * per_head, 3, cs);
+            kvd_tensor td =
+                kvd_tensor_make(KVD_DTYPE_U8, m + o_codes + p * per + (size_t)h * B * M, 2, ds);
+            rc = kvd_pq_encode(dev, &tk, &tc, &td, err);
+        }
+    }
+    if (rc == 0)
+        rc = kvd_backend_download(dev, codes, m + o_codes, n * per, err);
+    kvd_backend_scratch_free(dev, m);
+    return rc;
+}
+
+int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd__seq *s,
+                         const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
+                         const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *ready,
+                         const uint8_t *wire_k, uint64_t wire_ts, uint64_t wire_end,
+                         const uint8_t *in, size_t in_len, uint8_t **out, size_t *out_len,
+                         kvd_error *err)
+{
+    *out = NULL;
+    *out_len = 0;
+    kvd_backend *be = kvd_store_coding_backend(st);
+    struct pq_layer *L;
+    int rc = layer_ready(state, st, s, c, b, d, k_page, wire_k, wire_ts, wire_end, &L, err);
+    if (rc)
+        return rc;
+    struct kvd__pq_append *ps = *state;
+    const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens, M = c->pq_m;
     if (ps->cap_keys < (size_t)B * D) {
         float *k = realloc(ps->keys, sizeof(float) * (size_t)B * D);
         if (!k)
@@ -378,11 +443,14 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
     uint8_t *codes = sec + KVD_PAGE_PQ_HEADER;
     kvd_backend *dev = kvd_store_device(st);
     rc = -1;
-    if (dev) {
+    if (ready) {
+        memcpy(codes, ready, (size_t)H * B * M);
+        rc = 0;
+    } else if (dev) {
         /* On the device (the CPU's codes), or on the CPU when it fails. */
         const float *dc = NULL;
         if ((rc = layer_on_device(ps, L, dev, &dc, err)) == 0)
-            rc = page_codes(dev, 1, d, M, c->pq_bits, dc, k_page, k_dev, NULL, codes, err);
+            rc = page_codes(dev, 1, d, M, c->pq_bits, dc, k_page, NULL, codes, err);
         if (rc == 0 && c->k.codec == KVD_CODEC_RAW && c->v.codec == KVD_CODEC_RAW)
             atomic_fetch_add(&st->tiers.device_pages_encoded, 1); /* else counted by its codec */
         if (rc && !kvd_store_device_fallback(st, rc, err)) {
@@ -391,7 +459,7 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
         }
     }
     if (rc)
-        rc = page_codes(be, 0, d, M, c->pq_bits, L->c.data, k_page, NULL, ps->keys, codes, err);
+        rc = page_codes(be, 0, d, M, c->pq_bits, L->c.data, k_page, ps->keys, codes, err);
     if (rc) {
         free(page);
         return rc;

@@ -99,8 +99,8 @@ struct rocksdb_writebatch_t;
  * @param[in,out] state   per-append cache, NULL at first (kvd__pq_append_free)
  * @param[in] k_page      the page's keys as appended, (kv_head, token, dim)
  *                        in d->dtype, page_tokens tokens
- * @param[in] k_dev       the same keys in the memory of the store's device,
- *                        or NULL (they go up when the codes are made there)
+ * @param[in] ready       the page's codes (H, page_tokens, m) made already
+ *                        (kvd__pq_pages_codes), or NULL: made here
  * @param[in] wire_k      keys of the append, (token, kv_head, dim), tokens
  *                        [wire_ts, wire_end): training keys after the page
  * @return 0; KVD_ECORRUPT (invalid page, stored centroids of another
@@ -109,10 +109,26 @@ struct rocksdb_writebatch_t;
  */
 int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const struct kvd__seq *s,
                          const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
-                         const kvd_page_desc *d, const uint8_t *k_page, const void *k_dev,
+                         const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *ready,
                          const uint8_t *wire_k, uint64_t wire_ts, uint64_t wire_end,
                          const uint8_t *in, size_t in_len, uint8_t **out, size_t *out_len,
                          kvd_error *err);
+
+/*
+ * The PQ codes of n sealing pages of one layer on the store's device,
+ * together: their keys lie there already (k_dev[p], head-major (H, B, D) in
+ * d[p].dtype), each head is converted and coded there, and the codes of all
+ * come down in one copy into codes (n x (H, B, m) bytes, page after page),
+ * for kvd__pq_page_section's `ready`. The layer's centroids are loaded, or
+ * trained from train_d / train_k (its first page needing codes, as
+ * kvd__pq_page_section would) first. The device's errors are returned as
+ * they are (kvd_store_device_fallback decides).
+ */
+int kvd__pq_pages_codes(struct kvd__pq_append **state, kvd_store *st, const struct kvd__seq *s,
+                        const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b,
+                        const kvd_page_desc *train_d, const uint8_t *train_k, const uint8_t *wire_k,
+                        uint64_t wire_ts, uint64_t wire_end, size_t n, const kvd_page_desc *d,
+                        const void *const *k_dev, uint8_t *codes, kvd_error *err);
 
 void kvd__pq_append_free(struct kvd__pq_append *state);
 
