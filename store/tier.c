@@ -506,6 +506,19 @@ static kvd__centry *entry_settled(kvd__cache *c, uint64_t id)
     return e;
 }
 
+/* Put e (in no tier's list) in the device tier at pool range off. */
+static void place_device(kvd__cache *c, kvd__centry *e, uint64_t off, uint64_t alloc)
+{
+    e->data = c->dpool.base + off;
+    e->off = off;
+    e->alloc = alloc;
+    e->tier = KVD_TIER_DEVICE;
+    kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
+    lru_push(t, e);
+    t->used += alloc;
+    t->pages++;
+}
+
 /*
  * Move host-tier entries that the caller pinned, and nobody else, to the
  * device tier as one batch of copies (up to KVD__DOWN_BATCH): each is
@@ -559,14 +572,7 @@ static size_t promote_chunk(kvd__cache *c, kvd__centry *const *es, size_t n)
         tier_detach(c, e);
         entry_set_layout(c, e, e->data);
         host_give(c, e);
-        e->data = c->dpool.base + offs[i];
-        e->off = offs[i];
-        e->alloc = alloc;
-        e->tier = KVD_TIER_DEVICE;
-        kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
-        lru_push(t, e);
-        t->used += alloc;
-        t->pages++;
+        place_device(c, e, offs[i], alloc);
         atomic_fetch_add(&c->promotions, 1);
         moved++;
     }
@@ -777,14 +783,7 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
         uint64_t off;
         if (device_alloc(c, alloc, NULL, &off) == 0) {
             /* In the device tier at once, pinned while its bytes go up. */
-            e->tier = KVD_TIER_DEVICE;
-            e->data = c->dpool.base + off;
-            e->off = off;
-            e->alloc = alloc;
-            kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
-            lru_push(t, e);
-            t->used += alloc;
-            t->pages++;
+            place_device(c, e, off, alloc);
             up[k] = i;
             ops[k++] =
                 (kvd_copy){.dst = e->data, .src = ps[i].page, .bytes = e->len, .to_device = 1};

@@ -691,8 +691,8 @@ static kvd_codec_spec svd_inner(const kvd_codec_spec *s, uint32_t h)
     return in;
 }
 
-/* The head blocks of an SVD section on a device backend (everything in its
- * memory): each head of the head-major raw section src projected with its
+/* The head blocks of an SVD section (src, rot, blocks and y in memory of
+ * be): each head of the head-major raw section src projected with its
  * rotation (rot: H x D x D) into y (T x D floats of work space), then
  * stored raw in the page's dtype or quantized into blocks. The INT blocks'
  * prefixes are the host's to write (svd_int_prefixes). */
@@ -742,9 +742,10 @@ static void svd_int_prefixes(uint8_t *sec, const kvd_page_desc *d, const kvd_cod
     for (uint32_t h = 0; h < d->num_kv_heads; h++) {
         const uint32_t r = (uint32_t)la->widths[h];
         const kvd_codec_spec in = svd_inner(s, h);
-        if (r)
+        const uint64_t bytes = svd_block_bytes(s, d->num_tokens, r, d->dtype);
+        if (bytes)
             int_prefix(o, &in);
-        o += svd_block_bytes(s, d->num_tokens, r, d->dtype);
+        o += bytes;
     }
 }
 
@@ -752,33 +753,15 @@ static int encode_svd(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_s
                       const kvd_layer_arts *la, int is_v, const void *src, uint8_t *dst,
                       kvd_error *err)
 {
-    const uint32_t H = d->num_kv_heads, T = d->num_tokens, D = d->head_dim;
-    const size_t es = kvd_dtype_size(d->dtype);
-    svd_prefix(dst, s, la, H);
-    float *y = malloc(sizeof(float) * T * D);
+    svd_prefix(dst, s, la, d->num_kv_heads);
+    float *y = malloc(sizeof(float) * d->num_tokens * d->head_dim);
     if (!y)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory encoding a page");
-    uint8_t *o = dst + svd_widths_end(H);
-    int rc = 0;
-    for (uint32_t h = 0; h < H && rc == 0; h++) {
-        const uint32_t r = (uint32_t)la->widths[h];
-        if ((rc = kvd_svd_project(be, la->rotation + (size_t)h * D * D, (int)D, (int)r,
-                                  (const uint8_t *)src + (size_t)h * T * D * es, d->dtype, T,
-                                  (int64_t)(D * es), y, err)))
-            break;
-        if (s->codec == KVD_CODEC_RAW) {
-            rc = f32_to(be, y, d->dtype, T, r, o, err);
-        } else {
-            kvd_page_desc one = *d;
-            one.num_kv_heads = 1;
-            one.head_dim = r;
-            one.dtype = KVD_DTYPE_F32;
-            const kvd_codec_spec in = svd_inner(s, h);
-            rc = encode_section(be, &one, &in, is_v, y, o, err);
-        }
-        o += svd_block_bytes(s, T, r, d->dtype);
-    }
+    int rc = svd_heads(be, d, s, la, la->rotation, is_v, src, dst + svd_widths_end(d->num_kv_heads),
+                       y, err);
     free(y);
+    if (rc == 0)
+        svd_int_prefixes(dst, d, s, la);
     return rc;
 }
 
