@@ -45,8 +45,8 @@ uint64_t kvd_compute_device_pages(void)
 static void merge_item(kvd_attn_merge_args *m, const kvd_attn_dims *d, float *a, float *b,
                        size_t b_lse_at, float *out)
 {
-    const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
-    int64_t qsh[2] = {d->n_q_heads, d->head_dim}, lsh[1] = {d->n_q_heads};
+    const size_t qf = (size_t)d->n_q_heads * (size_t)d->v_dim;
+    int64_t qsh[2] = {d->n_q_heads, d->v_dim}, lsh[1] = {d->n_q_heads};
     m->out_a = kvd_tensor_make(KVD_DTYPE_F32, a, 2, qsh);
     m->lse_a = kvd_tensor_make(KVD_DTYPE_F32, a + qf, 1, lsh);
     m->out_b = kvd_tensor_make(KVD_DTYPE_F32, b, 2, qsh);
@@ -117,13 +117,7 @@ static int svd_check(const kvd__devq *q, const kvd_page_layout *l, vq_books *b, 
         return kvd_error_set(err, KVD_EPRECOND,
                              "SVD page: artifact fingerprints differ from the sequence's (coded "
                              "with other artifacts)");
-    uint64_t wk = 0, wv = 0;
-    for (int h = 0; h < q->dims.n_kv_heads; h++) {
-        wk += (uint64_t)k->widths[h];
-        wv += (uint64_t)v->widths[h];
-    }
-    if ((uint64_t)l->k.codes.shape[0] != wk * l->num_tokens ||
-        (uint64_t)l->v.codes.shape[0] != wv * l->num_tokens)
+    if (!kvd_page_layout_svd_fits(l, k->widths, v->widths))
         return kvd_error_set(err, KVD_EPRECOND,
                              "SVD page: its kept widths differ from the sequence's");
     if (!b->sk) {
@@ -236,12 +230,41 @@ static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q
     a->lse = tl;
 }
 
-int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_error *err)
+/* Query i of a device_batch that stands for kv head h of an SVD + INT
+ * query (parent >= 0): its q is the parent's projected, its pages the
+ * parent's SVD + INT pages, read at head h's block. */
+typedef struct sub_head {
+    long parent;
+    uint32_t h;
+} sub_head;
+
+/* The INT item of kv head sh->h of an SVD + INT page, at its widths. */
+static void svd_int_item(const kvd_page_handle *ph, const kvd__devq *q, const sub_head *sh,
+                         float *dq, float *slot, kvd_attn_int_args *a)
+{
+    const kvd_page_layout *l = ph->layout;
+    const kvd_layer_arts *k = &q->arts->k[q->layer], *v = &q->arts->v[q->layer];
+    const int G = q->dims.n_q_heads, rk = q->dims.head_dim, rv = q->dims.v_dim;
+    int64_t qs[2] = {G, rk}, os[2] = {G, rv}, ls[1] = {G};
+    int64_t kt[3] = {1, 0, rk}, vt[3] = {1, 0, rv};
+    a->dims = q->dims;
+    a->q = kvd_tensor_make(KVD_DTYPE_F32, dq, 2, qs);
+    a->n_tokens = l->num_tokens;
+    kvd_page_layout_svd_head(l, ph->device, KVD_SECTION_K, k->widths, sh->h, &a->k);
+    kvd_page_layout_svd_head(l, ph->device, KVD_SECTION_V, v->widths, sh->h, &a->v);
+    a->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, kt);
+    a->v_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, vt);
+    a->out = kvd_tensor_make(KVD_DTYPE_F32, slot, 2, os);
+    a->lse = kvd_tensor_make(KVD_DTYPE_F32, slot + (size_t)G * rv, 1, ls);
+}
+
+static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_head *sub,
+                        kvd_error *err)
 {
     /* Device memory, in floats: per query its q and one slot (out, lse) per
      * page; then every query's result, back to back; then one empty result
      * (out 0, lse -inf) that the last merge takes in. */
-    size_t npages = 0, hq_max = 0, qf_max = 0, total = 0;
+    size_t npages = 0, counted = 0, hq_max = 0, of_max = 0, total = 0;
     size_t *off = calloc(3 * nq + 1, sizeof *off); /* q, slots, result of query i */
     vq_books *books = calloc(nq + 1, sizeof *books);
     size_t *m = calloc(nq + 1, sizeof *m); /* slots still to merge */
@@ -258,7 +281,8 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
     }
     for (size_t i = 0; i < nq; i++) {
         const size_t hq = (size_t)qs[i].dims.n_q_heads, qf = hq * (size_t)qs[i].dims.head_dim;
-        for (size_t p = 0; p < qs[i].np; p++)
+        const size_t of = hq * (size_t)qs[i].dims.v_dim;
+        for (size_t p = 0; p < qs[i].np && sub[i].parent < 0; p++)
             if (qs[i].pages[p].layout->num_kv_heads != (uint32_t)qs[i].dims.n_kv_heads ||
                 qs[i].pages[p].layout->head_dim != (uint32_t)qs[i].dims.head_dim) {
                 rc = kvd_error_set(
@@ -267,23 +291,24 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
                     qs[i].dims.n_kv_heads, qs[i].dims.head_dim);
                 goto done;
             }
-        for (size_t p = 0; p < qs[i].np; p++) {
+        for (size_t p = 0; p < qs[i].np && sub[i].parent < 0; p++) {
             const kvd_page_layout *l = qs[i].pages[p].layout;
             if ((l->k_codec == KVD_CODEC_VQ && (rc = vq_check(&qs[i], l, &books[i], err))) ||
                 (l->k_codec == KVD_CODEC_SVD && (rc = svd_check(&qs[i], l, &books[i], err))))
                 goto done;
         }
         npages += qs[i].np;
+        counted += sub[i].parent < 0 || sub[i].h == 0 ? qs[i].np : 0;
         hq_max = hq > hq_max ? hq : hq_max;
-        qf_max = qf > qf_max ? qf : qf_max;
+        of_max = of > of_max ? of : of_max;
         off[3 * i] = total;
         off[3 * i + 1] = total + qf;
-        total += qf + qs[i].np * (qf + hq);
+        total += qf + qs[i].np * (of + hq);
     }
     const size_t res_base = total;
     for (size_t i = 0; i < nq; i++) {
         off[3 * i + 2] = total;
-        total += (size_t)qs[i].dims.n_q_heads * ((size_t)qs[i].dims.head_dim + 1);
+        total += (size_t)qs[i].dims.n_q_heads * ((size_t)qs[i].dims.v_dim + 1);
     }
     /* the codebooks of the queries with VQ pages */
     for (size_t i = 0; i < nq; i++) {
@@ -297,7 +322,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         }
     }
     const size_t empty = total;
-    total += qf_max + hq_max;
+    total += of_max + hq_max;
     ia = calloc(npages + 1, sizeof *ia);
     da = calloc(npages + 1, sizeof *da);
     va = calloc(npages + 1, sizeof *va);
@@ -311,10 +336,10 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
     for (size_t i = 0; i < nq; i++)
         memcpy(host + off[3 * i], qs[i].q,
                sizeof(float) * (size_t)qs[i].dims.n_q_heads * (size_t)qs[i].dims.head_dim);
-    for (size_t j = 0; j < qf_max; j++)
+    for (size_t j = 0; j < of_max; j++)
         host[empty + j] = 0.0f;
     for (size_t j = 0; j < hq_max; j++)
-        host[empty + qf_max + j] = -INFINITY;
+        host[empty + of_max + j] = -INFINITY;
     if ((rc = kvd_backend_scratch(dev, sizeof(float) * total, (void **)&buf, err)))
         goto done;
     for (size_t i = 0; i < nq; i++) {
@@ -329,10 +354,14 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
     size_t ni = 0, nd = 0, nv = 0, ns = 0;
     for (size_t i = 0; i < nq; i++) {
         const kvd_attn_dims *d = &qs[i].dims;
-        const size_t sl = (size_t)d->n_q_heads * ((size_t)d->head_dim + 1);
+        const size_t sl = (size_t)d->n_q_heads * ((size_t)d->v_dim + 1);
         for (size_t p = 0; p < qs[i].np; p++)
-            page_item(&qs[i].pages[p], d, buf + off[3 * i], buf + off[3 * i + 1] + p * sl,
-                      &books[i], da, &nd, ia, &ni, va, &nv, sa, &ns);
+            if (sub[i].parent >= 0)
+                svd_int_item(&qs[i].pages[p], &qs[i], &sub[i], buf + off[3 * i],
+                             buf + off[3 * i + 1] + p * sl, &ia[ni++]);
+            else
+                page_item(&qs[i].pages[p], d, buf + off[3 * i], buf + off[3 * i + 1] + p * sl,
+                          &books[i], da, &nd, ia, &ni, va, &nv, sa, &ns);
         m[i] = qs[i].np;
     }
     if ((rc = kvd_attn_quant(dev, (int)ni, ia, err)) ||
@@ -349,7 +378,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
             last &= m[i] <= 1;
         for (size_t i = 0; i < nq; i++) {
             const kvd_attn_dims *d = &qs[i].dims;
-            const size_t sl = (size_t)d->n_q_heads * ((size_t)d->head_dim + 1);
+            const size_t sl = (size_t)d->n_q_heads * ((size_t)d->v_dim + 1);
             float *slots = buf + off[3 * i + 1];
             if (!last && m[i] > 1) {
                 size_t half = (m[i] + 1) / 2;
@@ -358,7 +387,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
                                slots + j * sl);
                 m[i] = half;
             } else if (last && m[i] == 1) {
-                merge_item(&ma[n++], d, slots, buf + empty, qf_max, buf + off[3 * i + 2]);
+                merge_item(&ma[n++], d, slots, buf + empty, of_max, buf + off[3 * i + 2]);
             }
         }
         if ((rc = kvd_attn_merge(dev, (int)n, ma, err)))
@@ -368,7 +397,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
                                    sizeof(float) * (empty - res_base), err)))
         goto done;
     for (size_t i = 0; i < nq; i++) {
-        const size_t hq = (size_t)qs[i].dims.n_q_heads, qf = hq * (size_t)qs[i].dims.head_dim;
+        const size_t hq = (size_t)qs[i].dims.n_q_heads, qf = hq * (size_t)qs[i].dims.v_dim;
         if (qs[i].np == 0) {
             memset(qs[i].out, 0, sizeof(float) * qf);
             for (size_t h = 0; h < hq; h++)
@@ -378,7 +407,7 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         memcpy(qs[i].out, host + off[3 * i + 2], sizeof(float) * qf);
         memcpy(qs[i].lse, host + off[3 * i + 2] + qf, sizeof(float) * hq);
     }
-    atomic_fetch_add(&device_pages, npages);
+    atomic_fetch_add(&device_pages, counted);
 done:
     kvd_backend_scratch_free(dev, buf);
     free(host);
@@ -390,5 +419,155 @@ done:
     free(m);
     free(off);
     free(books);
+    return rc;
+}
+
+static int is_svd_int(const kvd_page_layout *l)
+{
+    return l->k_codec == KVD_CODEC_SVD && l->k_svd.codec != KVD_CODEC_RAW;
+}
+
+/* (out, lse) of hq heads x dv takes in (ob, lb): the log-sum-exp merge. */
+static void merge_host(size_t hq, size_t dv, float *out, float *lse, const float *ob,
+                       const float *lb)
+{
+    for (size_t g = 0; g < hq; g++) {
+        const float m = lse[g] > lb[g] ? lse[g] : lb[g];
+        if (m == -INFINITY)
+            continue;
+        const double wa = exp((double)lse[g] - m), wb = exp((double)lb[g] - m), s = wa + wb;
+        for (size_t j = 0; j < dv; j++)
+            out[g * dv + j] = (float)((wa * out[g * dv + j] + wb * ob[g * dv + j]) / s);
+        lse[g] = (float)(m + log(s));
+    }
+}
+
+/*
+ * The SVD + INT pages of a query attend per kv head h, as the CPU does:
+ * the query heads of h projected with h's key rotation at its kept width
+ * (here, on the host: a few hundred values), the INT kernel over h's block
+ * of every page at the reduced widths, the output rotated back with h's
+ * value rotation. Each (query, kv head) becomes a query of its own in
+ * device_batch, after the queries themselves; their results are rotated
+ * back and merged into their query's here.
+ */
+int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_error *err)
+{
+    size_t nsub = 0, nsvd = 0;
+    for (size_t i = 0; i < nq; i++)
+        for (size_t p = 0; p < qs[i].np; p++)
+            if (is_svd_int(qs[i].pages[p].layout)) {
+                nsub += (size_t)qs[i].dims.n_kv_heads;
+                nsvd += qs[i].np;
+                break;
+            }
+    const size_t na = nq + nsub;
+    kvd__devq *all = calloc(na, sizeof *all);
+    sub_head *sub = calloc(na, sizeof *sub);
+    kvd_page_handle *split = calloc(nsvd + 1, sizeof *split);
+    float *work = NULL; /* per sub query: q, out, lse; per query with SVD + INT pages: out, lse */
+    size_t nwork = 0;
+    int rc = 0;
+    if (!all || !sub || !split) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    for (size_t i = 0; i < nq; i++) {
+        all[i] = qs[i];
+        sub[i].parent = -1;
+        const size_t D = (size_t)qs[i].dims.head_dim, hq = (size_t)qs[i].dims.n_q_heads;
+        for (size_t p = 0; p < qs[i].np; p++)
+            if (is_svd_int(qs[i].pages[p].layout)) {
+                nwork += hq * (3 * D + 2) + hq * (D + 1);
+                break;
+            }
+    }
+    if (nsub && !(work = malloc(sizeof(float) * nwork))) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    /* Split each query's pages: the others stay its own, its SVD + INT
+     * pages (put after them in split) go to its per-head queries. */
+    size_t k = nq, at = 0, w = 0;
+    for (size_t i = 0; i < nq && rc == 0; i++) {
+        kvd_page_handle *mine = split + at;
+        size_t nmine = 0, nsv = 0;
+        vq_books b;
+        memset(&b, 0, sizeof b);
+        for (size_t p = 0; p < qs[i].np; p++)
+            if (is_svd_int(qs[i].pages[p].layout)) {
+                if ((rc = svd_check(&qs[i], qs[i].pages[p].layout, &b, err)))
+                    break;
+                nsv++;
+            }
+        if (rc || !nsv)
+            continue;
+        for (size_t p = 0; p < qs[i].np; p++)
+            if (!is_svd_int(qs[i].pages[p].layout))
+                mine[nmine++] = qs[i].pages[p];
+        for (size_t p = 0; p < qs[i].np; p++)
+            if (is_svd_int(qs[i].pages[p].layout))
+                mine[nmine++] = qs[i].pages[p];
+        at += nmine;
+        const size_t nd = nmine - nsv;
+        all[i].pages = mine;
+        all[i].np = nd;
+        const kvd_layer_arts *ka = &qs[i].arts->k[qs[i].layer], *va = &qs[i].arts->v[qs[i].layer];
+        const int H = qs[i].dims.n_kv_heads, G = qs[i].dims.n_q_heads / H;
+        const int D = qs[i].dims.head_dim;
+        for (int h = 0; h < H; h++, k++) {
+            const int rk = ka->widths[h], rv = va->widths[h];
+            float *q = work + w, *o = q + (size_t)G * rk, *l = o + (size_t)G * rv;
+            w += (size_t)G * (rk + rv + 1);
+            const float *R = ka->rotation + (size_t)h * D * D;
+            for (int g = 0; g < G; g++) /* the CPU's order of operations */
+                for (int j = 0; j < rk; j++) {
+                    const float *x = qs[i].q + ((size_t)h * G + g) * D;
+                    float acc = 0.0f;
+                    for (int t = 0; t < D; t++)
+                        acc += x[t] * R[(size_t)t * D + j];
+                    q[(size_t)g * rk + j] = acc;
+                }
+            all[k] = (kvd__devq){{G, 1, rk, rv, qs[i].dims.softmax_scale},
+                                 q,
+                                 mine + nd,
+                                 nsv,
+                                 o,
+                                 l,
+                                 qs[i].arts,
+                                 qs[i].layer};
+            sub[k] = (sub_head){(long)i, (uint32_t)h};
+        }
+    }
+    if (rc == 0)
+        rc = device_batch(dev, all, na, sub, err);
+    /* Rotate each head's output back and merge it into its query's. */
+    for (size_t j = nq; j < na && rc == 0;) {
+        const size_t i = (size_t)sub[j].parent;
+        const int H = qs[i].dims.n_kv_heads, G = qs[i].dims.n_q_heads / H;
+        const size_t D = (size_t)qs[i].dims.head_dim, hq = (size_t)qs[i].dims.n_q_heads;
+        float *out = work + w, *lse = out + hq * D;
+        const kvd_layer_arts *va = &qs[i].arts->v[qs[i].layer];
+        for (int h = 0; h < H; h++, j++) {
+            const int rv = all[j].dims.v_dim;
+            const float *R = va->rotation + (size_t)h * D * D;
+            for (int g = 0; g < G; g++) {
+                for (size_t x = 0; x < D; x++) {
+                    double acc = 0.0;
+                    for (int r = 0; r < rv; r++)
+                        acc += (double)all[j].out[(size_t)g * rv + r] * R[x * D + (size_t)r];
+                    out[((size_t)h * G + g) * D + x] = (float)acc;
+                }
+                lse[(size_t)h * G + g] = all[j].lse[g];
+            }
+        }
+        merge_host(hq, D, qs[i].out, qs[i].lse, out, lse);
+        w += hq * (D + 1);
+    }
+done:
+    free(all);
+    free(sub);
+    free(split);
+    free(work);
     return rc;
 }

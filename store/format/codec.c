@@ -1788,36 +1788,85 @@ static kvd_tensor abs_tensor(kvd_tensor t, const void *base)
     return t;
 }
 
-/* Where the reduced rows of an SVD + raw section of a checked page start
- * (its head 0 block), and its fingerprint: the kept widths the section
- * holds must add up to its length. 0 or KVD_ECORRUPT. */
-static int svd_raw_layout(const kvd_page_view *v, int which, const uint8_t *page, kvd_tensor *rows,
-                          uint64_t *fingerprint, kvd_error *err)
+/* Where the head blocks of an SVD section of a checked page start (its
+ * head 0 block: reduced rows for an inner raw codec, an INT section of one
+ * head for INT2/INT4), its inner codec's spec and its fingerprint; rows is
+ * 1-D over all blocks (elements of the page's dtype for raw, bytes for INT).
+ * The kept widths the section holds must add up to its length, and every
+ * INT block carry the same prefix. 0, or KVD_ECORRUPT. */
+static int svd_layout(const kvd_page_view *v, int which, const uint8_t *page, kvd_tensor *rows,
+                      kvd_codec_spec *inner, uint64_t *fingerprint, kvd_error *err)
 {
     const uint8_t *p = which == KVD_SECTION_K ? v->k : v->v;
     const uint64_t n = which == KVD_SECTION_K ? v->k_len : v->v_len;
     const uint32_t H = v->h.num_kv_heads, T = v->h.num_tokens, D = v->h.head_dim;
     const char *w = which == KVD_SECTION_K ? "K" : "V";
     const uint64_t head = svd_widths_end(H);
-    if (n < head)
+    if (n < head + (p[0] == KVD_CODEC_RAW ? 0 : KVD_CODEC_SECTION_PREFIX))
         return kvd_error_set(err, KVD_ECORRUPT, "%s section: %llu bytes, shorter than its widths",
                              w, (unsigned long long)n);
-    uint64_t sum = 0;
+    memset(inner, 0, sizeof *inner);
+    inner->codec = p[0];
+    if (p[0] != KVD_CODEC_RAW) {
+        inner->group = ld16(p + head);
+        inner->axis = p[head + 2];
+        inner->rounding = p[head + 3];
+    }
+    uint64_t blocks = 0;
     for (uint32_t h = 0; h < H; h++) {
         const uint32_t r = ld16(p + KVD_CODEC_ARTS_PREFIX + 2 * h);
-        if (r > D)
-            return kvd_error_set(err, KVD_ECORRUPT, "%s section: kept width %u of head %u over %u",
-                                 w, r, h, D);
-        sum += r;
+        const uint64_t b = r > D ? 0 : svd_block_bytes(inner, T, r, v->h.dtype);
+        if (r > D || (r && !b))
+            return kvd_error_set(err, KVD_ECORRUPT, "%s section: kept width %u of head %u", w, r,
+                                 h);
+        if (p[0] != KVD_CODEC_RAW && r &&
+            (head + blocks + b > n || memcmp(p + head + blocks, p + head, 4) != 0))
+            return kvd_error_set(err, KVD_ECORRUPT, "%s section: head %u's block differs", w, h);
+        blocks += b;
     }
-    if (n != head + sum * T * kvd_dtype_size(v->h.dtype))
+    if (n != head + blocks)
         return kvd_error_set(err, KVD_ECORRUPT,
                              "%s section: %llu bytes, not what its kept widths need", w,
                              (unsigned long long)n);
-    int64_t sh[1] = {(int64_t)(sum * T)};
-    *rows = rel_tensor(kvd_tensor_make(v->h.dtype, (void *)(p + head), 1, sh), page);
+    const int raw = p[0] == KVD_CODEC_RAW;
+    int64_t sh[1] = {(int64_t)(raw ? blocks / kvd_dtype_size(v->h.dtype) : blocks)};
+    *rows = rel_tensor(kvd_tensor_make(raw ? v->h.dtype : KVD_DTYPE_U8, (void *)(p + head), 1, sh),
+                       page);
     *fingerprint = ld64(p + 8);
     return 0;
+}
+
+int kvd_page_layout_svd_fits(const kvd_page_layout *l, const int32_t *k_widths,
+                             const int32_t *v_widths)
+{
+    const kvd_codec_spec *in[2] = {&l->k_svd, &l->v_svd};
+    const int32_t *w[2] = {k_widths, v_widths};
+    const kvd_tensor *rows[2] = {&l->k.codes, &l->v.codes};
+    for (int i = 0; i < 2; i++) {
+        uint64_t b = 0;
+        for (uint32_t h = 0; h < l->num_kv_heads; h++) {
+            if (w[i][h] < 0 || (uint32_t)w[i][h] > l->head_dim)
+                return 0;
+            b += svd_block_bytes(in[i], l->num_tokens, (uint32_t)w[i][h], l->dtype);
+        }
+        if (in[i]->codec == KVD_CODEC_RAW)
+            b /= kvd_dtype_size(l->dtype);
+        if ((uint64_t)rows[i]->shape[0] != b)
+            return 0;
+    }
+    return 1;
+}
+
+void kvd_page_layout_svd_head(const kvd_page_layout *l, const void *base, int which,
+                              const int32_t *widths, uint32_t h, kvd_attn_qdata *out)
+{
+    const kvd_codec_spec *in = which == KVD_SECTION_K ? &l->k_svd : &l->v_svd;
+    const kvd_tensor *rows = which == KVD_SECTION_K ? &l->k.codes : &l->v.codes;
+    uint64_t at = (uint64_t)(uintptr_t)rows->data;
+    for (uint32_t g = 0; g < h; g++)
+        at += svd_block_bytes(in, l->num_tokens, (uint32_t)widths[g], l->dtype);
+    int_head_views((const uint8_t *)base + at, codec_bits(in->codec), in->group, in->axis,
+                   l->num_tokens, (uint32_t)widths[h], NULL, out);
 }
 
 int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_layout *out,
@@ -1841,12 +1890,16 @@ int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_la
         out->pq_codes = (uint64_t)(pq.codes - page);
     }
     if (kc == KVD_CODEC_SVD && vc == KVD_CODEC_SVD && v->k_len && v->v_len &&
-        v->k[0] == KVD_CODEC_RAW && v->v[0] == KVD_CODEC_RAW) {
-        /* SVD + raw: the reduced-dimension kernel over the rows, with the
+        ((v->k[0] == KVD_CODEC_RAW && v->v[0] == KVD_CODEC_RAW) ||
+         (is_int(v->k[0]) && is_int(v->v[0])))) {
+        /* SVD + raw: the reduced-dimension kernel over the rows; SVD + INT:
+         * the INT kernel per kv head at its widths; both with the
          * sequence's rotations and widths (checked by fingerprint). */
-        int rc = svd_raw_layout(v, KVD_SECTION_K, page, &out->k.codes, &out->k_fingerprint, err);
+        int rc = svd_layout(v, KVD_SECTION_K, page, &out->k.codes, &out->k_svd, &out->k_fingerprint,
+                            err);
         if (rc == 0)
-            rc = svd_raw_layout(v, KVD_SECTION_V, page, &out->v.codes, &out->v_fingerprint, err);
+            rc = svd_layout(v, KVD_SECTION_V, page, &out->v.codes, &out->v_svd, &out->v_fingerprint,
+                            err);
         out->attend = rc == 0;
         return rc;
     }

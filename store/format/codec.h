@@ -280,15 +280,17 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
  */
 typedef struct kvd_page_layout {
     uint8_t attend;           /* 1: k and v below are set (a fused kernel reads them) */
-    uint8_t k_codec, v_codec; /* RAW, INT2/INT4, VQ or SVD (+ raw), the same kind on both
-                               * sides; SVD: k.codes and v.codes are the reduced rows (1-D,
-                               * ragged per head, kvd_attn_svd_args.k_red) */
+    uint8_t k_codec, v_codec; /* RAW, INT2/INT4, VQ or SVD, the same kind on both sides;
+                               * SVD: k.codes and v.codes span the head blocks (1-D):
+                               * the reduced rows (kvd_attn_svd_args.k_red) for an inner
+                               * raw codec, else see kvd_page_layout_svd_head */
     kvd_dtype dtype;
     uint32_t num_tokens, num_kv_heads, head_dim;
     kvd_attn_qdata k, v;
     /* VQ */
     int k_sub_dim, k_bits, v_sub_dim, v_bits;
     uint64_t k_fingerprint, v_fingerprint; /* VQ and SVD: of the artifacts coded with */
+    kvd_codec_spec k_svd, v_svd;           /* SVD: the inner codec (RAW, INT2, INT4) */
     /* PQ codes section (pq_m 0: none): codes (H, T, pq_m) u8 at pq_codes */
     uint32_t pq_m, pq_bits;
     uint64_t pq_centroids_id;
@@ -303,6 +305,17 @@ typedef struct kvd_page_layout {
  */
 int kvd_page_layout_get(const uint8_t *page, const kvd_page_view *v, kvd_page_layout *out,
                         kvd_error *err);
+
+/* SVD pages: do the page's sections hold blocks of these kept widths (the
+ * sequence's artifacts, one per kv head)? 1 or 0. */
+int kvd_page_layout_svd_fits(const kvd_page_layout *l, const int32_t *k_widths,
+                             const int32_t *v_widths);
+
+/* SVD + INT pages: the INT arrays of kv head h of side `which`
+ * (KVD_SECTION_K / V) of the page at base (any memory), for the kept widths
+ * its sections fit (kvd_page_layout_svd_fits): a one-head view. */
+void kvd_page_layout_svd_head(const kvd_page_layout *l, const void *base, int which,
+                              const int32_t *widths, uint32_t h, kvd_attn_qdata *out);
 
 /* The layout's K and V tensors for the page at base (any memory). */
 void kvd_page_layout_at(const kvd_page_layout *l, const void *base, kvd_attn_qdata *k,
