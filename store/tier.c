@@ -291,6 +291,24 @@ static void lru_push(kvd__tier *t, kvd__centry *e)
         t->tail = e;
 }
 
+/* e becomes the most recently used of its tier. */
+static void lru_touch(kvd__cache *c, kvd__centry *e)
+{
+    kvd__tier *t = &c->tier[e->tier];
+    lru_unlink(t, e);
+    lru_push(t, e);
+}
+
+/* Put e in its tier's list (most recent) and accounting (e->tier, e->alloc
+ * set). */
+static void tier_attach(kvd__cache *c, kvd__centry *e)
+{
+    kvd__tier *t = &c->tier[e->tier];
+    lru_push(t, e);
+    t->used += e->alloc;
+    t->pages++;
+}
+
 /* Take e out of its tier's list and accounting (its bytes stay allocated). */
 static void tier_detach(kvd__cache *c, kvd__centry *e)
 {
@@ -463,10 +481,7 @@ static int move_down(kvd__cache *c, uint64_t want, const kvd__centry *keep)
         e->off = jobs[i].hoff;
         e->tier = KVD_TIER_HOST;
         e->alloc = host_charge(c, e->len);
-        kvd__tier *t = &c->tier[KVD_TIER_HOST];
-        lru_push(t, e);
-        t->used += e->alloc;
-        t->pages++;
+        tier_attach(c, e);
     }
     pthread_cond_broadcast(&c->moved);
     return 0;
@@ -513,10 +528,7 @@ static void place_device(kvd__cache *c, kvd__centry *e, uint64_t off, uint64_t a
     e->off = off;
     e->alloc = alloc;
     e->tier = KVD_TIER_DEVICE;
-    kvd__tier *t = &c->tier[KVD_TIER_DEVICE];
-    lru_push(t, e);
-    t->used += alloc;
-    t->pages++;
+    tier_attach(c, e);
 }
 
 /*
@@ -658,9 +670,7 @@ kvd__centry *kvd__cache_acquire(kvd_store *st, uint64_t id, uint32_t need, const
         return NULL;
     }
     atomic_fetch_add(&c->hits[e->tier], 1);
-    kvd__tier *t = &c->tier[e->tier];
-    lru_unlink(t, e);
-    lru_push(t, e);
+    lru_touch(c, e);
     /* Another holder may be reading e's bytes: only an unpinned entry moves. */
     const int up = e->tier == KVD_TIER_HOST && e->pins == 0;
     e->pins++;
@@ -707,10 +717,7 @@ static int place_host(kvd__cache *c, kvd__centry *e, const uint8_t *page)
     memcpy(e->data, page, e->len);
     e->tier = KVD_TIER_HOST;
     e->alloc = host_charge(c, e->len);
-    kvd__tier *t = &c->tier[KVD_TIER_HOST];
-    lru_push(t, e);
-    t->used += e->alloc;
-    t->pages++;
+    tier_attach(c, e);
     return 0;
 }
 
@@ -745,10 +752,7 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
             old = entry_settled(c, ps[i].id);
         }
         if (old && old->num_tokens >= ps[i].num_tokens) {
-            /* Already there with as much: just touch it. */
-            kvd__tier *t = &c->tier[old->tier];
-            lru_unlink(t, old);
-            lru_push(t, old);
+            lru_touch(c, old); /* already there with as much */
             if (pin) {
                 old->pins++;
                 out[i] = old;
@@ -824,9 +828,7 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
         kvd__centry *e = es[i];
         if (!e)
             continue;
-        kvd__tier *t = &c->tier[e->tier];
-        lru_unlink(t, e); /* the last page the most recent */
-        lru_push(t, e);
+        lru_touch(c, e); /* the last page the most recent */
         if (pin)
             out[i] = e; /* keeps its pin */
         else
@@ -1463,9 +1465,7 @@ static void acquire_cached(kvd_store *st, const kvd__tail_want *ws, size_t n, in
             continue;
         }
         atomic_fetch_add(&c->hits[e->tier], 1);
-        kvd__tier *t = &c->tier[e->tier];
-        lru_unlink(t, e);
-        lru_push(t, e);
+        lru_touch(c, e);
         hs[i].tier = e->tier;
         if (e->tier == KVD_TIER_HOST && e->pins == 0)
             up[nup++] = e;
