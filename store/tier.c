@@ -828,6 +828,11 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
         kvd__centry *e = es[i];
         if (!e)
             continue;
+        if (e->dead) { /* in the host tier, dropped while the lock was released */
+            if (--e->pins == 0)
+                entry_destroy(c, e);
+            continue;
+        }
         lru_touch(c, e); /* the last page the most recent */
         if (pin)
             out[i] = e; /* keeps its pin */
