@@ -530,6 +530,118 @@ static void test_threads(const char *dir)
     kvd_store_close(st);
 }
 
+/* ---- deletes racing acquires ---------------------------------------------- */
+
+typedef struct storm {
+    kvd_store *st;
+    _Atomic int stop;
+    _Atomic uint64_t cycles, batches, wrong, errors;
+} storm;
+
+typedef struct sarg {
+    storm *g;
+    int i;
+} sarg;
+
+/* Sequence 100 + i is created, filled with 8 pages a layer, moved out of
+ * memory and deleted, over and over. */
+static void *storm_cycle(void *p)
+{
+    sarg *a = p;
+    const uint32_t s = 100 + (uint32_t)a->i;
+    char id[16];
+    id_of(id, s);
+    kvd_error e;
+    while (!atomic_load(&a->g->stop)) {
+        if (create(a->g->st, s) || append_gen(a->g->st, s, 0, 8 * PT)) {
+            atomic_fetch_add(&a->g->errors, 1);
+            break;
+        }
+        if (kvd_store_seq_evict(a->g->st, id, strlen(id), NULL, NULL, &e) ||
+            kvd_store_seq_delete(a->g->st, id, strlen(id), NULL, &e)) {
+            atomic_fetch_add(&a->g->errors, 1);
+            break;
+        }
+        atomic_fetch_add(&a->g->cycles, 1);
+    }
+    return NULL;
+}
+
+/* Batches of pages of whichever of those sequences exist: not found is
+ * expected, a page that is there holds its rows. */
+static void *storm_reader(void *p)
+{
+    sarg *a = p;
+    uint64_t rnd = mix((uint64_t)a->i + 77);
+    while (!atomic_load(&a->g->stop)) {
+        rnd = mix(rnd);
+        const uint32_t s = 100 + (uint32_t)(rnd % 4), l = (uint32_t)((rnd >> 8) % LAYERS);
+        const uint64_t block = (rnd >> 16) % 6;
+        char id[16];
+        id_of(id, s);
+        kvd_page_handle hs[3];
+        kvd_error e;
+        int rc = kvd_store_pages_acquire_device(a->g->st, id, strlen(id), l, block, 3, 0, hs, &e);
+        if (rc == 0) {
+            for (int j = 0; j < 3; j++) {
+                if (check_page(&hs[j], s, l, block + (uint64_t)j))
+                    atomic_fetch_add(&a->g->wrong, 1);
+                kvd_store_page_release(a->g->st, &hs[j]);
+            }
+            atomic_fetch_add(&a->g->batches, 1);
+        } else if (rc != KVD_ENOTFOUND && rc != KVD_ERANGE) {
+            fprintf(stderr, "storm acquire %s: %s\n", id, e.msg);
+            atomic_fetch_add(&a->g->errors, 1);
+        }
+    }
+    return NULL;
+}
+
+/* Sequences created, filled, brought back from RocksDB by batches of
+ * acquires and deleted while those run, for about two seconds: no wrong
+ * byte, no error but not-found, and once all is deleted the memory tiers
+ * hold nothing and account for nothing. */
+static void test_storm(const char *dir)
+{
+    kvd_store *st = open_store(dir, 6 * (2 * PAGE_K + 256), 6 * (2 * PAGE_K + 4096));
+    CHECK(st);
+    if (!st)
+        return;
+    storm g = {.st = st};
+    pthread_t t[6];
+    sarg a[6];
+    for (int i = 0; i < 6; i++) {
+        a[i] = (sarg){&g, i % 4};
+        CHECK(pthread_create(&t[i], NULL, i < 4 ? storm_cycle : storm_reader, &a[i]) == 0);
+    }
+    usleep(2000000);
+    atomic_store(&g.stop, 1);
+    for (int i = 0; i < 6; i++)
+        pthread_join(t[i], NULL);
+    kvd_store_stats s;
+    kvd_store_stats_get(st, &s);
+    printf("storm: %" PRIu64 " create/fill/delete cycles, %" PRIu64 " batches read, %" PRIu64
+           " wrong, %" PRIu64 " errors; tiers %" PRIu64 "/%" PRIu64 " pages, %" PRIu64 "/%" PRIu64
+           " bytes\n",
+           atomic_load(&g.cycles), atomic_load(&g.batches), atomic_load(&g.wrong),
+           atomic_load(&g.errors), s.tier_pages[0], s.tier_pages[1], s.tier_bytes[0],
+           s.tier_bytes[1]);
+    CHECK(atomic_load(&g.wrong) == 0 && atomic_load(&g.errors) == 0);
+    CHECK(atomic_load(&g.cycles) > 0);
+    /* whatever the last cycles left: delete it, then nothing is held */
+    kvd_error e;
+    for (uint32_t i = 100; i < 104; i++) {
+        char id[16];
+        id_of(id, i);
+        int rc = kvd_store_seq_delete(st, id, strlen(id), NULL, &e);
+        CHECK(rc == 0 || rc == KVD_ENOTFOUND);
+    }
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_pages[0] == 0 && s.tier_pages[1] == 0);
+    CHECK(s.tier_bytes[0] == 0 && s.tier_bytes[1] == 0);
+    kvd_store_close(st);
+}
+
 int main(void)
 {
     char tmpl[] = "/tmp/kvd-test-tier-XXXXXX";
@@ -544,13 +656,15 @@ int main(void)
             return 1;
         }
     }
-    char d1[128], d2[128], d3[128], cmd[200];
+    char d1[128], d2[128], d3[128], d4[128], cmd[200];
     snprintf(d1, sizeof d1, "%s/lru", root);
     snprintf(d2, sizeof d2, "%s/threads", root);
     snprintf(d3, sizeof d3, "%s/batch", root);
+    snprintf(d4, sizeof d4, "%s/storm", root);
     test_lru(d1);
     test_batch(d3);
     test_threads(d2);
+    test_storm(d4);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0)
         fprintf(stderr, "could not remove %s\n", root);
