@@ -1380,9 +1380,10 @@ int kvd_store_page_acquire_device(kvd_store *st, const void *seq_id, size_t id_l
  * snapshot (*snap, the caller releases it). */
 static int resolve_pages(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                          uint64_t block, size_t n, kvd__tail_want *ws,
-                         const rocksdb_snapshot_t **snap, kvd_error *err)
+                         const rocksdb_snapshot_t **snap, kvd__seq **seq, kvd_error *err)
 {
     *snap = NULL;
+    *seq = NULL;
     int rc = kvd__check_seq_id(seq_id, id_len, err);
     if (rc)
         return rc;
@@ -1419,6 +1420,8 @@ static int resolve_pages(kvd_store *st, const void *seq_id, size_t id_len, uint3
     /* Pages and fragments must be read as of this page table: a concurrent
      * Append may merge the fragments into a page meanwhile. */
     *snap = rocksdb_create_snapshot(st->db);
+    atomic_fetch_add(&s->refs, 1);
+    *seq = s;
     pthread_rwlock_unlock(&st->lock);
     for (size_t i = 0; i < n; i++)
         ws[i].snap = *snap;
@@ -1495,8 +1498,8 @@ static void acquire_cached(kvd_store *st, const kvd__tail_want *ws, size_t n, in
  * when no tier takes them; a tail held in fragments is handed out as one
  * page of its own.
  */
-static int load_pages(kvd_store *st, const kvd__tail_want *ws, const size_t *idx, size_t m,
-                      int on_device, kvd_page_handle *hs, kvd_error *err)
+static int load_pages(kvd_store *st, const kvd__seq *s, const kvd__tail_want *ws, const size_t *idx,
+                      size_t m, int on_device, kvd_page_handle *hs, kvd_error *err)
 {
     kvd__tail pg[KVD__DOWN_BATCH];
     kvd__cache_put puts[KVD__DOWN_BATCH];
@@ -1536,8 +1539,18 @@ static int load_pages(kvd_store *st, const kvd__tail_want *ws, const size_t *idx
         h->bytes = h->buf_ = own;
     }
     rocksdb_readoptions_destroy(ro);
-    if (rc == 0)
-        kvd__cache_insert_batch(st, puts, np, 1, es);
+    if (rc == 0) {
+        /* Into the tiers only while the sequence lives: a delete that ran
+         * since the pages were resolved has dropped their ids already, and
+         * would leave them there for good. Under the store's lock, a
+         * delete starting now drops them once they are in. */
+        pthread_rwlock_rdlock(&st->lock);
+        if (s->dead)
+            memset(es, 0, np * sizeof *es);
+        else
+            kvd__cache_insert_batch(st, puts, np, 1, es);
+        pthread_rwlock_unlock(&st->lock);
+    }
     for (size_t k = 0; k < np && rc == 0; k++) {
         kvd_page_handle *h = &hs[at[k]];
         if (es[k]) { /* pinned: its tier and bytes stay put until release */
@@ -1588,15 +1601,15 @@ static int bring_down(kvd_store *st, kvd_page_handle *hs, size_t n, kvd_error *e
 /* Acquire the pages ws (all of one snapshot) into hs: from the memory tiers
  * (acquire_cached), the rest from RocksDB (load_pages), then what must come
  * down (bring_down). On an error no handle is held. */
-static int acquire_pages(kvd_store *st, const kvd__tail_want *ws, size_t n, int on_device,
-                         kvd_page_handle *hs, kvd_error *err)
+static int acquire_pages(kvd_store *st, const kvd__seq *s, const kvd__tail_want *ws, size_t n,
+                         int on_device, kvd_page_handle *hs, kvd_error *err)
 {
     acquire_cached(st, ws, n, on_device, hs);
     size_t idx[KVD__DOWN_BATCH], m = 0;
     int rc = 0;
     for (size_t i = 0; i <= n && rc == 0; i++) {
         if (m == KVD__DOWN_BATCH || (i == n && m)) {
-            rc = load_pages(st, ws, idx, m, on_device, hs, err);
+            rc = load_pages(st, s, ws, idx, m, on_device, hs, err);
             m = 0;
         }
         if (i < n && !hs[i].priv_)
@@ -1631,10 +1644,12 @@ static int pages_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint3
     if (!ws)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory acquiring pages");
     const rocksdb_snapshot_t *snap;
-    int rc = resolve_pages(st, seq_id, id_len, layer, block, n, ws, &snap, err);
+    kvd__seq *s;
+    int rc = resolve_pages(st, seq_id, id_len, layer, block, n, ws, &snap, &s, err);
     if (rc == 0) {
-        rc = acquire_pages(st, ws, n, on_device, hs, err);
+        rc = acquire_pages(st, s, ws, n, on_device, hs, err);
         rocksdb_release_snapshot(st->db, snap);
+        kvd__seq_unref(s);
     }
     if (ws != &one)
         free(ws);
