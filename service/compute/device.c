@@ -21,6 +21,7 @@
 #include "codec.h"
 #include "compute_internal.h"
 #include "kvdepot/attention.h"
+#include "kvdepot/svd.h"
 
 static _Atomic uint64_t device_pages;
 
@@ -519,15 +520,9 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
             const int rk = ka->widths[h], rv = va->widths[h];
             float *q = work + w, *o = q + (size_t)G * rk, *l = o + (size_t)G * rv;
             w += (size_t)G * (rk + rv + 1);
-            const float *R = ka->rotation + (size_t)h * D * D;
-            for (int g = 0; g < G; g++) /* the CPU's order of operations */
-                for (int j = 0; j < rk; j++) {
-                    const float *x = qs[i].q + ((size_t)h * G + g) * D;
-                    float acc = 0.0f;
-                    for (int t = 0; t < D; t++)
-                        acc += x[t] * R[(size_t)t * D + j];
-                    q[(size_t)g * rk + j] = acc;
-                }
+            kvd_cpu_svd_project_fast(ka->rotation + (size_t)h * D * D, D, rk,
+                                     qs[i].q + (size_t)h * G * D, KVD_DTYPE_F32, G, (int64_t)D * 4,
+                                     q, 1);
             all[k] = (kvd__devq){{G, 1, rk, rv, qs[i].dims.softmax_scale},
                                  q,
                                  mine + nd,
@@ -550,16 +545,9 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
         const kvd_layer_arts *va = &qs[i].arts->v[qs[i].layer];
         for (int h = 0; h < H; h++, j++) {
             const int rv = all[j].dims.v_dim;
-            const float *R = va->rotation + (size_t)h * D * D;
-            for (int g = 0; g < G; g++) {
-                for (size_t x = 0; x < D; x++) {
-                    double acc = 0.0;
-                    for (int r = 0; r < rv; r++)
-                        acc += (double)all[j].out[(size_t)g * rv + r] * R[x * D + (size_t)r];
-                    out[((size_t)h * G + g) * D + x] = (float)acc;
-                }
-                lse[(size_t)h * G + g] = all[j].lse[g];
-            }
+            kvd_cpu_svd_unproject_ref(va->rotation + (size_t)h * D * D, (int)D, rv, all[j].out, G,
+                                      out + (size_t)h * G * D);
+            memcpy(lse + (size_t)h * G, all[j].lse, sizeof(float) * (size_t)G);
         }
         merge_host(hq, D, qs[i].out, qs[i].lse, out, lse);
         w += hq * (D + 1);
