@@ -6,6 +6,9 @@
  * default), KVD_EMU_DEVICE_MIB MiB of memory (8192 by default; an allocation
  * past it fails with cudaErrorMemoryAllocation, as on a full GPU), 227 KiB
  * of opt-in shared memory per block. Fibers get 256 KiB stacks.
+ * A copy whose kind does not match where its ends lie (a host pointer
+ * given as device memory, or the reverse) fails with cudaErrorInvalidValue,
+ * where a GPU would fault or copy garbage.
  * KVD_EMU_FAULT_AT_LAUNCH=N makes the Nth launch of the process (from 1)
  * fail with cudaErrorIllegalAddress without running, as a kernel that
  * faults does on a GPU: the backend's reaction to a sticky error can be
@@ -413,10 +416,56 @@ cudaError_t cudaFreeHost(void *p)
     return cudaSuccess;
 }
 
-cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind)
+namespace
+{
+
+/* Does [p, p + n) lie inside one device allocation? */
+bool in_device(const void *p, size_t n)
+{
+    const char *c = static_cast<const char *>(p);
+    pthread_mutex_lock(&g_mem_mu);
+    auto it = g_alloc.upper_bound(const_cast<void *>(p));
+    bool in = false;
+    if (it != g_alloc.begin()) {
+        --it;
+        const char *b = static_cast<const char *>(it->first);
+        in = c >= b && c + n <= b + it->second;
+    }
+    pthread_mutex_unlock(&g_mem_mu);
+    return in;
+}
+
+/* Does a copy's kind say where its ends lie? A GPU faults or copies
+ * garbage on a host pointer given as device memory (or the reverse). */
+bool kind_fits(void *d, size_t dn, const void *s, size_t sn, cudaMemcpyKind k)
+{
+    switch (k) {
+    case cudaMemcpyHostToDevice:
+        return in_device(d, dn) && !in_device(s, 1);
+    case cudaMemcpyDeviceToHost:
+        return in_device(s, sn) && !in_device(d, 1);
+    case cudaMemcpyDeviceToDevice:
+        return in_device(d, dn) && in_device(s, sn);
+    case cudaMemcpyHostToHost:
+        return !in_device(d, 1) && !in_device(s, 1);
+    default:
+        return true;
+    }
+}
+
+} /* namespace */
+
+cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind k)
 {
     if (n && (!d || !s))
         return fail(cudaErrorInvalidValue);
+    if (n && !kind_fits(d, n, s, n, k)) {
+        fprintf(stderr,
+                "cuda emulation: a %zu-byte copy whose kind (%d) does not say where its "
+                "ends lie\n",
+                n, (int)k);
+        return fail(cudaErrorInvalidValue);
+    }
     memmove(d, s, n);
     return cudaSuccess;
 }
@@ -427,9 +476,12 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, 
 }
 
 cudaError_t cudaMemcpy2DAsync(void *d, size_t dpitch, const void *s, size_t spitch, size_t width,
-                              size_t height, cudaMemcpyKind, cudaStream_t)
+                              size_t height, cudaMemcpyKind k, cudaStream_t)
 {
     if (width > dpitch || width > spitch)
+        return fail(cudaErrorInvalidValue);
+    if (height && width &&
+        !kind_fits(d, (height - 1) * dpitch + width, s, (height - 1) * spitch + width, k))
         return fail(cudaErrorInvalidValue);
     for (size_t r = 0; r < height; r++)
         memmove(static_cast<char *>(d) + r * dpitch, static_cast<const char *>(s) + r * spitch,
