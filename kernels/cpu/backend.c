@@ -282,8 +282,11 @@ int kvd_backend_copy_batch(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_e
         return n ? be->iface->copy_batch(be, ops, n, err) : KVD_OK;
     int rc = KVD_OK;
     for (size_t i = 0; i < n && !rc; i++)
-        rc = ops[i].to_device ? kvd_backend_upload(be, ops[i].dst, ops[i].src, ops[i].bytes, err)
-                              : kvd_backend_download(be, ops[i].dst, ops[i].src, ops[i].bytes, err);
+        rc = ops[i].within ? kvd_backend_copy2d(be, ops[i].dst, ops[i].bytes, ops[i].src,
+                                                ops[i].bytes, ops[i].bytes, 1, err)
+             : ops[i].to_device
+                 ? kvd_backend_upload(be, ops[i].dst, ops[i].src, ops[i].bytes, err)
+                 : kvd_backend_download(be, ops[i].dst, ops[i].src, ops[i].bytes, err);
     return rc;
 }
 

@@ -344,7 +344,8 @@ struct StagedPiece {
 };
 
 /*
- * The copies of a batch on the thread's stream, waited for once. Host sides
+ * The copies of a batch on the thread's stream, waited for once. Copies
+ * within the device go straight on the stream. Host sides
  * inside host_alloc blocks are DMA'd directly; the others travel through
  * the slot's two pinned staging halves as one stream of pieces, several
  * copies sharing a half: a half is closed by an event, and reused (its
@@ -363,14 +364,15 @@ int cuda_copy_batch(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *e
         const void *host = o->to_device ? o->src : o->dst;
         if (!o->bytes)
             continue;
-        if (!in_pinned(call.c, host, o->bytes)) {
+        if (!o->within && !in_pinned(call.c, host, o->bytes)) {
             staged++;
             continue;
         }
         rc = kvd__cuda_status(call.c,
                               cudaMemcpyAsync(o->dst, o->src, o->bytes,
-                                              o->to_device ? cudaMemcpyHostToDevice
-                                                           : cudaMemcpyDeviceToHost,
+                                              o->within      ? cudaMemcpyDeviceToDevice
+                                              : o->to_device ? cudaMemcpyHostToDevice
+                                                             : cudaMemcpyDeviceToHost,
                                               call.s),
                               "cudaMemcpyAsync", err);
     }
@@ -384,7 +386,7 @@ int cuda_copy_batch(kvd_backend *be, const kvd_copy *ops, size_t n, kvd_error *e
         size_t fill = 0;
         for (size_t i = 0; i < n && !rc; i++) {
             const kvd_copy *o = &ops[i];
-            if (!o->bytes || in_pinned(call.c, o->to_device ? o->src : o->dst, o->bytes))
+            if (!o->bytes || o->within || in_pinned(call.c, o->to_device ? o->src : o->dst, o->bytes))
                 continue;
             for (size_t off = 0; off < o->bytes && !rc;) {
                 if (fill == half) { /* close this half, take the other once free */

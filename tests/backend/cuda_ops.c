@@ -962,7 +962,8 @@ static void test_transfers(void)
 /* copy_batch: 9 copies up then 9 down in two batches, each host side in
  * the backend's host memory (CUDA: pinned, DMA'd back to back, one wait)
  * or in plain memory (the staged path), sizes around the staging
- * threshold, at odd device offsets; then a NULL pointer refused. */
+ * threshold, at odd device offsets; 9 copies within the device to another
+ * buffer, brought down from there; then a NULL pointer refused. */
 static void test_copy_batch(void)
 {
     enum { N = 9 };
@@ -1002,6 +1003,25 @@ static void test_copy_batch(void)
         TU_CHECK(memcmp(up[i].src, down[i].dst, sizes[i]) == 0,
                  "copy batch: copy %d (%zu bytes) came back different", i, sizes[i]);
     TU_CHECK(dbuf_guard_ok(&d), "copy batch guard");
+    /* Within the device: each copy moved to another buffer at other odd
+     * offsets in one batch, then brought down from there. */
+    dbuf d2 = dbuf_new(total);
+    kvd_copy within[N];
+    off = 0;
+    for (int i = 0; i < N; i++) {
+        char *dv2 = (char *)dptr(&d2) + off + 7;
+        within[i] = (kvd_copy){.dst = dv2, .src = up[i].dst, .bytes = sizes[i], .within = 1};
+        memset(down[i].dst, 0, sizes[i]);
+        down[i].src = dv2;
+        off += sizes[i] + 64;
+    }
+    TU_CHECK(kvd_backend_copy_batch(dut, within, N, &e) == 0, "copy batch within: %s", e.msg);
+    TU_CHECK(kvd_backend_copy_batch(dut, down, N, &e) == 0, "copy batch down: %s", e.msg);
+    for (int i = 0; i < N; i++)
+        TU_CHECK(memcmp(up[i].src, down[i].dst, sizes[i]) == 0,
+                 "copy batch within: copy %d (%zu bytes) came back different", i, sizes[i]);
+    TU_CHECK(dbuf_guard_ok(&d2), "copy batch within guard");
+    dbuf_free(&d2);
     down[4].src = NULL;
     TU_CHECK(kvd_backend_copy_batch(dut, down, N, &e) == KVD_EINVAL, "copy batch with NULL");
     TU_CHECK(kvd_backend_copy_batch(dut, NULL, 0, &e) == 0, "empty copy batch");

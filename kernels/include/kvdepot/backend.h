@@ -51,6 +51,7 @@ typedef struct kvd_copy {
     const void *src;
     size_t bytes;
     int to_device; /* 1: host src -> backend dst; 0: backend src -> host dst */
+    int within;    /* 1: src and dst both in the backend's memory (to_device ignored) */
 } kvd_copy;
 
 typedef struct kvd_backend_iface {
