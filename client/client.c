@@ -1191,6 +1191,7 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
     out->device_pages_searched = resp->device_pages_searched;
     out->device_pages_encoded = resp->device_pages_encoded;
     out->device_fallbacks = resp->device_fallbacks;
+    out->device_pages_placed = resp->device_pages_placed;
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;
 }

@@ -138,13 +138,18 @@ static void render_tiers(buf *b)
         "# HELP kvdepot_device_pages_encoded_total pages an Append coded on the GPU\n"
         "# TYPE kvdepot_device_pages_encoded_total counter\n"
         "kvdepot_device_pages_encoded_total %llu\n"
+        "# HELP kvdepot_device_pages_placed_total pages an Append coded on the GPU and put in its "
+        "tier where they were coded\n"
+        "# TYPE kvdepot_device_pages_placed_total counter\n"
+        "kvdepot_device_pages_placed_total %llu\n"
         "# HELP kvdepot_device_fallbacks_total work the GPU failed (lost, or out of memory) and "
         "the CPU did again\n"
         "# TYPE kvdepot_device_fallbacks_total counter\nkvdepot_device_fallbacks_total %llu\n",
         (unsigned long long)d.memory_bytes, d.healthy,
         (unsigned long long)kvd_compute_device_pages(),
         (unsigned long long)kvd_compute_device_search_pages(),
-        (unsigned long long)s.device_pages_encoded, (unsigned long long)s.device_fallbacks);
+        (unsigned long long)s.device_pages_encoded, (unsigned long long)s.device_pages_placed,
+        (unsigned long long)s.device_fallbacks);
     const kvd_recovery_loss *loss;
     put(b,
         "# HELP kvdepot_wal_recovery_sequences_lost sequences whose acknowledged writes the "

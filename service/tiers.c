@@ -57,6 +57,7 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
     resp.device_pages_searched = kvd_compute_device_search_pages();
     resp.device_pages_encoded = s.device_pages_encoded;
     resp.device_fallbacks = s.device_fallbacks;
+    resp.device_pages_placed = s.device_pages_placed;
     if (ctx->principal && !ctx->principal->admin) {
         /* A tenant learns its own usage, and how the server is set up;
          * what the others hold and do is for admin tokens. */
@@ -69,7 +70,7 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
         resp.sequences_dropped = resp.sequences_expired = 0;
         resp.sequences = seqs;
         resp.device_pages_attended = resp.device_pages_searched = 0;
-        resp.device_pages_encoded = resp.device_fallbacks = 0;
+        resp.device_pages_encoded = resp.device_fallbacks = resp.device_pages_placed = 0;
     }
     *reply = kvd_pack(&resp.base);
     return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");

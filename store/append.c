@@ -47,6 +47,7 @@ struct kvd_append {
         uint8_t *bytes;
         size_t len;
         uint32_t num_tokens;
+        kvd__slot slot; /* where a page coded on the device was put there, or none */
     } *built;
     size_t nbuilt, capbuilt;
     /* Codecs of the sequence (seqcodec.h): full pages are encoded with them
@@ -95,26 +96,28 @@ static const struct given_page *given_page(const kvd_append *ap, uint32_t layer,
     return NULL;
 }
 
-/* Keep a copy of a finished page for the tiers; best effort. */
-static void keep_built(kvd_append *ap, uint64_t id, const uint8_t *page, size_t len,
-                       uint32_t num_tokens)
+/* Keep a copy of a finished page for the tiers; best effort: the copy, or
+ * NULL. */
+static struct built_page *keep_built(kvd_append *ap, uint64_t id, const uint8_t *page, size_t len,
+                                     uint32_t num_tokens)
 {
     kvd__cache *c = &ap->st->tiers;
     if (len > c->tier[KVD_TIER_DEVICE].limit && len > c->tier[KVD_TIER_HOST].limit)
-        return;
+        return NULL;
     if (ap->nbuilt == ap->capbuilt) {
         size_t nc = ap->capbuilt ? 2 * ap->capbuilt : 16;
         struct built_page *n = realloc(ap->built, nc * sizeof *n);
         if (!n)
-            return;
+            return NULL;
         ap->built = n;
         ap->capbuilt = nc;
     }
     uint8_t *copy = malloc(len);
     if (!copy)
-        return;
+        return NULL;
     memcpy(copy, page, len);
-    ap->built[ap->nbuilt++] = (struct built_page){id, copy, len, num_tokens};
+    ap->built[ap->nbuilt] = (struct built_page){id, copy, len, num_tokens, {0, 0, NULL}};
+    return &ap->built[ap->nbuilt++];
 }
 
 /* New hash and token-id state of a sequence after an append. */
@@ -263,9 +266,11 @@ void kvd_store_append_abort(kvd_append *ap)
 {
     if (!ap)
         return;
-    kvd__seq_unref(ap->s);
-    for (size_t i = 0; i < ap->nbuilt; i++)
+    for (size_t i = 0; i < ap->nbuilt; i++) {
+        kvd__cache_unreserve(ap->st, &ap->built[i].slot);
         free(ap->built[i].bytes);
+    }
+    kvd__seq_unref(ap->s);
     free(ap->built);
     for (size_t i = 0; i < ap->ngiven; i++)
         free(ap->given[i].bytes);
@@ -520,17 +525,20 @@ static int dev_raw_up(kvd_backend *dev, size_t n, const kvd_page_desc *d, const 
 
 /* Code n sealing pages: on the store's device when it codes them
  * (kvd_store_device), their raw sections put there once (r, kept for their PQ
- * codes), else, or when the device fails (kvd_store_device_fallback), on
- * the CPU with the thread's coding backend. Same bytes either way. */
+ * codes) and their coded arrays left there (*keep, to put the pages in the
+ * device tier from), else, or when the device fails
+ * (kvd_store_device_fallback), on the CPU with the thread's coding backend
+ * (*keep zeroed). Same bytes either way. */
 static int encode_pages(kvd_store *st, size_t n, const kvd_page_desc *d, const kvd_seq_codecs *c,
                         const void *const *kp, const void *const *vp, uint8_t **out, size_t *len,
-                        dev_raw *r, kvd_error *err)
+                        dev_raw *r, kvd_dev_sections *keep, kvd_error *err)
 {
     kvd_backend *dev = kvd_store_device(st);
+    memset(keep, 0, sizeof *keep);
     if (dev) {
         int rc = dev_raw_up(dev, n, d, kp, vp, r, err);
         if (rc == 0)
-            rc = kvd_pages_encode_device(dev, n, d, &c->k, &c->v, r->k, r->v, out, len, err);
+            rc = kvd_pages_encode_device(dev, n, d, &c->k, &c->v, r->k, r->v, out, len, keep, err);
         if (rc == 0) {
             atomic_fetch_add(&st->tiers.device_pages_encoded, n);
             return 0;
@@ -541,6 +549,29 @@ static int encode_pages(kvd_store *st, size_t n, const kvd_page_desc *d, const k
     }
     return kvd_pages_encode(kvd_store_coding_backend(st), n, d, &c->k, &c->v, kp, vp, out, len,
                             err);
+}
+
+/*
+ * A page coded on the device, finished (bp: its bytes, with any section
+ * added since), goes where it will stay in the device tier: a range is
+ * reserved for it (bp->slot) and the copies that write it there are added
+ * to ops (its arrays copied within the device from where the coding left
+ * them, page ci of keep; the rest up), to run with the window's, and its
+ * index to placed. Copies added; none when the tier has no room for it (it
+ * goes up at the insert).
+ */
+static size_t place_coded(kvd_append *ap, struct built_page *bp, const kvd_dev_sections *keep,
+                          size_t ci, kvd_copy *ops, size_t *placed, size_t *nplaced)
+{
+    size_t n = 0;
+    if (kvd__cache_reserve(ap->st, bp->len, &bp->slot) != 0)
+        return 0;
+    if (kvd_page_image_copies(bp->bytes, bp->len, keep, ci, bp->slot.data, ops, &n, NULL) != 0) {
+        kvd__cache_unreserve(ap->st, &bp->slot);
+        return 0;
+    }
+    placed[(*nplaced)++] = (size_t)(bp - ap->built);
+    return n;
 }
 
 /*
@@ -686,6 +717,9 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     int code_it[KVD__ENCODE_WINDOW];
     const struct given_page *given[KVD__ENCODE_WINDOW];
     dev_raw draw = {0};
+    kvd_dev_sections keep = {0}; /* where the window's coded arrays lie on the device */
+    kvd_copy img[KVD__ENCODE_WINDOW * KVD_PAGE_IMAGE_COPIES];
+    size_t placed[KVD__ENCODE_WINDOW]; /* built pages given a device range */
     uint8_t *pqc = NULL; /* the PQ codes of a window's coded pages, or NULL */
     const size_t pq_bytes = (size_t)ap->H * B * ap->codecs.pq_m;
     for (uint64_t w0 = first; w0 < npages && rc == 0; w0 += W) {
@@ -742,7 +776,8 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             }
         }
         if (rc == 0 && nc)
-            rc = encode_pages(st, nc, cd, &ap->codecs, ck, cv, coded, clen, &draw, err);
+            rc = encode_pages(st, nc, cd, &ap->codecs, ck, cv, coded, clen, &draw, &keep, err);
+        size_t nimg = 0, nplaced = 0;
         if (rc == 0 && nc && draw.m && ap->codecs.pq_m)
             rc = pq_window(ap, b, ds, kps, w1 - w0, cd, nc, &draw, &pqc, err);
         for (uint64_t pi = w0, ci = 0; pi < w1 && rc == 0; pi++) {
@@ -777,16 +812,22 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
                 wbytes = own = withpq;
                 np->bytes = wlen;
             }
-            keep_built(ap, np->id, wbytes, wlen, d->num_tokens);
+            struct built_page *bp = keep_built(ap, np->id, wbytes, wlen, d->num_tokens);
+            if (bp && code_it[at] && keep.scratch)
+                nimg += place_coded(ap, bp, &keep, ci - 1, img + nimg, placed, &nplaced);
             uint8_t key[KVD__PAGE_KEY_LEN];
             kvd__page_key(key, np->id);
             rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)wbytes, wlen);
             free(own);
         }
+        if (nimg && kvd_backend_copy_batch(kvd_store_device(st), img, nimg, NULL) != 0)
+            for (size_t i = 0; i < nplaced; i++) /* they go up at the insert */
+                kvd__cache_unreserve(st, &ap->built[placed[i]].slot);
         for (size_t i = 0; i < nc; i++) {
             free(coded[i]);
             coded[i] = NULL;
         }
+        kvd_dev_sections_free(&keep);
         dev_raw_free(&draw);
         free(pqc);
         pqc = NULL;
@@ -940,9 +981,11 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     /* Durable and published: the new pages enter the device tier. Still
      * under s->mu, so a delete of this sequence cannot drop them first. */
     kvd__cache_put *puts = ap->nbuilt ? malloc(ap->nbuilt * sizeof *puts) : NULL;
-    for (size_t i = 0; puts && i < ap->nbuilt; i++)
+    for (size_t i = 0; puts && i < ap->nbuilt; i++) {
         puts[i] = (kvd__cache_put){ap->built[i].id, ap->built[i].bytes, ap->built[i].len,
-                                   ap->built[i].num_tokens};
+                                   ap->built[i].num_tokens, ap->built[i].slot};
+        memset(&ap->built[i].slot, 0, sizeof ap->built[i].slot); /* the insert's now */
+    }
     if (puts) /* (without, they are read from RocksDB when wanted) */
         kvd__cache_insert_batch(st, puts, ap->nbuilt, 0, NULL);
     free(puts);

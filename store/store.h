@@ -378,6 +378,8 @@ typedef struct kvd_store_stats {
     uint64_t sequences;             /* stored now */
     uint64_t device_pages_encoded;  /* pages an Append coded on the device */
     uint64_t device_fallbacks;      /* device work failed and done again on the CPU */
+    uint64_t device_pages_placed;   /* pages an Append coded on the device and put in the device
+                                     * tier where they were coded */
 } kvd_store_stats;
 
 /* Counters and gauges of the tiers; never fails for a non-NULL store. */

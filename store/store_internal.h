@@ -230,7 +230,7 @@ typedef struct kvd__cache {
     /* Counters, kvd_store_stats order. */
     _Atomic uint64_t hits[2], misses, promotions, evictions[2], prefetched;
     _Atomic uint64_t checksum_failures, sequences_dropped, sequences_expired;
-    _Atomic uint64_t device_pages_encoded, device_fallbacks;
+    _Atomic uint64_t device_pages_encoded, device_fallbacks, device_pages_placed;
 
     /* Background thread: read-ahead of cursors, TTL expiry. */
     pthread_t thread;
@@ -256,17 +256,34 @@ void kvd__cache_release(kvd_store *st, kvd__centry *e);
  * returns it pinned (NULL when it was not cached). */
 kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, size_t len,
                                uint32_t num_tokens, int pin);
+/* A range of the device tier's pool held for a page about to be written
+ * there (kvd__cache_reserve); alloc 0: none. */
+typedef struct kvd__slot {
+    uint64_t off, alloc;
+    uint8_t *data; /* device memory */
+} kvd__slot;
+/* Hold a range of the device pool for a page of len bytes that the caller
+ * writes there with the store's device (an append coded on the device puts
+ * its pages where they will stay): charged to the device tier, moving
+ * others down to make room. 0, or -1 (slot zeroed) when the device tier
+ * cannot take it or its pool is host memory. */
+int kvd__cache_reserve(kvd_store *st, size_t len, kvd__slot *slot);
+/* Give a slot back unused. */
+void kvd__cache_unreserve(kvd_store *st, kvd__slot *slot);
 /* A page for kvd__cache_insert_batch. */
 typedef struct kvd__cache_put {
     uint64_t id;
     const uint8_t *page;
     size_t len;
     uint32_t num_tokens;
+    kvd__slot slot; /* the page already written there, or none */
 } kvd__cache_put;
 /* kvd__cache_insert of n pages: those the device tier takes go up as one
- * batch of copies (per 64 pages) instead of one wait each. With pin, out[i]
- * is page i's entry pinned (NULL when it was not cached); out may be NULL
- * without. */
+ * batch of copies (per 64 pages) instead of one wait each; a page with a
+ * slot enters the device tier there without a copy (when the device is
+ * gone, or the page is cached already with as many tokens, the slot is
+ * given back). The slots are the call's. With pin, out[i] is page i's entry
+ * pinned (NULL when it was not cached); out may be NULL without. */
 void kvd__cache_insert_batch(kvd_store *st, const kvd__cache_put *ps, size_t n, int pin,
                              kvd__centry **out);
 /* Forget page id (the page is gone). */

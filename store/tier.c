@@ -721,6 +721,21 @@ static int place_host(kvd__cache *c, kvd__centry *e, const uint8_t *page)
     return 0;
 }
 
+/* Give back a reserved range (cache->mu held). */
+static void slot_give(kvd__cache *c, const kvd__slot *s)
+{
+    if (!s->alloc)
+        return;
+    c->tier[KVD_TIER_DEVICE].used -= s->alloc;
+    pool_free(&c->dpool, s->off, s->alloc);
+}
+
+/* Does a slot hold a page of len bytes in a device tier still there? */
+static int slot_serves(const kvd__cache *c, const kvd__slot *s, size_t len)
+{
+    return s->alloc && !c->dev_gone && s->alloc >= (len + GRANULE - 1) / GRANULE * GRANULE;
+}
+
 /*
  * kvd__cache_insert_batch of at most KVD__DOWN_BATCH pages. New entries are
  * made moving first (acquirers, drops and evictions of their ids wait), then
@@ -752,6 +767,7 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
             old = entry_settled(c, ps[i].id);
         }
         if (old && old->num_tokens >= ps[i].num_tokens) {
+            slot_give(c, &ps[i].slot);
             lru_touch(c, old); /* already there with as much */
             if (pin) {
                 old->pins++;
@@ -764,6 +780,7 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
         kvd__centry *e = calloc(1, sizeof *e);
         if (!e || kvd__map_put(&c->map, ps[i].id, e)) {
             free(e);
+            slot_give(c, &ps[i].slot);
             continue;
         }
         e->id = ps[i].id;
@@ -783,6 +800,16 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
         kvd__centry *e = es[i];
         if (!e)
             continue;
+        if (slot_serves(c, &ps[i].slot, e->len)) {
+            /* Written there already: it stays. */
+            c->tier[KVD_TIER_DEVICE].used -= ps[i].slot.alloc;
+            place_device(c, e, ps[i].slot.off, ps[i].slot.alloc);
+            entry_set_layout(c, e, ps[i].page);
+            e->moving = 0;
+            atomic_fetch_add(&c->device_pages_placed, 1);
+            continue;
+        }
+        slot_give(c, &ps[i].slot);
         const uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
         uint64_t off;
         if (device_alloc(c, alloc, NULL, &off) == 0) {
@@ -864,10 +891,41 @@ void kvd__cache_insert_batch(kvd_store *st, const kvd__cache_put *ps, size_t n, 
     }
 }
 
+int kvd__cache_reserve(kvd_store *st, size_t len, kvd__slot *slot)
+{
+    kvd__cache *c = &st->tiers;
+    memset(slot, 0, sizeof *slot);
+    if (!c->tier[KVD_TIER_DEVICE].limit || c->pool_host)
+        return -1;
+    const uint64_t alloc = (len + GRANULE - 1) / GRANULE * GRANULE;
+    uint64_t off;
+    pthread_mutex_lock(&c->mu);
+    if (c->dev_broken)
+        drop_device(st);
+    const int rc = device_alloc(c, alloc, NULL, &off);
+    if (rc == 0) {
+        c->tier[KVD_TIER_DEVICE].used += alloc;
+        *slot = (kvd__slot){off, alloc, c->dpool.base + off};
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+void kvd__cache_unreserve(kvd_store *st, kvd__slot *slot)
+{
+    if (!slot->alloc)
+        return;
+    kvd__cache *c = &st->tiers;
+    pthread_mutex_lock(&c->mu);
+    slot_give(c, slot);
+    pthread_mutex_unlock(&c->mu);
+    memset(slot, 0, sizeof *slot);
+}
+
 kvd__centry *kvd__cache_insert(kvd_store *st, uint64_t id, const uint8_t *page, size_t len,
                                uint32_t num_tokens, int pin)
 {
-    const kvd__cache_put p = {id, page, len, num_tokens};
+    const kvd__cache_put p = {.id = id, .page = page, .len = len, .num_tokens = num_tokens};
     kvd__centry *e = NULL;
     kvd__cache_insert_batch(st, &p, 1, pin, &e);
     return e;
@@ -1136,6 +1194,7 @@ int kvd_store_stats_get(kvd_store *st, kvd_store_stats *out)
     out->sequences_dropped = atomic_load(&c->sequences_dropped);
     out->sequences_expired = atomic_load(&c->sequences_expired);
     out->device_pages_encoded = atomic_load(&c->device_pages_encoded);
+    out->device_pages_placed = atomic_load(&c->device_pages_placed);
     out->device_fallbacks = atomic_load(&c->device_fallbacks);
     pthread_rwlock_rdlock(&st->lock);
     out->sequences = st->nseqs;
@@ -1522,7 +1581,10 @@ static int load_pages(kvd_store *st, const kvd__seq *s, const kvd__tail_want *ws
         if (pg[loaded].nfrags == 0) {
             size_t len;
             const char *v = rocksdb_pinnableslice_value(pg[loaded].ps, &len);
-            puts[np] = (kvd__cache_put){w->page_id, (const uint8_t *)v, len, pg[loaded].num_tokens};
+            puts[np] = (kvd__cache_put){.id = w->page_id,
+                                        .page = (const uint8_t *)v,
+                                        .len = len,
+                                        .num_tokens = pg[loaded].num_tokens};
             at[np++] = idx[loaded];
             continue;
         }

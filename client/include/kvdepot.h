@@ -1040,6 +1040,8 @@ typedef struct kvdepot_stats {
     uint64_t device_pages_searched; /* pages whose PQ codes Search read on the GPU */
     uint64_t device_pages_encoded;  /* pages an Append coded on the GPU */
     uint64_t device_fallbacks;      /* GPU work failed (lost, out of memory), redone on the CPU */
+    uint64_t device_pages_placed;   /* pages an Append coded on the GPU and put in its tier
+                                     * where they were coded (not copied up again) */
 } kvdepot_stats;
 
 /**

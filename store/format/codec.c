@@ -1258,7 +1258,7 @@ static int page_prepare(const kvd_page_desc *d, const kvd_codec_spec *ks_in,
 
 static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d,
                                const page_job *jobs, const void *const *k, const void *const *v,
-                               int in_dev, kvd_error *err);
+                               int in_dev, kvd_dev_sections *keep, kvd_error *err);
 
 int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks_in,
                     const kvd_codec_spec *vs_in, const void *k, const void *v, uint8_t **out,
@@ -1276,7 +1276,7 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
         return kvd_page_encode_raw(d, k, v, out, len, err);
     uint8_t *sec = j.page + j.hsize;
     if (on_device(be))
-        rc = encode_device_batch(be, 1, d, &j, &k, &v, 0, err);
+        rc = encode_device_batch(be, 1, d, &j, &k, &v, 0, NULL, err);
     else if ((rc = encode_side(be, d, &j.ks, j.kla, 0, k, j.rawsec, sec, err)) == 0)
         rc = encode_side(be, d, &j.vs, j.vla, 1, v, j.rawsec, sec + j.kb, err);
     if (rc) {
@@ -1298,11 +1298,12 @@ int kvd_page_encode(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spe
  * side is copied on the host. The pages' headers and prefixes are written
  * here (jobs[p].page). With in_dev, k[p] and v[p] are already in be's
  * memory: nothing goes up but the artifacts, and a raw side comes down
- * with the coded arrays.
+ * with the coded arrays. With keep, the scratch block stays and *keep says
+ * where each page's arrays lie in it.
  */
 static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d,
                                const page_job *jobs, const void *const *k, const void *const *v,
-                               int in_dev, kvd_error *err)
+                               int in_dev, kvd_dev_sections *keep, kvd_error *err)
 {
     const uint32_t H = d[0].num_kv_heads, T = d[0].num_tokens, D = d[0].head_dim;
     const size_t rawsec = jobs[0].rawsec;
@@ -1432,6 +1433,25 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
             if (svd[i])
                 svd_int_prefixes(jobs[p].page + jobs[p].hsize + (i ? jobs[p].kb : 0), &d[p], sp[i],
                                  la[i]);
+    if (rc == 0 && keep && !(keep->side = calloc(n, sizeof *keep->side)))
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory coding pages");
+    if (rc == 0 && keep) {
+        keep->be = be;
+        keep->scratch = m;
+        keep->n = n;
+        m = NULL;
+        for (size_t p = 0; p < n; p++)
+            for (int i = 0; i < 2; i++) {
+                kvd_dev_side *sd = &keep->side[p][i];
+                if (sp[i]->codec == KVD_CODEC_RAW && !svd[i]) {
+                    if (in_dev)
+                        *sd = (kvd_dev_side){i ? v[p] : k[p], 0, rawsec};
+                } else if (!svd[i]) {
+                    *sd = (kvd_dev_side){(uint8_t *)keep->scratch + o_side[i] + p * per[i] + o_arr,
+                                         pre[i], arr[i]};
+                }
+            }
+    }
     if (m)
         kvd_backend_scratch_free(be, m);
     free(ops);
@@ -1439,6 +1459,68 @@ static int encode_device_batch(kvd_backend *be, size_t n, const kvd_page_desc *d
     free(q);
     free(seeds);
     return rc;
+}
+
+void kvd_dev_sections_free(kvd_dev_sections *s)
+{
+    if (!s)
+        return;
+    if (s->scratch)
+        kvd_backend_scratch_free(s->be, s->scratch);
+    free(s->side);
+    memset(s, 0, sizeof *s);
+}
+
+int kvd_page_image_copies(const uint8_t *page, size_t len, const kvd_dev_sections *s, size_t p,
+                          void *dst, kvd_copy *ops, size_t *nops, kvd_error *err)
+{
+    *nops = 0;
+    if (!page || !s || p >= s->n || !dst)
+        return kvd_error_set(err, KVD_EINVAL, "page image: bad argument");
+    kvd_page_view v;
+    int rc = kvd_page_decode_nocheck(page, len, &v, err);
+    if (rc)
+        return rc;
+    /* The device ranges, in page order, and the host bytes around them. */
+    struct dev_range {
+        uint64_t off, len;
+        const void *dev;
+    } r[2];
+    size_t nr = 0;
+    for (int i = 0; i < 2; i++) {
+        const kvd_dev_side *sd = &s->side[p][i];
+        const uint64_t sec_len = i ? v.v_len : v.k_len;
+        if (!sd->len)
+            continue;
+        if (sd->at > sec_len || sd->len > sec_len - sd->at)
+            return kvd_error_set(err, KVD_ECORRUPT,
+                                 "page image: the %s section of page %zu is shorter than its "
+                                 "coded arrays",
+                                 i ? "V" : "K", p);
+        r[nr].off = (uint64_t)((i ? v.v : v.k) - page) + sd->at;
+        r[nr].len = sd->len;
+        r[nr].dev = sd->dev;
+        nr++;
+    }
+    if (nr == 2 && r[1].off < r[0].off) {
+        struct dev_range t = r[0];
+        r[0] = r[1];
+        r[1] = t;
+    }
+    uint8_t *out = dst;
+    uint64_t at = 0;
+    for (size_t i = 0; i <= nr; i++) {
+        const uint64_t end = i < nr ? r[i].off : (uint64_t)len;
+        if (end > at)
+            ops[(*nops)++] = (kvd_copy){
+                .dst = out + at, .src = page + at, .bytes = (size_t)(end - at), .to_device = 1};
+        if (i < nr) {
+            ops[(*nops)++] = (kvd_copy){
+                .dst = out + r[i].off, .src = r[i].dev, .bytes = (size_t)r[i].len, .within = 1};
+            at = r[i].off + r[i].len;
+        }
+    }
+    return 0;
 }
 
 /* Check the arguments of kvd_pages_encode(_device); clears out and len. */
@@ -1462,7 +1544,7 @@ static int pages_args(kvd_backend *be, size_t n, const kvd_page_desc *d, const k
 static int pages_together(kvd_backend *be, size_t n, const kvd_page_desc *d,
                           const kvd_codec_spec *ks, const kvd_codec_spec *vs, const void *const *k,
                           const void *const *v, int in_dev, uint8_t **out, size_t *len,
-                          kvd_error *err)
+                          kvd_dev_sections *keep, kvd_error *err)
 {
     page_job *jobs = calloc(n, sizeof *jobs);
     if (!jobs)
@@ -1483,7 +1565,7 @@ static int pages_together(kvd_backend *be, size_t n, const kvd_page_desc *d,
     if (rc == 0 && !jobs[0].page) /* both sides raw: nothing to code */
         rc = kvd_error_set(err, KVD_EINVAL, "pages encode: both sides are raw");
     if (rc == 0)
-        rc = encode_device_batch(be, n, d, jobs, k, v, in_dev, err);
+        rc = encode_device_batch(be, n, d, jobs, k, v, in_dev, keep, err);
     for (size_t p = 0; p < n; p++) {
         if (rc == 0) {
             len[p] = jobs[p].hsize + jobs[p].kb + jobs[p].vb;
@@ -1507,7 +1589,7 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
     const int coded =
         ks->codec != KVD_CODEC_RAW || vs->codec != KVD_CODEC_RAW || ks->svd || vs->svd;
     if (n > 1 && coded && on_device(be))
-        return pages_together(be, n, d, ks, vs, k, v, 0, out, len, err);
+        return pages_together(be, n, d, ks, vs, k, v, 0, out, len, NULL, err);
     /* One page at a time: on the CPU, raw pages, a single page. */
     for (size_t p = 0; p < n && rc == 0; p++)
         rc = kvd_page_encode(be, &d[p], ks, vs, k[p], v[p], &out[p], &len[p], err);
@@ -1522,9 +1604,11 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
 
 int kvd_pages_encode_device(kvd_backend *be, size_t n, const kvd_page_desc *d,
                             const kvd_codec_spec *ks, const kvd_codec_spec *vs,
-                            const void *const *k, const void *const *v, uint8_t **out,
-                            size_t *len, kvd_error *err)
+                            const void *const *k, const void *const *v, uint8_t **out, size_t *len,
+                            kvd_dev_sections *keep, kvd_error *err)
 {
+    if (keep)
+        memset(keep, 0, sizeof *keep);
     int rc = pages_args(be, n, d, ks, vs, k, v, out, len, err);
     if (rc || !n)
         return rc;
@@ -1532,7 +1616,7 @@ int kvd_pages_encode_device(kvd_backend *be, size_t n, const kvd_page_desc *d,
         return kvd_error_set(err, KVD_EINVAL,
                              "pages encode: K and V in device memory need a "
                              "device backend");
-    return pages_together(be, n, d, ks, vs, k, v, 1, out, len, err);
+    return pages_together(be, n, d, ks, vs, k, v, 1, out, len, keep, err);
 }
 
 int kvd_codec_section_parse(const kvd_page_view *v, int which, const kvd_codec_arts *arts,

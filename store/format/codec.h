@@ -180,9 +180,8 @@ uint64_t kvd_codec_section_bytes(const kvd_codec_spec *s, uint32_t H, uint32_t T
  * whole block (d->num_tokens < page_tokens) is always written raw. VQ and
  * SVD specs code with spec->arts (layer d->layer), stamping its fingerprint.
  * k, v and *out are host memory whatever be is. On a device backend (CUDA)
- * the raw K and V go up once, INT and VQ sections are coded by its kernels
- * and come back down: the same bytes as the CPU's; SVD sections are not
- * coded there (KVD_EUNSUPP).
+ * the raw K and V go up once, INT, VQ and SVD sections are coded by its
+ * kernels and come back down: the same bytes as the CPU's.
  * Returns 0, KVD_EINVAL (also: VQ/SVD without arts), KVD_ENOMEM, and the
  * device's errors (KVD_EUNAVAIL, KVD_ENOMEM for device memory).
  */
@@ -207,17 +206,54 @@ int kvd_pages_encode(kvd_backend *be, size_t n, const kvd_page_desc *d, const kv
                      uint8_t **out, size_t *len, kvd_error *err);
 
 /*
+ * Where the coded sides of the pages a kvd_pages_encode_device call coded
+ * still lie in the device's memory, for a caller that puts the pages there
+ * too (the device tier) without sending them up again: bytes [at, at + len)
+ * of page p's K (side[p][0]) or V (side[p][1]) section are at dev (len 0:
+ * none there; an SVD side, whose heads' prefixes are written on the host).
+ * A raw side points into the caller's own K or V. Valid until
+ * kvd_dev_sections_free, to be called on the thread that coded them.
+ */
+typedef struct kvd_dev_side {
+    const void *dev;
+    uint64_t at, len;
+} kvd_dev_side;
+typedef struct kvd_dev_sections {
+    kvd_backend *be;
+    void *scratch;
+    size_t n;
+    kvd_dev_side (*side)[2];
+} kvd_dev_sections;
+void kvd_dev_sections_free(kvd_dev_sections *s);
+
+/*
  * kvd_pages_encode of n sealing pages of one layer and shape whose raw K and
  * V sections (head-major, as in a raw page) already lie in the memory of the
  * device backend be: only the artifacts go up; a raw side comes down with
  * the coded arrays. For a caller that keeps the raw pages on the device for
- * other work too (the PQ codes of an append). KVD_EINVAL without a device
+ * other work too (the PQ codes of an append). With keep (else NULL), the
+ * coded arrays stay on the device and *keep says where (to free with
+ * kvd_dev_sections_free; zeroed on failure). KVD_EINVAL without a device
  * backend or when neither side is coded.
  */
 int kvd_pages_encode_device(kvd_backend *be, size_t n, const kvd_page_desc *d,
                             const kvd_codec_spec *ks, const kvd_codec_spec *vs,
-                            const void *const *k, const void *const *v, uint8_t **out,
-                            size_t *len, kvd_error *err);
+                            const void *const *k, const void *const *v, uint8_t **out, size_t *len,
+                            kvd_dev_sections *keep, kvd_error *err);
+
+/*
+ * The copies that put page p of a kvd_pages_encode_device call at dst in
+ * the device's memory: page (len bytes) is that call's out[p], or it with
+ * sections added since (kvd_page_put_section moves sections, never changes
+ * them). Its arrays that lie on the device (s) are copied within it, every
+ * other byte (header, prefixes, added sections) goes up from page, which
+ * must live until the copies ran. ops has room for
+ * KVD_PAGE_IMAGE_COPIES; *nops is set. KVD_ECORRUPT when page does not
+ * parse or its K or V section is shorter than s says.
+ */
+#define KVD_PAGE_IMAGE_COPIES 5
+int kvd_page_image_copies(const uint8_t *page, size_t len, const kvd_dev_sections *s, size_t p,
+                          void *dst, kvd_copy *ops, size_t *nops, kvd_error *err);
 
 /* A coded section, parsed and checked against its page's shape. */
 typedef struct kvd_codec_section {

@@ -1283,9 +1283,15 @@ static int t_device(kvd_harness *h)
         kvdepot_stats se;
         REQUIRE_RC(kvdepot_stats_get(c, &se), KVDEPOT_OK);
         uint64_t enc = se.device_pages_encoded - st0.device_pages_encoded;
-        printf("%llu pages coded on the device\n", (unsigned long long)enc);
+        uint64_t placed = se.device_pages_placed - st0.device_pages_placed;
+        printf("%llu pages coded on the device, %llu of them put in its tier where they were "
+               "coded\n",
+               (unsigned long long)enc, (unsigned long long)placed);
         if (on_gpu || on_cpu)
             CHECK(enc == (on_gpu ? 5 * 2 * 5 : 0));
+        /* every one (the tier holds them all), and none was copied up again:
+         * the Attends below read them there */
+        CHECK(placed == enc);
         CHECK(se.device_fallbacks == st0.device_fallbacks);
     }
     /* ranges: all, partial pages at both ends, exact pages, tail only */

@@ -4,7 +4,8 @@
  * kvd_pages_encode_device with them already in device memory give, page for
  * page, the bytes the CPU backend gives one page at a time (INT2, INT4,
  * values on either axis, a raw side next to a coded one, stochastic
- * rounding); the
+ * rounding); pages put in device memory from where their coding left their
+ * arrays (kvd_page_image_copies) are the same bytes; the
  * misuses are refused with a clear error. Built against the CPU emulation of
  * the CUDA backend (tests/backend/cuda_emu.cmake).
  */
@@ -59,6 +60,87 @@ static void free_pages(uint8_t **out)
         free(out[p]);
         out[p] = NULL;
     }
+}
+
+/* The page with a PQ-codes section added (M sub-spaces of 8 bits), as an
+ * append adds one: the K and V sections move behind a longer table. */
+static uint8_t *with_pq(const uint8_t *page, size_t len, size_t *plen)
+{
+    enum { M = 8 };
+    uint8_t *out = NULL, *sec = NULL;
+    kvd_error err;
+    if (kvd_page_put_section(page, len, KVD_SECTION_PQ_CODES,
+                             KVD_PAGE_PQ_HEADER + (uint64_t)H * B * M, &out, plen, &sec, &err)) {
+        fprintf(stderr, "put section: %s\n", err.msg);
+        return NULL;
+    }
+    sec[0] = M;
+    sec[2] = 8;
+    sec[8] = 1; /* the centroids' id */
+    for (size_t i = 0; i < (size_t)H * B * M; i++)
+        sec[KVD_PAGE_PQ_HEADER + i] = (uint8_t)(i * 2654435761u >> 11);
+    kvd_page_finish(out, *plen);
+    return out;
+}
+
+/* Each page, with and without a PQ section added, put in device memory by
+ * kvd_page_image_copies (its coded arrays copied within the device from
+ * where the coding left them, the rest up) comes back the same bytes; the
+ * arrays that stayed there are not sent up again. */
+static void check_images(kvd_backend *gpu, uint8_t **pages, const size_t *len,
+                         const kvd_dev_sections *keep, size_t c)
+{
+    CHECK(keep->n == NP && keep->scratch != NULL);
+    for (int p = 0; p < NP; p++)
+        for (int pq = 0; pq < 2; pq++) {
+            size_t plen = len[p];
+            uint8_t *page = pq ? with_pq(pages[p], len[p], &plen) : pages[p];
+            void *img = NULL;
+            uint8_t *back = malloc(plen);
+            kvd_copy ops[KVD_PAGE_IMAGE_COPIES];
+            size_t nops = 0, up = 0, within = 0;
+            kvd_error err;
+            int rc = page && back ? kvd_backend_alloc(gpu, plen, &img, &err) : -1;
+            if (rc == 0)
+                rc = kvd_page_image_copies(page, plen, keep, (size_t)p, img, ops, &nops, &err);
+            for (size_t i = 0; rc == 0 && i < nops; i++) {
+                up += ops[i].within ? 0 : ops[i].bytes;
+                within += ops[i].within ? ops[i].bytes : 0;
+            }
+            if (rc == 0)
+                rc = kvd_backend_copy_batch(gpu, ops, nops, &err);
+            if (rc == 0)
+                rc = kvd_backend_download(gpu, back, img, plen, &err);
+            CHECK(rc == 0);
+            if (rc == 0) {
+                CHECK(memcmp(back, page, plen) == 0);
+                CHECK(up + within == plen);
+                /* Every coded or raw side's arrays stayed on the device: what
+                 * goes up is the header, prefixes and the PQ section. */
+                uint64_t kept = keep->side[p][0].len + keep->side[p][1].len;
+                CHECK(within == kept && kept > 0);
+                if (memcmp(back, page, plen) || within != kept)
+                    fprintf(stderr,
+                            "case %zu page %d%s: image differs or %zu of %llu bytes "
+                            "copied within\n",
+                            c, p, pq ? " with PQ" : "", within, (unsigned long long)kept);
+            } else {
+                fprintf(stderr, "case %zu page %d image: %s\n", c, p, rc < 0 ? "" : err.msg);
+            }
+            kvd_backend_dealloc(gpu, img);
+            free(back);
+            if (pq)
+                free(page);
+        }
+    /* A page that does not parse gives no copies. */
+    kvd_copy ops[KVD_PAGE_IMAGE_COPIES];
+    size_t nops = 7;
+    kvd_error err;
+    uint8_t junk[256] = {1, 2, 3};
+    void *img = (void *)junk;
+    CHECK(kvd_page_image_copies(junk, sizeof junk, keep, 0, img, ops, &nops, &err) ==
+              KVD_ECORRUPT &&
+          nops == 0);
 }
 
 int main(void)
@@ -118,10 +200,14 @@ int main(void)
         CHECK(rc == 0);
         if (rc)
             fprintf(stderr, "case %zu, host inputs: %s\n", c, err.msg);
-        rc = kvd_pages_encode_device(gpu, NP, d, &ks, &vs, kdv, vdv, dev, dl, &err);
+        kvd_dev_sections keep;
+        rc = kvd_pages_encode_device(gpu, NP, d, &ks, &vs, kdv, vdv, dev, dl, &keep, &err);
         CHECK(rc == 0);
         if (rc)
             fprintf(stderr, "case %zu, device inputs: %s\n", c, err.msg);
+        else
+            check_images(gpu, dev, dl, &keep, c);
+        kvd_dev_sections_free(&keep);
         for (int p = 0; p < NP; p++) {
             CHECK(want[p] && host[p] && dev[p]);
             if (!want[p] || !host[p] || !dev[p])
@@ -142,21 +228,25 @@ int main(void)
     kvd_codec_spec raw = spec(KVD_CODEC_RAW, 0, 0, 0);
     uint8_t *out[NP];
     size_t len[NP];
-    CHECK(kvd_pages_encode_device(cpu, NP, d, &i2, &i2, kdv, vdv, out, len, &err) == KVD_EINVAL);
+    CHECK(kvd_pages_encode_device(cpu, NP, d, &i2, &i2, kdv, vdv, out, len, NULL, &err) ==
+          KVD_EINVAL);
     CHECK(strstr(err.msg, "device backend") != NULL);
-    CHECK(kvd_pages_encode_device(gpu, NP, d, &raw, &raw, kdv, vdv, out, len, &err) == KVD_EINVAL);
+    CHECK(kvd_pages_encode_device(gpu, NP, d, &raw, &raw, kdv, vdv, out, len, NULL, &err) ==
+          KVD_EINVAL);
     CHECK(strstr(err.msg, "both sides are raw") != NULL);
     kvd_page_desc bad[NP];
     memcpy(bad, d, sizeof bad);
     bad[3].num_tokens = B - 1;
-    CHECK(kvd_pages_encode_device(gpu, NP, bad, &i2, &i2, kdv, vdv, out, len, &err) == KVD_EINVAL);
+    CHECK(kvd_pages_encode_device(gpu, NP, bad, &i2, &i2, kdv, vdv, out, len, NULL, &err) ==
+          KVD_EINVAL);
     CHECK(strstr(err.msg, "page 3 is not a sealing page") != NULL);
     for (int p = 0; p < NP; p++)
         CHECK(out[p] == NULL);
     const void *kmiss[NP] = {kd[0], kd[1], NULL, kd[3], kd[4]};
-    CHECK(kvd_pages_encode_device(gpu, NP, d, &i2, &i2, kmiss, vdv, out, len, &err) == KVD_EINVAL);
+    CHECK(kvd_pages_encode_device(gpu, NP, d, &i2, &i2, kmiss, vdv, out, len, NULL, &err) ==
+          KVD_EINVAL);
     CHECK(strstr(err.msg, "page 2 has no K or V") != NULL);
-    CHECK(kvd_pages_encode_device(gpu, 0, d, &i2, &i2, kdv, vdv, out, len, &err) == 0);
+    CHECK(kvd_pages_encode_device(gpu, 0, d, &i2, &i2, kdv, vdv, out, len, NULL, &err) == 0);
 
     for (int p = 0; p < NP; p++) {
         free(k[p]);

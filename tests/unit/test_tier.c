@@ -19,6 +19,7 @@
 
 #include "page.h"
 #include "store.h"
+#include "store_internal.h" /* the device tier's slots */
 
 static int failures;
 #define CHECK(cond)                                                                                \
@@ -642,6 +643,87 @@ static void test_storm(const char *dir)
     kvd_store_close(st);
 }
 
+/* Ranges of the device tier held for pages written there (an append coded
+ * on the device puts its pages where they stay): charged while held, given
+ * back whole, taken by the insert without a copy, given back by it when the
+ * device is gone by then. A pool in host memory (no device) holds none. */
+static void test_slots(const char *dir)
+{
+    kvd_page_desc d = {.dtype = KVD_DTYPE_F16,
+                       .layer = 0,
+                       .token_start = 0,
+                       .num_tokens = PT,
+                       .page_tokens = PT,
+                       .num_kv_heads = HEADS,
+                       .head_dim = DIM};
+    uint8_t *k = malloc(PAGE_K), *v = malloc(PAGE_K), *page = NULL;
+    size_t len = 0;
+    kvd_error e;
+    for (size_t i = 0; k && v && i < PAGE_K; i++) {
+        k[i] = (uint8_t)mix(i);
+        v[i] = (uint8_t)mix(i + PAGE_K);
+    }
+    CHECK(k && v && kvd_page_encode_raw(&d, k, v, &page, &len, &e) == 0);
+    free(k);
+    free(v);
+    kvd_store *st = page ? open_store(dir, 4 * len + 100, 4 * len + 4 * 4096) : NULL;
+    CHECK(!page || st);
+    if (!st) {
+        free(page);
+        return;
+    }
+    kvd__slot sl[5];
+    kvd_store_stats s;
+    int rc = kvd__cache_reserve(st, len, &sl[0]);
+    if (!device) {
+        CHECK(rc == -1 && sl[0].alloc == 0 && sl[0].data == NULL);
+        kvd_store_close(st);
+        free(page);
+        return;
+    }
+    CHECK(rc == 0 && sl[0].alloc >= len && sl[0].data != NULL);
+    for (int i = 1; i < 4; i++)
+        CHECK(kvd__cache_reserve(st, len, &sl[i]) == 0);
+    CHECK(kvd__cache_reserve(st, len, &sl[4]) == -1 && sl[4].alloc == 0); /* full */
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] == 4 * sl[0].alloc && s.tier_pages[KVD_TIER_DEVICE] == 0);
+    kvd__cache_unreserve(st, &sl[3]);
+    CHECK(sl[3].alloc == 0);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] == 3 * sl[0].alloc);
+
+    /* Written into sl[0], the page enters the tier there. */
+    CHECK(kvd_backend_upload(device, sl[0].data, page, len, &e) == 0);
+    kvd__cache_put put = {.id = 1001, .page = page, .len = len, .num_tokens = PT, .slot = sl[0]};
+    kvd__cache_insert_batch(st, &put, 1, 0, NULL);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.device_pages_placed == 1 && s.tier_pages[KVD_TIER_DEVICE] == 1);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] == 3 * sl[0].alloc);
+    const uint8_t *bytes = NULL;
+    uint8_t *tmp = NULL;
+    kvd__centry *ce = kvd__cache_acquire(st, 1001, PT, &bytes, &tmp);
+    CHECK(ce && bytes && memcmp(bytes, page, len) == 0);
+    free(tmp);
+    kvd__cache_release(st, ce);
+    /* Cached already with as many tokens: the slot is given back. */
+    put.slot = sl[1];
+    kvd__cache_insert_batch(st, &put, 1, 0, NULL);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.device_pages_placed == 1 && s.tier_pages[KVD_TIER_DEVICE] == 1);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] == 2 * sl[0].alloc);
+
+    /* The device gone, a page with a slot goes to the host tier and the
+     * slot back: nothing is left charged to the device tier. */
+    kvd_store_device_lost(st);
+    put = (kvd__cache_put){.id = 1002, .page = page, .len = len, .num_tokens = PT, .slot = sl[2]};
+    kvd__cache_insert_batch(st, &put, 1, 0, NULL);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.device_pages_placed == 1 && s.tier_pages[KVD_TIER_DEVICE] == 0);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] == 0 && s.tier_pages[KVD_TIER_HOST] == 1);
+    kvd_store_close(st);
+    free(page);
+}
+
 int main(void)
 {
     char tmpl[] = "/tmp/kvd-test-tier-XXXXXX";
@@ -656,15 +738,17 @@ int main(void)
             return 1;
         }
     }
-    char d1[128], d2[128], d3[128], d4[128], cmd[200];
+    char d1[128], d2[128], d3[128], d4[128], d5[128], cmd[200];
     snprintf(d1, sizeof d1, "%s/lru", root);
     snprintf(d2, sizeof d2, "%s/threads", root);
     snprintf(d3, sizeof d3, "%s/batch", root);
     snprintf(d4, sizeof d4, "%s/storm", root);
+    snprintf(d5, sizeof d5, "%s/slots", root);
     test_lru(d1);
     test_batch(d3);
     test_threads(d2);
     test_storm(d4);
+    test_slots(d5);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0)
         fprintf(stderr, "could not remove %s\n", root);
