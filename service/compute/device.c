@@ -62,9 +62,11 @@ static void merge_item(kvd_attn_merge_args *m, const kvd_attn_dims *d, float *a,
 typedef struct vq_books {
     const kvd_layer_arts *k, *v;
     size_t at, n_lambda, n_kbook, n_vbook;
+    int shared; /* placed already for an earlier query */
     float *k_lambda, *k_book, *v_book;
     const kvd_layer_arts *sk, *sv;
     size_t s_at, n_rot;
+    int s_shared;
     float *rk, *rv;
 } vq_books;
 
@@ -129,13 +131,15 @@ static int svd_check(const kvd__devq *q, const kvd_page_layout *l, vq_books *b, 
     return 0;
 }
 
-/* Copy b's codebooks into the host image at b->at, and point b at where
- * they will lie in buf. */
+/* Copy b's codebooks into the host image at b->at (unless an earlier
+ * query's placement is b's), and point b at where they will lie in buf. */
 static void books_place(vq_books *b, float *host, float *buf)
 {
-    memcpy(host + b->at, b->k->lambda ? b->k->lambda : host, sizeof(float) * b->n_lambda);
-    memcpy(host + b->at + b->n_lambda, b->k->codebook, sizeof(float) * b->n_kbook);
-    memcpy(host + b->at + b->n_lambda + b->n_kbook, b->v->codebook, sizeof(float) * b->n_vbook);
+    if (!b->shared) {
+        memcpy(host + b->at, b->k->lambda ? b->k->lambda : host, sizeof(float) * b->n_lambda);
+        memcpy(host + b->at + b->n_lambda, b->k->codebook, sizeof(float) * b->n_kbook);
+        memcpy(host + b->at + b->n_lambda + b->n_kbook, b->v->codebook, sizeof(float) * b->n_vbook);
+    }
     b->k_lambda = b->n_lambda ? buf + b->at : NULL;
     b->k_book = buf + b->at + b->n_lambda;
     b->v_book = buf + b->at + b->n_lambda + b->n_kbook;
@@ -144,8 +148,10 @@ static void books_place(vq_books *b, float *host, float *buf)
 /* The same for b's rotations at b->s_at. */
 static void rotations_place(vq_books *b, float *host, float *buf)
 {
-    memcpy(host + b->s_at, b->sk->rotation, sizeof(float) * b->n_rot);
-    memcpy(host + b->s_at + b->n_rot, b->sv->rotation, sizeof(float) * b->n_rot);
+    if (!b->s_shared) {
+        memcpy(host + b->s_at, b->sk->rotation, sizeof(float) * b->n_rot);
+        memcpy(host + b->s_at + b->n_rot, b->sv->rotation, sizeof(float) * b->n_rot);
+    }
     b->rk = buf + b->s_at;
     b->rv = buf + b->s_at + b->n_rot;
 }
@@ -311,15 +317,26 @@ static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_he
         off[3 * i + 2] = total;
         total += (size_t)qs[i].dims.n_q_heads * ((size_t)qs[i].dims.v_dim + 1);
     }
-    /* the codebooks of the queries with VQ pages */
+    /* The codebooks of the queries with VQ pages, the rotations of those
+     * with SVD pages: once per snapshot layer (sequences made from the same
+     * artifacts share their parsed snapshot, store/seqcodec.c), however
+     * many queries of the call use it. */
     for (size_t i = 0; i < nq; i++) {
         if (books[i].k) {
-            books[i].at = total;
-            total += books[i].n_lambda + books[i].n_kbook + books[i].n_vbook;
+            size_t j = 0;
+            while (j < i && (books[j].k != books[i].k || books[j].v != books[i].v))
+                j++;
+            books[i].at = j < i ? books[j].at : total;
+            books[i].shared = j < i;
+            total += j < i ? 0 : books[i].n_lambda + books[i].n_kbook + books[i].n_vbook;
         }
         if (books[i].sk) {
-            books[i].s_at = total;
-            total += 2 * books[i].n_rot;
+            size_t j = 0;
+            while (j < i && (books[j].sk != books[i].sk || books[j].sv != books[i].sv))
+                j++;
+            books[i].s_at = j < i ? books[j].s_at : total;
+            books[i].s_shared = j < i;
+            total += j < i ? 0 : 2 * books[i].n_rot;
         }
     }
     const size_t empty = total;
