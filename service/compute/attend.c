@@ -120,7 +120,14 @@ static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_
     const int Hq = dims->n_q_heads, D = dims->head_dim;
     if (rc == 0)
         rc = kvd_page_attend(c->be, sb->vs, nv, codecs->arts, dims, qy->q, sb->po, sb->pl, err);
-    kvd__devq dq = {*dims, qy->q, sb->dv, nd, sb->po2, sb->pl2, codecs->arts, layer};
+    kvd__devq dq = {.dims = *dims,
+                    .q = qy->q,
+                    .pages = sb->dv,
+                    .np = nd,
+                    .out = sb->po2,
+                    .lse = sb->pl2,
+                    .arts = codecs->arts,
+                    .layer = layer};
     if (rc == 0 && nd > 0 && (rc = kvd__attend_device_batch(dev, &dq, 1, err)) == 0)
         rc = kvd_attn_merge_into(c->be, Hq, D, sb->po, sb->pl, sb->po2, sb->pl2, err);
     for (size_t i = 0; i < got; i++)
@@ -221,13 +228,50 @@ typedef struct batch_q {
     kvd_page_handle *dv; /* copies of those on the device */
     kvd_page_view *vs;   /* views of the others */
     size_t nd, nv;
+    uint8_t *raw; /* the tokens outside whole pages (kvd__devq.raw) */
 } batch_q;
+
+/* Tokens [start, f0 * B) and [f1 * B, start + n) of a query (the partial
+ * pages at both ends, the raw tail) into *raw as kvd__devq wants them: K of
+ * both, then V of both, [token][kv_head][dim]. *raw NULL when there are
+ * none. */
+static int read_ends(const kvd_compute *c, const kvd_attend_query *qy, const kvd_model_info *m,
+                     uint32_t layer, uint64_t B, uint64_t start, uint64_t n, uint64_t f0,
+                     uint64_t f1, uint8_t **raw, uint64_t *tokens, kvd_error *err)
+{
+    const uint64_t nh = f0 * B - start, nt = start + n - f1 * B, T = nh + nt;
+    const size_t row = (size_t)m->num_kv_heads * m->head_dim * kvd_dtype_size(m->dtype);
+    *raw = NULL;
+    *tokens = T;
+    if (!T)
+        return 0;
+    uint8_t *r = malloc(2 * T * row), *tmp = malloc(2 * (nh > nt ? nh : nt) * row);
+    int rc = r && tmp ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    const uint64_t s0[2] = {start, f1 * B}, len[2] = {nh, nt};
+    for (int part = 0, at = 0; part < 2 && rc == 0; at += (int)len[part], part++) {
+        if (!len[part])
+            continue;
+        rc = kvd__read_window(c->store, qy->id, qy->id_len, layer, s0[part], len[part], tmp,
+                              2 * len[part] * row, err);
+        if (rc == 0) {
+            memcpy(r + (size_t)at * row, tmp, len[part] * row);                         /* K */
+            memcpy(r + (T + (size_t)at) * row, tmp + len[part] * row, len[part] * row); /* V */
+        }
+    }
+    free(tmp);
+    if (rc)
+        free(r);
+    else
+        *raw = r;
+    return rc;
+}
 
 /*
  * Queries [i0, i1) of an Attend on the device dev: each query's whole pages
  * are acquired; those in the device tier become items of one device batch
- * (kvd__attend_device_batch) over all the queries, the others, the partial
- * pages at both ends and the raw tail are attended on the CPU, and the
+ * (kvd__attend_device_batch) over all the queries, with the tokens of the
+ * partial pages at both ends and the raw tail (read on the host, sent up
+ * with the query), the other pages are attended on the CPU, and the
  * parts of each query are merged by log-sum-exp. When the device fails
  * (kvd__device_fallback) the queries are attended again on the CPU.
  */
@@ -259,7 +303,11 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
         const uint64_t start = qs[i].token_start, n = count[i];
         uint64_t f0, f1;
         whole_pages(B, start, n, sc[i].layer_tokens, &f0, &f1);
-        dq[k] = (kvd__devq){dims, qs[i].q, NULL, 0, dnext, dnext + (size_t)Hq * D, NULL, layer};
+        dq[k] = (kvd__devq){.dims = dims,
+                            .q = qs[i].q,
+                            .out = dnext,
+                            .lse = dnext + (size_t)Hq * D,
+                            .layer = layer};
         dnext += (size_t)Hq * (D + 1);
         if (f0 == f1) {
             rc = attend_range(c, &qs[i], m, layer, start, n, sc_i, res[i].out, res[i].lse, err);
@@ -286,10 +334,16 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
              (rc = kvd_seq_codecs_load_arts(c->store, qs[i].id, qs[i].id_len, &b->codecs, err))))
             break;
         dq[k].arts = b->codecs.arts;
-        /* Head [start, f0*B) */
-        if ((rc = attend_range(c, &qs[i], m, layer, start, f0 * B - start, sc_i, res[i].out,
-                               res[i].lse, err)))
+        /* Head [start, f0*B) and tail [f1*B, end), on the device. */
+        if ((rc = read_ends(c, &qs[i], m, layer, B, start, n, f0, f1, &b->raw, &dq[k].raw_tokens,
+                            err)))
             break;
+        dq[k].raw = b->raw;
+        dq[k].raw_dtype = m->dtype;
+        for (int h = 0; h < Hq; h++) { /* the parts merge into an empty result */
+            res[i].lse[h] = -INFINITY;
+            memset(res[i].out + (size_t)h * D, 0, sizeof(float) * (size_t)D);
+        }
         if (np && (rc = kvd_store_pages_acquire_device(c->store, qs[i].id, qs[i].id_len, layer, f0,
                                                        np, KVD_ON_DEVICE_ATTEND, b->hs, err)))
             break;
@@ -311,17 +365,11 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
                                    err)) ||
              (rc = kvd_attn_merge_into(c->be, Hq, D, res[i].out, res[i].lse, po, pl, err))))
             break;
-        /* Tail [f1*B, end) */
-        if (f1 * B < start + n &&
-            ((rc = attend_range(c, &qs[i], m, layer, f1 * B, start + n - f1 * B, sc_i, po, pl,
-                                err)) ||
-             (rc = kvd_attn_merge_into(c->be, Hq, D, res[i].out, res[i].lse, po, pl, err))))
-            break;
     }
     if (rc == 0)
         rc = kvd__attend_device_batch(dev, dq, nq, err);
     for (size_t k = 0; k < nq && rc == 0; k++)
-        if (dq[k].np > 0)
+        if (dq[k].np > 0 || dq[k].raw_tokens > 0)
             rc = kvd_attn_merge_into(c->be, dq[k].dims.n_q_heads, dq[k].dims.head_dim,
                                      res[i0 + k].out, res[i0 + k].lse, dq[k].out, dq[k].lse, err);
 done:
@@ -331,6 +379,7 @@ done:
         free(bq[k].hs);
         free(bq[k].dv);
         free(bq[k].vs);
+        free(bq[k].raw);
         kvd_seq_codecs_clear(&bq[k].codecs);
     }
     free(bq);

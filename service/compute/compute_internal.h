@@ -45,15 +45,20 @@ int kvd__token_range(const char *what, uint64_t start, uint64_t *count, uint64_t
 int kvd__read_window(kvd_store *st, const void *id, size_t id_len, uint32_t layer, uint64_t start,
                      uint64_t n, uint8_t *buf, uint64_t bytes, kvd_error *err);
 
-/* One query of kvd__attend_device_batch: its whole pages on the device. */
+/* One query of kvd__attend_device_batch: its whole pages on the device,
+ * and tokens outside whole pages (the partial pages at both ends of its
+ * range, the raw tail) read on the host, attended there as one more item. */
 typedef struct kvd__devq {
     kvd_attn_dims dims;
     const float *q;               /* host, Hq x D */
     const kvd_page_handle *pages; /* np pages, each with a layout */
     size_t np;
-    float *out, *lse;             /* host: the merged result (np = 0: empty) */
+    float *out, *lse;             /* host: the merged result (nothing to attend: empty) */
     const kvd_codec_arts *arts;   /* the sequence's snapshot: VQ pages' codebooks */
     uint32_t layer;
+    const uint8_t *raw;  /* host: raw_tokens of K, then of V, each [token][kv_head][dim] */
+    uint64_t raw_tokens; /* 0: none */
+    kvd_dtype raw_dtype;
 } kvd__devq;
 
 /* Attention of nq queries over their pages on the device dev: every page

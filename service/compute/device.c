@@ -10,8 +10,10 @@
  * writes its own (out, lse) slot; each query's slots are then merged on the
  * device pairwise, half of them per launch and all queries in the same
  * launches, so a call whose longest query has n pages takes ceil(log2 n)
- * merge launches, plus one that gathers the results. Only the queries and
- * the merged results cross the bus, one copy each way.
+ * merge launches, plus one that gathers the results. Only the queries
+ * (with the tokens of a query outside whole pages, read on the host, and
+ * the codebooks or rotations its pages need) and the merged results cross
+ * the bus, one copy each way.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -237,6 +239,44 @@ static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q
     a->lse = tl;
 }
 
+/* Bytes of the tokens q brings outside whole pages (K and V). */
+static size_t raw_bytes(const kvd__devq *q)
+{
+    return 2 * (size_t)q->raw_tokens * (size_t)q->dims.n_kv_heads * (size_t)q->dims.head_dim *
+           kvd_dtype_size(q->raw_dtype);
+}
+
+/* q's raw tokens into the host image at dst, head-major as in a raw page:
+ * K (kv_head, token, dim), then V. */
+static void raw_place(const kvd__devq *q, uint8_t *dst)
+{
+    const size_t H = (size_t)q->dims.n_kv_heads, T = (size_t)q->raw_tokens;
+    const size_t row = (size_t)q->dims.head_dim * kvd_dtype_size(q->raw_dtype);
+    for (size_t part = 0; part < 2; part++) {
+        const uint8_t *src = q->raw + part * T * H * row;
+        uint8_t *out = dst + part * T * H * row;
+        for (size_t h = 0; h < H; h++)
+            for (size_t t = 0; t < T; t++)
+                memcpy(out + (h * T + t) * row, src + (t * H + h) * row, row);
+    }
+}
+
+/* The dense item of q's raw tokens (at raw on the device) into slot. */
+static void raw_item(const kvd__devq *q, float *dq, uint8_t *raw, float *slot,
+                     kvd_attn_dense_args *a)
+{
+    const kvd_attn_dims *d = &q->dims;
+    const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
+    int64_t qsh[2] = {d->n_q_heads, d->head_dim}, lsh[1] = {d->n_q_heads};
+    int64_t ksh[3] = {d->n_kv_heads, (int64_t)q->raw_tokens, d->head_dim};
+    a->dims = *d;
+    a->q = kvd_tensor_make(KVD_DTYPE_F32, dq, 2, qsh);
+    a->k = kvd_tensor_make(q->raw_dtype, raw, 3, ksh);
+    a->v = kvd_tensor_make(q->raw_dtype, raw + raw_bytes(q) / 2, 3, ksh);
+    a->out = kvd_tensor_make(KVD_DTYPE_F32, slot, 2, qsh);
+    a->lse = kvd_tensor_make(KVD_DTYPE_F32, slot + qf, 1, lsh);
+}
+
 /* Query i of a device_batch that stands for kv head h of an SVD + INT
  * query (parent >= 0): its q is the parent's projected, its pages the
  * parent's SVD + INT pages, read at head h's block. */
@@ -272,7 +312,7 @@ static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_he
      * page; then every query's result, back to back; then one empty result
      * (out 0, lse -inf) that the last merge takes in. */
     size_t npages = 0, counted = 0, hq_max = 0, of_max = 0, total = 0;
-    size_t *off = calloc(3 * nq + 1, sizeof *off); /* q, slots, result of query i */
+    size_t *off = calloc(4 * nq + 1, sizeof *off); /* q, slots, result, raw tokens of query i */
     vq_books *books = calloc(nq + 1, sizeof *books);
     size_t *m = calloc(nq + 1, sizeof *m); /* slots still to merge */
     kvd_attn_int_args *ia = NULL;
@@ -304,13 +344,14 @@ static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_he
                 (l->k_codec == KVD_CODEC_SVD && (rc = svd_check(&qs[i], l, &books[i], err))))
                 goto done;
         }
-        npages += qs[i].np;
+        const size_t slots = qs[i].np + (qs[i].raw_tokens > 0);
+        npages += slots;
         counted += sub[i].parent < 0 || sub[i].h == 0 ? qs[i].np : 0;
         hq_max = hq > hq_max ? hq : hq_max;
         of_max = of > of_max ? of : of_max;
         off[3 * i] = total;
         off[3 * i + 1] = total + qf;
-        total += qf + qs[i].np * (of + hq);
+        total += qf + slots * (of + hq);
     }
     const size_t res_base = total;
     for (size_t i = 0; i < nq; i++) {
@@ -339,6 +380,11 @@ static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_he
             total += j < i ? 0 : 2 * books[i].n_rot;
         }
     }
+    /* the tokens of the queries outside whole pages, head-major */
+    for (size_t i = 0; i < nq; i++) {
+        off[3 * nq + i] = total;
+        total += (raw_bytes(&qs[i]) + sizeof(float) - 1) / sizeof(float);
+    }
     const size_t empty = total;
     total += of_max + hq_max;
     ia = calloc(npages + 1, sizeof *ia);
@@ -358,6 +404,9 @@ static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_he
         host[empty + j] = 0.0f;
     for (size_t j = 0; j < hq_max; j++)
         host[empty + of_max + j] = -INFINITY;
+    for (size_t i = 0; i < nq; i++)
+        if (qs[i].raw_tokens)
+            raw_place(&qs[i], (uint8_t *)(host + off[3 * nq + i]));
     if ((rc = kvd_backend_scratch(dev, sizeof(float) * total, (void **)&buf, err)))
         goto done;
     for (size_t i = 0; i < nq; i++) {
@@ -380,7 +429,10 @@ static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_he
             else
                 page_item(&qs[i].pages[p], d, buf + off[3 * i], buf + off[3 * i + 1] + p * sl,
                           &books[i], da, &nd, ia, &ni, va, &nv, sa, &ns);
-        m[i] = qs[i].np;
+        if (qs[i].raw_tokens)
+            raw_item(&qs[i], buf + off[3 * i], (uint8_t *)(buf + off[3 * nq + i]),
+                     buf + off[3 * i + 1] + qs[i].np * sl, &da[nd++]);
+        m[i] = qs[i].np + (qs[i].raw_tokens > 0);
     }
     if ((rc = kvd_attn_quant(dev, (int)ni, ia, err)) ||
         (rc = kvd_attn_dense(dev, (int)nd, da, err)) || (rc = kvd_attn_vq(dev, (int)nv, va, err)) ||
@@ -416,7 +468,7 @@ static int device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, const sub_he
         goto done;
     for (size_t i = 0; i < nq; i++) {
         const size_t hq = (size_t)qs[i].dims.n_q_heads, qf = hq * (size_t)qs[i].dims.v_dim;
-        if (qs[i].np == 0) {
+        if (qs[i].np == 0 && qs[i].raw_tokens == 0) {
             memset(qs[i].out, 0, sizeof(float) * qf);
             for (size_t h = 0; h < hq; h++)
                 qs[i].lse[h] = -INFINITY;
@@ -540,14 +592,14 @@ int kvd__attend_device_batch(kvd_backend *dev, kvd__devq *qs, size_t nq, kvd_err
             kvd_cpu_svd_project_fast(ka->rotation + (size_t)h * D * D, D, rk,
                                      qs[i].q + (size_t)h * G * D, KVD_DTYPE_F32, G, (int64_t)D * 4,
                                      q, 1);
-            all[k] = (kvd__devq){{G, 1, rk, rv, qs[i].dims.softmax_scale},
-                                 q,
-                                 mine + nd,
-                                 nsv,
-                                 o,
-                                 l,
-                                 qs[i].arts,
-                                 qs[i].layer};
+            all[k] = (kvd__devq){.dims = {G, 1, rk, rv, qs[i].dims.softmax_scale},
+                                 .q = q,
+                                 .pages = mine + nd,
+                                 .np = nsv,
+                                 .out = o,
+                                 .lse = l,
+                                 .arts = qs[i].arts,
+                                 .layer = qs[i].layer};
             sub[k] = (sub_head){(long)i, (uint32_t)h};
         }
     }
