@@ -959,6 +959,20 @@ static void test_transfers(void)
     }
 }
 
+/* The batch first, then the batch down; every copy came back as the host
+ * bytes that went up. */
+static void copy_round(const kvd_copy *first, const kvd_copy *down, const kvd_copy *up,
+                       const size_t *sizes, int n, const char *what)
+{
+    kvd_error e;
+    TU_CHECK(kvd_backend_copy_batch(dut, first, (size_t)n, &e) == 0, "copy batch %s: %s", what,
+             e.msg);
+    TU_CHECK(kvd_backend_copy_batch(dut, down, (size_t)n, &e) == 0, "copy batch down: %s", e.msg);
+    for (int i = 0; i < n; i++)
+        TU_CHECK(memcmp(up[i].src, down[i].dst, sizes[i]) == 0,
+                 "copy batch %s: copy %d (%zu bytes) came back different", what, i, sizes[i]);
+}
+
 /* copy_batch: 9 copies up then 9 down in two batches, each host side in
  * the backend's host memory (CUDA: pinned, DMA'd back to back, one wait)
  * or in plain memory (the staged path), sizes around the staging
@@ -997,11 +1011,7 @@ static void test_copy_batch(void)
         down[i] = (kvd_copy){.dst = back, .src = dv, .bytes = sizes[i], .to_device = 0};
         off += sizes[i] + 64;
     }
-    TU_CHECK(kvd_backend_copy_batch(dut, up, N, &e) == 0, "copy batch up: %s", e.msg);
-    TU_CHECK(kvd_backend_copy_batch(dut, down, N, &e) == 0, "copy batch down: %s", e.msg);
-    for (int i = 0; i < N; i++)
-        TU_CHECK(memcmp(up[i].src, down[i].dst, sizes[i]) == 0,
-                 "copy batch: copy %d (%zu bytes) came back different", i, sizes[i]);
+    copy_round(up, down, up, sizes, N, "up");
     TU_CHECK(dbuf_guard_ok(&d), "copy batch guard");
     /* Within the device: each copy moved to another buffer at other odd
      * offsets in one batch, then brought down from there. */
@@ -1015,11 +1025,7 @@ static void test_copy_batch(void)
         down[i].src = dv2;
         off += sizes[i] + 64;
     }
-    TU_CHECK(kvd_backend_copy_batch(dut, within, N, &e) == 0, "copy batch within: %s", e.msg);
-    TU_CHECK(kvd_backend_copy_batch(dut, down, N, &e) == 0, "copy batch down: %s", e.msg);
-    for (int i = 0; i < N; i++)
-        TU_CHECK(memcmp(up[i].src, down[i].dst, sizes[i]) == 0,
-                 "copy batch within: copy %d (%zu bytes) came back different", i, sizes[i]);
+    copy_round(within, down, up, sizes, N, "within");
     TU_CHECK(dbuf_guard_ok(&d2), "copy batch within guard");
     dbuf_free(&d2);
     down[4].src = NULL;
