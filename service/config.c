@@ -6,16 +6,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include <yaml.h>
 
 enum setting_type {
-    T_STRING,   /* char *, malloc'd */
+    T_STRING,    /* char *, malloc'd */
     T_OPTSTRING, /* char *, empty value = unset (NULL) */
-    T_UINT,     /* uint64_t, decimal */
-    T_SIZE,     /* uint64_t, bytes with optional K/M/G/T suffix (powers of 1024) */
-    T_BOOL,     /* int 0/1; a bare flag means true */
-    T_LOGLEVEL, /* int, kvd_log_level */
+    T_UINT,      /* uint64_t, decimal */
+    T_SIZE,      /* uint64_t, bytes with optional K/M/G/T suffix (powers of 1024) */
+    T_SIZE_AUTO, /* a T_SIZE, or "auto" (KVD_CONFIG_AUTO: sized at start) */
+    T_BOOL,      /* int 0/1; a bare flag means true */
+    T_LOGLEVEL,  /* int, kvd_log_level */
 };
 
 typedef struct setting {
@@ -100,11 +102,13 @@ static const setting settings[] = {
     {"device", T_STRING, F(device), "auto", 0, 0, "DEV",
      "where pages are held and attended: auto (the first CUDA device when one is usable, "
      "else the CPU), cpu, cuda or cuda:N (that device; no fallback)"},
-    {"device-tier-bytes", T_SIZE, F(device_tier_bytes), "1GiB", 0, 1ull << 50, "SIZE",
+    {"device-tier-bytes", T_SIZE_AUTO, F(device_tier_bytes), "auto", 0, 1ull << 50, "SIZE",
      "page pool in the device's memory (host memory when --device resolves to the CPU), "
-     "allocated once at start; 0 = no device tier"},
-    {"host-tier-bytes", T_SIZE, F(host_tier_bytes), "1GiB", 0, 1ull << 50, "SIZE",
-     "host-memory tier below the device tier; 0 = none"},
+     "allocated once at start; 0 = no device tier; auto = the GPU's free memory less "
+     "max(1GiB, 1/8 of it), or 1/8 of the machine's memory on the CPU"},
+    {"host-tier-bytes", T_SIZE_AUTO, F(host_tier_bytes), "auto", 0, 1ull << 50, "SIZE",
+     "host-memory tier below the device tier; 0 = none; auto = 1/8 of the machine's memory "
+     "(its cgroup limit when lower), 1/4 up to 64GiB with a GPU (pinned memory)"},
     {"disk-bytes", T_SIZE, F(disk_bytes), "0", 0, 1ull << 60, "SIZE",
      "page bytes RocksDB may hold (0 = unlimited); beyond it an Append fails with "
      "RESOURCE_EXHAUSTED, or under durability none LRU sequences are dropped"},
@@ -205,12 +209,18 @@ static int set_one(kvd_config *c, const setting *st, const char *value, char *er
         return 0;
     }
     case T_UINT:
-    case T_SIZE: {
+    case T_SIZE:
+    case T_SIZE_AUTO: {
         uint64_t v;
-        if (parse_u64(value, st->type == T_SIZE, &v) != 0)
+        if (st->type == T_SIZE_AUTO && strcmp(value, "auto") == 0) {
+            *(uint64_t *)(void *)base = KVD_CONFIG_AUTO;
+            return 0;
+        }
+        if (parse_u64(value, st->type != T_UINT, &v) != 0)
             return fail(err, errlen, "--%s: '%s' is not %s", st->name, value,
-                        st->type == T_SIZE ? "a size (e.g. 8MiB, 4096, 2G)"
-                                           : "a non-negative integer");
+                        st->type == T_SIZE_AUTO ? "a size (e.g. 8MiB, 4096, 2G) or auto"
+                        : st->type == T_SIZE    ? "a size (e.g. 8MiB, 4096, 2G)"
+                                                : "a non-negative integer");
         if (v < st->min || v > st->max)
             return fail(err, errlen, "--%s: %llu is out of range [%llu, %llu]", st->name,
                         (unsigned long long)v, (unsigned long long)st->min,
@@ -371,7 +381,8 @@ void kvd_config_usage(FILE *f, const char *prog)
         snprintf(head, sizeof head, "--%s %s", st->name, st->metavar);
         fprintf(f, "  %-28s %s\n", head, st->help);
         fprintf(f, "  %-28s (default: %s", "", st->def[0] ? st->def : "none");
-        if (st->type == T_UINT || st->type == T_SIZE)
+        if (st->type != T_STRING && st->type != T_OPTSTRING && st->type != T_BOOL &&
+            st->type != T_LOGLEVEL)
             fprintf(f, "; range %llu..%llu", (unsigned long long)st->min,
                     (unsigned long long)st->max);
         fprintf(f, ")\n");
@@ -382,6 +393,50 @@ void kvd_config_usage(FILE *f, const char *prog)
     fprintf(f, "  %-28s %s\n", "--version", "print the version and exit");
     fprintf(f, "\nExit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the\n"
                "server cannot start, 2 for bad options.\n");
+}
+
+/* ---- sizes chosen at start ---------------------------------------------------- */
+
+void kvd_config_tiers(const kvd_config *c, uint64_t machine_bytes, uint64_t gpu_free_bytes,
+                      uint64_t *device_tier, uint64_t *host_tier)
+{
+    uint64_t dev = machine_bytes / 8, host = machine_bytes / 8;
+    if (gpu_free_bytes) {
+        const uint64_t keep = gpu_free_bytes / 8 > GiB ? gpu_free_bytes / 8 : GiB;
+        dev = gpu_free_bytes > keep ? gpu_free_bytes - keep : 0;
+        host = machine_bytes / 4 < 64 * GiB ? machine_bytes / 4 : 64 * GiB;
+    }
+    *device_tier = c->device_tier_bytes == KVD_CONFIG_AUTO ? dev / MiB * MiB : c->device_tier_bytes;
+    *host_tier = c->host_tier_bytes == KVD_CONFIG_AUTO ? host / MiB * MiB : c->host_tier_bytes;
+}
+
+/* The number in file `path` (0 when absent or not a number, as "max" is). */
+static uint64_t read_limit(const char *root, const char *path)
+{
+    char full[512];
+    snprintf(full, sizeof full, "%s/%s", root, path);
+    FILE *f = fopen(full, "r");
+    if (!f)
+        return 0;
+    char buf[64] = "";
+    const int ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    uint64_t v = 0;
+    buf[strcspn(buf, "\n")] = '\0';
+    return ok && parse_u64(buf, 0, &v) == 0 ? v : 0;
+}
+
+uint64_t kvd_machine_memory(const char *cgroup_root)
+{
+    const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    uint64_t mem = pages > 0 && size > 0 ? (uint64_t)pages * (uint64_t)size : 0;
+    const char *files[] = {"memory.max", "memory/memory.limit_in_bytes"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        const uint64_t lim = read_limit(cgroup_root, files[i]);
+        if (lim && (lim < mem || !mem))
+            mem = lim;
+    }
+    return mem;
 }
 
 /* ---- config file ---------------------------------------------------------- */
@@ -537,8 +592,14 @@ void kvd_config_print(FILE *f, const kvd_config *c)
         }
         case T_UINT:
         case T_SIZE:
-            fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)(const void *)base);
+        case T_SIZE_AUTO: {
+            const uint64_t v = *(const uint64_t *)(const void *)base;
+            if (st->type == T_SIZE_AUTO && v == KVD_CONFIG_AUTO)
+                fprintf(f, "auto");
+            else
+                fprintf(f, "%llu", (unsigned long long)v);
             break;
+        }
         case T_BOOL:
             fprintf(f, "%s", *(const int *)(const void *)base ? "true" : "false");
             break;

@@ -56,8 +56,8 @@ typedef struct kvd_config {
     char *durability;           /* "none", "spill" or "sync"; --sync means sync */
     char *wal_recovery;         /* "strict" or "point-in-time" */
     char *device;               /* "auto", "cpu", "cuda" or "cuda:N" */
-    uint64_t device_tier_bytes; /* device pool, allocated once */
-    uint64_t host_tier_bytes;
+    uint64_t device_tier_bytes; /* device pool, allocated once; KVD_CONFIG_AUTO: sized at start */
+    uint64_t host_tier_bytes;   /* KVD_CONFIG_AUTO: sized at start */
     uint64_t disk_bytes;        /* 0 = unlimited */
     uint64_t prefetch_pages;
 
@@ -65,6 +65,25 @@ typedef struct kvd_config {
      * index. */
     unsigned char source[64];
 } kvd_config;
+
+/* A size setting left to kvdepotd to choose at start ("auto"). */
+#define KVD_CONFIG_AUTO UINT64_MAX
+
+/*
+ * The memory tiers' sizes for "auto" (kvd_config_tiers): with a GPU
+ * (gpu_free_bytes > 0), the device tier is the GPU's free memory less
+ * max(1 GiB, 1/8 of it), and the host tier (pinned memory) 1/4 of the
+ * machine's memory, at most 64 GiB; on the CPU each tier is 1/8 of the
+ * machine's memory. Sizes set in the configuration are kept. Both are
+ * rounded down to MiB.
+ */
+void kvd_config_tiers(const kvd_config *c, uint64_t machine_bytes, uint64_t gpu_free_bytes,
+                      uint64_t *device_tier, uint64_t *host_tier);
+
+/* The machine's memory as this process may use it: physical memory, or
+ * the cgroup's limit (v2 memory.max, v1 memory.limit_in_bytes under
+ * cgroup_root, normally /sys/fs/cgroup) when lower. */
+uint64_t kvd_machine_memory(const char *cgroup_root);
 
 /* Where a setting's effective value came from. */
 enum kvd_config_source {

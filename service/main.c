@@ -136,6 +136,31 @@ static int parse_device(const char *s, int *cuda, int *index)
 }
 
 /*
+ * The memory tiers' sizes into o: those configured, or chosen for the
+ * machine and the GPU that serves ("auto": kvd_config_tiers, from the
+ * memory this process may use and the GPU's free memory); the start-up log
+ * says which.
+ */
+static void size_tiers(const kvd_config *cfg, kvd_backend *device, kvd_store_options *o)
+{
+    kvd_backend_desc d;
+    memset(&d, 0, sizeof d);
+    if (device)
+        kvd_backend_describe(device, &d);
+    const uint64_t mem = kvd_machine_memory("/sys/fs/cgroup");
+    const uint64_t gpu_free = !device ? 0 : d.free_bytes ? d.free_bytes : d.memory_bytes / 2;
+    kvd_config_tiers(cfg, mem, gpu_free, &o->device_tier_bytes, &o->host_tier_bytes);
+    KVD_LOG(KVD_LOG_INFO, "memory tiers",
+            "device_tier_bytes=%llu device_tier=%s host_tier_bytes=%llu host_tier=%s "
+            "memory_bytes=%llu gpu_free_bytes=%llu",
+            (unsigned long long)o->device_tier_bytes,
+            cfg->device_tier_bytes == KVD_CONFIG_AUTO ? "auto" : "set",
+            (unsigned long long)o->host_tier_bytes,
+            cfg->host_tier_bytes == KVD_CONFIG_AUTO ? "auto" : "set", (unsigned long long)mem,
+            (unsigned long long)gpu_free);
+}
+
+/*
  * The compute backends of the process, created once: the CPU backend with
  * every CPU this process may use (it codes pages and is the reference and
  * fallback of every op), and, per --device, a CUDA device whose memory holds
@@ -391,6 +416,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: no compute backend: %s\n", prog, serr.msg);
     sopt.backend = backend;
     sopt.device = device;
+    if (rc == 0)
+        size_tiers(&cfg, device, &sopt);
     if (rc == 0 && (rc = kvd_store_open(&sopt, &store, &serr)) != 0) {
         fprintf(stderr, "%s: cannot open the store in %s: %s\n", prog, cfg.data_dir,
                 serr.msg[0] ? serr.msg : kvd_strerror(rc));

@@ -256,6 +256,11 @@ void cuda_describe(const kvd_backend *be, kvd_backend_desc *out)
     snprintf(out->device, sizeof out->device, "%s", c->device_name);
     out->memory_bytes = c->total_mem;
     out->healthy = !c->unhealthy;
+    size_t free_b = 0, total_b = 0;
+    if (!c->unhealthy && cudaSetDevice(c->device) == cudaSuccess &&
+        cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+        out->free_bytes = free_b;
+    cudaGetLastError(); /* not sticky */
 }
 
 int cuda_scratch(kvd_backend *be, size_t bytes, void **out, kvd_error *err)

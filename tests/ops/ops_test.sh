@@ -409,6 +409,13 @@ EOF
     start --config run.yaml
     "$cli" --addr "127.0.0.1:$port" models >/dev/null || fail "server from config file"
     grep -q 'level=debug' "$work/server.log" || fail "log-level from the file not applied"
+    # Tiers left to auto are sized to the machine: on the CPU 1/8 of its memory each.
+    line=$(grep 'msg="memory tiers"' "$work/server.log") || fail "no memory tiers line"
+    mem=$(sed 's/.*memory_bytes=\([0-9]*\).*/\1/' <<<"$line")
+    want=$((mem / 8 / 1048576 * 1048576))
+    grep -q "device_tier_bytes=$want device_tier=auto host_tier_bytes=$want host_tier=auto" \
+        <<<"$line" || fail "auto tiers: want $want bytes each: $line"
+    "$cli" --addr "127.0.0.1:$port" stats | grep -q "$want" || fail "Stats lacks the tier limit $want"
     stop
     ;;
 metrics)

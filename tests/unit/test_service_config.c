@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "config.h"
 #include "convert.h"
@@ -352,9 +353,84 @@ static void test_wire_strings(void)
     CHECK(unpack_raw(get, "\x0a\x7f", 2, &e) == -1);
 }
 
+/* Write text to dir/name (dir/memory made first). */
+static void put_file(const char *dir, const char *name, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/memory", dir);
+    mkdir(path, 0700);
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f) {
+        fputs(text, f);
+        fclose(f);
+    }
+}
+
+/* The memory tiers' "auto" sizes: the default, printed as auto, sized from
+ * the machine's memory on the CPU and from the GPU's free memory with one;
+ * a size given is kept; the memory kvdepotd may use is the cgroup's limit
+ * when lower than the machine's. */
+static void test_tier_sizes(void)
+{
+    kvd_config c;
+    memset(&c, 0, sizeof c);
+    char err[256];
+    int action;
+    const unsigned long long GiB = 1024 * MiB;
+    CHECK(parse(&c, &action, err, sizeof err, (char *)NULL) == 0);
+    CHECK(c.device_tier_bytes == KVD_CONFIG_AUTO && c.host_tier_bytes == KVD_CONFIG_AUTO);
+    uint64_t dev = 0, host = 0;
+    kvd_config_tiers(&c, 24 * GiB + 12345, 0, &dev, &host); /* CPU */
+    CHECK(dev == 3 * GiB && host == 3 * GiB);
+    kvd_config_tiers(&c, 1024 * GiB, 80 * GiB, &dev, &host); /* GPU: keep 1/8 of 80 */
+    CHECK(dev == 70 * GiB && host == 64 * GiB);
+    kvd_config_tiers(&c, 16 * GiB, 4 * GiB + 3, &dev, &host); /* GPU: keep 1 GiB */
+    CHECK(dev == 3 * GiB && host == 4 * GiB);
+    kvd_config_tiers(&c, 16 * GiB, 512 * MiB, &dev, &host); /* too little to keep a tier */
+    CHECK(dev == 0);
+    CHECK(parse(&c, &action, err, sizeof err, "--device-tier-bytes", "64MiB", "--host-tier-bytes",
+                "0", (char *)NULL) == 0);
+    kvd_config_tiers(&c, 24 * GiB, 80 * GiB, &dev, &host);
+    CHECK(dev == 64 * MiB && host == 0);
+    CHECK(parse(&c, &action, err, sizeof err, "--host-tier-bytes", "autox", (char *)NULL) != 0);
+    CHECK(strstr(err, "host-tier-bytes") && strstr(err, "or auto"));
+    CHECK(parse(&c, &action, err, sizeof err, "--max-append-bytes", "auto", (char *)NULL) != 0);
+    /* printed as auto, and read back from it */
+    CHECK(parse(&c, &action, err, sizeof err, "--device-tier-bytes", "auto", (char *)NULL) == 0);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    kvd_config_print(f, &c);
+    fclose(f);
+    CHECK(strstr(text, "\ndevice-tier-bytes: auto") && strstr(text, "\nhost-tier-bytes: auto"));
+    free(text);
+    kvd_config_free(&c);
+
+    /* The cgroup's limit, when lower. */
+    char root[] = "/tmp/kvd-cgroup-XXXXXX";
+    CHECK(mkdtemp(root) != NULL);
+    const uint64_t phys = kvd_machine_memory(root); /* no limit files */
+    CHECK(phys > 64 * MiB);
+    put_file(root, "memory.max", "max\n");
+    CHECK(kvd_machine_memory(root) == phys);
+    put_file(root, "memory.max", "1073741824\n");
+    CHECK(kvd_machine_memory(root) == GiB);
+    put_file(root, "memory.max", "max\n");
+    put_file(root, "memory/memory.limit_in_bytes", "9223372036854771712\n"); /* v1: none */
+    CHECK(kvd_machine_memory(root) == phys);
+    put_file(root, "memory/memory.limit_in_bytes", "536870912\n");
+    CHECK(kvd_machine_memory(root) == 512 * MiB);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+    CHECK(system(cmd) == 0);
+}
+
 int main(void)
 {
     test_wire_strings();
+    test_tier_sizes();
     test_defaults();
     test_flags();
     test_bad_values();

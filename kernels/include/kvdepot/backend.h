@@ -42,6 +42,7 @@ struct kvd_attn_ops;
 typedef struct kvd_backend_desc {
     char device[128];      /* e.g. "NVIDIA H100 80GB HBM3"; "" for the CPU */
     uint64_t memory_bytes; /* device memory; 0 for the CPU */
+    uint64_t free_bytes;   /* of it free now (what the device reports); 0 for the CPU */
     int healthy;           /* 0 once an error left the device unusable (never cleared) */
 } kvd_backend_desc;
 

@@ -410,6 +410,15 @@ cudaError_t cudaHostAlloc(void **p, size_t n, unsigned)
     return *p ? cudaSuccess : fail(cudaErrorMemoryAllocation);
 }
 
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
+{
+    pthread_mutex_lock(&g_mem_mu);
+    *total_bytes = device_bytes();
+    *free_bytes = g_used < *total_bytes ? *total_bytes - g_used : 0;
+    pthread_mutex_unlock(&g_mem_mu);
+    return cudaSuccess;
+}
+
 cudaError_t cudaFreeHost(void *p)
 {
     free(p);
