@@ -1192,6 +1192,12 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
     out->device_pages_encoded = resp->device_pages_encoded;
     out->device_fallbacks = resp->device_fallbacks;
     out->device_pages_placed = resp->device_pages_placed;
+    if (resp->memory) {
+        out->mem_rss_bytes = resp->memory->rss_bytes;
+        out->mem_appends_bytes = resp->memory->appends_bytes;
+        out->mem_memtables_bytes = resp->memory->memtables_bytes;
+        out->mem_block_cache_bytes = resp->memory->block_cache_bytes;
+    }
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;
 }

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <microhttpd.h>
 
@@ -197,6 +198,25 @@ static void render_tiers(buf *b)
         "# TYPE kvdepot_sequences_expired_total counter\nkvdepot_sequences_expired_total %llu\n",
         (unsigned long long)s.promotions, (unsigned long long)s.prefetched,
         (unsigned long long)s.sequences_dropped, (unsigned long long)s.sequences_expired);
+    put(b,
+        "# HELP kvdepot_memory_bytes the server's memory by part (the tiers' pages: "
+        "kvdepot_tier_bytes)\n# TYPE kvdepot_memory_bytes gauge\n"
+        "kvdepot_memory_bytes{part=\"rss\"} %llu\nkvdepot_memory_bytes{part=\"appends\"} %llu\n"
+        "kvdepot_memory_bytes{part=\"memtables\"} %llu\n"
+        "kvdepot_memory_bytes{part=\"block_cache\"} %llu\n",
+        (unsigned long long)kvd_process_rss(), (unsigned long long)s.mem_appends,
+        (unsigned long long)s.mem_memtables, (unsigned long long)s.mem_block_cache);
+}
+
+uint64_t kvd_process_rss(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long long size = 0, resident = 0;
+    const int n = f ? fscanf(f, "%llu %llu", &size, &resident) : 0;
+    if (f)
+        fclose(f);
+    const long page = sysconf(_SC_PAGESIZE);
+    return n == 2 && page > 0 ? (uint64_t)resident * (uint64_t)page : 0;
 }
 
 char *kvd_metrics_render(size_t *len)

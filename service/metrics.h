@@ -49,6 +49,9 @@ extern kvd_metrics_registry kvd_metrics;
 struct kvd_store;
 extern struct kvd_store *_Atomic kvd_metrics_store;
 
+/* The process's resident memory in bytes (0 when unknown). */
+uint64_t kvd_process_rss(void);
+
 /* Record one ended call: method index into kvd_methods (or -1 for an unknown
  * path), kvd status (0 or negative), duration in seconds. */
 void kvd_metrics_observe(int method, int status, double seconds);

@@ -6,6 +6,7 @@
 
 #include "compute.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
+#include "metrics.h"
 #include "rpc.h"
 #include "validate.h"
 
@@ -58,6 +59,12 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
     resp.device_pages_encoded = s.device_pages_encoded;
     resp.device_fallbacks = s.device_fallbacks;
     resp.device_pages_placed = s.device_pages_placed;
+    Kvdepot__V1__MemoryStats mem = KVDEPOT__V1__MEMORY_STATS__INIT;
+    mem.rss_bytes = kvd_process_rss();
+    mem.appends_bytes = s.mem_appends;
+    mem.memtables_bytes = s.mem_memtables;
+    mem.block_cache_bytes = s.mem_block_cache;
+    resp.memory = &mem;
     if (ctx->principal && !ctx->principal->admin) {
         /* A tenant learns its own usage, and how the server is set up;
          * what the others hold and do is for admin tokens. */
@@ -71,6 +78,7 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
         resp.sequences = seqs;
         resp.device_pages_attended = resp.device_pages_searched = 0;
         resp.device_pages_encoded = resp.device_fallbacks = resp.device_pages_placed = 0;
+        resp.memory = NULL;
     }
     *reply = kvd_pack(&resp.base);
     return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");

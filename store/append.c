@@ -279,6 +279,7 @@ void kvd_store_append_abort(kvd_append *ap)
     free(ap->ids);
     free(ap->bh);
     free(ap->buf);
+    atomic_fetch_sub(&ap->st->append_buf_bytes, ap->cap);
     kvd_seq_codecs_clear(&ap->codecs);
     free(ap);
 }
@@ -437,6 +438,7 @@ int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_err
                                  (unsigned long long)nc);
         }
         ap->buf = nb;
+        atomic_fetch_add(&ap->st->append_buf_bytes, nc - ap->cap);
         ap->cap = nc;
     }
     memcpy(ap->buf + ap->have, data, len);

@@ -380,6 +380,10 @@ typedef struct kvd_store_stats {
     uint64_t device_fallbacks;      /* device work failed and done again on the CPU */
     uint64_t device_pages_placed;   /* pages an Append coded on the device and put in the device
                                      * tier where they were coded */
+    /* Host memory of the store beside its tiers, now. */
+    uint64_t mem_appends;     /* buffers of appends in flight (received, not yet committed) */
+    uint64_t mem_memtables;   /* RocksDB's memtables */
+    uint64_t mem_block_cache; /* RocksDB's block cache */
 } kvd_store_stats;
 
 /* Counters and gauges of the tiers; never fails for a non-NULL store. */

@@ -315,6 +315,7 @@ struct kvd_store {
     uint64_t disk_limit;            /* page bytes; 0 = unlimited */
     _Atomic uint64_t disk_bytes;    /* page bytes in RocksDB (fragments included) */
     _Atomic uint64_t disk_pages;
+    _Atomic uint64_t append_buf_bytes; /* buffers of appends not yet committed or aborted */
     uint32_t prefetch_pages;
     kvd__cache tiers;
 

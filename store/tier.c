@@ -1199,6 +1199,12 @@ int kvd_store_stats_get(kvd_store *st, kvd_store_stats *out)
     pthread_rwlock_rdlock(&st->lock);
     out->sequences = st->nseqs;
     pthread_rwlock_unlock(&st->lock);
+    out->mem_appends = atomic_load(&st->append_buf_bytes);
+    uint64_t v = 0;
+    if (st->db && rocksdb_property_int(st->db, "rocksdb.cur-size-all-mem-tables", &v) == 0)
+        out->mem_memtables = v;
+    if (st->cache)
+        out->mem_block_cache = rocksdb_cache_get_usage(st->cache);
     return 0;
 }
 

@@ -529,6 +529,11 @@ static int cmd_stats(kvdepot_client *c, int argc, char **argv)
            "\nsequences_dropped  %" PRIu64 "\nsequences_expired  %" PRIu64 "\n",
            s.misses, s.promotions, s.prefetched, s.checksum_failures, s.sequences_dropped,
            s.sequences_expired);
+    if (s.mem_rss_bytes)
+        printf("\nmemory: rss %" PRIu64 ", appends in flight %" PRIu64 ", memtables %" PRIu64
+               ", block cache %" PRIu64 " bytes\n",
+               s.mem_rss_bytes, s.mem_appends_bytes, s.mem_memtables_bytes,
+               s.mem_block_cache_bytes);
     return 0;
 }
 

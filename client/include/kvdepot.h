@@ -1042,6 +1042,11 @@ typedef struct kvdepot_stats {
     uint64_t device_fallbacks;      /* GPU work failed (lost, out of memory), redone on the CPU */
     uint64_t device_pages_placed;   /* pages an Append coded on the GPU and put in its tier
                                      * where they were coded (not copied up again) */
+    /* The server's memory by part, now (0 for a tenant's token): */
+    uint64_t mem_rss_bytes;         /* its resident set */
+    uint64_t mem_appends_bytes;     /* buffers of appends in flight */
+    uint64_t mem_memtables_bytes;   /* RocksDB's memtables */
+    uint64_t mem_block_cache_bytes; /* RocksDB's block cache */
 } kvdepot_stats;
 
 /**

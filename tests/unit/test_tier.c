@@ -724,6 +724,50 @@ static void test_slots(const char *dir)
     free(page);
 }
 
+/* The store's memory beside its tiers: an append's buffer is counted from
+ * its first bytes until it commits or aborts; the memtables hold what was
+ * committed. */
+static void test_memory(const char *dir)
+{
+    kvd_store *st = open_store(dir, 0, 0);
+    CHECK(st);
+    if (!st)
+        return;
+    CHECK(create(st, 0) == 0 && create(st, 1) == 0);
+    kvd_store_stats s;
+    kvd_store_stats_get(st, &s);
+    CHECK(s.mem_appends == 0 && s.mem_block_cache <= 64u << 20);
+    const uint64_t n = 4 * PT, bytes = 2ull * LAYERS * n * ROW;
+    uint8_t *kv = calloc(1, bytes);
+    kvd_append *ap[2] = {NULL, NULL};
+    kvd_error e;
+    for (uint32_t i = 0; i < 2 && kv; i++) {
+        char id[16];
+        id_of(id, i);
+        kvd_append_spec sp = {.seq_id = id,
+                              .seq_id_len = strlen(id),
+                              .token_start = 0,
+                              .num_tokens = n,
+                              .dtype = KVD_DTYPE_F16};
+        uint64_t want = 0;
+        CHECK(kvd_store_append_begin(st, &sp, &ap[i], &want, &e) == 0 && want == bytes);
+        CHECK(ap[i] && kvd_store_append_write(ap[i], kv, bytes / 2, &e) == 0);
+    }
+    kvd_store_stats_get(st, &s);
+    CHECK(s.mem_appends == 2 * bytes); /* each buffer sized to its append */
+    if (ap[0])
+        CHECK(kvd_store_append_write(ap[0], kv, bytes / 2, &e) == 0 &&
+              kvd_store_append_commit(ap[0], NULL, &e) == 0);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.mem_appends == bytes && s.mem_memtables >= bytes / 2);
+    if (ap[1])
+        kvd_store_append_abort(ap[1]);
+    kvd_store_stats_get(st, &s);
+    CHECK(s.mem_appends == 0);
+    free(kv);
+    kvd_store_close(st);
+}
+
 int main(void)
 {
     char tmpl[] = "/tmp/kvd-test-tier-XXXXXX";
@@ -738,17 +782,19 @@ int main(void)
             return 1;
         }
     }
-    char d1[128], d2[128], d3[128], d4[128], d5[128], cmd[200];
+    char d1[128], d2[128], d3[128], d4[128], d5[128], d6[128], cmd[200];
     snprintf(d1, sizeof d1, "%s/lru", root);
     snprintf(d2, sizeof d2, "%s/threads", root);
     snprintf(d3, sizeof d3, "%s/batch", root);
     snprintf(d4, sizeof d4, "%s/storm", root);
     snprintf(d5, sizeof d5, "%s/slots", root);
+    snprintf(d6, sizeof d6, "%s/memory", root);
     test_lru(d1);
     test_batch(d3);
     test_threads(d2);
     test_storm(d4);
     test_slots(d5);
+    test_memory(d6);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0)
         fprintf(stderr, "could not remove %s\n", root);

@@ -230,6 +230,10 @@ typedef struct kvdepot_stats {
     char device[];
     uint64_t device_memory_bytes;
     int device_healthy;
+    uint64_t mem_rss_bytes;
+    uint64_t mem_appends_bytes;
+    uint64_t mem_memtables_bytes;
+    uint64_t mem_block_cache_bytes;
     ...;
 } kvdepot_stats;
 

@@ -897,7 +897,8 @@ class Client:
                          p.recompute_seconds, p.activation_bytes, p.kv_bytes)
 
     def stats(self) -> Dict:
-        """The server's Stats: tiers, sequences, backend and device."""
+        """The server's Stats: tiers, sequences, backend and device, and its
+        memory by part (zeros for a tenant's token)."""
         s = ffi.new("kvdepot_stats *")
         self._check(lib.kvdepot_stats_get(self._client(), s))
         tiers = [{"name": ffi.string(t.name).decode(), "limit_bytes": t.limit_bytes,
@@ -907,4 +908,7 @@ class Client:
                 "sequences": s.sequences, "backend": ffi.string(s.backend).decode(),
                 "device": ffi.string(s.device).decode(),
                 "device_memory_bytes": s.device_memory_bytes,
-                "device_healthy": bool(s.device_healthy)}
+                "device_healthy": bool(s.device_healthy),
+                "memory": {"rss_bytes": s.mem_rss_bytes, "appends_bytes": s.mem_appends_bytes,
+                           "memtables_bytes": s.mem_memtables_bytes,
+                           "block_cache_bytes": s.mem_block_cache_bytes}}

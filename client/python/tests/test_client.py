@@ -107,6 +107,11 @@ def test_delete_evict_stats(client):
     assert np.array_equal(k2, k)
     st = client.stats()
     assert st["sequences"] >= 1 and [t["name"] for t in st["tiers"]] == ["device", "host", "disk"]
+    # memory by part: the process is resident, an append went through the
+    # memtables, none is in flight now
+    mem = st["memory"]
+    assert mem["rss_bytes"] > 1 << 20 and mem["memtables_bytes"] > 0
+    assert mem["appends_bytes"] == 0
     assert client.delete_sequence("s4") > 0
     with pytest.raises(kvdepot.NotFound):
         client.read("s4")
