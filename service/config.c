@@ -109,6 +109,9 @@ static const setting settings[] = {
     {"host-tier-bytes", T_SIZE_AUTO, F(host_tier_bytes), "auto", 0, 1ull << 50, "SIZE",
      "host-memory tier below the device tier; 0 = none; auto = 1/8 of the machine's memory "
      "(its cgroup limit when lower), 1/4 up to 64GiB with a GPU (pinned memory)"},
+    {"append-memory-bytes", T_SIZE_AUTO, F(append_memory_bytes), "auto", 0, 1ull << 50, "SIZE",
+     "host memory the buffers of appends in flight may hold together; an append past it fails "
+     "with RESOURCE_EXHAUSTED (0 = unlimited; auto = 1/8 of the memory kvdepotd may use)"},
     {"disk-bytes", T_SIZE, F(disk_bytes), "0", 0, 1ull << 60, "SIZE",
      "page bytes RocksDB may hold (0 = unlimited); beyond it an Append fails with "
      "RESOURCE_EXHAUSTED, or under durability none LRU sequences are dropped"},
@@ -408,6 +411,12 @@ void kvd_config_tiers(const kvd_config *c, uint64_t machine_bytes, uint64_t gpu_
     }
     *device_tier = c->device_tier_bytes == KVD_CONFIG_AUTO ? dev / MiB * MiB : c->device_tier_bytes;
     *host_tier = c->host_tier_bytes == KVD_CONFIG_AUTO ? host / MiB * MiB : c->host_tier_bytes;
+}
+
+uint64_t kvd_config_append_memory(const kvd_config *c, uint64_t machine_bytes)
+{
+    return c->append_memory_bytes == KVD_CONFIG_AUTO ? machine_bytes / 8 / MiB * MiB
+                                                     : c->append_memory_bytes;
 }
 
 /* The number in file `path` (0 when absent or not a number, as "max" is). */

@@ -59,6 +59,7 @@ typedef struct kvd_config {
     uint64_t device_tier_bytes; /* device pool, allocated once; KVD_CONFIG_AUTO: sized at start */
     uint64_t host_tier_bytes;   /* KVD_CONFIG_AUTO: sized at start */
     uint64_t disk_bytes;        /* 0 = unlimited */
+    uint64_t append_memory_bytes; /* buffers of appends in flight; 0 = unlimited; KVD_CONFIG_AUTO */
     uint64_t prefetch_pages;
 
     /* Where each setting's value came from (a kvd_config_source), by table
@@ -79,6 +80,10 @@ typedef struct kvd_config {
  */
 void kvd_config_tiers(const kvd_config *c, uint64_t machine_bytes, uint64_t gpu_free_bytes,
                       uint64_t *device_tier, uint64_t *host_tier);
+
+/* What the buffers of appends in flight may hold together: as set, or
+ * ("auto") 1/8 of machine_bytes, rounded down to MiB. */
+uint64_t kvd_config_append_memory(const kvd_config *c, uint64_t machine_bytes);
 
 /* The machine's memory as this process may use it: physical memory, or
  * the cgroup's limit (v2 memory.max, v1 memory.limit_in_bytes under

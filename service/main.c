@@ -150,13 +150,16 @@ static void size_tiers(const kvd_config *cfg, kvd_backend *device, kvd_store_opt
     const uint64_t mem = kvd_machine_memory("/sys/fs/cgroup");
     const uint64_t gpu_free = !device ? 0 : d.free_bytes ? d.free_bytes : d.memory_bytes / 2;
     kvd_config_tiers(cfg, mem, gpu_free, &o->device_tier_bytes, &o->host_tier_bytes);
+    o->append_memory_bytes = kvd_config_append_memory(cfg, mem);
     KVD_LOG(KVD_LOG_INFO, "memory tiers",
             "device_tier_bytes=%llu device_tier=%s host_tier_bytes=%llu host_tier=%s "
-            "memory_bytes=%llu gpu_free_bytes=%llu",
+            "append_memory_bytes=%llu append_memory=%s memory_bytes=%llu gpu_free_bytes=%llu",
             (unsigned long long)o->device_tier_bytes,
             cfg->device_tier_bytes == KVD_CONFIG_AUTO ? "auto" : "set",
             (unsigned long long)o->host_tier_bytes,
-            cfg->host_tier_bytes == KVD_CONFIG_AUTO ? "auto" : "set", (unsigned long long)mem,
+            cfg->host_tier_bytes == KVD_CONFIG_AUTO ? "auto" : "set",
+            (unsigned long long)o->append_memory_bytes,
+            cfg->append_memory_bytes == KVD_CONFIG_AUTO ? "auto" : "set", (unsigned long long)mem,
             (unsigned long long)gpu_free);
 }
 

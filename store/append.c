@@ -431,14 +431,29 @@ int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_err
             nc *= 2;
         if (nc > ap->expected)
             nc = ap->expected;
+        /* Within what appends in flight may hold together: charged first,
+         * so that concurrent appends cannot pass the cap together. */
+        kvd_store *st = ap->st;
+        const uint64_t more = nc - ap->cap;
+        const uint64_t had = atomic_fetch_add(&st->append_buf_bytes, more);
+        if (st->append_limit && had + more > st->append_limit) {
+            atomic_fetch_sub(&st->append_buf_bytes, more);
+            ap->failed = 1;
+            return kvd_error_set(err, KVD_ENOMEM,
+                                 "appends in flight hold %llu bytes of buffers; %llu more for "
+                                 "this one exceed append-memory-bytes (%llu): retry later, or "
+                                 "append in smaller calls",
+                                 (unsigned long long)had, (unsigned long long)more,
+                                 (unsigned long long)st->append_limit);
+        }
         uint8_t *nb = nc <= SIZE_MAX ? realloc(ap->buf, (size_t)nc) : NULL;
         if (!nb) {
+            atomic_fetch_sub(&st->append_buf_bytes, more);
             ap->failed = 1;
             return kvd_error_set(err, KVD_ENOMEM, "out of memory buffering %llu append bytes",
                                  (unsigned long long)nc);
         }
         ap->buf = nb;
-        atomic_fetch_add(&ap->st->append_buf_bytes, nc - ap->cap);
         ap->cap = nc;
     }
     memcpy(ap->buf + ap->have, data, len);

@@ -483,6 +483,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         return kvd_error_set(err, KVD_EINVAL, "unknown durability %d", opt->durability);
     }
     st->disk_limit = opt->disk_bytes;
+    st->append_limit = opt->append_memory_bytes;
     st->salvage = opt->salvage;
     st->prefetch_pages = opt->prefetch_pages;
     st->be = opt->backend;

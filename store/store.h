@@ -42,6 +42,8 @@ typedef struct kvd_store_options {
     uint64_t device_tier_bytes; /* size of the device pool, allocated once at open */
     uint64_t host_tier_bytes;   /* host-memory tier below it */
     uint64_t disk_bytes;        /* page bytes RocksDB may hold; 0 = unlimited */
+    uint64_t append_memory_bytes; /* what the buffers of appends in flight may hold together;
+                                   * 0 = unlimited (kvd_store_append_write) */
     int durability;             /* a kvd_durability; sync_writes = 1 means SYNC */
     uint32_t prefetch_pages;    /* read-ahead of a Read cursor, pages; 0 = none */
     /* A WAL record that fails its checksum: 0 = the open fails with

@@ -316,6 +316,7 @@ struct kvd_store {
     _Atomic uint64_t disk_bytes;    /* page bytes in RocksDB (fragments included) */
     _Atomic uint64_t disk_pages;
     _Atomic uint64_t append_buf_bytes; /* buffers of appends not yet committed or aborted */
+    uint64_t append_limit;             /* cap on append_buf_bytes; 0 = none */
     uint32_t prefetch_pages;
     kvd__cache tiers;
 

@@ -413,7 +413,7 @@ EOF
     line=$(grep 'msg="memory tiers"' "$work/server.log") || fail "no memory tiers line"
     mem=$(sed 's/.*memory_bytes=\([0-9]*\).*/\1/' <<<"$line")
     want=$((mem / 8 / 1048576 * 1048576))
-    grep -q "device_tier_bytes=$want device_tier=auto host_tier_bytes=$want host_tier=auto" \
+    grep -q "device_tier_bytes=$want device_tier=auto host_tier_bytes=$want host_tier=auto append_memory_bytes=$want append_memory=auto" \
         <<<"$line" || fail "auto tiers: want $want bytes each: $line"
     "$cli" --addr "127.0.0.1:$port" stats | grep -q "$want" || fail "Stats lacks the tier limit $want"
     stop

@@ -394,6 +394,9 @@ static void test_tier_sizes(void)
                 "0", (char *)NULL) == 0);
     kvd_config_tiers(&c, 24 * GiB, 80 * GiB, &dev, &host);
     CHECK(dev == 64 * MiB && host == 0);
+    CHECK(kvd_config_append_memory(&c, 24 * GiB + 12345) == 3 * GiB); /* still auto */
+    CHECK(parse(&c, &action, err, sizeof err, "--append-memory-bytes", "0", (char *)NULL) == 0);
+    CHECK(kvd_config_append_memory(&c, 24 * GiB) == 0); /* unlimited */
     CHECK(parse(&c, &action, err, sizeof err, "--host-tier-bytes", "autox", (char *)NULL) != 0);
     CHECK(strstr(err, "host-tier-bytes") && strstr(err, "or auto"));
     CHECK(parse(&c, &action, err, sizeof err, "--max-append-bytes", "auto", (char *)NULL) != 0);

@@ -764,6 +764,40 @@ static void test_memory(const char *dir)
         kvd_store_append_abort(ap[1]);
     kvd_store_stats_get(st, &s);
     CHECK(s.mem_appends == 0);
+    kvd_store_close(st);
+
+    /* Capped at one append's buffer: a second append in flight is refused
+     * when its bytes arrive, with nothing charged; once the first commits,
+     * it goes through. */
+    kvd_store_options o = {.data_dir = dir, .page_tokens = PT, .append_memory_bytes = bytes};
+    st = NULL;
+    CHECK(kvd_store_open(&o, &st, &e) == 0);
+    for (uint32_t i = 0; st && kv && i < 2; i++) {
+        char id[16];
+        id_of(id, i + 2);
+        kvd_append_spec sp = {.seq_id = id,
+                              .seq_id_len = strlen(id),
+                              .token_start = 0,
+                              .num_tokens = n,
+                              .dtype = KVD_DTYPE_F16};
+        uint64_t want = 0;
+        CHECK(create(st, i + 2) == 0);
+        ap[i] = NULL;
+        CHECK(kvd_store_append_begin(st, &sp, &ap[i], &want, &e) == 0);
+    }
+    if (st && ap[0] && ap[1]) {
+        CHECK(kvd_store_append_write(ap[0], kv, bytes / 2, &e) == 0);
+        CHECK(kvd_store_append_write(ap[1], kv, 1, &e) == KVD_ENOMEM);
+        CHECK(strstr(e.msg, "append-memory-bytes") != NULL);
+        kvd_store_stats_get(st, &s);
+        CHECK(s.mem_appends == bytes);
+        CHECK(kvd_store_append_write(ap[0], kv, bytes / 2, &e) == 0 &&
+              kvd_store_append_commit(ap[0], NULL, &e) == 0);
+        kvd_store_append_abort(ap[1]);
+        kvd_store_stats_get(st, &s);
+        CHECK(s.mem_appends == 0);
+        CHECK(append_gen(st, 3, 0, n) == 0); /* room again */
+    }
     free(kv);
     kvd_store_close(st);
 }
