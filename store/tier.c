@@ -187,11 +187,17 @@ static void host_free(uint8_t *p, size_t len)
         munmap(p, (size_t)host_size(len));
 }
 
+/* A pool range's size for a page of len bytes: whole granules. */
+static uint64_t granules(uint64_t len)
+{
+    return (len + GRANULE - 1) / GRANULE * GRANULE;
+}
+
 /* With a device, the host tier is one pinned block of it (hpool), charged
  * by granule: the device copies to and from it directly. */
 static uint64_t host_charge(const kvd__cache *c, size_t len)
 {
-    return c->hpool.base ? ((uint64_t)len + GRANULE - 1) / GRANULE * GRANULE : host_size(len);
+    return c->hpool.base ? granules(len) : host_size(len);
 }
 
 static int make_room(kvd__cache *c, int tier, uint64_t alloc, const kvd__centry *keep);
@@ -558,7 +564,7 @@ static size_t promote_chunk(kvd__cache *c, kvd__centry *const *es, size_t n)
     }
     for (size_t i = 0; i < m; i++) {
         kvd__centry *e = up[i];
-        const uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
+        const uint64_t alloc = granules(e->len);
         uint64_t off;
         if (device_alloc(c, alloc, e, &off) != 0) {
             e->moving = 0;
@@ -574,7 +580,7 @@ static size_t promote_chunk(kvd__cache *c, kvd__centry *const *es, size_t n)
     size_t moved = 0;
     for (size_t i = 0; i < k; i++) {
         kvd__centry *e = up[i];
-        const uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
+        const uint64_t alloc = granules(e->len);
         c->tier[KVD_TIER_DEVICE].used -= alloc;
         e->moving = 0;
         if (rc || e->dead || c->dev_gone) {
@@ -733,7 +739,7 @@ static void slot_give(kvd__cache *c, const kvd__slot *s)
 /* Does a slot hold a page of len bytes in a device tier still there? */
 static int slot_serves(const kvd__cache *c, const kvd__slot *s, size_t len)
 {
-    return s->alloc && !c->dev_gone && s->alloc >= (len + GRANULE - 1) / GRANULE * GRANULE;
+    return s->alloc && !c->dev_gone && s->alloc >= granules(len);
 }
 
 /*
@@ -810,7 +816,7 @@ static size_t insert_chunk(kvd_store *st, const kvd__cache_put *ps, size_t n, in
             continue;
         }
         slot_give(c, &ps[i].slot);
-        const uint64_t alloc = (e->len + GRANULE - 1) / GRANULE * GRANULE;
+        const uint64_t alloc = granules(e->len);
         uint64_t off;
         if (device_alloc(c, alloc, NULL, &off) == 0) {
             /* In the device tier at once, pinned while its bytes go up. */
@@ -897,7 +903,7 @@ int kvd__cache_reserve(kvd_store *st, size_t len, kvd__slot *slot)
     memset(slot, 0, sizeof *slot);
     if (!c->tier[KVD_TIER_DEVICE].limit || c->pool_host)
         return -1;
-    const uint64_t alloc = (len + GRANULE - 1) / GRANULE * GRANULE;
+    const uint64_t alloc = granules(len);
     uint64_t off;
     pthread_mutex_lock(&c->mu);
     if (c->dev_broken)

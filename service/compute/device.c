@@ -161,18 +161,26 @@ static void rotations_place(vq_books *b, float *host, float *buf)
 /* The item of one page: dense for raw pages, homomorphic for INT2/INT4,
  * fused VQ with the query's codebooks, reduced-dimension for SVD + raw with
  * its rotations. */
+/* An item's query (q) and its (out, lse) slot, as tensors. */
+static void item_io(const kvd_attn_dims *d, float *q, float *slot, kvd_tensor *tq, kvd_tensor *to,
+                    kvd_tensor *tl)
+{
+    const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
+    int64_t qsh[2] = {d->n_q_heads, d->head_dim}, lsh[1] = {d->n_q_heads};
+    *tq = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qsh);
+    *to = kvd_tensor_make(KVD_DTYPE_F32, slot, 2, qsh);
+    *tl = kvd_tensor_make(KVD_DTYPE_F32, slot + qf, 1, lsh);
+}
+
 static void page_item(const kvd_page_handle *h, const kvd_attn_dims *d, float *q, float *slot,
                       const vq_books *vb, kvd_attn_dense_args *da, size_t *nd,
                       kvd_attn_int_args *ia, size_t *ni, kvd_attn_vq_args *va, size_t *nv,
                       kvd_attn_svd_args *sa, size_t *ns)
 {
     const kvd_page_layout *l = h->layout;
-    const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
-    int64_t qsh[2] = {d->n_q_heads, d->head_dim}, lsh[1] = {d->n_q_heads};
     int64_t esh[3] = {d->n_kv_heads, 0, d->head_dim};
-    kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, q, 2, qsh);
-    kvd_tensor to = kvd_tensor_make(KVD_DTYPE_F32, slot, 2, qsh);
-    kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, slot + qf, 1, lsh);
+    kvd_tensor tq, to, tl;
+    item_io(d, q, slot, &tq, &to, &tl);
     kvd_attn_qdata k, v;
     kvd_page_layout_at(l, h->device, &k, &v);
     if (l->k_codec == KVD_CODEC_SVD) {
@@ -266,15 +274,11 @@ static void raw_item(const kvd__devq *q, float *dq, uint8_t *raw, float *slot,
                      kvd_attn_dense_args *a)
 {
     const kvd_attn_dims *d = &q->dims;
-    const size_t qf = (size_t)d->n_q_heads * (size_t)d->head_dim;
-    int64_t qsh[2] = {d->n_q_heads, d->head_dim}, lsh[1] = {d->n_q_heads};
     int64_t ksh[3] = {d->n_kv_heads, (int64_t)q->raw_tokens, d->head_dim};
     a->dims = *d;
-    a->q = kvd_tensor_make(KVD_DTYPE_F32, dq, 2, qsh);
+    item_io(d, dq, slot, &a->q, &a->out, &a->lse);
     a->k = kvd_tensor_make(q->raw_dtype, raw, 3, ksh);
     a->v = kvd_tensor_make(q->raw_dtype, raw + raw_bytes(q) / 2, 3, ksh);
-    a->out = kvd_tensor_make(KVD_DTYPE_F32, slot, 2, qsh);
-    a->lse = kvd_tensor_make(KVD_DTYPE_F32, slot + qf, 1, lsh);
 }
 
 /* Query i of a device_batch that stands for kv head h of an SVD + INT
