@@ -362,7 +362,7 @@ int kvd__pq_pages_codes(struct kvd__pq_append **state, kvd_store *st, const kvd_
                         uint64_t wire_ts, uint64_t wire_end, size_t n, const kvd_page_desc *d,
                         const void *const *k_dev, uint8_t *codes, kvd_error *err)
 {
-    struct pq_layer *L;
+    struct pq_layer *L = NULL;
     int rc = layer_ready(state, st, s, c, b, train_d, train_k, wire_k, wire_ts, wire_end, &L, err);
     kvd_backend *dev = kvd_store_device(st);
     if (rc || !n)
@@ -416,7 +416,7 @@ int kvd__pq_page_section(struct kvd__pq_append **state, kvd_store *st, const kvd
     *out = NULL;
     *out_len = 0;
     kvd_backend *be = kvd_store_coding_backend(st);
-    struct pq_layer *L;
+    struct pq_layer *L = NULL;
     int rc = layer_ready(state, st, s, c, b, d, k_page, wire_k, wire_ts, wire_end, &L, err);
     if (rc)
         return rc;
