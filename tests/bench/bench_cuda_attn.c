@@ -23,7 +23,8 @@
  * program says so and exits 0.
  *
  * Options: --quick (fewer sizes), --csv FILE (rows:
- * form,batch,tokens,us,gbs,pct_hbm,speedup).
+ * form,batch,tokens,us,gbs,pct_hbm,speedup), --form NAME and --row B:T
+ * (that form / that batch and length only: one kernel for a profiler).
  */
 #include <math.h>
 #include <stdio.h>
@@ -280,11 +281,27 @@ static double time_form(const row *r, int form)
 
 int main(int argc, char **argv)
 {
-    int quick = 0;
+    int quick = 0, only_form = -1, only_b = 0;
+    long long only_t = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             quick = 1;
-        else if (!strcmp(argv[i], "--csv") && i + 1 < argc)
+        else if (!strcmp(argv[i], "--form") && i + 1 < argc) {
+            ++i;
+            for (int f = 0; f < NFORM; f++)
+                if (!strcmp(argv[i], kForm[f]))
+                    only_form = f;
+            if (only_form < 0) {
+                fprintf(stderr, "bench_cuda_attn: unknown --form %s (fp16, int2, int4, vq)\n",
+                        argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--row") && i + 1 < argc) {
+            if (sscanf(argv[++i], "%d:%lld", &only_b, &only_t) != 2 || only_b < 1 || only_t < 1) {
+                fprintf(stderr, "bench_cuda_attn: --row wants BATCH:TOKENS, not %s\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--csv") && i + 1 < argc)
             csv = fopen(argv[++i], "w");
     }
     kvd_error err;
@@ -304,6 +321,12 @@ int main(int argc, char **argv)
     const int64_t *Ts = quick ? Ts_quick : Ts_full;
     const int *Bs = quick ? Bs_quick : Bs_full;
     int nT = quick ? 3 : 7, nB = quick ? 2 : 4;
+    const int64_t Ts_one[] = {only_t};
+    const int Bs_one[] = {only_b};
+    if (only_b) {
+        Ts = Ts_one, Bs = Bs_one;
+        nT = nB = 1;
+    }
     /* the largest row that fits: fp16 + INT2 + INT4 + VQ bytes per token */
     size_t per_tok = 0;
     for (int f = 0; f < NFORM; f++)
@@ -341,6 +364,8 @@ int main(int argc, char **argv)
             row_build(&r, &b, batch, T);
             double t16 = -1;
             for (int f = 0; f < NFORM; f++) {
+                if (only_form >= 0 && f != only_form)
+                    continue;
                 double t = time_form(&r, f);
                 if (t <= 0)
                     continue;

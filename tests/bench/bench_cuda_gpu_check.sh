@@ -9,37 +9,45 @@
 #
 #   tests/bench/bench_cuda_gpu_check.sh [--quick]
 #
-# KVD_CUDA_ARCH overrides the architecture (default 90).
+# KVD_CUDA_ARCH overrides the architecture (default 90). KVD_GPU_BUILD names
+# a build made elsewhere (tests/bench/gpu_pack.sh packs one, with the shared
+# libraries the GPU machine lacks): nothing is built then. Each step stops
+# after KVD_GPU_STEP_S seconds (default 300), so one hang loses no other step.
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
-build="$root/build-cuda"
 jobs=$(nproc 2>/dev/null || echo 2)
+step() { timeout -k 5 "${KVD_GPU_STEP_S:-300}" "$@"; }
 
-nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$out/gpu.txt" 2>&1
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_ARCHITECTURES="${KVD_CUDA_ARCH:-90}" > "$out/cmake.log" 2>&1 &&
-    cmake --build "$build" -j"$jobs" \
-        --target test_cuda_ops test_cuda_backend test_cuda_attn bench_cuda bench_cuda_attn \
-        kvdepotd e2e_compute bench_attend_e2e \
-        > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --format=csv > "$out/gpu.txt" 2>&1
+if [ -n "${KVD_GPU_BUILD:-}" ]; then
+    build=$(cd "$KVD_GPU_BUILD" && pwd)
+else
+    build="$root/build-cuda"
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CUDA_ARCHITECTURES="${KVD_CUDA_ARCH:-90}" > "$out/cmake.log" 2>&1 &&
+        cmake --build "$build" -j"$jobs" \
+            --target test_cuda_ops test_cuda_backend test_cuda_attn bench_cuda bench_cuda_attn \
+            kvdepotd e2e_compute bench_attend_e2e \
+            > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+fi
 
-(cd "$build" && ./tests/test_cuda_backend && ./tests/test_cuda_ops) > "$out/tests.log" 2>&1
+(cd "$build" && step ./tests/test_cuda_backend && step ./tests/test_cuda_ops) > "$out/tests.log" 2>&1
 trc=$?
-(cd "$build" && KVD_CUDA_KMEANS_EXACT=1 ./tests/test_cuda_ops) > "$out/tests_exact.log" 2>&1
+(cd "$build" && KVD_CUDA_KMEANS_EXACT=1 step ./tests/test_cuda_ops) > "$out/tests_exact.log" 2>&1
 erc=$?
-(cd "$build" && ./tests/test_cuda_attn) > "$out/tests_attn.log" 2>&1
+(cd "$build" && step ./tests/test_cuda_attn) > "$out/tests_attn.log" 2>&1
 arc=$?
-OUT="$out" sh "$root/tests/bench/bench_cuda_run.sh" "$build" ${1:-} > "$out/bench.log" 2>&1
+OUT="$out" step sh "$root/tests/bench/bench_cuda_run.sh" "$build" ${1:-} > "$out/bench.log" 2>&1
 brc=$?
 # kvdepotd serving from the GPU: the compute e2e tests, then Attend over gRPC
 erc2=0
 for t in device attend codecs lse_merge search append_pages; do
-    (cd "$build" && KVDEPOT_DEVICE=cuda ./tests/e2e_compute ./service/kvdepotd $t) \
+    (cd "$build" && KVDEPOT_DEVICE=cuda step ./tests/e2e_compute ./service/kvdepotd $t) \
         >> "$out/tests_e2e_gpu.log" 2>&1 || erc2=1
 done
-OUT="$out" bash "$root/tests/bench/bench_attend_e2e.sh" "$build" ${1:-} > "$out/attend_e2e.log" 2>&1
+OUT="$out" step bash "$root/tests/bench/bench_attend_e2e.sh" "$build" ${1:-} > "$out/attend_e2e.log" 2>&1
 e2rc=$?
 
 echo "== $(tail -n +2 "$out/gpu.txt" | head -1)"
