@@ -160,8 +160,20 @@ __attribute__((target("avx2,fma"))) static void vq_fold_avx2(vq_ctx *c, float *a
             if (GP == 4)
                 w = _mm256_insertf128_ps(w, _mm_setzero_ps(), 1);
             const float *cv = cb + (size_t)code * dv;
+            int fin = 1;
             for (int i = 0; i < dv; i++)
-                o[i] = _mm256_fmadd_ps(w, _mm256_set1_ps(cv[i]), o[i]);
+                fin &= isfinite(cv[i]);
+            if (fin) {
+                for (int i = 0; i < dv; i++)
+                    o[i] = _mm256_fmadd_ps(w, _mm256_set1_ps(cv[i]), o[i]);
+            } else {
+                /* an Inf/NaN codeword adds nothing where a head's weight is
+                 * 0 (never 0 x Inf), as in the reference */
+                const __m256 nz = _mm256_cmp_ps(w, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+                for (int i = 0; i < dv; i++)
+                    o[i] = _mm256_add_ps(
+                        o[i], _mm256_and_ps(nz, _mm256_mul_ps(w, _mm256_set1_ps(cv[i]))));
+            }
         }
         for (int i = 0; i < dv; i++) {
             float r[8];

@@ -696,6 +696,10 @@ typedef struct vcase {
     int G, D, dk, bk, dv, bv, had, lam;
 } vcase;
 
+/* vq_input's inputs: every 7th token gets probability exactly 0 and an Inf
+ * value codeword (set by the test that wants it) */
+static int vq_inf0;
+
 typedef struct vinput {
     float *q, *kcb, *vcb, *lam, *kt, *vt;
     void *kc, *vc;
@@ -729,6 +733,40 @@ static void vq_input(tu_rng *r, const vcase *c, res *rs, vinput *in)
             ((uint8_t *)in->vc)[i] = (uint8_t)x;
         else
             ((uint16_t *)in->vc)[i] = (uint16_t)x;
+    }
+    if (vq_inf0) {
+        /* (no Hadamard, no smoothing) positive query values on position 0
+         * and key codeword 0 = -1e30: a token with key code 0 there scores
+         * so low that its probability is exactly 0; its value codeword 0
+         * holds an Inf, which must add nothing (never 0 x Inf). Every other
+         * token uses neither codeword 0 anywhere. */
+        for (int h = 0; h < Hq; h++)
+            for (int j = 0; j < c->dk; j++)
+                in->q[(size_t)h * D + j] = fabsf(in->q[(size_t)h * D + j]) + 0.5f;
+        for (int h = 0; h < Hkv; h++) {
+            for (int j = 0; j < c->dk; j++)
+                in->kcb[(size_t)h * Kk * c->dk + j] = -1e30f;
+            in->vcb[(size_t)h * Kv * c->dv] = INFINITY;
+            for (int64_t t = 0; t < c->T; t++) {
+                int zero = t % 7 == 3;
+                for (int pos = 0; pos < kpos; pos++) {
+                    uint32_t x = zero && pos == 0 ? 0 : 1 + tu_rng_below(r, (uint32_t)Kk - 1);
+                    size_t i = (size_t)(h * c->T + t) * kpos + pos;
+                    if (kes == 1)
+                        ((uint8_t *)in->kc)[i] = (uint8_t)x;
+                    else
+                        ((uint16_t *)in->kc)[i] = (uint16_t)x;
+                }
+                for (int pos = 0; pos < vpos; pos++) {
+                    uint32_t x = zero && pos == 0 ? 0 : 1 + tu_rng_below(r, (uint32_t)Kv - 1);
+                    size_t i = (size_t)(h * c->T + t) * vpos + pos;
+                    if (ves == 1)
+                        ((uint8_t *)in->vc)[i] = (uint8_t)x;
+                    else
+                        ((uint16_t *)in->vc)[i] = (uint16_t)x;
+                }
+            }
+        }
     }
     in->kt = gen_kv(r, Hkv, c->Tt, D, 1);
     in->vt = gen_kv(r, Hkv, c->Tt, D, 0);
@@ -828,6 +866,14 @@ static void test_vq(tu_rng *r)
                          {8192, 0, 4, 128, 4, 8, 4, 8, 1, 1}, {300, 0, 4, 128, 4, 8, 4, 8, 1, 1},
                          {20000, 7, 4, 128, 4, 8, 4, 8, 1, 1}};
     vq_batch(r, "mixed batch", mix, (int)(sizeof mix / sizeof *mix));
+    /* a zero probability meets an Inf value codeword: nothing is added */
+    const vcase zc[] = {{2000, 0, 4, 128, 4, 8, 4, 8, 0, 0},
+                        {700, 3, 2, 128, 4, 8, 8, 8, 0, 0},
+                        {3000, 0, 4, 64, 4, 12, 4, 8, 0, 0}};
+    vq_inf0 = 1;
+    for (size_t i = 0; i < sizeof zc / sizeof *zc; i++)
+        vq_batch(r, "zero p, Inf codeword", &zc[i], 1);
+    vq_inf0 = 0;
 }
 
 /* ---- SVD ----------------------------------------------------------------- */
