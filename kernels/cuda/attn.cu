@@ -1243,26 +1243,20 @@ __device__ __forceinline__ unsigned vq_code(const char *row, int pos, int wide)
                 : (unsigned)reinterpret_cast<const unsigned char *>(row)[pos];
 }
 
-__global__ void __launch_bounds__(VNT, 1) vq_kernel(const VItem *__restrict__ items, const Unit *__restrict__ units,
-                                                Parts P)
+/*
+ * The start of a VQ unit, by all threads: the transformed query heads
+ * qt (gn, D) and, when the item has one, the score table
+ * lut[(pos * kK + code) * gn + g] = qt_g[pos] . C_k[code].
+ */
+/* q~ = H (q * lambda) * softmax_scale of the unit's gn query heads, (gn, D)
+ * in shared memory, by all threads. */
+__device__ void vq_query(const VItem &it, int h, int g0, int gn, float *qt)
 {
-    extern __shared__ __align__(16) unsigned char smb[];
-    const Unit u = units[blockIdx.x];
-    const VItem &it = items[u.item];
-    const int D = it.D, Dv = it.Dv, G = it.G, h = u.h, gn = u.gn, tid = threadIdx.x;
-    const int kpos = D / it.dk, vpos = Dv / it.dv, kK = it.kK, vK = it.vK;
-    const VqLayout L = vq_layout(gn, D, Dv, kpos, kK, vpos, vK, it.lut, it.acc);
-    float *s = reinterpret_cast<float *>(smb + L.s), *mm = reinterpret_cast<float *>(smb + L.mlf), *ll = mm + MAXGB,
-          *ff = ll + MAXGB, *mult = ff + MAXGB, *qt = reinterpret_cast<float *>(smb + L.qt),
-          *lut = reinterpret_cast<float *>(smb + L.lut), *A = reinterpret_cast<float *>(smb + L.A),
-          *acc = reinterpret_cast<float *>(smb + L.acc);
-    int *resc = reinterpret_cast<int *>(mult + MAXGB);
-
-    /* q~ = H (q * lambda) * softmax_scale */
+    const int D = it.D, G = it.G, tid = threadIdx.x;
     const float *lam = it.lam ? reinterpret_cast<const float *>(it.lam + h * it.lams0) : nullptr;
     for (int e = tid; e < gn * D; e += VNT) {
         int g = e / D, j = e - g * D;
-        float x = reinterpret_cast<const float *>(it.q + (long long)(h * G + u.g0 + g) * it.qs)[j];
+        float x = reinterpret_cast<const float *>(it.q + (long long)(h * G + g0 + g) * it.qs)[j];
         qt[e] = lam ? x * lam[j] : x;
     }
     __syncthreads();
@@ -1285,9 +1279,14 @@ __global__ void __launch_bounds__(VNT, 1) vq_kernel(const VItem *__restrict__ it
     for (int e = tid; e < gn * D; e += VNT)
         qt[e] *= it.scale;
     __syncthreads();
+}
+
+__device__ void vq_prologue(const VItem &it, int h, int g0, int gn, float *qt, float *lut)
+{
+    const int D = it.D, tid = threadIdx.x, kpos = D / it.dk, kK = it.kK;
+    vq_query(it, h, g0, gn, qt);
     const float *kcb = reinterpret_cast<const float *>(it.kcb + h * it.kcbs0);
-    const long long kcbr = it.kcbs1 / 4, vcbr = it.vcbs1 / 4;
-    const float *vcb = reinterpret_cast<const float *>(it.vcb + h * it.vcbs0);
+    const long long kcbr = it.kcbs1 / 4;
     if (it.lut)
         for (int e = tid; e < kpos * kK; e += VNT) {
             int pos = e / kK, c = e - pos * kK;
@@ -1308,6 +1307,29 @@ __global__ void __launch_bounds__(VNT, 1) vq_kernel(const VItem *__restrict__ it
                 if (g < gn)
                     lut[(size_t)e * gn + g] = a[g];
         }
+    __syncthreads();
+}
+
+__global__ void __launch_bounds__(VNT, 1) vq_kernel(const VItem *__restrict__ items, const Unit *__restrict__ units,
+                                                Parts P)
+{
+    extern __shared__ __align__(16) unsigned char smb[];
+    const Unit u = units[blockIdx.x];
+    const VItem &it = items[u.item];
+    const int D = it.D, Dv = it.Dv, G = it.G, h = u.h, gn = u.gn, tid = threadIdx.x;
+    const int kpos = D / it.dk, vpos = Dv / it.dv, kK = it.kK, vK = it.vK;
+    const VqLayout L = vq_layout(gn, D, Dv, kpos, kK, vpos, vK, it.lut, it.acc);
+    float *s = reinterpret_cast<float *>(smb + L.s), *mm = reinterpret_cast<float *>(smb + L.mlf), *ll = mm + MAXGB,
+          *ff = ll + MAXGB, *mult = ff + MAXGB, *qt = reinterpret_cast<float *>(smb + L.qt),
+          *lut = reinterpret_cast<float *>(smb + L.lut), *A = reinterpret_cast<float *>(smb + L.A),
+          *acc = reinterpret_cast<float *>(smb + L.acc);
+    int *resc = reinterpret_cast<int *>(mult + MAXGB);
+
+    vq_prologue(it, h, u.g0, gn, qt, lut);
+    const long long vcbr = it.vcbs1 / 4;
+    const float *kcb = reinterpret_cast<const float *>(it.kcb + h * it.kcbs0);
+    const long long kcbr = it.kcbs1 / 4;
+    const float *vcb = reinterpret_cast<const float *>(it.vcb + h * it.vcbs0);
     if (it.acc)
         for (size_t e = tid; e < (size_t)vpos * vK * gn; e += VNT)
             A[e] = 0.0f;
@@ -1448,6 +1470,244 @@ __global__ void __launch_bounds__(VNT, 1) vq_kernel(const VItem *__restrict__ it
             }
             acc[e] = a * mult[g];
         }
+        __syncthreads();
+    }
+    unit_store_smem(it.o, u, G, Dv, P, acc, mm, ll);
+}
+
+/*
+ * VQ with the value side gathered, for GB (1, 2, 4) query heads per unit
+ * (a unit with fewer computes the missing heads on a zero query and stores
+ * none of them): the value codebook (vK, DV) and a tile's value codes live in
+ * shared memory, and a thread per (position, token stripe) adds
+ * p * C_v[code] for every head into registers. No atomics and no per-code
+ * accumulators, so the score table takes every query head of a kv head (the
+ * codes are read once). Key rows (u8 codes, kpos % 16 == 0) and value code
+ * rows (u8, 16-byte rows) of the next tile are loaded into registers while
+ * the current one is computed. When the value codebook is finite (checked
+ * per unit) a zero probability adds exactly nothing and the loop needs no
+ * test; else each head's term is skipped at p = 0, as everywhere.
+ *
+ * Shared memory (vqg_layout): s (GB, VTILE) | m, l, f | qt (GB, D) |
+ * lut (kpos, kK, GB) | cb (vK, DV) | vcode (VTILE, vpos) u8 |
+ * pt (VTILE, GB) probabilities token-major | acc (GB, Dv).
+ */
+constexpr int VQG_CH = 4;   /* 16-byte chunks of a key row / of a thread's value codes */
+constexpr int VQG_DK = 8;   /* widest key sub-vector the table build holds in registers */
+
+struct VqgLayout {
+    size_t s, mlf, qt, lut, cb, vcode, pt, acc, total;
+};
+
+__host__ __device__ inline VqgLayout vqg_layout(int GB, int D, int Dv, int kpos, int kK, int vpos, int vK, int dv)
+{
+    VqgLayout L;
+    size_t o = 0;
+    L.s = o, o += al16(4u * GB * VTILE);
+    L.mlf = o, o += al16(4u * 6 * MAXGB);
+    L.qt = o, o += al16(4u * GB * D);
+    L.lut = o, o += al16(4u * (size_t)kpos * kK * GB);
+    L.cb = o, o += al16(4u * (size_t)vK * dv);
+    L.vcode = o, o += al16((size_t)VTILE * vpos);
+    L.pt = o, o += al16(4u * (size_t)VTILE * GB);
+    L.acc = o, o += al16(4u * GB * Dv);
+    L.total = o;
+    return L;
+}
+
+template <int GB> __device__ __forceinline__ void ld_heads(const float *p, float *x)
+{
+    if (GB == 4) {
+        const float4 v = *reinterpret_cast<const float4 *>(p);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else if (GB == 2) {
+        const float2 v = *reinterpret_cast<const float2 *>(p);
+        x[0] = v.x, x[1] = v.y;
+    } else {
+#pragma unroll
+        for (int g = 0; g < GB; g++)
+            x[g] = p[g];
+    }
+}
+
+template <int DV, int GB>
+__global__ void __launch_bounds__(VNT, 1) vq_gather_kernel(const VItem *__restrict__ items,
+                                                       const Unit *__restrict__ units, Parts P)
+{
+    extern __shared__ __align__(16) unsigned char smb[];
+    __shared__ int cb_bad;
+    const Unit u = units[blockIdx.x];
+    const VItem &it = items[u.item];
+    const int D = it.D, Dv = it.Dv, G = it.G, h = u.h, gn = u.gn, tid = threadIdx.x, dk = it.dk;
+    const int kpos = D / dk, vpos = Dv / DV, kK = it.kK, vK = it.vK;
+    const VqgLayout L = vqg_layout(GB, D, Dv, kpos, kK, vpos, vK, DV);
+    float *s = reinterpret_cast<float *>(smb + L.s), *mm = reinterpret_cast<float *>(smb + L.mlf), *ll = mm + MAXGB,
+          *ff = ll + MAXGB, *qt = reinterpret_cast<float *>(smb + L.qt), *lut = reinterpret_cast<float *>(smb + L.lut),
+          *cb = reinterpret_cast<float *>(smb + L.cb), *pt = reinterpret_cast<float *>(smb + L.pt),
+          *acc = reinterpret_cast<float *>(smb + L.acc);
+    unsigned char *vcode = smb + L.vcode;
+
+    /* the query heads (zero beyond gn), then the score table: a thread
+     * keeps one position's query values in registers and runs over codes */
+    for (int e = gn * D + tid; e < GB * D; e += VNT)
+        qt[e] = 0.0f;
+    if (tid == 0)
+        cb_bad = 0;
+    vq_query(it, h, u.g0, gn, qt);
+    {
+        const float *kcb = reinterpret_cast<const float *>(it.kcb + h * it.kcbs0);
+        const long long kcbr = it.kcbs1 / 4;
+        const int pos = tid % kpos, c0 = tid / kpos, cs = VNT / kpos;
+        float qv[GB][VQG_DK];
+#pragma unroll
+        for (int g = 0; g < GB; g++)
+#pragma unroll
+            for (int i = 0; i < VQG_DK; i++)
+                qv[g][i] = i < dk ? qt[g * D + pos * dk + i] : 0.0f;
+        for (int c = c0; c < kK; c += cs) {
+            const float *cr = kcb + c * kcbr;
+            float a[GB];
+#pragma unroll
+            for (int g = 0; g < GB; g++)
+                a[g] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < VQG_DK; i++) {
+                if (i >= dk)
+                    break;
+                const float x = __ldg(cr + i);
+#pragma unroll
+                for (int g = 0; g < GB; g++)
+                    a[g] = __fmaf_rn(qv[g][i], x, a[g]);
+            }
+#pragma unroll
+            for (int g = 0; g < GB; g++)
+                lut[((size_t)pos * kK + c) * GB + g] = a[g];
+        }
+    }
+    const float *vcb = reinterpret_cast<const float *>(it.vcb + h * it.vcbs0);
+    const long long vcbr = it.vcbs1 / 4;
+    int bad = 0;
+    for (int e = tid; e < vK * DV; e += VNT) {
+        int c = e / DV, j = e - c * DV;
+        const float x = vcb[c * vcbr + j];
+        cb[e] = x;
+        bad |= !isfinite(x);
+    }
+    if (bad)
+        cb_bad = 1;
+    for (int e = tid; e < GB * Dv; e += VNT)
+        acc[e] = 0.0f;
+    if (tid < MAXGB) {
+        mm[tid] = -INFINITY;
+        ll[tid] = 0.0f;
+    }
+    const int kch = kpos / 16, vcpr = vpos / 16; /* 16-byte chunks per key / value row */
+    const char *kbase = it.kc + h * it.kcs0, *vbase = it.vc + h * it.vcs0;
+    uint4 kr[VQG_CH], vr[VQG_CH];
+    auto fetch = [&](long long t0, int n) {
+#pragma unroll
+        for (int j = 0; j < VQG_CH; j++)
+            if (j < kch && tid < n)
+                kr[j] = ldg16(kbase + (t0 + tid) * it.kcs1 + 16 * j);
+#pragma unroll
+        for (int r = 0; r < VQG_CH; r++) {
+            const int e = tid + r * VNT;
+            if (r < vcpr && e < n * vcpr)
+                vr[r] = ldg16(vbase + (t0 + e / vcpr) * it.vcs1 + 16 * (e % vcpr));
+        }
+    };
+    fetch(u.t0, (int)min((long long)VTILE, u.t1 - u.t0));
+    __syncthreads();
+    const int finite = !cb_bad;
+
+    const int nsub = VNT / vpos, pos = tid % vpos, sub = tid / vpos;
+    float a[GB][DV];
+#pragma unroll
+    for (int g = 0; g < GB; g++)
+#pragma unroll
+        for (int j = 0; j < DV; j++)
+            a[g][j] = 0.0f;
+    for (long long t0 = u.t0; t0 < u.t1; t0 += VTILE) {
+        const int n = (int)min((long long)VTILE, u.t1 - t0);
+        /* this tile's value codes to shared memory, its scores from the
+         * key rows in registers */
+#pragma unroll
+        for (int r = 0; r < VQG_CH; r++) {
+            const int e = tid + r * VNT;
+            if (r < vcpr && e < n * vcpr)
+                *reinterpret_cast<uint4 *>(vcode + 16 * (size_t)e) = vr[r];
+        }
+        if (tid < n) {
+            float sc[GB];
+#pragma unroll
+            for (int g = 0; g < GB; g++)
+                sc[g] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VQG_CH; j++) {
+                if (j >= kch)
+                    break;
+                const unsigned wv[4] = {kr[j].x, kr[j].y, kr[j].z, kr[j].w};
+#pragma unroll
+                for (int b = 0; b < 16; b++) {
+                    const unsigned c = (wv[b >> 2] >> (8 * (b & 3))) & 0xffu;
+                    float x[GB];
+                    ld_heads<GB>(lut + ((size_t)(16 * j + b) * kK + c) * GB, x);
+#pragma unroll
+                    for (int g = 0; g < GB; g++)
+                        sc[g] += x[g];
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < GB; g++)
+                if (g < gn)
+                    s[g * VTILE + tid] = sc[g];
+        }
+        if (t0 + VTILE < u.t1)
+            fetch(t0 + VTILE, (int)min((long long)VTILE, u.t1 - t0 - VTILE));
+        __syncthreads();
+        tile_softmax(s, VTILE, n, gn, mm, ll, ff);
+        __syncthreads();
+        /* probabilities token-major (zero for the heads beyond gn) */
+        if (tid < n)
+#pragma unroll
+            for (int g = 0; g < GB; g++)
+                pt[tid * GB + g] = g < gn ? s[g * VTILE + tid] : 0.0f;
+#pragma unroll
+        for (int g = 0; g < GB; g++) {
+            const float f = g < gn ? ff[g] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < DV; j++)
+                a[g][j] *= f;
+        }
+        __syncthreads();
+        /* values: this thread's position over tokens sub, sub + nsub, ... */
+#pragma unroll 2
+        for (int i = sub; i < n; i += nsub) {
+            const unsigned c = vcode[(size_t)i * vpos + pos];
+            float x[DV], p[GB];
+#pragma unroll
+            for (int j = 0; j < DV; j += 4) {
+                const float4 v = *reinterpret_cast<const float4 *>(cb + c * DV + j);
+                x[j] = v.x, x[j + 1] = v.y, x[j + 2] = v.z, x[j + 3] = v.w;
+            }
+            ld_heads<GB>(pt + i * GB, p);
+#pragma unroll
+            for (int g = 0; g < GB; g++)
+                if (finite || p[g] != 0.0f)
+#pragma unroll
+                    for (int j = 0; j < DV; j++)
+                        a[g][j] = __fmaf_rn(p[g], x[j], a[g][j]);
+        }
+        __syncthreads();
+    }
+    /* the token stripes' sums, in stripe order */
+    for (int r = 0; r < nsub; r++) {
+        if (sub == r)
+#pragma unroll
+            for (int g = 0; g < GB; g++)
+#pragma unroll
+                for (int j = 0; j < DV; j++)
+                    acc[g * Dv + pos * DV + j] += a[g][j];
         __syncthreads();
     }
     unit_store_smem(it.o, u, G, Dv, P, acc, mm, ll);
@@ -1649,6 +1909,19 @@ int set_smem(const void *fn, size_t bytes, kvd_cuda_call *call, kvd_error *err)
                              bytes, call->c->smem_optin);
     return kvd__cuda_status(call->c, cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
                             "cudaFuncSetAttribute", err);
+}
+
+/* One launch of the gathered VQ kernel for DV-wide value sub-vectors and GB
+ * heads per unit. */
+template <int DV, int GB>
+int launch_vqg(unsigned nu, size_t smem, kvd_cuda_call *call, const VItem *di, const Unit *du, const Parts &P,
+               kvd_error *err)
+{
+    int r = set_smem((const void *)vq_gather_kernel<DV, GB>, smem, call, err);
+    if (r)
+        return r;
+    vq_gather_kernel<DV, GB><<<nu, VNT, smem, call->s>>>(di, du, P);
+    return 0;
 }
 
 int dense_vec_of(const DItem &d)
@@ -2074,10 +2347,12 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
         return rc;
     std::vector<VItem> vitems;
     std::vector<DItem> ditems;
-    std::vector<int> vidx(n, -1), didx(n, -1), gcap(n, MAXGB);
+    std::vector<int> vidx(n, -1), didx(n, -1), gcap(n, MAXGB), ggcap(n, 0);
     std::vector<long long> tails(n, 0);
     long long work = 0;
-    size_t smax = 0, budget = call.c->smem_optin > 0 ? call.c->smem_optin : 48 * 1024;
+    int gdv = -1; /* the gathered kernel's DV when every item takes it, else 0 */
+    int gGB = 1;  /* and its heads per unit */
+    size_t smax = 0, gsmax = 0, budget = call.c->smem_optin > 0 ? call.c->smem_optin : 48 * 1024;
     for (int i = 0; i < n; i++) {
         const kvd_attn_vq_args &x = a[i];
         OutDesc o = out_desc(x.out, x.lse);
@@ -2119,9 +2394,23 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
                  (((uintptr_t)x.k_codes.data | (uintptr_t)x.k_codes.stride[0] | (uintptr_t)x.k_codes.stride[1]) & 15) == 0;
         if ((x.k_codebook.stride[1] & 3) || (x.v_codebook.stride[1] & 3))
             return kvd_error_set(err, KVD_EUNSUPP, "cuda VQ attention item %d: codebook rows not 4-byte aligned", i);
-        /* heads per unit and what lives in shared memory: LUT and
-         * per-code accumulators when they fit, with as many heads as fit */
+        /* heads per unit and what lives in shared memory: the gathered
+         * form (score table, value codebook and codes) when it fits and the
+         * codes take its 16-byte rows; else LUT and per-code accumulators
+         * when they fit, with as many heads as fit */
         int kpos = v.D / v.dk, vpos = v.Dv / v.dv, best = 0;
+        const int vrow16 = !v.v16 && vpos % 16 == 0 && vpos / 16 <= VQG_CH &&
+                           (((uintptr_t)x.v_codes.data | (uintptr_t)x.v_codes.stride[0] |
+                             (uintptr_t)x.v_codes.stride[1]) & 15) == 0;
+        int ggb = 0;
+        if (v.kvec && kpos / 16 <= VQG_CH && VNT % kpos == 0 && v.dk <= VQG_DK && vrow16 &&
+            (v.dv == 4 || v.dv == 8) && VNT % vpos == 0)
+            for (int gb = 4; gb >= 1 && !ggb; gb /= 2)
+                if (vqg_layout(gb, v.D, v.Dv, kpos, v.kK, vpos, v.vK, v.dv).total <= budget)
+                    ggb = gb;
+        const int want = ggb ? v.dv : 0;
+        gdv = gdv < 0 ? want : gdv == want ? gdv : 0;
+        ggcap[i] = ggb;
         for (int mode = 3; mode >= 0 && !best; mode--) {
             int lut = mode & 2 ? 1 : 0, acc = mode & 1;
             for (int gb = std::min(MAXGB, v.G); gb >= 1; gb--)
@@ -2142,9 +2431,32 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
         if (!best)
             return kvd_error_set(err, KVD_EUNSUPP, "cuda VQ attention item %d: widths too large for shared memory", i);
         smax = std::max(smax, vq_layout(gcap[i], v.D, v.Dv, kpos, v.kK, vpos, v.vK, v.lut, v.acc).total);
+        if (ggb) {
+            int nch = (v.G + ggb - 1) / ggb;
+            ggcap[i] = (v.G + nch - 1) / nch;
+            while (ggb / 2 >= ggcap[i])
+                ggb /= 2; /* heads the kernel computes: a power of two */
+            gGB = std::max(gGB, ggb);
+        }
         vidx[i] = (int)vitems.size();
         vitems.push_back(v);
     }
+    if (gdv > 0) {
+        for (int i = 0; i < n; i++)
+            if (vidx[i] >= 0) {
+                const VItem &v = vitems[vidx[i]];
+                gsmax = std::max(gsmax, vqg_layout(gGB, v.D, v.Dv, v.D / v.dk, v.kK, v.Dv / v.dv, v.vK, v.dv).total);
+            }
+        if (gsmax > budget)
+            gdv = 0;
+    }
+    if (gdv > 0)
+        for (int i = 0; i < n; i++)
+            if (vidx[i] >= 0) {
+                gcap[i] = ggcap[i];
+                vitems[vidx[i]].lut = 1;
+                vitems[vidx[i]].acc = 0;
+            }
     Plan pl;
     /* a VQ unit pays for its score table and the codebook pass: at least
      * 1024 tokens per split keep that under a quarter of its work */
@@ -2168,11 +2480,21 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
     Upload up;
     size_t ov = up.add(vitems);
     auto launch0 = [&](unsigned char *dev, const Unit *du, const Parts &P) -> int {
-        int r = set_smem((const void *)vq_kernel, smax, &call, err);
-        if (r)
-            return r;
-        vq_kernel<<<(unsigned)pl.units[0].size(), VNT, smax, call.s>>>(reinterpret_cast<const VItem *>(dev + ov), du,
-                                                                       P);
+        const unsigned nu = (unsigned)pl.units[0].size();
+        const VItem *di = reinterpret_cast<const VItem *>(dev + ov);
+        int r;
+        if (gdv > 0) {
+            const int v8 = gdv == 8;
+            r = gGB == 4 ? (v8 ? launch_vqg<8, 4> : launch_vqg<4, 4>)(nu, gsmax, &call, di, du, P, err)
+                : gGB == 2 ? (v8 ? launch_vqg<8, 2> : launch_vqg<4, 2>)(nu, gsmax, &call, di, du, P, err)
+                           : (v8 ? launch_vqg<8, 1> : launch_vqg<4, 1>)(nu, gsmax, &call, di, du, P, err);
+            if (r)
+                return r;
+        } else {
+            if ((r = set_smem((const void *)vq_kernel, smax, &call, err)))
+                return r;
+            vq_kernel<<<nu, VNT, smax, call.s>>>(di, du, P);
+        }
         return kvd__cuda_launched(&call, "VQ attention", err);
     };
     return run_plan(&call, pl, up, ditems, launch0, err);

@@ -168,6 +168,11 @@ static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d)
 struct float2 {
     float x, y;
 };
+/* 16-byte aligned, as on a GPU: a misaligned float4 access is UB the
+ * sanitizer build reports */
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
 
 /* ---- f16 / bf16 -------------------------------------------------------------- */
 
