@@ -898,6 +898,14 @@ __host__ __device__ inline IntLayout int_layout(int GB, int D, int Dv, int tb, i
     return L;
 }
 
+/*
+ * FB, FG, FD != 0 fix at compile time what every item of the launch has:
+ * both sides FB-bit with keys per token and values per channel, FG query
+ * heads in every unit, D = Dv = FD. Index arithmetic and head loops then
+ * fold away (the shared pattern reads become immediate-offset, vectorised
+ * loads); 0, 0, 0 is the kernel for everything else.
+ */
+template <int FB, int FG, int FD>
 __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ items, const Unit *__restrict__ units,
                                                  Parts P)
 {
@@ -905,13 +913,19 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
     const Unit u = units[blockIdx.x];
     const QItem &it = items[u.item];
     const QSide &K = it.k, &V = it.v;
-    const int D = it.D, Dv = it.Dv, G = it.G, h = u.h, gn = u.gn, tb = it.tb;
+    const int D = FD ? FD : it.D, Dv = FD ? FD : it.Dv, G = it.G, h = u.h, gn = FG ? FG : u.gn, tb = it.tb;
+    /* read where used, as the general kernel always did (held in registers
+     * they cost the general kernel spills) */
+#define kbits (FB ? FB : K.bits)
+#define vbits (FB ? FB : V.bits)
+#define kaxis (FB ? (int)KVD_ATTN_AXIS_TOKEN : (int)K.axis)
+#define vaxis (FB ? (int)KVD_ATTN_AXIS_CHANNEL : (int)V.axis)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const IntLayout L = int_layout(gn, D, Dv, tb, K.bits, K.group, K.axis, V.group, V.axis);
+    const IntLayout L = int_layout(gn, D, Dv, tb, kbits, K.group, kaxis, V.group, vaxis);
     float *s = reinterpret_cast<float *>(smb + L.s), *mm = reinterpret_cast<float *>(smb + L.mlf), *ll = mm + MAXGB,
           *ff = ll + MAXGB, *sq = ff + MAXGB, *acc = reinterpret_cast<float *>(smb + L.acc),
           *qf = reinterpret_cast<float *>(smb + L.qf);
-    const int kper = 8 / K.bits, kP = K.group, kng = D / kP;
+    const int kper = 8 / kbits, kP = K.group, kng = D / kP;
 
     /* the query heads of the unit, f32 */
     for (int e = tid; e < gn * D; e += NT) {
@@ -926,11 +940,11 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
     }
     __syncthreads();
     /* key axis TOKEN: q8 per head, its plane patterns and group sums */
-    const int kw = (D * K.bits + 31) / 32, kfast = (D * K.bits) % 32 == 0 && (kP * K.bits) % 32 == 0;
+    const int kw = (D * kbits + 31) / 32, kfast = (D * kbits) % 32 == 0 && (kP * kbits) % 32 == 0;
     int *qpat = reinterpret_cast<int *>(smb + L.qpat);
     float *qsum = reinterpret_cast<float *>(smb + L.qsum);
     signed char *q8 = reinterpret_cast<signed char *>(smb + L.q8);
-    if (K.axis == KVD_ATTN_AXIS_TOKEN) {
+    if (kaxis == KVD_ATTN_AXIS_TOKEN) {
         for (int g = warp; g < gn; g += NW) {
             float sc = warp_quantize_q8(qf + g * D, D, q8 + g * D);
             if (lane == 0)
@@ -960,13 +974,13 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
     unsigned *vpat = reinterpret_cast<unsigned *>(smb + L.vpat);
     float *mP = reinterpret_cast<float *>(smb + L.mP), *sP = reinterpret_cast<float *>(smb + L.sP),
           *corr = reinterpret_cast<float *>(smb + L.corr);
-    const int vP = V.group, vper = 8 / V.bits;
+    const int vP = V.group, vper = 8 / vbits;
     const int D4 = (D + 3) & ~3; /* w8 rows, 4-byte aligned for __dp4a */
 
     for (long long t0 = u.t0; t0 < u.t1; t0 += tb) {
         const int n = (int)min((long long)tb, u.t1 - t0);
         /* ---- scores ---- */
-        if (K.axis == KVD_ATTN_AXIS_TOKEN) {
+        if (kaxis == KVD_ATTN_AXIS_TOKEN) {
             for (int i = tid; i < n; i += NT) {
                 const long long t = t0 + i;
                 const unsigned char *row = K.codes + h * K.cs0 + t * K.cs1;
@@ -974,9 +988,9 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
 #pragma unroll
                 for (int g = 0; g < MAXGB; g++)
                     dot[g] = 0.0f;
-                const int wpg = kfast ? kP * K.bits / 32 : 0;
+                const int wpg = kfast ? kP * kbits / 32 : 0;
                 if (kfast && K.w4 && kw <= KW_MAX) {
-                    if (K.bits == 2)
+                    if (kbits == 2)
                         key_row_dots<2>(K, row, h, t, kw, wpg, kng, gn, qpat, qsum, dot);
                     else
                         key_row_dots<4>(K, row, h, t, kw, wpg, kng, gn, qpat, qsum, dot);
@@ -990,7 +1004,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                         for (int w = grp * wpg; w < (grp + 1) * wpg; w++) {
                             unsigned x = code_word(K, row, w);
                             for (int k = 0; k < kper; k++) {
-                                int pl = (int)((x >> (k * K.bits)) & (K.bits == 2 ? 0x03030303u : 0x0f0f0f0fu));
+                                int pl = (int)((x >> (k * kbits)) & (kbits == 2 ? 0x03030303u : 0x0f0f0f0fu));
 #pragma unroll
                                 for (int g = 0; g < MAXGB; g++)
                                     if (g < gn)
@@ -999,7 +1013,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                         }
                     } else {
                         for (int j = grp * kP; j < (grp + 1) * kP; j++) {
-                            int c = code_at(row, j, K.bits);
+                            int c = code_at(row, j, kbits);
 #pragma unroll
                             for (int g = 0; g < MAXGB; g++)
                                 if (g < gn)
@@ -1047,7 +1061,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                 const long long t = t0 + i;
                 const int gi = i / kP;
                 const unsigned char *cb = K.codes + h * K.cs0 + t / kper;
-                const int sh = (int)(t % kper) * K.bits, msk = (1 << K.bits) - 1;
+                const int sh = (int)(t % kper) * kbits, msk = (1 << kbits) - 1;
                 int ic[MAXGB];
 #pragma unroll
                 for (int g = 0; g < MAXGB; g++)
@@ -1079,7 +1093,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
         tile_softmax(s, tb, n, gn, mm, ll, ff);
         __syncthreads();
         /* ---- values ---- */
-        if (V.axis == KVD_ATTN_AXIS_CHANNEL) {
+        if (vaxis == KVD_ATTN_AXIS_CHANNEL) {
             const int ng = n / vP;
             /* uint8 probabilities per (head, group), as quantize_p8 */
             for (int e = warp; e < gn * ng; e += NW) {
@@ -1116,25 +1130,25 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
             __syncthreads();
             /* plane patterns: word w of a code row holds tokens
              * (32/bits)*w + per*b + k at byte b, plane k */
-            const int vw = n * V.bits / 32, vfast = V.w4 && (vP * V.bits) % 32 == 0 && (n * V.bits) % 32 == 0;
+            const int vw = n * vbits / 32, vfast = V.w4 && (vP * vbits) % 32 == 0 && (n * vbits) % 32 == 0;
             for (int e = tid; vfast && e < gn * vw * vper; e += NT) {
                 int g = e / (vw * vper), r = e - g * vw * vper, w = r / vper, k = r - w * vper;
                 unsigned x = 0;
                 for (int b = 0; b < 4; b++)
-                    x |= (unsigned)p8[g * tb + (32 / V.bits) * w + vper * b + k] << (8 * b);
+                    x |= (unsigned)p8[g * tb + (32 / vbits) * w + vper * b + k] << (8 * b);
                 vpat[g * (tb / 4 + 1) + r] = x;
             }
             __syncthreads();
-            const int wpg = vP * V.bits / 32;
+            const int wpg = vP * vbits / 32;
             for (int d = tid; d < Dv; d += NT) {
                 float a[MAXGB];
 #pragma unroll
                 for (int g = 0; g < MAXGB; g++)
                     a[g] = g < gn ? acc[g * Dv + d] * ff[g] : 0.0f;
-                const unsigned char *row = V.codes + h * V.cs0 + d * V.cs1 + t0 * V.bits / 8;
+                const unsigned char *row = V.codes + h * V.cs0 + d * V.cs1 + t0 * vbits / 8;
                 const int vreg = vfast;
                 if (vreg) {
-                    if (V.bits == 2)
+                    if (vbits == 2)
                         value_row_acc<2>(V, row, h, d, t0 / vP, vw, wpg, gn, ng, vpat, tb / 4 + 1, sP, mP, corr, a);
                     else
                         value_row_acc<4>(V, row, h, d, t0 / vP, vw, wpg, gn, ng, vpat, tb / 4 + 1, sP, mP, corr, a);
@@ -1149,7 +1163,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                         for (int w = gi * wpg; w < (gi + 1) * wpg; w++) {
                             unsigned x = __ldg(reinterpret_cast<const unsigned *>(row) + w);
                             for (int k = 0; k < vper; k++) {
-                                unsigned pl = (x >> (k * V.bits)) & (V.bits == 2 ? 0x03030303u : 0x0f0f0f0fu);
+                                unsigned pl = (x >> (k * vbits)) & (vbits == 2 ? 0x03030303u : 0x0f0f0f0fu);
 #pragma unroll
                                 for (int g = 0; g < MAXGB; g++)
                                     if (g < gn)
@@ -1158,7 +1172,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                         }
                     } else {
                         for (int i = gi * vP; i < (gi + 1) * vP; i++) {
-                            unsigned c = (unsigned)code_at(row, i, V.bits);
+                            unsigned c = (unsigned)code_at(row, i, vbits);
 #pragma unroll
                             for (int g = 0; g < MAXGB; g++)
                                 if (g < gn)
@@ -1190,7 +1204,7 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                 const int grp = d / vP;
                 for (int i = 0; i < n; i++) {
                     const long long t = t0 + i;
-                    float c = (float)code_at(V.codes + h * V.cs0 + t * V.cs1, d, V.bits);
+                    float c = (float)code_at(V.codes + h * V.cs0 + t * V.cs1, d, vbits);
                     float scv = p16f(V.sc, h, t, grp), mnv = p16f(V.mn, h, t, grp);
 #pragma unroll
                     for (int g = 0; g < MAXGB; g++) {
@@ -1209,6 +1223,11 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
     }
     unit_store_smem(it.o, u, G, Dv, P, acc, mm, ll);
 }
+#undef kbits
+#undef vbits
+#undef kaxis
+#undef vaxis
+
 
 /* ---------------------------------------------------------------------- */
 /* VQ                                                                     */
@@ -1911,6 +1930,18 @@ int set_smem(const void *fn, size_t bytes, kvd_cuda_call *call, kvd_error *err)
                             "cudaFuncSetAttribute", err);
 }
 
+/* One launch of int_kernel<FB, FG, FD>. */
+template <int FB, int FG, int FD>
+int launch_int(unsigned nu, size_t smem, kvd_cuda_call *call, const QItem *dq, const Unit *du, const Parts &P,
+               kvd_error *err)
+{
+    int r = set_smem((const void *)int_kernel<FB, FG, FD>, smem, call, err);
+    if (r)
+        return r;
+    int_kernel<FB, FG, FD><<<nu, NT, smem, call->s>>>(dq, du, P);
+    return 0;
+}
+
 /* One launch of the gathered VQ kernel for DV-wide value sub-vectors and GB
  * heads per unit. */
 template <int DV, int GB>
@@ -2308,6 +2339,21 @@ int cuda_quant(kvd_backend *be, int n, const kvd_attn_int_args *a, kvd_error *er
         qidx[i] = (int)qitems.size();
         qitems.push_back(qi);
     }
+    /* the kernel fixed at compile time for what every item shares (10 x
+     * bits + heads per unit: 24, 28, 44, 48), else the general one (0) */
+    int fix = -1;
+    for (int i = 0; i < n && fix != 0; i++) {
+        if (qidx[i] < 0)
+            continue;
+        const QItem &qi = qitems[qidx[i]];
+        int gc = didx[i] >= 0 ? std::min(MAXGB, dense_gcap(ditems[didx[i]])) : MAXGB;
+        int f = qi.k.bits == qi.v.bits && (qi.k.bits == 2 || qi.k.bits == 4) && qi.k.axis == KVD_ATTN_AXIS_TOKEN &&
+                        qi.v.axis == KVD_ATTN_AXIS_CHANNEL && qi.D == 128 && qi.Dv == 128 &&
+                        (qi.G == 4 || qi.G == 8) && gc >= qi.G
+                    ? 10 * qi.k.bits + qi.G
+                    : 0;
+        fix = fix < 0 || fix == f ? f : 0;
+    }
     Plan pl;
     pl.chunk = plan_chunk(call.c, work);
     for (int i = 0; i < n; i++) {
@@ -2329,11 +2375,15 @@ int cuda_quant(kvd_backend *be, int n, const kvd_attn_int_args *a, kvd_error *er
     Upload up;
     size_t oq = up.add(qitems);
     auto launch0 = [&](unsigned char *dev, const Unit *du, const Parts &P) -> int {
-        int r = set_smem((const void *)int_kernel, smax, &call, err);
+        const unsigned nu = (unsigned)pl.units[0].size();
+        const QItem *dq = reinterpret_cast<const QItem *>(dev + oq);
+        int r = fix == 24   ? launch_int<2, 4, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 28 ? launch_int<2, 8, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 44 ? launch_int<4, 4, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 48 ? launch_int<4, 8, 128>(nu, smax, &call, dq, du, P, err)
+                            : launch_int<0, 0, 0>(nu, smax, &call, dq, du, P, err);
         if (r)
             return r;
-        int_kernel<<<(unsigned)pl.units[0].size(), NT, smax, call.s>>>(reinterpret_cast<const QItem *>(dev + oq), du,
-                                                                        P);
         return kvd__cuda_launched(&call, "INT attention", err);
     };
     return run_plan(&call, pl, up, ditems, launch0, err);
