@@ -706,6 +706,15 @@ typedef struct vinput {
     kvd_attn_vq_args a, d;
 } vinput;
 
+/* Code i of a u8 (es 1) or u16 (es 2) code array. */
+static void put_code(void *codes, size_t es, size_t i, uint32_t x)
+{
+    if (es == 1)
+        ((uint8_t *)codes)[i] = (uint8_t)x;
+    else
+        ((uint16_t *)codes)[i] = (uint16_t)x;
+}
+
 static void vq_input(tu_rng *r, const vcase *c, res *rs, vinput *in)
 {
     int Hkv = 2, Hq = Hkv * c->G, D = c->D, Kk = 1 << c->bk, Kv = 1 << c->bv;
@@ -720,20 +729,10 @@ static void vq_input(tu_rng *r, const vcase *c, res *rs, vinput *in)
     tu_fill_normal(r, in->kcb, (size_t)Hkv * Kk * c->dk, 1.0f);
     tu_fill_normal(r, in->vcb, (size_t)Hkv * Kv * c->dv, 1.0f);
     tu_fill_uniform(r, in->lam, (size_t)Hkv * D, 0.5f, 3.0f);
-    for (int64_t i = 0; i < Hkv * c->T * kpos; i++) {
-        uint32_t x = tu_rng_below(r, (uint32_t)Kk);
-        if (kes == 1)
-            ((uint8_t *)in->kc)[i] = (uint8_t)x;
-        else
-            ((uint16_t *)in->kc)[i] = (uint16_t)x;
-    }
-    for (int64_t i = 0; i < Hkv * c->T * vpos; i++) {
-        uint32_t x = tu_rng_below(r, (uint32_t)Kv);
-        if (ves == 1)
-            ((uint8_t *)in->vc)[i] = (uint8_t)x;
-        else
-            ((uint16_t *)in->vc)[i] = (uint16_t)x;
-    }
+    for (int64_t i = 0; i < Hkv * c->T * kpos; i++)
+        put_code(in->kc, kes, (size_t)i, tu_rng_below(r, (uint32_t)Kk));
+    for (int64_t i = 0; i < Hkv * c->T * vpos; i++)
+        put_code(in->vc, ves, (size_t)i, tu_rng_below(r, (uint32_t)Kv));
     if (vq_inf0) {
         /* (no Hadamard, no smoothing) positive query values on position 0
          * and key codeword 0 = -1e30: a token with key code 0 there scores
@@ -749,22 +748,12 @@ static void vq_input(tu_rng *r, const vcase *c, res *rs, vinput *in)
             in->vcb[(size_t)h * Kv * c->dv] = INFINITY;
             for (int64_t t = 0; t < c->T; t++) {
                 int zero = t % 7 == 3;
-                for (int pos = 0; pos < kpos; pos++) {
-                    uint32_t x = zero && pos == 0 ? 0 : 1 + tu_rng_below(r, (uint32_t)Kk - 1);
-                    size_t i = (size_t)(h * c->T + t) * kpos + pos;
-                    if (kes == 1)
-                        ((uint8_t *)in->kc)[i] = (uint8_t)x;
-                    else
-                        ((uint16_t *)in->kc)[i] = (uint16_t)x;
-                }
-                for (int pos = 0; pos < vpos; pos++) {
-                    uint32_t x = zero && pos == 0 ? 0 : 1 + tu_rng_below(r, (uint32_t)Kv - 1);
-                    size_t i = (size_t)(h * c->T + t) * vpos + pos;
-                    if (ves == 1)
-                        ((uint8_t *)in->vc)[i] = (uint8_t)x;
-                    else
-                        ((uint16_t *)in->vc)[i] = (uint16_t)x;
-                }
+                for (int pos = 0; pos < kpos; pos++)
+                    put_code(in->kc, kes, (size_t)(h * c->T + t) * kpos + pos,
+                             zero && pos == 0 ? 0 : 1 + tu_rng_below(r, (uint32_t)Kk - 1));
+                for (int pos = 0; pos < vpos; pos++)
+                    put_code(in->vc, ves, (size_t)(h * c->T + t) * vpos + pos,
+                             zero && pos == 0 ? 0 : 1 + tu_rng_below(r, (uint32_t)Kv - 1));
             }
         }
     }
