@@ -433,11 +433,17 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
     KVD_METRIC_ADD(pages_sealed, (int64_t)info.sealed_pages - (int64_t)st->old_sealed_pages);
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    kvd_codecs_pb cp;
+    /* the append is durable: a codec record that cannot be read now leaves
+     * the answer without codecs rather than failing it */
+    kvd_error cerr;
+    kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, &cerr);
     kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__AppendResponse resp = KVDEPOT__V1__APPEND_RESPONSE__INIT;
     resp.sequence = &si;
     resp.bytes_received = st->received;
     *reply = kvd_pack(&resp.base);
+    kvd_codecs_pb_clear(&cp);
     kvd_seq_info_clear(&info);
     if (!*reply)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");

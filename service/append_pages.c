@@ -127,6 +127,9 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
         return rc;
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    kvd_codecs_pb cp;
+    kvd_error cerr; /* stored already: an unreadable codec record leaves them out */
+    kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, &cerr);
     kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__AppendPagesResponse resp = KVDEPOT__V1__APPEND_PAGES_RESPONSE__INIT;
     resp.sequence = &si;
@@ -135,6 +138,7 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
     *reply = kvd_pack(&resp.base);
     if (!*reply)
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+    kvd_codecs_pb_clear(&cp);
     kvd_seq_info_clear(&info);
     return rc;
 }

@@ -1,5 +1,6 @@
 #include "convert.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include <grpc/byte_buffer_reader.h>
@@ -228,6 +229,100 @@ grpc_byte_buffer *kvd_pack(const ProtobufCMessage *msg)
 }
 
 /* ---- codec specs ------------------------------------------------------------- */
+
+/* One side of the stored codecs in wire form; widths: the kept SVD widths,
+ * [layer][kv head] (NULL when the side has no SVD). */
+static void spec_to_pb(const kvd_codec_spec *in, const kvd_layer_arts *la, const kvd_codec_arts *a,
+                       kvd_codecs_pb *p, int i)
+{
+    Kvdepot__V1__CodecSpec *o = &p->side[i];
+    kvdepot__v1__codec_spec__init(o);
+    o->codec = (Kvdepot__V1__Codec)in->codec;
+    if (in->codec == KVD_CODEC_INT2 || in->codec == KVD_CODEC_INT4) {
+        Kvdepot__V1__QuantSpec *q = &p->quant[i];
+        kvdepot__v1__quant_spec__init(q);
+        q->group_size = in->group ? in->group : 64;
+        q->rounding = (Kvdepot__V1__Rounding)in->rounding;
+        q->axis = in->axis == KVD_QAXIS_CHANNEL ? KVDEPOT__V1__QUANT_AXIS__QUANT_AXIS_CHANNEL
+                                                : KVDEPOT__V1__QUANT_AXIS__QUANT_AXIS_TOKEN;
+        q->seed = in->seed;
+        o->quant = q;
+    }
+    if (in->codec == KVD_CODEC_VQ) {
+        Kvdepot__V1__VQSpec *v = &p->vq[i];
+        kvdepot__v1__vqspec__init(v);
+        v->sub_dim = in->vq_sub_dim;
+        v->bits = in->vq_bits;
+        o->vq = v;
+    }
+    if (in->svd) {
+        Kvdepot__V1__SVDSpec *d = &p->svd[i];
+        kvdepot__v1__svdspec__init(d);
+        if (la && a) {
+            size_t n = (size_t)a->num_layers * a->num_kv_heads;
+            p->widths[i] = n ? malloc(sizeof(uint32_t) * n) : NULL;
+            for (uint32_t l = 0; p->widths[i] && l < a->num_layers; l++)
+                for (uint32_t h = 0; h < a->num_kv_heads; h++)
+                    p->widths[i][(size_t)l * a->num_kv_heads + h] =
+                        la[l].widths ? (uint32_t)la[l].widths[h] : a->head_dim;
+            d->n_kept_widths = p->widths[i] ? n : 0;
+            d->kept_widths = p->widths[i];
+        }
+        o->svd = d;
+    }
+}
+
+void kvd_codecs_to_pb(const kvd_seq_codecs *c, int stores_activations, kvd_codecs_pb *out)
+{
+    memset(out, 0, sizeof *out);
+    kvdepot__v1__sequence_codecs__init(&out->c);
+    const kvd_codec_arts *a = c->arts;
+    spec_to_pb(&c->k, a ? a->k : NULL, a, out, 0);
+    spec_to_pb(&c->v, a ? a->v : NULL, a, out, 1);
+    out->c.k = &out->side[0];
+    out->c.v = &out->side[1];
+    if (c->pq_m) {
+        kvdepot__v1__pqspec__init(&out->pq);
+        out->pq.m = c->pq_m;
+        out->pq.bits = c->pq_bits;
+        out->pq.iterations = c->pq_iterations;
+        out->c.pq = &out->pq;
+    }
+    out->c.raw_sink_tokens = c->raw_sink_tokens;
+    out->c.store_activations = stores_activations != 0;
+    out->c.artifacts_fingerprint = c->arts_hash;
+}
+
+int kvd_codecs_pb_get(kvd_store *st, const void *id, size_t id_len, int stores_activations,
+                      kvd_codecs_pb *out, kvd_error *err)
+{
+    memset(out, 0, sizeof *out);
+    kvd_seq_codecs c;
+    int found = 0;
+    int rc = kvd_store_seq_codecs_get(st, id, id_len, &c, &found, err);
+    if (!rc && found && (c.k.svd || c.v.svd))
+        rc = kvd_seq_codecs_load_arts(st, id, id_len, &c, err);
+    if (!rc)
+        kvd_codecs_to_pb(&c, stores_activations, out);
+    kvd_seq_codecs_clear(&c);
+    return rc;
+}
+
+int kvd_seq_info_codecs_pb(kvd_store *st, const kvd_seq_info *info, Kvdepot__V1__SequenceInfo *si,
+                           kvd_codecs_pb *cp, kvd_error *err)
+{
+    int rc = kvd_codecs_pb_get(st, info->id, info->id_len, info->stores_activations, cp, err);
+    if (!rc)
+        si->codecs = &cp->c;
+    return rc;
+}
+
+void kvd_codecs_pb_clear(kvd_codecs_pb *p)
+{
+    free(p->widths[0]);
+    free(p->widths[1]);
+    p->widths[0] = p->widths[1] = NULL;
+}
 
 static void spec_from_pb(const Kvdepot__V1__CodecSpec *in, int is_v, kvd_codec_spec *out)
 {

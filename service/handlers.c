@@ -248,10 +248,14 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
     KVD_METRIC_ADD(pages_sealed, info.sealed_pages);
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
+    kvd_codecs_pb cp;
+    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, err);
     kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__CreateSequenceResponse resp = KVDEPOT__V1__CREATE_SEQUENCE_RESPONSE__INIT;
     resp.sequence = &si;
-    rc = reply_or_oom(reply, &resp.base, ctx, err);
+    if (!rc)
+        rc = reply_or_oom(reply, &resp.base, ctx, err);
+    kvd_codecs_pb_clear(&cp);
     kvd_seq_info_clear(&info);
     return rc;
 }
@@ -319,9 +323,13 @@ int kvd_h_stat_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__WalRecoveryLoss loss;
     kvd_seq_loss_to_pb(&info, &loss, &si);
+    kvd_codecs_pb cp;
+    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, err);
     Kvdepot__V1__StatSequenceResponse resp = KVDEPOT__V1__STAT_SEQUENCE_RESPONSE__INIT;
     resp.sequence = &si;
-    rc = reply_or_oom(reply, &resp.base, ctx, err);
+    if (!rc)
+        rc = reply_or_oom(reply, &resp.base, ctx, err);
+    kvd_codecs_pb_clear(&cp);
     kvd_seq_info_clear(&info);
     return rc;
 }
@@ -385,12 +393,16 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     }
     Kvdepot__V1__SequenceInfo *sis = n ? calloc(n, sizeof *sis) : NULL;
     Kvdepot__V1__SequenceInfo **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
-    if (n && (!sis || !ptrs)) {
+    kvd_codecs_pb *cps = n ? calloc(n, sizeof *cps) : NULL;
+    if (n && (!sis || !ptrs || !cps)) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory listing %zu sequences", n);
         goto out;
     }
     for (size_t i = 0; i < n; i++) {
         kvd_seq_info_to_pb(&seqs[i], &sis[i]);
+        /* a sequence deleted since the scan lists without codecs */
+        kvd_error cerr;
+        kvd_seq_info_codecs_pb(ctx->svc->store, &seqs[i], &sis[i], &cps[i], &cerr);
         kvd_ctx_seq_wire(ctx, &sis[i].sequence_id);
         ptrs[i] = &sis[i];
     }
@@ -415,11 +427,15 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     }
     rc = reply_or_oom(reply, &resp.base, ctx, err);
 out:
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
         kvd_seq_info_clear(&seqs[i]);
+        if (cps)
+            kvd_codecs_pb_clear(&cps[i]);
+    }
     free(seqs);
     free(sis);
     free(ptrs);
+    free(cps);
     return rc;
 }
 

@@ -191,9 +191,16 @@ static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_
         h.activation_tokens = st->shape.activation_tokens;
         h.hidden_size = st->shape.hidden_size;
         h.activation_bytes = st->shape.activation_bytes;
+        kvd_codecs_pb cp;
+        memset(&cp, 0, sizeof cp);
+        if (st->shape.codecs) {
+            kvd_codecs_to_pb(st->shape.codecs, st->shape.stores_activations, &cp);
+            h.codecs = &cp.c;
+        }
         Kvdepot__V1__ReadResponse r = KVDEPOT__V1__READ_RESPONSE__INIT;
         r.header = &h;
         *msg = kvd_pack(&r.base);
+        kvd_codecs_pb_clear(&cp);
         st->header_sent = 1;
         return *msg ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
     }

@@ -44,6 +44,7 @@ struct kvd_read {
     /* The sequence's codecs, with its VQ/SVD artifact snapshot (codecs.arts,
      * NULL when it needs none). */
     kvd_seq_codecs codecs;
+    int stores_act; /* the sequence was created with store_activations */
 };
 
 void kvd_store_read_end(kvd_read *rd)
@@ -87,6 +88,7 @@ int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **ou
                            kvd__id_str(spec->seq_id, spec->seq_id_len, idb, sizeof idb));
         goto fail;
     }
+    rd->stores_act = s->act_tokens != NULL;
     const kvd_model_info *mi = &s->model->info;
     if (spec->layer_start >= mi->num_layers) {
         rc = kvd_error_set(err, KVD_EINVAL, "layer_start %u out of the model's %u layers",
@@ -183,6 +185,8 @@ int kvd_store_read_begin(kvd_store *st, const kvd_read_spec *spec, kvd_read **ou
         shape->head_dim = rd->D;
         shape->dtype = rd->dtype;
         shape->total_bytes = 2ull * rd->nl * rd->n * rd->H * rd->D * rd->es;
+        shape->codecs = &rd->codecs;
+        shape->stores_activations = rd->stores_act;
         if (rd->act) {
             shape->activation_tokens = rd->full_n - rd->n;
             shape->hidden_size = rd->hidden;

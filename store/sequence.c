@@ -323,6 +323,7 @@ int kvd__seq_fill_info(kvd_store *st, const kvd__seq *s, kvd_seq_info *out, kvd_
     }
     out->num_tokens = min;
     kvd__act_info(s, &out->activation_tokens, &out->activation_bytes);
+    out->stores_activations = s->act_tokens != NULL;
     out->stored_bytes += out->activation_bytes;
     /* Complete blocks with a known hash are all in the prefix index (this
      * sequence's copy or an identical one registered first). */

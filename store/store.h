@@ -193,6 +193,7 @@ typedef struct kvd_seq_info {
      * layer, and the X bytes stored (also counted in stored_bytes). */
     uint64_t activation_tokens;
     uint64_t activation_bytes;
+    int stores_activations; /* created with store_activations */
     /* Set by kvd_store_seq_stat when a point-in-time recovery of a damaged
      * write-ahead log (wal_point_in_time) dropped acknowledged writes of
      * the sequence: the tokens it had acknowledged (0: unknown, or it had
@@ -320,6 +321,10 @@ typedef struct kvd_read_shape {
     uint64_t activation_tokens;
     uint32_t hidden_size;
     uint64_t activation_bytes; /* X bytes that come first */
+    /* The sequence's codecs (with its artifact snapshot), valid until
+     * kvd_store_read_end; whether it was created with store_activations. */
+    const struct kvd_seq_codecs *codecs;
+    int stores_activations;
 } kvd_read_shape;
 
 /* Start a read (a consistent snapshot: later appends or deletes do not change

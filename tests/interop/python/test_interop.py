@@ -713,13 +713,27 @@ class Suite:
         Attend, PlanFetch = self.uu("Attend"), self.uu("PlanFetch")
         Search, SparseAttend = self.uu("Search"), self.uu("SparseAttend")
         int4 = pb.CodecSpec(codec=pb.CODEC_INT4, quant=pb.QuantSpec(group_size=32))
+        # the codecs each sequence reports, resolved (axis and group, PQ
+        # defaults), the same in CreateSequence, StatSequence, Append and Read
+        rq = lambda axis: pb.QuantSpec(group_size=32, axis=axis)
+        reported = {
+            b"py-raw": pb.SequenceCodecs(k=pb.CodecSpec(), v=pb.CodecSpec()),
+            b"py-int4": pb.SequenceCodecs(
+                k=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_TOKEN)),
+                v=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_CHANNEL))),
+            b"py-pq": pb.SequenceCodecs(k=pb.CodecSpec(), v=pb.CodecSpec(),
+                                        pq=pb.PQSpec(m=4, bits=4, iterations=10))}
         for sid, codecs in ((b"py-raw", None), (b"py-int4", pb.SequenceCodecs(k=int4, v=int4)),
                             (b"py-pq", pb.SequenceCodecs(pq=pb.PQSpec(m=4, bits=4)))):
             kw = {"codecs": codecs} if codecs is not None else {}
-            self.create(sid, "py-compute", **kw)
-            self.api.append(sid, data, 0, n, dtype=pb.DTYPE_F32, timeout=CALL_TIMEOUT)
+            eq(self.create(sid, "py-compute", **kw).codecs, reported[sid],
+               "%s codecs in CreateSequence" % sid)
+            ar = self.api.append(sid, data, 0, n, dtype=pb.DTYPE_F32, timeout=CALL_TIMEOUT)
+            eq(ar.sequence.codecs, reported[sid], "%s codecs in Append" % sid)
+            eq(self.stat(sid).codecs, reported[sid], "%s codecs in StatSequence" % sid)
             # What the server holds, as it reads it back (decoded for INT4).
-            _, back = self.api.read(sid)
+            hdr, back = self.api.read(sid)
+            eq(hdr.codecs, reported[sid], "%s codecs in ReadHeader" % sid)
             vals = struct.unpack("<%df" % (2 * n * HKV * D), back)
             kb = [[list(vals[(t * HKV + h) * D:(t * HKV + h + 1) * D]) for h in range(HKV)]
                   for t in range(n)]
@@ -852,9 +866,22 @@ class Suite:
         Attend = self.uu("Attend")
         for sid, codecs, want in ((b"py-vq", pb.SequenceCodecs(k=vq, v=vq), pb.CODEC_VQ),
                                   (b"py-svd", pb.SequenceCodecs(k=svd, v=svd), 4)):
-            self.create(sid, "py-vq", codecs=codecs)
+            got = self.create(sid, "py-vq", codecs=codecs).codecs
+            # reported: VQ as asked; SVD with the width kept per (layer, kv
+            # head); a fingerprint of the artifacts either way
+            check(got.artifacts_fingerprint != 0, "%s: no artifacts fingerprint" % sid)
+            for side in (got.k, got.v):
+                eq(side.codec, codecs.k.codec, "%s reported codec" % sid)
+                if want == pb.CODEC_VQ:
+                    eq((side.vq.sub_dim, side.vq.bits), (4, 5), "%s reported VQ spec" % sid)
+                else:
+                    eq(len(side.svd.kept_widths), 1 * HKV, "%s kept widths per (layer, head)" % sid)
+                    check(all(1 <= w <= D for w in side.svd.kept_widths),
+                          "%s kept widths %s" % (sid, list(side.svd.kept_widths)))
+            eq(self.stat(sid).codecs, got, "%s codecs in StatSequence" % sid)
             self.api.append(sid, data, 0, n, dtype=pb.DTYPE_F32, timeout=CALL_TIMEOUT)
-            _, back = self.api.read(sid)
+            hdr, back = self.api.read(sid)
+            eq(hdr.codecs, got, "%s codecs in ReadHeader" % sid)
             vals = struct.unpack("<%df" % (2 * n * HKV * D), back)
             kb = [[list(vals[(t * HKV + h) * D:(t * HKV + h + 1) * D]) for h in range(HKV)]
                   for t in range(n)]
