@@ -802,7 +802,36 @@ void kvdepot_sequence_info_clear(kvdepot_sequence_info *info)
         return;
     free(info->layer_tokens);
     free(info->block_hashes);
+    free((uint32_t *)info->codecs.k.svd_widths);
+    free((uint32_t *)info->codecs.v.svd_widths);
     memset(info, 0, sizeof *info);
+}
+
+/* One side of SequenceCodecs as the server reports it; 0 or -1 (memory). */
+static int spec_from_pb(const Kvdepot__V1__CodecSpec *pb, kvdepot_codec_spec *out)
+{
+    if (!pb)
+        return 0;
+    out->codec = (kvdepot_codec)pb->codec;
+    if (pb->quant) {
+        out->group_size = pb->quant->group_size;
+        out->stochastic = pb->quant->rounding == KVDEPOT__V1__ROUNDING__ROUNDING_STOCHASTIC;
+        out->axis = (kvdepot_quant_axis)pb->quant->axis;
+        out->seed = pb->quant->seed;
+    }
+    if (pb->vq) {
+        out->vq_sub_dim = pb->vq->sub_dim;
+        out->vq_bits = pb->vq->bits;
+    }
+    if (pb->svd && pb->svd->n_kept_widths) {
+        uint32_t *w = malloc(pb->svd->n_kept_widths * sizeof *w);
+        if (!w)
+            return -1;
+        memcpy(w, pb->svd->kept_widths, pb->svd->n_kept_widths * sizeof *w);
+        out->svd_widths = w;
+        out->svd_num_widths = pb->svd->n_kept_widths;
+    }
+    return 0;
 }
 
 void kvdepot_sequence_list_free(kvdepot_sequence_info *list, size_t count)
@@ -850,6 +879,20 @@ int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequen
             goto nomem;
         memcpy(out->block_hashes, pb->block_hashes, pb->n_block_hashes * sizeof(uint64_t));
         out->num_block_hashes = pb->n_block_hashes;
+    }
+    if (pb->codecs) {
+        const Kvdepot__V1__SequenceCodecs *cp = pb->codecs;
+        out->have_codecs = 1;
+        if (spec_from_pb(cp->k, &out->codecs.k) || spec_from_pb(cp->v, &out->codecs.v))
+            goto nomem;
+        if (cp->pq) {
+            out->codecs.pq_m = cp->pq->m;
+            out->codecs.pq_bits = cp->pq->bits;
+            out->codecs.pq_iterations = cp->pq->iterations;
+        }
+        out->codecs.raw_sink_tokens = cp->raw_sink_tokens;
+        out->codecs.store_activations = cp->store_activations;
+        out->artifacts_fingerprint = cp->artifacts_fingerprint;
     }
     return KVDEPOT_OK;
 nomem:

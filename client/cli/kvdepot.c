@@ -432,6 +432,30 @@ static int cmd_seqs(kvdepot_client *c, int argc, char **argv)
     return 0;
 }
 
+/* One side of a sequence's codecs: "int4 g32 token", "vq d4b8", "raw + svd
+ * widths 8..16 (64)". */
+static void print_side(const char *name, const kvdepot_codec_spec *c)
+{
+    static const char *codec[] = {"raw", "int2", "int4", "vq"};
+    static const char *axis[] = {"default", "token", "channel"};
+    printf("%s %s", name, (unsigned)c->codec < 4 ? codec[c->codec] : "?");
+    if (c->codec == KVDEPOT_CODEC_INT2 || c->codec == KVDEPOT_CODEC_INT4) {
+        printf(" g%u %s", c->group_size, (unsigned)c->axis < 3 ? axis[c->axis] : "?");
+        if (c->stochastic)
+            printf(" stochastic seed %" PRIu64, c->seed);
+    }
+    if (c->codec == KVDEPOT_CODEC_VQ)
+        printf(" d%ub%u", c->vq_sub_dim, c->vq_bits);
+    if (c->svd_num_widths) {
+        uint32_t lo = UINT32_MAX, hi = 0;
+        for (size_t i = 0; i < c->svd_num_widths; i++) {
+            lo = c->svd_widths[i] < lo ? c->svd_widths[i] : lo;
+            hi = c->svd_widths[i] > hi ? c->svd_widths[i] : hi;
+        }
+        printf(" + svd widths %u..%u (%zu layer x head)", lo, hi, c->svd_num_widths);
+    }
+}
+
 static void print_info(const kvdepot_sequence_info *s)
 {
     printf("id:            ");
@@ -456,6 +480,21 @@ static void print_info(const kvdepot_sequence_info *s)
     printf("prefix_blocks: %" PRIu64 "\n", s->prefix_blocks);
     if (s->activation_tokens)
         printf("activation_tokens: %" PRIu64 "\n", s->activation_tokens);
+    if (s->have_codecs) {
+        printf("codecs:        ");
+        print_side("k", &s->codecs.k);
+        print_side(", v", &s->codecs.v);
+        if (s->codecs.pq_m)
+            printf("; pq m%u b%u iterations %u", s->codecs.pq_m, s->codecs.pq_bits,
+                   s->codecs.pq_iterations);
+        if (s->codecs.raw_sink_tokens)
+            printf("; raw sink tokens %u", s->codecs.raw_sink_tokens);
+        if (s->codecs.store_activations)
+            printf("; activations stored");
+        if (s->artifacts_fingerprint)
+            printf("; artifacts %016" PRIx64, s->artifacts_fingerprint);
+        printf("\n");
+    }
     if (s->recovery_loss)
         printf("recovery_loss: acknowledged %" PRIu64 " tokens, %" PRIu64
                " came back (point-in-time WAL recovery, unix ms %" PRIu64 ")\n",

@@ -331,39 +331,6 @@ int kvdepot_model_delete(kvdepot_client *client, const char *name, int force,
 
 #define KVDEPOT_ID_MAX 256  /* bytes of a sequence id */
 
-/*
- * State of a sequence (kvdepot.v1.SequenceInfo). Filled by the library; the
- * arrays are owned by the struct and released by kvdepot_sequence_info_clear().
- */
-typedef struct kvdepot_sequence_info {
-    uint8_t id[KVDEPOT_ID_MAX];
-    size_t id_len;
-    char model[KVDEPOT_NAME_MAX + 1];
-    uint64_t num_tokens;       /* tokens readable on every layer */
-    uint64_t *layer_tokens;    /* [num_layers] tokens stored per layer */
-    size_t num_layers;
-    uint32_t page_tokens;      /* tokens per page on the server */
-    uint64_t sealed_pages;     /* over all layers */
-    uint64_t stored_bytes;
-    uint64_t created_unix_ms;
-    uint64_t prefix_blocks;    /* leading blocks shared from the prefix index */
-    uint64_t *block_hashes;    /* [num_block_hashes] registered block hashes */
-    size_t num_block_hashes;
-    /* Leading tokens whose activations X are stored on every layer (a
-     * sequence created with store_activations; see kvdepot_append_args.x). */
-    uint64_t activation_tokens;
-    /* kvdepot_sequence_stat: 1 when the server, started with --wal-recovery
-     * point-in-time on a damaged write-ahead log, dropped acknowledged
-     * writes of this sequence: tokens acknowledged (0: unknown, or it had
-     * been deleted and came back), tokens that came back, and when. */
-    int recovery_loss;
-    uint64_t loss_acknowledged_tokens, loss_recovered_tokens, loss_unix_ms;
-} kvdepot_sequence_info;
-
-/* Free the arrays of info and zero it. NULL, or a zeroed info, is a no-op. */
-void kvdepot_sequence_info_clear(kvdepot_sequence_info *info);
-
-/* Arguments of kvdepot_sequence_create. Zero-initialise, then set. */
 /* How K or V pages are stored once they seal (kvdepot.v1.CodecSpec). The
  * last, partial page of a layer always stays raw. */
 typedef enum kvdepot_codec {
@@ -425,6 +392,50 @@ typedef struct kvdepot_codecs {
     int store_activations;
 } kvdepot_codecs;
 
+/*
+ * State of a sequence (kvdepot.v1.SequenceInfo). Filled by the library; the
+ * arrays are owned by the struct and released by kvdepot_sequence_info_clear().
+ */
+typedef struct kvdepot_sequence_info {
+    uint8_t id[KVDEPOT_ID_MAX];
+    size_t id_len;
+    char model[KVDEPOT_NAME_MAX + 1];
+    uint64_t num_tokens;    /* tokens readable on every layer */
+    uint64_t *layer_tokens; /* [num_layers] tokens stored per layer */
+    size_t num_layers;
+    uint32_t page_tokens;  /* tokens per page on the server */
+    uint64_t sealed_pages; /* over all layers */
+    uint64_t stored_bytes;
+    uint64_t created_unix_ms;
+    uint64_t prefix_blocks; /* leading blocks shared from the prefix index */
+    uint64_t *block_hashes; /* [num_block_hashes] registered block hashes */
+    size_t num_block_hashes;
+    /* Leading tokens whose activations X are stored on every layer (a
+     * sequence created with store_activations; see kvdepot_append_args.x). */
+    uint64_t activation_tokens;
+    /* kvdepot_sequence_stat: 1 when the server, started with --wal-recovery
+     * point-in-time on a damaged write-ahead log, dropped acknowledged
+     * writes of this sequence: tokens acknowledged (0: unknown, or it had
+     * been deleted and came back), tokens that came back, and when. */
+    int recovery_loss;
+    uint64_t loss_acknowledged_tokens, loss_recovered_tokens, loss_unix_ms;
+    /* How the sequence stores its pages, as the server reports it
+     * (have_codecs = 0 when it does not: an older server): group sizes and
+     * axes resolved (never 0 / KVDEPOT_AXIS_DEFAULT for INT2/INT4), PQ bits
+     * and iterations as stored, store_activations as created. For an SVD
+     * side, svd_widths holds the kept width of every (layer, kv head),
+     * layer-major (svd_num_widths of them, owned by the info; svd_removal_rate
+     * and svd_align read 0). artifacts_fingerprint: XXH3-64 of the artifact
+     * snapshot the sequence codes with (0 = none). */
+    int have_codecs;
+    kvdepot_codecs codecs;
+    uint64_t artifacts_fingerprint;
+} kvdepot_sequence_info;
+
+/* Free the arrays of info and zero it. NULL, or a zeroed info, is a no-op. */
+void kvdepot_sequence_info_clear(kvdepot_sequence_info *info);
+
+/* Arguments of kvdepot_sequence_create. Zero-initialise, then set. */
 /*
  * Engine block hashes: an engine's own names for its blocks (vLLM's sha256
  * chain over 16-token blocks, SGLang's, LMCache's), passed as they are

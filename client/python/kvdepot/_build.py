@@ -50,22 +50,6 @@ typedef struct kvdepot_model {
     ...;
 } kvdepot_model;
 
-typedef struct kvdepot_sequence_info {
-    uint8_t id[];
-    size_t id_len;
-    char model[];
-    uint64_t num_tokens;
-    uint64_t *layer_tokens;
-    size_t num_layers;
-    uint32_t page_tokens;
-    uint64_t sealed_pages;
-    uint64_t stored_bytes;
-    uint64_t created_unix_ms;
-    uint64_t prefix_blocks;
-    uint64_t activation_tokens;
-    ...;
-} kvdepot_sequence_info;
-
 typedef enum kvdepot_codec {
     KVDEPOT_CODEC_RAW, KVDEPOT_CODEC_INT2, KVDEPOT_CODEC_INT4, KVDEPOT_CODEC_VQ, ...
 } kvdepot_codec;
@@ -79,6 +63,8 @@ typedef struct kvdepot_codec_spec {
     kvdepot_quant_axis axis;
     uint64_t seed;
     uint32_t vq_sub_dim, vq_bits;
+    const uint32_t *svd_widths;
+    size_t svd_num_widths;
     ...;
 } kvdepot_codec_spec;
 typedef struct kvdepot_codecs {
@@ -90,6 +76,25 @@ typedef struct kvdepot_codecs {
     uint32_t pq_iterations;
     ...;
 } kvdepot_codecs;
+
+typedef struct kvdepot_sequence_info {
+    uint8_t id[];
+    size_t id_len;
+    char model[];
+    uint64_t num_tokens;
+    uint64_t *layer_tokens;
+    size_t num_layers;
+    uint32_t page_tokens;
+    uint64_t sealed_pages;
+    uint64_t stored_bytes;
+    uint64_t created_unix_ms;
+    uint64_t prefix_blocks;
+    uint64_t activation_tokens;
+    int have_codecs;
+    kvdepot_codecs codecs;
+    uint64_t artifacts_fingerprint;
+    ...;
+} kvdepot_sequence_info;
 
 typedef struct kvdepot_engine_hashes {
     const uint8_t *bytes;

@@ -57,6 +57,13 @@ class SequenceInfo:
     created_unix_ms: int = 0
     prefix_blocks: int = 0
     activation_tokens: int = 0
+    # How the sequence stores its pages, as the server reports them (None
+    # from a server that does not): group sizes and axes resolved.
+    codecs: Optional["Codecs"] = None
+    # XXH3-64 of the artifact snapshot it codes with (0 = none), and the kept
+    # SVD width of every (layer, kv head) of K and of V, layer-major.
+    artifacts_fingerprint: int = 0
+    svd_widths: Tuple[List[int], List[int]] = ((), ())
 
 
 @dataclass
@@ -135,14 +142,34 @@ def _model_of(m) -> Model:
                  created_unix_ms=m.created_unix_ms)
 
 
+def _codecs_of(c) -> Codecs:
+    """A reported kvdepot_codecs as Codecs (seed and VQ shape from the side
+    that has them)."""
+    name = {v: k for k, v in _CODEC.items()}
+    axis = {v: k for k, v in _AXIS.items()}
+    vq = c.k if c.k.codec == lib.KVDEPOT_CODEC_VQ else c.v
+    rnd = c.k if c.k.stochastic else c.v
+    return Codecs(k=name.get(c.k.codec, "?"), v=name.get(c.v.codec, "?"),
+                  k_group=c.k.group_size, v_group=c.v.group_size,
+                  k_axis=axis.get(c.k.axis, "?"), v_axis=axis.get(c.v.axis, "?"),
+                  stochastic=bool(rnd.stochastic), seed=rnd.seed if rnd.stochastic else 0,
+                  vq_sub_dim=vq.vq_sub_dim, vq_bits=vq.vq_bits,
+                  raw_sink_tokens=c.raw_sink_tokens, pq_m=c.pq_m, pq_bits=c.pq_bits,
+                  pq_iterations=c.pq_iterations)
+
+
 def _info_of(s) -> SequenceInfo:
+    widths = tuple([side.svd_widths[i] for i in range(side.svd_num_widths)]
+                   for side in (s.codecs.k, s.codecs.v))
     return SequenceInfo(
         id=bytes(ffi.buffer(s.id, s.id_len)), model=ffi.string(s.model).decode(),
         num_tokens=s.num_tokens,
         layer_tokens=[s.layer_tokens[i] for i in range(s.num_layers)] if s.layer_tokens else [],
         page_tokens=s.page_tokens, sealed_pages=s.sealed_pages, stored_bytes=s.stored_bytes,
         created_unix_ms=s.created_unix_ms, prefix_blocks=s.prefix_blocks,
-        activation_tokens=s.activation_tokens)
+        activation_tokens=s.activation_tokens,
+        codecs=_codecs_of(s.codecs) if s.have_codecs else None,
+        artifacts_fingerprint=s.artifacts_fingerprint, svd_widths=widths)
 
 
 def _bad(msg: str) -> InvalidArgument:

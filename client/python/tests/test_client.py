@@ -136,6 +136,13 @@ def test_coded_sequence(client):
     ek = np.abs(k2.astype(np.float32) - k.astype(np.float32)).max()
     ev = np.abs(v2.astype(np.float32) - v.astype(np.float32)).max()
     assert 0 < ek < 0.6 and 0 < ev < 2.5, (ek, ev)  # groups of 64 over N(0, 1) values
+    # the codecs as the server resolved them: default group 64, K per token,
+    # V per channel; the raw sequence reports raw
+    want = kvdepot.Codecs(k="int4", v="int2", k_group=64, v_group=64, k_axis="token",
+                          v_axis="channel")
+    assert info.codecs == want and client.stat("c1").codecs == want
+    assert client.stat("r1").codecs == kvdepot.Codecs()
+    assert client.stat("c1").artifacts_fingerprint == 0 and info.svd_widths == ([], [])
     with pytest.raises(kvdepot.InvalidArgument):
         client.create_sequence("c2", "py", codecs=kvdepot.Codecs(k="int3"))
 
@@ -144,6 +151,7 @@ def test_search_sparse_attend_plan(client):
     k, v = kv(700, 10), kv(700, 11)
     client.create_sequence("p1", "py", codecs=kvdepot.Codecs(pq_m=8, pq_bits=6))
     client.append("p1", k, v, token_start=0)
+    assert client.stat("p1").codecs == kvdepot.Codecs(pq_m=8, pq_bits=6, pq_iterations=10)
     q = np.random.default_rng(12).standard_normal((HQ, D)).astype(np.float32)
     heads = client.search("p1", 0, q, 16, initial_tokens=2, recent_tokens=4)
     assert [h.kv_head for h in heads] == list(range(H))
