@@ -437,7 +437,7 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
     /* the append is durable: a codec record that cannot be read now leaves
      * the answer without codecs rather than failing it */
     kvd_error cerr;
-    kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, &cerr);
+    kvd_seq_info_codecs_pb(ctx->svc->store, &info, 1, &si, &cp, &cerr);
     kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__AppendResponse resp = KVDEPOT__V1__APPEND_RESPONSE__INIT;
     resp.sequence = &si;

@@ -129,7 +129,7 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
     kvd_seq_info_to_pb(&info, &si);
     kvd_codecs_pb cp;
     kvd_error cerr; /* stored already: an unreadable codec record leaves them out */
-    kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, &cerr);
+    kvd_seq_info_codecs_pb(ctx->svc->store, &info, 1, &si, &cp, &cerr);
     kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__AppendPagesResponse resp = KVDEPOT__V1__APPEND_PAGES_RESPONSE__INIT;
     resp.sequence = &si;

@@ -294,13 +294,13 @@ void kvd_codecs_to_pb(const kvd_seq_codecs *c, int stores_activations, kvd_codec
 }
 
 int kvd_codecs_pb_get(kvd_store *st, const void *id, size_t id_len, int stores_activations,
-                      kvd_codecs_pb *out, kvd_error *err)
+                      int with_widths, kvd_codecs_pb *out, kvd_error *err)
 {
     memset(out, 0, sizeof *out);
     kvd_seq_codecs c;
     int found = 0;
     int rc = kvd_store_seq_codecs_get(st, id, id_len, &c, &found, err);
-    if (!rc && found && (c.k.svd || c.v.svd))
+    if (!rc && found && with_widths && (c.k.svd || c.v.svd))
         rc = kvd_seq_codecs_load_arts(st, id, id_len, &c, err);
     if (!rc)
         kvd_codecs_to_pb(&c, stores_activations, out);
@@ -308,10 +308,11 @@ int kvd_codecs_pb_get(kvd_store *st, const void *id, size_t id_len, int stores_a
     return rc;
 }
 
-int kvd_seq_info_codecs_pb(kvd_store *st, const kvd_seq_info *info, Kvdepot__V1__SequenceInfo *si,
-                           kvd_codecs_pb *cp, kvd_error *err)
+int kvd_seq_info_codecs_pb(kvd_store *st, const kvd_seq_info *info, int with_widths,
+                           Kvdepot__V1__SequenceInfo *si, kvd_codecs_pb *cp, kvd_error *err)
 {
-    int rc = kvd_codecs_pb_get(st, info->id, info->id_len, info->stores_activations, cp, err);
+    int rc = kvd_codecs_pb_get(st, info->id, info->id_len, info->stores_activations, with_widths,
+                               cp, err);
     if (!rc)
         si->codecs = &cp->c;
     return rc;

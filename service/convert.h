@@ -32,19 +32,20 @@ typedef struct kvd_codecs_pb {
 } kvd_codecs_pb;
 
 /* Fill out (initialised here) with the stored codecs of sequence id, as
- * SequenceInfo and ReadHeader report them (see SequenceCodecs): the kept SVD
- * widths come from its artifact snapshot. stores_activations from the
- * sequence's info. Free with kvd_codecs_pb_clear, also after a failure.
- * KVD_ECORRUPT for a damaged codec record or snapshot. */
+ * SequenceInfo and ReadHeader report them (see SequenceCodecs): with_widths,
+ * the kept SVD widths from its artifact snapshot (loaded for that; without,
+ * an SVD side reports none). stores_activations from the sequence's info.
+ * Free with kvd_codecs_pb_clear, also after a failure. KVD_ECORRUPT for a
+ * damaged codec record or snapshot. */
 int kvd_codecs_pb_get(kvd_store *st, const void *id, size_t id_len, int stores_activations,
-                      kvd_codecs_pb *out, kvd_error *err);
+                      int with_widths, kvd_codecs_pb *out, kvd_error *err);
 /* The conversion itself: c as loaded (with its snapshot for SVD widths). */
 void kvd_codecs_to_pb(const kvd_seq_codecs *c, int stores_activations, kvd_codecs_pb *out);
 void kvd_codecs_pb_clear(kvd_codecs_pb *p);
 /* si->codecs = the codecs of the sequence of info (kvd_codecs_pb_get into
  * cp, which must outlive si's use). */
-int kvd_seq_info_codecs_pb(kvd_store *st, const kvd_seq_info *info, Kvdepot__V1__SequenceInfo *si,
-                           kvd_codecs_pb *cp, kvd_error *err);
+int kvd_seq_info_codecs_pb(kvd_store *st, const kvd_seq_info *info, int with_widths,
+                           Kvdepot__V1__SequenceInfo *si, kvd_codecs_pb *cp, kvd_error *err);
 
 /* Copy a wire model into a store model, checking string lengths (the store
  * checks the rest). Returns 0 or KVD_EINVAL naming the field. */

@@ -249,7 +249,7 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
     kvd_codecs_pb cp;
-    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, err);
+    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, 1, &si, &cp, err);
     kvd_ctx_seq_wire(ctx, &si.sequence_id);
     Kvdepot__V1__CreateSequenceResponse resp = KVDEPOT__V1__CREATE_SEQUENCE_RESPONSE__INIT;
     resp.sequence = &si;
@@ -324,7 +324,7 @@ int kvd_h_stat_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     Kvdepot__V1__WalRecoveryLoss loss;
     kvd_seq_loss_to_pb(&info, &loss, &si);
     kvd_codecs_pb cp;
-    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, &si, &cp, err);
+    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, 1, &si, &cp, err);
     Kvdepot__V1__StatSequenceResponse resp = KVDEPOT__V1__STAT_SEQUENCE_RESPONSE__INIT;
     resp.sequence = &si;
     if (!rc)
@@ -400,9 +400,10 @@ int kvd_h_list_sequences(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     }
     for (size_t i = 0; i < n; i++) {
         kvd_seq_info_to_pb(&seqs[i], &sis[i]);
-        /* a sequence deleted since the scan lists without codecs */
+        /* a sequence deleted since the scan lists without codecs; no SVD
+         * widths (each would load its artifact snapshot) */
         kvd_error cerr;
-        kvd_seq_info_codecs_pb(ctx->svc->store, &seqs[i], &sis[i], &cps[i], &cerr);
+        kvd_seq_info_codecs_pb(ctx->svc->store, &seqs[i], 0, &sis[i], &cps[i], &cerr);
         kvd_ctx_seq_wire(ctx, &sis[i].sequence_id);
         ptrs[i] = &sis[i];
     }

@@ -756,6 +756,10 @@ class Suite:
                 for h in range(HQ):
                     check(abs(r.lse[h] - lse[h]) <= 1e-3, "%s Attend lse[%d] %g vs %g"
                           % (sid, h, r.lse[h], lse[h]))
+        listed = {s.sequence_id: s.codecs for s in self.api.ListSequences(
+            pb.ListSequencesRequest(model="py-compute"), timeout=CALL_TIMEOUT).sequences}
+        for sid, want in reported.items():
+            eq(listed.get(sid), want, "%s codecs in ListSequences" % sid)
         # Search + SparseAttend on the PQ sequence: attention over exactly the tokens.
         sreq = pb.SearchRequest(sequence_id=b"py-pq", layer=0, q=q, k=20, initial_tokens=2,
                                 recent_tokens=5)
