@@ -48,6 +48,9 @@ typedef struct read_state {
     kvd_store *store;
     uint32_t layer, layer_end;
     uint64_t block, block_first, block_end;
+    /* The header's codecs, converted before a page-format read drops its
+     * cursor (which holds the codecs) */
+    kvd_codecs_pb codecs;
 } read_state;
 
 static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **state,
@@ -97,6 +100,8 @@ static int read_start(kvd_req_ctx *ctx, const ProtobufCMessage *msg, void **stat
     memcpy(st->id, key.id, key.len);
     st->id_len = key.len;
     st->chunk = chunk;
+    kvd_codecs_to_pb(st->shape.codecs, st->shape.stores_activations, &st->codecs);
+    st->shape.codecs = NULL; /* the cursor's: not used past here */
     if (pages) {
         /* The shape (and the range check) come from the cursor; the pages
          * themselves are acquired as they are sent. */
@@ -191,16 +196,10 @@ static int read_next(kvd_req_ctx *ctx, void *state, grpc_byte_buffer **msg, kvd_
         h.activation_tokens = st->shape.activation_tokens;
         h.hidden_size = st->shape.hidden_size;
         h.activation_bytes = st->shape.activation_bytes;
-        kvd_codecs_pb cp;
-        memset(&cp, 0, sizeof cp);
-        if (st->shape.codecs) {
-            kvd_codecs_to_pb(st->shape.codecs, st->shape.stores_activations, &cp);
-            h.codecs = &cp.c;
-        }
+        h.codecs = &st->codecs.c;
         Kvdepot__V1__ReadResponse r = KVDEPOT__V1__READ_RESPONSE__INIT;
         r.header = &h;
         *msg = kvd_pack(&r.base);
-        kvd_codecs_pb_clear(&cp);
         st->header_sent = 1;
         return *msg ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
     }
@@ -244,6 +243,7 @@ static void read_release(void *state)
     if (!st)
         return;
     kvd_store_read_end(st->rd);
+    kvd_codecs_pb_clear(&st->codecs);
     free(st);
 }
 
