@@ -450,7 +450,7 @@ void kvdepot_pages_free(kvdepot_page *pages, size_t count)
     free(pages);
 }
 
-static void spec_to_kvd(const kvdepot_codec_spec *in, int is_v, kvd_codec_spec *out)
+static void spec_to_kvd(const kvdepot_codec_spec *in, kvd_codec_spec *out)
 {
     memset(out, 0, sizeof *out);
     if (!in)
@@ -459,8 +459,8 @@ static void spec_to_kvd(const kvdepot_codec_spec *in, int is_v, kvd_codec_spec *
     out->group = (uint16_t)(in->group_size > 65535 ? 65535 : in->group_size);
     out->rounding = in->stochastic ? 1 : 0;
     out->seed = in->seed;
-    out->axis = in->axis == KVDEPOT_AXIS_DEFAULT ? (is_v ? 1 : 0)
-                : in->axis == KVDEPOT_AXIS_TOKEN ? 0
+    out->axis = in->axis == KVDEPOT_AXIS_DEFAULT   ? KVD_CODEC_AXIS_DEFAULT
+                : in->axis == KVDEPOT_AXIS_TOKEN   ? 0
                 : in->axis == KVDEPOT_AXIS_CHANNEL ? 1
                                                    : 255;
     out->vq_sub_dim = (uint8_t)(in->vq_sub_dim > 255 ? 255 : in->vq_sub_dim);
@@ -500,8 +500,8 @@ int kvdepot_encode_pages_with_artifacts(const kvdepot_model *m, const kvdepot_co
     if (!es || !page_tokens || !m->num_kv_heads || !m->head_dim)
         return kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: bad shape");
     kvd_codec_spec ks, vs;
-    spec_to_kvd(codecs ? &codecs->k : NULL, 0, &ks);
-    spec_to_kvd(codecs ? &codecs->v : NULL, 1, &vs);
+    spec_to_kvd(codecs ? &codecs->k : NULL, &ks);
+    spec_to_kvd(codecs ? &codecs->v : NULL, &vs);
     kvd_error err;
     kvd_error_clear(&err);
     if (kvd_codec_spec_check(&ks, 0, page_tokens, m->head_dim, &err) ||

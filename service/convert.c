@@ -325,7 +325,7 @@ void kvd_codecs_pb_clear(kvd_codecs_pb *p)
     p->widths[0] = p->widths[1] = NULL;
 }
 
-static void spec_from_pb(const Kvdepot__V1__CodecSpec *in, int is_v, kvd_codec_spec *out)
+static void spec_from_pb(const Kvdepot__V1__CodecSpec *in, kvd_codec_spec *out)
 {
     memset(out, 0, sizeof *out);
     if (!in)
@@ -335,15 +335,16 @@ static void spec_from_pb(const Kvdepot__V1__CodecSpec *in, int is_v, kvd_codec_s
         out->group = (uint16_t)(in->quant->group_size > 65535 ? 65535 : in->quant->group_size);
         out->rounding = (uint8_t)(in->quant->rounding > 255 ? 255 : in->quant->rounding);
         out->seed = in->quant->seed;
-        /* Wire axis: 0 default (K token, V channel), 1 token, 2 channel. */
+        /* Wire axis: 0 default (kvd_codec_spec_check resolves it), 1 token,
+         * 2 channel. */
         unsigned ax = in->quant->axis;
-        out->axis = ax == 0   ? (is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN)
+        out->axis = ax == 0   ? KVD_CODEC_AXIS_DEFAULT
                     : ax == 1 ? KVD_QAXIS_TOKEN
                     : ax == 2 ? KVD_QAXIS_CHANNEL
                               : 255;
     } else {
         out->group = 0;
-        out->axis = is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN;
+        out->axis = KVD_CODEC_AXIS_DEFAULT;
     }
     if (in->vq) {
         out->vq_sub_dim = (uint8_t)(in->vq->sub_dim > 255 ? 255 : in->vq->sub_dim);
@@ -366,8 +367,8 @@ int kvd_codecs_from_pb(const Kvdepot__V1__SequenceCodecs *c, const kvd_model_inf
     memset(out, 0, sizeof *out);
     if (!c)
         return 0;
-    spec_from_pb(c->k, 0, &out->k);
-    spec_from_pb(c->v, 1, &out->v);
+    spec_from_pb(c->k, &out->k);
+    spec_from_pb(c->v, &out->v);
     out->raw_sink_tokens = c->raw_sink_tokens;
     const Kvdepot__V1__CodecSpec *sp[2] = {c->k, c->v};
     for (int i = 0; i < 2; i++) {

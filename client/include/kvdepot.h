@@ -343,9 +343,9 @@ typedef enum kvdepot_codec {
 
 /* Grouping axis of INT2/INT4 values. */
 typedef enum kvdepot_quant_axis {
-    KVDEPOT_AXIS_DEFAULT = 0, /* K: token; V: channel */
+    KVDEPOT_AXIS_DEFAULT = 0, /* channel where group_size divides the page size, else token */
     KVDEPOT_AXIS_TOKEN = 1,   /* group_size values of head_dim of one token */
-    KVDEPOT_AXIS_CHANNEL = 2  /* group_size tokens of one channel (V only) */
+    KVDEPOT_AXIS_CHANNEL = 2  /* group_size tokens of one channel (KIVI keys, HACK values) */
 } kvdepot_quant_axis;
 
 typedef struct kvdepot_codec_spec {

@@ -66,6 +66,11 @@ int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint
         if (s->svd_widths[i] == 0 || s->svd_widths[i] > head_dim)
             return kvd_error_set(err, KVD_EINVAL, "%s.svd.widths[%u]: %u not in 1..head_dim %u",
                                  w, i, s->svd_widths[i], head_dim);
+    /* The axis only matters for INT codes; other codecs keep the axis the
+     * store has always recorded for them (K token, V channel). */
+    if (s->axis == KVD_CODEC_AXIS_DEFAULT && s->codec != KVD_CODEC_INT2 &&
+        s->codec != KVD_CODEC_INT4)
+        s->axis = is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN;
     if (s->codec == KVD_CODEC_RAW)
         return 0;
     if (s->codec == KVD_CODEC_VQ) {
@@ -98,11 +103,17 @@ int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint
     if (s->rounding > KVD_ROUND_STOCHASTIC)
         return kvd_error_set(err, KVD_EINVAL, "%s.quant.rounding: unknown value %u", w,
                              s->rounding);
+    /* Default: groups of tokens of one channel (KIVI keys, HACK values) when
+     * the group divides the page, else groups of channels of one token. */
+    if (s->axis == KVD_CODEC_AXIS_DEFAULT)
+        s->axis = page_tokens % s->group ? KVD_QAXIS_TOKEN : KVD_QAXIS_CHANNEL;
     if (s->axis > KVD_QAXIS_CHANNEL)
         return kvd_error_set(err, KVD_EINVAL, "%s.quant.axis: unknown value %u", w, s->axis);
-    if (!is_v && s->axis != KVD_QAXIS_TOKEN)
+    if (!is_v && s->axis == KVD_QAXIS_CHANNEL && KVD__ATTN_BLOCK % s->group)
         return kvd_error_set(err, KVD_EINVAL,
-                             "k.quant.axis: keys are grouped per token (along head_dim)");
+                             "k.quant.group_size: %u; keys grouped per channel need a group "
+                             "dividing %d",
+                             s->group, KVD__ATTN_BLOCK);
     if (s->axis == KVD_QAXIS_TOKEN && head_dim % s->group)
         return kvd_error_set(err, KVD_EINVAL,
                              "%s.quant.group_size: %u does not divide head_dim %u", w, s->group,

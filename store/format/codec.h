@@ -104,10 +104,15 @@ typedef struct kvd_art_ref {
     const float *data;
 } kvd_art_ref;
 
+/* kvd_codec_spec.axis before kvd_codec_spec_check resolves it: INT codes
+ * grouped per channel (along tokens) when the group divides the page size,
+ * else per token (along head_dim); other codecs record K token, V channel. */
+#define KVD_CODEC_AXIS_DEFAULT 0xFE
+
 typedef struct kvd_codec_spec {
     uint8_t codec;    /* kvd_codec: RAW, INT2, INT4 or VQ */
     uint16_t group;   /* P: 32, 64, 128; 0 = 64 */
-    uint8_t axis;     /* kvd_quant_axis; K must use the token axis */
+    uint8_t axis;     /* kvd_quant_axis, or KVD_CODEC_AXIS_DEFAULT */
     uint8_t rounding; /* kvd_rounding */
     uint64_t seed;    /* stochastic rounding; mixed per page, layer and head */
     /* VQ: sub-vector width d (2, 4, 8) and bits b (4..12). */
@@ -157,13 +162,12 @@ int kvd_codec_arts_parse(const uint8_t *buf, size_t len, kvd_codec_arts **out, k
 
 /*
  * Check a spec for K (is_v = 0) or V of pages of page_tokens x head_dim and
- * fill in defaults (group 0 -> 64). KVD_EINVAL with a message naming the
- * field for: unknown or unsupported codec (VQ needs calibration artifacts:
- * KVD_EUNSUPP), a group not in {32, 64, 128} or not dividing the grouped
- * axis (head_dim for the token axis, page_tokens for the channel axis), a
- * channel axis on K, an unknown rounding, a VQ d not in {2, 4, 8} or not
- * dividing head_dim, b not in 4..12, VQ keys on a head_dim that is not a
- * power of two (Hadamard), SVD composed with VQ.
+ * fill in defaults (group 0 -> 64, KVD_CODEC_AXIS_DEFAULT resolved). KVD_EINVAL with a message
+ * naming the field for: unknown or unsupported codec (VQ needs calibration artifacts: KVD_EUNSUPP),
+ * a group not in {32, 64, 128} or not dividing the grouped axis (head_dim for the token axis,
+ * page_tokens for the channel axis; keys per channel also need it to divide 256), an unknown
+ * rounding, a VQ d not in {2, 4, 8} or not dividing head_dim, b not in 4..12, VQ keys on a head_dim
+ * that is not a power of two (Hadamard), SVD composed with VQ.
  */
 int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint32_t head_dim,
                          kvd_error *err);

@@ -17,12 +17,12 @@
 #include "kvdepot/vq.h"
 
 static int failures;
-#define CHECK(c)                                                                 \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c); \
-            failures++;                                                          \
-        }                                                                        \
+#define CHECK(c)                                                                                   \
+    do {                                                                                           \
+        if (!(c)) {                                                                                \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #c);                  \
+            failures++;                                                                            \
+        }                                                                                          \
     } while (0)
 
 static void fill(uint16_t *x, size_t n, uint64_t seed)
@@ -147,12 +147,12 @@ static void calibrate(kvd_backend *be, arts_fixture *f, uint32_t H, uint32_t T, 
         CHECK(kvd_vq_train(be, &xt, &km, &ct, &inertia, &err) == 0);
         memset(g, 0, sizeof(double) * D * D);
         kvd_svd_gram_accumulate(g, (int)D, kh, KVD_DTYPE_F32, T, D * 4, 1.0, NULL);
-        CHECK(kvd_svd_rotation(g, (int)D, f->rk + (size_t)h * D * D, f->sk + (size_t)h * D,
-                               &err) == 0);
+        CHECK(kvd_svd_rotation(g, (int)D, f->rk + (size_t)h * D * D, f->sk + (size_t)h * D, &err) ==
+              0);
         memset(g, 0, sizeof(double) * D * D);
         kvd_svd_gram_accumulate(g, (int)D, vh, KVD_DTYPE_F32, T, D * 4, 1.0, NULL);
-        CHECK(kvd_svd_rotation(g, (int)D, f->rv + (size_t)h * D * D, f->sv + (size_t)h * D,
-                               &err) == 0);
+        CHECK(kvd_svd_rotation(g, (int)D, f->rv + (size_t)h * D * D, f->sv + (size_t)h * D, &err) ==
+              0);
     }
     for (uint32_t l = 0; l < AL; l++)
         for (uint32_t h = 0; h < H; h++) {
@@ -204,8 +204,13 @@ static void test_arts_codecs(kvd_backend *be)
     for (int i = 0; i < 8 * 64; i++)
         q[i] = sinf((float)i * 0.37f);
     kvd_attn_dims dims = {(int)Hq, (int)H, (int)D, (int)D, 0.125f};
-    kvd_page_desc d = {.dtype = KVD_DTYPE_F16, .layer = 3, .token_start = 512, .num_tokens = B,
-                       .page_tokens = B, .num_kv_heads = H, .head_dim = D};
+    kvd_page_desc d = {.dtype = KVD_DTYPE_F16,
+                       .layer = 3,
+                       .token_start = 512,
+                       .num_tokens = B,
+                       .page_tokens = B,
+                       .num_kv_heads = H,
+                       .head_dim = D};
     const uint64_t raw_len = kvd_page_raw_size(&d);
     const uint32_t w48[1] = {48}, w32[1] = {32};
     struct {
@@ -268,8 +273,8 @@ static void test_arts_codecs(kvd_backend *be)
         CHECK(kvd_codec_spec_check(&ks, 0, B, D, &err) == 0);
         CHECK(kvd_codec_spec_check(&vs, 1, B, D, &err) == 0);
         kvd_codec_arts *arts = NULL;
-        int rc = kvd_codec_arts_build(&ks, &vs, AL, H, D, cases[c].f->refs, cases[c].f->n, &arts,
-                                      &err);
+        int rc =
+            kvd_codec_arts_build(&ks, &vs, AL, H, D, cases[c].f->refs, cases[c].f->n, &arts, &err);
         CHECK(rc == 0 && arts);
         if (rc) {
             fprintf(stderr, "case %s: %s\n", cases[c].name, err.msg);
@@ -368,23 +373,21 @@ static void test_arts_codecs(kvd_backend *be)
             if (ks.vq_bits < 8) {
                 bad = patched(page, len, ko + KVD_CODEC_ARTS_PREFIX + 5, 200); /* code >= 2^b */
                 CHECK(kvd_page_decode(bad, len, &bv, &err) == 0);
-                CHECK(kvd_page_attend(be, &bv, 1, arts, &dims, q, out, lse, &err) ==
-                      KVD_ECORRUPT);
+                CHECK(kvd_page_attend(be, &bv, 1, arts, &dims, q, out, lse, &err) == KVD_ECORRUPT);
                 CHECK(kvd_page_decode_section(be, &bv, KVD_SECTION_K, arts, KVD_DTYPE_F32, kd,
                                               &err) == KVD_ECORRUPT);
                 free(bad);
             }
         }
         if (ks.svd) {
-            const uint8_t vals[3][2] = {{KVD_CODEC_ARTS_PREFIX, 0},      /* width 0 */
-                                        {KVD_CODEC_ARTS_PREFIX, 65},     /* width > D */
-                                        {0, 7}};                         /* inner codec */
+            const uint8_t vals[3][2] = {{KVD_CODEC_ARTS_PREFIX, 0},  /* width 0 */
+                                        {KVD_CODEC_ARTS_PREFIX, 65}, /* width > D */
+                                        {0, 7}};                     /* inner codec */
             for (int i = 0; i < 3; i++) {
                 uint8_t *bad = patched(page, len, ko + vals[i][0], vals[i][1]);
                 kvd_page_view bv;
                 CHECK(kvd_page_decode(bad, len, &bv, &err) == 0);
-                CHECK(kvd_page_attend(be, &bv, 1, arts, &dims, q, out, lse, &err) ==
-                      KVD_ECORRUPT);
+                CHECK(kvd_page_attend(be, &bv, 1, arts, &dims, q, out, lse, &err) == KVD_ECORRUPT);
                 free(bad);
             }
         }
@@ -414,8 +417,8 @@ static void test_arts_codecs(kvd_backend *be)
             kvd_codec_arts *arts = NULL;
             CHECK(kvd_codec_spec_check(&ks, 0, B, D, &err) == 0 &&
                   kvd_codec_spec_check(&vs, 1, B, D, &err) == 0);
-            CHECK(kvd_codec_arts_build(&ks, &vs, AL, H, D, cases[c].f->refs, cases[c].f->n,
-                                       &arts, &err) == 0);
+            CHECK(kvd_codec_arts_build(&ks, &vs, AL, H, D, cases[c].f->refs, cases[c].f->n, &arts,
+                                       &err) == 0);
             ks.arts = vs.arts = arts;
             uint8_t *page = NULL;
             size_t len = 0;
@@ -463,13 +466,11 @@ static void test_arts_codecs(kvd_backend *be)
         for (size_t i = 0; i < f8.n; i++)
             if (!(f8.refs[i].kind == 3 && f8.refs[i].layer == 2 && f8.refs[i].kv_head == 1))
                 refs[nref++] = f8.refs[i];
-        CHECK(kvd_codec_arts_build(&ks, &vs, AL, H, D, refs, nref, &arts, &err) ==
-                  KVD_EPRECOND &&
+        CHECK(kvd_codec_arts_build(&ks, &vs, AL, H, D, refs, nref, &arts, &err) == KVD_EPRECOND &&
               !arts);
         CHECK(strstr(err.msg, "VQ_CODEBOOK_V") && strstr(err.msg, "layer 2"));
         ks.vq_bits = vs.vq_bits = 10; /* the model was calibrated with b = 8 */
-        CHECK(kvd_codec_arts_build(&ks, &vs, AL, H, D, f8.refs, f8.n, &arts, &err) ==
-              KVD_EPRECOND);
+        CHECK(kvd_codec_arts_build(&ks, &vs, AL, H, D, f8.refs, f8.n, &arts, &err) == KVD_EPRECOND);
         free(refs);
         ks = cases[0].k;
         uint8_t *page = NULL;
@@ -538,22 +539,32 @@ int main(void)
     for (int i = 0; i < 8 * 64; i++)
         q[i] = sinf((float)i * 0.37f);
     kvd_attn_dims dims = {(int)Hq, (int)H, (int)D, (int)D, 0.125f};
-    kvd_page_desc d = {.dtype = KVD_DTYPE_F16, .layer = 3, .token_start = 512, .num_tokens = B,
-                       .page_tokens = B, .num_kv_heads = H, .head_dim = D};
+    kvd_page_desc d = {.dtype = KVD_DTYPE_F16,
+                       .layer = 3,
+                       .token_start = 512,
+                       .num_tokens = B,
+                       .page_tokens = B,
+                       .num_kv_heads = H,
+                       .head_dim = D};
     const struct {
         uint8_t kc, vc, vaxis, round;
         uint16_t kgroup, vgroup;
         double max_ratio; /* page bytes vs raw, at most */
+        uint8_t kaxis;
     } cases[] = {
-        {KVD_CODEC_INT2, KVD_CODEC_INT2, KVD_QAXIS_CHANNEL, 0, 64, 128, 0.165},
-        {KVD_CODEC_INT2, KVD_CODEC_INT2, KVD_QAXIS_TOKEN, 1, 32, 32, 0.23},
-        {KVD_CODEC_INT4, KVD_CODEC_INT4, KVD_QAXIS_CHANNEL, 1, 64, 128, 0.31},
-        {KVD_CODEC_INT4, KVD_CODEC_RAW, KVD_QAXIS_TOKEN, 0, 64, 64, 0.7},
-        {KVD_CODEC_RAW, KVD_CODEC_INT2, KVD_QAXIS_CHANNEL, 0, 64, 64, 0.6},
+        {KVD_CODEC_INT2, KVD_CODEC_INT2, KVD_QAXIS_CHANNEL, 0, 64, 128, 0.165, KVD_QAXIS_TOKEN},
+        {KVD_CODEC_INT2, KVD_CODEC_INT2, KVD_QAXIS_TOKEN, 1, 32, 32, 0.23, KVD_QAXIS_TOKEN},
+        {KVD_CODEC_INT4, KVD_CODEC_INT4, KVD_QAXIS_CHANNEL, 1, 64, 128, 0.31, KVD_QAXIS_TOKEN},
+        {KVD_CODEC_INT4, KVD_CODEC_RAW, KVD_QAXIS_TOKEN, 0, 64, 64, 0.7, KVD_QAXIS_TOKEN},
+        {KVD_CODEC_RAW, KVD_CODEC_INT2, KVD_QAXIS_CHANNEL, 0, 64, 64, 0.6, KVD_QAXIS_TOKEN},
+        /* keys grouped per channel (KIVI) */
+        {KVD_CODEC_INT2, KVD_CODEC_INT2, KVD_QAXIS_CHANNEL, 0, 64, 64, 0.18, KVD_QAXIS_CHANNEL},
+        {KVD_CODEC_INT4, KVD_CODEC_INT2, KVD_QAXIS_TOKEN, 1, 128, 32, 0.25, KVD_QAXIS_CHANNEL},
+        {KVD_CODEC_INT2, KVD_CODEC_RAW, KVD_QAXIS_TOKEN, 0, 32, 64, 0.62, KVD_QAXIS_CHANNEL},
     };
     uint64_t raw_len = kvd_page_raw_size(&d);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        kvd_codec_spec ks = spec(cases[c].kc, cases[c].kgroup, KVD_QAXIS_TOKEN, cases[c].round, 42);
+        kvd_codec_spec ks = spec(cases[c].kc, cases[c].kgroup, cases[c].kaxis, cases[c].round, 42);
         kvd_codec_spec vs = spec(cases[c].vc, cases[c].vgroup, cases[c].vaxis, cases[c].round, 42);
         uint8_t *page;
         size_t len;
@@ -638,7 +649,24 @@ int main(void)
         s = spec(KVD_CODEC_INT2, 48, 0, 0, 0);
         CHECK(kvd_codec_spec_check(&s, 0, B, D, NULL) == KVD_EINVAL);
         s = spec(KVD_CODEC_INT2, 64, KVD_QAXIS_CHANNEL, 0, 0);
-        CHECK(kvd_codec_spec_check(&s, 0, B, D, NULL) == KVD_EINVAL);
+        CHECK(kvd_codec_spec_check(&s, 0, 96, D, NULL) == KVD_EINVAL); /* 64 !| page 96 */
+        CHECK(kvd_codec_spec_check(&s, 0, B, D, NULL) == 0);           /* keys per channel */
+        s = spec(KVD_CODEC_INT2, 32, 2, 0, 0);
+        CHECK(kvd_codec_spec_check(&s, 0, B, D, NULL) == KVD_EINVAL); /* unknown axis */
+        /* The default axis: per channel where the group divides the page,
+         * else per token; other codecs record K token, V channel. */
+        for (int is_v = 0; is_v < 2; is_v++) {
+            s = spec(KVD_CODEC_INT4, 0, KVD_CODEC_AXIS_DEFAULT, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, D, NULL) == 0 && s.axis == KVD_QAXIS_CHANNEL &&
+                  s.group == 64);
+            s = spec(KVD_CODEC_INT2, 32, KVD_CODEC_AXIS_DEFAULT, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, 48, D, NULL) == 0 && s.axis == KVD_QAXIS_TOKEN);
+            s = spec(KVD_CODEC_INT2, 64, KVD_CODEC_AXIS_DEFAULT, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, 48, 32, NULL) == KVD_EINVAL); /* neither fits */
+            s = spec(KVD_CODEC_RAW, 0, KVD_CODEC_AXIS_DEFAULT, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, D, NULL) == 0 &&
+                  s.axis == (is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN));
+        }
         s = spec(KVD_CODEC_INT2, 128, KVD_QAXIS_TOKEN, 0, 0);
         CHECK(kvd_codec_spec_check(&s, 1, B, D, NULL) == KVD_EINVAL); /* 128 !| 64 */
         s = spec(9, 64, 0, 0, 0);

@@ -3,7 +3,7 @@
  * kvd_pages_encode with the raw pages in host memory and
  * kvd_pages_encode_device with them already in device memory give, page for
  * page, the bytes the CPU backend gives one page at a time (INT2, INT4,
- * values on either axis, a raw side next to a coded one, stochastic
+ * keys and values on either axis, a raw side next to a coded one, stochastic
  * rounding); pages put in device memory from where their coding left their
  * arrays (kvd_page_image_copies) are the same bytes; the
  * misuses are refused with a clear error. Built against the CPU emulation of
@@ -186,6 +186,9 @@ int main(void)
         {KVD_CODEC_INT4, KVD_CODEC_INT4, KVD_QAXIS_TOKEN, KVD_QAXIS_TOKEN, 1, 32, 32},
         {KVD_CODEC_INT4, KVD_CODEC_RAW, KVD_QAXIS_TOKEN, KVD_QAXIS_TOKEN, 0, 64, 64},
         {KVD_CODEC_RAW, KVD_CODEC_INT2, KVD_QAXIS_TOKEN, KVD_QAXIS_TOKEN, 1, 64, 32},
+        /* keys per channel (KIVI) */
+        {KVD_CODEC_INT2, KVD_CODEC_INT2, KVD_QAXIS_CHANNEL, KVD_QAXIS_CHANNEL, 0, 64, 64},
+        {KVD_CODEC_INT4, KVD_CODEC_INT2, KVD_QAXIS_CHANNEL, KVD_QAXIS_TOKEN, 1, 32, 32},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         kvd_codec_spec ks = spec(cases[c].kc, cases[c].kgroup, cases[c].kaxis, cases[c].round);

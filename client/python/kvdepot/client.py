@@ -70,7 +70,8 @@ class SequenceInfo:
 class Codecs:
     """How a sequence's pages are stored once they seal (kvdepot_codecs).
     k, v: "raw", "int2", "int4" or "vq"; group: 32, 64 or 128 (0 = 64);
-    axis: "default", "token" or "channel" (V only); stochastic rounding
+    axis: "default" (channel where the group divides the page size, else
+    token), "token" or "channel"; stochastic rounding
     with seed; VQ sub-vector width and bits (the model needs calibrated
     codebooks); raw_sink_tokens: leading tokens kept raw; pq_m > 0 builds
     the PQ index Search and SparseAttend use (pq_bits 4, 6 or 8)."""

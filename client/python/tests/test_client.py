@@ -136,9 +136,10 @@ def test_coded_sequence(client):
     ek = np.abs(k2.astype(np.float32) - k.astype(np.float32)).max()
     ev = np.abs(v2.astype(np.float32) - v.astype(np.float32)).max()
     assert 0 < ek < 0.6 and 0 < ev < 2.5, (ek, ev)  # groups of 64 over N(0, 1) values
-    # the codecs as the server resolved them: default group 64, K per token,
-    # V per channel; the raw sequence reports raw
-    want = kvdepot.Codecs(k="int4", v="int2", k_group=64, v_group=64, k_axis="token",
+    # the codecs as the server resolved them: default group 64, K and V per
+    # channel (the default axis, the group dividing the page size); the raw
+    # sequence reports raw
+    want = kvdepot.Codecs(k="int4", v="int2", k_group=64, v_group=64, k_axis="channel",
                           v_axis="channel")
     assert info.codecs == want and client.stat("c1").codecs == want
     assert client.stat("r1").codecs == kvdepot.Codecs()

@@ -713,17 +713,25 @@ class Suite:
         Attend, PlanFetch = self.uu("Attend"), self.uu("PlanFetch")
         Search, SparseAttend = self.uu("Search"), self.uu("SparseAttend")
         int4 = pb.CodecSpec(codec=pb.CODEC_INT4, quant=pb.QuantSpec(group_size=32))
+        int4t = pb.CodecSpec(codec=pb.CODEC_INT4,
+                             quant=pb.QuantSpec(group_size=32, axis=pb.QUANT_AXIS_TOKEN))
         # the codecs each sequence reports, resolved (axis and group, PQ
-        # defaults), the same in CreateSequence, StatSequence, Append and Read
+        # defaults), the same in CreateSequence, StatSequence, Append and Read:
+        # the default axis groups keys and values per channel (the group
+        # divides the page size)
         rq = lambda axis: pb.QuantSpec(group_size=32, axis=axis)
         reported = {
             b"py-raw": pb.SequenceCodecs(k=pb.CodecSpec(), v=pb.CodecSpec()),
             b"py-int4": pb.SequenceCodecs(
-                k=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_TOKEN)),
+                k=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_CHANNEL)),
                 v=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_CHANNEL))),
+            b"py-int4t": pb.SequenceCodecs(
+                k=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_TOKEN)),
+                v=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_TOKEN))),
             b"py-pq": pb.SequenceCodecs(k=pb.CodecSpec(), v=pb.CodecSpec(),
                                         pq=pb.PQSpec(m=4, bits=4, iterations=10))}
         for sid, codecs in ((b"py-raw", None), (b"py-int4", pb.SequenceCodecs(k=int4, v=int4)),
+                            (b"py-int4t", pb.SequenceCodecs(k=int4t, v=int4t)),
                             (b"py-pq", pb.SequenceCodecs(pq=pb.PQSpec(m=4, bits=4)))):
             kw = {"codecs": codecs} if codecs is not None else {}
             eq(self.create(sid, "py-compute", **kw).codecs, reported[sid],
@@ -753,8 +761,11 @@ class Suite:
                 for i in range(HQ * D):
                     check(abs(r.output[i] - out[i]) <= tol, "%s Attend output[%d] %g vs %g"
                           % (sid, i, r.output[i], out[i]))
+                # coded: the kernel rounds the query (folded with the key
+                # scales for keys per channel) to int8
+                ltol = 1e-3 if codecs is None else 3e-3
                 for h in range(HQ):
-                    check(abs(r.lse[h] - lse[h]) <= 1e-3, "%s Attend lse[%d] %g vs %g"
+                    check(abs(r.lse[h] - lse[h]) <= ltol, "%s Attend lse[%d] %g vs %g"
                           % (sid, h, r.lse[h], lse[h]))
         listed = {s.sequence_id: s.codecs for s in self.api.ListSequences(
             pb.ListSequencesRequest(model="py-compute"), timeout=CALL_TIMEOUT).sequences}
