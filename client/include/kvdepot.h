@@ -350,7 +350,7 @@ typedef enum kvdepot_quant_axis {
 
 typedef struct kvdepot_codec_spec {
     kvdepot_codec codec;
-    uint32_t group_size;         /* 32, 64 or 128; 0 = 64 */
+    uint32_t group_size;         /* 8, 16, 32, 64 or 128; 0 = 64 (smaller for small heads) */
     int stochastic;              /* 1 = stochastic rounding, 0 = nearest */
     kvdepot_quant_axis axis;
     uint64_t seed;               /* stochastic rounding seed */

@@ -20,9 +20,9 @@ static int check_format(int64_t ntok, int64_t dim, int bits, int group, kvd_quan
 {
     if (bits != 2 && bits != 4)
         return kvd_error_set(err, KVD_EINVAL, "quant: bits must be 2 or 4, got %d", bits);
-    if (group != 32 && group != 64 && group != 128)
-        return kvd_error_set(err, KVD_EINVAL, "quant: group size must be 32, 64 or 128, got %d",
-                             group);
+    if (group != 8 && group != 16 && group != 32 && group != 64 && group != 128)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "quant: group size must be 8, 16, 32, 64 or 128, got %d", group);
     if (axis != KVD_QAXIS_TOKEN && axis != KVD_QAXIS_CHANNEL)
         return kvd_error_set(err, KVD_EINVAL, "quant: unknown axis %d", (int)axis);
     if (ntok < 0 || dim < 0 || ntok > INT32_MAX || dim > INT32_MAX)

@@ -158,6 +158,29 @@ void kvd__quant_row_avx2(const void *x, kvd_dtype dt, int64_t n, int bits, int g
 
         for (int k = 0; k < group; k += 32) {
             __m256i ci[4];
+            if (group - k < 32) {
+                /* groups of 8 or 16: 8 codes at a time, packed in order */
+                for (int j = 0; 8 * j < group - k; j++) {
+                    __m256 v = kvd__ld8(xg + (k + 8 * j) * es, dt);
+                    v = _mm256_mul_ps(_mm256_sub_ps(v, vmn), vinv);
+                    __m256 add = half;
+                    if (stochastic) {
+                        uint32_t base = idx0 + (uint32_t)(g * group + k + 8 * j) * idx_step;
+                        add = draw8(_mm256_add_epi32(_mm256_set1_epi32((int)base), lane_step),
+                                    vkey);
+                    }
+                    __m256 c = _mm256_floor_ps(_mm256_add_ps(v, add));
+                    c = _mm256_min_ps(_mm256_max_ps(c, zero), vq);
+                    __m256i c8 = _mm256_cvttps_epi32(c);
+                    vsum = _mm256_add_epi32(vsum, c8);
+                    uint32_t cs[8], w = 0;
+                    _mm256_storeu_si256((__m256i *)cs, c8);
+                    for (int l = 0; l < 8; l++)
+                        w |= cs[l] << (l * bits);
+                    memcpy(out + (k + 8 * j) * bits / 8, &w, (size_t)bits);
+                }
+                break;
+            }
             for (int j = 0; j < 4; j++) {
                 __m256 v = kvd__ld8(xg + (k + 8 * j) * es, dt);
                 v = _mm256_mul_ps(_mm256_sub_ps(v, vmn), vinv);
@@ -256,7 +279,10 @@ void kvd__quant_tile_channel_avx2(const char *x0, int64_t xs, kvd_dtype dt, int6
     const __m256i vkey = _mm256_set1_epi32((int)key);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int64_t es = (int64_t)kvd_dtype_size(dt);
-    const int per = 32 / bits; /* tokens per 32-bit code word */
+    /* tokens per code word: 32 bits' worth, or the whole group (8 INT2
+     * tokens, a 16-bit word) */
+    const int per = group < 32 / bits ? group : 32 / bits;
+    const size_t wbytes = (size_t)per * (size_t)bits / 8;
 
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
         const char *xc = x0 + d0 * es;
@@ -296,7 +322,7 @@ void kvd__quant_tile_channel_avx2(const char *x0, int64_t xs, kvd_dtype dt, int6
             uint32_t w[8];
             _mm256_storeu_si256((__m256i *)w, acc);
             for (int l = 0; l < 8; l++)
-                memcpy(codes + (d0 + l) * crow + k0 * bits / 8, &w[l], 4);
+                memcpy(codes + (d0 + l) * crow + k0 * bits / 8, &w[l], wbytes);
         }
         uint32_t s8[8];
         _mm256_storeu_si256((__m256i *)s8, vsum);
@@ -313,7 +339,8 @@ void kvd__dequant_tile_channel_avx2(char *y0, int64_t ys, kvd_dtype dt, int64_t 
                                     const uint16_t *min, const uint16_t *scale, int64_t prow)
 {
     const int64_t es = (int64_t)kvd_dtype_size(dt);
-    const int per = 32 / bits;
+    const int per = group < 32 / bits ? group : 32 / bits; /* as the quantizer */
+    const size_t wbytes = (size_t)per * (size_t)bits / 8;
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
         float mn8[8], sc8[8];
@@ -324,9 +351,9 @@ void kvd__dequant_tile_channel_avx2(char *y0, int64_t ys, kvd_dtype dt, int64_t 
         const __m256 vmn = _mm256_loadu_ps(mn8), vsc = _mm256_loadu_ps(sc8);
         char *yc = y0 + d0 * es;
         for (int k0 = 0; k0 < group; k0 += per) {
-            uint32_t w[8];
+            uint32_t w[8] = {0};
             for (int l = 0; l < 8; l++)
-                memcpy(&w[l], codes + (d0 + l) * crow + k0 * bits / 8, 4);
+                memcpy(&w[l], codes + (d0 + l) * crow + k0 * bits / 8, wbytes);
             const __m256i vw = _mm256_loadu_si256((const __m256i *)w);
             for (int kk = 0; kk < per; kk++) {
                 __m256i c = _mm256_and_si256(_mm256_srl_epi32(vw, _mm_cvtsi32_si128(kk * bits)), mask);

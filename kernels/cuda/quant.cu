@@ -19,6 +19,8 @@
  *                  adjacent channels, so each of the PI token steps reads
  *                  a contiguous run of the token row (coalesced); the
  *                  thread writes its group's PI*bits/8 code bytes.
+ *   token axis,    PI = 8 or 16 (small heads): the same thread per group,
+ *   small groups   adjacent threads adjacent groups of a token row.
  *   dequantize     one thread per element, grid-stride over T*D.
  */
 #include <vector>
@@ -199,34 +201,39 @@ __global__ void quant_token_batch_kernel(const QItem *items, long long T, long l
                         it.key);
 }
 
-/* Channel axis: thread per (channel, group); adjacent threads, adjacent channels. */
-__device__ void quant_channel_body(const kvd_dview &x, uint8_t *codes, uint16_t *mins,
-                                   uint16_t *scales, uint16_t *sums, long long T, long long D,
-                                   int bits, int P, int stochastic, uint32_t key)
+/* Thread per group: the channel axis (adjacent threads, adjacent channels:
+ * coalesced loads), and the token axis for groups of 8 or 16 values, less
+ * than the warp kernel's unit (adjacent threads, adjacent groups of a row).
+ * Code row r is channel r (channel axis) or token r (token axis). */
+__device__ void quant_group_body(const kvd_dview &x, uint8_t *codes, uint16_t *mins,
+                                 uint16_t *scales, uint16_t *sums, long long T, long long D,
+                                 int bits, int P, int stochastic, uint32_t key, int token)
 {
-    const long long ng = T / P, rowbytes = T * bits / 8;
+    const long long rows = token ? T : D, along = token ? D : T;
+    const long long ng = along / P, rowbytes = along * bits / 8;
+    const long long step = token ? x.stride[1] : x.stride[0]; /* between a group's values */
     const float qmax = (float)((1 << bits) - 1);
     const int per = 8 / bits;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < ng * D;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < ng * rows;
          i += (long long)gridDim.x * blockDim.x) {
-        const long long g = i / D, d = i % D; /* d fastest: coalesced loads */
-        const char *col = x.data + d * x.stride[1];
+        const long long r = token ? i / ng : i % D, g = token ? i % ng : i / D;
+        const char *first = x.data + (token ? r * x.stride[0] + g * P * x.stride[1]
+                                            : r * x.stride[1] + g * P * x.stride[0]);
         float lo = INFINITY, hi = -INFINITY;
         for (int k = 0; k < P; k++) {
-            float v = kvd_ld_float(col + (g * P + k) * x.stride[0], x.dtype);
+            float v = kvd_ld_float(first + k * step, x.dtype);
             if (isfinite(v)) {
                 lo = fminf(lo, v);
                 hi = fmaxf(hi, v);
             }
         }
         const qgroup q = qgroup_make(lo, hi, bits);
-        uint8_t *row = codes + d * rowbytes + g * P / per;
+        uint8_t *row = codes + r * rowbytes + g * P / per;
         uint32_t s = 0, byte = 0;
         for (int k = 0; k < P; k++) {
-            const long long t = g * P + k;
+            const long long t = token ? r : g * P + k, d = token ? g * P + k : r;
             float add = stochastic ? qdraw(key, (uint32_t)(t * D + d)) : 0.5f;
-            uint32_t c = qcode(kvd_ld_float(col + t * x.stride[0], x.dtype), q.mn, q.inv, add,
-                               qmax);
+            uint32_t c = qcode(kvd_ld_float(first + k * step, x.dtype), q.mn, q.inv, add, qmax);
             s += c;
             byte |= c << ((k % per) * bits);
             if (k % per == per - 1) {
@@ -234,26 +241,26 @@ __device__ void quant_channel_body(const kvd_dview &x, uint8_t *codes, uint16_t 
                 byte = 0;
             }
         }
-        const long long gi = d * ng + g;
+        const long long gi = r * ng + g;
         mins[gi] = q.min_h;
         scales[gi] = q.scale_h;
         sums[gi] = (uint16_t)s;
     }
 }
 
-__global__ void quant_channel_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins,
-                                     uint16_t *scales, uint16_t *sums, long long T, long long D,
-                                     int bits, int P, int stochastic, uint32_t key)
+__global__ void quant_group_kernel(kvd_dview x, uint8_t *codes, uint16_t *mins, uint16_t *scales,
+                                   uint16_t *sums, long long T, long long D, int bits, int P,
+                                   int stochastic, uint32_t key, int token)
 {
-    quant_channel_body(x, codes, mins, scales, sums, T, D, bits, P, stochastic, key);
+    quant_group_body(x, codes, mins, scales, sums, T, D, bits, P, stochastic, key, token);
 }
 
-__global__ void quant_channel_batch_kernel(const QItem *items, long long T, long long D, int bits,
-                                           int P, int stochastic)
+__global__ void quant_group_batch_kernel(const QItem *items, long long T, long long D, int bits,
+                                         int P, int stochastic, int token)
 {
     const QItem it = items[blockIdx.y];
-    quant_channel_body(it.x, it.codes, it.mins, it.scales, it.sums, T, D, bits, P, stochastic,
-                       it.key);
+    quant_group_body(it.x, it.codes, it.mins, it.scales, it.sums, T, D, bits, P, stochastic,
+                     it.key, token);
 }
 
 __global__ void dequant_kernel(const uint8_t *codes, const uint16_t *mins,
@@ -290,7 +297,7 @@ int cuda_quantize(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor *q,
     const int st = rounding == KVD_ROUND_STOCHASTIC;
     const uint32_t key = host_qkey(seed);
     const kvd_dview xv = kvd__dview(x);
-    if (q->axis == KVD_QAXIS_TOKEN) {
+    if (q->axis == KVD_QAXIS_TOKEN && q->group >= 32) {
         const long long groups = T * (D / q->group);
         const unsigned grid = kvd__cuda_blocks(groups, kThreads / 32);
         switch (q->group) {
@@ -307,9 +314,10 @@ int cuda_quantize(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor *q,
                                                                  q->sum, T, D, q->bits, st, key);
         }
     } else {
-        const long long n = (T / q->group) * D;
-        quant_channel_kernel<<<kvd__cuda_blocks(n, kThreads), kThreads, 0, call.s>>>(
-            xv, q->codes, q->min, q->scale, q->sum, T, D, q->bits, q->group, st, key);
+        const long long n = T * D / q->group;
+        quant_group_kernel<<<kvd__cuda_blocks(n, kThreads), kThreads, 0, call.s>>>(
+            xv, q->codes, q->min, q->scale, q->sum, T, D, q->bits, q->group, st, key,
+            q->axis == KVD_QAXIS_TOKEN);
     }
     return kvd__cuda_launched(&call, "quantize", err);
 }
@@ -356,7 +364,7 @@ int cuda_quantize_batch(kvd_backend *be, int n, const kvd_tensor *x, const kvd_q
                           "cudaMemcpyAsync", err);
     for (int i0 = 0; i0 < n && !rc; i0 += 65535) {
         const unsigned ny = (unsigned)(n - i0 < 65535 ? n - i0 : 65535);
-        if (q[0].axis == KVD_QAXIS_TOKEN) {
+        if (q[0].axis == KVD_QAXIS_TOKEN && P >= 32) {
             const dim3 grid(kvd__cuda_blocks(T * (D / P), kThreads / 32), ny);
             switch (P) {
             case 32:
@@ -369,8 +377,9 @@ int cuda_quantize_batch(kvd_backend *be, int n, const kvd_tensor *x, const kvd_q
                 quant_token_batch_kernel<4><<<grid, kThreads, 0, call.s>>>(dv + i0, T, D, bits, st);
             }
         } else {
-            const dim3 grid(kvd__cuda_blocks((T / P) * D, kThreads), ny);
-            quant_channel_batch_kernel<<<grid, kThreads, 0, call.s>>>(dv + i0, T, D, bits, P, st);
+            const dim3 grid(kvd__cuda_blocks(T * D / P, kThreads), ny);
+            quant_group_batch_kernel<<<grid, kThreads, 0, call.s>>>(dv + i0, T, D, bits, P, st,
+                                                                    q[0].axis == KVD_QAXIS_TOKEN);
         }
         rc = kvd__cuda_launched(&call, "quantize batch", err);
     }

@@ -95,11 +95,14 @@ int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint
     }
     if (s->codec != KVD_CODEC_INT2 && s->codec != KVD_CODEC_INT4)
         return kvd_error_set(err, KVD_EINVAL, "%s.codec: unknown codec %u", w, s->codec);
-    if (s->group == 0)
+    /* Group 0: 64, or on the token axis of a head_dim it does not divide
+     * the largest of 32, 16, 8 that does (small heads). */
+    const int auto_group = s->group == 0;
+    if (auto_group)
         s->group = 64;
-    if (s->group != 32 && s->group != 64 && s->group != 128)
-        return kvd_error_set(err, KVD_EINVAL, "%s.quant.group_size: %u, want 32, 64 or 128", w,
-                             s->group);
+    if (s->group != 8 && s->group != 16 && s->group != 32 && s->group != 64 && s->group != 128)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "%s.quant.group_size: %u, want 8, 16, 32, 64 or 128", w, s->group);
     if (s->rounding > KVD_ROUND_STOCHASTIC)
         return kvd_error_set(err, KVD_EINVAL, "%s.quant.rounding: unknown value %u", w,
                              s->rounding);
@@ -107,6 +110,8 @@ int kvd_codec_spec_check(kvd_codec_spec *s, int is_v, uint32_t page_tokens, uint
      * the group divides the page, else groups of channels of one token. */
     if (s->axis == KVD_CODEC_AXIS_DEFAULT)
         s->axis = page_tokens % s->group ? KVD_QAXIS_TOKEN : KVD_QAXIS_CHANNEL;
+    while (auto_group && s->axis == KVD_QAXIS_TOKEN && s->group > 8 && head_dim % s->group)
+        s->group /= 2;
     if (s->axis > KVD_QAXIS_CHANNEL)
         return kvd_error_set(err, KVD_EINVAL, "%s.quant.axis: unknown value %u", w, s->axis);
     if (!is_v && s->axis == KVD_QAXIS_CHANNEL && KVD__ATTN_BLOCK % s->group)

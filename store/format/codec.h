@@ -8,7 +8,7 @@
  * Section layout of codec INT2 (1) and INT4 (2), T = num_tokens,
  * H = num_kv_heads, D = head_dim, bits = 2 or 4, P = group:
  *
- *   offset 0   u16 group P (32, 64 or 128)
+ *   offset 0   u16 group P (8, 16, 32, 64 or 128)
  *          2   u8  axis (0 token: groups of P dims of one token;
  *                        1 channel: groups of P tokens of one channel)
  *          3   u8  rounding used (0 nearest, 1 stochastic; informational)
@@ -111,7 +111,7 @@ typedef struct kvd_art_ref {
 
 typedef struct kvd_codec_spec {
     uint8_t codec;    /* kvd_codec: RAW, INT2, INT4 or VQ */
-    uint16_t group;   /* P: 32, 64, 128; 0 = 64 */
+    uint16_t group;   /* P: 8, 16, 32, 64, 128; 0 = 64 (smaller for small heads) */
     uint8_t axis;     /* kvd_quant_axis, or KVD_CODEC_AXIS_DEFAULT */
     uint8_t rounding; /* kvd_rounding */
     uint64_t seed;    /* stochastic rounding; mixed per page, layer and head */
@@ -162,9 +162,10 @@ int kvd_codec_arts_parse(const uint8_t *buf, size_t len, kvd_codec_arts **out, k
 
 /*
  * Check a spec for K (is_v = 0) or V of pages of page_tokens x head_dim and
- * fill in defaults (group 0 -> 64, KVD_CODEC_AXIS_DEFAULT resolved). KVD_EINVAL with a message
+ * fill in defaults (group 0 -> 64, smaller on the token axis of a small head;
+ * KVD_CODEC_AXIS_DEFAULT resolved). KVD_EINVAL with a message
  * naming the field for: unknown or unsupported codec (VQ needs calibration artifacts: KVD_EUNSUPP),
- * a group not in {32, 64, 128} or not dividing the grouped axis (head_dim for the token axis,
+ * a group not in {8, 16, 32, 64, 128} or not dividing the grouped axis (head_dim for the token axis,
  * page_tokens for the channel axis; keys per channel also need it to divide 256), an unknown
  * rounding, a VQ d not in {2, 4, 8} or not dividing head_dim, b not in 4..12, VQ keys on a head_dim
  * that is not a power of two (Hadamard), SVD composed with VQ.

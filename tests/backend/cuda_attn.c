@@ -668,6 +668,11 @@ static void test_int(tu_rng *r)
         {256, 0, 2, 96, 4, 64, 32, TK, CH},    {32, 0, 4, 128, 4, 32, 32, CH, CH},
         {1024, 0, 4, 128, 2, 32, 32, CH, TK},  {1024, 0, 4, 128, 4, 64, 64, CH, TK},
         {480, 3, 6, 128, 2, 32, 32, CH, TK},   {416, 0, 16, 64, 2, 32, 32, CH, TK},
+        /* small groups (8, 16) for small heads, on either axis */
+        {256, 3, 4, 32, 2, 8, 8, CH, TK},      {256, 0, 4, 16, 4, 16, 16, CH, CH},
+        {128, 2, 2, 32, 2, 16, 8, TK, CH},     {96, 1, 4, 8, 2, 8, 16, CH, TK},
+        {512, 0, 4, 128, 2, 8, 16, CH, TK},    {256, 5, 4, 64, 4, 8, 8, TK, CH},
+        {320, 0, 8, 128, 2, 16, 8, CH, CH},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         int_batch(r, "shape", &cases[i], 1, -1);

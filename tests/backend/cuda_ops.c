@@ -277,10 +277,10 @@ static void test_quant(void)
 {
     tu_rng r;
     tu_rng_seed(&r, 13);
-    const int bitss[] = {2, 4}, groups[] = {32, 64, 128};
+    const int bitss[] = {2, 4}, groups[] = {8, 16, 32, 64, 128};
     for (int ax = 0; ax < 2; ax++)
         for (int bi = 0; bi < 2; bi++)
-            for (int gi = 0; gi < 3; gi++)
+            for (int gi = 0; gi < 5; gi++)
                 for (int di = 0; di < 3; di++)
                     for (int rnd = 0; rnd < 2; rnd++) {
                         const int bits = bitss[bi], P = groups[gi];
@@ -345,10 +345,10 @@ static void test_quant_batch(void)
     tu_rng r;
     tu_rng_seed(&r, 17);
     enum { N = 5 };
-    const int bitss[] = {2, 4}, groups[] = {32, 64, 128};
+    const int bitss[] = {2, 4}, groups[] = {8, 16, 32, 64, 128};
     for (int ax = 0; ax < 2; ax++)
         for (int bi = 0; bi < 2; bi++)
-            for (int gi = 0; gi < 3; gi++)
+            for (int gi = 0; gi < 5; gi++)
                 for (int rnd = 0; rnd < 2; rnd++) {
                     const int bits = bitss[bi], P = groups[gi];
                     const kvd_quant_axis axis = ax ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN;

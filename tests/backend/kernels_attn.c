@@ -527,6 +527,14 @@ static void test_int(tu_rng *rng)
         {384, 5, 4, 64, 4, 32, 128, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
         {256, 0, 2, 96, 4, 64, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_CHANNEL},
         {32, 0, 4, 128, 4, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        /* small groups (8, 16) for small heads, on either axis */
+        {256, 3, 4, 32, 2, 8, 8, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {256, 0, 4, 16, 4, 16, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        {128, 2, 2, 32, 2, 16, 8, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_CHANNEL},
+        {96, 1, 4, 8, 2, 8, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {512, 0, 4, 128, 2, 8, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {256, 5, 4, 64, 4, 8, 8, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_CHANNEL},
+        {320, 0, 8, 128, 2, 16, 8, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         int Hkv = 2, Hq = Hkv * cases[ci].G, D = cases[ci].D;

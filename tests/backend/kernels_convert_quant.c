@@ -642,9 +642,9 @@ static void test_quant_random(void)
 {
     tu_rng r;
     tu_rng_seed(&r, 15);
-    const int Ps[3] = {32, 64, 128};
+    const int Ps[5] = {8, 16, 32, 64, 128};
     for (int bits = 2; bits <= 4; bits += 2)
-        for (int pi = 0; pi < 3; pi++)
+        for (int pi = 0; pi < 5; pi++)
             for (int rnd = 0; rnd < 2; rnd++) {
                 int P = Ps[pi];
                 /* token axis: any T (0, 1, odd), D a multiple of P */
@@ -760,8 +760,13 @@ static void test_quant_args(void)
              "sizes channel int4 P128");
     TU_CHECK(kvd_quant_size(10, 128, 3, 64, KVD_QAXIS_TOKEN, &s, &err) == KVD_EINVAL && strstr(err.msg, "bits"),
              "bits 3: %s", err.msg);
-    TU_CHECK(kvd_quant_size(10, 128, 2, 16, KVD_QAXIS_TOKEN, &s, &err) == KVD_EINVAL && strstr(err.msg, "group"),
-             "group 16: %s", err.msg);
+    TU_CHECK(kvd_quant_size(10, 128, 2, 24, KVD_QAXIS_TOKEN, &s, &err) == KVD_EINVAL && strstr(err.msg, "group"),
+             "group 24: %s", err.msg);
+    TU_CHECK(kvd_quant_size(10, 128, 2, 4, KVD_QAXIS_TOKEN, &s, &err) == KVD_EINVAL && strstr(err.msg, "group"),
+             "group 4: %s", err.msg);
+    TU_CHECK(kvd_quant_size(16, 8, 2, 8, KVD_QAXIS_TOKEN, &s, NULL) == KVD_OK && s.codes_bytes == 32 &&
+                 s.ngroups == 16,
+             "sizes 16x8 int2 P8");
     TU_CHECK(kvd_quant_size(10, 96, 2, 64, KVD_QAXIS_TOKEN, &s, &err) == KVD_EINVAL && strstr(err.msg, "head_dim"),
              "D 96 P 64: %s", err.msg);
     TU_CHECK(kvd_quant_size(100, 128, 2, 64, KVD_QAXIS_CHANNEL, &s, &err) == KVD_EINVAL && strstr(err.msg, "token count"),

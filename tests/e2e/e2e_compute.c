@@ -633,6 +633,140 @@ static int t_codecs(kvd_harness *h)
     return 0;
 }
 
+/* Small heads (head_dim 8 and 16): INT keys and values in groups of 8 and
+ * 16 on either axis; group 0 on the token axis takes the largest group that
+ * divides head_dim; the codecs come back resolved; pages read back within
+ * the codec's error and Attend equals the client's attention on them. */
+static int t_small_heads(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model ms[2];
+    REQUIRE_RC(put_model(c, "d16", 2, 2, 8, 16, 0, KVDEPOT_DTYPE_F16, &ms[0]), KVDEPOT_OK);
+    REQUIRE_RC(put_model(c, "d8", 1, 2, 4, 8, 0, KVDEPOT_DTYPE_F16, &ms[1]), KVDEPOT_OK);
+    const kvdepot_quant_axis TK = KVDEPOT_AXIS_TOKEN, CH = KVDEPOT_AXIS_CHANNEL;
+    const struct {
+        const char *id;
+        int model;
+        kvdepot_codecs cs;
+        uint32_t kgroup, vgroup; /* as reported */
+        kvdepot_quant_axis kaxis, vaxis;
+        double max_nmse;
+    } cases[] = {
+        {"g8tok",
+         0,
+         {{KVDEPOT_CODEC_INT2, 8, 0, TK, 0}, {KVDEPOT_CODEC_INT2, 16, 0, TK, 0}, 0},
+         8,
+         16,
+         TK,
+         TK,
+         0.12},
+        {"g16ch",
+         0,
+         {{KVDEPOT_CODEC_INT4, 16, 0, CH, 0}, {KVDEPOT_CODEC_INT2, 8, 1, CH, 3}, 0},
+         16,
+         8,
+         CH,
+         CH,
+         0.25},
+        {"auto",
+         0,
+         {{KVDEPOT_CODEC_INT2, 0, 0, TK, 0}, {KVDEPOT_CODEC_INT4, 0, 0, 0, 0}, 0},
+         16,
+         64,
+         TK,
+         CH,
+         0.12},
+        {"d8",
+         1,
+         {{KVDEPOT_CODEC_INT2, 0, 0, TK, 0}, {KVDEPOT_CODEC_INT4, 8, 0, TK, 0}, 0},
+         8,
+         8,
+         TK,
+         TK,
+         0.12},
+    };
+    const uint64_t n = 600;
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const kvdepot_model *m = &ms[cases[ci].model];
+        const char *id = cases[ci].id;
+        const uint32_t Hq = m->num_q_heads, D = m->head_dim;
+        const size_t row = (size_t)m->num_kv_heads * D;
+        REQUIRE_RC(create_coded(c, m->name, id, &cases[ci].cs), KVDEPOT_OK);
+        REQUIRE_RC(make_seq_append_only(c, m, id, n), KVDEPOT_OK);
+        kvdepot_sequence_info info;
+        REQUIRE_RC(kvdepot_sequence_stat(c, id, strlen(id), &info), KVDEPOT_OK);
+        CHECK(info.have_codecs && info.codecs.k.group_size == cases[ci].kgroup &&
+              info.codecs.v.group_size == cases[ci].vgroup &&
+              info.codecs.k.axis == cases[ci].kaxis && info.codecs.v.axis == cases[ci].vaxis);
+        printf("%s (head_dim %u): k g%u axis %d, v g%u axis %d, stored %llu bytes\n", id, D,
+               info.codecs.k.group_size, (int)info.codecs.k.axis, info.codecs.v.group_size,
+               (int)info.codecs.v.axis, (unsigned long long)info.stored_bytes);
+        CHECK(info.stored_bytes < 2ull * 2 * n * row * m->num_layers); /* less than raw */
+        kvdepot_sequence_info_clear(&info);
+        /* the sealed pages of layer 0 within the codec's error, the tail exact */
+        kvdepot_read_args ra;
+        memset(&ra, 0, sizeof ra);
+        ra.id = id;
+        ra.id_len = strlen(id);
+        ra.num_layers = 1;
+        kvdepot_read_result rr;
+        REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+        const size_t cnt = (size_t)m->num_layers * n * row;
+        uint16_t *want = malloc(cnt * 2);
+        float *wf = malloc(sizeof(float) * n * row), *gf = malloc(sizeof(float) * n * row);
+        REQUIRE(want && wf && gf);
+        for (int which = 0; which < 2; which++) {
+            fill_values(want, cnt, m->dtype, 3 + which); /* as append_at wrote layer 0 */
+            const uint16_t *got = which ? rr.v : rr.k;
+            for (size_t i = 0; i < n * row; i++) {
+                wf[i] = kvd_f16_to_f32(want[i]);
+                gf[i] = kvd_f16_to_f32(got[i]);
+            }
+            double e = nmse(gf, wf, 512 * row);
+            printf("  %s read back: NMSE %.3g\n", which ? "V" : "K", e);
+            CHECK(e > 0 && e <= cases[ci].max_nmse);
+            CHECK(memcmp(gf + 512 * row, wf + 512 * row, (n - 512) * row * sizeof(float)) == 0);
+        }
+        /* Attend (whole, and a range with partial pages) vs the client */
+        float *q = make_q(m, 90 + ci);
+        REQUIRE(q);
+        const uint64_t ranges[][2] = {{0, 0}, {100, 400}};
+        for (size_t ri = 0; ri < 2; ri++) {
+            kvdepot_attend_query qy = {id,           strlen(id), q, (size_t)Hq * D, ranges[ri][0],
+                                       ranges[ri][1]};
+            kvdepot_attend_result r;
+            REQUIRE_RC(kvdepot_attend(c, 0, 0, &qy, 1, &r), KVDEPOT_OK);
+            float lo[8 * 16], ll[8];
+            uint64_t t0 = ranges[ri][0], nt = ranges[ri][1] ? ranges[ri][1] : n - t0;
+            REQUIRE_RC(kvdepot_attention_local(m->dtype, Hq, m->num_kv_heads, D, 0, q,
+                                               (const uint16_t *)rr.k + t0 * row,
+                                               (const uint16_t *)rr.v + t0 * row, nt, lo, ll),
+                       KVDEPOT_OK);
+            double eo = nmse(r.output, lo, (size_t)Hq * D), el = nmse(r.lse, ll, Hq);
+            printf("  attend [%llu, +%llu) vs client: out NMSE %.3g, lse NMSE %.3g\n",
+                   (unsigned long long)t0, (unsigned long long)nt, eo, el);
+            CHECK(eo <= 1e-3 && el <= 1e-6);
+            kvdepot_attend_results_free(&r, 1);
+        }
+        free(q);
+        free(want);
+        free(wf);
+        free(gf);
+        kvdepot_free(rr.owned);
+    }
+    /* a group that divides neither head_dim (token axis) nor is offered */
+    kvdepot_codecs bad[] = {{{KVDEPOT_CODEC_INT2, 16, 0, TK, 0}, {0, 0, 0, 0, 0}, 0},
+                            {{KVDEPOT_CODEC_INT2, 4, 0, CH, 0}, {0, 0, 0, 0, 0}, 0}};
+    for (size_t i = 0; i < 2; i++) {
+        CHECK_RC(create_coded(c, "d8", "bad", &bad[i]), KVDEPOT_EINVAL);
+        kvdepot_sequence_info info;
+        CHECK_RC(kvdepot_sequence_stat(c, "bad", 3, &info), KVDEPOT_ENOTFOUND);
+    }
+    kvdepot_close(c);
+    return 0;
+}
+
 /* Malformed or unsupported codec specs fail the create; nothing is made. */
 static int t_bad_codecs(kvd_harness *h)
 {
@@ -1550,6 +1684,7 @@ static const kvd_test tests[] = {
     {"errors", t_errors},
     {"codecs", t_codecs},
     {"bad_codecs", t_bad_codecs},
+    {"small_heads", t_small_heads},
     {"search", t_search},
     {"append_pages", t_append_pages},
     {"read_pages", t_read_pages},

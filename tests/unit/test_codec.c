@@ -663,6 +663,24 @@ int main(void)
             CHECK(kvd_codec_spec_check(&s, is_v, 48, D, NULL) == 0 && s.axis == KVD_QAXIS_TOKEN);
             s = spec(KVD_CODEC_INT2, 64, KVD_CODEC_AXIS_DEFAULT, 0, 0);
             CHECK(kvd_codec_spec_check(&s, is_v, 48, 32, NULL) == KVD_EINVAL); /* neither fits */
+            /* small heads: groups of 8 and 16; group 0 on the token axis
+             * takes the largest that divides head_dim */
+            s = spec(KVD_CODEC_INT2, 8, KVD_QAXIS_TOKEN, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, 8, NULL) == 0 && s.group == 8);
+            s = spec(KVD_CODEC_INT4, 16, KVD_QAXIS_CHANNEL, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, 8, NULL) == 0 && s.group == 16);
+            s = spec(KVD_CODEC_INT2, 16, KVD_QAXIS_TOKEN, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, 8, NULL) == KVD_EINVAL); /* 16 !| 8 */
+            s = spec(KVD_CODEC_INT2, 0, KVD_QAXIS_TOKEN, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, 48, NULL) == 0 && s.group == 16);
+            s = spec(KVD_CODEC_INT2, 0, KVD_CODEC_AXIS_DEFAULT, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, 40, 24, NULL) == 0 && s.group == 8 &&
+                  s.axis == KVD_QAXIS_TOKEN);
+            s = spec(KVD_CODEC_INT2, 0, KVD_CODEC_AXIS_DEFAULT, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, 8, NULL) == 0 && s.group == 64 &&
+                  s.axis == KVD_QAXIS_CHANNEL);
+            s = spec(KVD_CODEC_INT2, 4, KVD_QAXIS_TOKEN, 0, 0);
+            CHECK(kvd_codec_spec_check(&s, is_v, B, 8, NULL) == KVD_EINVAL);
             s = spec(KVD_CODEC_RAW, 0, KVD_CODEC_AXIS_DEFAULT, 0, 0);
             CHECK(kvd_codec_spec_check(&s, is_v, B, D, NULL) == 0 &&
                   s.axis == (is_v ? KVD_QAXIS_CHANNEL : KVD_QAXIS_TOKEN));

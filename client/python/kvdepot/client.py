@@ -69,7 +69,8 @@ class SequenceInfo:
 @dataclass
 class Codecs:
     """How a sequence's pages are stored once they seal (kvdepot_codecs).
-    k, v: "raw", "int2", "int4" or "vq"; group: 32, 64 or 128 (0 = 64);
+    k, v: "raw", "int2", "int4" or "vq"; group: 8, 16, 32, 64 or 128 (0 = 64,
+    smaller for small heads);
     axis: "default" (channel where the group divides the page size, else
     token), "token" or "channel"; stochastic rounding
     with seed; VQ sub-vector width and bits (the model needs calibrated

@@ -95,7 +95,7 @@ typedef enum kvd_attn_axis {
 
 typedef struct kvd_attn_qdata {
     int bits;     /* 2 or 4 */
-    int group;    /* P: 32, 64 or 128 (any multiple of 8/bits that divides the axis) */
+    int group;    /* P: 8, 16, 32, 64 or 128 (any multiple of 8/bits that divides the axis) */
     int axis;     /* kvd_attn_axis */
     kvd_tensor codes, min, scale, sum;
 } kvd_attn_qdata;

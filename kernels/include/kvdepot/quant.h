@@ -100,7 +100,7 @@ typedef enum kvd_rounding {
  */
 typedef struct kvd_qtensor {
     int bits;            /* 2 or 4 */
-    int group;           /* PI: 32, 64 or 128 */
+    int group;           /* PI: 8, 16, 32, 64 or 128 */
     kvd_quant_axis axis;
     int64_t ntok;        /* T */
     int64_t dim;         /* D */
@@ -120,7 +120,7 @@ typedef struct kvd_quant_sizes {
 
 /*
  * Sizes of a block with this format. Returns KVD_EINVAL (message naming the
- * problem) when bits is not 2/4, PI not 32/64/128, sizes negative, or the
+ * problem) when bits is not 2/4, PI not 8/16/32/64/128, sizes negative, or the
  * grouped dimension (D for the token axis, T for the channel axis) is not a
  * multiple of PI. @param[out] out zeroed on failure.
  */
