@@ -372,6 +372,14 @@ int kvd_codecs_from_pb(const Kvdepot__V1__SequenceCodecs *c, const kvd_model_inf
     out->raw_sink_tokens = c->raw_sink_tokens;
     const Kvdepot__V1__CodecSpec *sp[2] = {c->k, c->v};
     for (int i = 0; i < 2; i++) {
+        const Kvdepot__V1__QuantSpec *q = sp[i] ? sp[i]->quant : NULL;
+        if (q && (q->group_size || q->rounding || q->axis || q->seed) &&
+            sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_INT2 &&
+            sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_INT4)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "codecs.%s.quant: set for a codec other than INT2/INT4 (group "
+                                 "size, rounding, axis and seed have no meaning there)",
+                                 i ? "v" : "k");
         if (sp[i] && sp[i]->vq && sp[i]->codec != KVDEPOT__V1__CODEC__CODEC_VQ)
             return kvd_error_set(err, KVD_EINVAL, "codecs.%s.vq: set for a codec other than VQ",
                                  i ? "v" : "k");

@@ -316,6 +316,17 @@ static int need_art(const kvd_art_ref *a, size_t n, int kind, uint32_t l, uint32
     return 0;
 }
 
+/* The multiple SVD widths are rounded up to: svd_align (0 = 8), and for INT
+ * on the token axis also the group size (powers of two: the larger). */
+static uint32_t svd_align_of(const kvd_codec_spec *s)
+{
+    uint32_t align = s->svd_align ? s->svd_align : 8;
+    if (s->codec != KVD_CODEC_RAW && s->axis == KVD_QAXIS_TOKEN && s->group)
+        while (align % s->group)
+            align = align < s->group ? s->group : align * 2;
+    return align;
+}
+
 static int round_width(uint32_t w, uint32_t align, uint32_t D)
 {
     w = (w + align - 1) / align * align;
@@ -358,10 +369,7 @@ static int build_layer(const kvd_codec_spec *s, int is_v, uint32_t l, uint32_t H
         la->widths = malloc(sizeof(int32_t) * H);
         if (!la->rotation || !la->widths)
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
-        uint32_t align = s->svd_align ? s->svd_align : 8;
-        if (s->codec != KVD_CODEC_RAW && s->axis == KVD_QAXIS_TOKEN && s->group)
-            while (align % s->group) /* lcm with the group (powers of two: the larger) */
-                align = align < s->group ? s->group : align * 2;
+        const uint32_t align = svd_align_of(s);
         for (uint32_t h = 0; h < H; h++) {
             if ((rc = need_art(a, n, is_v ? ART_ROT_V : ART_ROT_K, l, h, D, D, &r, err)))
                 return rc;
@@ -412,6 +420,24 @@ int kvd_codec_arts_build(const kvd_codec_spec *ks, const kvd_codec_spec *vs, uin
             break;
         if (r->v)
             rc = build_layer(vs, 1, l, H, D, a, n, &r->v[l], err);
+    }
+    /* A reduction that keeps every dimension of every head is a no-op that
+     * costs more than none (the rotation, the widths' prefix): refused. */
+    for (int side = 0; side < 2 && rc == 0; side++) {
+        const kvd_codec_spec *s = side ? vs : ks;
+        const kvd_layer_arts *la = side ? r->v : r->k;
+        int reduced = !s->svd;
+        for (uint32_t l = 0; la && l < L && !reduced; l++)
+            for (uint32_t h = 0; h < H && !reduced; h++)
+                reduced = la[l].widths[h] < (int32_t)D;
+        if (!reduced)
+            rc = kvd_error_set(err, KVD_EINVAL,
+                               "%s.svd: every head keeps all %u dimensions (widths are rounded up "
+                               "to a multiple of %u: svd.align, and the group size for INT on the "
+                               "token axis), so the reduction changes nothing and costs more than "
+                               "none: raise removal_rate or give smaller widths, lower the "
+                               "multiple, or leave svd out",
+                               side ? "v" : "k", D, svd_align_of(s));
     }
     if (rc) {
         kvd_codec_arts_free(r);

@@ -1416,10 +1416,10 @@ static int t_device(kvd_harness *h)
          {{KVDEPOT_CODEC_INT2, 64, 0, KVDEPOT_AXIS_TOKEN, 0},
           {KVDEPOT_CODEC_INT2, 64, 0, 0, 0},
           0}},
-        {"dev-svd", {.k = {.svd_removal_rate = 0.1}, .v = {.svd_removal_rate = 0.1}}, 0},
+        {"dev-svd", {.k = {.svd_removal_rate = 0.3}, .v = {.svd_removal_rate = 0.3}}, 0},
         {"dev-svdint",
-         {.k = {.codec = KVDEPOT_CODEC_INT4, .group_size = 32, .svd_removal_rate = 0.1},
-          .v = {.codec = KVDEPOT_CODEC_INT2, .stochastic = 1, .svd_removal_rate = 0.1}},
+         {.k = {.codec = KVDEPOT_CODEC_INT4, .group_size = 32, .svd_removal_rate = 0.3},
+          .v = {.codec = KVDEPOT_CODEC_INT2, .stochastic = 1, .svd_removal_rate = 0.3}},
          0},
     };
     const size_t ns = sizeof seqs / sizeof seqs[0];

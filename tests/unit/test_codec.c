@@ -499,6 +499,35 @@ static void test_arts_codecs(kvd_backend *be)
         CHECK(kvd_codec_spec_check(&s, 1, B, D, NULL) == 0); /* as read back from a record */
         CHECK(kvd_codec_arts_build(&raw, &s, AL, H, D, f8.refs, f8.n, &none, NULL) ==
               KVD_EINVAL); /* no rate, no widths to build a snapshot with */
+        /* A reduction keeping every dimension of every head is refused:
+         * widths D, D - 1 rounded up to the multiple of 8, or to the group
+         * of INT on the token axis; D - 8 is a reduction. */
+        {
+            const uint32_t wd[4] = {D, D - 1, D - 8, 40};
+            kvd_codec_spec t = spec(KVD_CODEC_RAW, 0, 0, 0, 0);
+            t.svd = 1;
+            t.svd_nwidths = 1;
+            kvd_error e2;
+            for (int i = 0; i < 3; i++) {
+                t.svd_widths = &wd[i];
+                kvd_codec_arts *got = NULL;
+                int rc = kvd_codec_arts_build(&t, &raw, AL, H, D, f8.refs, f8.n, &got, &e2);
+                CHECK(i < 2 ? rc == KVD_EINVAL && !got && strstr(e2.msg, "keeps all")
+                            : rc == 0 && got);
+                kvd_codec_arts_free(got);
+            }
+            t = spec(KVD_CODEC_INT2, 64, KVD_QAXIS_TOKEN, 0, 0);
+            t.svd = 1;
+            t.svd_nwidths = 1;
+            t.svd_widths = &wd[3]; /* 40 -> 64, the group */
+            kvd_codec_arts *got = NULL;
+            CHECK(kvd_codec_arts_build(&raw, &t, AL, H, D, f8.refs, f8.n, &got, &e2) ==
+                      KVD_EINVAL &&
+                  strstr(e2.msg, "v.svd"));
+            t.axis = KVD_QAXIS_CHANNEL; /* per channel: no group multiple */
+            CHECK(kvd_codec_arts_build(&raw, &t, AL, H, D, f8.refs, f8.n, &got, &e2) == 0 && got);
+            kvd_codec_arts_free(got);
+        }
         s.svd_rate = 1.0;
         CHECK(kvd_codec_spec_check(&s, 1, B, D, NULL) == KVD_EINVAL);
         s.svd_rate = 0;

@@ -264,7 +264,7 @@ func (s *suite) tCodecsVqSvd() {
 	must(a.putModel(model("go-vq", 1, HKV, HQ, D, f32), false))
 	r := rand.New(rand.NewSource(4242))
 	vq := &pb.CodecSpec{Codec: pb.Codec_CODEC_VQ, Vq: &pb.VQSpec{SubDim: 4, Bits: 5}}
-	svd := &pb.CodecSpec{Codec: pb.Codec_CODEC_RAW, Svd: &pb.SVDSpec{RemovalRate: 0.2}}
+	svd := &pb.CodecSpec{Codec: pb.Codec_CODEC_RAW, Svd: &pb.SVDSpec{RemovalRate: 0.3, Align: 2}}
 	expectCode(errOf(s.create("go-vq", "go-vq", &pb.SequenceCodecs{K: vq, V: vq})), codes.FailedPrecondition)
 	expectCode(errOf(s.create("go-svd", "go-vq", &pb.SequenceCodecs{K: svd, V: svd})), codes.FailedPrecondition)
 	expectCode(errOf(a.stat("go-vq")), codes.NotFound)
@@ -278,6 +278,11 @@ func (s *suite) tCodecsVqSvd() {
 	expectCode(errOf(s.create("go-vq", "go-vq", &pb.SequenceCodecs{K: &pb.CodecSpec{
 		Codec: pb.Codec_CODEC_VQ, Vq: &pb.VQSpec{SubDim: 4, Bits: 8}}})), codes.FailedPrecondition)
 	expectCode(errOf(a.stat("go-vq")), codes.NotFound)
+	// a reduction that keeps all 16 dimensions of every head (flat spectrum,
+	// widths rounded up to the default multiple of 8) is refused
+	noop := &pb.CodecSpec{Codec: pb.Codec_CODEC_RAW, Svd: &pb.SVDSpec{RemovalRate: 0.2}}
+	expectCode(errOf(s.create("go-noop", "go-vq", &pb.SequenceCodecs{K: noop})), codes.InvalidArgument)
+	expectCode(errOf(a.stat("go-noop")), codes.NotFound)
 	data := f32s(uniform(r, 2*n*HKV*D, 1))
 	q := uniform(r, HQ*D, 1)
 	for _, c := range []struct {

@@ -851,7 +851,7 @@ class Suite:
         m = self.model("py-vq", 1, HKV, D, dtype=pb.DTYPE_F32, q_heads=HQ)
         self.put_model(m)
         vq = pb.CodecSpec(codec=pb.CODEC_VQ, vq=pb.VQSpec(sub_dim=4, bits=5))
-        svd = pb.CodecSpec(codec=pb.CODEC_RAW, svd=pb.SVDSpec(removal_rate=0.2))
+        svd = pb.CodecSpec(codec=pb.CODEC_RAW, svd=pb.SVDSpec(removal_rate=0.3, align=2))
         expect_code(SC.FAILED_PRECONDITION, self.create, b"py-vq", "py-vq",
                     codecs=pb.SequenceCodecs(k=vq, v=vq))
         expect_code(SC.FAILED_PRECONDITION, self.create, b"py-svd", "py-vq",
@@ -876,6 +876,20 @@ class Suite:
                     codecs=pb.SequenceCodecs(k=pb.CodecSpec(codec=pb.CODEC_VQ,
                                                             vq=pb.VQSpec(sub_dim=4, bits=8))))
         expect_code(SC.NOT_FOUND, self.stat, b"py-vq")
+        # no silent no-ops: a reduction that keeps all 16 dimensions of every
+        # head (the flat spectrum of uniform samples, widths rounded up to
+        # the default multiple of 8), and quantization fields on a raw side
+        noop = pb.CodecSpec(codec=pb.CODEC_RAW, svd=pb.SVDSpec(removal_rate=0.2))
+        rawq = pb.CodecSpec(codec=pb.CODEC_RAW, quant=pb.QuantSpec(group_size=32))
+        for codecs, what in ((pb.SequenceCodecs(k=noop), "k.svd: every head keeps all 16"),
+                             (pb.SequenceCodecs(v=rawq), "codecs.v.quant")):
+            try:
+                self.create(b"py-noop", "py-vq", codecs=codecs)
+                check(False, "%s: created" % what)
+            except grpc.RpcError as e:
+                eq(e.code(), SC.INVALID_ARGUMENT, what)
+                check(what in e.details(), "%s: message %r" % (what, e.details()))
+        expect_code(SC.NOT_FOUND, self.stat, b"py-noop")
         data = pack(sample(n, HKV)) + pack(sample(n, HKV))
         q = [rng.uniform(-1, 1) for _ in range(HQ * D)]
         Attend = self.uu("Attend")
@@ -891,7 +905,8 @@ class Suite:
                     eq((side.vq.sub_dim, side.vq.bits), (4, 5), "%s reported VQ spec" % sid)
                 else:
                     eq(len(side.svd.kept_widths), 1 * HKV, "%s kept widths per (layer, head)" % sid)
-                    check(all(1 <= w <= D for w in side.svd.kept_widths),
+                    check(all(1 <= w <= D for w in side.svd.kept_widths) and
+                          min(side.svd.kept_widths) < D,
                           "%s kept widths %s" % (sid, list(side.svd.kept_widths)))
             eq(self.stat(sid).codecs, got, "%s codecs in StatSequence" % sid)
             self.api.append(sid, data, 0, n, dtype=pb.DTYPE_F32, timeout=CALL_TIMEOUT)
