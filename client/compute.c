@@ -21,6 +21,7 @@
 
 #define PATH_ATTEND "/kvdepot.v1.KVDepot/Attend"
 #define PATH_PLAN_FETCH "/kvdepot.v1.KVDepot/PlanFetch"
+#define PATH_PQ_CENTROIDS "/kvdepot.v1.KVDepot/GetPQCentroids"
 #define PATH_SEARCH "/kvdepot.v1.KVDepot/Search"
 #define PATH_APPEND_PAGES "/kvdepot.v1.KVDepot/AppendPages"
 #define PATH_SPARSE_ATTEND "/kvdepot.v1.KVDepot/SparseAttend"
@@ -243,6 +244,57 @@ int kvdepot_plan_fetch(kvdepot_client *c, const void *id, size_t id_len,
     out->flops_per_token = r->flops_per_token;
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return KVDEPOT_OK;
+}
+
+int kvdepot_pq_centroids_get(kvdepot_client *c, const void *id, size_t id_len, uint32_t layer,
+                             kvdepot_pq_centroids *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !out || (!id && id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "pq centroids: NULL argument");
+    if (c->cluster)
+        return kvdepot__cluster_pq_centroids(c, id, id_len, layer, out);
+    Kvdepot__V1__GetPQCentroidsRequest req = KVDEPOT__V1__GET_PQCENTROIDS_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)id;
+    req.sequence_id.len = id_len;
+    req.layer = layer;
+    Kvdepot__V1__GetPQCentroidsResponse *r = NULL;
+    int rc =
+        call_unary(c, PATH_PQ_CENTROIDS, &req.base,
+                   &kvdepot__v1__get_pqcentroids_response__descriptor, (ProtobufCMessage **)&r);
+    if (rc)
+        return rc;
+    const uint64_t want = r->bits <= 16 && r->m && r->head_dim % r->m == 0
+                              ? (uint64_t)r->num_kv_heads * ((uint64_t)1 << r->bits) * r->head_dim
+                              : 0;
+    if (!want || r->centroids.len != want * sizeof(float)) {
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL,
+                           "pq centroids: %zu bytes for %u kv heads x 2^%u x %u, m %u",
+                           r->centroids.len, r->num_kv_heads, r->bits, r->head_dim, r->m);
+    } else if (!(out->data = malloc(r->centroids.len))) {
+        rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "pq centroids: out of memory");
+    } else {
+        memcpy(out->data, r->centroids.data, r->centroids.len); /* little-endian f32 */
+        out->count = (size_t)want;
+        out->layer = r->layer;
+        out->num_kv_heads = r->num_kv_heads;
+        out->head_dim = r->head_dim;
+        out->m = r->m;
+        out->bits = r->bits;
+        out->centroids_id = r->centroids_id;
+    }
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
+void kvdepot_pq_centroids_free(kvdepot_pq_centroids *c)
+{
+    if (!c)
+        return;
+    free(c->data);
+    memset(c, 0, sizeof *c);
 }
 
 /* ---- codecs ---------------------------------------------------------------------- */

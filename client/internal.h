@@ -150,6 +150,8 @@ int kvdepot__cluster_plan_fetch(kvdepot_client *c, const void *id, size_t id_len
                                 int assume_activations, kvdepot_fetch_plan *out);
 int kvdepot__cluster_search(kvdepot_client *c, const kvdepot_search_args *a,
                             kvdepot_search_result *out);
+int kvdepot__cluster_pq_centroids(kvdepot_client *c, const void *id, size_t id_len, uint32_t layer,
+                                  kvdepot_pq_centroids *out);
 int kvdepot__cluster_sparse_attend(kvdepot_client *c, const kvdepot_search_args *a, float scale,
                                    kvdepot_attend_result *out, kvdepot_search_result *tokens);
 int kvdepot__cluster_read_pages(kvdepot_client *c, const kvdepot_read_args *a,

@@ -1337,6 +1337,26 @@ int kvdepot__cluster_sparse_attend(kvdepot_client *c, const kvdepot_search_args 
     return as_miss(c, run_for_id(c, a->id, a->id_len, op_search, &x));
 }
 
+struct centroids_ctx {
+    const void *id;
+    size_t id_len;
+    uint32_t layer;
+    kvdepot_pq_centroids *out;
+};
+
+static int op_pq_centroids(kvdepot_client *m, void *p)
+{
+    struct centroids_ctx *x = p;
+    return kvdepot_pq_centroids_get(m, x->id, x->id_len, x->layer, x->out);
+}
+
+int kvdepot__cluster_pq_centroids(kvdepot_client *c, const void *id, size_t id_len, uint32_t layer,
+                                  kvdepot_pq_centroids *out)
+{
+    struct centroids_ctx x = {id, id_len, layer, out};
+    return as_miss(c, run_for_id(c, id, id_len, op_pq_centroids, &x));
+}
+
 struct pages_ctx {
     const kvdepot_read_args *read;
     kvdepot_page **pages;

@@ -9,6 +9,7 @@
 
 #include "compute.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
+#include "pqindex.h"
 #include "rpc.h"
 
 /* Pack m into *reply; KVD_ENOMEM when it exceeds max-message-bytes. */
@@ -168,6 +169,36 @@ int kvd_h_sparse_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte
     if (!req->search)
         return kvd_error_set(err, KVD_EINVAL, "search: missing");
     return search_rpc(ctx, req->search, 1, req->scale, reply, err);
+}
+
+int kvd_h_pq_centroids(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                       kvd_error *err)
+{
+    const Kvdepot__V1__GetPQCentroidsRequest *req = (const Kvdepot__V1__GetPQCentroidsRequest *)msg;
+    kvd_compute_guard g;
+    kvd_compute c;
+    kvd_ctx_compute(ctx, &g, &c);
+    kvd_seq_key key;
+    int rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err);
+    if (rc)
+        return rc;
+    kvd_pq_centroids pc;
+    rc = kvd_compute_pq_centroids(&c, key.id, key.len, req->layer, &pc, err);
+    if (!rc) {
+        Kvdepot__V1__GetPQCentroidsResponse resp = KVDEPOT__V1__GET_PQCENTROIDS_RESPONSE__INIT;
+        resp.layer = req->layer;
+        resp.num_kv_heads = pc.num_kv_heads;
+        resp.head_dim = pc.head_dim;
+        resp.m = pc.m;
+        resp.bits = pc.bits;
+        resp.centroids_id = pc.id;
+        /* little-endian f32, as in memory on the hosts kvdepotd builds for */
+        resp.centroids.data = (uint8_t *)pc.data;
+        resp.centroids.len = sizeof(float) * pc.num_kv_heads * ((size_t)1 << pc.bits) * pc.head_dim;
+        rc = reply_msg(ctx, &resp.base, reply, err);
+    }
+    kvd_pq_centroids_clear(&pc);
+    return rc;
 }
 
 int kvd_h_plan_fetch(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,

@@ -1134,6 +1134,31 @@ void kvdepot_search_result_free(kvdepot_search_result *r);
 int kvdepot_sparse_attend(kvdepot_client *client, const kvdepot_search_args *args, float scale,
                           kvdepot_attend_result *out, kvdepot_search_result *tokens);
 
+/* The PQ centroids of one layer of a sequence (kvdepot.proto GetPQCentroids):
+ * data (num_kv_heads, m, 2^bits, head_dim / m) f32, count floats; centroid
+ * c of sub-space j of kv head h covers dimensions [j * head_dim / m,
+ * (j + 1) * head_dim / m) of that head's keys. centroids_id is the id the
+ * pages' PQ sections carry. Free with kvdepot_pq_centroids_free. */
+typedef struct kvdepot_pq_centroids {
+    uint32_t layer, num_kv_heads, head_dim, m, bits;
+    uint64_t centroids_id;
+    float *data;
+    size_t count;
+} kvdepot_pq_centroids;
+
+/*
+ * GetPQCentroids: the stored centroids of `layer` of a sequence created with
+ * codecs.pq_m > 0, the ones Search scores with; with the pages
+ * (kvdepot_read_pages) a client reproduces every Search answer.
+ * @return KVDEPOT_OK; KVDEPOT_EPRECOND (no PQ index, or no page of the layer
+ *         sealed yet); KVDEPOT_EINVAL (layer); KVDEPOT_ENOTFOUND.
+ */
+int kvdepot_pq_centroids_get(kvdepot_client *client, const void *id, size_t id_len, uint32_t layer,
+                             kvdepot_pq_centroids *out);
+
+/* Free what kvdepot_pq_centroids_get returned; NULL is a no-op. */
+void kvdepot_pq_centroids_free(kvdepot_pq_centroids *c);
+
 /* One encoded page (docs/page-format.md): the bytes that cross the network. */
 typedef struct kvdepot_page {
     void *data;

@@ -137,6 +137,17 @@ int kvd_compute_sparse_attend(const kvd_compute *c, const kvd_search_args *a, fl
                               kvd_search_result *r, kvd_error *err);
 void kvd_search_result_clear(kvd_search_result *r);
 
+/*
+ * The stored PQ centroids of `layer` of sequence id (store/pqindex.h) into
+ * *out (clear with kvd_pq_centroids_clear, also after a failure).
+ * @return 0; KVD_EPRECOND (no PQ index, or none of the layer's pages has
+ *         sealed yet); KVD_EINVAL (id, layer); KVD_ENOTFOUND; KVD_EPERM;
+ *         KVD_ECORRUPT; KVD_ENOMEM.
+ */
+struct kvd_pq_centroids;
+int kvd_compute_pq_centroids(const kvd_compute *c, const void *id, size_t id_len, uint32_t layer,
+                             struct kvd_pq_centroids *out, kvd_error *err);
+
 /* ---- PlanFetch ------------------------------------------------------------- */
 
 /*

@@ -785,3 +785,29 @@ done:
     search_run_free(&r);
     return rc;
 }
+
+int kvd_compute_pq_centroids(const kvd_compute *c, const void *id, size_t id_len, uint32_t layer,
+                             kvd_pq_centroids *out, kvd_error *err)
+{
+    memset(out, 0, sizeof *out);
+    kvd__cseq sc;
+    kvd_seq_codecs codecs;
+    int rc, found = 0;
+    if ((rc = kvd__cseq_load(c, id, id_len, "sequence_id", layer, &sc, err)) ||
+        (rc = kvd_store_seq_codecs_get(c->store, id, id_len, &codecs, &found, err)))
+        return rc;
+    const uint32_t pq_m = codecs.pq_m;
+    kvd_seq_codecs_clear(&codecs);
+    if (!pq_m)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "sequence has no PQ index (create it with codecs.pq)");
+    if ((rc = kvd_store_pq_centroids_get(c->store, id, id_len, layer, out, &found, err)))
+        return rc;
+    if (!found)
+        return kvd_error_set(err, KVD_EPRECOND,
+                             "layer %u has no PQ centroids yet: they are trained when its first "
+                             "page seals (%llu of %u tokens stored)",
+                             layer, (unsigned long long)sc.layer_tokens,
+                             kvd_store_page_tokens(c->store));
+    return 0;
+}

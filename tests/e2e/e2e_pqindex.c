@@ -425,14 +425,28 @@ static int t_stored(kvd_harness *h)
               memcmp(after.heads[hh].tokens, before.heads[hh].tokens,
                      sizeof(uint64_t) * after.heads[hh].count) == 0);
     kvdepot_search_result_free(&before);
+    /* GetPQCentroids hands out exactly the stored centroids; with them and
+     * the pages a client reproduces Search (below, through rpc[1]). */
+    kvd_pq_centroids rpc[L];
+    for (uint32_t l = 0; l < L; l++) {
+        kvdepot_pq_centroids pc;
+        REQUIRE_RC(kvdepot_pq_centroids_get(c, "s", 1, l, &pc), KVDEPOT_OK);
+        CHECK(pc.layer == l && pc.num_kv_heads == H && pc.head_dim == D && pc.m == M &&
+              pc.bits == NB && pc.centroids_id == cent[l].id && pc.count == (size_t)H * CPH &&
+              memcmp(pc.data, cent[l].data, sizeof(float) * H * CPH) == 0);
+        rpc[l] = (kvd_pq_centroids){pc.num_kv_heads, pc.head_dim,     pc.m,
+                                    pc.bits,         pc.centroids_id, pc.data};
+    }
     uint8_t *codes = malloc((size_t)H * (n + 300) * M);
-    REQUIRE(stored_codes(c, "s", 1, n, &cent[1], codes) == 0);
-    CHECK(check_search(c, "s", 1, q, 0, 0, 20, 4, 16, n, codes, &cent[1]) == 0);
+    REQUIRE(stored_codes(c, "s", 1, n, &rpc[1], codes) == 0);
+    CHECK(check_search(c, "s", 1, q, 0, 0, 20, 4, 16, n, codes, &rpc[1]) == 0);
     CHECK(check_search(c, "s", 1, q, 100, 450, 7, 0, 0, n, codes, &cent[1]) == 0);
     CHECK(check_search(c, "s", 1, q, 300, 0, 300, 0, 0, n, codes, &cent[1]) == 0);
     CHECK(check_search(c, "s", 1, q, 512, 88, 5, 2, 3, n, codes, &cent[1]) == 0); /* tail only */
     REQUIRE(stored_codes(c, "s", 0, n, &cent[0], codes) == 0);
     CHECK(check_search(c, "s", 0, q, 0, 0, 50, 0, 8, n, codes, &cent[0]) == 0);
+    for (uint32_t l = 0; l < L; l++)
+        kvd_pq_centroids_clear(&rpc[l]);
 
     CHECK(check_sparse(c, be, &sa, n, &after) == 0);
     kvdepot_search_result_free(&after);
@@ -722,6 +736,20 @@ static int t_errors(kvd_harness *h)
     sa.id = "plain";
     sa.id_len = 5;
     CHECK_RC(kvdepot_search(c, &sa, &sr), KVDEPOT_EPRECOND);
+    /* GetPQCentroids: no index, a layer with no sealed page, a layer past
+     * the model's, an unknown sequence */
+    kvdepot_pq_centroids pc;
+    CHECK_RC(kvdepot_pq_centroids_get(c, "plain", 5, 0, &pc), KVDEPOT_EPRECOND);
+    REQUIRE_RC(create(c, "young", 1), KVDEPOT_OK);
+    REQUIRE_RC(append(c, "young", 0, 10), KVDEPOT_OK);
+    CHECK_RC(kvdepot_pq_centroids_get(c, "young", 5, 0, &pc), KVDEPOT_EPRECOND);
+    CHECK(strstr(kvdepot_errmsg(c), "no PQ centroids yet") != NULL);
+    CHECK_RC(kvdepot_pq_centroids_get(c, "s", 1, L, &pc), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_pq_centroids_get(c, "nope", 4, 0, &pc), KVDEPOT_ENOTFOUND);
+    CHECK(pc.data == NULL && pc.count == 0);
+    REQUIRE_RC(kvdepot_pq_centroids_get(c, "s", 1, 0, &pc), KVDEPOT_OK);
+    CHECK(pc.count == (size_t)H * CPH && pc.data);
+    kvdepot_pq_centroids_free(&pc);
     /* The failed calls changed nothing: the search still answers. */
     sa.id = "s";
     sa.id_len = 1;

@@ -359,6 +359,15 @@ int kvdepot_search(kvdepot_client *client, const kvdepot_search_args *args,
 int kvdepot_sparse_attend(kvdepot_client *client, const kvdepot_search_args *args, float scale,
                           kvdepot_attend_result *out, kvdepot_search_result *tokens);
 void kvdepot_search_result_free(kvdepot_search_result *r);
+typedef struct kvdepot_pq_centroids {
+    uint32_t layer, num_kv_heads, head_dim, m, bits;
+    uint64_t centroids_id;
+    float *data;
+    size_t count;
+} kvdepot_pq_centroids;
+int kvdepot_pq_centroids_get(kvdepot_client *client, const void *id, size_t id_len,
+                             uint32_t layer, kvdepot_pq_centroids *out);
+void kvdepot_pq_centroids_free(kvdepot_pq_centroids *c);
 int kvdepot_plan_fetch(kvdepot_client *client, const void *id, size_t id_len,
                        double bandwidth_bytes_per_s, double compute_flops_per_s,
                        uint32_t layer_start, uint32_t num_layers, int assume_activations,

@@ -892,6 +892,24 @@ class Client:
         finally:
             lib.kvdepot_search_result_free(r)
 
+    def pq_centroids(self, sid: Id, layer: int) -> Tuple[np.ndarray, int]:
+        """The stored PQ centroids of one layer (GetPQCentroids): a float32
+        array (num_kv_heads, m, 2**bits, head_dim // m), centroid c of
+        sub-space j of kv head h covering dimensions [j * head_dim // m,
+        (j + 1) * head_dim // m) of that head's keys, and the centroids id the
+        pages' PQ sections carry. With the pages (read_pages) they reproduce
+        every search answer."""
+        b = _id(sid)
+        pc = ffi.new("kvdepot_pq_centroids *")
+        self._check(lib.kvdepot_pq_centroids_get(self._client(), ffi.from_buffer(b), len(b),
+                                                 layer, pc))
+        try:
+            shape = (pc.num_kv_heads, pc.m, 1 << pc.bits, pc.head_dim // pc.m)
+            a = np.frombuffer(ffi.buffer(pc.data, 4 * pc.count), dtype=np.float32).copy()
+            return a.reshape(shape), int(pc.centroids_id)
+        finally:
+            lib.kvdepot_pq_centroids_free(pc)
+
     def sparse_attend(self, sid: Id, layer: int, q, k: int, *, initial_tokens: int = 0,
                       recent_tokens: int = 0, token_start: int = 0, num_tokens: int = 0,
                       scale: float = 0.0) -> Tuple[AttendResult, List[HeadTokens]]:

@@ -159,6 +159,23 @@ def test_search_sparse_attend_plan(client):
     for h in heads:
         assert len(h.tokens) == 16 + 2 + 4 and len(set(h.tokens.tolist())) == 22
         assert {0, 1, 696, 697, 698, 699} <= set(h.tokens.tolist()) and h.tokens.max() < 700
+    # the stored centroids reproduce the scores: each key's nearest centroid
+    # per sub-space, scored against the group's summed query
+    cent, cid = client.pq_centroids("p1", 0)
+    assert cent.shape == (H, 8, 64, D // 8) and cid != 0
+    ds = D // 8
+    for h in heads:
+        keys = k[0, :, h.kv_head, :].astype(np.float32)
+        qbar = q[h.kv_head * (HQ // H):(h.kv_head + 1) * (HQ // H)].sum(0)
+        ref = np.zeros(700, dtype=np.float64)
+        for j in range(8):
+            c = cent[h.kv_head, j]
+            sub = keys[:, j * ds:(j + 1) * ds]
+            code = ((sub[:, None, :] - c[None]) ** 2).sum(-1).argmin(1)
+            ref += c[code] @ qbar[j * ds:(j + 1) * ds]
+        assert np.allclose(h.scores, ref[h.tokens], rtol=1e-4, atol=1e-4)
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.pq_centroids("p1", L)
     r, chosen = client.sparse_attend("p1", 0, q, 16, initial_tokens=2, recent_tokens=4)
     assert r.num_tokens == 22 and len(chosen) == H
     # the reference: each query head over its kv head's chosen tokens
