@@ -857,6 +857,7 @@ int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequen
     out->page_tokens = pb->page_tokens;
     out->sealed_pages = pb->sealed_pages;
     out->stored_bytes = pb->stored_bytes;
+    out->pq_index_bytes = pb->pq_index_bytes;
     out->created_unix_ms = pb->created_unix_ms;
     out->prefix_blocks = pb->prefix_blocks;
     out->activation_tokens = pb->activation_tokens;

@@ -28,8 +28,10 @@ typedef struct append_state {
     kvd_seq_key key;
     uint64_t expected, received;
     uint64_t messages;
-    /* Quota reserved at the header: `expected` bytes against the tenants of
-     * `model`, given back unless the append commits. */
+    /* Quota reserved at the header: `expected` bytes and the `index_bound`
+     * bytes of PQ centroids it may train against the tenants of `model`,
+     * given back unless the append commits (the untrained part then). */
+    uint64_t index_bound;
     kvd_auth *quota;
     char model[KVD_MODEL_NAME_MAX + 1];
     int reserved, committed;
@@ -281,7 +283,9 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
                              "split it into several appends",
                              (unsigned long long)expected, (unsigned long long)limit);
     }
-    if ((rc = kvd_ctx_quota_reserve(ctx, st->model, 0, expected, err))) {
+    /* the quota counts the payload and the PQ centroids the append may train */
+    st->index_bound = kvd_store_append_index_bound(ap);
+    if ((rc = kvd_ctx_quota_reserve(ctx, st->model, 0, expected + st->index_bound, err))) {
         kvd_store_append_abort(ap);
         return rc;
     }
@@ -422,13 +426,19 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
      * sees it in one of the two, never both or neither. */
     kvd_quota_lock(st->quota);
     int rc = kvd_store_append_commit(ap, &info, err);
-    if (rc == 0 && st->reserved)
-        kvd_quota_settle(st->quota, st->model, 0, st->expected);
+    if (rc == 0 && st->reserved) {
+        /* centroids reserved but not trained are given back */
+        uint64_t unused =
+            st->index_bound > info.pq_bytes_added ? st->index_bound - info.pq_bytes_added : 0;
+        if (unused)
+            kvd_quota_release(st->quota, st->model, 0, unused);
+        kvd_quota_settle(st->quota, st->model, 0, st->expected + st->index_bound - unused);
+    }
     kvd_quota_unlock(st->quota);
     if (rc)
         return rc;
     st->committed = 1;
-    KVD_METRIC_ADD(payload_bytes_stored, st->expected);
+    KVD_METRIC_ADD(payload_bytes_stored, st->expected + info.pq_bytes_added);
     KVD_METRIC_ADD(stored_bytes, (int64_t)info.stored_bytes - (int64_t)st->old_stored_bytes);
     KVD_METRIC_ADD(pages_sealed, (int64_t)info.sealed_pages - (int64_t)st->old_sealed_pages);
     Kvdepot__V1__SequenceInfo si;
@@ -457,7 +467,7 @@ static void append_release(void *state)
         return;
     kvd_store_append_abort(st->ap);
     if (st->reserved && !st->committed)
-        kvd_quota_release(st->quota, st->model, 0, st->expected);
+        kvd_quota_release(st->quota, st->model, 0, st->expected + st->index_bound);
     kvd_auth_unref(st->quota);
     if (st->hdr)
         kvdepot__v1__append_header__free_unpacked(st->hdr, NULL);

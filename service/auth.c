@@ -556,8 +556,9 @@ uint64_t kvd_seq_payload_bytes(const kvd_seq_info *s, const kvd_model_info *m)
     uint64_t tokens = 0;
     for (uint32_t l = 0; l < s->num_layers && s->layer_tokens; l++)
         tokens += s->layer_tokens[l];
-    /* Stored activations count like the K/V appended with them. */
-    return tokens * per_token + s->activation_bytes;
+    /* Stored activations count like the K/V appended with them, and so do
+     * the PQ index's centroids. */
+    return tokens * per_token + s->activation_bytes + s->pq_bytes;
 }
 
 /* Counts go into local arrays and replace the tenants' usage in one step at

@@ -26,6 +26,7 @@ void kvd_seq_info_to_pb(const kvd_seq_info *in, Kvdepot__V1__SequenceInfo *out)
     out->n_block_hashes = in->block_hashes ? in->n_block_hashes : 0;
     out->block_hashes = in->block_hashes;
     out->activation_tokens = in->activation_tokens;
+    out->pq_index_bytes = in->pq_bytes;
 }
 
 void kvd_seq_loss_to_pb(const kvd_seq_info *in, Kvdepot__V1__WalRecoveryLoss *out,

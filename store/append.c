@@ -866,6 +866,22 @@ fail:
     return rc;
 }
 
+uint64_t kvd_store_append_index_bound(const kvd_append *ap)
+{
+    if (!ap || !ap->codecs.pq_m)
+        return 0;
+    const kvd_store *st = ap->st;
+    const uint64_t B = st->page_tokens;
+    if ((ap->ts + ap->n) / B == ap->ts / B)
+        return 0; /* seals no page */
+    const uint64_t rec = kvd__pq_record_bytes(ap->H, ap->D, ap->codecs.pq_bits);
+    uint64_t bound = 0;
+    for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < ap->s->num_layers; l++)
+        if (!ap->s->layers[l].pq_bytes) /* read without s->mu: a bound */
+            bound += rec;
+    return bound;
+}
+
 int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
 {
     if (info)
@@ -896,6 +912,7 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
         if (ap->codecs.pq_m) /* and the PQ section of every page that seals */
             need += pages * (24 + KVD_PAGE_PQ_HEADER +
                              (uint64_t)ap->H * st->page_tokens * ap->codecs.pq_m);
+        need += kvd_store_append_index_bound(ap); /* and centroids it may train */
         if (st->durability == KVD_DURABILITY_NONE)
             kvd__disk_make_room(st, s, need);
         uint64_t have = atomic_load(&st->disk_bytes);
@@ -974,7 +991,9 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
             free(L->pages[first]); /* the old tail, private to this sequence */
         }
         free(L->pages);
+        const uint32_t pq_bytes = L->pq_bytes; /* the layer's index, unchanged here */
         *L = nls[l];
+        L->pq_bytes = pq_bytes;
     }
     free(s->hashes);
     free(s->ids);
@@ -992,8 +1011,11 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     }
     atomic_fetch_add(&st->disk_bytes, (uint64_t)dbytes);
     atomic_fetch_add(&st->disk_pages, (uint64_t)dpages);
-    if (info)
+    const uint64_t pq_added = kvd__pq_append_done(ap->pq, st, s); /* centroids trained */
+    if (info) {
         rc = kvd__seq_fill_info(st, s, info, err);
+        info->pq_bytes_added = pq_added;
+    }
     pthread_rwlock_unlock(&st->lock);
     /* Durable and published: the new pages enter the device tier. Still
      * under s->mu, so a delete of this sequence cannot drop them first. */

@@ -22,6 +22,7 @@ struct kvd__pq_append {
     uint32_t num_layers;
     struct pq_layer {
         int known; /* centroids loaded or trained */
+        uint32_t trained; /* bytes of the record this append's batch writes, or 0 */
         kvd_pq_centroids c;
         float *dev_c; /* c.data in the device's memory (scratch of dev), or NULL */
     } * layers;
@@ -345,6 +346,8 @@ static int layer_ready(struct kvd__pq_append **state, kvd_store *st, const kvd__
             kvd_pq_centroids_clear(&L->c);
             return rc;
         }
+        if (!found)
+            L->trained = (uint32_t)kvd__pq_record_bytes(H, D, c->pq_bits);
         L->known = 1;
     }
     if (L->c.num_kv_heads != H || L->c.head_dim != D || L->c.m != M || L->c.bits != c->pq_bits)
@@ -482,6 +485,92 @@ void kvd__pq_append_free(struct kvd__pq_append *state)
     free(state->layers);
     free(state->keys);
     free(state);
+}
+
+uint64_t kvd__pq_record_bytes(uint32_t H, uint32_t D, uint32_t bits)
+{
+    return REC_HEADER + 4 * cent_floats(H, D, bits);
+}
+
+uint64_t kvd__pq_append_done(struct kvd__pq_append *state, kvd_store *st, kvd__seq *s)
+{
+    uint64_t added = 0;
+    for (uint32_t l = 0; state && l < state->num_layers && l < s->num_layers; l++) {
+        uint32_t now = state->layers[l].trained, was = s->layers[l].pq_bytes;
+        if (!now)
+            continue;
+        /* two appends that both trained the layer: the later record stays */
+        s->layers[l].pq_bytes = now;
+        if (now >= was) {
+            atomic_fetch_add(&st->disk_bytes, now - was);
+            added += now - was;
+        } else {
+            atomic_fetch_sub(&st->disk_bytes, was - now);
+        }
+    }
+    return added;
+}
+
+void kvd__pq_forget(kvd_store *st, kvd__seq *s)
+{
+    uint64_t bytes = 0;
+    for (uint32_t l = 0; l < s->num_layers; l++) {
+        bytes += s->layers[l].pq_bytes;
+        s->layers[l].pq_bytes = 0;
+    }
+    uint64_t have = atomic_load(&st->disk_bytes);
+    atomic_fetch_sub(&st->disk_bytes, bytes < have ? bytes : have);
+}
+
+int kvd__pq_load(kvd_store *st, kvd_error *err)
+{
+    int rc = 0;
+    uint64_t total = 0, rec = 0;
+    const kvd__seq *last = NULL;
+    char start = KEY_PQ;
+    kvd__scan sc;
+    rocksdb_iterator_t *it = kvd__scan_open(st, &sc, &start, 1);
+    for (rocksdb_iter_seek(it, &start, 1); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
+        size_t klen;
+        const uint8_t *k = (const uint8_t *)rocksdb_iter_key(it, &klen);
+        if (klen == 0 || k[0] != KEY_PQ)
+            break;
+        size_t id_len = klen >= 3 ? (size_t)k[1] << 8 | k[2] : 0;
+        if (klen < 3 || klen != 3 + id_len + 4)
+            continue; /* not a record key of this layout */
+        kvd__seq *s = kvd__seq_find(st, k + 3, id_len, NULL);
+        uint32_t layer = (uint32_t)k[3 + id_len] << 24 | (uint32_t)k[4 + id_len] << 16 |
+                         (uint32_t)k[5 + id_len] << 8 | k[6 + id_len];
+        if (!s || layer >= s->num_layers)
+            continue; /* deleted with its sequence in one batch: cannot happen */
+        if (s != last) {
+            /* the size follows from the sequence's spec: the values (1 MiB
+             * a layer for 8 x 128 heads) are not read at open */
+            kvd_seq_codecs c;
+            int found = 0;
+            if ((rc = kvd_store_seq_codecs_get(st, s->id, s->id_len, &c, &found, err)))
+                break;
+            const kvd_model_info *m = &s->model->info;
+            rec = found && c.pq_m ? kvd__pq_record_bytes(m->num_kv_heads, m->head_dim,
+                                                         c.pq_bits ? c.pq_bits : 8)
+                                  : 0;
+            kvd_seq_codecs_clear(&c);
+            last = s;
+        }
+        s->layers[layer].pq_bytes = (uint32_t)rec;
+        total += rec;
+    }
+    if (!rc) {
+        char *e = NULL;
+        rocksdb_iter_get_error(it, &e);
+        if (e) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "rocksdb scan of PQ centroid records: %s", e);
+            rocksdb_free(e);
+        }
+    }
+    kvd__scan_close(&sc);
+    atomic_fetch_add(&st->disk_bytes, total);
+    return rc;
 }
 
 void kvd__pq_delete(struct rocksdb_writebatch_t *b, const kvd__seq *s)

@@ -132,6 +132,21 @@ int kvd__pq_pages_codes(struct kvd__pq_append **state, kvd_store *st, const stru
 
 void kvd__pq_append_free(struct kvd__pq_append *state);
 
+/* Bytes of a centroid record of H kv heads x D with 2^bits centroids. */
+uint64_t kvd__pq_record_bytes(uint32_t H, uint32_t D, uint32_t bits);
+
+/* Once the append's batch is durable (under s->mu): the layers it trained
+ * centroids for record their size (kvd__layer.pq_bytes) and the store's
+ * disk bytes grow by it. Returns the bytes added. */
+uint64_t kvd__pq_append_done(struct kvd__pq_append *state, kvd_store *st, struct kvd__seq *s);
+
+/* The sequence's records are deleted: the disk bytes drop by them. */
+void kvd__pq_forget(kvd_store *st, struct kvd__seq *s);
+
+/* At open, after the sequences: each layer's record size, counted in the
+ * disk bytes. Records of unknown sequences are skipped. */
+int kvd__pq_load(kvd_store *st, kvd_error *err);
+
 /* Add the deletion of every centroid record of s to b (sequence delete). */
 void kvd__pq_delete(struct rocksdb_writebatch_t *b, const struct kvd__seq *s);
 

@@ -325,6 +325,9 @@ int kvd__seq_fill_info(kvd_store *st, const kvd__seq *s, kvd_seq_info *out, kvd_
     kvd__act_info(s, &out->activation_tokens, &out->activation_bytes);
     out->stores_activations = s->act_tokens != NULL;
     out->stored_bytes += out->activation_bytes;
+    for (uint32_t l = 0; l < s->num_layers; l++)
+        out->pq_bytes += s->layers[l].pq_bytes;
+    out->stored_bytes += out->pq_bytes;
     /* Complete blocks with a known hash are all in the prefix index (this
      * sequence's copy or an identical one registered first). */
     uint64_t nb = s->registered_blocks;
@@ -741,6 +744,7 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         goto out;
     }
     kvd__act_forget(st, s);
+    kvd__pq_forget(st, s);
     kvd__model *m = s->model;
     size_t ndropped = 0;
     for (uint32_t l = 0; l < s->num_layers; l++) {

@@ -2,6 +2,7 @@
  * kvd_store: opening, closing and recovering the RocksDB database, plus the
  * small u64 map the store's indexes use.
  */
+#include "pqindex.h"
 #include "store_internal.h"
 
 #include <dirent.h>
@@ -561,7 +562,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         wal_damage(opt->data_dir, st->recovery_report, sizeof st->recovery_report);
     if ((rc = load_meta(st, opt->page_tokens, err)) || (rc = kvd__load_models(st, err)) ||
         (rc = kvd__load_sequences(st, err)) || (rc = kvd__act_load(st, err)) ||
-        (rc = kvd__load_expiry(st, err)) ||
+        (rc = kvd__pq_load(st, err)) || (rc = kvd__load_expiry(st, err)) ||
         (rc = kvd__wal_losses(st, wal_writes, recovered, err)) ||
         (rc = kvd__cache_start(st, err))) {
         kvd__wal_scan_free(wal_writes);

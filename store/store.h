@@ -194,6 +194,11 @@ typedef struct kvd_seq_info {
     uint64_t activation_tokens;
     uint64_t activation_bytes;
     int stores_activations; /* created with store_activations */
+    /* The PQ index's centroid records (pqindex.h), one per layer trained,
+     * also counted in stored_bytes; kvd_store_append_commit also says how
+     * many of those bytes the append added (0 elsewhere). */
+    uint64_t pq_bytes;
+    uint64_t pq_bytes_added;
     /* Set by kvd_store_seq_stat when a point-in-time recovery of a damaged
      * write-ahead log (wal_point_in_time) dropped acknowledged writes of
      * the sequence: the tokens it had acknowledged (0: unknown, or it had
@@ -286,6 +291,10 @@ typedef struct kvd_append_spec {
  * *expected_bytes is the exact byte count write() must receive. */
 int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_append **out,
                            uint64_t *expected_bytes, kvd_error *err);
+/* Bytes of PQ centroid records the append may add at most: one record per
+ * layer it seals a page of that has none yet (pqindex.h). Quotas reserve
+ * them with the payload; the disk limit counts them. */
+uint64_t kvd_store_append_index_bound(const kvd_append *ap);
 /* Feed the next bytes (any split). More bytes than expected: KVD_EINVAL. */
 int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_error *err);
 /* Make the append durable and visible atomically. Fewer bytes than expected:

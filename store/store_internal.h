@@ -136,6 +136,7 @@ typedef struct kvd__layer {
     uint64_t tokens;
     uint32_t npages, cap;
     kvd__page **pages;
+    uint32_t pq_bytes; /* its PQ centroid record (pqindex.h); 0 = none */
 } kvd__layer;
 
 typedef struct kvd__seq {

@@ -430,6 +430,9 @@ typedef struct kvdepot_sequence_info {
     int have_codecs;
     kvdepot_codecs codecs;
     uint64_t artifacts_fingerprint;
+    /* The PQ index's centroid records (kvdepot_pq_centroids_get), part of
+     * stored_bytes and of the tenant's byte quota. */
+    uint64_t pq_index_bytes;
 } kvdepot_sequence_info;
 
 /* Free the arrays of info and zero it. NULL, or a zeroed info, is a no-op. */

@@ -247,11 +247,14 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
                             a->n_block_hashes,
                             0};
     kvd_append *ap = NULL;
-    uint64_t expected = 0;
+    uint64_t expected = 0, bound = 0;
     int reserved = 0;
     if ((rc = kvd_store_append_begin(store, &spec, &ap, &expected, err)))
         goto out;
-    /* The quota counts the decoded K/V, as for Append. */
+    /* The quota counts the decoded K/V, as for Append, and the PQ centroids
+     * the append may train. */
+    bound = kvd_store_append_index_bound(ap);
+    expected += bound;
     if (!(g && g->reserve) || (rc = g->reserve(g->arg, m.name, expected, err)) == 0)
         reserved = 1;
     for (size_t j = 0; j < a->n && rc == 0; j++) {
@@ -268,8 +271,13 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
         if (g && g->commit_lock)
             g->commit_lock(g->arg, 1);
         rc = kvd_store_append_commit(ap, out, err);
-        if (rc == 0 && reserved && g && g->settle)
-            g->settle(g->arg, m.name, expected);
+        if (rc == 0 && reserved && g && g->settle) {
+            /* centroids reserved but not trained are given back */
+            uint64_t unused = bound > out->pq_bytes_added ? bound - out->pq_bytes_added : 0;
+            if (unused && g->release)
+                g->release(g->arg, m.name, unused);
+            g->settle(g->arg, m.name, expected - unused);
+        }
         if (g && g->commit_lock)
             g->commit_lock(g->arg, 0);
     }

@@ -368,6 +368,34 @@ static double pq_inertia(const float *keys, uint64_t n, const float *cent)
     return sum;
 }
 
+/* The sequence's PQ index bytes and stored bytes, and the disk tier's bytes;
+ * pages: the bytes of the pages of every layer as READ_FORMAT_PAGES returns
+ * them. */
+static int index_bytes(kvdepot_client *c, const char *id, uint64_t *pq, uint64_t *stored,
+                       uint64_t *pages, uint64_t *disk)
+{
+    kvdepot_sequence_info info;
+    kvdepot_stats st;
+    if (kvdepot_sequence_stat(c, id, strlen(id), &info) || kvdepot_stats_get(c, &st))
+        return -1;
+    *pq = info.pq_index_bytes;
+    *stored = info.stored_bytes;
+    *disk = st.tiers[2].bytes;
+    kvdepot_sequence_info_clear(&info);
+    *pages = 0;
+    for (uint32_t l = 0; l < L; l++) {
+        kvdepot_read_args rd = {.id = id, .id_len = strlen(id), .layer_start = l, .num_layers = 1};
+        kvdepot_page *pg = NULL;
+        size_t np = 0;
+        if (kvdepot_sequence_read_pages(c, &rd, &pg, &np))
+            return -1;
+        for (size_t i = 0; i < np; i++)
+            *pages += pg[i].len;
+        kvdepot_pages_free(pg, np);
+    }
+    return 0;
+}
+
 static int t_stored(kvd_harness *h)
 {
     kvdepot_client *c = harness_client(h);
@@ -377,7 +405,21 @@ static int t_stored(kvd_harness *h)
     const char *dev = getenv("KVDEPOT_DEVICE");
     const int on_gpu = dev && strncmp(dev, "cuda", 4) == 0;
     const uint64_t n = 600; /* two sealed pages and a raw tail */
-    REQUIRE_RC(append(c, "s", 0, n), KVDEPOT_OK);
+    /* The centroid records (one per layer) count in stored_bytes and on
+     * disk once the first pages seal, and not before. */
+    const uint64_t rec = 12 + 4ull * H * (1u << NB) * D;
+    uint64_t pq0, stored0, pages0, disk0, pq1, stored1, pages1, disk1;
+    REQUIRE_RC(append(c, "s", 0, 100), KVDEPOT_OK);
+    REQUIRE(index_bytes(c, "s", &pq0, &stored0, &pages0, &disk0) == 0);
+    REQUIRE_RC(append(c, "s", 100, n - 100), KVDEPOT_OK);
+    REQUIRE(index_bytes(c, "s", &pq1, &stored1, &pages1, &disk1) == 0);
+    printf("PQ index %llu bytes (%llu before the first page sealed), stored %llu, pages %llu, "
+           "disk %llu -> %llu\n",
+           (unsigned long long)pq1, (unsigned long long)pq0, (unsigned long long)stored1,
+           (unsigned long long)pages1, (unsigned long long)disk0, (unsigned long long)disk1);
+    CHECK(pq0 == 0 && pq1 == L * rec);
+    CHECK(stored0 == pages0 && stored1 == pages1 + pq1);
+    CHECK(disk1 - disk0 == stored1 - stored0);
     float *q = make_q(1);
     kvdepot_search_args sa = {"s", 1, 1, q, HQ * D, 20, 4, 16, 0, 0};
     kvdepot_search_result before;
@@ -414,6 +456,12 @@ static int t_stored(kvd_harness *h)
     REQUIRE(harness_start(h) == 0);
     c = harness_client(h);
     REQUIRE(c);
+    {
+        /* counted again at open, from the records on disk */
+        uint64_t pq2, stored2, pages2, disk2;
+        REQUIRE(index_bytes(c, "s", &pq2, &stored2, &pages2, &disk2) == 0);
+        CHECK(pq2 == pq1 && stored2 == stored1 && disk2 == disk1);
+    }
 
     /* After the restart: the same answer, equal to brute force over the
      * stored codes. */
@@ -463,10 +511,15 @@ static int t_stored(kvd_harness *h)
     kvd_pq_centroids_clear(&again);
     REQUIRE(harness_start(h) == 0);
 
-    /* Delete removes them. */
+    /* Delete removes them, and the disk bytes they counted. */
     c = harness_client(h);
     REQUIRE(c);
     REQUIRE_RC(kvdepot_sequence_delete(c, "s", 1, NULL), KVDEPOT_OK);
+    {
+        kvdepot_stats st;
+        REQUIRE_RC(kvdepot_stats_get(c, &st), KVDEPOT_OK);
+        CHECK(st.tiers[2].bytes == disk0 - stored0);
+    }
     kvdepot_close(c);
     REQUIRE(harness_stop(h) == 0);
     for (uint32_t l = 0; l < L; l++) {

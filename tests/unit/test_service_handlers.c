@@ -247,6 +247,90 @@ static void test_quota_overlap(void)
     kvd_auth_unref(auth);
 }
 
+/* One whole Append of T tokens of every layer of `id` as ctx's caller. */
+static int append_as(kvd_req_ctx *ctx, const char *id, uint64_t T, const uint8_t *data,
+                     size_t bytes, kvd_error *err)
+{
+    Kvdepot__V1__AppendHeader h = KVDEPOT__V1__APPEND_HEADER__INIT;
+    h.sequence_id.data = (uint8_t *)id;
+    h.sequence_id.len = strlen(id);
+    h.token_start = stat_tokens(id);
+    h.num_tokens = T;
+    h.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
+    void *state = NULL;
+    grpc_byte_buffer *m = append_msg(&h, data, bytes, 4096);
+    kvd_error_clear(err);
+    int rc = kvd_append_ops.recv(ctx, &state, m, err);
+    grpc_byte_buffer_destroy(m);
+    if (rc == 0) {
+        grpc_byte_buffer *reply = NULL;
+        rc = kvd_append_ops.finish(ctx, &state, &reply, err);
+        if (reply)
+            grpc_byte_buffer_destroy(reply);
+    }
+    kvd_append_ops.release(state);
+    return rc;
+}
+
+/*
+ * The PQ index's centroids count in the tenant's byte quota: an append that
+ * trains them needs room for them as well as for its payload (one byte short
+ * is refused, nothing stored); usage then holds both exactly, also after a
+ * rescan; a later append trains none and needs room for its payload only.
+ */
+static void test_quota_pq(void)
+{
+    const uint64_t T = 32; /* two pages of 16 */
+    const size_t bytes = 2 * L * T * ROW;
+    const uint64_t rec = 12 + 4ull * H * 16 * D; /* m 2, 4 bits: 2^4 centroids per sub-space */
+    kvd_auth *auth = NULL;
+    char e[256];
+    kvd_error err;
+    CHECK(kvd_auth_load(NULL, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tenants == 1);
+    if (!auth)
+        return;
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
+    const uint64_t before = auth->tenants[0].bytes;
+    Kvdepot__V1__PQSpec pq = KVDEPOT__V1__PQSPEC__INIT;
+    pq.m = 2;
+    pq.bits = 4;
+    Kvdepot__V1__SequenceCodecs codecs = KVDEPOT__V1__SEQUENCE_CODECS__INIT;
+    codecs.pq = &pq;
+    Kvdepot__V1__CreateSequenceRequest cs = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    cs.sequence_id.data = (uint8_t *)"pq1";
+    cs.sequence_id.len = 3;
+    cs.model = "tm";
+    cs.codecs = &codecs;
+    CHECK(unary(kvd_h_create_sequence, &cs.base, &err) == 0);
+    uint8_t *data = malloc(bytes);
+    for (size_t i = 0; i < bytes / 2; i++) /* f16 values in [-1, 1) */
+        ((uint16_t *)data)[i] = (uint16_t)(0x3000 + (i * 7919 % 0x0c00)) | (i & 1 ? 0x8000 : 0);
+    svc.auth = auth;
+    kvd_req_ctx ctx = {.svc = &svc, .req_id = 10, .auth = auth};
+    auth->tenants[0].max_bytes = before + bytes + L * rec - 1;
+    CHECK(append_as(&ctx, "pq1", T, data, bytes, &err) == KVD_ENOMEM);
+    CHECK(stat_tokens("pq1") == 0 && auth->tenants[0].bytes == before &&
+          auth->tenants[0].inflight_bytes == 0);
+    auth->tenants[0].max_bytes = before + bytes + L * rec;
+    CHECK(append_as(&ctx, "pq1", T, data, bytes, &err) == 0);
+    CHECK(stat_tokens("pq1") == T);
+    CHECK(auth->tenants[0].bytes == before + bytes + L * rec &&
+          auth->tenants[0].inflight_bytes == 0);
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0 &&
+          auth->tenants[0].bytes == before + bytes + L * rec);
+    kvd_seq_info info;
+    CHECK(kvd_store_seq_stat(svc.store, "pq1", 3, &info, &err) == 0 && info.pq_bytes == L * rec &&
+          info.stored_bytes > L * rec);
+    kvd_seq_info_clear(&info);
+    auth->tenants[0].max_bytes = before + 2 * bytes + L * rec;
+    CHECK(append_as(&ctx, "pq1", T, data, bytes, &err) == 0);
+    CHECK(auth->tenants[0].bytes == before + 2 * bytes + L * rec &&
+          auth->tenants[0].inflight_bytes == 0);
+    free(data);
+    svc.auth = NULL;
+    kvd_auth_unref(auth);
+}
+
 /* A unary handler run as the caller of ctx, the request through the wire. */
 static int unary_as(kvd_req_ctx *ctx, kvd_unary_fn fn, const ProtobufCMessage *req,
                     grpc_byte_buffer **reply, kvd_error *err)
@@ -545,6 +629,7 @@ int main(void)
     }
 
     test_quota_overlap();
+    test_quota_pq();
     test_engine_tenants(dir);
     free(data);
     kvd_store_close(svc.store);

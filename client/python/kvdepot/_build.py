@@ -93,6 +93,7 @@ typedef struct kvdepot_sequence_info {
     int have_codecs;
     kvdepot_codecs codecs;
     uint64_t artifacts_fingerprint;
+    uint64_t pq_index_bytes;
     ...;
 } kvdepot_sequence_info;
 

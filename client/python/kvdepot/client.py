@@ -57,6 +57,7 @@ class SequenceInfo:
     created_unix_ms: int = 0
     prefix_blocks: int = 0
     activation_tokens: int = 0
+    pq_index_bytes: int = 0  # the PQ centroids, part of stored_bytes
     # How the sequence stores its pages, as the server reports them (None
     # from a server that does not): group sizes and axes resolved.
     codecs: Optional["Codecs"] = None
@@ -169,7 +170,7 @@ def _info_of(s) -> SequenceInfo:
         layer_tokens=[s.layer_tokens[i] for i in range(s.num_layers)] if s.layer_tokens else [],
         page_tokens=s.page_tokens, sealed_pages=s.sealed_pages, stored_bytes=s.stored_bytes,
         created_unix_ms=s.created_unix_ms, prefix_blocks=s.prefix_blocks,
-        activation_tokens=s.activation_tokens,
+        activation_tokens=s.activation_tokens, pq_index_bytes=s.pq_index_bytes,
         codecs=_codecs_of(s.codecs) if s.have_codecs else None,
         artifacts_fingerprint=s.artifacts_fingerprint, svd_widths=widths)
 
