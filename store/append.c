@@ -876,9 +876,11 @@ uint64_t kvd_store_append_index_bound(const kvd_append *ap)
         return 0; /* seals no page */
     const uint64_t rec = kvd__pq_record_bytes(ap->H, ap->D, ap->codecs.pq_bits);
     uint64_t bound = 0;
+    pthread_mutex_lock(&ap->s->mu);
     for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < ap->s->num_layers; l++)
-        if (!ap->s->layers[l].pq_bytes) /* read without s->mu: a bound */
+        if (!ap->s->layers[l].pq_bytes)
             bound += rec;
+    pthread_mutex_unlock(&ap->s->mu);
     return bound;
 }
 

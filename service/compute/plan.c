@@ -54,10 +54,14 @@ int kvd_compute_plan_fetch(const kvd_compute *c, const kvd_plan_args *a, kvd_pla
     kvd__cseq sc;
     if ((rc = kvd__cseq_load(c, a->id, a->id_len, "sequence_id", 0, &sc, err)))
         return rc;
+    if (a->layer_start >= sc.num_layers)
+        return kvd_error_set(err, KVD_EINVAL, "layer_start %u: model %s has layers 0..%u",
+                             a->layer_start, sc.model.name, sc.num_layers - 1);
     uint32_t L = a->num_layers ? a->num_layers : sc.num_layers - a->layer_start;
-    if (a->layer_start >= sc.num_layers || L > sc.num_layers - a->layer_start)
-        return kvd_error_set(err, KVD_EINVAL, "layers [%u, %u): model %s has %u layers",
-                             a->layer_start, a->layer_start + L, sc.model.name, sc.num_layers);
+    if (L > sc.num_layers - a->layer_start)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "num_layers %u from layer_start %u: model %s has layers 0..%u", L,
+                             a->layer_start, sc.model.name, sc.num_layers - 1);
     const kvd_model_info *m = &sc.model;
     double es = (double)kvd_dtype_size(m->dtype);
     kvd_fetch_cost *k = &out->cost;

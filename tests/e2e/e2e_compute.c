@@ -390,6 +390,12 @@ static int t_plan_fetch(kvd_harness *h)
     CHECK_RC(kvdepot_plan_fetch(c, "p", 1, 1e9, -1, 0, 0, 1, &p), KVDEPOT_EINVAL);
     CHECK_RC(kvdepot_plan_fetch(c, "p", 1, NAN, 1e9, 0, 0, 1, &p), KVDEPOT_EINVAL);
     CHECK_RC(kvdepot_plan_fetch(c, "p", 1, 1e9, 1e9, 3, 2, 1, &p), KVDEPOT_EINVAL);
+    /* the messages name the field and the model's layers, not an empty or
+     * backwards range */
+    CHECK(strstr(kvdepot_errmsg(c), "num_layers 2 from layer_start 3: model plan has layers 0..3"));
+    CHECK_RC(kvdepot_plan_fetch(c, "p", 1, 1e9, 1e9, 5, 0, 1, &p), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(c), "layer_start 5: model plan has layers 0..3") &&
+          !strstr(kvdepot_errmsg(c), "["));
     CHECK_RC(kvdepot_plan_fetch(c, "nope", 4, 1e9, 1e9, 0, 0, 1, &p), KVDEPOT_ENOTFOUND);
     kvdepot_close(c);
     return 0;
