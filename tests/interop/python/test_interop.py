@@ -796,6 +796,7 @@ class Suite:
         eq(msgs[0].header.format, pb.READ_FORMAT_PAGES, "Read pages: header format")
         eq((msgs[0].header.token_start, msgs[0].header.num_tokens), (t0, cnt),
            "Read pages: header range")
+        eq(msgs[0].header.codecs, reported[b"py-int4"], "Read pages: header codecs")
         pages = [m.data for m in msgs[1:]]
         eq(len(pages), (t0 + cnt + B - 1) // B - t0 // B, "Read pages: page count")
         for b, pg in enumerate(pages, start=t0 // B):
