@@ -8,6 +8,7 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -166,9 +167,41 @@ int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
     req.scale = scale;
     req.n_queries = n;
     req.queries = qp;
+    /* The request, and the answer (an output as large as each query, plus
+     * its LSE: one float per head, taken as 1/32 of the query), must each
+     * fit in one gRPC message: name the limit and the batch that fits
+     * rather than let gRPC refuse the call. */
+    const size_t req_bytes = protobuf_c_message_get_packed_size(&req.base);
+    size_t q_floats = 0;
+    for (size_t i = 0; i < n; i++)
+        q_floats += qs[i].n_q;
+    const size_t resp_bytes = 4 * (q_floats + q_floats / 32) + 32 * n;
     Kvdepot__V1__AttendResponse *resp = NULL;
-    int rc = call_unary(c, PATH_ATTEND, &req.base, &kvdepot__v1__attend_response__descriptor,
+    int rc;
+    if (req_bytes > c->max_message_bytes || resp_bytes > c->max_message_bytes) {
+        const size_t worst = req_bytes > resp_bytes ? req_bytes : resp_bytes;
+        rc = kvdepot__fail(c, KVDEPOT_ENOMEM,
+                           "attend: %zu queries make a %s of about %zu bytes, over the %zu-byte "
+                           "message limit (max_message_bytes of kvdepot_connect; kvdepotd's "
+                           "max-message-bytes): at most %zu such queries fit in one call",
+                           n, req_bytes >= resp_bytes ? "request" : "reply", worst,
+                           c->max_message_bytes,
+                           (size_t)((double)n * (double)c->max_message_bytes / (double)worst));
+    } else {
+        rc = call_unary(c, PATH_ATTEND, &req.base, &kvdepot__v1__attend_response__descriptor,
                         (ProtobufCMessage **)&resp);
+        unsigned long got = 0, max = 0;
+        const char *m =
+            rc == KVDEPOT_ENOMEM ? strstr(kvdepot_errmsg(c), "larger than max (") : NULL;
+        if (m && sscanf(m, "larger than max (%lu vs. %lu)", &got, &max) == 2 && got > max) {
+            const double worst = (double)(got > resp_bytes ? got : resp_bytes);
+            rc = kvdepot__fail(c, KVDEPOT_ENOMEM,
+                               "attend: the server takes messages of up to %lu bytes "
+                               "(max-message-bytes) and %zu queries made %lu: at most %zu such "
+                               "queries fit in one call",
+                               max, n, got, (size_t)((double)n * (double)max / worst));
+        }
+    }
     free(qs);
     free(qp);
     if (rc)

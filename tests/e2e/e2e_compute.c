@@ -401,6 +401,57 @@ static int t_plan_fetch(kvd_harness *h)
     return 0;
 }
 
+/* A batch too large for one gRPC message is refused before it is sent,
+ * naming the limit and how many such queries fit; that many pass. A client
+ * allowed larger messages than the server hears the server's limit in the
+ * same terms. */
+static int t_batch_limit(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "llama", 1, 8, 32, 128, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &m, "b", 16, 16, 2), KVDEPOT_OK);
+    const size_t nq = 1024, per = 32 * 128; /* 16 KiB of f32 per query: 16 MiB */
+    float *q = malloc(sizeof(float) * per);
+    kvdepot_attend_query *qs = malloc(sizeof *qs * nq);
+    kvdepot_attend_result *rs = calloc(nq, sizeof *rs);
+    REQUIRE(q && qs && rs);
+    fill_values(q, per, KVDEPOT_DTYPE_F32, 5);
+    for (size_t i = 0; i < nq; i++)
+        qs[i] = (kvdepot_attend_query){"b", 1, q, per, 0, 0};
+    CHECK_RC(kvdepot_attend(c, 0, 0, qs, nq, rs), KVDEPOT_ENOMEM);
+    const char *msg = kvdepot_errmsg(c), *at = strstr(msg, "at most ");
+    printf("%s\n", msg);
+    size_t fit = 0;
+    CHECK(strstr(msg, "message limit") && at && sscanf(at, "at most %zu", &fit) == 1);
+    CHECK(fit > 400 && fit < 512); /* 8 MiB / 16 KiB, less the framing */
+    if (fit > 0 && fit < nq) {
+        CHECK_RC(kvdepot_attend(c, 0, 0, qs, fit, rs), KVDEPOT_OK);
+        CHECK(rs[0].num_tokens == 16 && rs[fit - 1].num_tokens == 16);
+        kvdepot_attend_results_free(rs, fit);
+    }
+    /* the server's own limit (8 MiB), met by a client allowed 64 MiB */
+    kvdepot_options opt;
+    kvdepot_options_init(&opt);
+    opt.max_message_bytes = 64u << 20;
+    kvdepot_client *big = harness_client_opts(h, &opt);
+    REQUIRE(big);
+    CHECK_RC(kvdepot_attend(big, 0, 0, qs, nq, rs), KVDEPOT_ENOMEM);
+    msg = kvdepot_errmsg(big);
+    printf("%s\n", msg);
+    at = strstr(msg, "at most ");
+    size_t fit2 = 0;
+    CHECK(strstr(msg, "max-message-bytes") && at && sscanf(at, "at most %zu", &fit2) == 1 &&
+          fit2 > 400 && fit2 < 512);
+    kvdepot_close(big);
+    free(q);
+    free(qs);
+    free(rs);
+    kvdepot_close(c);
+    return 0;
+}
+
 /* Bad requests get clear errors and change nothing. */
 static int t_errors(kvd_harness *h)
 {
@@ -1688,6 +1739,7 @@ static const kvd_test tests[] = {
     {"lse_merge", t_lse_merge},
     {"plan_fetch", t_plan_fetch},
     {"errors", t_errors},
+    {"batch_limit", t_batch_limit},
     {"codecs", t_codecs},
     {"bad_codecs", t_bad_codecs},
     {"small_heads", t_small_heads},
