@@ -135,6 +135,12 @@ void kvdepot_attend_results_free(kvdepot_attend_result *r, size_t n)
 int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
                    const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out)
 {
+    return kvdepot_attend_dtype(c, layer, scale, KVDEPOT_DTYPE_F32, queries, n, out);
+}
+
+int kvdepot_attend_dtype(kvdepot_client *c, uint32_t layer, float scale, kvdepot_dtype odt,
+                         const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out)
+{
     kvdepot__clear_error();
     if (out && queries)
         memset(out, 0, n * sizeof *out);
@@ -143,8 +149,12 @@ int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
     if (n == 0 || n > ATTEND_MAX_BATCH)
         return kvdepot__fail(c, KVDEPOT_EINVAL, "attend: %zu queries, 1..%d per call", n,
                              ATTEND_MAX_BATCH);
+    if (odt != KVDEPOT_DTYPE_UNSPECIFIED && odt != KVDEPOT_DTYPE_F32 && odt != KVDEPOT_DTYPE_F16 &&
+        odt != KVDEPOT_DTYPE_BF16)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "attend: q_dtype %d, want F16, BF16 or F32",
+                             (int)odt);
     if (c->cluster)
-        return kvdepot__cluster_attend(c, layer, scale, queries, n, out);
+        return kvdepot__cluster_attend(c, layer, scale, odt, queries, n, out);
     Kvdepot__V1__AttendQuery *qs = calloc(n, sizeof *qs);
     Kvdepot__V1__AttendQuery **qp = calloc(n, sizeof *qp);
     if (!qs || !qp) {
@@ -152,12 +162,21 @@ int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
         free(qp);
         return kvdepot__fail(c, KVDEPOT_ENOMEM, "attend: out of memory");
     }
+    /* 16-bit queries go packed, their outputs come back in 16 bits */
+    const int half = odt == KVDEPOT_DTYPE_F16 || odt == KVDEPOT_DTYPE_BF16;
     for (size_t i = 0; i < n; i++) {
+        const kvdepot_dtype dt = odt;
         kvdepot__v1__attend_query__init(&qs[i]);
         qs[i].sequence_id.data = (uint8_t *)queries[i].id;
         qs[i].sequence_id.len = queries[i].id_len;
-        qs[i].q = (float *)queries[i].q;
-        qs[i].n_q = queries[i].q ? queries[i].q_len : 0;
+        if (dt == KVDEPOT_DTYPE_F16 || dt == KVDEPOT_DTYPE_BF16) {
+            qs[i].q_bytes.data = (uint8_t *)queries[i].q; /* little-endian hosts */
+            qs[i].q_bytes.len = queries[i].q ? 2 * queries[i].q_len : 0;
+            qs[i].q_dtype = (Kvdepot__V1__DType)dt;
+        } else {
+            qs[i].q = (float *)queries[i].q;
+            qs[i].n_q = queries[i].q ? queries[i].q_len : 0;
+        }
         qs[i].token_start = queries[i].token_start;
         qs[i].num_tokens = queries[i].num_tokens;
         qp[i] = &qs[i];
@@ -167,15 +186,17 @@ int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
     req.scale = scale;
     req.n_queries = n;
     req.queries = qp;
+    if (half)
+        req.output_dtype = (Kvdepot__V1__DType)odt;
     /* The request, and the answer (an output as large as each query, plus
      * its LSE: one float per head, taken as 1/32 of the query), must each
      * fit in one gRPC message: name the limit and the batch that fits
      * rather than let gRPC refuse the call. */
     const size_t req_bytes = protobuf_c_message_get_packed_size(&req.base);
-    size_t q_floats = 0;
+    size_t q_values = 0;
     for (size_t i = 0; i < n; i++)
-        q_floats += qs[i].n_q;
-    const size_t resp_bytes = 4 * (q_floats + q_floats / 32) + 32 * n;
+        q_values += queries[i].q ? queries[i].q_len : 0;
+    const size_t resp_bytes = (half ? 2 : 4) * q_values + 4 * (q_values / 32) + 32 * n;
     Kvdepot__V1__AttendResponse *resp = NULL;
     int rc;
     if (req_bytes > c->max_message_bytes || resp_bytes > c->max_message_bytes) {
@@ -213,20 +234,30 @@ int kvdepot_attend(kvdepot_client *c, uint32_t layer, float scale,
     }
     for (size_t i = 0; i < n; i++) {
         const Kvdepot__V1__AttendResult *r = resp->results[i];
-        if (!r->n_lse || r->n_output % r->n_lse) {
+        const size_t no = half ? r->output_bytes.len / 2 : r->n_output;
+        if (!r->n_lse || no % r->n_lse || (half && (r->n_output || r->output_bytes.len % 2))) {
             rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "attend: result %zu malformed", i);
             goto done;
         }
         out[i].num_q_heads = r->n_lse;
-        out[i].head_dim = r->n_output / r->n_lse;
+        out[i].head_dim = no / r->n_lse;
         out[i].num_tokens = r->num_tokens;
-        out[i].output = malloc(sizeof(float) * r->n_output);
+        out[i].output = malloc(sizeof(float) * (no ? no : 1));
         out[i].lse = malloc(sizeof(float) * r->n_lse);
         if (!out[i].output || !out[i].lse) {
             rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "attend: out of memory");
             goto done;
         }
-        memcpy(out[i].output, r->output, sizeof(float) * r->n_output);
+        if (half) {
+            const uint8_t *b = r->output_bytes.data;
+            for (size_t j = 0; j < no; j++) {
+                uint16_t h = (uint16_t)(b[2 * j] | b[2 * j + 1] << 8);
+                out[i].output[j] =
+                    odt == KVDEPOT_DTYPE_F16 ? kvd_f16_to_f32(h) : kvd_bf16_to_f32(h);
+            }
+        } else {
+            memcpy(out[i].output, r->output, sizeof(float) * no);
+        }
         memcpy(out[i].lse, r->lse, sizeof(float) * r->n_lse);
     }
 done:

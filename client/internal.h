@@ -142,7 +142,7 @@ int kvdepot__cluster_prefix_lookup(kvdepot_client *c, const char *model, const u
 int kvdepot__cluster_engine_lookup(kvdepot_client *c, const char *model,
                                    const kvdepot_engine_hashes *h, uint64_t *matched_blocks,
                                    uint64_t *matched_tokens);
-int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale,
+int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale, kvdepot_dtype q_dtype,
                             const kvdepot_attend_query *queries, size_t n,
                             kvdepot_attend_result *out);
 int kvdepot__cluster_plan_fetch(kvdepot_client *c, const void *id, size_t id_len, double bw,

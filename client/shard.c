@@ -1407,6 +1407,7 @@ typedef struct attend_group {
     shard *s;
     uint32_t layer;
     float scale;
+    kvdepot_dtype q_dtype;
     size_t n;
     size_t *index;                 /* positions in the caller's arrays */
     kvdepot_attend_query *queries; /* the group's queries, in order */
@@ -1424,7 +1425,7 @@ struct attend_op_ctx {
 static int op_attend(kvdepot_client *m, void *p)
 {
     attend_group *g = ((struct attend_op_ctx *)p)->g;
-    return kvdepot_attend(m, g->layer, g->scale, g->queries, g->n, g->results);
+    return kvdepot_attend_dtype(m, g->layer, g->scale, g->q_dtype, g->queries, g->n, g->results);
 }
 
 static void *attend_group_run(void *p)
@@ -1447,7 +1448,7 @@ static void attend_groups_free(attend_group *g, size_t ng)
     free(g);
 }
 
-int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale,
+int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale, kvdepot_dtype q_dtype,
                             const kvdepot_attend_query *queries, size_t n,
                             kvdepot_attend_result *out)
 {
@@ -1478,6 +1479,7 @@ int kvdepot__cluster_attend(kvdepot_client *c, uint32_t layer, float scale,
         g[s].s = v[s];
         g[s].layer = layer;
         g[s].scale = scale;
+        g[s].q_dtype = q_dtype;
         if (!g[s].n)
             continue;
         g[s].index = malloc(g[s].n * sizeof *g[s].index);

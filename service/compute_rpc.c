@@ -4,10 +4,12 @@
  * and encodes the answer; what is computed, and every check of the
  * arguments, lives there.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "compute.h"
+#include "kvdepot/tensor.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
 #include "pqindex.h"
 #include "rpc.h"
@@ -28,6 +30,43 @@ static int reply_msg(kvd_req_ctx *ctx, const ProtobufCMessage *m, grpc_byte_buff
     return 0;
 }
 
+/* Query i given packed (q_bytes in q_dtype) as f32 in *f (malloc'd), which
+ * q->q then points at. */
+static int unpack_query(const Kvdepot__V1__AttendQuery *q, size_t i, kvd_attend_query *out,
+                        float **f, kvd_error *err)
+{
+    if (q->n_q)
+        return kvd_error_set(err, KVD_EINVAL, "queries[%zu]: give q or q_bytes, not both", i);
+    const int dt = q->q_dtype;
+    const size_t es = dt == KVDEPOT__V1__DTYPE__DTYPE_F32 ? 4
+                      : dt == KVDEPOT__V1__DTYPE__DTYPE_F16 || dt == KVDEPOT__V1__DTYPE__DTYPE_BF16
+                          ? 2
+                          : 0;
+    if (!es)
+        return kvd_error_set(err, KVD_EINVAL, "queries[%zu].q_dtype: %d, want F16, BF16 or F32", i,
+                             dt);
+    if (q->q_bytes.len % es)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "queries[%zu].q_bytes: %zu bytes, not a whole number of %zu-byte "
+                             "values",
+                             i, q->q_bytes.len, es);
+    const size_t nv = q->q_bytes.len / es;
+    if (!(*f = malloc(sizeof(float) * (nv ? nv : 1))))
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    const uint8_t *b = q->q_bytes.data;
+    for (size_t j = 0; j < nv; j++) {
+        if (es == 4) {
+            memcpy(&(*f)[j], b + 4 * j, 4);
+        } else {
+            uint16_t h = (uint16_t)(b[2 * j] | b[2 * j + 1] << 8);
+            (*f)[j] = dt == KVDEPOT__V1__DTYPE__DTYPE_F16 ? kvd_f16_to_f32(h) : kvd_bf16_to_f32(h);
+        }
+    }
+    out->q = *f;
+    out->n_q = nv;
+    return 0;
+}
+
 int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
                  kvd_error *err)
 {
@@ -44,9 +83,17 @@ int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
     Kvdepot__V1__AttendResult *pr = calloc(n ? n : 1, sizeof *pr);
     Kvdepot__V1__AttendResult **pp = calloc(n ? n : 1, sizeof *pp);
     kvd_seq_key *keys = malloc((n ? n : 1) * sizeof *keys);
+    float **unpacked = calloc(n ? n : 1, sizeof *unpacked); /* f32 of packed queries */
+    uint16_t **packed = calloc(n ? n : 1, sizeof *packed);  /* 16-bit outputs */
     int rc = 0;
-    if (!qs || !res || !pr || !pp || !keys) {
+    if (!qs || !res || !pr || !pp || !keys || !unpacked || !packed) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        goto done;
+    }
+    const int odt = req->output_dtype;
+    if (odt != KVDEPOT__V1__DTYPE__DTYPE_UNSPECIFIED && odt != KVDEPOT__V1__DTYPE__DTYPE_F32 &&
+        odt != KVDEPOT__V1__DTYPE__DTYPE_F16 && odt != KVDEPOT__V1__DTYPE__DTYPE_BF16) {
+        rc = kvd_error_set(err, KVD_EINVAL, "output_dtype: %d, want F16, BF16 or F32", odt);
         goto done;
     }
     for (size_t i = 0; i < n && rc == 0; i++) {
@@ -56,26 +103,51 @@ int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
         rc = kvd_ctx_seq_key(ctx, &q->sequence_id, field, &keys[i], err);
         qs[i] = (kvd_attend_query){keys[i].id, keys[i].len,    q->q,
                                    q->n_q,     q->token_start, q->num_tokens};
+        if (rc == 0 && (q->q_bytes.len || q->q_dtype))
+            rc = unpack_query(q, i, &qs[i], &unpacked[i], err);
     }
     if (rc)
         goto done;
     if ((rc = kvd_compute_attend(&c, req->layer, req->scale, qs, n, res, err)))
         goto done;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n && rc == 0; i++) {
         kvdepot__v1__attend_result__init(&pr[i]);
-        pr[i].n_output = (size_t)res[i].num_q_heads * res[i].head_dim;
-        pr[i].output = res[i].out;
+        const size_t no = (size_t)res[i].num_q_heads * res[i].head_dim;
+        if (odt == KVDEPOT__V1__DTYPE__DTYPE_F16 || odt == KVDEPOT__V1__DTYPE__DTYPE_BF16) {
+            uint16_t *o = malloc(2 * (no ? no : 1));
+            if (!o) {
+                rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                break;
+            }
+            for (size_t j = 0; j < no; j++)
+                o[j] = odt == KVDEPOT__V1__DTYPE__DTYPE_F16 ? kvd_f32_to_f16(res[i].out[j])
+                                                            : kvd_f32_to_bf16(res[i].out[j]);
+            packed[i] = o; /* little-endian hosts */
+            pr[i].output_bytes.data = (uint8_t *)o;
+            pr[i].output_bytes.len = 2 * no;
+        } else {
+            pr[i].n_output = no;
+            pr[i].output = res[i].out;
+        }
         pr[i].n_lse = res[i].num_q_heads;
         pr[i].lse = res[i].lse;
         pr[i].num_tokens = res[i].num_tokens;
         pp[i] = &pr[i];
     }
+    if (rc)
+        goto done;
     Kvdepot__V1__AttendResponse resp = KVDEPOT__V1__ATTEND_RESPONSE__INIT;
     resp.n_results = n;
     resp.results = pp;
     rc = reply_msg(ctx, &resp.base, reply, err);
 done:
     kvd_attend_results_clear(res, res ? n : 0);
+    for (size_t i = 0; i < n && unpacked && packed; i++) {
+        free(unpacked[i]);
+        free(packed[i]);
+    }
+    free(unpacked);
+    free(packed);
     free(res);
     free(qs);
     free(keys);

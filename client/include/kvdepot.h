@@ -955,10 +955,23 @@ typedef struct kvdepot_attend_result {
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (bad layer, q of the wrong size, empty
  *         or oversized batch); KVDEPOT_ENOTFOUND (unknown sequence);
  *         KVDEPOT_ERANGE (tokens past those stored); KVDEPOT_ECORRUPT (a
- *         page failed its checksum).
+ *         page failed its checksum); KVDEPOT_ENOMEM (the batch or its
+ *         answer does not fit in one message: the message names the limit
+ *         and how many such queries fit).
  */
 int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,
                    const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out);
+
+/*
+ * kvdepot_attend with queries of `q_dtype`: KVDEPOT_DTYPE_F16 or _BF16 (each
+ * query's q then points to q_len 16-bit values of that type: cast it) go
+ * as they are, and the outputs come back in the same dtype on the wire
+ * (returned as f32 all the same, LSE in f32): half the bytes each way, so
+ * about twice as many queries fit in one message. KVDEPOT_DTYPE_F32 (or
+ * UNSPECIFIED) is kvdepot_attend.
+ */
+int kvdepot_attend_dtype(kvdepot_client *client, uint32_t layer, float scale, kvdepot_dtype q_dtype,
+                         const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out);
 
 /* Free the buffers of n results (the array itself is the caller's); NULL is
  * a no-op. */

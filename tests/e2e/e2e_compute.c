@@ -452,6 +452,77 @@ static int t_batch_limit(kvd_harness *h)
     return 0;
 }
 
+/* Queries in f16 and bf16 (kvdepot_attend_dtype): the server attends with
+ * exactly their values (the LSE equals the f32 call's on the same values),
+ * the outputs come back rounded to the query dtype; twice as many such
+ * queries fit in one message; a wrong size or dtype is refused. */
+static int t_attend_half(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m;
+    REQUIRE_RC(put_model(c, "half", 1, 8, 32, 128, 0, KVDEPOT_DTYPE_F16, &m), KVDEPOT_OK);
+    REQUIRE_RC(make_seq(c, &m, "h", 700, 350, 3), KVDEPOT_OK);
+    const size_t per = 32 * 128;
+    float *q32 = malloc(sizeof(float) * per), *qw = malloc(sizeof(float) * per);
+    uint16_t *q16 = malloc(2 * per);
+    REQUIRE(q32 && qw && q16);
+    fill_values(q32, per, KVDEPOT_DTYPE_F32, 9);
+    const kvdepot_dtype dts[2] = {KVDEPOT_DTYPE_F16, KVDEPOT_DTYPE_BF16};
+    for (int di = 0; di < 2; di++) {
+        const int f16 = dts[di] == KVDEPOT_DTYPE_F16;
+        for (size_t i = 0; i < per; i++) {
+            q16[i] = f16 ? kvd_f32_to_f16(q32[i]) : kvd_f32_to_bf16(q32[i]);
+            qw[i] = f16 ? kvd_f16_to_f32(q16[i]) : kvd_bf16_to_f32(q16[i]);
+        }
+        kvdepot_attend_query qa = {"h", 1, (const float *)q16, per, 100, 500};
+        kvdepot_attend_query qb = {"h", 1, qw, per, 100, 500};
+        kvdepot_attend_result ra, rb;
+        REQUIRE_RC(kvdepot_attend_dtype(c, 0, 0, dts[di], &qa, 1, &ra), KVDEPOT_OK);
+        REQUIRE_RC(kvdepot_attend(c, 0, 0, &qb, 1, &rb), KVDEPOT_OK);
+        CHECK(ra.num_q_heads == 32 && ra.head_dim == 128 && ra.num_tokens == 500);
+        CHECK(memcmp(ra.lse, rb.lse, sizeof(float) * 32) == 0);
+        int bad = 0;
+        for (size_t i = 0; i < per; i++) {
+            uint16_t r = f16 ? kvd_f32_to_f16(rb.output[i]) : kvd_f32_to_bf16(rb.output[i]);
+            float want = f16 ? kvd_f16_to_f32(r) : kvd_bf16_to_f32(r);
+            bad += memcmp(&want, &ra.output[i], 4) != 0;
+        }
+        printf("%s queries: %d of %zu outputs differ from the f32 call's rounded\n",
+               f16 ? "f16" : "bf16", bad, per);
+        CHECK(bad == 0);
+        kvdepot_attend_results_free(&ra, 1);
+        kvdepot_attend_results_free(&rb, 1);
+    }
+    /* about twice the f32 batch fits in one message */
+    const size_t nq = 1024;
+    kvdepot_attend_query *qs = malloc(sizeof *qs * nq);
+    kvdepot_attend_result *rs = calloc(nq, sizeof *rs);
+    REQUIRE(qs && rs);
+    for (size_t i = 0; i < nq; i++)
+        qs[i] = (kvdepot_attend_query){"h", 1, (const float *)q16, per, 0, 16};
+    CHECK_RC(kvdepot_attend_dtype(c, 0, 0, KVDEPOT_DTYPE_BF16, qs, nq, rs), KVDEPOT_ENOMEM);
+    const char *at = strstr(kvdepot_errmsg(c), "at most ");
+    size_t fit = 0;
+    CHECK(at && sscanf(at, "at most %zu", &fit) == 1 && fit > 900 && fit < 1024);
+    if (fit > 900 && fit < 1024) {
+        CHECK_RC(kvdepot_attend_dtype(c, 0, 0, KVDEPOT_DTYPE_BF16, qs, fit, rs), KVDEPOT_OK);
+        CHECK(rs[fit - 1].num_tokens == 16);
+        kvdepot_attend_results_free(rs, fit);
+    }
+    /* a query of the wrong size, an unknown dtype */
+    kvdepot_attend_query shortq = {"h", 1, (const float *)q16, per - 1, 0, 0};
+    CHECK_RC(kvdepot_attend_dtype(c, 0, 0, KVDEPOT_DTYPE_F16, &shortq, 1, rs), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_attend_dtype(c, 0, 0, (kvdepot_dtype)7, qs, 1, rs), KVDEPOT_EINVAL);
+    free(qs);
+    free(rs);
+    free(q32);
+    free(qw);
+    free(q16);
+    kvdepot_close(c);
+    return 0;
+}
+
 /* Bad requests get clear errors and change nothing. */
 static int t_errors(kvd_harness *h)
 {
@@ -1740,6 +1811,7 @@ static const kvd_test tests[] = {
     {"plan_fetch", t_plan_fetch},
     {"errors", t_errors},
     {"batch_limit", t_batch_limit},
+    {"attend_half", t_attend_half},
     {"codecs", t_codecs},
     {"bad_codecs", t_bad_codecs},
     {"small_heads", t_small_heads},

@@ -4,8 +4,8 @@
 if(TARGET kvd_e2e_harness)
   add_executable(e2e_compute ${CMAKE_CURRENT_LIST_DIR}/e2e_compute.c)
   target_link_libraries(e2e_compute PRIVATE kvd_e2e_harness kvd_kernels m)
-  foreach(name attend attend_long lse_merge plan_fetch errors batch_limit codecs bad_codecs
-               small_heads search append_pages read_pages)
+  foreach(name attend attend_long lse_merge plan_fetch errors batch_limit attend_half codecs
+               bad_codecs small_heads search append_pages read_pages)
     add_test(NAME compute_${name} COMMAND e2e_compute ${KVD_E2E_SERVER} ${name})
     set_tests_properties(compute_${name} PROPERTIES LABELS e2e TIMEOUT 300)
   endforeach()

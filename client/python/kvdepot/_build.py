@@ -353,6 +353,9 @@ int kvdepot_sequence_evict(kvdepot_client *client, const void *id, size_t id_len
                            uint64_t *pages, uint64_t *bytes);
 int kvdepot_attend(kvdepot_client *client, uint32_t layer, float scale,
                    const kvdepot_attend_query *queries, size_t n, kvdepot_attend_result *out);
+int kvdepot_attend_dtype(kvdepot_client *client, uint32_t layer, float scale,
+                         kvdepot_dtype q_dtype, const kvdepot_attend_query *queries, size_t n,
+                         kvdepot_attend_result *out);
 void kvdepot_attend_results_free(kvdepot_attend_result *results, size_t n);
 int kvdepot_stats_get(kvdepot_client *client, kvdepot_stats *out);
 int kvdepot_search(kvdepot_client *client, const kvdepot_search_args *args,

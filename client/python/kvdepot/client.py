@@ -835,24 +835,28 @@ class Client:
                ) -> List[AttendResult]:
         """Attention of each query over its sequence's stored K/V of `layer`
         on the server, in one call: queries are (id, q) or (id, q,
-        token_start, num_tokens) with q (num_q_heads, head_dim) float32.
-        scale 0: 1/sqrt(head_dim)."""
+        token_start, num_tokens) with q (num_q_heads, head_dim). When every
+        q is float16 they travel as f16 and so do the outputs (half the
+        bytes, twice the queries per message); otherwise float32. Outputs
+        are float32 either way. scale 0: 1/sqrt(head_dim)."""
         n = len(queries)
         qs = ffi.new("kvdepot_attend_query[]", max(n, 1))
         keep = []
+        half = n > 0 and all(np.asarray(qd[1]).dtype == np.float16 for qd in queries)
         for i, qd in enumerate(queries):
             sid, q = qd[0], qd[1]
             t0 = qd[2] if len(qd) > 2 else 0
             nt = qd[3] if len(qd) > 3 else 0
             b = _id(sid)
-            qa = np.ascontiguousarray(np.asarray(q, dtype=np.float32))
+            qa = np.ascontiguousarray(np.asarray(q, dtype=np.float16 if half else np.float32))
             idb, qb = ffi.from_buffer(b), ffi.from_buffer(qa)
             keep += [b, qa, idb, qb]
             qs[i].id, qs[i].id_len = idb, len(b)
             qs[i].q, qs[i].q_len = ffi.cast("const float *", qb), qa.size
             qs[i].token_start, qs[i].num_tokens = t0, nt
         res = ffi.new("kvdepot_attend_result[]", max(n, 1))
-        self._check(lib.kvdepot_attend(self._client(), layer, scale, qs, n, res))
+        dt = lib.KVDEPOT_DTYPE_F16 if half else lib.KVDEPOT_DTYPE_F32
+        self._check(lib.kvdepot_attend_dtype(self._client(), layer, scale, dt, qs, n, res))
         try:
             out = []
             for i in range(n):

@@ -95,6 +95,14 @@ def test_attend_matches_reference(client):
         out, lse = reference_attention(q, k[1, t0:t1], v[1, t0:t1])
         assert np.allclose(r.output, out, rtol=1e-3, atol=1e-4)
         assert np.allclose(r.lse, lse, rtol=1e-4, atol=1e-4)
+    # float16 queries travel as f16 and so do the outputs: the f32 call on
+    # the same values, rounded to f16
+    q16 = q.astype(np.float16)
+    (h16,) = client.attend(1, [("s3", q16, 100, 200)])
+    (h32,) = client.attend(1, [("s3", q16.astype(np.float32), 100, 200)])
+    assert h16.output.dtype == np.float32
+    assert np.array_equal(h16.output, h32.output.astype(np.float16).astype(np.float32))
+    assert np.array_equal(h16.lse, h32.lse)
 
 
 def test_delete_evict_stats(client):
