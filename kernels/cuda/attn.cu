@@ -900,10 +900,11 @@ __host__ __device__ inline IntLayout int_layout(int GB, int D, int Dv, int tb, i
 
 /*
  * FB, FG, FD != 0 fix at compile time what every item of the launch has:
- * both sides FB-bit with keys per token and values per channel, FG query
- * heads in every unit, D = Dv = FD. Index arithmetic and head loops then
- * fold away (the shared pattern reads become immediate-offset, vectorised
- * loads); 0, 0, 0 is the kernel for everything else.
+ * both sides FB % 10-bit with values per channel and keys per token (FB < 10)
+ * or per channel (FB > 10, the default layout), FG query heads in every
+ * unit, D = Dv = FD. Index arithmetic and head loops then fold away (the
+ * shared pattern reads become immediate-offset, vectorised loads); 0, 0, 0
+ * is the kernel for everything else.
  */
 template <int FB, int FG, int FD>
 __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ items, const Unit *__restrict__ units,
@@ -916,9 +917,9 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
     const int D = FD ? FD : it.D, Dv = FD ? FD : it.Dv, G = it.G, h = u.h, gn = FG ? FG : u.gn, tb = it.tb;
     /* read where used, as the general kernel always did (held in registers
      * they cost the general kernel spills) */
-#define kbits (FB ? FB : K.bits)
-#define vbits (FB ? FB : V.bits)
-#define kaxis (FB ? (int)KVD_ATTN_AXIS_TOKEN : (int)K.axis)
+#define kbits (FB ? FB % 10 : K.bits)
+#define vbits (FB ? FB % 10 : V.bits)
+#define kaxis (FB ? (FB > 10 ? (int)KVD_ATTN_AXIS_CHANNEL : (int)KVD_ATTN_AXIS_TOKEN) : (int)K.axis)
 #define vaxis (FB ? (int)KVD_ATTN_AXIS_CHANNEL : (int)V.axis)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const IntLayout L = int_layout(gn, D, Dv, tb, kbits, K.group, kaxis, V.group, vaxis);
@@ -2339,18 +2340,19 @@ int cuda_quant(kvd_backend *be, int n, const kvd_attn_int_args *a, kvd_error *er
         qidx[i] = (int)qitems.size();
         qitems.push_back(qi);
     }
-    /* the kernel fixed at compile time for what every item shares (10 x
-     * bits + heads per unit: 24, 28, 44, 48), else the general one (0) */
+    /* the kernel fixed at compile time for what every item shares (100 x
+     * keys per channel + 10 x bits + heads per unit: 24, 28, 44, 48, 124,
+     * 128, 144, 148), else the general one (0) */
     int fix = -1;
     for (int i = 0; i < n && fix != 0; i++) {
         if (qidx[i] < 0)
             continue;
         const QItem &qi = qitems[qidx[i]];
         int gc = didx[i] >= 0 ? std::min(MAXGB, dense_gcap(ditems[didx[i]])) : MAXGB;
-        int f = qi.k.bits == qi.v.bits && (qi.k.bits == 2 || qi.k.bits == 4) && qi.k.axis == KVD_ATTN_AXIS_TOKEN &&
+        int f = qi.k.bits == qi.v.bits && (qi.k.bits == 2 || qi.k.bits == 4) &&
                         qi.v.axis == KVD_ATTN_AXIS_CHANNEL && qi.D == 128 && qi.Dv == 128 &&
                         (qi.G == 4 || qi.G == 8) && gc >= qi.G
-                    ? 10 * qi.k.bits + qi.G
+                    ? 100 * (qi.k.axis == KVD_ATTN_AXIS_CHANNEL) + 10 * qi.k.bits + qi.G
                     : 0;
         fix = fix < 0 || fix == f ? f : 0;
     }
@@ -2377,11 +2379,15 @@ int cuda_quant(kvd_backend *be, int n, const kvd_attn_int_args *a, kvd_error *er
     auto launch0 = [&](unsigned char *dev, const Unit *du, const Parts &P) -> int {
         const unsigned nu = (unsigned)pl.units[0].size();
         const QItem *dq = reinterpret_cast<const QItem *>(dev + oq);
-        int r = fix == 24   ? launch_int<2, 4, 128>(nu, smax, &call, dq, du, P, err)
-                : fix == 28 ? launch_int<2, 8, 128>(nu, smax, &call, dq, du, P, err)
-                : fix == 44 ? launch_int<4, 4, 128>(nu, smax, &call, dq, du, P, err)
-                : fix == 48 ? launch_int<4, 8, 128>(nu, smax, &call, dq, du, P, err)
-                            : launch_int<0, 0, 0>(nu, smax, &call, dq, du, P, err);
+        int r = fix == 24    ? launch_int<2, 4, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 28  ? launch_int<2, 8, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 44  ? launch_int<4, 4, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 48  ? launch_int<4, 8, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 124 ? launch_int<12, 4, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 128 ? launch_int<12, 8, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 144 ? launch_int<14, 4, 128>(nu, smax, &call, dq, du, P, err)
+                : fix == 148 ? launch_int<14, 8, 128>(nu, smax, &call, dq, du, P, err)
+                             : launch_int<0, 0, 0>(nu, smax, &call, dq, du, P, err);
         if (r)
             return r;
         return kvd__cuda_launched(&call, "INT attention", err);

@@ -673,6 +673,8 @@ static void test_int(tu_rng *r)
         {128, 2, 2, 32, 2, 16, 8, TK, CH},     {96, 1, 4, 8, 2, 8, 16, CH, TK},
         {512, 0, 4, 128, 2, 8, 16, CH, TK},    {256, 5, 4, 64, 4, 8, 8, TK, CH},
         {320, 0, 8, 128, 2, 16, 8, CH, CH},
+        /* keys per channel, INT4, 8 heads per unit: int_kernel<14, 8, 128> */
+        {512, 0, 8, 128, 4, 32, 64, CH, CH},   {2048, 3, 8, 128, 4, 64, 32, CH, CH},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         int_batch(r, "shape", &cases[i], 1, -1);
