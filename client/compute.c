@@ -12,12 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "codec.h"
 #include "internal.h"
 #include "kvdepot.h"
 #include "kvdepot/attention.h"
 #include "kvdepot/backend.h"
+#include "kvdepot/convert.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
-#include "codec.h"
 #include "page.h"
 
 #define PATH_ATTEND "/kvdepot.v1.KVDepot/Attend"
@@ -248,13 +249,11 @@ int kvdepot_attend_dtype(kvdepot_client *c, uint32_t layer, float scale, kvdepot
             rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "attend: out of memory");
             goto done;
         }
-        if (half) {
-            const uint8_t *b = r->output_bytes.data;
-            for (size_t j = 0; j < no; j++) {
-                uint16_t h = (uint16_t)(b[2 * j] | b[2 * j + 1] << 8);
-                out[i].output[j] =
-                    odt == KVDEPOT_DTYPE_F16 ? kvd_f16_to_f32(h) : kvd_bf16_to_f32(h);
-            }
+        if (half) { /* little-endian hosts */
+            const int64_t len = (int64_t)no;
+            const kvd_tensor d = kvd_tensor_make(KVD_DTYPE_F32, out[i].output, 1, &len);
+            const kvd_tensor s = kvd_tensor_make((kvd_dtype)odt, r->output_bytes.data, 1, &len);
+            kvd_convert_ref(&d, &s);
         } else {
             memcpy(out[i].output, r->output, sizeof(float) * no);
         }

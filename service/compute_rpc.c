@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "compute.h"
+#include "kvdepot/convert.h"
 #include "kvdepot/tensor.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
 #include "pqindex.h"
@@ -30,6 +31,24 @@ static int reply_msg(kvd_req_ctx *ctx, const ProtobufCMessage *m, grpc_byte_buff
     return 0;
 }
 
+/* The compute context of the call, and the caller's key of the sequence
+ * named by the request's sequence_id. */
+static int compute_for(kvd_req_ctx *ctx, const ProtobufCBinaryData *id, kvd_compute_guard *g,
+                       kvd_compute *c, kvd_seq_key *key, kvd_error *err)
+{
+    kvd_ctx_compute(ctx, g, c);
+    return kvd_ctx_seq_key(ctx, id, "sequence_id", key, err);
+}
+
+/* n values of dtype sdt at src as ddt at dst (little-endian hosts). */
+static void convert_1d(void *dst, kvd_dtype ddt, const void *src, kvd_dtype sdt, size_t n)
+{
+    const int64_t len = (int64_t)n;
+    const kvd_tensor d = kvd_tensor_make(ddt, dst, 1, &len);
+    const kvd_tensor s = kvd_tensor_make(sdt, (void *)src, 1, &len);
+    kvd_convert_ref(&d, &s);
+}
+
 /* Query i given packed (q_bytes in q_dtype) as f32 in *f (malloc'd), which
  * q->q then points at. */
 static int unpack_query(const Kvdepot__V1__AttendQuery *q, size_t i, kvd_attend_query *out,
@@ -37,14 +56,11 @@ static int unpack_query(const Kvdepot__V1__AttendQuery *q, size_t i, kvd_attend_
 {
     if (q->n_q)
         return kvd_error_set(err, KVD_EINVAL, "queries[%zu]: give q or q_bytes, not both", i);
-    const int dt = q->q_dtype;
-    const size_t es = dt == KVDEPOT__V1__DTYPE__DTYPE_F32 ? 4
-                      : dt == KVDEPOT__V1__DTYPE__DTYPE_F16 || dt == KVDEPOT__V1__DTYPE__DTYPE_BF16
-                          ? 2
-                          : 0;
+    const kvd_dtype dt = (kvd_dtype)q->q_dtype; /* the wire's numbering */
+    const size_t es = kvd_dtype_is_float(dt) ? kvd_dtype_size(dt) : 0;
     if (!es)
         return kvd_error_set(err, KVD_EINVAL, "queries[%zu].q_dtype: %d, want F16, BF16 or F32", i,
-                             dt);
+                             (int)dt);
     if (q->q_bytes.len % es)
         return kvd_error_set(err, KVD_EINVAL,
                              "queries[%zu].q_bytes: %zu bytes, not a whole number of %zu-byte "
@@ -53,15 +69,7 @@ static int unpack_query(const Kvdepot__V1__AttendQuery *q, size_t i, kvd_attend_
     const size_t nv = q->q_bytes.len / es;
     if (!(*f = malloc(sizeof(float) * (nv ? nv : 1))))
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
-    const uint8_t *b = q->q_bytes.data;
-    for (size_t j = 0; j < nv; j++) {
-        if (es == 4) {
-            memcpy(&(*f)[j], b + 4 * j, 4);
-        } else {
-            uint16_t h = (uint16_t)(b[2 * j] | b[2 * j + 1] << 8);
-            (*f)[j] = dt == KVDEPOT__V1__DTYPE__DTYPE_F16 ? kvd_f16_to_f32(h) : kvd_bf16_to_f32(h);
-        }
-    }
+    convert_1d(*f, KVD_DTYPE_F32, q->q_bytes.data, dt, nv);
     out->q = *f;
     out->n_q = nv;
     return 0;
@@ -119,10 +127,8 @@ int kvd_h_attend(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer
                 rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
                 break;
             }
-            for (size_t j = 0; j < no; j++)
-                o[j] = odt == KVDEPOT__V1__DTYPE__DTYPE_F16 ? kvd_f32_to_f16(res[i].out[j])
-                                                            : kvd_f32_to_bf16(res[i].out[j]);
-            packed[i] = o; /* little-endian hosts */
+            convert_1d(o, (kvd_dtype)odt, res[i].out, KVD_DTYPE_F32, no);
+            packed[i] = o;
             pr[i].output_bytes.data = (uint8_t *)o;
             pr[i].output_bytes.len = 2 * no;
         } else {
@@ -194,9 +200,8 @@ static int search_rpc(kvd_req_ctx *ctx, const Kvdepot__V1__SearchRequest *req, i
 {
     kvd_compute_guard g;
     kvd_compute c;
-    kvd_ctx_compute(ctx, &g, &c);
     kvd_seq_key key;
-    int rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err);
+    int rc = compute_for(ctx, &req->sequence_id, &g, &c, &key, err);
     if (rc)
         return rc;
     kvd_search_args a;
@@ -249,9 +254,8 @@ int kvd_h_pq_centroids(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_
     const Kvdepot__V1__GetPQCentroidsRequest *req = (const Kvdepot__V1__GetPQCentroidsRequest *)msg;
     kvd_compute_guard g;
     kvd_compute c;
-    kvd_ctx_compute(ctx, &g, &c);
     kvd_seq_key key;
-    int rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err);
+    int rc = compute_for(ctx, &req->sequence_id, &g, &c, &key, err);
     if (rc)
         return rc;
     kvd_pq_centroids pc;
@@ -279,9 +283,8 @@ int kvd_h_plan_fetch(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_bu
     const Kvdepot__V1__PlanFetchRequest *req = (const Kvdepot__V1__PlanFetchRequest *)msg;
     kvd_compute_guard g;
     kvd_compute c;
-    kvd_ctx_compute(ctx, &g, &c);
     kvd_seq_key key;
-    int rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err);
+    int rc = compute_for(ctx, &req->sequence_id, &g, &c, &key, err);
     if (rc)
         return rc;
     kvd_plan_args a = {

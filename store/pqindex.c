@@ -191,7 +191,7 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
         n = KVD_PQ_TRAIN_TOKENS;
     int64_t from_page = n < (int64_t)B ? n : (int64_t)B, from_wire = n - from_page;
     uint64_t nf = cent_floats(H, D, c->pq_bits);
-    size_t rlen = REC_HEADER + 4 * (size_t)nf;
+    size_t rlen = (size_t)kvd__pq_record_bytes(H, D, c->pq_bits);
     uint8_t *rec = malloc(rlen);
     float *keys = malloc(sizeof(float) * (size_t)n * D);
     int rc = 0;
