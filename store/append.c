@@ -40,11 +40,13 @@ struct kvd_append {
     uint8_t *buf;
     uint64_t have, expected, cap;
     int failed;
-    /* Copies of the pages built by commit, put in the memory tiers once the
-     * batch is durable (an append writes what is about to be read). */
+    /* The pages built by commit, put in the memory tiers once the batch is
+     * durable (an append writes what is about to be read): a copy, or where
+     * the page lies in the commit's batch. */
     struct built_page {
         uint64_t id;
-        uint8_t *bytes;
+        uint8_t *bytes; /* the copy, or NULL: in the batch at off */
+        size_t off;
         size_t len;
         uint32_t num_tokens;
         kvd__slot slot; /* where a page coded on the device was put there, or none */
@@ -96,10 +98,9 @@ static const struct given_page *given_page(const kvd_append *ap, uint32_t layer,
     return NULL;
 }
 
-/* Keep a copy of a finished page for the tiers; best effort: the copy, or
- * NULL. */
-static struct built_page *keep_built(kvd_append *ap, uint64_t id, const uint8_t *page, size_t len,
-                                     uint32_t num_tokens)
+/* Room for one more finished page for the tiers, or NULL (best effort:
+ * without it, the page is read from RocksDB when wanted). */
+static struct built_page *next_built(kvd_append *ap, size_t len)
 {
     kvd__cache *c = &ap->st->tiers;
     if (len > c->tier[KVD_TIER_DEVICE].limit && len > c->tier[KVD_TIER_HOST].limit)
@@ -112,12 +113,31 @@ static struct built_page *keep_built(kvd_append *ap, uint64_t id, const uint8_t 
         ap->built = n;
         ap->capbuilt = nc;
     }
-    uint8_t *copy = malloc(len);
+    return &ap->built[ap->nbuilt];
+}
+
+/* Keep a copy of a finished page for the tiers: the copy, or NULL. */
+static struct built_page *keep_built(kvd_append *ap, uint64_t id, const uint8_t *page, size_t len,
+                                     uint32_t num_tokens)
+{
+    struct built_page *bp = next_built(ap, len);
+    uint8_t *copy = bp ? malloc(len) : NULL;
     if (!copy)
         return NULL;
     memcpy(copy, page, len);
-    ap->built[ap->nbuilt] = (struct built_page){id, copy, len, num_tokens, {0, 0, NULL}};
-    return &ap->built[ap->nbuilt++];
+    *bp = (struct built_page){id, copy, 0, len, num_tokens, {0, 0, NULL}};
+    ap->nbuilt++;
+    return bp;
+}
+
+/* Keep a page built in place in the commit's batch (at off) for the tiers. */
+static void keep_batched(kvd_append *ap, uint64_t id, size_t off, size_t len, uint32_t num_tokens)
+{
+    struct built_page *bp = next_built(ap, len);
+    if (!bp)
+        return;
+    *bp = (struct built_page){id, NULL, off, len, num_tokens, {0, 0, NULL}};
+    ap->nbuilt++;
 }
 
 /* New hash and token-id state of a sequence after an append. */
@@ -622,8 +642,8 @@ static int pq_window(kvd_append *ap, rocksdb_writebatch_t *b, const kvd_page_des
     return kvd_store_device_fallback(ap->st, rc, err) ? 0 : rc;
 }
 
-static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_writebatch_t *b,
-                       kvd__layer *nl, kvd_error *err)
+static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch *wb,
+                       rocksdb_writebatch_t *b, kvd__layer *nl, kvd_error *err)
 {
     kvd_store *st = ap->st;
     kvd__seq *s = ap->s;
@@ -637,7 +657,6 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     const kvd__page *tail = tail_n ? L->pages[first] : NULL;
     int rc = 0;
     kvd__tail old = {0};
-    uint8_t *page = NULL;
 
     memset(nl, 0, sizeof *nl);
     if (npages > UINT32_MAX)
@@ -663,8 +682,11 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
                            .num_kv_heads = ap->H,
                            .head_dim = ap->D};
         uint64_t size = kvd_page_raw_size(&d);
+        uint8_t key[KVD__FRAG_KEY_LEN];
+        kvd__frag_key(key, tail->id, tail_n);
         kvd__page *np = calloc(1, sizeof *np);
-        page = malloc((size_t)size);
+        /* built where the batch holds it */
+        uint8_t *page = np ? kvd__batch_put(wb, b, key, sizeof key, (size_t)size) : NULL;
         if (!np || !page) {
             free(np);
             rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building a tail fragment");
@@ -682,10 +704,6 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         fill_section(ap, kp, ap->ts, end, NULL, 0, 0, 0, wk);
         fill_section(ap, vp, ap->ts, end, NULL, 0, 0, 0, wv);
         kvd_page_finish(page, (size_t)size);
-        uint8_t key[KVD__FRAG_KEY_LEN];
-        kvd__frag_key(key, tail->id, tail_n);
-        rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)page, (size_t)size);
-        free(page);
         return 0;
     }
 
@@ -732,6 +750,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
     kvd_page_desc ds[KVD__ENCODE_WINDOW], cd[KVD__ENCODE_WINDOW];
     size_t clen[KVD__ENCODE_WINDOW];
     int code_it[KVD__ENCODE_WINDOW];
+    size_t in_batch[KVD__ENCODE_WINDOW]; /* built in place in wb, at this offset; or 0 */
     const struct given_page *given[KVD__ENCODE_WINDOW];
     dev_raw draw = {0};
     kvd_dev_sections keep = {0}; /* where the window's coded arrays lie on the device */
@@ -757,12 +776,20 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
                 d.prefix_hash = pl->hashes[pi];
             }
             uint64_t size = kvd_page_raw_size(&d);
+            /* A page that seals is stored encoded (the raw tail rule),
+             * unless the client encoded it (given_page). */
+            given[at] = d.num_tokens == B ? given_page(ap, l, pi) : NULL;
+            code_it[at] = ap->coded && d.num_tokens == B && p0 >= ap->sink_end && !given[at];
+            /* A page stored as built (raw, no PQ section) is built where
+             * the batch holds it; the others in a window buffer. */
+            const int direct =
+                !given[at] && !code_it[at] && !(ap->codecs.pq_m && d.num_tokens == B);
             kvd__page *np = calloc(1, sizeof *np);
             /* One buffer per window slot, sized for a full page, serves
              * every page built there: the batch keeps its own copy. */
-            if (!raw[at])
+            if (!direct && !raw[at])
                 raw[at] = malloc(full_size);
-            if (!np || !raw[at]) {
+            if (!np || (!direct && !raw[at])) {
                 free(np);
                 rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
                 break;
@@ -773,18 +800,25 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             np->num_tokens = d.num_tokens;
             np->bytes = size;
             np->nfrags = 0;
+            uint8_t *dst = raw[at];
+            in_batch[at] = 0;
+            if (direct) {
+                uint8_t key[KVD__PAGE_KEY_LEN];
+                kvd__page_key(key, np->id);
+                if (!(dst = kvd__batch_put(wb, b, key, sizeof key, (size_t)size))) {
+                    rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
+                    break;
+                }
+                in_batch[at] = (size_t)(dst - wb->buf);
+            }
             uint8_t *kp, *vp;
-            if ((rc = kvd_page_init_raw(&d, raw[at], (size_t)size, &kp, &vp, err)))
+            if ((rc = kvd_page_init_raw(&d, dst, (size_t)size, &kp, &vp, err)))
                 break;
             fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
             fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
-            kvd_page_finish(raw[at], (size_t)size);
+            kvd_page_finish(dst, (size_t)size);
             ds[at] = d;
-            kps[at] = kp;
-            /* A page that seals is stored encoded (the raw tail rule),
-             * unless the client encoded it (given_page). */
-            given[at] = d.num_tokens == B ? given_page(ap, l, pi) : NULL;
-            code_it[at] = ap->coded && d.num_tokens == B && p0 >= ap->sink_end && !given[at];
+            kps[at] = kp; /* (used only for pages not built in the batch) */
             if (code_it[at]) {
                 cd[nc] = d;
                 ck[nc] = kp;
@@ -801,6 +835,10 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
             const size_t at = (size_t)(pi - w0);
             const kvd_page_desc *d = &ds[at];
             kvd__page *np = nl->pages[pi];
+            if (in_batch[at]) { /* already in the batch */
+                keep_batched(ap, np->id, in_batch[at], (size_t)np->bytes, d->num_tokens);
+                continue;
+            }
             const uint8_t *wbytes = raw[at];
             size_t wlen = (size_t)np->bytes;
             uint8_t *own = NULL;
@@ -829,12 +867,23 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
                 wbytes = own = withpq;
                 np->bytes = wlen;
             }
-            struct built_page *bp = keep_built(ap, np->id, wbytes, wlen, d->num_tokens);
-            if (bp && code_it[at] && keep.scratch)
-                nimg += place_coded(ap, bp, &keep, ci - 1, img + nimg, placed, &nplaced);
             uint8_t key[KVD__PAGE_KEY_LEN];
             kvd__page_key(key, np->id);
-            rocksdb_writebatch_put(b, (const char *)key, sizeof key, (const char *)wbytes, wlen);
+            uint8_t *dst = kvd__batch_put(wb, b, key, sizeof key, wlen);
+            if (!dst) {
+                free(own);
+                rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
+                break;
+            }
+            memcpy(dst, wbytes, wlen);
+            if (code_it[at] && keep.scratch) {
+                /* its device copies read a copy of their own */
+                struct built_page *bp = keep_built(ap, np->id, wbytes, wlen, d->num_tokens);
+                if (bp)
+                    nimg += place_coded(ap, bp, &keep, ci - 1, img + nimg, placed, &nplaced);
+            } else {
+                keep_batched(ap, np->id, (size_t)(dst - wb->buf), wlen, d->num_tokens);
+            }
             free(own);
         }
         if (nimg && kvd_backend_copy_batch(kvd_store_device(st), img, nimg, NULL) != 0)
@@ -853,11 +902,9 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, rocksdb_wr
         free(raw[i]);
     if (rc)
         goto fail;
-    free(page);
     kvd__tail_release(&old);
     return 0;
 fail:
-    free(page);
     kvd__tail_release(&old);
     for (uint64_t pi = first; pi < npages; pi++)
         free(nl->pages[pi]);
@@ -935,6 +982,7 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     uint8_t *rec = NULL;
     size_t rlen = 0;
     rocksdb_writebatch_t *b = NULL;
+    kvd__batch wb = {0};  /* the pages, and b's records after them */
     uint64_t *act = NULL; /* new activation counts */
     if (s->dead) {
         char idb[KVD__ID_STR_MAX];
@@ -950,12 +998,13 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
         goto out;
     }
     b = rocksdb_writebatch_create();
+    kvd__batch_init(&wb, st);
     for (uint32_t l = 0; l < s->num_layers; l++) {
         if (l < ap->ls || l >= ap->ls + ap->nl) {
             nls[l] = s->layers[l]; /* shallow: unchanged */
             continue;
         }
-        if ((rc = build_layer(ap, l, &pl, b, &nls[l], err)))
+        if ((rc = build_layer(ap, l, &pl, &wb, b, &nls[l], err)))
             goto out;
     }
     if (ap->with_x && (rc = kvd__act_stage(st, s, ap->ls, ap->nl, ap->ts, ap->n,
@@ -971,7 +1020,7 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
     uint64_t now = kvd__now_ms();
     if (s->ttl_ms)
         kvd__expiry_put(b, s, s->ttl_ms, now + s->ttl_ms);
-    if ((rc = kvd__db_write(st, b, err)))
+    if ((rc = kvd__batch_write(&wb, b, err)))
         goto out;
     if (s->ttl_ms)
         atomic_store(&s->expires_ms, now + s->ttl_ms);
@@ -1023,8 +1072,9 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
      * under s->mu, so a delete of this sequence cannot drop them first. */
     kvd__cache_put *puts = ap->nbuilt ? malloc(ap->nbuilt * sizeof *puts) : NULL;
     for (size_t i = 0; puts && i < ap->nbuilt; i++) {
-        puts[i] = (kvd__cache_put){ap->built[i].id, ap->built[i].bytes, ap->built[i].len,
-                                   ap->built[i].num_tokens, ap->built[i].slot};
+        const struct built_page *bp = &ap->built[i];
+        puts[i] = (kvd__cache_put){bp->id, bp->bytes ? bp->bytes : wb.buf + bp->off, bp->len,
+                                   bp->num_tokens, bp->slot};
         memset(&ap->built[i].slot, 0, sizeof ap->built[i].slot); /* the insert's now */
     }
     if (puts) /* (without, they are read from RocksDB when wanted) */
@@ -1044,6 +1094,7 @@ out:
     }
     if (b)
         rocksdb_writebatch_destroy(b);
+    kvd__batch_release(&wb);
     free(rec);
     free(act);
     plan_free(&pl);

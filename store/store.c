@@ -477,6 +477,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     if (!st)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     pthread_rwlock_init(&st->lock, NULL);
+    kvd__batch_pool_init(st);
     st->max_seq_tokens = opt->max_seq_tokens;
     st->durability = opt->sync_writes ? KVD_DURABILITY_SYNC : opt->durability;
     if (st->durability < KVD_DURABILITY_SPILL || st->durability > KVD_DURABILITY_SYNC) {
@@ -492,6 +493,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         kvd_cpu_options copt = {0, 0};
         if ((rc = kvd_backend_cpu_create(&copt, &st->own_be, err))) {
             pthread_rwlock_destroy(&st->lock);
+            kvd__batch_pool_fini(st);
             free(st);
             return rc;
         }
@@ -503,6 +505,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         kvd__cache_fini(st);
         kvd_backend_free(st->own_be);
         pthread_rwlock_destroy(&st->lock);
+        kvd__batch_pool_fini(st);
         free(st);
         return rc;
     }
@@ -511,6 +514,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         kvd__cache_fini(st);
         kvd_backend_free(st->own_be);
         pthread_rwlock_destroy(&st->lock);
+        kvd__batch_pool_fini(st);
         free(st);
         return rc;
     }
@@ -625,6 +629,7 @@ void kvd_store_close(kvd_store *st)
     if (st->cache)
         rocksdb_cache_destroy(st->cache);
     kvd_backend_free(st->own_be);
+    kvd__batch_pool_fini(st);
     pthread_rwlock_destroy(&st->lock);
     free(st);
 }

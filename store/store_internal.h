@@ -320,6 +320,15 @@ struct kvd_store {
     uint64_t append_limit;             /* cap on append_buf_bytes; 0 = none */
     uint32_t prefetch_pages;
     kvd__cache tiers;
+    /* Buffers of finished write batches kept for the next ones (batch.c). */
+#define KVD__BATCH_KEEP 2
+    pthread_mutex_t batch_mu;
+    struct {
+        uint8_t *buf;
+        size_t cap;
+    } batch_free[KVD__BATCH_KEEP];
+    size_t nbatch_free;
+    _Atomic uint64_t batch_kept_bytes;
 
     kvd_backend *be;       /* compute backend (options.backend or own_be) */
     kvd_backend *own_be;   /* created at open when none was given */
@@ -378,6 +387,34 @@ void kvd__page_drop(kvd_store *st, kvd__model *m, kvd__page *p, uint64_t *droppe
 void kvd__prefix_reregister(kvd_store *st, kvd__model *m, const uint64_t *dropped, size_t n);
 
 int kvd__db_write(kvd_store *st, rocksdb_writebatch_t *b, kvd_error *err);
+
+/* A write batch in a buffer of kvdepot's (batch.c): records in RocksDB's
+ * write-batch format (buf[0, len) is always a whole batch), page bytes
+ * written in place, the whole handed to RocksDB at the write. Records added to a RocksDB batch `b`
+ * alongside are moved in first at every put and at the write, so the order of all the records is
+ * the order they were added in. */
+typedef struct kvd__batch {
+    kvd_store *st;
+    uint8_t *buf;
+    size_t len, cap;
+    uint32_t count;
+    int failed; /* out of memory: the write fails */
+} kvd__batch;
+void kvd__batch_pool_init(kvd_store *st);
+void kvd__batch_pool_fini(kvd_store *st);
+/* Start a batch, in a buffer kept from an earlier one when there is one. */
+void kvd__batch_init(kvd__batch *wb, kvd_store *st);
+/* Its buffer goes back to the store (or is freed). */
+void kvd__batch_release(kvd__batch *wb);
+/* Move b's records in (b is cleared); 0, or -1 when out of memory. */
+int kvd__batch_take(kvd__batch *wb, rocksdb_writebatch_t *b);
+/* Add a Put of key with a value of vlen bytes, after b's records (b may be
+ * NULL); returns where the caller writes the value, valid until the next
+ * call on wb, or NULL when out of memory (the batch has failed). */
+uint8_t *kvd__batch_put(kvd__batch *wb, rocksdb_writebatch_t *b, const void *key, size_t klen,
+                        size_t vlen);
+/* Write the batch (b's records last) through kvd__db_write. */
+int kvd__batch_write(kvd__batch *wb, rocksdb_writebatch_t *b, kvd_error *err);
 /* Tests: while > 0, kvd__db_write fails (KVD_EINTERNAL) without writing and
  * decrements it. 0 outside tests. */
 extern _Atomic int kvd__fault_db_write;

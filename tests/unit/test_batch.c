@@ -1,0 +1,319 @@
+/*
+ * Write batches built in kvdepot's buffers (store/batch.c):
+ *
+ *  - records added through kvd__batch_put, interleaved with records added to
+ *    a RocksDB batch, give byte for byte the batch RocksDB builds from the
+ *    same operations in the same order (header, record count, varint
+ *    lengths of one, two and three bytes, deletes and range deletes);
+ *  - such a batch written to a store is what RocksDB then holds: the puts
+ *    read back, the deletes and the range delete took effect;
+ *  - a batch that could not grow writes nothing and says so;
+ *  - a finished batch's buffer is kept and handed to the next batch, within
+ *    the number and bytes the store keeps;
+ *  - appends of raw pages (built in place in the batch: whole pages, a page
+ *    completing the tail, a tail fragment) read back exact after a reopen.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <rocksdb/c.h>
+
+#include "store.h"
+#include "store_internal.h"
+
+static int failures;
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+static char dir[256];
+
+static void rm_dir(void)
+{
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+static kvd_store *open_store(void)
+{
+    kvd_store_options o = {.data_dir = dir, .page_tokens = 16};
+    kvd_store *st = NULL;
+    kvd_error err;
+    if (kvd_store_open(&o, &st, &err) != 0) {
+        fprintf(stderr, "open %s: %s\n", dir, err.msg);
+        exit(1);
+    }
+    return st;
+}
+
+static void fill(uint8_t *p, size_t n, unsigned seed)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = (uint8_t)(seed * 131u + i * 7u + (i >> 8));
+}
+
+/* Put key with a value of n bytes made by fill(seed) through wb (after b's
+ * records) and through ref. */
+static void put_both(kvd__batch *wb, rocksdb_writebatch_t *b, rocksdb_writebatch_t *ref,
+                     const char *key, size_t n, unsigned seed)
+{
+    uint8_t *v = malloc(n ? n : 1);
+    fill(v, n, seed);
+    uint8_t *dst = kvd__batch_put(wb, b, key, strlen(key), n);
+    CHECK(dst != NULL);
+    if (dst)
+        memcpy(dst, v, n);
+    rocksdb_writebatch_put(ref, key, strlen(key), (const char *)v, n);
+    free(v);
+}
+
+static void test_format(kvd_store *st)
+{
+    kvd__batch wb;
+    kvd__batch_init(&wb, st);
+    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    rocksdb_writebatch_t *ref = rocksdb_writebatch_create();
+
+    /* b's records before the first put, between puts, and after the last */
+    rocksdb_writebatch_delete(b, "gone0", 5);
+    rocksdb_writebatch_delete(ref, "gone0", 5);
+    put_both(&wb, b, ref, "k1", 10, 1);  /* one-byte length */
+    put_both(&wb, b, ref, "k2", 0, 2);   /* empty value */
+    put_both(&wb, b, ref, "k3", 300, 3); /* two-byte length */
+    rocksdb_writebatch_delete(b, "gone1", 5);
+    rocksdb_writebatch_delete(ref, "gone1", 5);
+    rocksdb_writebatch_delete_range(b, "r0", 2, "r9", 2);
+    rocksdb_writebatch_delete_range(ref, "r0", 2, "r9", 2);
+    put_both(&wb, b, ref, "k4", 70000, 4);          /* three-byte length */
+    put_both(&wb, b, ref, "k5", (1u << 21) + 5, 5); /* past the first buffer */
+    rocksdb_writebatch_put(b, "small", 5, "x", 1);
+    rocksdb_writebatch_put(ref, "small", 5, "x", 1);
+    CHECK(kvd__batch_take(&wb, b) == 0);
+    CHECK(rocksdb_writebatch_count(b) == 0);
+
+    size_t rlen = 0;
+    const char *rep = rocksdb_writebatch_data(ref, &rlen);
+    CHECK(wb.len == rlen);
+    CHECK(wb.count == (uint32_t)rocksdb_writebatch_count(ref));
+    CHECK(wb.len == rlen && memcmp(wb.buf, rep, rlen) == 0);
+    /* RocksDB reads it back as the same batch */
+    rocksdb_writebatch_t *back = rocksdb_writebatch_create_from((const char *)wb.buf, wb.len);
+    CHECK(rocksdb_writebatch_count(back) == rocksdb_writebatch_count(ref));
+    rocksdb_writebatch_destroy(back);
+
+    rocksdb_writebatch_destroy(b);
+    rocksdb_writebatch_destroy(ref);
+    kvd__batch_release(&wb);
+}
+
+static int get_eq(kvd_store *st, const char *key, const uint8_t *want, size_t n)
+{
+    char *e = NULL;
+    size_t len = 0;
+    char *v = rocksdb_get(st->db, st->ropt, key, strlen(key), &len, &e);
+    int ok = !e && v && len == n && memcmp(v, want, n) == 0;
+    rocksdb_free(e);
+    rocksdb_free(v);
+    return ok;
+}
+
+static int absent(kvd_store *st, const char *key)
+{
+    char *e = NULL;
+    size_t len = 0;
+    char *v = rocksdb_get(st->db, st->ropt, key, strlen(key), &len, &e);
+    int ok = !e && !v;
+    rocksdb_free(e);
+    rocksdb_free(v);
+    return ok;
+}
+
+static void put_raw(kvd_store *st, const char *key, const char *val)
+{
+    char *e = NULL;
+    rocksdb_put(st->db, st->wopt, key, strlen(key), val, strlen(val), &e);
+    CHECK(e == NULL);
+    rocksdb_free(e);
+}
+
+static void test_write(kvd_store *st)
+{
+    put_raw(st, "~t-old", "o");
+    put_raw(st, "~t-r5", "r");
+    kvd__batch wb;
+    kvd__batch_init(&wb, st);
+    rocksdb_writebatch_t *b = rocksdb_writebatch_create();
+    uint8_t v[5000];
+    fill(v, sizeof v, 9);
+    uint8_t *dst = kvd__batch_put(&wb, b, "~t-new", 6, sizeof v);
+    CHECK(dst != NULL);
+    if (dst)
+        memcpy(dst, v, sizeof v);
+    rocksdb_writebatch_delete(b, "~t-old", 6);
+    rocksdb_writebatch_delete_range(b, "~t-r0", 5, "~t-r9", 5);
+    rocksdb_writebatch_put(b, "~t-last", 7, "L", 1);
+    kvd_error err;
+    CHECK(kvd__batch_write(&wb, b, &err) == 0);
+    CHECK(get_eq(st, "~t-new", v, sizeof v));
+    CHECK(get_eq(st, "~t-last", (const uint8_t *)"L", 1));
+    CHECK(absent(st, "~t-old"));
+    CHECK(absent(st, "~t-r5"));
+    rocksdb_writebatch_destroy(b);
+    kvd__batch_release(&wb);
+
+    /* a value too large for the format fails the batch: nothing written */
+    kvd__batch_init(&wb, st);
+    b = rocksdb_writebatch_create();
+    CHECK(kvd__batch_put(&wb, b, "~t-a", 4, 3) != NULL);
+    CHECK(kvd__batch_put(&wb, b, "~t-huge", 7, (size_t)UINT32_MAX + 1) == NULL);
+    rocksdb_writebatch_put(b, "~t-b", 4, "b", 1);
+    memset(&err, 0, sizeof err);
+    CHECK(kvd__batch_write(&wb, b, &err) == KVD_ENOMEM);
+    CHECK(strstr(err.msg, "write batch") != NULL);
+    CHECK(absent(st, "~t-a") && absent(st, "~t-b") && absent(st, "~t-huge"));
+    rocksdb_writebatch_destroy(b);
+    kvd__batch_release(&wb);
+}
+
+static void test_pool(kvd_store *st)
+{
+    /* drain what earlier tests left */
+    kvd__batch tmp[KVD__BATCH_KEEP];
+    for (int i = 0; i < KVD__BATCH_KEEP; i++)
+        kvd__batch_init(&tmp[i], st);
+    CHECK(st->nbatch_free == 0 && st->batch_kept_bytes == 0);
+    for (int i = 0; i < KVD__BATCH_KEEP; i++) {
+        free(tmp[i].buf);
+        tmp[i].buf = NULL;
+        kvd__batch_release(&tmp[i]);
+    }
+
+    kvd__batch a, b2;
+    kvd__batch_init(&a, st);
+    CHECK(a.buf == NULL && a.cap == 0); /* nothing kept: starts empty */
+    CHECK(kvd__batch_put(&a, NULL, "k", 1, 3u << 20) != NULL);
+    uint8_t *kept = a.buf;
+    size_t cap = a.cap;
+    kvd__batch_release(&a);
+    CHECK(st->nbatch_free == 1 && st->batch_kept_bytes == cap);
+    kvd__batch_init(&b2, st);
+    CHECK(b2.buf == kept && b2.cap == cap && b2.len == 0 && b2.count == 0);
+    CHECK(st->nbatch_free == 0 && st->batch_kept_bytes == 0);
+    /* the reused buffer starts a fresh batch */
+    CHECK(kvd__batch_put(&b2, NULL, "z", 1, 1) != NULL && b2.count == 1 && b2.len == 12 + 5);
+    kvd__batch_release(&b2);
+
+    /* more than the store keeps: the rest is freed */
+    kvd__batch many[KVD__BATCH_KEEP + 1];
+    for (int i = 0; i < KVD__BATCH_KEEP + 1; i++) {
+        kvd__batch_init(&many[i], st);
+        CHECK(kvd__batch_put(&many[i], NULL, "k", 1, 1000) != NULL);
+    }
+    for (int i = 0; i < KVD__BATCH_KEEP + 1; i++)
+        kvd__batch_release(&many[i]);
+    CHECK(st->nbatch_free == KVD__BATCH_KEEP);
+    /* a buffer beyond the bytes kept is not kept */
+    kvd__batch big;
+    kvd__batch_init(&big, st);
+    CHECK(kvd__batch_put(&big, NULL, "k", 1, (size_t)100 << 20) != NULL);
+    size_t before = st->batch_kept_bytes;
+    kvd__batch_release(&big);
+    CHECK(st->batch_kept_bytes <= before && st->batch_kept_bytes <= ((size_t)80 << 20));
+}
+
+#define H 2
+#define D 8
+#define PT 16
+#define ROW (H * D * 2)
+
+static void gen(uint8_t *p, uint64_t t0, uint64_t n, int part)
+{
+    for (uint64_t t = 0; t < n; t++)
+        for (size_t i = 0; i < ROW; i++)
+            p[t * ROW + i] = (uint8_t)((t0 + t) * 29u + i * 3u + (unsigned)part * 101u);
+}
+
+static void append(kvd_store *st, uint64_t t0, uint64_t n)
+{
+    kvd_append_spec sp = {
+        .seq_id = "s", .seq_id_len = 1, .token_start = t0, .num_tokens = n, .dtype = KVD_DTYPE_F16};
+    kvd_append *ap;
+    uint64_t want;
+    kvd_error err;
+    CHECK(kvd_store_append_begin(st, &sp, &ap, &want, &err) == 0);
+    CHECK(want == 2 * n * ROW);
+    uint8_t *buf = malloc(2 * n * ROW);
+    gen(buf, t0, n, 0);
+    gen(buf + n * ROW, t0, n, 1);
+    CHECK(kvd_store_append_write(ap, buf, 2 * n * ROW, &err) == 0);
+    CHECK(kvd_store_append_commit(ap, NULL, &err) == 0);
+    free(buf);
+}
+
+static void check_read(kvd_store *st, uint64_t n)
+{
+    uint8_t *got = malloc(2 * n * ROW), *want = malloc(2 * n * ROW);
+    gen(want, 0, n, 0);
+    gen(want + n * ROW, 0, n, 1);
+    kvd_read_spec rs = {.seq_id = "s", .seq_id_len = 1};
+    kvd_read *rd = NULL;
+    kvd_read_shape sh;
+    kvd_error err;
+    size_t have = 0, len = 1;
+    CHECK(kvd_store_read_begin(st, &rs, &rd, &sh, &err) == 0);
+    CHECK(sh.num_tokens == n && sh.total_bytes == 2 * n * ROW);
+    while (rd && len && have < 2 * n * ROW &&
+           kvd_store_read_next(rd, got + have, 2 * n * ROW - have, &len, &err) == 0)
+        have += len;
+    kvd_store_read_end(rd);
+    CHECK(have == 2 * n * ROW && memcmp(got, want, 2 * n * ROW) == 0);
+    free(got);
+    free(want);
+}
+
+static void test_pages(void)
+{
+    kvd_store *st = open_store();
+    kvd_model_info mi = {
+        .name = "m", .num_layers = 1, .num_kv_heads = H, .head_dim = D, .dtype = KVD_DTYPE_F16};
+    kvd_error err;
+    CHECK(kvd_store_model_put(st, &mi, 0, NULL, NULL, &err) == 0);
+    CHECK(kvd_store_seq_create(st, "s", 1, "m", NULL, 0, NULL, 0, NULL, &err) == 0);
+    append(st, 0, 3 * PT + 5);  /* three pages and a tail */
+    append(st, 3 * PT + 5, 4);  /* a fragment of the tail */
+    append(st, 3 * PT + 9, PT); /* completes the tail, starts another */
+    check_read(st, 4 * PT + 9);
+    kvd_store_close(st);
+    st = open_store();
+    check_read(st, 4 * PT + 9);
+    kvd_store_close(st);
+}
+
+int main(void)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(dir, sizeof dir, "%s/kvd_batch_%d", t && t[0] ? t : "/tmp", (int)getpid());
+    rm_dir();
+    kvd_store *st = open_store();
+    test_format(st);
+    test_write(st);
+    test_pool(st);
+    kvd_store_close(st);
+    rm_dir();
+    test_pages();
+    rm_dir();
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("batch: all checks passed\n");
+    return 0;
+}
