@@ -430,6 +430,15 @@ int kvd__load_expiry(kvd_store *st, kvd_error *err);
 void kvd__disk_make_room(kvd_store *st, const kvd__seq *keep, uint64_t need);
 /* Delete the sequences whose TTL passed. */
 void kvd__expire(kvd_store *st);
+/* Blob files hold the page bytes; RocksDB's compactions leave them alone
+ * (store.c). When deleted pages make up half of what they hold, and at
+ * least min_garbage bytes, compact everything once with garbage collection
+ * on, which rewrites the live pages and drops the old files (*ran = 1).
+ * The tiers' background thread checks every KVD__BLOB_GC_EVERY_MS. 0, or
+ * -1 when RocksDB refused the settings. */
+#define KVD__BLOB_GC_EVERY_MS 10000
+#define KVD__BLOB_GC_MIN ((uint64_t)64 << 20)
+int kvd__blob_gc(kvd_store *st, uint64_t min_garbage, int *ran);
 int kvd__load_sequences(kvd_store *st, kvd_error *err);
 
 /* An iterator over the keys that start with a prefix (at most 64 bytes),

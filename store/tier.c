@@ -1016,11 +1016,54 @@ static void prefetch_one(kvd_store *st, const kvd__prefetch_item *it)
     kvd__tail_release(&pg);
 }
 
+static uint64_t prop(rocksdb_t *db, const char *name)
+{
+    uint64_t v = 0;
+    return rocksdb_property_int(db, name, &v) == 0 ? v : 0;
+}
+
+int kvd__blob_gc(kvd_store *st, uint64_t min_garbage, int *ran)
+{
+    *ran = 0;
+    const uint64_t size = prop(st->db, "rocksdb.live-blob-file-size");
+    const uint64_t garbage = prop(st->db, "rocksdb.live-blob-file-garbage-size");
+    if (garbage < min_garbage || garbage * 2 < size)
+        return 0;
+    /* One compaction of everything with garbage collection on for every
+     * file: each live page is rewritten once, the old files go. */
+    const char *names[2] = {"enable_blob_garbage_collection", "blob_garbage_collection_age_cutoff"};
+    const char *on[2] = {"true", "1.0"}, *off[2] = {"false", "0.25"};
+    char *e = NULL;
+    rocksdb_set_options(st->db, 2, names, on, &e);
+    if (e) {
+        store_log("warn", "msg=\"blob garbage collection not started\" error=\"%s\"", e);
+        rocksdb_free(e);
+        return -1;
+    }
+    rocksdb_compactoptions_t *co = rocksdb_compactoptions_create();
+    rocksdb_compactoptions_set_exclusive_manual_compaction(co, 0);
+    rocksdb_compactoptions_set_bottommost_level_compaction(co, 2); /* kForce: every file */
+    rocksdb_compact_range_opt(st->db, co, NULL, 0, NULL, 0);
+    rocksdb_compactoptions_destroy(co);
+    rocksdb_set_options(st->db, 2, names, off, &e);
+    if (e) {
+        store_log("warn", "msg=\"blob garbage collection left on\" error=\"%s\"", e);
+        rocksdb_free(e);
+    }
+    *ran = 1;
+    store_log("info",
+              "msg=\"blob files compacted\" blob_bytes_before=%llu garbage_bytes_before=%llu "
+              "blob_bytes_after=%llu",
+              (unsigned long long)size, (unsigned long long)garbage,
+              (unsigned long long)prop(st->db, "rocksdb.live-blob-file-size"));
+    return 0;
+}
+
 static void *bg_main(void *arg)
 {
     kvd_store *st = arg;
     kvd__cache *c = &st->tiers;
-    uint64_t next_expiry = 0;
+    uint64_t next_expiry = 0, next_gc = kvd__now_ms() + KVD__BLOB_GC_EVERY_MS;
     pthread_mutex_lock(&c->mu);
     while (!c->stop) {
         if (c->qlen) {
@@ -1037,6 +1080,14 @@ static void *bg_main(void *arg)
             pthread_mutex_unlock(&c->mu);
             kvd__expire(st);
             next_expiry = now + 200;
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
+        if (now >= next_gc) {
+            pthread_mutex_unlock(&c->mu);
+            int ran;
+            kvd__blob_gc(st, KVD__BLOB_GC_MIN, &ran);
+            next_gc = kvd__now_ms() + KVD__BLOB_GC_EVERY_MS;
             pthread_mutex_lock(&c->mu);
             continue;
         }

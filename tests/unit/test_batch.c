@@ -11,7 +11,10 @@
  *  - a finished batch's buffer is kept and handed to the next batch, within
  *    the number and bytes the store keeps;
  *  - appends of raw pages (built in place in the batch: whole pages, a page
- *    completing the tail, a tail fragment) read back exact after a reopen.
+ *    completing the tail, a tail fragment) read back exact after a reopen;
+ *  - compactions leave the blob files (page bytes) alone, and kvd__blob_gc
+ *    rewrites them only once deleted pages fill half of them (and at least
+ *    the bytes it is given): then the live pages alone remain, exact.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,9 +45,11 @@ static void rm_dir(void)
         fprintf(stderr, "could not remove %s\n", dir);
 }
 
+#define PT 16 /* page tokens */
+
 static kvd_store *open_store(void)
 {
-    kvd_store_options o = {.data_dir = dir, .page_tokens = 16};
+    kvd_store_options o = {.data_dir = dir, .page_tokens = PT};
     kvd_store *st = NULL;
     kvd_error err;
     if (kvd_store_open(&o, &st, &err) != 0) {
@@ -229,41 +234,55 @@ static void test_pool(kvd_store *st)
     CHECK(st->batch_kept_bytes <= before && st->batch_kept_bytes <= ((size_t)80 << 20));
 }
 
+/* Sequences of one layer, H kv heads x D, f16; content a function of
+ * (sequence, part, token). */
 #define H 2
-#define D 8
-#define PT 16
+#define D 64
 #define ROW (H * D * 2)
 
-static void gen(uint8_t *p, uint64_t t0, uint64_t n, int part)
+static void gen(uint8_t *p, int seq, uint64_t t0, uint64_t n, int part)
 {
     for (uint64_t t = 0; t < n; t++)
         for (size_t i = 0; i < ROW; i++)
-            p[t * ROW + i] = (uint8_t)((t0 + t) * 29u + i * 3u + (unsigned)part * 101u);
+            p[t * ROW + i] =
+                (uint8_t)((t0 + t) * 29u + i * 3u + (unsigned)part * 101u + (unsigned)seq * 57u);
 }
 
-static void append(kvd_store *st, uint64_t t0, uint64_t n)
+static void seq_name(char *id, int seq)
 {
-    kvd_append_spec sp = {
-        .seq_id = "s", .seq_id_len = 1, .token_start = t0, .num_tokens = n, .dtype = KVD_DTYPE_F16};
+    snprintf(id, 16, "s%d", seq);
+}
+
+static void append(kvd_store *st, int seq, uint64_t t0, uint64_t n)
+{
+    char id[16];
+    seq_name(id, seq);
+    kvd_append_spec sp = {.seq_id = id,
+                          .seq_id_len = strlen(id),
+                          .token_start = t0,
+                          .num_tokens = n,
+                          .dtype = KVD_DTYPE_F16};
     kvd_append *ap;
     uint64_t want;
     kvd_error err;
     CHECK(kvd_store_append_begin(st, &sp, &ap, &want, &err) == 0);
     CHECK(want == 2 * n * ROW);
     uint8_t *buf = malloc(2 * n * ROW);
-    gen(buf, t0, n, 0);
-    gen(buf + n * ROW, t0, n, 1);
+    gen(buf, seq, t0, n, 0);
+    gen(buf + n * ROW, seq, t0, n, 1);
     CHECK(kvd_store_append_write(ap, buf, 2 * n * ROW, &err) == 0);
     CHECK(kvd_store_append_commit(ap, NULL, &err) == 0);
     free(buf);
 }
 
-static void check_read(kvd_store *st, uint64_t n)
+static void check_read(kvd_store *st, int seq, uint64_t n)
 {
+    char id[16];
+    seq_name(id, seq);
     uint8_t *got = malloc(2 * n * ROW), *want = malloc(2 * n * ROW);
-    gen(want, 0, n, 0);
-    gen(want + n * ROW, 0, n, 1);
-    kvd_read_spec rs = {.seq_id = "s", .seq_id_len = 1};
+    gen(want, seq, 0, n, 0);
+    gen(want + n * ROW, seq, 0, n, 1);
+    kvd_read_spec rs = {.seq_id = id, .seq_id_len = strlen(id)};
     kvd_read *rd = NULL;
     kvd_read_shape sh;
     kvd_error err;
@@ -279,21 +298,116 @@ static void check_read(kvd_store *st, uint64_t n)
     free(want);
 }
 
-static void test_pages(void)
+static void create(kvd_store *st, int seq)
+{
+    char id[16];
+    seq_name(id, seq);
+    kvd_error err;
+    CHECK(kvd_store_seq_create(st, id, strlen(id), "m", NULL, 0, NULL, 0, NULL, &err) == 0);
+}
+
+static kvd_store *open_with_model(void)
 {
     kvd_store *st = open_store();
     kvd_model_info mi = {
         .name = "m", .num_layers = 1, .num_kv_heads = H, .head_dim = D, .dtype = KVD_DTYPE_F16};
     kvd_error err;
     CHECK(kvd_store_model_put(st, &mi, 0, NULL, NULL, &err) == 0);
-    CHECK(kvd_store_seq_create(st, "s", 1, "m", NULL, 0, NULL, 0, NULL, &err) == 0);
-    append(st, 0, 3 * PT + 5);  /* three pages and a tail */
-    append(st, 3 * PT + 5, 4);  /* a fragment of the tail */
-    append(st, 3 * PT + 9, PT); /* completes the tail, starts another */
-    check_read(st, 4 * PT + 9);
+    return st;
+}
+
+static void test_pages(void)
+{
+    kvd_store *st = open_with_model();
+    create(st, 0);
+    append(st, 0, 0, 3 * PT + 5);  /* three pages and a tail */
+    append(st, 0, 3 * PT + 5, 4);  /* a fragment of the tail */
+    append(st, 0, 3 * PT + 9, PT); /* completes the tail, starts another */
+    check_read(st, 0, 4 * PT + 9);
     kvd_store_close(st);
     st = open_store();
-    check_read(st, 4 * PT + 9);
+    check_read(st, 0, 4 * PT + 9);
+    kvd_store_close(st);
+}
+
+static uint64_t prop(kvd_store *st, const char *name)
+{
+    uint64_t v = 0;
+    CHECK(rocksdb_property_int(st->db, name, &v) == 0);
+    return v;
+}
+
+static void flush(kvd_store *st)
+{
+    rocksdb_flushoptions_t *fo = rocksdb_flushoptions_create();
+    rocksdb_flushoptions_set_wait(fo, 1);
+    char *e = NULL;
+    rocksdb_flush(st->db, fo, &e);
+    CHECK(e == NULL);
+    rocksdb_free(e);
+    rocksdb_flushoptions_destroy(fo);
+}
+
+/* Blob files (page bytes) are compacted only once deleted pages fill half
+ * of them: 8 sequences written in rounds, so that every blob file holds
+ * pages of each; deleting some leaves every file partly alive. */
+static void test_blob_gc(void)
+{
+    enum { SEQS = 8, ROUNDS = 6 };
+    kvd_store *st = open_with_model();
+    for (int s = 0; s < SEQS; s++)
+        create(st, s);
+    for (int r = 0; r < ROUNDS; r++) {
+        for (int s = 0; s < SEQS; s++)
+            append(st, s, (uint64_t)r * 4 * PT, 4 * PT);
+        flush(st);
+    }
+    const uint64_t files = prop(st, "rocksdb.num-blob-files");
+    const uint64_t full = prop(st, "rocksdb.live-blob-file-size");
+    CHECK(files >= ROUNDS);
+    CHECK(full >= (uint64_t)SEQS * ROUNDS * 4 * PT * 2 * ROW);
+    kvd_error err;
+    char id[16];
+    /* a quarter deleted: compactions count it as garbage, and keep it */
+    for (int s = 0; s < 2; s++) {
+        seq_name(id, s);
+        CHECK(kvd_store_seq_delete(st, id, strlen(id), NULL, &err) == 0);
+    }
+    flush(st);
+    rocksdb_compact_range(st->db, NULL, 0, NULL, 0);
+    const uint64_t g1 = prop(st, "rocksdb.live-blob-file-garbage-size");
+    CHECK(g1 >= full / 5);
+    CHECK(prop(st, "rocksdb.live-blob-file-size") == full); /* nothing rewritten */
+    int ran = -1;
+    CHECK(kvd__blob_gc(st, 0, &ran) == 0 && ran == 0);
+    /* three quarters: past half, but not past the minimum asked for */
+    for (int s = 2; s < 6; s++) {
+        seq_name(id, s);
+        CHECK(kvd_store_seq_delete(st, id, strlen(id), NULL, &err) == 0);
+    }
+    flush(st);
+    rocksdb_compact_range(st->db, NULL, 0, NULL, 0);
+    const uint64_t g2 = prop(st, "rocksdb.live-blob-file-garbage-size");
+    CHECK(g2 * 2 >= full && prop(st, "rocksdb.live-blob-file-size") == full);
+    CHECK(kvd__blob_gc(st, full, &ran) == 0 && ran == 0);
+    /* and then it runs: what is left is the live pages alone */
+    CHECK(kvd__blob_gc(st, 0, &ran) == 0 && ran == 1);
+    const uint64_t after = prop(st, "rocksdb.live-blob-file-size");
+    CHECK(after < full / 3 && after > full / 5); /* a quarter alive */
+    CHECK(prop(st, "rocksdb.live-blob-file-garbage-size") == 0);
+    for (int s = 6; s < SEQS; s++)
+        check_read(st, s, (uint64_t)ROUNDS * 4 * PT);
+    /* compactions after it leave the files alone again */
+    append(st, 6, (uint64_t)ROUNDS * 4 * PT, 4 * PT);
+    flush(st);
+    seq_name(id, 7);
+    CHECK(kvd_store_seq_delete(st, id, strlen(id), NULL, &err) == 0);
+    flush(st);
+    rocksdb_compact_range(st->db, NULL, 0, NULL, 0);
+    CHECK(prop(st, "rocksdb.live-blob-file-garbage-size") > 0);
+    kvd_store_close(st);
+    st = open_store();
+    check_read(st, 6, (uint64_t)(ROUNDS + 1) * 4 * PT);
     kvd_store_close(st);
 }
 
@@ -309,6 +423,8 @@ int main(void)
     kvd_store_close(st);
     rm_dir();
     test_pages();
+    rm_dir();
+    test_blob_gc();
     rm_dir();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
