@@ -298,7 +298,7 @@ void kvd_store_append_abort(kvd_append *ap)
     kvd__pq_append_free(ap->pq);
     free(ap->ids);
     free(ap->bh);
-    free(ap->buf);
+    kvd__buf_give(ap->st, ap->buf, (size_t)ap->cap);
     atomic_fetch_sub(&ap->st->append_buf_bytes, ap->cap);
     kvd_seq_codecs_clear(&ap->codecs);
     free(ap);
@@ -466,15 +466,20 @@ int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_err
                                  (unsigned long long)had, (unsigned long long)more,
                                  (unsigned long long)st->append_limit);
         }
-        uint8_t *nb = nc <= SIZE_MAX ? realloc(ap->buf, (size_t)nc) : NULL;
+        size_t ncap = (size_t)nc;
+        uint8_t *nb = nc > SIZE_MAX ? NULL
+                      : ap->buf     ? realloc(ap->buf, (size_t)nc)
+                                    : kvd__buf_take(st, (size_t)nc, &ncap);
         if (!nb) {
             atomic_fetch_sub(&st->append_buf_bytes, more);
             ap->failed = 1;
             return kvd_error_set(err, KVD_ENOMEM, "out of memory buffering %llu append bytes",
                                  (unsigned long long)nc);
         }
+        if (ncap > nc) /* a kept buffer, larger: held all the same */
+            atomic_fetch_add(&st->append_buf_bytes, ncap - nc);
         ap->buf = nb;
-        ap->cap = nc;
+        ap->cap = ncap;
     }
     memcpy(ap->buf + ap->have, data, len);
     ap->have += len;
@@ -998,7 +1003,10 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
         goto out;
     }
     b = rocksdb_writebatch_create();
-    kvd__batch_init(&wb, st);
+    /* room for the pages (as large as the payload when raw) and their keys
+     * and headers: one buffer, not one doubling after another */
+    kvd__batch_init(&wb, st,
+                    (size_t)ap->expected + (size_t)ap->nl * (ap->n / st->page_tokens + 2) * 256);
     for (uint32_t l = 0; l < s->num_layers; l++) {
         if (l < ap->ls || l >= ap->ls + ap->nl) {
             nls[l] = s->layers[l]; /* shallow: unchanged */

@@ -20,9 +20,10 @@
 #define HEADER 12
 #define TYPE_PUT 0x01
 
-/* Buffers the store keeps for later batches: KVD__BATCH_KEEP at most, of
- * KEEP_MAX bytes together (a 64 MiB append fills one of 64 MiB and a bit). */
-#define KEEP_MAX ((size_t)80 << 20)
+/* Buffers the store keeps for later appends and batches: KVD__BATCH_KEEP
+ * at most, of KEEP_MAX bytes together (a 64 MiB append holds its received
+ * bytes and a batch of 64 MiB and a bit). */
+#define KEEP_MAX ((size_t)144 << 20)
 
 void kvd__batch_pool_init(kvd_store *st)
 {
@@ -38,43 +39,76 @@ void kvd__batch_pool_fini(kvd_store *st)
     pthread_mutex_destroy(&st->batch_mu);
 }
 
-void kvd__batch_init(kvd__batch *wb, kvd_store *st)
+uint8_t *kvd__buf_take(kvd_store *st, size_t need, size_t *cap)
+{
+    uint8_t *buf = NULL;
+    pthread_mutex_lock(&st->batch_mu);
+    size_t best = st->nbatch_free;
+    for (size_t i = 0; i < st->nbatch_free; i++)
+        if (st->batch_free[i].cap >= need &&
+            (best == st->nbatch_free || st->batch_free[i].cap < st->batch_free[best].cap))
+            best = i;
+    if (best < st->nbatch_free) {
+        buf = st->batch_free[best].buf;
+        *cap = st->batch_free[best].cap;
+        st->batch_free[best] = st->batch_free[--st->nbatch_free];
+        atomic_fetch_sub(&st->batch_kept_bytes, *cap);
+    }
+    pthread_mutex_unlock(&st->batch_mu);
+    if (buf)
+        return buf;
+    *cap = need;
+    return malloc(need ? need : 1);
+}
+
+void kvd__buf_give(kvd_store *st, uint8_t *buf, size_t cap)
+{
+    if (buf && cap <= KEEP_MAX) {
+        /* The largest buffers are kept (the costliest to map afresh): buf
+         * takes a free slot, or the place of the smallest kept one when it
+         * is larger, within KEEP_MAX. */
+        pthread_mutex_lock(&st->batch_mu);
+        size_t at = st->nbatch_free, kept = atomic_load(&st->batch_kept_bytes);
+        uint8_t *out = NULL;
+        if (at == KVD__BATCH_KEEP) {
+            at = 0;
+            for (size_t i = 1; i < st->nbatch_free; i++)
+                if (st->batch_free[i].cap < st->batch_free[at].cap)
+                    at = i;
+            if (st->batch_free[at].cap < cap) {
+                out = st->batch_free[at].buf;
+                kept -= st->batch_free[at].cap;
+            } else {
+                at = KVD__BATCH_KEEP; /* no place */
+            }
+        }
+        if (at < KVD__BATCH_KEEP && kept + cap <= KEEP_MAX) {
+            st->batch_free[at].buf = buf;
+            st->batch_free[at].cap = cap;
+            if (at == st->nbatch_free)
+                st->nbatch_free++;
+            atomic_store(&st->batch_kept_bytes, kept + cap);
+            buf = out;
+        }
+        pthread_mutex_unlock(&st->batch_mu);
+    }
+    free(buf);
+}
+
+void kvd__batch_init(kvd__batch *wb, kvd_store *st, size_t hint)
 {
     memset(wb, 0, sizeof *wb);
     wb->st = st;
-    pthread_mutex_lock(&st->batch_mu);
-    if (st->nbatch_free) {
-        /* the largest kept buffer: the next batch is likely as large */
-        size_t best = 0;
-        for (size_t i = 1; i < st->nbatch_free; i++)
-            if (st->batch_free[i].cap > st->batch_free[best].cap)
-                best = i;
-        wb->buf = st->batch_free[best].buf;
-        wb->cap = st->batch_free[best].cap;
-        st->batch_free[best] = st->batch_free[--st->nbatch_free];
-        atomic_fetch_sub(&st->batch_kept_bytes, wb->cap);
-    }
-    pthread_mutex_unlock(&st->batch_mu);
+    if (hint)
+        wb->buf = kvd__buf_take(st, hint + HEADER, &wb->cap);
+    if (!wb->buf)
+        wb->cap = 0;
 }
 
 void kvd__batch_release(kvd__batch *wb)
 {
-    if (!wb->st)
-        return;
-    kvd_store *st = wb->st;
-    if (wb->buf && wb->cap <= KEEP_MAX) {
-        pthread_mutex_lock(&st->batch_mu);
-        if (st->nbatch_free < KVD__BATCH_KEEP &&
-            atomic_load(&st->batch_kept_bytes) + wb->cap <= KEEP_MAX) {
-            st->batch_free[st->nbatch_free].buf = wb->buf;
-            st->batch_free[st->nbatch_free].cap = wb->cap;
-            st->nbatch_free++;
-            atomic_fetch_add(&st->batch_kept_bytes, wb->cap);
-            wb->buf = NULL;
-        }
-        pthread_mutex_unlock(&st->batch_mu);
-    }
-    free(wb->buf);
+    if (wb->st)
+        kvd__buf_give(wb->st, wb->buf, wb->cap);
     memset(wb, 0, sizeof *wb);
 }
 

@@ -320,7 +320,8 @@ struct kvd_store {
     uint64_t append_limit;             /* cap on append_buf_bytes; 0 = none */
     uint32_t prefetch_pages;
     kvd__cache tiers;
-    /* Buffers of finished write batches kept for the next ones (batch.c). */
+    /* Buffers of finished appends and write batches kept for the next
+     * ones (batch.c). */
 #define KVD__BATCH_KEEP 2
     pthread_mutex_t batch_mu;
     struct {
@@ -402,9 +403,14 @@ typedef struct kvd__batch {
 } kvd__batch;
 void kvd__batch_pool_init(kvd_store *st);
 void kvd__batch_pool_fini(kvd_store *st);
-/* Start a batch, in a buffer kept from an earlier one when there is one. */
-void kvd__batch_init(kvd__batch *wb, kvd_store *st);
-/* Its buffer goes back to the store (or is freed). */
+/* A buffer of at least need bytes: the smallest kept one that is large
+ * enough, or a new one of need bytes; *cap = its size. NULL: out of memory. */
+uint8_t *kvd__buf_take(kvd_store *st, size_t need, size_t *cap);
+/* Keep buf (cap bytes) for a later kvd__buf_take, or free it. */
+void kvd__buf_give(kvd_store *st, uint8_t *buf, size_t cap);
+/* Start a batch, with room for about hint bytes of records (0: none yet). */
+void kvd__batch_init(kvd__batch *wb, kvd_store *st, size_t hint);
+/* Its buffer goes back to the store (kvd__buf_give). */
 void kvd__batch_release(kvd__batch *wb);
 /* Move b's records in (b is cleared); 0, or -1 when out of memory. */
 int kvd__batch_take(kvd__batch *wb, rocksdb_writebatch_t *b);

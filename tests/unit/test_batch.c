@@ -83,7 +83,7 @@ static void put_both(kvd__batch *wb, rocksdb_writebatch_t *b, rocksdb_writebatch
 static void test_format(kvd_store *st)
 {
     kvd__batch wb;
-    kvd__batch_init(&wb, st);
+    kvd__batch_init(&wb, st, 0);
     rocksdb_writebatch_t *b = rocksdb_writebatch_create();
     rocksdb_writebatch_t *ref = rocksdb_writebatch_create();
 
@@ -154,7 +154,7 @@ static void test_write(kvd_store *st)
     put_raw(st, "~t-old", "o");
     put_raw(st, "~t-r5", "r");
     kvd__batch wb;
-    kvd__batch_init(&wb, st);
+    kvd__batch_init(&wb, st, 0);
     rocksdb_writebatch_t *b = rocksdb_writebatch_create();
     uint8_t v[5000];
     fill(v, sizeof v, 9);
@@ -175,7 +175,7 @@ static void test_write(kvd_store *st)
     kvd__batch_release(&wb);
 
     /* a value too large for the format fails the batch: nothing written */
-    kvd__batch_init(&wb, st);
+    kvd__batch_init(&wb, st, 0);
     b = rocksdb_writebatch_create();
     CHECK(kvd__batch_put(&wb, b, "~t-a", 4, 3) != NULL);
     CHECK(kvd__batch_put(&wb, b, "~t-huge", 7, (size_t)UINT32_MAX + 1) == NULL);
@@ -190,48 +190,64 @@ static void test_write(kvd_store *st)
 
 static void test_pool(kvd_store *st)
 {
-    /* drain what earlier tests left */
-    kvd__batch tmp[KVD__BATCH_KEEP];
+    /* take what earlier tests left */
+    uint8_t *left[KVD__BATCH_KEEP];
+    size_t lcap[KVD__BATCH_KEEP];
     for (int i = 0; i < KVD__BATCH_KEEP; i++)
-        kvd__batch_init(&tmp[i], st);
+        left[i] = kvd__buf_take(st, 1, &lcap[i]);
     CHECK(st->nbatch_free == 0 && st->batch_kept_bytes == 0);
-    for (int i = 0; i < KVD__BATCH_KEEP; i++) {
-        free(tmp[i].buf);
-        tmp[i].buf = NULL;
-        kvd__batch_release(&tmp[i]);
-    }
+    for (int i = 0; i < KVD__BATCH_KEEP; i++)
+        free(left[i]);
 
-    kvd__batch a, b2;
-    kvd__batch_init(&a, st);
-    CHECK(a.buf == NULL && a.cap == 0); /* nothing kept: starts empty */
-    CHECK(kvd__batch_put(&a, NULL, "k", 1, 3u << 20) != NULL);
-    uint8_t *kept = a.buf;
-    size_t cap = a.cap;
-    kvd__batch_release(&a);
-    CHECK(st->nbatch_free == 1 && st->batch_kept_bytes == cap);
-    kvd__batch_init(&b2, st);
-    CHECK(b2.buf == kept && b2.cap == cap && b2.len == 0 && b2.count == 0);
-    CHECK(st->nbatch_free == 0 && st->batch_kept_bytes == 0);
-    /* the reused buffer starts a fresh batch */
-    CHECK(kvd__batch_put(&b2, NULL, "z", 1, 1) != NULL && b2.count == 1 && b2.len == 12 + 5);
-    kvd__batch_release(&b2);
+    /* nothing kept: a new buffer of the size asked for */
+    size_t cap = 0;
+    uint8_t *a = kvd__buf_take(st, 3u << 20, &cap);
+    CHECK(a != NULL && cap == 3u << 20);
+    size_t bcap = 0;
+    uint8_t *b = kvd__buf_take(st, 1u << 20, &bcap);
+    CHECK(b != NULL && bcap == 1u << 20);
+    kvd__buf_give(st, a, cap);
+    kvd__buf_give(st, b, bcap);
+    CHECK(st->nbatch_free == 2 && st->batch_kept_bytes == (4u << 20));
+    /* the smallest kept buffer that is large enough */
+    size_t got = 0;
+    uint8_t *c = kvd__buf_take(st, 2u << 20, &got);
+    CHECK(c == a && got == 3u << 20);
+    uint8_t *d = kvd__buf_take(st, 2u << 20, &got); /* none left that large */
+    CHECK(d != a && d != b && got == 2u << 20);
+    CHECK(st->nbatch_free == 1 && st->batch_kept_bytes == (1u << 20));
+    /* no more than KVD__BATCH_KEEP kept: the largest ones */
+    kvd__buf_give(st, c, 3u << 20);
+    kvd__buf_give(st, d, 2u << 20); /* in place of the 1 MiB one */
+    CHECK(st->nbatch_free == KVD__BATCH_KEEP && st->batch_kept_bytes == (5u << 20));
+    uint8_t *e = kvd__buf_take(st, 1, &got);
+    CHECK(e == d && got == 2u << 20);
+    kvd__buf_give(st, e, got);
+    uint8_t *small = malloc(1000);
+    kvd__buf_give(st, small, 1000); /* smaller than any kept: freed */
+    CHECK(st->nbatch_free == KVD__BATCH_KEEP && st->batch_kept_bytes == (5u << 20));
+    /* nor more bytes than the store keeps */
+    for (int i = 0; i < KVD__BATCH_KEEP; i++)
+        free(kvd__buf_take(st, 1, &got));
+    uint8_t *big = kvd__buf_take(st, (size_t)100 << 20, &got);
+    uint8_t *big2 = kvd__buf_take(st, (size_t)100 << 20, &got);
+    kvd__buf_give(st, big, (size_t)100 << 20);
+    kvd__buf_give(st, big2, (size_t)100 << 20);
+    CHECK(st->nbatch_free == 1 && st->batch_kept_bytes == (size_t)100 << 20);
+    uint8_t *huge = kvd__buf_take(st, (size_t)200 << 20, &got);
+    CHECK(got == (size_t)200 << 20);
+    kvd__buf_give(st, huge, got);
+    CHECK(st->nbatch_free == 1 && st->batch_kept_bytes == (size_t)100 << 20);
 
-    /* more than the store keeps: the rest is freed */
-    kvd__batch many[KVD__BATCH_KEEP + 1];
-    for (int i = 0; i < KVD__BATCH_KEEP + 1; i++) {
-        kvd__batch_init(&many[i], st);
-        CHECK(kvd__batch_put(&many[i], NULL, "k", 1, 1000) != NULL);
-    }
-    for (int i = 0; i < KVD__BATCH_KEEP + 1; i++)
-        kvd__batch_release(&many[i]);
-    CHECK(st->nbatch_free == KVD__BATCH_KEEP);
-    /* a buffer beyond the bytes kept is not kept */
-    kvd__batch big;
-    kvd__batch_init(&big, st);
-    CHECK(kvd__batch_put(&big, NULL, "k", 1, (size_t)100 << 20) != NULL);
-    size_t before = st->batch_kept_bytes;
-    kvd__batch_release(&big);
-    CHECK(st->batch_kept_bytes <= before && st->batch_kept_bytes <= ((size_t)80 << 20));
+    /* a batch starts in a kept buffer and gives it back */
+    kvd__batch wb;
+    kvd__batch_init(&wb, st, 1000);
+    CHECK(wb.buf == big && wb.cap == (size_t)100 << 20 && wb.len == 0 && wb.count == 0);
+    CHECK(kvd__batch_put(&wb, NULL, "z", 1, 1) != NULL && wb.count == 1 && wb.len == 12 + 5);
+    kvd__batch_release(&wb);
+    CHECK(st->nbatch_free == 1 && st->batch_kept_bytes == (size_t)100 << 20);
+    for (int i = 0; i < KVD__BATCH_KEEP; i++)
+        free(kvd__buf_take(st, 1, &got));
 }
 
 /* Sequences of one layer, H kv heads x D, f16; content a function of
