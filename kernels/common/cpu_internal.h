@@ -36,6 +36,18 @@ static inline int kvd__cpu_threads(const kvd_backend *be)
 /* 1 when the CPU has AVX2, FMA and F16C (the fast paths use all three). */
 int kvd__cpu_has_avx2_fma_f16c(void);
 
+/* fn(arg, i) for every i in [0, n), on the calling thread and on up to
+ * threads - 1 idle threads of the process's compute pool (par.c), in no
+ * particular order; returns once all are done. The caller takes every item
+ * no helper has taken, so a helper that is not running costs nothing. */
+typedef void (*kvd__par_fn)(void *arg, int i);
+void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg);
+/* A CPU backend of `threads` threads exists: the pool may hold threads - 1
+ * helpers and let that many threads compute at once (the largest asked). */
+void kvd__par_size(int threads);
+/* Helpers started so far (on first use), 0 when none. */
+int kvd__par_pool_threads(void);
+
 /* Read / write one float element of dtype f32, f16 or bf16. */
 static inline float kvd__load_float(const void *p, kvd_dtype t)
 {

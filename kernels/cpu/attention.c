@@ -15,6 +15,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -935,6 +936,39 @@ void kvd__attn_out_ptrs(const kvd_attn_dims *d, const kvd_tensor *out, const kvd
     }
 }
 
+/* One kv head of dense_fast_common (kvd__par_for). */
+typedef struct dense_job {
+    const kvd_attn_dims *d;
+    const kvd_tensor *q, *k, *v, *idx, *out, *lse;
+    int G, D, Dv, simd;
+    int64_t n;
+    atomic_int rc;
+} dense_job;
+
+static void dense_head(void *arg, int h)
+{
+    dense_job *job = arg;
+    const kvd_attn_dims *d = job->d;
+    const int G = job->G, D = job->D, Dv = job->Dv, simd = job->simd;
+    float *qs = malloc(sizeof(float) * (size_t)G * D + 32);
+    if (!qs) {
+        atomic_store(&job->rc, KVD_ENOMEM);
+        return;
+    }
+    kvd__attn_scaled_q(d, job->q, h, qs);
+    dense_ctx c;
+    kvd__attn_src src;
+    const int32_t *ix =
+        job->idx ? (const int32_t *)((const char *)job->idx->data + h * job->idx->stride[0]) : NULL;
+    kvd__attn_dense_src(&src, &c, job->k, job->v, ix, job->n, qs, G, D, Dv, h, simd);
+    float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+    kvd__attn_out_ptrs(d, job->out, job->lse, h, o, l);
+    int r = kvd__attn_head_run(&src, 1, G, Dv, o, l, simd);
+    if (r)
+        atomic_store(&job->rc, r);
+    free(qs);
+}
+
 static int dense_fast_common(const kvd_attn_dims *d, const kvd_tensor *q, const kvd_tensor *k,
                              const kvd_tensor *v, const kvd_tensor *idx, const kvd_tensor *out,
                              const kvd_tensor *lse, int nthreads)
@@ -947,31 +981,21 @@ static int dense_fast_common(const kvd_attn_dims *d, const kvd_tensor *q, const 
         kvd_attn_sparse_args sa = {*d, *q, *k, *v, *idx, *out, *lse};
         return kvd_cpu_attn_sparse_ref(&sa);
     }
-    int simd = kvd__attn_simd(), rc = 0;
-    int64_t n = idx ? idx->shape[1] : k->shape[1];
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
-    for (int h = 0; h < d->n_kv_heads; h++) {
-        float *qs = malloc(sizeof(float) * (size_t)G * D + 32);
-        if (!qs) {
-#pragma omp atomic write
-            rc = KVD_ENOMEM;
-            continue;
-        }
-        kvd__attn_scaled_q(d, q, h, qs);
-        dense_ctx c;
-        kvd__attn_src src;
-        const int32_t *ix = idx ? (const int32_t *)((const char *)idx->data + h * idx->stride[0]) : NULL;
-        kvd__attn_dense_src(&src, &c, k, v, ix, n, qs, G, D, Dv, h, simd);
-        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
-        kvd__attn_out_ptrs(d, out, lse, h, o, l);
-        int r = kvd__attn_head_run(&src, 1, G, Dv, o, l, simd);
-        if (r) {
-#pragma omp atomic write
-            rc = r;
-        }
-        free(qs);
-    }
-    return rc;
+    dense_job j = {.d = d,
+                   .q = q,
+                   .k = k,
+                   .v = v,
+                   .idx = idx,
+                   .out = out,
+                   .lse = lse,
+                   .G = G,
+                   .D = D,
+                   .Dv = Dv,
+                   .simd = kvd__attn_simd(),
+                   .n = idx ? idx->shape[1] : k->shape[1]};
+    atomic_init(&j.rc, 0);
+    kvd__par_for(d->n_kv_heads, nthreads, dense_head, &j);
+    return atomic_load(&j.rc);
 }
 
 int kvd_cpu_attn_dense_fast(const kvd_attn_dense_args *a, int nthreads)

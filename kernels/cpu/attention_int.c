@@ -25,6 +25,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1062,6 +1063,138 @@ static int cpu_has_avxvnni(void)
     return (a >> 4) & 1;
 }
 
+/* One kv head of kvd_cpu_attn_int_fast (kvd__par_for). */
+typedef struct int_job {
+    const kvd_attn_int_args *a;
+    int G, D, Dv, simd, vnni, vblock;
+    int64_t Tt;
+    atomic_int rc;
+} int_job;
+
+static void int_head(void *arg, int h)
+{
+    int_job *job = arg;
+    const kvd_attn_int_args *a = job->a;
+    const kvd_attn_dims *d = &a->dims;
+    const int G = job->G, D = job->D, Dv = job->Dv, simd = job->simd, vnni = job->vnni,
+              vblock = job->vblock;
+    const int64_t Tt = job->Tt;
+    int_ctx c;
+    memset(&c, 0, sizeof c);
+    c.a = a;
+    c.h = h;
+    c.G = G;
+    c.D = D;
+    c.Dv = Dv;
+    c.simd = simd;
+    c.vnni = vnni;
+    int kb = a->k.bits ? a->k.bits : 2;
+    c.kbits = kb;
+    c.kper = 8 / kb;
+    c.kP = a->k.group > 0 ? a->k.group : D;
+    c.kng = c.kP > 0 ? D / c.kP : 0;
+    c.kcols = D * kb / 32;
+    size_t need = sizeof(float) * (size_t)G                              /* sq */
+                  + (size_t)G * D                                        /* q8 */
+                  + sizeof(float) * (size_t)G * (c.kng + 1)              /* qsum */
+                  + sizeof(int32_t) * (size_t)G * (c.kcols + 1) * c.kper /* qpat */
+                  + sizeof(float) * (size_t)16 * (c.kng + 1)             /* ktmp */
+                  + sizeof(float) * (size_t)G * D                        /* scaled q */
+                  + 32 * (size_t)G * (c.kcols + 1) * c.kper              /* qpatv */
+                  + 32 * (size_t)G * 64                                  /* vpatv */
+                  + 128;
+    /* channel-grouped keys only: per-group query weights of a block
+     * (kept out of the token-axis case: a page-by-page caller pays this
+     * allocation once per page and kv head) */
+    const int kch = a->k.axis == KVD_ATTN_AXIS_CHANNEL;
+    size_t wbytes = kch ? sizeof(float) * (size_t)(8 * G * D + 1) : 0,
+           sbytes = kch ? sizeof(float) * KVD__ATTN_BLOCK * (size_t)G : 0,
+           w8bytes = kch ? (size_t)KVD__ATTN_BLOCK / 2 * G * (D + 2) : 0;
+    need += wbytes + 2 * sbytes + w8bytes;
+    char *buf = malloc(need);
+    if (!buf) {
+        atomic_store(&job->rc, KVD_ENOMEM);
+        return;
+    }
+    char *b = buf;
+    /* 32-byte aligned blocks first (malloc gives 16) */
+    b = (char *)(((uintptr_t)b + 31) & ~(uintptr_t)31);
+    c.qpatv = (__m256i *)b;
+    b += 32 * (size_t)G * (c.kcols + 1) * c.kper;
+    c.vpatv = (__m256i *)b;
+    b += 32 * (size_t)G * 64;
+    c.sq = (float *)b;
+    b += sizeof(float) * (size_t)G;
+    c.qsum = (float *)b;
+    b += sizeof(float) * (size_t)G * (c.kng + 1);
+    c.qpat = (int32_t *)b;
+    b += sizeof(int32_t) * (size_t)G * (c.kcols + 1) * c.kper;
+    c.ktmp = (float *)b;
+    b += sizeof(float) * (size_t)16 * (c.kng + 1);
+    float *qs = (float *)b;
+    b += sizeof(float) * (size_t)G * D;
+    c.wtmp = (float *)b;
+    b += wbytes;
+    c.ksw = (float *)b;
+    b += sbytes;
+    c.kbias = (float *)b;
+    b += sbytes;
+    c.q8 = (int8_t *)b;
+    b += (size_t)G * D;
+    c.kw8 = (int8_t *)(((uintptr_t)b + 1) & ~(uintptr_t)1); /* read as int16 pairs */
+    for (int g = 0; g < G; g++) {
+        const float *qr =
+            (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
+        int8_t *q8 = c.q8 + (size_t)g * D;
+        /* per-item set-up is paid once per page and kv head when the
+         * store runs a sequence page by page: keep it vectorised */
+        float sq;
+        if (!(simd && D % 8 == 0 && quantize_q8_avx2(qr, D, q8, &sq)))
+            sq = kvd_attn_quantize_q8(qr, D, q8);
+        c.sq[g] = sq * d->softmax_scale;
+        if (a->k.axis == KVD_ATTN_AXIS_CHANNEL)
+            continue; /* the token-axis patterns below are not used */
+        for (int grp = 0; grp < c.kng; grp++) {
+            int sum = 0;
+            for (int j = grp * c.kP; j < (grp + 1) * c.kP; j++)
+                sum += q8[j];
+            c.qsum[g * c.kng + grp] = (float)sum;
+        }
+        if ((D * kb) % 32 == 0 && c.kcols <= KVD__INT_MAXCOLS) {
+            int32_t *pt = c.qpat + (size_t)g * c.kcols * c.kper;
+            build_patterns_i8(q8, c.kcols, kb, pt);
+            for (int k = 0; simd && k < c.kcols * c.kper; k++)
+                store_bcast32(&c.qpatv[(size_t)g * c.kcols * c.kper + k], pt[k]);
+        }
+    }
+    kvd__attn_scaled_q(d, &a->q, h, qs);
+    kvd__attn_src src[2];
+    int nsrc = 0;
+    if (a->n_tokens > 0) {
+        src[nsrc].ctx = &c;
+        src[nsrc].n = a->n_tokens;
+        src[nsrc].block = vblock;
+        src[nsrc].scores = int_scores_cb;
+        src[nsrc].values = int_values_cb;
+        src[nsrc].rescale = NULL;
+        src[nsrc].finish = NULL;
+        nsrc++;
+    }
+    _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
+    if (Tt > 0) {
+        kvd__attn_dense_src(&src[nsrc], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv, h,
+                            simd);
+        nsrc++;
+    }
+    float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+    kvd__attn_out_ptrs(d, &a->out, &a->lse, h, o, l);
+    int r = kvd__attn_head_run(src, nsrc, G, Dv, o, l, simd);
+    if (r) {
+        atomic_store(&job->rc, r);
+    }
+    free(buf);
+}
+
 int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
@@ -1080,123 +1213,10 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     int simd = kvd__attn_simd(), rc = 0;
     int vnni = simd && cpu_has_avxvnni() && !getenv("KVD_NO_VNNI");
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
-    for (int h = 0; h < d->n_kv_heads; h++) {
-        int_ctx c;
-        memset(&c, 0, sizeof c);
-        c.a = a;
-        c.h = h;
-        c.G = G;
-        c.D = D;
-        c.Dv = Dv;
-        c.simd = simd;
-        c.vnni = vnni;
-        int kb = a->k.bits ? a->k.bits : 2;
-        c.kbits = kb;
-        c.kper = 8 / kb;
-        c.kP = a->k.group > 0 ? a->k.group : D;
-        c.kng = c.kP > 0 ? D / c.kP : 0;
-        c.kcols = D * kb / 32;
-        size_t need = sizeof(float) * (size_t)G                                /* sq */
-                      + (size_t)G * D                                          /* q8 */
-                      + sizeof(float) * (size_t)G * (c.kng + 1)                /* qsum */
-                      + sizeof(int32_t) * (size_t)G * (c.kcols + 1) * c.kper   /* qpat */
-                      + sizeof(float) * (size_t)16 * (c.kng + 1)               /* ktmp */
-                      + sizeof(float) * (size_t)G * D                          /* scaled q */
-                      + 32 * (size_t)G * (c.kcols + 1) * c.kper                /* qpatv */
-                      + 32 * (size_t)G * 64                                    /* vpatv */
-                      + 128;
-        /* channel-grouped keys only: per-group query weights of a block
-         * (kept out of the token-axis case: a page-by-page caller pays this
-         * allocation once per page and kv head) */
-        const int kch = a->k.axis == KVD_ATTN_AXIS_CHANNEL;
-        size_t wbytes = kch ? sizeof(float) * (size_t)(8 * G * D + 1) : 0,
-               sbytes = kch ? sizeof(float) * KVD__ATTN_BLOCK * (size_t)G : 0,
-               w8bytes = kch ? (size_t)KVD__ATTN_BLOCK / 2 * G * (D + 2) : 0;
-        need += wbytes + 2 * sbytes + w8bytes;
-        char *buf = malloc(need);
-        if (!buf) {
-#pragma omp atomic write
-            rc = KVD_ENOMEM;
-            continue;
-        }
-        char *b = buf;
-        /* 32-byte aligned blocks first (malloc gives 16) */
-        b = (char *)(((uintptr_t)b + 31) & ~(uintptr_t)31);
-        c.qpatv = (__m256i *)b;
-        b += 32 * (size_t)G * (c.kcols + 1) * c.kper;
-        c.vpatv = (__m256i *)b;
-        b += 32 * (size_t)G * 64;
-        c.sq = (float *)b;
-        b += sizeof(float) * (size_t)G;
-        c.qsum = (float *)b;
-        b += sizeof(float) * (size_t)G * (c.kng + 1);
-        c.qpat = (int32_t *)b;
-        b += sizeof(int32_t) * (size_t)G * (c.kcols + 1) * c.kper;
-        c.ktmp = (float *)b;
-        b += sizeof(float) * (size_t)16 * (c.kng + 1);
-        float *qs = (float *)b;
-        b += sizeof(float) * (size_t)G * D;
-        c.wtmp = (float *)b;
-        b += wbytes;
-        c.ksw = (float *)b;
-        b += sbytes;
-        c.kbias = (float *)b;
-        b += sbytes;
-        c.q8 = (int8_t *)b;
-        b += (size_t)G * D;
-        c.kw8 = (int8_t *)(((uintptr_t)b + 1) & ~(uintptr_t)1); /* read as int16 pairs */
-        for (int g = 0; g < G; g++) {
-            const float *qr = (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
-            int8_t *q8 = c.q8 + (size_t)g * D;
-            /* per-item set-up is paid once per page and kv head when the
-             * store runs a sequence page by page: keep it vectorised */
-            float sq;
-            if (!(simd && D % 8 == 0 && quantize_q8_avx2(qr, D, q8, &sq)))
-                sq = kvd_attn_quantize_q8(qr, D, q8);
-            c.sq[g] = sq * d->softmax_scale;
-            if (a->k.axis == KVD_ATTN_AXIS_CHANNEL)
-                continue; /* the token-axis patterns below are not used */
-            for (int grp = 0; grp < c.kng; grp++) {
-                int sum = 0;
-                for (int j = grp * c.kP; j < (grp + 1) * c.kP; j++)
-                    sum += q8[j];
-                c.qsum[g * c.kng + grp] = (float)sum;
-            }
-            if ((D * kb) % 32 == 0 && c.kcols <= KVD__INT_MAXCOLS) {
-                int32_t *pt = c.qpat + (size_t)g * c.kcols * c.kper;
-                build_patterns_i8(q8, c.kcols, kb, pt);
-                for (int k = 0; simd && k < c.kcols * c.kper; k++)
-                    store_bcast32(&c.qpatv[(size_t)g * c.kcols * c.kper + k], pt[k]);
-            }
-        }
-        kvd__attn_scaled_q(d, &a->q, h, qs);
-        kvd__attn_src src[2];
-        int nsrc = 0;
-        if (a->n_tokens > 0) {
-            src[nsrc].ctx = &c;
-            src[nsrc].n = a->n_tokens;
-            src[nsrc].block = vblock;
-            src[nsrc].scores = int_scores_cb;
-            src[nsrc].values = int_values_cb;
-            src[nsrc].rescale = NULL;
-            src[nsrc].finish = NULL;
-            nsrc++;
-        }
-        _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
-        if (Tt > 0) {
-            kvd__attn_dense_src(&src[nsrc], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv, h,
-                                simd);
-            nsrc++;
-        }
-        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
-        kvd__attn_out_ptrs(d, &a->out, &a->lse, h, o, l);
-        int r = kvd__attn_head_run(src, nsrc, G, Dv, o, l, simd);
-        if (r) {
-#pragma omp atomic write
-            rc = r;
-        }
-        free(buf);
-    }
+    int_job j = {
+        .a = a, .G = G, .D = D, .Dv = Dv, .simd = simd, .vnni = vnni, .vblock = vblock, .Tt = Tt};
+    atomic_init(&j.rc, 0);
+    kvd__par_for(d->n_kv_heads, nthreads, int_head, &j);
+    rc = atomic_load(&j.rc);
     return rc;
 }

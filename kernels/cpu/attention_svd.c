@@ -5,6 +5,7 @@
  * the rv_h-dim value space and rotated back once per query head.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -74,6 +75,65 @@ int kvd_cpu_attn_svd_ref(const kvd_attn_svd_args *a)
     return 0;
 }
 
+/* One kv head of kvd_cpu_attn_svd_fast (kvd__par_for). */
+typedef struct svd_job {
+    const kvd_attn_svd_args *a;
+    int G, D, Dv, simd;
+    int64_t T, es;
+    atomic_int rc;
+} svd_job;
+
+static void svd_head(void *arg, int h)
+{
+    svd_job *job = arg;
+    const kvd_attn_svd_args *a = job->a;
+    const kvd_attn_dims *d = &a->dims;
+    const int G = job->G, D = job->D, Dv = job->Dv, simd = job->simd;
+    const int64_t T = job->T, es = job->es;
+    int rk = a->k_width[h], rv = a->v_width[h];
+    const float *Rk = (const float *)a->rk.data + (size_t)h * D * D;
+    const float *Rv = (const float *)a->rv.data + (size_t)h * Dv * Dv;
+    float *buf = malloc(sizeof(float) * ((size_t)G * (rk + rv + 1) + 16));
+    if (!buf) {
+        atomic_store(&job->rc, KVD_ENOMEM);
+        return;
+    }
+    float *qp = buf, *ored = buf + (size_t)G * rk + 8;
+    for (int g = 0; g < G; g++) {
+        const float *q =
+            (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
+        kvd_cpu_svd_project_fast(Rk, D, rk, q, KVD_DTYPE_F32, 1, D * 4, qp + (size_t)g * rk, 1);
+        for (int j = 0; j < rk; j++)
+            qp[(size_t)g * rk + j] *= d->softmax_scale;
+    }
+    /* views of this head's ragged blocks as (1, T, r) tensors */
+    int64_t ks[3] = {1, T, rk}, vs[3] = {1, T, rv};
+    kvd_tensor kv =
+        kvd_tensor_make(a->dtype, (char *)a->k_red + T * width_offset(a->k_width, h) * es, 3, ks);
+    kvd_tensor vv =
+        kvd_tensor_make(a->dtype, (char *)a->v_red + T * width_offset(a->v_width, h) * es, 3, vs);
+    _Alignas(8) char ctx[KVD__ATTN_DENSE_CTX_BYTES];
+    kvd__attn_src src;
+    kvd__attn_dense_src(&src, ctx, &kv, &vv, NULL, T, qp, G, rk, rv, 0, simd);
+    float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG], *ofull[KVD__ATTN_MAXG];
+    kvd__attn_out_ptrs(d, &a->out, &a->lse, h, ofull, l);
+    for (int g = 0; g < G; g++)
+        o[g] = ored + (size_t)g * rv;
+    int r = kvd__attn_head_run(&src, 1, G, rv, o, l, simd);
+    if (r) {
+        atomic_store(&job->rc, r);
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < Dv; i++) {
+            float acc = 0.0f;
+            const float *Ri = Rv + (size_t)i * Dv;
+            for (int j = 0; j < rv; j++)
+                acc += o[g][j] * Ri[j];
+            ofull[g][i] = acc;
+        }
+    free(buf);
+}
+
 int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
@@ -83,51 +143,9 @@ int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads)
     int64_t T = a->n_tokens;
     int64_t es = (int64_t)kvd_dtype_size(a->dtype);
     int simd = kvd__attn_simd(), rc = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
-    for (int h = 0; h < d->n_kv_heads; h++) {
-        int rk = a->k_width[h], rv = a->v_width[h];
-        const float *Rk = (const float *)a->rk.data + (size_t)h * D * D;
-        const float *Rv = (const float *)a->rv.data + (size_t)h * Dv * Dv;
-        float *buf = malloc(sizeof(float) * ((size_t)G * (rk + rv + 1) + 16));
-        if (!buf) {
-#pragma omp atomic write
-            rc = KVD_ENOMEM;
-            continue;
-        }
-        float *qp = buf, *ored = buf + (size_t)G * rk + 8;
-        for (int g = 0; g < G; g++) {
-            const float *q = (const float *)((const char *)a->q.data + (int64_t)(h * G + g) * a->q.stride[0]);
-            kvd_cpu_svd_project_fast(Rk, D, rk, q, KVD_DTYPE_F32, 1, D * 4, qp + (size_t)g * rk, 1);
-            for (int j = 0; j < rk; j++)
-                qp[(size_t)g * rk + j] *= d->softmax_scale;
-        }
-        /* views of this head's ragged blocks as (1, T, r) tensors */
-        int64_t ks[3] = {1, T, rk}, vs[3] = {1, T, rv};
-        kvd_tensor kv = kvd_tensor_make(a->dtype,
-                                        (char *)a->k_red + T * width_offset(a->k_width, h) * es, 3, ks);
-        kvd_tensor vv = kvd_tensor_make(a->dtype,
-                                        (char *)a->v_red + T * width_offset(a->v_width, h) * es, 3, vs);
-        _Alignas(8) char ctx[KVD__ATTN_DENSE_CTX_BYTES];
-        kvd__attn_src src;
-        kvd__attn_dense_src(&src, ctx, &kv, &vv, NULL, T, qp, G, rk, rv, 0, simd);
-        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG], *ofull[KVD__ATTN_MAXG];
-        kvd__attn_out_ptrs(d, &a->out, &a->lse, h, ofull, l);
-        for (int g = 0; g < G; g++)
-            o[g] = ored + (size_t)g * rv;
-        int r = kvd__attn_head_run(&src, 1, G, rv, o, l, simd);
-        if (r) {
-#pragma omp atomic write
-            rc = r;
-        }
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < Dv; i++) {
-                float acc = 0.0f;
-                const float *Ri = Rv + (size_t)i * Dv;
-                for (int j = 0; j < rv; j++)
-                    acc += o[g][j] * Ri[j];
-                ofull[g][i] = acc;
-            }
-        free(buf);
-    }
+    svd_job j = {.a = a, .G = G, .D = D, .Dv = Dv, .simd = simd, .T = T, .es = es};
+    atomic_init(&j.rc, 0);
+    kvd__par_for(d->n_kv_heads, nthreads, svd_head, &j);
+    rc = atomic_load(&j.rc);
     return rc;
 }

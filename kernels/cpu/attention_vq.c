@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -425,6 +426,96 @@ __attribute__((target("avx2,fma"))) static void vq_lut_avx2(vq_ctx *c, const flo
     }
 }
 
+/* One kv head of kvd_cpu_attn_vq_fast (kvd__par_for). */
+typedef struct vq_job {
+    const kvd_attn_vq_args *a;
+    int G, GP, D, Dv, simd;
+    int64_t Tt;
+    atomic_int rc;
+} vq_job;
+
+static void vq_head(void *arg, int h)
+{
+    vq_job *job = arg;
+    const kvd_attn_vq_args *a = job->a;
+    const kvd_attn_dims *d = &a->dims;
+    const int G = job->G, GP = job->GP, D = job->D, Dv = job->Dv, simd = job->simd;
+    const int64_t Tt = job->Tt;
+    vq_ctx c;
+    memset(&c, 0, sizeof c);
+    c.a = a;
+    c.h = h;
+    c.G = G;
+    c.GP = GP;
+    c.D = D;
+    c.Dv = Dv;
+    c.simd = simd;
+    int T = a->n_tokens > 0;
+    c.kpos = T ? D / a->k_sub_dim : 0;
+    c.vpos = T ? Dv / a->v_sub_dim : 0;
+    c.kK = T ? 1 << a->k_bits : 0;
+    c.vK = T ? 1 << a->v_bits : 0;
+    size_t nl = (size_t)c.kpos * c.kK * GP, na = (size_t)c.vpos * c.vK * GP;
+    float *buf = malloc(sizeof(float) * (nl + na + (size_t)2 * G * D + 16));
+    if (!buf) {
+        atomic_store(&job->rc, KVD_ENOMEM);
+        return;
+    }
+    c.lut = buf;
+    c.A = buf + nl;
+    float *qt = c.A + na, *qs = qt + (size_t)G * D;
+    memset(c.A, 0, sizeof(float) * na);
+    for (int g = 0; g < KVD__ATTN_MAXG; g++)
+        c.mult[g] = 1.0f;
+    if (T) {
+        int dk = a->k_sub_dim;
+        for (int g = 0; g < G; g++) {
+            transform_query(a, h, h * G + g, qt + (size_t)g * D);
+            for (int j = 0; j < D; j++)
+                qt[(size_t)g * D + j] *= d->softmax_scale;
+        }
+        if (simd && dk <= 16 && a->k_codebook.stride[1] == (int64_t)dk * 4)
+            vq_lut_avx2(&c, qt, dk);
+        else
+            for (int pos = 0; pos < c.kpos; pos++)
+                for (int code = 0; code < c.kK; code++) {
+                    const float *ck = cb_row(&a->k_codebook, h, (uint32_t)code);
+                    float *dst = c.lut + ((size_t)pos * c.kK + code) * GP;
+                    for (int g = 0; g < GP; g++) {
+                        float dot = 0.0f;
+                        if (g < G)
+                            for (int i = 0; i < dk; i++)
+                                dot += qt[(size_t)g * D + pos * dk + i] * ck[i];
+                        dst[g] = dot;
+                    }
+                }
+    }
+    kvd__attn_scaled_q(d, &a->q, h, qs);
+    kvd__attn_src src[2];
+    int nsrc = 0;
+    if (a->n_tokens > 0) {
+        src[0].ctx = &c;
+        src[0].n = a->n_tokens;
+        src[0].block = KVD__ATTN_BLOCK;
+        src[0].scores = simd ? vq_scores_avx2 : vq_scores_scalar;
+        src[0].values = simd ? vq_values_avx2 : vq_values_scalar;
+        src[0].rescale = vq_rescale;
+        src[0].finish = vq_finish;
+        nsrc = 1;
+    }
+    _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
+    if (Tt > 0)
+        kvd__attn_dense_src(&src[nsrc++], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv,
+                            h, simd);
+    float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+    kvd__attn_out_ptrs(d, &a->out, &a->lse, h, o, l);
+    int r = kvd__attn_head_run(src, nsrc, G, Dv, o, l, simd);
+    if (r) {
+        atomic_store(&job->rc, r);
+    }
+    free(buf);
+}
+
 int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
@@ -434,83 +525,9 @@ int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)
     int simd = kvd__attn_simd(), rc = 0;
     int GP = G <= 4 ? 4 : 8;
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && d->n_kv_heads > 1)
-    for (int h = 0; h < d->n_kv_heads; h++) {
-        vq_ctx c;
-        memset(&c, 0, sizeof c);
-        c.a = a;
-        c.h = h;
-        c.G = G;
-        c.GP = GP;
-        c.D = D;
-        c.Dv = Dv;
-        c.simd = simd;
-        int T = a->n_tokens > 0;
-        c.kpos = T ? D / a->k_sub_dim : 0;
-        c.vpos = T ? Dv / a->v_sub_dim : 0;
-        c.kK = T ? 1 << a->k_bits : 0;
-        c.vK = T ? 1 << a->v_bits : 0;
-        size_t nl = (size_t)c.kpos * c.kK * GP, na = (size_t)c.vpos * c.vK * GP;
-        float *buf = malloc(sizeof(float) * (nl + na + (size_t)2 * G * D + 16));
-        if (!buf) {
-#pragma omp atomic write
-            rc = KVD_ENOMEM;
-            continue;
-        }
-        c.lut = buf;
-        c.A = buf + nl;
-        float *qt = c.A + na, *qs = qt + (size_t)G * D;
-        memset(c.A, 0, sizeof(float) * na);
-        for (int g = 0; g < KVD__ATTN_MAXG; g++)
-            c.mult[g] = 1.0f;
-        if (T) {
-            int dk = a->k_sub_dim;
-            for (int g = 0; g < G; g++) {
-                transform_query(a, h, h * G + g, qt + (size_t)g * D);
-                for (int j = 0; j < D; j++)
-                    qt[(size_t)g * D + j] *= d->softmax_scale;
-            }
-            if (simd && dk <= 16 && a->k_codebook.stride[1] == (int64_t)dk * 4)
-                vq_lut_avx2(&c, qt, dk);
-            else
-                for (int pos = 0; pos < c.kpos; pos++)
-                    for (int code = 0; code < c.kK; code++) {
-                        const float *ck = cb_row(&a->k_codebook, h, (uint32_t)code);
-                        float *dst = c.lut + ((size_t)pos * c.kK + code) * GP;
-                        for (int g = 0; g < GP; g++) {
-                            float dot = 0.0f;
-                            if (g < G)
-                                for (int i = 0; i < dk; i++)
-                                    dot += qt[(size_t)g * D + pos * dk + i] * ck[i];
-                            dst[g] = dot;
-                        }
-                    }
-        }
-        kvd__attn_scaled_q(d, &a->q, h, qs);
-        kvd__attn_src src[2];
-        int nsrc = 0;
-        if (a->n_tokens > 0) {
-            src[0].ctx = &c;
-            src[0].n = a->n_tokens;
-            src[0].block = KVD__ATTN_BLOCK;
-            src[0].scores = simd ? vq_scores_avx2 : vq_scores_scalar;
-            src[0].values = simd ? vq_values_avx2 : vq_values_scalar;
-            src[0].rescale = vq_rescale;
-            src[0].finish = vq_finish;
-            nsrc = 1;
-        }
-        _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
-        if (Tt > 0)
-            kvd__attn_dense_src(&src[nsrc++], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv, h,
-                                simd);
-        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
-        kvd__attn_out_ptrs(d, &a->out, &a->lse, h, o, l);
-        int r = kvd__attn_head_run(src, nsrc, G, Dv, o, l, simd);
-        if (r) {
-#pragma omp atomic write
-            rc = r;
-        }
-        free(buf);
-    }
+    vq_job j = {.a = a, .G = G, .GP = GP, .D = D, .Dv = Dv, .simd = simd, .Tt = Tt};
+    atomic_init(&j.rc, 0);
+    kvd__par_for(d->n_kv_heads, nthreads, vq_head, &j);
+    rc = atomic_load(&j.rc);
     return rc;
 }

@@ -160,6 +160,7 @@ int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_er
     be->iface = &cpu_iface;
     be->ctx = ctx;
     be->nthreads = nthreads;
+    kvd__par_size(nthreads);
     *out = be;
     return KVD_OK;
 }

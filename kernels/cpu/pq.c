@@ -760,6 +760,39 @@ VBMI_TARGET static void scan_vbmi(int m, const uint8_t *codes, const float *lut,
 
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
 
+/* One part of the scan of kvd__pq_search_cpu (kvd__par_for): part t scans
+ * tokens [lo + t * per, lo + (t + 1) * per) into its own top-k buffer. */
+typedef struct scan_job {
+    int m, G;
+    kvd_pq_agg agg;
+    const uint8_t *codes;
+    const float *luts;
+    const pq_qlut *ql;
+    int use_simd;
+    int64_t lo, hi, per;
+    uint64_t *bufs;
+    int64_t cap, k;
+    float thr0;
+    int64_t *counts;
+} scan_job;
+
+static void scan_part(void *arg, int t)
+{
+    const scan_job *j = arg;
+    int64_t a = j->lo + (int64_t)t * j->per, e = a + j->per < j->hi ? a + j->per : j->hi;
+    topk_buf tb = {j->bufs + (int64_t)t * j->cap, 0, j->cap, j->k, j->thr0};
+    if (a < e) {
+        if (j->ql && !isnan(tb.thr))
+            scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);
+        else if (j->use_simd)
+            scan_avx2(j->m, j->codes, j->luts, a, e, &tb);
+        else
+            scan_scalar(j->m, j->G, j->agg, j->codes, j->luts, a, e, &tb);
+    }
+    tb_compact(&tb);
+    j->counts[t] = tb.n;
+}
+
 int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
                        const float *centroids, const uint8_t *codes, int G,
                        const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
@@ -809,21 +842,9 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         }
     }
     for (int attempt = 0; k > 0 && attempt < 2; attempt++) {
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-        for (int t = 0; t < nt; t++) {
-            int64_t a = lo + (int64_t)t * per, e = a + per < hi ? a + per : hi;
-            topk_buf tb = {bufs + (int64_t)t * cap, 0, cap, k, thr0};
-            if (a < e) {
-                if (ql && !isnan(tb.thr))
-                    scan_vbmi(m, codes, luts, ql, a, e, &tb);
-                else if (use_simd)
-                    scan_avx2(m, codes, luts, a, e, &tb);
-                else
-                    scan_scalar(m, G, p->agg, codes, luts, a, e, &tb);
-            }
-            tb_compact(&tb);
-            counts[t] = tb.n;
-        }
+        scan_job job = {m,  G,   p->agg, codes, luts, ql,   use_simd, lo,
+                        hi, per, bufs,   cap,   k,    thr0, counts};
+        kvd__par_for(nt, nt, scan_part, &job);
         int64_t total = 0;
         for (int t = 0; t < nt; t++)
             total += counts[t];
