@@ -2,6 +2,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +43,12 @@ static const setting settings[] = {
     {"data-dir", T_STRING, F(data_dir), "./kvdepot-data", 0, 0, "DIR",
      "directory of the RocksDB store; created if missing"},
     {"threads", T_UINT, F(threads), "0", 0, 256, "N",
-     "worker threads, each with its own completion queue (0 = number of CPUs)"},
+     "worker threads, each with its own completion queue (0 = 4 per compute thread, at least "
+     "16: long calls share the CPUs with short ones instead of making them wait)"},
+    {"compute-threads", T_UINT, F(compute_threads), "0", 0, 256, "N",
+     "threads that compute (attention, search) at once, one pool shared by every request; "
+     "a request alone uses them all (0 = the CPUs the process may use, its cgroup's CPU quota "
+     "when lower; 1 = each request on its own worker thread)"},
     {"page-tokens", T_UINT, F(page_tokens), "0", 0, 65536, "N",
      "tokens per page of a new data directory (0 = 256); an existing directory keeps its own "
      "and refuses a different non-zero value"},
@@ -446,6 +452,39 @@ uint64_t kvd_machine_memory(const char *cgroup_root)
             mem = lim;
     }
     return mem;
+}
+
+unsigned kvd_machine_cpus(const char *cgroup_root)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    long n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+    if (n <= 0)
+        n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n <= 0)
+        n = 1;
+    /* a CPU quota: v2 "QUOTA PERIOD" (or "max PERIOD"), v1 two files */
+    uint64_t quota = 0, period = 0;
+    char full[512], buf[64] = "";
+    snprintf(full, sizeof full, "%s/cpu.max", cgroup_root);
+    FILE *f = fopen(full, "r");
+    if (f) {
+        unsigned long long q, p;
+        if (fgets(buf, sizeof buf, f) && sscanf(buf, "%llu %llu", &q, &p) == 2) {
+            quota = q;
+            period = p;
+        }
+        fclose(f);
+    } else {
+        quota = read_limit(cgroup_root, "cpu/cpu.cfs_quota_us"); /* -1: none, read as 0 */
+        period = read_limit(cgroup_root, "cpu/cpu.cfs_period_us");
+    }
+    if (quota && period) {
+        const uint64_t q = (quota + period - 1) / period; /* whole CPUs, rounded up */
+        if (q < (uint64_t)n)
+            n = (long)q;
+    }
+    return (unsigned)n;
 }
 
 /* ---- config file ---------------------------------------------------------- */

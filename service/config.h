@@ -20,6 +20,7 @@ typedef struct kvd_config {
     char *listen;               /* host:port; port 0 picks a free one */
     char *data_dir;
     uint64_t threads;           /* 0 until resolved = number of CPUs */
+    uint64_t compute_threads;   /* CPU threads one compute op may use; 0 = number of CPUs */
     uint64_t page_tokens;
     int sync;                   /* fsync the WAL before acknowledging an append */
     uint64_t max_message_bytes; /* max receive and send message length */
@@ -89,6 +90,10 @@ uint64_t kvd_config_append_memory(const kvd_config *c, uint64_t machine_bytes);
  * the cgroup's limit (v2 memory.max, v1 memory.limit_in_bytes under
  * cgroup_root, normally /sys/fs/cgroup) when lower. */
 uint64_t kvd_machine_memory(const char *cgroup_root);
+/* CPUs this process may use: those it may run on (its affinity), or its
+ * cgroup's CPU quota rounded up when lower (v2 cpu.max, v1
+ * cpu/cpu.cfs_quota_us over cpu/cpu.cfs_period_us under cgroup_root). */
+unsigned kvd_machine_cpus(const char *cgroup_root);
 
 /* Where a setting's effective value came from. */
 enum kvd_config_source {

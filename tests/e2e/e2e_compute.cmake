@@ -58,6 +58,14 @@ if(TARGET kvd_e2e_harness)
   target_link_libraries(bench_attend_e2e PRIVATE kvd_e2e_harness kvd_kernels m)
 endif()
 
+# Attend latency (p50/p99) with 1/4/16 concurrent clients, fp16 and INT2,
+# optionally beside busy processes (prints a table; built with the tests so
+# it keeps compiling): <dir>/tests/bench_attend_load <dir>/service/kvdepotd
+if(TARGET kvd_e2e_harness)
+  add_executable(bench_attend_load ${PROJECT_SOURCE_DIR}/tests/bench/bench_attend_load.c)
+  target_link_libraries(bench_attend_load PRIVATE kvd_e2e_harness kvd_kernels m Threads::Threads)
+endif()
+
 add_test(NAME compute_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_compute.sh ${KVD_E2E_SERVER}
                                   $<TARGET_FILE:kvdepot>)
 set_tests_properties(compute_cli PROPERTIES LABELS e2e TIMEOUT 120)

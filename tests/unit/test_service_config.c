@@ -359,6 +359,8 @@ static void put_file(const char *dir, const char *name, const char *text)
     char path[512];
     snprintf(path, sizeof path, "%s/memory", dir);
     mkdir(path, 0700);
+    snprintf(path, sizeof path, "%s/cpu", dir);
+    mkdir(path, 0700);
     snprintf(path, sizeof path, "%s/%s", dir, name);
     FILE *f = fopen(path, "w");
     CHECK(f != NULL);
@@ -425,6 +427,21 @@ static void test_tier_sizes(void)
     CHECK(kvd_machine_memory(root) == phys);
     put_file(root, "memory/memory.limit_in_bytes", "536870912\n");
     CHECK(kvd_machine_memory(root) == 512 * MiB);
+
+    /* CPUs: the affinity's, or the cgroup's quota rounded up when lower */
+    const unsigned cpus = kvd_machine_cpus(root); /* no quota files */
+    CHECK(cpus >= 1);
+    put_file(root, "cpu/cpu.cfs_quota_us", "-1\n"); /* v1: none */
+    put_file(root, "cpu/cpu.cfs_period_us", "100000\n");
+    CHECK(kvd_machine_cpus(root) == cpus);
+    put_file(root, "cpu/cpu.cfs_quota_us", "50000\n");
+    CHECK(kvd_machine_cpus(root) == 1);
+    put_file(root, "cpu.max", "max 100000\n"); /* v2 first: none */
+    CHECK(kvd_machine_cpus(root) == cpus);
+    put_file(root, "cpu.max", "150000 100000\n");
+    CHECK(kvd_machine_cpus(root) == (cpus < 2 ? cpus : 2));
+    put_file(root, "cpu.max", "100000000 100000\n"); /* more than the machine */
+    CHECK(kvd_machine_cpus(root) == cpus);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     CHECK(system(cmd) == 0);
