@@ -7,6 +7,7 @@
  * run inside a signal handler.
  */
 #include <errno.h>
+#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -314,6 +315,11 @@ int main(int argc, char **argv)
         cfg.threads = 4 * cfg.compute_threads < 16    ? 16
                       : 4 * cfg.compute_threads > 256 ? 256
                                                       : 4 * cfg.compute_threads;
+    /* One malloc arena per compute thread rather than per worker: freed
+     * append and read buffers are reused instead of each worker's arena
+     * keeping its own (RSS after storing 1 GiB with 16 MiB tiers: 240 MB
+     * instead of 350-400). */
+    mallopt(M_ARENA_MAX, (int)cfg.compute_threads);
     kvd_log_threshold = cfg.log_level;
     /* Configuration mistakes are found before anything starts (exit 2); the
      * tokens file is read now for the same reason. */

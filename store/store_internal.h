@@ -440,8 +440,9 @@ void kvd__expire(kvd_store *st);
  * (store.c). When deleted pages make up half of what they hold, and at
  * least min_garbage bytes, compact everything once with garbage collection
  * on, which rewrites the live pages and drops the old files (*ran = 1).
- * The tiers' background thread checks every KVD__BLOB_GC_EVERY_MS. 0, or
- * -1 when RocksDB refused the settings. */
+ * The tiers' background thread checks every KVD__BLOB_GC_EVERY_MS (and
+ * then hands the memory malloc holds free back to the system). 0, or -1
+ * when RocksDB refused the settings. */
 #define KVD__BLOB_GC_EVERY_MS 10000
 #define KVD__BLOB_GC_MIN ((uint64_t)64 << 20)
 int kvd__blob_gc(kvd_store *st, uint64_t min_garbage, int *ran);

@@ -37,6 +37,7 @@
 
 #include "codec.h"
 
+#include <malloc.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1087,6 +1088,9 @@ static void *bg_main(void *arg)
             pthread_mutex_unlock(&c->mu);
             int ran;
             kvd__blob_gc(st, KVD__BLOB_GC_MIN, &ran);
+            /* Memory freed by appends and reads goes back to the system
+             * (malloc keeps what each thread's arena freed otherwise). */
+            malloc_trim(0);
             next_gc = kvd__now_ms() + KVD__BLOB_GC_EVERY_MS;
             pthread_mutex_lock(&c->mu);
             continue;
