@@ -93,7 +93,7 @@ if [ $smoke = 1 ]; then
         # filesystem with chroot, as the image's user.
         c=$(buildah from "$image" 2>/dev/null || podman create "$image")
         mnt=$(buildah mount "$c" 2>/dev/null || podman mount "$c")
-        run() { chroot --userspec=10001:10001 "$mnt" env -i OMP_WAIT_POLICY=passive HOME=/data "$@"; }
+        run() { chroot --userspec=10001:10001 "$mnt" env -i HOME=/data "$@"; }
         run /usr/local/bin/kvdepotd --version
         run /usr/local/bin/kvdepot --help >/dev/null
         test "$(stat -c %u "$mnt/data")" = 10001
@@ -105,7 +105,7 @@ if [ $smoke = 1 ]; then
         # Serve on loopback from the image's config and answer a health check.
         # exec all the way down: $! is kvdepotd itself, so the kill below
         # stops it (through a function, it would stop only the subshell)
-        (exec chroot --userspec=10001:10001 "$mnt" env -i OMP_WAIT_POLICY=passive HOME=/data \
+        (exec chroot --userspec=10001:10001 "$mnt" env -i HOME=/data \
             /usr/local/bin/kvdepotd --config /etc/kvdepot/kvdepot.yaml --listen 127.0.0.1:0 \
             --metrics-listen "" --port-file /data/port) >"$ctx.log" 2>&1 &
         pid=$!

@@ -111,7 +111,7 @@ test)
             -DKVD_INTEROP_GO=OFF -DKVD_SANITIZE=address,undefined >/dev/null
         cmake --build "$asan" -j "$jobs"
         (cd "$asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
-            UBSAN_OPTIONS=print_stacktrace=1 OMP_WAIT_POLICY=passive \
+            UBSAN_OPTIONS=print_stacktrace=1 \
             ctest --output-on-failure -j "$jobs" -L "unit|backend|e2e" -LE slow)
     fi
     # Optional third pass: ThreadSanitizer over the store's multi-threaded

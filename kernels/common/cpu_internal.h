@@ -42,6 +42,11 @@ int kvd__cpu_has_avx2_fma_f16c(void);
  * no helper has taken, so a helper that is not running costs nothing. */
 typedef void (*kvd__par_fn)(void *arg, int i);
 void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg);
+/* fn(arg, lo, hi) over [0, n) cut into ranges of at least grain (about four
+ * per thread, for balance) through kvd__par_for: one range, [0, n), with a
+ * single thread. */
+typedef void (*kvd__par_range_fn)(void *arg, int64_t lo, int64_t hi);
+void kvd__par_ranges(int64_t n, int64_t grain, int threads, kvd__par_range_fn fn, void *arg);
 /* A CPU backend of `threads` threads exists: the pool may hold threads - 1
  * helpers and let that many threads compute at once (the largest asked). */
 void kvd__par_size(int threads);

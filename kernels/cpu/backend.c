@@ -1,11 +1,9 @@
 /*
- * The CPU backend: host memory, synchronous ops, OpenMP worker threads.
+ * The CPU backend: host memory, synchronous ops, the process's compute pool.
  *
- * Threads: an op uses up to be->nthreads OpenMP threads, and only for inputs
- * big enough to repay the fork (see each family). On a machine shared with
- * other busy processes, run with OMP_WAIT_POLICY=passive: the default policy
- * lets idle workers spin, and when another process holds the core a worker
- * needs, a parallel op was measured up to 50x slower than on one thread.
+ * Threads: an op uses up to be->nthreads threads of the pool (par.c: its
+ * caller and idle helpers, never waiting for one that has not started), and
+ * only for inputs big enough to repay the hand-off (see each family).
  *
  * Op families plug in by defining their table (kvd__cpu_<family>_ops) in
  * kernels/cpu/<family>.c, next to that family's checked wrappers. The

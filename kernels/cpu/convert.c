@@ -12,6 +12,7 @@
 #include "kvdepot/convert.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -151,45 +152,60 @@ KVD_AVX2_TARGET static void store_row_fast(const kvd_tensor *t, int64_t r, const
         store_row_scalar(t, r, src, n);
 }
 
+/* A row op over the rows of [lo, hi) (kvd__par_ranges), with a row buffer
+ * of its own; out of memory sets failed. */
+typedef struct rows_job {
+    const kvd_tensor *dst, *src;
+    int64_t n;
+    const float *sf;
+    float norm;
+    int divide;
+    atomic_int failed;
+} rows_job;
+
+static void flat_part(void *arg, int64_t lo, int64_t hi)
+{
+    const rows_job *j = arg;
+    const size_t es = kvd_dtype_size(j->src->dtype), ed = kvd_dtype_size(j->dst->dtype);
+    kvd__convert_row_avx2((char *)j->dst->data + lo * (int64_t)ed, j->dst->dtype,
+                          (const char *)j->src->data + lo * (int64_t)es, j->src->dtype, hi - lo);
+}
+
+static void convert_rows(void *arg, int64_t lo, int64_t hi)
+{
+    rows_job *j = arg;
+    float *buf = NULL;
+    for (int64_t r = lo; r < hi; r++) {
+        if (row_contig(j->src) && row_contig(j->dst)) {
+            kvd__convert_row_avx2((char *)j->dst->data + row_offset(j->dst, r), j->dst->dtype,
+                                  (const char *)j->src->data + row_offset(j->src, r), j->src->dtype,
+                                  j->n);
+            continue;
+        }
+        if (!buf && !(buf = alloc_row(j->n))) {
+            atomic_store(&j->failed, 1);
+            return;
+        }
+        load_row_fast(buf, j->src, r, j->n);
+        store_row_fast(j->dst, r, buf, j->n);
+    }
+    free(buf);
+}
+
 static int convert_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *src,
                         kvd_error *err)
 {
     const int64_t n = row_len(src), rows = row_count(src);
-    const int nth = kvd__cpu_threads(be);
+    const int nth = par_ok(be, src) ? kvd__cpu_threads(be) : 1;
+    rows_job j = {.dst = dst, .src = src, .n = n};
+    atomic_init(&j.failed, 0);
     if (kvd_tensor_is_contiguous(src) && kvd_tensor_is_contiguous(dst)) {
         /* one flat row, cut in chunks so short rows cost no per-row overhead */
-        const int64_t total = n * rows, chunk = 16384;
-        const int64_t nchunk = (total + chunk - 1) / chunk;
-        const size_t es = kvd_dtype_size(src->dtype), ed = kvd_dtype_size(dst->dtype);
-#pragma omp parallel for num_threads(nth) if (par_ok(be, src)) schedule(dynamic, 4)
-        for (int64_t c = 0; c < nchunk; c++) {
-            const int64_t i0 = c * chunk, len = total - i0 < chunk ? total - i0 : chunk;
-            kvd__convert_row_avx2((char *)dst->data + i0 * (int64_t)ed, dst->dtype,
-                                  (const char *)src->data + i0 * (int64_t)es, src->dtype, len);
-        }
+        kvd__par_ranges(n * rows, 16384, nth, flat_part, &j);
         return KVD_OK;
     }
-    int failed = 0;
-#pragma omp parallel num_threads(nth) if (par_ok(be, src)) reduction(| : failed)
-    {
-        float *buf = NULL;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (row_contig(src) && row_contig(dst)) {
-                kvd__convert_row_avx2((char *)dst->data + row_offset(dst, r), dst->dtype,
-                                      (const char *)src->data + row_offset(src, r), src->dtype, n);
-                continue;
-            }
-            if (!buf && !(buf = alloc_row(n))) {
-                failed = 1;
-                continue;
-            }
-            load_row_fast(buf, src, r, n);
-            store_row_fast(dst, r, buf, n);
-        }
-        free(buf);
-    }
-    if (failed)
+    kvd__par_ranges(rows, 1, nth, convert_rows, &j);
+    if (atomic_load(&j.failed))
         return kvd_error_set(err, KVD_ENOMEM, "convert: out of memory for a row buffer");
     return KVD_OK;
 }
@@ -208,36 +224,53 @@ static void fwht_small(float *x, int64_t n, float norm)
         x[i] *= norm;
 }
 
+static void hadamard_rows(void *arg, int64_t lo, int64_t hi)
+{
+    rows_job *j = arg;
+    float *buf = alloc_row(j->n);
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t r = lo; r < hi; r++) {
+        load_row_fast(buf, j->src, r, j->n);
+        if (j->n >= 8)
+            kvd__fwht_avx2(buf, j->n, j->norm);
+        else
+            fwht_small(buf, j->n, j->norm);
+        store_row_fast(j->dst, r, buf, j->n);
+    }
+    free(buf);
+}
+
 static int hadamard_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *src,
                          kvd_error *err)
 {
     const int64_t n = row_len(src), rows = row_count(src);
     if (n == 0 || rows == 0)
         return KVD_OK;
-    const float norm = (float)(1.0 / sqrt((double)n));
-    const int nth = kvd__cpu_threads(be);
-    int failed = 0;
-#pragma omp parallel num_threads(nth) if (par_ok(be, src)) reduction(| : failed)
-    {
-        float *buf = alloc_row(n);
-        if (!buf)
-            failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!buf)
-                continue;
-            load_row_fast(buf, src, r, n);
-            if (n >= 8)
-                kvd__fwht_avx2(buf, n, norm);
-            else
-                fwht_small(buf, n, norm);
-            store_row_fast(dst, r, buf, n);
-        }
-        free(buf);
-    }
-    if (failed)
+    rows_job j = {.dst = dst, .src = src, .n = n, .norm = (float)(1.0 / sqrt((double)n))};
+    atomic_init(&j.failed, 0);
+    kvd__par_ranges(rows, 1, par_ok(be, src) ? kvd__cpu_threads(be) : 1, hadamard_rows, &j);
+    if (atomic_load(&j.failed))
         return kvd_error_set(err, KVD_ENOMEM, "hadamard: out of memory for a row buffer");
     return KVD_OK;
+}
+
+static void scale_rows(void *arg, int64_t lo, int64_t hi)
+{
+    rows_job *j = arg;
+    float *buf = alloc_row(j->n);
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t r = lo; r < hi; r++) {
+        load_row_fast(buf, j->src, r, j->n);
+        kvd__scale_row_avx2(buf, buf, j->sf, j->n, j->divide);
+        store_row_fast(j->dst, r, buf, j->n);
+    }
+    free(buf);
 }
 
 static int channel_scale_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *src,
@@ -251,25 +284,11 @@ static int channel_scale_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_
         return kvd_error_set(err, KVD_ENOMEM, "channel_scale: out of memory");
     for (int64_t j = 0; j < n; j++)
         sf[j] = kvd__load_float((const char *)s->data + j * s->stride[0], s->dtype);
-    const int nth = kvd__cpu_threads(be);
-    int failed = 0;
-#pragma omp parallel num_threads(nth) if (par_ok(be, src)) reduction(| : failed)
-    {
-        float *buf = alloc_row(n);
-        if (!buf)
-            failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!buf)
-                continue;
-            load_row_fast(buf, src, r, n);
-            kvd__scale_row_avx2(buf, buf, sf, n, divide);
-            store_row_fast(dst, r, buf, n);
-        }
-        free(buf);
-    }
+    rows_job j = {.dst = dst, .src = src, .n = n, .sf = sf, .divide = divide};
+    atomic_init(&j.failed, 0);
+    kvd__par_ranges(rows, 1, par_ok(be, src) ? kvd__cpu_threads(be) : 1, scale_rows, &j);
     free(sf);
-    if (failed)
+    if (atomic_load(&j.failed))
         return kvd_error_set(err, KVD_ENOMEM, "channel_scale: out of memory for a row buffer");
     return KVD_OK;
 }

@@ -125,10 +125,61 @@ __attribute__((target("avx2,fma"))) static void argmin_block_avx2(int d, const f
     _mm256_storeu_si256((__m256i *)(bidx + 24), i3);
 }
 
+/* Blocks [b0, b1) of argmin_update's points (kvd__par_ranges). */
+typedef struct argmin_job {
+    int64_t n, ldx;
+    int d, c0, nc;
+    const float *x, *centroids;
+    float *best;
+    uint32_t *bidx;
+} argmin_job;
+
+static void argmin_scalar_part(void *arg, int64_t b0, int64_t b1)
+{
+    const argmin_job *j = arg;
+    for (int64_t blk = b0; blk < b1; blk++) {
+        int64_t i0 = blk * KM_BLOCK;
+        int64_t nb = j->n - i0 < KM_BLOCK ? j->n - i0 : KM_BLOCK;
+        argmin_rows_scalar(nb, j->d, j->x + i0 * j->ldx, j->ldx, j->c0, j->nc, j->centroids,
+                           j->best + i0, j->bidx + i0);
+    }
+}
+
+static void argmin_simd_part(void *arg, int64_t b0, int64_t b1)
+{
+    const argmin_job *j = arg;
+    const int d = j->d;
+    float *xt = malloc(sizeof(float) * (size_t)d * KM_BLOCK);
+    float bb[KM_BLOCK];
+    uint32_t bi[KM_BLOCK];
+    for (int64_t blk = b0; blk < b1; blk++) {
+        int64_t i0 = blk * KM_BLOCK;
+        int64_t nb = j->n - i0 < KM_BLOCK ? j->n - i0 : KM_BLOCK;
+        if (!xt) { /* no scratch: the scalar kernel gives the same bits */
+            argmin_rows_scalar(nb, d, j->x + i0 * j->ldx, j->ldx, j->c0, j->nc, j->centroids,
+                               j->best + i0, j->bidx + i0);
+            continue;
+        }
+        /* Transpose the block; a short tail repeats its last point. */
+        for (int l = 0; l < KM_BLOCK; l++) {
+            const float *xr = j->x + (i0 + (l < nb ? l : nb - 1)) * j->ldx;
+            for (int t = 0; t < d; t++)
+                xt[t * KM_BLOCK + l] = xr[t];
+            bb[l] = l < nb ? j->best[i0 + l] : INFINITY;
+            bi[l] = l < nb ? j->bidx[i0 + l] : 0;
+        }
+        argmin_block_avx2(d, xt, j->c0, j->nc, j->centroids, bb, bi);
+        memcpy(j->best + i0, bb, sizeof(float) * (size_t)nb);
+        memcpy(j->bidx + i0, bi, sizeof(uint32_t) * (size_t)nb);
+    }
+    free(xt);
+}
+
 /*
  * Update best/bidx of points [0, n) with centroids [c0, c0+nc): the one
  * routine both the driver and encode use. simd selects the AVX2 block kernel
- * (bitwise equal to the scalar one); threads split the points.
+ * (bitwise equal to the scalar one); threads split the points (blocks of
+ * KM_BLOCK, through the compute pool).
  */
 static void argmin_update(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,
                           int c0, int nc, const float *centroids, float *best, uint32_t *bidx)
@@ -137,43 +188,8 @@ static void argmin_update(int nthreads, int simd, int64_t n, int d, const float 
     int nt = nthreads;
     if ((int64_t)nc * n * d < 200000 || nblocks < 2)
         nt = 1;
-    if (!simd) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t blk = 0; blk < nblocks; blk++) {
-            int64_t i0 = blk * KM_BLOCK;
-            int64_t nb = n - i0 < KM_BLOCK ? n - i0 : KM_BLOCK;
-            argmin_rows_scalar(nb, d, x + i0 * ldx, ldx, c0, nc, centroids, best + i0, bidx + i0);
-        }
-        return;
-    }
-#pragma omp parallel num_threads(nt)
-    {
-        float *xt = malloc(sizeof(float) * (size_t)d * KM_BLOCK);
-        float bb[KM_BLOCK];
-        uint32_t bi[KM_BLOCK];
-#pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < nblocks; blk++) {
-            int64_t i0 = blk * KM_BLOCK;
-            int64_t nb = n - i0 < KM_BLOCK ? n - i0 : KM_BLOCK;
-            if (!xt) { /* no scratch: the scalar kernel gives the same bits */
-                argmin_rows_scalar(nb, d, x + i0 * ldx, ldx, c0, nc, centroids, best + i0,
-                                   bidx + i0);
-                continue;
-            }
-            /* Transpose the block; a short tail repeats its last point. */
-            for (int l = 0; l < KM_BLOCK; l++) {
-                const float *xr = x + (i0 + (l < nb ? l : nb - 1)) * ldx;
-                for (int t = 0; t < d; t++)
-                    xt[t * KM_BLOCK + l] = xr[t];
-                bb[l] = l < nb ? best[i0 + l] : INFINITY;
-                bi[l] = l < nb ? bidx[i0 + l] : 0;
-            }
-            argmin_block_avx2(d, xt, c0, nc, centroids, bb, bi);
-            memcpy(best + i0, bb, sizeof(float) * (size_t)nb);
-            memcpy(bidx + i0, bi, sizeof(uint32_t) * (size_t)nb);
-        }
-        free(xt);
-    }
+    argmin_job j = {n, ldx, d, c0, nc, x, centroids, best, bidx};
+    kvd__par_ranges(nblocks, 1, nt, simd ? argmin_simd_part : argmin_scalar_part, &j);
 }
 
 static void assign_impl(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,

@@ -163,3 +163,34 @@ void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg)
         pthread_cond_wait(&left, &mu);
     pthread_mutex_unlock(&mu);
 }
+
+typedef struct par_ranges {
+    kvd__par_range_fn fn;
+    void *arg;
+    int64_t n, per;
+} par_ranges;
+
+static void range_item(void *arg, int i)
+{
+    const par_ranges *r = arg;
+    const int64_t lo = (int64_t)i * r->per, hi = lo + r->per < r->n ? lo + r->per : r->n;
+    if (lo < hi)
+        r->fn(r->arg, lo, hi);
+}
+
+void kvd__par_ranges(int64_t n, int64_t grain, int threads, kvd__par_range_fn fn, void *arg)
+{
+    if (n <= 0)
+        return;
+    if (grain < 1)
+        grain = 1;
+    int64_t parts = threads > 1 ? 4 * (int64_t)threads : 1;
+    if (parts > (n + grain - 1) / grain)
+        parts = (n + grain - 1) / grain;
+    if (parts <= 1) {
+        fn(arg, 0, n);
+        return;
+    }
+    par_ranges r = {fn, arg, n, (n + parts - 1) / parts};
+    kvd__par_for((int)((n + r.per - 1) / r.per), threads, range_item, &r);
+}

@@ -6,6 +6,7 @@
 #include "kvdepot/quant.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -220,88 +221,179 @@ KVD_AVX2_TARGET static void store_row(const kvd_tensor *y, int64_t t, const floa
     }
 }
 
+/* Tokens or tiles [lo, hi) of quantize_fast / dequantize_fast
+ * (kvd__par_ranges); out of memory for scratch sets failed. */
+typedef struct qjob {
+    const kvd_tensor *x, *y;
+    const kvd_qtensor *q;
+    int64_t T, D, ng, ntile, rowbytes;
+    int P, bits, stochastic;
+    uint32_t key;
+    atomic_int failed;
+} qjob;
+
+static float *scratch(int64_t n)
+{
+    return aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63);
+}
+
+static void quant_tokens(void *arg, int64_t lo, int64_t hi)
+{
+    qjob *j = arg;
+    const kvd_tensor *x = j->x;
+    const kvd_qtensor *q = j->q;
+    const int64_t D = j->D, ng = j->ng;
+    float *rowf = scratch(D);
+    if (!rowf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t t = lo; t < hi; t++) {
+        const void *src = rowf;
+        kvd_dtype st = KVD_DTYPE_F32;
+        if (x->stride[1] == (int64_t)kvd_dtype_size(x->dtype)) {
+            src = (const char *)x->data + t * x->stride[0]; /* read in place */
+            st = x->dtype;
+        } else {
+            load_row(rowf, x, t, D);
+        }
+        kvd__quant_row_avx2(src, st, D, j->bits, j->P, j->stochastic, j->key, (uint32_t)(t * D), 1,
+                            q->codes + t * j->rowbytes, q->min + t * ng, q->scale + t * ng,
+                            q->sum + t * ng);
+    }
+    free(rowf);
+}
+
+static void quant_tiles(void *arg, int64_t lo, int64_t hi)
+{
+    const qjob *j = arg;
+    const kvd_tensor *x = j->x;
+    const kvd_qtensor *q = j->q;
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t t0 = i * j->P;
+        kvd__quant_tile_channel_avx2((const char *)x->data + t0 * x->stride[0], x->stride[0],
+                                     x->dtype, j->D, j->bits, j->P, j->stochastic, j->key,
+                                     (uint32_t)(t0 * j->D), q->codes + t0 * j->bits / 8,
+                                     j->rowbytes, q->min + i, q->scale + i, q->sum + i, j->ntile);
+    }
+}
+
+static void quant_tiles_strided(void *arg, int64_t lo, int64_t hi)
+{
+    qjob *j = arg;
+    const kvd_qtensor *q = j->q;
+    const int64_t D = j->D, ntile = j->ntile;
+    const int P = j->P, bits = j->bits;
+    float *rowf = scratch(D), *tile = scratch(D * P);
+    for (int64_t i = lo; i < hi && rowf && tile; i++) {
+        const int64_t t0 = i * P;
+        for (int k = 0; k < P; k++) {
+            load_row(rowf, j->x, t0 + k, D);
+            for (int64_t d = 0; d < D; d++)
+                tile[d * P + k] = rowf[d];
+        }
+        for (int64_t d = 0; d < D; d++)
+            kvd__quant_row_avx2(tile + d * P, KVD_DTYPE_F32, P, bits, P, j->stochastic, j->key,
+                                (uint32_t)(t0 * D + d), (uint32_t)D,
+                                q->codes + d * j->rowbytes + t0 * bits / 8, q->min + d * ntile + i,
+                                q->scale + d * ntile + i, q->sum + d * ntile + i);
+    }
+    if (!rowf || !tile)
+        atomic_store(&j->failed, 1);
+    free(rowf);
+    free(tile);
+}
+
 static int quantize_fast(kvd_backend *be, const kvd_tensor *x, const kvd_qtensor *q,
                          kvd_rounding rounding, uint64_t seed, kvd_error *err)
 {
     const int64_t T = q->ntok, D = q->dim;
     const int P = q->group, bits = q->bits;
-    const int stochastic = rounding == KVD_ROUND_STOCHASTIC;
-    const uint32_t key = kvd__qkey(seed);
     const int nth = kvd__cpu_threads(be);
-    const int par = T * D >= PAR_MIN_ELEMS && nth > 1;
-    int failed = 0;
-
+    const int threads = T * D >= PAR_MIN_ELEMS && nth > 1 ? nth : 1;
+    qjob j = {.x = x,
+              .q = q,
+              .T = T,
+              .D = D,
+              .ng = D / P,
+              .ntile = T / P,
+              .P = P,
+              .bits = bits,
+              .stochastic = rounding == KVD_ROUND_STOCHASTIC,
+              .key = kvd__qkey(seed)};
+    atomic_init(&j.failed, 0);
     if (q->axis == KVD_QAXIS_TOKEN) {
-        const int64_t ng = D / P, rowbytes = D * bits / 8;
-#pragma omp parallel num_threads(nth) if (par) reduction(| : failed)
-        {
-            float *rowf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) & ~(size_t)63);
-            if (!rowf)
-                failed = 1;
-#pragma omp for schedule(dynamic, 16)
-            for (int64_t t = 0; t < T; t++) {
-                if (!rowf)
-                    continue;
-                const void *src = rowf;
-                kvd_dtype st = KVD_DTYPE_F32;
-                if (x->stride[1] == (int64_t)kvd_dtype_size(x->dtype)) {
-                    src = (const char *)x->data + t * x->stride[0]; /* read in place */
-                    st = x->dtype;
-                } else {
-                    load_row(rowf, x, t, D);
-                }
-                kvd__quant_row_avx2(src, st, D, bits, P, stochastic, key, (uint32_t)(t * D), 1,
-                                    q->codes + t * rowbytes, q->min + t * ng, q->scale + t * ng,
-                                    q->sum + t * ng);
-            }
-            free(rowf);
-        }
+        j.rowbytes = D * bits / 8;
+        kvd__par_ranges(T, 16, threads, quant_tokens, &j);
     } else if (D % 8 == 0 && x->stride[1] == (int64_t)kvd_dtype_size(x->dtype)) {
         /* Tiles of P tokens, vectors across channels, input read in place. */
-        const int64_t ntile = T / P, rowbytes = T * bits / 8;
-#pragma omp parallel for num_threads(nth) if (par) schedule(dynamic, 1)
-        for (int64_t i = 0; i < ntile; i++) {
-            const int64_t t0 = i * P;
-            kvd__quant_tile_channel_avx2((const char *)x->data + t0 * x->stride[0], x->stride[0],
-                                         x->dtype, D, bits, P, stochastic, key,
-                                         (uint32_t)(t0 * D), q->codes + t0 * bits / 8, rowbytes,
-                                         q->min + i, q->scale + i, q->sum + i, ntile);
-        }
+        j.rowbytes = T * bits / 8;
+        kvd__par_ranges(j.ntile, 1, threads, quant_tiles, &j);
     } else {
         /* Odd channel counts or strided channels: convert each token row,
          * transpose the tile to channel-major, then each channel is one group
          * of the code layout. */
-        const int64_t ntile = T / P, rowbytes = T * bits / 8;
-#pragma omp parallel num_threads(nth) if (par) reduction(| : failed)
-        {
-            float *rowf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) & ~(size_t)63);
-            float *tile = aligned_alloc(64, ((size_t)D * P * sizeof(float) + 63) & ~(size_t)63);
-            if (!rowf || !tile)
-                failed = 1;
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < ntile; i++) {
-                if (!rowf || !tile)
-                    continue;
-                const int64_t t0 = i * P;
-                for (int k = 0; k < P; k++) {
-                    load_row(rowf, x, t0 + k, D);
-                    for (int64_t d = 0; d < D; d++)
-                        tile[d * P + k] = rowf[d];
-                }
-                for (int64_t d = 0; d < D; d++)
-                    kvd__quant_row_avx2(tile + d * P, KVD_DTYPE_F32, P, bits, P, stochastic, key,
-                                        (uint32_t)(t0 * D + d), (uint32_t)D,
-                                        q->codes + d * rowbytes + t0 * bits / 8,
-                                        q->min + d * ntile + i, q->scale + d * ntile + i,
-                                        q->sum + d * ntile + i);
-            }
-            free(rowf);
-            free(tile);
-        }
+        j.rowbytes = T * bits / 8;
+        kvd__par_ranges(j.ntile, 1, threads, quant_tiles_strided, &j);
     }
-    if (failed)
+    if (atomic_load(&j.failed))
         return kvd_error_set(err, KVD_ENOMEM, "quantize: out of memory for scratch rows");
     return KVD_OK;
+}
+
+static void dequant_tokens(void *arg, int64_t lo, int64_t hi)
+{
+    qjob *j = arg;
+    const kvd_qtensor *q = j->q;
+    float *rowf = scratch(j->D);
+    if (!rowf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t t = lo; t < hi; t++) {
+        kvd__dequant_row_avx2(rowf, j->D, j->bits, j->P, q->codes + t * j->rowbytes,
+                              q->min + t * j->ng, q->scale + t * j->ng);
+        store_row(j->y, t, rowf, j->D);
+    }
+    free(rowf);
+}
+
+static void dequant_tiles(void *arg, int64_t lo, int64_t hi)
+{
+    const qjob *j = arg;
+    const kvd_tensor *y = j->y;
+    const kvd_qtensor *q = j->q;
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t t0 = i * j->P;
+        kvd__dequant_tile_channel_avx2((char *)y->data + t0 * y->stride[0], y->stride[0], y->dtype,
+                                       j->D, j->bits, j->P, q->codes + t0 * j->bits / 8,
+                                       j->rowbytes, q->min + i, q->scale + i, j->ntile);
+    }
+}
+
+static void dequant_tiles_strided(void *arg, int64_t lo, int64_t hi)
+{
+    qjob *j = arg;
+    const kvd_qtensor *q = j->q;
+    const int64_t D = j->D, ntile = j->ntile;
+    const int P = j->P, bits = j->bits;
+    float *rowf = scratch(D), *tile = scratch(D * P);
+    for (int64_t i = lo; i < hi && rowf && tile; i++) {
+        const int64_t t0 = i * P;
+        for (int64_t d = 0; d < D; d++)
+            kvd__dequant_row_avx2(tile + d * P, P, bits, P,
+                                  q->codes + d * j->rowbytes + t0 * bits / 8,
+                                  q->min + d * ntile + i, q->scale + d * ntile + i);
+        for (int k = 0; k < P; k++) {
+            for (int64_t d = 0; d < D; d++)
+                rowf[d] = tile[d * P + k];
+            store_row(j->y, t0 + k, rowf, D);
+        }
+    }
+    if (!rowf || !tile)
+        atomic_store(&j->failed, 1);
+    free(rowf);
+    free(tile);
 }
 
 static int dequantize_fast(kvd_backend *be, const kvd_qtensor *q, const kvd_tensor *y,
@@ -310,63 +402,20 @@ static int dequantize_fast(kvd_backend *be, const kvd_qtensor *q, const kvd_tens
     const int64_t T = q->ntok, D = q->dim;
     const int P = q->group, bits = q->bits;
     const int nth = kvd__cpu_threads(be);
-    const int par = T * D >= PAR_MIN_ELEMS && nth > 1;
-    int failed = 0;
-
+    const int threads = T * D >= PAR_MIN_ELEMS && nth > 1 ? nth : 1;
+    qjob j = {.y = y, .q = q, .T = T, .D = D, .ng = D / P, .ntile = T / P, .P = P, .bits = bits};
+    atomic_init(&j.failed, 0);
     if (q->axis == KVD_QAXIS_TOKEN) {
-        const int64_t ng = D / P, rowbytes = D * bits / 8;
-#pragma omp parallel num_threads(nth) if (par) reduction(| : failed)
-        {
-            float *rowf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) & ~(size_t)63);
-            if (!rowf)
-                failed = 1;
-#pragma omp for schedule(dynamic, 16)
-            for (int64_t t = 0; t < T; t++) {
-                if (!rowf)
-                    continue;
-                kvd__dequant_row_avx2(rowf, D, bits, P, q->codes + t * rowbytes, q->min + t * ng,
-                                      q->scale + t * ng);
-                store_row(y, t, rowf, D);
-            }
-            free(rowf);
-        }
+        j.rowbytes = D * bits / 8;
+        kvd__par_ranges(T, 16, threads, dequant_tokens, &j);
     } else if (D % 8 == 0 && y->stride[1] == (int64_t)kvd_dtype_size(y->dtype)) {
-        const int64_t ntile = T / P, rowbytes = T * bits / 8;
-#pragma omp parallel for num_threads(nth) if (par) schedule(dynamic, 1)
-        for (int64_t i = 0; i < ntile; i++) {
-            const int64_t t0 = i * P;
-            kvd__dequant_tile_channel_avx2((char *)y->data + t0 * y->stride[0], y->stride[0],
-                                           y->dtype, D, bits, P, q->codes + t0 * bits / 8,
-                                           rowbytes, q->min + i, q->scale + i, ntile);
-        }
+        j.rowbytes = T * bits / 8;
+        kvd__par_ranges(j.ntile, 1, threads, dequant_tiles, &j);
     } else {
-        const int64_t ntile = T / P, rowbytes = T * bits / 8;
-#pragma omp parallel num_threads(nth) if (par) reduction(| : failed)
-        {
-            float *rowf = aligned_alloc(64, ((size_t)D * sizeof(float) + 63) & ~(size_t)63);
-            float *tile = aligned_alloc(64, ((size_t)D * P * sizeof(float) + 63) & ~(size_t)63);
-            if (!rowf || !tile)
-                failed = 1;
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < ntile; i++) {
-                if (!rowf || !tile)
-                    continue;
-                const int64_t t0 = i * P;
-                for (int64_t d = 0; d < D; d++)
-                    kvd__dequant_row_avx2(tile + d * P, P, bits, P,
-                                          q->codes + d * rowbytes + t0 * bits / 8,
-                                          q->min + d * ntile + i, q->scale + d * ntile + i);
-                for (int k = 0; k < P; k++) {
-                    for (int64_t d = 0; d < D; d++)
-                        rowf[d] = tile[d * P + k];
-                    store_row(y, t0 + k, rowf, D);
-                }
-            }
-            free(rowf);
-            free(tile);
-        }
+        j.rowbytes = T * bits / 8;
+        kvd__par_ranges(j.ntile, 1, threads, dequant_tiles_strided, &j);
     }
-    if (failed)
+    if (atomic_load(&j.failed))
         return kvd_error_set(err, KVD_ENOMEM, "dequantize: out of memory for scratch rows");
     return KVD_OK;
 }

@@ -232,34 +232,47 @@ static void project_rows_plain(const float *R, int D, int r, const float *x, flo
     }
 }
 
+/* Rows [lo, hi) of kvd_cpu_svd_project_fast (kvd__par_ranges). */
+typedef struct project_job {
+    const float *R;
+    int D, r, simd;
+    const void *x;
+    kvd_dtype dtype;
+    int64_t x_stride;
+    float *y;
+} project_job;
+
+static void project_part(void *arg, int64_t lo, int64_t hi)
+{
+    const project_job *j = arg;
+    const int D = j->D, r = j->r;
+    const size_t es = kvd_dtype_size(j->dtype);
+    float *row = malloc(sizeof(float) * (size_t)D + 4);
+    for (int64_t t = lo; t < hi; t++) {
+        const char *xr = (const char *)j->x + t * j->x_stride;
+        const float *xf = (const float *)xr;
+        if (j->dtype != KVD_DTYPE_F32 || !row) {
+            for (int i = 0; i < D && row; i++)
+                row[i] = kvd__load_float(xr + (size_t)i * es, j->dtype);
+            xf = row;
+        }
+        if (!xf) { /* no memory for the conversion row: go element-wise */
+            kvd_cpu_svd_project_ref(j->R, D, r, xr, j->dtype, 1, j->x_stride, j->y + t * r);
+            continue;
+        }
+        if (j->simd)
+            project_rows_avx2(j->R, D, r, xf, j->y + t * r);
+        else
+            project_rows_plain(j->R, D, r, xf, j->y + t * r);
+    }
+    free(row);
+}
+
 void kvd_cpu_svd_project_fast(const float *R, int D, int r, const void *x, kvd_dtype dtype,
                               int64_t n, int64_t x_stride, float *y, int nthreads)
 {
-    int simd = kvd__cpu_has_avx2_fma_f16c();
-    size_t es = kvd_dtype_size(dtype);
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= 256)
-    {
-        float *row = malloc(sizeof(float) * (size_t)D + 4);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < n; t++) {
-            const char *xr = (const char *)x + t * x_stride;
-            const float *xf = (const float *)xr;
-            if (dtype != KVD_DTYPE_F32 || !row) {
-                for (int i = 0; i < D && row; i++)
-                    row[i] = kvd__load_float(xr + (size_t)i * es, dtype);
-                xf = row;
-            }
-            if (!xf) { /* no memory for the conversion row: go element-wise */
-                kvd_cpu_svd_project_ref(R, D, r, xr, dtype, 1, x_stride, y + t * r);
-                continue;
-            }
-            if (simd)
-                project_rows_avx2(R, D, r, xf, y + t * r);
-            else
-                project_rows_plain(R, D, r, xf, y + t * r);
-        }
-        free(row);
-    }
+    project_job j = {R, D, r, kvd__cpu_has_avx2_fma_f16c(), x, dtype, x_stride, y};
+    kvd__par_ranges(n, 64, nthreads > 1 && n >= 256 ? nthreads : 1, project_part, &j);
 }
 
 void kvd_cpu_svd_unproject_ref(const float *R, int D, int r, const float *y, int64_t n, float *x)

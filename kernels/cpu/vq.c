@@ -13,6 +13,7 @@
  * kmeans.c); the transforms agree with the O(D^2) reference to rounding.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -130,27 +131,53 @@ void kvd__vq_encode_cpu(int nthreads, int simd, int64_t T, int D, int d, int b, 
     free(a);
 }
 
-int kvd__vq_decode_cpu(int nthreads, int64_t T, int D, int d, int b, const uint8_t *codes8,
-                       const uint16_t *codes16, const float *codebook, float *out)
+/* Tokens [lo, hi) of kvd__vq_decode_cpu (kvd__par_ranges). */
+typedef struct decode_job {
+    int D, d, b;
+    const uint8_t *codes8;
+    const uint16_t *codes16;
+    const float *codebook;
+    float *out;
+    atomic_int bad;
+} decode_job;
+
+static void decode_part(void *arg, int64_t lo, int64_t hi)
 {
-    int P = D / d, bad = 0;
-    uint32_t K = 1u << b;
-    int nt = T * D < 65536 ? 1 : (nthreads < 1 ? 1 : nthreads);
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : bad)
-    for (int64_t t = 0; t < T; t++) {
-        float *o = out + t * D;
+    decode_job *j = arg;
+    const int D = j->D, d = j->d, b = j->b, P = D / d;
+    const uint32_t K = 1u << b;
+    int bad = 0;
+    for (int64_t t = lo; t < hi; t++) {
+        float *o = j->out + t * D;
         for (int p = 0; p < P; p++) {
-            uint32_t c = b > 8 ? codes16[t * P + p] : codes8[t * P + p];
+            uint32_t c = b > 8 ? j->codes16[t * P + p] : j->codes8[t * P + p];
             if (c >= K) {
                 bad = 1;
                 c = 0;
             }
-            const float *src = codebook + (size_t)c * d;
+            const float *src = j->codebook + (size_t)c * d;
             for (int i = 0; i < d; i++)
                 o[p * d + i] = src[i];
         }
     }
-    return bad ? KVD_ECORRUPT : KVD_OK;
+    if (bad)
+        atomic_store(&j->bad, 1);
+}
+
+int kvd__vq_decode_cpu(int nthreads, int64_t T, int D, int d, int b, const uint8_t *codes8,
+                       const uint16_t *codes16, const float *codebook, float *out)
+{
+    int nt = T * D < 65536 ? 1 : (nthreads < 1 ? 1 : nthreads);
+    decode_job j = {.D = D,
+                    .d = d,
+                    .b = b,
+                    .codes8 = codes8,
+                    .codes16 = codes16,
+                    .codebook = codebook,
+                    .out = out};
+    atomic_init(&j.bad, 0);
+    kvd__par_ranges(T, 64, nt, decode_part, &j);
+    return atomic_load(&j.bad) ? KVD_ECORRUPT : KVD_OK;
 }
 
 /* ---- tensors ----------------------------------------------------------- */

@@ -286,8 +286,10 @@ def check_workload(where, o, objs, cli_flags, settings):
             if str(lim.get("nvidia.com/gpu")) != str(req.get("nvidia.com/gpu", lim.get("nvidia.com/gpu"))):
                 problem(cw, "nvidia.com/gpu request and limit must be equal")
         env = {e["name"]: e for e in c.get("env") or []}
-        if (env.get("OMP_WAIT_POLICY") or {}).get("value") != "passive":
-            problem(cw, "OMP_WAIT_POLICY=passive missing")
+        threads = ((env.get("KVDEPOT_COMPUTE_THREADS") or {}).get("valueFrom") or {}).get(
+            "resourceFieldRef") or {}
+        if threads.get("resource") != "limits.cpu":
+            problem(cw, "KVDEPOT_COMPUTE_THREADS must come from limits.cpu")
         if settings is not None:
             for e in env:
                 if e.startswith("KVDEPOT_") and e[8:].lower().replace("_", "-") not in settings:
@@ -535,8 +537,6 @@ def check_dockerfile(root, rel, runtime_want, build_want, cuda):
             problem(rel, f"does not EXPOSE {p}")
     if "/data" not in volumes:
         problem(rel, "no VOLUME /data")
-    if env.get("OMP_WAIT_POLICY") != "passive":
-        problem(rel, "runtime ENV OMP_WAIT_POLICY=passive missing")
     if not entry or "kvdepotd" not in entry:
         problem(rel, "ENTRYPOINT is not kvdepotd")
     if entry and not entry.strip().startswith("["):

@@ -239,7 +239,7 @@ int kvd_attn_merge_check(const kvd_attn_merge_args *a, kvd_error *err);
  * CPU implementations, one item each, on validated arguments. The *_ref
  * functions are the specification (scalar, double accumulation where it
  * matters); the *_fast ones are what the CPU backend runs (AVX2/FMA/F16C when
- * the CPU has them, scalar otherwise) with up to nthreads OpenMP threads.
+ * the CPU has them, scalar otherwise) with up to nthreads threads of the compute pool.
  * Return 0 or KVD_ENOMEM.
  */
 int kvd_cpu_attn_dense_ref(const kvd_attn_dense_args *a);

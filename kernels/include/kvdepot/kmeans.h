@@ -93,7 +93,7 @@ void kvd_kmeans_assign_ref(int64_t n, int d, const float *x, int64_t ldx, int k,
                            const float *centroids, uint32_t *assign, float *dist2);
 
 /* The CPU backend's path: AVX2/FMA blocked distances when simd != 0 and the
- * CPU has them, nthreads OpenMP threads (>= 1). Same contract as the ref. */
+ * CPU has them, nthreads threads of the compute pool (>= 1). Same contract as the ref. */
 int kvd__kmeans_train_cpu(int nthreads, int simd, const kvd_kmeans_params *p, int64_t n, int d,
                           const float *x, int64_t ldx, float *centroids, double *inertia);
 int kvd__kmeans_assign_cpu(int nthreads, int simd, int64_t n, int d, const float *x,
