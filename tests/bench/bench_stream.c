@@ -613,12 +613,19 @@ static void print_rows(const bench *b, const row *rows, int n, FILE *csv)
 {
     printf("put/get over loopback, objects of K+V f16 (8 KV heads x 128; 'layer' = one layer, "
            "'request' = 32 layers); latency in ms, MB/s at p50\n");
-    printf("%-19s %7s %-7s %4s | %8s %8s %7s | %8s %8s %7s | %9s | %10s\n", "system", "object",
-           "shape", "n", "put p50", "put p99", "MB/s", "get p50", "get p99", "MB/s", "rel. RMS",
-           "RSS/GiB");
+    printf("%-19s %7s %-7s %4s | %8s %8s %7s %7s | %8s %8s %7s %7s | %9s | %10s\n", "system",
+           "object", "shape", "n", "put p50", "put p99", "MB/s", "x Redis", "get p50", "get p99",
+           "MB/s", "x Redis", "rel. RMS", "RSS/GiB");
     for (int i = 0; i < n; i++) {
         const row *r = &rows[i];
         double bytes = (double)r->mib * MiB;
+        /* throughput over Redis's for the same object size, this run */
+        char xput[16] = "-", xget[16] = "-";
+        for (int k = 0; k < n; k++)
+            if (rows[k].sys == SYS_REDIS && rows[k].mib == r->mib) {
+                snprintf(xput, sizeof xput, "%.2f", rows[k].put_p50 / r->put_p50);
+                snprintf(xget, sizeof xget, "%.2f", rows[k].get_p50 / r->get_p50);
+            }
         char err[16] = "exact", mem[16] = "-";
         if (r->sys == SYS_INT2_PAGES)
             snprintf(err, sizeof err, "as INT2");
@@ -626,10 +633,11 @@ static void print_rows(const bench *b, const row *rows, int n, FILE *csv)
             snprintf(err, sizeof err, "%.4f", r->rel_rms);
         if (!isnan(b->mem_per_gib[r->sys]))
             snprintf(mem, sizeof mem, "%.2f GiB", b->mem_per_gib[r->sys] / (1024.0 * MiB));
-        printf("%-19s %4u MiB %-7s %4d | %8.2f %8.2f %7.0f | %8.2f %8.2f %7.0f | %9s | %10s\n",
+        printf("%-19s %4u MiB %-7s %4d | %8.2f %8.2f %7.0f %7s | %8.2f %8.2f %7.0f %7s | %9s | "
+               "%10s\n",
                sys_labels[r->sys], r->mib, r->kind, r->reps, r->put_p50 * 1e3, r->put_p99 * 1e3,
-               bytes / r->put_p50 / 1e6, r->get_p50 * 1e3, r->get_p99 * 1e3,
-               bytes / r->get_p50 / 1e6, err, mem);
+               bytes / r->put_p50 / 1e6, xput, r->get_p50 * 1e3, r->get_p99 * 1e3,
+               bytes / r->get_p50 / 1e6, xget, err, mem);
         if (csv)
             for (int op = 0; op < 2; op++)
                 fprintf(csv, "%s,%u,%s,%s,%d,%.6f,%.6f,%.1f,%s,%s\n", sys_labels[r->sys], r->mib,
