@@ -224,7 +224,9 @@ static void fwht_small(float *x, int64_t n, float norm)
         x[i] *= norm;
 }
 
-static void hadamard_rows(void *arg, int64_t lo, int64_t hi)
+/* Hadamard (sf NULL) or channel scale of rows [lo, hi), through a row
+ * buffer in f32. */
+static void transform_rows(void *arg, int64_t lo, int64_t hi)
 {
     rows_job *j = arg;
     float *buf = alloc_row(j->n);
@@ -234,7 +236,9 @@ static void hadamard_rows(void *arg, int64_t lo, int64_t hi)
     }
     for (int64_t r = lo; r < hi; r++) {
         load_row_fast(buf, j->src, r, j->n);
-        if (j->n >= 8)
+        if (j->sf)
+            kvd__scale_row_avx2(buf, buf, j->sf, j->n, j->divide);
+        else if (j->n >= 8)
             kvd__fwht_avx2(buf, j->n, j->norm);
         else
             fwht_small(buf, j->n, j->norm);
@@ -251,26 +255,10 @@ static int hadamard_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_tenso
         return KVD_OK;
     rows_job j = {.dst = dst, .src = src, .n = n, .norm = (float)(1.0 / sqrt((double)n))};
     atomic_init(&j.failed, 0);
-    kvd__par_ranges(rows, 1, par_ok(be, src) ? kvd__cpu_threads(be) : 1, hadamard_rows, &j);
+    kvd__par_ranges(rows, 1, par_ok(be, src) ? kvd__cpu_threads(be) : 1, transform_rows, &j);
     if (atomic_load(&j.failed))
         return kvd_error_set(err, KVD_ENOMEM, "hadamard: out of memory for a row buffer");
     return KVD_OK;
-}
-
-static void scale_rows(void *arg, int64_t lo, int64_t hi)
-{
-    rows_job *j = arg;
-    float *buf = alloc_row(j->n);
-    if (!buf) {
-        atomic_store(&j->failed, 1);
-        return;
-    }
-    for (int64_t r = lo; r < hi; r++) {
-        load_row_fast(buf, j->src, r, j->n);
-        kvd__scale_row_avx2(buf, buf, j->sf, j->n, j->divide);
-        store_row_fast(j->dst, r, buf, j->n);
-    }
-    free(buf);
 }
 
 static int channel_scale_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_tensor *src,
@@ -286,7 +274,7 @@ static int channel_scale_fast(kvd_backend *be, const kvd_tensor *dst, const kvd_
         sf[j] = kvd__load_float((const char *)s->data + j * s->stride[0], s->dtype);
     rows_job j = {.dst = dst, .src = src, .n = n, .sf = sf, .divide = divide};
     atomic_init(&j.failed, 0);
-    kvd__par_ranges(rows, 1, par_ok(be, src) ? kvd__cpu_threads(be) : 1, scale_rows, &j);
+    kvd__par_ranges(rows, 1, par_ok(be, src) ? kvd__cpu_threads(be) : 1, transform_rows, &j);
     free(sf);
     if (atomic_load(&j.failed))
         return kvd_error_set(err, KVD_ENOMEM, "channel_scale: out of memory for a row buffer");

@@ -35,38 +35,6 @@
 #define D 128
 #define CHUNK 4096
 
-/* One sequence of n tokens of layer 0, appended CHUNK tokens at a time. */
-static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_codecs *cs)
-{
-    kvdepot_create_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.id = id;
-    ca.id_len = strlen(id);
-    ca.model = "e2e";
-    ca.codecs = cs;
-    int rc = kvdepot_sequence_create(c, &ca, NULL);
-    size_t cnt = (size_t)CHUNK * H * D;
-    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    for (uint64_t t = 0; rc == 0 && t < n; t += CHUNK) {
-        bench_fill_f16(k, cnt, 2 * t + 1);
-        bench_fill_f16(v, cnt, 2 * t + 2);
-        kvdepot_append_args aa;
-        memset(&aa, 0, sizeof aa);
-        aa.id = id;
-        aa.id_len = strlen(id);
-        aa.token_start = t;
-        aa.num_tokens = CHUNK;
-        aa.dtype = KVDEPOT_DTYPE_F16;
-        aa.k = k;
-        aa.v = v;
-        aa.k_bytes = aa.v_bytes = cnt * 2;
-        rc = kvdepot_sequence_append(c, &aa, NULL);
-    }
-    free(k);
-    free(v);
-    return rc;
-}
-
 static uint64_t device_pages(kvdepot_client *c)
 {
     kvdepot_stats st;
@@ -123,7 +91,7 @@ int main(int argc, char **argv)
     cs[3].k.vq_sub_dim = cs[3].v.vq_sub_dim = 4;
     cs[3].k.vq_bits = cs[3].v.vq_bits = 8;
     for (int ci = 0; ci < 4; ci++)
-        if (make(c, names[ci], max_tokens, &cs[ci])) {
+        if (bench_make_seq(c, "e2e", names[ci], max_tokens, CHUNK, H, D, &cs[ci])) {
             fprintf(stderr, "append %s: %s\n", names[ci], kvdepot_errmsg(NULL));
             harness_destroy(&h, 1);
             return 1;

@@ -92,38 +92,6 @@ static double pct(const double *v, size_t n, double p)
     return v[k ? k - 1 : 0];
 }
 
-static int make(kvdepot_client *c, const char *id, const kvdepot_codecs *cs)
-{
-    kvdepot_create_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.id = id;
-    ca.id_len = strlen(id);
-    ca.model = "load";
-    ca.codecs = cs;
-    int rc = kvdepot_sequence_create(c, &ca, NULL);
-    size_t cnt = (size_t)CHUNK * H * D;
-    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    for (uint64_t t = 0; rc == 0 && t < TOKENS; t += CHUNK) {
-        bench_fill_f16(k, cnt, 2 * t + 1);
-        bench_fill_f16(v, cnt, 2 * t + 2);
-        kvdepot_append_args aa;
-        memset(&aa, 0, sizeof aa);
-        aa.id = id;
-        aa.id_len = strlen(id);
-        aa.token_start = t;
-        aa.num_tokens = CHUNK;
-        aa.dtype = KVDEPOT_DTYPE_F16;
-        aa.k = k;
-        aa.k_bytes = cnt * 2;
-        aa.v = v;
-        aa.v_bytes = cnt * 2;
-        rc = kvdepot_sequence_append(c, &aa, NULL);
-    }
-    free(k);
-    free(v);
-    return rc;
-}
-
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -174,8 +142,9 @@ int main(int argc, char **argv)
     memset(cs, 0, sizeof cs);
     cs[1].k.codec = cs[1].v.codec = KVDEPOT_CODEC_INT2;
     const char *names[2] = {"fp16", "INT2"};
-    if (!c || kvdepot_model_put(c, &m, 0, NULL, NULL) || make(c, names[0], &cs[0]) ||
-        make(c, names[1], &cs[1])) {
+    if (!c || kvdepot_model_put(c, &m, 0, NULL, NULL) ||
+        bench_make_seq(c, "load", names[0], TOKENS, CHUNK, H, D, &cs[0]) ||
+        bench_make_seq(c, "load", names[1], TOKENS, CHUNK, H, D, &cs[1])) {
         fprintf(stderr, "setup: %s\n", kvdepot_errmsg(c));
         harness_destroy(&h, 1);
         return 1;

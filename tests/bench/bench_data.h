@@ -1,7 +1,7 @@
 /*
- * What the compute benchmarks (bench_compute, bench_attend_e2e) share: a
- * monotonic clock, the K/V data they store, and the Calibrate of their
- * model.
+ * What the compute benchmarks (bench_compute, bench_attend_e2e,
+ * bench_attend_load) share: a monotonic clock, the K/V data they store, the
+ * sequences they store it in, and the Calibrate of their model.
  */
 #ifndef KVDEPOT_TESTS_BENCH_DATA_H
 #define KVDEPOT_TESTS_BENCH_DATA_H
@@ -34,6 +34,43 @@ static inline void bench_fill_f16(uint16_t *x, size_t n, uint64_t seed)
         float b = (float)((s >> 16) & 0xffffff) / (float)(1 << 24);
         x[i] = kvd_f32_to_f16((a + b - 1.0f) * 1.5f);
     }
+}
+
+/* Sequence id of model `model` (one layer of h kv heads x d, f16) with
+ * codecs cs (NULL: raw): n tokens of bench_fill_f16 data, appended `chunk`
+ * tokens at a time (n a multiple of chunk). 0 or the client's error. */
+static inline int bench_make_seq(kvdepot_client *c, const char *model, const char *id, uint64_t n,
+                                 uint64_t chunk, int h, int d, const kvdepot_codecs *cs)
+{
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = id;
+    ca.id_len = strlen(id);
+    ca.model = model;
+    ca.codecs = cs;
+    int rc = kvdepot_sequence_create(c, &ca, NULL);
+    size_t cnt = (size_t)chunk * h * d;
+    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+    if (!k || !v)
+        rc = KVDEPOT_ENOMEM;
+    for (uint64_t t = 0; rc == 0 && t < n; t += chunk) {
+        bench_fill_f16(k, cnt, 2 * t + 1);
+        bench_fill_f16(v, cnt, 2 * t + 2);
+        kvdepot_append_args aa;
+        memset(&aa, 0, sizeof aa);
+        aa.id = id;
+        aa.id_len = strlen(id);
+        aa.token_start = t;
+        aa.num_tokens = chunk;
+        aa.dtype = KVDEPOT_DTYPE_F16;
+        aa.k = k;
+        aa.v = v;
+        aa.k_bytes = aa.v_bytes = cnt * 2;
+        rc = kvdepot_sequence_append(c, &aa, NULL);
+    }
+    free(k);
+    free(v);
+    return rc;
 }
 
 /* Calibrate VQ d4 b8 (and SVD when svd) for a one-layer model of h kv
