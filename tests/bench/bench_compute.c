@@ -184,38 +184,10 @@ static void table_bytes(void)
     kvd_backend_free(be);
 }
 
+/* A one-layer sequence of the "bench" model (bench_data.h). */
 static int make(kvdepot_client *c, const char *id, uint64_t n, const kvdepot_codecs *cs)
 {
-    kvdepot_create_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.id = id;
-    ca.id_len = strlen(id);
-    ca.model = "bench";
-    ca.codecs = cs;
-    int rc = kvdepot_sequence_create(c, &ca, NULL);
-    if (rc)
-        return rc;
-    const uint64_t step = 4096;
-    size_t cnt = (size_t)step * H * D;
-    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    for (uint64_t t = 0; t < n && !rc; t += step) {
-        bench_fill_f16(k, cnt, t + 1);
-        bench_fill_f16(v, cnt, t + 2);
-        kvdepot_append_args aa;
-        memset(&aa, 0, sizeof aa);
-        aa.id = id;
-        aa.id_len = strlen(id);
-        aa.token_start = t;
-        aa.num_tokens = step;
-        aa.dtype = KVDEPOT_DTYPE_F16;
-        aa.k = k;
-        aa.v = v;
-        aa.k_bytes = aa.v_bytes = cnt * 2;
-        rc = kvdepot_sequence_append(c, &aa, NULL);
-    }
-    free(k);
-    free(v);
-    return rc;
+    return bench_make_seq(c, "bench", id, n, 4096, H, D, cs);
 }
 
 /*
