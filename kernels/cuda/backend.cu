@@ -60,7 +60,7 @@ void cuda_free_backend(kvd_backend *be)
             if (s->stream)
                 cudaStreamSynchronize(s->stream);
             if (s->blas)
-                cublasDestroy(s->blas);
+                kvd__blas.Destroy(s->blas);
             if (s->pinned)
                 cudaFreeHost(s->pinned);
             for (int j = 0; j < 2; j++)
@@ -505,7 +505,7 @@ int kvd__cublas_status(kvd_cuda_ctx *c, cublasStatus_t e, const char *what, kvd_
             code = KVD_EUNAVAIL;
         }
     }
-    return kvd_error_set(err, code, "cublas: %s: %s", what, cublasGetStatusString(e));
+    return kvd_error_set(err, code, "cublas: %s: %s", what, kvd__blas.GetStatusString(e));
 }
 
 int kvd__cuda_begin(kvd_backend *be, kvd_cuda_call *call, kvd_error *err)
@@ -535,13 +535,13 @@ int kvd__cuda_blas(kvd_cuda_call *call, cublasHandle_t *h, kvd_error *err)
     kvd_cuda_slot *s = call->slot;
     *h = NULL;
     if (!s->blas) {
-        int rc = kvd__cublas_status(call->c, cublasCreate(&s->blas), "cublasCreate", err);
+        int rc = kvd__cublas_status(call->c, kvd__blas.Create(&s->blas), "cublasCreate", err);
         if (rc) {
             s->blas = NULL;
             return rc;
         }
     }
-    int rc = kvd__cublas_status(call->c, cublasSetStream(s->blas, s->stream), "cublasSetStream",
+    int rc = kvd__cublas_status(call->c, kvd__blas.SetStream(s->blas, s->stream), "cublasSetStream",
                                 err);
     if (!rc)
         *h = s->blas;
@@ -587,6 +587,9 @@ extern "C" int kvd_backend_cuda_create(int device, kvd_backend **out, kvd_error 
     if (device >= count)
         return kvd_error_set(err, KVD_EINVAL, "cuda: device %d requested, %d present", device,
                              count);
+    int lrc = kvd__cuda_blas_load(NULL, err);
+    if (lrc)
+        return lrc;
 
     kvd_cuda_ctx *c = static_cast<kvd_cuda_ctx *>(calloc(1, sizeof *c));
     kvd_backend *be = static_cast<kvd_backend *>(calloc(1, sizeof *be));

@@ -87,6 +87,20 @@ int kvd__cublas_status(kvd_cuda_ctx *c, cublasStatus_t e, const char *what, kvd_
 int kvd__cuda_begin(kvd_backend *be, kvd_cuda_call *call, kvd_error *err);
 /* After a launch: turn a launch error into a status. */
 int kvd__cuda_launched(kvd_cuda_call *call, const char *what, kvd_error *err);
+/* The cuBLAS calls the ops make, resolved by kvd__cuda_blas_load (blas.cu):
+ * cuBLAS is loaded when a device is opened, not linked. */
+struct kvd__blas_api {
+    decltype(&cublasCreate) Create;
+    decltype(&cublasDestroy) Destroy;
+    decltype(&cublasSetStream) SetStream;
+    decltype(&cublasGetStatusString) GetStatusString;
+    decltype(&cublasSgemm) Sgemm;
+    decltype(&cublasSgemmStridedBatched) SgemmStridedBatched;
+};
+extern kvd__blas_api kvd__blas;
+/* Load cuBLAS once per process (later calls answer the first's outcome);
+ * *where, if asked, names what was loaded. KVD_EUNAVAIL when it cannot be. */
+extern "C" int kvd__cuda_blas_load(const char **where, kvd_error *err);
 /* The slot's cuBLAS handle bound to its stream; the caller holds slot->mu. */
 int kvd__cuda_blas(kvd_cuda_call *call, cublasHandle_t *h, kvd_error *err);
 /* Stream-ordered scratch. */

@@ -375,7 +375,7 @@ int kvd__cuda_kmeans_train(kvd_cuda_call *call, const kvd_kmeans_params *p, int6
             const float one = 1.0f, zero = 0.0f;
             /* column-major: dots(k, nc) = C^T(k, d) . Xchunk^T(d, nc) */
             TRY(kvd__cublas_status(call->c,
-                                   cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, k, (int)nc, d, &one,
+                                   kvd__blas.Sgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, k, (int)nc, d, &one,
                                                centroids, d, b.dx + i0 * d, d, &zero, b.ddots, k),
                                    "cublasSgemm", err));
             gemm_argmin_kernel<<<kvd__cuda_blocks(nc, threads), threads, 0, call->s>>>(
@@ -864,7 +864,7 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
              * X_j = columns j*dsub.. of the packed (ns, D) points, ld D */
             TRY(kvd__cublas_status(
                 call->c,
-                cublasSgemmStridedBatched(blas, CUBLAS_OP_T, CUBLAS_OP_N, k, (int)nc, dsub, &one,
+                kvd__blas.SgemmStridedBatched(blas, CUBLAS_OP_T, CUBLAS_OP_N, k, (int)nc, dsub, &one,
                                           centroids, dsub, (long long)k * dsub, xs + i0 * D, D,
                                           dsub, &zero, dots, k, (long long)chunk * k, m),
                 "cublasSgemmStridedBatched", err));
