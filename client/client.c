@@ -890,6 +890,7 @@ int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequen
             out->codecs.pq_m = cp->pq->m;
             out->codecs.pq_bits = cp->pq->bits;
             out->codecs.pq_iterations = cp->pq->iterations;
+            out->codecs.pq_min_train_tokens = cp->pq->min_train_tokens;
         }
         out->codecs.raw_sink_tokens = cp->raw_sink_tokens;
         out->codecs.store_activations = cp->store_activations;

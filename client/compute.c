@@ -421,6 +421,7 @@ void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb)
         m->pq.m = c->pq_m;
         m->pq.bits = c->pq_bits;
         m->pq.iterations = c->pq_iterations;
+        m->pq.min_train_tokens = c->pq_min_train_tokens;
         m->c.pq = &m->pq;
     }
     pb->msg = &m->c.base;

@@ -287,6 +287,7 @@ void kvd_codecs_to_pb(const kvd_seq_codecs *c, int stores_activations, kvd_codec
         out->pq.m = c->pq_m;
         out->pq.bits = c->pq_bits;
         out->pq.iterations = c->pq_iterations;
+        out->pq.min_train_tokens = c->pq_min_train_tokens;
         out->c.pq = &out->pq;
     }
     out->c.raw_sink_tokens = c->raw_sink_tokens;
@@ -400,6 +401,7 @@ int kvd_codecs_from_pb(const Kvdepot__V1__SequenceCodecs *c, const kvd_model_inf
         out->pq_m = c->pq->m;
         out->pq_bits = (uint8_t)(c->pq->bits > 255 ? 255 : c->pq->bits);
         out->pq_iterations = c->pq->iterations;
+        out->pq_min_train_tokens = c->pq->min_train_tokens;
     }
     /* Activation storage is recorded by the CreateSequence handler (in the
      * write that creates the sequence); only the model can refuse it. */

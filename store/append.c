@@ -660,6 +660,10 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
     uint64_t npages = (end + B - 1) / B;
     size_t tok_bytes = (size_t)ap->H * ap->D * ap->es;
     const kvd__page *tail = tail_n ? L->pages[first] : NULL;
+    /* The pages this append seals carry PQ codes once the layer has
+     * centroids, or when this append takes it to pq_min_train_tokens (and
+     * trains them); before, they seal without (pqindex.h). */
+    const int pq = ap->codecs.pq_m && (L->pq_bytes || end >= ap->codecs.pq_min_train_tokens);
     int rc = 0;
     kvd__tail old = {0};
 
@@ -787,8 +791,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
             code_it[at] = ap->coded && d.num_tokens == B && p0 >= ap->sink_end && !given[at];
             /* A page stored as built (raw, no PQ section) is built where
              * the batch holds it; the others in a window buffer. */
-            const int direct =
-                !given[at] && !code_it[at] && !(ap->codecs.pq_m && d.num_tokens == B);
+            const int direct = !given[at] && !code_it[at] && !(pq && d.num_tokens == B);
             kvd__page *np = calloc(1, sizeof *np);
             /* One buffer per window slot, sized for a full page, serves
              * every page built there: the batch keeps its own copy. */
@@ -834,7 +837,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
         if (rc == 0 && nc)
             rc = encode_pages(st, nc, cd, &ap->codecs, ck, cv, coded, clen, &draw, &keep, err);
         size_t nimg = 0, nplaced = 0;
-        if (rc == 0 && nc && draw.m && ap->codecs.pq_m)
+        if (rc == 0 && nc && draw.m && pq)
             rc = pq_window(ap, b, ds, kps, w1 - w0, cd, nc, &draw, &pqc, err);
         for (uint64_t pi = w0, ci = 0; pi < w1 && rc == 0; pi++) {
             const size_t at = (size_t)(pi - w0);
@@ -860,7 +863,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
                 coded[ci++] = NULL;
             }
             np->bytes = wlen;
-            if (ap->codecs.pq_m && d->num_tokens == B) {
+            if (pq && d->num_tokens == B) {
                 /* The page seals: add its PQ codes (pqindex.h). */
                 uint8_t *withpq = NULL;
                 rc = kvd__pq_page_section(&ap->pq, st, s, &ap->codecs, b, d, kps[at], ready, wk,
@@ -926,6 +929,8 @@ uint64_t kvd_store_append_index_bound(const kvd_append *ap)
     const uint64_t B = st->page_tokens;
     if ((ap->ts + ap->n) / B == ap->ts / B)
         return 0; /* seals no page */
+    if (ap->ts + ap->n < ap->codecs.pq_min_train_tokens)
+        return 0; /* trains nothing yet */
     const uint64_t rec = kvd__pq_record_bytes(ap->H, ap->D, ap->codecs.pq_bits);
     uint64_t bound = 0;
     pthread_mutex_lock(&ap->s->mu);

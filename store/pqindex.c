@@ -169,8 +169,65 @@ static int train_head_device(kvd_backend *dev, const float *keys, int64_t n, uin
     return rc;
 }
 
-/* Train the centroids of layer d->layer from the page keys and the wire keys
- * after the page, and put the record into b. */
+/*
+ * Keys of tokens [t0, t0 + n) of `layer` of s, sealed pages stored before
+ * this append (whole pages, t0 a page start), decoded to f32 head-major
+ * into out (H, n, D): the keys the pages give back (exact for raw K, the
+ * decoded values of a lossy K codec).
+ */
+static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, const kvd__seq *s,
+                       const kvd_page_desc *d, uint64_t t0, uint64_t n, float *out, kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
+    const kvd__layer *L = &s->layers[d->layer];
+    float *page = malloc(sizeof(float) * (size_t)H * B * D);
+    if (!page)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory reading keys for PQ training");
+    int rc = 0;
+    for (uint64_t t = t0; t < t0 + n && rc == 0; t += B) {
+        const uint64_t blk = t / B, take = t0 + n - t < B ? t0 + n - t : B;
+        if (blk >= L->npages || !L->pages[blk] || L->pages[blk]->num_tokens != B) {
+            rc = kvd_error_set(err, KVD_EINTERNAL,
+                               "PQ training: page %llu of layer %u is not sealed",
+                               (unsigned long long)blk, d->layer);
+            break;
+        }
+        kvd__tail_want w = {.page_id = L->pages[blk]->id,
+                            .layer = d->layer,
+                            .p0 = blk * B,
+                            .need = B,
+                            .B = B,
+                            .H = H,
+                            .D = D,
+                            .dtype = d->dtype};
+        kvd__tail pg = {0};
+        if ((rc = kvd__tail_load(st, st->ropt, &w, &pg, err))) {
+            if (rc == KVD_ECORRUPT)
+                kvd__note_corrupt(st, w.page_id, err);
+            break;
+        }
+        size_t vlen = 0;
+        const char *v = pg.ps ? rocksdb_pinnableslice_value(pg.ps, &vlen) : NULL;
+        kvd_page_view view;
+        if (!v || pg.nfrags)
+            rc = kvd_error_set(err, KVD_ECORRUPT, "PQ training: page %llu is not whole",
+                               (unsigned long long)w.page_id);
+        else if ((rc = kvd_page_decode_nocheck(v, vlen, &view, err)) == 0)
+            rc = kvd_page_decode_section(be, &view, KVD_SECTION_K, c->arts, KVD_DTYPE_F32, page,
+                                         err);
+        kvd__tail_release(&pg);
+        for (uint32_t h = 0; h < H && rc == 0; h++)
+            memcpy(out + ((size_t)h * n + (t - t0)) * D, page + (size_t)h * B * D,
+                   sizeof(float) * take * D);
+    }
+    free(page);
+    return rc;
+}
+
+/* Train the centroids of layer d->layer from the keys of the sequence's own
+ * pages sealed before this append (stored without codes while the layer
+ * held fewer than pq_min_train_tokens tokens), the page keys and the wire
+ * keys after the page, and put the record into b. */
 /* Training runs once per (sequence, layer) but is the heaviest step of an
  * append (K-means over up to KVD_PQ_TRAIN_TOKENS keys per kv head): it runs
  * on the store's backend with every thread (train_be), where the conversions
@@ -185,20 +242,28 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
     const size_t es = kvd_dtype_size(d->dtype);
+    /* The sequence's own pages start after a shared prefix. */
+    const uint64_t own = s->prefix_blocks * B;
+    const uint64_t early = d->token_start > own ? d->token_start - own : 0;
     uint64_t p1 = d->token_start + B, more = wire_end > p1 ? wire_end - p1 : 0;
-    int64_t n = (int64_t)B + (int64_t)more;
+    int64_t n = (int64_t)early + (int64_t)B + (int64_t)more;
     if (n > KVD_PQ_TRAIN_TOKENS)
         n = KVD_PQ_TRAIN_TOKENS;
-    int64_t from_page = n < (int64_t)B ? n : (int64_t)B, from_wire = n - from_page;
+    int64_t from_early = (int64_t)early < n ? (int64_t)early : n;
+    int64_t from_page = n - from_early < (int64_t)B ? n - from_early : (int64_t)B;
+    int64_t from_wire = n - from_early - from_page;
     uint64_t nf = cent_floats(H, D, c->pq_bits);
     size_t rlen = (size_t)kvd__pq_record_bytes(H, D, c->pq_bits);
     uint8_t *rec = malloc(rlen);
     float *keys = malloc(sizeof(float) * (size_t)n * D);
+    float *ek = from_early ? malloc(sizeof(float) * (size_t)from_early * H * D) : NULL;
     int rc = 0;
-    if (!rec || !keys) {
+    if (!rec || !keys || (from_early && !ek)) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory training PQ centroids");
         goto done;
     }
+    if (from_early && (rc = stored_keys(st, be, c, s, d, own, (uint64_t)from_early, ek, err)))
+        goto done;
     rec[0] = REC_VERSION;
     rec[1] = c->pq_bits;
     rec[2] = (uint8_t)c->pq_m;
@@ -209,9 +274,12 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
     for (uint32_t h = 0; h < H && rc == 0; h++) {
         const uint8_t *ph = k_page + (size_t)h * B * D * es;
         const uint8_t *wh = wire_k + ((size_t)(p1 - wire_ts) * H + h) * D * es;
-        if ((rc = to_f32(be, d->dtype, ph, from_page, D, (int64_t)(D * es), keys, err)) ||
-            (rc = to_f32(be, d->dtype, wh, from_wire, D, (int64_t)(H * D * es),
-                         keys + (size_t)from_page * D, err)))
+        if (from_early)
+            memcpy(keys, ek + (size_t)h * from_early * D, sizeof(float) * from_early * D);
+        if ((from_page && (rc = to_f32(be, d->dtype, ph, from_page, D, (int64_t)(D * es),
+                                       keys + (size_t)from_early * D, err))) ||
+            (from_wire && (rc = to_f32(be, d->dtype, wh, from_wire, D, (int64_t)(H * D * es),
+                                       keys + (size_t)(from_early + from_page) * D, err))))
             break;
         float *ch = cent + (size_t)h * (nf / H);
         kvd_backend *dev = kvd_store_device(st);
@@ -243,6 +311,7 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
 done:
     free(rec);
     free(keys);
+    free(ek);
     return rc;
 }
 

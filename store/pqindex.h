@@ -1,14 +1,18 @@
 /*
  * The stored PQ index of a sequence (PQCache): the key index behind Search
  * and SparseAttend (kvdepot.proto, SearchRequest), for sequences created with
- * codecs.pq (seqcodec.h: pq_m, pq_bits, pq_iterations).
+ * codecs.pq (seqcodec.h: pq_m, pq_bits, pq_iterations, pq_min_train_tokens).
  *
  * Centroids, per (sequence, layer), all kv heads of the layer together, are
- * trained once: when the first append that seals a page of the layer
- * commits. For kv head h, kvd_pq_train (kvdepot/pq.h) runs on the keys as
- * appended (f32) of the first min(n, KVD_PQ_TRAIN_TOKENS) tokens counted from
- * the first page that append seals to the end of the append (the prefill,
- * when the sequence starts with one), seeded layer * 65536 + h, with the
+ * trained once: by the first append that seals a page of the layer and
+ * leaves it with at least pq_min_train_tokens tokens (default 4096, so that
+ * a prefill sent in chunks trains on the same keys as one sent whole). The
+ * pages sealed before carry no codes. For kv head h, kvd_pq_train
+ * (kvdepot/pq.h) runs on the first min(n, KVD_PQ_TRAIN_TOKENS) keys (f32)
+ * from the sequence's first own page (the first after a shared prefix) to
+ * the end of that append: those of pages sealed earlier as their pages give
+ * them back (exact for raw K; a lossy K codec's decoded values), then the
+ * keys as appended; seeded layer * 65536 + h, with the
  * sequence's pq_iterations Lloyd steps (on a CPU backend with every core:
  * the result does not depend on the thread count). They are written in the
  * append's batch under the RocksDB key 'Q' be16 id_len id be32 layer
@@ -21,7 +25,7 @@
  * Their id, which PQ sections carry, is the xxh3-64 of the record: two
  * records with the same id hold the same centroids.
  *
- * Codes: every page of the sequence that seals from then on, in every layer,
+ * Codes: every page of the sequence that seals from then on, in that layer,
  * gets a PQ-codes section (page.h) with the codes of its keys as appended
  * (before the page's K codec, which may be lossy; for AppendPages the keys
  * decoded from the client's page) under the layer's centroids. The server
@@ -36,7 +40,8 @@
  * its first sealing append; Search uses a page's stored codes only when the
  * section's centroids id equals the searching sequence's, and encodes the
  * keys of any other page (read back, decoded) with its own centroids at call
- * time: correct, only slower on those pages.
+ * time: correct, only slower on those pages. The same holds for the pages a
+ * sequence sealed before its layer was trained.
  */
 #ifndef KVDEPOT_STORE_PQINDEX_H
 #define KVDEPOT_STORE_PQINDEX_H

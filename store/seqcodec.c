@@ -21,6 +21,7 @@
 #define SPEC_BYTES 13
 #define REC1_BYTES (1 + 2 * SPEC_BYTES + 4 + 9)
 #define REC_BYTES (REC1_BYTES + 6 + 8)
+#define REC_PQ_BYTES (REC_BYTES + 4) /* with pq_min_train_tokens */
 #define ARTS_CACHE 8 /* snapshots kept in memory, shared by content */
 
 int kvd_seq_codecs_check(kvd_seq_codecs *c, uint32_t page_tokens, uint32_t head_dim,
@@ -35,6 +36,8 @@ int kvd_seq_codecs_check(kvd_seq_codecs *c, uint32_t page_tokens, uint32_t head_
         c->pq_bits = 8;
     if (c->pq_iterations == 0)
         c->pq_iterations = 10;
+    if (c->pq_min_train_tokens == 0)
+        c->pq_min_train_tokens = KVD_PQ_MIN_TRAIN_TOKENS;
     if (head_dim % c->pq_m)
         return kvd_error_set(err, KVD_EINVAL, "pq.m: %u does not divide head_dim %u", c->pq_m,
                              head_dim);
@@ -43,6 +46,9 @@ int kvd_seq_codecs_check(kvd_seq_codecs *c, uint32_t page_tokens, uint32_t head_
     if (c->pq_iterations > 1000)
         return kvd_error_set(err, KVD_EINVAL, "pq.iterations: %u, at most 1000",
                              c->pq_iterations);
+    if (c->pq_min_train_tokens > KVD_PQ_MIN_TRAIN_MAX)
+        return kvd_error_set(err, KVD_EINVAL, "pq.min_train_tokens: %u, at most %u",
+                             c->pq_min_train_tokens, KVD_PQ_MIN_TRAIN_MAX);
     return 0;
 }
 
@@ -321,7 +327,7 @@ int kvd__seq_codecs_stage(kvd_store *st, rocksdb_writebatch_t *b, const void *id
     }
     if (!shared)
         arts_hash = 0; /* an own snapshot of a colliding hash: never shared in memory either */
-    uint8_t key[1 + KVD_SEQ_ID_MAX], rec[REC_BYTES];
+    uint8_t key[1 + KVD_SEQ_ID_MAX], rec[REC_PQ_BYTES];
     size_t klen = codec_key(key, id, id_len);
     rec[0] = shared ? REC_VERSION : REC_VERSION_OWN;
     put_spec(rec + 1, &c->k);
@@ -340,7 +346,12 @@ int kvd__seq_codecs_stage(kvd_store *st, rocksdb_writebatch_t *b, const void *id
     }
     for (int i = 0; i < 8; i++)
         rec[REC1_BYTES + 6 + i] = (uint8_t)(arts_hash >> (8 * i));
-    rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec, sizeof rec);
+    /* pq_min_train_tokens only where there is an index: the other records
+     * keep the length every earlier version reads. */
+    for (int i = 0; i < 4; i++)
+        rec[REC_BYTES + i] = (uint8_t)(c->pq_min_train_tokens >> (8 * i));
+    rocksdb_writebatch_put(b, (const char *)key, klen, (const char *)rec,
+                           c->pq_m ? REC_PQ_BYTES : REC_BYTES);
     return 0;
 }
 
@@ -411,7 +422,8 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
     if (!v)
         return 0;
     uint8_t ver = len ? (uint8_t)v[0] : 0;
-    if (!((len == REC_BYTES && (ver == REC_VERSION || ver == REC_VERSION_OWN)) ||
+    if (!(((len == REC_BYTES || len == REC_PQ_BYTES) &&
+           (ver == REC_VERSION || ver == REC_VERSION_OWN)) ||
           (len == REC_BYTES - 8 && ver == REC_VERSION_OWN) || /* without the hash */
           (len == REC1_BYTES && (uint8_t)v[0] == 1))) {
         free(v);
@@ -434,9 +446,13 @@ int kvd_store_seq_codecs_get(kvd_store *st, const void *id, size_t id_len, kvd_s
             sp[i]->vq_bits = p[REC1_BYTES + 3 * i + 1];
             sp[i]->svd = p[REC1_BYTES + 3 * i + 2];
         }
-        for (int i = 0; len == REC_BYTES && i < 8; i++)
+        for (int i = 0; len >= REC_BYTES && i < 8; i++)
             c->arts_hash |= (uint64_t)p[REC1_BYTES + 6 + i] << (8 * i);
     }
+    for (int i = 0; len == REC_PQ_BYTES && i < 4; i++)
+        c->pq_min_train_tokens |= (uint32_t)p[REC_BYTES + i] << (8 * i);
+    if (c->pq_m && !c->pq_min_train_tokens)
+        c->pq_min_train_tokens = 1; /* written before the field: trained at the first page */
     c->arts_shared = ver == REC_VERSION;
     free(v);
     *found = 1;

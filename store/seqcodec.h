@@ -6,13 +6,16 @@
  *   u8 version (3) | K spec | V spec | u32 raw_sink_tokens |
  *   u32 pq_m | u8 pq_bits | u32 pq_iterations |
  *   K vq_sub_dim, K vq_bits, K svd, V vq_sub_dim, V vq_bits, V svd (u8 each) |
- *   u64 snapshot hash (XXH3 of the snapshot's bytes; 0 = none)
+ *   u64 snapshot hash (XXH3 of the snapshot's bytes; 0 = none) |
+ *   u32 pq_min_train_tokens   (only in records of sequences with a PQ index)
  *   spec = u8 codec, u16 group, u8 axis, u8 rounding, u64 seed   (13 bytes)
  *
  * little-endian. Version 3: the snapshot is the shared record of that hash;
  * version 2: the sequence's own snapshot ('Z' below), or none; version 1
  * records (without the last 14 bytes) and version 2 records without the
- * hash still read. A sequence without the key stores raw pages.
+ * hash still read; a record without pq_min_train_tokens reads as 1 (the
+ * index trained at the first sealing page, as it was before the field). A sequence without the key
+ * stores raw pages.
  *
  * A sequence with VQ or SVD has a snapshot of the model's artifacts its
  * codecs need (kvd_codec_arts_serialize), taken at CreateSequence:
@@ -42,6 +45,11 @@
 #include "codec.h"
 #include "store.h"
 
+/* pq_min_train_tokens: the default (a typical prefill, and as many keys as
+ * the training uses: KVD_PQ_TRAIN_TOKENS, pqindex.h), the most accepted. */
+#define KVD_PQ_MIN_TRAIN_TOKENS 4096
+#define KVD_PQ_MIN_TRAIN_MAX (1u << 24)
+
 typedef struct kvd_seq_codecs {
     kvd_codec_spec k, v;
     /* Sealed pages of blocks starting before this token stay raw (attention
@@ -52,6 +60,9 @@ typedef struct kvd_seq_codecs {
     uint32_t pq_m;
     uint8_t pq_bits;
     uint32_t pq_iterations;
+    /* The centroids are trained by the append that takes the layer to at
+     * least this many tokens (pqindex.h); 0 = KVD_PQ_MIN_TRAIN_TOKENS. */
+    uint32_t pq_min_train_tokens;
     /* The artifact snapshot (kvd_seq_codecs_load_arts; k.arts and v.arts
      * point at it), released by kvd_seq_codecs_clear; arts_hash from the
      * record names it, arts_ent is its cache entry (NULL: owned). */

@@ -51,7 +51,7 @@ static const char usage_text[] =
     "                                       evictions) and durability\n"
     "  put ID --model M --tokens N --file F [--layer-start L] [--layers N]\n"
     "         [--token-ids FILE] [--ttl SECONDS] [--activations]\n"
-    "         [--k CODEC] [--v CODEC] [--pq mMbB[iN]] [--raw-sink N]\n"
+    "         [--k CODEC] [--v CODEC] [--pq mMbB[iN][tT]] [--raw-sink N]\n"
     "                                       append N tokens from F (K then V, raw, in\n"
     "                                       [layer][token][kv_head][head_dim] layout and\n"
     "                                       the model dtype), creating the sequence if\n"
@@ -62,7 +62,9 @@ static const char usage_text[] =
     "                                       raw|int2|int4|vq-dDbB[,gG][,token|channel]\n"
     "                                       [,stochastic][,seed=N][,svd=RATE]\n"
     "                                       [,widths=W[:W...]][,align=N]; --pq: a PQ\n"
-    "                                       index of m sub-spaces, 2^b centroids\n"
+    "                                       index of m sub-spaces, 2^b centroids, N\n"
+    "                                       K-means steps, trained once a layer holds T\n"
+    "                                       tokens (default 4096)\n"
     "  get ID --file F [--layer-start L] [--layers N] [--token-start T] [--tokens N]\n"
     "         [--activation-tokens A]\n"
     "                                       write K then V of the range to F ('-' = stdout);\n"
@@ -485,8 +487,8 @@ static void print_info(const kvdepot_sequence_info *s)
         print_side("k", &s->codecs.k);
         print_side(", v", &s->codecs.v);
         if (s->codecs.pq_m)
-            printf("; pq m%u b%u iterations %u", s->codecs.pq_m, s->codecs.pq_bits,
-                   s->codecs.pq_iterations);
+            printf("; pq m%u b%u iterations %u trained at %u tokens", s->codecs.pq_m,
+                   s->codecs.pq_bits, s->codecs.pq_iterations, s->codecs.pq_min_train_tokens);
         if (s->codecs.raw_sink_tokens)
             printf("; raw sink tokens %u", s->codecs.raw_sink_tokens);
         if (s->codecs.store_activations)
@@ -654,17 +656,25 @@ static void parse_codec(const char *flag, const char *arg, kvdepot_codec_spec *o
     }
 }
 
-/* --pq mMbB[iN]: m sub-spaces, 2^b centroids, N K-means iterations. */
+/* --pq mMbB[iN][tT]: m sub-spaces, 2^b centroids, N K-means iterations,
+ * trained once a layer holds T tokens. */
 static void parse_pq(const char *arg, kvdepot_codecs *cc)
 {
-    unsigned m, b, it = 0;
-    char tail;
-    int n = sscanf(arg, "m%ub%ui%u%c", &m, &b, &it, &tail);
-    if (n != 2 && n != 3)
-        usage_error("--pq %s: expected mMbB or mMbBiN, e.g. m16b8", arg);
+    unsigned m, b, it = 0, t = 0;
+    int used = 0, more = 0;
+    if (sscanf(arg, "m%ub%u%n", &m, &b, &used) != 2)
+        usage_error("--pq %s: expected mMbB[iN][tT], e.g. m16b8 or m16b8i10t2048", arg);
+    const char *p = arg + used;
+    if (*p == 'i' && sscanf(p, "i%u%n", &it, &more) == 1)
+        p += more;
+    if (*p == 't' && sscanf(p, "t%u%n", &t, &more) == 1)
+        p += more;
+    if (*p)
+        usage_error("--pq %s: expected mMbB[iN][tT], e.g. m16b8 or m16b8i10t2048", arg);
     cc->pq_m = m;
     cc->pq_bits = b;
     cc->pq_iterations = it;
+    cc->pq_min_train_tokens = t;
 }
 
 static int cmd_put(kvdepot_client *c, int argc, char **argv)

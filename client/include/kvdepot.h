@@ -390,6 +390,12 @@ typedef struct kvdepot_codecs {
      * model must have a hidden_size (else KVDEPOT_EPRECOND); not with
      * prefix_hashes (KVDEPOT_EINVAL): activations start at token 0. */
     int store_activations;
+    /* PQ index: a layer's centroids are trained by the first append that
+     * seals a page of it and leaves it with at least this many tokens
+     * (kvdepot.v1.PQSpec.min_train_tokens; 0 = 4096, the same index
+     * whatever the chunking of a prefill); pages sealed before carry no
+     * codes. */
+    uint32_t pq_min_train_tokens;
 } kvdepot_codecs;
 
 /*

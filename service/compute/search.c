@@ -796,18 +796,21 @@ int kvd_compute_pq_centroids(const kvd_compute *c, const void *id, size_t id_len
     if ((rc = kvd__cseq_load(c, id, id_len, "sequence_id", layer, &sc, err)) ||
         (rc = kvd_store_seq_codecs_get(c->store, id, id_len, &codecs, &found, err)))
         return rc;
-    const uint32_t pq_m = codecs.pq_m;
+    const uint32_t pq_m = codecs.pq_m, min_train = codecs.pq_min_train_tokens;
     kvd_seq_codecs_clear(&codecs);
     if (!pq_m)
         return kvd_error_set(err, KVD_EPRECOND,
                              "sequence has no PQ index (create it with codecs.pq)");
     if ((rc = kvd_store_pq_centroids_get(c->store, id, id_len, layer, out, &found, err)))
         return rc;
-    if (!found)
+    if (!found) {
+        const uint32_t B = kvd_store_page_tokens(c->store);
         return kvd_error_set(err, KVD_EPRECOND,
-                             "layer %u has no PQ centroids yet: they are trained when its first "
-                             "page seals (%llu of %u tokens stored)",
-                             layer, (unsigned long long)sc.layer_tokens,
-                             kvd_store_page_tokens(c->store));
+                             "layer %u has no PQ centroids yet: they are trained by the append "
+                             "that seals a page (of %u tokens) and leaves the layer with at least "
+                             "%u tokens (pq.min_train_tokens); %llu stored",
+                             layer, B, min_train > B ? min_train : B,
+                             (unsigned long long)sc.layer_tokens);
+    }
     return 0;
 }

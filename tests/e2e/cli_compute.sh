@@ -66,10 +66,10 @@ err=$(k search s --layer 0 --q "$work/q.bin" --k 4 2>&1) || rc=$?
 
 # Codecs from the command line: INT4 pages and a PQ index; search answers.
 k put c --model m --tokens 300 --file "$work/kv.bin" --k int4,g32 --v int2,g32,token \
-    --pq m4b4i3 >/dev/null || fail "put with codecs"
+    --pq m4b4i3t256 >/dev/null || fail "put with codecs"
 # seq stat says how each sequence is stored, as the server resolved it (the
 # default axis groups per channel)
-k seq stat c | grep_q '^codecs: *k int4 g32 channel, v int2 g32 token; pq m4 b4 iterations 3$' ||
+k seq stat c | grep_q '^codecs: *k int4 g32 channel, v int2 g32 token; pq m4 b4 iterations 3 trained at 256 tokens$' ||
     fail "seq stat codecs of c: $(k seq stat c | grep codecs)"
 k seq stat s | grep_q '^codecs: *k raw, v raw$' || fail "seq stat codecs of s: $(k seq stat s | grep codecs)"
 raw_bytes=$(k seq stat s | awk '/^stored_bytes:/ {print $2}')

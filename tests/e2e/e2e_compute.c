@@ -1001,6 +1001,7 @@ static int t_search(kvd_harness *h)
     cs.pq_m = 8;
     cs.pq_bits = 6;
     cs.pq_iterations = 5;
+    cs.pq_min_train_tokens = 1; /* the stored index, trained on the keys as appended */
     REQUIRE_RC(create_coded(c, "pq", "s", &cs), KVDEPOT_OK);
     const uint64_t n = 900;
     REQUIRE_RC(make_seq_append_only(c, &m, "s", n), KVDEPOT_OK);

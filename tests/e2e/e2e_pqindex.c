@@ -14,6 +14,10 @@
  *            sequence): the server writes its own; malformed sections are
  *            DATA_LOSS and change nothing.
  *   errors   k larger than the range, no PQ index, bad ranges.
+ *   chunked  the same prefill appended whole and in chunks of 4096, 300 and
+ *            1 tokens: the same centroids, Search answers and recall
+ *            (pq.min_train_tokens); trained at the first sealing append,
+ *            300-token chunks give other centroids.
  */
 #include <math.h>
 #include <stdio.h>
@@ -76,6 +80,7 @@ static int create(kvdepot_client *c, const char *id, int pq)
     cs.pq_m = pq ? M : 0;
     cs.pq_bits = NB;
     cs.pq_iterations = ITERS;
+    cs.pq_min_train_tokens = 1; /* trained at the first sealing append */
     kvdepot_create_args ca;
     memset(&ca, 0, sizeof ca);
     ca.id = id;
@@ -691,6 +696,7 @@ static int t_prefix(kvd_harness *h)
     cs.pq_m = M;
     cs.pq_bits = NB;
     cs.pq_iterations = ITERS;
+    cs.pq_min_train_tokens = 1; /* trained at the first sealing append */
     kvdepot_create_args ca;
     memset(&ca, 0, sizeof ca);
     ca.id = "c";
@@ -814,12 +820,154 @@ static int t_errors(kvd_harness *h)
     return 0;
 }
 
+/*
+ * Create `id` with a PQ index over raw K and V, trained at min_train tokens
+ * (0 = the default), and append tokens [0, n) in chunks of `chunk`.
+ */
+static int chunked(kvdepot_client *c, const char *id, uint32_t min_train, uint64_t n,
+                   uint64_t chunk)
+{
+    kvdepot_codecs cs;
+    memset(&cs, 0, sizeof cs);
+    cs.pq_m = M;
+    cs.pq_bits = NB;
+    cs.pq_iterations = ITERS;
+    cs.pq_min_train_tokens = min_train;
+    kvdepot_create_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = id;
+    ca.id_len = strlen(id);
+    ca.model = "pqi";
+    ca.codecs = &cs;
+    int rc = kvdepot_sequence_create(c, &ca, NULL);
+    for (uint64_t t = 0; t < n && rc == 0; t += chunk)
+        rc = append(c, id, t, n - t < chunk ? n - t : chunk);
+    return rc;
+}
+
+/* Recall of Search's k tokens per kv head against the k best by the exact
+ * score (the GQA group's summed query . key), averaged over heads. */
+static double search_recall(kvdepot_client *c, const char *id, uint32_t layer, const float *q,
+                            uint64_t n, uint32_t k, kvdepot_search_result *sr)
+{
+    kvdepot_search_args sa = {id, strlen(id), layer, q, HQ * D, k, 0, 0, 0, 0};
+    if (kvdepot_search(c, &sa, sr)) {
+        fprintf(stderr, "search %s: %s\n", id, kvdepot_errmsg(NULL));
+        return -1;
+    }
+    float *exact = malloc(sizeof(float) * n);
+    double sum = 0;
+    for (uint32_t hh = 0; hh < H && hh < sr->num_heads; hh++) {
+        float qbar[D] = {0};
+        for (int g = 0; g < HQ / H; g++)
+            for (int d = 0; d < D; d++)
+                qbar[d] += q[(hh * (HQ / H) + g) * D + d];
+        for (uint64_t t = 0; t < n; t++) {
+            float x = 0;
+            for (uint32_t d = 0; d < D; d++)
+                x += qbar[d] * key(layer, t, hh, d);
+            exact[t] = x;
+        }
+        /* the k-th best exact score: a token is among the k best if above */
+        float *sorted = malloc(sizeof(float) * n);
+        memcpy(sorted, exact, sizeof(float) * n);
+        for (uint32_t i = 0; i < k; i++) { /* partial selection */
+            uint64_t best = i;
+            for (uint64_t t = i + 1; t < n; t++)
+                if (sorted[t] > sorted[best])
+                    best = t;
+            float tmp = sorted[i];
+            sorted[i] = sorted[best];
+            sorted[best] = tmp;
+        }
+        const float kth = sorted[k - 1];
+        free(sorted);
+        uint32_t hit = 0;
+        for (size_t i = 0; i < sr->heads[hh].count; i++)
+            hit += exact[sr->heads[hh].tokens[i]] >= kth;
+        sum += (double)hit / k;
+    }
+    free(exact);
+    return sum / H;
+}
+
+/* A prefill sent in chunks of any size gets the index one append of it
+ * gets (pq.min_train_tokens, default 4096): the same centroids bit for bit,
+ * the same Search answers, the same recall. Trained at the first sealing
+ * append instead (min_train_tokens 1), 300-token chunks train on 300 keys. */
+static int t_chunked(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c), KVDEPOT_OK);
+    const uint64_t n = 4096 + 300;
+    const struct {
+        const char *id;
+        uint32_t min_train;
+        uint64_t chunk;
+    } seqs[] = {
+        {"whole", 0, n}, {"c4096", 0, 4096}, {"c300", 0, 300}, {"c1", 0, 1}, {"first300", 1, 300}};
+    const size_t ns = sizeof seqs / sizeof seqs[0];
+    for (size_t i = 0; i < ns; i++)
+        REQUIRE_RC(chunked(c, seqs[i].id, seqs[i].min_train, n, seqs[i].chunk), KVDEPOT_OK);
+    /* Before the layer holds 4096 tokens there are no centroids. */
+    REQUIRE_RC(chunked(c, "young", 0, 4000, 300), KVDEPOT_OK);
+    kvdepot_pq_centroids pc;
+    CHECK_RC(kvdepot_pq_centroids_get(c, "young", 5, 0, &pc), KVDEPOT_EPRECOND);
+    CHECK(strstr(kvdepot_errmsg(c), "4096 tokens") != NULL);
+
+    float *q = make_q(11);
+    const uint32_t k = 64;
+    for (uint32_t l = 0; l < L; l++) {
+        kvdepot_pq_centroids ref;
+        REQUIRE_RC(kvdepot_pq_centroids_get(c, "whole", 5, l, &ref), KVDEPOT_OK);
+        kvdepot_search_result sref;
+        double rref = search_recall(c, "whole", l, q, n, k, &sref);
+        REQUIRE(rref >= 0);
+        printf("layer %u: recall@%u of one append of %llu tokens %.3f\n", l, k,
+               (unsigned long long)n, rref);
+        for (size_t i = 1; i < ns; i++) {
+            kvdepot_pq_centroids pc2;
+            REQUIRE_RC(kvdepot_pq_centroids_get(c, seqs[i].id, strlen(seqs[i].id), l, &pc2),
+                       KVDEPOT_OK);
+            const int same = pc2.count == ref.count && pc2.centroids_id == ref.centroids_id &&
+                             memcmp(pc2.data, ref.data, sizeof(float) * ref.count) == 0;
+            kvdepot_search_result sr;
+            double r = search_recall(c, seqs[i].id, l, q, n, k, &sr);
+            REQUIRE(r >= 0);
+            int same_answer = sr.num_heads == sref.num_heads;
+            for (size_t hh = 0; same_answer && hh < sr.num_heads; hh++)
+                same_answer = sr.heads[hh].count == sref.heads[hh].count &&
+                              memcmp(sr.heads[hh].tokens, sref.heads[hh].tokens,
+                                     sizeof(uint64_t) * sr.heads[hh].count) == 0 &&
+                              memcmp(sr.heads[hh].scores, sref.heads[hh].scores,
+                                     sizeof(float) * sr.heads[hh].count) == 0;
+            printf("layer %u: %-8s (chunks of %4llu, min_train_tokens %u): recall %.3f, "
+                   "centroids %s, answer %s\n",
+                   l, seqs[i].id, (unsigned long long)seqs[i].chunk, seqs[i].min_train, r,
+                   same ? "same" : "differ", same_answer ? "same" : "differs");
+            if (seqs[i].min_train == 0) {
+                CHECK(same);
+                CHECK(same_answer);
+                CHECK(r == rref);
+            } else {
+                CHECK(!same); /* trained on the first 300 keys only */
+            }
+            kvdepot_search_result_free(&sr);
+            kvdepot_pq_centroids_free(&pc2);
+        }
+        kvdepot_search_result_free(&sref);
+        kvdepot_pq_centroids_free(&ref);
+    }
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    static const kvd_test tests[] = {{"stored", t_stored},
-                                     {"pages", t_pages},
-                                     {"sparse", t_sparse},
-                                     {"prefix", t_prefix},
-                                     {"errors", t_errors}};
+    static const kvd_test tests[] = {{"stored", t_stored}, {"pages", t_pages},
+                                     {"sparse", t_sparse}, {"prefix", t_prefix},
+                                     {"errors", t_errors}, {"chunked", t_chunked}};
     return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
 }

@@ -103,8 +103,19 @@ static float val(int salt, int part, uint32_t l, uint64_t t, uint32_t h, uint32_
     return (float)(x & 0xffffff) / (float)(1 << 24) * 4.0f - 2.0f;
 }
 
-/* Create `id` with the PQ index (K INT4), optionally from a prefix. */
+static void create_ex(kvd_store *st, const char *id, const uint64_t *prefix, size_t np,
+                      uint32_t min_train);
+
+/* Create `id` with the PQ index (K INT4) trained at the first sealing
+ * append, optionally from a prefix. */
 static void create(kvd_store *st, const char *id, const uint64_t *prefix, size_t np)
+{
+    create_ex(st, id, prefix, np, 1);
+}
+
+/* The same, trained once a layer holds min_train tokens. */
+static void create_ex(kvd_store *st, const char *id, const uint64_t *prefix, size_t np,
+                      uint32_t min_train)
 {
     kvd_error err;
     kvd_seq_info info;
@@ -116,6 +127,7 @@ static void create(kvd_store *st, const char *id, const uint64_t *prefix, size_t
     c.pq_m = M;
     c.pq_bits = NB;
     c.pq_iterations = ITERS;
+    c.pq_min_train_tokens = min_train;
     REQUIRE(kvd_seq_codecs_check(&c, B, D, &err) == 0, "codecs: %s", err.msg);
     kvd_seq_create_opts o = {.codecs = &c};
     REQUIRE(kvd_store_seq_create_ex(st, id, strlen(id), "pqm", prefix, np, NULL, 0, &o, &info,
@@ -497,6 +509,104 @@ static void t_store(void)
     kvd_store_close(st);
 }
 
+/* Page `block` of layer l carries no PQ section. */
+static int has_pq_section(kvd_store *st, const char *id, uint32_t l, uint64_t block)
+{
+    kvd_page_handle ph;
+    kvd_error err;
+    REQUIRE(kvd_store_page_acquire(st, id, strlen(id), l, block, &ph, &err) == 0, "acquire: %s",
+            err.msg);
+    kvd_page_view v;
+    REQUIRE(kvd_page_decode(ph.bytes, ph.len, &v, &err) == 0, "decode: %s", err.msg);
+    kvd_page_pq pq;
+    int has = kvd_page_pq_get(&v, &pq) == 1;
+    kvd_store_page_release(st, &ph);
+    return has;
+}
+
+/* Keys of page `block` of layer l as the store gives them back (INT4
+ * decoded), head h, f32 (B, D). */
+static void stored_page_keys(kvd_store *st, const char *id, uint32_t l, uint64_t block, uint32_t h,
+                             float *out)
+{
+    kvd_page_handle ph;
+    kvd_error err;
+    REQUIRE(kvd_store_page_acquire(st, id, strlen(id), l, block, &ph, &err) == 0, "acquire: %s",
+            err.msg);
+    kvd_page_view v;
+    REQUIRE(kvd_page_decode(ph.bytes, ph.len, &v, &err) == 0, "decode: %s", err.msg);
+    float all[H * B * D];
+    REQUIRE(kvd_page_decode_section(be, &v, KVD_SECTION_K, NULL, KVD_DTYPE_F32, all, &err) == 0,
+            "decode K: %s", err.msg);
+    memcpy(out, all + (size_t)h * B * D, sizeof(float) * B * D);
+    kvd_store_page_release(st, &ph);
+}
+
+/* Deferred training (pq_min_train_tokens 48, 16-token pages): appends of 5
+ * tokens seal pages 0 and 1 without codes and train nothing; the append that
+ * takes the layer to 50 tokens (sealing page 2) trains on the first 50 keys:
+ * those of pages 0 and 1 as stored (INT4-decoded), then 32..49 as appended.
+ * Later pages are coded; the setting survives a reopen. */
+static void t_deferred(void)
+{
+    kvd_store *st = open_store();
+    put_model(st);
+    kvd_error err;
+    create_ex(st, "d", NULL, 0, 48);
+    kvd_pq_centroids c;
+    for (uint64_t t = 0; t < 45; t += 5) {
+        REQUIRE(append(st, "d", 4, 0, L, t, 5, &err) == 0, "append: %s", err.msg);
+        CHECK(get_centroids(st, "d", 0, &c) == 0, "trained at %llu tokens",
+              (unsigned long long)(t + 5));
+    }
+    CHECK(!has_pq_section(st, "d", 0, 0) && !has_pq_section(st, "d", 1, 1),
+          "a page sealed before training has codes");
+    REQUIRE(append(st, "d", 4, 0, L, 45, 5, &err) == 0, "append: %s", err.msg);
+    float *want = malloc(sizeof(float) * H * CENT_PER_HEAD);
+    float keys[50 * D];
+    for (uint32_t l = 0; l < L; l++) {
+        REQUIRE(get_centroids(st, "d", l, &c) == 1, "layer %u not trained at 50 tokens", l);
+        for (uint32_t h = 0; h < H; h++) {
+            stored_page_keys(st, "d", l, 0, h, keys);
+            stored_page_keys(st, "d", l, 1, h, keys + B * D);
+            keys_of(4, l, h, 2 * B, 50 - 2 * B, keys + 2 * B * D);
+            REQUIRE(kvd_pq_train_head(be, keys, 50, D, M, NB, ITERS, l, h,
+                                      want + (size_t)h * CENT_PER_HEAD, &err) == 0,
+                    "train: %s", err.msg);
+        }
+        CHECK(memcmp(c.data, want, sizeof(float) * H * CENT_PER_HEAD) == 0,
+              "layer %u: centroids differ from training on the stored then appended keys", l);
+        CHECK(!has_pq_section(st, "d", l, 0) && !has_pq_section(st, "d", l, 1),
+              "layer %u: early pages", l);
+        check_page_codes(st, "d", 4, l, 2, &c);
+        kvd_pq_centroids_clear(&c);
+    }
+    REQUIRE(append(st, "d", 4, 0, L, 50, 30, &err) == 0, "append: %s", err.msg);
+    REQUIRE(get_centroids(st, "d", 0, &c) == 1, "centroids");
+    check_page_codes(st, "d", 4, 0, 3, &c);
+    check_page_codes(st, "d", 4, 0, 4, &c);
+    kvd_pq_centroids_clear(&c);
+    kvd_store_close(st);
+    st = open_store();
+    kvd_seq_codecs sc;
+    int found = 0;
+    REQUIRE(kvd_store_seq_codecs_get(st, "d", 1, &sc, &found, &err) == 0 && found, "codecs: %s",
+            err.msg);
+    CHECK(sc.pq_min_train_tokens == 48 && sc.pq_m == M, "min_train_tokens %u after reopen",
+          sc.pq_min_train_tokens);
+    kvd_seq_codecs_clear(&sc);
+    /* The default and the bound. */
+    kvd_seq_codecs dc;
+    memset(&dc, 0, sizeof dc);
+    dc.pq_m = M;
+    REQUIRE(kvd_seq_codecs_check(&dc, B, D, &err) == 0, "codecs: %s", err.msg);
+    CHECK(dc.pq_min_train_tokens == KVD_PQ_MIN_TRAIN_TOKENS, "default %u", dc.pq_min_train_tokens);
+    dc.pq_min_train_tokens = KVD_PQ_MIN_TRAIN_MAX + 1;
+    CHECK(kvd_seq_codecs_check(&dc, B, D, &err) == KVD_EINVAL, "over the bound accepted");
+    free(want);
+    kvd_store_close(st);
+}
+
 /* A client page (AppendPages) with a PQ section of its own: the stored page
  * carries the server's codes instead. */
 static void t_given_page(void)
@@ -598,6 +708,8 @@ int main(void)
     t_store();
     rm_dir();
     t_given_page();
+    rm_dir();
+    t_deferred();
     rm_dir();
     kvd_backend_free(be);
     if (failures) {

@@ -294,6 +294,7 @@ static void test_quota_pq(void)
     Kvdepot__V1__PQSpec pq = KVDEPOT__V1__PQSPEC__INIT;
     pq.m = 2;
     pq.bits = 4;
+    pq.min_train_tokens = 1; /* trained by the first append, which seals pages */
     Kvdepot__V1__SequenceCodecs codecs = KVDEPOT__V1__SEQUENCE_CODECS__INIT;
     codecs.pq = &pq;
     Kvdepot__V1__CreateSequenceRequest cs = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;

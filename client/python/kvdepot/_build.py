@@ -74,6 +74,7 @@ typedef struct kvdepot_codecs {
     uint32_t pq_m;
     uint32_t pq_bits;
     uint32_t pq_iterations;
+    uint32_t pq_min_train_tokens;
     ...;
 } kvdepot_codecs;
 

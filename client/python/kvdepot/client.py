@@ -76,7 +76,9 @@ class Codecs:
     token), "token" or "channel"; stochastic rounding
     with seed; VQ sub-vector width and bits (the model needs calibrated
     codebooks); raw_sink_tokens: leading tokens kept raw; pq_m > 0 builds
-    the PQ index Search and SparseAttend use (pq_bits 4, 6 or 8)."""
+    the PQ index Search and SparseAttend use (pq_bits 4, 6 or 8), trained
+    once a layer holds pq_min_train_tokens tokens (0 = 4096: the same index
+    whatever the chunking of a prefill)."""
     k: str = "raw"
     v: str = "raw"
     k_group: int = 0
@@ -91,6 +93,7 @@ class Codecs:
     pq_m: int = 0
     pq_bits: int = 0
     pq_iterations: int = 0
+    pq_min_train_tokens: int = 0
 
 
 @dataclass
@@ -158,7 +161,7 @@ def _codecs_of(c) -> Codecs:
                   stochastic=bool(rnd.stochastic), seed=rnd.seed if rnd.stochastic else 0,
                   vq_sub_dim=vq.vq_sub_dim, vq_bits=vq.vq_bits,
                   raw_sink_tokens=c.raw_sink_tokens, pq_m=c.pq_m, pq_bits=c.pq_bits,
-                  pq_iterations=c.pq_iterations)
+                  pq_iterations=c.pq_iterations, pq_min_train_tokens=c.pq_min_train_tokens)
 
 
 def _info_of(s) -> SequenceInfo:
@@ -191,6 +194,7 @@ def _codecs_c(c: Codecs):
         side.vq_sub_dim, side.vq_bits = c.vq_sub_dim, c.vq_bits
     out.raw_sink_tokens = c.raw_sink_tokens
     out.pq_m, out.pq_bits, out.pq_iterations = c.pq_m, c.pq_bits, c.pq_iterations
+    out.pq_min_train_tokens = c.pq_min_train_tokens
     return out
 
 

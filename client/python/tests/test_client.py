@@ -158,9 +158,18 @@ def test_coded_sequence(client):
 
 def test_search_sparse_attend_plan(client):
     k, v = kv(700, 10), kv(700, 11)
-    client.create_sequence("p1", "py", codecs=kvdepot.Codecs(pq_m=8, pq_bits=6))
+    # the default waits for 4096 tokens (a whole prefill) before training
+    client.create_sequence("p0", "py", codecs=kvdepot.Codecs(pq_m=8, pq_bits=6))
+    assert client.stat("p0").codecs == kvdepot.Codecs(pq_m=8, pq_bits=6, pq_iterations=10,
+                                                      pq_min_train_tokens=4096)
+    client.append("p0", k, v, token_start=0)
+    with pytest.raises(kvdepot.FailedPrecondition, match="min_train_tokens"):
+        client.pq_centroids("p0", 0)
+    client.create_sequence("p1", "py",
+                           codecs=kvdepot.Codecs(pq_m=8, pq_bits=6, pq_min_train_tokens=256))
     client.append("p1", k, v, token_start=0)
-    assert client.stat("p1").codecs == kvdepot.Codecs(pq_m=8, pq_bits=6, pq_iterations=10)
+    assert client.stat("p1").codecs == kvdepot.Codecs(pq_m=8, pq_bits=6, pq_iterations=10,
+                                                      pq_min_train_tokens=256)
     q = np.random.default_rng(12).standard_normal((HQ, D)).astype(np.float32)
     heads = client.search("p1", 0, q, 16, initial_tokens=2, recent_tokens=4)
     assert [h.kv_head for h in heads] == list(range(H))

@@ -729,7 +729,8 @@ class Suite:
                 k=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_TOKEN)),
                 v=pb.CodecSpec(codec=pb.CODEC_INT4, quant=rq(pb.QUANT_AXIS_TOKEN))),
             b"py-pq": pb.SequenceCodecs(k=pb.CodecSpec(), v=pb.CodecSpec(),
-                                        pq=pb.PQSpec(m=4, bits=4, iterations=10))}
+                                        pq=pb.PQSpec(m=4, bits=4, iterations=10,
+                                                        min_train_tokens=4096))}
         for sid, codecs in ((b"py-raw", None), (b"py-int4", pb.SequenceCodecs(k=int4, v=int4)),
                             (b"py-int4t", pb.SequenceCodecs(k=int4t, v=int4t)),
                             (b"py-pq", pb.SequenceCodecs(pq=pb.PQSpec(m=4, bits=4)))):
