@@ -934,9 +934,15 @@ uint64_t kvd_store_append_index_bound(const kvd_append *ap)
     const uint64_t rec = kvd__pq_record_bytes(ap->H, ap->D, ap->codecs.pq_bits);
     uint64_t bound = 0;
     pthread_mutex_lock(&ap->s->mu);
-    for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < ap->s->num_layers; l++)
-        if (!ap->s->layers[l].pq_bytes)
-            bound += rec;
+    const uint64_t own = ap->s->prefix_blocks * B; /* its first own page */
+    for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < ap->s->num_layers; l++) {
+        if (ap->s->layers[l].pq_bytes)
+            continue;
+        /* and the codes of its own pages sealed before (pqindex.h) */
+        const uint64_t sealed = ap->s->layers[l].tokens / B * B;
+        bound +=
+            rec + (sealed > own ? kvd__pq_codes_bytes(ap->H, ap->codecs.pq_m, sealed - own) : 0);
+    }
     pthread_mutex_unlock(&ap->s->mu);
     return bound;
 }
@@ -1055,9 +1061,13 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
             free(L->pages[first]); /* the old tail, private to this sequence */
         }
         free(L->pages);
-        const uint32_t pq_bytes = L->pq_bytes; /* the layer's index, unchanged here */
+        /* the layer's index, unchanged here (kvd__pq_append_done) */
+        const uint32_t pq_bytes = L->pq_bytes, codes_n = L->pq_codes_n;
+        const uint64_t codes_t0 = L->pq_codes_t0;
         *L = nls[l];
         L->pq_bytes = pq_bytes;
+        L->pq_codes_n = codes_n;
+        L->pq_codes_t0 = codes_t0;
     }
     free(s->hashes);
     free(s->ids);

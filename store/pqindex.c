@@ -17,12 +17,17 @@
 #define KEY_PQ 'Q'
 #define REC_VERSION 1
 #define REC_HEADER 12
+#define CODES_VERSION 1
+#define CODES_HEADER 16
+#define CODES_KEY_EXTRA 12 /* be64 token_start be32 num_tokens after the record key */
 
 struct kvd__pq_append {
     uint32_t num_layers;
     struct pq_layer {
         int known; /* centroids loaded or trained */
-        uint32_t trained; /* bytes of the record this append's batch writes, or 0 */
+        uint32_t trained; /* bytes of the records this append's batch writes, or 0 */
+        uint32_t codes_n; /* tokens [codes_t0, + codes_n) in its codes record, if any */
+        uint64_t codes_t0;
         kvd_pq_centroids c;
         float *dev_c; /* c.data in the device's memory (scratch of dev), or NULL */
     } * layers;
@@ -42,6 +47,31 @@ static size_t pq_key(uint8_t *key, const void *id, size_t id_len, uint32_t layer
     return 3 + id_len + 4;
 }
 
+/* The key of the codes record of tokens [t0, t0 + n) of a layer. */
+static size_t codes_key(uint8_t *key, const void *id, size_t id_len, uint32_t layer, uint64_t t0,
+                        uint32_t n)
+{
+    size_t k = pq_key(key, id, id_len, layer);
+    for (int i = 0; i < 8; i++)
+        key[k + i] = (uint8_t)(t0 >> (56 - 8 * i));
+    for (int i = 0; i < 4; i++)
+        key[k + 8 + i] = (uint8_t)(n >> (24 - 8 * i));
+    return k + CODES_KEY_EXTRA;
+}
+
+uint64_t kvd__pq_codes_bytes(uint32_t H, uint32_t m, uint64_t n)
+{
+    return CODES_HEADER + (uint64_t)H * n * m;
+}
+
+void kvd_pq_codes_clear(kvd_pq_codes *c)
+{
+    if (!c)
+        return;
+    free(c->codes);
+    memset(c, 0, sizeof *c);
+}
+
 void kvd_pq_centroids_clear(kvd_pq_centroids *c)
 {
     if (!c)
@@ -58,6 +88,11 @@ static uint64_t cent_floats(uint32_t H, uint32_t D, uint32_t bits)
 static uint32_t ld32(const uint8_t *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint32_t ld32be(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
 }
 
 static void st32(uint8_t *p, uint32_t v)
@@ -235,10 +270,22 @@ static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, 
  * thread count. With a device (the store's) it runs there (the GPU's
  * K-means: other centroids than the CPU's, of the same quality), or on the
  * CPU when the device fails. */
+static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
+                       const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
+                       const kvd_page_desc *d, uint64_t own, const kvd_pq_centroids *cent,
+                       uint32_t *bytes, kvd_error *err);
+
+/* What the codes record of a training append holds (early_codes). */
+typedef struct codes_made {
+    uint32_t bytes, n;
+    uint64_t t0;
+} codes_made;
+
 static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
                        const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
                        const kvd_page_desc *d, const uint8_t *k_page, const uint8_t *wire_k,
-                       uint64_t wire_ts, uint64_t wire_end, kvd_pq_centroids *out, kvd_error *err)
+                       uint64_t wire_ts, uint64_t wire_end, kvd_pq_centroids *out, codes_made *made,
+                       kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
     const size_t es = kvd_dtype_size(d->dtype);
@@ -308,10 +355,70 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
         goto done;
     }
     memcpy(out->data, cent, 4 * (size_t)nf);
+    if (early &&
+        (rc = early_codes(st, be, train_be, c, b, s, d, own, out, &made->bytes, err)) == 0) {
+        made->t0 = own;
+        made->n = (uint32_t)early;
+    }
 done:
     free(rec);
     free(keys);
     free(ek);
+    return rc;
+}
+
+/*
+ * The codes of the pages the sequence sealed before its layer was trained,
+ * tokens [own, d->token_start), under the centroids just trained, into b as
+ * the layer's codes record (pqindex.h), so that Search scans them like the
+ * PQ sections of later pages. *bytes: the record's size.
+ */
+static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
+                       const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
+                       const kvd_page_desc *d, uint64_t own, const kvd_pq_centroids *cent,
+                       uint32_t *bytes, kvd_error *err)
+{
+    const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens, M = c->pq_m;
+    const uint64_t n = d->token_start - own, per_head = cent_floats(1, D, c->pq_bits);
+    const size_t rlen = (size_t)kvd__pq_codes_bytes(H, M, n);
+    uint8_t *rec = malloc(rlen);
+    float *keys = malloc(sizeof(float) * (size_t)H * B * D);
+    int rc = 0;
+    if (!rec || !keys) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory coding %llu earlier keys",
+                           (unsigned long long)n);
+        goto done;
+    }
+    memset(rec, 0, CODES_HEADER);
+    rec[0] = CODES_VERSION;
+    rec[2] = (uint8_t)M;
+    rec[3] = (uint8_t)(M >> 8);
+    st32(rec + 4, H);
+    for (int i = 0; i < 8; i++)
+        rec[8 + i] = (uint8_t)(cent->id >> (8 * i));
+    uint8_t *codes = rec + CODES_HEADER; /* (H, n, M) */
+    for (uint64_t t = own; t < d->token_start && rc == 0; t += B) {
+        if ((rc = stored_keys(st, be, c, s, d, t, B, keys, err)))
+            break;
+        for (uint32_t h = 0; h < H && rc == 0; h++) {
+            int64_t ks[2] = {B, D}, cs[3] = {M, (int64_t)1 << c->pq_bits, D / M}, ds[2] = {B, M};
+            kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, keys + (size_t)h * B * D, 2, ks);
+            kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, cent->data + h * per_head, 3, cs);
+            kvd_tensor td =
+                kvd_tensor_make(KVD_DTYPE_U8, codes + ((size_t)h * n + (t - own)) * M, 2, ds);
+            rc = kvd_pq_encode(train_be, &tk, &tc, &td, err);
+        }
+    }
+    if (rc == 0) {
+        uint8_t key[3 + KVD_SEQ_ID_MAX + 4 + CODES_KEY_EXTRA];
+        size_t klen = codes_key(key, s->id, s->id_len, d->layer, own, (uint32_t)n);
+        rocksdb_writebatch_put((rocksdb_writebatch_t *)b, (const char *)key, klen,
+                               (const char *)rec, rlen);
+        *bytes = (uint32_t)rlen;
+    }
+done:
+    free(rec);
+    free(keys);
     return rc;
 }
 
@@ -410,13 +517,18 @@ static int layer_ready(struct kvd__pq_append **state, kvd_store *st, const kvd__
         int found = 0;
         if ((rc = kvd_store_pq_centroids_get(st, s->id, s->id_len, d->layer, &L->c, &found, err)))
             return rc;
-        if (!found && (rc = train_layer(st, kvd_store_coding_backend(st), kvd_store_backend(st), c,
-                                        b, s, d, k_page, wire_k, wire_ts, wire_end, &L->c, err))) {
+        codes_made made = {0};
+        if (!found &&
+            (rc = train_layer(st, kvd_store_coding_backend(st), kvd_store_backend(st), c, b, s, d,
+                              k_page, wire_k, wire_ts, wire_end, &L->c, &made, err))) {
             kvd_pq_centroids_clear(&L->c);
             return rc;
         }
-        if (!found)
-            L->trained = (uint32_t)kvd__pq_record_bytes(H, D, c->pq_bits);
+        if (!found) {
+            L->trained = (uint32_t)kvd__pq_record_bytes(H, D, c->pq_bits) + made.bytes;
+            L->codes_t0 = made.t0;
+            L->codes_n = made.n;
+        }
         L->known = 1;
     }
     if (L->c.num_kv_heads != H || L->c.head_dim != D || L->c.m != M || L->c.bits != c->pq_bits)
@@ -568,8 +680,10 @@ uint64_t kvd__pq_append_done(struct kvd__pq_append *state, kvd_store *st, kvd__s
         uint32_t now = state->layers[l].trained, was = s->layers[l].pq_bytes;
         if (!now)
             continue;
-        /* two appends that both trained the layer: the later record stays */
+        /* two appends that both trained the layer: the later records stay */
         s->layers[l].pq_bytes = now;
+        s->layers[l].pq_codes_t0 = state->layers[l].codes_t0;
+        s->layers[l].pq_codes_n = state->layers[l].codes_n;
         if (now >= was) {
             atomic_fetch_add(&st->disk_bytes, now - was);
             added += now - was;
@@ -586,6 +700,7 @@ void kvd__pq_forget(kvd_store *st, kvd__seq *s)
     for (uint32_t l = 0; l < s->num_layers; l++) {
         bytes += s->layers[l].pq_bytes;
         s->layers[l].pq_bytes = 0;
+        s->layers[l].pq_codes_n = 0;
     }
     uint64_t have = atomic_load(&st->disk_bytes);
     atomic_fetch_sub(&st->disk_bytes, bytes < have ? bytes : have);
@@ -595,6 +710,7 @@ int kvd__pq_load(kvd_store *st, kvd_error *err)
 {
     int rc = 0;
     uint64_t total = 0, rec = 0;
+    uint32_t pq_m = 0;
     const kvd__seq *last = NULL;
     char start = KEY_PQ;
     kvd__scan sc;
@@ -605,7 +721,8 @@ int kvd__pq_load(kvd_store *st, kvd_error *err)
         if (klen == 0 || k[0] != KEY_PQ)
             break;
         size_t id_len = klen >= 3 ? (size_t)k[1] << 8 | k[2] : 0;
-        if (klen < 3 || klen != 3 + id_len + 4)
+        const int is_codes = klen == 3 + id_len + 4 + CODES_KEY_EXTRA;
+        if (klen < 3 || (klen != 3 + id_len + 4 && !is_codes))
             continue; /* not a record key of this layout */
         kvd__seq *s = kvd__seq_find(st, k + 3, id_len, NULL);
         uint32_t layer = (uint32_t)k[3 + id_len] << 24 | (uint32_t)k[4 + id_len] << 16 |
@@ -623,11 +740,24 @@ int kvd__pq_load(kvd_store *st, kvd_error *err)
             rec = found && c.pq_m ? kvd__pq_record_bytes(m->num_kv_heads, m->head_dim,
                                                          c.pq_bits ? c.pq_bits : 8)
                                   : 0;
+            pq_m = found ? c.pq_m : 0;
             kvd_seq_codecs_clear(&c);
             last = s;
         }
-        s->layers[layer].pq_bytes = (uint32_t)rec;
-        total += rec;
+        /* a codes record's size follows from its key (its token count) */
+        const uint32_t n = is_codes ? ld32be(k + klen - 4) : 0;
+        const uint64_t bytes = !is_codes ? rec
+                               : pq_m    ? kvd__pq_codes_bytes(s->model->info.num_kv_heads, pq_m, n)
+                                         : 0;
+        s->layers[layer].pq_bytes += (uint32_t)bytes;
+        if (is_codes && pq_m) {
+            uint64_t t0 = 0;
+            for (int i = 0; i < 8; i++)
+                t0 = t0 << 8 | k[3 + id_len + 4 + i];
+            s->layers[layer].pq_codes_t0 = t0;
+            s->layers[layer].pq_codes_n = n;
+        }
+        total += bytes;
     }
     if (!rc) {
         char *e = NULL;
@@ -648,5 +778,74 @@ void kvd__pq_delete(struct rocksdb_writebatch_t *b, const kvd__seq *s)
     for (uint32_t l = 0; l < s->num_layers; l++) {
         size_t klen = pq_key(key, s->id, s->id_len, l);
         rocksdb_writebatch_delete((rocksdb_writebatch_t *)b, (const char *)key, klen);
+        const kvd__layer *L = &s->layers[l];
+        if (L->pq_codes_n) {
+            uint8_t ck[3 + KVD_SEQ_ID_MAX + 4 + CODES_KEY_EXTRA];
+            klen = codes_key(ck, s->id, s->id_len, l, L->pq_codes_t0, L->pq_codes_n);
+            rocksdb_writebatch_delete((rocksdb_writebatch_t *)b, (const char *)ck, klen);
+        }
     }
+}
+
+int kvd_store_pq_codes_get(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                           kvd_pq_codes *out, int *found, kvd_error *err)
+{
+    memset(out, 0, sizeof *out);
+    *found = 0;
+    int rc = kvd__check_seq_id(seq_id, id_len, err);
+    if (rc)
+        return rc;
+    uint8_t prefix[3 + KVD_SEQ_ID_MAX + 4];
+    size_t plen = pq_key(prefix, seq_id, id_len, layer);
+    kvd__scan sc;
+    rocksdb_iterator_t *it = kvd__scan_open(st, &sc, prefix, plen);
+    for (rocksdb_iter_seek(it, (const char *)prefix, plen); rocksdb_iter_valid(it) && !*found;
+         rocksdb_iter_next(it)) {
+        size_t klen, vlen;
+        const uint8_t *k = (const uint8_t *)rocksdb_iter_key(it, &klen);
+        if (klen < plen || memcmp(k, prefix, plen))
+            break;
+        if (klen != plen + CODES_KEY_EXTRA)
+            continue; /* the centroid record */
+        const uint8_t *v = (const uint8_t *)rocksdb_iter_value(it, &vlen);
+        uint64_t t0 = 0;
+        for (int i = 0; i < 8; i++)
+            t0 = t0 << 8 | k[plen + i];
+        const uint32_t n = ld32be(k + plen + 8);
+        const uint32_t m = vlen >= CODES_HEADER ? (uint32_t)v[2] | (uint32_t)v[3] << 8 : 0;
+        const uint32_t H = vlen >= CODES_HEADER ? ld32(v + 4) : 0;
+        if (vlen < CODES_HEADER || v[0] != CODES_VERSION || !m || !H || H > KVD_PAGE_MAX_HEADS ||
+            vlen != kvd__pq_codes_bytes(H, m, n)) {
+            rc =
+                kvd_error_set(err, KVD_ECORRUPT, "PQ codes record of layer %u is malformed", layer);
+            break;
+        }
+        out->codes = malloc(vlen - CODES_HEADER ? vlen - CODES_HEADER : 1);
+        if (!out->codes) {
+            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for PQ codes");
+            break;
+        }
+        memcpy(out->codes, v + CODES_HEADER, vlen - CODES_HEADER);
+        for (int i = 0; i < 8; i++)
+            out->centroids_id |= (uint64_t)v[8 + i] << (8 * i);
+        out->token_start = t0;
+        out->num_tokens = n;
+        out->num_kv_heads = H;
+        out->m = m;
+        *found = 1;
+    }
+    if (!rc) {
+        char *e = NULL;
+        rocksdb_iter_get_error(it, &e);
+        if (e) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "reading PQ codes: %s", e);
+            rocksdb_free(e);
+        }
+    }
+    kvd__scan_close(&sc);
+    if (rc) {
+        kvd_pq_codes_clear(out);
+        *found = 0;
+    }
+    return rc;
 }

@@ -25,6 +25,18 @@
  * Their id, which PQ sections carry, is the xxh3-64 of the record: two
  * records with the same id hold the same centroids.
  *
+ * The pages the sequence sealed before the layer was trained (tokens
+ * [t0, t0 + n): from its first own page to the first page the training
+ * append seals) get their codes in the same batch, from their keys as
+ * stored, in the layer's codes record under the key of the centroid record
+ * followed by be64 t0 be32 n:
+ *
+ *   u8 version (1) | u8 0 | u16 m | u32 num_kv_heads | u64 centroids id |
+ *   u8 codes (num_kv_heads, n, m)
+ *
+ * Search takes the codes of those tokens from there. Both records count in
+ * the layer's pq_bytes (SequenceInfo.pq_index_bytes).
+ *
  * Codes: every page of the sequence that seals from then on, in that layer,
  * gets a PQ-codes section (page.h) with the codes of its keys as appended
  * (before the page's K codec, which may be lossy; for AppendPages the keys
@@ -77,6 +89,27 @@ void kvd_pq_centroids_clear(kvd_pq_centroids *c);
  */
 int kvd_store_pq_centroids_get(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                                kvd_pq_centroids *out, int *found, kvd_error *err);
+
+/* The codes record of a layer: the PQ codes of tokens [token_start,
+ * token_start + num_tokens) under the centroids of centroids_id. */
+typedef struct kvd_pq_codes {
+    uint64_t centroids_id, token_start, num_tokens;
+    uint32_t num_kv_heads, m;
+    uint8_t *codes; /* (num_kv_heads, num_tokens, m), malloc'd */
+} kvd_pq_codes;
+
+void kvd_pq_codes_clear(kvd_pq_codes *c);
+
+/*
+ * The codes record of (sequence, layer), if it has one.
+ * @return 0; KVD_EINVAL (id); KVD_ECORRUPT (bad record); KVD_ENOMEM;
+ *         KVD_EINTERNAL (RocksDB).
+ */
+int kvd_store_pq_codes_get(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
+                           kvd_pq_codes *out, int *found, kvd_error *err);
+
+/* Bytes of a codes record of n tokens, H kv heads, m sub-spaces. */
+uint64_t kvd__pq_codes_bytes(uint32_t H, uint32_t m, uint64_t n);
 
 /*
  * Train the centroids of kv head h of `layer` (the procedure above) on n

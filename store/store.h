@@ -291,9 +291,10 @@ typedef struct kvd_append_spec {
  * *expected_bytes is the exact byte count write() must receive. */
 int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_append **out,
                            uint64_t *expected_bytes, kvd_error *err);
-/* Bytes of PQ centroid records the append may add at most: one record per
- * layer it seals a page of that has none yet (pqindex.h). Quotas reserve
- * them with the payload; the disk limit counts them. */
+/* Bytes of PQ index records the append may add at most: per layer it seals
+ * a page of that has none yet, the centroid record and the codes record of
+ * the pages sealed before (pqindex.h). Quotas reserve them with the
+ * payload; the disk limit counts them. */
 uint64_t kvd_store_append_index_bound(const kvd_append *ap);
 /* Feed the next bytes (any split). More bytes than expected: KVD_EINVAL. */
 int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_error *err);

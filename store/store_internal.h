@@ -136,7 +136,9 @@ typedef struct kvd__layer {
     uint64_t tokens;
     uint32_t npages, cap;
     kvd__page **pages;
-    uint32_t pq_bytes; /* its PQ centroid record (pqindex.h); 0 = none */
+    uint32_t pq_bytes;   /* its PQ centroid and codes records (pqindex.h); 0 = none */
+    uint32_t pq_codes_n; /* its codes record: tokens [pq_codes_t0, + n); n 0 = none */
+    uint64_t pq_codes_t0;
 } kvd__layer;
 
 typedef struct kvd__seq {

@@ -436,7 +436,8 @@ typedef struct kvdepot_sequence_info {
     int have_codecs;
     kvdepot_codecs codecs;
     uint64_t artifacts_fingerprint;
-    /* The PQ index's centroid records (kvdepot_pq_centroids_get), part of
+    /* The PQ index's records: centroids (kvdepot_pq_centroids_get) and the
+     * codes of pages sealed before a layer was trained; part of
      * stored_bytes and of the tenant's byte quota. */
     uint64_t pq_index_bytes;
 } kvdepot_sequence_info;

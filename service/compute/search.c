@@ -160,7 +160,8 @@ done:
  * left to dc, pinned, and their rows of ix->codes are not written.
  */
 static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const search_run *r,
-                        search_index *ix, uint64_t centroids_id, dev_codes *dc, kvd_error *err)
+                        search_index *ix, uint64_t centroids_id, const kvd_pq_codes *early,
+                        dev_codes *dc, kvd_error *err)
 {
     kvd_store *st = c->store;
     const uint64_t B = kvd_store_page_tokens(st), end = r->start + r->n;
@@ -204,6 +205,16 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
                 for (int h = 0; h < H; h++)
                     memcpy(ix->codes + ((size_t)h * r->n + (t0 - r->start)) * M,
                            pq.codes + ((size_t)h * B + (t0 - blk * B)) * M, (size_t)(t1 - t0) * M);
+            } else if (early && early->centroids_id == centroids_id &&
+                       blk * B >= early->token_start &&
+                       blk * B + B <= early->token_start + early->num_tokens) {
+                /* a page sealed before the layer was trained: the codes record */
+                usable = 1;
+                for (int h = 0; h < H; h++)
+                    memcpy(ix->codes + ((size_t)h * r->n + (t0 - r->start)) * M,
+                           early->codes +
+                               ((size_t)h * early->num_tokens + (t0 - early->token_start)) * M,
+                           (size_t)(t1 - t0) * M);
             }
             kvd_store_page_release(st, ph);
             if (!usable)
@@ -376,7 +387,17 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
                            (unsigned long long)r->n);
         goto done;
     }
-    if ((rc = gather_codes(c, sa, r, &ix, stored ? pc.id : 0, dev ? &dc : NULL, err)))
+    kvd_pq_codes early = {0};
+    int have_early = 0;
+    if (stored && (rc = kvd_store_pq_codes_get(c->store, sa->id, sa->id_len, sa->layer, &early,
+                                               &have_early, err)))
+        goto done;
+    if (have_early && (early.num_kv_heads != (uint32_t)H || early.m != (uint32_t)M))
+        have_early = 0; /* not of this index: its tokens are encoded at call time */
+    rc = gather_codes(c, sa, r, &ix, stored ? pc.id : 0, have_early ? &early : NULL,
+                      dev ? &dc : NULL, err);
+    kvd_pq_codes_clear(&early);
+    if (rc)
         goto done;
     if (dev) {
         rc = search_device(dev, sa, r, &ix, &sp, &dc, uidx, kvd_store_page_tokens(c->store), err);

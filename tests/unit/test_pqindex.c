@@ -579,8 +579,37 @@ static void t_deferred(void)
         CHECK(!has_pq_section(st, "d", l, 0) && !has_pq_section(st, "d", l, 1),
               "layer %u: early pages", l);
         check_page_codes(st, "d", 4, l, 2, &c);
+        /* the early pages' codes: their stored keys under the centroids */
+        kvd_pq_codes pc;
+        int found = 0;
+        REQUIRE(kvd_store_pq_codes_get(st, "d", 1, l, &pc, &found, &err) == 0, "codes: %s",
+                err.msg);
+        CHECK(found && pc.token_start == 0 && pc.num_tokens == 2 * B && pc.m == M &&
+                  pc.num_kv_heads == H && pc.centroids_id == c.id,
+              "layer %u codes record: found %d [%llu, +%llu) m %u", l, found,
+              (unsigned long long)pc.token_start, (unsigned long long)pc.num_tokens, pc.m);
+        for (uint32_t h = 0; found && h < H; h++)
+            for (uint64_t blk = 0; blk < 2; blk++) {
+                uint8_t want_codes[B * M];
+                stored_page_keys(st, "d", l, blk, h, keys);
+                kvd_pq_encode_ref(B, M, NB, D, keys, c.data + (size_t)h * CENT_PER_HEAD,
+                                  want_codes);
+                CHECK(memcmp(want_codes, pc.codes + ((size_t)h * 2 * B + blk * B) * M,
+                             sizeof want_codes) == 0,
+                      "layer %u head %u page %llu: codes differ from its stored keys'", l, h,
+                      (unsigned long long)blk);
+            }
+        kvd_pq_codes_clear(&pc);
         kvd_pq_centroids_clear(&c);
     }
+    /* the index's bytes: both records of every layer */
+    const uint64_t index = L * (12 + 4ull * H * KC * D + kvd__pq_codes_bytes(H, M, 2 * B));
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    REQUIRE(kvd_store_seq_stat(st, "d", 1, &info, &err) == 0, "stat: %s", err.msg);
+    CHECK(info.pq_bytes == index, "pq bytes %llu, want %llu", (unsigned long long)info.pq_bytes,
+          (unsigned long long)index);
+    kvd_seq_info_clear(&info);
     REQUIRE(append(st, "d", 4, 0, L, 50, 30, &err) == 0, "append: %s", err.msg);
     REQUIRE(get_centroids(st, "d", 0, &c) == 1, "centroids");
     check_page_codes(st, "d", 4, 0, 3, &c);
@@ -595,6 +624,28 @@ static void t_deferred(void)
     CHECK(sc.pq_min_train_tokens == 48 && sc.pq_m == M, "min_train_tokens %u after reopen",
           sc.pq_min_train_tokens);
     kvd_seq_codecs_clear(&sc);
+    memset(&info, 0, sizeof info);
+    REQUIRE(kvd_store_seq_stat(st, "d", 1, &info, &err) == 0, "stat: %s", err.msg);
+    CHECK(info.pq_bytes == index, "pq bytes after reopen %llu, want %llu",
+          (unsigned long long)info.pq_bytes, (unsigned long long)index);
+    kvd_seq_info_clear(&info);
+    /* Deleted with the sequence, nothing left after a reopen either. */
+    uint64_t freed = 0;
+    REQUIRE(kvd_store_seq_delete(st, "d", 1, &freed, &err) == 0, "delete: %s", err.msg);
+    kvd_store_close(st);
+    st = open_store();
+    create_ex(st, "d", NULL, 0, 48);
+    for (uint32_t l = 0; l < L; l++) {
+        kvd_pq_codes pc;
+        int found = 1;
+        REQUIRE(kvd_store_pq_codes_get(st, "d", 1, l, &pc, &found, &err) == 0, "codes: %s",
+                err.msg);
+        CHECK(!found, "layer %u: codes record left after delete", l);
+    }
+    memset(&info, 0, sizeof info);
+    REQUIRE(kvd_store_seq_stat(st, "d", 1, &info, &err) == 0, "stat: %s", err.msg);
+    CHECK(info.pq_bytes == 0, "pq bytes of a new sequence %llu", (unsigned long long)info.pq_bytes);
+    kvd_seq_info_clear(&info);
     /* The default and the bound. */
     kvd_seq_codecs dc;
     memset(&dc, 0, sizeof dc);

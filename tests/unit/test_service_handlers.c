@@ -327,6 +327,32 @@ static void test_quota_pq(void)
     CHECK(append_as(&ctx, "pq1", T, data, bytes, &err) == 0);
     CHECK(auth->tenants[0].bytes == before + 2 * bytes + L * rec &&
           auth->tenants[0].inflight_bytes == 0);
+
+    /* Trained at 48 tokens: the first append (32) trains nothing and needs
+     * room for its payload only; the second also for the centroids and the
+     * codes record of the 32 tokens sealed before (16 + H x 32 x m bytes a
+     * layer), one byte short refused. */
+    const uint64_t base = auth->tenants[0].bytes;
+    const uint64_t codes = 16 + (uint64_t)H * T * 2;
+    pq.min_train_tokens = 48;
+    cs.sequence_id.data = (uint8_t *)"pq2";
+    CHECK(unary(kvd_h_create_sequence, &cs.base, &err) == 0);
+    auth->tenants[0].max_bytes = base + bytes;
+    CHECK(append_as(&ctx, "pq2", T, data, bytes, &err) == 0);
+    CHECK(auth->tenants[0].bytes == base + bytes);
+    auth->tenants[0].max_bytes = base + 2 * bytes + L * (rec + codes) - 1;
+    CHECK(append_as(&ctx, "pq2", T, data, bytes, &err) == KVD_ENOMEM);
+    CHECK(stat_tokens("pq2") == T && auth->tenants[0].bytes == base + bytes &&
+          auth->tenants[0].inflight_bytes == 0);
+    auth->tenants[0].max_bytes = base + 2 * bytes + L * (rec + codes);
+    CHECK(append_as(&ctx, "pq2", T, data, bytes, &err) == 0);
+    CHECK(auth->tenants[0].bytes == base + 2 * bytes + L * (rec + codes) &&
+          auth->tenants[0].inflight_bytes == 0);
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0 &&
+          auth->tenants[0].bytes == base + 2 * bytes + L * (rec + codes));
+    CHECK(kvd_store_seq_stat(svc.store, "pq2", 3, &info, &err) == 0 &&
+          info.pq_bytes == L * (rec + codes));
+    kvd_seq_info_clear(&info);
     free(data);
     svc.auth = NULL;
     kvd_auth_unref(auth);

@@ -57,7 +57,7 @@ class SequenceInfo:
     created_unix_ms: int = 0
     prefix_blocks: int = 0
     activation_tokens: int = 0
-    pq_index_bytes: int = 0  # the PQ centroids, part of stored_bytes
+    pq_index_bytes: int = 0  # the PQ index (centroids, early codes), part of stored_bytes
     # How the sequence stores its pages, as the server reports them (None
     # from a server that does not): group sizes and axes resolved.
     codecs: Optional["Codecs"] = None
