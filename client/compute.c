@@ -24,6 +24,7 @@
 #define PATH_ATTEND "/kvdepot.v1.KVDepot/Attend"
 #define PATH_PLAN_FETCH "/kvdepot.v1.KVDepot/PlanFetch"
 #define PATH_PQ_CENTROIDS "/kvdepot.v1.KVDepot/GetPQCentroids"
+#define PATH_PQ_REBUILD "/kvdepot.v1.KVDepot/RebuildPQIndex"
 #define PATH_SEARCH "/kvdepot.v1.KVDepot/Search"
 #define PATH_APPEND_PAGES "/kvdepot.v1.KVDepot/AppendPages"
 #define PATH_SPARSE_ATTEND "/kvdepot.v1.KVDepot/SparseAttend"
@@ -348,6 +349,43 @@ int kvdepot_pq_centroids_get(kvdepot_client *c, const void *id, size_t id_len, u
         out->bits = r->bits;
         out->centroids_id = r->centroids_id;
     }
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
+int kvdepot_pq_rebuild(kvdepot_client *c, const void *id, size_t id_len, uint32_t layer_start,
+                       uint32_t num_layers, uint32_t *layers_rebuilt, uint64_t *tokens_indexed,
+                       kvdepot_sequence_info *info)
+{
+    kvdepot__clear_error();
+    if (layers_rebuilt)
+        *layers_rebuilt = 0;
+    if (tokens_indexed)
+        *tokens_indexed = 0;
+    if (info)
+        memset(info, 0, sizeof *info);
+    if (!c || (!id && id_len))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "pq rebuild: NULL argument");
+    if (c->cluster)
+        return kvdepot__cluster_pq_rebuild(c, id, id_len, layer_start, num_layers, layers_rebuilt,
+                                           tokens_indexed, info);
+    Kvdepot__V1__RebuildPQIndexRequest req = KVDEPOT__V1__REBUILD_PQINDEX_REQUEST__INIT;
+    req.sequence_id.data = (uint8_t *)id;
+    req.sequence_id.len = id_len;
+    req.layer_start = layer_start;
+    req.num_layers = num_layers;
+    Kvdepot__V1__RebuildPQIndexResponse *r = NULL;
+    int rc =
+        call_unary(c, PATH_PQ_REBUILD, &req.base,
+                   &kvdepot__v1__rebuild_pqindex_response__descriptor, (ProtobufCMessage **)&r);
+    if (rc)
+        return rc;
+    if (layers_rebuilt)
+        *layers_rebuilt = r->layers_rebuilt;
+    if (tokens_indexed)
+        *tokens_indexed = r->tokens_indexed;
+    if (info && r->sequence)
+        rc = kvdepot__info_from_pb(c, r->sequence, info);
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return rc;
 }

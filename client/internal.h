@@ -150,6 +150,9 @@ int kvdepot__cluster_plan_fetch(kvdepot_client *c, const void *id, size_t id_len
                                 int assume_activations, kvdepot_fetch_plan *out);
 int kvdepot__cluster_search(kvdepot_client *c, const kvdepot_search_args *a,
                             kvdepot_search_result *out);
+int kvdepot__cluster_pq_rebuild(kvdepot_client *c, const void *id, size_t id_len,
+                                uint32_t layer_start, uint32_t num_layers, uint32_t *layers_rebuilt,
+                                uint64_t *tokens_indexed, kvdepot_sequence_info *info);
 int kvdepot__cluster_pq_centroids(kvdepot_client *c, const void *id, size_t id_len, uint32_t layer,
                                   kvdepot_pq_centroids *out);
 int kvdepot__cluster_sparse_attend(kvdepot_client *c, const kvdepot_search_args *a, float scale,

@@ -1357,6 +1357,31 @@ int kvdepot__cluster_pq_centroids(kvdepot_client *c, const void *id, size_t id_l
     return as_miss(c, run_for_id(c, id, id_len, op_pq_centroids, &x));
 }
 
+struct rebuild_ctx {
+    const void *id;
+    size_t id_len;
+    uint32_t layer_start, num_layers;
+    uint32_t *layers_rebuilt;
+    uint64_t *tokens_indexed;
+    kvdepot_sequence_info *info;
+};
+
+static int op_pq_rebuild(kvdepot_client *m, void *p)
+{
+    struct rebuild_ctx *x = p;
+    return kvdepot_pq_rebuild(m, x->id, x->id_len, x->layer_start, x->num_layers, x->layers_rebuilt,
+                              x->tokens_indexed, x->info);
+}
+
+int kvdepot__cluster_pq_rebuild(kvdepot_client *c, const void *id, size_t id_len,
+                                uint32_t layer_start, uint32_t num_layers, uint32_t *layers_rebuilt,
+                                uint64_t *tokens_indexed, kvdepot_sequence_info *info)
+{
+    struct rebuild_ctx x = {id,  id_len, layer_start, num_layers, layers_rebuilt, tokens_indexed,
+                            info};
+    return as_miss(c, run_for_id(c, id, id_len, op_pq_rebuild, &x));
+}
+
 struct pages_ctx {
     const kvdepot_read_args *read;
     kvdepot_page **pages;

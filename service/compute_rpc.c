@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "compute.h"
+#include "convert.h"
 #include "kvdepot/convert.h"
 #include "kvdepot/tensor.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
@@ -274,6 +275,40 @@ int kvd_h_pq_centroids(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_
         rc = reply_msg(ctx, &resp.base, reply, err);
     }
     kvd_pq_centroids_clear(&pc);
+    return rc;
+}
+
+int kvd_h_pq_rebuild(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                     kvd_error *err)
+{
+    const Kvdepot__V1__RebuildPQIndexRequest *req = (const Kvdepot__V1__RebuildPQIndexRequest *)msg;
+    kvd_compute_guard g;
+    kvd_compute c;
+    kvd_seq_key key;
+    int rc = compute_for(ctx, &req->sequence_id, &g, &c, &key, err);
+    if (rc)
+        return rc;
+    kvd_pq_rebuild_info ri;
+    if ((rc = kvd_compute_pq_rebuild(&c, key.id, key.len, req->layer_start, req->num_layers, &ri,
+                                     err)))
+        return rc;
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    if ((rc = kvd_store_seq_stat(c.store, key.id, key.len, &info, err)))
+        return rc;
+    Kvdepot__V1__SequenceInfo si;
+    kvd_seq_info_to_pb(&info, &si);
+    kvd_codecs_pb cp;
+    kvd_error cerr; /* rebuilt already: an unreadable codec record leaves them out */
+    kvd_seq_info_codecs_pb(c.store, &info, 1, &si, &cp, &cerr);
+    kvd_ctx_seq_wire(ctx, &si.sequence_id);
+    Kvdepot__V1__RebuildPQIndexResponse resp = KVDEPOT__V1__REBUILD_PQINDEX_RESPONSE__INIT;
+    resp.layers_rebuilt = ri.layers_rebuilt;
+    resp.tokens_indexed = ri.tokens_indexed;
+    resp.sequence = &si;
+    rc = reply_msg(ctx, &resp.base, reply, err);
+    kvd_codecs_pb_clear(&cp);
+    kvd_seq_info_clear(&info);
     return rc;
 }
 

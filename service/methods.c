@@ -52,6 +52,8 @@ const kvd_method kvd_methods[] = {
           kvd_h_sparse_attend, R),
     UNARY(KVD_SVC, GetPQCentroids, kvdepot__v1__get_pqcentroids_request__descriptor,
           kvd_h_pq_centroids, R),
+    UNARY(KVD_SVC, RebuildPQIndex, kvdepot__v1__rebuild_pqindex_request__descriptor,
+          kvd_h_pq_rebuild, W),
     UNARY(KVD_SVC, EvictSequence, kvdepot__v1__evict_sequence_request__descriptor,
           kvd_h_evict_sequence, W),
     UNARY(KVD_SVC, Stats, kvdepot__v1__stats_request__descriptor, kvd_h_stats, R),

@@ -216,6 +216,7 @@ int kvd_h_search(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, k
 int kvd_h_sparse_attend(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
                         kvd_error *);
 int kvd_h_pq_centroids(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_pq_rebuild(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 /* tiers.c */
 int kvd_h_stats(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 int kvd_h_evict_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,

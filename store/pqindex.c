@@ -204,30 +204,59 @@ static int train_head_device(kvd_backend *dev, const float *keys, int64_t n, uin
     return rc;
 }
 
+/* The ids of sealed pages [first, first + n) of a layer: id[blk - first]. */
+typedef struct page_ids {
+    uint64_t first, n;
+    uint64_t *id;
+} page_ids;
+
+/* Pages [first, first + n) of layer `layer` of s (under s->mu), which must
+ * be sealed, into *out (free out->id). */
+static int layer_page_ids(const kvd__seq *s, uint32_t layer, uint32_t B, uint64_t first, uint64_t n,
+                          page_ids *out, kvd_error *err)
+{
+    const kvd__layer *L = &s->layers[layer];
+    out->first = first;
+    out->n = n;
+    out->id = malloc(sizeof(uint64_t) * (n ? n : 1));
+    if (!out->id)
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    for (uint64_t i = 0; i < n; i++) {
+        const uint64_t blk = first + i;
+        if (blk >= L->npages || !L->pages[blk] || L->pages[blk]->num_tokens != B) {
+            free(out->id);
+            out->id = NULL;
+            return kvd_error_set(err, KVD_EINTERNAL,
+                                 "PQ index: page %llu of layer %u is not sealed",
+                                 (unsigned long long)blk, layer);
+        }
+        out->id[i] = L->pages[blk]->id;
+    }
+    return 0;
+}
+
 /*
- * Keys of tokens [t0, t0 + n) of `layer` of s, sealed pages stored before
- * this append (whole pages, t0 a page start), decoded to f32 head-major
- * into out (H, n, D): the keys the pages give back (exact for raw K, the
- * decoded values of a lossy K codec).
+ * Keys of tokens [t0, t0 + n) of layer d->layer, in the sealed pages of pi
+ * (whole pages, t0 a page start), decoded to f32 head-major into out
+ * (H, n, D): the keys the pages give back (exact for raw K, the decoded
+ * values of a lossy K codec).
  */
-static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, const kvd__seq *s,
+static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, const page_ids *pi,
                        const kvd_page_desc *d, uint64_t t0, uint64_t n, float *out, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens;
-    const kvd__layer *L = &s->layers[d->layer];
     float *page = malloc(sizeof(float) * (size_t)H * B * D);
     if (!page)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory reading keys for PQ training");
     int rc = 0;
     for (uint64_t t = t0; t < t0 + n && rc == 0; t += B) {
         const uint64_t blk = t / B, take = t0 + n - t < B ? t0 + n - t : B;
-        if (blk >= L->npages || !L->pages[blk] || L->pages[blk]->num_tokens != B) {
-            rc = kvd_error_set(err, KVD_EINTERNAL,
-                               "PQ training: page %llu of layer %u is not sealed",
+        if (blk < pi->first || blk >= pi->first + pi->n) {
+            rc = kvd_error_set(err, KVD_EINTERNAL, "PQ index: page %llu of layer %u not known",
                                (unsigned long long)blk, d->layer);
             break;
         }
-        kvd__tail_want w = {.page_id = L->pages[blk]->id,
+        kvd__tail_want w = {.page_id = pi->id[blk - pi->first],
                             .layer = d->layer,
                             .p0 = blk * B,
                             .need = B,
@@ -259,6 +288,24 @@ static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, 
     return rc;
 }
 
+/* Centroids of kv head h of `layer` from n keys (n, D) f32 (host): on the
+ * store's device when it has one (the CPU when the device fails in a way
+ * kvd_store_device_fallback takes), else on train_be. */
+static int train_head(kvd_store *st, kvd_backend *train_be, const kvd_seq_codecs *c, uint32_t layer,
+                      uint32_t h, const float *keys, int64_t n, uint32_t D, float *cent,
+                      kvd_error *err)
+{
+    kvd_backend *dev = kvd_store_device(st);
+    int rc = -1;
+    if (dev && (rc = train_head_device(dev, keys, n, D, c, layer, h, cent, err)) &&
+        !kvd_store_device_fallback(st, rc, err))
+        return rc;
+    if (rc)
+        rc = kvd_pq_train_head(train_be, keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations, layer,
+                               h, cent, err);
+    return rc;
+}
+
 /* Train the centroids of layer d->layer from the keys of the sequence's own
  * pages sealed before this append (stored without codes while the layer
  * held fewer than pq_min_train_tokens tokens), the page keys and the wire
@@ -272,8 +319,8 @@ static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, 
  * CPU when the device fails. */
 static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
                        const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
-                       const kvd_page_desc *d, uint64_t own, const kvd_pq_centroids *cent,
-                       uint32_t *bytes, kvd_error *err);
+                       const page_ids *pi, const kvd_page_desc *d, uint64_t own,
+                       const kvd_pq_centroids *cent, uint32_t *bytes, kvd_error *err);
 
 /* What the codes record of a training append holds (early_codes). */
 typedef struct codes_made {
@@ -304,12 +351,15 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
     uint8_t *rec = malloc(rlen);
     float *keys = malloc(sizeof(float) * (size_t)n * D);
     float *ek = from_early ? malloc(sizeof(float) * (size_t)from_early * H * D) : NULL;
+    page_ids pi = {0};
     int rc = 0;
     if (!rec || !keys || (from_early && !ek)) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory training PQ centroids");
         goto done;
     }
-    if (from_early && (rc = stored_keys(st, be, c, s, d, own, (uint64_t)from_early, ek, err)))
+    if (early && (rc = layer_page_ids(s, d->layer, B, own / B, early / B, &pi, err)))
+        goto done;
+    if (from_early && (rc = stored_keys(st, be, c, &pi, d, own, (uint64_t)from_early, ek, err)))
         goto done;
     rec[0] = REC_VERSION;
     rec[1] = c->pq_bits;
@@ -328,15 +378,7 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
             (from_wire && (rc = to_f32(be, d->dtype, wh, from_wire, D, (int64_t)(H * D * es),
                                        keys + (size_t)(from_early + from_page) * D, err))))
             break;
-        float *ch = cent + (size_t)h * (nf / H);
-        kvd_backend *dev = kvd_store_device(st);
-        rc = -1;
-        if (dev && (rc = train_head_device(dev, keys, n, D, c, d->layer, h, ch, err)) &&
-            !kvd_store_device_fallback(st, rc, err))
-            break;
-        if (rc)
-            rc = kvd_pq_train_head(train_be, keys, n, D, c->pq_m, c->pq_bits, c->pq_iterations,
-                                   d->layer, h, ch, err);
+        rc = train_head(st, train_be, c, d->layer, h, keys, n, D, cent + (size_t)h * (nf / H), err);
     }
     if (rc)
         goto done;
@@ -356,7 +398,7 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
     }
     memcpy(out->data, cent, 4 * (size_t)nf);
     if (early &&
-        (rc = early_codes(st, be, train_be, c, b, s, d, own, out, &made->bytes, err)) == 0) {
+        (rc = early_codes(st, be, train_be, c, b, s, &pi, d, own, out, &made->bytes, err)) == 0) {
         made->t0 = own;
         made->n = (uint32_t)early;
     }
@@ -364,6 +406,7 @@ done:
     free(rec);
     free(keys);
     free(ek);
+    free(pi.id);
     return rc;
 }
 
@@ -375,8 +418,8 @@ done:
  */
 static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
                        const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
-                       const kvd_page_desc *d, uint64_t own, const kvd_pq_centroids *cent,
-                       uint32_t *bytes, kvd_error *err)
+                       const page_ids *pi, const kvd_page_desc *d, uint64_t own,
+                       const kvd_pq_centroids *cent, uint32_t *bytes, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens, M = c->pq_m;
     const uint64_t n = d->token_start - own, per_head = cent_floats(1, D, c->pq_bits);
@@ -398,7 +441,7 @@ static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
         rec[8 + i] = (uint8_t)(cent->id >> (8 * i));
     uint8_t *codes = rec + CODES_HEADER; /* (H, n, M) */
     for (uint64_t t = own; t < d->token_start && rc == 0; t += B) {
-        if ((rc = stored_keys(st, be, c, s, d, t, B, keys, err)))
+        if ((rc = stored_keys(st, be, c, pi, d, t, B, keys, err)))
             break;
         for (uint32_t h = 0; h < H && rc == 0; h++) {
             int64_t ks[2] = {B, D}, cs[3] = {M, (int64_t)1 << c->pq_bits, D / M}, ds[2] = {B, M};
@@ -848,4 +891,279 @@ int kvd_store_pq_codes_get(kvd_store *st, const void *seq_id, size_t id_len, uin
         *found = 0;
     }
     return rc;
+}
+
+/* ---- rebuild --------------------------------------------------------------- */
+
+/* Per layer of a rebuild: what begin saw (checked again at commit) and
+ * what the rebuild writes. */
+struct rebuild_layer_state {
+    uint64_t n;     /* own sealed tokens to index (0 = layer skipped) */
+    page_ids pages; /* their pages */
+    uint32_t bytes; /* the layer's records after the rebuild */
+    uint32_t was_bytes, was_codes_n;
+    uint64_t was_codes_t0;
+};
+
+struct kvd_pq_rebuild {
+    kvd_store *st;
+    kvd__seq *s; /* referenced; s->mu held only in begin and commit */
+    kvd_seq_codecs c;
+    uint32_t ls, nl;
+    uint64_t own; /* first token of the sequence's own pages */
+    struct rebuild_layer_state *ly;
+    uint64_t old_bytes, new_bytes;
+    rocksdb_writebatch_t *b;
+    int ran;
+    int locked; /* s->mu held: in begin and commit */
+};
+
+int kvd_store_pq_rebuild_begin(kvd_store *st, const void *id, size_t id_len, uint32_t layer_start,
+                               uint32_t num_layers, kvd_pq_rebuild **out, uint64_t *bound,
+                               kvd_error *err)
+{
+    *out = NULL;
+    *bound = 0;
+    kvd__seq *s = NULL;
+    int rc = kvd__seq_acquire(st, id, id_len, &s, err);
+    if (rc)
+        return rc;
+    kvd_pq_rebuild *rb = calloc(1, sizeof *rb);
+    if (!rb) {
+        kvd__seq_unref(s);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    rb->st = st;
+    rb->s = s;
+    pthread_mutex_lock(&s->mu);
+    rb->locked = 1;
+    int found = 0;
+    const uint32_t L = s->num_layers, B = st->page_tokens;
+    if (s->dead)
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence not found");
+    else if ((rc = kvd_store_seq_codecs_get(st, id, id_len, &rb->c, &found, err)) == 0 &&
+             !rb->c.pq_m)
+        rc =
+            kvd_error_set(err, KVD_EPRECOND, "sequence has no PQ index (create it with codecs.pq)");
+    else if (rc == 0 && (layer_start >= L || num_layers > L - layer_start))
+        rc = kvd_error_set(err, KVD_EINVAL, "layers [%u, %llu): the model has %u", layer_start,
+                           (unsigned long long)layer_start + (num_layers ? num_layers : 1), L);
+    if (rc == 0 && kvd_seq_codecs_need_arts(&rb->c))
+        rc = kvd_seq_codecs_load_arts(st, id, id_len, &rb->c, err);
+    if (rc) {
+        kvd_store_pq_rebuild_abort(rb);
+        return rc;
+    }
+    rb->ls = layer_start;
+    rb->nl = num_layers ? num_layers : L - layer_start;
+    rb->own = s->prefix_blocks * B;
+    rb->ly = calloc(rb->nl, sizeof *rb->ly);
+    rb->b = rocksdb_writebatch_create();
+    if (!rb->ly) {
+        kvd_store_pq_rebuild_abort(rb);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    const kvd_model_info *m = &s->model->info;
+    const uint64_t rec = kvd__pq_record_bytes(m->num_kv_heads, m->head_dim, rb->c.pq_bits);
+    for (uint32_t i = 0; i < rb->nl && rc == 0; i++) {
+        const kvd__layer *Ly = &s->layers[rb->ls + i];
+        struct rebuild_layer_state *y = &rb->ly[i];
+        const uint64_t sealed = Ly->tokens / B * B;
+        y->n = sealed > rb->own ? sealed - rb->own : 0;
+        y->was_bytes = Ly->pq_bytes;
+        y->was_codes_n = Ly->pq_codes_n;
+        y->was_codes_t0 = Ly->pq_codes_t0;
+        y->bytes = y->n ? (uint32_t)(rec + kvd__pq_codes_bytes(m->num_kv_heads, rb->c.pq_m, y->n))
+                        : Ly->pq_bytes;
+        rb->old_bytes += Ly->pq_bytes;
+        rb->new_bytes += y->bytes;
+        if (y->n)
+            rc = layer_page_ids(s, rb->ls + i, B, rb->own / B, y->n / B, &y->pages, err);
+    }
+    if (rc) {
+        kvd_store_pq_rebuild_abort(rb);
+        return rc;
+    }
+    /* The work runs without the sequence's lock: appends go on meanwhile
+     * (commit checks that none trained a layer of the range). */
+    pthread_mutex_unlock(&s->mu);
+    rb->locked = 0;
+    *bound = rb->new_bytes > rb->old_bytes ? rb->new_bytes - rb->old_bytes : 0;
+    const uint64_t have = atomic_load(&st->disk_bytes);
+    if (st->disk_limit && have + *bound > st->disk_limit) {
+        rc = kvd_error_set(err, KVD_ENOMEM,
+                           "the store holds %llu page bytes; the rebuilt index needs %llu more, "
+                           "past the disk limit of %llu",
+                           (unsigned long long)have, (unsigned long long)*bound,
+                           (unsigned long long)st->disk_limit);
+        kvd_store_pq_rebuild_abort(rb);
+        *bound = 0;
+        return rc;
+    }
+    *out = rb;
+    return 0;
+}
+
+/* One layer of a rebuild: centroids trained on KVD_PQ_TRAIN_TOKENS keys
+ * spread evenly over the own sealed pages (token own + floor(i * n / T)),
+ * then the codes of every one of those pages, both records into rb->b. */
+static int rebuild_layer(kvd_pq_rebuild *rb, uint32_t layer, const struct rebuild_layer_state *y,
+                         kvd_error *err)
+{
+    const uint64_t n = y->n;
+    kvd_store *st = rb->st;
+    const kvd__seq *s = rb->s;
+    const kvd_seq_codecs *c = &rb->c;
+    const kvd_model_info *m = &s->model->info;
+    const uint32_t H = m->num_kv_heads, D = m->head_dim, B = st->page_tokens, M = c->pq_m;
+    const int64_t T = n < KVD_PQ_TRAIN_TOKENS ? (int64_t)n : KVD_PQ_TRAIN_TOKENS;
+    kvd_backend *be = kvd_store_coding_backend(st), *train_be = kvd_store_backend(st);
+    const kvd_page_desc d = {.dtype = m->dtype,
+                             .layer = layer,
+                             .page_tokens = B,
+                             .num_tokens = B,
+                             .num_kv_heads = H,
+                             .head_dim = D};
+    const uint64_t nf = cent_floats(H, D, c->pq_bits), per_head = nf / H;
+    const size_t rlen = (size_t)kvd__pq_record_bytes(H, D, c->pq_bits);
+    uint8_t *rec = malloc(rlen);
+    float *page = malloc(sizeof(float) * (size_t)H * B * D);
+    float *sample = malloc(sizeof(float) * (size_t)H * T * D);
+    float *keys = malloc(sizeof(float) * (size_t)T * D);
+    kvd_pq_centroids cent = {.num_kv_heads = H, .head_dim = D, .m = M, .bits = c->pq_bits};
+    int rc = 0;
+    if (!rec || !page || !sample || !keys) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory rebuilding the PQ index");
+        goto done;
+    }
+    /* 1. the sample: token i of T is own + floor(i * n / T), in order */
+    int64_t i = 0;
+    for (uint64_t t = rb->own; t < rb->own + n && i < T && rc == 0; t += B) {
+        if ((rc = stored_keys(st, be, c, &y->pages, &d, t, B, page, err)))
+            break;
+        for (; i < T; i++) {
+            const uint64_t ti = rb->own + (uint64_t)((unsigned __int128)i * n / (uint64_t)T);
+            if (ti >= t + B)
+                break;
+            for (uint32_t h = 0; h < H; h++)
+                memcpy(sample + ((size_t)h * T + i) * D, page + ((size_t)h * B + (ti - t)) * D,
+                       sizeof(float) * D);
+        }
+    }
+    if (rc)
+        goto done;
+    /* 2. the centroids, in a record of the usual form */
+    rec[0] = REC_VERSION;
+    rec[1] = c->pq_bits;
+    rec[2] = (uint8_t)M;
+    rec[3] = (uint8_t)(M >> 8);
+    st32(rec + 4, H);
+    st32(rec + 8, D);
+    float *cd = (float *)(rec + REC_HEADER);
+    for (uint32_t h = 0; h < H && rc == 0; h++) {
+        memcpy(keys, sample + (size_t)h * T * D, sizeof(float) * (size_t)T * D);
+        rc = train_head(st, train_be, c, layer, h, keys, T, D, cd + (size_t)h * per_head, err);
+    }
+    if (rc)
+        goto done;
+    cent.id = XXH3_64bits(rec, rlen);
+    cent.data = cd;
+    uint8_t key[3 + KVD_SEQ_ID_MAX + 4 + CODES_KEY_EXTRA];
+    size_t klen = pq_key(key, s->id, s->id_len, layer);
+    rocksdb_writebatch_put(rb->b, (const char *)key, klen, (const char *)rec, rlen);
+    /* 3. the codes of every own sealed page, replacing the layer's record */
+    if (y->was_codes_n) {
+        klen = codes_key(key, s->id, s->id_len, layer, y->was_codes_t0, y->was_codes_n);
+        rocksdb_writebatch_delete(rb->b, (const char *)key, klen);
+    }
+    kvd_page_desc at = d;
+    at.token_start = rb->own + n; /* early_codes codes [own, token_start) */
+    uint32_t bytes = 0;
+    rc = early_codes(st, be, train_be, c, (struct rocksdb_writebatch_t *)rb->b, s, &y->pages, &at,
+                     rb->own, &cent, &bytes, err);
+done:
+    free(rec);
+    free(page);
+    free(sample);
+    free(keys);
+    return rc;
+}
+
+int kvd_store_pq_rebuild_run(kvd_pq_rebuild *rb, kvd_error *err)
+{
+    int rc = 0;
+    for (uint32_t i = 0; i < rb->nl && rc == 0; i++)
+        if (rb->ly[i].n)
+            rc = rebuild_layer(rb, rb->ls + i, &rb->ly[i], err);
+    rb->ran = rc == 0;
+    return rc;
+}
+
+int kvd_store_pq_rebuild_commit(kvd_pq_rebuild *rb, kvd_pq_rebuild_info *info, kvd_error *err)
+{
+    if (info)
+        memset(info, 0, sizeof *info);
+    kvd__seq *s = rb->s;
+    pthread_mutex_lock(&s->mu);
+    rb->locked = 1; /* released by the abort below */
+    int rc = 0;
+    if (!rb->ran)
+        rc = kvd_error_set(err, KVD_EINVAL, "PQ rebuild: commit before run");
+    else if (s->dead)
+        rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence was deleted during the PQ rebuild");
+    for (uint32_t i = 0; i < rb->nl && rc == 0; i++) {
+        const kvd__layer *Ly = &s->layers[rb->ls + i];
+        const struct rebuild_layer_state *y = &rb->ly[i];
+        if (Ly->pq_bytes != y->was_bytes || Ly->pq_codes_n != y->was_codes_n ||
+            Ly->pq_codes_t0 != y->was_codes_t0)
+            rc = kvd_error_set(err, KVD_EABORTED,
+                               "an append trained the PQ index of layer %u during the rebuild; "
+                               "nothing was changed: rebuild again",
+                               rb->ls + i);
+    }
+    if (rc == 0)
+        rc = kvd__db_write(rb->st, rb->b, err);
+    if (rc == 0) {
+        pthread_rwlock_wrlock(&rb->st->lock); /* what stat and list read under it */
+        for (uint32_t i = 0; i < rb->nl; i++) {
+            kvd__layer *Ly = &s->layers[rb->ls + i];
+            const struct rebuild_layer_state *y = &rb->ly[i];
+            if (!y->n)
+                continue;
+            Ly->pq_bytes = y->bytes;
+            Ly->pq_codes_t0 = rb->own;
+            Ly->pq_codes_n = (uint32_t)y->n;
+            if (info) {
+                info->layers_rebuilt++;
+                info->tokens_indexed += y->n;
+            }
+        }
+        pthread_rwlock_unlock(&rb->st->lock);
+        if (rb->new_bytes >= rb->old_bytes)
+            atomic_fetch_add(&rb->st->disk_bytes, rb->new_bytes - rb->old_bytes);
+        else
+            atomic_fetch_sub(&rb->st->disk_bytes, rb->old_bytes - rb->new_bytes);
+        if (info) {
+            info->index_bytes_before = rb->old_bytes;
+            info->index_bytes_after = rb->new_bytes;
+        }
+    }
+    kvd_store_pq_rebuild_abort(rb);
+    return rc;
+}
+
+void kvd_store_pq_rebuild_abort(kvd_pq_rebuild *rb)
+{
+    if (!rb)
+        return;
+    if (rb->b)
+        rocksdb_writebatch_destroy(rb->b);
+    kvd_seq_codecs_clear(&rb->c);
+    for (uint32_t i = 0; rb->ly && i < rb->nl; i++)
+        free(rb->ly[i].pages.id);
+    free(rb->ly);
+    if (rb->locked)
+        pthread_mutex_unlock(&rb->s->mu);
+    kvd__seq_unref(rb->s);
+    free(rb);
 }

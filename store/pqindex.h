@@ -108,6 +108,43 @@ void kvd_pq_codes_clear(kvd_pq_codes *c);
 int kvd_store_pq_codes_get(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                            kvd_pq_codes *out, int *found, kvd_error *err);
 
+/*
+ * Rebuild: train the centroids of layers [layer_start, + num_layers) (0 =
+ * to the last) again, on KVD_PQ_TRAIN_TOKENS keys spread evenly over the
+ * sequence's own sealed pages (as stored: decoded for a lossy K codec),
+ * same seeds and iterations as the first training, and code all those
+ * pages under them into the layer's codes record (their PQ sections, coded
+ * under the old centroids, are no longer read; pages sealed afterwards get
+ * sections under the new ones). For a sequence whose keys drifted from its
+ * first tokens', or one never trained (shorter than pq_min_train_tokens).
+ * Layers without an own sealed page are left as they are.
+ *
+ * begin notes the sequence's sealed pages and says how many bytes the
+ * index grows by (*bound, for quotas); run does the work without the
+ * sequence's lock (appends and reads go on; pages sealed meanwhile keep
+ * their sections, read while their centroids are the layer's); commit
+ * writes it in one batch, unless the sequence was deleted meanwhile
+ * (KVD_ENOTFOUND) or an append trained a layer of the range (KVD_EABORTED:
+ * nothing changed). begin: 0, KVD_EINVAL (id, layers), KVD_ENOTFOUND,
+ * KVD_EPRECOND (no PQ index), KVD_ENOMEM (also past the disk limit),
+ * KVD_ECORRUPT. run: kernel and read errors. commit frees rb in every case;
+ * abort frees it without writing. Lock order: the caller's quota lock, then
+ * the sequence's (commit), as for appends.
+ */
+typedef struct kvd_pq_rebuild kvd_pq_rebuild;
+typedef struct kvd_pq_rebuild_info {
+    uint32_t layers_rebuilt;
+    uint64_t tokens_indexed;                        /* over the layers rebuilt */
+    uint64_t index_bytes_before, index_bytes_after; /* of the layers in the range */
+} kvd_pq_rebuild_info;
+
+int kvd_store_pq_rebuild_begin(kvd_store *st, const void *id, size_t id_len, uint32_t layer_start,
+                               uint32_t num_layers, kvd_pq_rebuild **out, uint64_t *bound,
+                               kvd_error *err);
+int kvd_store_pq_rebuild_run(kvd_pq_rebuild *rb, kvd_error *err);
+int kvd_store_pq_rebuild_commit(kvd_pq_rebuild *rb, kvd_pq_rebuild_info *info, kvd_error *err);
+void kvd_store_pq_rebuild_abort(kvd_pq_rebuild *rb);
+
 /* Bytes of a codes record of n tokens, H kv heads, m sub-spaces. */
 uint64_t kvd__pq_codes_bytes(uint32_t H, uint32_t m, uint64_t n);
 

@@ -47,6 +47,9 @@ static const char usage_text[] =
     "  seq rm ID                            delete a sequence\n"
     "  seq evict ID                         move a sequence's pages out of the server's\n"
     "                                       memory tiers (it stays stored)\n"
+    "  seq pq-rebuild ID [--layer-start L] [--layers N]\n"
+    "                                       train a sequence's PQ index again on keys\n"
+    "                                       from all its tokens, code every page\n"
     "  stats                                the server's tiers (bytes, pages, hits,\n"
     "                                       evictions) and durability\n"
     "  put ID --model M --tokens N --file F [--layer-start L] [--layers N]\n"
@@ -510,11 +513,28 @@ static void print_info(const kvdepot_sequence_info *s)
 static int cmd_seq(kvdepot_client *c, int argc, char **argv)
 {
     if (argc < 1)
-        usage_error("seq: expected stat or rm");
+        usage_error("seq: expected stat, rm, evict or pq-rebuild");
     const char *sub = argv[0];
     const char *pos[1];
-    if (parse_args(argc - 1, argv + 1, NULL, pos, 1) != 1)
+    opt rebuild_opts[] = {{"layer-start", 1, 0}, {"layers", 1, 0}, {0, 0, 0}};
+    const int rebuild = strcmp(sub, "pq-rebuild") == 0;
+    if (parse_args(argc - 1, argv + 1, rebuild ? rebuild_opts : NULL, pos, 1) != 1)
         usage_error("seq %s: expected ID", sub);
+    if (rebuild) {
+        const char *ls = opt_get(rebuild_opts, "layer-start"),
+                   *nl = opt_get(rebuild_opts, "layers");
+        uint32_t layers = 0;
+        uint64_t tokens = 0;
+        int rc = kvdepot_pq_rebuild(c, pos[0], strlen(pos[0]),
+                                    ls ? (uint32_t)parse_u64("--layer-start", ls, UINT32_MAX) : 0,
+                                    nl ? (uint32_t)parse_u64("--layers", nl, UINT32_MAX) : 0,
+                                    &layers, &tokens, NULL);
+        if (rc)
+            return fail(c, rc);
+        printf("sequence %s: PQ index rebuilt (layers %u, tokens coded %" PRIu64 ")\n", pos[0],
+               layers, tokens);
+        return 0;
+    }
     if (strcmp(sub, "stat") == 0) {
         kvdepot_sequence_info s;
         int rc = kvdepot_sequence_stat(c, pos[0], strlen(pos[0]), &s);
@@ -541,7 +561,7 @@ static int cmd_seq(kvdepot_client *c, int argc, char **argv)
                pos[0], pages, bytes);
         return 0;
     }
-    usage_error("seq: unknown subcommand \"%s\" (expected stat, rm or evict)", sub);
+    usage_error("seq: unknown subcommand \"%s\" (expected stat, rm, evict or pq-rebuild)", sub);
 }
 
 static int cmd_stats(kvdepot_client *c, int argc, char **argv)

@@ -1182,6 +1182,23 @@ int kvdepot_pq_centroids_get(kvdepot_client *client, const void *id, size_t id_l
 /* Free what kvdepot_pq_centroids_get returned; NULL is a no-op. */
 void kvdepot_pq_centroids_free(kvdepot_pq_centroids *c);
 
+/*
+ * RebuildPQIndex: train the PQ centroids of layers [layer_start,
+ * layer_start + num_layers) (num_layers 0 = to the last) again on keys
+ * spread over the whole sequence (4096 of them, evenly), and code every
+ * sealed page of the sequence's own under them; for a long sequence whose
+ * keys drifted from its first tokens', or one shorter than
+ * pq_min_train_tokens (never trained). Appends and reads go on meanwhile
+ * (KVDEPOT_EABORTED, nothing changed, if an append trained a layer of the
+ * range: call again). *layers_rebuilt, *tokens_indexed (summed over layers) and *info
+ * (the sequence after; clear with kvdepot_sequence_info_clear) may be NULL.
+ * KVDEPOT_EPRECOND without a PQ index; KVDEPOT_ENOMEM when the larger index
+ * exceeds the tenant's byte quota or the disk limit (nothing changed).
+ */
+int kvdepot_pq_rebuild(kvdepot_client *client, const void *id, size_t id_len, uint32_t layer_start,
+                       uint32_t num_layers, uint32_t *layers_rebuilt, uint64_t *tokens_indexed,
+                       kvdepot_sequence_info *info);
+
 /* One encoded page (docs/page-format.md): the bytes that cross the network. */
 typedef struct kvdepot_page {
     void *data;

@@ -148,6 +148,19 @@ struct kvd_pq_centroids;
 int kvd_compute_pq_centroids(const kvd_compute *c, const void *id, size_t id_len, uint32_t layer,
                              struct kvd_pq_centroids *out, kvd_error *err);
 
+/*
+ * Rebuild the PQ index of layers [layer_start, + num_layers) (0 = to the
+ * last) of sequence id (kvd_store_pq_rebuild_begin, store/pqindex.h), the
+ * index's growth reserved with the guard first.
+ * @return 0; KVD_EPRECOND (no PQ index); KVD_EINVAL (id, layers);
+ *         KVD_ENOTFOUND; KVD_EPERM; KVD_ENOMEM (quota, disk limit, memory);
+ *         KVD_ECORRUPT; kernel errors.
+ */
+struct kvd_pq_rebuild_info;
+int kvd_compute_pq_rebuild(const kvd_compute *c, const void *id, size_t id_len,
+                           uint32_t layer_start, uint32_t num_layers,
+                           struct kvd_pq_rebuild_info *info, kvd_error *err);
+
 /* ---- PlanFetch ------------------------------------------------------------- */
 
 /*

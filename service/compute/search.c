@@ -835,3 +835,44 @@ int kvd_compute_pq_centroids(const kvd_compute *c, const void *id, size_t id_len
     }
     return 0;
 }
+
+int kvd_compute_pq_rebuild(const kvd_compute *c, const void *id, size_t id_len,
+                           uint32_t layer_start, uint32_t num_layers, kvd_pq_rebuild_info *info,
+                           kvd_error *err)
+{
+    memset(info, 0, sizeof *info);
+    kvd__cseq sc;
+    int rc = kvd__cseq_load(c, id, id_len, "sequence_id", layer_start, &sc, err);
+    if (rc)
+        return rc;
+    kvd_pq_rebuild *rb = NULL;
+    uint64_t bound = 0;
+    if ((rc = kvd_store_pq_rebuild_begin(c->store, id, id_len, layer_start, num_layers, &rb, &bound,
+                                         err)))
+        return rc;
+    const kvd_compute_guard *g = c->guard;
+    const char *model = sc.model.name;
+    int reserved = 0;
+    if (bound && g && g->reserve) {
+        if ((rc = g->reserve(g->arg, model, bound, err))) {
+            kvd_store_pq_rebuild_abort(rb);
+            return rc;
+        }
+        reserved = 1;
+    }
+    if ((rc = kvd_store_pq_rebuild_run(rb, err))) {
+        kvd_store_pq_rebuild_abort(rb);
+    } else {
+        /* The reservation becomes usage as the index is written. */
+        if (g && g->commit_lock)
+            g->commit_lock(g->arg, 1);
+        rc = kvd_store_pq_rebuild_commit(rb, info, err);
+        if (rc == 0 && reserved && g->settle)
+            g->settle(g->arg, model, bound);
+        if (g && g->commit_lock)
+            g->commit_lock(g->arg, 0);
+    }
+    if (rc && reserved && g->release)
+        g->release(g->arg, model, bound);
+    return rc;
+}

@@ -85,6 +85,13 @@ for t in 0 1 297 298 299; do
 done
 k search c --layer 0 --q "$work/q.bin" --k 8 --sparse | grep_q "attended 8 tokens" ||
     fail "sparse search"
+# The PQ index trained again on every sealed page (one of 256 tokens).
+k seq pq-rebuild c | grep_q "^sequence c: PQ index rebuilt (layers 1, tokens coded 256)$" ||
+    fail "pq-rebuild: $(k seq pq-rebuild c 2>&1)"
+k search c --layer 0 --q "$work/q.bin" --k 8 >/dev/null || fail "search after pq-rebuild"
+rc=0
+err=$(k seq pq-rebuild s 2>&1) || rc=$?
+[ "$rc" -ne 0 ] && echo "$err" | grep_q "FAILED_PRECONDITION" || fail "pq-rebuild without an index: rc=$rc $err"
 # Appending more with the same flags is refused (codecs are fixed at creation).
 rc=0
 err=$(k put c --model m --tokens 300 --file "$work/kv.bin" --k int4 2>&1) || rc=$?

@@ -847,8 +847,10 @@ static int chunked(kvdepot_client *c, const char *id, uint32_t min_train, uint64
 
 /* Recall of Search's k tokens per kv head against the k best by the exact
  * score (the GQA group's summed query . key), averaged over heads. */
-static double search_recall(kvdepot_client *c, const char *id, uint32_t layer, const float *q,
-                            uint64_t n, uint32_t k, kvdepot_search_result *sr)
+typedef float (*key_fn)(uint32_t l, uint64_t t, uint32_t h, uint32_t d);
+
+static double search_recall_of(kvdepot_client *c, const char *id, uint32_t layer, const float *q,
+                               uint64_t n, uint32_t k, kvdepot_search_result *sr, key_fn kf)
 {
     kvdepot_search_args sa = {id, strlen(id), layer, q, HQ * D, k, 0, 0, 0, 0};
     if (kvdepot_search(c, &sa, sr)) {
@@ -865,7 +867,7 @@ static double search_recall(kvdepot_client *c, const char *id, uint32_t layer, c
         for (uint64_t t = 0; t < n; t++) {
             float x = 0;
             for (uint32_t d = 0; d < D; d++)
-                x += qbar[d] * key(layer, t, hh, d);
+                x += qbar[d] * kf(layer, t, hh, d);
             exact[t] = x;
         }
         /* the k-th best exact score: a token is among the k best if above */
@@ -889,6 +891,124 @@ static double search_recall(kvdepot_client *c, const char *id, uint32_t layer, c
     }
     free(exact);
     return sum / H;
+}
+
+static double search_recall(kvdepot_client *c, const char *id, uint32_t layer, const float *q,
+                            uint64_t n, uint32_t k, kvdepot_search_result *sr)
+{
+    return search_recall_of(c, id, layer, q, n, k, sr, key);
+}
+
+/* Keys that drift: from token 4096 on, the first half of the dimensions
+ * moves by +3 (f16-exact). */
+#define DRIFT_AT 4096
+static float drift_key(uint32_t l, uint64_t t, uint32_t h, uint32_t d)
+{
+    return kvd_f16_to_f32(
+        kvd_f32_to_f16(val(0, l, t, h, d) + (t >= DRIFT_AT && d < D / 2 ? 3.0f : 0.0f)));
+}
+
+static int append_drift(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
+{
+    size_t cnt = (size_t)L * n * H * D, i = 0;
+    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
+    for (uint32_t l = 0; l < L; l++)
+        for (uint64_t t = t0; t < t0 + n; t++)
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t d = 0; d < D; d++, i++) {
+                    k[i] = kvd_f32_to_f16(drift_key(l, t, h, d));
+                    v[i] = kvd_f32_to_f16(val(1, l, t, h, d));
+                }
+    kvdepot_append_args aa;
+    memset(&aa, 0, sizeof aa);
+    aa.id = id;
+    aa.id_len = strlen(id);
+    aa.token_start = t0;
+    aa.num_tokens = n;
+    aa.dtype = KVDEPOT_DTYPE_F16;
+    aa.k = k;
+    aa.v = v;
+    aa.k_bytes = aa.v_bytes = cnt * 2;
+    int rc = kvdepot_sequence_append(c, &aa, NULL);
+    free(k);
+    free(v);
+    return rc;
+}
+
+/* RebuildPQIndex on a sequence whose keys drift after the 4096 the index was
+ * trained on: recall rises; the centroids change; the index grows by the
+ * codes of every sealed page; later appends code under the new centroids;
+ * errors change nothing. */
+static int t_rebuild(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c), KVDEPOT_OK);
+    const uint64_t n = 3 * DRIFT_AT + 10;
+    REQUIRE_RC(chunked(c, "drift", 0, 0, 1), KVDEPOT_OK); /* created, nothing appended */
+    for (uint64_t t = 0; t < n; t += 2048)
+        REQUIRE_RC(append_drift(c, "drift", t, n - t < 2048 ? n - t : 2048), KVDEPOT_OK);
+    kvdepot_sequence_info before;
+    REQUIRE_RC(kvdepot_sequence_stat(c, "drift", 5, &before), KVDEPOT_OK);
+    kvdepot_pq_centroids c0;
+    REQUIRE_RC(kvdepot_pq_centroids_get(c, "drift", 5, 0, &c0), KVDEPOT_OK);
+    float *q = make_q(21);
+    for (int i = 0; i < HQ * D; i++) /* a query that looks at the drifted half */
+        if (i % D < D / 2)
+            q[i] = fabsf(q[i]);
+    const uint32_t k = 64;
+    double r0[L], r1[L];
+    kvdepot_search_result sr;
+    for (uint32_t l = 0; l < L; l++) {
+        REQUIRE((r0[l] = search_recall_of(c, "drift", l, q, n, k, &sr, drift_key)) >= 0);
+        kvdepot_search_result_free(&sr);
+    }
+    uint32_t layers = 0;
+    uint64_t tokens = 0;
+    kvdepot_sequence_info after;
+    REQUIRE_RC(kvdepot_pq_rebuild(c, "drift", 5, 0, 0, &layers, &tokens, &after), KVDEPOT_OK);
+    const uint64_t sealed = n / PT * PT;
+    CHECK(layers == L && tokens == L * sealed);
+    /* per layer: the centroids and the codes of every sealed token (before:
+     * of the 2048 sealed before the layer was trained) */
+    const uint64_t rec = 12 + 4ull * H * (1u << NB) * D;
+    CHECK(before.pq_index_bytes == L * (rec + 16 + (uint64_t)H * 2048 * M));
+    CHECK(after.pq_index_bytes == L * (rec + 16 + (uint64_t)H * sealed * M));
+    CHECK(after.stored_bytes - before.stored_bytes == after.pq_index_bytes - before.pq_index_bytes);
+    kvdepot_pq_centroids c1;
+    REQUIRE_RC(kvdepot_pq_centroids_get(c, "drift", 5, 0, &c1), KVDEPOT_OK);
+    CHECK(c1.centroids_id != c0.centroids_id);
+    for (uint32_t l = 0; l < L; l++) {
+        REQUIRE((r1[l] = search_recall_of(c, "drift", l, q, n, k, &sr, drift_key)) >= 0);
+        kvdepot_search_result_free(&sr);
+        printf("layer %u: recall@%u of %llu drifting tokens: %.3f trained on the first 4096, "
+               "%.3f rebuilt\n",
+               l, k, (unsigned long long)n, r0[l], r1[l]);
+        CHECK(r1[l] > r0[l] + 0.1);
+    }
+    /* later pages are coded under the new centroids: recall holds */
+    REQUIRE_RC(append_drift(c, "drift", n, PT), KVDEPOT_OK);
+    double r2 = search_recall_of(c, "drift", 0, q, n + PT, k, &sr, drift_key);
+    kvdepot_search_result_free(&sr);
+    CHECK(r2 > r0[0] + 0.1);
+    /* errors: unknown sequence, no index, layers past the model's */
+    CHECK_RC(kvdepot_pq_rebuild(c, "nope", 4, 0, 0, NULL, NULL, NULL), KVDEPOT_ENOTFOUND);
+    REQUIRE_RC(create(c, "plain", 0), KVDEPOT_OK);
+    REQUIRE_RC(append(c, "plain", 0, PT), KVDEPOT_OK);
+    CHECK_RC(kvdepot_pq_rebuild(c, "plain", 5, 0, 0, NULL, NULL, NULL), KVDEPOT_EPRECOND);
+    CHECK_RC(kvdepot_pq_rebuild(c, "drift", 5, L, 0, NULL, NULL, NULL), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_pq_rebuild(c, "drift", 5, 0, L + 1, NULL, NULL, NULL), KVDEPOT_EINVAL);
+    kvdepot_pq_centroids c2;
+    REQUIRE_RC(kvdepot_pq_centroids_get(c, "drift", 5, 0, &c2), KVDEPOT_OK);
+    CHECK(c2.centroids_id == c1.centroids_id);
+    kvdepot_pq_centroids_free(&c0);
+    kvdepot_pq_centroids_free(&c1);
+    kvdepot_pq_centroids_free(&c2);
+    kvdepot_sequence_info_clear(&before);
+    kvdepot_sequence_info_clear(&after);
+    free(q);
+    kvdepot_close(c);
+    return 0;
 }
 
 /* A prefill sent in chunks of any size gets the index one append of it
@@ -966,8 +1086,8 @@ static int t_chunked(kvd_harness *h)
 
 int main(int argc, char **argv)
 {
-    static const kvd_test tests[] = {{"stored", t_stored}, {"pages", t_pages},
-                                     {"sparse", t_sparse}, {"prefix", t_prefix},
-                                     {"errors", t_errors}, {"chunked", t_chunked}};
+    static const kvd_test tests[] = {
+        {"stored", t_stored}, {"pages", t_pages},     {"sparse", t_sparse},  {"prefix", t_prefix},
+        {"errors", t_errors}, {"chunked", t_chunked}, {"rebuild", t_rebuild}};
     return harness_main(argc, argv, tests, sizeof tests / sizeof tests[0]);
 }

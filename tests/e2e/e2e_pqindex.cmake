@@ -6,7 +6,7 @@
 if(TARGET kvd_e2e_harness)
   add_executable(e2e_pqindex ${CMAKE_CURRENT_LIST_DIR}/e2e_pqindex.c)
   target_link_libraries(e2e_pqindex PRIVATE kvd_e2e_harness kvd_store kvd_kernels m)
-  foreach(name stored pages sparse prefix errors chunked)
+  foreach(name stored pages sparse prefix errors chunked rebuild)
     add_test(NAME pqindex_${name} COMMAND e2e_pqindex ${KVD_E2E_SERVER} ${name})
     set_tests_properties(pqindex_${name} PROPERTIES LABELS e2e TIMEOUT 300
                          ENVIRONMENT KVDEPOT_DEVICE=cpu)

@@ -658,6 +658,180 @@ static void t_deferred(void)
     kvd_store_close(st);
 }
 
+/* The centroids a rebuild of layer l of `id` trains: tokens floor(i * n /
+ * T), T = min(n, KVD_PQ_TRAIN_TOKENS), of its n sealed tokens as stored. */
+static void rebuilt_centroids(kvd_store *st, const char *id, uint32_t l, uint64_t n, float *cent)
+{
+    const uint64_t T = n < KVD_PQ_TRAIN_TOKENS ? n : KVD_PQ_TRAIN_TOKENS;
+    float *all = malloc(sizeof(float) * n * D), *sample = malloc(sizeof(float) * T * D);
+    kvd_error err;
+    for (uint32_t h = 0; h < H; h++) {
+        for (uint64_t blk = 0; blk < n / B; blk++)
+            stored_page_keys(st, id, l, blk, h, all + blk * B * D);
+        for (uint64_t i = 0; i < T; i++)
+            memcpy(sample + i * D, all + (i * n / T) * D, sizeof(float) * D);
+        REQUIRE(kvd_pq_train_head(be, sample, (int64_t)T, D, M, NB, ITERS, l, h,
+                                  cent + (size_t)h * CENT_PER_HEAD, &err) == 0,
+                "train: %s", err.msg);
+    }
+    free(all);
+    free(sample);
+}
+
+/* The codes record of layer l covers tokens [0, n) with the keys as stored
+ * coded under c. */
+static void check_codes_record(kvd_store *st, const char *id, uint32_t l, uint64_t n,
+                               const kvd_pq_centroids *c)
+{
+    kvd_pq_codes pc;
+    int found = 0;
+    kvd_error err;
+    REQUIRE(kvd_store_pq_codes_get(st, id, strlen(id), l, &pc, &found, &err) == 0, "codes: %s",
+            err.msg);
+    CHECK(found && pc.token_start == 0 && pc.num_tokens == n && pc.centroids_id == c->id,
+          "layer %u codes record: found %d [%llu, +%llu)", l, found,
+          (unsigned long long)pc.token_start, (unsigned long long)pc.num_tokens);
+    float keys[B * D];
+    uint8_t want[B * M];
+    int bad = 0;
+    for (uint32_t h = 0; found && h < H; h++)
+        for (uint64_t blk = 0; blk < n / B; blk++) {
+            stored_page_keys(st, id, l, blk, h, keys);
+            kvd_pq_encode_ref(B, M, NB, D, keys, c->data + (size_t)h * CENT_PER_HEAD, want);
+            bad += memcmp(want, pc.codes + ((size_t)h * n + blk * B) * M, sizeof want) != 0;
+        }
+    CHECK(bad == 0, "layer %u: %d pages' codes differ from their stored keys'", l, bad);
+    kvd_pq_codes_clear(&pc);
+}
+
+/* Rebuild: centroids trained on keys spread over all sealed pages (as
+ * stored), every page coded into the codes record, later pages sectioned
+ * under the new centroids; a layer range; a sequence never trained; the
+ * errors; an aborted rebuild changes nothing. */
+static void t_rebuild(void)
+{
+    kvd_store *st = open_store();
+    put_model(st);
+    kvd_error err;
+    const uint64_t n = 320 * B; /* 5120 tokens: the sample skips some */
+    create(st, "r", NULL, 0);
+    REQUIRE(append(st, "r", 5, 0, L, 0, n + 5, &err) == 0, "append: %s", err.msg);
+    kvd_pq_centroids before, c;
+    REQUIRE(get_centroids(st, "r", 0, &before) == 1, "centroids");
+    /* only layer 1 */
+    kvd_pq_rebuild *rb = NULL;
+    uint64_t bound = 0;
+    REQUIRE(kvd_store_pq_rebuild_begin(st, "r", 1, 1, 1, &rb, &bound, &err) == 0, "begin: %s",
+            err.msg);
+    CHECK(bound == kvd__pq_codes_bytes(H, M, n), "bound %llu", (unsigned long long)bound);
+    REQUIRE(kvd_store_pq_rebuild_run(rb, &err) == 0, "run: %s", err.msg);
+    kvd_pq_rebuild_info ri;
+    REQUIRE(kvd_store_pq_rebuild_commit(rb, &ri, &err) == 0, "commit: %s", err.msg);
+    CHECK(ri.layers_rebuilt == 1 && ri.tokens_indexed == n &&
+              ri.index_bytes_after - ri.index_bytes_before == bound,
+          "info %u %llu", ri.layers_rebuilt, (unsigned long long)ri.tokens_indexed);
+    REQUIRE(get_centroids(st, "r", 0, &c) == 1, "centroids");
+    CHECK(c.id == before.id, "layer 0 changed by a rebuild of layer 1");
+    kvd_pq_centroids_clear(&c);
+    float *want = malloc(sizeof(float) * H * CENT_PER_HEAD);
+    REQUIRE(get_centroids(st, "r", 1, &c) == 1, "centroids");
+    rebuilt_centroids(st, "r", 1, n, want);
+    CHECK(memcmp(c.data, want, sizeof(float) * H * CENT_PER_HEAD) == 0,
+          "rebuilt centroids differ from training on the spread sample");
+    check_codes_record(st, "r", 1, n, &c);
+    /* a later page is coded under the new centroids */
+    REQUIRE(append(st, "r", 5, 0, L, n + 5, B, &err) == 0, "append: %s", err.msg);
+    check_page_codes(st, "r", 5, 1, n / B, &c);
+    kvd_pq_centroids_clear(&c);
+    kvd_pq_centroids_clear(&before);
+    kvd_seq_info info;
+    memset(&info, 0, sizeof info);
+    REQUIRE(kvd_store_seq_stat(st, "r", 1, &info, &err) == 0, "stat: %s", err.msg);
+    const uint64_t rec = 12 + 4ull * H * KC * D;
+    CHECK(info.pq_bytes == 2 * rec + kvd__pq_codes_bytes(H, M, n), "pq bytes %llu",
+          (unsigned long long)info.pq_bytes);
+    kvd_seq_info_clear(&info);
+
+    /* a sequence never trained (40 tokens of the default 4096): trained */
+    create_ex(st, "young", NULL, 0, 0);
+    REQUIRE(append(st, "young", 6, 0, L, 0, 40, &err) == 0, "append: %s", err.msg);
+    CHECK(get_centroids(st, "young", 0, &c) == 0, "trained at 40 tokens");
+    REQUIRE(kvd_store_pq_rebuild_begin(st, "young", 5, 0, 0, &rb, &bound, &err) == 0, "begin: %s",
+            err.msg);
+    REQUIRE(kvd_store_pq_rebuild_run(rb, &err) == 0, "run: %s", err.msg);
+    REQUIRE(kvd_store_pq_rebuild_commit(rb, &ri, &err) == 0, "commit: %s", err.msg);
+    CHECK(ri.layers_rebuilt == L && ri.tokens_indexed == L * 2 * B, "young: %u %llu",
+          ri.layers_rebuilt, (unsigned long long)ri.tokens_indexed);
+    for (uint32_t l = 0; l < L; l++) {
+        REQUIRE(get_centroids(st, "young", l, &c) == 1, "young layer %u not trained", l);
+        rebuilt_centroids(st, "young", l, 2 * B, want);
+        CHECK(memcmp(c.data, want, sizeof(float) * H * CENT_PER_HEAD) == 0, "young centroids");
+        check_codes_record(st, "young", l, 2 * B, &c);
+        kvd_pq_centroids_clear(&c);
+    }
+    /* the sequence keeps them through a reopen, accounted */
+    kvd_store_close(st);
+    st = open_store();
+    memset(&info, 0, sizeof info);
+    REQUIRE(kvd_store_seq_stat(st, "young", 5, &info, &err) == 0, "stat: %s", err.msg);
+    CHECK(info.pq_bytes == L * (rec + kvd__pq_codes_bytes(H, M, 2 * B)), "young pq bytes %llu",
+          (unsigned long long)info.pq_bytes);
+    kvd_seq_info_clear(&info);
+
+    /* appends go on during a rebuild: one that seals a page of a trained
+     * layer leaves the rebuild valid; one that trains a layer of the range
+     * makes the commit fail, nothing changed */
+    REQUIRE(kvd_store_pq_rebuild_begin(st, "r", 1, 0, 1, &rb, &bound, &err) == 0, "begin: %s",
+            err.msg);
+    REQUIRE(append(st, "r", 5, 0, L, n + 5 + B, B, &err) == 0, "append during: %s", err.msg);
+    REQUIRE(kvd_store_pq_rebuild_run(rb, &err) == 0, "run: %s", err.msg);
+    REQUIRE(kvd_store_pq_rebuild_commit(rb, &ri, &err) == 0, "commit: %s", err.msg);
+    CHECK(ri.tokens_indexed == n + B, "indexed %llu: the pages sealed at begin",
+          (unsigned long long)ri.tokens_indexed);
+    create_ex(st, "late", NULL, 0, 48);
+    REQUIRE(append(st, "late", 7, 0, L, 0, 40, &err) == 0, "append: %s", err.msg);
+    REQUIRE(kvd_store_pq_rebuild_begin(st, "late", 4, 0, 0, &rb, &bound, &err) == 0, "begin: %s",
+            err.msg);
+    REQUIRE(append(st, "late", 7, 0, L, 40, 10, &err) == 0, "append that trains: %s", err.msg);
+    REQUIRE(get_centroids(st, "late", 0, &before) == 1, "late not trained by its append");
+    REQUIRE(kvd_store_pq_rebuild_run(rb, &err) == 0, "run: %s", err.msg);
+    CHECK(kvd_store_pq_rebuild_commit(rb, &ri, &err) == KVD_EABORTED,
+          "commit after a training "
+          "append: %s",
+          err.msg);
+    REQUIRE(get_centroids(st, "late", 0, &c) == 1 && c.id == before.id, "changed by the abort");
+    kvd_pq_centroids_clear(&c);
+    kvd_pq_centroids_clear(&before);
+
+    /* an abort writes nothing */
+    REQUIRE(get_centroids(st, "r", 0, &before) == 1, "centroids");
+    REQUIRE(kvd_store_pq_rebuild_begin(st, "r", 1, 0, 1, &rb, &bound, &err) == 0, "begin: %s",
+            err.msg);
+    REQUIRE(kvd_store_pq_rebuild_run(rb, &err) == 0, "run: %s", err.msg);
+    kvd_store_pq_rebuild_abort(rb);
+    REQUIRE(get_centroids(st, "r", 0, &c) == 1 && c.id == before.id, "changed by an abort");
+    kvd_pq_centroids_clear(&c);
+    kvd_pq_centroids_clear(&before);
+    /* errors */
+    CHECK(kvd_store_pq_rebuild_begin(st, "r", 1, L, 0, &rb, &bound, &err) == KVD_EINVAL && !rb,
+          "layer past the model's");
+    CHECK(kvd_store_pq_rebuild_begin(st, "r", 1, 0, L + 1, &rb, &bound, &err) == KVD_EINVAL,
+          "too many layers");
+    CHECK(kvd_store_pq_rebuild_begin(st, "nope", 4, 0, 0, &rb, &bound, &err) == KVD_ENOTFOUND,
+          "unknown sequence");
+    kvd_seq_info sinfo;
+    REQUIRE(kvd_store_seq_create(st, "plain", 5, "pqm", NULL, 0, NULL, 0, &sinfo, &err) == 0,
+            "create: %s", err.msg);
+    kvd_seq_info_clear(&sinfo);
+    CHECK(kvd_store_pq_rebuild_begin(st, "plain", 5, 0, 0, &rb, &bound, &err) == KVD_EPRECOND,
+          "no PQ index: %s", err.msg);
+    /* the sequence is usable after the failed calls (its lock released) */
+    REQUIRE(append(st, "r", 5, 0, L, n + 5 + 2 * B, 3, &err) == 0, "append after errors: %s",
+            err.msg);
+    free(want);
+    kvd_store_close(st);
+}
+
 /* A client page (AppendPages) with a PQ section of its own: the stored page
  * carries the server's codes instead. */
 static void t_given_page(void)
@@ -761,6 +935,8 @@ int main(void)
     t_given_page();
     rm_dir();
     t_deferred();
+    rm_dir();
+    t_rebuild();
     rm_dir();
     kvd_backend_free(be);
     if (failures) {

@@ -278,6 +278,9 @@ static int append_as(kvd_req_ctx *ctx, const char *id, uint64_t T, const uint8_t
  * is refused, nothing stored); usage then holds both exactly, also after a
  * rescan; a later append trains none and needs room for its payload only.
  */
+static int unary_as(kvd_req_ctx *ctx, kvd_unary_fn fn, const ProtobufCMessage *req,
+                    grpc_byte_buffer **reply, kvd_error *err);
+
 static void test_quota_pq(void)
 {
     const uint64_t T = 32; /* two pages of 16 */
@@ -352,6 +355,29 @@ static void test_quota_pq(void)
           auth->tenants[0].bytes == base + 2 * bytes + L * (rec + codes));
     CHECK(kvd_store_seq_stat(svc.store, "pq2", 3, &info, &err) == 0 &&
           info.pq_bytes == L * (rec + codes));
+    kvd_seq_info_clear(&info);
+
+    /* RebuildPQIndex codes all 64 sealed tokens (32 more a layer): the
+     * quota counts the growth, one byte short refused with nothing changed */
+    const uint64_t grow = L * (uint64_t)H * T * 2, held = auth->tenants[0].bytes;
+    Kvdepot__V1__RebuildPQIndexRequest rq = KVDEPOT__V1__REBUILD_PQINDEX_REQUEST__INIT;
+    rq.sequence_id.data = (uint8_t *)"pq2";
+    rq.sequence_id.len = 3;
+    grpc_byte_buffer *reply = NULL;
+    auth->tenants[0].max_bytes = held + grow - 1;
+    CHECK(unary_as(&ctx, kvd_h_pq_rebuild, &rq.base, &reply, &err) == KVD_ENOMEM);
+    CHECK(auth->tenants[0].bytes == held && auth->tenants[0].inflight_bytes == 0);
+    CHECK(kvd_store_seq_stat(svc.store, "pq2", 3, &info, &err) == 0 &&
+          info.pq_bytes == L * (rec + codes));
+    kvd_seq_info_clear(&info);
+    auth->tenants[0].max_bytes = held + grow;
+    CHECK(unary_as(&ctx, kvd_h_pq_rebuild, &rq.base, &reply, &err) == 0 && reply);
+    if (reply)
+        grpc_byte_buffer_destroy(reply);
+    CHECK(auth->tenants[0].bytes == held + grow && auth->tenants[0].inflight_bytes == 0);
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0 && auth->tenants[0].bytes == held + grow);
+    CHECK(kvd_store_seq_stat(svc.store, "pq2", 3, &info, &err) == 0 &&
+          info.pq_bytes == L * (rec + codes) + grow);
     kvd_seq_info_clear(&info);
     free(data);
     svc.auth = NULL;

@@ -373,6 +373,9 @@ typedef struct kvdepot_pq_centroids {
 int kvdepot_pq_centroids_get(kvdepot_client *client, const void *id, size_t id_len,
                              uint32_t layer, kvdepot_pq_centroids *out);
 void kvdepot_pq_centroids_free(kvdepot_pq_centroids *c);
+int kvdepot_pq_rebuild(kvdepot_client *client, const void *id, size_t id_len,
+                       uint32_t layer_start, uint32_t num_layers, uint32_t *layers_rebuilt,
+                       uint64_t *tokens_indexed, kvdepot_sequence_info *info);
 int kvdepot_plan_fetch(kvdepot_client *client, const void *id, size_t id_len,
                        double bandwidth_bytes_per_s, double compute_flops_per_s,
                        uint32_t layer_start, uint32_t num_layers, int assume_activations,

@@ -919,6 +919,19 @@ class Client:
         finally:
             lib.kvdepot_pq_centroids_free(pc)
 
+    def pq_rebuild(self, sid: Id, layer_start: int = 0,
+                   num_layers: int = 0) -> Tuple[int, int, SequenceInfo]:
+        """Train the PQ centroids of layers [layer_start, +num_layers) (0 =
+        to the last) again on 4096 keys spread over the whole sequence and
+        code every sealed page of its own under them (RebuildPQIndex): for a
+        long sequence whose keys drifted, or one shorter than
+        pq_min_train_tokens. (layers rebuilt, tokens coded, the sequence)."""
+        b = _id(sid)
+        nl, nt = ffi.new("uint32_t *"), ffi.new("uint64_t *")
+        info = self._info_call(lib.kvdepot_pq_rebuild, ffi.from_buffer(b), len(b), layer_start,
+                               num_layers, nl, nt)
+        return nl[0], nt[0], info
+
     def sparse_attend(self, sid: Id, layer: int, q, k: int, *, initial_tokens: int = 0,
                       recent_tokens: int = 0, token_start: int = 0, num_tokens: int = 0,
                       scale: float = 0.0) -> Tuple[AttendResult, List[HeadTokens]]:

@@ -165,6 +165,12 @@ def test_search_sparse_attend_plan(client):
     client.append("p0", k, v, token_start=0)
     with pytest.raises(kvdepot.FailedPrecondition, match="min_train_tokens"):
         client.pq_centroids("p0", 0)
+    # an explicit rebuild trains it on its sealed pages (2 of 256 tokens)
+    layers, tokens, info = client.pq_rebuild("p0")
+    assert layers == L and tokens == L * 512 and info.pq_index_bytes > 0
+    assert client.pq_centroids("p0", 0)[0].shape == (H, 8, 64, D // 8)
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.pq_rebuild("p0", L)
     client.create_sequence("p1", "py",
                            codecs=kvdepot.Codecs(pq_m=8, pq_bits=6, pq_min_train_tokens=256))
     client.append("p1", k, v, token_start=0)
