@@ -90,9 +90,13 @@ static int create(kvdepot_client *c, const char *id, int pq)
     return kvdepot_sequence_create(c, &ca, NULL);
 }
 
+typedef float (*key_fn)(uint32_t l, uint64_t t, uint32_t h, uint32_t d);
+
 /* Append tokens [t0, t0 + n) of every layer in one call; keys and values
- * of sequence `salt` (0 for all but the prefix test), with token ids. */
-static int append_salted(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n, int salt)
+ * of sequence `salt` (0 for all but the prefix test), or keys kf (then
+ * values of salt 0), with token ids. */
+static int append_keys(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n, int salt,
+                       key_fn kf)
 {
     size_t cnt = (size_t)L * n * H * D, i = 0;
     uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
@@ -100,7 +104,7 @@ static int append_salted(kvdepot_client *c, const char *id, uint64_t t0, uint64_
         for (uint64_t t = t0; t < t0 + n; t++)
             for (uint32_t h = 0; h < H; h++)
                 for (uint32_t d = 0; d < D; d++, i++) {
-                    k[i] = kvd_f32_to_f16(val(2 * salt, l, t, h, d));
+                    k[i] = kvd_f32_to_f16(kf ? kf(l, t, h, d) : val(2 * salt, l, t, h, d));
                     v[i] = kvd_f32_to_f16(val(2 * salt + 1, l, t, h, d));
                 }
     kvdepot_append_args aa;
@@ -123,6 +127,11 @@ static int append_salted(kvdepot_client *c, const char *id, uint64_t t0, uint64_
     free(k);
     free(v);
     return rc;
+}
+
+static int append_salted(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n, int salt)
+{
+    return append_keys(c, id, t0, n, salt, NULL);
 }
 
 static int append(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
@@ -847,8 +856,6 @@ static int chunked(kvdepot_client *c, const char *id, uint32_t min_train, uint64
 
 /* Recall of Search's k tokens per kv head against the k best by the exact
  * score (the GQA group's summed query . key), averaged over heads. */
-typedef float (*key_fn)(uint32_t l, uint64_t t, uint32_t h, uint32_t d);
-
 static double search_recall_of(kvdepot_client *c, const char *id, uint32_t layer, const float *q,
                                uint64_t n, uint32_t k, kvdepot_search_result *sr, key_fn kf)
 {
@@ -910,29 +917,7 @@ static float drift_key(uint32_t l, uint64_t t, uint32_t h, uint32_t d)
 
 static int append_drift(kvdepot_client *c, const char *id, uint64_t t0, uint64_t n)
 {
-    size_t cnt = (size_t)L * n * H * D, i = 0;
-    uint16_t *k = malloc(cnt * 2), *v = malloc(cnt * 2);
-    for (uint32_t l = 0; l < L; l++)
-        for (uint64_t t = t0; t < t0 + n; t++)
-            for (uint32_t h = 0; h < H; h++)
-                for (uint32_t d = 0; d < D; d++, i++) {
-                    k[i] = kvd_f32_to_f16(drift_key(l, t, h, d));
-                    v[i] = kvd_f32_to_f16(val(1, l, t, h, d));
-                }
-    kvdepot_append_args aa;
-    memset(&aa, 0, sizeof aa);
-    aa.id = id;
-    aa.id_len = strlen(id);
-    aa.token_start = t0;
-    aa.num_tokens = n;
-    aa.dtype = KVDEPOT_DTYPE_F16;
-    aa.k = k;
-    aa.v = v;
-    aa.k_bytes = aa.v_bytes = cnt * 2;
-    int rc = kvdepot_sequence_append(c, &aa, NULL);
-    free(k);
-    free(v);
-    return rc;
+    return append_keys(c, id, t0, n, 0, drift_key);
 }
 
 /* RebuildPQIndex on a sequence whose keys drift after the 4096 the index was

@@ -212,17 +212,24 @@ static int get_centroids(kvd_store *st, const char *id, uint32_t l, kvd_pq_centr
     return found;
 }
 
+/* Page `block` of layer l of `id`, acquired (release ph) and decoded. */
+static void page_view(kvd_store *st, const char *id, uint32_t l, uint64_t block,
+                      kvd_page_handle *ph, kvd_page_view *v)
+{
+    kvd_error err;
+    REQUIRE(kvd_store_page_acquire(st, id, strlen(id), l, block, ph, &err) == 0, "acquire: %s",
+            err.msg);
+    REQUIRE(kvd_page_decode(ph->bytes, ph->len, v, &err) == 0, "decode: %s", err.msg);
+}
+
 /* Page `block` of layer l: its PQ section carries centroids `cid` and codes
  * equal to encoding the keys of sequence `salt` as appended. */
 static void check_page_codes(kvd_store *st, const char *id, int salt, uint32_t l, uint64_t block,
                              const kvd_pq_centroids *c)
 {
     kvd_page_handle ph;
-    kvd_error err;
-    REQUIRE(kvd_store_page_acquire(st, id, strlen(id), l, block, &ph, &err) == 0, "acquire: %s",
-            err.msg);
     kvd_page_view v;
-    REQUIRE(kvd_page_decode(ph.bytes, ph.len, &v, &err) == 0, "decode: %s", err.msg);
+    page_view(st, id, l, block, &ph, &v);
     kvd_page_pq pq;
     CHECK(kvd_page_pq_get(&v, &pq) == 1, "page %s/%u/%llu has no PQ section", id, l,
           (unsigned long long)block);
@@ -513,11 +520,8 @@ static void t_store(void)
 static int has_pq_section(kvd_store *st, const char *id, uint32_t l, uint64_t block)
 {
     kvd_page_handle ph;
-    kvd_error err;
-    REQUIRE(kvd_store_page_acquire(st, id, strlen(id), l, block, &ph, &err) == 0, "acquire: %s",
-            err.msg);
     kvd_page_view v;
-    REQUIRE(kvd_page_decode(ph.bytes, ph.len, &v, &err) == 0, "decode: %s", err.msg);
+    page_view(st, id, l, block, &ph, &v);
     kvd_page_pq pq;
     int has = kvd_page_pq_get(&v, &pq) == 1;
     kvd_store_page_release(st, &ph);
@@ -530,11 +534,9 @@ static void stored_page_keys(kvd_store *st, const char *id, uint32_t l, uint64_t
                              float *out)
 {
     kvd_page_handle ph;
-    kvd_error err;
-    REQUIRE(kvd_store_page_acquire(st, id, strlen(id), l, block, &ph, &err) == 0, "acquire: %s",
-            err.msg);
     kvd_page_view v;
-    REQUIRE(kvd_page_decode(ph.bytes, ph.len, &v, &err) == 0, "decode: %s", err.msg);
+    page_view(st, id, l, block, &ph, &v);
+    kvd_error err;
     float all[H * B * D];
     REQUIRE(kvd_page_decode_section(be, &v, KVD_SECTION_K, NULL, KVD_DTYPE_F32, all, &err) == 0,
             "decode K: %s", err.msg);
