@@ -398,7 +398,8 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
     }
     memcpy(out->data, cent, 4 * (size_t)nf);
     if (early &&
-        (rc = early_codes(st, be, train_be, c, b, s, &pi, d, own, out, &made->bytes, err)) == 0) {
+        (rc = early_codes(st, be, train_be, c, b, s, &pi, d, own, out, &made->bytes, err)) == 0 &&
+        made->bytes) {
         made->t0 = own;
         made->n = (uint32_t)early;
     }
@@ -423,6 +424,9 @@ static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens, M = c->pq_m;
     const uint64_t n = d->token_start - own, per_head = cent_floats(1, D, c->pq_bits);
+    *bytes = 0;
+    if (kvd__pq_codes_bytes(H, M, n) > KVD_PQ_CODES_MAX_BYTES)
+        return 0; /* too many: Search codes those pages at call time */
     const size_t rlen = (size_t)kvd__pq_codes_bytes(H, M, n);
     uint8_t *rec = malloc(rlen);
     float *keys = malloc(sizeof(float) * (size_t)H * B * D);
@@ -970,6 +974,16 @@ int kvd_store_pq_rebuild_begin(kvd_store *st, const void *id, size_t id_len, uin
         struct rebuild_layer_state *y = &rb->ly[i];
         const uint64_t sealed = Ly->tokens / B * B;
         y->n = sealed > rb->own ? sealed - rb->own : 0;
+        if (kvd__pq_codes_bytes(m->num_kv_heads, rb->c.pq_m, y->n) > KVD_PQ_CODES_MAX_BYTES) {
+            rc = kvd_error_set(
+                err, KVD_EINVAL,
+                "PQ rebuild: the codes of layer %u's %llu tokens would take %llu "
+                "bytes, more than the %u an index holds",
+                rb->ls + i, (unsigned long long)y->n,
+                (unsigned long long)kvd__pq_codes_bytes(m->num_kv_heads, rb->c.pq_m, y->n),
+                KVD_PQ_CODES_MAX_BYTES);
+            break;
+        }
         y->was_bytes = Ly->pq_bytes;
         y->was_codes_n = Ly->pq_codes_n;
         y->was_codes_t0 = Ly->pq_codes_t0;

@@ -145,6 +145,10 @@ int kvd_store_pq_rebuild_run(kvd_pq_rebuild *rb, kvd_error *err);
 int kvd_store_pq_rebuild_commit(kvd_pq_rebuild *rb, kvd_pq_rebuild_info *info, kvd_error *err);
 void kvd_store_pq_rebuild_abort(kvd_pq_rebuild *rb);
 
+/* Bytes of a codes record of n tokens, H kv heads, m sub-spaces; the most
+ * one may hold (larger: the tokens are coded at Search time, and a rebuild
+ * is refused). */
+#define KVD_PQ_CODES_MAX_BYTES (256u << 20)
 /* Bytes of a codes record of n tokens, H kv heads, m sub-spaces. */
 uint64_t kvd__pq_codes_bytes(uint32_t H, uint32_t m, uint64_t n);
 

@@ -48,7 +48,7 @@
 /* pq_min_train_tokens: the default (a typical prefill, and as many keys as
  * the training uses: KVD_PQ_TRAIN_TOKENS, pqindex.h), the most accepted. */
 #define KVD_PQ_MIN_TRAIN_TOKENS 4096
-#define KVD_PQ_MIN_TRAIN_MAX (1u << 24)
+#define KVD_PQ_MIN_TRAIN_MAX (1u << 20)
 
 typedef struct kvd_seq_codecs {
     kvd_codec_spec k, v;
