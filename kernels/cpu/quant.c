@@ -184,7 +184,10 @@ void kvd_dequantize_ref(const kvd_qtensor *q, const kvd_tensor *y)
             }
             int64_t rowbytes = (q->axis == KVD_QAXIS_TOKEN ? D : T) * bits / 8;
             uint32_t c = code_at(q->codes + row * rowbytes, pos, bits);
-            float mn = kvd_f16_to_f32(q->min[gi]), sc = kvd_f16_to_f32(q->scale[gi]);
+            uint16_t mh, sh; /* the parameters may lie at any address of a page */
+            memcpy(&mh, (const char *)q->min + 2 * gi, 2);
+            memcpy(&sh, (const char *)q->scale + 2 * gi, 2);
+            float mn = kvd_f16_to_f32(mh), sc = kvd_f16_to_f32(sh);
             float prod = sc * (float)c;
             float v = mn + prod;
             kvd__store_float((char *)y->data + t * y->stride[0] + d * y->stride[1], y->dtype, v);

@@ -13,6 +13,15 @@
 
 KVD_AVX2_TARGET static inline float f16c_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
+/* f16 element i of p as f32: p may be any address (a page's parameters lie
+ * where its layout puts them, an odd offset included). */
+KVD_AVX2_TARGET static inline float f16c_at(const uint16_t *p, int64_t i)
+{
+    uint16_t h;
+    memcpy(&h, (const char *)p + 2 * i, 2);
+    return _cvtsh_ss(h);
+}
+
 KVD_AVX2_TARGET static inline float hmin8(__m256 v)
 {
     __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -228,8 +237,8 @@ void kvd__dequant_row_avx2(float *y, int64_t n, int bits, int group, const uint8
     const __m256i sh4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i m2 = _mm256_set1_epi32(3), m4 = _mm256_set1_epi32(15);
     for (int64_t g = 0; g < ng; g++) {
-        const __m256 vmn = _mm256_set1_ps(f16c_to_f32(min[g]));
-        const __m256 vsc = _mm256_set1_ps(f16c_to_f32(scale[g]));
+        const __m256 vmn = _mm256_set1_ps(f16c_at(min, g));
+        const __m256 vsc = _mm256_set1_ps(f16c_at(scale, g));
         const uint8_t *cg = codes + g * group * bits / 8;
         float *yg = y + g * group;
         if (bits == 2) {
@@ -345,8 +354,8 @@ void kvd__dequant_tile_channel_avx2(char *y0, int64_t ys, kvd_dtype dt, int64_t 
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
         float mn8[8], sc8[8];
         for (int l = 0; l < 8; l++) {
-            mn8[l] = f16c_to_f32(min[(d0 + l) * prow]);
-            sc8[l] = f16c_to_f32(scale[(d0 + l) * prow]);
+            mn8[l] = f16c_at(min, (d0 + l) * prow);
+            sc8[l] = f16c_at(scale, (d0 + l) * prow);
         }
         const __m256 vmn = _mm256_loadu_ps(mn8), vsc = _mm256_loadu_ps(sc8);
         char *yc = y0 + d0 * es;
