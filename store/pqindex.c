@@ -288,6 +288,19 @@ static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, 
     return rc;
 }
 
+/* The header of a centroid record of H kv heads x D into rec; the
+ * centroids follow (12-byte offset: float-aligned). */
+static float *rec_header(uint8_t *rec, const kvd_seq_codecs *c, uint32_t H, uint32_t D)
+{
+    rec[0] = REC_VERSION;
+    rec[1] = c->pq_bits;
+    rec[2] = (uint8_t)c->pq_m;
+    rec[3] = (uint8_t)(c->pq_m >> 8);
+    st32(rec + 4, H);
+    st32(rec + 8, D);
+    return (float *)(void *)(rec + REC_HEADER);
+}
+
 /* Centroids of kv head h of `layer` from n keys (n, D) f32 (host): on the
  * store's device when it has one (the CPU when the device fails in a way
  * kvd_store_device_fallback takes), else on train_be. */
@@ -361,13 +374,7 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
         goto done;
     if (from_early && (rc = stored_keys(st, be, c, &pi, d, own, (uint64_t)from_early, ek, err)))
         goto done;
-    rec[0] = REC_VERSION;
-    rec[1] = c->pq_bits;
-    rec[2] = (uint8_t)c->pq_m;
-    rec[3] = (uint8_t)(c->pq_m >> 8);
-    st32(rec + 4, H);
-    st32(rec + 8, D);
-    float *cent = (float *)(rec + REC_HEADER); /* 12-byte offset: float-aligned */
+    float *cent = rec_header(rec, c, H, D);
     for (uint32_t h = 0; h < H && rc == 0; h++) {
         const uint8_t *ph = k_page + (size_t)h * B * D * es;
         const uint8_t *wh = wire_k + ((size_t)(p1 - wire_ts) * H + h) * D * es;
@@ -1067,13 +1074,7 @@ static int rebuild_layer(kvd_pq_rebuild *rb, uint32_t layer, const struct rebuil
     if (rc)
         goto done;
     /* 2. the centroids, in a record of the usual form */
-    rec[0] = REC_VERSION;
-    rec[1] = c->pq_bits;
-    rec[2] = (uint8_t)M;
-    rec[3] = (uint8_t)(M >> 8);
-    st32(rec + 4, H);
-    st32(rec + 8, D);
-    float *cd = (float *)(rec + REC_HEADER);
+    float *cd = rec_header(rec, c, H, D);
     for (uint32_t h = 0; h < H && rc == 0; h++) {
         memcpy(keys, sample + (size_t)h * T * D, sizeof(float) * (size_t)T * D);
         rc = train_head(st, train_be, c, layer, h, keys, T, D, cd + (size_t)h * per_head, err);
