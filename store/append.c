@@ -663,7 +663,7 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
     /* The pages this append seals carry PQ codes once the layer has
      * centroids, or when this append takes it to pq_min_train_tokens (and
      * trains them); before, they seal without (pqindex.h). */
-    const int pq = ap->codecs.pq_m && (L->pq_bytes || end >= ap->codecs.pq_min_train_tokens);
+    const int pq = ap->codecs.pq_m && (L->pq.bytes || end >= ap->codecs.pq_min_train_tokens);
     int rc = 0;
     kvd__tail old = {0};
 
@@ -936,7 +936,7 @@ uint64_t kvd_store_append_index_bound(const kvd_append *ap)
     pthread_mutex_lock(&ap->s->mu);
     const uint64_t own = ap->s->prefix_blocks * B; /* its first own page */
     for (uint32_t l = ap->ls; l < ap->ls + ap->nl && l < ap->s->num_layers; l++) {
-        if (ap->s->layers[l].pq_bytes)
+        if (ap->s->layers[l].pq.bytes)
             continue;
         /* and the codes of its own pages sealed before (pqindex.h) */
         const uint64_t sealed = ap->s->layers[l].tokens / B * B;
@@ -1061,13 +1061,9 @@ int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err)
             free(L->pages[first]); /* the old tail, private to this sequence */
         }
         free(L->pages);
-        /* the layer's index, unchanged here (kvd__pq_append_done) */
-        const uint32_t pq_bytes = L->pq_bytes, codes_n = L->pq_codes_n;
-        const uint64_t codes_t0 = L->pq_codes_t0;
+        const kvd__pq_index pq = L->pq; /* unchanged here (kvd__pq_append_done) */
         *L = nls[l];
-        L->pq_bytes = pq_bytes;
-        L->pq_codes_n = codes_n;
-        L->pq_codes_t0 = codes_t0;
+        L->pq = pq;
     }
     free(s->hashes);
     free(s->ids);

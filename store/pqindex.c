@@ -332,8 +332,9 @@ static int train_head(kvd_store *st, kvd_backend *train_be, const kvd_seq_codecs
  * CPU when the device fails. */
 static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
                        const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
-                       const page_ids *pi, const kvd_page_desc *d, uint64_t own,
-                       const kvd_pq_centroids *cent, uint32_t *bytes, kvd_error *err);
+                       const page_ids *pi, const float *known, uint64_t nknown,
+                       const kvd_page_desc *d, uint64_t own, const kvd_pq_centroids *cent,
+                       uint32_t *bytes, kvd_error *err);
 
 /* What the codes record of a training append holds (early_codes). */
 typedef struct codes_made {
@@ -405,7 +406,8 @@ static int train_layer(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
     }
     memcpy(out->data, cent, 4 * (size_t)nf);
     if (early &&
-        (rc = early_codes(st, be, train_be, c, b, s, &pi, d, own, out, &made->bytes, err)) == 0 &&
+        (rc = early_codes(st, be, train_be, c, b, s, &pi, ek, (uint64_t)from_early, d, own, out,
+                          &made->bytes, err)) == 0 &&
         made->bytes) {
         made->t0 = own;
         made->n = (uint32_t)early;
@@ -422,12 +424,15 @@ done:
  * The codes of the pages the sequence sealed before its layer was trained,
  * tokens [own, d->token_start), under the centroids just trained, into b as
  * the layer's codes record (pqindex.h), so that Search scans them like the
- * PQ sections of later pages. *bytes: the record's size.
+ * PQ sections of later pages. known (H, nknown, D) f32: the keys of tokens
+ * [own, own + nknown) as the training read them (not read again; NULL, 0:
+ * none). *bytes: the record's size.
  */
 static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
                        const kvd_seq_codecs *c, struct rocksdb_writebatch_t *b, const kvd__seq *s,
-                       const page_ids *pi, const kvd_page_desc *d, uint64_t own,
-                       const kvd_pq_centroids *cent, uint32_t *bytes, kvd_error *err)
+                       const page_ids *pi, const float *known, uint64_t nknown,
+                       const kvd_page_desc *d, uint64_t own, const kvd_pq_centroids *cent,
+                       uint32_t *bytes, kvd_error *err)
 {
     const uint32_t H = d->num_kv_heads, D = d->head_dim, B = d->page_tokens, M = c->pq_m;
     const uint64_t n = d->token_start - own, per_head = cent_floats(1, D, c->pq_bits);
@@ -452,11 +457,15 @@ static int early_codes(kvd_store *st, kvd_backend *be, kvd_backend *train_be,
         rec[8 + i] = (uint8_t)(cent->id >> (8 * i));
     uint8_t *codes = rec + CODES_HEADER; /* (H, n, M) */
     for (uint64_t t = own; t < d->token_start && rc == 0; t += B) {
-        if ((rc = stored_keys(st, be, c, pi, d, t, B, keys, err)))
+        /* the keys the training read already, or the page's */
+        const int have = t - own + B <= nknown;
+        if (!have && (rc = stored_keys(st, be, c, pi, d, t, B, keys, err)))
             break;
         for (uint32_t h = 0; h < H && rc == 0; h++) {
             int64_t ks[2] = {B, D}, cs[3] = {M, (int64_t)1 << c->pq_bits, D / M}, ds[2] = {B, M};
-            kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, keys + (size_t)h * B * D, 2, ks);
+            const float *kh =
+                have ? known + ((size_t)h * nknown + (t - own)) * D : keys + (size_t)h * B * D;
+            kvd_tensor tk = kvd_tensor_make(KVD_DTYPE_F32, (float *)kh, 2, ks);
             kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, cent->data + h * per_head, 3, cs);
             kvd_tensor td =
                 kvd_tensor_make(KVD_DTYPE_U8, codes + ((size_t)h * n + (t - own)) * M, 2, ds);
@@ -731,13 +740,11 @@ uint64_t kvd__pq_append_done(struct kvd__pq_append *state, kvd_store *st, kvd__s
 {
     uint64_t added = 0;
     for (uint32_t l = 0; state && l < state->num_layers && l < s->num_layers; l++) {
-        uint32_t now = state->layers[l].trained, was = s->layers[l].pq_bytes;
+        uint32_t now = state->layers[l].trained, was = s->layers[l].pq.bytes;
         if (!now)
             continue;
         /* two appends that both trained the layer: the later records stay */
-        s->layers[l].pq_bytes = now;
-        s->layers[l].pq_codes_t0 = state->layers[l].codes_t0;
-        s->layers[l].pq_codes_n = state->layers[l].codes_n;
+        s->layers[l].pq = (kvd__pq_index){now, state->layers[l].codes_n, state->layers[l].codes_t0};
         if (now >= was) {
             atomic_fetch_add(&st->disk_bytes, now - was);
             added += now - was;
@@ -752,9 +759,8 @@ void kvd__pq_forget(kvd_store *st, kvd__seq *s)
 {
     uint64_t bytes = 0;
     for (uint32_t l = 0; l < s->num_layers; l++) {
-        bytes += s->layers[l].pq_bytes;
-        s->layers[l].pq_bytes = 0;
-        s->layers[l].pq_codes_n = 0;
+        bytes += s->layers[l].pq.bytes;
+        s->layers[l].pq = (kvd__pq_index){0};
     }
     uint64_t have = atomic_load(&st->disk_bytes);
     atomic_fetch_sub(&st->disk_bytes, bytes < have ? bytes : have);
@@ -803,13 +809,13 @@ int kvd__pq_load(kvd_store *st, kvd_error *err)
         const uint64_t bytes = !is_codes ? rec
                                : pq_m    ? kvd__pq_codes_bytes(s->model->info.num_kv_heads, pq_m, n)
                                          : 0;
-        s->layers[layer].pq_bytes += (uint32_t)bytes;
+        s->layers[layer].pq.bytes += (uint32_t)bytes;
         if (is_codes && pq_m) {
             uint64_t t0 = 0;
             for (int i = 0; i < 8; i++)
                 t0 = t0 << 8 | k[3 + id_len + 4 + i];
-            s->layers[layer].pq_codes_t0 = t0;
-            s->layers[layer].pq_codes_n = n;
+            s->layers[layer].pq.codes_t0 = t0;
+            s->layers[layer].pq.codes_n = n;
         }
         total += bytes;
     }
@@ -833,9 +839,9 @@ void kvd__pq_delete(struct rocksdb_writebatch_t *b, const kvd__seq *s)
         size_t klen = pq_key(key, s->id, s->id_len, l);
         rocksdb_writebatch_delete((rocksdb_writebatch_t *)b, (const char *)key, klen);
         const kvd__layer *L = &s->layers[l];
-        if (L->pq_codes_n) {
+        if (L->pq.codes_n) {
             uint8_t ck[3 + KVD_SEQ_ID_MAX + 4 + CODES_KEY_EXTRA];
-            klen = codes_key(ck, s->id, s->id_len, l, L->pq_codes_t0, L->pq_codes_n);
+            klen = codes_key(ck, s->id, s->id_len, l, L->pq.codes_t0, L->pq.codes_n);
             rocksdb_writebatch_delete((rocksdb_writebatch_t *)b, (const char *)ck, klen);
         }
     }
@@ -912,8 +918,7 @@ struct rebuild_layer_state {
     uint64_t n;     /* own sealed tokens to index (0 = layer skipped) */
     page_ids pages; /* their pages */
     uint32_t bytes; /* the layer's records after the rebuild */
-    uint32_t was_bytes, was_codes_n;
-    uint64_t was_codes_t0;
+    kvd__pq_index was;
 };
 
 struct kvd_pq_rebuild {
@@ -991,12 +996,10 @@ int kvd_store_pq_rebuild_begin(kvd_store *st, const void *id, size_t id_len, uin
                 KVD_PQ_CODES_MAX_BYTES);
             break;
         }
-        y->was_bytes = Ly->pq_bytes;
-        y->was_codes_n = Ly->pq_codes_n;
-        y->was_codes_t0 = Ly->pq_codes_t0;
+        y->was = Ly->pq;
         y->bytes = y->n ? (uint32_t)(rec + kvd__pq_codes_bytes(m->num_kv_heads, rb->c.pq_m, y->n))
-                        : Ly->pq_bytes;
-        rb->old_bytes += Ly->pq_bytes;
+                        : Ly->pq.bytes;
+        rb->old_bytes += Ly->pq.bytes;
         rb->new_bytes += y->bytes;
         if (y->n)
             rc = layer_page_ids(s, rb->ls + i, B, rb->own / B, y->n / B, &y->pages, err);
@@ -1063,7 +1066,8 @@ static int rebuild_layer(kvd_pq_rebuild *rb, uint32_t layer, const struct rebuil
         if ((rc = stored_keys(st, be, c, &y->pages, &d, t, B, page, err)))
             break;
         for (; i < T; i++) {
-            const uint64_t ti = rb->own + (uint64_t)((unsigned __int128)i * n / (uint64_t)T);
+            /* i < 4096 and n bounded by the 256 MiB record: no overflow */
+            const uint64_t ti = rb->own + (uint64_t)i * n / (uint64_t)T;
             if (ti >= t + B)
                 break;
             for (uint32_t h = 0; h < H; h++)
@@ -1087,15 +1091,15 @@ static int rebuild_layer(kvd_pq_rebuild *rb, uint32_t layer, const struct rebuil
     size_t klen = pq_key(key, s->id, s->id_len, layer);
     rocksdb_writebatch_put(rb->b, (const char *)key, klen, (const char *)rec, rlen);
     /* 3. the codes of every own sealed page, replacing the layer's record */
-    if (y->was_codes_n) {
-        klen = codes_key(key, s->id, s->id_len, layer, y->was_codes_t0, y->was_codes_n);
+    if (y->was.codes_n) {
+        klen = codes_key(key, s->id, s->id_len, layer, y->was.codes_t0, y->was.codes_n);
         rocksdb_writebatch_delete(rb->b, (const char *)key, klen);
     }
     kvd_page_desc at = d;
     at.token_start = rb->own + n; /* early_codes codes [own, token_start) */
     uint32_t bytes = 0;
-    rc = early_codes(st, be, train_be, c, (struct rocksdb_writebatch_t *)rb->b, s, &y->pages, &at,
-                     rb->own, &cent, &bytes, err);
+    rc = early_codes(st, be, train_be, c, (struct rocksdb_writebatch_t *)rb->b, s, &y->pages, NULL,
+                     0, &at, rb->own, &cent, &bytes, err);
 done:
     free(rec);
     free(page);
@@ -1129,8 +1133,8 @@ int kvd_store_pq_rebuild_commit(kvd_pq_rebuild *rb, kvd_pq_rebuild_info *info, k
     for (uint32_t i = 0; i < rb->nl && rc == 0; i++) {
         const kvd__layer *Ly = &s->layers[rb->ls + i];
         const struct rebuild_layer_state *y = &rb->ly[i];
-        if (Ly->pq_bytes != y->was_bytes || Ly->pq_codes_n != y->was_codes_n ||
-            Ly->pq_codes_t0 != y->was_codes_t0)
+        if (Ly->pq.bytes != y->was.bytes || Ly->pq.codes_n != y->was.codes_n ||
+            Ly->pq.codes_t0 != y->was.codes_t0)
             rc = kvd_error_set(err, KVD_EABORTED,
                                "an append trained the PQ index of layer %u during the rebuild; "
                                "nothing was changed: rebuild again",
@@ -1145,9 +1149,7 @@ int kvd_store_pq_rebuild_commit(kvd_pq_rebuild *rb, kvd_pq_rebuild_info *info, k
             const struct rebuild_layer_state *y = &rb->ly[i];
             if (!y->n)
                 continue;
-            Ly->pq_bytes = y->bytes;
-            Ly->pq_codes_t0 = rb->own;
-            Ly->pq_codes_n = (uint32_t)y->n;
+            Ly->pq = (kvd__pq_index){y->bytes, (uint32_t)y->n, rb->own};
             if (info) {
                 info->layers_rebuilt++;
                 info->tokens_indexed += y->n;

@@ -35,7 +35,7 @@
  *   u8 codes (num_kv_heads, n, m)
  *
  * Search takes the codes of those tokens from there. Both records count in
- * the layer's pq_bytes (SequenceInfo.pq_index_bytes).
+ * the layer's pq.bytes (SequenceInfo.pq_index_bytes).
  *
  * Codes: every page of the sequence that seals from then on, in that layer,
  * gets a PQ-codes section (page.h) with the codes of its keys as appended
@@ -215,7 +215,7 @@ void kvd__pq_append_free(struct kvd__pq_append *state);
 uint64_t kvd__pq_record_bytes(uint32_t H, uint32_t D, uint32_t bits);
 
 /* Once the append's batch is durable (under s->mu): the layers it trained
- * centroids for record their size (kvd__layer.pq_bytes) and the store's
+ * centroids for record their size (kvd__layer.pq) and the store's
  * disk bytes grow by it. Returns the bytes added. */
 uint64_t kvd__pq_append_done(struct kvd__pq_append *state, kvd_store *st, struct kvd__seq *s);
 

@@ -326,7 +326,7 @@ int kvd__seq_fill_info(kvd_store *st, const kvd__seq *s, kvd_seq_info *out, kvd_
     out->stores_activations = s->act_tokens != NULL;
     out->stored_bytes += out->activation_bytes;
     for (uint32_t l = 0; l < s->num_layers; l++)
-        out->pq_bytes += s->layers[l].pq_bytes;
+        out->pq_bytes += s->layers[l].pq.bytes;
     out->stored_bytes += out->pq_bytes;
     /* Complete blocks with a known hash are all in the prefix index (this
      * sequence's copy or an identical one registered first). */

@@ -132,13 +132,18 @@ typedef struct kvd__model {
 } kvd__model;
 
 /* Per-layer page table: pages[i] covers tokens [i*B, i*B + pages[i]->num_tokens). */
+/* A layer's PQ index records (pqindex.h). */
+typedef struct kvd__pq_index {
+    uint32_t bytes;   /* its centroid and codes records; 0 = none */
+    uint32_t codes_n; /* its codes record: tokens [codes_t0, + codes_n); 0 = none */
+    uint64_t codes_t0;
+} kvd__pq_index;
+
 typedef struct kvd__layer {
     uint64_t tokens;
     uint32_t npages, cap;
     kvd__page **pages;
-    uint32_t pq_bytes;   /* its PQ centroid and codes records (pqindex.h); 0 = none */
-    uint32_t pq_codes_n; /* its codes record: tokens [pq_codes_t0, + n); n 0 = none */
-    uint64_t pq_codes_t0;
+    kvd__pq_index pq;
 } kvd__layer;
 
 typedef struct kvd__seq {
