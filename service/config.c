@@ -95,6 +95,9 @@ static const setting settings[] = {
     {"handshake-timeout-ms", T_UINT, F(handshake_timeout_ms), "10000", 100, 600000, "MS",
      "close a connection that has not completed its TLS handshake and sent its HTTP/2 "
      "settings within this time"},
+    {"max-connections", T_UINT, F(max_connections), "0", 0, 1ull << 24, "N",
+     "client connections held open at most (more are reset when accepted); 0: the descriptor "
+     "limit less a quarter of it (at least 64) kept for RocksDB's files"},
     {"keepalive-permit-without-calls", T_BOOL, F(keepalive_permit_without_calls), "true", 0, 0,
      "BOOL", "accept (and send) keepalive pings on connections with no call in flight"},
     {"metrics-listen", T_OPTSTRING, F(metrics_listen), "127.0.0.1:9464", 0, 0, "ADDR",

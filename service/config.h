@@ -48,6 +48,7 @@ typedef struct kvd_config {
     uint64_t keepalive_time_ms;
     uint64_t keepalive_timeout_ms;
     uint64_t handshake_timeout_ms;
+    uint64_t max_connections; /* 0 = sized from the descriptor limit at start */
     uint64_t keepalive_min_ping_interval_ms;
     int keepalive_permit_without_calls;
 

@@ -23,6 +23,7 @@
 
 #include "auth.h"
 #include "config.h"
+#include "conncap.h"
 #include "log.h"
 #include "metrics.h"
 #include "rpc.h"
@@ -239,12 +240,13 @@ static void grpc_log(gpr_log_func_args *a)
 
 /* Connections, RocksDB's files and the store's threads all take
  * descriptors, and RocksDB cannot write without them: the soft limit is
- * raised to the hard one at start, and the log says what it is. */
-static void raise_nofile(void)
+ * raised to the hard one at start, and the log says what it is. Returns
+ * the limit (an unlimited one counts as 2^22). */
+static uint64_t raise_nofile(void)
 {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
-        return;
+        return 1024;
     rlim_t was = rl.rlim_cur;
     if (rl.rlim_cur < rl.rlim_max) {
         rl.rlim_cur = rl.rlim_max;
@@ -256,6 +258,25 @@ static void raise_nofile(void)
                                : "descriptor limit",
             "nofile=%llu was=%llu hard=%llu", (unsigned long long)rl.rlim_cur,
             (unsigned long long)was, (unsigned long long)rl.rlim_max);
+    return rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > (1u << 22) ? 1u << 22
+                                                                    : (uint64_t)rl.rlim_cur;
+}
+
+/* Connections are capped so that a flood of them cannot take the
+ * descriptors RocksDB needs (conncap.h), and RocksDB's own open files are
+ * bounded by half of what is kept back for it. */
+static uint64_t size_connections(const kvd_config *cfg, uint64_t nofile, kvd_store_options *sopt)
+{
+    uint64_t reserve = kvd_conncap_reserve(nofile);
+    uint64_t fit = kvd_conncap_default(nofile);
+    uint64_t max = cfg->max_connections ? cfg->max_connections : fit;
+    sopt->max_open_files = (uint32_t)(reserve / 2 > UINT32_MAX ? UINT32_MAX : reserve / 2);
+    KVD_LOG(max > fit ? KVD_LOG_WARN : KVD_LOG_INFO,
+            max > fit ? "max-connections leaves RocksDB fewer descriptors than it is kept"
+                      : "connections capped",
+            "max_connections=%llu nofile=%llu rocksdb_max_open_files=%u", (unsigned long long)max,
+            (unsigned long long)nofile, sopt->max_open_files);
+    return max;
 }
 
 int main(int argc, char **argv)
@@ -423,7 +444,8 @@ int main(int argc, char **argv)
     kvd_error serr;
     kvd_error_clear(&serr);
     check_data_dir_mode(cfg.data_dir);
-    raise_nofile();
+    uint64_t nofile = raise_nofile();
+    uint64_t max_connections = size_connections(&cfg, nofile, &sopt);
     kvd_backend *device = NULL;
     kvd_backend *backend =
         open_backends(dev_cuda, dev_index, (int)cfg.compute_threads, &device, &serr);
@@ -497,6 +519,8 @@ int main(int argc, char **argv)
     grpc_init();
     kvd_server *srv = NULL;
     int port = 0;
+    if (kvd_conncap_start(max_connections, nofile, kvd_http_listen_fd(http)) != 0)
+        KVD_LOG(KVD_LOG_WARN, "out of memory: connections are not capped", NULL);
     if (kvd_server_start(&svc, &srv, &port, err, sizeof err) != 0) {
         fprintf(stderr, "%s: %s\n", prog, err);
         kvd_store_close(store);

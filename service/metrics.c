@@ -413,3 +413,11 @@ void kvd_http_stop(kvd_http *h)
     MHD_stop_daemon(h->d);
     free(h);
 }
+
+int kvd_http_listen_fd(const kvd_http *h)
+{
+    if (!h)
+        return -1;
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_LISTEN_FD);
+    return info ? (int)info->listen_fd : -1;
+}

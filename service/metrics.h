@@ -28,6 +28,8 @@
     X(payload_bytes_stored, gauge, "K+V payload bytes the stored sequences hold")                  \
     X(stored_bytes, gauge, "bytes of the stored pages (encoded)")                                  \
     X(pages_sealed, gauge, "sealed pages in the store")                                            \
+    X(connections, gauge, "client connections open")                                               \
+    X(connections_refused_total, counter, "connections reset on accept: max-connections reached")  \
     X(tokens_reloads_total, counter, "tokens file reloads (SIGHUP) that succeeded")                \
     X(ready, gauge, "1 when serving, 0 while starting or shutting down")
 
@@ -67,5 +69,7 @@ typedef struct kvd_http kvd_http;
 int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, int *port, char *err,
                    size_t errlen);
 void kvd_http_stop(kvd_http *h); /* NULL is a no-op */
+/* The endpoint's listening socket; -1 for NULL. */
+int kvd_http_listen_fd(const kvd_http *h);
 
 #endif /* KVDEPOT_SERVICE_METRICS_H */

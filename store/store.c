@@ -544,6 +544,9 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
      * what a crash leaves, is tolerated), or, when asked, everything from
      * the damage on is dropped (kPointInTimeRecovery). */
     rocksdb_options_set_wal_recovery_mode(st->dbopt, opt->wal_point_in_time ? 2 : 0);
+    if (opt->max_open_files)
+        rocksdb_options_set_max_open_files(
+            st->dbopt, opt->max_open_files < 32 ? 32 : (int)(opt->max_open_files & INT32_MAX));
 
     /* What the WAL holds, to tell what a point-in-time recovery drops. */
     void *wal_writes = opt->wal_point_in_time ? kvd__wal_scan(opt->data_dir) : NULL;

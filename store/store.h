@@ -51,6 +51,9 @@ typedef struct kvd_store_options {
      * is tolerated); 1 = keep what precedes it, drop the rest
      * (kvd_store_recovery_report says what was dropped). */
     int wal_point_in_time;
+    /* Table and blob files RocksDB keeps open at most (its max_open_files,
+     * at least 32); 0 = every one it has opened. */
+    uint32_t max_open_files;
     /* 1 (kvdepotd repair): a sequence record that does not load (malformed,
      * or naming a model whose record was lost) is deleted, and listed in
      * kvd_store_recovery_losses (KVD_LOSS_UNREADABLE), instead of failing

@@ -59,7 +59,8 @@ endif()
 # kernels on the pages there (tests/e2e/e2e_compute.cmake runs the compute
 # tests against it).
 if(TARGET kvd_kernels_cuda_emu AND TARGET kvd_service)
-  add_executable(kvdepotd_cuda_emu ${PROJECT_SOURCE_DIR}/service/main.c)
+  add_executable(kvdepotd_cuda_emu ${PROJECT_SOURCE_DIR}/service/main.c
+                                   ${PROJECT_SOURCE_DIR}/service/conncap.c)
   target_compile_definitions(kvdepotd_cuda_emu PRIVATE KVD_VERSION="${PROJECT_VERSION}")
   target_link_libraries(kvdepotd_cuda_emu PRIVATE kvd_kernels_cuda_emu kvd_service)
   set_target_properties(kvdepotd_cuda_emu PROPERTIES LINKER_LANGUAGE CXX)
