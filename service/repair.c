@@ -3,12 +3,14 @@
  * (a table that fails its checksum, a lost MANIFEST or CURRENT), then say
  * which sequences lost pages.
  *
- * RocksDB's repair rebuilds the MANIFEST and CURRENT from the table and
- * blob files it can read; records in tables it cannot read are gone. The
- * store is then opened and every page of every sequence is read and
- * verified (its checksum): a sequence whose record survived but some of
- * whose pages did not is reported with the count; one whose record is gone
- * is simply no longer there (not found, as after a delete).
+ * RocksDB's repair rebuilds the MANIFEST and CURRENT from the table files
+ * it can read; records in tables it cannot read are gone. The blob files
+ * (page bytes) are moved aside first and written back where the tables
+ * still point at them (store/salvage.c). The store is then opened and every
+ * page of every sequence is read and verified (its checksum): a sequence
+ * whose record survived but some of whose pages did not is reported with
+ * the count; one whose record is gone is simply no longer there (not found,
+ * as after a delete).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -49,14 +51,26 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
     kvd_error_clear(&err);
     fprintf(stderr, "%s: repairing the store in %s\n", prog, cfg->data_dir);
     int how = 0;
-    if (kvd_store_repair(cfg->data_dir, &how, &err)) {
+    kvd_blob_salvage blobs;
+    if (kvd_store_repair(cfg->data_dir, &how, &blobs, &err)) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         return 1;
     }
-    fprintf(stderr, "%s: %s\n", prog,
-            how == 1 ? "CURRENT was missing: written again, pointing at the newest MANIFEST"
-                     : "the MANIFEST was rebuilt from the table files (RocksDB repair); page "
-                       "bytes held in blob files are not carried over");
+    if (how == 1)
+        fprintf(stderr, "%s: CURRENT was missing: written again, pointing at the newest MANIFEST\n",
+                prog);
+    else
+        fprintf(stderr,
+                "%s: the MANIFEST was rebuilt from the table files (RocksDB repair); blob "
+                "files: %" PRIu64 " read, %" PRIu64 " records, %" PRIu64 " written back, %" PRIu64
+                " no longer referenced, %" PRIu64 " failed their checksum\n",
+                prog, blobs.files, blobs.records, blobs.written, blobs.unindexed,
+                blobs.bad_records);
+    if (blobs.unreadable)
+        fprintf(stderr,
+                "%s: %" PRIu64 " blob files could not be read and are kept in %s/repair-blobs "
+                "(first: %s)\n",
+                prog, blobs.unreadable, cfg->data_dir, blobs.first_unreadable);
     kvd_store_options o = {
         .data_dir = cfg->data_dir, .page_tokens = (uint32_t)cfg->page_tokens, .salvage = 1};
     kvd_store *st = NULL;

@@ -400,8 +400,12 @@ static int restore_current(const char *dir, rocksdb_options_t *o)
     return 0;
 }
 
-int kvd_store_repair(const char *dir, int *how, kvd_error *err)
+int kvd_store_repair(const char *dir, int *how, kvd_blob_salvage *blobs, kvd_error *err)
 {
+    kvd_blob_salvage ignored;
+    if (!blobs)
+        blobs = &ignored;
+    memset(blobs, 0, sizeof *blobs);
     *how = 0;
     if (!dir || !dir[0])
         return kvd_error_set(err, KVD_EINVAL, "repair: data_dir is not set");
@@ -411,15 +415,19 @@ int kvd_store_repair(const char *dir, int *how, kvd_error *err)
         *how = 1;
         return 0;
     }
+    int rc = kvd__blob_stash(dir, err);
     char *e = NULL;
-    rocksdb_repair_db(o, dir, &e);
-    rocksdb_options_destroy(o);
-    if (!e) {
-        *how = 2;
-        return 0;
+    if (rc == 0)
+        rocksdb_repair_db(o, dir, &e);
+    if (e) {
+        rc = kvd_error_set(err, KVD_EINTERNAL, "RocksDB repair of %s failed: %s", dir, e);
+        rocksdb_free(e);
     }
-    int rc = kvd_error_set(err, KVD_EINTERNAL, "RocksDB repair of %s failed: %s", dir, e);
-    rocksdb_free(e);
+    if (rc == 0) {
+        *how = 2;
+        rc = kvd__blob_replay(dir, o, blobs, err);
+    }
+    rocksdb_options_destroy(o);
     return rc;
 }
 

@@ -568,7 +568,9 @@ damage)
     # One damaged file does not take the whole store offline, and never
     # serves other bytes: a lost or cut blob file costs DATA_LOSS on the
     # pages it held, the rest reads back exact; a lost CURRENT is refused
-    # with the way forward and `kvdepotd repair` brings everything back; a
+    # with the way forward and `kvdepotd repair` brings everything back; so
+    # does it for a MANIFEST that fails its checksum (RocksDB's repair
+    # rebuilds it; the page bytes in blob files are kept); a
     # table that fails its checksum is refused with the way forward, and
     # after `kvdepotd repair` the store serves: every sequence reads back
     # exact, or answers DATA_LOSS or NOT_FOUND, and the repair names every
@@ -628,6 +630,23 @@ damage)
     [ "$rc" -eq 0 ] || fail "repair after a lost CURRENT: exit $rc: $(cat "$work/repair.out")"
     start
     [ "$(reads s1 s2)" = xx ] || fail "after repair: s1 s2 read $(reads s1 s2), want xx"
+    stop
+    restore
+    manifest=$(ls "$work/data"/MANIFEST-*)
+    printf '\125\252\125\252' | dd of="$manifest" bs=1 seek=100 conv=notrunc 2>/dev/null
+    rc=0
+    "$server" --listen 127.0.0.1:0 --data-dir "$work/data" --metrics-listen "" \
+        >"$work/refused.log" 2>&1 || rc=$?
+    [ "$rc" -eq 1 ] || fail "start on a damaged MANIFEST: exit $rc, want 1"
+    grep -q "kvdepotd repair --data-dir" "$work/refused.log" ||
+        fail "no way forward: $(cat "$work/refused.log")"
+    rc=0
+    "$server" repair --data-dir "$work/data" >"$work/repair.out" 2>"$work/repair.err" || rc=$?
+    [ "$rc" -eq 0 ] || fail "repair of a damaged MANIFEST: exit $rc: $(cat "$work/repair.err")"
+    grep -q "blob files: 2 read, 8 records, 8 written back" "$work/repair.err" ||
+        fail "repair of a damaged MANIFEST: $(cat "$work/repair.err")"
+    start
+    [ "$(reads s1 s2)" = xx ] || fail "after a MANIFEST repair: s1 s2 read $(reads s1 s2), want xx"
     stop
     restore
     sst=$(ls -S "$work/data"/*.sst | head -1)
