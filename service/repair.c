@@ -9,8 +9,9 @@
  * still point at them (store/salvage.c). The store is then opened and every
  * page of every sequence is read and verified (its checksum): a sequence
  * whose record survived but some of whose pages did not is reported with
- * the count; one whose record is gone is simply no longer there (not found,
- * as after a delete).
+ * the count; one whose record is gone (it was in a table RocksDB set
+ * aside) is named from the ids listed before the repair, read without
+ * verifying checksums.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -21,6 +22,25 @@
 #include "log.h"
 #include "server.h"
 #include "store.h"
+
+/* Mark id as still held in the ids listed before the repair (sorted as
+ * RocksDB sorts keys: bytes, then length). */
+static void mark_held(const kvd_repair_report *rep, uint8_t *held, const uint8_t *id, size_t len)
+{
+    size_t lo = 0, hi = rep->nids;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2, ml = rep->id_lens[mid];
+        int c = memcmp(rep->ids[mid], id, ml < len ? ml : len);
+        if (c == 0 && ml == len) {
+            held[mid] = 1;
+            return;
+        }
+        if (c < 0 || (c == 0 && ml < len))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+}
 
 /* Read and verify every page of one sequence: the pages that fail. */
 static uint64_t check_seq(kvd_store *st, const kvd_seq_info *s, uint64_t *pages, char *first,
@@ -51,11 +71,13 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
     kvd_error_clear(&err);
     fprintf(stderr, "%s: repairing the store in %s\n", prog, cfg->data_dir);
     int how = 0;
-    kvd_blob_salvage blobs;
-    if (kvd_store_repair(cfg->data_dir, &how, &blobs, &err)) {
+    kvd_repair_report rep;
+    if (kvd_store_repair(cfg->data_dir, &how, &rep, &err)) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
+        kvd_repair_report_clear(&rep);
         return 1;
     }
+    const kvd_blob_salvage blobs = rep.blobs;
     if (how == 1)
         fprintf(stderr, "%s: CURRENT was missing: written again, pointing at the newest MANIFEST\n",
                 prog);
@@ -74,8 +96,12 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
     kvd_store_options o = {
         .data_dir = cfg->data_dir, .page_tokens = (uint32_t)cfg->page_tokens, .salvage = 1};
     kvd_store *st = NULL;
-    if (kvd_store_open(&o, &st, &err)) {
-        fprintf(stderr, "%s: the repaired store does not open: %s\n", prog, err.msg);
+    uint8_t *held = calloc(rep.nids ? rep.nids : 1, 1);
+    if (!held || kvd_store_open(&o, &st, &err)) {
+        fprintf(stderr, "%s: the repaired store does not open: %s\n", prog,
+                held ? err.msg : "out of memory");
+        free(held);
+        kvd_repair_report_clear(&rep);
         return 1;
     }
     uint64_t nseq = 0, damaged = 0, pages = 0, bad_pages = 0;
@@ -85,6 +111,7 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
         char id[4 * KVD_SEQ_ID_MAX + 3];
         kvd_log_quote(id, sizeof id, (const char *)lost[i].id, lost[i].id_len);
         printf("sequence %s: lost (its record, or its model's, was unreadable; deleted)\n", id);
+        mark_held(&rep, held, lost[i].id, lost[i].id_len);
     }
     uint8_t after[KVD_SEQ_ID_MAX];
     size_t after_len = 0;
@@ -101,6 +128,7 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
             char first[400] = "", id[4 * KVD_SEQ_ID_MAX + 3];
             uint64_t np = 0, bad = check_seq(st, &list[i], &np, first, sizeof first);
             nseq++;
+            mark_held(&rep, held, list[i].id, list[i].id_len);
             pages += np;
             bad_pages += bad;
             if (bad) {
@@ -118,6 +146,18 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
             kvd_seq_info_clear(&list[i]);
         free(list);
     }
+    size_t gone = 0;
+    for (size_t i = 0; rc == 0 && i < rep.nids; i++) {
+        if (held[i])
+            continue;
+        char id[4 * KVD_SEQ_ID_MAX + 3];
+        kvd_log_quote(id, sizeof id, (const char *)rep.ids[i], rep.id_lens[i]);
+        printf("sequence %s: lost (its record was in a damaged table)\n", id);
+        gone++;
+    }
+    nlost += gone;
+    free(held);
+    kvd_repair_report_clear(&rep);
     kvd_store_close(st);
     if (rc)
         return 1;

@@ -365,3 +365,67 @@ int kvd__blob_replay(const char *dir, rocksdb_options_t *o, kvd_blob_salvage *r,
         rmdir(stash);
     return rc;
 }
+
+int kvd__seq_ids_unverified(const char *dir, kvd_repair_report *r)
+{
+    rocksdb_options_t *o = rocksdb_options_create();
+    rocksdb_options_set_paranoid_checks(o, 0);
+    rocksdb_options_set_enable_blob_files(o, 1);
+    char *e = NULL;
+    rocksdb_t *db = rocksdb_open_for_read_only(o, dir, 0, &e);
+    rocksdb_options_destroy(o);
+    rocksdb_free(e);
+    if (!db)
+        return 0;
+    rocksdb_readoptions_t *ro = rocksdb_readoptions_create();
+    rocksdb_readoptions_set_verify_checksums(ro, 0);
+    rocksdb_iterator_t *it = rocksdb_create_iterator(db, ro);
+    int rc = 0;
+    size_t cap = 0;
+    const char first = KVD__KEY_SEQ;
+    for (rocksdb_iter_seek(it, &first, 1); rc == 0 && rocksdb_iter_valid(it);
+         rocksdb_iter_next(it)) {
+        size_t klen;
+        const char *k = rocksdb_iter_key(it, &klen);
+        if (!klen || k[0] != KVD__KEY_SEQ)
+            break;
+        if (klen < 2 || klen - 1 > KVD_SEQ_ID_MAX)
+            continue;
+        if (r->nids == cap) {
+            cap = cap ? 2 * cap : 64;
+            uint8_t **ids = realloc(r->ids, cap * sizeof *ids);
+            if (ids)
+                r->ids = ids;
+            size_t *lens = ids ? realloc(r->id_lens, cap * sizeof *lens) : NULL;
+            if (lens)
+                r->id_lens = lens;
+            if (!ids || !lens) {
+                rc = KVD_ENOMEM;
+                break;
+            }
+        }
+        uint8_t *id = malloc(klen - 1);
+        if (!id) {
+            rc = KVD_ENOMEM;
+            break;
+        }
+        memcpy(id, k + 1, klen - 1);
+        r->ids[r->nids] = id;
+        r->id_lens[r->nids++] = klen - 1;
+    }
+    rocksdb_iter_destroy(it);
+    rocksdb_readoptions_destroy(ro);
+    rocksdb_close(db);
+    return rc;
+}
+
+void kvd_repair_report_clear(kvd_repair_report *r)
+{
+    for (size_t i = 0; i < r->nids; i++)
+        free(r->ids[i]);
+    free(r->ids);
+    free(r->id_lens);
+    r->ids = NULL;
+    r->id_lens = NULL;
+    r->nids = 0;
+}

@@ -400,12 +400,12 @@ static int restore_current(const char *dir, rocksdb_options_t *o)
     return 0;
 }
 
-int kvd_store_repair(const char *dir, int *how, kvd_blob_salvage *blobs, kvd_error *err)
+int kvd_store_repair(const char *dir, int *how, kvd_repair_report *rep, kvd_error *err)
 {
-    kvd_blob_salvage ignored;
-    if (!blobs)
-        blobs = &ignored;
-    memset(blobs, 0, sizeof *blobs);
+    kvd_repair_report ignored;
+    if (!rep)
+        rep = &ignored;
+    memset(rep, 0, sizeof *rep);
     *how = 0;
     if (!dir || !dir[0])
         return kvd_error_set(err, KVD_EINVAL, "repair: data_dir is not set");
@@ -415,7 +415,11 @@ int kvd_store_repair(const char *dir, int *how, kvd_blob_salvage *blobs, kvd_err
         *how = 1;
         return 0;
     }
-    int rc = kvd__blob_stash(dir, err);
+    int rc = kvd__seq_ids_unverified(dir, rep);
+    if (rc)
+        rc = kvd_error_set(err, rc, "repair: out of memory listing the sequences");
+    if (rc == 0)
+        rc = kvd__blob_stash(dir, err);
     char *e = NULL;
     if (rc == 0)
         rocksdb_repair_db(o, dir, &e);
@@ -425,9 +429,11 @@ int kvd_store_repair(const char *dir, int *how, kvd_blob_salvage *blobs, kvd_err
     }
     if (rc == 0) {
         *how = 2;
-        rc = kvd__blob_replay(dir, o, blobs, err);
+        rc = kvd__blob_replay(dir, o, &rep->blobs, err);
     }
     rocksdb_options_destroy(o);
+    if (rep == &ignored)
+        kvd_repair_report_clear(rep);
     return rc;
 }
 

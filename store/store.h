@@ -100,6 +100,18 @@ typedef struct kvd_blob_salvage {
     char first_unreadable[400];
 } kvd_blob_salvage;
 
+typedef struct kvd_repair_report {
+    kvd_blob_salvage blobs;
+    /* The sequence ids the store held before the repair, read without
+     * verifying checksums (none when it did not open): those the repaired
+     * store lacks were lost with a damaged table. */
+    uint8_t **ids;
+    size_t *id_lens;
+    size_t nids;
+} kvd_repair_report;
+
+void kvd_repair_report_clear(kvd_repair_report *r);
+
 /* Repair the store in dir (not open). A lost CURRENT file whose MANIFEST
  * is intact is written again, pointing at the newest MANIFEST: nothing is
  * lost (*how = 1). Otherwise RocksDB's repair rebuilds the MANIFEST from
@@ -107,9 +119,10 @@ typedef struct kvd_blob_salvage {
  * 7.8's repair leaves the blob files out of the new MANIFEST (the next open
  * would delete them), so they are moved aside first and their records
  * written back afterwards wherever a table still points at them (salvage.c;
- * what happened in *blobs, which may be NULL). Read every page afterwards
- * to know what was lost (kvdepotd repair does). */
-int kvd_store_repair(const char *dir, int *how, kvd_blob_salvage *blobs, kvd_error *err);
+ * what happened in rep->blobs). Read every page afterwards
+ * to know what was lost (kvdepotd repair does). rep may be NULL; otherwise
+ * clear it with kvd_repair_report_clear. */
+int kvd_store_repair(const char *dir, int *how, kvd_repair_report *rep, kvd_error *err);
 
 /* What a point-in-time WAL recovery at this open dropped, per sequence. */
 typedef enum kvd_loss_kind {

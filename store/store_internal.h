@@ -361,6 +361,9 @@ uint32_t kvd__crc32c(uint32_t crc, const void *data, size_t n);
  * before RocksDB's repair, then written back into the rebuilt store. */
 int kvd__blob_stash(const char *dir, kvd_error *err);
 int kvd__blob_replay(const char *dir, rocksdb_options_t *o, kvd_blob_salvage *r, kvd_error *err);
+/* The sequence ids of the store in dir, read without verifying checksums
+ * (into r->ids); nothing when it does not open. 0 or KVD_ENOMEM. */
+int kvd__seq_ids_unverified(const char *dir, kvd_repair_report *r);
 
 /* Look-ups under st->lock (either mode). */
 kvd__model *kvd__model_find(kvd_store *st, const char *name);

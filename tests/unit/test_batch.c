@@ -466,8 +466,11 @@ static void test_repair_blobs(void)
     if (f)
         fclose(f);
     int how = 0;
-    kvd_blob_salvage b;
-    CHECK(kvd_store_repair(dir, &how, &b, &err) == 0 && how == 2);
+    kvd_repair_report rep;
+    CHECK(kvd_store_repair(dir, &how, &rep, &err) == 0 && how == 2);
+    kvd_blob_salvage b = rep.blobs;
+    CHECK(rep.nids == 0); /* without its MANIFEST the store did not open to list them */
+    kvd_repair_report_clear(&rep);
     CHECK(b.files == 2 && b.unreadable == 0);
     CHECK(b.records == 4 * 8);     /* 4 sequences x 8 pages */
     CHECK(b.unindexed == 8);       /* s0's: deleted */
@@ -489,7 +492,11 @@ static void test_repair_blobs(void)
     kvd_store_close(st);
     /* Repairing a sound store loses nothing: every live page is written
      * back (RocksDB's repair drops every blob file each time). */
-    CHECK(kvd_store_repair(dir, &how, &b, &err) == 0 && how == 2);
+    CHECK(kvd_store_repair(dir, &how, &rep, &err) == 0 && how == 2);
+    b = rep.blobs;
+    CHECK(rep.nids == 3 && rep.id_lens[0] == 2 && !memcmp(rep.ids[0], "s1", 2) &&
+          !memcmp(rep.ids[2], "s3", 2));
+    kvd_repair_report_clear(&rep);
     CHECK(b.written == 2 * 8 + 7 && b.bad_records == 0 && b.unindexed == 0 && b.readable == 0);
     st = open_store();
     check_read(st, 1, 8 * PT);
