@@ -232,12 +232,88 @@ int kvdepot_artifacts_get(kvdepot_client *c, const char *model, const int *kinds
 
 #define PATH_CALIBRATE "/kvdepot.v1.KVDepot/Calibrate"
 
+static void advice_free(kvdepot_codec_advice *a)
+{
+    if (!a)
+        return;
+    for (size_t l = 0; a->layers && l < a->n_layers; l++) {
+        kvdepot_layer_advice *x = &a->layers[l];
+        for (size_t i = 0; x->k && i < x->n_k; i++)
+            free((uint32_t *)x->k[i].codec.svd_widths);
+        for (size_t i = 0; x->v && i < x->n_v; i++)
+            free((uint32_t *)x->v[i].codec.svd_widths);
+        free(x->k);
+        free(x->v);
+        kvdepot_codec_spec *s[] = {&x->k_recommended, &x->v_recommended, &x->k_best, &x->v_best};
+        for (int i = 0; i < 4; i++)
+            free((uint32_t *)s[i]->svd_widths);
+    }
+    free(a->layers);
+    free((uint32_t *)a->k.svd_widths);
+    free((uint32_t *)a->v.svd_widths);
+    free(a);
+}
+
 void kvdepot_calibrate_result_clear(kvdepot_calibrate_result *r)
 {
     if (!r)
         return;
     free(r->errors);
+    advice_free(r->advice);
     memset(r, 0, sizeof *r);
+}
+
+static int evals_from_pb(Kvdepot__V1__CodecEvaluation **in, size_t n, kvdepot_codec_eval **out,
+                         size_t *nout)
+{
+    *out = calloc(n ? n : 1, sizeof **out);
+    if (!*out)
+        return -1;
+    *nout = n;
+    for (size_t i = 0; i < n; i++) {
+        (*out)[i].bits_per_value = in[i]->bits_per_value;
+        (*out)[i].attention_error = in[i]->attention_error;
+        if (kvdepot__spec_from_pb(in[i]->codec, &(*out)[i].codec))
+            return -1;
+    }
+    return 0;
+}
+
+/* The wire advice into a new struct; NULL when out of memory. */
+static kvdepot_codec_advice *advice_from_pb(const Kvdepot__V1__CodecAdvice *pb)
+{
+    kvdepot_codec_advice *a = calloc(1, sizeof *a);
+    if (!a)
+        return NULL;
+    a->error_budget = pb->error_budget;
+    a->eval_tokens = pb->eval_tokens;
+    a->eval_queries = pb->eval_queries;
+    a->bits_per_value = pb->bits_per_value;
+    a->max_attention_error = pb->max_attention_error;
+    a->layers = calloc(pb->n_layers ? pb->n_layers : 1, sizeof *a->layers);
+    int bad =
+        !a->layers || kvdepot__spec_from_pb(pb->k, &a->k) || kvdepot__spec_from_pb(pb->v, &a->v);
+    for (size_t l = 0; !bad && l < pb->n_layers; l++) {
+        const Kvdepot__V1__CodecLayerAdvice *in = pb->layers[l];
+        kvdepot_layer_advice *x = &a->layers[l];
+        a->n_layers = l + 1;
+        x->layer = in->layer;
+        x->bits_per_value = in->bits_per_value;
+        x->attention_error = in->attention_error;
+        x->best_bits_per_value = in->best_bits_per_value;
+        x->best_attention_error = in->best_attention_error;
+        bad = evals_from_pb(in->k, in->n_k, &x->k, &x->n_k) ||
+              evals_from_pb(in->v, in->n_v, &x->v, &x->n_v) ||
+              kvdepot__spec_from_pb(in->k_recommended, &x->k_recommended) ||
+              kvdepot__spec_from_pb(in->v_recommended, &x->v_recommended) ||
+              kvdepot__spec_from_pb(in->k_best, &x->k_best) ||
+              kvdepot__spec_from_pb(in->v_best, &x->v_best);
+    }
+    if (bad) {
+        advice_free(a);
+        return NULL;
+    }
+    return a;
 }
 
 /* Calibrate messages: the header, then one per sample. */
@@ -296,6 +372,9 @@ int kvdepot_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
     x.hdr.iterations = a->iterations;
     x.hdr.seed = a->seed;
     x.hdr.max_samples = a->max_samples;
+    x.hdr.error_budget = a->error_budget;
+    x.hdr.eval_queries = a->eval_queries;
+    x.hdr.exhaustive = a->exhaustive != 0;
     ProtobufCMessage *resp;
     int rc = kvdepot__call_messages(c, "calibrate", PATH_CALIBRATE, count + 1, calibrate_msg, &x,
                                     &kvdepot__v1__calibrate_response__descriptor, &resp);
@@ -321,6 +400,8 @@ int kvdepot_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *a,
             }
             if (out->errors)
                 out->n_errors = r->n_errors;
+            if (rc == KVDEPOT_OK && r->advice && !(out->advice = advice_from_pb(r->advice)))
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "calibrate: out of memory");
         }
         protobuf_c_message_free_unpacked(&r->base, NULL);
     }

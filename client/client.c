@@ -808,8 +808,9 @@ void kvdepot_sequence_info_clear(kvdepot_sequence_info *info)
 }
 
 /* One side of SequenceCodecs as the server reports it; 0 or -1 (memory). */
-static int spec_from_pb(const Kvdepot__V1__CodecSpec *pb, kvdepot_codec_spec *out)
+int kvdepot__spec_from_pb(const void *pb_spec, kvdepot_codec_spec *out)
 {
+    const Kvdepot__V1__CodecSpec *pb = pb_spec;
     if (!pb)
         return 0;
     out->codec = (kvdepot_codec)pb->codec;
@@ -822,6 +823,10 @@ static int spec_from_pb(const Kvdepot__V1__CodecSpec *pb, kvdepot_codec_spec *ou
     if (pb->vq) {
         out->vq_sub_dim = pb->vq->sub_dim;
         out->vq_bits = pb->vq->bits;
+    }
+    if (pb->svd) {
+        out->svd_removal_rate = pb->svd->removal_rate;
+        out->svd_align = pb->svd->align;
     }
     if (pb->svd && pb->svd->n_kept_widths) {
         uint32_t *w = malloc(pb->svd->n_kept_widths * sizeof *w);
@@ -884,7 +889,8 @@ int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequen
     if (pb->codecs) {
         const Kvdepot__V1__SequenceCodecs *cp = pb->codecs;
         out->have_codecs = 1;
-        if (spec_from_pb(cp->k, &out->codecs.k) || spec_from_pb(cp->v, &out->codecs.v))
+        if (kvdepot__spec_from_pb(cp->k, &out->codecs.k) ||
+            kvdepot__spec_from_pb(cp->v, &out->codecs.v))
             goto nomem;
         if (cp->pq) {
             out->codecs.pq_m = cp->pq->m;

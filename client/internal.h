@@ -172,6 +172,9 @@ int kvdepot__cluster_calibrate(kvdepot_client *c, const kvdepot_calibrate_args *
 
 /* Fill a public sequence info from the wire form; 0 or KVDEPOT_ENOMEM. */
 int kvdepot__info_from_pb(kvdepot_client *c, const void *pb_info, kvdepot_sequence_info *out);
+/* A wire CodecSpec (Kvdepot__V1__CodecSpec) into out (zeroed by the caller);
+ * svd_widths malloc'd when reported. 0 or -1 (memory). */
+int kvdepot__spec_from_pb(const void *pb, kvdepot_codec_spec *out);
 
 /*
  * A client-streaming or unary call with arbitrary message bytes: the

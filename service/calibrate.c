@@ -13,12 +13,16 @@
  *   - with svd: rotations and spectra from the Gram matrix of the keys plus
  *     the queries of the heads reading them (when samples carry Q), and of
  *     the values; the error is the energy share dropped at removal rate 0.01.
+ * With an error budget (codec advice, advise.h), the last quarter of each
+ * layer's kept tokens (at most 1024, a multiple of 128) is held out: the
+ * artifacts are trained on the rest and every codec is measured on it.
  * All artifacts are stored in one write; nothing is stored on any error.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "advise.h"
 #include "artifact.h"
 #include "convert.h"
 #include "kvdepot/kmeans.h"
@@ -34,9 +38,12 @@
 /* K-means sees at most this many sub-vectors per codebook (a seeded
  * subset beyond it), bounding the time of one Calibrate. */
 #define CAL_KMEANS_POINTS 262144
+#define CAL_EVAL_MAX 1024
+#define CAL_EVAL_QUERIES 16
 
 typedef struct cal_layer {
     uint64_t seen, kept, rows; /* rows: allocated token rows */
+    uint64_t train;            /* kept tokens the artifacts are trained on */
     float *k, *v, *q;          /* kept tokens: [token][head][D] */
     int q_state;      /* 0 no samples yet, 1 all carried Q, 2 none did */
 } cal_layer;
@@ -48,6 +55,10 @@ typedef struct cal_state {
     int svd;
     uint32_t iters;
     uint64_t seed, max_samples, rng, samples, kept_bytes;
+    double budget; /* > 0: codec advice */
+    uint32_t page_tokens;
+    uint32_t eval_queries;
+    int exhaustive;
     cal_layer *layers;
 } cal_state;
 
@@ -117,6 +128,15 @@ static int header(kvd_req_ctx *ctx, cal_state *st, const Kvdepot__V1__CalibrateH
     st->iters = h->iterations ? h->iterations : CAL_DEFAULT_ITERS;
     if (st->iters > 1000)
         return kvd_error_set(err, KVD_EINVAL, "iterations %u over 1000", st->iters);
+    if (!(h->error_budget >= 0 && h->error_budget <= 1))
+        return kvd_error_set(err, KVD_EINVAL, "error_budget %g: want 0 (no codec advice) to 1",
+                             h->error_budget);
+    if (h->eval_queries > 256)
+        return kvd_error_set(err, KVD_EINVAL, "eval_queries %u over 256", h->eval_queries);
+    st->budget = h->error_budget;
+    st->page_tokens = ctx->svc->page_tokens;
+    st->eval_queries = h->eval_queries ? h->eval_queries : CAL_EVAL_QUERIES;
+    st->exhaustive = h->exhaustive;
     st->seed = h->seed;
     st->rng = h->seed ^ 0x6a09e667f3bcc909ull;
     st->max_samples = h->max_samples ? h->max_samples : CAL_DEFAULT_SAMPLES;
@@ -331,7 +351,7 @@ static int calibrate_head(const cal_state *st, uint32_t l, uint32_t h, cal_out *
 {
     const cal_layer *L = &st->layers[l];
     uint32_t D = st->model.head_dim, H = st->model.num_kv_heads, Hq = st->model.num_q_heads;
-    uint64_t n = L->kept;
+    uint64_t n = L->train;
     float *kx = malloc(n * D * sizeof(float)), *vx = malloc(n * D * sizeof(float));
     float *t1 = malloc(n * D * sizeof(float)), *t2 = malloc(n * D * sizeof(float));
     double *gram = calloc((size_t)D * D, sizeof(double));
@@ -419,6 +439,69 @@ out:
     return rc;
 }
 
+/* The artifact of (kind, layer, head) trained by this call, or NULL. */
+static const float *trained(const cal_out *o, int kind, uint32_t l, uint32_t h)
+{
+    for (size_t i = 0; i < o->n; i++)
+        if (o->a[i].kind == kind && o->a[i].layer == l && o->a[i].kv_head == h)
+            return o->a[i].data;
+    return NULL;
+}
+
+/* Codec advice on the held-out tokens of every layer with samples. */
+static int advise(const cal_state *st, const cal_out *o, kvd_advice *adv, kvd_error *err)
+{
+    const kvd_model_info *m = &st->model;
+    const uint32_t H = m->num_kv_heads;
+    const size_t krow = (size_t)H * m->head_dim, qrow = (size_t)m->num_q_heads * m->head_dim;
+    kvd_advise_layer *ls = calloc(m->num_layers, sizeof *ls);
+    const float **arts = calloc((size_t)m->num_layers * 7 * H, sizeof *arts);
+    if (!ls || !arts) {
+        free(ls);
+        free(arts);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    }
+    static const int kinds[7] = {KVD_ARTIFACT_KEY_SMOOTHING,  KVD_ARTIFACT_VQ_CODEBOOK_K,
+                                 KVD_ARTIFACT_VQ_CODEBOOK_V,  KVD_ARTIFACT_SVD_ROTATION_K,
+                                 KVD_ARTIFACT_SVD_SPECTRUM_K, KVD_ARTIFACT_SVD_ROTATION_V,
+                                 KVD_ARTIFACT_SVD_SPECTRUM_V};
+    uint32_t n = 0;
+    for (uint32_t l = 0; l < m->num_layers; l++) {
+        const cal_layer *cl = &st->layers[l];
+        if (!cl->kept)
+            continue;
+        kvd_advise_layer *x = &ls[n++];
+        x->layer = l;
+        x->k = cl->k + cl->train * krow;
+        x->v = cl->v + cl->train * krow;
+        x->q = cl->q + cl->train * qrow;
+        x->n = cl->kept - cl->train;
+        const float ***slot[7] = {&x->lambda, &x->cb_k,  &x->cb_v, &x->rot_k,
+                                  &x->sv_k,   &x->rot_v, &x->sv_v};
+        for (int k = 0; k < 7; k++) {
+            const float **a = arts + ((size_t)l * 7 + (size_t)k) * H;
+            for (uint32_t h = 0; h < H; h++)
+                a[h] = trained(o, kinds[k], l, h);
+            *slot[k] = a;
+        }
+    }
+    kvd_advise_params p = {.kv_heads = H,
+                           .q_heads = m->num_q_heads,
+                           .head_dim = m->head_dim,
+                           .dtype = m->dtype,
+                           .page_tokens = st->page_tokens,
+                           .vq_d = st->vq_d,
+                           .vq_b = st->vq_b,
+                           .svd = st->svd,
+                           .budget = st->budget,
+                           .queries = st->eval_queries,
+                           .exhaustive = st->exhaustive};
+    int rc = kvd_advise(&p, ls, n, adv, err);
+    free(ls);
+    free(arts);
+    return rc;
+}
+
 static int cal_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, kvd_error *err)
 {
     cal_state *st = *state;
@@ -429,8 +512,27 @@ static int cal_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, 
     cal_out o = {0};
     uint32_t L = st->model.num_layers, H = st->model.num_kv_heads;
     size_t nheads = 0;
-    for (uint32_t l = 0; l < L; l++)
-        nheads += st->layers[l].kept ? H : 0;
+    for (uint32_t l = 0; l < L; l++) {
+        cal_layer *cl = &st->layers[l];
+        nheads += cl->kept ? H : 0;
+        cl->train = cl->kept;
+        if (!cl->kept || st->budget <= 0)
+            continue;
+        if (cl->q_state != 1)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "codec advice (error_budget) needs Q in the samples; layer %u "
+                                 "has none",
+                                 l);
+        uint64_t ne = cl->kept / 4 < CAL_EVAL_MAX ? cl->kept / 4 : CAL_EVAL_MAX;
+        ne -= ne % 128;
+        if (ne < 128)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "codec advice (error_budget) holds out a quarter of a layer's "
+                                 "tokens, at least 128: layer %u kept %llu tokens, want 512 or "
+                                 "more",
+                                 l, (unsigned long long)cl->kept);
+        cl->train = cl->kept - ne;
+    }
     o.errs = calloc(nheads, sizeof *o.errs);
     int rc = o.errs ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory");
     for (uint32_t l = 0; !rc && l < L; l++) {
@@ -440,6 +542,9 @@ static int cal_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, 
             rc = calibrate_head(st, l, h, &o, e, err);
         }
     }
+    kvd_advice adv = {0};
+    if (!rc && st->budget > 0)
+        rc = advise(st, &o, &adv, err);
     if (!rc && kvd_ctx_expired(ctx))
         rc = kvd_error_set(err, KVD_ETIMEDOUT, "deadline passed before the artifacts were stored");
     if (!rc)
@@ -456,12 +561,15 @@ static int cal_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, 
             resp.artifacts = (uint32_t)o.n;
             resp.n_errors = o.nerrs;
             resp.errors = ep;
+            if (st->budget > 0)
+                resp.advice = &adv.msg;
             *reply = kvd_pack(&resp.base);
             if (!*reply)
                 rc = kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
             free(ep);
         }
     }
+    kvd_advice_free(&adv);
     kvd_artifacts_free(o.a, o.n);
     free(o.errs);
     return rc;

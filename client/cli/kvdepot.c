@@ -87,10 +87,12 @@ static const char usage_text[] =
     "                                       KVPR fetch split (PlanFetch)\n"
     "  calibrate --model M --tokens N --file F [--q FILE] [--layer-start L] [--layers N]\n"
     "            [--vq dDbB] [--svd] [--iterations N] [--seed S] [--max-samples N]\n"
+    "            [--error-budget X [--eval-queries N] [--exhaustive]]\n"
     "                                       compute the model's artifacts from samples:\n"
     "                                       F holds K then V ([layer][token][kv_head]\n"
     "                                       [head_dim], model dtype), FILE Q likewise\n"
-    "                                       with q heads; prints errors per head\n"
+    "                                       with q heads; prints errors per head;\n"
+    "                                       --error-budget: codec advice (needs --q)\n"
     "  artifacts get|put --model M --file F [--kind K]\n"
     "                                       fetch (kind 1..7, default all) or upload\n"
     "                                       artifacts; F: per artifact u32 kind, layer,\n"
@@ -1171,15 +1173,71 @@ static void *read_all(const char *path, size_t *len)
     return buf;
 }
 
+/* A codec of the advice in the syntax of --k/--v: "int4,g32,token",
+ * "vq-d4b8", "raw,svd=0.01". */
+static const char *codec_arg(const kvdepot_codec_spec *c, char *buf, size_t cap)
+{
+    static const char *codec[] = {"raw", "int2", "int4", "vq"};
+    if (c->codec == KVDEPOT_CODEC_VQ)
+        snprintf(buf, cap, "vq-d%ub%u", c->vq_sub_dim, c->vq_bits);
+    else if (c->codec == KVDEPOT_CODEC_INT2 || c->codec == KVDEPOT_CODEC_INT4)
+        snprintf(buf, cap, "%s,g%u,%s", codec[c->codec], c->group_size,
+                 c->axis == KVDEPOT_AXIS_TOKEN ? "token" : "channel");
+    else if (c->svd_removal_rate > 0)
+        snprintf(buf, cap, "raw,svd=%g", c->svd_removal_rate);
+    else
+        snprintf(buf, cap, "%s", (unsigned)c->codec < 4 ? codec[c->codec] : "?");
+    return buf;
+}
+
+static void print_advice(const kvdepot_codec_advice *a)
+{
+    char k[64], v[64];
+    printf("codec advice (error budget %g: ||o - o^||^2 / ||o||^2 of %u held-out queries over "
+           "%u held-out tokens a layer):\n",
+           a->error_budget, a->eval_queries, a->eval_tokens);
+    printf("  every layer: --k %s --v %s  (%.3g bits/value, worst error %.3g)\n",
+           codec_arg(&a->k, k, sizeof k), codec_arg(&a->v, v, sizeof v), a->bits_per_value,
+           a->max_attention_error);
+    for (size_t l = 0; l < a->n_layers; l++) {
+        const kvdepot_layer_advice *x = &a->layers[l];
+        printf("  layer %u: --k %s --v %s  (%.3g bits/value, error %.3g)", x->layer,
+               codec_arg(&x->k_recommended, k, sizeof k), codec_arg(&x->v_recommended, v, sizeof v),
+               x->bits_per_value, x->attention_error);
+        if (x->best_bits_per_value > 0)
+            printf("; exhaustive: --k %s --v %s  (%.3g bits/value, error %.3g)",
+                   codec_arg(&x->k_best, k, sizeof k), codec_arg(&x->v_best, v, sizeof v),
+                   x->best_bits_per_value, x->best_attention_error);
+        printf("\n");
+        for (int side = 0; side < 2; side++)
+            for (size_t i = 0; i < (side ? x->n_v : x->n_k); i++) {
+                const kvdepot_codec_eval *e = side ? &x->v[i] : &x->k[i];
+                printf("    %s %-18s %6.3f bits  error %.3g\n", side ? "v" : "k",
+                       codec_arg(&e->codec, k, sizeof k), e->bits_per_value, e->attention_error);
+            }
+    }
+}
+
 /* calibrate --model M --tokens N --file F [--q FILE] [--layer-start L]
  * [--layers N] [--vq dDbB] [--svd] [--iterations N] [--seed S]
- * [--max-samples N] */
+ * [--max-samples N] [--error-budget X [--eval-queries N] [--exhaustive]] */
 static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
 {
-    opt opts[] = {{"model", 1, 0},      {"tokens", 1, 0},     {"file", 1, 0},
-                  {"q", 1, 0},          {"layer-start", 1, 0}, {"layers", 1, 0},
-                  {"vq", 1, 0},         {"svd", 0, 0},        {"iterations", 1, 0},
-                  {"seed", 1, 0},       {"max-samples", 1, 0}, {0, 0, 0}};
+    opt opts[] = {{"model", 1, 0},
+                  {"tokens", 1, 0},
+                  {"file", 1, 0},
+                  {"q", 1, 0},
+                  {"layer-start", 1, 0},
+                  {"layers", 1, 0},
+                  {"vq", 1, 0},
+                  {"svd", 0, 0},
+                  {"iterations", 1, 0},
+                  {"seed", 1, 0},
+                  {"max-samples", 1, 0},
+                  {"error-budget", 1, 0},
+                  {"eval-queries", 1, 0},
+                  {"exhaustive", 0, 0},
+                  {0, 0, 0}};
     if (parse_args(argc, argv, opts, NULL, 0) != 0)
         usage_error("calibrate: unexpected argument");
     kvdepot_model m;
@@ -1199,6 +1257,16 @@ static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
     const char *vq = opt_get(opts, "vq");
     if (vq && sscanf(vq, "d%ub%u", &a.vq_sub_dim, &a.vq_bits) != 2)
         usage_error("--vq %s: expected dDbB, e.g. d4b8", vq);
+    const char *budget = opt_get(opts, "error-budget");
+    if (budget) {
+        char *end;
+        errno = 0;
+        a.error_budget = strtod(budget, &end);
+        if (errno || end == budget || *end || !(a.error_budget > 0) || a.error_budget > 1)
+            usage_error("--error-budget %s: expected a number in (0, 1]", budget);
+    }
+    a.eval_queries = (uint32_t)opt_u64(opts, "eval-queries", 0, 256);
+    a.exhaustive = opt_get(opts, "exhaustive") != NULL;
     size_t es = kvdepot_dtype_size(m.dtype);
     size_t per = (size_t)tokens * m.num_kv_heads * m.head_dim * es; /* K of one layer */
     size_t qper = (size_t)tokens * (m.num_q_heads ? m.num_q_heads : m.num_kv_heads) * m.head_dim * es;
@@ -1226,23 +1294,33 @@ static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
                             qlen, nl, tokens, qper * nl);
         }
     }
-    kvdepot_calibrate_sample *s = calloc(nl, sizeof *s);
+    /* Samples of at most 4 MiB each (a layer's tokens in chunks), within
+     * the default message limit. */
+    size_t tok_bytes = (2 * per + qper) / (tokens ? tokens : 1);
+    uint64_t chunk = (4u << 20) / (tok_bytes ? tok_bytes : 1);
+    chunk = chunk ? chunk : 1;
+    uint64_t per_layer = (tokens + chunk - 1) / chunk, ns = per_layer * nl;
+    kvdepot_calibrate_sample *s = calloc(ns ? ns : 1, sizeof *s);
     if (!s) {
         free(kv);
         free(q);
         return fail_msg("out of memory");
     }
-    for (uint32_t l = 0; l < nl; l++) {
-        s[l].layer = l0 + l;
-        s[l].num_tokens = tokens;
-        s[l].k = kv + l * per;
-        s[l].v = kv + (nl + l) * per;
-        s[l].kv_bytes = per;
-        s[l].q = q ? q + l * qper : NULL;
-        s[l].q_bytes = q ? qper : 0;
-    }
+    const size_t krow = per / tokens, qrow = qper / tokens;
+    for (uint32_t l = 0; l < nl; l++)
+        for (uint64_t i = 0; i < per_layer; i++) {
+            kvdepot_calibrate_sample *x = &s[l * per_layer + i];
+            uint64_t t0 = i * chunk, n = tokens - t0 < chunk ? tokens - t0 : chunk;
+            x->layer = l0 + l;
+            x->num_tokens = n;
+            x->k = kv + l * per + t0 * krow;
+            x->v = kv + (nl + l) * per + t0 * krow;
+            x->kv_bytes = n * krow;
+            x->q = q ? q + l * qper + t0 * qrow : NULL;
+            x->q_bytes = q ? n * qrow : 0;
+        }
     kvdepot_calibrate_result r;
-    rc = kvdepot_calibrate(c, &a, s, nl, &r);
+    rc = kvdepot_calibrate(c, &a, s, ns, &r);
     free(s);
     free(kv);
     free(q);
@@ -1256,6 +1334,8 @@ static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
         printf("%-6u %-5u %-10.3g %-10.3g %-10.3g %-10.3g %-6u %-6u\n", e->layer, e->kv_head,
                e->vq_k, e->vq_v, e->svd_k, e->svd_v, e->svd_width_k, e->svd_width_v);
     }
+    if (r.advice)
+        print_advice(r.advice);
     kvdepot_calibrate_result_clear(&r);
     return 0;
 }

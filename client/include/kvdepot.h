@@ -1345,6 +1345,15 @@ typedef struct kvdepot_calibrate_args {
     uint32_t iterations;  /* K-means iterations; 0 = 10 */
     uint64_t seed;        /* sampling and K-means seed */
     uint64_t max_samples; /* tokens kept per layer (uniform reservoir); 0 = 65536 */
+    /* Codec advice (kvdepot.v1.CalibrateHeader.error_budget): > 0 (at most
+     * 1) evaluates every codec the server can store on the last quarter of
+     * each layer's kept tokens (at most 1024; a layer needs 512 kept, and
+     * every sample q), training the artifacts on the rest, and recommends
+     * the K/V pair with the fewest bits whose attention-output error
+     * ||o - o^||^2 / ||o||^2 stays within it (kvdepot_calibrate_result.advice). */
+    double error_budget;
+    uint32_t eval_queries; /* held-out queries per layer; 0 = 16, at most 256 */
+    int exhaustive;        /* nonzero: also measure every K x V pair (slower) */
 } kvdepot_calibrate_args;
 
 /* One batch of samples of one layer, wire layout in the model dtype:
@@ -1367,11 +1376,44 @@ typedef struct kvdepot_calibration_error {
     uint32_t svd_width_k, svd_width_v;
 } kvdepot_calibration_error;
 
+/* One candidate codec of K or V on one layer, the other side exact
+ * (kvdepot.v1.CodecEvaluation). */
+typedef struct kvdepot_codec_eval {
+    kvdepot_codec_spec codec;
+    double bits_per_value;  /* as a sealed page stores it (codes and group parameters) */
+    double attention_error; /* ||o - o^||^2 / ||o||^2 on the held-out queries */
+} kvdepot_codec_eval;
+
+/* kvdepot.v1.CodecLayerAdvice. */
+typedef struct kvdepot_layer_advice {
+    uint32_t layer;
+    kvdepot_codec_eval *k, *v; /* every candidate */
+    size_t n_k, n_v;
+    /* the fewest-bits pair meeting the budget (measured with both coded) */
+    kvdepot_codec_spec k_recommended, v_recommended;
+    double bits_per_value, attention_error;
+    /* exhaustive: the same among every pair */
+    kvdepot_codec_spec k_best, v_best;
+    double best_bits_per_value, best_attention_error;
+} kvdepot_layer_advice;
+
+/* kvdepot.v1.CodecAdvice: per layer, and one pair for the whole model
+ * (k, v: ready for kvdepot_codecs of a new sequence). */
+typedef struct kvdepot_codec_advice {
+    double error_budget;
+    uint32_t eval_tokens, eval_queries;
+    kvdepot_layer_advice *layers;
+    size_t n_layers;
+    kvdepot_codec_spec k, v;
+    double bits_per_value, max_attention_error;
+} kvdepot_codec_advice;
+
 typedef struct kvdepot_calibrate_result {
     uint64_t samples;    /* tokens received */
     uint32_t artifacts;  /* artifacts stored */
     kvdepot_calibration_error *errors; /* one per calibrated (layer, kv head) */
     size_t n_errors;
+    kvdepot_codec_advice *advice; /* with error_budget > 0; NULL otherwise */
 } kvdepot_calibrate_result;
 
 /*
@@ -1392,7 +1434,7 @@ int kvdepot_calibrate(kvdepot_client *client, const kvdepot_calibrate_args *a,
                       const kvdepot_calibrate_sample *samples, size_t count,
                       kvdepot_calibrate_result *out);
 
-/* Free the errors of a result and zero it; NULL is a no-op. */
+/* Free the errors and advice of a result and zero it; NULL is a no-op. */
 void kvdepot_calibrate_result_clear(kvdepot_calibrate_result *r);
 
 #ifdef __cplusplus

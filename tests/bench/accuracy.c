@@ -724,8 +724,55 @@ static void run_pq(const data *d, int m, int b, int64_t k, double *recall, doubl
     free(cent), free(codes), free(idx), free(sc), free(ord), free(in);
 }
 
+/* KVD_ACC_DUMP=DIR: the Calibrate sample of the codec-advice table
+ * (tests/bench/run_advise_accuracy.sh), one layer, f16, as the CLI's
+ * calibrate reads it: the 4096-token calibration draw the tables above
+ * calibrate on, then a 1024-token evaluation draw (Calibrate holds out the
+ * last 1024 tokens). DIR/kv.bin: K then V, [token][kv head][D]; DIR/q.bin:
+ * [token][q head][D], the calibration queries on the first part, the
+ * evaluation draw's decode queries on every token of the second. */
+static int dump(const char *dir)
+{
+    data cal = make_data(4096, 99), ev = make_data(1024, 1000);
+    const data *part[2] = {&cal, &ev};
+    char path[1024];
+    snprintf(path, sizeof path, "%s/kv.bin", dir);
+    FILE *f = fopen(path, "wb");
+    snprintf(path, sizeof path, "%s/q.bin", dir);
+    FILE *fq = fopen(path, "wb");
+    if (!f || !fq) {
+        perror(path);
+        return 1;
+    }
+    for (int side = 0; side < 2; side++)
+        for (int p = 0; p < 2; p++)
+            for (int64_t t = 0; t < part[p]->T; t++)
+                for (int h = 0; h < HKV; h++)
+                    for (int j = 0; j < D; j++) {
+                        const float *x = side ? part[p]->v : part[p]->k;
+                        uint16_t b = kvd_f32_to_f16(x[((size_t)h * part[p]->T + t) * D + j]);
+                        fwrite(&b, 2, 1, f);
+                    }
+    for (int p = 0; p < 2; p++)
+        for (int64_t t = 0; t < part[p]->T; t++)
+            for (int hq = 0; hq < HQ; hq++)
+                for (int j = 0; j < D; j++) {
+                    float x = p ? ev.q[(size_t)hq * D + j]
+                                : cal.qcal[((size_t)(hq / G) * NCAL + t % NCAL) * D + j];
+                    uint16_t b = kvd_f32_to_f16(x);
+                    fwrite(&b, 2, 1, fq);
+                }
+    int bad = fclose(f) != 0;
+    bad |= fclose(fq) != 0;
+    free_data(&cal);
+    free_data(&ev);
+    return bad;
+}
+
 int main(int argc, char **argv)
 {
+    if (getenv("KVD_ACC_DUMP"))
+        return dump(getenv("KVD_ACC_DUMP"));
     int64_t maxT = argc > 1 ? atoll(argv[1]) : 32768;
     be = tu_cpu_backend(0, 0);
     if (getenv("KVD_ACC_TEMP"))

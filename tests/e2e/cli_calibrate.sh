@@ -30,6 +30,36 @@ out=$(k calibrate --model m --tokens 200 --file "$work/kv.bin" --q "$work/q.bin"
 echo "$out" | grep_q "calibrated 400 tokens; 28 artifacts stored" || fail "calibrate said: $out"
 [ "$(echo "$out" | tail -n +3 | wc -l)" = 4 ] || fail "calibrate: expected 4 error rows: $out"
 
+# Codec advice: 512 tokens a layer (a quarter held out), printed as --k/--v
+# arguments that put then takes.
+k model put m3 --layers 2 --kv-heads 2 --q-heads 4 --head-dim 16 --dtype f32 >/dev/null
+python3 - "$work" <<'PY'
+import random, struct, sys
+w = sys.argv[1]
+r = random.Random(6)
+kv = [r.gauss(0, 1) for _ in range(2 * 2 * 512 * 2 * 16)]
+open(w + "/kv512.bin", "wb").write(struct.pack("<%df" % len(kv), *kv))
+q = [r.gauss(0, 1) for _ in range(2 * 512 * 4 * 16)]
+open(w + "/q512.bin", "wb").write(struct.pack("<%df" % len(q), *q))
+PY
+out=$(k calibrate --model m3 --tokens 512 --file "$work/kv512.bin" --q "$work/q512.bin" \
+    --error-budget 0.05 --eval-queries 8 --exhaustive) || fail "calibrate --error-budget failed"
+echo "$out" | grep_q "codec advice (error budget 0.05: .* of 8 held-out queries over 128 held-out" ||
+    fail "calibrate --error-budget said: $out"
+[ "$(echo "$out" | grep -c '^  layer [01]: --k .*; exhaustive: --k ')" = 2 ] ||
+    fail "calibrate: expected 2 layer lines: $out"
+# raw and INT4/INT2 in groups of 32, 64 and 128 along tokens (head_dim 16
+# takes no token-axis group), for K and V of 2 layers
+[ "$(echo "$out" | grep -c '^    [kv] ')" = 28 ] || fail "calibrate: expected 28 candidates: $out"
+args=$(echo "$out" | sed -n 's/^  every layer: \(--k [^ ]* --v [^ ]*\) .*/\1/p')
+[ -n "$args" ] || fail "no model-wide advice: $out"
+# shellcheck disable=SC2086
+k put adv --model m3 --tokens 512 --file "$work/kv512.bin" $args >/dev/null ||
+    fail "put with the advised codecs ($args) failed"
+if k calibrate --model m3 --tokens 512 --file "$work/kv512.bin" --error-budget 0.05 2>/dev/null; then
+    fail "codec advice without --q accepted"
+fi
+
 k artifacts get --model m --file "$work/a.bin" >/dev/null || fail "artifacts get"
 k artifacts put --model m2 --file "$work/a.bin" | grep_q "stored 28 artifacts" || fail "artifacts put"
 k artifacts get --model m2 --file "$work/b.bin" >/dev/null || fail "artifacts get m2"

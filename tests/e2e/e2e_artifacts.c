@@ -3,7 +3,10 @@
  * and GetArtifacts round trip bit-exact (also across a restart), kinds
  * filter, replacement, removal with the model, and malformed uploads that
  * leave the stored artifacts as they were; Calibrate from synthetic samples
- * (artifacts checked against their definitions) and its errors.
+ * (artifacts checked against their definitions) and its errors; codec
+ * advice (error budget): every candidate measured, one of them recomputed
+ * here, the recommendation within the budget and no better than the
+ * exhaustive choice, raw for a budget nothing else meets.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -237,6 +240,181 @@ static void make_samples(uint64_t n, uint32_t H, uint32_t Hq, uint32_t D, uint32
 #undef RND
 }
 
+/* Attention-output error of values coded INT4 in groups of 32 along each
+ * token (asymmetric min/scale, round to nearest), for every query of the
+ * n tokens over all of them: ||o - o^||^2 / ||o||^2, head h of G query heads. */
+static double int4_v_error(const float *k, const float *v, const float *q, uint64_t n, uint32_t H,
+                           uint32_t Hq, uint32_t D)
+{
+    float *vh = malloc(n * H * D * sizeof(float));
+    for (uint64_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t g = 0; g < D; g += 32) {
+                const float *x = v + (t * H + h) * D + g;
+                float lo = x[0], hi = x[0];
+                for (int i = 1; i < 32; i++) {
+                    lo = fminf(lo, x[i]);
+                    hi = fmaxf(hi, x[i]);
+                }
+                float sc = (hi - lo) / 15.0f;
+                for (int i = 0; i < 32; i++) {
+                    float c = sc > 0 ? floorf((x[i] - lo) / sc + 0.5f) : 0;
+                    vh[(t * H + h) * D + g + i] = lo + fminf(fmaxf(c, 0), 15) * sc;
+                }
+            }
+    double num = 0, den = 0;
+    double *p = malloc(n * sizeof(double));
+    for (uint32_t j = 0; j < Hq; j++) {
+        uint32_t h = j / (Hq / H);
+        for (uint64_t qi = 0; qi < n; qi++) {
+            double mx = -INFINITY, sum = 0;
+            for (uint64_t t = 0; t < n; t++) {
+                double s = 0;
+                for (uint32_t i = 0; i < D; i++)
+                    s += (double)q[(qi * Hq + j) * D + i] * k[(t * H + h) * D + i];
+                p[t] = s / sqrt((double)D);
+                mx = fmax(mx, p[t]);
+            }
+            for (uint64_t t = 0; t < n; t++)
+                sum += p[t] = exp(p[t] - mx);
+            for (uint32_t i = 0; i < D; i++) {
+                double o = 0, oh = 0;
+                for (uint64_t t = 0; t < n; t++) {
+                    o += p[t] / sum * v[(t * H + h) * D + i];
+                    oh += p[t] / sum * vh[(t * H + h) * D + i];
+                }
+                num += (o - oh) * (o - oh);
+                den += o * o;
+            }
+        }
+    }
+    free(p);
+    free(vh);
+    return num / den;
+}
+
+static int t_advise(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    const uint32_t L = 2, H = 2, Hq = 4, D = 32;
+    kvdepot_model m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "adv");
+    m.num_layers = L;
+    m.num_kv_heads = H;
+    m.num_q_heads = Hq;
+    m.head_dim = D;
+    m.dtype = KVDEPOT_DTYPE_F32;
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    const uint64_t n = 1024, ne = 256; /* a quarter held out */
+    float *k[2], *v[2], *q[2];
+    kvdepot_calibrate_sample s[2];
+    for (uint32_t l = 0; l < L; l++) {
+        make_samples(n, H, Hq, D, 21 + l, &k[l], &v[l], &q[l]);
+        s[l] = (kvdepot_calibrate_sample){.layer = l,
+                                          .num_tokens = n,
+                                          .k = k[l],
+                                          .v = v[l],
+                                          .q = q[l],
+                                          .kv_bytes = n * H * D * 4,
+                                          .q_bytes = n * Hq * D * 4};
+    }
+    kvdepot_calibrate_args a = {.model = "adv",
+                                .vq_sub_dim = 4,
+                                .vq_bits = 6,
+                                .svd = 1,
+                                .seed = 3,
+                                .error_budget = 0.01,
+                                .eval_queries = 256,
+                                .exhaustive = 1};
+    kvdepot_calibrate_result res;
+    REQUIRE_RC(kvdepot_calibrate(c, &a, s, 2, &res), KVDEPOT_OK);
+    const kvdepot_codec_advice *ad = res.advice;
+    REQUIRE(ad && ad->n_layers == L);
+    CHECK(ad->eval_tokens == ne && ad->eval_queries == ne && ad->error_budget == 0.01);
+    for (uint32_t l = 0; l < L; l++) {
+        const kvdepot_layer_advice *x = &ad->layers[l];
+        CHECK(x->layer == l);
+        /* raw; INT4/INT2 x groups 128/64/32 on the channel axis (the page
+         * holds 256 tokens) and 32 on the token axis (head_dim 32); VQ; SVD */
+        CHECK(x->n_k == 11 && x->n_v == 11);
+        CHECK(x->k[0].codec.codec == KVDEPOT_CODEC_RAW && x->k[0].attention_error == 0 &&
+              x->k[0].bits_per_value == 32);
+        double int4 = -1, int2 = -1;
+        for (size_t i = 0; i < x->n_v; i++) {
+            const kvdepot_codec_eval *e = &x->v[i];
+            CHECK(e->attention_error >= 0 && e->bits_per_value > 0 && e->bits_per_value <= 32);
+            if (e->codec.group_size == 32 && e->codec.axis == KVDEPOT_AXIS_TOKEN) {
+                if (e->codec.codec == KVDEPOT_CODEC_INT4) {
+                    int4 = e->attention_error;
+                    CHECK(fabs(e->bits_per_value - (4 + 48.0 / 32)) < 1e-9);
+                } else if (e->codec.codec == KVDEPOT_CODEC_INT2) {
+                    int2 = e->attention_error;
+                }
+            }
+            if (e->codec.codec == KVDEPOT_CODEC_VQ)
+                CHECK(e->bits_per_value == 1.5 && e->codec.vq_sub_dim == 4);
+            if (e->codec.svd_removal_rate > 0) { /* raw at the kept widths Calibrate reports */
+                double w = 0;
+                for (size_t j = 0; j < res.n_errors; j++)
+                    w += res.errors[j].layer == l ? res.errors[j].svd_width_v : 0;
+                CHECK(e->codec.codec == KVDEPOT_CODEC_RAW &&
+                      fabs(e->bits_per_value - 32.0 * w / H / D) < 1e-9);
+            }
+        }
+        CHECK(int4 > 0 && int2 > int4);
+        /* The same figure computed here, on the held-out tokens (the last
+         * 256 sent) with every one of their queries. */
+        double want = int4_v_error(k[l] + (n - ne) * H * D, v[l] + (n - ne) * H * D,
+                                   q[l] + (n - ne) * Hq * D, ne, H, Hq, D);
+        CHECK(fabs(int4 - want) <= 0.05 * want);
+        CHECK(x->attention_error <= 0.01);
+        CHECK(x->best_attention_error <= 0.01);
+        CHECK(x->best_bits_per_value <= x->bits_per_value);
+        CHECK(x->bits_per_value < 32); /* something beats raw at 1% */
+    }
+    CHECK(ad->max_attention_error <= 0.01 && ad->bits_per_value < 32);
+    kvdepot_calibrate_result_clear(&res);
+    CHECK(res.advice == NULL);
+
+    /* Nothing but raw meets a budget of 1e-12; nearly anything meets 1. */
+    a.exhaustive = 0;
+    a.error_budget = 1e-12;
+    REQUIRE_RC(kvdepot_calibrate(c, &a, s, 2, &res), KVDEPOT_OK);
+    REQUIRE(res.advice);
+    CHECK(res.advice->k.codec == KVDEPOT_CODEC_RAW && res.advice->v.codec == KVDEPOT_CODEC_RAW &&
+          res.advice->k.svd_removal_rate == 0 && res.advice->bits_per_value == 32);
+    kvdepot_calibrate_result_clear(&res);
+    a.error_budget = 1;
+    REQUIRE_RC(kvdepot_calibrate(c, &a, s, 2, &res), KVDEPOT_OK);
+    REQUIRE(res.advice);
+    CHECK(res.advice->bits_per_value <= 2.5 && res.advice->max_attention_error <= 1);
+    kvdepot_calibrate_result_clear(&res);
+
+    /* Refused: no Q, too few tokens, a budget over 1, too many queries. */
+    kvdepot_calibrate_sample b[2] = {s[0], s[1]};
+    b[0].q = b[1].q = NULL;
+    CHECK_RC(kvdepot_calibrate(c, &a, b, 2, NULL), KVDEPOT_EINVAL);
+    b[0] = s[0];
+    b[0].num_tokens = 500;
+    b[0].kv_bytes = 500 * H * D * 4;
+    b[0].q_bytes = 500 * Hq * D * 4;
+    CHECK_RC(kvdepot_calibrate(c, &a, b, 1, NULL), KVDEPOT_EINVAL);
+    kvdepot_calibrate_args bad = a;
+    bad.error_budget = 2;
+    CHECK_RC(kvdepot_calibrate(c, &bad, s, 2, NULL), KVDEPOT_EINVAL);
+    bad = a;
+    bad.eval_queries = 257;
+    CHECK_RC(kvdepot_calibrate(c, &bad, s, 2, NULL), KVDEPOT_EINVAL);
+    for (uint32_t l = 0; l < L; l++) {
+        free(k[l]);
+        free(v[l]);
+        free(q[l]);
+    }
+    return 0;
+}
+
 static int t_calibrate(kvd_harness *h)
 {
     kvdepot_client *c = harness_client(h);
@@ -375,6 +553,7 @@ static int t_calibrate(kvd_harness *h)
 
 static const kvd_test tests[] = {
     {"calibrate", t_calibrate},
+    {"advise", t_advise},
     {"roundtrip", t_roundtrip},
     {"errors", t_errors},
 };

@@ -9,7 +9,7 @@
         k2, v2 = c.read("req-1")
 """
 from .client import (ARTIFACT_KINDS, Artifact, AttendResult, CalibrateResult, CalibrationError,
-                     Client, Codecs, EngineHashes, FetchPlan, HeadTokens, Model, SequenceInfo,
+                     Client, CodecAdvice, CodecChoice, CodecEvaluation, Codecs, LayerAdvice, EngineHashes, FetchPlan, HeadTokens, Model, SequenceInfo,
                      Transfer, attention_local, attention_merge, encode_pages, prefix_hashes,
                      transfer_threads)
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
@@ -20,7 +20,8 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
 __all__ = [
     "Client", "Model", "SequenceInfo", "AttendResult", "Codecs", "HeadTokens", "FetchPlan",
     "EngineHashes", "Transfer", "Artifact", "ARTIFACT_KINDS", "CalibrateResult",
-    "CalibrationError", "prefix_hashes", "encode_pages", "attention_local", "attention_merge",
+    "CalibrationError", "CodecAdvice", "CodecChoice", "CodecEvaluation", "LayerAdvice",
+    "prefix_hashes", "encode_pages", "attention_local", "attention_merge",
     "transfer_threads", "KvdepotError", "Cancelled", "Unknown",
     "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
     "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",

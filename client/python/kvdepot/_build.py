@@ -63,6 +63,7 @@ typedef struct kvdepot_codec_spec {
     kvdepot_quant_axis axis;
     uint64_t seed;
     uint32_t vq_sub_dim, vq_bits;
+    double svd_removal_rate;
     const uint32_t *svd_widths;
     size_t svd_num_widths;
     ...;
@@ -321,6 +322,10 @@ typedef struct kvdepot_calibrate_args {
     uint32_t iterations;
     uint64_t seed;
     uint64_t max_samples;
+    double error_budget;
+    uint32_t eval_queries;
+    int exhaustive;
+    ...;
 } kvdepot_calibrate_args;
 typedef struct kvdepot_calibrate_sample {
     uint32_t layer;
@@ -334,11 +339,34 @@ typedef struct kvdepot_calibration_error {
     double vq_k, vq_v, svd_k, svd_v;
     uint32_t svd_width_k, svd_width_v;
 } kvdepot_calibration_error;
+typedef struct kvdepot_codec_eval {
+    kvdepot_codec_spec codec;
+    double bits_per_value;
+    double attention_error;
+} kvdepot_codec_eval;
+typedef struct kvdepot_layer_advice {
+    uint32_t layer;
+    kvdepot_codec_eval *k, *v;
+    size_t n_k, n_v;
+    kvdepot_codec_spec k_recommended, v_recommended;
+    double bits_per_value, attention_error;
+    kvdepot_codec_spec k_best, v_best;
+    double best_bits_per_value, best_attention_error;
+} kvdepot_layer_advice;
+typedef struct kvdepot_codec_advice {
+    double error_budget;
+    uint32_t eval_tokens, eval_queries;
+    kvdepot_layer_advice *layers;
+    size_t n_layers;
+    kvdepot_codec_spec k, v;
+    double bits_per_value, max_attention_error;
+} kvdepot_codec_advice;
 typedef struct kvdepot_calibrate_result {
     uint64_t samples;
     uint32_t artifacts;
     kvdepot_calibration_error *errors;
     size_t n_errors;
+    kvdepot_codec_advice *advice;
 } kvdepot_calibrate_result;
 int kvdepot_calibrate(kvdepot_client *client, const kvdepot_calibrate_args *a,
                       const kvdepot_calibrate_sample *samples, size_t count,

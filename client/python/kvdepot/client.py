@@ -250,10 +250,101 @@ class CalibrationError:
 
 
 @dataclass
+class CodecChoice:
+    """One side's codec in Calibrate's advice: codec "raw", "int2", "int4"
+    or "vq"; group and axis ("token", "channel") for INT; the VQ shape; a
+    removal rate > 0 means raw after an SVD reduction at that rate."""
+    codec: str
+    group: int = 0
+    axis: str = "default"
+    vq_sub_dim: int = 0
+    vq_bits: int = 0
+    svd_removal_rate: float = 0.0
+
+
+@dataclass
+class CodecEvaluation:
+    """A candidate measured on one layer's held-out sample, the other side
+    exact: bits per value as stored, attention-output error
+    ||o - o^||^2 / ||o||^2."""
+    choice: CodecChoice
+    bits_per_value: float
+    attention_error: float
+
+
+@dataclass
+class LayerAdvice:
+    """Every candidate of K and of V on one layer, the recommended pair
+    (fewest bits within the budget, measured with both coded) and, with
+    exhaustive=True, the best of all pairs."""
+    layer: int
+    k: List[CodecEvaluation]
+    v: List[CodecEvaluation]
+    k_recommended: CodecChoice
+    v_recommended: CodecChoice
+    bits_per_value: float
+    attention_error: float
+    k_best: Optional[CodecChoice] = None
+    v_best: Optional[CodecChoice] = None
+    best_bits_per_value: float = 0.0
+    best_attention_error: float = 0.0
+
+
+@dataclass
+class CodecAdvice:
+    """Calibrate's codec advice: per layer, and one K/V pair for the whole
+    model (within the budget on every layer); codecs() gives it as the
+    Codecs of a new sequence."""
+    error_budget: float
+    eval_tokens: int
+    eval_queries: int
+    layers: List[LayerAdvice]
+    k: CodecChoice
+    v: CodecChoice
+    bits_per_value: float
+    max_attention_error: float
+
+    def codecs(self) -> "Codecs":
+        """The model-wide pair as Codecs (ValueError for an SVD choice,
+        which Codecs does not express)."""
+        if self.k.svd_removal_rate or self.v.svd_removal_rate:
+            raise ValueError("the advice reduces by SVD, which Codecs does not express")
+        vq = self.k if self.k.codec == "vq" else self.v
+        return Codecs(k=self.k.codec, v=self.v.codec, k_group=self.k.group,
+                      v_group=self.v.group, k_axis=self.k.axis, v_axis=self.v.axis,
+                      vq_sub_dim=vq.vq_sub_dim, vq_bits=vq.vq_bits)
+
+
+@dataclass
 class CalibrateResult:
     samples: int
     artifacts: int
     errors: List[CalibrationError]
+    advice: Optional[CodecAdvice] = None
+
+
+def _choice_of(s) -> CodecChoice:
+    name = {v: k for k, v in _CODEC.items()}
+    axis = {v: k for k, v in _AXIS.items()}
+    return CodecChoice(name.get(s.codec, "?"), s.group_size, axis.get(s.axis, "?"),
+                       s.vq_sub_dim, s.vq_bits, s.svd_removal_rate)
+
+
+def _advice_of(a) -> CodecAdvice:
+    layers = []
+    for i in range(a.n_layers):
+        x = a.layers[i]
+        evs = [[CodecEvaluation(_choice_of(e.codec), e.bits_per_value, e.attention_error)
+                for e in (arr[j] for j in range(n))] for arr, n in ((x.k, x.n_k), (x.v, x.n_v))]
+        best = x.best_bits_per_value > 0
+        layers.append(LayerAdvice(x.layer, evs[0], evs[1], _choice_of(x.k_recommended),
+                                  _choice_of(x.v_recommended), x.bits_per_value,
+                                  x.attention_error,
+                                  _choice_of(x.k_best) if best else None,
+                                  _choice_of(x.v_best) if best else None,
+                                  x.best_bits_per_value, x.best_attention_error))
+    return CodecAdvice(a.error_budget, a.eval_tokens, a.eval_queries, layers, _choice_of(a.k),
+                       _choice_of(a.v), a.bits_per_value, a.max_attention_error)
 
 
 def _model_c(model: "Model"):
@@ -799,15 +890,20 @@ class Client:
 
     def calibrate(self, model: str, samples: Sequence[Tuple], *, vq_sub_dim: int = 0,
                   vq_bits: int = 0, svd: bool = False, iterations: int = 0, seed: int = 0,
-                  max_samples: int = 0) -> CalibrateResult:
+                  max_samples: int = 0, error_budget: float = 0.0, eval_queries: int = 0,
+                  exhaustive: bool = False) -> CalibrateResult:
         """Fit the model's artifacts (key smoothing, VQ codebooks, SVD
         rotations) on samples: (layer, k, v) or (layer, k, v, q), k and v
         (tokens, kv_heads, head_dim), q (tokens, q_heads, head_dim), in the
-        model's dtype. Stores them; returns the per-head errors."""
+        model's dtype. Stores them; returns the per-head errors. With
+        error_budget > 0 (samples with q, 512 tokens a layer or more) the
+        result's advice recommends codecs whose attention-output error
+        ||o - o^||^2 / ||o||^2 stays within it (see CodecAdvice)."""
         a = ffi.new("kvdepot_calibrate_args *")
         mb = ffi.new("char[]", model.encode())
         a.model, a.vq_sub_dim, a.vq_bits, a.svd = mb, vq_sub_dim, vq_bits, int(svd)
         a.iterations, a.seed, a.max_samples = iterations, seed, max_samples
+        a.error_budget, a.eval_queries, a.exhaustive = error_budget, eval_queries, int(exhaustive)
         cs = ffi.new("kvdepot_calibrate_sample[]", max(len(samples), 1))
         keep = []
         for i, smp in enumerate(samples):
@@ -829,7 +925,8 @@ class Client:
             errs = [CalibrationError(e.layer, e.kv_head, e.vq_k, e.vq_v, e.svd_k, e.svd_v,
                                      e.svd_width_k, e.svd_width_v)
                     for e in (r.errors[i] for i in range(r.n_errors))]
-            return CalibrateResult(r.samples, r.artifacts, errs)
+            adv = _advice_of(r.advice) if r.advice != ffi.NULL else None
+            return CalibrateResult(r.samples, r.artifacts, errs, adv)
         finally:
             lib.kvdepot_calibrate_result_clear(r)
 

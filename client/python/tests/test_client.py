@@ -343,6 +343,34 @@ def test_artifacts_and_calibrate(client):
                                                         np.ones(D + 1, np.float32))])
 
 
+def test_calibrate_advice(client):
+    """Calibrate with an error budget measures every codec on held-out
+    tokens and recommends a pair within the budget that a new sequence
+    takes as is; without queries it is refused."""
+    k, v = kv(1024, 71), kv(1024, 72)
+    q = np.random.default_rng(73).standard_normal((L, 1024, HQ, D)).astype(np.float16)
+    res = client.calibrate("py", [(layer, k[layer], v[layer], q[layer]) for layer in range(L)],
+                           error_budget=0.05, eval_queries=8)
+    adv = res.advice
+    assert adv is not None and adv.eval_tokens == 256 and adv.eval_queries == 8
+    assert [la.layer for la in adv.layers] == list(range(L))
+    for la in adv.layers:
+        raw = la.k[0]
+        assert raw.choice.codec == "raw" and raw.attention_error == 0 and raw.bits_per_value == 16
+        assert {e.choice.codec for e in la.v} == {"raw", "int2", "int4"}
+        assert la.attention_error <= 0.05 and la.bits_per_value < 16
+        assert la.k_best is None  # not exhaustive
+    assert adv.max_attention_error <= 0.05 and adv.bits_per_value < 16
+    codecs = adv.codecs()
+    client.create_sequence("advised", "py", codecs=codecs)
+    client.append("advised", k[:, :512], v[:, :512], token_start=0)
+    info = client.stat("advised")
+    assert info.codecs.k == adv.k.codec and info.codecs.v == adv.v.codec
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.calibrate("py", [(layer, k[layer], v[layer]) for layer in range(L)],
+                         error_budget=0.05)
+
+
 def test_local_attention_helpers(client):
     rng = np.random.default_rng(3)
     k, v = kv(300, 61)[0], kv(300, 62)[0]
