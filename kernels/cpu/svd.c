@@ -220,6 +220,86 @@ __attribute__((target("avx2,fma"))) static void project_rows_avx2(const float *R
     }
 }
 
+/* Four rows at once (x: 4 rows of D, y: 4 rows of r): every load of a row
+ * of R serves the four tokens and every broadcast of x 16 columns, with
+ * the 4 x 16 sums in registers; columns past the last multiple of 8 are
+ * summed one by one. */
+__attribute__((target("avx2,fma"))) static void project4_avx2(const float *R, int D, int r,
+                                                              const float *x, float *y)
+{
+    const float *x0 = x, *x1 = x + D, *x2 = x + 2 * (size_t)D, *x3 = x + 3 * (size_t)D;
+    int j = 0;
+    for (; j + 16 <= r; j += 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+               a7 = a0;
+        for (int i = 0; i < D; i++) {
+            const float *Ri = R + (size_t)i * D + j;
+            const __m256 r0 = _mm256_loadu_ps(Ri), r1 = _mm256_loadu_ps(Ri + 8);
+            __m256 s = _mm256_broadcast_ss(x0 + i);
+            a0 = _mm256_fmadd_ps(s, r0, a0);
+            a1 = _mm256_fmadd_ps(s, r1, a1);
+            s = _mm256_broadcast_ss(x1 + i);
+            a2 = _mm256_fmadd_ps(s, r0, a2);
+            a3 = _mm256_fmadd_ps(s, r1, a3);
+            s = _mm256_broadcast_ss(x2 + i);
+            a4 = _mm256_fmadd_ps(s, r0, a4);
+            a5 = _mm256_fmadd_ps(s, r1, a5);
+            s = _mm256_broadcast_ss(x3 + i);
+            a6 = _mm256_fmadd_ps(s, r0, a6);
+            a7 = _mm256_fmadd_ps(s, r1, a7);
+        }
+        _mm256_storeu_ps(y + j, a0);
+        _mm256_storeu_ps(y + j + 8, a1);
+        _mm256_storeu_ps(y + r + j, a2);
+        _mm256_storeu_ps(y + r + j + 8, a3);
+        _mm256_storeu_ps(y + 2 * r + j, a4);
+        _mm256_storeu_ps(y + 2 * r + j + 8, a5);
+        _mm256_storeu_ps(y + 3 * r + j, a6);
+        _mm256_storeu_ps(y + 3 * r + j + 8, a7);
+    }
+    for (; j + 8 <= r; j += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < D; i++) {
+            const __m256 r0 = _mm256_loadu_ps(R + (size_t)i * D + j);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + i), r0, a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(x1 + i), r0, a1);
+            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(x2 + i), r0, a2);
+            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(x3 + i), r0, a3);
+        }
+        _mm256_storeu_ps(y + j, a0);
+        _mm256_storeu_ps(y + r + j, a1);
+        _mm256_storeu_ps(y + 2 * r + j, a2);
+        _mm256_storeu_ps(y + 3 * r + j, a3);
+    }
+    for (; j < r; j++)
+        for (int t = 0; t < 4; t++) {
+            float s = 0.0f;
+            for (int i = 0; i < D; i++)
+                s += x[(size_t)t * D + i] * R[(size_t)i * D + j];
+            y[(size_t)t * r + j] = s;
+        }
+}
+
+/* One row of x (f16, bf16 or f32) into f32: F16C / shifts, 8 at a time. */
+__attribute__((target("avx2,f16c"))) static void load_row_avx2(const char *src, kvd_dtype dt, int D,
+                                                               float *dst)
+{
+    int i = 0;
+    if (dt == KVD_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)D);
+        return;
+    }
+    for (; i + 8 <= D; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + 2 * (size_t)i));
+        __m256 f = dt == KVD_DTYPE_F16
+                       ? _mm256_cvtph_ps(h)
+                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_storeu_ps(dst + i, f);
+    }
+    for (; i < D; i++)
+        dst[i] = kvd__load_float(src + 2 * (size_t)i, dt);
+}
+
 static void project_rows_plain(const float *R, int D, int r, const float *x, float *y)
 {
     for (int j = 0; j < r; j++)
@@ -247,6 +327,19 @@ static void project_part(void *arg, int64_t lo, int64_t hi)
     const project_job *j = arg;
     const int D = j->D, r = j->r;
     const size_t es = kvd_dtype_size(j->dtype);
+    if (j->simd && r > 0) {
+        /* Tiles of four rows, converted to f32 first. */
+        float *tile = malloc(sizeof(float) * 4 * (size_t)D);
+        for (int64_t t = lo; tile && t + 4 <= hi; t += 4) {
+            for (int k = 0; k < 4; k++)
+                load_row_avx2((const char *)j->x + (t + k) * j->x_stride, j->dtype, D,
+                              tile + (size_t)k * D);
+            project4_avx2(j->R, D, r, tile, j->y + t * r);
+        }
+        if (tile)
+            lo = hi - (hi - lo) % 4; /* the rows left over go one by one */
+        free(tile);
+    }
     float *row = malloc(sizeof(float) * (size_t)D + 4);
     for (int64_t t = lo; t < hi; t++) {
         const char *xr = (const char *)j->x + t * j->x_stride;

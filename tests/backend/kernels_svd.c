@@ -86,6 +86,38 @@ static void test_project(tu_rng *rng, kvd_backend *fast, kvd_backend *ref)
     TU_CHECK(kvd_svd_project(fast, R, D, 64, xh, KVD_DTYPE_F16, n, 2 * D, y1, NULL) == 0, "project f16");
     kvd_cpu_svd_project_ref(R, D, 64, x, KVD_DTYPE_F32, n, 4 * D, y2);
     TU_CHECK(tu_nmse(y2, y1, (size_t)n * 64) < 1e-12, "project f16 = f32");
+    /* An odd head_dim and width, rows with padding between them, every
+     * dtype: the four-row tiles, their 16- and 8-column blocks, the column
+     * tail and the rows left over, against the reference. */
+    {
+        const int Do = 44, ro = 27, ld = 50;
+        const int64_t no = 11;
+        float *Ro = malloc(sizeof(float) * Do * Do), *xo = malloc(sizeof(float) * no * ld);
+        float *yo = malloc(sizeof(float) * no * ro), *yr = malloc(sizeof(float) * no * ro);
+        uint16_t *xo16 = malloc(2u * no * ld);
+        tu_fill_normal(rng, Ro, (size_t)Do * Do, 0.3f);
+        tu_fill_normal(rng, xo, (size_t)no * ld, 1.0f);
+        for (int dt = 0; dt < 3; dt++) {
+            kvd_dtype t = dt == 0 ? KVD_DTYPE_F32 : dt == 1 ? KVD_DTYPE_F16 : KVD_DTYPE_BF16;
+            const void *src = xo;
+            if (dt) { /* the f32 rows hold the 16-bit values exactly */
+                if (dt == 1) {
+                    tu_f32_to_f16(xo16, xo, (size_t)no * ld);
+                    tu_f16_to_f32(xo, xo16, (size_t)no * ld);
+                } else {
+                    tu_f32_to_bf16(xo16, xo, (size_t)no * ld);
+                    tu_bf16_to_f32(xo, xo16, (size_t)no * ld);
+                }
+                src = xo16;
+            }
+            TU_CHECK(kvd_svd_project(fast, Ro, Do, ro, src, t, no, (int64_t)ld * (dt ? 2 : 4), yo,
+                                     NULL) == 0,
+                     "project odd shape");
+            kvd_cpu_svd_project_ref(Ro, Do, ro, xo, KVD_DTYPE_F32, no, (int64_t)ld * 4, yr);
+            TU_CHECK(tu_nmse(yr, yo, (size_t)no * ro) < 1e-12, "project D=44 r=27 dtype %d", dt);
+        }
+        free(Ro), free(xo), free(yo), free(yr), free(xo16);
+    }
     /* bad arguments */
     TU_CHECK(kvd_svd_project(fast, R, D, D + 1, x, KVD_DTYPE_F32, n, 4 * D, y1, NULL) == KVD_EINVAL, "r > D");
     TU_CHECK(kvd_svd_project(fast, R, D, 4, x, KVD_DTYPE_I32, n, 4 * D, y1, NULL) == KVD_EINVAL, "dtype");

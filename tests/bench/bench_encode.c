@@ -17,6 +17,7 @@
 #include "kvdepot/backend.h"
 #include "kvdepot/convert.h"
 #include "kvdepot/quant.h"
+#include "kvdepot/svd.h"
 #include "testutil.h"
 
 static double min_time = 0.25;
@@ -97,6 +98,21 @@ static int run_conv(kvd_backend *be, void *a)
     if (p->which == 1)
         return kvd_hadamard(be, &p->dst, &p->src, NULL);
     return kvd_channel_scale(be, &p->dst, &p->src, &p->s, 0, NULL);
+}
+
+typedef struct sarg {
+    const float *R;
+    int r;
+    const uint16_t *x;
+    int64_t T;
+    float *y;
+} sarg;
+
+/* SVD encode: fp16 rows projected on the first r columns of R (D = 128). */
+static int run_svd(kvd_backend *be, void *a)
+{
+    sarg *p = a;
+    return kvd_svd_project(be, p->R, 128, p->r, p->x, KVD_DTYPE_F16, p->T, 2 * 128, p->y, NULL);
 }
 
 static void row(const char *op, const char *detail, int threads, double bytes, timing t,
@@ -219,6 +235,24 @@ int main(int argc, char **argv)
         timing tr = time_op(ref, run_conv, &a);
         row(cs[i].op, cs[i].detail, 1, bytes, time_op(one, run_conv, &a), tr);
         row(cs[i].op, cs[i].detail, nall, bytes, time_op(all, run_conv, &a), tr);
+    }
+    /* SVD encode (ZACK): a rotation from the block's own Gram matrix. */
+    {
+        float *R = malloc(sizeof(float) * D * D), sv[128];
+        double *g = calloc((size_t)D * D, sizeof(double));
+        kvd_svd_gram_accumulate(g, (int)D, xf, KVD_DTYPE_F32, T, 4 * D, 1.0, NULL);
+        kvd_svd_rotation(g, (int)D, R, sv, NULL);
+        const int rs[3] = {32, 64, 128};
+        for (int i = 0; i < 3; i++) {
+            sarg a = {R, rs[i], xh, T, yf};
+            char detail[64];
+            snprintf(detail, sizeof detail, "f16 -> f32, width %d", rs[i]);
+            timing tr = time_op(ref, run_svd, &a);
+            row("svd_project", detail, 1, (double)n * 2, time_op(one, run_svd, &a), tr);
+            row("svd_project", detail, nall, (double)n * 2, time_op(all, run_svd, &a), tr);
+        }
+        free(R);
+        free(g);
     }
     if (!csv)
         printf("GB/s: input bytes per wall second (fp16 = 2 bytes per value unless the detail "
