@@ -412,6 +412,7 @@ static int t_advise(kvd_harness *h)
         free(v[l]);
         free(q[l]);
     }
+    kvdepot_close(c);
     return 0;
 }
 
