@@ -60,6 +60,7 @@ static const char *const method_paths[KVDEPOT__METHOD_COUNT] = {
     [KVDEPOT__HEALTH_CHECK] = "/grpc.health.v1.Health/Check",
     [KVDEPOT__EVICT_SEQUENCE] = "/kvdepot.v1.KVDepot/EvictSequence",
     [KVDEPOT__STATS] = "/kvdepot.v1.KVDepot/Stats",
+    [KVDEPOT__BACKUP] = "/kvdepot.v1.KVDepot/Backup",
 };
 
 /* ------------------------------------------------------------------------ */
@@ -1248,6 +1249,31 @@ int kvdepot_stats_get(kvdepot_client *c, kvdepot_stats *out)
         out->mem_appends_bytes = resp->memory->appends_bytes;
         out->mem_memtables_bytes = resp->memory->memtables_bytes;
         out->mem_block_cache_bytes = resp->memory->block_cache_bytes;
+    }
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return KVDEPOT_OK;
+}
+
+int kvdepot_backup(kvdepot_client *c, const char *dir, kvdepot_backup_info *out)
+{
+    kvdepot__clear_error();
+    if (out)
+        memset(out, 0, sizeof *out);
+    if (!c || !dir)
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "backup: NULL argument");
+    if (c->cluster)
+        return kvdepot__fail(c, KVDEPOT_EUNSUPP,
+                             "backup: a client over several servers backs up each one itself");
+    Kvdepot__V1__BackupRequest req = KVDEPOT__V1__BACKUP_REQUEST__INIT;
+    req.dir = (char *)dir;
+    Kvdepot__V1__BackupResponse *resp;
+    int rc = UNARY(c, KVDEPOT__BACKUP, &req, kvdepot__v1__backup_response, &resp);
+    if (rc)
+        return rc;
+    if (out) {
+        out->files = resp->files;
+        out->bytes = resp->bytes;
+        out->duration_ms = resp->duration_ms;
     }
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return KVDEPOT_OK;

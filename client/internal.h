@@ -26,6 +26,7 @@ enum kvdepot__method {
     KVDEPOT__HEALTH_CHECK,
     KVDEPOT__EVICT_SEQUENCE,
     KVDEPOT__STATS,
+    KVDEPOT__BACKUP,
     KVDEPOT__METHOD_COUNT
 };
 

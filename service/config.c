@@ -377,6 +377,8 @@ void kvd_config_usage(FILE *f, const char *prog)
 {
     fprintf(f,
             "usage: %s [OPTION]...\n"
+            "       %s repair [OPTION]...          repair the store in --data-dir\n"
+            "       %s restore BACKUP [OPTION]...  copy a backup into a new --data-dir\n"
             "\n"
             "kvdepot server: stores LLM key/value caches and serves them over gRPC\n"
             "(kvdepot.v1.KVDepot and grpc.health.v1.Health).\n"
@@ -386,7 +388,7 @@ void kvd_config_usage(FILE *f, const char *prog)
             "SIZE takes K, M, G, T suffixes (powers of 1024, e.g. 8MiB); BOOL is\n"
             "true/false (a bare flag means true, --no-NAME false).\n"
             "\n",
-            prog);
+            prog, prog, prog);
     for (size_t i = 0; i < NSETTINGS; i++) {
         const setting *st = &settings[i];
         char head[96];

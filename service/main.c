@@ -292,9 +292,22 @@ int main(int argc, char **argv)
         return 1;
     }
     int action = KVD_CONFIG_RUN;
-    /* `kvdepotd repair [settings]`: repair the store in data-dir, then exit. */
+    /* `kvdepotd repair [settings]`: repair the store in data-dir, then exit.
+     * `kvdepotd restore BACKUP [settings]`: copy a backup into data-dir. */
     const int repair = argc > 1 && strcmp(argv[1], "repair") == 0;
-    if (repair) {
+    const int restore = argc > 1 && strcmp(argv[1], "restore") == 0;
+    const char *backup = NULL;
+    if (restore) {
+        if (argc < 3 || argv[2][0] == '-') {
+            fprintf(stderr, "%s: usage: %s restore BACKUP --data-dir DIR\n", prog, prog);
+            kvd_config_free(&cfg);
+            return 2;
+        }
+        backup = argv[2];
+        argv[2] = argv[0];
+        argv += 2;
+        argc -= 2;
+    } else if (repair) {
         argv[1] = argv[0];
         argv++;
         argc--;
@@ -319,9 +332,9 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 0;
     }
-    if (repair && action == KVD_CONFIG_RUN) {
+    if ((repair || restore) && action == KVD_CONFIG_RUN) {
         kvd_log_threshold = cfg.log_level;
-        int rc = kvd_repair_run(&cfg, prog);
+        int rc = repair ? kvd_repair_run(&cfg, prog) : kvd_restore_run(&cfg, backup, prog);
         kvd_config_free(&cfg);
         return rc;
     }

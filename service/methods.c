@@ -57,6 +57,7 @@ const kvd_method kvd_methods[] = {
     UNARY(KVD_SVC, EvictSequence, kvdepot__v1__evict_sequence_request__descriptor,
           kvd_h_evict_sequence, W),
     UNARY(KVD_SVC, Stats, kvdepot__v1__stats_request__descriptor, kvd_h_stats, R),
+    UNARY(KVD_SVC, Backup, kvdepot__v1__backup_request__descriptor, kvd_h_backup, W),
     UNARY(HEALTH_SVC, Check, grpc__health__v1__health_check_request__descriptor, kvd_h_health_check,
           KVD_ACCESS_OPEN),
     {HEALTH_SVC "Watch", "Watch", KVD_RPC_SERVER_STREAM,

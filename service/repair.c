@@ -1,7 +1,9 @@
 /*
- * `kvdepotd repair`: bring back a store whose RocksDB files are damaged
- * (a table that fails its checksum, a lost MANIFEST or CURRENT), then say
- * which sequences lost pages.
+ * The offline commands of kvdepotd. `kvdepotd restore BACKUP`: copy a
+ * backup (the Backup RPC's RocksDB checkpoint) into a new data directory
+ * and check that it opens. `kvdepotd repair`: bring back a store whose
+ * RocksDB files are damaged (a table that fails its checksum, a lost
+ * MANIFEST or CURRENT), then say which sequences lost pages.
  *
  * RocksDB's repair rebuilds the MANIFEST and CURRENT from the table files
  * it can read; records in tables it cannot read are gone. The blob files
@@ -13,10 +15,15 @@
  * aside) is named from the ids listed before the repair, read without
  * verifying checksums.
  */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "config.h"
 #include "log.h"
@@ -166,4 +173,101 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
            "sequences lost\n",
            nseq, pages, damaged, bad_pages, nlost);
     return damaged || nlost ? 3 : 0;
+}
+
+/* Copy one file, fsynced; 0 or -1 (errno). */
+static int copy_file(const char *from, const char *to, uint64_t *bytes)
+{
+    int in = open(from, O_RDONLY | O_CLOEXEC);
+    int out = in < 0 ? -1 : open(to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    int rc = in < 0 || out < 0 ? -1 : 0;
+    static char buf[1 << 20];
+    while (rc == 0) {
+        ssize_t n = read(in, buf, sizeof buf);
+        if (n == 0)
+            break;
+        if (n < 0 || write(out, buf, (size_t)n) != n) {
+            rc = -1;
+            break;
+        }
+        *bytes += (uint64_t)n;
+    }
+    if (rc == 0 && fsync(out) != 0)
+        rc = -1;
+    int e = errno;
+    if (in >= 0)
+        close(in);
+    if (out >= 0)
+        close(out);
+    errno = e;
+    return rc;
+}
+
+int kvd_restore_run(const kvd_config *cfg, const char *backup, const char *prog)
+{
+    const char *dir = cfg->data_dir;
+    char path[4096], to[4096];
+    snprintf(path, sizeof path, "%s/CURRENT", backup);
+    if (access(path, R_OK) != 0) {
+        fprintf(stderr, "%s: %s is not a kvdepot backup (no CURRENT file)\n", prog, backup);
+        return 1;
+    }
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *de;
+        int empty = 1;
+        while ((de = readdir(d)))
+            if (strcmp(de->d_name, ".") && strcmp(de->d_name, ".."))
+                empty = 0;
+        closedir(d);
+        if (!empty) {
+            fprintf(stderr,
+                    "%s: %s is not empty: restore into a new directory (nothing was changed)\n",
+                    prog, dir);
+            return 1;
+        }
+    } else if (mkdir(dir, 0700) != 0) {
+        fprintf(stderr, "%s: cannot create %s: %s\n", prog, dir, strerror(errno));
+        return 1;
+    }
+    d = opendir(backup);
+    if (!d) {
+        fprintf(stderr, "%s: cannot read %s: %s\n", prog, backup, strerror(errno));
+        return 1;
+    }
+    uint64_t files = 0, bytes = 0;
+    int rc = 0;
+    struct dirent *de;
+    while (rc == 0 && (de = readdir(d))) {
+        struct stat sb;
+        if (snprintf(path, sizeof path, "%s/%s", backup, de->d_name) >= (int)sizeof path ||
+            snprintf(to, sizeof to, "%s/%s", dir, de->d_name) >= (int)sizeof to ||
+            stat(path, &sb) != 0 || !S_ISREG(sb.st_mode))
+            continue;
+        if (copy_file(path, to, &bytes) != 0) {
+            fprintf(stderr, "%s: copying %s to %s: %s\n", prog, path, to, strerror(errno));
+            rc = 1;
+        }
+        files++;
+    }
+    closedir(d);
+    int dfd = rc ? -1 : open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    if (rc)
+        return 1;
+    kvd_store_options o = {.data_dir = dir};
+    kvd_store *st = NULL;
+    kvd_error err;
+    kvd_error_clear(&err);
+    if (kvd_store_open(&o, &st, &err)) {
+        fprintf(stderr, "%s: the restored store in %s does not open: %s\n", prog, dir, err.msg);
+        return 1;
+    }
+    kvd_store_close(st);
+    printf("restored %" PRIu64 " files (%" PRIu64 " bytes) from %s into %s\n", files, bytes, backup,
+           dir);
+    return 0;
 }

@@ -219,6 +219,7 @@ int kvd_h_pq_centroids(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer
 int kvd_h_pq_rebuild(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 /* tiers.c */
 int kvd_h_stats(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
+int kvd_h_backup(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **, kvd_error *);
 int kvd_h_evict_sequence(kvd_req_ctx *, const ProtobufCMessage *, grpc_byte_buffer **,
                          kvd_error *);
 extern const kvd_stream_ops kvd_append_ops;

@@ -29,6 +29,11 @@ int kvd_server_check_security(const kvd_config *cfg, char *err, size_t errlen);
  * 1 the repair failed. */
 int kvd_repair_run(const kvd_config *cfg, const char *prog);
 
+/* `kvdepotd restore BACKUP` (repair.c): copy the files of a backup (Backup
+ * RPC) into cfg->data_dir, which must not exist or be empty, then open the
+ * store there to check it. Exit status 0, or 1 with a message. */
+int kvd_restore_run(const kvd_config *cfg, const char *backup, const char *prog);
+
 /* 1 when a gRPC listen address can only be reached from this machine
  * (127.0.0.0/8, ::1, localhost, unix sockets). */
 int kvd_listen_is_loopback(const char *listen);

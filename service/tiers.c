@@ -3,9 +3,11 @@
  * counters) and EvictSequence (move a sequence's pages out of memory).
  */
 #include <string.h>
+#include <time.h>
 
 #include "compute.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
+#include "log.h"
 #include "metrics.h"
 #include "rpc.h"
 #include "validate.h"
@@ -80,6 +82,39 @@ int kvd_h_stats(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer 
         resp.device_pages_encoded = resp.device_fallbacks = resp.device_pages_placed = 0;
         resp.memory = NULL;
     }
+    *reply = kvd_pack(&resp.base);
+    return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
+}
+
+int kvd_h_backup(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,
+                 kvd_error *err)
+{
+    const Kvdepot__V1__BackupRequest *req = (const Kvdepot__V1__BackupRequest *)msg;
+    if (ctx->principal && !ctx->principal->admin)
+        return kvd_error_set(err, KVD_EPERM,
+                             "Backup copies every tenant's data: it needs a token "
+                             "with access: admin");
+    const char *dir = req->dir ? req->dir : "";
+    if (dir[0] != '/')
+        return kvd_error_set(err, KVD_EINVAL,
+                             "dir \"%.200s\": an absolute path on the server's host is required",
+                             dir);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    uint64_t files = 0, bytes = 0;
+    int rc = kvd_store_backup(ctx->svc->store, dir, &files, &bytes, err);
+    if (rc)
+        return rc;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    uint64_t ms = (uint64_t)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000);
+    char qdir[1100];
+    kvd_log_quote(qdir, sizeof qdir, dir, strlen(dir));
+    KVD_LOG(KVD_LOG_INFO, "backup written", "dir=%s files=%llu bytes=%llu ms=%llu", qdir,
+            (unsigned long long)files, (unsigned long long)bytes, (unsigned long long)ms);
+    Kvdepot__V1__BackupResponse resp = KVDEPOT__V1__BACKUP_RESPONSE__INIT;
+    resp.files = files;
+    resp.bytes = bytes;
+    resp.duration_ms = ms;
     *reply = kvd_pack(&resp.base);
     return *reply ? 0 : kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
 }

@@ -437,6 +437,60 @@ int kvd_store_repair(const char *dir, int *how, kvd_repair_report *rep, kvd_erro
     return rc;
 }
 
+int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *bytes,
+                     kvd_error *err)
+{
+    if (files)
+        *files = 0;
+    if (bytes)
+        *bytes = 0;
+    char parent[4096];
+    size_t n = dir ? strlen(dir) : 0;
+    if (n == 0 || n >= sizeof parent)
+        return kvd_error_set(err, KVD_EINVAL, "backup: directory path empty or too long");
+    struct stat sb;
+    if (lstat(dir, &sb) == 0)
+        return kvd_error_set(err, KVD_EEXIST,
+                             "backup: %s exists (a backup goes to a new directory)", dir);
+    memcpy(parent, dir, n + 1);
+    while (n > 1 && parent[n - 1] == '/')
+        parent[--n] = 0;
+    char *slash = strrchr(parent, '/');
+    if (slash)
+        *(slash == parent ? slash + 1 : slash) = 0;
+    else
+        snprintf(parent, sizeof parent, ".");
+    if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return kvd_error_set(err, KVD_EPRECOND, "backup: the parent directory %s does not exist",
+                             parent);
+    char *e = NULL;
+    rocksdb_checkpoint_t *cp = rocksdb_checkpoint_object_create(st->db, &e);
+    if (cp)
+        rocksdb_checkpoint_create(cp, dir, 0, &e); /* 0: flush the memtables first */
+    if (cp)
+        rocksdb_checkpoint_object_destroy(cp);
+    if (e) {
+        int rc = kvd_error_set(err, KVD_EINTERNAL, "backup to %s failed: %s", dir, e);
+        rocksdb_free(e);
+        return rc;
+    }
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        char path[4096 + 256];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode)) {
+            if (files)
+                (*files)++;
+            if (bytes)
+                *bytes += (uint64_t)sb.st_size;
+        }
+    }
+    if (d)
+        closedir(d);
+    return 0;
+}
+
 /* Read or create the store record; it pins the page size for the directory. */
 static int load_meta(kvd_store *st, uint32_t want_page_tokens, kvd_error *err)
 {

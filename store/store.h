@@ -443,6 +443,13 @@ int kvd_store_stats_get(kvd_store *st, kvd_store_stats *out);
 int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t ttl_ms,
                           kvd_error *err);
 
+/* A consistent copy of the store in dir (must not exist; its parent must):
+ * RocksDB's checkpoint after a memtable flush. *files / *bytes (may be
+ * NULL) count what the directory holds. KVD_EEXIST, KVD_EPRECOND (no
+ * parent), KVD_EINTERNAL (RocksDB's message). */
+int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *bytes,
+                     kvd_error *err);
+
 /* Move every page of a sequence out of the memory tiers (it stays in
  * RocksDB); pinned pages stay until released. *pages / *bytes (may be NULL)
  * count what left memory. KVD_ENOTFOUND for an unknown id. */

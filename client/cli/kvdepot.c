@@ -52,6 +52,8 @@ static const char usage_text[] =
     "                                       from all its tokens, code every page\n"
     "  stats                                the server's tiers (bytes, pages, hits,\n"
     "                                       evictions) and durability\n"
+    "  backup DIR                           a consistent copy of the whole store in DIR\n"
+    "                                       on the server's host (absolute, new; admin)\n"
     "  put ID --model M --tokens N --file F [--layer-start L] [--layers N]\n"
     "         [--token-ids FILE] [--ttl SECONDS] [--activations]\n"
     "         [--k CODEC] [--v CODEC] [--pq mMbB[iN][tT]] [--raw-sink N]\n"
@@ -564,6 +566,20 @@ static int cmd_seq(kvdepot_client *c, int argc, char **argv)
         return 0;
     }
     usage_error("seq: unknown subcommand \"%s\" (expected stat, rm, evict or pq-rebuild)", sub);
+}
+
+static int cmd_backup(kvdepot_client *c, int argc, char **argv)
+{
+    const char *pos[1];
+    if (parse_args(argc, argv, NULL, pos, 1) != 1)
+        usage_error("backup: expected one directory (absolute, on the server's host)");
+    kvdepot_backup_info b;
+    int rc = kvdepot_backup(c, pos[0], &b);
+    if (rc)
+        return fail(c, rc);
+    printf("backup in %s: %" PRIu64 " files, %" PRIu64 " bytes, %" PRIu64 " ms\n", pos[0], b.files,
+           b.bytes, b.duration_ms);
+    return 0;
 }
 
 static int cmd_stats(kvdepot_client *c, int argc, char **argv)
@@ -1480,12 +1496,22 @@ int main(int argc, char **argv)
         const char *name;
         int (*fn)(kvdepot_client *, int, char **);
     } cmds[] = {
-        {"health", cmd_health}, {"models", cmd_models}, {"model", cmd_model},
-        {"seqs", cmd_seqs},     {"seq", cmd_seq},       {"put", cmd_put},
-        {"get", cmd_get},       {"lookup", cmd_lookup}, {"shards", cmd_shards},
-        {"stats", cmd_stats},     {"attend", cmd_attend}, {"plan", cmd_plan},
+        {"health", cmd_health},
+        {"models", cmd_models},
+        {"model", cmd_model},
+        {"seqs", cmd_seqs},
+        {"seq", cmd_seq},
+        {"put", cmd_put},
+        {"get", cmd_get},
+        {"lookup", cmd_lookup},
+        {"shards", cmd_shards},
+        {"stats", cmd_stats},
+        {"attend", cmd_attend},
+        {"plan", cmd_plan},
         {"search", cmd_search},
-        {"calibrate", cmd_calibrate}, {"artifacts", cmd_artifacts},
+        {"calibrate", cmd_calibrate},
+        {"artifacts", cmd_artifacts},
+        {"backup", cmd_backup},
     };
     int (*fn)(kvdepot_client *, int, char **) = NULL;
     for (size_t k = 0; k < sizeof cmds / sizeof cmds[0]; k++)

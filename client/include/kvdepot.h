@@ -1091,6 +1091,24 @@ typedef struct kvdepot_stats {
  */
 int kvdepot_stats_get(kvdepot_client *client, kvdepot_stats *out);
 
+/* What a backup wrote (kvdepot.v1.BackupResponse). */
+typedef struct kvdepot_backup_info {
+    uint64_t files, bytes, duration_ms;
+} kvdepot_backup_info;
+
+/**
+ * Backup: a consistent copy of the server's whole store, as of one
+ * instant, in `dir` on the server's host (absolute; must not exist, its
+ * parent must), taken while the server serves. Needs an admin token when
+ * the server has a tokens file. Restore: `kvdepotd restore DIR --data-dir
+ * NEW`, or start kvdepotd with --data-dir DIR.
+ * @param[out] out  files and bytes written (may be NULL)
+ * @return KVDEPOT_OK; KVDEPOT_EINVAL (relative path); KVDEPOT_EEXIST;
+ *         KVDEPOT_EPRECOND (no parent directory); KVDEPOT_EPERM;
+ *         KVDEPOT_EUNSUPP on a client over several servers.
+ */
+int kvdepot_backup(kvdepot_client *client, const char *dir, kvdepot_backup_info *out);
+
 /**
  * EvictSequence: move a sequence's pages out of the server's memory tiers
  * (it stays stored; a later read promotes them again).

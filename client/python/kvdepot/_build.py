@@ -387,6 +387,10 @@ int kvdepot_attend_dtype(kvdepot_client *client, uint32_t layer, float scale,
                          kvdepot_attend_result *out);
 void kvdepot_attend_results_free(kvdepot_attend_result *results, size_t n);
 int kvdepot_stats_get(kvdepot_client *client, kvdepot_stats *out);
+typedef struct kvdepot_backup_info {
+    uint64_t files, bytes, duration_ms;
+} kvdepot_backup_info;
+int kvdepot_backup(kvdepot_client *client, const char *dir, kvdepot_backup_info *out);
 int kvdepot_search(kvdepot_client *client, const kvdepot_search_args *args,
                    kvdepot_search_result *out);
 int kvdepot_sparse_attend(kvdepot_client *client, const kvdepot_search_args *args, float scale,

@@ -7,6 +7,7 @@ bits) is sent from its own memory, without a copy. Reads come back as
 arrays over the buffer libkvdepot received them into (freed when the arrays
 are). Every failure raises a kvdepot.errors exception.
 """
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -1061,6 +1062,16 @@ class Client:
                                            layer_start, num_layers, int(assume_activations), p))
         return FetchPlan(p.split_tokens, p.num_tokens, p.predicted_seconds, p.kv_only_seconds,
                          p.recompute_seconds, p.activation_bytes, p.kv_bytes)
+
+    def backup(self, dir: str) -> Dict:
+        """A consistent copy of the server's whole store in `dir` on the
+        server's host (absolute; must not exist, its parent must), taken
+        while it serves; admin token needed where the server has tokens.
+        Restore with `kvdepotd restore DIR --data-dir NEW`. Returns files,
+        bytes and duration_ms."""
+        b = ffi.new("kvdepot_backup_info *")
+        self._check(lib.kvdepot_backup(self._client(), os.fsencode(dir), b))
+        return {"files": b.files, "bytes": b.bytes, "duration_ms": b.duration_ms}
 
     def stats(self) -> Dict:
         """The server's Stats: tiers, sequences, backend and device, and its

@@ -371,6 +371,21 @@ def test_calibrate_advice(client):
                          error_budget=0.05)
 
 
+def test_backup(client, tmp_path):
+    """Backup writes a store that kvdepotd opens; an existing directory or
+    a relative path is refused."""
+    client.create_sequence("bk-1", "py")
+    k, v = kv(300, 81), kv(300, 82)
+    client.append("bk-1", k, v, token_start=0)
+    info = client.backup(str(tmp_path / "bk"))
+    assert info["files"] > 0 and info["bytes"] > 0
+    assert (tmp_path / "bk" / "CURRENT").exists()
+    with pytest.raises(kvdepot.AlreadyExists):
+        client.backup(str(tmp_path / "bk"))
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.backup("relative/dir")
+
+
 def test_local_attention_helpers(client):
     rng = np.random.default_rng(3)
     k, v = kv(300, 61)[0], kv(300, 62)[0]
