@@ -223,9 +223,11 @@ __attribute__((target("avx2,fma"))) static void project_rows_avx2(const float *R
 /* Four rows at once (x: 4 rows of D, y: 4 rows of r): every load of a row
  * of R serves the four tokens and every broadcast of x 16 columns, with
  * the 4 x 16 sums in registers; columns past the last multiple of 8 are
- * summed one by one. */
-__attribute__((target("avx2,fma"))) static void project4_avx2(const float *R, int D, int r,
-                                                              const float *x, float *y)
+ * summed one by one. A product and a sum, each rounded, per input dimension
+ * in order from 0 (no FMA): the bits of the one-row path, and of the CUDA
+ * backend's projection, so a page codes to the same bytes everywhere. */
+__attribute__((target("avx2"))) static void project4_avx2(const float *R, int D, int r,
+                                                          const float *x, float *y)
 {
     const float *x0 = x, *x1 = x + D, *x2 = x + 2 * (size_t)D, *x3 = x + 3 * (size_t)D;
     int j = 0;
@@ -236,17 +238,17 @@ __attribute__((target("avx2,fma"))) static void project4_avx2(const float *R, in
             const float *Ri = R + (size_t)i * D + j;
             const __m256 r0 = _mm256_loadu_ps(Ri), r1 = _mm256_loadu_ps(Ri + 8);
             __m256 s = _mm256_broadcast_ss(x0 + i);
-            a0 = _mm256_fmadd_ps(s, r0, a0);
-            a1 = _mm256_fmadd_ps(s, r1, a1);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(s, r0));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(s, r1));
             s = _mm256_broadcast_ss(x1 + i);
-            a2 = _mm256_fmadd_ps(s, r0, a2);
-            a3 = _mm256_fmadd_ps(s, r1, a3);
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(s, r0));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(s, r1));
             s = _mm256_broadcast_ss(x2 + i);
-            a4 = _mm256_fmadd_ps(s, r0, a4);
-            a5 = _mm256_fmadd_ps(s, r1, a5);
+            a4 = _mm256_add_ps(a4, _mm256_mul_ps(s, r0));
+            a5 = _mm256_add_ps(a5, _mm256_mul_ps(s, r1));
             s = _mm256_broadcast_ss(x3 + i);
-            a6 = _mm256_fmadd_ps(s, r0, a6);
-            a7 = _mm256_fmadd_ps(s, r1, a7);
+            a6 = _mm256_add_ps(a6, _mm256_mul_ps(s, r0));
+            a7 = _mm256_add_ps(a7, _mm256_mul_ps(s, r1));
         }
         _mm256_storeu_ps(y + j, a0);
         _mm256_storeu_ps(y + j + 8, a1);
@@ -261,10 +263,10 @@ __attribute__((target("avx2,fma"))) static void project4_avx2(const float *R, in
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int i = 0; i < D; i++) {
             const __m256 r0 = _mm256_loadu_ps(R + (size_t)i * D + j);
-            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + i), r0, a0);
-            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(x1 + i), r0, a1);
-            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(x2 + i), r0, a2);
-            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(x3 + i), r0, a3);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_broadcast_ss(x0 + i), r0));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_broadcast_ss(x1 + i), r0));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_broadcast_ss(x2 + i), r0));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_broadcast_ss(x3 + i), r0));
         }
         _mm256_storeu_ps(y + j, a0);
         _mm256_storeu_ps(y + r + j, a1);
