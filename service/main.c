@@ -559,12 +559,13 @@ int main(int argc, char **argv)
         kvd_log_quote(qdir, sizeof qdir, cfg.data_dir, strlen(cfg.data_dir));
         KVD_LOG(KVD_LOG_INFO, "serving",
                 "listen=%s port=%d data_dir=%s threads=%llu page_tokens=%u durability=%s "
-                "max_message_bytes=%llu tls=%s auth=%s metrics_port=%d version=%s",
-                qlisten, port, qdir, (unsigned long long)cfg.threads,
-                svc.page_tokens, cfg.sync ? "sync" : cfg.durability,
-                (unsigned long long)cfg.max_message_bytes,
-                !cfg.tls_cert ? "off" : cfg.tls_client_ca ? "mtls" : "on",
-                cfg.tokens_file ? "tokens" : "off", metrics_port, KVD_VERSION);
+                "max_message_bytes=%llu tls=%s auth=%s metrics_port=%d version=%s store_format=%d",
+                qlisten, port, qdir, (unsigned long long)cfg.threads, svc.page_tokens,
+                cfg.sync ? "sync" : cfg.durability, (unsigned long long)cfg.max_message_bytes,
+                !cfg.tls_cert       ? "off"
+                : cfg.tls_client_ca ? "mtls"
+                                    : "on",
+                cfg.tokens_file ? "tokens" : "off", metrics_port, KVD_VERSION, KVD_STORE_FORMAT);
         for (;;) {
             /* Once a second, or at a signal: a listener that stopped
              * accepting (grpc_log) or a store that cannot write any more

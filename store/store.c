@@ -18,7 +18,7 @@
 #define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
 
-#define META_VERSION 1
+#define META_VERSION KVD_STORE_FORMAT
 
 uint64_t kvd__now_ms(void)
 {
@@ -505,7 +505,13 @@ static int load_meta(kvd_store *st, uint32_t want_page_tokens, kvd_error *err)
     if (v) {
         const uint8_t *p = (const uint8_t *)v;
         int rc = 0;
-        if (len != 5 || p[0] != META_VERSION) {
+        if (len && p[0] > META_VERSION) {
+            rc = kvd_error_set(err, KVD_EPRECOND,
+                               "the data directory was written by a newer kvdepot (store format "
+                               "%u; this kvdepotd reads format %u and older): run that version, or "
+                               "restore a backup taken before the upgrade (docs/upgrades.md)",
+                               p[0], META_VERSION);
+        } else if (len != 5 || p[0] != META_VERSION) {
             rc = kvd_error_set(err, KVD_ECORRUPT, "store record: version %u, %zu bytes",
                                len ? p[0] : 0, len);
         } else {

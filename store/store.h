@@ -21,6 +21,10 @@
 
 #define KVD_MODEL_NAME_MAX 128  /* bytes, [A-Za-z0-9._-] */
 #define KVD_REVISION_MAX 128    /* bytes */
+/* The format of a data directory, kept in its store record: a kvdepotd
+ * opens its own format (and upgrades older ones in place: 1 is the first)
+ * and refuses a newer one (KVD_EPRECOND). docs/upgrades.md. */
+#define KVD_STORE_FORMAT 1
 #define KVD_SEQ_ID_MAX 330      /* bytes, any value (kvdepotd: a tenant's namespace + 256) */
 #define KVD_DEFAULT_PAGE_TOKENS 256
 

@@ -504,6 +504,51 @@ static void test_repair_blobs(void)
     kvd_store_close(st);
 }
 
+/* A data directory written by a newer kvdepot (its store record's format
+ * above KVD_STORE_FORMAT) is refused with the way forward and left as it
+ * was; back at this format it opens. */
+static void test_format_version(void)
+{
+    kvd_store *st = open_with_model();
+    create(st, 0);
+    append(st, 0, 0, PT);
+    uint8_t rec[6] = {KVD_STORE_FORMAT + 1, 0, 1, 0, 0, 7}; /* a longer record, too */
+    char *e = NULL;
+    rocksdb_put(st->db, st->wopt, KVD__META_KEY, KVD__META_KEY_LEN, (const char *)rec, sizeof rec,
+                &e);
+    CHECK(e == NULL);
+    kvd_store_close(st);
+    kvd_store_options o = {.data_dir = dir};
+    kvd_error err;
+    kvd_error_clear(&err);
+    st = NULL;
+    CHECK(kvd_store_open(&o, &st, &err) == KVD_EPRECOND && st == NULL);
+    CHECK(strstr(err.msg, "newer kvdepot (store format 2; this kvdepotd reads format 1") != NULL);
+    /* untouched: put the record back as this format writes it */
+    rocksdb_options_t *ro = rocksdb_options_create();
+    rocksdb_options_set_enable_blob_files(ro, 1);
+    rocksdb_t *db = rocksdb_open(ro, dir, &e);
+    CHECK(db && e == NULL);
+    size_t len = 0;
+    rocksdb_readoptions_t *rd = rocksdb_readoptions_create();
+    char *v = db ? rocksdb_get(db, rd, KVD__META_KEY, KVD__META_KEY_LEN, &len, &e) : NULL;
+    CHECK(v && len == sizeof rec && memcmp(v, rec, len) == 0);
+    rocksdb_free(v);
+    uint8_t cur[5] = {KVD_STORE_FORMAT, (uint8_t)PT, (uint8_t)(PT >> 8), 0, 0};
+    rocksdb_writeoptions_t *wo = rocksdb_writeoptions_create();
+    if (db)
+        rocksdb_put(db, wo, KVD__META_KEY, KVD__META_KEY_LEN, (const char *)cur, sizeof cur, &e);
+    CHECK(e == NULL);
+    rocksdb_writeoptions_destroy(wo);
+    rocksdb_readoptions_destroy(rd);
+    if (db)
+        rocksdb_close(db);
+    rocksdb_options_destroy(ro);
+    st = open_store();
+    check_read(st, 0, PT);
+    kvd_store_close(st);
+}
+
 int main(void)
 {
     const char *t = getenv("TMPDIR");
@@ -520,6 +565,8 @@ int main(void)
     test_blob_gc();
     rm_dir();
     test_repair_blobs();
+    rm_dir();
+    test_format_version();
     rm_dir();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
