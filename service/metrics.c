@@ -1,11 +1,13 @@
 #include "metrics.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netdb.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -208,6 +210,113 @@ static void render_tiers(buf *b)
         (unsigned long long)s.mem_memtables, (unsigned long long)s.mem_block_cache);
 }
 
+/* The process: Prometheus's conventional process_* series, and threads. */
+static void render_process(buf *b)
+{
+    struct rusage ru;
+    double cpu = 0;
+    if (getrusage(RUSAGE_SELF, &ru) == 0)
+        cpu = (double)ru.ru_utime.tv_sec + (double)ru.ru_stime.tv_sec +
+              1e-6 * (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+    unsigned long long fds = 0, threads = 0, vsize = 0, start_ticks = 0, btime = 0;
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *de;
+    while (d && (de = readdir(d)))
+        fds += de->d_name[0] != '.';
+    if (d) {
+        closedir(d);
+        fds--; /* the directory's own descriptor */
+    }
+    char line[1024];
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (f && fgets(line, sizeof line, f)) {
+        /* after "pid (comm) ": field 3 on; threads is 20, starttime 22, vsize 23 */
+        const char *p = strrchr(line, ')');
+        if (p)
+            sscanf(p + 2,
+                   "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %llu %*d "
+                   "%llu %llu",
+                   &threads, &start_ticks, &vsize);
+    }
+    if (f)
+        fclose(f);
+    f = fopen("/proc/stat", "r");
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "btime %llu", &btime) == 1)
+            break;
+    if (f)
+        fclose(f);
+    const long hz = sysconf(_SC_CLK_TCK);
+    struct rlimit rl;
+    unsigned long long maxfds =
+        getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0;
+    put(b,
+        "# HELP process_cpu_seconds_total user and system CPU time of the process\n"
+        "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total %.3f\n"
+        "# HELP process_resident_memory_bytes resident memory\n"
+        "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes %llu\n"
+        "# HELP process_virtual_memory_bytes virtual memory\n"
+        "# TYPE process_virtual_memory_bytes gauge\nprocess_virtual_memory_bytes %llu\n"
+        "# HELP process_open_fds open file descriptors\n"
+        "# TYPE process_open_fds gauge\nprocess_open_fds %llu\n"
+        "# HELP process_max_fds the descriptor limit (soft)\n"
+        "# TYPE process_max_fds gauge\nprocess_max_fds %llu\n"
+        "# HELP process_threads threads of the process\n"
+        "# TYPE process_threads gauge\nprocess_threads %llu\n"
+        "# HELP process_start_time_seconds start of the process, seconds since the epoch\n"
+        "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %.2f\n"
+        "# HELP kvdepot_build_info the running build\n# TYPE kvdepot_build_info gauge\n"
+        "kvdepot_build_info{version=\"%s\",store_format=\"%d\"} 1\n",
+        cpu, (unsigned long long)kvd_process_rss(), vsize, fds, maxfds, threads,
+        hz > 0 && btime ? (double)btime + (double)start_ticks / (double)hz : 0.0, KVD_VERSION,
+        KVD_STORE_FORMAT);
+}
+
+/* RocksDB's figures: compactions, write stalls, and the bytes of its files
+ * (space amplification = total / live). */
+static void render_rocksdb(buf *b, struct kvd_store *st)
+{
+    static const struct {
+        const char *metric, *type, *help, *label, *prop;
+    } P[] = {
+        {"rocksdb_pending_compaction_bytes", "gauge", "bytes compactions still have to rewrite",
+         NULL, "rocksdb.estimate-pending-compaction-bytes"},
+        {"rocksdb_running_compactions", "gauge", "compactions running", NULL,
+         "rocksdb.num-running-compactions"},
+        {"rocksdb_write_stopped", "gauge",
+         "1 while RocksDB stops writes (too many files to compact)", NULL,
+         "rocksdb.is-write-stopped"},
+        {"rocksdb_delayed_write_rate", "gauge",
+         "bytes/s writes are slowed to while compactions catch up (0: not slowed)", NULL,
+         "rocksdb.actual-delayed-write-rate"},
+        {"rocksdb_background_errors_total", "counter",
+         "background errors (flushes, compactions) RocksDB met", NULL, "rocksdb.background-errors"},
+        {"rocksdb_sst_bytes", "gauge", "bytes of table files: live (in the current version), total",
+         "live", "rocksdb.live-sst-files-size"},
+        {NULL, NULL, NULL, "total", "rocksdb.total-sst-files-size"},
+        {"rocksdb_blob_bytes", "gauge",
+         "bytes of blob files (pages): live, total, and garbage (deleted pages not yet collected)",
+         "live", "rocksdb.live-blob-file-size"},
+        {NULL, NULL, NULL, "total", "rocksdb.total-blob-file-size"},
+        {NULL, NULL, NULL, "garbage", "rocksdb.live-blob-file-garbage-size"},
+    };
+    const char *name = NULL;
+    for (size_t i = 0; i < sizeof P / sizeof P[0]; i++) {
+        uint64_t v = 0;
+        if (kvd_store_db_property(st, P[i].prop, &v) != 0)
+            v = 0;
+        if (P[i].metric) {
+            name = P[i].metric;
+            put(b, "# HELP kvdepot_%s %s\n# TYPE kvdepot_%s %s\n", name, P[i].help, name,
+                P[i].type);
+        }
+        if (P[i].label)
+            put(b, "kvdepot_%s{kind=\"%s\"} %llu\n", name, P[i].label, (unsigned long long)v);
+        else
+            put(b, "kvdepot_%s %llu\n", name, (unsigned long long)v);
+    }
+}
+
 uint64_t kvd_process_rss(void)
 {
     FILE *f = fopen("/proc/self/statm", "r");
@@ -240,6 +349,9 @@ char *kvd_metrics_render(size_t *len)
 #undef KVD__METRIC_RENDER
 
     render_tiers(&b);
+    render_process(&b);
+    if (store)
+        render_rocksdb(&b, store);
 
     put(&b, "# HELP kvdepot_requests_total calls ended, by method and status\n"
             "# TYPE kvdepot_requests_total counter\n");

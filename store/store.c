@@ -437,6 +437,12 @@ int kvd_store_repair(const char *dir, int *how, kvd_repair_report *rep, kvd_erro
     return rc;
 }
 
+int kvd_store_db_property(kvd_store *st, const char *name, uint64_t *out)
+{
+    *out = 0;
+    return rocksdb_property_int(st->db, name, out) == 0 ? 0 : -1;
+}
+
 int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *bytes,
                      kvd_error *err)
 {

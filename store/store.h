@@ -447,6 +447,10 @@ int kvd_store_stats_get(kvd_store *st, kvd_store_stats *out);
 int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t ttl_ms,
                           kvd_error *err);
 
+/* An integer property of RocksDB (rocksdb_property_int: e.g.
+ * "rocksdb.estimate-pending-compaction-bytes"); 0, or -1 when it has none. */
+int kvd_store_db_property(kvd_store *st, const char *name, uint64_t *out);
+
 /* A consistent copy of the store in dir (must not exist; its parent must):
  * RocksDB's checkpoint after a memtable flush. *files / *bytes (may be
  * NULL) count what the directory holds. KVD_EEXIST, KVD_EPRECOND (no

@@ -442,6 +442,25 @@ metrics)
     grep -Eq '^kvdepot_backend_info\{backend="(cpu|cuda)",device="[^"]*",threads="[1-9][0-9]*"\} 1$' "$work/metrics" ||
         fail "backend info"
     [ "$(metric kvdepot_ready)" = 1 ] || fail "ready gauge"
+    # The process, the build and RocksDB.
+    fds=$(ls "/proc/$pid/fd" | wc -l)
+    got=$(metric process_open_fds)
+    [ "$got" -ge $((fds - 3)) ] && [ "$got" -le $((fds + 3)) ] ||
+        fail "process_open_fds $got, /proc says $fds"
+    [ "$(metric process_threads)" = "$(awk '/^Threads:/ {print $2}' "/proc/$pid/status")" ] ||
+        fail "process_threads $(metric process_threads)"
+    [ "$(metric process_max_fds)" = "$(awk '/Max open files/ {print $4}' "/proc/$pid/limits")" ] ||
+        fail "process_max_fds"
+    awk -v now="$(date +%s)" '$1 == "process_start_time_seconds" { ok = $2 > now - 600 && $2 <= now + 1 }
+        END { exit !ok }' "$work/metrics" || fail "process_start_time_seconds"
+    awk '$1 == "process_cpu_seconds_total" { ok = $2 > 0 } END { exit !ok }' "$work/metrics" ||
+        fail "process_cpu_seconds_total"
+    [ "$(metric 'kvdepot_build_info{version="'"$("$server" --version | cut -d' ' -f2)"'",store_format="1"}')" = 1 ] ||
+        fail "build info"
+    [ "$(metric kvdepot_rocksdb_write_stopped)" = 0 ] || fail "rocksdb write stopped"
+    grep -q '^kvdepot_rocksdb_blob_bytes{kind="garbage"} [0-9]*$' "$work/metrics" || fail "blob bytes"
+    [ "$(metric 'kvdepot_rocksdb_sst_bytes{kind="total"}')" -ge "$(metric 'kvdepot_rocksdb_sst_bytes{kind="live"}')" ] ||
+        fail "sst bytes"
     # The whole page parses as Prometheus text, and every histogram is
     # cumulative with +Inf equal to its count.
     python3 - "$work/metrics" <<'EOF' || fail "metrics do not parse"
