@@ -60,6 +60,9 @@ static const setting settings[] = {
      "largest K+V payload of one Append; larger appends fail with RESOURCE_EXHAUSTED"},
     {"log-level", T_LOGLEVEL, F(log_level), "info", 0, 0, "LEVEL",
      "debug (one line per request), info, warn (every failed request) or error"},
+    {"log-format", T_STRING, F(log_format), "logfmt", 0, 0, "FORMAT",
+     "logfmt (key=value, one line per event) or json (one object per line; gRPC's own "
+     "messages too)"},
     {"port-file", T_OPTSTRING, F(port_file), "", 0, 0, "FILE",
      "once serving, write the bound port and a newline to FILE (atomically)"},
     {"shutdown-grace-ms", T_UINT, F(shutdown_grace_ms), "2000", 0, 600000, "MS",

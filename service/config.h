@@ -26,6 +26,7 @@ typedef struct kvd_config {
     uint64_t max_message_bytes; /* max receive and send message length */
     uint64_t max_append_bytes;  /* K+V bytes of one Append */
     int log_level;              /* a kvd_log_level */
+    char *log_format;           /* "logfmt" or "json" */
     char *port_file;            /* NULL = none */
     uint64_t shutdown_grace_ms; /* in-flight calls get this long at shutdown */
 

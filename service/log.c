@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 int kvd_log_threshold = KVD_LOG_INFO;
+int kvd_log_json = 0;
 
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
 
@@ -73,6 +74,75 @@ size_t kvd_log_quote(char *buf, size_t cap, const char *s, size_t len)
     return o;
 }
 
+/* The logfmt line in[0..n) as one JSON object into out (NUL-terminated):
+ * every key=value pair a string member, values unquoted and unescaped
+ * (\xNN as \u00NN). Returns the length. */
+static size_t to_json(const char *in, size_t n, char *out, size_t cap)
+{
+    size_t o = 0, i = 0;
+#define PUT(c)                                                                                     \
+    do {                                                                                           \
+        if (o + 1 < cap)                                                                           \
+            out[o++] = (c);                                                                        \
+    } while (0)
+    PUT('{');
+    int first = 1;
+    while (i < n) {
+        while (i < n && in[i] == ' ')
+            i++;
+        size_t k0 = i;
+        while (i < n && in[i] != '=' && in[i] != ' ')
+            i++;
+        if (i >= n || in[i] != '=' || i == k0)
+            break;
+        if (!first)
+            PUT(',');
+        first = 0;
+        PUT('"');
+        for (size_t j = k0; j < i; j++)
+            PUT(in[j]);
+        PUT('"');
+        PUT(':');
+        PUT('"');
+        i++; /* '=' */
+        const int quoted = i < n && in[i] == '"';
+        if (quoted)
+            i++;
+        while (i < n && (quoted ? in[i] != '"' : in[i] != ' ')) {
+            char c = in[i++];
+            if (c == '\\' && i < n) {
+                char e = in[i++];
+                if (e == 'x' && i + 1 < n) {
+                    PUT('\\');
+                    PUT('u');
+                    PUT('0');
+                    PUT('0');
+                    PUT(in[i]);
+                    PUT(in[i + 1]);
+                    i += 2;
+                } else if (e == 'n') {
+                    PUT('\\');
+                    PUT('n');
+                } else {
+                    PUT('\\');
+                    PUT(e);
+                }
+            } else if ((unsigned char)c < ' ') {
+                PUT(' ');
+            } else {
+                PUT(c);
+            }
+        }
+        if (quoted && i < n)
+            i++;
+        PUT('"');
+    }
+    PUT('}');
+#undef PUT
+    out[o] = '\0';
+    return o;
+}
+
 void kvd_log_write(int level, const char *msg, const char *kv, ...)
 {
     char line[2048];
@@ -100,8 +170,15 @@ void kvd_log_write(int level, const char *msg, const char *kv, ...)
     }
     if (n > sizeof line - 2)
         n = sizeof line - 2;
-    line[n++] = '\n';
+    const char *out = line;
+    char json[3072];
+    if (kvd_log_json) {
+        n = to_json(line, n, json, sizeof json - 1);
+        out = json;
+    }
+    char *end = (char *)out + n;
+    *end = '\n';
     /* One write per line; a failed log write has nowhere to be reported. */
-    ssize_t w = write(STDERR_FILENO, line, n);
+    ssize_t w = write(STDERR_FILENO, out, n + 1);
     (void)w;
 }

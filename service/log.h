@@ -23,6 +23,9 @@ enum kvd_log_level {
 
 /* The current threshold; set once at startup, before worker threads exist. */
 extern int kvd_log_threshold;
+/* 1: each line as one JSON object of string members instead of logfmt
+ * ({"ts":"...","level":"warn",...,"msg":"..."}); set once at startup. */
+extern int kvd_log_json;
 
 /* "debug", "info", "warn", "error" -> level, or -1. */
 int kvd_log_level_parse(const char *s);

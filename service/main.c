@@ -332,6 +332,13 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 0;
     }
+    if (strcmp(cfg.log_format, "json") == 0) {
+        kvd_log_json = 1;
+    } else if (strcmp(cfg.log_format, "logfmt") != 0) {
+        fprintf(stderr, "%s: log-format: '%s' is not logfmt or json\n", prog, cfg.log_format);
+        kvd_config_free(&cfg);
+        return 2;
+    }
     if ((repair || restore) && action == KVD_CONFIG_RUN) {
         kvd_log_threshold = cfg.log_level;
         int rc = repair ? kvd_repair_run(&cfg, prog) : kvd_restore_run(&cfg, backup, prog);

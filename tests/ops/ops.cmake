@@ -9,7 +9,7 @@ else()
 endif()
 
 foreach(name tls mtls auth reload quota limits deadline config metrics modes wal damage nofile
-             emfile listen_emfile maxconn backup)
+             emfile listen_emfile maxconn backup logjson)
   add_test(NAME ops_${name}
            COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/ops_test.sh ${KVD_OPS_SERVER}
                    $<TARGET_FILE:kvdepot> ${name})

@@ -46,9 +46,10 @@ start() {
         --metrics-listen 127.0.0.1:0 --threads 2 "$@" >>"$work/server.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 1200); do # 60 s: CI machines can be busy
-        if [ -s "$work/port" ] && grep -q 'msg=serving' "$work/server.log"; then
+        if [ -s "$work/port" ] && grep -Eq 'msg=serving|"msg":"serving"' "$work/server.log"; then
             port=$(tr -d '\n' <"$work/port")
-            mport=$(grep -o 'metrics_port=[0-9]*' "$work/server.log" | head -1 | cut -d= -f2)
+            mport=$(grep -Eo 'metrics_port=[0-9]*|"metrics_port":"[0-9]*' "$work/server.log" |
+                head -1 | tr -dc '0-9')
             return 0
         fi
         kill -0 "$pid" 2>/dev/null || fail "kvdepotd exited before serving"
@@ -842,6 +843,31 @@ listen_emfile)
     cmp -s "$work/back.bin" "$work/s1.bin" || fail "s1 differs after the restart"
     ok k put s2 --model m --tokens 300 --file "$(kv 300)"
     stop
+    ;;
+logjson)
+    # --log-format json: every line, kvdepotd's and gRPC's, is one JSON
+    # object of string members; a message keeps its text (an id with a
+    # quote, a backslash and a control byte, as the message escapes it).
+    start --log-format json --log-level debug
+    k() { "$cli" --addr "127.0.0.1:$port" "$@"; }
+    ok k model put m --layers 2 --kv-heads 1 --head-dim 8 --dtype f16
+    expect NOT_FOUND k seq stat "$(printf 'a"b\\c\001d')"
+    stop
+    python3 - "$work/server.log" <<'EOF' || fail "log lines are not JSON: $(head -3 "$work/server.log")"
+import json, sys
+lines = open(sys.argv[1], encoding="utf-8").read().splitlines()
+assert lines, "no log"
+seen = set()
+for ln in lines:
+    o = json.loads(ln)
+    assert set(o) >= {"ts", "level"} and all(isinstance(v, str) for v in o.values()), ln
+    seen.add(o.get("msg"))
+    if o.get("method") == "StatSequence":
+        assert o["status"] == "NOT_FOUND", o
+        assert o["msg"] == 'sequence "a\\x22b\\x5cc\\x01d" not found', repr(o["msg"])
+        seen.add("StatSequence")
+assert {"serving", "stopped", "StatSequence"} <= seen, seen
+EOF
     ;;
 backup)
     # A backup taken under write load: a writer appends 48 sequences one by
