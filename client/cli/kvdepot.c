@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,6 +87,7 @@ static const char usage_text[] =
     "                                       with a PQ index); --sparse also attends\n"
     "                                       over them and prints the LSE per head\n"
     "  plan ID --bandwidth B/s --flops F/s [--activations]\n"
+    "                                       rates with units: 25G, 25GB/s, 2.5e10, 512Mi\n"
     "                                       KVPR fetch split (PlanFetch)\n"
     "  calibrate --model M --tokens N --file F [--q FILE] [--layer-start L] [--layers N]\n"
     "            [--vq dDbB] [--svd] [--iterations N] [--seed S] [--max-samples N]\n"
@@ -203,6 +205,36 @@ static uint64_t parse_u64(const char *what, const char *s, uint64_t max)
     unsigned long long v = strtoull(s, &end, 0);
     if (errno || *end || v > max)
         usage_error("%s: bad number \"%s\"", what, s);
+    return v;
+}
+
+/* A rate or an amount with a unit: a number (exponent allowed), then K, M,
+ * G or T (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024), then
+ * optionally "B" and "/s": "10G", "10GB/s", "2.5e9", "512Mi". A positive,
+ * finite result or a usage error naming the flag. */
+static double parse_rate(const char *what, const char *s)
+{
+    char *end;
+    errno = 0;
+    double v = s && *s ? strtod(s, &end) : 0;
+    if (!s || !*s || end == s || errno)
+        usage_error("%s: expected a number with an optional unit (e.g. 10G, 25GB/s), got \"%s\"",
+                    what, s ? s : "");
+    static const char units[] = "KMGT";
+    const char *u = strchr(units, *end);
+    if (*end && u) {
+        int k = (int)(u - units) + 1, bin = end[1] == 'i';
+        for (int i = 0; i < k; i++)
+            v *= bin ? 1024.0 : 1000.0;
+        end += 1 + bin;
+    }
+    if (*end == 'B')
+        end++;
+    if (end[0] == '/' && end[1] == 's')
+        end += 2;
+    if (*end || !isfinite(v) || !(v > 0))
+        usage_error("%s: bad value \"%s\" (a positive number, then K, M, G, T, Ki..Ti, B, /s)",
+                    what, s);
     return v;
 }
 
@@ -792,24 +824,25 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
             return fail_msg("%s has %zu token ids, expected --tokens %" PRIu64, ids_path, nids, tokens);
     }
 
-    /* Create the sequence on first use; otherwise append at the end of the
-     * first layer of the range (the server checks every layer of it). */
+    /* Create the sequence (the usual case: no lookup first); if it exists,
+     * append at the end of the first layer of the range (the server checks
+     * every layer of it). A sequence created here is deleted again when the
+     * append fails: a failed put leaves nothing behind. */
     uint64_t token_start = 0;
     kvdepot_sequence_info s;
-    rc = kvdepot_sequence_stat(c, id, strlen(id), &s);
-    if (rc == KVDEPOT_ENOTFOUND) {
-        kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = m.name};
-        ca.ttl_seconds = opt_u64(opts, "ttl", 0, UINT64_MAX / 1000);
-        cc.store_activations = with_x;
-        if (with_x || want_codecs)
-            ca.codecs = &cc;
-        rc = kvdepot_sequence_create(c, &ca, &s);
-    } else if (rc == KVDEPOT_OK && want_codecs) {
-        kvdepot_sequence_info_clear(&s);
+    kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = m.name};
+    ca.ttl_seconds = opt_u64(opts, "ttl", 0, UINT64_MAX / 1000);
+    cc.store_activations = with_x;
+    if (with_x || want_codecs)
+        ca.codecs = &cc;
+    rc = kvdepot_sequence_create(c, &ca, &s);
+    const int created = rc == KVDEPOT_OK;
+    if (rc == KVDEPOT_EEXIST && want_codecs)
         return fail_msg("sequence %s exists: --k, --v, --pq and --raw-sink apply only when put "
                         "creates it",
                         id);
-    }
+    if (rc == KVDEPOT_EEXIST)
+        rc = kvdepot_sequence_stat(c, id, strlen(id), &s);
     if (rc)
         return fail(c, rc);
     if (strcmp(s.model, m.name) != 0) {
@@ -841,8 +874,16 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
     if (data)
         munmap(data, 2 * kv + xb);
     free(ids);
-    if (rc)
-        return fail(c, rc);
+    if (rc) {
+        char msg[512];
+        const char *em = kvdepot_errmsg(c);
+        snprintf(msg, sizeof msg, "%s", em[0] ? em : kvdepot_strerror(rc));
+        if (created)
+            kvdepot_sequence_delete(c, id, strlen(id), NULL);
+        fprintf(stderr, "kvdepot: %s: %s%s\n", kvdepot_status_name(rc), msg,
+                created ? " (the sequence put created was deleted again)" : "");
+        return 1;
+    }
     printf("appended %" PRIu64 " tokens at %" PRIu64 " to layers %u..%u of %s: %" PRIu64
            " tokens readable\n",
            tokens, token_start, layer_start, layer_start + layers - 1, id, s.num_tokens);
@@ -1069,8 +1110,8 @@ static int cmd_plan(kvdepot_client *c, int argc, char **argv)
         usage_error("plan: expected ID");
     kvdepot_fetch_plan p;
     int rc = kvdepot_plan_fetch(c, pos[0], strlen(pos[0]),
-                                strtod(opt_required(opts, "bandwidth"), NULL),
-                                strtod(opt_required(opts, "flops"), NULL), 0, 0,
+                                parse_rate("--bandwidth", opt_required(opts, "bandwidth")),
+                                parse_rate("--flops", opt_required(opts, "flops")), 0, 0,
                                 opt_get(opts, "activations") != NULL, &p);
     if (rc)
         return fail(c, rc);

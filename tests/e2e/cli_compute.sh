@@ -52,6 +52,15 @@ k attend s --layer 0 --q "$work/q.bin" --token-start 100 --tokens 50 | grep_q "a
 
 out=$(k plan s --bandwidth 1e9 --flops 1e12) || fail "plan failed"
 echo "$out" | grep_q "^split 0 of 300 tokens" || fail "plan output: $out"
+# Rates with units: 1G = 1GB/s = 1e9; 10 bytes/s is not 10G; junk is refused.
+[ "$(k plan s --bandwidth 1G --flops 1T)" = "$out" ] || fail "plan with 1G/1T differs from 1e9/1e12"
+[ "$(k plan s --bandwidth 1GB/s --flops 1e12)" = "$out" ] || fail "plan with 1GB/s differs"
+[ "$(k plan s --bandwidth 10 --flops 1e12)" != "$out" ] || fail "10 bytes/s plans like 1 GB/s"
+for bad in 1e9x 10Q -5 0 G; do
+    rc=0
+    k plan s --bandwidth "$bad" --flops 1e12 >/dev/null 2>&1 || rc=$?
+    [ "$rc" -eq 2 ] || fail "--bandwidth $bad: exit $rc, want 2"
+done
 
 # Errors: a query of the wrong size, an unknown sequence, search without an index.
 rc=0

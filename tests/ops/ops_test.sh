@@ -318,6 +318,14 @@ limits)
     ok k put s2 --model m --tokens 15 --file "$(kv 15)"
     expect RESOURCE_EXHAUSTED k put s2 --model m --tokens 2 --file "$(kv 2)"
     ok k put s2 --model m --tokens 1 --file "$(kv 1)"
+    # A put whose append fails leaves no empty sequence behind, and a put
+    # that creates its sequence makes the server log no failed lookup.
+    expect RESOURCE_EXHAUSTED k put s4 --model m --tokens 17 --file "$(kv 17)"
+    case "$last_out" in *"deleted again"*) ;; *) fail "put did not say it removed s4: $last_out" ;; esac
+    expect NOT_FOUND k seq stat s4
+    ok k put s5 --model m --tokens 3 --file "$(kv 3)"
+    grep -q 'status=NOT_FOUND.*s5\|s5.*status=NOT_FOUND' "$work/server.log" &&
+        fail "a put that creates s5 made the server log NOT_FOUND"
     stop
     # One Append of 640 bytes (10 tokens) is the most; 11 tokens are refused.
     start --max-append-bytes 640
