@@ -67,6 +67,11 @@ static const char *const method_paths[KVDEPOT__METHOD_COUNT] = {
 /* Errors and logging                                                        */
 /* ------------------------------------------------------------------------ */
 
+const char *kvdepot_version(void)
+{
+    return KVDEPOT_LIB_VERSION;
+}
+
 /* Per thread, so that concurrent calls on one client keep their own message. */
 static _Thread_local char tls_errmsg[512];
 

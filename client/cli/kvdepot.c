@@ -1485,6 +1485,29 @@ static int cmd_artifacts(kvdepot_client *c, int argc, char **argv)
     free(buf);
     return rc;
 }
+/* The usage lines of one command (its lines of usage_text: those that start
+ * with it, and their continuations); 0, or -1 when there is no such
+ * command. */
+static int command_help(const char *cmd, FILE *f)
+{
+    const size_t n = strlen(cmd);
+    int in = 0, found = 0;
+    for (const char *p = usage_text; *p;) {
+        const char *e = strchr(p, '\n');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        if (len > 2 && p[0] == ' ' && p[1] == ' ' && p[2] != ' ')
+            in = len >= n + 2 && strncmp(p + 2, cmd, n) == 0 && (len == n + 2 || p[n + 2] == ' ');
+        else if (len < 3 || p[0] != ' ')
+            in = 0;
+        if (in) {
+            fprintf(f, "%.*s\n", (int)len, p);
+            found = 1;
+        }
+        p += len + (e != NULL);
+    }
+    return found ? 0 : -1;
+}
+
 int main(int argc, char **argv)
 {
     const char *addr = getenv("KVDEPOT_ADDR");
@@ -1498,6 +1521,9 @@ int main(int argc, char **argv)
         const char *a = argv[i];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             fputs(usage_text, stdout);
+            return 0;
+        } else if (strcmp(a, "--version") == 0) {
+            printf("kvdepot %s\n", kvdepot_version());
             return 0;
         } else if (strcmp(a, "--addr") == 0 && i + 1 < argc) {
             addr = argv[++i];
@@ -1527,9 +1553,25 @@ int main(int argc, char **argv)
     int cargc = argc - i;
     char **cargv = argv + i;
     if (strcmp(cmd, "help") == 0) {
-        fputs(usage_text, stdout);
+        if (cargc == 0) {
+            fputs(usage_text, stdout);
+            return 0;
+        }
+        if (command_help(cargv[0], stdout) != 0)
+            usage_error("help: no command \"%s\"", cargv[0]);
         return 0;
     }
+    if (strcmp(cmd, "version") == 0) {
+        printf("kvdepot %s\n", kvdepot_version());
+        return 0;
+    }
+    /* CMD --help (or -h) anywhere after the command: that command's usage. */
+    for (int j = 0; j < cargc; j++)
+        if (strcmp(cargv[j], "--help") == 0 || strcmp(cargv[j], "-h") == 0) {
+            if (command_help(cmd, stdout) != 0)
+                usage_error("unknown command \"%s\"", cmd);
+            return 0;
+        }
     if (strcmp(cmd, "hash") == 0)
         return cmd_hash(cargc, cargv);
 

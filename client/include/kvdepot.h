@@ -83,6 +83,9 @@ const char *kvdepot_strerror(int status);
  */
 const char *kvdepot_status_name(int status);
 
+/* The library's version, "MAJOR.MINOR.PATCH" (static storage). */
+const char *kvdepot_version(void);
+
 /*
  * The message of the last failed kvdepot call made by the calling thread,
  * e.g. `no such sequence "abc"` (without the status name). Empty string when

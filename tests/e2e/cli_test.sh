@@ -82,6 +82,17 @@ expect_error() {
 [ "$(k health)" = SERVING ] || fail "health is not SERVING"
 k --help >/dev/null
 "$cli" help | grep_q "model put" || fail "help text lacks 'model put'"
+# --version (the library's, the server's release), help CMD, CMD --help.
+[ "$("$cli" --version)" = "kvdepot $("$server" --version | cut -d' ' -f2)" ] ||
+    fail "--version: $("$cli" --version)"
+[ "$("$cli" version)" = "$("$cli" --version)" ] || fail "version"
+out=$("$cli" help put) || fail "help put"
+echo "$out" | head -1 | grep_q "^  put ID --model M" || fail "help put: $out"
+echo "$out" | grep_q "model put\|  get ID" && fail "help put shows other commands: $out"
+out=$("$cli" seq --help) || fail "seq --help"
+[ "$(echo "$out" | grep -c '^  seq ')" = 4 ] || fail "seq --help: $out"
+[ "$("$cli" plan x -h)" = "$("$cli" help plan)" ] || fail "plan -h differs from help plan"
+expect_error '' 2 "$cli" help nope
 
 # A small model: 4 layers x 2 kv heads x 64 dims, f16 -> 512 bytes per token of K.
 k model put tiny --layers 4 --kv-heads 2 --q-heads 8 --head-dim 64 --dtype f16 --revision r1 >/dev/null
