@@ -116,6 +116,18 @@ if [ $smoke = 1 ]; then
         kill "$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
         [ $ok = 1 ] || { cat "$ctx.log" >&2; echo "build-images: the image did not serve" >&2; exit 1; }
+        # Nothing the smoke test started may outlive it: no process left
+        # whose root is the image's filesystem.
+        left=
+        for p in /proc/[0-9]*; do
+            [ "$(readlink "$p/root" 2>/dev/null)" = "$mnt" ] && left="$left ${p#/proc/}"
+        done
+        if [ -n "$left" ]; then
+            echo "build-images: processes of the smoke test outlived it:$left" >&2
+            # shellcheck disable=SC2086
+            kill -KILL $left 2>/dev/null || true
+            exit 1
+        fi
         rm -f "$ctx.log"
         (buildah umount "$c" || podman umount "$c") >/dev/null 2>&1
         (buildah rm "$c" || podman rm "$c") >/dev/null 2>&1
