@@ -25,3 +25,10 @@ add_test(NAME deploy_image_cpu
          COMMAND sh -c "[ \"$KVD_IMAGE_TEST\" = 1 ] || { echo 'set KVD_IMAGE_TEST=1 to build the image'; exit 77; }; exec \"$0\" --bootstrap-base --smoke"
                  ${PROJECT_SOURCE_DIR}/deploy/build-images.sh)
 set_tests_properties(deploy_image_cpu PROPERTIES LABELS "slow" SKIP_RETURN_CODE 77 TIMEOUT 3600)
+
+# The install tree (cmake --install into a temporary prefix) and a program
+# built against it with pkg-config and find_package, shared and static. Not
+# in the sanitizer pass (its archive needs the sanitizer runtime to link).
+add_test(NAME deploy_install
+         COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/install_test.sh ${CMAKE_BINARY_DIR})
+set_tests_properties(deploy_install PROPERTIES LABELS install TIMEOUT 300)
