@@ -437,6 +437,23 @@ void kvd_auth_usage(kvd_auth *a, const kvd_principal *p, uint64_t *sequences, ui
     pthread_mutex_unlock(&a->mu);
 }
 
+size_t kvd_auth_tenant_usage(kvd_auth *a, kvd_tenant_usage **out)
+{
+    *out = NULL;
+    if (!a)
+        return 0;
+    pthread_mutex_lock(&a->mu);
+    kvd_tenant_usage *u = calloc(a->n_tenants ? a->n_tenants : 1, sizeof *u);
+    size_t n = u ? a->n_tenants : 0;
+    for (size_t i = 0; i < n; i++) {
+        const kvd_tenant *t = &a->tenants[i];
+        u[i] = (kvd_tenant_usage){t->name, t->sequences, t->bytes, t->max_sequences, t->max_bytes};
+    }
+    pthread_mutex_unlock(&a->mu);
+    *out = u;
+    return n;
+}
+
 const char *kvd_auth_tenant(const kvd_auth *a, const kvd_principal *p)
 {
     return a && p ? a->tenants[p->tenant].name : ANONYMOUS;

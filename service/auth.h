@@ -107,6 +107,15 @@ const char *kvd_auth_tenant(const kvd_auth *a, const kvd_principal *p);
 /* What the principal's tenant holds (its quota usage): sequences, bytes. */
 void kvd_auth_usage(kvd_auth *a, const kvd_principal *p, uint64_t *sequences, uint64_t *bytes);
 
+/* Every tenant's usage and quotas (0 = unlimited), read under the lock:
+ * *out malloc'd (names point into a: valid while the caller holds its
+ * reference); the count, 0 when out of memory. */
+typedef struct kvd_tenant_usage {
+    const char *name;
+    uint64_t sequences, bytes, max_sequences, max_bytes;
+} kvd_tenant_usage;
+size_t kvd_auth_tenant_usage(kvd_auth *a, kvd_tenant_usage **out);
+
 /* 1 when p (NULL = unrestricted) may use the model. */
 int kvd_auth_model_allowed(const kvd_principal *p, const char *model);
 

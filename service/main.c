@@ -517,6 +517,7 @@ int main(int argc, char **argv)
     }
     svc.store = store;
     kvd_metrics_store = store;
+    kvd_metrics_service = &svc;
     svc.page_tokens = kvd_store_page_tokens(store);
     kvd_store_totals tot;
     if ((rc = kvd_auth_scan(auth, store, &tot, &serr)) != 0) {
@@ -626,6 +627,7 @@ int main(int argc, char **argv)
     KVD_METRIC_SET(ready, 0);
     kvd_server_shutdown(srv, cfg.shutdown_grace_ms);
     kvd_metrics_store = NULL;
+    kvd_metrics_service = NULL;
     kvd_store_close(store);
     kvd_backend_free(backend);
     kvd_backend_free(device);

@@ -102,6 +102,7 @@ static const char *code_name(int code)
 }
 
 struct kvd_store *_Atomic kvd_metrics_store;
+struct kvd_service *_Atomic kvd_metrics_service;
 
 /* The store's tier gauges and counters, the same numbers as the Stats RPC. */
 static void render_tiers(buf *b)
@@ -317,6 +318,46 @@ static void render_rocksdb(buf *b, struct kvd_store *st)
     }
 }
 
+/* A label value as the text format wants it (\\, \" and \n escaped). */
+static void label_value(char *out, size_t cap, const char *s)
+{
+    size_t o = 0;
+    for (; *s && o + 3 < cap; s++) {
+        if (*s == '\\' || *s == '"' || *s == '\n')
+            out[o++] = '\\';
+        out[o++] = *s == '\n' ? 'n' : *s;
+    }
+    out[o] = '\0';
+}
+
+/* Each tenant's usage and quotas (one tenant, anonymous, without a tokens
+ * file): what a "quota near its limit" alert divides. */
+static void render_tenants(buf *b)
+{
+    struct kvd_service *svc = atomic_load(&kvd_metrics_service);
+    kvd_auth *a = svc ? kvd_service_auth(svc) : NULL;
+    kvd_tenant_usage *u = NULL;
+    size_t n = kvd_auth_tenant_usage(a, &u);
+    static const char *const what[4][2] = {
+        {"tenant_sequences", "sequences each tenant holds"},
+        {"tenant_bytes", "K+V payload bytes each tenant holds"},
+        {"tenant_max_sequences", "each tenant's sequence quota (0: unlimited)"},
+        {"tenant_max_bytes", "each tenant's byte quota (0: unlimited)"},
+    };
+    for (int w = 0; w < 4 && n; w++) {
+        put(b, "# HELP kvdepot_%s %s\n# TYPE kvdepot_%s gauge\n", what[w][0], what[w][1],
+            what[w][0]);
+        for (size_t i = 0; i < n; i++) {
+            char name[300];
+            label_value(name, sizeof name, u[i].name);
+            const uint64_t v[4] = {u[i].sequences, u[i].bytes, u[i].max_sequences, u[i].max_bytes};
+            put(b, "kvdepot_%s{tenant=\"%s\"} %llu\n", what[w][0], name, (unsigned long long)v[w]);
+        }
+    }
+    free(u);
+    kvd_auth_unref(a);
+}
+
 uint64_t kvd_process_rss(void)
 {
     FILE *f = fopen("/proc/self/statm", "r");
@@ -352,6 +393,7 @@ char *kvd_metrics_render(size_t *len)
     render_process(&b);
     if (store)
         render_rocksdb(&b, store);
+    render_tenants(&b);
 
     put(&b, "# HELP kvdepot_requests_total calls ended, by method and status\n"
             "# TYPE kvdepot_requests_total counter\n");

@@ -50,6 +50,10 @@ extern kvd_metrics_registry kvd_metrics;
  * NULL. Set once the store is open, cleared before it closes. */
 struct kvd_store;
 extern struct kvd_store *_Atomic kvd_metrics_store;
+/* The service whose tenants' usage /metrics renders (kvd_service_auth), or
+ * NULL; set and cleared as kvd_metrics_store. */
+struct kvd_service;
+extern struct kvd_service *_Atomic kvd_metrics_service;
 
 /* The process's resident memory in bytes (0 when unknown). */
 uint64_t kvd_process_rss(void);
