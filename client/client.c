@@ -687,6 +687,12 @@ static void model_from_pb(const Kvdepot__V1__Model *pb, kvdepot_model *out)
 int kvdepot_model_put(kvdepot_client *c, const kvdepot_model *m, int replace, kvdepot_model *out,
                       int *created)
 {
+    /* out may be the model itself: read it before out is cleared. */
+    kvdepot_model in;
+    if (m) {
+        in = *m;
+        m = &in;
+    }
     if (c && c->cluster)
         return kvdepot__cluster_model_put(c, m, replace, out, created);
     kvdepot__clear_error();

@@ -286,7 +286,7 @@ size_t kvdepot_kv_bytes(const kvdepot_model *model, uint32_t num_layers, uint64_
  * @param[in]  model    the profile; created_unix_ms is ignored
  * @param[in]  replace  nonzero: replace a model of the same name with a
  *                      different shape (allowed only without sequences)
- * @param[out] out      the stored model (may be NULL)
+ * @param[out] out      the stored model (may be NULL, or model itself)
  * @param[out] created  1 if newly created, 0 if it existed (may be NULL)
  * @return KVDEPOT_OK; KVDEPOT_EINVAL for a bad name or shape;
  *         KVDEPOT_EEXIST when a different model has the name;

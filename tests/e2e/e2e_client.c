@@ -74,6 +74,11 @@ static int test_models(kvd_harness *h)
     m2.dtype = KVDEPOT_DTYPE_BF16;
     m2.hidden_size = 4096;
     CHECK_RC(kvdepot_model_put(c, &m2, 0, NULL, NULL), KVDEPOT_OK);
+    /* In and out may be one struct: it comes back as stored. */
+    kvdepot_model same = m2;
+    CHECK_RC(kvdepot_model_put(c, &same, 0, &same, &created), KVDEPOT_OK);
+    CHECK(created == 0 && strcmp(same.name, m2.name) == 0 && same.hidden_size == 4096 &&
+          same.created_unix_ms > 0);
 
     kvdepot_model got;
     CHECK_RC(kvdepot_model_get(c, "other.model_v2-x", &got), KVDEPOT_OK);
