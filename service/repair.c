@@ -6,9 +6,9 @@
  * MANIFEST or CURRENT), then say which sequences lost pages.
  *
  * RocksDB's repair rebuilds the MANIFEST and CURRENT from the table files
- * it can read; records in tables it cannot read are gone. The blob files
- * (page bytes) are moved aside first and written back where the tables
- * still point at them (store/salvage.c). The store is then opened and every
+ * it can read; records in tables it cannot read are gone, and it cannot
+ * carry the blob files (page bytes) over: they are moved aside into
+ * repair-blobs/ (store/salvage.c). The store is then opened and every
  * page of every sequence is read and verified (its checksum): a sequence
  * whose record survived but some of whose pages did not is reported with
  * the count; one whose record is gone (it was in a table RocksDB set
@@ -84,22 +84,16 @@ int kvd_repair_run(const kvd_config *cfg, const char *prog)
         kvd_repair_report_clear(&rep);
         return 1;
     }
-    const kvd_blob_salvage blobs = rep.blobs;
     if (how == 1)
         fprintf(stderr, "%s: CURRENT was missing: written again, pointing at the newest MANIFEST\n",
                 prog);
     else
         fprintf(stderr,
-                "%s: the MANIFEST was rebuilt from the table files (RocksDB repair); blob "
-                "files: %" PRIu64 " read, %" PRIu64 " records, %" PRIu64 " written back, %" PRIu64
-                " no longer referenced, %" PRIu64 " failed their checksum\n",
-                prog, blobs.files, blobs.records, blobs.written, blobs.unindexed,
-                blobs.bad_records);
-    if (blobs.unreadable)
-        fprintf(stderr,
-                "%s: %" PRIu64 " blob files could not be read and are kept in %s/repair-blobs "
-                "(first: %s)\n",
-                prog, blobs.unreadable, cfg->data_dir, blobs.first_unreadable);
+                "%s: the MANIFEST was rebuilt from the table files (RocksDB repair); RocksDB's "
+                "repair cannot carry blob files over: the %" PRIu64 " blob files (page bytes) "
+                "were moved to %s/repair-blobs, and their pages answer DATA_LOSS (keep the "
+                "directory for a manual salvage, or remove it)\n",
+                prog, rep.blob_files, cfg->data_dir);
     kvd_store_options o = {
         .data_dir = cfg->data_dir, .page_tokens = (uint32_t)cfg->page_tokens, .salvage = 1};
     kvd_store *st = NULL;

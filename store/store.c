@@ -419,7 +419,7 @@ int kvd_store_repair(const char *dir, int *how, kvd_repair_report *rep, kvd_erro
     if (rc)
         rc = kvd_error_set(err, rc, "repair: out of memory listing the sequences");
     if (rc == 0)
-        rc = kvd__blob_stash(dir, err);
+        rc = kvd__blob_stash(dir, &rep->blob_files, err);
     char *e = NULL;
     if (rc == 0)
         rocksdb_repair_db(o, dir, &e);
@@ -427,10 +427,8 @@ int kvd_store_repair(const char *dir, int *how, kvd_repair_report *rep, kvd_erro
         rc = kvd_error_set(err, KVD_EINTERNAL, "RocksDB repair of %s failed: %s", dir, e);
         rocksdb_free(e);
     }
-    if (rc == 0) {
+    if (rc == 0)
         *how = 2;
-        rc = kvd__blob_replay(dir, o, &rep->blobs, err);
-    }
     rocksdb_options_destroy(o);
     if (rep == &ignored)
         kvd_repair_report_clear(rep);

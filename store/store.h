@@ -91,21 +91,10 @@ void kvd_store_close(kvd_store *st);
  * line per damaged stretch: file, bytes, reason), or "" when nothing. */
 const char *kvd_store_recovery_report(const kvd_store *st);
 
-/* What a repair did with the blob files (the values of 4 KiB or more:
- * pages, centroids, codes, artifacts). */
-typedef struct kvd_blob_salvage {
-    uint64_t files;       /* blob files read back */
-    uint64_t records;     /* records in them */
-    uint64_t written;     /* written back: the store had the key and could not read it */
-    uint64_t readable;    /* left alone: the store reads the key (a newer value) */
-    uint64_t unindexed;   /* left alone: the store no longer has the key */
-    uint64_t bad_records; /* failing their CRC (or a torn header: the rest of that file) */
-    uint64_t unreadable;  /* files that could not be read; kept in repair-blobs/ */
-    char first_unreadable[400];
-} kvd_blob_salvage;
-
 typedef struct kvd_repair_report {
-    kvd_blob_salvage blobs;
+    /* Blob files (the values of 4 KiB or more: pages, centroids, codes,
+     * artifacts) moved into dir/repair-blobs by a MANIFEST rebuild. */
+    uint64_t blob_files;
     /* The sequence ids the store held before the repair, read without
      * verifying checksums (none when it did not open): those the repaired
      * store lacks were lost with a damaged table. */
@@ -120,12 +109,11 @@ void kvd_repair_report_clear(kvd_repair_report *r);
  * is intact is written again, pointing at the newest MANIFEST: nothing is
  * lost (*how = 1). Otherwise RocksDB's repair rebuilds the MANIFEST from
  * the table files, keeping every record it can read (*how = 2). RocksDB
- * 7.8's repair leaves the blob files out of the new MANIFEST (the next open
- * would delete them), so they are moved aside first and their records
- * written back afterwards wherever a table still points at them (salvage.c;
- * what happened in rep->blobs). Read every page afterwards
- * to know what was lost (kvdepotd repair does). rep may be NULL; otherwise
- * clear it with kvd_repair_report_clear. */
+ * 7.8's repair leaves the blob files out of the MANIFEST it writes (the
+ * next open would delete them): they are moved into dir/repair-blobs first
+ * (rep->blob_files), and the values they held answer DATA_LOSS (salvage.c).
+ * Read every page afterwards to know what was lost (kvdepotd repair does).
+ * rep may be NULL; otherwise clear it with kvd_repair_report_clear. */
 int kvd_store_repair(const char *dir, int *how, kvd_repair_report *rep, kvd_error *err);
 
 /* What a point-in-time WAL recovery at this open dropped, per sequence. */

@@ -355,12 +355,9 @@ struct kvd_store {
 uint64_t kvd__now_ms(void);
 void kvd__page_key(uint8_t key[KVD__PAGE_KEY_LEN], uint64_t id);
 
-/* CRC32C, RocksDB's checksum (crc: 0, or the value of the bytes before). */
-uint32_t kvd__crc32c(uint32_t crc, const void *data, size_t n);
 /* A repair's blob files (salvage.c): moved from dir into dir/repair-blobs
- * before RocksDB's repair, then written back into the rebuilt store. */
-int kvd__blob_stash(const char *dir, kvd_error *err);
-int kvd__blob_replay(const char *dir, rocksdb_options_t *o, kvd_blob_salvage *r, kvd_error *err);
+ * before RocksDB's repair; *moved counts them. */
+int kvd__blob_stash(const char *dir, uint64_t *moved, kvd_error *err);
 /* The sequence ids of the store in dir, read without verifying checksums
  * (into r->ids); nothing when it does not open. 0 or KVD_ENOMEM. */
 int kvd__seq_ids_unverified(const char *dir, kvd_repair_report *r);

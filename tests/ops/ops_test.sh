@@ -612,9 +612,10 @@ damage)
     # One damaged file does not take the whole store offline, and never
     # serves other bytes: a lost or cut blob file costs DATA_LOSS on the
     # pages it held, the rest reads back exact; a lost CURRENT is refused
-    # with the way forward and `kvdepotd repair` brings everything back; so
-    # does it for a MANIFEST that fails its checksum (RocksDB's repair
-    # rebuilds it; the page bytes in blob files are kept); a
+    # with the way forward and `kvdepotd repair` brings everything back; a
+    # MANIFEST that fails its checksum is rebuilt by RocksDB's repair, which
+    # cannot carry the blob files over: they are kept aside, every sequence
+    # comes back, its pages answer DATA_LOSS and the repair names it; a
     # table that fails its checksum is refused with the way forward, and
     # after `kvdepotd repair` the store serves: every sequence reads back
     # exact, or answers DATA_LOSS or NOT_FOUND, and the repair names every
@@ -686,11 +687,16 @@ damage)
         fail "no way forward: $(cat "$work/refused.log")"
     rc=0
     "$server" repair --data-dir "$work/data" >"$work/repair.out" 2>"$work/repair.err" || rc=$?
-    [ "$rc" -eq 0 ] || fail "repair of a damaged MANIFEST: exit $rc: $(cat "$work/repair.err")"
-    grep -q "blob files: 2 read, 8 records, 8 written back" "$work/repair.err" ||
-        fail "repair of a damaged MANIFEST: $(cat "$work/repair.err")"
+    [ "$rc" -eq 3 ] || fail "repair of a damaged MANIFEST: exit $rc, want 3: $(cat "$work/repair.err")"
+    grep -q "the 2 blob files (page bytes) were moved to $work/data/repair-blobs" \
+        "$work/repair.err" || fail "repair of a damaged MANIFEST: $(cat "$work/repair.err")"
+    [ "$(ls "$work/data/repair-blobs" | wc -l)" = 2 ] || fail "blob files not kept"
+    for s in s1 s2; do
+        grep -q "^sequence $s: 4 of 6 pages lost" "$work/repair.out" ||
+            fail "$s not reported: $(cat "$work/repair.out")"
+    done
     start
-    [ "$(reads s1 s2)" = xx ] || fail "after a MANIFEST repair: s1 s2 read $(reads s1 s2), want xx"
+    [ "$(reads s1 s2)" = dd ] || fail "after a MANIFEST repair: s1 s2 read $(reads s1 s2), want dd"
     stop
     restore
     rm -f "$work/repair.out"
