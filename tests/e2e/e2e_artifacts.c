@@ -26,6 +26,21 @@ static int put_model(kvdepot_client *c, const char *name, uint32_t L, uint32_t H
     return kvdepot_model_put(c, &m, 0, NULL, NULL);
 }
 
+/* An f32 model with Hq query heads over H kv heads. */
+static int put_model_gqa(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t Hq,
+                         uint32_t D)
+{
+    kvdepot_model m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "%s", name);
+    m.num_layers = L;
+    m.num_kv_heads = H;
+    m.num_q_heads = Hq;
+    m.head_dim = D;
+    m.dtype = KVDEPOT_DTYPE_F32;
+    return kvdepot_model_put(c, &m, 0, NULL, NULL);
+}
+
 /* An artifact with deterministic values (odd bit patterns included, so a
  * lossy path would show). */
 static kvdepot_artifact make(int kind, uint32_t layer, uint32_t head, uint32_t r, uint32_t d,
@@ -298,15 +313,7 @@ static int t_advise(kvd_harness *h)
     kvdepot_client *c = harness_client(h);
     REQUIRE(c);
     const uint32_t L = 2, H = 2, Hq = 4, D = 32;
-    kvdepot_model m;
-    memset(&m, 0, sizeof m);
-    snprintf(m.name, sizeof m.name, "adv");
-    m.num_layers = L;
-    m.num_kv_heads = H;
-    m.num_q_heads = Hq;
-    m.head_dim = D;
-    m.dtype = KVDEPOT_DTYPE_F32;
-    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(put_model_gqa(c, "adv", L, H, Hq, D), KVDEPOT_OK);
     const uint64_t n = 1024, ne = 256; /* a quarter held out */
     float *k[2], *v[2], *q[2];
     kvdepot_calibrate_sample s[2];
@@ -421,15 +428,7 @@ static int t_calibrate(kvd_harness *h)
     kvdepot_client *c = harness_client(h);
     REQUIRE(c);
     const uint32_t L = 2, H = 2, Hq = 4, D = 16;
-    kvdepot_model m;
-    memset(&m, 0, sizeof m);
-    snprintf(m.name, sizeof m.name, "cal");
-    m.num_layers = L;
-    m.num_kv_heads = H;
-    m.num_q_heads = Hq;
-    m.head_dim = D;
-    m.dtype = KVDEPOT_DTYPE_F32;
-    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(put_model_gqa(c, "cal", L, H, Hq, D), KVDEPOT_OK);
     const uint64_t n = 300;
     float *k, *v, *q;
     make_samples(2 * n, H, Hq, D, 7, &k, &v, &q);
@@ -522,9 +521,7 @@ static int t_calibrate(kvd_harness *h)
     CHECK(expect(c, "cal", got, cnt));
 
     /* VQ needs a power-of-two head_dim. */
-    m.head_dim = 12;
-    snprintf(m.name, sizeof m.name, "odd");
-    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(put_model_gqa(c, "odd", L, H, Hq, 12), KVDEPOT_OK);
     bad = a;
     bad.model = "odd";
     CHECK_RC(kvdepot_calibrate(c, &bad, s, 1, NULL), KVDEPOT_EINVAL);
