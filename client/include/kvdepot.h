@@ -24,6 +24,30 @@
  *     call and completion queue) and blocks until it finishes or its
  *     deadline passes.
  *   - The library never prints; it reports through an optional log callback.
+ *   - An output struct may be the input struct of the same call only where
+ *     the function says so (kvdepot_model_put's model and out).
+ *   - kvdepot_close() needs every call on the handle to have returned and
+ *     every transfer started on it (kvdepot_append_start, ..._read_start)
+ *     to have been waited for: it does not wait, and using the handle
+ *     afterwards, or a transfer of it, is undefined.
+ *   - fork(): gRPC's threads do not follow into the child. A child process
+ *     must not use a client its parent created (nor close it); it connects
+ *     its own with kvdepot_connect(). The parent's client is unaffected.
+ *   - Retries: the library does not repeat a call that may have reached the
+ *     server (a client over several servers retries only connecting).
+ *     After UNAVAILABLE or DEADLINE_EXCEEDED a call may or may not have
+ *     taken effect, and these are safe to repeat as they are: every read
+ *     (model get/list, sequence stat/list/read, lookup, attend, search,
+ *     sparse attend, plan fetch, stats, health, artifacts get); model put
+ *     of the same model (the repeat answers created = 0); sequence delete
+ *     and evict (a repeat of a delete that took effect answers NOT_FOUND);
+ *     appends (atomic, and placed at token_start: a repeat of one that
+ *     committed answers FAILED_PRECONDITION "token_start N != layer L
+ *     length M" and changes nothing); artifacts upload (replaces);
+ *     calibrate (the same samples and seed give the same artifacts). A
+ *     repeated sequence create answers ALREADY_EXISTS when the first took
+ *     effect (stat the sequence), a repeated backup ALREADY_EXISTS (look
+ *     at the directory: the first may have completed).
  *
  * Tensor layout (Append and Read): K and V are each laid out as
  *     [layer][token][kv_head][head_dim]      row-major, little-endian
