@@ -1302,6 +1302,8 @@ static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
     if (rc)
         return fail(c, rc);
     uint64_t tokens = parse_u64("--tokens", opt_required(opts, "tokens"), UINT32_MAX);
+    if (tokens == 0)
+        usage_error("calibrate: --tokens must be at least 1");
     uint32_t l0 = (uint32_t)opt_u64(opts, "layer-start", 0, UINT32_MAX);
     if (l0 >= m.num_layers)
         usage_error("--layer-start %u: model %s has %u layers", l0, m.name, m.num_layers);

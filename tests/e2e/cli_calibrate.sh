@@ -70,6 +70,10 @@ k artifacts get --model m --kind 1 --file "$work/l.bin" >/dev/null || fail "arti
 
 # Errors: nothing stored, nonzero exit.
 if k calibrate --model m --tokens 199 --file "$work/kv.bin" 2>/dev/null; then fail "bad sample size accepted"; fi
+rc=0
+: >"$work/empty.bin"
+k calibrate --model m --tokens 0 --file "$work/empty.bin" 2>/dev/null || rc=$?
+[ "$rc" -eq 2 ] || fail "calibrate --tokens 0: exit $rc, want 2 (a usage error)"
 if k calibrate --model nosuch --tokens 200 --file "$work/kv.bin" 2>/dev/null; then fail "unknown model"; fi
 if k artifacts put --model m2 --file "$work/short.bin" 2>/dev/null; then fail "malformed file accepted"; fi
 head -c 100 "$work/a.bin" >"$work/trunc.bin"

@@ -14,21 +14,9 @@
 
 #include "harness.h"
 
-static int put_model(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t D)
-{
-    kvdepot_model m;
-    memset(&m, 0, sizeof m);
-    snprintf(m.name, sizeof m.name, "%s", name);
-    m.num_layers = L;
-    m.num_kv_heads = H;
-    m.head_dim = D;
-    m.dtype = KVDEPOT_DTYPE_F16;
-    return kvdepot_model_put(c, &m, 0, NULL, NULL);
-}
-
-/* An f32 model with Hq query heads over H kv heads. */
-static int put_model_gqa(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t Hq,
-                         uint32_t D)
+/* A model of Hq query heads (0: as many as kv heads) over H kv heads. */
+static int put_model_as(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t Hq,
+                        uint32_t D, kvdepot_dtype dtype)
 {
     kvdepot_model m;
     memset(&m, 0, sizeof m);
@@ -37,8 +25,20 @@ static int put_model_gqa(kvdepot_client *c, const char *name, uint32_t L, uint32
     m.num_kv_heads = H;
     m.num_q_heads = Hq;
     m.head_dim = D;
-    m.dtype = KVDEPOT_DTYPE_F32;
+    m.dtype = dtype;
     return kvdepot_model_put(c, &m, 0, NULL, NULL);
+}
+
+static int put_model(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t D)
+{
+    return put_model_as(c, name, L, H, 0, D, KVDEPOT_DTYPE_F16);
+}
+
+/* An f32 model with Hq query heads over H kv heads. */
+static int put_model_gqa(kvdepot_client *c, const char *name, uint32_t L, uint32_t H, uint32_t Hq,
+                         uint32_t D)
+{
+    return put_model_as(c, name, L, H, Hq, D, KVDEPOT_DTYPE_F32);
 }
 
 /* An artifact with deterministic values (odd bit patterns included, so a
