@@ -104,7 +104,10 @@ static const setting settings[] = {
     {"keepalive-permit-without-calls", T_BOOL, F(keepalive_permit_without_calls), "true", 0, 0,
      "BOOL", "accept (and send) keepalive pings on connections with no call in flight"},
     {"metrics-listen", T_OPTSTRING, F(metrics_listen), "127.0.0.1:9464", 0, 0, "ADDR",
-     "HTTP address of /metrics, /healthz, /readyz (port 0 = free port; empty = off)"},
+     "HTTP address of /metrics, /healthz, /readyz (port 0 = free port; empty = off); "
+     "kvdepotd does not start when it cannot bind it, unless --metrics-optional"},
+    {"metrics-optional", T_BOOL, F(metrics_optional), "false", 0, 0, "BOOL",
+     "start without the HTTP endpoint (a warning) when --metrics-listen cannot be bound"},
     {"durability", T_STRING, F(durability), "spill", 0, 0, "MODE",
      "none (pure cache: no WAL, the disk limit drops LRU sequences), spill (appends reach "
      "RocksDB before the reply, WAL not fsynced) or sync (WAL fsynced before the reply)"},

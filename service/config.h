@@ -54,6 +54,7 @@ typedef struct kvd_config {
     int keepalive_permit_without_calls;
 
     char *metrics_listen;       /* host:port of the HTTP endpoint; NULL = off */
+    int metrics_optional;       /* go on without it when it cannot be bound */
 
     /* Tiers and durability (store.h). */
     char *durability;           /* "none", "spill" or "sync"; --sync means sync */

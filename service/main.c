@@ -67,15 +67,14 @@ static void warn_exposed_secrets(const kvd_config *cfg)
                 "hint=\"chmod o-r the tokens file\"");
 }
 
-/* The default metrics address is a convenience: when another kvdepotd on the
- * machine already has it (tests, a second dev server), go on without metrics
- * and say so. An address the operator chose must work. Returns 1 to go on. */
-static int metrics_default_taken(const kvd_config *cfg, const char *err)
+/* The metrics address cannot be bound: kvdepotd stops there (a server
+ * that cannot be scraped or probed is not one to run blind), unless the
+ * operator said the endpoint is optional. Returns 1 to go on. */
+static int metrics_unbound(const kvd_config *cfg, const char *err)
 {
-    for (size_t i = 0; i < kvd_config_count(); i++)
-        if (strcmp(kvd_config_name(i), "metrics-listen") == 0 && cfg->source[i] != KVD_SRC_DEFAULT)
-            return 0;
-    KVD_LOG(KVD_LOG_WARN, err, "metrics=off hint=\"set --metrics-listen\"");
+    if (!cfg->metrics_optional)
+        return 0;
+    KVD_LOG(KVD_LOG_WARN, err, "metrics=off hint=\"--metrics-optional is set\"");
     return 1;
 }
 
@@ -395,11 +394,14 @@ int main(int argc, char **argv)
     pthread_mutex_init(&svc.auth_mu, NULL);
     kvd_http *http = NULL;
     int metrics_port = 0;
-    if (cfg.metrics_listen &&
-        kvd_http_start(cfg.metrics_listen, &svc.serving, &http, &metrics_port, err,
-                       sizeof err) != 0 &&
-        !metrics_default_taken(&cfg, err)) {
-        fprintf(stderr, "%s: %s\n", prog, err);
+    int hrc = cfg.metrics_listen ? kvd_http_start(cfg.metrics_listen, &svc.serving, &http,
+                                                  &metrics_port, err, sizeof err)
+                                 : 0;
+    if (hrc == -2 || (hrc && !metrics_unbound(&cfg, err))) {
+        fprintf(stderr, "%s: %s%s\n", prog, err,
+                hrc == -2 ? ""
+                          : " (choose another --metrics-listen, port 0 for a free one, an empty "
+                            "one for none, or --metrics-optional to start without it)");
         kvd_auth_unref(auth);
         close(sfd);
         kvd_config_free(&cfg);

@@ -534,7 +534,7 @@ int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, in
     struct sockaddr_storage ss;
     memset(&ss, 0, sizeof ss);
     if (resolve(addr, &ss, err, errlen) != 0)
-        return -1;
+        return -2;
     kvd_http *h = calloc(1, sizeof *h);
     if (!h) {
         snprintf(err, errlen, "out of memory");

@@ -68,7 +68,8 @@ char *kvd_metrics_render(size_t *len);
 
 /* Start the HTTP endpoint on host:port (port 0 = any free port). `ready`
  * points at the service's readiness flag for /readyz. Returns 0 and the
- * bound port, or -1 with a message in err. */
+ * bound port; -2 when addr is not an address, -1 when it cannot be bound
+ * (in use, not this machine's), with a message in err. */
 typedef struct kvd_http kvd_http;
 int kvd_http_start(const char *addr, const atomic_int *ready, kvd_http **out, int *port, char *err,
                    size_t errlen);

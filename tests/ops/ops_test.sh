@@ -521,7 +521,9 @@ if not buckets:
     sys.exit('no histogram series')
 EOF
     stop
-    # Off when empty; a chosen address that is taken fails the start.
+    # Off when empty; an address that is taken fails the start, the default
+    # one too, unless --metrics-optional; one that is not an address always
+    # fails.
     start --metrics-listen ""
     grep -q 'metrics_port=0' "$work/server.log" || fail "metrics not off with an empty address"
     stop
@@ -531,6 +533,35 @@ EOF
     "$server" --listen 127.0.0.1:0 --data-dir "$work/d2" --metrics-listen "127.0.0.1:$busy" \
         2>"$work/err" || rc=$?
     [ "$rc" -eq 1 ] || fail "taken metrics address: exit $rc, want 1"
+    grep -q "cannot serve metrics on 127.0.0.1:$busy.*--metrics-optional" "$work/err" ||
+        fail "taken metrics address: no way forward in: $(cat "$work/err")"
+    [ ! -e "$work/d2/CURRENT" ] || fail "taken metrics address: the store was opened"
+    rc=0
+    KVDEPOT_METRICS_LISTEN="127.0.0.1:$busy" "$server" --listen 127.0.0.1:0 \
+        --data-dir "$work/d2" 2>"$work/err" || rc=$?
+    [ "$rc" -eq 1 ] || fail "taken metrics address from the environment: exit $rc, want 1"
+    rc=0
+    "$server" --listen 127.0.0.1:0 --data-dir "$work/d2" --metrics-listen "no-port" \
+        --metrics-optional 2>"$work/err" || rc=$?
+    [ "$rc" -eq 1 ] && grep -q "is not host:port" "$work/err" ||
+        fail "metrics address that is none: exit $rc, $(cat "$work/err")"
+    # Optional: serves without it, and says so.
+    rm -f "$work/p2"
+    "$server" --listen 127.0.0.1:0 --port-file "$work/p2" --data-dir "$work/d2" \
+        --metrics-listen "127.0.0.1:$busy" --metrics-optional >"$work/opt.log" 2>&1 &
+    opt_pid=$!
+    for _ in $(seq 1 1200); do
+        grep -q 'msg=serving' "$work/opt.log" && break
+        kill -0 "$opt_pid" 2>/dev/null || fail "--metrics-optional: exited: $(cat "$work/opt.log")"
+        sleep 0.05
+    done
+    "$cli" --addr "127.0.0.1:$(cat "$work/p2")" health >/dev/null ||
+        fail "--metrics-optional: not serving"
+    grep 'level=warn' "$work/opt.log" | grep 'metrics=off' | grep -q 'cannot serve metrics' ||
+        fail "--metrics-optional: no warning"
+    grep -q 'metrics_port=0' "$work/opt.log" || fail "--metrics-optional: metrics_port not 0"
+    kill "$opt_pid"
+    wait "$opt_pid" || true
     stop
     ;;
 wal)
