@@ -51,7 +51,10 @@ git -C "$root" archive HEAD | tar -x -C "$ctx"
 
 dockerfile=deploy/Dockerfile image=kvdepot:$tag
 [ $cuda = 1 ] && dockerfile=deploy/Dockerfile.cuda image=kvdepot:$tag-cuda
-args=(--build-arg "JOBS=${KVD_JOBS:-2}")
+version=$(sed -n 's/^project(kvdepot VERSION \([0-9.]*\).*/\1/p' "$root/CMakeLists.txt")
+args=(--build-arg "JOBS=${KVD_JOBS:-2}" --build-arg "VERSION=$version"
+      --build-arg "REVISION=$(git -C "$root" rev-parse HEAD)"
+      --build-arg "CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)")
 
 if [ $bootstrap = 1 ]; then
     [ $cuda = 0 ] || { echo "build-images: --bootstrap-base makes Debian bases only" >&2; exit 2; }
@@ -75,8 +78,9 @@ fi
 
 case "$builder" in
 docker) build=(docker build) ;;
-podman) build=(podman build --isolation chroot) ;;
-buildah) build=(buildah bud --isolation chroot) ;;
+# The docker image format: the OCI one has no HEALTHCHECK.
+podman) build=(podman build --isolation chroot --format docker) ;;
+buildah) build=(buildah bud --isolation chroot --format docker) ;;
 *) echo "build-images: unknown builder $builder" >&2; exit 2 ;;
 esac
 echo "build-images: $builder building $image from $dockerfile" >&2
@@ -105,17 +109,37 @@ if [ $smoke = 1 ]; then
         # Serve on loopback from the image's config and answer a health check.
         # exec all the way down: $! is kvdepotd itself, so the kill below
         # stops it (through a function, it would stop only the subshell)
+        # Metrics on a free port, which the image's HEALTHCHECK command is
+        # then pointed at (KVDEPOT_HEALTH_PORT).
         (exec chroot --userspec=10001:10001 "$mnt" env -i HOME=/data \
             /usr/local/bin/kvdepotd --config /etc/kvdepot/kvdepot.yaml --listen 127.0.0.1:0 \
-            --metrics-listen "" --port-file /data/port) >"$ctx.log" 2>&1 &
+            --metrics-listen 127.0.0.1:0 --port-file /data/port) >"$ctx.log" 2>&1 &
         pid=$!
-        for _ in $(seq 100); do [ -s "$mnt/data/port" ] && break; sleep 0.1; done
+        for _ in $(seq 100); do grep -q 'msg=serving' "$ctx.log" && break; sleep 0.1; done
         port=$(cat "$mnt/data/port" 2>/dev/null || true)
+        mport=$(grep -o 'metrics_port=[0-9]*' "$ctx.log" | head -n 1 | cut -d= -f2)
         ok=0
         [ -n "$port" ] && run /usr/local/bin/kvdepot --addr "127.0.0.1:$port" health && ok=1
+        # The image's health check, as the engine would run it: healthy now,
+        # unhealthy once the server is gone.
+        hc=$(podman image inspect --format '{{json .HealthCheck.Test}}' "$image" 2>/dev/null ||
+             buildah inspect --type image --format '{{json .Docker.Config.Healthcheck.Test}}' "$image")
+        readarray -t hcmd < <(python3 -c 'import json,sys; t=json.loads(sys.argv[1]); assert t[0]=="CMD", t; print("\n".join(t[1:]))' "$hc")
+        [ $ok = 1 ] && ! run env KVDEPOT_HEALTH_PORT="$mport" "${hcmd[@]}" && {
+            echo "build-images: the HEALTHCHECK (${hcmd[*]}) failed on a ready server" >&2
+            ok=0
+        }
         kill "$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
         [ $ok = 1 ] || { cat "$ctx.log" >&2; echo "build-images: the image did not serve" >&2; exit 1; }
+        if run env KVDEPOT_HEALTH_PORT="$mport" "${hcmd[@]}" 2>/dev/null; then
+            echo "build-images: the HEALTHCHECK passed with no server" >&2
+            exit 1
+        fi
+        # The labels say what was built.
+        lv=$(podman image inspect --format '{{index .Labels "org.opencontainers.image.version"}}' "$image" 2>/dev/null ||
+             buildah inspect --type image --format '{{index .Docker.Config.Labels "org.opencontainers.image.version"}}' "$image")
+        [ "$lv" = "$version" ] || { echo "build-images: image version label '$lv', want $version" >&2; exit 1; }
         # Nothing the smoke test started may outlive it: no process left
         # whose root is the image's filesystem.
         left=

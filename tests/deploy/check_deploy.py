@@ -464,6 +464,7 @@ def check_dockerfile(root, rel, runtime_want, build_want, cuda):
     ins = dockerfile_instructions(path)
     args, stages, final = {}, [], None
     env, exposed, volumes, users, entry, cmd = {}, set(), set(), [], None, None
+    labels, health = {}, None
     for n, op, a in ins:
         w = f"{rel}:{n}"
         if op not in VALID:
@@ -485,6 +486,12 @@ def check_dockerfile(root, rel, runtime_want, build_want, cuda):
             stages.append(m.group(2))
             final = image
             env, exposed, volumes, users, entry, cmd = {}, set(), set(), [], None, None
+            labels, health = {}, None
+        elif op == "LABEL":
+            for k, v in re.findall(r'([\w.-]+)=("[^"]*"|\S+)', a):
+                labels[k] = v.strip('"')
+        elif op == "HEALTHCHECK":
+            health = (w, a)
         elif op in ("COPY", "ADD"):
             words = a.split()
             frm = [x for x in words if x.startswith("--from=")]
@@ -537,6 +544,30 @@ def check_dockerfile(root, rel, runtime_want, build_want, cuda):
             problem(rel, f"does not EXPOSE {p}")
     if "/data" not in volumes:
         problem(rel, "no VOLUME /data")
+    # OCI annotations of the runtime image; the version one from the
+    # VERSION build argument.
+    for k in ("title", "description", "version", "revision", "created", "licenses"):
+        if f"org.opencontainers.image.{k}" not in labels:
+            problem(rel, f"no LABEL org.opencontainers.image.{k}")
+    if "VERSION" not in labels.get("org.opencontainers.image.version", ""):
+        problem(rel, "the version label does not come from ARG VERSION")
+    if not health:
+        problem(rel, "no HEALTHCHECK")
+    else:
+        w, a = health
+        m = re.match(r"((?:--[a-z-]+=\S+\s+)*)CMD\s+(\[.*\])\s*$", a, re.S)
+        if not m:
+            problem(w, "HEALTHCHECK is not --options CMD [exec form]")
+        else:
+            opts = dict(o[2:].split("=", 1) for o in m.group(1).split())
+            for o in ("interval", "timeout", "start-period", "retries"):
+                if o not in opts:
+                    problem(w, f"HEALTHCHECK without --{o}")
+            probe = " ".join(yaml.safe_load(m.group(2)))
+            if "/readyz" not in probe:
+                problem(w, "HEALTHCHECK does not probe /readyz")
+            if "9464" not in probe:
+                problem(w, "HEALTHCHECK does not default to the metrics port 9464")
     if not entry or "kvdepotd" not in entry:
         problem(rel, "ENTRYPOINT is not kvdepotd")
     if entry and not entry.strip().startswith("["):
