@@ -38,12 +38,13 @@ build_pkgs=(build-essential cmake pkg-config ca-certificates
 # interop client (gRPC-Go and the v1.3 protoc-gen-go it speaks), Redis, and
 # what the Python package builds and tests with (cffi, NumPy, pytest, venv;
 # PyTorch for the transformers integration, whose other packages come from
-# PyPI, pinned: engines_venv).
+# PyPI, pinned: engines_venv), and promtool (prometheus) for deploy/monitoring.
 test_pkgs=(libcmocka-dev python3 python3-yaml python3-grpcio python3-protobuf protobuf-compiler
            python3-dev python3-venv python3-setuptools python3-wheel python3-cffi python3-numpy
            python3-pytest python3-torch
            golang-go golang-google-grpc-dev protoc-gen-go-1-3
-           redis-server redis-tools libhiredis-dev procps openssl curl)
+           redis-server redis-tools libhiredis-dev procps openssl curl
+           prometheus)
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi

@@ -32,3 +32,12 @@ set_tests_properties(deploy_image_cpu PROPERTIES LABELS "slow" SKIP_RETURN_CODE 
 add_test(NAME deploy_install
          COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/install_test.sh ${CMAKE_BINARY_DIR})
 set_tests_properties(deploy_install PROPERTIES LABELS install TIMEOUT 300)
+
+# deploy/monitoring (alerting rules, Grafana dashboard) against a live
+# kvdepotd's /metrics, with promtool (Debian's prometheus package).
+if(TARGET kvdepotd AND TARGET kvdepot)
+  add_test(NAME deploy_monitoring
+           COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/monitoring_test.sh $<TARGET_FILE:kvdepotd>
+                   $<TARGET_FILE:kvdepot> ${PROJECT_SOURCE_DIR})
+  set_tests_properties(deploy_monitoring PROPERTIES LABELS e2e TIMEOUT 120)
+endif()
