@@ -38,13 +38,15 @@ build_pkgs=(build-essential cmake pkg-config ca-certificates
 # interop client (gRPC-Go and the v1.3 protoc-gen-go it speaks), Redis, and
 # what the Python package builds and tests with (cffi, NumPy, pytest, venv;
 # PyTorch for the transformers integration, whose other packages come from
-# PyPI, pinned: engines_venv), and promtool (prometheus) for deploy/monitoring.
+# PyPI, pinned: engines_venv), promtool (prometheus) for deploy/monitoring,
+# and sprig for rendering the Helm chart (deploy_helm; its schema checker
+# comes from PyPI, pinned: deploy_venv).
 test_pkgs=(libcmocka-dev python3 python3-yaml python3-grpcio python3-protobuf protobuf-compiler
            python3-dev python3-venv python3-setuptools python3-wheel python3-cffi python3-numpy
            python3-pytest python3-torch
            golang-go golang-google-grpc-dev protoc-gen-go-1-3
            redis-server redis-tools libhiredis-dev procps openssl curl
-           prometheus)
+           prometheus golang-github-masterminds-sprig-dev)
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -84,6 +86,15 @@ engines_venv() {
         -r "$root/tests/python/engine-requirements.txt"
 }
 
+# deploy_helm's schema checker (kubernetes-validate) at the versions
+# tests/deploy/deploy-requirements.txt pins.
+deploy_venv() {
+    local venv=$build/py-deploy
+    [ -x "$venv/bin/pip" ] || /usr/bin/python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --require-virtualenv --disable-pip-version-check \
+        -r "$root/tests/deploy/deploy-requirements.txt"
+}
+
 configure_and_build() {
     # shellcheck disable=SC2086
     cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${KVD_CMAKE_ARGS:-} >/dev/null
@@ -102,6 +113,7 @@ test)
     deps --test
     configure_and_build
     engines_venv
+    deploy_venv
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
     # Second pass: the unit, backend and end-to-end suites again under
     # AddressSanitizer + UndefinedBehaviorSanitizer (CPU build; the slow

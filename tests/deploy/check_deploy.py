@@ -314,12 +314,21 @@ def check_service(where, s, objs):
                     problem(where, f"targetPort {tp!r} is not a port of container {c.get('name')}")
 
 
-def check_k8s(root, cli_flags, settings):
+def check_k8s(root, cli_flags, settings, rendered=()):
+    """The kustomize variants (base, gpu overlay) and any manifests rendered
+    from the Helm chart (NAME=FILE; NAME containing "gpu" is a GPU variant)."""
     kdir = os.path.join(root, "deploy", "k8s")
     base = os.path.join(kdir, "base")
-    variants = {"base": base, "gpu": os.path.join(kdir, "overlays", "gpu")}
-    for vname, d in variants.items():
-        objs = kustomize(d)
+    variants = {"base": kustomize(base), "gpu": kustomize(os.path.join(kdir, "overlays", "gpu"))}
+    for spec in rendered:
+        vname, _, path = spec.partition("=")
+        objs = []
+        for i, o in enumerate(load_all(path)):
+            if check_object(f"{vname}[{i}]", o):
+                objs.append(o)
+        variants[vname] = objs
+        same_as_kustomize(vname, objs, variants["gpu" if "gpu" in vname else "base"])
+    for vname, objs in variants.items():
         kinds = {o["kind"] for o in objs}
         for need in ("StatefulSet", "Service", "ConfigMap"):
             if need not in kinds:
@@ -346,9 +355,11 @@ def check_k8s(root, cli_flags, settings):
                 for key, text in (o.get("data") or {}).items():
                     if key.endswith((".yaml", ".yml")):
                         check_config_text(f"{w} {key}", text, settings)
+            elif o["kind"] == "ServiceMonitor":
+                check_service_monitor(w, o, objs)
         gpus = [c for o in objs for c in pod_containers(o)
                 if "nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {})]
-        if vname == "gpu":
+        if "gpu" in vname:
             if not gpus:
                 problem(vname, "no container asks for nvidia.com/gpu")
             if not any("cuda" in c.get("image", "") for o in objs for c in pod_containers(o)):
@@ -359,21 +370,55 @@ def check_k8s(root, cli_flags, settings):
                         if "secret" in v}
         check_secret(os.path.join(kdir, "secret.example.yaml"), secret_names, objs)
     sm_path = os.path.join(kdir, "servicemonitor.yaml")
-    objs = kustomize(base)
     for i, sm in enumerate(load_all(sm_path)):
         w = f"{os.path.relpath(sm_path)}[{i}]"
-        if not check_object(w, sm):
-            continue
-        sel = ((sm.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-        eps = (sm.get("spec") or {}).get("endpoints") or []
-        if not eps:
-            problem(w, "no endpoints")
-        for ep in eps:
-            ok = any(labels_match(sel, (s["metadata"].get("labels") or {})) and
-                     any(p.get("name") == ep.get("port") for p in s["spec"].get("ports") or [])
-                     for s in objs if s["kind"] == "Service")
-            if not ok:
-                problem(w, f"no selected Service has a port named {ep.get('port')!r}")
+        if check_object(w, sm):
+            check_service_monitor(w, sm, variants["base"])
+
+
+def check_service_monitor(w, sm, objs):
+    sel = ((sm.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    eps = (sm.get("spec") or {}).get("endpoints") or []
+    if not eps:
+        problem(w, "no endpoints")
+    for ep in eps:
+        ok = any(labels_match(sel, (s["metadata"].get("labels") or {})) and
+                 any(p.get("name") == ep.get("port") for p in s["spec"].get("ports") or [])
+                 for s in objs if s["kind"] == "Service")
+        if not ok:
+            problem(w, f"no selected Service has a port named {ep.get('port')!r}")
+
+
+# What the Helm chart's pods must share with the kustomize manifests: the two
+# ways of deploying kvdepot may differ in names and labels, not in how the
+# server runs.
+SAME_POD = ("securityContext", "terminationGracePeriodSeconds")
+SAME_CONTAINER = ("args", "ports", "resources", "startupProbe", "readinessProbe",
+                  "livenessProbe", "volumeMounts", "securityContext", "env")
+
+
+def same_as_kustomize(vname, objs, kobjs):
+    def first(kind, os_):
+        return next((o for o in os_ if o["kind"] == kind), None)
+    ss, ks = first("StatefulSet", objs), first("StatefulSet", kobjs)
+    if not ss or not ks:
+        return
+    for k in SAME_POD:
+        if pod_spec(ss).get(k) != pod_spec(ks).get(k):
+            problem(vname, f"pod {k} differs from deploy/k8s's")
+    c, kc = pod_containers(ss)[0], pod_containers(ks)[0]
+    for k in SAME_CONTAINER:
+        if c.get(k) != kc.get(k):
+            problem(vname, f"container {k} differs from deploy/k8s's: {c.get(k)!r} vs {kc.get(k)!r}")
+    for k in ("nodeSelector", "tolerations"):
+        if pod_spec(ss).get(k) != pod_spec(ks).get(k):
+            problem(vname, f"pod {k} differs from deploy/k8s's")
+    cm, kcm = first("ConfigMap", objs), first("ConfigMap", kobjs)
+    if cm and kcm:
+        a = yaml.safe_load((cm.get("data") or {}).get("kvdepot.yaml", "")) or {}
+        b = yaml.safe_load((kcm.get("data") or {}).get("kvdepot.yaml", "")) or {}
+        if a != b:
+            problem(vname, f"kvdepotd's config differs from deploy/k8s's: {a} vs {b}")
 
 
 def check_secret(path, names, objs):
@@ -678,12 +723,17 @@ def main():
     ap.add_argument("root")
     ap.add_argument("--kvdepotd")
     ap.add_argument("--kvdepot")
+    ap.add_argument("--rendered", action="append", default=[], metavar="NAME=FILE",
+                    help="manifests rendered from the Helm chart with its default values "
+                         "(a NAME containing gpu: with gpu.enabled), checked like the "
+                         "kustomize variants and compared with them")
     a = ap.parse_args()
     root = os.path.abspath(a.root)
+    a.rendered = [f"{n}={os.path.abspath(f)}" for n, _, f in (r.partition("=") for r in a.rendered)]
     os.chdir(root)
     SETTINGS = server_settings(a.kvdepotd)
     cli = cli_flag_set(a.kvdepot)
-    check_k8s(root, cli, SETTINGS)
+    check_k8s(root, cli, SETTINGS, a.rendered)
     check_dockerfile(root, "deploy/Dockerfile", r"debian:12-slim$", r"debian:12$", cuda=False)
     check_dockerfile(root, "deploy/Dockerfile.cuda", r"nvidia/cuda:[0-9.]+-runtime-",
                      r"nvidia/cuda:[0-9.]+-devel-", cuda=True)

@@ -41,3 +41,35 @@ if(TARGET kvdepotd AND TARGET kvdepot)
                    $<TARGET_FILE:kvdepot> ${PROJECT_SOURCE_DIR})
   set_tests_properties(deploy_monitoring PROPERTIES LABELS e2e TIMEOUT 120)
 endif()
+
+# The Helm chart (deploy/helm/kvdepot): helm is not packaged for Debian, so
+# tests/deploy/helmrender renders it as `helm template` does (Go's
+# text/template and sprig, Helm's own template language, from Debian's
+# golang-go and golang-github-masterminds-sprig-dev, built offline in GOPATH
+# mode); kubernetes-validate (PyPI, build/py-deploy, made by deploy/dev.sh
+# test) checks the renders against the Kubernetes schemas.
+find_program(KVD_GO_TOOL go PATHS /usr/lib/go/bin)
+set(KVD_SPRIG_DIR /usr/share/gocode/src/github.com/Masterminds/sprig)
+if(KVD_GO_TOOL AND EXISTS ${KVD_SPRIG_DIR} AND TARGET kvdepotd AND TARGET kvdepot)
+  set(kvd_helmrender_gopath ${CMAKE_CURRENT_BINARY_DIR}/helmrender-go)
+  set(kvd_helmrender_bin ${CMAKE_CURRENT_BINARY_DIR}/helmrender)
+  add_custom_command(
+    OUTPUT ${kvd_helmrender_bin}
+    COMMAND ${CMAKE_COMMAND} -E env GO111MODULE=off GOFLAGS= GOPROXY=off
+            GOPATH=${kvd_helmrender_gopath}:/usr/share/gocode GOCACHE=${kvd_helmrender_gopath}/cache
+            CGO_ENABLED=0 ${KVD_GO_TOOL} build -o ${kvd_helmrender_bin} .
+    WORKING_DIRECTORY ${CMAKE_CURRENT_LIST_DIR}/helmrender
+    DEPENDS ${CMAKE_CURRENT_LIST_DIR}/helmrender/main.go
+    COMMENT "Building helmrender (Helm chart rendering for deploy_helm)"
+    VERBATIM)
+  add_custom_target(kvd_helmrender ALL DEPENDS ${kvd_helmrender_bin})
+  add_test(NAME deploy_helm
+           COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/helm_test.sh ${kvd_helmrender_bin}
+                   ${CMAKE_BINARY_DIR}/py-deploy/bin/kubernetes-validate ${PROJECT_SOURCE_DIR}
+                   $<TARGET_FILE:kvdepotd> $<TARGET_FILE:kvdepot>)
+  set_tests_properties(deploy_helm PROPERTIES LABELS unit TIMEOUT 120)
+else()
+  add_test(NAME deploy_helm
+           COMMAND sh -c "echo 'deploy_helm: needs go (golang-go) and sprig (golang-github-masterminds-sprig-dev): deploy/dev.sh deps --test' >&2; exit 1")
+  set_tests_properties(deploy_helm PROPERTIES LABELS unit)
+endif()
