@@ -397,6 +397,14 @@ int kvdepot_connect(const kvdepot_options *opt_in, kvdepot_client **out)
     return KVDEPOT_OK;
 }
 
+void kvdepot_set_progress(kvdepot_client *c, kvdepot_progress_fn fn, void *user)
+{
+    if (!c)
+        return;
+    c->progress = fn;
+    c->progress_user = fn ? user : NULL;
+}
+
 void kvdepot_close(kvdepot_client *c)
 {
     if (!c)

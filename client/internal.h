@@ -46,12 +46,21 @@ struct kvdepot_client {
     kvdepot_log_fn log;
     void *log_user;
     kvdepot_log_level log_level;
+    kvdepot_progress_fn progress; /* kvdepot_set_progress */
+    void *progress_user;
     /* `authorization` metadata sent with every call (token set), else
      * n_md == 0. The value slice points into auth_value. */
     char *auth_value;
     grpc_metadata auth_md;
     size_t n_md;
 };
+
+/* kvdepot_sequence_append / _read on one server, reporting progress to fn
+ * (a cluster passes its own, its members' are unused). */
+int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_sequence_info *out,
+                    kvdepot_progress_fn fn, void *user);
+int kvdepot__read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot_read_result *out,
+                  kvdepot_progress_fn fn, void *user);
 
 /* Attach the client's per-call metadata (the bearer token) to a
  * SEND_INITIAL_METADATA op. */

@@ -1168,12 +1168,13 @@ int kvdepot__cluster_sequence_list(kvdepot_client *c, const char *model,
 struct append_ctx {
     const kvdepot_append_args *args;
     kvdepot_sequence_info *out;
+    const kvdepot_client *cluster; /* its progress callback */
 };
 
 static int op_append(kvdepot_client *m, void *p)
 {
     struct append_ctx *x = p;
-    return kvdepot_sequence_append(m, x->args, x->out);
+    return kvdepot__append(m, x->args, x->out, x->cluster->progress, x->cluster->progress_user);
 }
 
 int kvdepot__cluster_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
@@ -1181,19 +1182,20 @@ int kvdepot__cluster_sequence_append(kvdepot_client *c, const kvdepot_append_arg
 {
     if (!a)
         return kvdepot_sequence_append(NULL, a, out);
-    struct append_ctx x = {a, out};
+    struct append_ctx x = {a, out, c};
     return run_for_id(c, a->id, a->id_len, op_append, &x);
 }
 
 struct read_ctx {
     const kvdepot_read_args *args;
     kvdepot_read_result *out;
+    const kvdepot_client *cluster; /* its progress callback */
 };
 
 static int op_read(kvdepot_client *m, void *p)
 {
     struct read_ctx *x = p;
-    return kvdepot_sequence_read(m, x->args, x->out);
+    return kvdepot__read(m, x->args, x->out, x->cluster->progress, x->cluster->progress_user);
 }
 
 int kvdepot__cluster_sequence_read(kvdepot_client *c, const kvdepot_read_args *a,
@@ -1201,7 +1203,7 @@ int kvdepot__cluster_sequence_read(kvdepot_client *c, const kvdepot_read_args *a
 {
     if (!a)
         return kvdepot_sequence_read(NULL, a, out);
-    struct read_ctx x = {a, out};
+    struct read_ctx x = {a, out, c};
     return as_miss(c, run_for_id(c, a->id, a->id_len, op_read, &x));
 }
 

@@ -155,6 +155,12 @@ int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
 {
     if (c && c->cluster)
         return kvdepot__cluster_sequence_append(c, a, out);
+    return kvdepot__append(c, a, out, c ? c->progress : NULL, c ? c->progress_user : NULL);
+}
+
+int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_sequence_info *out,
+                    kvdepot_progress_fn progress, void *progress_user)
+{
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
@@ -260,11 +266,15 @@ int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
         in_flight = bb;
         off += dlen;
         first = 0;
+        if (progress && off < total)
+            progress(progress_user, off, total);
     }
     if (in_flight) {
         send_ok = kvdepot__call_wait(&k, &tag_send) == 1 && send_ok;
         grpc_byte_buffer_destroy(in_flight);
     }
+    if (progress && send_ok)
+        progress(progress_user, total, total);
     if (send_ok) {
         grpc_op op;
         memset(&op, 0, sizeof op);
@@ -580,6 +590,12 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
 {
     if (c && c->cluster)
         return kvdepot__cluster_sequence_read(c, a, out);
+    return kvdepot__read(c, a, out, c ? c->progress : NULL, c ? c->progress_user : NULL);
+}
+
+int kvdepot__read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot_read_result *out,
+                  kvdepot_progress_fn progress, void *progress_user)
+{
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
@@ -621,6 +637,8 @@ int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot
             break; /* end of stream or failure: the status tells */
         local = read_message(&st, a, bb);
         grpc_byte_buffer_destroy(bb);
+        if (progress && local == KVDEPOT_OK && st.have_header)
+            progress(progress_user, st.received, st.total);
     }
     if (local != KVDEPOT_OK && ok >= 0)
         grpc_call_cancel(k.call, NULL);

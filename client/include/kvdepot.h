@@ -254,6 +254,20 @@ int kvdepot_connect(const kvdepot_options *opt, kvdepot_client **out);
  */
 void kvdepot_close(kvdepot_client *client);
 
+/*
+ * Progress of the bulk transfers: fn(user, done, total) is called as
+ * kvdepot_sequence_append sends its data (K, V and X bytes handed to the
+ * transport so far) and as kvdepot_sequence_read receives it (bytes
+ * received), after each chunk (kvdepot_options.chunk_bytes) and once more
+ * with done == total when all of it has gone or arrived. It runs on the
+ * thread that runs the transfer (the caller's; a pool thread for the
+ * non-blocking transfers) and must not call back into the client. For a
+ * client over several servers it reports each call's own bytes. fn NULL
+ * turns it off. Set it while no call is in flight on the handle.
+ */
+typedef void (*kvdepot_progress_fn)(void *user, uint64_t done, uint64_t total);
+void kvdepot_set_progress(kvdepot_client *client, kvdepot_progress_fn fn, void *user);
+
 /* ------------------------------------------------------------------------ */
 /* Health                                                                    */
 /* ------------------------------------------------------------------------ */

@@ -487,6 +487,72 @@ static void count_done(void *arg, kvdepot_transfer *t, int status)
  * flight at once) on two threads of the pool, reads into the caller's
  * buffers in flight together, a failing append whose status and message
  * come back through wait, a callback per transfer. */
+/* kvdepot_set_progress: an append reports the bytes handed to the transport
+ * chunk by chunk, ending once with done == total; a read reports the bytes
+ * received the same way; NULL turns it off. */
+typedef struct progress_log {
+    uint64_t done[4096];
+    uint64_t total;
+    size_t n;
+    int bad; /* total changed, or done went back or past it */
+} progress_log;
+
+static void log_progress(void *user, uint64_t done, uint64_t total)
+{
+    progress_log *p = user;
+    if ((p->n && (total != p->total || done < p->done[p->n - 1])) || done > total)
+        p->bad = 1;
+    p->total = total;
+    if (p->n < sizeof p->done / sizeof p->done[0])
+        p->done[p->n++] = done;
+}
+
+static int test_progress(kvd_harness *h)
+{
+    kvdepot_options opt;
+    kvdepot_options_init(&opt);
+    opt.chunk_bytes = 64 << 10;
+    kvdepot_client *c = harness_client_opts(h, &opt);
+    REQUIRE(c);
+    kvdepot_model m = small_model("progress");
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(create_seq(c, "p", "progress"), KVDEPOT_OK);
+    ref_seq r;
+    REQUIRE(ref_init(&r, "p", &m, 2048) == 0);
+    static progress_log log;
+    kvdepot_set_progress(c, log_progress, &log);
+
+    /* 4 layers x 1000 tokens x 2 heads x 32 x 2 bytes: 500 KiB each of K, V. */
+    memset(&log, 0, sizeof log);
+    REQUIRE_RC(ref_append(c, &r, 0, 4, 1000, 7, NULL), KVDEPOT_OK);
+    const uint64_t want = 2 * (uint64_t)4 * 1000 * r.token_bytes;
+    CHECK(!log.bad);
+    CHECK(log.total == want);
+    CHECK(log.n == (want + opt.chunk_bytes - 1) / opt.chunk_bytes);
+    CHECK(log.n && log.done[log.n - 1] == want);
+    CHECK(log.n > 1 && log.done[0] == opt.chunk_bytes);
+
+    memset(&log, 0, sizeof log);
+    kvdepot_read_args ra = {.id = "p", .id_len = 1};
+    kvdepot_read_result rr;
+    REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
+    CHECK(!log.bad);
+    CHECK(log.total == 2 * rr.kv_bytes && log.total == want);
+    CHECK(log.n >= 2 && log.done[log.n - 1] == want);
+    kvdepot_free(rr.owned);
+
+    /* Off. */
+    kvdepot_set_progress(c, NULL, &log);
+    memset(&log, 0, sizeof log);
+    REQUIRE_RC(ref_append(c, &r, 0, 4, 300, 8, NULL), KVDEPOT_OK);
+    CHECK(log.n == 0);
+    CHECK(ref_verify(c, &r) == 0);
+    kvdepot_set_progress(NULL, log_progress, &log); /* no-op */
+    ref_free(&r);
+    kvdepot_close(c);
+    return 0;
+}
+
 static int test_transfers(kvd_harness *h)
 {
     kvdepot_client *c = harness_client(h);
@@ -1876,6 +1942,7 @@ static const kvd_test tests[] = {
     {"prefix", test_prefix},
     {"engine", test_engine},
     {"transfers", test_transfers},
+    {"progress", test_progress},
     {"bad_models", test_bad_models},
     {"bad_sequences", test_bad_sequences},
     {"bad_appends", test_bad_appends},
