@@ -7,6 +7,8 @@
  */
 #include "kvdepot.h"
 
+#include <json-c/json.h>
+
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -18,12 +20,13 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static const char usage_text[] =
     "usage: kvdepot [--addr ADDR] [--deadline-ms MS] [--tls] [--tls-ca FILE]\n"
     "               [--tls-cert FILE --tls-key FILE] [--tls-server-name NAME]\n"
-    "               [--token TOKEN] COMMAND [ARGS]\n"
+    "               [--token TOKEN] [--json] [--progress|--no-progress] COMMAND [ARGS]\n"
     "\n"
     "Talks to a kvdepotd server (ADDR, default $KVDEPOT_ADDR or 127.0.0.1:50051).\n"
     "ADDR may name several servers, \"a:50051,b:50051\" or shards:HOST:PORT (every\n"
@@ -32,6 +35,9 @@ static const char usage_text[] =
     "roots to verify the server with, default the system's; --tls-cert/--tls-key: client\n"
     "certificate for mTLS). The bearer token comes from --token or $KVDEPOT_TOKEN\n"
     "(prefer the variable: command lines are visible to other users).\n"
+    "These options may also follow the command. --json: what a command prints\n"
+    "is one JSON value on stdout. put and get show their progress (bytes, rate,\n"
+    "ETA) on stderr when it is a terminal; --progress always, --no-progress never.\n"
     "\n"
     "commands:\n"
     "  health                               is the server serving?\n"
@@ -122,7 +128,8 @@ static void usage_error(const char *fmt, ...)
 static int fail(const kvdepot_client *c, int rc)
 {
     const char *msg = kvdepot_errmsg(c);
-    fprintf(stderr, "kvdepot: %s: %s\n", kvdepot_status_name(rc), msg[0] ? msg : kvdepot_strerror(rc));
+    fprintf(stderr, "kvdepot: %s: %s\n", kvdepot_status_name(rc),
+            msg[0] ? msg : kvdepot_strerror(rc));
     return 1;
 }
 
@@ -143,9 +150,9 @@ static int fail_msg(const char *fmt, ...)
 /* ------------------------------------------------------------------------ */
 
 typedef struct opt {
-    const char *name;  /* without the dashes */
+    const char *name; /* without the dashes */
     int has_arg;
-    const char *val;   /* argument, or "" for a flag that was given */
+    const char *val; /* argument, or "" for a flag that was given */
 } opt;
 
 /*
@@ -311,6 +318,172 @@ static void print_id(FILE *f, const uint8_t *id, size_t len)
 }
 
 /* ------------------------------------------------------------------------ */
+/* --json output                                                             */
+/* ------------------------------------------------------------------------ */
+
+static int json_out; /* --json: each command prints one JSON value */
+
+static json_object *jobj(void)
+{
+    json_object *o = json_object_new_object();
+    if (!o) {
+        fputs("kvdepot: out of memory\n", stderr);
+        exit(1);
+    }
+    return o;
+}
+
+static json_object *jarr(void)
+{
+    json_object *a = json_object_new_array();
+    if (!a) {
+        fputs("kvdepot: out of memory\n", stderr);
+        exit(1);
+    }
+    return a;
+}
+
+static void jset(json_object *o, const char *k, json_object *v)
+{
+    json_object_object_add(o, k, v);
+}
+
+static void jstr(json_object *o, const char *k, const char *v)
+{
+    jset(o, k, json_object_new_string(v ? v : ""));
+}
+
+static void ju64(json_object *o, const char *k, uint64_t v)
+{
+    jset(o, k, json_object_new_uint64(v));
+}
+
+/* A double, or null when it is not finite (JSON has no NaN or infinity). */
+static json_object *jdouble(double v)
+{
+    return isfinite(v) ? json_object_new_double(v) : NULL;
+}
+
+static void jdbl(json_object *o, const char *k, double v)
+{
+    jset(o, k, jdouble(v));
+}
+
+/* A 64-bit hash as 16 hex digits (JSON numbers lose precision past 2^53). */
+static json_object *jhex(uint64_t v)
+{
+    char b[17];
+    snprintf(b, sizeof b, "%016" PRIx64, v);
+    return json_object_new_string(b);
+}
+
+/* A sequence id as printed: text, with \xNN escapes where not printable. */
+static json_object *jid(const uint8_t *id, size_t len)
+{
+    char *buf = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&buf, &n);
+    if (f) {
+        print_id(f, id, len);
+        fclose(f);
+    }
+    json_object *o = json_object_new_string(buf ? buf : "");
+    free(buf);
+    return o;
+}
+
+/* Print v (pretty, one value) and release it; exit status 0. */
+static int jprint(json_object *v)
+{
+    const char *t = json_object_to_json_string_ext(
+        v, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED | JSON_C_TO_STRING_NOSLASHESCAPE);
+    printf("%s\n", t ? t : "null");
+    json_object_put(v);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Progress of put and get                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* -1: on when stderr is a terminal; 0 or 1: --no-progress, --progress. */
+static int progress_mode = -1;
+
+typedef struct progress {
+    const char *what; /* "put ID", "get ID" */
+    double t0, last;  /* seconds */
+    double delay;     /* nothing shown before this much time has passed */
+    int shown;
+} progress;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* "1.50 GiB", "512 KiB", "17 B". */
+static const char *human_bytes(double b, char *buf, size_t cap)
+{
+    static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    while (b >= 1024 && i < 4) {
+        b /= 1024;
+        i++;
+    }
+    snprintf(buf, cap, i ? "%.2f %s" : "%.0f %s", b, u[i]);
+    return buf;
+}
+
+/* One status line on stderr, rewritten in place at most 5 times a second:
+ * bytes done of total, percentage, rate, time left; cleared when all of it
+ * has gone or arrived. */
+static void show_progress(void *user, uint64_t done, uint64_t total)
+{
+    progress *p = user;
+    if (done >= total) {
+        if (p->shown)
+            fputs("\r\033[K", stderr);
+        p->shown = 0;
+        return;
+    }
+    double t = now_s();
+    if (t - p->t0 < p->delay || (p->shown && t - p->last < 0.2))
+        return;
+    p->last = t;
+    p->shown = 1;
+    double el = t - p->t0, rate = el > 0 ? done / el : 0;
+    char a[32], b[32], r[32];
+    fprintf(stderr, "\r\033[K%s: %s of %s (%.0f%%), %s/s", p->what, human_bytes(done, a, sizeof a),
+            human_bytes(total, b, sizeof b), 100.0 * done / total, human_bytes(rate, r, sizeof r));
+    if (rate > 0)
+        fprintf(stderr, ", ETA %.0f s", (total - done) / rate);
+}
+
+/* Turn progress on for this client when asked or when stderr is a
+ * terminal. KVDEPOT_PROGRESS_DELAY_MS (default 500) is how long a transfer
+ * runs before its line appears. */
+static void progress_start(kvdepot_client *c, progress *p, const char *what)
+{
+    memset(p, 0, sizeof *p);
+    if (!(progress_mode == 1 || (progress_mode == -1 && isatty(STDERR_FILENO))))
+        return;
+    const char *d = getenv("KVDEPOT_PROGRESS_DELAY_MS");
+    p->what = what;
+    p->t0 = now_s();
+    p->delay = d ? atof(d) / 1000.0 : 0.5;
+    kvdepot_set_progress(c, show_progress, p);
+}
+
+static void progress_end(kvdepot_client *c, progress *p)
+{
+    if (p->shown)
+        fputs("\r\033[K", stderr);
+    kvdepot_set_progress(c, NULL, NULL);
+}
+
+/* ------------------------------------------------------------------------ */
 /* Commands                                                                  */
 /* ------------------------------------------------------------------------ */
 
@@ -323,7 +496,14 @@ static int cmd_health(kvdepot_client *c, int argc, char **argv)
     if (rc)
         return fail(c, rc);
     static const char *names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
-    printf("%s\n", (unsigned)s < 4 ? names[s] : "UNKNOWN");
+    const char *name = (unsigned)s < 4 ? names[s] : "UNKNOWN";
+    if (json_out) {
+        json_object *o = jobj();
+        jstr(o, "status", name);
+        jprint(o);
+    } else {
+        printf("%s\n", name);
+    }
     return s == KVDEPOT_SERVING ? 0 : 1;
 }
 
@@ -333,23 +513,50 @@ static int cmd_shards(kvdepot_client *c, int argc, char **argv)
     const char *pos[64];
     int n = parse_args(argc, argv, NULL, pos, 64);
     char name[256];
+    json_object *arr = json_out ? jarr() : NULL;
     if (n == 0) {
         size_t count = kvdepot_shard_count(c);
         for (size_t i = 0; i < count; i++) {
             int rc = kvdepot_shard_endpoint(c, i, name, sizeof name);
             if (rc)
                 return fail(c, rc);
-            printf("%s\n", name);
+            if (arr)
+                json_object_array_add(arr, json_object_new_string(name));
+            else
+                printf("%s\n", name);
         }
-        return 0;
+        return arr ? jprint(arr) : 0;
     }
     for (int i = 0; i < n; i++) {
         int rc = kvdepot_shard_owner(c, pos[i], strlen(pos[i]), name, sizeof name);
         if (rc)
             return fail(c, rc);
-        printf("%s %s\n", pos[i], name);
+        if (arr) {
+            json_object *o = jobj();
+            jstr(o, "id", pos[i]);
+            jstr(o, "server", name);
+            json_object_array_add(arr, o);
+        } else {
+            printf("%s %s\n", pos[i], name);
+        }
     }
-    return 0;
+    return arr ? jprint(arr) : 0;
+}
+
+static json_object *model_json(const kvdepot_model *m)
+{
+    json_object *o = jobj();
+    jstr(o, "name", m->name);
+    jstr(o, "revision", m->revision);
+    ju64(o, "layers", m->num_layers);
+    ju64(o, "kv_heads", m->num_kv_heads);
+    ju64(o, "q_heads", m->num_q_heads);
+    ju64(o, "head_dim", m->head_dim);
+    ju64(o, "hidden_size", m->hidden_size);
+    jstr(o, "dtype", kvdepot_dtype_name(m->dtype));
+    ju64(o, "bytes_per_token", 2 * kvdepot_kv_bytes(m, m->num_layers, 1));
+    ju64(o, "created_ms", m->created_unix_ms);
+    return o;
 }
 
 static void print_model(const kvdepot_model *m)
@@ -374,6 +581,13 @@ static int cmd_models(kvdepot_client *c, int argc, char **argv)
     int rc = kvdepot_model_list(c, &list, &n);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *a = jarr();
+        for (size_t i = 0; i < n; i++)
+            json_object_array_add(a, model_json(&list[i]));
+        kvdepot_free(list);
+        return jprint(a);
+    }
     printf("%-32s %6s %8s %7s %8s %5s  %s\n", "NAME", "LAYERS", "KV_HEADS", "Q_HEADS", "HEAD_DIM",
            "DTYPE", "REVISION");
     for (size_t i = 0; i < n; i++)
@@ -407,7 +621,8 @@ static int cmd_model(kvdepot_client *c, int argc, char **argv)
             usage_error("revision longer than %d bytes", KVDEPOT_NAME_MAX);
         snprintf(m.revision, sizeof m.revision, "%s", rev ? rev : "");
         m.num_layers = (uint32_t)parse_u64("--layers", opt_required(opts, "layers"), UINT32_MAX);
-        m.num_kv_heads = (uint32_t)parse_u64("--kv-heads", opt_required(opts, "kv-heads"), UINT32_MAX);
+        m.num_kv_heads =
+            (uint32_t)parse_u64("--kv-heads", opt_required(opts, "kv-heads"), UINT32_MAX);
         m.head_dim = (uint32_t)parse_u64("--head-dim", opt_required(opts, "head-dim"), UINT32_MAX);
         m.num_q_heads = (uint32_t)opt_u64(opts, "q-heads", 0, UINT32_MAX);
         m.hidden_size = (uint32_t)opt_u64(opts, "hidden", 0, UINT32_MAX);
@@ -418,6 +633,11 @@ static int cmd_model(kvdepot_client *c, int argc, char **argv)
         int rc = kvdepot_model_put(c, &m, opt_get(opts, "replace") != NULL, &out, &created);
         if (rc)
             return fail(c, rc);
+        if (json_out) {
+            json_object *o = model_json(&out);
+            jset(o, "created", json_object_new_boolean(created));
+            return jprint(o);
+        }
         printf("model %s %s\n", out.name, created ? "created" : "already registered, unchanged");
         return 0;
     }
@@ -429,6 +649,8 @@ static int cmd_model(kvdepot_client *c, int argc, char **argv)
         int rc = kvdepot_model_get(c, pos[0], &m);
         if (rc)
             return fail(c, rc);
+        if (json_out)
+            return jprint(model_json(&m));
         print_model(&m);
         return 0;
     }
@@ -441,6 +663,12 @@ static int cmd_model(kvdepot_client *c, int argc, char **argv)
         int rc = kvdepot_model_delete(c, pos[0], opt_get(opts, "force") != NULL, &deleted);
         if (rc)
             return fail(c, rc);
+        if (json_out) {
+            json_object *o = jobj();
+            jstr(o, "model", pos[0]);
+            ju64(o, "sequences_deleted", deleted);
+            return jprint(o);
+        }
         printf("model %s deleted (%" PRIu64 " sequences with it)\n", pos[0], deleted);
         return 0;
     }
@@ -456,6 +684,20 @@ static int cmd_seqs(kvdepot_client *c, int argc, char **argv)
     int rc = kvdepot_sequence_list(c, opt_get(opts, "model"), &list, &n);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *a = jarr();
+        for (size_t i = 0; i < n; i++) {
+            json_object *o = jobj();
+            jset(o, "id", jid(list[i].id, list[i].id_len));
+            jstr(o, "model", list[i].model);
+            ju64(o, "tokens", list[i].num_tokens);
+            ju64(o, "sealed_pages", list[i].sealed_pages);
+            ju64(o, "stored_bytes", list[i].stored_bytes);
+            json_object_array_add(a, o);
+        }
+        kvdepot_sequence_list_free(list, n);
+        return jprint(a);
+    }
     printf("%-40s %-24s %10s %8s %12s\n", "ID", "MODEL", "TOKENS", "SEALED", "BYTES");
     for (size_t i = 0; i < n; i++) {
         char id[64];
@@ -495,6 +737,80 @@ static void print_side(const char *name, const kvdepot_codec_spec *c)
         }
         printf(" + svd widths %u..%u (%zu layer x head)", lo, hi, c->svd_num_widths);
     }
+}
+
+static json_object *side_json(const kvdepot_codec_spec *c)
+{
+    static const char *codec[] = {"raw", "int2", "int4", "vq"};
+    static const char *axis[] = {"default", "token", "channel"};
+    json_object *o = jobj();
+    jstr(o, "codec", (unsigned)c->codec < 4 ? codec[c->codec] : "?");
+    if (c->codec == KVDEPOT_CODEC_INT2 || c->codec == KVDEPOT_CODEC_INT4) {
+        ju64(o, "group_size", c->group_size);
+        jstr(o, "axis", (unsigned)c->axis < 3 ? axis[c->axis] : "?");
+        jset(o, "stochastic", json_object_new_boolean(c->stochastic));
+        if (c->stochastic)
+            ju64(o, "seed", c->seed);
+    }
+    if (c->codec == KVDEPOT_CODEC_VQ) {
+        ju64(o, "vq_sub_dim", c->vq_sub_dim);
+        ju64(o, "vq_bits", c->vq_bits);
+    }
+    if (c->svd_num_widths) {
+        json_object *w = jarr();
+        for (size_t i = 0; i < c->svd_num_widths; i++)
+            json_object_array_add(w, json_object_new_uint64(c->svd_widths[i]));
+        jset(o, "svd_widths", w);
+    }
+    return o;
+}
+
+static json_object *info_json(const kvdepot_sequence_info *s)
+{
+    json_object *o = jobj();
+    jset(o, "id", jid(s->id, s->id_len));
+    jstr(o, "model", s->model);
+    ju64(o, "num_tokens", s->num_tokens);
+    json_object *lt = jarr();
+    for (size_t i = 0; i < s->num_layers; i++)
+        json_object_array_add(lt, json_object_new_uint64(s->layer_tokens[i]));
+    jset(o, "layer_tokens", lt);
+    ju64(o, "page_tokens", s->page_tokens);
+    ju64(o, "sealed_pages", s->sealed_pages);
+    ju64(o, "stored_bytes", s->stored_bytes);
+    ju64(o, "prefix_blocks", s->prefix_blocks);
+    ju64(o, "activation_tokens", s->activation_tokens);
+    if (s->have_codecs) {
+        json_object *cc = jobj();
+        jset(cc, "k", side_json(&s->codecs.k));
+        jset(cc, "v", side_json(&s->codecs.v));
+        if (s->codecs.pq_m) {
+            json_object *pq = jobj();
+            ju64(pq, "m", s->codecs.pq_m);
+            ju64(pq, "bits", s->codecs.pq_bits);
+            ju64(pq, "iterations", s->codecs.pq_iterations);
+            ju64(pq, "min_train_tokens", s->codecs.pq_min_train_tokens);
+            jset(cc, "pq", pq);
+        }
+        ju64(cc, "raw_sink_tokens", s->codecs.raw_sink_tokens);
+        jset(cc, "store_activations", json_object_new_boolean(s->codecs.store_activations));
+        if (s->artifacts_fingerprint)
+            jset(cc, "artifacts_fingerprint", jhex(s->artifacts_fingerprint));
+        jset(o, "codecs", cc);
+    }
+    if (s->recovery_loss) {
+        json_object *r = jobj();
+        ju64(r, "acknowledged_tokens", s->loss_acknowledged_tokens);
+        ju64(r, "recovered_tokens", s->loss_recovered_tokens);
+        ju64(r, "unix_ms", s->loss_unix_ms);
+        jset(o, "recovery_loss", r);
+    }
+    json_object *bh = jarr();
+    for (size_t i = 0; i < s->num_block_hashes; i++)
+        json_object_array_add(bh, jhex(s->block_hashes[i]));
+    jset(o, "block_hashes", bh);
+    ju64(o, "created_ms", s->created_unix_ms);
+    return o;
 }
 
 static void print_info(const kvdepot_sequence_info *s)
@@ -567,6 +883,13 @@ static int cmd_seq(kvdepot_client *c, int argc, char **argv)
                                     &layers, &tokens, NULL);
         if (rc)
             return fail(c, rc);
+        if (json_out) {
+            json_object *o = jobj();
+            jstr(o, "id", pos[0]);
+            ju64(o, "layers", layers);
+            ju64(o, "tokens_coded", tokens);
+            return jprint(o);
+        }
         printf("sequence %s: PQ index rebuilt (layers %u, tokens coded %" PRIu64 ")\n", pos[0],
                layers, tokens);
         return 0;
@@ -576,7 +899,10 @@ static int cmd_seq(kvdepot_client *c, int argc, char **argv)
         int rc = kvdepot_sequence_stat(c, pos[0], strlen(pos[0]), &s);
         if (rc)
             return fail(c, rc);
-        print_info(&s);
+        if (json_out)
+            jprint(info_json(&s));
+        else
+            print_info(&s);
         kvdepot_sequence_info_clear(&s);
         return 0;
     }
@@ -585,6 +911,12 @@ static int cmd_seq(kvdepot_client *c, int argc, char **argv)
         int rc = kvdepot_sequence_delete(c, pos[0], strlen(pos[0]), &freed);
         if (rc)
             return fail(c, rc);
+        if (json_out) {
+            json_object *o = jobj();
+            jstr(o, "id", pos[0]);
+            ju64(o, "pages_freed", freed);
+            return jprint(o);
+        }
         printf("sequence %s deleted (%" PRIu64 " pages freed)\n", pos[0], freed);
         return 0;
     }
@@ -593,8 +925,15 @@ static int cmd_seq(kvdepot_client *c, int argc, char **argv)
         int rc = kvdepot_sequence_evict(c, pos[0], strlen(pos[0]), &pages, &bytes);
         if (rc)
             return fail(c, rc);
-        printf("sequence %s evicted from memory (%" PRIu64 " pages, %" PRIu64 " bytes)\n",
-               pos[0], pages, bytes);
+        if (json_out) {
+            json_object *o = jobj();
+            jstr(o, "id", pos[0]);
+            ju64(o, "pages", pages);
+            ju64(o, "bytes", bytes);
+            return jprint(o);
+        }
+        printf("sequence %s evicted from memory (%" PRIu64 " pages, %" PRIu64 " bytes)\n", pos[0],
+               pages, bytes);
         return 0;
     }
     usage_error("seq: unknown subcommand \"%s\" (expected stat, rm, evict or pq-rebuild)", sub);
@@ -609,6 +948,14 @@ static int cmd_backup(kvdepot_client *c, int argc, char **argv)
     int rc = kvdepot_backup(c, pos[0], &b);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *o = jobj();
+        jstr(o, "dir", pos[0]);
+        ju64(o, "files", b.files);
+        ju64(o, "bytes", b.bytes);
+        ju64(o, "duration_ms", b.duration_ms);
+        return jprint(o);
+    }
     printf("backup in %s: %" PRIu64 " files, %" PRIu64 " bytes, %" PRIu64 " ms\n", pos[0], b.files,
            b.bytes, b.duration_ms);
     return 0;
@@ -622,6 +969,46 @@ static int cmd_stats(kvdepot_client *c, int argc, char **argv)
     int rc = kvdepot_stats_get(c, &s);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *o = jobj();
+        jstr(o, "durability", s.durability);
+        ju64(o, "sequences", s.sequences);
+        jstr(o, "backend", s.backend);
+        ju64(o, "backend_threads", s.backend_threads);
+        if (s.device[0]) {
+            json_object *d = jobj();
+            jstr(d, "name", s.device);
+            ju64(d, "memory_bytes", s.device_memory_bytes);
+            jset(d, "healthy", json_object_new_boolean(s.device_healthy));
+            ju64(d, "pages_attended", s.device_pages_attended);
+            jset(o, "device", d);
+        }
+        json_object *t = jarr();
+        for (size_t i = 0; i < s.num_tiers; i++) {
+            json_object *x = jobj();
+            jstr(x, "name", s.tiers[i].name);
+            ju64(x, "limit_bytes", s.tiers[i].limit_bytes);
+            ju64(x, "bytes", s.tiers[i].bytes);
+            ju64(x, "pages", s.tiers[i].pages);
+            ju64(x, "hits", s.tiers[i].hits);
+            ju64(x, "evictions", s.tiers[i].evictions);
+            json_object_array_add(t, x);
+        }
+        jset(o, "tiers", t);
+        ju64(o, "misses", s.misses);
+        ju64(o, "promotions", s.promotions);
+        ju64(o, "prefetched", s.prefetched);
+        ju64(o, "checksum_failures", s.checksum_failures);
+        ju64(o, "sequences_dropped", s.sequences_dropped);
+        ju64(o, "sequences_expired", s.sequences_expired);
+        json_object *m = jobj();
+        ju64(m, "rss", s.mem_rss_bytes);
+        ju64(m, "appends", s.mem_appends_bytes);
+        ju64(m, "memtables", s.mem_memtables_bytes);
+        ju64(m, "block_cache", s.mem_block_cache_bytes);
+        jset(o, "memory_bytes", m);
+        return jprint(o);
+    }
     printf("durability  %s\nsequences   %" PRIu64 "\nbackend     %s (%u CPU threads)\n",
            s.durability, s.sequences, s.backend, s.backend_threads);
     if (s.device[0])
@@ -749,10 +1136,10 @@ static void parse_pq(const char *arg, kvdepot_codecs *cc)
 
 static int cmd_put(kvdepot_client *c, int argc, char **argv)
 {
-    opt opts[] = {{"model", 1, 0},  {"tokens", 1, 0},    {"layer-start", 1, 0},
-                  {"layers", 1, 0}, {"file", 1, 0},      {"token-ids", 1, 0},
+    opt opts[] = {{"model", 1, 0},  {"tokens", 1, 0},      {"layer-start", 1, 0},
+                  {"layers", 1, 0}, {"file", 1, 0},        {"token-ids", 1, 0},
                   {"ttl", 1, 0},    {"activations", 0, 0}, {"k", 1, 0},
-                  {"v", 1, 0},      {"pq", 1, 0},        {"raw-sink", 1, 0},
+                  {"v", 1, 0},      {"pq", 1, 0},          {"raw-sink", 1, 0},
                   {0, 0, 0}};
     const char *pos[1];
     if (parse_args(argc, argv, opts, pos, 1) != 1)
@@ -802,8 +1189,7 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         return fail_msg("%s has %lld bytes; K then V for %u layers x %" PRIu64
                         " tokens x %u kv heads x %u dims of %s is %zu bytes%s",
                         path, (long long)sb.st_size, layers, tokens, m.num_kv_heads, m.head_dim,
-                        kvdepot_dtype_name(m.dtype), 2 * kv + xb,
-                        with_x ? " (with X)" : "");
+                        kvdepot_dtype_name(m.dtype), 2 * kv + xb, with_x ? " (with X)" : "");
     }
     void *data = NULL;
     if (kv) {
@@ -821,7 +1207,8 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
     if (ids_path) {
         ids = read_token_ids(ids_path, &nids);
         if (nids != tokens)
-            return fail_msg("%s has %zu token ids, expected --tokens %" PRIu64, ids_path, nids, tokens);
+            return fail_msg("%s has %zu token ids, expected --tokens %" PRIu64, ids_path, nids,
+                            tokens);
     }
 
     /* Create the sequence (the usual case: no lookup first); if it exists,
@@ -870,7 +1257,12 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         .x = with_x && data ? (const uint8_t *)data + 2 * kv : NULL,
         .x_bytes = xb,
     };
+    char what[96];
+    snprintf(what, sizeof what, "put %.80s", id);
+    progress pr;
+    progress_start(c, &pr, what);
     rc = kvdepot_sequence_append(c, &a, &s);
+    progress_end(c, &pr);
     if (data)
         munmap(data, 2 * kv + xb);
     free(ids);
@@ -883,6 +1275,19 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         fprintf(stderr, "kvdepot: %s: %s%s\n", kvdepot_status_name(rc), msg,
                 created ? " (the sequence put created was deleted again)" : "");
         return 1;
+    }
+    if (json_out) {
+        json_object *o = jobj();
+        jstr(o, "id", id);
+        jset(o, "created", json_object_new_boolean(created));
+        ju64(o, "tokens_appended", tokens);
+        ju64(o, "token_start", token_start);
+        ju64(o, "layer_start", layer_start);
+        ju64(o, "layers", layers);
+        ju64(o, "bytes", 2 * (uint64_t)kv + xb);
+        jset(o, "sequence", info_json(&s));
+        kvdepot_sequence_info_clear(&s);
+        return jprint(o);
     }
     printf("appended %" PRIu64 " tokens at %" PRIu64 " to layers %u..%u of %s: %" PRIu64
            " tokens readable\n",
@@ -909,13 +1314,15 @@ static int write_all(int fd, const void *p, size_t n)
 
 static int cmd_get(kvdepot_client *c, int argc, char **argv)
 {
-    opt opts[] = {{"file", 1, 0},        {"layer-start", 1, 0}, {"layers", 1, 0},
-                  {"token-start", 1, 0}, {"tokens", 1, 0},      {"activation-tokens", 1, 0},
-                  {0, 0, 0}};
+    opt opts[] = {
+        {"file", 1, 0},   {"layer-start", 1, 0},       {"layers", 1, 0}, {"token-start", 1, 0},
+        {"tokens", 1, 0}, {"activation-tokens", 1, 0}, {0, 0, 0}};
     const char *pos[1];
     if (parse_args(argc, argv, opts, pos, 1) != 1)
         usage_error("get: expected ID");
     const char *path = opt_required(opts, "file");
+    if (json_out && strcmp(path, "-") == 0)
+        usage_error("get: --json with --file -: the data is the output");
     kvdepot_read_args a = {
         .id = pos[0],
         .id_len = strlen(pos[0]),
@@ -926,7 +1333,12 @@ static int cmd_get(kvdepot_client *c, int argc, char **argv)
         .activation_tokens = opt_u64(opts, "activation-tokens", 0, UINT64_MAX),
     };
     kvdepot_read_result r;
+    char what[96];
+    snprintf(what, sizeof what, "get %.80s", pos[0]);
+    progress pr;
+    progress_start(c, &pr, what);
     int rc = kvdepot_sequence_read(c, &a, &r);
+    progress_end(c, &pr);
     if (rc)
         return fail(c, rc);
     int to_stdout = strcmp(path, "-") == 0;
@@ -945,12 +1357,27 @@ static int cmd_get(kvdepot_client *c, int argc, char **argv)
     kvdepot_free(r.owned);
     if (bad)
         return fail_msg("%s: %s", path, strerror(err));
+    if (json_out) {
+        json_object *o = jobj();
+        jstr(o, "file", path);
+        ju64(o, "bytes", r.x_bytes + 2 * (uint64_t)r.kv_bytes);
+        ju64(o, "layer_start", r.layer_start);
+        ju64(o, "layers", r.num_layers);
+        ju64(o, "token_start", r.token_start);
+        ju64(o, "tokens", r.num_tokens);
+        ju64(o, "kv_heads", r.num_kv_heads);
+        ju64(o, "head_dim", r.head_dim);
+        jstr(o, "dtype", kvdepot_dtype_name(r.dtype));
+        ju64(o, "activation_tokens", r.activation_tokens);
+        if (r.activation_tokens)
+            ju64(o, "hidden_size", r.hidden_size);
+        return jprint(o);
+    }
     if (!to_stdout && r.activation_tokens)
         printf("wrote %zu bytes (X of tokens %" PRIu64 "..%" PRIu64 " (hidden %u), then K and "
                "V of the other %" PRIu64 " tokens: layers %u..%u) to %s\n",
-               r.x_bytes + 2 * r.kv_bytes, r.token_start,
-               r.token_start + r.activation_tokens - 1, r.hidden_size,
-               r.num_tokens - r.activation_tokens, r.layer_start,
+               r.x_bytes + 2 * r.kv_bytes, r.token_start, r.token_start + r.activation_tokens - 1,
+               r.hidden_size, r.num_tokens - r.activation_tokens, r.layer_start,
                r.layer_start + r.num_layers - 1, path);
     else if (!to_stdout)
         printf("wrote %zu bytes (K then V: layers %u..%u, tokens %" PRIu64 "..%" PRIu64
@@ -964,7 +1391,7 @@ static int cmd_get(kvdepot_client *c, int argc, char **argv)
 /* attend ID --layer L --q FILE [--out F] [--token-start T] [--tokens N] [--scale S] */
 static int cmd_attend(kvdepot_client *c, int argc, char **argv)
 {
-    opt opts[] = {{"layer", 1, 0},  {"q", 1, 0},      {"out", 1, 0}, {"token-start", 1, 0},
+    opt opts[] = {{"layer", 1, 0},  {"q", 1, 0},     {"out", 1, 0}, {"token-start", 1, 0},
                   {"tokens", 1, 0}, {"scale", 1, 0}, {0, 0, 0}};
     const char *pos[1];
     if (parse_args(argc, argv, opts, pos, 1) != 1)
@@ -993,7 +1420,10 @@ static int cmd_attend(kvdepot_client *c, int argc, char **argv)
     }
     fclose(f);
     const char *sc = opt_get(opts, "scale");
-    kvdepot_attend_query qy = {pos[0], strlen(pos[0]), q, n,
+    kvdepot_attend_query qy = {pos[0],
+                               strlen(pos[0]),
+                               q,
+                               n,
                                opt_u64(opts, "token-start", 0, UINT64_MAX),
                                opt_u64(opts, "tokens", 0, UINT64_MAX)};
     kvdepot_attend_result r;
@@ -1002,10 +1432,20 @@ static int cmd_attend(kvdepot_client *c, int argc, char **argv)
     free(q);
     if (rc)
         return fail(c, rc);
-    printf("attended %" PRIu64 " tokens; lse per query head:", r.num_tokens);
-    for (size_t h = 0; h < r.num_q_heads; h++)
-        printf(" %.6g", r.lse[h]);
-    printf("\n");
+    json_object *jo = NULL;
+    if (json_out) {
+        jo = jobj();
+        ju64(jo, "tokens", r.num_tokens);
+        json_object *l = jarr();
+        for (size_t h = 0; h < r.num_q_heads; h++)
+            json_object_array_add(l, jdouble(r.lse[h]));
+        jset(jo, "lse", l);
+    } else {
+        printf("attended %" PRIu64 " tokens; lse per query head:", r.num_tokens);
+        for (size_t h = 0; h < r.num_q_heads; h++)
+            printf(" %.6g", r.lse[h]);
+        printf("\n");
+    }
     const char *out = opt_get(opts, "out");
     if (out) {
         FILE *o = fopen(out, "wb");
@@ -1015,12 +1455,19 @@ static int cmd_attend(kvdepot_client *c, int argc, char **argv)
             bad = 1;
         if (bad) {
             kvdepot_attend_results_free(&r, 1);
+            json_object_put(jo);
             return fail_msg("%s: %s", out, strerror(errno));
         }
-        printf("wrote the output (%zu x %zu f32) to %s\n", r.num_q_heads, r.head_dim, out);
+        if (jo) {
+            jstr(jo, "out", out);
+            ju64(jo, "q_heads", r.num_q_heads);
+            ju64(jo, "head_dim", r.head_dim);
+        } else {
+            printf("wrote the output (%zu x %zu f32) to %s\n", r.num_q_heads, r.head_dim, out);
+        }
     }
     kvdepot_attend_results_free(&r, 1);
-    return 0;
+    return jo ? jprint(jo) : 0;
 }
 
 /* A file of little-endian f32 values; *n floats. NULL (message printed) on failure. */
@@ -1084,6 +1531,31 @@ static int cmd_search(kvdepot_client *c, int argc, char **argv)
     free(q);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *o = jobj(), *heads = jarr();
+        for (size_t h = 0; h < r.num_heads; h++) {
+            json_object *x = jobj(), *t = jarr(), *sc = jarr();
+            ju64(x, "kv_head", r.heads[h].kv_head);
+            for (size_t i = 0; i < r.heads[h].count; i++) {
+                json_object_array_add(t, json_object_new_uint64(r.heads[h].tokens[i]));
+                json_object_array_add(sc, jdouble(r.heads[h].scores[i]));
+            }
+            jset(x, "tokens", t);
+            jset(x, "scores", sc);
+            json_object_array_add(heads, x);
+        }
+        jset(o, "heads", heads);
+        if (sparse) {
+            json_object *l = jarr();
+            for (size_t h = 0; h < ar.num_q_heads; h++)
+                json_object_array_add(l, jdouble(ar.lse[h]));
+            ju64(o, "attended_tokens", ar.num_tokens);
+            jset(o, "lse", l);
+            kvdepot_attend_results_free(&ar, 1);
+        }
+        kvdepot_search_result_free(&r);
+        return jprint(o);
+    }
     for (size_t h = 0; h < r.num_heads; h++) {
         printf("kv head %u:", r.heads[h].kv_head);
         for (size_t i = 0; i < r.heads[h].count; i++)
@@ -1115,10 +1587,21 @@ static int cmd_plan(kvdepot_client *c, int argc, char **argv)
                                 opt_get(opts, "activations") != NULL, &p);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *o = jobj();
+        ju64(o, "split_tokens", p.split_tokens);
+        ju64(o, "num_tokens", p.num_tokens);
+        jdbl(o, "predicted_seconds", p.predicted_seconds);
+        jdbl(o, "kv_only_seconds", p.kv_only_seconds);
+        ju64(o, "activation_bytes", p.activation_bytes);
+        ju64(o, "kv_bytes", p.kv_bytes);
+        jdbl(o, "recompute_seconds", p.recompute_seconds);
+        return jprint(o);
+    }
     printf("split %" PRIu64 " of %" PRIu64 " tokens: %.6g s (plain fetch %.6g s); "
            "activations %" PRIu64 " bytes, K/V %" PRIu64 " bytes, recompute %.6g s\n",
-           p.split_tokens, p.num_tokens, p.predicted_seconds, p.kv_only_seconds,
-           p.activation_bytes, p.kv_bytes, p.recompute_seconds);
+           p.split_tokens, p.num_tokens, p.predicted_seconds, p.kv_only_seconds, p.activation_bytes,
+           p.kv_bytes, p.recompute_seconds);
     return 0;
 }
 
@@ -1147,6 +1630,12 @@ static int cmd_lookup(kvdepot_client *c, int argc, char **argv)
     free(hashes);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *o = jobj();
+        ju64(o, "matched_blocks", blocks);
+        ju64(o, "matched_tokens", tokens);
+        return jprint(o);
+    }
     printf("matched_blocks: %" PRIu64 "\nmatched_tokens: %" PRIu64 "\n", blocks, tokens);
     return 0;
 }
@@ -1165,11 +1654,16 @@ static int cmd_hash(int argc, char **argv)
     if (!h)
         return fail_msg("out of memory");
     kvdepot_prefix_hash_chain(ids, n, page, h);
-    for (size_t i = 0; i < blocks; i++)
-        printf("%016" PRIx64 "\n", h[i]);
+    json_object *a = json_out ? jarr() : NULL;
+    for (size_t i = 0; i < blocks; i++) {
+        if (a)
+            json_object_array_add(a, jhex(h[i]));
+        else
+            printf("%016" PRIx64 "\n", h[i]);
+    }
     free(h);
     free(ids);
-    return 0;
+    return a ? jprint(a) : 0;
 }
 
 /* `--name VALUE` or `--name=VALUE` of a global option; 1 when it matched. */
@@ -1189,7 +1683,6 @@ static int tls_flag(const char *a, int argc, char **argv, int *i, const char *na
     }
     return 0;
 }
-
 
 /* The whole of a file (malloc'ed) and its length; NULL with a message on
  * failure. */
@@ -1245,6 +1738,53 @@ static const char *codec_arg(const kvdepot_codec_spec *c, char *buf, size_t cap)
     else
         snprintf(buf, cap, "%s", (unsigned)c->codec < 4 ? codec[c->codec] : "?");
     return buf;
+}
+
+/* The advice as JSON: codecs in the syntax of --k/--v. */
+static json_object *advice_json(const kvdepot_codec_advice *a)
+{
+    char k[64], v[64];
+    json_object *o = jobj(), *all = jobj(), *layers = jarr();
+    jdbl(o, "error_budget", a->error_budget);
+    ju64(o, "eval_queries", a->eval_queries);
+    ju64(o, "eval_tokens", a->eval_tokens);
+    jstr(all, "k", codec_arg(&a->k, k, sizeof k));
+    jstr(all, "v", codec_arg(&a->v, v, sizeof v));
+    jdbl(all, "bits_per_value", a->bits_per_value);
+    jdbl(all, "max_attention_error", a->max_attention_error);
+    jset(o, "every_layer", all);
+    for (size_t l = 0; l < a->n_layers; l++) {
+        const kvdepot_layer_advice *x = &a->layers[l];
+        json_object *lo = jobj();
+        ju64(lo, "layer", x->layer);
+        jstr(lo, "k", codec_arg(&x->k_recommended, k, sizeof k));
+        jstr(lo, "v", codec_arg(&x->v_recommended, v, sizeof v));
+        jdbl(lo, "bits_per_value", x->bits_per_value);
+        jdbl(lo, "attention_error", x->attention_error);
+        if (x->best_bits_per_value > 0) {
+            json_object *b = jobj();
+            jstr(b, "k", codec_arg(&x->k_best, k, sizeof k));
+            jstr(b, "v", codec_arg(&x->v_best, v, sizeof v));
+            jdbl(b, "bits_per_value", x->best_bits_per_value);
+            jdbl(b, "attention_error", x->best_attention_error);
+            jset(lo, "exhaustive", b);
+        }
+        for (int side = 0; side < 2; side++) {
+            json_object *ev = jarr();
+            for (size_t i = 0; i < (side ? x->n_v : x->n_k); i++) {
+                const kvdepot_codec_eval *e = side ? &x->v[i] : &x->k[i];
+                json_object *eo = jobj();
+                jstr(eo, "codec", codec_arg(&e->codec, k, sizeof k));
+                jdbl(eo, "bits_per_value", e->bits_per_value);
+                jdbl(eo, "attention_error", e->attention_error);
+                json_object_array_add(ev, eo);
+            }
+            jset(lo, side ? "v_evaluated" : "k_evaluated", ev);
+        }
+        json_object_array_add(layers, lo);
+    }
+    jset(o, "layers", layers);
+    return o;
 }
 
 static void print_advice(const kvdepot_codec_advice *a)
@@ -1328,7 +1868,8 @@ static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
     a.exhaustive = opt_get(opts, "exhaustive") != NULL;
     size_t es = kvdepot_dtype_size(m.dtype);
     size_t per = (size_t)tokens * m.num_kv_heads * m.head_dim * es; /* K of one layer */
-    size_t qper = (size_t)tokens * (m.num_q_heads ? m.num_q_heads : m.num_kv_heads) * m.head_dim * es;
+    size_t qper =
+        (size_t)tokens * (m.num_q_heads ? m.num_q_heads : m.num_kv_heads) * m.head_dim * es;
     size_t len = 0, qlen = 0;
     uint8_t *kv = read_all(opt_required(opts, "file"), &len), *q = NULL;
     if (!kv)
@@ -1385,6 +1926,29 @@ static int cmd_calibrate(kvdepot_client *c, int argc, char **argv)
     free(q);
     if (rc)
         return fail(c, rc);
+    if (json_out) {
+        json_object *o = jobj(), *errs = jarr();
+        ju64(o, "samples", r.samples);
+        ju64(o, "artifacts", r.artifacts);
+        for (size_t i = 0; i < r.n_errors; i++) {
+            const kvdepot_calibration_error *e = &r.errors[i];
+            json_object *x = jobj();
+            ju64(x, "layer", e->layer);
+            ju64(x, "kv_head", e->kv_head);
+            jdbl(x, "vq_k", e->vq_k);
+            jdbl(x, "vq_v", e->vq_v);
+            jdbl(x, "svd_k", e->svd_k);
+            jdbl(x, "svd_v", e->svd_v);
+            ju64(x, "svd_width_k", e->svd_width_k);
+            ju64(x, "svd_width_v", e->svd_width_v);
+            json_object_array_add(errs, x);
+        }
+        jset(o, "errors", errs);
+        if (r.advice)
+            jset(o, "advice", advice_json(r.advice));
+        kvdepot_calibrate_result_clear(&r);
+        return jprint(o);
+    }
     printf("calibrated %" PRIu64 " tokens; %u artifacts stored\n", r.samples, r.artifacts);
     printf("%-6s %-5s %-10s %-10s %-10s %-10s %-6s %-6s\n", "layer", "head", "vq_k", "vq_v",
            "svd_k", "svd_v", "w_k", "w_v");
@@ -1412,6 +1976,8 @@ static int cmd_artifacts(kvdepot_client *c, int argc, char **argv)
         (strcmp(pos[0], "get") != 0 && strcmp(pos[0], "put") != 0))
         usage_error("artifacts: expected get or put");
     const char *model = opt_required(opts, "model"), *path = opt_required(opts, "file");
+    if (json_out && strcmp(path, "-") == 0)
+        usage_error("artifacts: --json with --file -: the data is the output");
     int rc;
     if (strcmp(pos[0], "get") == 0) {
         int kind = (int)opt_u64(opts, "kind", 0, 7);
@@ -1426,8 +1992,9 @@ static int cmd_artifacts(kvdepot_client *c, int argc, char **argv)
         }
         int bad = 0;
         for (size_t i = 0; i < n; i++) {
-            uint32_t h[6] = {(uint32_t)a[i].kind, a[i].layer, a[i].kv_head, a[i].ndim,
-                             a[i].shape[0], a[i].ndim == 2 ? a[i].shape[1] : 1};
+            uint32_t h[6] = {(uint32_t)a[i].kind, a[i].layer,
+                             a[i].kv_head,        a[i].ndim,
+                             a[i].shape[0],       a[i].ndim == 2 ? a[i].shape[1] : 1};
             size_t ne = (size_t)h[4] * h[5];
             bad |= fwrite(h, sizeof h, 1, f) != 1 || fwrite(a[i].data, 4, ne, f) != ne;
         }
@@ -1435,6 +2002,12 @@ static int cmd_artifacts(kvdepot_client *c, int argc, char **argv)
         kvdepot_artifacts_free(a, n);
         if (bad)
             return fail_msg("%s: write error", path);
+        if (json_out) {
+            json_object *o = jobj();
+            jstr(o, "file", path);
+            ju64(o, "artifacts", n);
+            return jprint(o);
+        }
         if (f != stdout)
             printf("wrote %zu artifacts to %s\n", n, path);
         return 0;
@@ -1468,8 +2041,11 @@ static int cmd_artifacts(kvdepot_client *c, int argc, char **argv)
             }
             a = na;
         }
-        a[n] = (kvdepot_artifact){.kind = (int)h[0], .layer = h[1], .kv_head = h[2],
-                                  .ndim = h[3], .shape = {h[4], h[3] == 2 ? h[5] : 0},
+        a[n] = (kvdepot_artifact){.kind = (int)h[0],
+                                  .layer = h[1],
+                                  .kv_head = h[2],
+                                  .ndim = h[3],
+                                  .shape = {h[4], h[3] == 2 ? h[5] : 0},
                                   .data = (float *)(void *)(buf + off)};
         n++;
         off += 4 * ne;
@@ -1480,7 +2056,11 @@ static int cmd_artifacts(kvdepot_client *c, int argc, char **argv)
         rc = kvdepot_artifacts_upload(c, model, a, n, &stored);
         if (rc)
             rc = fail(c, rc);
-        else
+        else if (json_out) {
+            json_object *o = jobj();
+            ju64(o, "stored", stored);
+            jprint(o);
+        } else
             printf("stored %u artifacts\n", stored);
     }
     free(a);
@@ -1510,15 +2090,46 @@ static int command_help(const char *cmd, FILE *f)
     return found ? 0 : -1;
 }
 
+/* Options that apply to every command, before or after it. */
+typedef struct globals {
+    const char *addr, *token, *tls_ca, *tls_cert, *tls_key, *tls_name;
+    int tls;
+    uint32_t deadline_ms;
+} globals;
+
+/* argv[*i] as a global option (its value consumed too): 1; 0 when it is
+ * none. */
+static int global_opt(int argc, char **argv, int *i, globals *g)
+{
+    const char *a = argv[*i];
+    if (strcmp(a, "--tls") == 0)
+        g->tls = 1;
+    else if (strcmp(a, "--json") == 0)
+        json_out = 1;
+    else if (strcmp(a, "--progress") == 0)
+        progress_mode = 1;
+    else if (strcmp(a, "--no-progress") == 0)
+        progress_mode = 0;
+    else if (tls_flag(a, argc, argv, i, "--addr", &g->addr) ||
+             tls_flag(a, argc, argv, i, "--tls-ca", &g->tls_ca) ||
+             tls_flag(a, argc, argv, i, "--ca", &g->tls_ca) ||
+             tls_flag(a, argc, argv, i, "--tls-cert", &g->tls_cert) ||
+             tls_flag(a, argc, argv, i, "--tls-key", &g->tls_key) ||
+             tls_flag(a, argc, argv, i, "--tls-server-name", &g->tls_name) ||
+             tls_flag(a, argc, argv, i, "--token", &g->token)) {
+    } else {
+        const char *ms = NULL;
+        if (!tls_flag(a, argc, argv, i, "--deadline-ms", &ms))
+            return 0;
+        g->deadline_ms = (uint32_t)parse_u64("--deadline-ms", ms, UINT32_MAX);
+    }
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
-    const char *addr = getenv("KVDEPOT_ADDR");
-    const char *token = getenv("KVDEPOT_TOKEN");
-    const char *tls_ca = NULL, *tls_cert = NULL, *tls_key = NULL, *tls_name = NULL;
-    int tls = 0;
-    uint32_t deadline_ms = 0;
+    globals g = {.addr = getenv("KVDEPOT_ADDR"), .token = getenv("KVDEPOT_TOKEN")};
     int i = 1;
-    /* Global options come before the command. */
     for (; i < argc && argv[i][0] == '-'; i++) {
         const char *a = argv[i];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
@@ -1527,23 +2138,7 @@ int main(int argc, char **argv)
         } else if (strcmp(a, "--version") == 0) {
             printf("kvdepot %s\n", kvdepot_version());
             return 0;
-        } else if (strcmp(a, "--addr") == 0 && i + 1 < argc) {
-            addr = argv[++i];
-        } else if (strncmp(a, "--addr=", 7) == 0) {
-            addr = a + 7;
-        } else if (strcmp(a, "--tls") == 0) {
-            tls = 1;
-        } else if (tls_flag(a, argc, argv, &i, "--tls-ca", &tls_ca) ||
-                   tls_flag(a, argc, argv, &i, "--ca", &tls_ca) ||
-                   tls_flag(a, argc, argv, &i, "--tls-cert", &tls_cert) ||
-                   tls_flag(a, argc, argv, &i, "--tls-key", &tls_key) ||
-                   tls_flag(a, argc, argv, &i, "--tls-server-name", &tls_name) ||
-                   tls_flag(a, argc, argv, &i, "--token", &token)) {
-        } else if (strcmp(a, "--deadline-ms") == 0 && i + 1 < argc) {
-            deadline_ms = (uint32_t)parse_u64("--deadline-ms", argv[++i], UINT32_MAX);
-        } else if (strncmp(a, "--deadline-ms=", 14) == 0) {
-            deadline_ms = (uint32_t)parse_u64("--deadline-ms", a + 14, UINT32_MAX);
-        } else {
+        } else if (!global_opt(argc, argv, &i, &g)) {
             usage_error("unknown option %s", a);
         }
     }
@@ -1552,8 +2147,15 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *cmd = argv[i++];
-    int cargc = argc - i;
-    char **cargv = argv + i;
+    /* Global options after the command are taken out of its arguments. */
+    char **cargv = malloc((size_t)(argc - i + 1) * sizeof *cargv);
+    int cargc = 0;
+    if (!cargv)
+        return fail_msg("out of memory");
+    for (; i < argc; i++)
+        if (!global_opt(argc, argv, &i, &g))
+            cargv[cargc++] = argv[i];
+    cargv[cargc] = NULL;
     if (strcmp(cmd, "help") == 0) {
         if (cargc == 0) {
             fputs(usage_text, stdout);
@@ -1564,8 +2166,13 @@ int main(int argc, char **argv)
         return 0;
     }
     if (strcmp(cmd, "version") == 0) {
-        printf("kvdepot %s\n", kvdepot_version());
-        return 0;
+        if (!json_out) {
+            printf("kvdepot %s\n", kvdepot_version());
+            return 0;
+        }
+        json_object *o = jobj();
+        jstr(o, "version", kvdepot_version());
+        return jprint(o);
     }
     /* CMD --help (or -h) anywhere after the command: that command's usage. */
     for (int j = 0; j < cargc; j++)
@@ -1607,23 +2214,24 @@ int main(int argc, char **argv)
 
     kvdepot_options opt;
     kvdepot_options_init(&opt);
-    if (addr && *addr)
-        opt.address = addr;
-    if (deadline_ms)
-        opt.deadline_ms = deadline_ms;
+    if (g.addr && *g.addr)
+        opt.address = g.addr;
+    if (g.deadline_ms)
+        opt.deadline_ms = g.deadline_ms;
     else
         opt.deadline_ms = 600000; /* whole-file transfers can be large */
-    opt.tls = tls;
-    opt.tls_ca_file = tls_ca;
-    opt.tls_cert_file = tls_cert;
-    opt.tls_key_file = tls_key;
-    opt.tls_server_name = tls_name;
-    opt.token = token && *token ? token : NULL;
+    opt.tls = g.tls;
+    opt.tls_ca_file = g.tls_ca;
+    opt.tls_cert_file = g.tls_cert;
+    opt.tls_key_file = g.tls_key;
+    opt.tls_server_name = g.tls_name;
+    opt.token = g.token && *g.token ? g.token : NULL;
     kvdepot_client *c;
     int rc = kvdepot_connect(&opt, &c);
     if (rc)
         return fail(NULL, rc);
     int status = fn(c, cargc, cargv);
     kvdepot_close(c);
+    free(cargv);
     return status;
 }

@@ -20,7 +20,7 @@ prefix=$work/prefix
 cmake --install "$build" --prefix "$prefix" >"$work/install.log" 2>&1 ||
     fail "cmake --install: $(tail -5 "$work/install.log")"
 libdir=$(dirname "$(find "$prefix" -name libkvdepot.a | head -1)")
-for f in bin/kvdepotd bin/kvdepot include/kvdepot.h; do
+for f in bin/kvdepotd bin/kvdepot include/kvdepot.h share/bash-completion/completions/kvdepot; do
     [ -e "$prefix/$f" ] || fail "$f not installed"
 done
 for f in libkvdepot.a libkvdepot.so pkgconfig/kvdepot.pc pkgconfig/kvdepot-static.pc \

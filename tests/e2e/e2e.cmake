@@ -37,3 +37,9 @@ set_tests_properties(e2e_cli PROPERTIES LABELS e2e TIMEOUT 300)
 # SIGTERM at the moment the server starts serving, repeatedly.
 add_test(NAME e2e_term_at_start COMMAND bash ${KVD_E2E_DIR}/term_at_start.sh ${KVD_E2E_SERVER})
 set_tests_properties(e2e_term_at_start PROPERTIES LABELS e2e TIMEOUT 300)
+
+# The CLI's --json output, global options after the command, progress of
+# put and get, and its bash completion (client/cli/kvdepot.bash).
+add_test(NAME e2e_cli_json COMMAND bash ${KVD_E2E_DIR}/cli_json.sh ${KVD_E2E_SERVER}
+                                   $<TARGET_FILE:kvdepot> ${PROJECT_SOURCE_DIR}/client/cli/kvdepot.bash)
+set_tests_properties(e2e_cli_json PROPERTIES LABELS e2e TIMEOUT 300)
