@@ -2147,11 +2147,10 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *cmd = argv[i++];
-    /* Global options after the command are taken out of its arguments. */
-    char **cargv = malloc((size_t)(argc - i + 1) * sizeof *cargv);
+    /* Global options after the command are taken out of its arguments
+     * (argv is compacted in place). */
+    char **cargv = argv + i;
     int cargc = 0;
-    if (!cargv)
-        return fail_msg("out of memory");
     for (; i < argc; i++)
         if (!global_opt(argc, argv, &i, &g))
             cargv[cargc++] = argv[i];
@@ -2232,6 +2231,5 @@ int main(int argc, char **argv)
         return fail(NULL, rc);
     int status = fn(c, cargc, cargv);
     kvdepot_close(c);
-    free(cargv);
     return status;
 }
