@@ -620,7 +620,8 @@ static void kchan_scores_scalar(const int_ctx *c, int64_t t0, int n, float *s, i
  * (INT4); flushed to int32 every 32 / 8 channel pairs (24384 / 30480).
  */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int BITS)
+kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int BITS,
+                 const int GP)
 {
     const kvd_attn_int_args *a = c->a;
     const int PER = 8 / BITS, TPL = 8 * PER, TPR = 16 * PER, FLUSH = BITS == 2 ? 32 : 8;
@@ -630,48 +631,65 @@ kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const in
     const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
     const int64_t cst = ct->stride[1];
     float ss = a->dims.softmax_scale;
+    /* GP query heads per pass share the loads and the plane unpacking of
+     * every code pair */
     for (int c0 = 0; c0 < n; c0 += TPR) {
         int gA = c0 / P, gB = (c0 + TPL) / P;
-        for (int g = 0; g < G; g++) {
-            const int16_t *wA = (const int16_t *)(c->kw8 + ((size_t)gA * G + g) * D);
-            const int16_t *wB = (const int16_t *)(c->kw8 + ((size_t)gB * G + g) * D);
-            _Alignas(32) int32_t a32[4][16];
-            __m256i acc[4];
-            for (int k = 0; k < PER; k++) {
-                acc[k] = _mm256_setzero_si256();
-                memset(a32[k], 0, sizeof a32[k]);
+        for (int g0 = 0; g0 < G; g0 += GP) {
+            const int16_t *wA[4], *wB[4];
+            _Alignas(32) int32_t a32[4][4][16];
+            __m256i acc[4][4];
+            for (int h = 0; h < GP; h++) {
+                wA[h] = (const int16_t *)(c->kw8 + ((size_t)gA * G + g0 + h) * D);
+                wB[h] = (const int16_t *)(c->kw8 + ((size_t)gB * G + g0 + h) * D);
+                for (int k = 0; k < PER; k++) {
+                    acc[h][k] = _mm256_setzero_si256();
+                    memset(a32[h][k], 0, sizeof a32[h][k]);
+                }
             }
             for (int pr = 0, cnt = 0; pr < D / 2; pr++) {
                 const uint8_t *r0 = cbase + (int64_t)(2 * pr) * cst + c0 / PER;
                 __m128i x0 = _mm_loadu_si128((const __m128i *)r0), x1 = _mm_loadu_si128((const __m128i *)(r0 + cst));
                 __m256i X = _mm256_set_m128i(_mm_unpackhi_epi8(x0, x1), _mm_unpacklo_epi8(x0, x1));
-                int16_t pa, pb;
-                memcpy(&pa, wA + pr, 2);
-                memcpy(&pb, wB + pr, 2);
-                __m256i W = _mm256_set_m128i(_mm_set1_epi16(pb), _mm_set1_epi16(pa));
-                for (int k = 0; k < PER; k++) {
-                    __m256i pl = _mm256_and_si256(_mm256_srli_epi16(X, k * BITS), mask);
-                    acc[k] = _mm256_add_epi16(acc[k], _mm256_maddubs_epi16(pl, W));
+                __m256i pl[4];
+                for (int k = 0; k < PER; k++)
+                    pl[k] = _mm256_and_si256(_mm256_srli_epi16(X, k * BITS), mask);
+                for (int h = 0; h < GP; h++) {
+                    int16_t pa, pb;
+                    memcpy(&pa, wA[h] + pr, 2);
+                    memcpy(&pb, wB[h] + pr, 2);
+                    __m256i W = _mm256_set_m128i(_mm_set1_epi16(pb), _mm_set1_epi16(pa));
+                    for (int k = 0; k < PER; k++)
+                        acc[h][k] = _mm256_add_epi16(acc[h][k], _mm256_maddubs_epi16(pl[k], W));
                 }
                 if (++cnt == FLUSH || pr + 1 == D / 2) {
-                    for (int k = 0; k < PER; k++) {
-                        __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[k]));
-                        __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[k], 1));
-                        _mm256_store_si256((__m256i *)a32[k], _mm256_add_epi32(_mm256_load_si256((__m256i *)a32[k]), lo));
-                        _mm256_store_si256((__m256i *)(a32[k] + 8),
-                                           _mm256_add_epi32(_mm256_load_si256((__m256i *)(a32[k] + 8)), hi));
-                        acc[k] = _mm256_setzero_si256();
-                    }
+                    for (int h = 0; h < GP; h++)
+                        for (int k = 0; k < PER; k++) {
+                            __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[h][k]));
+                            __m256i hi =
+                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[h][k], 1));
+                            _mm256_store_si256(
+                                (__m256i *)a32[h][k],
+                                _mm256_add_epi32(_mm256_load_si256((__m256i *)a32[h][k]), lo));
+                            _mm256_store_si256(
+                                (__m256i *)(a32[h][k] + 8),
+                                _mm256_add_epi32(_mm256_load_si256((__m256i *)(a32[h][k] + 8)),
+                                                 hi));
+                            acc[h][k] = _mm256_setzero_si256();
+                        }
                     cnt = 0;
                 }
             }
-            float *sg = s + (size_t)g * ld + c0;
-            for (int L = 0; L < 2; L++) {
-                int gi = L ? gB : gA;
-                float b = c->kbias[gi * G + g], sw = c->ksw[gi * G + g];
-                for (int k = 0; k < PER; k++)
-                    for (int i = 0; i < 8; i++)
-                        sg[L * TPL + PER * i + k] = (b + sw * (float)a32[k][L * 8 + i]) * ss;
+            for (int h = 0; h < GP; h++) {
+                int g = g0 + h;
+                float *sg = s + (size_t)g * ld + c0;
+                for (int L = 0; L < 2; L++) {
+                    int gi = L ? gB : gA;
+                    float b = c->kbias[gi * G + g], sw = c->ksw[gi * G + g];
+                    for (int k = 0; k < PER; k++)
+                        for (int i = 0; i < 8; i++)
+                            sg[L * TPL + PER * i + k] = (b + sw * (float)a32[h][k][L * 8 + i]) * ss;
+                }
             }
         }
     }
@@ -680,10 +698,17 @@ kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const in
 __attribute__((target("avx2,fma,f16c"))) static void kchan_scores_avx2(const int_ctx *c, int64_t t0, int n,
                                                                        float *s, int ld)
 {
-    if (c->kbits == 2)
-        kchan_scores_tpl(c, t0, n, s, ld, 2);
+    const int pairs = c->G % 2 == 0;
+    if (c->kbits == 2 && c->G % 4 == 0)
+        kchan_scores_tpl(c, t0, n, s, ld, 2, 4);
+    else if (c->kbits == 2 && pairs)
+        kchan_scores_tpl(c, t0, n, s, ld, 2, 2);
+    else if (c->kbits == 2)
+        kchan_scores_tpl(c, t0, n, s, ld, 2, 1);
+    else if (pairs)
+        kchan_scores_tpl(c, t0, n, s, ld, 4, 2);
     else
-        kchan_scores_tpl(c, t0, n, s, ld, 4);
+        kchan_scores_tpl(c, t0, n, s, ld, 4, 1);
 }
 
 /* Prefetch rows [r0, r0+n) of head h of a (Hkv, rows, bytes) tensor (codes
@@ -1031,6 +1056,130 @@ static void int_values_token(const int_ctx *c, int64_t t0, int n, const float *p
     }
 }
 
+/* Token-axis values (KIVI), AVX2: out_{g,d} += sum_t (p_{g,t} sc_{t,grp}) c_{t,d}
+ * + sum_t p_{g,t} mn_{t,grp}. The second sum is one number per query head
+ * and channel group, added to the group's channels once per block. For each
+ * group the weights p * scale of the block's tokens are formed once; then
+ * every 8-channel tile keeps its GG accumulators in registers over the
+ * block, unpacking each token's 8 codes once for all query heads.
+ * GT: the query heads per kv head as a compile-time constant (0: c->G).
+ * Needs Dv % 8 == 0, group % 8 == 0, G <= 8. */
+/* The 8 codes at p (channels of one token row, 2 or 4 bits each, the first
+ * in the lowest bits) as floats. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256
+unpack8_codes(const uint8_t *p, __m256i shifts, __m256i mask, const int BITS)
+{
+    uint32_t x = 0;
+    memcpy(&x, p, BITS); /* 2 bytes (INT2) or 4 (INT4) */
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)x), shifts), mask));
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc,
+                     const int BITS, const int GT)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int Dv = c->Dv, P = a->v.group, ng = Dv / P, GG = GT ? GT : c->G, PER = 8 / BITS;
+    const __m256i shifts = BITS == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
+                                     : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+    const kvd_tensor *ts = &a->v.scale, *tm = &a->v.min, *tc = &a->v.codes;
+    _Alignas(32) float w[8][KVD__ATTN_BLOCK];
+    for (int grp = 0; grp < ng; grp++) {
+        float bias[8] = {0};
+        const char *sp =
+            (const char *)ts->data + c->h * ts->stride[0] + t0 * ts->stride[1] + grp * 2;
+        const char *mp =
+            (const char *)tm->data + c->h * tm->stride[0] + t0 * tm->stride[1] + grp * 2;
+        int i = 0;
+        /* scales and mins of 8 tokens at a time (strided f16 words) */
+        for (; i + 8 <= n; i += 8) {
+            uint16_t xs[8], xm[8];
+            for (int r = 0; r < 8; r++) {
+                memcpy(&xs[r], sp + (i + r) * ts->stride[1], 2);
+                memcpy(&xm[r], mp + (i + r) * tm->stride[1], 2);
+            }
+            __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)xs));
+            __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)xm));
+            _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
+            {
+                __m256 pg = _mm256_loadu_ps(p + (size_t)g * ld + i);
+                _mm256_store_ps(&w[g][i], _mm256_mul_ps(pg, sc));
+                __m256 b = _mm256_mul_ps(pg, mn);
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                bias[g] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+            }
+        }
+        for (; i < n; i++) {
+            uint16_t xs, xm;
+            memcpy(&xs, sp + i * ts->stride[1], 2);
+            memcpy(&xm, mp + i * tm->stride[1], 2);
+            float sc = kvd_f16_to_f32(xs), mn = kvd_f16_to_f32(xm);
+            _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
+            {
+                float pg = p[(size_t)g * ld + i];
+                w[g][i] = pg * sc;
+                bias[g] += pg * mn;
+            }
+        }
+        for (int d0 = grp * P; d0 < (grp + 1) * P; d0 += 8) {
+            /* two accumulators per head when there are few heads: more
+             * independent FMA chains than the FMA latency needs */
+            __m256 o[8], o2[8];
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++)
+            {
+                o[g] = _mm256_setzero_ps();
+                o2[g] = _mm256_setzero_ps();
+            }
+            const uint8_t *cp =
+                (const uint8_t *)tc->data + c->h * tc->stride[0] + t0 * tc->stride[1] + d0 / PER;
+            const int64_t rs = tc->stride[1];
+            int t = 0;
+            for (; GG <= 4 && t + 2 <= n; t += 2, cp += 2 * rs) {
+                __m256 c0 = unpack8_codes(cp, shifts, mask, BITS),
+                       c1 = unpack8_codes(cp + rs, shifts, mask, BITS);
+                _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
+                {
+                    o[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&w[g][t]), c0, o[g]);
+                    o2[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(&w[g][t + 1]), c1, o2[g]);
+                }
+            }
+            for (; t < n; t++, cp += rs) {
+                __m256 cf = unpack8_codes(cp, shifts, mask, BITS);
+                _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++) o[g] =
+                    _mm256_fmadd_ps(_mm256_broadcast_ss(&w[g][t]), cf, o[g]);
+            }
+            _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
+            {
+                float *ag = acc + (size_t)g * Dv + d0;
+                __m256 sum = _mm256_add_ps(_mm256_add_ps(o[g], o2[g]), _mm256_set1_ps(bias[g]));
+                _mm256_storeu_ps(ag, _mm256_add_ps(_mm256_loadu_ps(ag), sum));
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void
+int_values_token_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    const int bits = c->a->v.bits;
+#define KVD__VTT(B)                                                                                \
+    if (bits == B) {                                                                               \
+        if (c->G == 4)                                                                             \
+            int_values_token_tpl(c, t0, n, p, ld, acc, B, 4);                                      \
+        else if (c->G == 8)                                                                        \
+            int_values_token_tpl(c, t0, n, p, ld, acc, B, 8);                                      \
+        else                                                                                       \
+            int_values_token_tpl(c, t0, n, p, ld, acc, B, 0);                                      \
+        return;                                                                                    \
+    }
+    KVD__VTT(2)
+    KVD__VTT(4)
+#undef KVD__VTT
+}
+
 static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
 {
     const int_ctx *c = vctx;
@@ -1039,6 +1188,9 @@ static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld,
             int_values_channel_avx2(c, t0, n, p, ld, acc);
         else
             int_values_channel_scalar(c, t0, n, p, ld, acc);
+    } else if (c->simd && c->Dv % 8 == 0 && c->a->v.group % 8 == 0 && c->G <= 8 &&
+               (c->a->v.bits == 2 || c->a->v.bits == 4)) {
+        int_values_token_avx2(c, t0, n, p, ld, acc);
     } else {
         int_values_token(c, t0, n, p, ld, acc);
     }

@@ -535,6 +535,15 @@ static void test_int(tu_rng *rng)
         {512, 0, 4, 128, 2, 8, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
         {256, 5, 4, 64, 4, 8, 8, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_CHANNEL},
         {320, 0, 8, 128, 2, 16, 8, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL},
+        /* values grouped per token (KIVI pairs them with channel-grouped
+         * keys): G = 4 and 8 (compile-time paths), 2 and 16 (others), INT2
+         * and INT4, blocks cut short by the end and by a tail */
+        {768, 3, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {700, 0, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        {513, 2, 8, 128, 4, 32, 64, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        {300, 0, 2, 64, 2, 32, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        {256, 1, 16, 64, 4, 64, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {37, 0, 4, 128, 2, 32, 128, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         int Hkv = 2, Hq = Hkv * cases[ci].G, D = cases[ci].D;

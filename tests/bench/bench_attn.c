@@ -2,7 +2,9 @@
  * Decode-attention benchmark: one decode step of a Llama-8B-like layer
  * (32 query heads, 8 kv heads, head_dim 128) over 4K, 32K and 128K cached
  * tokens, for every cache form: fp16 (the vectorised yardstick), INT2 with
- * P = 32/64/128, INT4, VQ d4b8, SVD (half width) + INT2. Prints time per
+ * P = 32/64/128, INT4, keys or values grouped per channel or per token
+ * (KIVI: keys per channel, values per token), VQ d4b8, SVD (half width) +
+ * INT2. Prints time per
  * step, GB/s of cache bytes read, and the speedup over fp16, with one thread
  * and with all threads.
  *
@@ -199,21 +201,23 @@ int main(int argc, char **argv)
                                   tn(KVD_DTYPE_F16, v16, 3, HKV, T, D), tn(KVD_DTYPE_F32, out, 2, HQ, D, 0),
                                   tn(KVD_DTYPE_F32, lse, 1, HQ, 0, 0)};
         /* INT forms */
-        /* "Kch": keys grouped per channel along tokens (KIVI-style) */
-        enum { NIF = 6 };
+        /* "Kch": keys grouped per channel along tokens; "KIVI": that, with
+         * values grouped per token (KIVI's pairing); "Vtok": keys and values
+         * both grouped per token; the others: values per channel */
+        enum { NIF = 9 };
+        const int TOK = KVD_ATTN_AXIS_TOKEN, CH = KVD_ATTN_AXIS_CHANNEL;
         struct {
             const char *name;
-            int bits, kg, vg, kaxis;
-        } iforms[NIF] = {{"int2 P=32", 2, 32, 32, KVD_ATTN_AXIS_TOKEN},
-                         {"int2 P=64", 2, 64, 64, KVD_ATTN_AXIS_TOKEN},
-                         {"int2 P=128", 2, 128, 128, KVD_ATTN_AXIS_TOKEN},
-                         {"int4 P=64", 4, 64, 64, KVD_ATTN_AXIS_TOKEN},
-                         {"int2 Kch P=32", 2, 32, 32, KVD_ATTN_AXIS_CHANNEL},
-                         {"int2 Kch P=128", 2, 128, 128, KVD_ATTN_AXIS_CHANNEL}};
+            int bits, kg, vg, kaxis, vaxis;
+        } iforms[NIF] = {{"int2 P=32", 2, 32, 32, TOK, CH},       {"int2 P=64", 2, 64, 64, TOK, CH},
+                         {"int2 P=128", 2, 128, 128, TOK, CH},    {"int4 P=64", 4, 64, 64, TOK, CH},
+                         {"int2 Kch P=32", 2, 32, 32, CH, CH},    {"int2 Kch P=128", 2, 128, 128, CH, CH},
+                         {"int2 KIVI P=32", 2, 32, 32, CH, TOK},  {"int2 Vtok P=32", 2, 32, 32, TOK, TOK},
+                         {"int4 Vtok P=32", 4, 32, 32, TOK, TOK}};
         qcache kq[NIF], vq[NIF];
         for (int f = 0; f < NIF; f++) {
             kq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].kg, iforms[f].kaxis);
-            vq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].vg, KVD_ATTN_AXIS_CHANNEL);
+            vq[f] = make_q(&rng, T, D, iforms[f].bits, iforms[f].vg, iforms[f].vaxis);
         }
         /* INT2 P=32 as the store holds it: one block per 256-token page
          * (codes and parameters of a page contiguous), one item per page in
