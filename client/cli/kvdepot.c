@@ -323,9 +323,9 @@ static void print_id(FILE *f, const uint8_t *id, size_t len)
 
 static int json_out; /* --json: each command prints one JSON value */
 
-static json_object *jobj(void)
+/* A new JSON object or array; out of memory ends the program. */
+static json_object *jnew(json_object *o)
 {
-    json_object *o = json_object_new_object();
     if (!o) {
         fputs("kvdepot: out of memory\n", stderr);
         exit(1);
@@ -333,14 +333,14 @@ static json_object *jobj(void)
     return o;
 }
 
+static json_object *jobj(void)
+{
+    return jnew(json_object_new_object());
+}
+
 static json_object *jarr(void)
 {
-    json_object *a = json_object_new_array();
-    if (!a) {
-        fputs("kvdepot: out of memory\n", stderr);
-        exit(1);
-    }
-    return a;
+    return jnew(json_object_new_array());
 }
 
 static void jset(json_object *o, const char *k, json_object *v)
