@@ -7,7 +7,10 @@
 #
 # BUILD_DIR defaults to <repo>/build (KVD_BUILD_DIR also works). Options go to
 # bench_stream, e.g. --sizes 1,4,16,64 --reps 20 --csv out.csv (see --help);
-# KVDEPOTD_ARGS adds kvdepotd options (e.g. "--durability none").
+# KVDEPOTD_ARGS adds kvdepotd options (e.g. "--durability none"), REDIS_ARGS
+# redis-server options: "--appendonly yes --appendfsync no" gives Redis the
+# promise of kvdepotd's default durability (spill): every acknowledged write
+# is in a file, in the kernel's hands, before the reply (not fsynced).
 # Needs: kvdepotd and bench_stream built (bench_stream needs libhiredis-dev),
 # redis-server (package redis-server).
 set -euo pipefail
@@ -43,7 +46,8 @@ trap 'exit 130' INT TERM
 
 # shellcheck disable=SC2086
 bench_start_kvdepotd kv "$tmp/kv" "$kvdepotd" ${KVDEPOTD_ARGS:-}
-bench_start_redis redis "$tmp/redis" "$redis_server"
+# shellcheck disable=SC2086
+bench_start_redis redis "$tmp/redis" "$redis_server" ${REDIS_ARGS:-}
 
 echo "run_stream_bench: kvdepotd on 127.0.0.1:$kv_port, redis-server on 127.0.0.1:$redis_port," \
      "$(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg)"

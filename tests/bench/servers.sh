@@ -2,7 +2,7 @@
 # Sourced by run_stream_bench.sh and peers/run_peers.sh (bash).
 #
 #   bench_start_kvdepotd NAME DIR KVDEPOTD [ARGS...]  sets <NAME>_pid, <NAME>_port
-#   bench_start_redis NAME DIR REDIS_SERVER           sets <NAME>_pid, <NAME>_port
+#   bench_start_redis NAME DIR REDIS_SERVER [ARGS...] sets <NAME>_pid, <NAME>_port
 #   bench_free_port                                   prints a free loopback port
 #   bench_wait_port PORT PID LOG [SECONDS]            waits until PORT accepts
 #   bench_stop_pid PID NAME                           SIGTERM, then SIGKILL after 10 s
@@ -71,15 +71,17 @@ bench_start_kvdepotd() { # name dir kvdepotd [args...]
     printf -v "${name}_port" '%s' "$(tr -d '[:space:]' <"$dir/port")"
 }
 
-# Redis without persistence. It cannot pick its own port: random high ports
-# are tried until one binds.
-bench_start_redis() { # name dir redis-server
+# Redis without persistence, unless ARGS say otherwise (they come last, and
+# Redis takes the last value of an option). It cannot pick its own port:
+# random high ports are tried until one binds.
+bench_start_redis() { # name dir redis-server [args...]
     local name=$1 dir=$2 exe=$3 port pid
+    shift 3
     mkdir -p "$dir"
     for _ in $(seq 1 20); do
         port=$(bench_free_port)
         "$exe" --bind 127.0.0.1 --port "$port" --protected-mode yes --save '' --appendonly no \
-            --dir "$dir" --logfile "$dir/redis.log" --daemonize no >/dev/null 2>&1 &
+            --dir "$dir" --logfile "$dir/redis.log" --daemonize no "$@" >/dev/null 2>&1 &
         pid=$!
         for _ in $(seq 1 50); do
             kill -0 "$pid" 2>/dev/null || break
