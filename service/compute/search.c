@@ -493,12 +493,31 @@ typedef struct sel_entry {
     uint32_t h, i;
 } sel_entry;
 
-static int sel_cmp(const void *pa, const void *pb)
+/* *pe grouped by block (t / B), blocks in order, by a counting sort: a
+ * selection is thousands of entries over a few hundred blocks, where
+ * qsort's comparisons cost more than the copies they order (the order
+ * within a block does not matter: every entry has its own destination).
+ * b0: the first block of the range, nb its blocks. 0, or -1 out of memory
+ * (*pe unchanged). */
+static int sort_by_block(sel_entry **pe, size_t n, uint64_t b0, uint64_t nb, uint64_t B)
 {
-    const sel_entry *a = pa, *b = pb;
-    if (a->t != b->t)
-        return a->t < b->t ? -1 : 1;
-    return a->h != b->h ? (a->h < b->h ? -1 : 1) : (a->i > b->i) - (a->i < b->i);
+    size_t *at = calloc(nb + 1, sizeof *at);
+    sel_entry *out = malloc(sizeof *out * (n ? n : 1)), *e = *pe;
+    if (!at || !out) {
+        free(at);
+        free(out);
+        return -1;
+    }
+    for (size_t x = 0; x < n; x++)
+        at[e[x].t / B - b0 + 1]++;
+    for (uint64_t b = 0; b < nb; b++)
+        at[b + 1] += at[b];
+    for (size_t x = 0; x < n; x++)
+        out[at[e[x].t / B - b0]++] = e[x];
+    free(at);
+    free(e);
+    *pe = out;
+    return 0;
 }
 
 /* Copy the K and V rows of entries [e0, e1) from rows laid out at k / v with
@@ -512,6 +531,13 @@ static void copy_rows(search_run *r, const sel_entry *e, size_t e0, size_t e1, c
     for (size_t x = e0; x < e1; x++) {
         size_t src = (size_t)(e[x].t - t0) * tstride + e[x].h * hstride;
         size_t dst = ((size_t)e[x].h * P + e[x].i) * row;
+        if (x + 4 < e1) { /* scattered rows: ask for one a few entries ahead */
+            size_t ahead = (size_t)(e[x + 4].t - t0) * tstride + e[x + 4].h * hstride;
+            for (size_t o = 0; o < row; o += 64) {
+                __builtin_prefetch(k + ahead + o);
+                __builtin_prefetch(v + ahead + o);
+            }
+        }
         memcpy(kc + dst, k + src, row);
         memcpy(vc + dst, v + src, row);
         if (r->addr) { /* goes up with kv */
@@ -569,7 +595,10 @@ static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, sear
         for (size_t i = 0; i < P; i++)
             e[h * P + i] =
                 (sel_entry){r->start + (uint64_t)r->idx[h * P + i], (uint32_t)h, (uint32_t)i};
-    qsort(e, n_sel, sizeof *e, sel_cmp);
+    if (sort_by_block(&e, n_sel, r->start / B, r->n ? (end - 1) / B - r->start / B + 1 : 0, B)) {
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for %zu selected tokens", n_sel);
+        goto done;
+    }
     uint64_t run_a = 0, run_b = 0; /* pending cursor run [run_a, run_b) ... */
     size_t run_e0 = 0, run_e1 = 0; /* ... and its entries */
     for (size_t x = 0; x <= n_sel && rc == 0;) {
