@@ -276,7 +276,7 @@ static int stored_keys(kvd_store *st, kvd_backend *be, const kvd_seq_codecs *c, 
         if (!v || pg.nfrags)
             rc = kvd_error_set(err, KVD_ECORRUPT, "PQ training: page %llu is not whole",
                                (unsigned long long)w.page_id);
-        else if ((rc = kvd_page_decode_nocheck(v, vlen, &view, err)) == 0)
+        else if ((rc = kvd_page_decode_trusted(v, vlen, &view, err)) == 0)
             rc = kvd_page_decode_section(be, &view, KVD_SECTION_K, c->arts, KVD_DTYPE_F32, page,
                                          err);
         kvd__tail_release(&pg);

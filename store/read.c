@@ -283,7 +283,7 @@ static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
     kvd__tail pg = {0};
     int rc;
     if (e) {
-        if ((rc = kvd_page_decode_nocheck(bytes, e->len, &view, err))) {
+        if ((rc = kvd_page_decode_trusted(bytes, e->len, &view, err))) {
             kvd__cache_release(rd->st, e);
             free(tmp);
             return rc;
@@ -315,7 +315,7 @@ static int produce(kvd_read *rd, uint64_t seg, uint8_t *dst, kvd_error *err)
         if (pg.nfrags == 0) {
             size_t vlen;
             const char *v = rocksdb_pinnableslice_value(pg.ps, &vlen);
-            if ((rc = kvd_page_decode_nocheck(v, vlen, &view, err))) {
+            if ((rc = kvd_page_decode_trusted(v, vlen, &view, err))) {
                 kvd__tail_release(&pg);
                 return rc;
             }

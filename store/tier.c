@@ -349,7 +349,7 @@ static void entry_set_layout(const kvd__cache *c, kvd__centry *e, const uint8_t 
     kvd_page_view v;
     kvd_error err;
     kvd_page_layout *l = malloc(sizeof *l);
-    if (l && kvd_page_decode_nocheck(host, e->len, &v, &err) == 0 &&
+    if (l && kvd_page_decode_trusted(host, e->len, &v, &err) == 0 &&
         kvd_page_layout_get(host, &v, l, &err) == 0) {
         e->layout = l;
         return;

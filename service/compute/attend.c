@@ -115,7 +115,7 @@ static int attend_step(const kvd_compute *c, kvd_backend *dev, const kvd_attend_
         if (h->layout)
             sb->dv[nd++] = *h;
         else
-            rc = kvd_page_decode_nocheck(h->bytes, h->len, &sb->vs[nv++], err);
+            rc = kvd_page_decode_trusted(h->bytes, h->len, &sb->vs[nv++], err);
     }
     const int Hq = dims->n_q_heads, D = dims->head_dim;
     if (rc == 0)
@@ -353,7 +353,7 @@ static int attend_group(const kvd_compute *c, kvd_backend *dev, uint32_t layer, 
             if (h->layout)
                 b->dv[b->nd++] = *h;
             else
-                rc = kvd_page_decode_nocheck(h->bytes, h->len, &b->vs[b->nv++], err);
+                rc = kvd_page_decode_trusted(h->bytes, h->len, &b->vs[b->nv++], err);
         }
         dq[k].pages = b->dv;
         dq[k].np = b->nd;

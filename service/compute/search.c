@@ -196,7 +196,7 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
                 todo = t1;
                 continue;
             }
-            int usable = ph->bytes && kvd_page_decode_nocheck(ph->bytes, ph->len, &v, NULL) == 0 &&
+            int usable = ph->bytes && kvd_page_decode_trusted(ph->bytes, ph->len, &v, NULL) == 0 &&
                          kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
                          pq.m == (uint32_t)M && pq.bits == (uint32_t)ix->nb &&
                          v.h.num_kv_heads == (uint32_t)H && v.h.num_tokens == B;
@@ -628,7 +628,7 @@ static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, sear
             kvd_page_view v;
             if ((rc = kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
                 break;
-            if (kvd_page_decode_nocheck(ph.bytes, ph.len, &v, NULL) == 0 &&
+            if (kvd_page_decode_trusted(ph.bytes, ph.len, &v, NULL) == 0 &&
                 v.h.k_codec == KVD_CODEC_RAW && v.h.v_codec == KVD_CODEC_RAW &&
                 v.h.num_tokens == B) {
                 /* page layout [kv_head][token][dim] */

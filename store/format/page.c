@@ -172,7 +172,8 @@ int kvd_page_encode_raw(const kvd_page_desc *d, const void *k, const void *v, ui
 
 /* A PQ-codes section (page.h): codec raw, on a sealed page, header fields
  * in range, exactly the codes of every head and token, each < 2^bits. */
-static int check_pq(const uint8_t *s, uint64_t len, const kvd_page_header *h, kvd_error *err)
+static int check_pq(const uint8_t *s, uint64_t len, const kvd_page_header *h, int codes,
+                    kvd_error *err)
 {
     if (!(h->flags & KVD_PAGE_SEALED))
         return CORRUPT("PQ section on a page that is not sealed");
@@ -190,7 +191,7 @@ static int check_pq(const uint8_t *s, uint64_t len, const kvd_page_header *h, kv
     if (len != KVD_PAGE_PQ_HEADER + ncodes)
         return CORRUPT("PQ section is %llu bytes, expected %llu", (unsigned long long)len,
                        (unsigned long long)(KVD_PAGE_PQ_HEADER + ncodes));
-    if (bits < 8) {
+    if (bits < 8 && codes) {
         /* the OR of every code, 8 bytes at a time (every decode of an
          * indexed page runs this over H x T x m bytes), then its bytes
          * folded together */
@@ -217,8 +218,12 @@ static int check_pq(const uint8_t *s, uint64_t len, const kvd_page_header *h, kv
     return 0;
 }
 
-static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, kvd_error *err)
+/* What decode checks beyond the layout: the checksum, and every PQ code. */
+enum { CHECK_LAYOUT = 0, CHECK_CODES = 1, CHECK_SUM = 2, CHECK_ALL = CHECK_CODES | CHECK_SUM };
+
+static int decode(const void *buf, size_t len, kvd_page_view *view, int checks, kvd_error *err)
 {
+    const int verify = checks & CHECK_SUM;
     if (!buf || !view)
         return kvd_error_set(err, KVD_EINVAL, "page decode: NULL argument");
     memset(view, 0, sizeof *view);
@@ -325,7 +330,7 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
         if (s->type == KVD_SECTION_PQ_CODES) {
             if (s->codec != KVD_CODEC_RAW)
                 return CORRUPT("PQ section codec %u, expected 0 (raw)", s->codec);
-            int rc = check_pq(p + s->offset, s->length, h, err);
+            int rc = check_pq(p + s->offset, s->length, h, checks & CHECK_CODES, err);
             if (rc)
                 return rc;
             view->pq = p + s->offset;
@@ -358,12 +363,17 @@ static int decode(const void *buf, size_t len, kvd_page_view *view, int verify, 
 
 int kvd_page_decode(const void *buf, size_t len, kvd_page_view *view, kvd_error *err)
 {
-    return decode(buf, len, view, 1, err);
+    return decode(buf, len, view, CHECK_ALL, err);
 }
 
 int kvd_page_decode_nocheck(const void *buf, size_t len, kvd_page_view *view, kvd_error *err)
 {
-    return decode(buf, len, view, 0, err);
+    return decode(buf, len, view, CHECK_CODES, err);
+}
+
+int kvd_page_decode_trusted(const void *buf, size_t len, kvd_page_view *view, kvd_error *err)
+{
+    return decode(buf, len, view, CHECK_LAYOUT, err);
 }
 
 /* ---- PQ-codes section ------------------------------------------------------ */
@@ -387,7 +397,7 @@ int kvd_page_put_section(const uint8_t *page, size_t len, uint16_t type, uint64_
     *out_len = 0;
     *payload = NULL;
     kvd_page_view v;
-    int rc = decode(page, len, &v, 0, err);
+    int rc = decode(page, len, &v, CHECK_CODES, err);
     if (rc)
         return rc;
     const kvd_page_header *h = &v.h;

@@ -222,4 +222,10 @@ int kvd_page_decode(const void *buf, size_t len, kvd_page_view *view, kvd_error 
  * written by this process). */
 int kvd_page_decode_nocheck(const void *buf, size_t len, kvd_page_view *view, kvd_error *err);
 
+/* The layout checks alone: neither the checksum nor the PQ codes (H x T x m
+ * bytes) are read. For pages this process has already decoded in full or
+ * built itself: those a tier hands out (kvd_store_page_acquire). Any other
+ * bytes go through kvd_page_decode. */
+int kvd_page_decode_trusted(const void *buf, size_t len, kvd_page_view *view, kvd_error *err);
+
 #endif /* KVDEPOT_FORMAT_PAGE_H */

@@ -309,6 +309,32 @@ static void expect_corrupt(const uint8_t *page, size_t len, size_t off, uint8_t 
     free(p);
 }
 
+/* kvd_page_decode_trusted: the same view as a full decode, the layout
+ * still checked, but neither the codes nor the checksum read (the tiers'
+ * pages were checked on their way in). */
+static void t_trusted(const uint8_t *page, size_t len, size_t s0)
+{
+    kvd_page_view full, tr;
+    kvd_error err;
+    REQUIRE(kvd_page_decode(page, len, &full, &err) == 0, "decode: %s", err.msg);
+    REQUIRE(kvd_page_decode_trusted(page, len, &tr, &err) == 0, "trusted: %s", err.msg);
+    CHECK(memcmp(&full, &tr, sizeof full) == 0, "trusted view differs from the full decode's");
+    uint8_t *p = malloc(len);
+    memcpy(p, page, len);
+    p[s0 + KVD_PAGE_PQ_HEADER + 5] = KC; /* a code out of range, checksum stale */
+    CHECK(kvd_page_decode_nocheck(p, len, &tr, &err) == KVD_ECORRUPT &&
+              strstr(err.msg, "not below"),
+          "nocheck took a bad code: %s", err.msg);
+    CHECK(kvd_page_decode_trusted(p, len, &tr, &err) == 0 && tr.pq - p == full.pq - page,
+          "trusted read the codes or the checksum: %s", err.msg);
+    p[s0] = 5; /* m 5 does not divide D: a layout fault */
+    CHECK(kvd_page_decode_trusted(p, len, &tr, &err) == KVD_ECORRUPT &&
+              strstr(err.msg, "does not divide"),
+          "trusted took a bad layout: %s", err.msg);
+    CHECK(kvd_page_decode_trusted(p, 40, &tr, &err) == KVD_ECORRUPT, "trusted took 40 bytes");
+    free(p);
+}
+
 static void t_section(void)
 {
     size_t len, plen;
@@ -329,6 +355,7 @@ static void t_section(void)
     CHECK(kvd_page_pq_get(&v0, &pq) == 0, "raw page has a PQ section");
 
     size_t s0 = (size_t)(sec - p);
+    t_trusted(p, plen, s0);
     expect_corrupt(p, plen, s0 + KVD_PAGE_PQ_HEADER + 5, KC, "not below");
     expect_corrupt(p, plen, s0, 5, "does not divide");
     expect_corrupt(p, plen, s0, 0, "does not divide");
