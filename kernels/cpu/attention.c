@@ -654,13 +654,32 @@ int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float
 /* ---------------------------------------------------------------------- */
 
 typedef struct dense_ctx dense_ctx;
-_Static_assert(sizeof(void *) * 4 + 16 <= KVD__ATTN_DENSE_CTX_BYTES, "dense ctx size");
+_Static_assert(sizeof(void *) * 6 + 16 <= KVD__ATTN_DENSE_CTX_BYTES, "dense ctx size");
 struct dense_ctx {
     const kvd_tensor *k, *v;
-    const int32_t *idx; /* NULL: dense */
-    const float *q;     /* G x D, already multiplied by softmax_scale */
+    const int32_t *idx;      /* NULL: dense */
+    const void *const *krow; /* non-NULL: the head's rows lie here (k, v, idx unused) */
+    const void *const *vrow;
+    const float *q; /* G x D, already multiplied by softmax_scale */
     int G, D, Dv, h;
 };
+
+/* K and V rows of token t of the context's head. */
+static inline const char *k_at(const dense_ctx *c, int64_t t)
+{
+    if (c->krow)
+        return c->krow[t];
+    return (const char *)c->k->data + c->h * c->k->stride[0] +
+           (c->idx ? c->idx[t] : t) * c->k->stride[1];
+}
+
+static inline const char *v_at(const dense_ctx *c, int64_t t)
+{
+    if (c->vrow)
+        return c->vrow[t];
+    return (const char *)c->v->data + c->h * c->v->stride[0] +
+           (c->idx ? c->idx[t] : t) * c->v->stride[1];
+}
 
 /* Convert 8 elements at p (dtype t) to f32. */
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const void *p, kvd_dtype t)
@@ -699,9 +718,7 @@ scores_tile(const dense_ctx *c, int64_t t0, int n, float *s, int ld, int g0, con
     int i = 0;
     for (; i + TOK <= n; i += TOK) {
         const char *kr[8];
-        _Pragma("GCC unroll 8")
-        for (int u = 0; u < TOK; u++)
-            kr[u] = row3(c->k, c->h, c->idx ? c->idx[t0 + i + u] : t0 + i + u);
+        _Pragma("GCC unroll 8") for (int u = 0; u < TOK; u++) kr[u] = k_at(c, t0 + i + u);
         __m256 acc[8];
         _Pragma("GCC unroll 8")
         for (int a = 0; a < 8; a++)
@@ -729,7 +746,7 @@ scores_tile(const dense_ctx *c, int64_t t0, int n, float *s, int ld, int g0, con
                 s[(size_t)(g0 + g) * ld + i + u] = r[u * GB + g];
     }
     for (; i < n; i++) { /* leftover tokens, one at a time */
-        const char *kr = row3(c->k, c->h, c->idx ? c->idx[t0 + i] : t0 + i);
+        const char *kr = k_at(c, t0 + i);
         __m256 acc[8];
         _Pragma("GCC unroll 8")
         for (int a = 0; a < 8; a++)
@@ -826,23 +843,23 @@ values_tile(const dense_ctx *c, const char *const *rows, int n, const float *p, 
     }
 }
 
-#define KVD__VALUES_DT(DT)                                                        \
-    __attribute__((target("avx2,fma,f16c"))) static void values_##DT(            \
-        void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)        \
-    {                                                                             \
-        const dense_ctx *c = vctx;                                                \
-        const char *rows[KVD__ATTN_BLOCK];                                        \
-        for (int i = 0; i < n; i++)                                               \
-            rows[i] = row3(c->v, c->h, c->idx ? c->idx[t0 + i] : t0 + i);         \
-        int g0 = 0;                                                               \
-        for (; g0 + 4 <= c->G; g0 += 4)                                           \
-            values_tile(c, rows, n, p, ld, acc, g0, 4, KVD_DTYPE_##DT);           \
-        if (c->G - g0 >= 2) {                                                     \
-            values_tile(c, rows, n, p, ld, acc, g0, 2, KVD_DTYPE_##DT);           \
-            g0 += 2;                                                              \
-        }                                                                         \
-        if (c->G - g0 >= 1)                                                       \
-            values_tile(c, rows, n, p, ld, acc, g0, 1, KVD_DTYPE_##DT);           \
+#define KVD__VALUES_DT(DT)                                                                         \
+    __attribute__((target("avx2,fma,f16c"))) static void values_##DT(                              \
+        void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)                         \
+    {                                                                                              \
+        const dense_ctx *c = vctx;                                                                 \
+        const char *rows[KVD__ATTN_BLOCK];                                                         \
+        for (int i = 0; i < n; i++)                                                                \
+            rows[i] = v_at(c, t0 + i);                                                             \
+        int g0 = 0;                                                                                \
+        for (; g0 + 4 <= c->G; g0 += 4)                                                            \
+            values_tile(c, rows, n, p, ld, acc, g0, 4, KVD_DTYPE_##DT);                            \
+        if (c->G - g0 >= 2) {                                                                      \
+            values_tile(c, rows, n, p, ld, acc, g0, 2, KVD_DTYPE_##DT);                            \
+            g0 += 2;                                                                               \
+        }                                                                                          \
+        if (c->G - g0 >= 1)                                                                        \
+            values_tile(c, rows, n, p, ld, acc, g0, 1, KVD_DTYPE_##DT);                            \
     }
 KVD__VALUES_DT(F16)
 KVD__VALUES_DT(BF16)
@@ -853,8 +870,7 @@ static void dense_scores_scalar(void *vctx, int64_t t0, int n, float *s, int ld)
 {
     const dense_ctx *c = vctx;
     for (int i = 0; i < n; i++) {
-        int64_t t = c->idx ? c->idx[t0 + i] : t0 + i;
-        const void *kr = row3(c->k, c->h, t);
+        const void *kr = k_at(c, t0 + i);
         for (int g = 0; g < c->G; g++) {
             const float *qg = c->q + (size_t)g * c->D;
             float dot = 0.0f;
@@ -869,8 +885,7 @@ static void dense_values_scalar(void *vctx, int64_t t0, int n, const float *p, i
 {
     const dense_ctx *c = vctx;
     for (int i = 0; i < n; i++) {
-        int64_t t = c->idx ? c->idx[t0 + i] : t0 + i;
-        const void *vr = row3(c->v, c->h, t);
+        const void *vr = v_at(c, t0 + i);
         for (int g = 0; g < c->G; g++) {
             float pg = p[(size_t)g * ld + i];
             if (pg == 0.0f)
@@ -896,6 +911,7 @@ void kvd__attn_dense_src(kvd__attn_src *src, void *ctxbuf, const kvd_tensor *k,
     c->k = k;
     c->v = v;
     c->idx = idx;
+    c->krow = c->vrow = NULL;
     c->q = qs;
     c->G = G;
     c->D = D;
@@ -1006,6 +1022,83 @@ int kvd_cpu_attn_dense_fast(const kvd_attn_dense_args *a, int nthreads)
 int kvd_cpu_attn_sparse_fast(const kvd_attn_sparse_args *a, int nthreads)
 {
     return dense_fast_common(&a->dims, &a->q, &a->k, &a->v, &a->idx, &a->out, &a->lse, nthreads);
+}
+
+/* One kv head of kvd_cpu_attn_rows (kvd__par_for): its query heads in
+ * groups of at most KVD__ATTN_MAXG (each query head's sums are its own, so
+ * the grouping leaves every bit as it is). */
+typedef struct rows_job {
+    const kvd_attn_dims *d;
+    const kvd_tensor *q, *out, *lse;
+    kvd_tensor kt, vt; /* dtype only */
+    const void *const *krows, *const *vrows;
+    int64_t n;
+    int simd;
+    atomic_int rc;
+} rows_job;
+
+static void rows_head(void *arg, int h)
+{
+    rows_job *job = arg;
+    const kvd_attn_dims *d = job->d;
+    const int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
+    float *qs = malloc(sizeof(float) * (size_t)G * D + 32);
+    if (!qs) {
+        atomic_store(&job->rc, KVD_ENOMEM);
+        return;
+    }
+    kvd__attn_scaled_q(d, job->q, h, qs);
+    for (int g0 = 0; g0 < G; g0 += KVD__ATTN_MAXG) {
+        const int gn = G - g0 < KVD__ATTN_MAXG ? G - g0 : KVD__ATTN_MAXG;
+        dense_ctx c;
+        kvd__attn_src src;
+        kvd__attn_dense_src(&src, &c, &job->kt, &job->vt, NULL, job->n, qs + (size_t)g0 * D, gn, D,
+                            Dv, h, job->simd);
+        c.krow = job->krows + (size_t)h * job->n;
+        c.vrow = job->vrows + (size_t)h * job->n;
+        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+        for (int g = 0; g < gn; g++) {
+            o[g] = out_row(job->out, (int64_t)h * G + g0 + g);
+            l[g] = lse_at(job->lse, (int64_t)h * G + g0 + g);
+        }
+        int r = kvd__attn_head_run(&src, 1, gn, Dv, o, l, job->simd);
+        if (r)
+            atomic_store(&job->rc, r);
+    }
+    free(qs);
+}
+
+int kvd_cpu_attn_rows(const kvd_attn_dims *d, const kvd_tensor *q, kvd_dtype dtype,
+                      const void *const *k_rows, const void *const *v_rows, int64_t n,
+                      const kvd_tensor *out, const kvd_tensor *lse, int nthreads, kvd_error *err)
+{
+    int rc = check_qol(d, q, out, lse, 0, err);
+    if (rc)
+        return rc;
+    if (dtype != KVD_DTYPE_F32 && dtype != KVD_DTYPE_F16 && dtype != KVD_DTYPE_BF16)
+        return kvd_error_set(err, KVD_EINVAL, "attention over rows: dtype %s is not a float",
+                             kvd_dtype_name(dtype));
+    if (n < 0 || (n > 0 && (!k_rows || !v_rows)))
+        return kvd_error_set(err, KVD_EINVAL, "attention over rows: %lld rows at %p / %p",
+                             (long long)n, (const void *)k_rows, (const void *)v_rows);
+    for (int64_t i = 0; i < n * d->n_kv_heads; i++)
+        if (!k_rows[i] || !v_rows[i])
+            return kvd_error_set(err, KVD_EINVAL, "attention over rows: row %lld is NULL",
+                                 (long long)i);
+    rows_job j = {.d = d,
+                  .q = q,
+                  .out = out,
+                  .lse = lse,
+                  .krows = k_rows,
+                  .vrows = v_rows,
+                  .n = n,
+                  .simd = kvd__attn_simd()};
+    j.kt.dtype = j.vt.dtype = dtype;
+    atomic_init(&j.rc, 0);
+    kvd__par_for(d->n_kv_heads, nthreads, rows_head, &j);
+    if ((rc = atomic_load(&j.rc)))
+        return kvd_error_set(err, rc, "attention over rows: %s", kvd_strerror(rc));
+    return 0;
 }
 
 /* ---------------------------------------------------------------------- */

@@ -318,6 +318,93 @@ static void test_sparse(tu_rng *rng)
     }
 }
 
+/* ---- sparse over row addresses ----------------------------------------- */
+
+/* kvd_cpu_attn_rows over rows each in an allocation of its own: the bits of
+ * the fast sparse kernel over the same tokens (G <= KVD__ATTN_MAXG), the
+ * reference's figures (any G), and the argument checks. */
+static void test_rows(tu_rng *rng)
+{
+    static const struct {
+        int Hq, D, Dv;
+        kvd_dtype dt;
+    } cases[] = {{8, 128, 128, KVD_DTYPE_F16},
+                 {8, 128, 128, KVD_DTYPE_BF16},
+                 {8, 64, 64, KVD_DTYPE_F32},
+                 {40, 128, 128, KVD_DTYPE_F16},
+                 {6, 40, 24, KVD_DTYPE_F16}};
+    const int Hkv = 2, T = 300, n = 53;
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const int Hq = cases[ci].Hq, D = cases[ci].D, Dv = cases[ci].Dv;
+        const kvd_dtype dt = cases[ci].dt;
+        const size_t es = kvd_dtype_size(dt);
+        prob p = prob_new(rng, Hq, Hkv, D, Dv, T, dt, 1);
+        int32_t *idx = malloc(sizeof(int32_t) * Hkv * n);
+        const void **rows = malloc(sizeof(void *) * 2 * Hkv * n);
+        for (int h = 0; h < Hkv; h++)
+            for (int i = 0; i < n; i++) {
+                idx[h * n + i] = (int32_t)((i * 149 + h * 17 + 5) % T); /* distinct, scattered */
+                char *kr = malloc((size_t)D * es), *vr = malloc((size_t)Dv * es);
+                memcpy(kr, (const char *)p.k + ((size_t)h * T + idx[h * n + i]) * D * es,
+                       (size_t)D * es);
+                memcpy(vr, (const char *)p.v + ((size_t)h * T + idx[h * n + i]) * Dv * es,
+                       (size_t)Dv * es);
+                rows[h * n + i] = kr;
+                rows[Hkv * n + h * n + i] = vr;
+            }
+        kvd_attn_dims d = dims_of(&p);
+        kvd_tensor q = t2(KVD_DTYPE_F32, p.q, Hq, D);
+        res r = res_new(Hq, Dv), f = res_new(Hq, Dv), ref = res_new(Hq, Dv);
+        kvd_tensor o = t2(KVD_DTYPE_F32, r.out.data, Hq, Dv), l = t1(KVD_DTYPE_F32, r.lse.data, Hq);
+        kvd_error err;
+        TU_CHECK(kvd_cpu_attn_rows(&d, &q, dt, rows, rows + Hkv * n, n, &o, &l, 2, &err) == 0,
+                 "rows case %zu: %s", ci, err.msg);
+        kvd_attn_sparse_args a = {d,
+                                  q,
+                                  t3(dt, p.k, Hkv, T, D),
+                                  t3(dt, p.v, Hkv, T, Dv),
+                                  t2(KVD_DTYPE_I32, idx, Hkv, n),
+                                  t2(KVD_DTYPE_F32, ref.out.data, Hq, Dv),
+                                  t1(KVD_DTYPE_F32, ref.lse.data, Hq)};
+        TU_CHECK(kvd_attn_sparse(be_ref, 1, &a, NULL) == 0, "rows case %zu: reference", ci);
+        char what[64];
+        snprintf(what, sizeof what, "rows case %zu vs reference", ci);
+        compare(what, &ref, &r, Hq, Dv, 1e-9, 1e-4);
+        if (Hq / Hkv <= KVD__ATTN_MAXG) {
+            a.out = t2(KVD_DTYPE_F32, f.out.data, Hq, Dv);
+            a.lse = t1(KVD_DTYPE_F32, f.lse.data, Hq);
+            TU_CHECK(kvd_attn_sparse(be_fast, 1, &a, NULL) == 0, "rows case %zu: fast", ci);
+            TU_CHECK(memcmp(f.out.data, r.out.data, sizeof(float) * (size_t)Hq * Dv) == 0 &&
+                         memcmp(f.lse.data, r.lse.data, sizeof(float) * (size_t)Hq) == 0,
+                     "rows case %zu: not the fast sparse kernel's bits", ci);
+        }
+        if (ci == 0) {
+            TU_CHECK(kvd_cpu_attn_rows(&d, &q, dt, rows, rows + Hkv * n, 0, &o, &l, 1, &err) == 0 &&
+                         isinf(((float *)r.lse.data)[0]),
+                     "rows: n = 0 gives the empty result");
+            const void *keep = rows[n + 3];
+            rows[n + 3] = NULL;
+            TU_CHECK(kvd_cpu_attn_rows(&d, &q, dt, rows, rows + Hkv * n, n, &o, &l, 1, &err) ==
+                             KVD_EINVAL &&
+                         strstr(err.msg, "NULL"),
+                     "rows: a NULL row is refused (%s)", err.msg);
+            rows[n + 3] = keep;
+            TU_CHECK(kvd_cpu_attn_rows(&d, &q, KVD_DTYPE_I32, rows, rows + Hkv * n, n, &o, &l, 1,
+                                       &err) == KVD_EINVAL,
+                     "rows: an integer dtype is refused");
+            kvd_tensor bad = t2(KVD_DTYPE_F32, r.out.data, Hq, Dv + 1);
+            TU_CHECK(kvd_cpu_attn_rows(&d, &q, dt, rows, rows + Hkv * n, n, &bad, &l, 1, &err) ==
+                         KVD_EINVAL,
+                     "rows: a misshapen output is refused");
+        }
+        for (int i = 0; i < 2 * Hkv * n; i++)
+            free((void *)rows[i]);
+        free(rows), free(idx);
+        res_free(&r), res_free(&f), res_free(&ref);
+        prob_free(&p);
+    }
+}
+
 /* ---- NaN / Inf parity -------------------------------------------------- */
 
 static void test_nonfinite(tu_rng *rng)
@@ -877,6 +964,7 @@ int main(void)
     test_int_nan(&rng);
     test_vq(&rng);
     test_svd(&rng);
+    test_rows(&rng);
     test_invalid();
     kvd_backend_free(be_fast);
     kvd_backend_free(be_ref);

@@ -255,6 +255,17 @@ int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads);
 int kvd_cpu_attn_merge_ref(const kvd_attn_merge_args *a);
 int kvd_cpu_attn_merge_fast(const kvd_attn_merge_args *a);
 
+/* Sparse attention over rows wherever they lie (CPU memory): for kv head h
+ * the n tokens whose K row (head_dim elements of dtype) starts at
+ * k_rows[h * n + i] and V row (v_dim elements) at v_rows[h * n + i]. The
+ * same arithmetic, bit for bit, as kvd_cpu_attn_sparse_fast over a tensor
+ * holding those rows in that order, without gathering them; any number of
+ * query heads per kv head. Returns 0, KVD_EINVAL (shapes, dtype, a NULL
+ * row) or KVD_ENOMEM. */
+int kvd_cpu_attn_rows(const kvd_attn_dims *d, const kvd_tensor *q, kvd_dtype dtype,
+                      const void *const *k_rows, const void *const *v_rows, int64_t n,
+                      const kvd_tensor *out, const kvd_tensor *lse, int nthreads, kvd_error *err);
+
 /* The int8 query quantization both INT paths use (exposed so tests can
  * rebuild the exact rounding): s = max|x| / 127 (0 when x is all zero),
  * q8_j = round-half-even(x_j / s). Returns s. */
