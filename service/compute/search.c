@@ -40,12 +40,16 @@ typedef struct search_run {
     uint64_t *addr;
     const uint8_t *up;
     size_t n_up; /* rows of kv read on the host */
+    /* SparseAttend on the host: where each row lies, K rows then V rows in
+     * kv's order: in a raw page held in a tier, or in kv. */
+    const void **rows;
 } search_run;
 
 static void search_run_free(search_run *r)
 {
     kvd_seq_codecs_clear(&r->codecs);
     free(r->addr);
+    free(r->rows);
     free(r->kv);
     free(r->idx);
     free(r->scores);
@@ -544,7 +548,25 @@ static void copy_rows(search_run *r, const sel_entry *e, size_t e0, size_t e1, c
             r->n_up++;
             r->addr[dst / row] = (uint64_t)(uintptr_t)(r->up + dst);
             r->addr[H * P + dst / row] = (uint64_t)(uintptr_t)(r->up + H * P * row + dst);
+        } else if (r->rows) {
+            r->rows[dst / row] = kc + dst;
+            r->rows[H * P + dst / row] = vc + dst;
         }
+    }
+}
+
+/* The same rows where they lie in a raw page held on the host (K and V
+ * sections k and v, [kv_head][token][dim], B tokens): their addresses into
+ * r->rows. */
+static void host_rows(const search_run *r, const sel_entry *e, size_t e0, size_t e1,
+                      const uint8_t *k, const uint8_t *v, uint64_t t0, uint64_t B, size_t row)
+{
+    const size_t P = (size_t)r->per_head, H = r->sc.model.num_kv_heads;
+    for (size_t x = e0; x < e1; x++) {
+        const size_t i = (size_t)e[x].h * P + e[x].i;
+        const size_t at = ((size_t)e[x].h * B + (size_t)(e[x].t - t0)) * row;
+        r->rows[i] = k + at;
+        r->rows[H * P + i] = v + at;
     }
 }
 
@@ -571,7 +593,9 @@ static void device_rows(const search_run *r, const sel_entry *e, size_t e0, size
  * tokens. Only blocks holding a selected token are read.
  * With r->addr (sparse_device), raw sealed pages of the device tier are not
  * read: the addresses of their rows go into r->addr, and the pages stay
- * pinned in *held (n_held of them; the caller releases them).
+ * pinned in *held (n_held of them; the caller releases them). With r->rows
+ * (on the host), likewise for raw sealed pages in the host's tiers: nothing
+ * of them is copied, their rows' addresses go into r->rows.
  */
 static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
                            kvd_page_handle *held, size_t *n_held, kvd_error *err)
@@ -626,16 +650,24 @@ static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, sear
         if (blk < sealed && !in_place) {
             kvd_page_handle ph;
             kvd_page_view v;
+            int kept = 0;
             if ((rc = kvd_store_page_acquire(st, sa->id, sa->id_len, sa->layer, blk, &ph, err)))
                 break;
             if (kvd_page_decode_trusted(ph.bytes, ph.len, &v, NULL) == 0 &&
                 v.h.k_codec == KVD_CODEC_RAW && v.h.v_codec == KVD_CODEC_RAW &&
                 v.h.num_tokens == B) {
                 /* page layout [kv_head][token][dim] */
-                copy_rows(r, e, x, y, v.k, v.v, blk * B, row, (size_t)B * row, row);
+                if (r->rows) { /* held: read in place by the attention */
+                    host_rows(r, e, x, y, v.k, v.v, blk * B, B, row);
+                    held[(*n_held)++] = ph;
+                    kept = 1;
+                } else {
+                    copy_rows(r, e, x, y, v.k, v.v, blk * B, row, (size_t)B * row, row);
+                }
                 in_place = 1;
             }
-            kvd_store_page_release(st, &ph);
+            if (!kept)
+                kvd_store_page_release(st, &ph);
         }
         uint64_t a = 0, b = 0; /* the block's tokens in the range */
         if (x < n_sel) {
@@ -795,43 +827,38 @@ int kvd_compute_sparse_attend(const kvd_compute *c, const kvd_search_args *sa, f
         free(out->lse);
         out->out = out->lse = NULL;
     }
-    if ((rc = gather_selected(c, sa, &r, NULL, NULL, err))) {
-        search_run_free(&r);
-        return rc;
-    }
+    /* On the host: the selected tokens in Search's order (attention over
+     * the same tokens in the same order as over the range with r.idx), read
+     * where they lie: raw pages stay held in their tier while attended. */
     const kvd_model_info *m = &r.sc.model;
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim, Hq = (int)m->num_q_heads;
-    const size_t es = kvd_dtype_size(m->dtype);
-    /* The selected tokens, gathered in Search's order: attention over the
-     * same tokens in the same order as over the range with r.idx. */
-    const size_t P = (size_t)r.per_head;
-    int32_t *seq = malloc(sizeof(int32_t) * (P ? P : 1) * H);
+    const size_t n_sel = (size_t)H * (size_t)r.per_head;
+    const uint64_t max_pages = r.n / kvd_store_page_tokens(c->store) + 2;
+    size_t n_held = 0;
+    kvd_page_handle *held =
+        malloc(sizeof *held * (size_t)(max_pages < n_sel ? max_pages : n_sel + 1));
+    r.rows = malloc(sizeof *r.rows * 2 * (n_sel ? n_sel : 1));
     out->out = malloc(sizeof(float) * (size_t)Hq * D);
     out->lse = malloc(sizeof(float) * Hq);
     out->num_q_heads = (uint32_t)Hq;
     out->head_dim = (uint32_t)D;
-    if (!out->out || !out->lse || !seq) {
+    if (!held || !r.rows || !out->out || !out->lse) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
-    kvd_attn_sparse_args a;
-    memset(&a, 0, sizeof a);
-    a.dims = (kvd_attn_dims){Hq, H, D, D, kvd__default_scale(scale, m->head_dim)};
-    for (size_t h = 0; h < (size_t)H; h++)
-        for (size_t i = 0; i < P; i++)
-            seq[h * P + i] = (int32_t)i;
-    int64_t qs[2] = {Hq, D}, ls[1] = {Hq}, ks[3] = {H, (int64_t)(P ? P : 1), D},
-            is[2] = {H, r.per_head};
-    a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)sa->q, 2, qs);
-    a.k = kvd_tensor_make(m->dtype, r.kv, 3, ks); /* (H, P, D) contiguous */
-    a.v = a.k;
-    a.v.data = r.kv + (size_t)H * P * D * es;
-    a.idx = kvd_tensor_make(KVD_DTYPE_I32, seq, 2, is);
-    a.out = kvd_tensor_make(KVD_DTYPE_F32, out->out, 2, qs);
-    a.lse = kvd_tensor_make(KVD_DTYPE_F32, out->lse, 1, ls);
-    rc = kvd_attn_sparse(c->be, 1, &a, err);
+    if ((rc = gather_selected(c, sa, &r, held, &n_held, err)))
+        goto done;
+    const kvd_attn_dims dims = {Hq, H, D, D, kvd__default_scale(scale, m->head_dim)};
+    int64_t qs[2] = {Hq, D}, ls[1] = {Hq};
+    const kvd_tensor q = kvd_tensor_make(KVD_DTYPE_F32, (void *)sa->q, 2, qs);
+    const kvd_tensor o = kvd_tensor_make(KVD_DTYPE_F32, out->out, 2, qs);
+    const kvd_tensor l = kvd_tensor_make(KVD_DTYPE_F32, out->lse, 1, ls);
+    rc = kvd_cpu_attn_rows(&dims, &q, m->dtype, r.rows, r.rows + n_sel, r.per_head, &o, &l,
+                           c->be->nthreads, err);
 done:
-    free(seq);
+    for (size_t i = 0; i < n_held; i++)
+        kvd_store_page_release(c->store, &held[i]);
+    free(held);
     search_run_free(&r);
     return rc;
 }
