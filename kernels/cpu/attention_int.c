@@ -23,6 +23,7 @@
  * to int32 before they could pass 32767 (INT2: 8 columns = 24384, INT4: 4
  * columns = 30480; values: p8 <= 255, INT2 4 columns = 24480, INT4 2 = 30600).
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -72,7 +73,9 @@ static inline void quantize_p8(const float *p, int n, uint8_t *p8, float *mP, fl
         lo = p[i] < lo ? p[i] : lo;
         hi = p[i] > hi ? p[i] : hi;
     }
-    float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    /* A step below FLT_MIN (every p within ~3e-36 of lo) would overflow
+     * 1/s to inf and (p - lo) * inf to NaN: such a group is coded as lo. */
+    float s = (hi - lo) / 255.0f, inv = s >= FLT_MIN ? 1.0f / s : 0.0f;
     int sum = 0;
     for (int i = 0; i < n; i++) {
         float v = rintf((p[i] - lo) * inv);
@@ -804,7 +807,7 @@ __attribute__((target("avx2,fma"))) static void quantize_p8_avx2(const float *p,
         l = l8[i] < l ? l8[i] : l;
         h = h8[i] > h ? h8[i] : h;
     }
-    float s = (h - l) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    float s = (h - l) / 255.0f, inv = s >= FLT_MIN ? 1.0f / s : 0.0f; /* as quantize_p8 */
     __m256 vl = _mm256_set1_ps(l), vi = _mm256_set1_ps(inv), z = _mm256_setzero_ps(), top = _mm256_set1_ps(255.0f);
     __m256i sum = _mm256_setzero_si256();
     for (int i = 0; i < n; i += 8) {

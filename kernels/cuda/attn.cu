@@ -68,6 +68,7 @@
  *   combine      merge of a head group's split partials.
  *   merge        kvd_attn_merge.
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1110,7 +1111,8 @@ __global__ void __launch_bounds__(NT, 4) int_kernel(const QItem *__restrict__ it
                     lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
                     hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
                 }
-                float sc = (hi - lo) / 255.0f, inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+                /* a step below FLT_MIN: coded as lo (as the CPU's quantize_p8) */
+                float sc = (hi - lo) / 255.0f, inv = sc >= FLT_MIN ? 1.0f / sc : 0.0f;
                 int sum = 0;
                 for (int i = lane; i < vP; i += 32) {
                     float v = rintf((pg[i] - lo) * inv);

@@ -5,6 +5,7 @@
  * VQ, full-width SVD = dense), LSE merge = attention over the union, sparse
  * over all tokens = dense, empty ranges, NaN/Inf parity, guard bytes.
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,7 +119,9 @@ static void res_free(res *r)
     tu_buf_free(&r->lse);
 }
 
-/* Compare two results; tolerances on NMSE of out and max |lse diff|. */
+/* Compare two results; tolerances on NMSE of out and on the lse difference,
+ * relative to the lse where it exceeds 1 (float sums of scores near 100
+ * carry errors of a few of their ulps, 1.5e-5 there). */
 static void compare(const char *what, const res *ref, const res *x, int Hq, int Dv, double nmse_tol,
                     double lse_tol)
 {
@@ -128,7 +131,12 @@ static void compare(const char *what, const res *ref, const res *x, int Hq, int 
     TU_CHECK(e <= nmse_tol, "%s: out NMSE %.3g > %.3g", what, e, nmse_tol);
     TU_CHECK(tu_nonfinite_parity(ro, xo, n) < 0, "%s: out NaN/Inf parity", what);
     TU_CHECK(tu_nonfinite_parity(rl, xl, (size_t)Hq) < 0, "%s: lse NaN/Inf parity", what);
-    double dl = tu_max_abs_diff(rl, xl, (size_t)Hq);
+    double dl = 0;
+    for (int h = 0; h < Hq; h++)
+        if (isfinite(rl[h]) && isfinite(xl[h])) {
+            double d = fabs((double)xl[h] - rl[h]) / fmax(1.0, fabs((double)rl[h]));
+            dl = d > dl ? d : dl;
+        }
     TU_CHECK(dl <= lse_tol, "%s: lse diff %.3g > %.3g", what, dl, lse_tol);
     TU_CHECK(tu_guard_ok(&x->out) && tu_guard_ok(&x->lse), "%s: guard bytes", what);
 }
@@ -561,7 +569,8 @@ static void int_expected(const prob *p, const qbuf *kq, const qbuf *vq, int64_t 
                         lo = P[t0 + i] < lo ? P[t0 + i] : lo;
                         hi = P[t0 + i] > hi ? P[t0 + i] : hi;
                     }
-                    float sP = (hi - lo) / 255.0f, inv = sP > 0 ? 1.0f / sP : 0.0f;
+                    /* a step below FLT_MIN: the group is coded as lo */
+                    float sP = (hi - lo) / 255.0f, inv = sP >= FLT_MIN ? 1.0f / sP : 0.0f;
                     for (int i = 0; i < Pg; i++) {
                         float c = rintf((P[t0 + i] - lo) * inv);
                         c = c < 0 ? 0 : c > 255 ? 255 : c;
@@ -587,9 +596,12 @@ static void int_expected(const prob *p, const qbuf *kq, const qbuf *vq, int64_t 
 
 static void test_int(tu_rng *rng)
 {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers" /* qmul: mostly left out */
     struct {
         int64_t T, Tt;
         int G, D, bits, kgroup, vgroup, vaxis, kaxis;
+        float qmul; /* 0: the query as drawn */
     } cases[] = {
         {0, 0, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
         {0, 5, 4, 128, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
@@ -631,12 +643,22 @@ static void test_int(tu_rng *rng)
         {300, 0, 2, 64, 2, 32, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
         {256, 1, 16, 64, 4, 64, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
         {37, 0, 4, 128, 2, 32, 128, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        /* logits in the hundreds: whole groups of probabilities within
+         * 3e-36 of each other (a step of 1/255 of their range below
+         * FLT_MIN), coded as their minimum, never NaN (checked against
+         * the equation only: the int8 rounding of q's scores, magnified
+         * by so peaked a softmax, puts them far from float attention) */
+        {96, 1, 4, 8, 2, 8, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN, 12.0f},
+        {256, 0, 4, 64, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_CHANNEL, 12.0f},
     };
+#pragma GCC diagnostic pop
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         int Hkv = 2, Hq = Hkv * cases[ci].G, D = cases[ci].D;
         int64_t T = cases[ci].T, Tt = cases[ci].Tt;
         prob p = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 1);
         prob tail = prob_new(rng, Hq, Hkv, D, D, Tt, KVD_DTYPE_F16, 1);
+        for (int i = 0; cases[ci].qmul != 0.0f && i < Hq * D; i++)
+            p.q[i] *= cases[ci].qmul;
         qbuf kq = quantize_all(p.k32, Hkv, T, D, cases[ci].bits, cases[ci].kgroup, cases[ci].kaxis);
         qbuf vq = quantize_all(p.v32, Hkv, T, D, cases[ci].bits, cases[ci].vgroup, cases[ci].vaxis);
         res rr = res_new(Hq, D), rf = res_new(Hq, D), ex = res_new(Hq, D);
@@ -670,7 +692,7 @@ static void test_int(tu_rng *rng)
         compare(what, &rr, &rf, Hq, D, 1e-6, 1e-4);
         /* vs float attention on the dequantized K/V (no int8 rounding of q
          * or P): what the homomorphic evaluation itself costs */
-        if (T > 0 && Tt == 0) {
+        if (T > 0 && Tt == 0 && cases[ci].qmul == 0.0f) {
             prob dq = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 0);
             memcpy(dq.q, p.q, sizeof(float) * (size_t)Hq * D);
             for (int h = 0; h < Hkv; h++)
@@ -682,8 +704,12 @@ static void test_int(tu_rng *rng)
             res fl = res_new(Hq, D);
             run_dense(be_ref, &dq, &fl, 0, T);
             double e = tu_nmse(fl.out.data, rf.out.data, (size_t)Hq * D);
-            /* uint8 P over groups of up to 128 tokens of a peaky softmax: a few 1e-3 */
-            TU_CHECK(e < 5e-3, "%s: NMSE vs dequantize-then-attend in float %.3g", what, e);
+            /* uint8 P over groups of up to 128 tokens of a peaky softmax,
+             * and with keys grouped per channel the int8 rounding of q
+             * folded with each group's scales (outlier channels 10x):
+             * a few 1e-3 mostly, up to 4e-2 over 40 seeds of this data
+             * (logits up to ~130: a peaky softmax magnifies score errors) */
+            TU_CHECK(e < 5e-2, "%s: NMSE vs dequantize-then-attend in float %.3g", what, e);
             res_free(&fl);
             prob_free(&dq);
         }
