@@ -855,11 +855,15 @@ int kvd_store_pq_codes_get(kvd_store *st, const void *seq_id, size_t id_len, uin
     int rc = kvd__check_seq_id(seq_id, id_len, err);
     if (rc)
         return rc;
-    uint8_t prefix[3 + KVD_SEQ_ID_MAX + 4];
+    uint8_t prefix[3 + KVD_SEQ_ID_MAX + 4 + 1];
     size_t plen = pq_key(prefix, seq_id, id_len, layer);
     kvd__scan sc;
     rocksdb_iterator_t *it = kvd__scan_open(st, &sc, prefix, plen);
-    for (rocksdb_iter_seek(it, (const char *)prefix, plen); rocksdb_iter_valid(it) && !*found;
+    /* From the first key past the centroid record (the prefix itself):
+     * landing on that record would read its value, a blob of H x m x 2^bits
+     * x D/m floats, only to step over it. */
+    prefix[plen] = 0;
+    for (rocksdb_iter_seek(it, (const char *)prefix, plen + 1); rocksdb_iter_valid(it) && !*found;
          rocksdb_iter_next(it)) {
         size_t klen, vlen;
         const uint8_t *k = (const uint8_t *)rocksdb_iter_key(it, &klen);
