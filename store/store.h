@@ -497,6 +497,11 @@ int kvd_store_pages_acquire_device(kvd_store *st, const void *seq_id, size_t id_
 /* Unpin; a zeroed or already released handle is a no-op. */
 void kvd_store_page_release(kvd_store *st, kvd_page_handle *h);
 
+/* 1 when the handle's bytes are a tier's (pinned there, costing no memory
+ * of their own); 0 when they are a copy made for this handle (the tiers had
+ * no room), which a caller holding many pages should let go of soon. */
+int kvd_store_page_in_tier(const kvd_page_handle *h);
+
 /* Ask the background thread to bring pages [block, block + count) of
  * `layer` into the memory tiers ahead of an acquire (pages past the end are
  * ignored; so are failures, which the acquire itself reports). Returns 0,

@@ -1785,6 +1785,11 @@ static int pages_acquire(kvd_store *st, const void *seq_id, size_t id_len, uint3
     return rc;
 }
 
+int kvd_store_page_in_tier(const kvd_page_handle *h)
+{
+    return h && h->priv_ && !h->buf_;
+}
+
 void kvd_store_page_release(kvd_store *st, kvd_page_handle *h)
 {
     if (!h)

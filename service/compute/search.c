@@ -595,7 +595,9 @@ static void device_rows(const search_run *r, const sel_entry *e, size_t e0, size
  * read: the addresses of their rows go into r->addr, and the pages stay
  * pinned in *held (n_held of them; the caller releases them). With r->rows
  * (on the host), likewise for raw sealed pages in the host's tiers: nothing
- * of them is copied, their rows' addresses go into r->rows.
+ * of them is copied, their rows' addresses go into r->rows (a page the
+ * tiers had no room for is copied from and let go, as without r->rows: the
+ * call holds no more memory than the tiers' own).
  */
 static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, search_run *r,
                            kvd_page_handle *held, size_t *n_held, kvd_error *err)
@@ -657,7 +659,7 @@ static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, sear
                 v.h.k_codec == KVD_CODEC_RAW && v.h.v_codec == KVD_CODEC_RAW &&
                 v.h.num_tokens == B) {
                 /* page layout [kv_head][token][dim] */
-                if (r->rows) { /* held: read in place by the attention */
+                if (r->rows && kvd_store_page_in_tier(&ph)) { /* read in place */
                     host_rows(r, e, x, y, v.k, v.v, blk * B, B, row);
                     held[(*n_held)++] = ph;
                     kept = 1;

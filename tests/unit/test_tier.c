@@ -233,6 +233,11 @@ static void test_lru(const char *dir)
     CHECK(h[2].tier == KVD_TIER_DISK);
     CHECK(check_page(&h[0], 0, 1, 15) == 0 && check_page(&h[1], 0, 1, 10) == 0 &&
           check_page(&h[2], 0, 0, 0) == 0);
+    /* Each is read where it lies in its tier, the one read from disk too
+     * (it had room), unless that is a device tier the host cannot read
+     * (then it came down as a copy of its own). */
+    for (int i = 0; i < 3; i++)
+        CHECK(kvd_store_page_in_tier(&h[i]) == (!h[i].device || h[i].bytes == h[i].device));
     /* Pinned pages survive a storm of promotions. */
     CHECK(check_gen(st, 0, 0, 16 * PT) == 0);
     CHECK(check_page(&h[0], 0, 1, 15) == 0 && check_page(&h[1], 0, 1, 10) == 0 &&
@@ -287,7 +292,9 @@ static void test_lru(const char *dir)
     CHECK(append_gen(st, 0, 16 * PT + 3, 5) == 0);
     CHECK(kvd_store_page_acquire(st, "s000", 4, 1, 16, &h[4], &e) == 0);
     CHECK(check_page(&h[4], 0, 1, 16) == 0);
+    CHECK(!kvd_store_page_in_tier(&h[4])); /* assembled for this handle */
     kvd_store_page_release(st, &h[4]);
+    CHECK(!kvd_store_page_in_tier(&h[4])); /* released: zeroed */
     /* Delete drops every tier's copy. */
     CHECK(kvd_store_seq_delete(st, "s000", 4, NULL, &e) == 0);
     kvd_store_stats_get(st, &s);
