@@ -664,6 +664,27 @@ struct dense_ctx {
     int G, D, Dv, h;
 };
 
+/* Rows that lie anywhere (krow/vrow): while tokens [i, i + tok) of a block
+ * are scored, the K rows of the tokens KVD__ROW_AHEAD further on are asked
+ * for, and these tokens' V rows, which the block's value pass reads next
+ * (scattered rows defeat the hardware's prefetcher; each is a cache miss,
+ * often a TLB miss too). */
+#define KVD__ROW_AHEAD 8
+static inline void prefetch_rows(const dense_ctx *c, int64_t t0, int i, int n, int tok, int kbytes,
+                                 int vbytes)
+{
+    for (int u = 0; u < tok; u++) {
+        if (i + u + KVD__ROW_AHEAD < n) {
+            const char *k = c->krow[t0 + i + u + KVD__ROW_AHEAD];
+            for (int o = 0; o < kbytes; o += 64)
+                __builtin_prefetch(k + o);
+        }
+        const char *v = c->vrow[t0 + i + u];
+        for (int o = 0; o < vbytes; o += 64)
+            __builtin_prefetch(v + o);
+    }
+}
+
 /* K and V rows of token t of the context's head. */
 static inline const char *k_at(const dense_ctx *c, int64_t t)
 {
@@ -717,6 +738,8 @@ scores_tile(const dense_ctx *c, int64_t t0, int n, float *s, int ld, int g0, con
     const int TOK = 8 / GB, esz = DT == KVD_DTYPE_F32 ? 4 : 2, D = c->D;
     int i = 0;
     for (; i + TOK <= n; i += TOK) {
+        if (c->krow && g0 == 0) /* once per token, in the first tile of heads */
+            prefetch_rows(c, t0, i, n, TOK, D * esz, c->Dv * esz);
         const char *kr[8];
         _Pragma("GCC unroll 8") for (int u = 0; u < TOK; u++) kr[u] = k_at(c, t0 + i + u);
         __m256 acc[8];
