@@ -975,10 +975,13 @@ void kvd__attn_out_ptrs(const kvd_attn_dims *d, const kvd_tensor *out, const kvd
     }
 }
 
-/* One kv head of dense_fast_common (kvd__par_for). */
+/* One kv head of dense_fast_common or kvd_cpu_attn_rows (kvd__par_for):
+ * its query heads in groups of at most KVD__ATTN_MAXG (each query head's
+ * sums are its own, so the grouping leaves every bit as it is). */
 typedef struct dense_job {
     const kvd_attn_dims *d;
     const kvd_tensor *q, *k, *v, *idx, *out, *lse;
+    const void *const *krows, *const *vrows; /* rows: head h's n at [h * n] */
     int G, D, Dv, simd;
     int64_t n;
     atomic_int rc;
@@ -987,24 +990,34 @@ typedef struct dense_job {
 static void dense_head(void *arg, int h)
 {
     dense_job *job = arg;
-    const kvd_attn_dims *d = job->d;
     const int G = job->G, D = job->D, Dv = job->Dv, simd = job->simd;
     float *qs = malloc(sizeof(float) * (size_t)G * D + 32);
     if (!qs) {
         atomic_store(&job->rc, KVD_ENOMEM);
         return;
     }
-    kvd__attn_scaled_q(d, job->q, h, qs);
-    dense_ctx c;
-    kvd__attn_src src;
+    kvd__attn_scaled_q(job->d, job->q, h, qs);
     const int32_t *ix =
         job->idx ? (const int32_t *)((const char *)job->idx->data + h * job->idx->stride[0]) : NULL;
-    kvd__attn_dense_src(&src, &c, job->k, job->v, ix, job->n, qs, G, D, Dv, h, simd);
-    float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
-    kvd__attn_out_ptrs(d, job->out, job->lse, h, o, l);
-    int r = kvd__attn_head_run(&src, 1, G, Dv, o, l, simd);
-    if (r)
-        atomic_store(&job->rc, r);
+    for (int g0 = 0; g0 < G; g0 += KVD__ATTN_MAXG) {
+        const int gn = G - g0 < KVD__ATTN_MAXG ? G - g0 : KVD__ATTN_MAXG;
+        dense_ctx c;
+        kvd__attn_src src;
+        kvd__attn_dense_src(&src, &c, job->k, job->v, ix, job->n, qs + (size_t)g0 * D, gn, D, Dv, h,
+                            simd);
+        if (job->krows) {
+            c.krow = job->krows + (size_t)h * job->n;
+            c.vrow = job->vrows + (size_t)h * job->n;
+        }
+        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
+        for (int g = 0; g < gn; g++) {
+            o[g] = out_row(job->out, (int64_t)h * G + g0 + g);
+            l[g] = lse_at(job->lse, (int64_t)h * G + g0 + g);
+        }
+        int r = kvd__attn_head_run(&src, 1, gn, Dv, o, l, simd);
+        if (r)
+            atomic_store(&job->rc, r);
+    }
     free(qs);
 }
 
@@ -1013,13 +1026,6 @@ static int dense_fast_common(const kvd_attn_dims *d, const kvd_tensor *q, const 
                              const kvd_tensor *lse, int nthreads)
 {
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
-    if (G > KVD__ATTN_MAXG) {
-        kvd_attn_dense_args a = {*d, *q, *k, *v, *out, *lse};
-        if (!idx)
-            return kvd_cpu_attn_dense_ref(&a);
-        kvd_attn_sparse_args sa = {*d, *q, *k, *v, *idx, *out, *lse};
-        return kvd_cpu_attn_sparse_ref(&sa);
-    }
     dense_job j = {.d = d,
                    .q = q,
                    .k = k,
@@ -1047,50 +1053,6 @@ int kvd_cpu_attn_sparse_fast(const kvd_attn_sparse_args *a, int nthreads)
     return dense_fast_common(&a->dims, &a->q, &a->k, &a->v, &a->idx, &a->out, &a->lse, nthreads);
 }
 
-/* One kv head of kvd_cpu_attn_rows (kvd__par_for): its query heads in
- * groups of at most KVD__ATTN_MAXG (each query head's sums are its own, so
- * the grouping leaves every bit as it is). */
-typedef struct rows_job {
-    const kvd_attn_dims *d;
-    const kvd_tensor *q, *out, *lse;
-    kvd_tensor kt, vt; /* dtype only */
-    const void *const *krows, *const *vrows;
-    int64_t n;
-    int simd;
-    atomic_int rc;
-} rows_job;
-
-static void rows_head(void *arg, int h)
-{
-    rows_job *job = arg;
-    const kvd_attn_dims *d = job->d;
-    const int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
-    float *qs = malloc(sizeof(float) * (size_t)G * D + 32);
-    if (!qs) {
-        atomic_store(&job->rc, KVD_ENOMEM);
-        return;
-    }
-    kvd__attn_scaled_q(d, job->q, h, qs);
-    for (int g0 = 0; g0 < G; g0 += KVD__ATTN_MAXG) {
-        const int gn = G - g0 < KVD__ATTN_MAXG ? G - g0 : KVD__ATTN_MAXG;
-        dense_ctx c;
-        kvd__attn_src src;
-        kvd__attn_dense_src(&src, &c, &job->kt, &job->vt, NULL, job->n, qs + (size_t)g0 * D, gn, D,
-                            Dv, h, job->simd);
-        c.krow = job->krows + (size_t)h * job->n;
-        c.vrow = job->vrows + (size_t)h * job->n;
-        float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG];
-        for (int g = 0; g < gn; g++) {
-            o[g] = out_row(job->out, (int64_t)h * G + g0 + g);
-            l[g] = lse_at(job->lse, (int64_t)h * G + g0 + g);
-        }
-        int r = kvd__attn_head_run(&src, 1, gn, Dv, o, l, job->simd);
-        if (r)
-            atomic_store(&job->rc, r);
-    }
-    free(qs);
-}
-
 int kvd_cpu_attn_rows(const kvd_attn_dims *d, const kvd_tensor *q, kvd_dtype dtype,
                       const void *const *k_rows, const void *const *v_rows, int64_t n,
                       const kvd_tensor *out, const kvd_tensor *lse, int nthreads, kvd_error *err)
@@ -1108,17 +1070,22 @@ int kvd_cpu_attn_rows(const kvd_attn_dims *d, const kvd_tensor *q, kvd_dtype dty
         if (!k_rows[i] || !v_rows[i])
             return kvd_error_set(err, KVD_EINVAL, "attention over rows: row %lld is NULL",
                                  (long long)i);
-    rows_job j = {.d = d,
-                  .q = q,
-                  .out = out,
-                  .lse = lse,
-                  .krows = k_rows,
-                  .vrows = v_rows,
-                  .n = n,
-                  .simd = kvd__attn_simd()};
-    j.kt.dtype = j.vt.dtype = dtype;
+    kvd_tensor kt = {.dtype = dtype}, vt = {.dtype = dtype}; /* dtype only: rows elsewhere */
+    dense_job j = {.d = d,
+                   .q = q,
+                   .k = &kt,
+                   .v = &vt,
+                   .out = out,
+                   .lse = lse,
+                   .krows = k_rows,
+                   .vrows = v_rows,
+                   .G = d->n_q_heads / d->n_kv_heads,
+                   .D = d->head_dim,
+                   .Dv = d->v_dim,
+                   .simd = kvd__attn_simd(),
+                   .n = n};
     atomic_init(&j.rc, 0);
-    kvd__par_for(d->n_kv_heads, nthreads, rows_head, &j);
+    kvd__par_for(d->n_kv_heads, nthreads, dense_head, &j);
     if ((rc = atomic_load(&j.rc)))
         return kvd_error_set(err, rc, "attention over rows: %s", kvd_strerror(rc));
     return 0;

@@ -259,9 +259,8 @@ int kvd_cpu_attn_merge_fast(const kvd_attn_merge_args *a);
  * the n tokens whose K row (head_dim elements of dtype) starts at
  * k_rows[h * n + i] and V row (v_dim elements) at v_rows[h * n + i]. The
  * same arithmetic, bit for bit, as kvd_cpu_attn_sparse_fast over a tensor
- * holding those rows in that order, without gathering them; any number of
- * query heads per kv head. Returns 0, KVD_EINVAL (shapes, dtype, a NULL
- * row) or KVD_ENOMEM. */
+ * holding those rows in that order, without gathering them. Returns 0,
+ * KVD_EINVAL (shapes, dtype, a NULL row) or KVD_ENOMEM. */
 int kvd_cpu_attn_rows(const kvd_attn_dims *d, const kvd_tensor *q, kvd_dtype dtype,
                       const void *const *k_rows, const void *const *v_rows, int64_t n,
                       const kvd_tensor *out, const kvd_tensor *lse, int nthreads, kvd_error *err);
