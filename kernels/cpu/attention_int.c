@@ -1065,8 +1065,8 @@ static void int_values_token(const int_ctx *c, int64_t t0, int n, const float *p
  * group the weights p * scale of the block's tokens are formed once; then
  * every 8-channel tile keeps its GG accumulators in registers over the
  * block, unpacking each token's 8 codes once for all query heads.
- * GT: the query heads per kv head as a compile-time constant (0: c->G).
- * Needs Dv % 8 == 0, group % 8 == 0, G <= 8. */
+ * GT: the query heads as a compile-time constant (0: the run-time gn <= 8).
+ * Needs Dv % 8 == 0, group % 8 == 0. */
 /* The 8 codes at p (channels of one token row, 2 or 4 bits each, the first
  * in the lowest bits) as floats. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256
@@ -1080,10 +1080,10 @@ unpack8_codes(const uint8_t *p, __m256i shifts, __m256i mask, const int BITS)
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc,
-                     const int BITS, const int GT)
+                     const int BITS, const int GT, const int gn)
 {
     const kvd_attn_int_args *a = c->a;
-    const int Dv = c->Dv, P = a->v.group, ng = Dv / P, GG = GT ? GT : c->G, PER = 8 / BITS;
+    const int Dv = c->Dv, P = a->v.group, ng = Dv / P, GG = GT ? GT : gn, PER = 8 / BITS;
     const __m256i shifts = BITS == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
                                      : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
@@ -1164,23 +1164,29 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
     }
 }
 
+/* The query heads 8 at a time (the registers hold 8 heads' sums). */
 __attribute__((target("avx2,fma,f16c"))) static void
 int_values_token_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
 {
     const int bits = c->a->v.bits;
+    for (int g0 = 0; g0 < c->G; g0 += 8) {
+        const int gn = c->G - g0 < 8 ? c->G - g0 : 8;
+        const float *pg = p + (size_t)g0 * ld;
+        float *ag = acc + (size_t)g0 * c->Dv;
 #define KVD__VTT(B)                                                                                \
     if (bits == B) {                                                                               \
-        if (c->G == 4)                                                                             \
-            int_values_token_tpl(c, t0, n, p, ld, acc, B, 4);                                      \
-        else if (c->G == 8)                                                                        \
-            int_values_token_tpl(c, t0, n, p, ld, acc, B, 8);                                      \
+        if (gn == 4)                                                                               \
+            int_values_token_tpl(c, t0, n, pg, ld, ag, B, 4, 4);                                   \
+        else if (gn == 8)                                                                          \
+            int_values_token_tpl(c, t0, n, pg, ld, ag, B, 8, 8);                                   \
         else                                                                                       \
-            int_values_token_tpl(c, t0, n, p, ld, acc, B, 0);                                      \
-        return;                                                                                    \
+            int_values_token_tpl(c, t0, n, pg, ld, ag, B, 0, gn);                                  \
+        continue;                                                                                  \
     }
-    KVD__VTT(2)
-    KVD__VTT(4)
+        KVD__VTT(2)
+        KVD__VTT(4)
 #undef KVD__VTT
+    }
 }
 
 static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
@@ -1191,7 +1197,7 @@ static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld,
             int_values_channel_avx2(c, t0, n, p, ld, acc);
         else
             int_values_channel_scalar(c, t0, n, p, ld, acc);
-    } else if (c->simd && c->Dv % 8 == 0 && c->a->v.group % 8 == 0 && c->G <= 8 &&
+    } else if (c->simd && c->Dv % 8 == 0 && c->a->v.group % 8 == 0 &&
                (c->a->v.bits == 2 || c->a->v.bits == 4)) {
         int_values_token_avx2(c, t0, n, p, ld, acc);
     } else {
@@ -1350,6 +1356,58 @@ static void int_head(void *arg, int h)
     free(buf);
 }
 
+/* Rows [i, i + n) of a tensor's first axis when it has `all` rows (others,
+ * such as an absent tensor, stay as they are). */
+static kvd_tensor rows_of(kvd_tensor t, int64_t all, int64_t i, int64_t n)
+{
+    if (t.ndim >= 1 && t.data && t.shape[0] == all) {
+        t.data = (char *)t.data + i * t.stride[0];
+        t.shape[0] = n;
+    }
+    return t;
+}
+
+static kvd_attn_qdata qdata_head(kvd_attn_qdata q, int64_t Hkv, int64_t h)
+{
+    q.codes = rows_of(q.codes, Hkv, h, 1);
+    q.min = rows_of(q.min, Hkv, h, 1);
+    q.scale = rows_of(q.scale, Hkv, h, 1);
+    q.sum = rows_of(q.sum, Hkv, h, 1);
+    return q;
+}
+
+/* More query heads per kv head than the fast path takes at once: each kv
+ * head's query heads, KVD__ATTN_MAXG at a time, as calls of their own (one
+ * kv head each; every query head's arithmetic is its own, so the bits are
+ * those of one call). */
+typedef struct int_split {
+    const kvd_attn_int_args *a;
+    int G, chunks;
+    atomic_int rc;
+} int_split;
+
+static void int_split_item(void *arg, int i)
+{
+    int_split *j = arg;
+    const kvd_attn_int_args *a = j->a;
+    const int64_t Hkv = a->dims.n_kv_heads, Hq = a->dims.n_q_heads, h = i / j->chunks;
+    const int g0 = (i % j->chunks) * KVD__ATTN_MAXG;
+    const int gn = j->G - g0 < KVD__ATTN_MAXG ? j->G - g0 : KVD__ATTN_MAXG;
+    kvd_attn_int_args s = *a;
+    s.dims.n_q_heads = gn;
+    s.dims.n_kv_heads = 1;
+    s.q = rows_of(a->q, Hq, h * j->G + g0, gn);
+    s.out = rows_of(a->out, Hq, h * j->G + g0, gn);
+    s.lse = rows_of(a->lse, Hq, h * j->G + g0, gn);
+    s.k = qdata_head(a->k, Hkv, h);
+    s.v = qdata_head(a->v, Hkv, h);
+    s.k_tail = rows_of(a->k_tail, Hkv, h, 1);
+    s.v_tail = rows_of(a->v_tail, Hkv, h, 1);
+    int rc = kvd_cpu_attn_int_fast(&s, 1);
+    if (rc)
+        atomic_store(&j->rc, rc);
+}
+
 int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
@@ -1363,8 +1421,14 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
      * makes the key group divide KVD__ATTN_BLOCK) */
     if (a->n_tokens > 0 && a->k.axis == KVD_ATTN_AXIS_CHANNEL && vblock % a->k.group)
         vblock = 0;
-    if (G > KVD__ATTN_MAXG || Dv > 4096 || vblock == 0)
+    if (Dv > 4096 || vblock == 0)
         return kvd_cpu_attn_int_ref(a);
+    if (G > KVD__ATTN_MAXG) {
+        int_split j = {.a = a, .G = G, .chunks = (G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG};
+        atomic_init(&j.rc, 0);
+        kvd__par_for(d->n_kv_heads * j.chunks, nthreads, int_split_item, &j);
+        return atomic_load(&j.rc);
+    }
     int simd = kvd__attn_simd(), rc = 0;
     int vnni = simd && cpu_has_avxvnni() && !getenv("KVD_NO_VNNI");
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;

@@ -641,6 +641,9 @@ static void test_int(tu_rng *rng)
         {300, 0, 2, 64, 2, 32, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
         {256, 1, 16, 64, 4, 64, 16, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
         {37, 0, 4, 128, 2, 32, 128, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_TOKEN},
+        /* more query heads per kv head than one pass takes (20) */
+        {256, 3, 20, 64, 2, 32, 32, KVD_ATTN_AXIS_CHANNEL, KVD_ATTN_AXIS_TOKEN},
+        {256, 0, 20, 64, 4, 32, 32, KVD_ATTN_AXIS_TOKEN, KVD_ATTN_AXIS_CHANNEL},
         /* logits in the hundreds: whole groups of probabilities within
          * 3e-36 of each other (a step of 1/255 of their range below
          * FLT_MIN), coded as their minimum, never NaN (checked against
