@@ -954,6 +954,15 @@ void kvd__attn_dense_src(kvd__attn_src *src, void *ctxbuf, const kvd_tensor *k,
     src->finish = NULL;
 }
 
+kvd_tensor kvd__attn_rows(kvd_tensor t, int64_t all, int64_t i, int64_t n)
+{
+    if (t.ndim >= 1 && t.data && t.shape[0] == all) {
+        t.data = (char *)t.data + i * t.stride[0];
+        t.shape[0] = n;
+    }
+    return t;
+}
+
 /* Scaled queries of kv head h: qs[g][j] = softmax_scale * q[h*G+g][j]. */
 void kvd__attn_scaled_q(const kvd_attn_dims *d, const kvd_tensor *q, int h, float *qs)
 {

@@ -1356,23 +1356,12 @@ static void int_head(void *arg, int h)
     free(buf);
 }
 
-/* Rows [i, i + n) of a tensor's first axis when it has `all` rows (others,
- * such as an absent tensor, stay as they are). */
-static kvd_tensor rows_of(kvd_tensor t, int64_t all, int64_t i, int64_t n)
-{
-    if (t.ndim >= 1 && t.data && t.shape[0] == all) {
-        t.data = (char *)t.data + i * t.stride[0];
-        t.shape[0] = n;
-    }
-    return t;
-}
-
 static kvd_attn_qdata qdata_head(kvd_attn_qdata q, int64_t Hkv, int64_t h)
 {
-    q.codes = rows_of(q.codes, Hkv, h, 1);
-    q.min = rows_of(q.min, Hkv, h, 1);
-    q.scale = rows_of(q.scale, Hkv, h, 1);
-    q.sum = rows_of(q.sum, Hkv, h, 1);
+    q.codes = kvd__attn_rows(q.codes, Hkv, h, 1);
+    q.min = kvd__attn_rows(q.min, Hkv, h, 1);
+    q.scale = kvd__attn_rows(q.scale, Hkv, h, 1);
+    q.sum = kvd__attn_rows(q.sum, Hkv, h, 1);
     return q;
 }
 
@@ -1396,13 +1385,13 @@ static void int_split_item(void *arg, int i)
     kvd_attn_int_args s = *a;
     s.dims.n_q_heads = gn;
     s.dims.n_kv_heads = 1;
-    s.q = rows_of(a->q, Hq, h * j->G + g0, gn);
-    s.out = rows_of(a->out, Hq, h * j->G + g0, gn);
-    s.lse = rows_of(a->lse, Hq, h * j->G + g0, gn);
+    s.q = kvd__attn_rows(a->q, Hq, h * j->G + g0, gn);
+    s.out = kvd__attn_rows(a->out, Hq, h * j->G + g0, gn);
+    s.lse = kvd__attn_rows(a->lse, Hq, h * j->G + g0, gn);
     s.k = qdata_head(a->k, Hkv, h);
     s.v = qdata_head(a->v, Hkv, h);
-    s.k_tail = rows_of(a->k_tail, Hkv, h, 1);
-    s.v_tail = rows_of(a->v_tail, Hkv, h, 1);
+    s.k_tail = kvd__attn_rows(a->k_tail, Hkv, h, 1);
+    s.v_tail = kvd__attn_rows(a->v_tail, Hkv, h, 1);
     int rc = kvd_cpu_attn_int_fast(&s, 1);
     if (rc)
         atomic_store(&j->rc, rc);

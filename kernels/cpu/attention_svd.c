@@ -134,12 +134,50 @@ static void svd_head(void *arg, int h)
     free(buf);
 }
 
+/* More query heads per kv head than one pass takes: each kv head's query
+ * heads, KVD__ATTN_MAXG at a time, as calls of their own (one kv head each:
+ * its rotations, widths and ragged blocks). */
+typedef struct svd_split {
+    const kvd_attn_svd_args *a;
+    int G, chunks;
+    atomic_int rc;
+} svd_split;
+
+static void svd_split_item(void *arg, int i)
+{
+    svd_split *j = arg;
+    const kvd_attn_svd_args *a = j->a;
+    const int64_t Hkv = a->dims.n_kv_heads, Hq = a->dims.n_q_heads, h = i / j->chunks;
+    const int g0 = (i % j->chunks) * KVD__ATTN_MAXG;
+    const int gn = j->G - g0 < KVD__ATTN_MAXG ? j->G - g0 : KVD__ATTN_MAXG;
+    const int64_t T = a->n_tokens, es = (int64_t)kvd_dtype_size(a->dtype);
+    kvd_attn_svd_args s = *a;
+    s.dims.n_q_heads = gn;
+    s.dims.n_kv_heads = 1;
+    s.q = kvd__attn_rows(a->q, Hq, h * j->G + g0, gn);
+    s.out = kvd__attn_rows(a->out, Hq, h * j->G + g0, gn);
+    s.lse = kvd__attn_rows(a->lse, Hq, h * j->G + g0, gn);
+    s.rk = kvd__attn_rows(a->rk, Hkv, h, 1);
+    s.rv = kvd__attn_rows(a->rv, Hkv, h, 1);
+    s.k_width = a->k_width + h;
+    s.v_width = a->v_width + h;
+    s.k_red = (const char *)a->k_red + T * width_offset(a->k_width, (int)h) * es;
+    s.v_red = (const char *)a->v_red + T * width_offset(a->v_width, (int)h) * es;
+    int rc = kvd_cpu_attn_svd_fast(&s, 1);
+    if (rc)
+        atomic_store(&j->rc, rc);
+}
+
 int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
-    if (G > KVD__ATTN_MAXG)
-        return kvd_cpu_attn_svd_ref(a);
+    if (G > KVD__ATTN_MAXG) {
+        svd_split j = {.a = a, .G = G, .chunks = (G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG};
+        atomic_init(&j.rc, 0);
+        kvd__par_for(d->n_kv_heads * j.chunks, nthreads, svd_split_item, &j);
+        return atomic_load(&j.rc);
+    }
     int64_t T = a->n_tokens;
     int64_t es = (int64_t)kvd_dtype_size(a->dtype);
     int simd = kvd__attn_simd(), rc = 0;

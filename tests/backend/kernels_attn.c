@@ -787,9 +787,15 @@ static void test_vq(tu_rng *rng)
         int64_t T, Tt;
         int G, D, dk, bk, dv, bv, had, lam;
     } cases[] = {
-        {0, 0, 4, 128, 4, 8, 4, 8, 1, 1},    {1, 0, 4, 128, 4, 8, 4, 8, 1, 1},
-        {700, 3, 4, 128, 4, 8, 4, 8, 1, 1},  {300, 0, 8, 128, 8, 12, 8, 12, 1, 1},
-        {257, 5, 1, 64, 4, 8, 2, 6, 0, 0},   {513, 0, 8, 64, 2, 4, 4, 8, 1, 0},
+        {0, 0, 4, 128, 4, 8, 4, 8, 1, 1},
+        {1, 0, 4, 128, 4, 8, 4, 8, 1, 1},
+        {700, 3, 4, 128, 4, 8, 4, 8, 1, 1},
+        {300, 0, 8, 128, 8, 12, 8, 12, 1, 1},
+        {257, 5, 1, 64, 4, 8, 2, 6, 0, 0},
+        {513, 0, 8, 64, 2, 4, 4, 8, 1, 0},
+        /* more query heads per kv head than one pass takes (8): two, three */
+        {300, 2, 12, 128, 4, 8, 4, 8, 1, 1},
+        {256, 0, 20, 64, 4, 8, 4, 8, 0, 1},
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         int Hkv = 2, G = cases[ci].G, Hq = Hkv * G, D = cases[ci].D;
@@ -889,11 +895,12 @@ static void test_vq(tu_rng *rng)
 
 /* ---- SVD --------------------------------------------------------------- */
 
-static void test_svd(tu_rng *rng)
+static void test_svd(tu_rng *rng, int G)
 {
     /* attention: R from the Q-K Gram; full width = dense exactly; reduced
-     * widths (ragged, per head) fast = ref */
-    int Hkv = 2, G = 4, Hq = 8, D = 64;
+     * widths (ragged, per head) fast = ref; G = 20: more query heads per kv
+     * head than one pass takes */
+    int Hkv = 2, Hq = Hkv * G, D = 64;
     int64_t T = 300;
     prob p = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 1);
     float *Rk = malloc(sizeof(float) * Hkv * D * D), *Rv = malloc(sizeof(float) * Hkv * D * D), svk[64], svv[64];
@@ -941,10 +948,13 @@ static void test_svd(tu_rng *rng)
             kvd_error err;
             TU_CHECK(kvd_attn_svd(fast ? be_fast : be_ref, 1, &a, &err) == 0, "svd attention: %s", err.msg);
         }
-        compare(pass ? "SVD reduced fast vs ref" : "SVD full fast vs ref", &rr, &rf, Hq, D, 1e-9, 1e-4);
+        char what[64];
+        snprintf(what, sizeof what, "SVD G=%d %s fast vs ref", G, pass ? "reduced" : "full");
+        compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
         if (pass == 0) {
             run_dense(be_ref, &p, &dn, 0, T);
-            compare("SVD full width = dense", &dn, &rr, Hq, D, 1e-10, 1e-4);
+            snprintf(what, sizeof what, "SVD G=%d full width = dense", G);
+            compare(what, &dn, &rr, Hq, D, 1e-10, 1e-4);
         }
         res_free(&rr), res_free(&rf), res_free(&dn);
         free(kr), free(vr);
@@ -992,8 +1002,9 @@ int main(void)
     test_int(&rng);
     test_int_nan(&rng);
     test_vq(&rng);
-    test_svd(&rng);
+    test_svd(&rng, 4);
     test_rows(&rng);
+    test_svd(&rng, 20);
     test_invalid();
     kvd_backend_free(be_fast);
     kvd_backend_free(be_ref);

@@ -300,6 +300,10 @@ void kvd__attn_dense_src(kvd__attn_src *src, void *ctxbuf, const kvd_tensor *k,
                          const kvd_tensor *v, const int32_t *idx, int64_t n, const float *qs,
                          int G, int D, int Dv, int h, int simd);
 void kvd__attn_scaled_q(const kvd_attn_dims *d, const kvd_tensor *q, int h, float *qs);
+/* Rows [i, i + n) of t's first axis when it has `all` rows (any other
+ * tensor, an absent one included, comes back as it is): one kv head's or
+ * some query heads' part of an argument. */
+kvd_tensor kvd__attn_rows(kvd_tensor t, int64_t all, int64_t i, int64_t n);
 void kvd__attn_out_ptrs(const kvd_attn_dims *d, const kvd_tensor *out, const kvd_tensor *lse,
                         int h, float **o, float **l);
 void kvd__attn_ref_finish(const double *s, int64_t n, const float *vals, int Dv, float *out,
