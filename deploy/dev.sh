@@ -55,7 +55,7 @@ as_root() {
 install_pkgs() {
     local missing=()
     for p in "$@"; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" >/dev/null ||
             missing+=("$p")
     done
     if [ ${#missing[@]} -gt 0 ]; then

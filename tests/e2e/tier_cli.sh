@@ -19,9 +19,9 @@ k put s1 --model m --tokens 700 --file "$work/kv.bin" >/dev/null || fail "put"
 k put s2 --model m --tokens 700 --file "$work/kv.bin" --ttl 1 >/dev/null || fail "put --ttl"
 out=$(k stats) || fail "stats"
 echo "$out" | grep_q '^durability  sync$' || fail "stats: durability: $out"
-echo "$out" | grep -Eq '^backend +(cpu|cuda) \([1-9][0-9]* CPU threads\)$' || fail "stats: backend: $out"
-echo "$out" | grep -Eq '^device +262144 ' || fail "stats: device tier: $out"
-echo "$out" | grep -Eq '^disk +0 +[0-9]+ +12 ' || fail "stats: disk pages: $out"
+echo "$out" | grep_q -E '^backend +(cpu|cuda) \([1-9][0-9]* CPU threads\)$' || fail "stats: backend: $out"
+echo "$out" | grep_q -E '^device +262144 ' || fail "stats: device tier: $out"
+echo "$out" | grep_q -E '^disk +0 +[0-9]+ +12 ' || fail "stats: disk pages: $out"
 k seq evict s1 | grep_q 'evicted from memory' || fail "seq evict"
 k get s1 --file "$work/back.bin" >/dev/null || fail "get"
 cmp -s "$work/kv.bin" "$work/back.bin" || fail "bytes differ after eviction"
@@ -32,7 +32,7 @@ for _ in $(seq 1 40); do
     sleep 0.1
 done
 k seq stat s2 >/dev/null 2>&1 && fail "s2 outlived its TTL"
-k stats | grep -Eq '^sequences_expired +1$' || fail "stats: sequences_expired"
+k stats | grep_q -E '^sequences_expired +1$' || fail "stats: sequences_expired"
 kill -TERM "$pid"
 wait "$pid" || fail "kvdepotd exited with $? on SIGTERM"
 pid=

@@ -213,7 +213,7 @@ EOF
     cmp -s "$f" "$work/back" || fail "team-b's req-1 reads back other bytes"
     ok k --token tok-a-rw-0123456789 get req-1 --file "$work/back"
     cmp -s "$work/g.bin" "$work/back" || fail "team-a's req-1 reads back other bytes"
-    k --token tok-a-rw-0123456789 seq stat req-1 | grep -q "model: *a-m" || fail "team-a's req-1"
+    k --token tok-a-rw-0123456789 seq stat req-1 | grep_q "model: *a-m" || fail "team-a's req-1"
     [ "$(k --token tok-b-rw-0123456789 seqs | grep -c req-1)" = 1 ] || fail "team-b lists req-1"
     # Stats: a tenant sees its own usage; an admin token the whole server.
     k --token tok-b-rw-0123456789 stats >"$work/stats-b" || fail "stats for team-b"
@@ -440,7 +440,7 @@ EOF
     want=$((mem / 8 / 1048576 * 1048576))
     grep -q "device_tier_bytes=$want device_tier=auto host_tier_bytes=$want host_tier=auto append_memory_bytes=$want append_memory=auto" \
         <<<"$line" || fail "auto tiers: want $want bytes each: $line"
-    "$cli" --addr "127.0.0.1:$port" stats | grep -q "$want" || fail "Stats lacks the tier limit $want"
+    "$cli" --addr "127.0.0.1:$port" stats | grep_q "$want" || fail "Stats lacks the tier limit $want"
     stop
     ;;
 metrics)
@@ -611,7 +611,7 @@ wal)
                 kept=$((kept + 1))
                 continue
             fi
-            echo "$line" | grep -q "fewer tokens.*acknowledged_tokens=300 recovered_tokens=0" ||
+            echo "$line" | grep_q "fewer tokens.*acknowledged_tokens=300 recovered_tokens=0" ||
                 fail "s$i came back empty; the log says: '$line'"
             k seq stat "s$i" >"$work/stat" || fail "stat s$i"
             grep -q "recovery_loss: acknowledged 300 tokens, 0 came back" "$work/stat" ||
@@ -619,7 +619,7 @@ wal)
             marked="$marked s$i"
         else
             grep -q NOT_FOUND "$work/err" || fail "s$i: $(cat "$work/err")"
-            echo "$line" | grep -q "created after the damage.*acknowledged_tokens=300" ||
+            echo "$line" | grep_q "created after the damage.*acknowledged_tokens=300" ||
                 fail "s$i is gone; the log says: '$line'"
         fi
         lost=$((lost + 1))
@@ -632,10 +632,10 @@ wal)
     start
     [ "$(metric kvdepot_wal_recovery_sequences_lost)" = 0 ] || fail "losses counted again"
     for s in $marked; do
-        k seq stat "$s" | grep -q "recovery_loss: acknowledged 300" || fail "$s: mark gone"
+        k seq stat "$s" | grep_q "recovery_loss: acknowledged 300" || fail "$s: mark gone"
         ok k seq rm "$s"
         ok k put "$s" --model m --tokens 300 --file "$work/s1.bin"
-        k seq stat "$s" | grep -q recovery_loss && fail "$s: the mark outlived its sequence"
+        k seq stat "$s" | grep_q recovery_loss && fail "$s: the mark outlived its sequence"
     done
     stop
     ;;

@@ -75,7 +75,7 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 need=()
 for p in build-essential cmake redis-server libhiredis-dev python3-venv python3-faiss \
          libibverbs1 iproute2; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" >/dev/null || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
     echo "run_peers: installing ${need[*]}" >&2
