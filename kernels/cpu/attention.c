@@ -963,6 +963,20 @@ kvd_tensor kvd__attn_rows(kvd_tensor t, int64_t all, int64_t i, int64_t n)
     return t;
 }
 
+int64_t kvd__attn_part(int i, int per, kvd_attn_dims *dims, kvd_tensor *q, kvd_tensor *out,
+                       kvd_tensor *lse)
+{
+    const int G = dims->n_q_heads / dims->n_kv_heads, chunks = (G + per - 1) / per;
+    const int64_t Hq = dims->n_q_heads, h = i / chunks;
+    const int g0 = (i % chunks) * per, gn = G - g0 < per ? G - g0 : per;
+    *q = kvd__attn_rows(*q, Hq, h * G + g0, gn);
+    *out = kvd__attn_rows(*out, Hq, h * G + g0, gn);
+    *lse = kvd__attn_rows(*lse, Hq, h * G + g0, gn);
+    dims->n_q_heads = gn;
+    dims->n_kv_heads = 1;
+    return h;
+}
+
 /* Scaled queries of kv head h: qs[g][j] = softmax_scale * q[h*G+g][j]. */
 void kvd__attn_scaled_q(const kvd_attn_dims *d, const kvd_tensor *q, int h, float *qs)
 {

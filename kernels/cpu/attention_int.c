@@ -1371,7 +1371,6 @@ static kvd_attn_qdata qdata_head(kvd_attn_qdata q, int64_t Hkv, int64_t h)
  * those of one call). */
 typedef struct int_split {
     const kvd_attn_int_args *a;
-    int G, chunks;
     atomic_int rc;
 } int_split;
 
@@ -1379,15 +1378,9 @@ static void int_split_item(void *arg, int i)
 {
     int_split *j = arg;
     const kvd_attn_int_args *a = j->a;
-    const int64_t Hkv = a->dims.n_kv_heads, Hq = a->dims.n_q_heads, h = i / j->chunks;
-    const int g0 = (i % j->chunks) * KVD__ATTN_MAXG;
-    const int gn = j->G - g0 < KVD__ATTN_MAXG ? j->G - g0 : KVD__ATTN_MAXG;
+    const int64_t Hkv = a->dims.n_kv_heads;
     kvd_attn_int_args s = *a;
-    s.dims.n_q_heads = gn;
-    s.dims.n_kv_heads = 1;
-    s.q = kvd__attn_rows(a->q, Hq, h * j->G + g0, gn);
-    s.out = kvd__attn_rows(a->out, Hq, h * j->G + g0, gn);
-    s.lse = kvd__attn_rows(a->lse, Hq, h * j->G + g0, gn);
+    const int64_t h = kvd__attn_part(i, KVD__ATTN_MAXG, &s.dims, &s.q, &s.out, &s.lse);
     s.k = qdata_head(a->k, Hkv, h);
     s.v = qdata_head(a->v, Hkv, h);
     s.k_tail = kvd__attn_rows(a->k_tail, Hkv, h, 1);
@@ -1413,9 +1406,10 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     if (Dv > 4096 || vblock == 0)
         return kvd_cpu_attn_int_ref(a);
     if (G > KVD__ATTN_MAXG) {
-        int_split j = {.a = a, .G = G, .chunks = (G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG};
+        int_split j = {.a = a};
         atomic_init(&j.rc, 0);
-        kvd__par_for(d->n_kv_heads * j.chunks, nthreads, int_split_item, &j);
+        kvd__par_for(d->n_kv_heads * ((G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG), nthreads,
+                     int_split_item, &j);
         return atomic_load(&j.rc);
     }
     int simd = kvd__attn_simd(), rc = 0;

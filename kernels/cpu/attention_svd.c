@@ -139,7 +139,6 @@ static void svd_head(void *arg, int h)
  * its rotations, widths and ragged blocks). */
 typedef struct svd_split {
     const kvd_attn_svd_args *a;
-    int G, chunks;
     atomic_int rc;
 } svd_split;
 
@@ -147,16 +146,10 @@ static void svd_split_item(void *arg, int i)
 {
     svd_split *j = arg;
     const kvd_attn_svd_args *a = j->a;
-    const int64_t Hkv = a->dims.n_kv_heads, Hq = a->dims.n_q_heads, h = i / j->chunks;
-    const int g0 = (i % j->chunks) * KVD__ATTN_MAXG;
-    const int gn = j->G - g0 < KVD__ATTN_MAXG ? j->G - g0 : KVD__ATTN_MAXG;
-    const int64_t T = a->n_tokens, es = (int64_t)kvd_dtype_size(a->dtype);
+    const int64_t Hkv = a->dims.n_kv_heads, T = a->n_tokens;
+    const int64_t es = (int64_t)kvd_dtype_size(a->dtype);
     kvd_attn_svd_args s = *a;
-    s.dims.n_q_heads = gn;
-    s.dims.n_kv_heads = 1;
-    s.q = kvd__attn_rows(a->q, Hq, h * j->G + g0, gn);
-    s.out = kvd__attn_rows(a->out, Hq, h * j->G + g0, gn);
-    s.lse = kvd__attn_rows(a->lse, Hq, h * j->G + g0, gn);
+    const int64_t h = kvd__attn_part(i, KVD__ATTN_MAXG, &s.dims, &s.q, &s.out, &s.lse);
     s.rk = kvd__attn_rows(a->rk, Hkv, h, 1);
     s.rv = kvd__attn_rows(a->rv, Hkv, h, 1);
     s.k_width = a->k_width + h;
@@ -173,9 +166,10 @@ int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads)
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
     if (G > KVD__ATTN_MAXG) {
-        svd_split j = {.a = a, .G = G, .chunks = (G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG};
+        svd_split j = {.a = a};
         atomic_init(&j.rc, 0);
-        kvd__par_for(d->n_kv_heads * j.chunks, nthreads, svd_split_item, &j);
+        kvd__par_for(d->n_kv_heads * ((G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG), nthreads,
+                     svd_split_item, &j);
         return atomic_load(&j.rc);
     }
     int64_t T = a->n_tokens;

@@ -521,7 +521,6 @@ static void vq_head(void *arg, int h)
  * arithmetic is its own). */
 typedef struct vq_split {
     const kvd_attn_vq_args *a;
-    int G, chunks;
     atomic_int rc;
 } vq_split;
 
@@ -529,14 +528,9 @@ static void vq_split_item(void *arg, int i)
 {
     vq_split *j = arg;
     const kvd_attn_vq_args *a = j->a;
-    const int64_t Hkv = a->dims.n_kv_heads, Hq = a->dims.n_q_heads, h = i / j->chunks;
-    const int g0 = (i % j->chunks) * 8, gn = j->G - g0 < 8 ? j->G - g0 : 8;
+    const int64_t Hkv = a->dims.n_kv_heads;
     kvd_attn_vq_args s = *a;
-    s.dims.n_q_heads = gn;
-    s.dims.n_kv_heads = 1;
-    s.q = kvd__attn_rows(a->q, Hq, h * j->G + g0, gn);
-    s.out = kvd__attn_rows(a->out, Hq, h * j->G + g0, gn);
-    s.lse = kvd__attn_rows(a->lse, Hq, h * j->G + g0, gn);
+    const int64_t h = kvd__attn_part(i, 8, &s.dims, &s.q, &s.out, &s.lse);
     s.k_codes = kvd__attn_rows(a->k_codes, Hkv, h, 1);
     s.k_codebook = kvd__attn_rows(a->k_codebook, Hkv, h, 1);
     s.k_lambda = kvd__attn_rows(a->k_lambda, Hkv, h, 1);
@@ -554,9 +548,9 @@ int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
     if (G > 8) {
-        vq_split j = {.a = a, .G = G, .chunks = (G + 7) / 8};
+        vq_split j = {.a = a};
         atomic_init(&j.rc, 0);
-        kvd__par_for(d->n_kv_heads * j.chunks, nthreads, vq_split_item, &j);
+        kvd__par_for(d->n_kv_heads * ((G + 7) / 8), nthreads, vq_split_item, &j);
         return atomic_load(&j.rc);
     }
     int simd = kvd__attn_simd(), rc = 0;

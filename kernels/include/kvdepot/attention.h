@@ -304,6 +304,11 @@ void kvd__attn_scaled_q(const kvd_attn_dims *d, const kvd_tensor *q, int h, floa
  * tensor, an absent one included, comes back as it is): one kv head's or
  * some query heads' part of an argument. */
 kvd_tensor kvd__attn_rows(kvd_tensor t, int64_t all, int64_t i, int64_t n);
+/* Part i of a call split into one kv head's query heads, `per` at a time
+ * (parts: n_kv_heads x ceil(G / per)): dims, q, out and lse become that
+ * part's (one kv head); returns the kv head. */
+int64_t kvd__attn_part(int i, int per, kvd_attn_dims *dims, kvd_tensor *q, kvd_tensor *out,
+                       kvd_tensor *lse);
 void kvd__attn_out_ptrs(const kvd_attn_dims *d, const kvd_tensor *out, const kvd_tensor *lse,
                         int h, float **o, float **l);
 void kvd__attn_ref_finish(const double *s, int64_t n, const float *vals, int Dv, float *out,
