@@ -977,6 +977,31 @@ int64_t kvd__attn_part(int i, int per, kvd_attn_dims *dims, kvd_tensor *q, kvd_t
     return h;
 }
 
+/* The parts of kvd__attn_split on the pool; the first error kept. */
+typedef struct split_job {
+    kvd__attn_part_fn fn;
+    const void *args;
+    atomic_int rc;
+} split_job;
+
+static void split_item(void *arg, int i)
+{
+    split_job *j = arg;
+    int rc = j->fn(j->args, i);
+    if (rc)
+        atomic_store(&j->rc, rc);
+}
+
+int kvd__attn_split(const kvd_attn_dims *d, int per, int nthreads, kvd__attn_part_fn fn,
+                    const void *args)
+{
+    const int G = d->n_q_heads / d->n_kv_heads;
+    split_job j = {.fn = fn, .args = args};
+    atomic_init(&j.rc, 0);
+    kvd__par_for(d->n_kv_heads * ((G + per - 1) / per), nthreads, split_item, &j);
+    return atomic_load(&j.rc);
+}
+
 /* Scaled queries of kv head h: qs[g][j] = softmax_scale * q[h*G+g][j]. */
 void kvd__attn_scaled_q(const kvd_attn_dims *d, const kvd_tensor *q, int h, float *qs)
 {

@@ -1369,15 +1369,9 @@ static kvd_attn_qdata qdata_head(kvd_attn_qdata q, int64_t Hkv, int64_t h)
  * head's query heads, KVD__ATTN_MAXG at a time, as calls of their own (one
  * kv head each; every query head's arithmetic is its own, so the bits are
  * those of one call). */
-typedef struct int_split {
-    const kvd_attn_int_args *a;
-    atomic_int rc;
-} int_split;
-
-static void int_split_item(void *arg, int i)
+static int int_part(const void *arg, int i)
 {
-    int_split *j = arg;
-    const kvd_attn_int_args *a = j->a;
+    const kvd_attn_int_args *a = arg;
     const int64_t Hkv = a->dims.n_kv_heads;
     kvd_attn_int_args s = *a;
     const int64_t h = kvd__attn_part(i, KVD__ATTN_MAXG, &s.dims, &s.q, &s.out, &s.lse);
@@ -1385,9 +1379,7 @@ static void int_split_item(void *arg, int i)
     s.v = qdata_head(a->v, Hkv, h);
     s.k_tail = kvd__attn_rows(a->k_tail, Hkv, h, 1);
     s.v_tail = kvd__attn_rows(a->v_tail, Hkv, h, 1);
-    int rc = kvd_cpu_attn_int_fast(&s, 1);
-    if (rc)
-        atomic_store(&j->rc, rc);
+    return kvd_cpu_attn_int_fast(&s, 1);
 }
 
 int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
@@ -1405,13 +1397,8 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
         vblock = 0;
     if (Dv > 4096 || vblock == 0)
         return kvd_cpu_attn_int_ref(a);
-    if (G > KVD__ATTN_MAXG) {
-        int_split j = {.a = a};
-        atomic_init(&j.rc, 0);
-        kvd__par_for(d->n_kv_heads * ((G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG), nthreads,
-                     int_split_item, &j);
-        return atomic_load(&j.rc);
-    }
+    if (G > KVD__ATTN_MAXG)
+        return kvd__attn_split(d, KVD__ATTN_MAXG, nthreads, int_part, a);
     int simd = kvd__attn_simd(), rc = 0;
     int vnni = simd && cpu_has_avxvnni() && !getenv("KVD_NO_VNNI");
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;

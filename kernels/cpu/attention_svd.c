@@ -137,15 +137,9 @@ static void svd_head(void *arg, int h)
 /* More query heads per kv head than one pass takes: each kv head's query
  * heads, KVD__ATTN_MAXG at a time, as calls of their own (one kv head each:
  * its rotations, widths and ragged blocks). */
-typedef struct svd_split {
-    const kvd_attn_svd_args *a;
-    atomic_int rc;
-} svd_split;
-
-static void svd_split_item(void *arg, int i)
+static int svd_part(const void *arg, int i)
 {
-    svd_split *j = arg;
-    const kvd_attn_svd_args *a = j->a;
+    const kvd_attn_svd_args *a = arg;
     const int64_t Hkv = a->dims.n_kv_heads, T = a->n_tokens;
     const int64_t es = (int64_t)kvd_dtype_size(a->dtype);
     kvd_attn_svd_args s = *a;
@@ -156,22 +150,15 @@ static void svd_split_item(void *arg, int i)
     s.v_width = a->v_width + h;
     s.k_red = (const char *)a->k_red + T * width_offset(a->k_width, (int)h) * es;
     s.v_red = (const char *)a->v_red + T * width_offset(a->v_width, (int)h) * es;
-    int rc = kvd_cpu_attn_svd_fast(&s, 1);
-    if (rc)
-        atomic_store(&j->rc, rc);
+    return kvd_cpu_attn_svd_fast(&s, 1);
 }
 
 int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
-    if (G > KVD__ATTN_MAXG) {
-        svd_split j = {.a = a};
-        atomic_init(&j.rc, 0);
-        kvd__par_for(d->n_kv_heads * ((G + KVD__ATTN_MAXG - 1) / KVD__ATTN_MAXG), nthreads,
-                     svd_split_item, &j);
-        return atomic_load(&j.rc);
-    }
+    if (G > KVD__ATTN_MAXG)
+        return kvd__attn_split(d, KVD__ATTN_MAXG, nthreads, svd_part, a);
     int64_t T = a->n_tokens;
     int64_t es = (int64_t)kvd_dtype_size(a->dtype);
     int simd = kvd__attn_simd(), rc = 0;

@@ -519,15 +519,9 @@ static void vq_head(void *arg, int h)
 /* More than 8 query heads per kv head: each kv head's query heads, 8 at a
  * time, as calls of their own (one kv head each; every query head's
  * arithmetic is its own). */
-typedef struct vq_split {
-    const kvd_attn_vq_args *a;
-    atomic_int rc;
-} vq_split;
-
-static void vq_split_item(void *arg, int i)
+static int vq_part(const void *arg, int i)
 {
-    vq_split *j = arg;
-    const kvd_attn_vq_args *a = j->a;
+    const kvd_attn_vq_args *a = arg;
     const int64_t Hkv = a->dims.n_kv_heads;
     kvd_attn_vq_args s = *a;
     const int64_t h = kvd__attn_part(i, 8, &s.dims, &s.q, &s.out, &s.lse);
@@ -538,21 +532,15 @@ static void vq_split_item(void *arg, int i)
     s.v_codebook = kvd__attn_rows(a->v_codebook, Hkv, h, 1);
     s.k_tail = kvd__attn_rows(a->k_tail, Hkv, h, 1);
     s.v_tail = kvd__attn_rows(a->v_tail, Hkv, h, 1);
-    int rc = kvd_cpu_attn_vq_fast(&s, 1);
-    if (rc)
-        atomic_store(&j->rc, rc);
+    return kvd_cpu_attn_vq_fast(&s, 1);
 }
 
 int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)
 {
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
-    if (G > 8) {
-        vq_split j = {.a = a};
-        atomic_init(&j.rc, 0);
-        kvd__par_for(d->n_kv_heads * ((G + 7) / 8), nthreads, vq_split_item, &j);
-        return atomic_load(&j.rc);
-    }
+    if (G > 8)
+        return kvd__attn_split(d, 8, nthreads, vq_part, a);
     int simd = kvd__attn_simd(), rc = 0;
     int GP = G <= 4 ? 4 : 8;
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;

@@ -309,6 +309,13 @@ kvd_tensor kvd__attn_rows(kvd_tensor t, int64_t all, int64_t i, int64_t n);
  * part's (one kv head); returns the kv head. */
 int64_t kvd__attn_part(int i, int per, kvd_attn_dims *dims, kvd_tensor *q, kvd_tensor *out,
                        kvd_tensor *lse);
+/* A call with more query heads per kv head than a fast path takes at once,
+ * run as its parts: fn(args, i) for i < n_kv_heads x ceil(G / per), on up
+ * to nthreads threads of the pool (each part builds its call with
+ * kvd__attn_part and runs it on one thread). Returns the first error. */
+typedef int (*kvd__attn_part_fn)(const void *args, int i);
+int kvd__attn_split(const kvd_attn_dims *d, int per, int nthreads, kvd__attn_part_fn fn,
+                    const void *args);
 void kvd__attn_out_ptrs(const kvd_attn_dims *d, const kvd_tensor *out, const kvd_tensor *lse,
                         int h, float **o, float **l);
 void kvd__attn_ref_finish(const double *s, int64_t n, const float *vals, int Dv, float *out,
