@@ -22,7 +22,9 @@
  *   - on CPUs with AVX-512 VBMI (chosen at run time), long ranges with a
  *     starting threshold are scanned 64 tokens at a time on 8-bit quantized
  *     tables, and only tokens whose upper bound beats the threshold are
- *     scored exactly (scan_vbmi); the AVX2 scan is the path everywhere else;
+ *     scored exactly (scan_vbmi; 4-bit codes are looked up where they lie,
+ *     four sub-spaces to a register table, scan_vbmi4_m); the AVX2 scan is the
+ *     path everywhere else;
  *   - threads split the middle tokens into contiguous ranges, each with its
  *     own buffer; the per-thread winners are merged by one more selection.
  *     Selection is exact, so the result does not depend on the split.
@@ -177,7 +179,17 @@ typedef struct topk_buf {
     uint64_t *keys;
     int64_t n, cap, k;
     float thr;
+    uint64_t steps, rescored; /* quantized scans (kvd__pq_counters) */
 } topk_buf;
+
+static uint64_t pq_counters[3]; /* kvd__pq_counters, updated atomically */
+
+void kvd__pq_counters_get(kvd__pq_counters *out)
+{
+    out->steps = __atomic_load_n(&pq_counters[0], __ATOMIC_RELAXED);
+    out->rescored = __atomic_load_n(&pq_counters[1], __ATOMIC_RELAXED);
+    out->rescans = __atomic_load_n(&pq_counters[2], __ATOMIC_RELAXED);
+}
 
 static void tb_compact(topk_buf *tb)
 {
@@ -316,6 +328,23 @@ static inline float score_agg(int m, int G, kvd_pq_agg agg, const uint8_t *code,
                               const float *luts)
 {
     return agg == KVD_PQ_AGG_MAX ? score_max(m, G, code, luts) : score_one(m, code, luts);
+}
+
+/* score_one of the four rows r[0..3], the four sums interleaved (each is a
+ * chain of dependent adds; four at once keep the adder busy). */
+static inline void score_four(int m, const uint8_t *const r[4], const float *lut, float out[4])
+{
+    float s0 = lut[r[0][0]], s1 = lut[r[1][0]], s2 = lut[r[2][0]], s3 = lut[r[3][0]];
+    for (int j = 1; j < m; j++) {
+        s0 = s0 + lut[j * 256 + r[0][j]];
+        s1 = s1 + lut[j * 256 + r[1][j]];
+        s2 = s2 + lut[j * 256 + r[2][j]];
+        s3 = s3 + lut[j * 256 + r[3][j]];
+    }
+    out[0] = s0;
+    out[1] = s1;
+    out[2] = s2;
+    out[3] = s3;
 }
 
 /* Tables for a search: SUM -> one table of qbar; MAX -> G tables. */
@@ -564,9 +593,21 @@ static float guess_threshold(int m, int G, kvd_pq_agg agg, const uint8_t *codes,
         return NAN;
     uint64_t keys[S];
     int64_t step = nm / S;
-    for (int64_t i = 0; i < S; i++) {
-        int64_t t = lo + i * step + step / 2;
-        keys[i] = make_key(score_agg(m, G, agg, codes + t * m, luts), (uint32_t)t);
+    for (int64_t i = 0; i < S; i += 4) {
+        int64_t t[4];
+        const uint8_t *rows[4];
+        for (int l = 0; l < 4; l++) {
+            t[l] = lo + (i + l) * step + step / 2;
+            rows[l] = codes + t[l] * m;
+        }
+        float sc[4];
+        if (agg == KVD_PQ_AGG_MAX)
+            for (int l = 0; l < 4; l++)
+                sc[l] = score_max(m, G, rows[l], luts);
+        else
+            score_four(m, rows, luts, sc);
+        for (int l = 0; l < 4; l++)
+            keys[i + l] = make_key(sc[l], (uint32_t)t[l]);
     }
     select_topk(keys, S, r);
     if ((keys[r - 1] >> 32) == 0)
@@ -603,8 +644,11 @@ static float guess_threshold(int m, int G, kvd_pq_agg agg, const uint8_t *codes,
  */
 typedef struct pq_qlut {
     uint8_t q[16][256]; /* quantized tables, m <= 16 */
+    /* b = 4: the same entries 16 to a sub-space, four sub-spaces to a
+     * 64-byte table: nib[t][16 * s + c] = q[4 t + s][c] */
+    uint8_t nib[4][64];
     double base, delta, eps;
-    int m;
+    int m, b;
 } pq_qlut;
 
 #define VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma,bmi2")))
@@ -639,10 +683,15 @@ VBMI_TARGET static int build_qlut(int m, int b, const float *lut, pq_qlut *ql)
             double f = c < ksub ? floor((lut[j * 256 + c] - mins[j]) * inv) : 0.0;
             ql->q[j][c] = (uint8_t)(f < 0 ? 0 : f > 255 ? 255 : f);
         }
+    memset(ql->nib, 0, sizeof ql->nib);
+    if (b == 4)
+        for (int j = 0; j < m; j++)
+            memcpy(ql->nib[j / 4] + 16 * (j % 4), ql->q[j], 16);
     ql->base = base;
     ql->delta = delta;
     ql->eps = 2.0 * m * m * ldexp(1.0, -24) * amax + m * delta * 1e-6 + 1e-30;
     ql->m = m;
+    ql->b = b;
     return 1;
 }
 
@@ -735,6 +784,7 @@ scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, in
             float thr = tb->thr;
             uint64_t mask = _pdep_u64(me, 0x5555555555555555ull) |
                             _pdep_u64(mo, 0xAAAAAAAAAAAAAAAAull);
+            tb->rescored += (uint64_t)__builtin_popcountll(mask);
             while (mask) {
                 int l = __builtin_ctzll(mask);
                 mask &= mask - 1;
@@ -744,12 +794,146 @@ scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, in
             }
         }
     }
+    tb->steps += (uint64_t)(i - i0) / 64;
+    scan_avx2(M, codes, lut, i, i1, tb);
+}
+
+/*
+ * The same filter for 4-bit codes (b = 4), without the transpose: the 16
+ * entries of four sub-spaces fill one 64-byte table, so a register of code
+ * rows is looked up in place, each byte's index being its code plus 16 x its
+ * sub-space's place in the table (one vpermb for m = 2 and 4, one vpermi2b
+ * over 8 sub-spaces for m = 8, two and a blend for m = 16). The sums of a
+ * token's bytes are lanes of their own: pmaddubsw for m = 2 (u16), then
+ * pmaddwd for m = 4 (u32), psadbw for m = 8 and 16 (u64, the two halves of a
+ * 16-byte row added across a pair of registers). A step takes 64 tokens and
+ * tests only the largest sum against the threshold; the rare step that
+ * passes finds its candidates lane by lane. A code of 16 or more (an entry of
+ * -inf, ranked last) is read as its low 4 bits: the bound is then one of a
+ * real entry, above the token's -inf, and the exact re-score drops it.
+ */
+VBMI_TARGET __attribute__((always_inline)) static inline void
+scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
+             int64_t i1, topk_buf *tb)
+{
+    /* R registers of code rows a step, T tokens a register, L sum lanes a
+     * register (u16 for M = 2, u32 for M = 4, u64 otherwise) */
+    enum { MAXR = 16 };
+    const int R = M, T = 64 / M;
+    uint8_t off[64];
+    for (int q = 0; q < 64; q++)
+        off[q] = (uint8_t)(16 * ((q % M) & 7));
+    const __m512i voff = _mm512_loadu_si512(off), lo4 = _mm512_set1_epi8(0x0F);
+    const __m512i t0 = _mm512_loadu_si512(ql->nib[0]), t1 = _mm512_loadu_si512(ql->nib[1]);
+    const __m512i t2 = _mm512_loadu_si512(ql->nib[2]), t3 = _mm512_loadu_si512(ql->nib[3]);
+    const __m512i one8 = _mm512_set1_epi8(1), one16 = _mm512_set1_epi16(1);
+    const __m512i zero = _mm512_setzero_si512();
+    int qthr = qlut_threshold(ql, tb->thr);
+    __m512i vq = M == 2   ? _mm512_set1_epi16((short)qthr)
+                 : M == 4 ? _mm512_set1_epi32(qthr)
+                          : _mm512_set1_epi64(qthr);
+    int64_t i = i0;
+    for (; i + 64 <= i1; i += 64) {
+        const uint8_t *p = codes + i * M;
+        __m512i sum[MAXR], big = _mm512_set1_epi64(-1);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            /* (code & 15) | offset */
+            __m512i ix = _mm512_ternarylogic_epi32(_mm512_loadu_si512(p + 64 * r), lo4, voff, 0xEA);
+            __m512i v;
+            if (M == 2) {
+                v = _mm512_maddubs_epi16(_mm512_permutexvar_epi8(ix, t0), one8);
+                big = _mm512_max_epi16(big, v);
+            } else if (M == 4) {
+                v = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_permutexvar_epi8(ix, t0), one8),
+                                      one16);
+                big = _mm512_max_epi32(big, v);
+            } else if (M == 8) {
+                v = _mm512_sad_epu8(_mm512_permutex2var_epi8(t0, ix, t1), zero);
+                big = _mm512_max_epi64(big, v);
+            } else {
+                __m512i a = _mm512_permutex2var_epi8(t0, ix, t1);
+                __m512i c = _mm512_permutex2var_epi8(t2, ix, t3);
+                v = _mm512_sad_epu8(_mm512_mask_blend_epi64(0xAA, a, c), zero);
+            }
+            sum[r] = v;
+        }
+        if (M == 16)
+#pragma GCC unroll 8
+            /* register pair (2h, 2h + 1) -> lane 2l: token 8h + l, lane 2l + 1:
+             * token 8h + 4 + l (l < 4) */
+            for (int h = 0; h < R / 2; h++) {
+                __m512i a = sum[2 * h], c = sum[2 * h + 1];
+                sum[h] = _mm512_add_epi64(_mm512_unpacklo_epi64(a, c), _mm512_unpackhi_epi64(a, c));
+                big = _mm512_max_epi64(big, sum[h]);
+            }
+        int pass = M == 2   ? _mm512_cmpgt_epi16_mask(big, vq) != 0
+                   : M == 4 ? _mm512_cmpgt_epi32_mask(big, vq) != 0
+                            : _mm512_cmpgt_epi64_mask(big, vq) != 0;
+        if (__builtin_expect(pass, 0)) {
+            if (tb->n + 64 > tb->cap) {
+                tb_compact(tb);
+                qthr = qlut_threshold(ql, tb->thr);
+                vq = M == 2   ? _mm512_set1_epi16((short)qthr)
+                     : M == 4 ? _mm512_set1_epi32(qthr)
+                              : _mm512_set1_epi64(qthr);
+            }
+            float thr = tb->thr;
+            const int nv = M == 16 ? R / 2 : R;
+            int32_t cand[64];
+            int nc = 0;
+            for (int r = 0; r < nv; r++) {
+                uint64_t mk = M == 2   ? _mm512_cmpgt_epi16_mask(sum[r], vq)
+                              : M == 4 ? _mm512_cmpgt_epi32_mask(sum[r], vq)
+                                       : _mm512_cmpgt_epi64_mask(sum[r], vq);
+                while (mk) {
+                    int l = __builtin_ctzll(mk);
+                    mk &= mk - 1;
+                    cand[nc++] = M == 16 ? 8 * r + (l & 1) * 4 + l / 2 : T * r + l;
+                }
+            }
+            tb->rescored += (uint64_t)nc;
+            /* exact scores, four interleaved (the sums are sequential) */
+            int c = 0;
+            for (; c + 4 <= nc; c += 4) {
+                const uint8_t *rows[4] = {p + cand[c] * M, p + cand[c + 1] * M, p + cand[c + 2] * M,
+                                          p + cand[c + 3] * M};
+                float sc[4];
+                score_four(M, rows, lut, sc);
+                for (int l = 0; l < 4; l++)
+                    if (!(sc[l] <= thr))
+                        tb_push(tb, sc[l], (uint32_t)(i + cand[c + l]));
+            }
+            for (; c < nc; c++) {
+                float sc = score_one(M, p + cand[c] * M, lut);
+                if (!(sc <= thr))
+                    tb_push(tb, sc, (uint32_t)(i + cand[c]));
+            }
+        }
+    }
+    tb->steps += (uint64_t)(i - i0) / 64;
     scan_avx2(M, codes, lut, i, i1, tb);
 }
 
 VBMI_TARGET static void scan_vbmi(int m, const uint8_t *codes, const float *lut,
                                   const pq_qlut *ql, int64_t i0, int64_t i1, topk_buf *tb)
 {
+    if (ql->b == 4) {
+        switch (m) {
+        case 2:
+            scan_vbmi4_m(2, codes, lut, ql, i0, i1, tb);
+            return;
+        case 4:
+            scan_vbmi4_m(4, codes, lut, ql, i0, i1, tb);
+            return;
+        case 8:
+            scan_vbmi4_m(8, codes, lut, ql, i0, i1, tb);
+            return;
+        default:
+            scan_vbmi4_m(16, codes, lut, ql, i0, i1, tb);
+            return;
+        }
+    }
     switch (m) {
     case 2: scan_vbmi_m(2, codes, lut, ql, i0, i1, tb); break;
     case 4: scan_vbmi_m(4, codes, lut, ql, i0, i1, tb); break;
@@ -780,7 +964,7 @@ static void scan_part(void *arg, int t)
 {
     const scan_job *j = arg;
     int64_t a = j->lo + (int64_t)t * j->per, e = a + j->per < j->hi ? a + j->per : j->hi;
-    topk_buf tb = {j->bufs + (int64_t)t * j->cap, 0, j->cap, j->k, j->thr0};
+    topk_buf tb = {j->bufs + (int64_t)t * j->cap, 0, j->cap, j->k, j->thr0, 0, 0};
     if (a < e) {
         if (j->ql && !isnan(tb.thr))
             scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);
@@ -791,6 +975,10 @@ static void scan_part(void *arg, int t)
     }
     tb_compact(&tb);
     j->counts[t] = tb.n;
+    if (tb.steps) {
+        __atomic_fetch_add(&pq_counters[0], tb.steps, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&pq_counters[1], tb.rescored, __ATOMIC_RELAXED);
+    }
 }
 
 int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
@@ -854,6 +1042,7 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         if (total >= k || isnan(thr0))
             break;
         thr0 = NAN;
+        __atomic_fetch_add(&pq_counters[2], 1, __ATOMIC_RELAXED);
     }
     /* gather the per-thread winners at the front, cut to k */
     int64_t c = 0;

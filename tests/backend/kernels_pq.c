@@ -215,6 +215,13 @@ static void test_search_large(void)
     one_case(&r, 70000, 16, 8, 128, 4, 2048, 0, 7, KVD_PQ_AGG_SUM, 0, 0);
     one_case(&r, 70000, 2, 4, 128, 2, 256, 0, 0, KVD_PQ_AGG_SUM, 1, 0);
     one_case(&r, 70000, 8, 6, 128, 4, 1000, 5, 0, KVD_PQ_AGG_SUM, 0, 0);
+    /* 4-bit codes looked up in place (where the CPU has VBMI): every m, both
+     * k, ragged ends (a step of 64 tokens cut by sink and window) */
+    one_case(&r, 70001, 8, 4, 128, 4, 2048, 0, 0, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 90000, 16, 4, 128, 4, 2048, 5, 33, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 65573, 4, 4, 128, 4, 700, 1, 0, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 40000, 2, 4, 128, 1, 2048, 0, 0, KVD_PQ_AGG_SUM, 0, 0);
+    one_case(&r, 50000, 8, 4, 128, 4, 256, 2, 2, KVD_PQ_AGG_SUM, 1, 0);
     /* forced ranges covering everything, overlapping each other */
     one_case(&r, 100, 4, 8, 128, 4, 10, 60, 60, KVD_PQ_AGG_SUM, 1, 0);
     one_case(&r, 100, 4, 8, 128, 4, 2048, 200, 0, KVD_PQ_AGG_SUM, 1, 0);
@@ -391,21 +398,22 @@ static void test_all_equal(void)
 
 /* Scores rising with the position (and runs of ties): every token beats
  * the running threshold, the buffer is cut again and again. */
-static void test_rising(void)
+static void rising(int m, int b)
 {
-    const int D = 128, m = 2, b = 8, dsub = D / m;
+    const int D = 128, dsub = D / m, ksub = 1 << b;
     int64_t n = 50000;
-    float *C = malloc(sizeof(float) * m * 256 * dsub);
+    float *C = malloc(sizeof(float) * m * ksub * dsub);
     uint8_t *codes = malloc((size_t)n * m);
     float Q[128];
     for (int i = 0; i < D; i++)
         Q[i] = 1.0f;
     for (int j = 0; j < m; j++)
-        for (int c = 0; c < 256; c++)
+        for (int c = 0; c < ksub; c++)
             for (int t = 0; t < dsub; t++)
-                C[((size_t)j * 256 + c) * dsub + t] = (float)c / 64.0f;
+                C[((size_t)j * ksub + c) * dsub + t] = (float)c / 64.0f;
     for (int64_t i = 0; i < n; i++)
-        codes[i * m] = codes[i * m + 1] = (uint8_t)(i * 256 / n);
+        for (int j = 0; j < m; j++)
+            codes[i * m + j] = (uint8_t)(i * ksub / n);
     const int64_t ks[] = {1, 256, 2048};
     for (int ki = 0; ki < 3; ki++) {
         kvd_pq_search_params p = {ks[ki], 2, 0, KVD_PQ_AGG_SUM};
@@ -417,7 +425,7 @@ static void test_rising(void)
             kvd__pq_search_cpu((thr + 1) / 2, 1 + (thr & 1), n, m, b, D, C, codes, 1, Q, &p, fi,
                                fs, &fn);
             TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
-                     "rising scores k=%lld threads=%d", (long long)ks[ki], thr);
+                     "rising scores m=%d b=%d k=%lld threads=%d", m, b, (long long)ks[ki], thr);
         }
         free(ri);
         free(fi);
@@ -428,6 +436,116 @@ static void test_rising(void)
     free(codes);
 }
 
+static void test_rising(void)
+{
+    rising(2, 8);
+    rising(16, 4);
+    rising(4, 4);
+}
+
+/*
+ * Codes of 2^b or more are not checked per search: they read an entry of
+ * -inf and rank last, on every path. 4-bit codes with stray high bits (the
+ * in-place lookup reads their low 4 bits for its bound) against the
+ * reference, each m the fast scans take.
+ */
+static void test_stray_codes(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 11);
+    const int D = 128, b = 4, G = 4;
+    const int64_t n = 40000;
+    const int ms[] = {2, 4, 8, 16};
+    for (int mi = 0; mi < 4; mi++) {
+        int m = ms[mi];
+        float *C = malloc(sizeof(float) * m * 16 * (D / m));
+        uint8_t *codes = malloc((size_t)n * m);
+        float Q[4 * 128];
+        gen(&r, m, b, D, G, n, 0, C, codes, Q);
+        /* one row in 8 has a stray code; rows 100..163 (one step) all do */
+        for (int64_t i = 0; i < n; i++)
+            if (i % 8 == 3 || (i >= 100 && i < 164))
+                codes[i * m + tu_rng_below(&r, (uint32_t)m)] |=
+                    (uint8_t)(16 << tu_rng_below(&r, 4));
+        const int64_t ks[] = {256, 2048};
+        for (int ki = 0; ki < 2; ki++) {
+            kvd_pq_search_params p = {ks[ki], 0, 0, KVD_PQ_AGG_SUM};
+            int64_t rn = 0, fn = 0;
+            uint32_t *ri = malloc(4 * ks[ki]), *fi = malloc(4 * ks[ki]);
+            float *rs = malloc(4 * ks[ki]), *fs = malloc(4 * ks[ki]);
+            kvd_pq_search_ref(n, m, b, D, C, codes, G, Q, &p, ri, rs, &rn);
+            int stray = 0;
+            for (int64_t i = 0; i < rn; i++)
+                stray += ri[i] % 8 == 3 || (ri[i] >= 100 && ri[i] < 164);
+            TU_CHECK(rn == ks[ki] && stray == 0, "stray codes m=%d: ref kept %d of them", m, stray);
+            for (int simd = 1; simd <= 2; simd++) {
+                kvd__pq_search_cpu(1, simd, n, m, b, D, C, codes, G, Q, &p, fi, fs, &fn);
+                TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
+                         "stray codes m=%d k=%lld simd=%d: fast != reference", m, (long long)ks[ki],
+                         simd);
+            }
+            free(ri);
+            free(fi);
+            free(rs);
+            free(fs);
+        }
+        free(C);
+        free(codes);
+    }
+}
+
+/*
+ * The quantized-table scans (CPUs with AVX-512 VBMI) must filter well, which
+ * exact results alone do not show: a bound that reads the wrong table entry
+ * mostly makes a start that admits too few tokens, which is caught and
+ * scanned again without the filter. On every m and b they take, one search
+ * scans every full block of 64 tokens once, never again, and re-scores
+ * exactly no more than a few times the tokens above the starting threshold.
+ */
+static void test_filter_tight(void)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512vbmi") || !__builtin_cpu_supports("avx512bw")) {
+        printf("kernels_pq: no AVX-512 VBMI here, quantized scans not checked\n");
+        return;
+    }
+    tu_rng r;
+    tu_rng_seed(&r, 12);
+    const int D = 128, G = 4;
+    const int64_t n = 40000, k = 256;
+    const int ms[] = {2, 4, 8, 16}, bs[] = {4, 8};
+    for (int bi = 0; bi < 2; bi++)
+        for (int mi = 0; mi < 4; mi++) {
+            int m = ms[mi], b = bs[bi], ksub = 1 << b;
+            float *C = malloc(sizeof(float) * m * ksub * (D / m));
+            uint8_t *codes = malloc((size_t)n * m);
+            float Q[4 * 128];
+            gen(&r, m, b, D, G, n, 0, C, codes, Q);
+            kvd_pq_search_params p = {k, 0, 0, KVD_PQ_AGG_SUM};
+            uint32_t ri[256], fi[256];
+            float rs[256], fs[256];
+            int64_t rn = 0, fn = 0;
+            kvd_pq_search_ref(n, m, b, D, C, codes, G, Q, &p, ri, rs, &rn);
+            kvd__pq_counters c0, c1;
+            kvd__pq_counters_get(&c0);
+            kvd__pq_search_cpu(1, 1, n, m, b, D, C, codes, G, Q, &p, fi, fs, &fn);
+            kvd__pq_counters_get(&c1);
+            uint64_t steps = c1.steps - c0.steps, rescored = c1.rescored - c0.rescored;
+            TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
+                     "filter m=%d b=%d: fast != reference", m, b);
+            TU_CHECK(steps == (uint64_t)n / 64 && c1.rescans == c0.rescans,
+                     "filter m=%d b=%d: %llu steps of 64 (want %lld), %llu rescans", m, b,
+                     (unsigned long long)steps, (long long)n / 64,
+                     (unsigned long long)(c1.rescans - c0.rescans));
+            /* about k + 3.5 sqrt(k n / 1024) = 602 tokens beat the start;
+             * 500-900 are re-scored here */
+            TU_CHECK(rescored <= 1800, "filter m=%d b=%d: %llu tokens re-scored", m, b,
+                     (unsigned long long)rescored);
+            free(C);
+            free(codes);
+        }
+}
+
 int main(void)
 {
     test_rising();
@@ -435,6 +553,8 @@ int main(void)
     test_hand();
     test_search_shapes();
     test_search_large();
+    test_stray_codes();
+    test_filter_tight();
     test_train_encode();
     test_wrappers();
     return tu_report("kernels_pq");

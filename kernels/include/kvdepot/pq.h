@@ -162,6 +162,16 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
                        const float *centroids, const uint8_t *codes, int G,
                        const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
                        float *scores, int64_t *nout);
+/* What the quantized-table scans did since the process started (tests:
+ * their filter must stay tight, which results alone do not show, since a
+ * start that admits too few tokens is caught and scanned again).
+ * steps: blocks of 64 tokens scanned; rescored: tokens whose bound passed
+ * and were scored exactly; rescans: searches scanned a second time without
+ * a starting threshold. */
+typedef struct kvd__pq_counters {
+    uint64_t steps, rescored, rescans;
+} kvd__pq_counters;
+void kvd__pq_counters_get(kvd__pq_counters *out);
 int kvd__pq_train_cpu(int nthreads, int simd, const kvd_kmeans_params *km, int64_t n, int m,
                       int b, int D, const float *keys, float *centroids);
 void kvd__pq_encode_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
