@@ -719,6 +719,32 @@ static int has_vbmi(void)
     return v;
 }
 
+/* The exact scores of the candidates cand[0..nc) of the step of 64 tokens
+ * at p (token i); those above the threshold enter tb (which has room for
+ * 64). Four at a time, interleaved: each is a chain of dependent adds. */
+__attribute__((always_inline)) static inline void rescore(int M, const uint8_t *p,
+                                                          const int32_t *cand, int nc,
+                                                          const float *lut, int64_t i, topk_buf *tb)
+{
+    const float thr = tb->thr;
+    tb->rescored += (uint64_t)nc;
+    int c = 0;
+    for (; c + 4 <= nc; c += 4) {
+        const uint8_t *rows[4] = {p + cand[c] * M, p + cand[c + 1] * M, p + cand[c + 2] * M,
+                                  p + cand[c + 3] * M};
+        float sc[4];
+        score_four(M, rows, lut, sc);
+        for (int l = 0; l < 4; l++)
+            if (!(sc[l] <= thr))
+                tb_push(tb, sc[l], (uint32_t)(i + cand[c + l]));
+    }
+    for (; c < nc; c++) {
+        float sc = score_one(M, p + cand[c] * M, lut);
+        if (!(sc <= thr))
+            tb_push(tb, sc, (uint32_t)(i + cand[c]));
+    }
+}
+
 VBMI_TARGET __attribute__((always_inline)) static inline void
 scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
             int64_t i1, topk_buf *tb)
@@ -781,17 +807,15 @@ scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, in
                 qthr = qlut_threshold(ql, tb->thr);
                 vq = _mm512_set1_epi16((short)qthr);
             }
-            float thr = tb->thr;
             uint64_t mask = _pdep_u64(me, 0x5555555555555555ull) |
                             _pdep_u64(mo, 0xAAAAAAAAAAAAAAAAull);
-            tb->rescored += (uint64_t)__builtin_popcountll(mask);
+            int32_t cand[64];
+            int nc = 0;
             while (mask) {
-                int l = __builtin_ctzll(mask);
+                cand[nc++] = __builtin_ctzll(mask);
                 mask &= mask - 1;
-                float sc = score_one(M, p + l * M, lut);
-                if (!(sc <= thr))
-                    tb_push(tb, sc, (uint32_t)(i + l));
             }
+            rescore(M, p, cand, nc, lut, i, tb);
         }
     }
     tb->steps += (uint64_t)(i - i0) / 64;
@@ -878,7 +902,6 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
                      : M == 4 ? _mm512_set1_epi32(qthr)
                               : _mm512_set1_epi64(qthr);
             }
-            float thr = tb->thr;
             const int nv = M == 16 ? R / 2 : R;
             int32_t cand[64];
             int nc = 0;
@@ -892,23 +915,7 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
                     cand[nc++] = M == 16 ? 8 * r + (l & 1) * 4 + l / 2 : T * r + l;
                 }
             }
-            tb->rescored += (uint64_t)nc;
-            /* exact scores, four interleaved (the sums are sequential) */
-            int c = 0;
-            for (; c + 4 <= nc; c += 4) {
-                const uint8_t *rows[4] = {p + cand[c] * M, p + cand[c + 1] * M, p + cand[c + 2] * M,
-                                          p + cand[c + 3] * M};
-                float sc[4];
-                score_four(M, rows, lut, sc);
-                for (int l = 0; l < 4; l++)
-                    if (!(sc[l] <= thr))
-                        tb_push(tb, sc[l], (uint32_t)(i + cand[c + l]));
-            }
-            for (; c < nc; c++) {
-                float sc = score_one(M, p + cand[c] * M, lut);
-                if (!(sc <= thr))
-                    tb_push(tb, sc, (uint32_t)(i + cand[c]));
-            }
+            rescore(M, p, cand, nc, lut, i, tb);
         }
     }
     tb->steps += (uint64_t)(i - i0) / 64;
