@@ -746,7 +746,7 @@ __attribute__((always_inline)) static inline void rescore(int M, const uint8_t *
 }
 
 VBMI_TARGET __attribute__((always_inline)) static inline void
-scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
+scan_vbmi_m(int M, int B6, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
             int64_t i1, topk_buf *tb)
 {
     const int E = 64 / M; /* tokens per register = bytes per transposed element */
@@ -771,7 +771,7 @@ scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, in
     }
     __m512i tab[16][4];
     for (int j = 0; j < M; j++)
-        for (int t = 0; t < 4; t++)
+        for (int t = 0; t < (B6 ? 1 : 4); t++)
             tab[j][t] = _mm512_loadu_si512(ql->q[j] + 64 * t);
     const __m512i lo8 = _mm512_set1_epi16(0x00FF);
     int qthr = qlut_threshold(ql, tb->thr);
@@ -793,10 +793,14 @@ scan_vbmi_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, in
             }
         __m512i ae = _mm512_setzero_si512(), ao = _mm512_setzero_si512();
         for (int j = 0; j < M; j++) {
-            __m512i v = r[j];
-            __m512i l0 = _mm512_permutex2var_epi8(tab[j][0], v, tab[j][1]);
-            __m512i l1 = _mm512_permutex2var_epi8(tab[j][2], v, tab[j][3]);
-            __m512i q = _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), l0, l1);
+            __m512i v = r[j], q;
+            if (B6) { /* b <= 6: 64 entries, one vpermb */
+                q = _mm512_permutexvar_epi8(v, tab[j][0]);
+            } else {
+                __m512i l0 = _mm512_permutex2var_epi8(tab[j][0], v, tab[j][1]);
+                __m512i l1 = _mm512_permutex2var_epi8(tab[j][2], v, tab[j][3]);
+                q = _mm512_mask_blend_epi8(_mm512_movepi8_mask(v), l0, l1);
+            }
             ae = _mm512_add_epi16(ae, _mm512_and_si512(q, lo8));
             ao = _mm512_add_epi16(ao, _mm512_srli_epi16(q, 8));
         }
@@ -922,32 +926,31 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
     scan_avx2(M, codes, lut, i, i1, tb);
 }
 
+/* m in {2, 4, 8, 16}: 4-bit codes in place, up to 6 bits on one vpermb, 8
+ * bits on two vpermi2b. */
+#define SCAN_VBMI(M)                                                                               \
+    (ql->b == 4   ? scan_vbmi4_m(M, codes, lut, ql, i0, i1, tb)                                    \
+     : ql->b <= 6 ? scan_vbmi_m(M, 1, codes, lut, ql, i0, i1, tb)                                  \
+                  : scan_vbmi_m(M, 0, codes, lut, ql, i0, i1, tb))
 VBMI_TARGET static void scan_vbmi(int m, const uint8_t *codes, const float *lut,
                                   const pq_qlut *ql, int64_t i0, int64_t i1, topk_buf *tb)
 {
-    if (ql->b == 4) {
-        switch (m) {
-        case 2:
-            scan_vbmi4_m(2, codes, lut, ql, i0, i1, tb);
-            return;
-        case 4:
-            scan_vbmi4_m(4, codes, lut, ql, i0, i1, tb);
-            return;
-        case 8:
-            scan_vbmi4_m(8, codes, lut, ql, i0, i1, tb);
-            return;
-        default:
-            scan_vbmi4_m(16, codes, lut, ql, i0, i1, tb);
-            return;
-        }
-    }
     switch (m) {
-    case 2: scan_vbmi_m(2, codes, lut, ql, i0, i1, tb); break;
-    case 4: scan_vbmi_m(4, codes, lut, ql, i0, i1, tb); break;
-    case 8: scan_vbmi_m(8, codes, lut, ql, i0, i1, tb); break;
-    default: scan_vbmi_m(16, codes, lut, ql, i0, i1, tb); break;
+    case 2:
+        SCAN_VBMI(2);
+        break;
+    case 4:
+        SCAN_VBMI(4);
+        break;
+    case 8:
+        SCAN_VBMI(8);
+        break;
+    default:
+        SCAN_VBMI(16);
+        break;
     }
 }
+#undef SCAN_VBMI
 
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
 

@@ -513,8 +513,8 @@ static void test_filter_tight(void)
     tu_rng_seed(&r, 12);
     const int D = 128, G = 4;
     const int64_t n = 40000, k = 256;
-    const int ms[] = {2, 4, 8, 16}, bs[] = {4, 8};
-    for (int bi = 0; bi < 2; bi++)
+    const int ms[] = {2, 4, 8, 16}, bs[] = {4, 6, 8};
+    for (int bi = 0; bi < 3; bi++)
         for (int mi = 0; mi < 4; mi++) {
             int m = ms[mi], b = bs[bi], ksub = 1 << b;
             float *C = malloc(sizeof(float) * m * ksub * (D / m));
