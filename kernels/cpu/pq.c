@@ -780,10 +780,13 @@ scan_vbmi_m(int M, int B6, const uint8_t *codes, const float *lut, const pq_qlut
     for (; i + 64 <= i1; i += 64) {
         const uint8_t *p = codes + i * M;
         __m512i r[16];
+#pragma GCC unroll 16
         for (int j = 0; j < M; j++)
             r[j] = _mm512_permutexvar_epi8(p1, _mm512_loadu_si512(p + 64 * j));
         int st = 0;
+#pragma GCC unroll 4
         for (int sblk = M / 2; sblk >= 1; sblk /= 2, st++)
+#pragma GCC unroll 16
             for (int a = 0; a < M; a++) {
                 if (a & sblk)
                     continue;
@@ -792,6 +795,7 @@ scan_vbmi_m(int M, int B6, const uint8_t *codes, const float *lut, const pq_qlut
                 r[a + sblk] = _mm512_permutex2var_epi32(x, ib[st], y);
             }
         __m512i ae = _mm512_setzero_si512(), ao = _mm512_setzero_si512();
+#pragma GCC unroll 16
         for (int j = 0; j < M; j++) {
             __m512i v = r[j], q;
             if (B6) { /* b <= 6: 64 entries, one vpermb */
