@@ -1214,10 +1214,70 @@ static int cpu_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_te
     return rc ? kvd_error_set(err, rc, "pq: search: %s", kvd_strerror(rc)) : KVD_OK;
 }
 
+/* Jobs [lo, hi) of cpu_search_batch, one thread each (kvd__par_for). */
+typedef struct batch_job {
+    kvd_backend *be;
+    kvd_pq_search_job *jobs;
+    const kvd_pq_search_params *p;
+    int *rcs;
+} batch_job;
+
+static void batch_part(void *arg, int i)
+{
+    const batch_job *b = arg;
+    kvd_pq_search_job *j = &b->jobs[i];
+    pq_shape sh = {0};
+    check_centroids(j->centroids, &sh, NULL);
+    const kvd_tensor *c = j->centroids, *codes = j->codes, *q = j->queries;
+    int fast = kvd__cpu_fast(b->be);
+    float *sc = j->scores ? (float *)j->scores->data : NULL;
+    b->rcs[i] = fast ? kvd__pq_search_cpu(1, fast, codes->shape[0], sh.m, sh.b, sh.D,
+                                          (const float *)c->data, (const uint8_t *)codes->data,
+                                          (int)q->shape[0], (const float *)q->data, b->p,
+                                          (uint32_t *)j->indices->data, sc, &j->nout)
+                     : kvd_pq_search_ref(codes->shape[0], sh.m, sh.b, sh.D, (const float *)c->data,
+                                         (const uint8_t *)codes->data, (int)q->shape[0],
+                                         (const float *)q->data, b->p, (uint32_t *)j->indices->data,
+                                         sc, &j->nout);
+}
+
+/* With at least as many jobs as threads, each job runs on one thread and
+ * the threads share the jobs: one fork and join for the batch, where a
+ * search split over threads pays one per job (and needs long ranges to gain
+ * from it). Fewer jobs: one after the other, each on every thread. */
+static int cpu_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
+                            const kvd_pq_search_params *p, kvd_error *err)
+{
+    int nt = kvd__cpu_threads(be);
+    if (nt < 2 || njobs < nt || njobs > INT32_MAX) {
+        for (int64_t i = 0; i < njobs; i++) {
+            kvd_pq_search_job *j = &jobs[i];
+            int rc = cpu_search(be, j->centroids, j->codes, j->queries, p, j->indices, j->scores,
+                                &j->nout, err);
+            if (rc)
+                return rc;
+        }
+        return KVD_OK;
+    }
+    int *rcs = calloc((size_t)njobs, sizeof(int));
+    if (!rcs)
+        return kvd_error_set(err, KVD_ENOMEM, "pq: search: out of memory");
+    batch_job b = {be, jobs, p, rcs};
+    kvd__par_for((int)njobs, nt, batch_part, &b);
+    int rc = KVD_OK;
+    for (int64_t i = 0; i < njobs && rc == KVD_OK; i++)
+        if (rcs[i])
+            rc = kvd_error_set(err, rcs[i], "pq: search of job %lld: %s", (long long)i,
+                               kvd_strerror(rcs[i]));
+    free(rcs);
+    return rc;
+}
+
 const struct kvd_pq_ops kvd__cpu_pq_ops = {
     .train = cpu_train,
     .encode = cpu_encode,
     .search = cpu_search,
+    .search_batch = cpu_search_batch,
 };
 
 static int get_ops(kvd_backend *be, const struct kvd_pq_ops **ops, kvd_error *err)

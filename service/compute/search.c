@@ -383,10 +383,12 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
     ix.codes = malloc((size_t)H * r->n * (size_t)M);
     r->idx = malloc(sizeof(int32_t) * cap * H);
     r->scores = malloc(sizeof(float) * cap * H);
-    uint32_t *uidx = malloc(sizeof(uint32_t) * cap * (dev ? H : 1));
+    uint32_t *uidx = malloc(sizeof(uint32_t) * cap * H);
+    kvd_tensor *t = dev ? NULL : malloc(sizeof *t * 5 * (size_t)H);
+    kvd_pq_search_job *jobs = dev ? NULL : malloc(sizeof *jobs * (size_t)H);
     dev_codes dc;
     memset(&dc, 0, sizeof dc);
-    if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx) {
+    if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx || (!dev && (!t || !jobs))) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token search",
                            (unsigned long long)r->n);
         goto done;
@@ -407,26 +409,27 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
         rc = search_device(dev, sa, r, &ix, &sp, &dc, uidx, kvd_store_page_tokens(c->store), err);
         goto done;
     }
+    /* one batch: the backend shares the kv heads among its threads */
     const size_t per_head = (size_t)M * K * (D / M);
-    for (int h = 0; h < H && rc == 0; h++) {
+    for (int h = 0; h < H; h++) {
         int64_t cs[3] = {M, K, D / M}, cds[2] = {(int64_t)r->n, M};
-        kvd_tensor tc = kvd_tensor_make(KVD_DTYPE_F32, ix.cent + h * per_head, 3, cs);
-        kvd_tensor tcodes = kvd_tensor_make(KVD_DTYPE_U8, ix.codes + (size_t)h * r->n * M, 2, cds);
         int64_t qs[2] = {G, D}, os[1] = {r->per_head};
-        kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, (void *)(sa->q + (size_t)h * G * D), 2, qs);
-        kvd_tensor ti = kvd_tensor_make(KVD_DTYPE_U32, uidx, 1, os);
-        kvd_tensor tsc = kvd_tensor_make(KVD_DTYPE_F32, r->scores + (size_t)h * r->per_head, 1, os);
-        int64_t nout = 0;
-        if ((rc = kvd_pq_search(c->be, &tc, &tcodes, &tq, &sp, &ti, &tsc, &nout, err)))
-            break;
-        if (nout != r->per_head) {
-            rc = kvd_error_set(err, KVD_EINTERNAL, "search returned %lld of %lld entries",
-                               (long long)nout, (long long)r->per_head);
-            break;
-        }
-        for (int64_t i = 0; i < nout; i++)
-            r->idx[(size_t)h * r->per_head + i] = (int32_t)uidx[i];
+        kvd_tensor *th = t + 5 * h;
+        th[0] = kvd_tensor_make(KVD_DTYPE_F32, ix.cent + h * per_head, 3, cs);
+        th[1] = kvd_tensor_make(KVD_DTYPE_U8, ix.codes + (size_t)h * r->n * M, 2, cds);
+        th[2] = kvd_tensor_make(KVD_DTYPE_F32, (void *)(sa->q + (size_t)h * G * D), 2, qs);
+        th[3] = kvd_tensor_make(KVD_DTYPE_U32, uidx + (size_t)h * r->per_head, 1, os);
+        th[4] = kvd_tensor_make(KVD_DTYPE_F32, r->scores + (size_t)h * r->per_head, 1, os);
+        jobs[h] = (kvd_pq_search_job){&th[0], &th[1], &th[2], &th[3], &th[4], 0};
     }
+    if ((rc = kvd_pq_search_batch(c->be, jobs, H, &sp, err)))
+        goto done;
+    for (int h = 0; h < H && rc == 0; h++)
+        if (jobs[h].nout != r->per_head)
+            rc = kvd_error_set(err, KVD_EINTERNAL, "search returned %lld of %lld entries",
+                               (long long)jobs[h].nout, (long long)r->per_head);
+    for (size_t i = 0; rc == 0 && i < (size_t)H * r->per_head; i++)
+        r->idx[i] = (int32_t)uidx[i];
 done:
     dev_codes_release(c->store, &dc);
     if (stored)
@@ -435,6 +438,8 @@ done:
         free(ix.cent);
     free(ix.codes);
     free(uidx);
+    free(t);
+    free(jobs);
     return rc;
 }
 

@@ -546,6 +546,89 @@ static void test_filter_tight(void)
         }
 }
 
+/*
+ * A batch on the CPU backend (one thread per job when there are as many jobs
+ * as threads, else one job after another): every job's result equal to its
+ * own kvd_pq_search, with 1, 3 and 4 threads, fast and reference backends,
+ * jobs of different lengths, a job without scores; a job that fails its
+ * checks fails the batch with every nout 0.
+ */
+static void test_batch(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 13);
+    enum { J = 5 };
+    const int D = 128, m = 16, b = 6, G = 4;
+    const int64_t ns[J] = {40000, 3000, 20011, 64, 33000};
+    float *C = malloc(sizeof(float) * J * m * 64 * (D / m));
+    float *Q = malloc(sizeof(float) * J * G * D);
+    uint8_t *codes[J];
+    for (int j = 0; j < J; j++) {
+        codes[j] = malloc((size_t)ns[j] * m);
+        gen(&r, m, b, D, G, ns[j], j == 1, C + (size_t)j * m * 64 * (D / m), codes[j],
+            Q + (size_t)j * G * D);
+    }
+    kvd_pq_search_params p = {300, 2, 5, KVD_PQ_AGG_SUM};
+    const int threads[] = {1, 3, 4};
+    for (int ti = 0; ti < 3; ti++)
+        for (int fr = 0; fr <= 1; fr++) {
+            kvd_backend *be = tu_cpu_backend(threads[ti], fr);
+            kvd_tensor t[J][5];
+            kvd_pq_search_job jobs[J];
+            uint32_t *idx[J], *want_i[J];
+            float *sc[J], *want_s[J];
+            for (int j = 0; j < J; j++) {
+                int64_t cnt = kvd_pq_search_count(ns[j], &p), nout = -1;
+                int64_t cs[3] = {m, 64, D / m}, ds[2] = {ns[j], m}, qs[2] = {G, D}, os[1] = {cnt};
+                idx[j] = malloc(4 * cnt);
+                sc[j] = malloc(4 * cnt);
+                want_i[j] = malloc(4 * cnt);
+                want_s[j] = malloc(4 * cnt);
+                t[j][0] = kvd_tensor_make(KVD_DTYPE_F32, C + (size_t)j * m * 64 * (D / m), 3, cs);
+                t[j][1] = kvd_tensor_make(KVD_DTYPE_U8, codes[j], 2, ds);
+                t[j][2] = kvd_tensor_make(KVD_DTYPE_F32, Q + (size_t)j * G * D, 2, qs);
+                t[j][3] = kvd_tensor_make(KVD_DTYPE_U32, idx[j], 1, os);
+                t[j][4] = kvd_tensor_make(KVD_DTYPE_F32, sc[j], 1, os);
+                kvd_tensor wi = kvd_tensor_make(KVD_DTYPE_U32, want_i[j], 1, os);
+                kvd_tensor ws = kvd_tensor_make(KVD_DTYPE_F32, want_s[j], 1, os);
+                int rc = kvd_pq_search(be, &t[j][0], &t[j][1], &t[j][2], &p, &wi, &ws, &nout, NULL);
+                TU_CHECK(rc == 0 && nout == cnt, "batch: single search %d: rc %d", j, rc);
+                jobs[j] = (kvd_pq_search_job){
+                    &t[j][0], &t[j][1], &t[j][2], &t[j][3], j == 2 ? NULL : &t[j][4], -1};
+            }
+            kvd_error err;
+            int rc = kvd_pq_search_batch(be, jobs, J, &p, &err);
+            TU_CHECK(rc == 0, "batch threads=%d ref=%d: %s", threads[ti], fr, err.msg);
+            for (int j = 0; j < J && rc == 0; j++) {
+                int64_t cnt = kvd_pq_search_count(ns[j], &p);
+                TU_CHECK(jobs[j].nout == cnt && !memcmp(idx[j], want_i[j], 4 * cnt) &&
+                             (j == 2 || !memcmp(sc[j], want_s[j], 4 * cnt)),
+                         "batch threads=%d ref=%d: job %d differs from its own search", threads[ti],
+                         fr, j);
+            }
+            /* job 3's indices too short: the whole batch fails, nothing out */
+            int64_t one[1] = {1};
+            t[3][3] = kvd_tensor_make(KVD_DTYPE_U32, idx[3], 1, one);
+            rc = kvd_pq_search_batch(be, jobs, J, &p, &err);
+            int zero = 1;
+            for (int j = 0; j < J; j++)
+                zero = zero && jobs[j].nout == 0;
+            TU_CHECK(rc == KVD_EINVAL && zero && strstr(err.msg, "3"),
+                     "batch with a bad job: rc %d, %s", rc, err.msg);
+            for (int j = 0; j < J; j++) {
+                free(idx[j]);
+                free(sc[j]);
+                free(want_i[j]);
+                free(want_s[j]);
+            }
+            kvd_backend_free(be);
+        }
+    for (int j = 0; j < J; j++)
+        free(codes[j]);
+    free(C);
+    free(Q);
+}
+
 int main(void)
 {
     test_rising();
@@ -555,6 +638,7 @@ int main(void)
     test_search_large();
     test_stray_codes();
     test_filter_tight();
+    test_batch();
     test_train_encode();
     test_wrappers();
     return tu_report("kernels_pq");
