@@ -101,6 +101,115 @@ static void st32(uint8_t *p, uint32_t v)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
+/* ---- the cache of centroid records ----------------------------------------
+ * Keyed by the record's version (kvd__pq_index.gen), unique in the store: a
+ * record rewritten (a later training, a rebuild) or deleted with its
+ * sequence is never found again, so nothing has to be invalidated; slots
+ * go least recently used first. Entries hold what the reader returns. */
+struct kvd__pq_cached {
+    uint64_t gen, tick;
+    kvd_pq_centroids c; /* c.data: cent_floats(...) floats */
+    size_t bytes;
+};
+
+void kvd__pq_cache_init(kvd_store *st)
+{
+    pthread_mutex_init(&st->pqc_mu, NULL);
+    st->pqc = calloc(KVD__PQ_CACHE_ENTRIES, sizeof *st->pqc); /* NULL: no cache */
+}
+
+void kvd__pq_cache_fini(kvd_store *st)
+{
+    for (size_t i = 0; st->pqc && i < KVD__PQ_CACHE_ENTRIES; i++)
+        free(st->pqc[i].c.data);
+    free(st->pqc);
+    st->pqc = NULL;
+    pthread_mutex_destroy(&st->pqc_mu);
+}
+
+uint64_t kvd__pq_new_gen(kvd_store *st)
+{
+    return atomic_fetch_add(&st->pq_gen, 1) + 1;
+}
+
+uint64_t kvd__pq_cache_hits(kvd_store *st)
+{
+    return atomic_load(&st->pqc_hits);
+}
+
+/* 1 and *out a copy of the record of version gen when the cache has it. */
+static int cache_get(kvd_store *st, uint64_t gen, kvd_pq_centroids *out)
+{
+    int hit = 0;
+    pthread_mutex_lock(&st->pqc_mu);
+    for (size_t i = 0; st->pqc && i < KVD__PQ_CACHE_ENTRIES && !hit; i++) {
+        struct kvd__pq_cached *e = &st->pqc[i];
+        if (e->gen != gen || !e->c.data)
+            continue;
+        float *d = malloc(e->bytes);
+        if (d) {
+            memcpy(d, e->c.data, e->bytes);
+            *out = e->c;
+            out->data = d;
+            e->tick = ++st->pqc_tick;
+            hit = 1;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&st->pqc_mu);
+    if (hit)
+        atomic_fetch_add(&st->pqc_hits, 1);
+    return hit;
+}
+
+static void cache_put(kvd_store *st, uint64_t gen, const kvd_pq_centroids *c, size_t bytes)
+{
+    if (bytes > KVD__PQ_CACHE_BYTES / 4)
+        return;
+    float *d = malloc(bytes);
+    if (!d)
+        return;
+    memcpy(d, c->data, bytes);
+    pthread_mutex_lock(&st->pqc_mu);
+    struct kvd__pq_cached *slot = NULL;
+    for (;;) { /* a free slot within the budget, evicting the least recent */
+        struct kvd__pq_cached *lru = NULL, *free_slot = NULL;
+        for (size_t i = 0; st->pqc && i < KVD__PQ_CACHE_ENTRIES; i++) {
+            struct kvd__pq_cached *e = &st->pqc[i];
+            if (e->c.data && e->gen == gen) { /* another reader put it */
+                lru = free_slot = NULL;
+                break;
+            }
+            if (!e->c.data)
+                free_slot = free_slot ? free_slot : e;
+            else if (!lru || e->tick < lru->tick)
+                lru = e;
+        }
+        if (!free_slot && !lru)
+            break;
+        if (free_slot && st->pqc_bytes + bytes <= KVD__PQ_CACHE_BYTES) {
+            slot = free_slot;
+            break;
+        }
+        if (!lru)
+            break;
+        st->pqc_bytes -= lru->bytes;
+        free(lru->c.data);
+        memset(lru, 0, sizeof *lru);
+    }
+    if (slot) {
+        slot->gen = gen;
+        slot->tick = ++st->pqc_tick;
+        slot->c = *c;
+        slot->c.data = d;
+        slot->bytes = bytes;
+        st->pqc_bytes += bytes;
+        d = NULL;
+    }
+    pthread_mutex_unlock(&st->pqc_mu);
+    free(d);
+}
+
 int kvd_store_pq_centroids_get(kvd_store *st, const void *seq_id, size_t id_len, uint32_t layer,
                                kvd_pq_centroids *out, int *found, kvd_error *err)
 {
@@ -109,6 +218,19 @@ int kvd_store_pq_centroids_get(kvd_store *st, const void *seq_id, size_t id_len,
     int rc = kvd__check_seq_id(seq_id, id_len, err);
     if (rc)
         return rc;
+    /* The version of the layer's record, read before the record itself:
+     * a record written meanwhile is then kept under the version it
+     * replaced, which no later reader asks for. */
+    uint64_t gen = 0;
+    pthread_rwlock_rdlock(&st->lock);
+    const kvd__seq *s = kvd__seq_find(st, seq_id, id_len, NULL);
+    if (s && layer < s->num_layers)
+        gen = s->layers[layer].pq.gen;
+    pthread_rwlock_unlock(&st->lock);
+    if (gen && cache_get(st, gen, out)) {
+        *found = 1;
+        return 0;
+    }
     uint8_t key[3 + KVD_SEQ_ID_MAX + 4];
     size_t klen = pq_key(key, seq_id, id_len, layer), len = 0;
     char *e = NULL;
@@ -149,6 +271,8 @@ int kvd_store_pq_centroids_get(kvd_store *st, const void *seq_id, size_t id_len,
     out->id = XXH3_64bits(p, len);
     free(v);
     *found = 1;
+    if (gen)
+        cache_put(st, gen, out, len - REC_HEADER);
     return 0;
 }
 
@@ -744,7 +868,8 @@ uint64_t kvd__pq_append_done(struct kvd__pq_append *state, kvd_store *st, kvd__s
         if (!now)
             continue;
         /* two appends that both trained the layer: the later records stay */
-        s->layers[l].pq = (kvd__pq_index){now, state->layers[l].codes_n, state->layers[l].codes_t0};
+        s->layers[l].pq = (kvd__pq_index){now, state->layers[l].codes_n, state->layers[l].codes_t0,
+                                          kvd__pq_new_gen(st)};
         if (now >= was) {
             atomic_fetch_add(&st->disk_bytes, now - was);
             added += now - was;
@@ -810,6 +935,8 @@ int kvd__pq_load(kvd_store *st, kvd_error *err)
                                : pq_m    ? kvd__pq_codes_bytes(s->model->info.num_kv_heads, pq_m, n)
                                          : 0;
         s->layers[layer].pq.bytes += (uint32_t)bytes;
+        if (!is_codes)
+            s->layers[layer].pq.gen = kvd__pq_new_gen(st);
         if (is_codes && pq_m) {
             uint64_t t0 = 0;
             for (int i = 0; i < 8; i++)
@@ -1153,7 +1280,7 @@ int kvd_store_pq_rebuild_commit(kvd_pq_rebuild *rb, kvd_pq_rebuild_info *info, k
             const struct rebuild_layer_state *y = &rb->ly[i];
             if (!y->n)
                 continue;
-            Ly->pq = (kvd__pq_index){y->bytes, (uint32_t)y->n, rb->own};
+            Ly->pq = (kvd__pq_index){y->bytes, (uint32_t)y->n, rb->own, kvd__pq_new_gen(rb->st)};
             if (info) {
                 info->layers_rebuilt++;
                 info->tokens_indexed += y->n;

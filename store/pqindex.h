@@ -222,6 +222,18 @@ uint64_t kvd__pq_append_done(struct kvd__pq_append *state, kvd_store *st, struct
 /* The sequence's records are deleted: the disk bytes drop by them. */
 void kvd__pq_forget(kvd_store *st, struct kvd__seq *s);
 
+/* The cache of centroid records (kvd_store_pq_centroids_get): made at open,
+ * freed at close. At most KVD__PQ_CACHE_BYTES of records (a record larger
+ * than a quarter of it is not kept). */
+#define KVD__PQ_CACHE_ENTRIES 64
+#define KVD__PQ_CACHE_BYTES (16u << 20)
+void kvd__pq_cache_init(kvd_store *st);
+void kvd__pq_cache_fini(kvd_store *st);
+/* A record version no other had (kvd__pq_index.gen). */
+uint64_t kvd__pq_new_gen(kvd_store *st);
+/* Reads kvd_store_pq_centroids_get answered from the cache (tests). */
+uint64_t kvd__pq_cache_hits(kvd_store *st);
+
 /* At open, after the sequences: each layer's record size, counted in the
  * disk bytes. Records of unknown sequences are skipped. */
 int kvd__pq_load(kvd_store *st, kvd_error *err);

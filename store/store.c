@@ -562,6 +562,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     pthread_rwlock_init(&st->lock, NULL);
     kvd__batch_pool_init(st);
+    kvd__pq_cache_init(st);
     st->max_seq_tokens = opt->max_seq_tokens;
     st->durability = opt->sync_writes ? KVD_DURABILITY_SYNC : opt->durability;
     if (st->durability < KVD_DURABILITY_SPILL || st->durability > KVD_DURABILITY_SYNC) {
@@ -717,6 +718,7 @@ void kvd_store_close(kvd_store *st)
         rocksdb_cache_destroy(st->cache);
     kvd_backend_free(st->own_be);
     kvd__batch_pool_fini(st);
+    kvd__pq_cache_fini(st);
     pthread_rwlock_destroy(&st->lock);
     free(st);
 }

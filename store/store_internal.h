@@ -137,6 +137,10 @@ typedef struct kvd__pq_index {
     uint32_t bytes;   /* its centroid and codes records; 0 = none */
     uint32_t codes_n; /* its codes record: tokens [codes_t0, + codes_n); 0 = none */
     uint64_t codes_t0;
+    /* The centroid record's version: a number no other record of the store
+     * ever had (kvd__pq_new_gen), set when the record is written or loaded;
+     * 0 = unknown (the record is then read, never taken from the cache). */
+    uint64_t gen;
 } kvd__pq_index;
 
 typedef struct kvd__layer {
@@ -337,6 +341,13 @@ struct kvd_store {
     } batch_free[KVD__BATCH_KEEP];
     size_t nbatch_free;
     _Atomic uint64_t batch_kept_bytes;
+
+    /* Centroid records lately read (pqindex.c), by version (kvd__pq_index.gen):
+     * a Search reads its layer's record on every call. */
+    pthread_mutex_t pqc_mu;
+    struct kvd__pq_cached *pqc; /* KVD__PQ_CACHE_ENTRIES slots */
+    uint64_t pqc_bytes, pqc_tick;
+    _Atomic uint64_t pq_gen, pqc_hits;
 
     kvd_backend *be;       /* compute backend (options.backend or own_be) */
     kvd_backend *own_be;   /* created at open when none was given */

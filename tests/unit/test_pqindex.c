@@ -543,6 +543,59 @@ static void t_store(void)
     kvd_store_close(st);
 }
 
+/*
+ * The cache of centroid records (a Search reads its layer's record on every
+ * call): a second read is a hit with the same record; a sequence deleted,
+ * made again under its id and trained on other keys gives its new centroids
+ * (read, not the cached ones); a reopened store caches what it loaded.
+ */
+static void t_cache(void)
+{
+    kvd_store *st = open_store();
+    put_model(st);
+    kvd_error err;
+    float *want = malloc(sizeof(float) * H * CENT_PER_HEAD);
+    kvd_pq_centroids a, b2;
+    create(st, "k", NULL, 0);
+    REQUIRE(append(st, "k", 5, 0, L, 0, 40, &err) == 0, "append: %s", err.msg);
+    uint64_t h0 = kvd__pq_cache_hits(st);
+    REQUIRE(get_centroids(st, "k", 1, &a) == 1 && get_centroids(st, "k", 1, &b2) == 1, "centroids");
+    CHECK(kvd__pq_cache_hits(st) == h0 + 1, "second read: %llu cache hits (want 1)",
+          (unsigned long long)(kvd__pq_cache_hits(st) - h0));
+    CHECK(a.id == b2.id && a.m == b2.m && a.bits == b2.bits && a.num_kv_heads == b2.num_kv_heads &&
+              a.head_dim == b2.head_dim &&
+              memcmp(a.data, b2.data, sizeof(float) * H * CENT_PER_HEAD) == 0,
+          "cached record differs from the stored one");
+    kvd_pq_centroids_clear(&b2);
+    uint64_t freed = 0;
+    REQUIRE(kvd_store_seq_delete(st, "k", 1, &freed, &err) == 0, "delete: %s", err.msg);
+    CHECK(get_centroids(st, "k", 1, &b2) == 0, "centroids of a deleted sequence");
+    create(st, "k", NULL, 0);
+    CHECK(get_centroids(st, "k", 1, &b2) == 0, "centroids of a new sequence before training");
+    REQUIRE(append(st, "k", 6, 0, L, 0, 40, &err) == 0, "append: %s", err.msg);
+    h0 = kvd__pq_cache_hits(st);
+    REQUIRE(get_centroids(st, "k", 1, &b2) == 1, "centroids of the new sequence");
+    expected_centroids(6, 1, 0, 40, want);
+    CHECK(b2.id != a.id && memcmp(b2.data, want, sizeof(float) * H * CENT_PER_HEAD) == 0 &&
+              kvd__pq_cache_hits(st) == h0,
+          "new sequence under an old id: stale centroids (hits %llu)",
+          (unsigned long long)(kvd__pq_cache_hits(st) - h0));
+    kvd_pq_centroids_clear(&b2);
+    kvd_store_close(st);
+    st = open_store();
+    h0 = kvd__pq_cache_hits(st);
+    REQUIRE(get_centroids(st, "k", 1, &a) == 1 && get_centroids(st, "k", 1, &b2) == 1,
+            "centroids after reopen");
+    CHECK(kvd__pq_cache_hits(st) == h0 + 1 && a.id == b2.id &&
+              memcmp(b2.data, want, sizeof(float) * H * CENT_PER_HEAD) == 0,
+          "after reopen: %llu hits, or another record",
+          (unsigned long long)(kvd__pq_cache_hits(st) - h0));
+    kvd_pq_centroids_clear(&a);
+    kvd_pq_centroids_clear(&b2);
+    free(want);
+    kvd_store_close(st);
+}
+
 /* Page `block` of layer l carries no PQ section. */
 static int has_pq_section(kvd_store *st, const char *id, uint32_t l, uint64_t block)
 {
@@ -960,6 +1013,8 @@ int main(void)
     REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0, "cpu backend");
     t_section();
     t_store();
+    rm_dir();
+    t_cache();
     rm_dir();
     t_given_page();
     rm_dir();
