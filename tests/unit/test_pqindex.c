@@ -581,6 +581,7 @@ static void t_cache(void)
           "new sequence under an old id: stale centroids (hits %llu)",
           (unsigned long long)(kvd__pq_cache_hits(st) - h0));
     kvd_pq_centroids_clear(&b2);
+    kvd_pq_centroids_clear(&a);
     kvd_store_close(st);
     st = open_store();
     h0 = kvd__pq_cache_hits(st);
