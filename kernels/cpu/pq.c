@@ -721,7 +721,8 @@ static int has_vbmi(void)
 
 /* The exact scores of the candidates cand[0..nc) of the step of 64 tokens
  * at p (token i); those above the threshold enter tb (which has room for
- * 64). Four at a time, interleaved: each is a chain of dependent adds. */
+ * 64). Four at a time, interleaved: each is a chain of dependent adds (for
+ * m = 2, two adds, one at a time is faster). */
 __attribute__((always_inline)) static inline void rescore(int M, const uint8_t *p,
                                                           const int32_t *cand, int nc,
                                                           const float *lut, int64_t i, topk_buf *tb)
@@ -729,7 +730,7 @@ __attribute__((always_inline)) static inline void rescore(int M, const uint8_t *
     const float thr = tb->thr;
     tb->rescored += (uint64_t)nc;
     int c = 0;
-    for (; c + 4 <= nc; c += 4) {
+    for (; M > 2 && c + 4 <= nc; c += 4) {
         const uint8_t *rows[4] = {p + cand[c] * M, p + cand[c + 1] * M, p + cand[c + 2] * M,
                                   p + cand[c + 3] * M};
         float sc[4];
