@@ -654,9 +654,10 @@ typedef struct pq_qlut {
 #define VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma,bmi2")))
 
 /* 0 when the tables cannot be quantized (non-finite entries, m > 16).
- * (Compiled for the VBMI machines that use it, so floor() is one
- * instruction.) */
-VBMI_TARGET static int build_qlut(int m, int b, const float *lut, pq_qlut *ql)
+ * (Compiled for AVX2, which every machine that uses it has, so floor() is
+ * one instruction.) */
+__attribute__((target("avx2,fma"))) static int build_qlut(int m, int b, const float *lut,
+                                                          pq_qlut *ql)
 {
     if (m > 16)
         return 0;
@@ -721,7 +722,7 @@ static int has_vbmi(void)
 
 /* The exact scores of the candidates cand[0..nc) of the step of 64 tokens
  * at p (token i); those above the threshold enter tb (which has room for
- * 64). Four at a time, interleaved: each is a chain of dependent adds (for
+ * them). Four at a time, interleaved: each is a chain of dependent adds (for
  * m = 2, two adds, one at a time is faster). */
 __attribute__((always_inline)) static inline void rescore(int M, const uint8_t *p,
                                                           const int32_t *cand, int nc,
@@ -957,6 +958,120 @@ VBMI_TARGET static void scan_vbmi(int m, const uint8_t *codes, const float *lut,
 }
 #undef SCAN_VBMI
 
+/*
+ * The 4-bit filter with AVX2 only (CPUs without VBMI), m = 2, 4, 8, 16:
+ * 16-byte groups of code rows (16 / m tokens a group), 32 groups a step
+ * (lane 0 of register k: group k, lane 1: group 16 + k), are transposed in
+ * registers, four rounds of byte interleaves (after which register k holds
+ * byte k of every group, byte w of a lane group w), so that one pshufb per
+ * register looks its sub-space's 16-entry table up (a code of 128 or more
+ * reads 0, one of 16 or more its low bits: either bounds that token's
+ * -inf); sums in u16 lanes, even and odd groups apart.
+ */
+__attribute__((target("avx2,fma"), always_inline)) static inline void t4_round(const __m256i in[16],
+                                                                               __m256i out[16])
+{
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        out[2 * i] = _mm256_unpacklo_epi8(in[i], in[i + 8]);
+        out[2 * i + 1] = _mm256_unpackhi_epi8(in[i], in[i + 8]);
+    }
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void t4_transpose(__m256i r[16])
+{
+    __m256i t[16];
+    t4_round(r, t);
+    t4_round(t, r);
+    t4_round(r, t);
+    t4_round(t, r);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+scan_avx2q4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
+              int64_t i1, topk_buf *tb)
+{
+    const int g = 16 / M; /* tokens a group */
+    const int S = 32 * g; /* tokens a step */
+    __m256i tab[16];
+    for (int k = 0; k < 16; k++)
+        tab[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ql->q[k % M]));
+    const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    int qthr = qlut_threshold(ql, tb->thr);
+    __m256i vq = _mm256_set1_epi16((short)qthr);
+    int64_t i = i0;
+    for (; i + S <= i1; i += S) {
+        const uint8_t *p = codes + i * M;
+        __m256i r[16];
+#pragma GCC unroll 16
+        for (int k = 0; k < 16; k++)
+            r[k] = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 16 * k))),
+                _mm_loadu_si128((const __m128i *)(p + 16 * (k + 16))), 1);
+        t4_transpose(r);
+        /* token u of a group: places [u M, u M + M) */
+        __m256i ae[8], ao[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < g; u++) {
+            ae[u] = ao[u] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+            for (int k = u * M; k < u * M + M; k++) {
+                __m256i x = _mm256_shuffle_epi8(tab[k], r[k]);
+                ae[u] = _mm256_add_epi16(ae[u], _mm256_and_si256(x, lo8));
+                ao[u] = _mm256_add_epi16(ao[u], _mm256_srli_epi16(x, 8));
+            }
+        }
+        __m256i big = _mm256_max_epi16(ae[0], ao[0]);
+#pragma GCC unroll 8
+        for (int u = 1; u < g; u++)
+            big = _mm256_max_epi16(big, _mm256_max_epi16(ae[u], ao[u]));
+        if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpgt_epi16(big, vq)) != 0, 0)) {
+            if (tb->n + S > tb->cap) {
+                tb_compact(tb);
+                qthr = qlut_threshold(ql, tb->thr);
+                vq = _mm256_set1_epi16((short)qthr);
+            }
+            int32_t cand[256];
+            int nc = 0;
+            for (int u = 0; u < g; u++)
+                for (int odd = 0; odd < 2; odd++) {
+                    /* u16 lane l: byte 2 (l % 8) + odd of lane l / 8, a group */
+                    uint32_t mk = (uint32_t)_mm256_movemask_epi8(
+                                      _mm256_cmpgt_epi16(odd ? ao[u] : ae[u], vq)) &
+                                  0x55555555u;
+                    while (mk) {
+                        int l = __builtin_ctz(mk) / 2;
+                        mk &= mk - 1;
+                        cand[nc++] = ((l / 8) * 16 + 2 * (l % 8) + odd) * g + u;
+                    }
+                }
+            rescore(M, p, cand, nc, lut, i, tb);
+        }
+    }
+    tb->steps += (uint64_t)(i - i0) / 64;
+    scan_avx2(M, codes, lut, i, i1, tb);
+}
+
+__attribute__((target("avx2,fma"))) static void scan_avx2q4(int m, const uint8_t *codes,
+                                                            const float *lut, const pq_qlut *ql,
+                                                            int64_t i0, int64_t i1, topk_buf *tb)
+{
+    switch (m) {
+    case 2:
+        scan_avx2q4_m(2, codes, lut, ql, i0, i1, tb);
+        break;
+    case 4:
+        scan_avx2q4_m(4, codes, lut, ql, i0, i1, tb);
+        break;
+    case 8:
+        scan_avx2q4_m(8, codes, lut, ql, i0, i1, tb);
+        break;
+    default:
+        scan_avx2q4_m(16, codes, lut, ql, i0, i1, tb);
+        break;
+    }
+}
+
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
 
 /* One part of the scan of kvd__pq_search_cpu (kvd__par_for): part t scans
@@ -967,6 +1082,7 @@ typedef struct scan_job {
     const uint8_t *codes;
     const float *luts;
     const pq_qlut *ql;
+    int ql_vbmi; /* ql is scanned by scan_vbmi (else scan_avx2q4) */
     int use_simd;
     int64_t lo, hi, per;
     uint64_t *bufs;
@@ -981,8 +1097,10 @@ static void scan_part(void *arg, int t)
     int64_t a = j->lo + (int64_t)t * j->per, e = a + j->per < j->hi ? a + j->per : j->hi;
     topk_buf tb = {j->bufs + (int64_t)t * j->cap, 0, j->cap, j->k, j->thr0, 0, 0};
     if (a < e) {
-        if (j->ql && !isnan(tb.thr))
+        if (j->ql && !isnan(tb.thr) && j->ql_vbmi)
             scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);
+        else if (j->ql && !isnan(tb.thr))
+            scan_avx2q4(j->m, j->codes, j->luts, j->ql, a, e, &tb);
         else if (j->use_simd)
             scan_avx2(j->m, j->codes, j->luts, a, e, &tb);
         else
@@ -1035,9 +1153,12 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     }
     int use_simd = simd && p->agg != KVD_PQ_AGG_MAX && simd_ok(m);
     float thr0 = k > 0 ? guess_threshold(m, G, p->agg, codes, luts, lo, nm, k) : NAN;
+    /* quantized tables: the VBMI scans (m = 2, 4, 8, 16), or AVX2's for
+     * 4-bit codes (m = 8, 16) */
     pq_qlut *ql = NULL;
-    if (use_simd && !isnan(thr0) && (m == 2 || m == 4 || m == 8 || m == 16) && allow_vbmi &&
-        has_vbmi()) {
+    const int ql_vbmi = allow_vbmi && (m == 2 || m == 4 || m == 8 || m == 16) && has_vbmi();
+    if (use_simd && !isnan(thr0) &&
+        (ql_vbmi || (b == 4 && (m == 2 || m == 4 || m == 8 || m == 16)))) {
         ql = malloc(sizeof *ql);
         if (ql && !build_qlut(m, b, luts, ql)) {
             free(ql);
@@ -1045,8 +1166,8 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         }
     }
     for (int attempt = 0; k > 0 && attempt < 2; attempt++) {
-        scan_job job = {m,  G,   p->agg, codes, luts, ql,   use_simd, lo,
-                        hi, per, bufs,   cap,   k,    thr0, counts};
+        scan_job job = {m,  G,  p->agg, codes, luts, ql, ql_vbmi, use_simd,
+                        lo, hi, per,    bufs,  cap,  k,  thr0,    counts};
         kvd__par_for(nt, nt, scan_part, &job);
         int64_t total = 0;
         for (int t = 0; t < nt; t++)

@@ -495,20 +495,21 @@ static void test_stray_codes(void)
 }
 
 /*
- * The quantized-table scans (CPUs with AVX-512 VBMI) must filter well, which
- * exact results alone do not show: a bound that reads the wrong table entry
- * mostly makes a start that admits too few tokens, which is caught and
- * scanned again without the filter. On every m and b they take, one search
- * scans every full block of 64 tokens once, never again, and re-scores
- * exactly no more than a few times the tokens above the starting threshold.
+ * The quantized-table scans (AVX-512 VBMI: every b; AVX2 only: b = 4) must
+ * filter well, which exact results alone do not show: a bound that reads
+ * the wrong table entry mostly makes a start that admits too few tokens,
+ * which is caught and scanned again without the filter. On every m and b
+ * they take, one search scans every full step (64 tokens with VBMI, 32
+ * groups of 16 bytes with AVX2) once, never again, and re-scores exactly no
+ * more than a few times the tokens above the starting threshold.
  */
 static void test_filter_tight(void)
 {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512vbmi") || !__builtin_cpu_supports("avx512bw")) {
-        printf("kernels_pq: no AVX-512 VBMI here, quantized scans not checked\n");
-        return;
-    }
+    const int vbmi = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!vbmi)
+        printf("kernels_pq: no AVX-512 VBMI here, its quantized scans not checked\n");
     tu_rng r;
     tu_rng_seed(&r, 12);
     const int D = 128, G = 4;
@@ -526,21 +527,27 @@ static void test_filter_tight(void)
             float rs[256], fs[256];
             int64_t rn = 0, fn = 0;
             kvd_pq_search_ref(n, m, b, D, C, codes, G, Q, &p, ri, rs, &rn);
-            kvd__pq_counters c0, c1;
-            kvd__pq_counters_get(&c0);
-            kvd__pq_search_cpu(1, 1, n, m, b, D, C, codes, G, Q, &p, fi, fs, &fn);
-            kvd__pq_counters_get(&c1);
-            uint64_t steps = c1.steps - c0.steps, rescored = c1.rescored - c0.rescored;
-            TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
-                     "filter m=%d b=%d: fast != reference", m, b);
-            TU_CHECK(steps == (uint64_t)n / 64 && c1.rescans == c0.rescans,
-                     "filter m=%d b=%d: %llu steps of 64 (want %lld), %llu rescans", m, b,
-                     (unsigned long long)steps, (long long)n / 64,
-                     (unsigned long long)(c1.rescans - c0.rescans));
-            /* about k + 3.5 sqrt(k n / 1024) = 602 tokens beat the start;
-             * 500-900 are re-scored here */
-            TU_CHECK(rescored <= 1800, "filter m=%d b=%d: %llu tokens re-scored", m, b,
-                     (unsigned long long)rescored);
+            for (int simd = 1; simd <= 2; simd++) {
+                if (simd == 1 ? !vbmi : !(avx2 && b == 4))
+                    continue;
+                const int64_t step = simd == 1 ? 64 : 32 * 16 / m;
+                kvd__pq_counters c0, c1;
+                kvd__pq_counters_get(&c0);
+                kvd__pq_search_cpu(1, simd, n, m, b, D, C, codes, G, Q, &p, fi, fs, &fn);
+                kvd__pq_counters_get(&c1);
+                uint64_t steps = c1.steps - c0.steps, rescored = c1.rescored - c0.rescored;
+                TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
+                         "filter m=%d b=%d simd=%d: fast != reference", m, b, simd);
+                TU_CHECK(steps == (uint64_t)(n / step * step / 64) && c1.rescans == c0.rescans,
+                         "filter m=%d b=%d simd=%d: %llu blocks of 64 tokens (want %lld), %llu "
+                         "rescans",
+                         m, b, simd, (unsigned long long)steps, (long long)(n / step * step / 64),
+                         (unsigned long long)(c1.rescans - c0.rescans));
+                /* about k + 3.5 sqrt(k n / 1024) = 602 tokens beat the start;
+                 * 500-900 are re-scored here */
+                TU_CHECK(rescored <= 1800, "filter m=%d b=%d simd=%d: %llu tokens re-scored", m, b,
+                         simd, (unsigned long long)rescored);
+            }
             free(C);
             free(codes);
         }
