@@ -850,8 +850,8 @@ VBMI_TARGET __attribute__((always_inline)) static inline void
 scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
              int64_t i1, topk_buf *tb)
 {
-    /* R registers of code rows a step, T tokens a register, L sum lanes a
-     * register (u16 for M = 2, u32 for M = 4, u64 otherwise) */
+    /* R registers of code rows a step, T tokens a register; a token's sum
+     * is a u16 lane for M = 2, u32 for M = 4, u64 otherwise */
     enum { MAXR = 16 };
     const int R = M, T = 64 / M;
     uint8_t off[64];
