@@ -566,6 +566,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     st->max_seq_tokens = opt->max_seq_tokens;
     st->durability = opt->sync_writes ? KVD_DURABILITY_SYNC : opt->durability;
     if (st->durability < KVD_DURABILITY_SPILL || st->durability > KVD_DURABILITY_SYNC) {
+        kvd__pq_cache_fini(st);
         free(st);
         return kvd_error_set(err, KVD_EINVAL, "unknown durability %d", opt->durability);
     }
@@ -579,6 +580,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         if ((rc = kvd_backend_cpu_create(&copt, &st->own_be, err))) {
             pthread_rwlock_destroy(&st->lock);
             kvd__batch_pool_fini(st);
+            kvd__pq_cache_fini(st);
             free(st);
             return rc;
         }
@@ -591,6 +593,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         kvd_backend_free(st->own_be);
         pthread_rwlock_destroy(&st->lock);
         kvd__batch_pool_fini(st);
+        kvd__pq_cache_fini(st);
         free(st);
         return rc;
     }
@@ -600,6 +603,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
         kvd_backend_free(st->own_be);
         pthread_rwlock_destroy(&st->lock);
         kvd__batch_pool_fini(st);
+        kvd__pq_cache_fini(st);
         free(st);
         return rc;
     }
