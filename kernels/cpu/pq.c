@@ -184,6 +184,8 @@ typedef struct topk_buf {
 
 static uint64_t pq_counters[3]; /* kvd__pq_counters, updated atomically */
 
+int64_t kvd__pq_thread_bytes = 4 << 20;
+
 void kvd__pq_counters_get(kvd__pq_counters *out)
 {
     out->steps = __atomic_load_n(&pq_counters[0], __ATOMIC_RELAXED);
@@ -1131,11 +1133,14 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     int64_t lo = s, hi = n - w, nm = hi - lo;
     int64_t k = p->k > 0 ? (p->k < nm ? p->k : nm) : 0;
 
-    /* Threads only pay off on long ranges; each needs >= 16K tokens. */
+    /* Threads only pay off on long ranges: each needs 16K tokens and
+     * kvd__pq_thread_bytes of codes (the quantized scans take 2 MB of codes
+     * in 70 us: two threads on 1 MB each were slower than one). */
     int nt = nthreads < 1 ? 1 : nthreads;
     if (k == 0)
         nt = 1;
-    while (nt > 1 && nm / nt < 16384)
+    const int64_t min_bytes = __atomic_load_n(&kvd__pq_thread_bytes, __ATOMIC_RELAXED);
+    while (nt > 1 && (nm / nt < 16384 || nm / nt * m < min_bytes))
         nt--;
     /* buffer: k winners + room for many candidates between cuts; when every
      * middle token fits, no cut ever happens */

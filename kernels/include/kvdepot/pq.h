@@ -172,6 +172,9 @@ typedef struct kvd__pq_counters {
     uint64_t steps, rescored, rescans;
 } kvd__pq_counters;
 void kvd__pq_counters_get(kvd__pq_counters *out);
+/* Codes a thread of one search must scan at least (default 4 MiB; tests
+ * lower it to reach the threaded paths on short ranges). */
+extern int64_t kvd__pq_thread_bytes;
 int kvd__pq_train_cpu(int nthreads, int simd, const kvd_kmeans_params *km, int64_t n, int m,
                       int b, int D, const float *keys, float *centroids);
 void kvd__pq_encode_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
