@@ -864,10 +864,10 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
     const __m512i t2 = _mm512_loadu_si512(ql->nib[2]), t3 = _mm512_loadu_si512(ql->nib[3]);
     const __m512i one8 = _mm512_set1_epi8(1), one16 = _mm512_set1_epi16(1);
     const __m512i zero = _mm512_setzero_si512();
-    int qthr = qlut_threshold(ql, tb->thr);
-    __m512i vq = M == 2   ? _mm512_set1_epi16((short)qthr)
-                 : M == 4 ? _mm512_set1_epi32(qthr)
-                          : _mm512_set1_epi64(qthr);
+    /* the threshold in every sum lane */
+#define Q4_THR(q)                                                                                  \
+    (M == 2 ? _mm512_set1_epi16((short)(q)) : M == 4 ? _mm512_set1_epi32(q) : _mm512_set1_epi64(q))
+    __m512i vq = Q4_THR(qlut_threshold(ql, tb->thr));
     int64_t i = i0;
     for (; i + 64 <= i1; i += 64) {
         const uint8_t *p = codes + i * M;
@@ -909,10 +909,7 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
         if (__builtin_expect(pass, 0)) {
             if (tb->n + 64 > tb->cap) {
                 tb_compact(tb);
-                qthr = qlut_threshold(ql, tb->thr);
-                vq = M == 2   ? _mm512_set1_epi16((short)qthr)
-                     : M == 4 ? _mm512_set1_epi32(qthr)
-                              : _mm512_set1_epi64(qthr);
+                vq = Q4_THR(qlut_threshold(ql, tb->thr));
             }
             const int nv = M == 16 ? R / 2 : R;
             int32_t cand[64];
@@ -930,6 +927,7 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
             rescore(M, p, cand, nc, lut, i, tb);
         }
     }
+#undef Q4_THR
     tb->steps += (uint64_t)(i - i0) / 64;
     scan_avx2(M, codes, lut, i, i1, tb);
 }

@@ -237,6 +237,48 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
     return rc;
 }
 
+/*
+ * The per-head searches of one range as one batch on be (the host's CPU
+ * backend, or the device with every pointer in its memory): head h ranks
+ * codes + h n M with centroids cent + h per-head and the summed queries of
+ * its group, its top entries into idx and sc + h cap. Every head must return
+ * r->per_head of them.
+ */
+static int search_heads(kvd_backend *be, const search_index *ix, const search_run *r,
+                        const kvd_pq_search_params *sp, const float *cent, const uint8_t *codes,
+                        const float *q, uint32_t *idx, float *sc, kvd_error *err)
+{
+    const size_t H = (size_t)ix->H, M = (size_t)ix->M, K = (size_t)1 << ix->nb;
+    const size_t D = (size_t)ix->D, G = r->sc.model.num_q_heads / H, n = r->n;
+    const size_t cap = (size_t)(r->per_head ? r->per_head : 1), pc = M * K * (D / M);
+    kvd_pq_search_job *jobs = calloc(H, sizeof *jobs);
+    kvd_tensor *t = calloc(5 * H, sizeof *t);
+    int rc = 0;
+    if (!jobs || !t)
+        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    for (size_t h = 0; h < H && rc == 0; h++) {
+        int64_t cs[3] = {(int64_t)M, (int64_t)K, (int64_t)(D / M)},
+                ds[2] = {(int64_t)n, (int64_t)M};
+        int64_t qs[2] = {(int64_t)G, (int64_t)D}, os[1] = {r->per_head};
+        kvd_tensor *th = t + 5 * h;
+        th[0] = kvd_tensor_make(KVD_DTYPE_F32, (void *)(cent + h * pc), 3, cs);
+        th[1] = kvd_tensor_make(KVD_DTYPE_U8, (void *)(codes + h * n * M), 2, ds);
+        th[2] = kvd_tensor_make(KVD_DTYPE_F32, (void *)(q + h * G * D), 2, qs);
+        th[3] = kvd_tensor_make(KVD_DTYPE_U32, idx + h * cap, 1, os);
+        th[4] = kvd_tensor_make(KVD_DTYPE_F32, sc + h * cap, 1, os);
+        jobs[h] = (kvd_pq_search_job){&th[0], &th[1], &th[2], &th[3], &th[4], 0};
+    }
+    if (rc == 0)
+        rc = kvd_pq_search_batch(be, jobs, (int64_t)H, sp, err);
+    for (size_t h = 0; h < H && rc == 0; h++)
+        if (jobs[h].nout != r->per_head)
+            rc = kvd_error_set(err, KVD_EINTERNAL, "search returned %lld of %lld entries",
+                               (long long)jobs[h].nout, (long long)r->per_head);
+    free(jobs);
+    free(t);
+    return rc;
+}
+
 static _Atomic uint64_t device_search_pages;
 
 uint64_t kvd_compute_device_search_pages(void)
@@ -260,13 +302,7 @@ static int search_device(kvd_backend *dev, const kvd_search_args *sa, search_run
     const size_t nf = H * pc + H * G * D + H * cap; /* centroids, queries, scores */
     const size_t bytes = sizeof(float) * nf + sizeof(uint32_t) * H * cap + H * n * M;
     uint8_t *buf = NULL;
-    kvd_pq_search_job *jobs = calloc(H, sizeof *jobs);
-    kvd_tensor *t = calloc(5 * H, sizeof *t);
     int rc;
-    if (!jobs || !t) {
-        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
-        goto done;
-    }
     if ((rc = kvd_backend_scratch(dev, bytes, (void **)&buf, err)))
         goto done;
     float *cent = (float *)buf, *q = cent + H * pc, *sc = q + H * G * D;
@@ -284,28 +320,8 @@ static int search_device(kvd_backend *dev, const kvd_search_args *sa, search_run
         rc = kvd_backend_copy2d(dev, codes + (t0 - r->start) * M, n * M, src, B * M, (t1 - t0) * M,
                                 H, err);
     }
-    if (rc)
+    if (rc || (rc = search_heads(dev, ix, r, sp, cent, codes, q, idx, sc, err)))
         goto done;
-    for (size_t h = 0; h < H; h++) {
-        int64_t cs[3] = {(int64_t)M, (int64_t)K, (int64_t)(D / M)},
-                ds[2] = {(int64_t)n, (int64_t)M};
-        int64_t qs[2] = {(int64_t)G, (int64_t)D}, os[1] = {r->per_head};
-        kvd_tensor *th = t + 5 * h;
-        th[0] = kvd_tensor_make(KVD_DTYPE_F32, cent + h * pc, 3, cs);
-        th[1] = kvd_tensor_make(KVD_DTYPE_U8, codes + h * n * M, 2, ds);
-        th[2] = kvd_tensor_make(KVD_DTYPE_F32, q + h * G * D, 2, qs);
-        th[3] = kvd_tensor_make(KVD_DTYPE_U32, idx + h * cap, 1, os);
-        th[4] = kvd_tensor_make(KVD_DTYPE_F32, sc + h * cap, 1, os);
-        jobs[h] = (kvd_pq_search_job){&th[0], &th[1], &th[2], &th[3], &th[4], 0};
-    }
-    if ((rc = kvd_pq_search_batch(dev, jobs, (int64_t)H, sp, err)))
-        goto done;
-    for (size_t h = 0; h < H; h++)
-        if (jobs[h].nout != r->per_head) {
-            rc = kvd_error_set(err, KVD_EINTERNAL, "search returned %lld of %lld entries",
-                               (long long)jobs[h].nout, (long long)r->per_head);
-            goto done;
-        }
     if ((rc = kvd_backend_download(dev, uidx, idx, sizeof(uint32_t) * H * cap, err)) ||
         (rc = kvd_backend_download(dev, r->scores, sc, sizeof(float) * H * cap, err)))
         goto done;
@@ -314,8 +330,6 @@ static int search_device(kvd_backend *dev, const kvd_search_args *sa, search_run
     atomic_fetch_add(&device_search_pages, dc->n);
 done:
     kvd_backend_scratch_free(dev, buf);
-    free(jobs);
-    free(t);
     return rc;
 }
 
@@ -359,7 +373,7 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
     if (sa->k > r->n)
         return kvd_error_set(err, KVD_EINVAL, "k: %u is larger than the %llu tokens searched",
                              sa->k, (unsigned long long)r->n);
-    const int H = (int)m->num_kv_heads, D = (int)m->head_dim, G = (int)(m->num_q_heads / H);
+    const int H = (int)m->num_kv_heads, D = (int)m->head_dim;
     const int M = (int)r->codecs.pq_m, nb = r->codecs.pq_bits, K = 1 << nb;
     kvd_pq_search_params sp = {sa->k, sa->initial_tokens, sa->recent_tokens, KVD_PQ_AGG_SUM};
     r->per_head = kvd_pq_search_count((int64_t)r->n, &sp);
@@ -384,11 +398,9 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
     r->idx = malloc(sizeof(int32_t) * cap * H);
     r->scores = malloc(sizeof(float) * cap * H);
     uint32_t *uidx = malloc(sizeof(uint32_t) * cap * H);
-    kvd_tensor *t = dev ? NULL : malloc(sizeof *t * 5 * (size_t)H);
-    kvd_pq_search_job *jobs = dev ? NULL : malloc(sizeof *jobs * (size_t)H);
     dev_codes dc;
     memset(&dc, 0, sizeof dc);
-    if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx || (!dev && (!t || !jobs))) {
+    if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token search",
                            (unsigned long long)r->n);
         goto done;
@@ -410,25 +422,9 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
         goto done;
     }
     /* one batch: the backend shares the kv heads among its threads */
-    const size_t per_head = (size_t)M * K * (D / M);
-    for (int h = 0; h < H; h++) {
-        int64_t cs[3] = {M, K, D / M}, cds[2] = {(int64_t)r->n, M};
-        int64_t qs[2] = {G, D}, os[1] = {r->per_head};
-        kvd_tensor *th = t + 5 * h;
-        th[0] = kvd_tensor_make(KVD_DTYPE_F32, ix.cent + h * per_head, 3, cs);
-        th[1] = kvd_tensor_make(KVD_DTYPE_U8, ix.codes + (size_t)h * r->n * M, 2, cds);
-        th[2] = kvd_tensor_make(KVD_DTYPE_F32, (void *)(sa->q + (size_t)h * G * D), 2, qs);
-        th[3] = kvd_tensor_make(KVD_DTYPE_U32, uidx + (size_t)h * r->per_head, 1, os);
-        th[4] = kvd_tensor_make(KVD_DTYPE_F32, r->scores + (size_t)h * r->per_head, 1, os);
-        jobs[h] = (kvd_pq_search_job){&th[0], &th[1], &th[2], &th[3], &th[4], 0};
-    }
-    if ((rc = kvd_pq_search_batch(c->be, jobs, H, &sp, err)))
+    if ((rc = search_heads(c->be, &ix, r, &sp, ix.cent, ix.codes, sa->q, uidx, r->scores, err)))
         goto done;
-    for (int h = 0; h < H && rc == 0; h++)
-        if (jobs[h].nout != r->per_head)
-            rc = kvd_error_set(err, KVD_EINTERNAL, "search returned %lld of %lld entries",
-                               (long long)jobs[h].nout, (long long)r->per_head);
-    for (size_t i = 0; rc == 0 && i < (size_t)H * r->per_head; i++)
+    for (size_t i = 0; i < (size_t)H * r->per_head; i++)
         r->idx[i] = (int32_t)uidx[i];
 done:
     dev_codes_release(c->store, &dc);
@@ -438,8 +434,6 @@ done:
         free(ix.cent);
     free(ix.codes);
     free(uidx);
-    free(t);
-    free(jobs);
     return rc;
 }
 
