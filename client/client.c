@@ -928,6 +928,30 @@ nomem:
     return kvdepot__fail(c, KVDEPOT_ENOMEM, "sequence info: out of memory");
 }
 
+int kvdepot__create_pb(kvdepot_client *c, const kvdepot_create_args *a, const char *what,
+                       Kvdepot__V1__CreateSequenceRequest *req, kvdepot__codecs_pb *cpb)
+{
+    kvdepot__v1__create_sequence_request__init(req);
+    if (!a || !a->model || (!a->id && a->id_len) || (!a->prefix_hashes && a->num_prefix_hashes) ||
+        (!a->prefix_token_ids && a->num_prefix_token_ids))
+        return kvdepot__fail(c, KVDEPOT_EINVAL, "%s: NULL argument", what);
+    req->sequence_id.data = (uint8_t *)a->id;
+    req->sequence_id.len = a->id_len;
+    req->model = (char *)a->model;
+    req->prefix_hashes = (uint64_t *)a->prefix_hashes;
+    req->n_prefix_hashes = a->num_prefix_hashes;
+    req->prefix_token_ids = (uint32_t *)a->prefix_token_ids;
+    req->n_prefix_token_ids = a->num_prefix_token_ids;
+    req->ttl_seconds = a->ttl_seconds;
+    req->codecs = kvdepot__codecs_to_pb(a->codecs, cpb);
+    int rc = kvdepot__engine_pb(c, &a->engine_prefix, what, &req->engine_prefix_hashes);
+    if (rc)
+        return rc;
+    req->n_engine_prefix_hashes = a->engine_prefix.num;
+    req->engine_block_tokens = a->engine_prefix.block_tokens;
+    return KVDEPOT_OK;
+}
+
 int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
                             kvdepot_sequence_info *out)
 {
@@ -936,26 +960,13 @@ int kvdepot_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
-    if (!c || !a || !a->model || (!a->id && a->id_len) ||
-        (!a->prefix_hashes && a->num_prefix_hashes) ||
-        (!a->prefix_token_ids && a->num_prefix_token_ids))
+    if (!c)
         return kvdepot__fail(c, KVDEPOT_EINVAL, "sequence create: NULL argument");
-    Kvdepot__V1__CreateSequenceRequest req = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
-    req.sequence_id.data = (uint8_t *)a->id;
-    req.sequence_id.len = a->id_len;
-    req.model = (char *)a->model;
-    req.prefix_hashes = (uint64_t *)a->prefix_hashes;
-    req.n_prefix_hashes = a->num_prefix_hashes;
-    req.prefix_token_ids = (uint32_t *)a->prefix_token_ids;
-    req.n_prefix_token_ids = a->num_prefix_token_ids;
-    req.ttl_seconds = a->ttl_seconds;
+    Kvdepot__V1__CreateSequenceRequest req;
     kvdepot__codecs_pb cpb;
-    req.codecs = kvdepot__codecs_to_pb(a->codecs, &cpb);
-    int rc = kvdepot__engine_pb(c, &a->engine_prefix, "sequence create", &req.engine_prefix_hashes);
+    int rc = kvdepot__create_pb(c, a, "sequence create", &req, &cpb);
     if (rc)
         return rc;
-    req.n_engine_prefix_hashes = a->engine_prefix.num;
-    req.engine_block_tokens = a->engine_prefix.block_tokens;
     Kvdepot__V1__CreateSequenceResponse *resp;
     rc = UNARY(c, KVDEPOT__CREATE_SEQUENCE, &req, kvdepot__v1__create_sequence_response, &resp);
     free(req.engine_prefix_hashes);

@@ -238,6 +238,12 @@ typedef struct kvdepot__codecs_pb {
     _Alignas(16) unsigned char storage[1024];
 } kvdepot__codecs_pb;
 void *kvdepot__codecs_to_pb(const kvdepot_codecs *c, kvdepot__codecs_pb *pb);
+/* CreateSequenceRequest *req from a (its engine prefix names malloc'd, to
+ * free once packed; codecs in *cpb); KVDEPOT_EINVAL for NULL arguments,
+ * naming `what`, failing c. */
+struct Kvdepot__V1__CreateSequenceRequest;
+int kvdepot__create_pb(kvdepot_client *c, const kvdepot_create_args *a, const char *what,
+                       struct Kvdepot__V1__CreateSequenceRequest *req, kvdepot__codecs_pb *cpb);
 /* Engine block names as repeated bytes fields: *out (malloc'd; NULL when
  * there are none) points into h->bytes. KVDEPOT_OK, KVDEPOT_EINVAL (NULL
  * bytes, a length outside 1..64) or KVDEPOT_ENOMEM, failing c. */

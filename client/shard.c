@@ -1012,24 +1012,41 @@ struct create_ctx {
  * Create on the owner. A server that joined after the model was put does
  * not know it yet: copy the model from another server and try once more.
  */
+/*
+ * After a create on server m failed with KVDEPOT_ENOTFOUND: when m lacks
+ * the model, copy it from another server (KVDEPOT_OK: try once more); when
+ * m knows it, the failure stands (1), m's error message as it was.
+ */
+static int copy_model(kvdepot_client *cluster, kvdepot_client *m, const char *name)
+{
+    char was[512];
+    snprintf(was, sizeof was, "%s", kvdepot_errmsg(m));
+    kvdepot_model model;
+    if (kvdepot_model_get(m, name, &model) != KVDEPOT_ENOTFOUND) {
+        kvdepot__fail(m, KVDEPOT_ENOTFOUND, "%s", was);
+        return 1;
+    }
+    if (kvdepot__cluster_model_get(cluster, name, &model) != KVDEPOT_OK)
+        return kvdepot__fail(m, KVDEPOT_ENOTFOUND, "no model \"%s\"", name);
+    int r = kvdepot_model_put(m, &model, 0, NULL, NULL);
+    if (r != KVDEPOT_OK && r != KVDEPOT_EEXIST)
+        return r;
+    kvdepot__log(cluster, KVDEPOT_LOG_INFO, "kvdepot: model %s copied to a server that lacked it",
+                 model.name);
+    return KVDEPOT_OK;
+}
+
 static int op_create(kvdepot_client *m, void *p)
 {
     struct create_ctx *x = p;
     int rc = kvdepot_sequence_create(m, x->args, x->out);
     if (rc != KVDEPOT_ENOTFOUND || !x->args || !x->args->model)
         return rc;
-    kvdepot_model model;
-    if (kvdepot_model_get(m, x->args->model, &model) != KVDEPOT_ENOTFOUND)
+    int r = copy_model(x->cluster, m, x->args->model);
+    if (r == 1)
         return kvdepot__fail(m, rc, "no such prefix on this server (model \"%s\" is known)",
                              x->args->model);
-    if (kvdepot__cluster_model_get(x->cluster, x->args->model, &model) != KVDEPOT_OK)
-        return kvdepot__fail(m, KVDEPOT_ENOTFOUND, "no model \"%s\"", x->args->model);
-    int r = kvdepot_model_put(m, &model, 0, NULL, NULL);
-    if (r != KVDEPOT_OK && r != KVDEPOT_EEXIST)
-        return r;
-    kvdepot__log(x->cluster, KVDEPOT_LOG_INFO, "kvdepot: model %s copied to a server that lacked it",
-                 model.name);
-    return kvdepot_sequence_create(m, x->args, x->out);
+    return r ? r : kvdepot_sequence_create(m, x->args, x->out);
 }
 
 int kvdepot__cluster_sequence_create(kvdepot_client *c, const kvdepot_create_args *a,
@@ -1168,12 +1185,21 @@ int kvdepot__cluster_sequence_list(kvdepot_client *c, const char *model,
 struct append_ctx {
     const kvdepot_append_args *args;
     kvdepot_sequence_info *out;
-    const kvdepot_client *cluster; /* its progress callback */
+    kvdepot_client *cluster; /* its progress callback, its models */
 };
 
+/* An append that creates its sequence copies a missing model as op_create
+ * does. */
 static int op_append(kvdepot_client *m, void *p)
 {
     struct append_ctx *x = p;
+    const kvdepot_create_args *cr = x->args->create;
+    int rc = kvdepot__append(m, x->args, x->out, x->cluster->progress, x->cluster->progress_user);
+    if (rc != KVDEPOT_ENOTFOUND || !cr || !cr->model)
+        return rc;
+    int r = copy_model(x->cluster, m, cr->model);
+    if (r)
+        return r == 1 ? rc : r;
     return kvdepot__append(m, x->args, x->out, x->cluster->progress, x->cluster->progress_user);
 }
 

@@ -105,40 +105,58 @@ static size_t append_msg_write(uint8_t *p, const uint8_t *hdr, size_t hlen, int 
     return n;
 }
 
-/* The header of an append; its engine block names (malloc'd, freed by the
- * caller once the header is packed) point into a's. */
-static int header_from_args(kvdepot_client *c, const kvdepot_append_args *a,
-                            Kvdepot__V1__AppendHeader *h)
+/* The packed header of an append (malloc'd, *hlen bytes), or NULL with c
+ * failed (KVDEPOT_EINVAL, KVDEPOT_ENOMEM) and *rc set. */
+static uint8_t *pack_header(kvdepot_client *c, const kvdepot_append_args *a, size_t *hlen, int *rc)
 {
-    kvdepot__v1__append_header__init(h);
-    h->sequence_id.data = (uint8_t *)a->id;
-    h->sequence_id.len = a->id_len;
-    h->layer_start = a->layer_start;
-    h->num_layers = a->num_layers;
-    h->token_start = a->token_start;
-    h->num_tokens = a->num_tokens;
-    h->dtype = (Kvdepot__V1__DType)a->dtype;
-    h->token_ids = (uint32_t *)a->token_ids;
-    h->n_token_ids = a->num_token_ids;
-    h->block_hashes = (uint64_t *)a->block_hashes;
-    h->n_block_hashes = a->num_block_hashes;
-    h->with_activations = a->x != NULL;
-    h->engine_block_tokens = a->engine_hashes.block_tokens;
-    h->n_engine_block_hashes = a->engine_hashes.num;
-    return kvdepot__engine_pb(c, &a->engine_hashes, "append", &h->engine_block_hashes);
+    Kvdepot__V1__AppendHeader h;
+    kvdepot__v1__append_header__init(&h);
+    h.sequence_id.data = (uint8_t *)a->id;
+    h.sequence_id.len = a->id_len;
+    h.layer_start = a->layer_start;
+    h.num_layers = a->num_layers;
+    h.token_start = a->token_start;
+    h.num_tokens = a->num_tokens;
+    h.dtype = (Kvdepot__V1__DType)a->dtype;
+    h.token_ids = (uint32_t *)a->token_ids;
+    h.n_token_ids = a->num_token_ids;
+    h.block_hashes = (uint64_t *)a->block_hashes;
+    h.n_block_hashes = a->num_block_hashes;
+    h.with_activations = a->x != NULL;
+    h.engine_block_tokens = a->engine_hashes.block_tokens;
+    h.n_engine_block_hashes = a->engine_hashes.num;
+    Kvdepot__V1__CreateSequenceRequest cr;
+    kvdepot__codecs_pb cpb;
+    kvdepot__v1__create_sequence_request__init(&cr);
+    if ((*rc = kvdepot__engine_pb(c, &a->engine_hashes, "append", &h.engine_block_hashes)))
+        return NULL;
+    if (a->create) {
+        if ((*rc = kvdepot__create_pb(c, a->create, "append: create", &cr, &cpb))) {
+            free(h.engine_block_hashes);
+            return NULL;
+        }
+        /* the header's id serves for both */
+        cr.sequence_id.data = NULL;
+        cr.sequence_id.len = 0;
+        h.create = &cr;
+    }
+    *hlen = protobuf_c_message_get_packed_size(&h.base);
+    uint8_t *hdr = malloc(*hlen ? *hlen : 1);
+    if (hdr)
+        protobuf_c_message_pack(&h.base, hdr);
+    else
+        *rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "append: out of memory");
+    free(h.engine_block_hashes);
+    free(cr.engine_prefix_hashes);
+    return hdr;
 }
 
 void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, size_t data_len,
                              int with_header, size_t *len)
 {
-    Kvdepot__V1__AppendHeader h;
-    if (header_from_args(NULL, a, &h))
-        return NULL;
-    size_t hlen = protobuf_c_message_get_packed_size(&h.base);
-    uint8_t *hdr = malloc(hlen ? hlen : 1);
-    if (hdr)
-        protobuf_c_message_pack(&h.base, hdr);
-    free(h.engine_block_hashes);
+    size_t hlen;
+    int rc;
+    uint8_t *hdr = pack_header(NULL, a, &hlen, &rc);
     if (!hdr)
         return NULL;
     kv_src src = {.k = data, .k_bytes = data_len};
@@ -171,20 +189,14 @@ int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_seq
         (!a->x && a->x_bytes))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "append: NULL pointer with a nonzero length");
 
-    Kvdepot__V1__AppendHeader h;
-    int hrc = header_from_args(c, a, &h);
-    if (hrc)
-        return hrc;
-    size_t hlen = protobuf_c_message_get_packed_size(&h.base);
-    uint8_t *hdr = malloc(hlen ? hlen : 1);
-    if (hdr)
-        protobuf_c_message_pack(&h.base, hdr);
-    free(h.engine_block_hashes);
+    size_t hlen;
+    int rc;
+    uint8_t *hdr = pack_header(c, a, &hlen, &rc);
     if (!hdr)
-        return kvdepot__fail(c, KVDEPOT_ENOMEM, "append: out of memory");
+        return rc;
 
     kvdepot__call k;
-    int rc = kvdepot__call_start(c, KVDEPOT__APPEND, NULL, &k);
+    rc = kvdepot__call_start(c, KVDEPOT__APPEND, NULL, &k);
     if (rc) {
         kvdepot__call_end(&k);
         free(hdr);

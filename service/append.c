@@ -36,6 +36,13 @@ typedef struct append_state {
     char model[KVD_MODEL_NAME_MAX + 1];
     int reserved, committed;
     uint64_t old_stored_bytes, old_sealed_pages;
+    /* header.create made the sequence (`created`, as it was then): deleted
+     * again unless the append commits. The service and tokens table it was
+     * made under, for undoing it when the stream ends without a context. */
+    int made;
+    kvd_seq_info created;
+    kvd_service *svc;
+    kvd_auth *made_auth;
 } append_state;
 
 /* ---- wire-level scan of one AppendRequest -------------------------------- */
@@ -201,6 +208,59 @@ static int write_piece(void *arg, const uint8_t *p, size_t len, kvd_error *err)
 
 /* ---- the handler ------------------------------------------------------- */
 
+/* The sequence of an Append with header.create: stat it, or create it from
+ * the request when it does not exist (*info is then the new sequence and
+ * st->made is set). */
+static int stat_or_create(kvd_req_ctx *ctx, append_state *st, const Kvdepot__V1__AppendHeader *h,
+                          kvd_seq_info *info, kvd_error *err)
+{
+    const Kvdepot__V1__CreateSequenceRequest *cr = h->create;
+    if (cr->sequence_id.len &&
+        (cr->sequence_id.len != h->sequence_id.len ||
+         memcmp(cr->sequence_id.data, h->sequence_id.data, cr->sequence_id.len)))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "header.create.sequence_id: differs from header.sequence_id (leave "
+                             "it empty)");
+    for (int tries = 0;; tries++) {
+        int rc = kvd_store_seq_stat(ctx->svc->store, st->key.id, st->key.len, info, err);
+        if (rc != KVD_ENOTFOUND) {
+            if (rc == 0 && strcmp(info->model, cr->model ? cr->model : "")) {
+                rc = kvd_error_set(err, KVD_EPRECOND,
+                                   "header.create: the sequence exists, of model \"%s\", not "
+                                   "\"%s\"",
+                                   info->model, cr->model ? cr->model : "");
+                kvd_seq_info_clear(info);
+            }
+            return rc;
+        }
+        kvd_error_clear(err);
+        rc = kvd_ctx_create_sequence(ctx, cr, &st->key, info, err);
+        if (rc == 0) {
+            st->made = 1;
+            st->svc = ctx->svc;
+            if (ctx->auth) {
+                kvd_auth_ref(ctx->auth);
+                st->made_auth = ctx->auth;
+            }
+        }
+        if (rc != KVD_EEXIST || tries)
+            return rc;
+        kvd_error_clear(err); /* another call created it meanwhile: append to it */
+    }
+}
+
+/* A sequence this Append created goes again when the append fails. */
+static void undo_create(append_state *st)
+{
+    if (!st->made || st->committed)
+        return;
+    st->made = 0;
+    kvd_error e;
+    kvd_error_clear(&e);
+    if (kvd_undo_create_sequence(st->svc, st->made_auth, &st->key, &st->created, &e))
+        KVD_LOG(KVD_LOG_WARN, "the sequence a failed Append created was kept", "reason=%s", e.msg);
+}
+
 static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *h,
                  kvd_error *err)
 {
@@ -257,14 +317,19 @@ static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *
      * bytes count against; its current size gives the gauges' deltas. */
     kvd_seq_info info;
     memset(&info, 0, sizeof info);
-    if ((rc = kvd_store_seq_stat(ctx->svc->store, st->key.id, st->key.len, &info, err))) {
+    rc = h->create ? stat_or_create(ctx, st, h, &info, err)
+                   : kvd_store_seq_stat(ctx->svc->store, st->key.id, st->key.len, &info, err);
+    if (rc) {
         free(engine);
         return rc;
     }
     snprintf(st->model, sizeof st->model, "%s", info.model);
     st->old_stored_bytes = info.stored_bytes;
     st->old_sealed_pages = info.sealed_pages;
-    kvd_seq_info_clear(&info);
+    if (st->made)
+        st->created = info; /* kept to undo the create */
+    else
+        kvd_seq_info_clear(&info);
     if ((rc = kvd_ctx_check_model(ctx, st->model, err))) {
         free(engine);
         return rc;
@@ -351,7 +416,7 @@ static int recv_slow(kvd_req_ctx *ctx, append_state *st, grpc_byte_buffer *msg, 
     return rc;
 }
 
-static int append_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd_error *err)
+static int recv_one(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd_error *err)
 {
     append_state *st = *state;
     if (!st) {
@@ -401,8 +466,7 @@ static int append_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kv
     return 0;
 }
 
-static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply,
-                         kvd_error *err)
+static int finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, kvd_error *err)
 {
     append_state *st = *state;
     if (!st || !st->ap)
@@ -460,12 +524,41 @@ static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **repl
     return 0;
 }
 
+/* A failed call ends its transaction and undoes its create before its
+ * status goes out, so that a retry finds the store as it was. */
+static int failed(void *state, int rc)
+{
+    append_state *st = state;
+    if (rc && st) {
+        kvd_store_append_abort(st->ap);
+        st->ap = NULL;
+        undo_create(st);
+    }
+    return rc;
+}
+
+static int append_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd_error *err)
+{
+    int rc = recv_one(ctx, state, msg, err); /* it may set *state */
+    return failed(*state, rc);
+}
+
+static int append_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, kvd_error *err)
+{
+    int rc = finish(ctx, state, reply, err);
+    return failed(*state, rc);
+}
+
 static void append_release(void *state)
 {
     append_state *st = state;
     if (!st)
         return;
     kvd_store_append_abort(st->ap);
+    st->ap = NULL;
+    undo_create(st); /* a stream cut off */
+    kvd_seq_info_clear(&st->created);
+    kvd_auth_unref(st->made_auth);
     if (st->reserved && !st->committed)
         kvd_quota_release(st->quota, st->model, 0, st->expected + st->index_bound);
     kvd_auth_unref(st->quota);

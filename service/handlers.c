@@ -143,10 +143,6 @@ int kvd_h_delete_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_
     return reply_or_oom(reply, &resp.base, ctx, err);
 }
 
-static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
-                           const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
-                           grpc_byte_buffer **reply, kvd_error *err);
-
 int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
                           grpc_byte_buffer **reply, kvd_error *err)
 {
@@ -154,8 +150,35 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         (const Kvdepot__V1__CreateSequenceRequest *)msg;
     int rc;
     kvd_seq_key key;
-    if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)) ||
-        (rc = kvd_check_model_name(req->model, "model", err)) ||
+    if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)))
+        return rc;
+    kvd_seq_info info;
+    if ((rc = kvd_ctx_create_sequence(ctx, req, &key, &info, err)))
+        return rc;
+    Kvdepot__V1__SequenceInfo si;
+    kvd_seq_info_to_pb(&info, &si);
+    kvd_codecs_pb cp;
+    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, 1, &si, &cp, err);
+    kvd_ctx_seq_wire(ctx, &si.sequence_id);
+    Kvdepot__V1__CreateSequenceResponse resp = KVDEPOT__V1__CREATE_SEQUENCE_RESPONSE__INIT;
+    resp.sequence = &si;
+    if (!rc)
+        rc = reply_or_oom(reply, &resp.base, ctx, err);
+    kvd_codecs_pb_clear(&cp);
+    kvd_seq_info_clear(&info);
+    return rc;
+}
+
+static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
+                           const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
+                           kvd_seq_info *info, kvd_error *err);
+
+int kvd_ctx_create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
+                            const kvd_seq_key *key, kvd_seq_info *info, kvd_error *err)
+{
+    int rc;
+    memset(info, 0, sizeof *info);
+    if ((rc = kvd_check_model_name(req->model, "model", err)) ||
         (rc = kvd_ctx_check_model(ctx, req->model, err)))
         return rc;
     uint32_t pt = ctx->svc->page_tokens;
@@ -178,14 +201,14 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
             return rc;
         prefix = engine;
     }
-    rc = create_sequence(ctx, req, &key, prefix, n_prefix, reply, err);
+    rc = create_sequence(ctx, req, key, prefix, n_prefix, info, err);
     free(engine);
     return rc;
 }
 
 static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
                            const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
-                           grpc_byte_buffer **reply, kvd_error *err)
+                           kvd_seq_info *info, kvd_error *err)
 {
     int rc;
     uint32_t pt = ctx->svc->page_tokens;
@@ -195,8 +218,6 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
                              "need %llu (or none)",
                              req->n_prefix_token_ids, n_prefix, pt,
                              (unsigned long long)n_prefix * pt);
-    kvd_seq_info info;
-    memset(&info, 0, sizeof info);
     /* A sequence started from a prefix holds the prefix's tokens from the
      * start: they count against the byte quota like appended ones. */
     uint64_t bytes = 0;
@@ -234,7 +255,7 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
     kvd_quota_lock(ctx->auth);
     rc = kvd_store_seq_create_ex(ctx->svc->store, kp->id, kp->len, req->model, prefix, n_prefix,
                                  req->n_prefix_token_ids ? req->prefix_token_ids : NULL,
-                                 req->n_prefix_token_ids, &opts, &info, err);
+                                 req->n_prefix_token_ids, &opts, info, err);
     if (rc == 0)
         kvd_quota_settle(ctx->auth, req->model, 1, bytes);
     kvd_quota_unlock(ctx->auth);
@@ -243,21 +264,35 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
         return rc;
     }
     KVD_METRIC_ADD(sequences_stored, 1);
-    KVD_METRIC_ADD(payload_bytes_stored, kvd_seq_payload_bytes(&info, &mi));
-    KVD_METRIC_ADD(stored_bytes, info.stored_bytes);
-    KVD_METRIC_ADD(pages_sealed, info.sealed_pages);
-    Kvdepot__V1__SequenceInfo si;
-    kvd_seq_info_to_pb(&info, &si);
-    kvd_codecs_pb cp;
-    rc = kvd_seq_info_codecs_pb(ctx->svc->store, &info, 1, &si, &cp, err);
-    kvd_ctx_seq_wire(ctx, &si.sequence_id);
-    Kvdepot__V1__CreateSequenceResponse resp = KVDEPOT__V1__CREATE_SEQUENCE_RESPONSE__INIT;
-    resp.sequence = &si;
+    KVD_METRIC_ADD(payload_bytes_stored, kvd_seq_payload_bytes(info, &mi));
+    KVD_METRIC_ADD(stored_bytes, info->stored_bytes);
+    KVD_METRIC_ADD(pages_sealed, info->sealed_pages);
+    return 0;
+}
+
+int kvd_undo_create_sequence(kvd_service *svc, kvd_auth *auth, const kvd_seq_key *key,
+                             const kvd_seq_info *was, kvd_error *err)
+{
+    uint64_t tokens = 0;
+    for (uint32_t l = 0; l < was->num_layers; l++)
+        tokens += was->layer_tokens[l];
+    kvd_model_info mi;
+    kvd_quota_lock(auth);
+    int rc = kvd_store_model_get(svc->store, was->model, &mi, err);
     if (!rc)
-        rc = reply_or_oom(reply, &resp.base, ctx, err);
-    kvd_codecs_pb_clear(&cp);
-    kvd_seq_info_clear(&info);
-    return rc;
+        rc = kvd_store_seq_delete_unchanged(svc->store, key->id, key->len, was->created_unix_ms,
+                                            tokens, err);
+    const uint64_t bytes = rc ? 0 : kvd_seq_payload_bytes(was, &mi);
+    if (!rc)
+        kvd_quota_forget(auth, was->model, 1, bytes);
+    kvd_quota_unlock(auth);
+    if (rc)
+        return rc;
+    KVD_METRIC_ADD(sequences_stored, -1);
+    KVD_METRIC_ADD(payload_bytes_stored, -(int64_t)bytes);
+    KVD_METRIC_ADD(stored_bytes, -(int64_t)was->stored_bytes);
+    KVD_METRIC_ADD(pages_sealed, -(int64_t)was->sealed_pages);
+    return 0;
 }
 
 int kvd_h_lookup(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_buffer **reply,

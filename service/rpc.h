@@ -187,6 +187,18 @@ void kvd_usage_rescan(kvd_req_ctx *ctx);
 int kvd_ctx_quota_reserve(kvd_req_ctx *ctx, const char *model, uint64_t sequences,
                           uint64_t bytes, kvd_error *err);
 
+struct Kvdepot__V1__CreateSequenceRequest;
+/* CreateSequence's work for the sequence `key` (req->sequence_id is not
+ * read): checks, quota, the store's create, the gauges. *info is the new
+ * sequence (kvd_seq_info_clear it) on success. */
+int kvd_ctx_create_sequence(kvd_req_ctx *ctx, const struct Kvdepot__V1__CreateSequenceRequest *req,
+                            const kvd_seq_key *key, kvd_seq_info *info, kvd_error *err);
+/* Undo kvd_ctx_create_sequence when the sequence is still as `was`
+ * describes it (created then, no tokens added since): delete it and give
+ * back its quota and gauges. 0, or why it stayed. */
+int kvd_undo_create_sequence(kvd_service *svc, kvd_auth *auth, const kvd_seq_key *key,
+                             const kvd_seq_info *was, kvd_error *err);
+
 /* What service/compute runs a call with: the store, its backend, and a
  * guard *g made of the call's tenant check and byte quota (g must outlive
  * *c's use). */

@@ -679,8 +679,10 @@ int kvd__seq_acquire(kvd_store *st, const void *id, size_t id_len, kvd__seq **ou
 
 /* ---- delete ------------------------------------------------------------- */
 
-int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t *freed_pages,
-                         kvd_error *err)
+/* unchanged: delete only a sequence still as kvd_store_seq_delete_unchanged
+ * describes it (NULL = any). */
+static int seq_delete(kvd_store *st, const void *id, size_t id_len, const kvd_seq_info *unchanged,
+                      uint64_t *freed_pages, kvd_error *err)
 {
     if (freed_pages)
         *freed_pages = 0;
@@ -696,6 +698,16 @@ int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t 
         rc = kvd_error_set(err, KVD_ENOTFOUND, "sequence %s not found",
                            kvd__id_str(id, id_len, idb, sizeof idb));
         goto out;
+    }
+    if (unchanged) {
+        uint64_t tokens = 0;
+        for (uint32_t l = 0; l < s->num_layers; l++)
+            tokens += s->layers[l].tokens;
+        if (s->created_ms != unchanged->created_unix_ms || tokens != unchanged->num_tokens) {
+            rc = kvd_error_set(err, KVD_EPRECOND, "sequence %s changed; not deleted",
+                               kvd__id_str(id, id_len, idb, sizeof idb));
+            goto out;
+        }
     }
     /* A page is freed when this sequence holds its last reference; every
      * page appears once in one sequence's tables, so refs == 1 says it. */
@@ -769,6 +781,19 @@ out:
     pthread_mutex_unlock(&s->mu);
     kvd__seq_unref(s);
     return rc;
+}
+
+int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t *freed_pages,
+                         kvd_error *err)
+{
+    return seq_delete(st, id, id_len, NULL, freed_pages, err);
+}
+
+int kvd_store_seq_delete_unchanged(kvd_store *st, const void *id, size_t id_len,
+                                   uint64_t created_unix_ms, uint64_t tokens, kvd_error *err)
+{
+    kvd_seq_info was = {.created_unix_ms = created_unix_ms, .num_tokens = tokens};
+    return seq_delete(st, id, id_len, &was, NULL, err);
 }
 
 /* ---- recovery ------------------------------------------------------------ */

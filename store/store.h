@@ -287,6 +287,11 @@ int kvd_store_seq_list(kvd_store *st, const char *model, const void *after, size
                        size_t limit, kvd_seq_info **out, size_t *n, int *more, kvd_error *err);
 int kvd_store_seq_delete(kvd_store *st, const void *id, size_t id_len, uint64_t *freed_pages,
                          kvd_error *err);
+/* Delete the sequence only while it is the one created at created_unix_ms
+ * and holds `tokens` tokens summed over its layers (what an undone create
+ * saw): else KVD_EPRECOND and it stays. */
+int kvd_store_seq_delete_unchanged(kvd_store *st, const void *id, size_t id_len,
+                                   uint64_t created_unix_ms, uint64_t tokens, kvd_error *err);
 
 /* ---- append: a transaction fed with bytes ------------------------------- */
 

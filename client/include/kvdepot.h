@@ -635,6 +635,14 @@ typedef struct kvdepot_append_args {
      * block_tokens); the pages the append completes are registered under
      * the names of their last blocks. */
     kvdepot_engine_hashes engine_hashes;
+    /* Optional: create the sequence in the same call when it does not
+     * exist, as kvdepot_sequence_create would with these arguments (their
+     * id is not read: the append's serves), so that storing a new object
+     * takes one round trip. If the append then fails, the sequence it
+     * created is deleted again before the call returns. When the sequence
+     * exists, create->model must be its model (else KVDEPOT_EPRECOND) and
+     * the append goes on as without create. */
+    const kvdepot_create_args *create;
 } kvdepot_append_args;
 
 /*

@@ -4,11 +4,12 @@
  * latency percentiles, throughput, accuracy and server memory.
  *
  * Systems (--systems, comma separated; default raw,int2,int2-pages,redis):
- *   raw         kvdepot, raw pages: put = CreateSequence + Append of the f16
- *               K/V; get = Read (bit-exact)
+ *   raw         kvdepot, raw pages: put = one Append of the f16 K/V that
+ *               creates its sequence (one call, as SET); get = Read
+ *               (bit-exact)
  *   int2        kvdepot, K and V INT2 (group 64, the defaults) coded by the
- *               server: put = CreateSequence + Append of f16; get = Read of
- *               the decoded f16 (lossy: its error is reported)
+ *               server: put = one Append of f16 creating the sequence; get =
+ *               Read of the decoded f16 (lossy: its error is reported)
  *   int2-pages  kvdepot, INT2 pages coded by the client: put =
  *               kvdepot_encode_pages + CreateSequence + AppendPages (only the
  *               coded bytes cross the wire); get = Read in page format (the
@@ -427,9 +428,6 @@ static int put_one(bench *b, int sys, const shape *s, unsigned mib, int i)
             err = put_pages(b, s, &int2, id);
         return err ? kv_fail(b, "put pages", id, err) : 0;
     }
-    int err = kvdepot_sequence_create(b->kv, &ca, NULL);
-    if (err)
-        return kv_fail(b, "create", id, err);
     kvdepot_append_args aa = {.id = id,
                               .id_len = idlen,
                               .num_tokens = s->tokens,
@@ -437,8 +435,9 @@ static int put_one(bench *b, int sys, const shape *s, unsigned mib, int i)
                               .k = b->payload,
                               .k_bytes = s->half,
                               .v = b->payload + s->half,
-                              .v_bytes = s->half};
-    err = kvdepot_sequence_append(b->kv, &aa, NULL);
+                              .v_bytes = s->half,
+                              .create = &ca};
+    int err = kvdepot_sequence_append(b->kv, &aa, NULL);
     return err ? kv_fail(b, "append", id, err) : 0;
 }
 

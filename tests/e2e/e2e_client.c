@@ -892,6 +892,155 @@ static kvdepot_append_args next_append(bad_env *e, uint64_t nt, uint8_t **k, uin
     return a;
 }
 
+/* How many sequences of `model` the server lists. */
+static size_t count_seqs(kvdepot_client *c, const char *model)
+{
+    kvdepot_sequence_info *l = NULL;
+    size_t n = 0;
+    if (kvdepot_sequence_list(c, model, &l, &n) != KVDEPOT_OK)
+        return (size_t)-1;
+    kvdepot_sequence_list_free(l, n);
+    return n;
+}
+
+/* An Append that creates its sequence: stored in one call, retried safely,
+ * and nothing left behind by one that fails. */
+static int test_create_append(kvd_harness *h)
+{
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m = small_model("ca-model"), m2 = small_model("ca-other");
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    REQUIRE_RC(kvdepot_model_put(c, &m2, 0, NULL, NULL), KVDEPOT_OK);
+    ref_seq r;
+    REQUIRE(ref_init(&r, "ca-seq", &m, 1024) == 0);
+    uint8_t *k = NULL, *v = NULL;
+    size_t bytes = 0;
+    REQUIRE(ref_make(&r, 0, 4, 300, 77, &k, &v, &bytes) == 0);
+    kvdepot_codecs int4;
+    memset(&int4, 0, sizeof int4);
+    int4.k.codec = int4.v.codec = KVDEPOT_CODEC_INT4;
+    /* Raw first (read back bit-exact against the reference). */
+    kvdepot_create_args ca = {.model = "ca-model", .ttl_seconds = 3600};
+    kvdepot_append_args a = {.id = "ca-seq",
+                             .id_len = 6,
+                             .num_tokens = 300,
+                             .dtype = KVDEPOT_DTYPE_F16,
+                             .k = k,
+                             .k_bytes = bytes,
+                             .v = v,
+                             .v_bytes = bytes,
+                             .create = &ca};
+    kvdepot_sequence_info s;
+    CHECK_RC(kvdepot_sequence_append(c, &a, &s), KVDEPOT_OK);
+    CHECK(s.num_tokens == 300 && strcmp(s.model, "ca-model") == 0);
+    kvdepot_sequence_info_clear(&s);
+    ref_commit(&r, 0, 4, 300, k, v);
+    CHECK(ref_verify(c, &r) == 0);
+    /* The same call again (a retry after a lost reply): refused, unchanged. */
+    CHECK_RC(kvdepot_sequence_append(c, &a, NULL), KVDEPOT_EPRECOND);
+    CHECK(ref_verify(c, &r) == 0);
+    /* create naming another model on an existing sequence: refused. */
+    ca.model = "ca-other";
+    a.token_start = 300;
+    a.num_tokens = 20;
+    free(k);
+    free(v);
+    REQUIRE(ref_make(&r, 0, 4, 20, 78, &k, &v, &bytes) == 0);
+    a.k = k;
+    a.v = v;
+    a.k_bytes = a.v_bytes = bytes;
+    CHECK_RC(kvdepot_sequence_append(c, &a, NULL), KVDEPOT_EPRECOND);
+    CHECK(strstr(kvdepot_errmsg(c), "ca-model") != NULL);
+    CHECK(ref_verify(c, &r) == 0);
+    /* create naming its model: the append goes on as a plain one. */
+    ca.model = "ca-model";
+    CHECK_RC(kvdepot_sequence_append(c, &a, NULL), KVDEPOT_OK);
+    ref_commit(&r, 0, 4, 20, k, v);
+    CHECK(ref_verify(c, &r) == 0);
+    CHECK(count_seqs(c, "ca-model") == 1);
+
+    /* Created with its codecs and TTL. */
+    ca.codecs = &int4;
+    a.id = "ca-int4";
+    a.id_len = 7;
+    a.token_start = 0;
+    CHECK_RC(kvdepot_sequence_append(c, &a, &s), KVDEPOT_OK);
+    CHECK(s.have_codecs && s.codecs.k.codec == KVDEPOT_CODEC_INT4 &&
+          s.codecs.v.codec == KVDEPOT_CODEC_INT4 && s.num_tokens == 20);
+    kvdepot_sequence_info_clear(&s);
+    CHECK(count_seqs(c, "ca-model") == 2);
+
+    /* Failures after the create leave no sequence behind. */
+    a.id = "ca-gone";
+    a.id_len = 7;
+    kvdepot_append_args b = a;
+    b.k_bytes = b.v_bytes = bytes - 2; /* short data */
+    CHECK_RC(kvdepot_sequence_append(c, &b, NULL), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_sequence_stat(c, "ca-gone", 7, NULL), KVDEPOT_ENOTFOUND);
+    b = a;
+    b.dtype = KVDEPOT_DTYPE_BF16; /* refused by the append, after the create */
+    CHECK_RC(kvdepot_sequence_append(c, &b, NULL), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_sequence_stat(c, "ca-gone", 7, NULL), KVDEPOT_ENOTFOUND);
+    b = a;
+    b.token_start = 5; /* not the end of the new sequence */
+    CHECK_RC(kvdepot_sequence_append(c, &b, NULL), KVDEPOT_EPRECOND);
+    CHECK_RC(kvdepot_sequence_stat(c, "ca-gone", 7, NULL), KVDEPOT_ENOTFOUND);
+    kvdepot_create_args bad = ca;
+    bad.model = "ca-none"; /* no such model */
+    b = a;
+    b.create = &bad;
+    CHECK_RC(kvdepot_sequence_append(c, &b, NULL), KVDEPOT_ENOTFOUND);
+    CHECK_RC(kvdepot_sequence_stat(c, "ca-gone", 7, NULL), KVDEPOT_ENOTFOUND);
+    /* A stream that ends early (raw: the header and K, then half-close)
+     * and one the client cancels. */
+    size_t l1 = 0, l2 = 0;
+    void *first = kvdepot__encode_append(&a, k, bytes, 1, &l1);
+    void *rest = kvdepot__encode_append(&a, v, bytes / 2, 0, &l2);
+    REQUIRE(first && rest);
+    kvdepot__raw_msg msgs[2] = {{first, l1}, {rest, l2}};
+    CHECK_RC(kvdepot__call_raw(c, "/kvdepot.v1.KVDepot/Append", msgs, 2, 0, NULL, NULL),
+             KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_sequence_stat(c, "ca-gone", 7, NULL), KVDEPOT_ENOTFOUND);
+    kvdepot__call_raw(c, "/kvdepot.v1.KVDepot/Append", msgs, 2, 1, NULL, NULL);
+    /* the server ends a cancelled call on its own time */
+    int gone = 0;
+    for (int i = 0; i < 200 && !gone; i++) {
+        gone = kvdepot_sequence_stat(c, "ca-gone", 7, NULL) == KVDEPOT_ENOTFOUND;
+        if (!gone)
+            usleep(10000);
+    }
+    CHECK(gone);
+    free(first);
+    free(rest);
+    CHECK(count_seqs(c, "ca-model") == 2);
+    /* and the id is free for a good one */
+    CHECK_RC(kvdepot_sequence_append(c, &a, NULL), KVDEPOT_OK);
+    CHECK(count_seqs(c, "ca-model") == 3);
+    /* A create without a model is refused before anything. */
+    bad = ca;
+    bad.model = NULL;
+    b = a;
+    b.id = "ca-nomodel";
+    b.id_len = 10;
+    b.create = &bad;
+    CHECK_RC(kvdepot_sequence_append(c, &b, NULL), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_sequence_stat(c, "ca-nomodel", 10, NULL), KVDEPOT_ENOTFOUND);
+
+    /* Everything survives a restart as acknowledged. */
+    REQUIRE(harness_restart(h) == 0);
+    kvdepot_close(c);
+    c = harness_client(h);
+    REQUIRE(c);
+    CHECK(ref_verify(c, &r) == 0);
+    CHECK(count_seqs(c, "ca-model") == 3);
+    free(k);
+    free(v);
+    ref_free(&r);
+    kvdepot_close(c);
+    return 0;
+}
+
 static int test_bad_models(kvd_harness *h)
 {
     bad_env e;
@@ -1943,6 +2092,7 @@ static const kvd_test tests[] = {
     {"engine", test_engine},
     {"transfers", test_transfers},
     {"progress", test_progress},
+    {"create_append", test_create_append},
     {"bad_models", test_bad_models},
     {"bad_sequences", test_bad_sequences},
     {"bad_appends", test_bad_appends},

@@ -377,6 +377,40 @@ static int test_add(kvd_harness *h)
     CHECK_RC(kvdepot_sequence_stat(one, id, strlen(id), NULL), KVDEPOT_OK);
     kvdepot_model got;
     CHECK_RC(kvdepot_model_get(one, m.name, &got), KVDEPOT_OK);
+    /* So does an Append that creates its sequence, with a model only the
+     * first three servers know. */
+    kvdepot_model late = tiny_model();
+    strcpy(late.name, "shard-late");
+    CHECK_RC(kvdepot_model_put(c3, &late, 0, NULL, NULL), KVDEPOT_OK);
+    CHECK_RC(kvdepot_model_get(one, late.name, &got), KVDEPOT_ENOTFOUND);
+    int second_moved = -1;
+    for (int i = first_moved + 1; i < NSEQ && second_moved < 0; i++)
+        if (o3[i] != o4[i])
+            second_moved = i;
+    REQUIRE(second_moved >= 0);
+    seq_id(id, sizeof id, second_moved);
+    size_t bytes = kvdepot_kv_bytes(&late, late.num_layers, 3);
+    uint8_t *kv = calloc(2, bytes);
+    REQUIRE(kv);
+    kvdepot_create_args lc = {.model = late.name};
+    kvdepot_append_args ap = {.id = id,
+                              .id_len = strlen(id),
+                              .num_tokens = 3,
+                              .dtype = late.dtype,
+                              .k = kv,
+                              .k_bytes = bytes,
+                              .v = kv + bytes,
+                              .v_bytes = bytes,
+                              .create = &lc};
+    kvdepot_sequence_info si;
+    CHECK_RC(kvdepot_sequence_append(c4, &ap, &si), KVDEPOT_OK);
+    CHECK(si.num_tokens == 3);
+    kvdepot_sequence_info_clear(&si);
+    free(kv);
+    CHECK_RC(kvdepot_sequence_stat(one, id, strlen(id), &si), KVDEPOT_OK);
+    CHECK(si.num_tokens == 3 && strcmp(si.model, late.name) == 0);
+    kvdepot_sequence_info_clear(&si);
+    CHECK_RC(kvdepot_model_get(one, late.name, &got), KVDEPOT_OK);
     kvdepot_close(one);
 out:
     free(o3);

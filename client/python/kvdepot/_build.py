@@ -169,6 +169,7 @@ typedef struct kvdepot_append_args {
     const uint32_t *token_ids;
     size_t num_token_ids;
     kvdepot_engine_hashes engine_hashes;
+    const kvdepot_create_args *create;
     ...;
 } kvdepot_append_args;
 

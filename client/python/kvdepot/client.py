@@ -719,15 +719,35 @@ class Client:
     def append(self, sid: Id, k, v, *, token_start: int, layer_start: int = 0,
                dtype: Optional[str] = None,
                token_ids: Optional[Sequence[int]] = None,
-               engine_hashes: Optional[EngineHashes] = None) -> SequenceInfo:
+               engine_hashes: Optional[EngineHashes] = None,
+               create: Optional[str] = None, ttl_seconds: int = 0,
+               codecs: Optional[Codecs] = None) -> SequenceInfo:
         """Append K and V, each (layers, tokens, kv_heads, head_dim) in the
         model's dtype, at token_start of layers [layer_start, +layers).
         dtype: "f16", "f32" or "bf16" (uint16 arrays of bfloat16 bits);
         default from the arrays. token_ids, or engine_hashes (the names of
         every engine block whose last token is in this append), register
-        the pages it completes for prefix reuse. All or nothing."""
+        the pages it completes for prefix reuse. All or nothing.
+
+        create: a model name; the sequence is created in the same call when
+        it does not exist, with ttl_seconds and codecs as create_sequence
+        takes them (one round trip to store a new object); a sequence so
+        created is deleted again if the append fails. When the sequence
+        exists it must be of that model (else FailedPrecondition), and the
+        append goes on as without create."""
         a, keep = self._append_args(sid, k, v, token_start, layer_start, dtype, token_ids,
                                     engine_hashes)
+        if create is not None:
+            ca = ffi.new("kvdepot_create_args *")
+            mb = ffi.new("char[]", create.encode())
+            ca.model, ca.ttl_seconds = mb, ttl_seconds
+            cc = _codecs_c(codecs) if codecs is not None else None
+            if cc is not None:
+                ca.codecs = cc
+            a.create = ca
+            keep = (keep, ca, mb, cc)
+        elif ttl_seconds or codecs is not None:
+            raise _bad("ttl_seconds and codecs are for create=")
         return self._info_call(lib.kvdepot_sequence_append, a)
 
     def append_start(self, sid: Id, k, v, *, token_start: int, layer_start: int = 0,

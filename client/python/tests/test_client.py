@@ -83,6 +83,29 @@ def test_errors_are_typed(client):
     assert client.stat("s2").num_tokens == 0  # nothing stored by the failures
 
 
+def test_append_creates(client):
+    k, v = kv(40, 11), kv(40, 12)
+    info = client.append("ca1", k, v, token_start=0, create="py", ttl_seconds=600)
+    assert info.num_tokens == 40 and info.id == b"ca1"
+    k2, v2 = client.read("ca1")
+    assert np.array_equal(k2, k) and np.array_equal(v2, v)
+    with pytest.raises(kvdepot.FailedPrecondition):  # the retry of a stored append
+        client.append("ca1", k, v, token_start=0, create="py")
+    info = client.append("ca1", k, v, token_start=40, create="py")
+    assert info.num_tokens == 80
+    # a failed append leaves no sequence behind
+    with pytest.raises(kvdepot.FailedPrecondition):
+        client.append("ca2", k, v, token_start=3, create="py")
+    with pytest.raises(kvdepot.NotFound):
+        client.stat("ca2")
+    with pytest.raises(kvdepot.NotFound):
+        client.append("ca2", k, v, token_start=0, create="no-such-model")
+    with pytest.raises(kvdepot.InvalidArgument):
+        client.append("ca2", k, v, token_start=0, ttl_seconds=5)
+    with pytest.raises(kvdepot.NotFound):
+        client.stat("ca2")
+
+
 def test_attend_matches_reference(client):
     k, v = kv(500, 4), kv(500, 5)
     client.create_sequence("s3", "py")
