@@ -6,11 +6,16 @@
  * inertia); they differ only in the distance kernel. The AVX2 kernel works
  * on blocks of 32 points transposed to (d, 32), one centroid at a time, and
  * evaluates sum_t (x_t - c_t)^2 with separate multiply and add in the same
- * order as the scalar one. Expanding |x|^2 - 2x.c + |c|^2 would need a third
- * of the instructions, but it rounds differently (and cancels badly for
- * points near a centroid); with the direct form the fast path reproduces the
- * reference bit for bit, so encode results and trained centroids do not
+ * order as the scalar one, so encode results and trained centroids do not
  * depend on the CPU or the thread count, and the tests compare for equality.
+ *
+ * Nearest-centroid search over all k centroids (assignment, encode) ranks
+ * by the expanded form |c|^2 - 2x.c instead (d fused multiply-adds a
+ * centroid, a third of the direct form's work) and keeps each point's two
+ * best: it rounds differently, by a bounded amount, so a winner ahead of its
+ * runner-up by more than twice that bound is the direct form's winner too,
+ * and every other point (near ties, values out of range) is decided by the
+ * direct form. Results stay the reference's bit for bit ("nearest" below).
  */
 #include <float.h>
 #include <immintrin.h>
@@ -192,9 +197,310 @@ static void argmin_update(int nthreads, int simd, int64_t n, int d, const float 
     kvd__par_ranges(nblocks, 1, nt, simd ? argmin_simd_part : argmin_scalar_part, &j);
 }
 
+/* ---- nearest centroid by the expanded form ----------------------------- */
+
+/*
+ * Per centroid c: cn = |c|^2 and m2 = -2c (exact). For a point x the
+ * ranking value a_c = fma chain of x_t * m2_t onto cn, and A_c = a_c +
+ * |x|^2 estimates T_c = |x - c|^2. With u = 2^-24: A_c is off by at most
+ * g (|x| + |c|)^2 <= g (6 |x|^2 + 3 T_c), g = (2d + 2) u (d + 1 roundings
+ * in cn, one per fma, on values below (|x| + |c|)^2), and dist2_scalar's
+ * r_c lies within (1 +- g2) T_c, g2 = (d + 2) u (non-negative terms). So
+ * r_c > r_w for every c whose A_c is at least the runner-up's when
+ *   (1 - g2) (B2 - 8 g X) / (1 + 4 g) > (1 + g2) (B1 + 8 g X) / (1 - 4 g)
+ * (B1, B2: the best and second A, X = |x|^2; g and g2 rounded up, 8 for 6
+ * to cover X's own rounding), evaluated in double; plus the absolute error
+ * of gradual underflow. Relative to |x|^2 and the distances themselves,
+ * not to the largest centroid.
+ */
+typedef struct near_bound {
+    double hi, lo, e; /* (1 + g2) / (1 - 4g), (1 - g2) / (1 + 4g), 8g */
+    double tiny;      /* the absolute error of results below FLT_MIN */
+} near_bound;
+
+static near_bound near_bound_of(int d)
+{
+    const double g = (2.0 * d + 4.0) * 0x1p-24, g2 = (d + 4.0) * 0x1p-24;
+    /* Gradual underflow adds up to 2^-150 a rounding, besides the relative
+     * error: 4d + 4 roundings on the two sides, doubled. */
+    return (near_bound){(1.0 + g2) / (1.0 - 4.0 * g), (1.0 - g2) / (1.0 + 4.0 * g), 8.0 * g,
+                        (8.0 * d + 8.0) * 0x1p-150};
+}
+
+/* Whether the best of a point (b1, runner-up b2, X = |x|^2) is decided. The
+ * products round in double, far inside the margins above. */
+static inline int near_decided(const near_bound *nb, float b1, float b2, float xx)
+{
+    const double X = xx, hi = nb->hi * ((double)b1 + X + nb->e * X) + nb->tiny;
+    const double lo = nb->lo * ((double)b2 + X - nb->e * X) - nb->tiny;
+    return lo > hi && hi < 1e300; /* false for NaN; inf only from inf inputs */
+}
+
+typedef struct near_tab {
+    int d, k;
+    float *cn, *m2; /* k, k x d */
+} near_tab;
+
+/* 0, or -1 when out of memory or a centroid is not finite (the direct form
+ * then decides every point). */
+static int near_tab_init(near_tab *t, int d, int k, const float *centroids)
+{
+    t->d = d;
+    t->k = k;
+    t->cn = malloc(sizeof(float) * (size_t)k);
+    t->m2 = malloc(sizeof(float) * (size_t)k * d);
+    if (!t->cn || !t->m2)
+        return -1;
+    for (int c = 0; c < k; c++) {
+        float s = 0.0f;
+        for (int j = 0; j < d; j++) {
+            float v = centroids[(int64_t)c * d + j];
+            s += v * v;
+            t->m2[(int64_t)c * d + j] = -2.0f * v;
+        }
+        if (!isfinite(s) || s > FLT_MAX / 64)
+            return -1;
+        t->cn[c] = s;
+    }
+    return 0;
+}
+
+static void near_tab_free(near_tab *t)
+{
+    free(t->cn);
+    free(t->m2);
+}
+
+/* One lane set of the block kernels: best b1 (index i1) and second b2. */
+#define NEAR_BLOCK 32
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+near_block_avx2_d(const int d, const float *xt, const near_tab *t, float *b1o, float *b2o,
+                  uint32_t *i1o)
+{
+    __m256 b1[4], b2[4];
+    __m256i i1[4];
+    for (int j = 0; j < 4; j++) {
+        b1[j] = b2[j] = _mm256_set1_ps(INFINITY);
+        i1[j] = _mm256_setzero_si256();
+    }
+    const float *m2 = t->m2;
+    __m256i ci = _mm256_setzero_si256(); /* c in every lane */
+    const __m256i one = _mm256_set1_epi32(1);
+    for (int c = 0; c < t->k; c++, m2 += d) {
+        __m256 a[4];
+        a[0] = a[1] = a[2] = a[3] = _mm256_broadcast_ss(t->cn + c);
+#pragma GCC unroll 8
+        for (int q = 0; q < d; q++) {
+            __m256 w = _mm256_broadcast_ss(m2 + q);
+            for (int j = 0; j < 4; j++)
+                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xt + q * NEAR_BLOCK + 8 * j), w, a[j]);
+        }
+        for (int j = 0; j < 4; j++) {
+            __m256 lt = _mm256_cmp_ps(a[j], b1[j], _CMP_LT_OQ);
+            b2[j] = _mm256_min_ps(b2[j], _mm256_max_ps(a[j], b1[j]));
+            i1[j] = _mm256_castps_si256(
+                _mm256_blendv_ps(_mm256_castsi256_ps(i1[j]), _mm256_castsi256_ps(ci), lt));
+            b1[j] = _mm256_min_ps(b1[j], a[j]);
+        }
+        ci = _mm256_add_epi32(ci, one);
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(b1o + 8 * j, b1[j]);
+        _mm256_storeu_ps(b2o + 8 * j, b2[j]);
+        _mm256_storeu_si256((__m256i *)(i1o + 8 * j), i1[j]);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void near_block_avx2(const float *xt, const near_tab *t,
+                                                                float *b1, float *b2, uint32_t *i1)
+{
+    switch (t->d) { /* the usual sub-vector widths, unrolled */
+    case 2:
+        near_block_avx2_d(2, xt, t, b1, b2, i1);
+        break;
+    case 4:
+        near_block_avx2_d(4, xt, t, b1, b2, i1);
+        break;
+    case 8:
+        near_block_avx2_d(8, xt, t, b1, b2, i1);
+        break;
+    default:
+        near_block_avx2_d(t->d, xt, t, b1, b2, i1);
+    }
+}
+
+/* One centroid's ranking values for the block's 32 points (two vectors)
+ * onto a[]; x[] holds the block's d transposed rows. */
+#define NEAR512_RANK(a, cnv, w)                                                                    \
+    do {                                                                                           \
+        (a)[0] = (a)[1] = _mm512_set1_ps(cnv);                                                     \
+        _Pragma("GCC unroll 8") for (int q = 0; q < d; q++)                                        \
+        {                                                                                          \
+            __m512 wq = _mm512_set1_ps((w)[q]);                                                    \
+            (a)[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + q * NEAR_BLOCK), wq, (a)[0]);            \
+            (a)[1] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + q * NEAR_BLOCK + 16), wq, (a)[1]);       \
+        }                                                                                          \
+    } while (0)
+
+/* Fold one centroid's values (index in every lane of ci) into the best two. */
+#define NEAR512_KEEP(a, ci)                                                                        \
+    do {                                                                                           \
+        for (int j = 0; j < 2; j++) {                                                              \
+            __mmask16 lt = _mm512_cmp_ps_mask((a)[j], b1[j], _CMP_LT_OQ);                          \
+            b2[j] = _mm512_min_ps(b2[j], _mm512_max_ps((a)[j], b1[j]));                            \
+            i1[j] = _mm512_mask_mov_epi32(i1[j], lt, ci);                                          \
+            b1[j] = _mm512_min_ps(b1[j], (a)[j]);                                                  \
+        }                                                                                          \
+    } while (0)
+
+__attribute__((target("avx512f"), always_inline)) static inline void
+near_block_avx512_d(const int d, const float *xt, const near_tab *t, float *b1o, float *b2o,
+                    uint32_t *i1o)
+{
+    __m512 b1[2], b2[2];
+    __m512i i1[2];
+    for (int j = 0; j < 2; j++) {
+        b1[j] = b2[j] = _mm512_set1_ps(INFINITY);
+        i1[j] = _mm512_setzero_si512();
+    }
+    const float *m2 = t->m2;
+    __m512i ci = _mm512_setzero_si512(); /* c in every lane */
+    const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+    int c = 0;
+    /* Two centroids a step: their fma chains interleave. */
+    for (; c + 2 <= t->k; c += 2, m2 += 2 * d) {
+        __m512 a[2], e[2];
+        NEAR512_RANK(a, t->cn[c], m2);
+        NEAR512_RANK(e, t->cn[c + 1], m2 + d);
+        NEAR512_KEEP(a, ci);
+        NEAR512_KEEP(e, _mm512_add_epi32(ci, one));
+        ci = _mm512_add_epi32(ci, two);
+    }
+    if (c < t->k) {
+        __m512 a[2];
+        NEAR512_RANK(a, t->cn[c], m2);
+        NEAR512_KEEP(a, ci);
+    }
+    for (int j = 0; j < 2; j++) {
+        _mm512_storeu_ps(b1o + 16 * j, b1[j]);
+        _mm512_storeu_ps(b2o + 16 * j, b2[j]);
+        _mm512_storeu_si512(i1o + 16 * j, i1[j]);
+    }
+}
+
+__attribute__((target("avx512f"))) static void near_block_avx512(const float *xt, const near_tab *t,
+                                                                 float *b1, float *b2, uint32_t *i1)
+{
+    switch (t->d) {
+    case 2:
+        near_block_avx512_d(2, xt, t, b1, b2, i1);
+        break;
+    case 4:
+        near_block_avx512_d(4, xt, t, b1, b2, i1);
+        break;
+    case 8:
+        near_block_avx512_d(8, xt, t, b1, b2, i1);
+        break;
+    default:
+        near_block_avx512_d(t->d, xt, t, b1, b2, i1);
+    }
+}
+
+static int has_avx512f(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f");
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+/* Blocks [b0, b1) of nearest_impl's points (kvd__par_ranges). */
+typedef struct near_job {
+    int64_t n, ldx;
+    const float *x, *centroids;
+    const near_tab *t;
+    uint32_t *assign;
+    float *dist2;
+    int avx512;
+} near_job;
+
+static void near_part(void *arg, int64_t blk0, int64_t blk1)
+{
+    const near_job *j = arg;
+    const int d = j->t->d, k = j->t->k;
+    const near_bound nbd = near_bound_of(d);
+    void (*block)(const float *, const near_tab *, float *, float *, uint32_t *) =
+        j->avx512 ? near_block_avx512 : near_block_avx2;
+    float *xt = malloc(sizeof(float) * (size_t)d * NEAR_BLOCK);
+    float b1[NEAR_BLOCK], b2[NEAR_BLOCK];
+    uint32_t i1[NEAR_BLOCK];
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t i0 = blk * NEAR_BLOCK;
+        const int64_t nb = j->n - i0 < NEAR_BLOCK ? j->n - i0 : NEAR_BLOCK;
+        if (xt) {
+            /* Transpose the block; a short tail repeats its last point. */
+            for (int l = 0; l < NEAR_BLOCK; l++) {
+                const float *xr = j->x + (i0 + (l < nb ? l : nb - 1)) * j->ldx;
+                for (int q = 0; q < d; q++)
+                    xt[q * NEAR_BLOCK + l] = xr[q];
+            }
+            block(xt, j->t, b1, b2, i1);
+        }
+        for (int64_t l = 0; l < nb; l++) {
+            const float *xi = j->x + (i0 + l) * j->ldx;
+            float b = INFINITY;
+            uint32_t bi = 0;
+            float xx = 0.0f;
+            for (int q = 0; q < d; q++)
+                xx += xi[q] * xi[q];
+            if (xt && near_decided(&nbd, b1[l], b2[l], xx)) {
+                bi = i1[l];
+                b = dist2_scalar(d, xi, j->centroids + (int64_t)bi * d);
+            } else { /* a near tie, or out of range: the direct form decides */
+                argmin_rows_scalar(1, d, xi, j->ldx, 0, k, j->centroids, &b, &bi);
+            }
+            j->assign[i0 + l] = bi;
+            if (j->dist2)
+                j->dist2[i0 + l] = b;
+        }
+    }
+    free(xt);
+}
+
+/*
+ * assign/dist2 of points [0, n) over all k centroids: bitwise
+ * argmin_rows_scalar's (ties to the lower index). 0, or -1 when the
+ * expanded form cannot serve (no memory, a centroid not finite).
+ */
+static int nearest_impl(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,
+                        int k, const float *centroids, uint32_t *assign, float *dist2)
+{
+    near_tab t;
+    if (near_tab_init(&t, d, k, centroids)) {
+        near_tab_free(&t);
+        return -1;
+    }
+    int64_t nblocks = (n + NEAR_BLOCK - 1) / NEAR_BLOCK;
+    int nt = nthreads;
+    if ((int64_t)k * n * d < 200000 || nblocks < 2)
+        nt = 1;
+    near_job j = {n, ldx, x, centroids, &t, assign, dist2, simd != 2 && has_avx512f()};
+    kvd__par_ranges(nblocks, 1, nt, near_part, &j);
+    near_tab_free(&t);
+    return 0;
+}
+
 static void assign_impl(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,
                         int k, const float *centroids, uint32_t *assign, float *dist2)
 {
+    if (simd && k >= 8 &&
+        nearest_impl(nthreads, simd, n, d, x, ldx, k, centroids, assign, dist2) == 0)
+        return;
     float *best = dist2;
     float *tmp = NULL;
     if (!best) {
@@ -417,8 +723,8 @@ int kvd__kmeans_assign_cpu(int nthreads, int simd, int64_t n, int d, const float
 {
     if (n < 0 || d < 1 || k < 1 || ldx < d)
         return KVD_EINVAL;
-    assign_impl(nthreads < 1 ? 1 : nthreads, simd && kvd_cpu_has_avx2_fma(), n, d, x, ldx, k,
-                centroids, assign, dist2);
+    assign_impl(nthreads < 1 ? 1 : nthreads, simd && kvd_cpu_has_avx2_fma() ? simd : 0, n, d, x,
+                ldx, k, centroids, assign, dist2);
     return KVD_OK;
 }
 

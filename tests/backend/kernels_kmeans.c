@@ -75,6 +75,110 @@ static void test_fast_vs_ref(void)
             }
 }
 
+/*
+ * Nearest-centroid search ranks by |c|^2 - 2x.c and lets the direct form
+ * decide near ties: points where the two forms disagree must still get the
+ * reference's centroid and distance, bit for bit. Midpoints of two
+ * centroids, points on a centroid and on duplicated ones, clusters far from
+ * the origin (cancellation), far outliers, values that overflow, NaN, Inf,
+ * subnormals; odd k and d; the AVX-512 and the AVX2 kernels.
+ */
+static void test_nearest_hard(void)
+{
+    tu_rng r;
+    tu_rng_seed(&r, 21);
+    const int ds[] = {2, 4, 5, 8}, ks[] = {9, 64, 255};
+    const int64_t n = 1003, ldx_pad = 3;
+    for (int di = 0; di < 4; di++)
+        for (int ki = 0; ki < 3; ki++)
+            for (int variant = 0; variant < 3; variant++) { /* plain, a NaN centroid, tiny */
+                const int bad_cb = variant == 1;
+                const int d = ds[di], k = ks[ki];
+                const int64_t ldx = d + (di & 1) * ldx_pad;
+                float *c = malloc(sizeof(float) * k * d), *x = malloc(sizeof(float) * n * ldx);
+                tu_fill_normal(&r, c, (int64_t)k * d, 1.0f);
+                tu_fill_normal(&r, x, n * ldx, 1.0f);
+                /* Rows in close pairs (2i, 2i + 1): the points midway between
+                 * a pair are near ties of the two forms. Rows 0 and 1 equal. */
+                for (int i = 2; i + 1 < k - 3; i += 2)
+                    for (int t = 0; t < d; t++)
+                        c[(i + 1) * d + t] = c[i * d + t] + 1e-3f * c[(i + 1) * d + t];
+                memcpy(c + d, c, sizeof(float) * d);
+                for (int t = 0; t < d; t++) {
+                    c[(k - 1) * d + t] *= 1e4f;                                /* an outlier */
+                    c[(k - 2) * d + t] = 1000.0f + c[(k - 2) * d + t] * 1e-3f; /* far, tight */
+                    c[(k - 3) * d + t] = 1000.0f + c[(k - 3) * d + t] * 1e-3f;
+                }
+                if (bad_cb)
+                    c[5 * d + 1 % d] = NAN;
+                for (int64_t i = 0; i < n; i++) {
+                    float *xi = x + i * ldx;
+                    const int a = (int)(tu_rng_u64(&r) % k), p = 2 * (a / 2);
+                    switch (i % 10) {
+                    case 0: /* midway between the two rows of a pair */
+                    case 7:
+                        for (int t = 0; t < d; t++)
+                            xi[t] = 0.5f * (c[p * d + t] + c[(p + 1) * d + t]);
+                        break;
+                    case 1: /* on one (and on the duplicated pair) */
+                        memcpy(xi, c + (i % 20 == 1 ? 0 : a) * d, sizeof(float) * d);
+                        break;
+                    case 2: /* by the outlier */
+                        for (int t = 0; t < d; t++)
+                            xi[t] = c[(k - 1) * d + t] + xi[t];
+                        break;
+                    case 3: /* between the two far, tight centroids */
+                        for (int t = 0; t < d; t++)
+                            xi[t] =
+                                0.5f * (c[(k - 2) * d + t] + c[(k - 3) * d + t]) + xi[t] * 1e-7f;
+                        break;
+                    case 4:
+                        xi[d - 1] = i % 20 == 4 ? NAN : INFINITY;
+                        break;
+                    case 5: /* squares overflow */
+                        xi[0] = 3e19f;
+                        break;
+                    case 6: /* subnormal */
+                        for (int t = 0; t < d; t++)
+                            xi[t] *= 1e-40f;
+                        break;
+                    }
+                }
+                if (variant == 2) { /* squares and distances below FLT_MIN */
+                    for (int64_t i = 0; i < (int64_t)k * d; i++)
+                        c[i] *= 1e-22f;
+                    for (int64_t i = 0; i < n * ldx; i++)
+                        x[i] *= 1e-22f;
+                }
+                uint32_t *a0 = malloc(4 * n), *a1 = malloc(4 * n);
+                float *e0 = malloc(4 * n), *e1 = malloc(4 * n);
+                kvd_kmeans_assign_ref(n, d, x, ldx, k, c, a0, e0);
+                for (int simd = 1; simd <= 2; simd++)
+                    for (int thr = 1; thr <= 2; thr++) {
+                        memset(a1, 0xee, 4 * n);
+                        memset(e1, 0xee, 4 * n);
+                        kvd__kmeans_assign_cpu(thr, simd, n, d, x, ldx, k, c, a1, e1);
+                        int64_t bad = -1;
+                        for (int64_t i = 0; i < n && bad < 0; i++)
+                            if (a0[i] != a1[i] || memcmp(e0 + i, e1 + i, 4))
+                                bad = i;
+                        TU_CHECK(bad < 0,
+                                 "nearest d=%d k=%d variant %d simd=%d threads=%d: point "
+                                 "%lld (case %lld) got %u (%g), reference %u (%g)",
+                                 d, k, variant, simd, thr, (long long)bad,
+                                 (long long)(bad < 0 ? 0 : bad % 10), bad < 0 ? 0 : a1[bad],
+                                 bad < 0 ? 0.0 : e1[bad], bad < 0 ? 0 : a0[bad],
+                                 bad < 0 ? 0.0 : e0[bad]);
+                    }
+                free(a0);
+                free(a1);
+                free(e0);
+                free(e1);
+                free(x);
+                free(c);
+            }
+}
+
 static void test_repair(void)
 {
     /* 3 distinct points (repeated) into 8 clusters: every centroid finite,
@@ -177,6 +281,7 @@ int main(void)
 {
     test_hand();
     test_fast_vs_ref();
+    test_nearest_hard();
     test_repair();
     test_blobs();
     test_wrappers();

@@ -18,6 +18,7 @@
 #include "kvdepot/convert.h"
 #include "kvdepot/quant.h"
 #include "kvdepot/svd.h"
+#include "kvdepot/vq.h"
 #include "testutil.h"
 
 static double min_time = 0.25;
@@ -113,6 +114,18 @@ static int run_svd(kvd_backend *be, void *a)
 {
     sarg *p = a;
     return kvd_svd_project(be, p->R, 128, p->r, p->x, KVD_DTYPE_F16, p->T, 2 * 128, p->y, NULL);
+}
+
+typedef struct varg {
+    kvd_tensor x, cb, codes;
+} varg;
+
+/* VQ encode: nearest codebook row of every d-wide sub-vector of f32 rows
+ * (the keys after smoothing and the Hadamard transform). */
+static int run_vq(kvd_backend *be, void *a)
+{
+    varg *p = a;
+    return kvd_vq_encode(be, &p->x, &p->cb, &p->codes, NULL);
 }
 
 static void row(const char *op, const char *detail, int threads, double bytes, timing t,
@@ -235,6 +248,32 @@ int main(int argc, char **argv)
         timing tr = time_op(ref, run_conv, &a);
         row(cs[i].op, cs[i].detail, 1, bytes, time_op(one, run_conv, &a), tr);
         row(cs[i].op, cs[i].detail, nall, bytes, time_op(all, run_conv, &a), tr);
+    }
+    /* VQ encode (VecInfer), d4b8 and d8b12: codebooks of distinct rows
+     * drawn from the block (a trained codebook lies among the data the same
+     * way, without repeats). */
+    {
+        const int ds[2] = {4, 8}, bs[2] = {8, 12};
+        void *codes = malloc(n * 2);
+        for (int i = 0; i < 2; i++) {
+            const int d = ds[i], K = 1 << bs[i];
+            float *cb = malloc(sizeof(float) * (size_t)K * d);
+            for (int c = 0; c < K; c++) /* every 16th sub-vector from a random start */
+                memcpy(cb + (size_t)c * d,
+                       xf + ((tu_rng_u64(&r) % 16 + 16 * (size_t)c) % (n / d)) * d,
+                       sizeof(float) * d);
+            int64_t cbs[2] = {K, d}, cs[2] = {T, D / d};
+            varg a = {kvd_tensor_make(KVD_DTYPE_F32, xf, 2, shape),
+                      kvd_tensor_make(KVD_DTYPE_F32, cb, 2, cbs),
+                      kvd_tensor_make(bs[i] > 8 ? KVD_DTYPE_U16 : KVD_DTYPE_U8, codes, 2, cs)};
+            char detail[64];
+            snprintf(detail, sizeof detail, "d%db%d, f32 rows", d, bs[i]);
+            timing tr = time_op(ref, run_vq, &a);
+            row("vq_encode", detail, 1, (double)n * 2, time_op(one, run_vq, &a), tr);
+            row("vq_encode", detail, nall, (double)n * 2, time_op(all, run_vq, &a), tr);
+            free(cb);
+        }
+        free(codes);
     }
     /* SVD encode (ZACK): a rotation from the block's own Gram matrix. */
     {

@@ -93,7 +93,9 @@ void kvd_kmeans_assign_ref(int64_t n, int d, const float *x, int64_t ldx, int k,
                            const float *centroids, uint32_t *assign, float *dist2);
 
 /* The CPU backend's path: AVX2/FMA blocked distances when simd != 0 and the
- * CPU has them, nthreads threads of the compute pool (>= 1). Same contract as the ref. */
+ * CPU has them (nearest-centroid search with AVX-512 where the CPU has it,
+ * unless simd == 2: AVX2 only, for tests), nthreads threads of the compute
+ * pool (>= 1). Same contract as the ref, bit for bit. */
 int kvd__kmeans_train_cpu(int nthreads, int simd, const kvd_kmeans_params *p, int64_t n, int d,
                           const float *x, int64_t ldx, float *centroids, double *inertia);
 int kvd__kmeans_assign_cpu(int nthreads, int simd, int64_t n, int d, const float *x,
