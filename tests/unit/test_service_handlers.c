@@ -247,6 +247,78 @@ static void test_quota_overlap(void)
     kvd_auth_unref(auth);
 }
 
+/* An Append with header.create of T tokens as ctx's caller: the first
+ * `sent` data bytes, then finish (cancel: the stream is cut off instead). */
+static int create_append_as(kvd_req_ctx *ctx, const char *id, uint64_t T, const uint8_t *data,
+                            size_t bytes, size_t sent, int cancel, kvd_error *err)
+{
+    Kvdepot__V1__CreateSequenceRequest cs = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    cs.model = "tm";
+    Kvdepot__V1__AppendHeader h = KVDEPOT__V1__APPEND_HEADER__INIT;
+    h.sequence_id.data = (uint8_t *)id;
+    h.sequence_id.len = strlen(id);
+    h.num_tokens = T;
+    h.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
+    h.create = &cs;
+    void *state = NULL;
+    grpc_byte_buffer *m = append_msg(&h, data, sent < bytes ? sent : bytes, 4096);
+    kvd_error_clear(err);
+    int rc = kvd_append_ops.recv(ctx, &state, m, err);
+    grpc_byte_buffer_destroy(m);
+    if (rc == 0 && !cancel) {
+        grpc_byte_buffer *reply = NULL;
+        rc = kvd_append_ops.finish(ctx, &state, &reply, err);
+        if (reply)
+            grpc_byte_buffer_destroy(reply);
+    }
+    kvd_append_ops.release(state);
+    return rc;
+}
+
+/*
+ * An Append that creates its sequence counts one sequence of the tenant's
+ * quota (refused past it, nothing created), and one that fails after the
+ * create, or is cut off, gives the sequence and its quota back.
+ */
+static void test_quota_create_append(void)
+{
+    const uint64_t T = 16;
+    const size_t bytes = 2 * L * T * ROW;
+    kvd_auth *auth = NULL;
+    char e[256];
+    kvd_error err;
+    CHECK(kvd_auth_load(NULL, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tenants == 1);
+    if (!auth)
+        return;
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
+    const uint64_t seqs = auth->tenants[0].sequences, used = auth->tenants[0].bytes;
+    uint8_t *data = calloc(1, bytes);
+    svc.auth = auth;
+    kvd_req_ctx ctx = {.svc = &svc, .req_id = 11, .auth = auth};
+    auth->tenants[0].max_sequences = seqs + 1;
+    CHECK(create_append_as(&ctx, "ca1", T, data, bytes, bytes, 0, &err) == 0);
+    CHECK(stat_tokens("ca1") == T && auth->tenants[0].sequences == seqs + 1 &&
+          auth->tenants[0].bytes == used + bytes);
+    CHECK(create_append_as(&ctx, "ca2", T, data, bytes, bytes, 0, &err) == KVD_ENOMEM);
+    CHECK(stat_tokens("ca2") == UINT64_MAX);
+    auth->tenants[0].max_sequences = seqs + 2;
+    /* short data, then a cut-off stream: created, then undone */
+    CHECK(create_append_as(&ctx, "ca2", T, data, bytes, bytes / 2, 0, &err) == KVD_EINVAL);
+    CHECK(stat_tokens("ca2") == UINT64_MAX);
+    CHECK(create_append_as(&ctx, "ca2", T, data, bytes, bytes / 2, 1, &err) == 0);
+    CHECK(stat_tokens("ca2") == UINT64_MAX);
+    CHECK(auth->tenants[0].sequences == seqs + 1 && auth->tenants[0].bytes == used + bytes &&
+          auth->tenants[0].inflight_sequences == 0 && auth->tenants[0].inflight_bytes == 0);
+    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0 &&
+          auth->tenants[0].sequences == seqs + 1 && auth->tenants[0].bytes == used + bytes);
+    /* and the room given back takes the next one */
+    CHECK(create_append_as(&ctx, "ca2", T, data, bytes, bytes, 0, &err) == 0);
+    CHECK(stat_tokens("ca2") == T && auth->tenants[0].sequences == seqs + 2);
+    free(data);
+    svc.auth = NULL;
+    kvd_auth_unref(auth);
+}
+
 /* One whole Append of T tokens of every layer of `id` as ctx's caller. */
 static int append_as(kvd_req_ctx *ctx, const char *id, uint64_t T, const uint8_t *data,
                      size_t bytes, kvd_error *err)
@@ -683,6 +755,7 @@ int main(void)
 
     test_quota_overlap();
     test_quota_pq();
+    test_quota_create_append();
     test_engine_tenants(dir);
     free(data);
     kvd_store_close(svc.store);
