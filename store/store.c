@@ -566,9 +566,8 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     st->max_seq_tokens = opt->max_seq_tokens;
     st->durability = opt->sync_writes ? KVD_DURABILITY_SYNC : opt->durability;
     if (st->durability < KVD_DURABILITY_SPILL || st->durability > KVD_DURABILITY_SYNC) {
-        kvd__pq_cache_fini(st);
-        free(st);
-        return kvd_error_set(err, KVD_EINVAL, "unknown durability %d", opt->durability);
+        rc = kvd_error_set(err, KVD_EINVAL, "unknown durability %d", opt->durability);
+        goto free_early;
     }
     st->disk_limit = opt->disk_bytes;
     st->append_limit = opt->append_memory_bytes;
@@ -577,35 +576,15 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     st->be = opt->backend;
     if (!st->be) {
         kvd_cpu_options copt = {0, 0};
-        if ((rc = kvd_backend_cpu_create(&copt, &st->own_be, err))) {
-            pthread_rwlock_destroy(&st->lock);
-            kvd__batch_pool_fini(st);
-            kvd__pq_cache_fini(st);
-            free(st);
-            return rc;
-        }
+        if ((rc = kvd_backend_cpu_create(&copt, &st->own_be, err)))
+            goto free_early;
         st->be = st->own_be;
     }
     st->be_coding = kvd_backend_narrow(st->be, 1);
     st->dev = opt->device;
-    if ((rc = kvd__cache_init(st, opt, err))) {
+    if ((rc = kvd__cache_init(st, opt, err)) || (rc = check_current(opt->data_dir, err))) {
         kvd__cache_fini(st);
-        kvd_backend_free(st->own_be);
-        pthread_rwlock_destroy(&st->lock);
-        kvd__batch_pool_fini(st);
-        kvd__pq_cache_fini(st);
-        free(st);
-        return rc;
-    }
-
-    if ((rc = check_current(opt->data_dir, err))) {
-        kvd__cache_fini(st);
-        kvd_backend_free(st->own_be);
-        pthread_rwlock_destroy(&st->lock);
-        kvd__batch_pool_fini(st);
-        kvd__pq_cache_fini(st);
-        free(st);
-        return rc;
+        goto free_early;
     }
     st->dbopt = db_options();
     st->bbopt = rocksdb_block_based_options_create();
@@ -668,6 +647,14 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     kvd__wal_scan_free(wal_writes);
     *out = st;
     return 0;
+
+free_early: /* before RocksDB: what kvd_store_close would find not yet made */
+    kvd_backend_free(st->own_be);
+    pthread_rwlock_destroy(&st->lock);
+    kvd__batch_pool_fini(st);
+    kvd__pq_cache_fini(st);
+    free(st);
+    return rc;
 }
 
 void kvd_store_close(kvd_store *st)
