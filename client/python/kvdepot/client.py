@@ -736,34 +736,28 @@ class Client:
         exists it must be of that model (else FailedPrecondition), and the
         append goes on as without create."""
         a, keep = self._append_args(sid, k, v, token_start, layer_start, dtype, token_ids,
-                                    engine_hashes)
-        if create is not None:
-            ca = ffi.new("kvdepot_create_args *")
-            mb = ffi.new("char[]", create.encode())
-            ca.model, ca.ttl_seconds = mb, ttl_seconds
-            cc = _codecs_c(codecs) if codecs is not None else None
-            if cc is not None:
-                ca.codecs = cc
-            a.create = ca
-            keep = (keep, ca, mb, cc)
-        elif ttl_seconds or codecs is not None:
-            raise _bad("ttl_seconds and codecs are for create=")
+                                    engine_hashes, create, ttl_seconds, codecs)
         return self._info_call(lib.kvdepot_sequence_append, a)
 
     def append_start(self, sid: Id, k, v, *, token_start: int, layer_start: int = 0,
                      dtype: Optional[str] = None, token_ids: Optional[Sequence[int]] = None,
-                     engine_hashes: Optional[EngineHashes] = None) -> "Transfer":
+                     engine_hashes: Optional[EngineHashes] = None,
+                     create: Optional[str] = None, ttl_seconds: int = 0,
+                     codecs: Optional[Codecs] = None) -> "Transfer":
         """append() without waiting: returns a Transfer at once while the
         append runs on libkvdepot's transfer threads (an engine puts layer
         l while computing layer l + 1). k and v must not change until the
         transfer is done (the Transfer keeps them alive)."""
         a, keep = self._append_args(sid, k, v, token_start, layer_start, dtype, token_ids,
-                                    engine_hashes)
+                                    engine_hashes, create, ttl_seconds, codecs)
         out = ffi.new("kvdepot_transfer **")
         self._check(lib.kvdepot_append_start(self._client(), a, ffi.NULL, ffi.NULL, out))
         return Transfer(self, out[0], (a, keep), True)
 
-    def _append_args(self, sid, k, v, token_start, layer_start, dtype, token_ids, engine_hashes):
+    def _append_args(self, sid, k, v, token_start, layer_start, dtype, token_ids, engine_hashes,
+                     create=None, ttl_seconds=0, codecs=None):
+        if create is None and (ttl_seconds or codecs is not None):
+            raise _bad("ttl_seconds and codecs are for create=")
         b = _id(sid)
         ka, va = _kv_array(k, "k"), _kv_array(v, "v")
         if ka.shape != va.shape or ka.dtype != va.dtype:
@@ -789,7 +783,17 @@ class Client:
                 len(ids)
         if engine_hashes is not None:
             engine_hashes._fill(a.engine_hashes)
-        return a, (b, idb, ka, va, kb, vb, ids, engine_hashes)
+        made = None
+        if create is not None:
+            ca = ffi.new("kvdepot_create_args *")
+            mb = ffi.new("char[]", create.encode())
+            ca.model, ca.ttl_seconds = mb, ttl_seconds
+            cc = _codecs_c(codecs) if codecs is not None else None
+            if cc is not None:
+                ca.codecs = cc
+            a.create = ca
+            made = (ca, mb, cc)
+        return a, (b, idb, ka, va, kb, vb, ids, engine_hashes, made)
 
     def _read_into_args(self, sid, k_out, v_out, layer_start, token_start, num_tokens):
         for name, arr in (("k_out", k_out), ("v_out", v_out)):

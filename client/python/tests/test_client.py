@@ -104,6 +104,9 @@ def test_append_creates(client):
         client.append("ca2", k, v, token_start=0, ttl_seconds=5)
     with pytest.raises(kvdepot.NotFound):
         client.stat("ca2")
+    t = client.append_start("ca3", k, v, token_start=0, create="py")
+    assert t.wait().num_tokens == 40
+    assert np.array_equal(client.read("ca3")[0], k)
 
 
 def test_attend_matches_reference(client):
