@@ -227,15 +227,6 @@ static near_bound near_bound_of(int d)
                         (8.0 * d + 8.0) * 0x1p-150};
 }
 
-/* Whether the best of a point (b1, runner-up b2, X = |x|^2) is decided. The
- * products round in double, far inside the margins above. */
-static inline int near_decided(const near_bound *nb, float b1, float b2, float xx)
-{
-    const double X = xx, hi = nb->hi * ((double)b1 + X + nb->e * X) + nb->tiny;
-    const double lo = nb->lo * ((double)b2 + X - nb->e * X) - nb->tiny;
-    return lo > hi && hi < 1e300; /* false for NaN; inf only from inf inputs */
-}
-
 typedef struct near_tab {
     int d, k;
     float *cn, *m2; /* k, k x d */
@@ -276,7 +267,7 @@ static void near_tab_free(near_tab *t)
 
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 near_block_avx2_d(const int d, const float *xt, const near_tab *t, float *b1o, float *b2o,
-                  uint32_t *i1o)
+                  uint32_t *i1o, float *xxo)
 {
     __m256 b1[4], b2[4];
     __m256i i1[4];
@@ -309,24 +300,30 @@ near_block_avx2_d(const int d, const float *xt, const near_tab *t, float *b1o, f
         _mm256_storeu_ps(b1o + 8 * j, b1[j]);
         _mm256_storeu_ps(b2o + 8 * j, b2[j]);
         _mm256_storeu_si256((__m256i *)(i1o + 8 * j), i1[j]);
+        __m256 xx = _mm256_setzero_ps();
+        for (int q = 0; q < d; q++) {
+            __m256 v = _mm256_loadu_ps(xt + q * NEAR_BLOCK + 8 * j);
+            xx = _mm256_add_ps(xx, _mm256_mul_ps(v, v));
+        }
+        _mm256_storeu_ps(xxo + 8 * j, xx);
     }
 }
 
-__attribute__((target("avx2,fma"))) static void near_block_avx2(const float *xt, const near_tab *t,
-                                                                float *b1, float *b2, uint32_t *i1)
+__attribute__((target("avx2,fma"))) static void
+near_block_avx2(const float *xt, const near_tab *t, float *b1, float *b2, uint32_t *i1, float *xx)
 {
     switch (t->d) { /* the usual sub-vector widths, unrolled */
     case 2:
-        near_block_avx2_d(2, xt, t, b1, b2, i1);
+        near_block_avx2_d(2, xt, t, b1, b2, i1, xx);
         break;
     case 4:
-        near_block_avx2_d(4, xt, t, b1, b2, i1);
+        near_block_avx2_d(4, xt, t, b1, b2, i1, xx);
         break;
     case 8:
-        near_block_avx2_d(8, xt, t, b1, b2, i1);
+        near_block_avx2_d(8, xt, t, b1, b2, i1, xx);
         break;
     default:
-        near_block_avx2_d(t->d, xt, t, b1, b2, i1);
+        near_block_avx2_d(t->d, xt, t, b1, b2, i1, xx);
     }
 }
 
@@ -356,7 +353,7 @@ __attribute__((target("avx2,fma"))) static void near_block_avx2(const float *xt,
 
 __attribute__((target("avx512f"), always_inline)) static inline void
 near_block_avx512_d(const int d, const float *xt, const near_tab *t, float *b1o, float *b2o,
-                    uint32_t *i1o)
+                    uint32_t *i1o, float *xxo)
 {
     __m512 b1[2], b2[2];
     __m512i i1[2];
@@ -386,24 +383,30 @@ near_block_avx512_d(const int d, const float *xt, const near_tab *t, float *b1o,
         _mm512_storeu_ps(b1o + 16 * j, b1[j]);
         _mm512_storeu_ps(b2o + 16 * j, b2[j]);
         _mm512_storeu_si512(i1o + 16 * j, i1[j]);
+        __m512 xx = _mm512_setzero_ps();
+        for (int q = 0; q < d; q++) {
+            __m512 v = _mm512_loadu_ps(xt + q * NEAR_BLOCK + 16 * j);
+            xx = _mm512_add_ps(xx, _mm512_mul_ps(v, v));
+        }
+        _mm512_storeu_ps(xxo + 16 * j, xx);
     }
 }
 
-__attribute__((target("avx512f"))) static void near_block_avx512(const float *xt, const near_tab *t,
-                                                                 float *b1, float *b2, uint32_t *i1)
+__attribute__((target("avx512f"))) static void
+near_block_avx512(const float *xt, const near_tab *t, float *b1, float *b2, uint32_t *i1, float *xx)
 {
     switch (t->d) {
     case 2:
-        near_block_avx512_d(2, xt, t, b1, b2, i1);
+        near_block_avx512_d(2, xt, t, b1, b2, i1, xx);
         break;
     case 4:
-        near_block_avx512_d(4, xt, t, b1, b2, i1);
+        near_block_avx512_d(4, xt, t, b1, b2, i1, xx);
         break;
     case 8:
-        near_block_avx512_d(8, xt, t, b1, b2, i1);
+        near_block_avx512_d(8, xt, t, b1, b2, i1, xx);
         break;
     default:
-        near_block_avx512_d(t->d, xt, t, b1, b2, i1);
+        near_block_avx512_d(t->d, xt, t, b1, b2, i1, xx);
     }
 }
 
@@ -417,6 +420,29 @@ static int has_avx512f(void)
         __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
     }
     return v;
+}
+
+/* near_decided for the NEAR_BLOCK points of a block: bit l set when point
+ * l is decided (the same bound, four points at a time in double). */
+__attribute__((target("avx2,fma"))) static uint32_t
+near_decide_block(const near_bound *nb, const float *b1, const float *b2, const float *xx)
+{
+    const __m256d hf = _mm256_set1_pd(nb->hi), lf = _mm256_set1_pd(nb->lo);
+    const __m256d e = _mm256_set1_pd(nb->e), tiny = _mm256_set1_pd(nb->tiny);
+    const __m256d big = _mm256_set1_pd(1e300);
+    uint32_t mask = 0;
+    for (int l = 0; l < NEAR_BLOCK; l += 4) {
+        const __m256d x = _mm256_cvtps_pd(_mm_loadu_ps(xx + l));
+        const __m256d ex = _mm256_mul_pd(e, x);
+        __m256d hi = _mm256_add_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(b1 + l)), x), ex);
+        __m256d lo = _mm256_sub_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(b2 + l)), x), ex);
+        hi = _mm256_add_pd(_mm256_mul_pd(hf, hi), tiny);
+        lo = _mm256_sub_pd(_mm256_mul_pd(lf, lo), tiny);
+        const __m256d ok =
+            _mm256_and_pd(_mm256_cmp_pd(lo, hi, _CMP_GT_OQ), _mm256_cmp_pd(hi, big, _CMP_LT_OQ));
+        mask |= (uint32_t)_mm256_movemask_pd(ok) << l;
+    }
+    return mask;
 }
 
 /* Blocks [b0, b1) of nearest_impl's points (kvd__par_ranges). */
@@ -434,11 +460,11 @@ static void near_part(void *arg, int64_t blk0, int64_t blk1)
     const near_job *j = arg;
     const int d = j->t->d, k = j->t->k;
     const near_bound nbd = near_bound_of(d);
-    void (*block)(const float *, const near_tab *, float *, float *, uint32_t *) =
+    void (*block)(const float *, const near_tab *, float *, float *, uint32_t *, float *) =
         j->avx512 ? near_block_avx512 : near_block_avx2;
     float *xt = malloc(sizeof(float) * (size_t)d * NEAR_BLOCK);
-    float b1[NEAR_BLOCK], b2[NEAR_BLOCK];
-    uint32_t i1[NEAR_BLOCK];
+    float b1[NEAR_BLOCK], b2[NEAR_BLOCK], xx[NEAR_BLOCK];
+    uint32_t i1[NEAR_BLOCK], decided = 0;
     for (int64_t blk = blk0; blk < blk1; blk++) {
         const int64_t i0 = blk * NEAR_BLOCK;
         const int64_t nb = j->n - i0 < NEAR_BLOCK ? j->n - i0 : NEAR_BLOCK;
@@ -449,18 +475,17 @@ static void near_part(void *arg, int64_t blk0, int64_t blk1)
                 for (int q = 0; q < d; q++)
                     xt[q * NEAR_BLOCK + l] = xr[q];
             }
-            block(xt, j->t, b1, b2, i1);
+            block(xt, j->t, b1, b2, i1, xx);
+            decided = near_decide_block(&nbd, b1, b2, xx);
         }
         for (int64_t l = 0; l < nb; l++) {
             const float *xi = j->x + (i0 + l) * j->ldx;
             float b = INFINITY;
             uint32_t bi = 0;
-            float xx = 0.0f;
-            for (int q = 0; q < d; q++)
-                xx += xi[q] * xi[q];
-            if (xt && near_decided(&nbd, b1[l], b2[l], xx)) {
+            if (decided >> l & 1) {
                 bi = i1[l];
-                b = dist2_scalar(d, xi, j->centroids + (int64_t)bi * d);
+                if (j->dist2)
+                    b = dist2_scalar(d, xi, j->centroids + (int64_t)bi * d);
             } else { /* a near tie, or out of range: the direct form decides */
                 argmin_rows_scalar(1, d, xi, j->ldx, 0, k, j->centroids, &b, &bi);
             }
@@ -498,10 +523,9 @@ static int nearest_impl(int nthreads, int simd, int64_t n, int d, const float *x
 static void assign_impl(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,
                         int k, const float *centroids, uint32_t *assign, float *dist2)
 {
-    /* With few centroids the per-point work of the expanded form (its
-     * transposition, the bound, the winner's exact distance) outweighs
-     * what it saves (PQ codes of 4 bits: k = 16, 0.7 x). */
-    if (simd && k >= 64 &&
+    /* Below 16 centroids the block's own work (its transposition, the
+     * bound) outweighs what the expanded form saves. */
+    if (simd && k >= 16 &&
         nearest_impl(nthreads, simd, n, d, x, ldx, k, centroids, assign, dist2) == 0)
         return;
     float *best = dist2;

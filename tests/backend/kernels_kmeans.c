@@ -87,10 +87,10 @@ static void test_nearest_hard(void)
 {
     tu_rng r;
     tu_rng_seed(&r, 21);
-    const int ds[] = {2, 4, 5, 8}, ks[] = {9, 64, 255};
+    const int ds[] = {2, 4, 5, 8}, ks[] = {9, 16, 64, 255};
     const int64_t n = 1003, ldx_pad = 3;
     for (int di = 0; di < 4; di++)
-        for (int ki = 0; ki < 3; ki++)
+        for (int ki = 0; ki < 4; ki++)
             for (int variant = 0; variant < 3; variant++) { /* plain, a NaN centroid, tiny */
                 const int bad_cb = variant == 1;
                 const int d = ds[di], k = ks[ki];
