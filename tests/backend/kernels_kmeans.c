@@ -113,7 +113,8 @@ static void test_nearest_hard(void)
                     c[5 * d + 1 % d] = NAN;
                 for (int64_t i = 0; i < n; i++) {
                     float *xi = x + i * ldx;
-                    const int a = (int)(tu_rng_u64(&r) % k), p = 2 * (a / 2);
+                    /* p: a pair's first row (p + 1 < k also for odd k) */
+                    const int a = (int)(tu_rng_u64(&r) % k), p = 2 * (a / 2) % (k - 1);
                     switch (i % 10) {
                     case 0: /* midway between the two rows of a pair */
                     case 7:
