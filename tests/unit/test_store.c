@@ -295,6 +295,21 @@ static void test_validation(void)
           "unknown durability: %s", err.msg);
     kvd_store *st = open_store(B);
     put_model(st, "m");
+    /* A conditional delete leaves a sequence that is not as described. */
+    create(st, "u", "m");
+    kvd_seq_info ui;
+    CHECK(kvd_store_seq_stat(st, "u", 1, &ui, &err) == 0, "stat u");
+    CHECK(append(st, "u", 4, 0, 0, 0, 3, NULL, &err) == 0, "append u: %s", err.msg);
+    CHECK(kvd_store_seq_delete_unchanged(st, "u", 1, ui.created_unix_ms, 0, &err) == KVD_EPRECOND &&
+              seq_tokens(st, "u", UINT32_MAX) == 3,
+          "changed sequence deleted");
+    CHECK(kvd_store_seq_delete_unchanged(st, "u", 1, ui.created_unix_ms + 1, 3 * L, &err) ==
+              KVD_EPRECOND,
+          "another creation time deleted");
+    CHECK(kvd_store_seq_delete_unchanged(st, "u", 1, ui.created_unix_ms, 3 * L, &err) == 0,
+          "unchanged sequence kept: %s", err.msg);
+    kvd_seq_info_clear(&ui);
+    CHECK(kvd_store_seq_stat(st, "u", 1, &ui, &err) == KVD_ENOTFOUND, "deleted u still there");
     create(st, "s", "m");
     CHECK(append(st, "s", 3, 0, 0, 0, 5, NULL, &err) == 0, "append: %s", err.msg);
 
