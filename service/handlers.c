@@ -143,6 +143,15 @@ int kvd_h_delete_model(kvd_req_ctx *ctx, const ProtobufCMessage *msg, grpc_byte_
     return reply_or_oom(reply, &resp.base, ctx, err);
 }
 
+/* The gauges lose a sequence that held `bytes` of payload. */
+static void seq_gauges_drop(const kvd_seq_info *info, uint64_t bytes)
+{
+    KVD_METRIC_ADD(sequences_stored, -1);
+    KVD_METRIC_ADD(payload_bytes_stored, -(int64_t)bytes);
+    KVD_METRIC_ADD(stored_bytes, -(int64_t)info->stored_bytes);
+    KVD_METRIC_ADD(pages_sealed, -(int64_t)info->sealed_pages);
+}
+
 int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
                           grpc_byte_buffer **reply, kvd_error *err)
 {
@@ -288,10 +297,7 @@ int kvd_undo_create_sequence(kvd_service *svc, kvd_auth *auth, const kvd_seq_key
     kvd_quota_unlock(auth);
     if (rc)
         return rc;
-    KVD_METRIC_ADD(sequences_stored, -1);
-    KVD_METRIC_ADD(payload_bytes_stored, -(int64_t)bytes);
-    KVD_METRIC_ADD(stored_bytes, -(int64_t)was->stored_bytes);
-    KVD_METRIC_ADD(pages_sealed, -(int64_t)was->sealed_pages);
+    seq_gauges_drop(was, bytes);
     return 0;
 }
 
@@ -503,10 +509,7 @@ int kvd_h_delete_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
         kvd_seq_info_clear(&info);
         return rc;
     }
-    KVD_METRIC_ADD(sequences_stored, -1);
-    KVD_METRIC_ADD(payload_bytes_stored, -(int64_t)bytes);
-    KVD_METRIC_ADD(stored_bytes, -(int64_t)info.stored_bytes);
-    KVD_METRIC_ADD(pages_sealed, -(int64_t)info.sealed_pages);
+    seq_gauges_drop(&info, bytes);
     kvd_seq_info_clear(&info);
     Kvdepot__V1__DeleteSequenceResponse resp = KVDEPOT__V1__DELETE_SEQUENCE_RESPONSE__INIT;
     resp.freed_pages = freed;

@@ -247,6 +247,26 @@ static void test_quota_overlap(void)
     kvd_auth_unref(auth);
 }
 
+/* One Append stream carrying header h and the first `sent` data bytes,
+ * then finish (cancel: the stream is cut off instead), as ctx's caller. */
+static int stream_as(kvd_req_ctx *ctx, const Kvdepot__V1__AppendHeader *h, const uint8_t *data,
+                     size_t sent, int cancel, kvd_error *err)
+{
+    void *state = NULL;
+    grpc_byte_buffer *m = append_msg(h, data, sent, 4096);
+    kvd_error_clear(err);
+    int rc = kvd_append_ops.recv(ctx, &state, m, err);
+    grpc_byte_buffer_destroy(m);
+    if (rc == 0 && !cancel) {
+        grpc_byte_buffer *reply = NULL;
+        rc = kvd_append_ops.finish(ctx, &state, &reply, err);
+        if (reply)
+            grpc_byte_buffer_destroy(reply);
+    }
+    kvd_append_ops.release(state);
+    return rc;
+}
+
 /* An Append with header.create of T tokens as ctx's caller: the first
  * `sent` data bytes, then finish (cancel: the stream is cut off instead). */
 static int create_append_as(kvd_req_ctx *ctx, const char *id, uint64_t T, const uint8_t *data,
@@ -260,19 +280,7 @@ static int create_append_as(kvd_req_ctx *ctx, const char *id, uint64_t T, const 
     h.num_tokens = T;
     h.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
     h.create = &cs;
-    void *state = NULL;
-    grpc_byte_buffer *m = append_msg(&h, data, sent < bytes ? sent : bytes, 4096);
-    kvd_error_clear(err);
-    int rc = kvd_append_ops.recv(ctx, &state, m, err);
-    grpc_byte_buffer_destroy(m);
-    if (rc == 0 && !cancel) {
-        grpc_byte_buffer *reply = NULL;
-        rc = kvd_append_ops.finish(ctx, &state, &reply, err);
-        if (reply)
-            grpc_byte_buffer_destroy(reply);
-    }
-    kvd_append_ops.release(state);
-    return rc;
+    return stream_as(ctx, &h, data, sent < bytes ? sent : bytes, cancel, err);
 }
 
 /*
@@ -329,19 +337,7 @@ static int append_as(kvd_req_ctx *ctx, const char *id, uint64_t T, const uint8_t
     h.token_start = stat_tokens(id);
     h.num_tokens = T;
     h.dtype = KVDEPOT__V1__DTYPE__DTYPE_F16;
-    void *state = NULL;
-    grpc_byte_buffer *m = append_msg(&h, data, bytes, 4096);
-    kvd_error_clear(err);
-    int rc = kvd_append_ops.recv(ctx, &state, m, err);
-    grpc_byte_buffer_destroy(m);
-    if (rc == 0) {
-        grpc_byte_buffer *reply = NULL;
-        rc = kvd_append_ops.finish(ctx, &state, &reply, err);
-        if (reply)
-            grpc_byte_buffer_destroy(reply);
-    }
-    kvd_append_ops.release(state);
-    return rc;
+    return stream_as(ctx, &h, data, bytes, 0, err);
 }
 
 /*
