@@ -317,12 +317,20 @@ __attribute__((target("avx2"))) static inline void transpose8x8(__m256i *r)
 
 #define KVD__INT_MAXCOLS 128
 
-/* acc += per-32-bit-lane sum of 4 products u8 x i8 (AVX-VNNI vpdpbusd, VEX
- * form). Emitted with inline assembly so this file needs no avxvnni target
- * attribute; only called when the CPU reports AVX-VNNI. */
-__attribute__((target("avx2"))) static inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i i8)
+/* acc += per-32-bit-lane sum of 4 products u8 x i8 (vpdpbusd: exact, no
+ * saturation, so the same sums as maddubs + madd where those cannot
+ * saturate). FORM 1: AVX-VNNI's VEX encoding; FORM 2: AVX512-VNNI's EVEX
+ * encoding of the same 256-bit instruction (with AVX512VL: Zen 4, Ice Lake
+ * and later Xeons, which lack AVX-VNNI). Emitted with inline assembly so
+ * this file needs no VNNI target attribute; only called when the CPU
+ * reports the form (vnni_form). */
+__attribute__((target("avx2"), always_inline)) static inline __m256i
+dpbusd(__m256i acc, __m256i u8, __m256i i8, const int FORM)
 {
-    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(i8));
+    if (FORM == 2)
+        __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(i8));
+    else
+        __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(i8));
     return acc;
 } /* D * bits / 32 <= 128: D <= 2048 (INT2) / 1024 (INT4) */
 
@@ -455,8 +463,8 @@ int_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int 
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         ap[pl] = _mm256_setzero_si256();
                     for (int cc = grp * cpg; cc < (grp + 1) * cpg; cc++)
-                        _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                            ap[pl] = dpbusd(ap[pl], PL[cc][pl], patv[cc * PER + pl]);
+                        _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) ap[pl] =
+                            dpbusd(ap[pl], PL[cc][pl], patv[cc * PER + pl], VNNI);
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
@@ -490,7 +498,12 @@ __attribute__((target("avx2,fma,f16c"))) static void int_scores_avx2(void *vctx,
                                                                      float *s, int ld)
 {
     const int_ctx *c = vctx;
-    if (c->vnni) {
+    if (c->vnni == 2) {
+        if (c->kbits == 2)
+            int_scores_tpl(c, t0, n, s, ld, 2, 2);
+        else
+            int_scores_tpl(c, t0, n, s, ld, 4, 2);
+    } else if (c->vnni) {
         if (c->kbits == 2)
             int_scores_tpl(c, t0, n, s, ld, 2, 1);
         else
@@ -981,8 +994,11 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         ap[pl] = _mm256_setzero_si256();
                     _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
-                        _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                            ap[pl] = dpbusd(ap[pl], _mm256_set1_epi32(vp[((size_t)gi * GG + g) * COLS * PER + cc * PER + pl]), PL[cc][pl]);
+                        _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) ap[pl] =
+                            dpbusd(ap[pl],
+                                   _mm256_set1_epi32(
+                                       vp[((size_t)gi * GG + g) * COLS * PER + cc * PER + pl]),
+                                   PL[cc][pl], VNNI);
                     _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                         acc32 = _mm256_add_epi32(acc32, ap[pl]);
                 }
@@ -1011,17 +1027,21 @@ __attribute__((target("avx2,fma,f16c"))) static void
 int_values_channel_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
 {
     int bits = c->a->v.bits, P = c->a->v.group;
-#define KVD__VT(B, PP)                                                   \
-    else if (bits == B && P == PP)                                       \
-    {                                                                    \
-        if (c->vnni && c->G == 4)                                        \
-            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1, 4);           \
-        else if (c->vnni)                                                \
-            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1, 0);           \
-        else if (c->G == 4)                                              \
-            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0, 4);           \
-        else                                                             \
-            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0, 0);           \
+#define KVD__VT(B, PP)                                                                             \
+    else if (bits == B && P == PP)                                                                 \
+    {                                                                                              \
+        if (c->vnni == 2 && c->G == 4)                                                             \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 2, 4);                                     \
+        else if (c->vnni == 2)                                                                     \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 2, 0);                                     \
+        else if (c->vnni && c->G == 4)                                                             \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1, 4);                                     \
+        else if (c->vnni)                                                                          \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 1, 0);                                     \
+        else if (c->G == 4)                                                                        \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0, 4);                                     \
+        else                                                                                       \
+            int_values_tpl(c, t0, n, p, ld, acc, B, PP, 0, 0);                                     \
     }
     if (0) {
     }
@@ -1211,17 +1231,37 @@ __attribute__((target("avx2"))) static void store_bcast32(__m256i *dst, int32_t 
     _mm256_store_si256(dst, _mm256_set1_epi32(x));
 }
 
-/* AVX-VNNI (VEX-coded vpdpbusd): CPUID leaf 7 sub-leaf 1, EAX bit 4. Read
- * with cpuid directly: __builtin_cpu_supports has no "avxvnni" in clang 14
- * or older gcc, and an unknown feature name does not compile there. */
-static int cpu_has_avxvnni(void)
+/* Which vpdpbusd the CPU runs (dpbusd's FORM): 1 for AVX-VNNI (CPUID leaf
+ * 7 sub-leaf 1, EAX bit 4), else 2 for AVX512-VNNI with AVX512VL (leaf 7
+ * sub-leaf 0, ECX bit 11 and EBX bit 31) where the OS saves the AVX-512
+ * state (XCR0 bits 1, 2 and 5-7), else 0. Read with cpuid directly:
+ * __builtin_cpu_supports has no "avxvnni" in clang 14 or older gcc, and an
+ * unknown feature name does not compile there. KVD_NO_VNNI set: 0. */
+static int vnni_form(void)
 {
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-    if (a < 7)
-        return 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
-    return (a >> 4) & 1;
+    static atomic_int form = -1;
+    int f = atomic_load(&form);
+    if (f < 0) {
+        unsigned a, b, c, d, max;
+        f = 0;
+        __asm__ volatile("cpuid" : "=a"(max), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+        if (max >= 7) {
+            __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+            if ((a >> 4) & 1)
+                f = 1;
+            __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+            const int osxsave = (c >> 27) & 1;
+            __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+            if (!f && osxsave && ((c >> 11) & 1) && ((b >> 31) & 1)) {
+                unsigned lo, hi;
+                __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+                if ((lo & 0xe6) == 0xe6)
+                    f = 2;
+            }
+        }
+        atomic_store(&form, f);
+    }
+    return getenv("KVD_NO_VNNI") ? 0 : f;
 }
 
 /* One kv head of kvd_cpu_attn_int_fast (kvd__par_for). */
@@ -1400,7 +1440,7 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     if (G > KVD__ATTN_MAXG)
         return kvd__attn_split(d, KVD__ATTN_MAXG, nthreads, int_part, a);
     int simd = kvd__attn_simd(), rc = 0;
-    int vnni = simd && cpu_has_avxvnni() && !getenv("KVD_NO_VNNI");
+    int vnni = simd ? vnni_form() : 0;
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
     int_job j = {
         .a = a, .G = G, .D = D, .Dv = Dv, .simd = simd, .vnni = vnni, .vblock = vblock, .Tt = Tt};

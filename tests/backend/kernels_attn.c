@@ -685,6 +685,22 @@ static void test_int(tu_rng *rng)
             int rc = kvd_attn_quant(fast ? be_fast : be_ref, 1, &a, &err);
             TU_CHECK(rc == 0, "%s: %s", what, err.msg);
         }
+        /* The dot products of the codes by vpdpbusd (CPUs with VNNI) and by
+         * maddubs + madd (KVD_NO_VNNI) are the same exact integer sums:
+         * the same bits (on a CPU without VNNI both runs take maddubs). */
+        {
+            res rn = res_new(Hq, D);
+            a.out = t2(KVD_DTYPE_F32, rn.out.data, Hq, D);
+            a.lse = t1(KVD_DTYPE_F32, rn.lse.data, Hq);
+            setenv("KVD_NO_VNNI", "1", 1);
+            int rc = kvd_attn_quant(be_fast, 1, &a, &err);
+            unsetenv("KVD_NO_VNNI");
+            TU_CHECK(rc == 0, "%s: %s", what, err.msg);
+            TU_CHECK(memcmp(rn.out.data, rf.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
+                         memcmp(rn.lse.data, rf.lse.data, sizeof(float) * (size_t)Hq) == 0,
+                     "%s: VNNI and maddubs dot products differ", what);
+            res_free(&rn);
+        }
         int_expected(&p, &kq, &vq, T, tail.k32, tail.v32, Tt, ex.out.data, ex.lse.data);
         /* The reference is the equation (tight); the fast path may flip a
          * p8 rounding where float and double scores straddle a .5: one step
