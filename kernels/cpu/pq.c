@@ -127,35 +127,51 @@ static void select_topk(uint64_t *keys, int64_t n, int64_t k)
     }
 }
 
-/* Sort keys largest first: LSD radix sort on the complemented keys, 8 bits
- * a pass, skipping passes where every key has the same byte. */
+/* Descending insertion sort of keys[0..n). */
+static void insertion_desc(uint64_t *keys, int64_t n)
+{
+    for (int64_t i = 1; i < n; i++) {
+        uint64_t v = keys[i];
+        int64_t j = i - 1;
+        while (j >= 0 && keys[j] < v) {
+            keys[j + 1] = keys[j];
+            j--;
+        }
+        keys[j + 1] = v;
+    }
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Sort keys largest first: LSD radix sort of the complemented score halves
+ * (the high 32 bits), 8 bits a pass, the counts of every pass taken in one
+ * read and passes where every key has the same byte skipped; then each run
+ * of equal scores is put in token order (by insertion; qsort for the long
+ * runs of the reference's sort of every token when m and b are small). The
+ * token halves get no passes of their own: they would double the passes for
+ * the few ties of a top-k. */
 static void sort_desc(uint64_t *keys, int64_t n, uint64_t *tmp)
 {
-    if (n < 2)
-        return;
-    if (n < 64) { /* insertion sort */
-        for (int64_t i = 1; i < n; i++) {
-            uint64_t v = keys[i];
-            int64_t j = i - 1;
-            while (j >= 0 && keys[j] < v) {
-                keys[j + 1] = keys[j];
-                j--;
-            }
-            keys[j + 1] = v;
-        }
+    if (n < 64) {
+        insertion_desc(keys, n);
         return;
     }
+    int64_t cnts[4][256];
+    memset(cnts, 0, sizeof cnts);
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t x = ~(uint32_t)(keys[i] >> 32);
+        for (int pass = 0; pass < 4; pass++)
+            cnts[pass][(x >> (pass * 8)) & 0xFF]++;
+    }
     uint64_t *src = keys, *dst = tmp;
-    for (int pass = 0; pass < 8; pass++) {
-        int shift = pass * 8;
-        int64_t cnt[256] = {0};
-        for (int64_t i = 0; i < n; i++)
-            cnt[(~src[i] >> shift) & 0xFF]++;
-        int skip = 0;
-        for (int b = 0; b < 256; b++)
-            if (cnt[b] == n)
-                skip = 1;
-        if (skip)
+    for (int pass = 0; pass < 4; pass++) {
+        const int shift = 32 + pass * 8;
+        int64_t *cnt = cnts[pass];
+        if (cnt[(~src[0] >> shift) & 0xFF] == n) /* every key has this byte */
             continue;
         int64_t pos = 0;
         for (int b = 0; b < 256; b++) {
@@ -171,6 +187,16 @@ static void sort_desc(uint64_t *keys, int64_t n, uint64_t *tmp)
     }
     if (src != keys)
         memcpy(keys, src, sizeof(uint64_t) * (size_t)n);
+    for (int64_t i = 0; i < n;) {
+        int64_t e = i + 1;
+        while (e < n && keys[e] >> 32 == keys[i] >> 32)
+            e++;
+        if (e - i > 64) /* the brute-force reference sorts every token */
+            qsort(keys + i, (size_t)(e - i), sizeof *keys, cmp_desc);
+        else if (e - i > 1)
+            insertion_desc(keys + i, e - i);
+        i = e;
+    }
 }
 
 /* Candidate buffer with a running threshold. thr is NaN until the k-th best
@@ -180,6 +206,11 @@ typedef struct topk_buf {
     int64_t n, cap, k;
     float thr;
     uint64_t steps, rescored; /* quantized scans (kvd__pq_counters) */
+    /* candidates of the quantized scans waiting to be re-scored four at a
+     * time (rescore; at most 3 between calls, tb_flush scores the rest) */
+    int np;
+    const uint8_t *prow[4];
+    uint32_t ptok[4];
 } topk_buf;
 
 static uint64_t pq_counters[3]; /* kvd__pq_counters, updated atomically */
@@ -681,11 +712,13 @@ __attribute__((target("avx2,fma"))) static int build_qlut(int m, int b, const fl
         range = hi - lo > range ? hi - lo : range;
     }
     double delta = range > 0 ? range / 255.0 : 1.0, inv = 1.0 / delta;
-    for (int j = 0; j < m; j++)
-        for (int c = 0; c < 256; c++) {
-            double f = c < ksub ? floor((lut[j * 256 + c] - mins[j]) * inv) : 0.0;
+    for (int j = 0; j < m; j++) {
+        for (int c = 0; c < ksub; c++) {
+            double f = floor((lut[j * 256 + c] - mins[j]) * inv);
             ql->q[j][c] = (uint8_t)(f < 0 ? 0 : f > 255 ? 255 : f);
         }
+        memset(ql->q[j] + ksub, 0, (size_t)(256 - ksub));
+    }
     memset(ql->nib, 0, sizeof ql->nib);
     if (b == 4)
         for (int j = 0; j < m; j++)
@@ -726,27 +759,49 @@ static int has_vbmi(void)
  * at p (token i); those above the threshold enter tb (which has room for
  * them). Four at a time, interleaved: each is a chain of dependent adds (for
  * m = 2, two adds, one at a time is faster). */
+/* Re-score a step's candidates exactly (offsets cand[] from token i, rows at
+ * p), pushing those above the threshold. Candidates are few a step (one or
+ * two of 64 mostly), and a score is a chain of m dependent adds: they are
+ * queued across steps and scored four at a time, four independent chains;
+ * a quantized scan calls tb_flush when it ends. The scan leaves room in the
+ * buffer for a step's candidates and the 3 that may wait. */
 __attribute__((always_inline)) static inline void rescore(int M, const uint8_t *p,
                                                           const int32_t *cand, int nc,
                                                           const float *lut, int64_t i, topk_buf *tb)
 {
-    const float thr = tb->thr;
     tb->rescored += (uint64_t)nc;
-    int c = 0;
-    for (; M > 2 && c + 4 <= nc; c += 4) {
-        const uint8_t *rows[4] = {p + cand[c] * M, p + cand[c + 1] * M, p + cand[c + 2] * M,
-                                  p + cand[c + 3] * M};
-        float sc[4];
-        score_four(M, rows, lut, sc);
-        for (int l = 0; l < 4; l++)
-            if (!(sc[l] <= thr))
-                tb_push(tb, sc[l], (uint32_t)(i + cand[c + l]));
+    if (M == 2) { /* two adds: chains too short to gain from interleaving */
+        const float thr = tb->thr;
+        for (int c = 0; c < nc; c++) {
+            float sc = score_one(M, p + cand[c] * M, lut);
+            if (!(sc <= thr))
+                tb_push(tb, sc, (uint32_t)(i + cand[c]));
+        }
+        return;
     }
-    for (; c < nc; c++) {
-        float sc = score_one(M, p + cand[c] * M, lut);
-        if (!(sc <= thr))
-            tb_push(tb, sc, (uint32_t)(i + cand[c]));
+    for (int c = 0; c < nc; c++) {
+        tb->prow[tb->np] = p + cand[c] * M;
+        tb->ptok[tb->np++] = (uint32_t)(i + cand[c]);
+        if (tb->np == 4) {
+            float sc[4];
+            score_four(M, tb->prow, lut, sc);
+            for (int l = 0; l < 4; l++)
+                if (!(sc[l] <= tb->thr))
+                    tb_push(tb, sc[l], tb->ptok[l]);
+            tb->np = 0;
+        }
     }
+}
+
+/* Score the candidates rescore left waiting. */
+static inline void tb_flush(int M, const float *lut, topk_buf *tb)
+{
+    for (int l = 0; l < tb->np; l++) {
+        float sc = score_one(M, tb->prow[l], lut);
+        if (!(sc <= tb->thr))
+            tb_push(tb, sc, tb->ptok[l]);
+    }
+    tb->np = 0;
 }
 
 VBMI_TARGET __attribute__((always_inline)) static inline void
@@ -814,7 +869,7 @@ scan_vbmi_m(int M, int B6, const uint8_t *codes, const float *lut, const pq_qlut
         }
         __mmask32 me = _mm512_cmpgt_epi16_mask(ae, vq), mo = _mm512_cmpgt_epi16_mask(ao, vq);
         if (__builtin_expect((me | mo) != 0, 0)) {
-            if (tb->n + 64 > tb->cap) {
+            if (tb->n + 64 + 3 > tb->cap) {
                 tb_compact(tb);
                 qthr = qlut_threshold(ql, tb->thr);
                 vq = _mm512_set1_epi16((short)qthr);
@@ -831,6 +886,7 @@ scan_vbmi_m(int M, int B6, const uint8_t *codes, const float *lut, const pq_qlut
         }
     }
     tb->steps += (uint64_t)(i - i0) / 64;
+    tb_flush(M, lut, tb);
     scan_avx2(M, codes, lut, i, i1, tb);
 }
 
@@ -907,7 +963,7 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
                    : M == 4 ? _mm512_cmpgt_epi32_mask(big, vq) != 0
                             : _mm512_cmpgt_epi64_mask(big, vq) != 0;
         if (__builtin_expect(pass, 0)) {
-            if (tb->n + 64 > tb->cap) {
+            if (tb->n + 64 + 3 > tb->cap) {
                 tb_compact(tb);
                 vq = Q4_THR(qlut_threshold(ql, tb->thr));
             }
@@ -929,6 +985,7 @@ scan_vbmi4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, i
     }
 #undef Q4_THR
     tb->steps += (uint64_t)(i - i0) / 64;
+    tb_flush(M, lut, tb);
     scan_avx2(M, codes, lut, i, i1, tb);
 }
 
@@ -1026,7 +1083,7 @@ scan_avx2q4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, 
         for (int u = 1; u < g; u++)
             big = _mm256_max_epi16(big, _mm256_max_epi16(ae[u], ao[u]));
         if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpgt_epi16(big, vq)) != 0, 0)) {
-            if (tb->n + S > tb->cap) {
+            if (tb->n + S + 3 > tb->cap) {
                 tb_compact(tb);
                 qthr = qlut_threshold(ql, tb->thr);
                 vq = _mm256_set1_epi16((short)qthr);
@@ -1049,6 +1106,7 @@ scan_avx2q4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, 
         }
     }
     tb->steps += (uint64_t)(i - i0) / 64;
+    tb_flush(M, lut, tb);
     scan_avx2(M, codes, lut, i, i1, tb);
 }
 
@@ -1095,7 +1153,7 @@ static void scan_part(void *arg, int t)
 {
     const scan_job *j = arg;
     int64_t a = j->lo + (int64_t)t * j->per, e = a + j->per < j->hi ? a + j->per : j->hi;
-    topk_buf tb = {j->bufs + (int64_t)t * j->cap, 0, j->cap, j->k, j->thr0, 0, 0};
+    topk_buf tb = {.keys = j->bufs + (int64_t)t * j->cap, .cap = j->cap, .k = j->k, .thr = j->thr0};
     if (a < e) {
         if (j->ql && !isnan(tb.thr) && j->ql_vbmi)
             scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);
