@@ -33,7 +33,7 @@ jobs=${KVD_JOBS:-$(nproc 2>/dev/null || echo 2)}
 
 build_pkgs=(build-essential cmake pkg-config ca-certificates
             libgrpc-dev grpc-proto protobuf-c-compiler libprotobuf-c-dev
-            librocksdb-dev libxxhash-dev libyaml-dev libmicrohttpd-dev libjson-c-dev)
+            librocksdb-dev libxxhash-dev libyaml-dev libmicrohttpd-dev libjson-c-dev libisal-dev)
 # Test tools, all from Debian: the Python interop client (grpcio), the Go
 # interop client (gRPC-Go and the v1.3 protoc-gen-go it speaks), Redis, and
 # what the Python package builds and tests with (cffi, NumPy, pytest, venv;

@@ -498,6 +498,8 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 1;
     }
+    /* isa-l: RocksDB's checksums computed in hardware (store/crc32c.c) */
+    KVD_LOG(KVD_LOG_INFO, "store checksums", "crc32c=%s", kvd_store_crc32c());
     if (kvd_store_recovery_report(store)[0])
         KVD_LOG(KVD_LOG_WARN,
                 "wal-recovery point-in-time dropped a damaged part of the write-ahead log: "

@@ -91,6 +91,12 @@ void kvd_store_close(kvd_store *st);
  * line per damaged stretch: file, bytes, reason), or "" when nothing. */
 const char *kvd_store_recovery_report(const kvd_store *st);
 
+/* Who computes RocksDB's CRC32C checksums (write-ahead log, blob files) in
+ * this process, once a store has opened: "isa-l" (store/crc32c.c: ISA-L,
+ * in hardware, serving RocksDB's calls) or "rocksdb" (RocksDB's own code;
+ * Debian's computes it in software). */
+const char *kvd_store_crc32c(void);
+
 typedef struct kvd_repair_report {
     /* Blob files (the values of 4 KiB or more: pages, centroids, codes,
      * artifacts) moved into dir/repair-blobs by a MANIFEST rebuild. */

@@ -541,4 +541,7 @@ int kvd__act_cursor_read(kvd__act_cursor *c, uint8_t *buf, size_t cap, size_t *l
 void kvd__act_cursor_close(kvd__act_cursor *c);
 int kvd__load_models(kvd_store *st, kvd_error *err);
 
+/* Calls RocksDB made to kvdepot's CRC32C (store/crc32c.c; 0 without ISA-L). */
+uint64_t kvd__crc32c_calls(void);
+
 #endif /* KVDEPOT_STORE_INTERNAL_H */
