@@ -79,22 +79,28 @@ static inline void swap_u64(uint64_t *a, uint64_t *b)
     *b = t;
 }
 
+/* Descending insertion sort of keys[0..n). */
+static void insertion_desc(uint64_t *keys, int64_t n)
+{
+    for (int64_t i = 1; i < n; i++) {
+        uint64_t v = keys[i];
+        int64_t j = i - 1;
+        while (j >= 0 && keys[j] < v) {
+            keys[j + 1] = keys[j];
+            j--;
+        }
+        keys[j + 1] = v;
+    }
+}
+
 /* Move the k largest keys to keys[0..k), the k-th largest to keys[k-1].
  * 1 <= k <= n; keys are distinct (quickselect, median-of-three pivots). */
 static void select_topk(uint64_t *keys, int64_t n, int64_t k)
 {
     int64_t lo = 0, hi = n - 1, target = k - 1;
     while (hi > lo) {
-        if (hi - lo < 16) { /* insertion sort, descending */
-            for (int64_t i = lo + 1; i <= hi; i++) {
-                uint64_t v = keys[i];
-                int64_t j = i - 1;
-                while (j >= lo && keys[j] < v) {
-                    keys[j + 1] = keys[j];
-                    j--;
-                }
-                keys[j + 1] = v;
-            }
+        if (hi - lo < 16) {
+            insertion_desc(keys + lo, hi - lo + 1);
             return;
         }
         int64_t mid = lo + (hi - lo) / 2;
@@ -124,20 +130,6 @@ static void select_topk(uint64_t *keys, int64_t n, int64_t k)
             lo = i;
         else
             return;
-    }
-}
-
-/* Descending insertion sort of keys[0..n). */
-static void insertion_desc(uint64_t *keys, int64_t n)
-{
-    for (int64_t i = 1; i < n; i++) {
-        uint64_t v = keys[i];
-        int64_t j = i - 1;
-        while (j >= 0 && keys[j] < v) {
-            keys[j + 1] = keys[j];
-            j--;
-        }
-        keys[j + 1] = v;
     }
 }
 
