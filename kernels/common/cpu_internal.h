@@ -36,6 +36,9 @@ static inline int kvd__cpu_threads(const kvd_backend *be)
 /* 1 when the CPU has AVX2, FMA and F16C (the fast paths use all three). */
 int kvd__cpu_has_avx2_fma_f16c(void);
 
+/* 1 when the CPU (and the OS) run AVX-512F. */
+int kvd__cpu_has_avx512f(void);
+
 /* fn(arg, i) for every i in [0, n), on the calling thread and on up to
  * threads - 1 idle threads of the process's compute pool (par.c), in no
  * particular order; returns once all are done. The caller takes every item

@@ -45,6 +45,18 @@ int kvd_cpu_has_avx2_fma(void)
     return v;
 }
 
+int kvd__cpu_has_avx512f(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f");
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 int kvd__cpu_has_avx2_fma_f16c(void)
 {
     static int cached = -1;

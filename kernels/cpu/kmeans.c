@@ -410,20 +410,8 @@ near_block_avx512(const float *xt, const near_tab *t, float *b1, float *b2, uint
     }
 }
 
-static int has_avx512f(void)
-{
-    static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f");
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
-}
-
-/* near_decided for the NEAR_BLOCK points of a block: bit l set when point
- * l is decided (the same bound, four points at a time in double). */
+/* Which of a block's NEAR_BLOCK points near_bound decides: bit l set when
+ * point l's winner is certain (four points at a time, in double). */
 __attribute__((target("avx2,fma"))) static uint32_t
 near_decide_block(const near_bound *nb, const float *b1, const float *b2, const float *xx)
 {
@@ -514,7 +502,7 @@ static int nearest_impl(int nthreads, int simd, int64_t n, int d, const float *x
     int nt = nthreads;
     if ((int64_t)k * n * d < 200000 || nblocks < 2)
         nt = 1;
-    near_job j = {n, ldx, x, centroids, &t, assign, dist2, simd != 2 && has_avx512f()};
+    near_job j = {n, ldx, x, centroids, &t, assign, dist2, simd != 2 && kvd__cpu_has_avx512f()};
     kvd__par_ranges(nblocks, 1, nt, near_part, &j);
     near_tab_free(&t);
     return 0;

@@ -178,6 +178,19 @@ static uint8_t *read_all(const char *id, uint64_t token_start, uint64_t num_toke
     return out;
 }
 
+/* The default tenant (no tokens file), its usage counted from the store;
+ * NULL when it cannot be made. */
+static kvd_auth *one_tenant(void)
+{
+    kvd_auth *auth = NULL;
+    char e[256];
+    kvd_error err;
+    CHECK(kvd_auth_load(NULL, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tenants == 1);
+    if (auth)
+        CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
+    return auth;
+}
+
 /*
  * Two appends that overlap and together exceed the tenant's byte quota:
  * exactly one may succeed, even though the second one's refusal makes the
@@ -188,13 +201,10 @@ static void test_quota_overlap(void)
 {
     const uint64_t T = 64;
     const size_t bytes = 2 * L * T * ROW;
-    kvd_auth *auth = NULL;
-    char e[256];
+    kvd_auth *auth = one_tenant();
     kvd_error err;
-    CHECK(kvd_auth_load(NULL, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tenants == 1);
     if (!auth)
         return;
-    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
     const uint64_t before = auth->tenants[0].bytes;
     auth->tenants[0].max_bytes = before + bytes * 3 / 2; /* room for one of the two */
     const char *ids[2] = {"q1", "q2"};
@@ -292,13 +302,10 @@ static void test_quota_create_append(void)
 {
     const uint64_t T = 16;
     const size_t bytes = 2 * L * T * ROW;
-    kvd_auth *auth = NULL;
-    char e[256];
+    kvd_auth *auth = one_tenant();
     kvd_error err;
-    CHECK(kvd_auth_load(NULL, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tenants == 1);
     if (!auth)
         return;
-    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
     const uint64_t seqs = auth->tenants[0].sequences, used = auth->tenants[0].bytes;
     uint8_t *data = calloc(1, bytes);
     svc.auth = auth;
@@ -354,13 +361,10 @@ static void test_quota_pq(void)
     const uint64_t T = 32; /* two pages of 16 */
     const size_t bytes = 2 * L * T * ROW;
     const uint64_t rec = 12 + 4ull * H * 16 * D; /* m 2, 4 bits: 2^4 centroids per sub-space */
-    kvd_auth *auth = NULL;
-    char e[256];
+    kvd_auth *auth = one_tenant();
     kvd_error err;
-    CHECK(kvd_auth_load(NULL, 0, 0, &auth, e, sizeof e) == 0 && auth && auth->n_tenants == 1);
     if (!auth)
         return;
-    CHECK(kvd_auth_scan(auth, svc.store, NULL, &err) == 0);
     const uint64_t before = auth->tenants[0].bytes;
     Kvdepot__V1__PQSpec pq = KVDEPOT__V1__PQSPEC__INIT;
     pq.m = 2;
