@@ -16,7 +16,8 @@
  *   kmeans       PQ training of one (layer, kv head) of a 32K-token
  *                prefill (D = 128, m x b = 16x8 and 4x8, 10 Lloyd
  *                iterations; the device-resident driver, with and without
- *                sub-sampling, and the host-driven exact one), next to an estimate of that prefill's
+ *                sub-sampling, and the host-driven exact one; the device
+ *                driver's seeding alone), next to an estimate of that prefill's
  *                attention time for the same (layer, kv head): causal
  *                attention is 2*T^2*D*G flops, timed at the fp16 tensor-
  *                core rate measured here with one large cublasGemmEx.
@@ -25,7 +26,8 @@
  *                + written and % of the HBM peak.
  *
  * Options: --quick (fewer sizes), --csv FILE (machine-readable rows:
- * table,n,mxb,k,us,gbs,pct).
+ * table,n,mxb,k,us,gbs,pct), --only pq|kmeans|encode (one table, e.g. for a
+ * profiler).
  */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
@@ -359,8 +361,10 @@ static void bench_kmeans(void)
            "ms/attn");
     const int cfgs[2][2] = {{16, 8}, {4, 8}};
     for (int c = 0; c < 2; c++)
-        for (int sub = 0; sub < 3; sub++) {
-            /* sub 2: the host-driven driver with the CPU's draws, for contrast */
+        for (int sub = 0; sub < 4; sub++) {
+            /* sub 2: the host-driven driver with the CPU's draws, for contrast;
+               sub 3: the device driver's k-means++ seeding alone (no Lloyd
+               iteration), so the two rows above split into seeding and Lloyd */
             setenv("KVD_CUDA_KMEANS_EXACT", sub == 2 ? "1" : "0", 1);
             const int m = cfgs[c][0], b = cfgs[c][1], K = 1 << b, dsub = D / m;
             void *dcent = dev_alloc((size_t)m * K * dsub * 4);
@@ -368,13 +372,17 @@ static void bench_kmeans(void)
             int64_t shk[2] = {T, D}, shc[3] = {m, K, dsub};
             a.keys = kvd_tensor_make(KVD_DTYPE_F32, dkeys, 2, shk);
             a.cent = kvd_tensor_make(KVD_DTYPE_F32, dcent, 3, shc);
-            a.km = (kvd_kmeans_params){0, 10, 42, sub == 1 ? 64 * K : 0};
+            a.km = (kvd_kmeans_params){K, sub == 3 ? 0 : 10, 42, sub == 1 ? 64 * K : 0};
             double t = time_op(run_train, &a, 1, 3);
             char mxb[16];
             snprintf(mxb, sizeof mxb, "%dx%d", m, b);
-            printf("%5s %6d %11lld %7s %10.2f %12.2f\n", mxb, 10, (long long)a.km.max_points,
-                   sub == 2 ? "exact" : "device", t * 1e3, attn_s > 0 ? t / attn_s : 0);
-            row_csv(sub == 2 ? "kmeans_exact" : "kmeans", T, mxb, a.km.max_points, t * 1e6, 0);
+            printf("%5s %6d %11lld %7s %10.2f %12.2f\n", mxb, a.km.niter,
+                   (long long)a.km.max_points, sub == 2 ? "exact" : "device", t * 1e3,
+                   attn_s > 0 ? t / attn_s : 0);
+            row_csv(sub == 2   ? "kmeans_exact"
+                    : sub == 3 ? "kmeans_seed"
+                               : "kmeans",
+                    T, mxb, a.km.max_points, t * 1e6, 0);
             kvd_backend_dealloc(be, dcent);
         }
     kvd_backend_dealloc(be, dkeys);
@@ -488,13 +496,19 @@ static void bench_encode(void)
 int main(int argc, char **argv)
 {
     int quick = 0;
+    const char *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             quick = 1;
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc && !only &&
+                 (!strcmp(argv[i + 1], "pq") || !strcmp(argv[i + 1], "kmeans") ||
+                  !strcmp(argv[i + 1], "encode")))
+            only = argv[++i];
         else if (!strcmp(argv[i], "--csv") && i + 1 < argc)
             csv = fopen(argv[++i], "w");
         else {
-            fprintf(stderr, "usage: %s [--quick] [--csv FILE]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--csv FILE] [--only pq|kmeans|encode]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -510,9 +524,12 @@ int main(int argc, char **argv)
            kvd_backend_cuda_device_name(be), peak_gbs, copy_gbs);
     if (csv)
         fprintf(csv, "table,n,mxb,k,us,gbs,pct_hbm\n");
-    bench_pq(quick);
-    bench_kmeans();
-    bench_encode();
+    if (!only || !strcmp(only, "pq"))
+        bench_pq(quick);
+    if (!only || !strcmp(only, "kmeans"))
+        bench_kmeans();
+    if (!only || !strcmp(only, "encode"))
+        bench_encode();
     kvd_backend_free(be);
     if (csv)
         fclose(csv);
