@@ -476,15 +476,28 @@ const struct kvd_kmeans_ops kvd__cuda_kmeans_ops = {
  * same keys, so this driver runs all m sub-spaces together and keeps the
  * work on the device:
  *
- *   seeding   per pick, two launches for all sub-spaces: pick_kernel (one
- *             1024-thread block per sub-space: segment sums of the D^2
- *             weights in double, a block scan, a device splitmix64 draw,
- *             the owning thread walks its segment) and seed_update_kernel
- *             (grid (points, m)). No host round trip.
- *   Lloyd     one strided-batched SGEMM per chunk of points (batch = m),
- *             an argmin kernel that also accumulates the new centroid sums
- *             in 64-bit fixed point (integer atomics: the sums do not depend
- *             on the order, so the result is deterministic), a finalize
+ *   points    copied once per sub-space, (m, n, dsub): a warp's 32 points
+ *             of one sub-space are one contiguous span (in the (n, D) rows
+ *             each thread's dsub floats sat 4*D bytes from its neighbour's,
+ *             so every warp load touched 32 cache lines).
+ *   seeding   per pick, one launch for all sub-spaces (seed_step_kernel):
+ *             blocks of 256 threads fold the last centroid into their chunk
+ *             of points' D^2 weights and write the chunk's sum; the last
+ *             block of a sub-space to finish (a counter and fences) draws
+ *             the next centroid with a device splitmix64 draw: a chunk by
+ *             the chunk sums (double), then a point of it by its weights,
+ *             each a block scan. No host round trip.
+ *   Lloyd     for dsub in {2, 4, 8, 16, 32} and k <= 256, one fused kernel
+ *             per iteration (multi_lloyd_kernel): a block holds one
+ *             sub-space's centroids in shared memory, a thread takes a point
+ *             at a time, computes its k direct-form distances (x - c)^2, keeps
+ *             the argmin (ties to the lower index) and adds the point to its
+ *             centroid's sums and count in shared memory; each block then
+ *             adds its non-empty centroids' sums to the global ones. Other
+ *             shapes: one strided-batched SGEMM per chunk of points (batch =
+ *             m) and an argmin kernel. Either way the new centroid sums are
+ *             64-bit fixed point (integer adds: the sums do not depend on the
+ *             order, so the result is deterministic), then a finalize
  *             kernel; only the m*k counts and m change flags come back per
  *             iteration (the empty-cluster repair runs on the host).
  *
@@ -527,89 +540,229 @@ __global__ void multi_init_kernel(int m, long long n, int k, int dsub, const flo
         cent[(long long)j * k * dsub + t] = xs[first * D + (long long)j * dsub + t];
 }
 
-/* mind[j][i] = min(mind, |x_i^j - c_j[c]|^2); c = 0 starts from +inf. */
-__global__ void seed_update_kernel(long long n, int k, int dsub, const float *xs, int D,
-                                   const float *cent, const seed_state *st, int c, float *mind)
+/* xt[j][i][t] = xs[i][j * dsub + t]: each sub-space's points end to end. */
+__global__ void multi_split_kernel(long long n, int dsub, const float *xs, int D, float *xt)
 {
-    const int j = blockIdx.y;
-    if (st[j].stopped)
-        return;
-    const float *cc = cent + ((long long)j * k + c) * dsub;
-    float *md = mind + (long long)j * n;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        float dd = dist2(dsub, xs + i * D + (long long)j * dsub, cc);
-        if (c == 0 || dd < md[i])
-            md[i] = dd;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n * D;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long i = e / D;
+        const int c = (int)(e - i * D), j = c / dsub;
+        xt[((long long)j * n + i) * dsub + (c - j * dsub)] = xs[e];
     }
 }
 
-constexpr int kPickThreads = 1024;
-
-__global__ void __launch_bounds__(kPickThreads)
-    pick_kernel(long long n, int k, int dsub, const float *xs, int D, float *cent,
-                seed_state *st, int chosen, const float *mind)
+/* dist2 with 16-byte loads (d % 4 == 0, 16-byte aligned rows): the same sum,
+ * in the same order. */
+__device__ __forceinline__ float dist2_v4(int d, const float *x, const float *c)
 {
-    __shared__ double scan[kPickThreads];
-    __shared__ double s_r;
-    __shared__ long long s_pick;
-    const int j = blockIdx.x, t = threadIdx.x;
+    float acc = 0.0f;
+    for (int t = 0; t < d; t += 4) {
+        const float4 a = *reinterpret_cast<const float4 *>(x + t);
+        const float4 b = *reinterpret_cast<const float4 *>(c + t);
+        float df = __fsub_rn(a.x, b.x);
+        acc = __fadd_rn(acc, __fmul_rn(df, df));
+        df = __fsub_rn(a.y, b.y);
+        acc = __fadd_rn(acc, __fmul_rn(df, df));
+        df = __fsub_rn(a.z, b.z);
+        acc = __fadd_rn(acc, __fmul_rn(df, df));
+        df = __fsub_rn(a.w, b.w);
+        acc = __fadd_rn(acc, __fmul_rn(df, df));
+    }
+    return acc;
+}
+
+__device__ __forceinline__ bool seed_weight(double v) { return isfinite(v) && v > 0.0; }
+
+/* Inclusive prefix sum over the 32 lanes. */
+__device__ __forceinline__ double warp_scan(double v, int lane)
+{
+    for (int o = 1; o < 32; o <<= 1) {
+        double y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o)
+            v += y;
+    }
+    return v;
+}
+
+__device__ __forceinline__ long long warp_max(long long v)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        const long long y = __shfl_xor_sync(0xffffffffu, v, o);
+        v = y > v ? y : v;
+    }
+    return v;
+}
+
+constexpr int kSeedWarps = kThreads / 32;
+
+struct draw_smem {
+    double wsum[kSeedWarps], wend[kSeedWarps];
+    long long wlast[kSeedWarps];
+    double rr, total, before;
+    long long res, last_all;
+    int owner;
+};
+
+/* A D^2 draw among the weights w[0, L) (a weight counts when finite and > 0),
+ * by the whole block (kThreads threads): thread t owns the entries
+ * [t * seg, (t + 1) * seg), laid end to end in that order. The target is
+ * u * total when u >= 0, else rr. Leaves in sh: total; res, the first entry
+ * whose running sum exceeds the target (rounding past its owner's last
+ * weighted entry: that entry; no owner: the last weighted entry of all; -1
+ * when nothing has weight); before, the running sum ahead of res; rr. */
+template <class T>
+__device__ void block_draw(const volatile T *w, long long L, double u, double rr, draw_smem *sh)
+{
+    const int t = threadIdx.x, lane = t & 31, wp = t >> 5;
+    const long long seg = (L + kThreads - 1) / kThreads, b0 = t * seg;
+    const long long b1 = b0 + seg < L ? b0 + seg : L;
+    double own = 0.0;
+    long long own_last = -1;
+    for (long long i = b0; i < b1; i++) {
+        const double v = (double)w[i];
+        if (seed_weight(v)) {
+            own += v;
+            own_last = i;
+        }
+    }
+    /* block scan: excl = thread t-1's incl bit for bit, so the intervals
+       [excl, incl) chain from 0 to the total: every target below the total
+       lies in one of them (rounding may leave some empty, never a gap) */
+    double incl = warp_scan(own, lane);
+    own_last = warp_max(own_last);
+    if (lane == 31)
+        sh->wsum[wp] = incl;
+    if (lane == 0)
+        sh->wlast[wp] = own_last;
+    __syncthreads();
+    if (wp == 0) {
+        const double v = warp_scan(lane < kSeedWarps ? sh->wsum[lane] : 0.0, lane);
+        const long long y = warp_max(lane < kSeedWarps ? sh->wlast[lane] : -1);
+        if (lane < kSeedWarps)
+            sh->wsum[lane] = v;
+        if (lane == 0) {
+            sh->last_all = y;
+            sh->owner = kThreads;
+        }
+    }
+    __syncthreads();
+    if (wp > 0)
+        incl += sh->wsum[wp - 1];
+    if (lane == 31)
+        sh->wend[wp] = incl;
+    __syncthreads();
+    double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0)
+        excl = wp > 0 ? sh->wend[wp - 1] : 0.0;
+    const double total = sh->wend[kSeedWarps - 1];
+    if (u >= 0.0) {
+        rr = u * total;
+        if (!(rr < total))
+            rr = total * (1.0 - 0x1.0p-50);
+    }
+    if (rr >= excl && rr < incl)
+        atomicMin(&sh->owner, t); /* the first, should intervals overlap */
+    __syncthreads();
+    if (t == sh->owner) { /* walk the segment */
+        double acc = excl, bef = excl;
+        long long res = -1, last = -1;
+        for (long long i = b0; i < b1 && res < 0; i++) {
+            const double v = (double)w[i];
+            if (!seed_weight(v))
+                continue;
+            if (acc + v > rr)
+                res = i;
+            else
+                last = i;
+            bef = acc;
+            acc += v;
+        }
+        sh->res = res >= 0 ? res : last;
+        sh->before = bef;
+    }
+    __syncthreads();
+    if (t == 0) {
+        sh->total = total;
+        sh->rr = rr;
+        if (sh->owner == kThreads || sh->res < 0) { /* cannot happen while total > 0 */
+            sh->res = sh->last_all;
+            sh->before = rr;
+        }
+    }
+    __syncthreads();
+}
+
+/* One k-means++ step for every sub-space (grid (chunks, m), kThreads threads):
+ * every block folds centroid `fold` into its chunk's D^2 weights mind[j]
+ * (fold 0 starts them) and writes the chunk's weight sum; the last block of
+ * a sub-space to finish (a counter) then draws centroid `fold + 1`: a chunk
+ * by the chunk sums, a point of that chunk by its weights. One launch per
+ * pick; no host round trip. Chunk b holds points [b * ch, (b + 1) * ch),
+ * thread t the points b * ch + q * kThreads + t. */
+__global__ void __launch_bounds__(kThreads)
+    seed_step_kernel(long long n, int k, int dsub, const float *xt, float *cent, seed_state *st,
+                     int fold, long long ch, int v4, float *mind, double *part,
+                     unsigned *arrived)
+{
+    __shared__ double red[kSeedWarps];
+    __shared__ int s_last;
+    __shared__ draw_smem sh;
+    const int j = blockIdx.y, t = threadIdx.x, lane = t & 31, wp = t >> 5;
     if (st[j].stopped)
         return;
-    const float *md = mind + (long long)j * n;
-    const long long seg = (n + kPickThreads - 1) / kPickThreads;
-    const long long b0 = t * seg, b1 = b0 + seg < n ? b0 + seg : n;
-    double own = 0.0;
-    for (long long i = b0; i < b1; i++)
-        if (isfinite(md[i]) && md[i] > 0.0f)
-            own += (double)md[i];
-    scan[t] = own;
-    __syncthreads();
-    for (int o = 1; o < kPickThreads; o <<= 1) { /* inclusive scan */
-        double v = t >= o ? scan[t - o] : 0.0;
-        __syncthreads();
-        scan[t] += v;
-        __syncthreads();
+    const long long nb = gridDim.x, c0 = blockIdx.x * ch;
+    const float *cc = cent + ((long long)j * k + fold) * dsub;
+    const float *xj = xt + (long long)j * n * dsub;
+    float *md = mind + (long long)j * n;
+    double sum = 0.0;
+    for (long long i = c0 + t; i < c0 + ch && i < n; i += kThreads) {
+        const float dd =
+            v4 ? dist2_v4(dsub, xj + i * dsub, cc) : dist2(dsub, xj + i * dsub, cc);
+        const float cur = fold == 0 || dd < md[i] ? dd : md[i];
+        md[i] = cur;
+        if (seed_weight(cur))
+            sum += (double)cur;
     }
-    const double total = scan[kPickThreads - 1];
-    if (!(total > 0.0)) { /* every point sits on a centroid: stop, repair later */
+    for (int o = 16; o > 0; o >>= 1)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0)
+        red[wp] = sum;
+    __threadfence(); /* this thread's weights, before the block reports */
+    __syncthreads();
+    if (t == 0) {
+        double b = 0.0;
+        for (int q = 0; q < kSeedWarps; q++)
+            b += red[q];
+        part[(long long)j * nb + blockIdx.x] = b;
+        __threadfence();
+        s_last = atomicAdd(&arrived[j], 1u) == (unsigned)nb - 1;
+    }
+    __syncthreads();
+    if (!s_last)
+        return;
+    /* the last block of sub-space j: every chunk's weights and sum are in */
+    __threadfence();
+    const int chosen = fold + 1;
+    if (t == 0) {
+        arrived[j] = 0; /* for the next launch */
+        sh.rr = (double)(dev_rng_next(&st[j].rng) >> 11) * 0x1.0p-53;
+    }
+    __syncthreads();
+    const double u = sh.rr;
+    __syncthreads();
+    block_draw<double>(part + (long long)j * nb, nb, u, 0.0, &sh);
+    if (!(sh.total > 0.0)) { /* every point sits on a centroid: stop, repair later */
         if (t == 0)
             st[j].stopped = chosen;
         return;
     }
-    if (t == 0) {
-        double u = (double)(dev_rng_next(&st[j].rng) >> 11) * 0x1.0p-53;
-        double r = u * total;
-        s_r = r < total ? r : total * (1.0 - 0x1.0p-50);
-        s_pick = -1;
-    }
+    const long long b = sh.res, lo = b * ch;
+    const double r2 = sh.rr - sh.before;
     __syncthreads();
-    const double r = s_r, incl = scan[t], excl = incl - own;
-    if (own > 0.0 && r >= excl && r < incl) {
-        double acc = excl;
-        long long last = -1, pick = -1;
-        for (long long i = b0; i < b1; i++) {
-            if (!(isfinite(md[i]) && md[i] > 0.0f))
-                continue;
-            last = i;
-            acc += (double)md[i];
-            if (acc > r) {
-                pick = i;
-                break;
-            }
-        }
-        s_pick = pick >= 0 ? pick : last;
-    }
-    __syncthreads();
-    long long pick = s_pick;
-    if (pick < 0) /* rounding left r in no segment: the last eligible point */
-        for (long long i = n - 1; i >= 0 && pick < 0; i--)
-            if (isfinite(md[i]) && md[i] > 0.0f)
-                pick = i;
-    if (pick < 0)
-        pick = 0;
+    block_draw<float>(md + lo, (lo + ch < n ? lo + ch : n) - lo, -1.0, r2 > 0.0 ? r2 : 0.0, &sh);
+    const long long pick = lo + (sh.res >= 0 ? sh.res : 0);
     for (int d = t; d < dsub; d += blockDim.x)
-        cent[((long long)j * k + chosen) * dsub + d] = xs[pick * D + (long long)j * dsub + d];
+        cent[((long long)j * k + chosen) * dsub + d] = xj[pick * dsub + d];
 }
 
 __global__ void multi_maxabs_kernel(long long n, int dsub, const float *xs, int D,
@@ -682,6 +835,169 @@ __global__ void multi_assign_kernel(long long n, long long i0, long long nc, int
     }
 }
 
+/* A point's dsub values into registers (16-byte loads where the width allows). */
+template <int DS> __device__ __forceinline__ void load_point(const float *p, float *x)
+{
+    if constexpr (DS % 4 == 0) {
+#pragma unroll
+        for (int t = 0; t < DS; t += 4) {
+            const float4 v = *reinterpret_cast<const float4 *>(p + t);
+            x[t] = v.x, x[t + 1] = v.y, x[t + 2] = v.z, x[t + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < DS; t++)
+            x[t] = p[t];
+    }
+}
+
+/* One Lloyd assignment step of sub-space blockIdx.y over the points (m, n, DS):
+ * argmin of the direct-form distances to the k centroids (shared memory),
+ * change count, fixed-point sums and counts gathered per block in shared
+ * memory and added to the global ones once per block. A point's fixed-point
+ * value fits 32 bits (|q| <= 2^30); the block's 64-bit sums are kept as two
+ * 32-bit words with 32-bit atomics (the carry out of the low word goes to
+ * the high one), exact in any order. Dynamic shared memory: k * DS u32 low
+ * and high words, k * DS f32 centroids, k u32 counts. */
+template <int DS>
+__global__ void __launch_bounds__(kThreads)
+    multi_lloyd_kernel(long long n, int k, const float *xt, const float *cent,
+                       const unsigned *maxbits, uint32_t *asg, unsigned long long *sums,
+                       unsigned *counts, unsigned *changed, int first_iter)
+{
+    extern __shared__ __align__(16) unsigned char smb[];
+    unsigned *s_lo = (unsigned *)smb, *s_hi = s_lo + (size_t)k * DS;
+    float *s_cent = (float *)(s_hi + (size_t)k * DS);
+    unsigned *s_cnt = (unsigned *)(s_cent + (size_t)k * DS);
+    __shared__ unsigned s_changed;
+    const int j = blockIdx.y;
+    const float *cj = cent + (long long)j * k * DS;
+    for (int e = threadIdx.x; e < k * DS; e += blockDim.x) {
+        s_cent[e] = cj[e];
+        s_lo[e] = s_hi[e] = 0;
+    }
+    for (int c = threadIdx.x; c < k; c += blockDim.x)
+        s_cnt[c] = 0;
+    if (threadIdx.x == 0)
+        s_changed = 0;
+    __syncthreads();
+    const float mx = __uint_as_float(maxbits[j]);
+    const float scale = mx > 0.0f ? 1073741824.0f / mx : 1.0f;
+    const float *xj = xt + (long long)j * n * DS;
+    uint32_t *aj = asg + (long long)j * n;
+    unsigned moved = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float x[DS];
+        load_point<DS>(xj + i * DS, x);
+        float best = INFINITY;
+        uint32_t bi = 0;
+        for (int c = 0; c < k; c++) {
+            float cc[DS];
+            load_point<DS>(s_cent + c * DS, cc);
+            float dd = 0.0f;
+#pragma unroll
+            for (int t = 0; t < DS; t++) {
+                const float df = x[t] - cc[t];
+                dd = __fmaf_rn(df, df, dd);
+            }
+            if (dd < best) {
+                best = dd;
+                bi = (uint32_t)c;
+            }
+        }
+        if (first_iter || aj[i] != bi)
+            moved++;
+        aj[i] = bi;
+        atomicAdd(&s_cnt[bi], 1u);
+#pragma unroll
+        for (int t = 0; t < DS; t++) {
+            const int q = isfinite(x[t]) ? (int)__float2ll_rn(x[t] * scale) : 0;
+            const unsigned old = atomicAdd(&s_lo[bi * DS + t], (unsigned)q);
+            /* high word: q's sign extension plus the carry out of the low word */
+            const unsigned hi = (q < 0 ? 0xffffffffu : 0u) + (old + (unsigned)q < old ? 1u : 0u);
+            if (hi)
+                atomicAdd(&s_hi[bi * DS + t], hi);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1)
+        moved += __shfl_xor_sync(0xffffffffu, moved, o);
+    if ((threadIdx.x & 31) == 0 && moved)
+        atomicAdd(&s_changed, moved);
+    __syncthreads();
+    unsigned long long *gs = sums + (long long)j * k * DS;
+    for (int e = threadIdx.x; e < k * DS; e += blockDim.x)
+        if (s_cnt[e / DS])
+            atomicAdd(&gs[e], (unsigned long long)s_hi[e] << 32 | s_lo[e]);
+    for (int c = threadIdx.x; c < k; c += blockDim.x)
+        if (s_cnt[c])
+            atomicAdd(&counts[(long long)j * k + c], s_cnt[c]);
+    if (threadIdx.x == 0 && s_changed)
+        atomicAdd(&changed[j], s_changed);
+}
+
+size_t lloyd_smem(int k, int dsub) { return (size_t)k * dsub * (4 + 4 + 4) + (size_t)k * 4; }
+
+/* The widths multi_lloyd_kernel is compiled for, within the device's shared
+ * memory (dsub 32, k 256: 97 KiB). */
+bool lloyd_fused(const kvd_cuda_ctx *c, int k, int dsub)
+{
+    return k <= 256 && (dsub == 2 || dsub == 4 || dsub == 8 || dsub == 16 || dsub == 32) &&
+           lloyd_smem(k, dsub) <= c->smem_optin;
+}
+
+template <int DS>
+int launch_lloyd_t(kvd_cuda_call *call, int m, long long n, int k, const float *xt,
+                   const float *cent, const unsigned *maxbits, uint32_t *asg,
+                   unsigned long long *sums, unsigned *counts, unsigned *changed, int first_iter,
+                   kvd_error *err)
+{
+    const size_t smem = lloyd_smem(k, DS);
+    if (smem > 48 * 1024) {
+        int rc = kvd__cuda_status(call->c,
+                                  cudaFuncSetAttribute(multi_lloyd_kernel<DS>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       (int)smem),
+                                  "cudaFuncSetAttribute", err);
+        if (rc)
+            return rc;
+    }
+    /* about 4 blocks per SM in all: each block adds its sums once */
+    const int sms = call->c->sm_count > 0 ? call->c->sm_count : 1;
+    long long per = (4LL * sms + m - 1) / m, need = (n + kThreads - 1) / kThreads;
+    if (per > need)
+        per = need;
+    if (per < 1)
+        per = 1;
+    multi_lloyd_kernel<DS><<<dim3((unsigned)per, (unsigned)m), kThreads, smem, call->s>>>(
+        n, k, xt, cent, maxbits, asg, sums, counts, changed, first_iter);
+    return kvd__cuda_launched(call, "kmeans lloyd", err);
+}
+
+int launch_lloyd(kvd_cuda_call *call, int m, long long n, int k, int dsub, const float *xt,
+                 const float *cent, const unsigned *maxbits, uint32_t *asg,
+                 unsigned long long *sums, unsigned *counts, unsigned *changed, int first_iter,
+                 kvd_error *err)
+{
+    switch (dsub) {
+    case 2:
+        return launch_lloyd_t<2>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
+                                 first_iter, err);
+    case 4:
+        return launch_lloyd_t<4>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
+                                 first_iter, err);
+    case 8:
+        return launch_lloyd_t<8>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
+                                 first_iter, err);
+    case 16:
+        return launch_lloyd_t<16>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
+                                  first_iter, err);
+    default:
+        return launch_lloyd_t<32>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
+                                  first_iter, err);
+    }
+}
+
 __global__ void multi_finalize_kernel(int m, int k, int dsub, const unsigned long long *sums,
                                       const unsigned *counts, const unsigned *maxbits,
                                       float *cent)
@@ -718,7 +1034,11 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
     int rc = KVD_OK, locked = 0;
     int64_t ns = p->max_points > 0 && n > p->max_points ? p->max_points : n;
     const float *xs = x;
-    float *xpack = nullptr, *mind = nullptr, *xn = nullptr, *cn = nullptr, *dots = nullptr;
+    float *xpack = nullptr, *xt = nullptr, *mind = nullptr, *xn = nullptr, *cn = nullptr,
+          *dots = nullptr;
+    const bool fused = lloyd_fused(call->c, k, dsub);
+    double *part = nullptr;
+    unsigned *arrived = nullptr;
     long long *rows = nullptr;
     uint32_t *asg = nullptr;
     unsigned long long *sums = nullptr;
@@ -767,6 +1087,10 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
         TRY(kvd__cuda_launched(call, "kmeans gather", err));
         xs = xpack;
     }
+    TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)ns * D, (void **)&xt, err));
+    multi_split_kernel<<<kvd__cuda_blocks(ns * D, threads), threads, 0, call->s>>>(ns, dsub, xs, D,
+                                                                                 xt);
+    TRY(kvd__cuda_launched(call, "kmeans split", err));
     TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)m * ns, (void **)&mind, err));
     TRY(kvd__cuda_scratch(call, sizeof(seed_state) * (size_t)m, (void **)&st, err));
     pgrid = dim3(kvd__cuda_blocks(ns, threads) < 4096 ? kvd__cuda_blocks(ns, threads) : 4096,
@@ -774,12 +1098,20 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
 
     /* 2. k-means++ on the device, all sub-spaces per launch */
     multi_init_kernel<<<m, 32, 0, call->s>>>(m, ns, k, dsub, xs, D, centroids, st, p->seed);
-    seed_update_kernel<<<pgrid, threads, 0, call->s>>>(ns, k, dsub, xs, D, centroids, st, 0,
-                                                      mind);
-    for (int c = 1; c < k; c++) {
-        pick_kernel<<<m, kPickThreads, 0, call->s>>>(ns, k, dsub, xs, D, centroids, st, c, mind);
-        seed_update_kernel<<<pgrid, threads, 0, call->s>>>(ns, k, dsub, xs, D, centroids, st, c,
-                                                          mind);
+    { /* chunks of whole blocks, at most 4096 per sub-space */
+        const long long per = (long long)threads * 4096;
+        const long long ch = (ns + per - 1) / per * threads;
+        const unsigned nb = (unsigned)((ns + ch - 1) / ch);
+        /* 16-byte loads: xt is scratch (aligned), the centroids the caller's */
+        const int v4 = dsub % 4 == 0 && (uintptr_t)centroids % 16 == 0;
+        TRY(kvd__cuda_scratch(call, sizeof(double) * (size_t)m * nb + sizeof(unsigned) * m,
+                              (void **)&part, err));
+        arrived = (unsigned *)(part + (size_t)m * nb);
+        TRY(kvd__cuda_status(call->c, cudaMemsetAsync(arrived, 0, sizeof(unsigned) * m, call->s),
+                             "cudaMemsetAsync", err));
+        for (int c = 1; c < k; c++)
+            seed_step_kernel<<<dim3(nb, (unsigned)m), threads, 0, call->s>>>(
+                ns, k, dsub, xt, centroids, st, c - 1, ch, v4, mind, part, arrived);
     }
     TRY(kvd__cuda_launched(call, "kmeans++", err));
 
@@ -819,16 +1151,19 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
         }
     }
 
-    /* 3. Lloyd: batched SGEMM, fused argmin + fixed-point sums */
+    /* 3. Lloyd: the fused kernel, or batched SGEMM + argmin; fixed-point sums */
     if (p->niter > 0) {
         chunk = (kChunkFloats * 4) / ((int64_t)k * m);
         if (chunk < 1)
             chunk = 1;
         if (chunk > ns)
             chunk = ns;
-        TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)m * ns, (void **)&xn, err));
-        TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)m * k, (void **)&cn, err));
-        TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)m * chunk * k, (void **)&dots, err));
+        if (!fused) {
+            TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)m * ns, (void **)&xn, err));
+            TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)m * k, (void **)&cn, err));
+            TRY(kvd__cuda_scratch(call, sizeof(float) * (size_t)m * chunk * k, (void **)&dots,
+                                  err));
+        }
         TRY(kvd__cuda_scratch(call, sizeof(uint32_t) * (size_t)m * ns, (void **)&asg, err));
         TRY(kvd__cuda_scratch(call, sizeof(unsigned long long) * (size_t)m * k * dsub,
                               (void **)&sums, err));
@@ -839,15 +1174,19 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
         TRY(kvd__cuda_status(call->c, cudaMemsetAsync(maxbits, 0, sizeof(unsigned) * m, call->s),
                              "cudaMemsetAsync", err));
         multi_maxabs_kernel<<<pgrid, threads, 0, call->s>>>(ns, dsub, xs, D, maxbits);
-        multi_norms_kernel<<<pgrid, threads, 0, call->s>>>(ns, dsub, xs, D, dsub, xn);
+        if (!fused) {
+            multi_norms_kernel<<<pgrid, threads, 0, call->s>>>(ns, dsub, xs, D, dsub, xn);
+            TRY(kvd__cuda_launched(call, "kmeans prep", err));
+            pthread_mutex_lock(&call->slot->mu);
+            locked = 1;
+            TRY(kvd__cuda_blas(call, &blas, err));
+        }
         TRY(kvd__cuda_launched(call, "kmeans prep", err));
-        pthread_mutex_lock(&call->slot->mu);
-        locked = 1;
-        TRY(kvd__cuda_blas(call, &blas, err));
     }
     for (int it = 0; it < p->niter; it++) {
-        multi_norms_kernel<<<dim3(kvd__cuda_blocks(k, threads), m), threads, 0, call->s>>>(
-            k, dsub, centroids, dsub, (long long)k * dsub, cn);
+        if (!fused)
+            multi_norms_kernel<<<dim3(kvd__cuda_blocks(k, threads), m), threads, 0, call->s>>>(
+                k, dsub, centroids, dsub, (long long)k * dsub, cn);
         TRY(kvd__cuda_status(call->c,
                              cudaMemsetAsync(sums, 0, sizeof(unsigned long long) * (size_t)m * k * dsub,
                                              call->s),
@@ -857,7 +1196,10 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
                                              call->s),
                              "cudaMemsetAsync", err));
         TRY(kvd__cuda_launched(call, "kmeans norms", err));
-        for (int64_t i0 = 0; i0 < ns; i0 += chunk) {
+        if (fused)
+            TRY(launch_lloyd(call, m, ns, k, dsub, xt, centroids, maxbits, asg, sums, counts,
+                             changed, it == 0, err));
+        for (int64_t i0 = 0; !fused && i0 < ns; i0 += chunk) {
             const int64_t nc = ns - i0 < chunk ? ns - i0 : chunk;
             const float one = 1.0f, zero = 0.0f;
             /* per sub-space j (batch): dots_j (k, nc) = C_j^T (k, dsub) . X_j^T (dsub, nc),
@@ -947,9 +1289,11 @@ out:
     free(hcounts);
     free(hcent);
     kvd__cuda_scratch_free(call, xpack);
+    kvd__cuda_scratch_free(call, xt);
     kvd__cuda_scratch_free(call, rows);
     kvd__cuda_scratch_free(call, mind);
     kvd__cuda_scratch_free(call, st);
+    kvd__cuda_scratch_free(call, part);
     kvd__cuda_scratch_free(call, xn);
     kvd__cuda_scratch_free(call, cn);
     kvd__cuda_scratch_free(call, dots);

@@ -527,6 +527,16 @@ static void test_kmeans_one(void)
             TU_CHECK(dbuf_guard_ok(&dc), "kmeans guard");
             TU_CHECK(id <= 1.10 * ir + 1e-9 && id >= 0.0, "kmeans d=%d k=%d inertia %g vs ref %g",
                      d, k, id, ir);
+            { /* the k-means++ seeding alone, within 1.25x of the CPU's (0.95-1.0x seen) */
+                kvd_kmeans_params p0 = p;
+                p0.niter = 0;
+                double ir0 = 0, id0 = 0;
+                TU_CHECK(kvd_kmeans_train(ref, &p0, &tx, &tc, &ir0, NULL) == 0, "ref seeding");
+                TU_CHECK(kvd_kmeans_train(dut, &p0, &tdx, &tdc, &id0, &e) == 0, "seeding: %s",
+                         e.msg);
+                TU_CHECK(id0 <= 1.25 * ir0 + 1e-9 && id0 >= 0.0,
+                         "seeding d=%d k=%d inertia %g vs ref %g", d, k, id0, ir0);
+            }
             /* assign: bitwise on the same centroids */
             dbuf dc2 = dbuf_from(cr, (size_t)k * d * 4);
             uint32_t *ar = malloc((size_t)n * 4), *ad = malloc((size_t)n * 4);
@@ -736,8 +746,11 @@ static void test_pq(void)
 {
     tu_rng r;
     tu_rng_seed(&r, 16);
-    const int cfg[][2] = {{2, 6}, {4, 8}, {8, 4}, {16, 8}, {3, 8}, {1, 4}}; /* m x b */
-    const int D = 48 * 2; /* divisible by 1, 2, 3, 4, 8, 16 */
+    /* m x b; sub-space widths 48, 24, 12, 6, 32, 96, 8, 16: the fused Lloyd
+       kernel takes 32, 8 and 16 (several sub-spaces per launch), the SGEMM
+       path the others */
+    const int cfg[][2] = {{2, 6}, {4, 8}, {8, 4}, {16, 8}, {3, 8}, {1, 4}, {12, 8}, {6, 6}};
+    const int D = 48 * 2; /* divisible by 1, 2, 3, 4, 6, 8, 12, 16 */
     kvd_error e;
     for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
         const int m = cfg[ci][0], b = cfg[ci][1], K = 1 << b, dsub = D / m;
@@ -758,6 +771,14 @@ static void test_pq(void)
         TU_CHECK(kvd_pq_train(dut, &tdk, &km, &tdc, &e) == 0, "pq train: %s", e.msg);
         dbuf_get(&dc, cdv, (size_t)m * K * dsub * 4);
         TU_CHECK(dbuf_guard_ok(&dc), "pq train guard");
+        { /* the same centroids again, bit for bit: no order-dependent sums */
+            float *again = malloc((size_t)m * K * dsub * 4);
+            TU_CHECK(kvd_pq_train(dut, &tdk, &km, &tdc, &e) == 0, "pq train: %s", e.msg);
+            dbuf_get(&dc, again, (size_t)m * K * dsub * 4);
+            TU_CHECK(memcmp(again, cdv, (size_t)m * K * dsub * 4) == 0,
+                     "pq train m=%d b=%d: a second run gave other centroids", m, b);
+            free(again);
+        }
         /* quantization error of each codebook on the training keys */
         double er[2] = {0, 0};
         for (int which = 0; which < 2; which++) {

@@ -247,6 +247,10 @@ static inline int __ffs(unsigned x)
 {
     return x ? __builtin_ctz(x) + 1 : 0;
 }
+static inline int __clz(int x)
+{
+    return x ? __builtin_clz((unsigned)x) : 32;
+}
 static inline int __dp4a(int a, int b, int c)
 {
     for (int i = 0; i < 4; i++)
@@ -315,6 +319,8 @@ void emu_syncwarp(void);
 uint64_t emu_exchange(uint64_t v, int src_lane);
 
 static inline void __syncthreads(void) { emu_syncthreads(); }
+/* Blocks run one after another: memory is already ordered. */
+static inline void __threadfence(void) {}
 static inline void __syncwarp(unsigned = 0xffffffffu) { emu_syncwarp(); }
 
 static inline int emu_lane(void)
