@@ -946,13 +946,20 @@ bool lloyd_fused(const kvd_cuda_ctx *c, int k, int dsub)
            lloyd_smem(k, dsub) <= c->smem_optin;
 }
 
-template <int DS>
-int launch_lloyd_t(kvd_cuda_call *call, int m, long long n, int k, const float *xt,
-                   const float *cent, const unsigned *maxbits, uint32_t *asg,
-                   unsigned long long *sums, unsigned *counts, unsigned *changed, int first_iter,
-                   kvd_error *err)
+/* One Lloyd step's arguments (multi_lloyd_kernel). */
+struct lloyd_args {
+    int m, k, first_iter;
+    long long n;
+    const float *xt, *cent;
+    const unsigned *maxbits;
+    uint32_t *asg;
+    unsigned long long *sums;
+    unsigned *counts, *changed;
+};
+
+template <int DS> int launch_lloyd_t(kvd_cuda_call *call, const lloyd_args &a, kvd_error *err)
 {
-    const size_t smem = lloyd_smem(k, DS);
+    const size_t smem = lloyd_smem(a.k, DS);
     if (smem > 48 * 1024) {
         int rc = kvd__cuda_status(call->c,
                                   cudaFuncSetAttribute(multi_lloyd_kernel<DS>,
@@ -964,37 +971,29 @@ int launch_lloyd_t(kvd_cuda_call *call, int m, long long n, int k, const float *
     }
     /* about 4 blocks per SM in all: each block adds its sums once */
     const int sms = call->c->sm_count > 0 ? call->c->sm_count : 1;
-    long long per = (4LL * sms + m - 1) / m, need = (n + kThreads - 1) / kThreads;
+    long long per = (4LL * sms + a.m - 1) / a.m, need = (a.n + kThreads - 1) / kThreads;
     if (per > need)
         per = need;
     if (per < 1)
         per = 1;
-    multi_lloyd_kernel<DS><<<dim3((unsigned)per, (unsigned)m), kThreads, smem, call->s>>>(
-        n, k, xt, cent, maxbits, asg, sums, counts, changed, first_iter);
+    multi_lloyd_kernel<DS><<<dim3((unsigned)per, (unsigned)a.m), kThreads, smem, call->s>>>(
+        a.n, a.k, a.xt, a.cent, a.maxbits, a.asg, a.sums, a.counts, a.changed, a.first_iter);
     return kvd__cuda_launched(call, "kmeans lloyd", err);
 }
 
-int launch_lloyd(kvd_cuda_call *call, int m, long long n, int k, int dsub, const float *xt,
-                 const float *cent, const unsigned *maxbits, uint32_t *asg,
-                 unsigned long long *sums, unsigned *counts, unsigned *changed, int first_iter,
-                 kvd_error *err)
+int launch_lloyd(kvd_cuda_call *call, int dsub, const lloyd_args &a, kvd_error *err)
 {
     switch (dsub) {
     case 2:
-        return launch_lloyd_t<2>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
-                                 first_iter, err);
+        return launch_lloyd_t<2>(call, a, err);
     case 4:
-        return launch_lloyd_t<4>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
-                                 first_iter, err);
+        return launch_lloyd_t<4>(call, a, err);
     case 8:
-        return launch_lloyd_t<8>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
-                                 first_iter, err);
+        return launch_lloyd_t<8>(call, a, err);
     case 16:
-        return launch_lloyd_t<16>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
-                                  first_iter, err);
+        return launch_lloyd_t<16>(call, a, err);
     default:
-        return launch_lloyd_t<32>(call, m, n, k, xt, cent, maxbits, asg, sums, counts, changed,
-                                  first_iter, err);
+        return launch_lloyd_t<32>(call, a, err);
     }
 }
 
@@ -1197,8 +1196,10 @@ int kvd__cuda_kmeans_train_multi(kvd_cuda_call *call, const kvd_kmeans_params *p
                              "cudaMemsetAsync", err));
         TRY(kvd__cuda_launched(call, "kmeans norms", err));
         if (fused)
-            TRY(launch_lloyd(call, m, ns, k, dsub, xt, centroids, maxbits, asg, sums, counts,
-                             changed, it == 0, err));
+            TRY(launch_lloyd(call, dsub,
+                             lloyd_args{m, k, it == 0, ns, xt, centroids, maxbits, asg, sums,
+                                        counts, changed},
+                             err));
         for (int64_t i0 = 0; !fused && i0 < ns; i0 += chunk) {
             const int64_t nc = ns - i0 < chunk ? ns - i0 : chunk;
             const float one = 1.0f, zero = 0.0f;
