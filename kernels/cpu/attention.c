@@ -1213,31 +1213,65 @@ int kvd_cpu_attn_merge_fast(const kvd_attn_merge_args *a)
 /* The CPU backend's table                                                */
 /* ---------------------------------------------------------------------- */
 
-#define KVD__CPU_ATTN_OP(name, argt, ref, fast)                                  \
-    static int name(kvd_backend *be, int n, const argt *a, kvd_error *err)     \
-    {                                                                          \
-        int use_fast = kvd__cpu_fast(be), nt = kvd__cpu_threads(be);           \
-        for (int i = 0; i < n; i++) {                                          \
-            int rc = use_fast ? fast : ref;                                    \
-            if (rc)                                                            \
-                return kvd_error_set(err, rc, "attention item %d: %s", i,      \
-                                     kvd_strerror(rc));                        \
-        }                                                                      \
-        (void)nt;                                                              \
-        return 0;                                                              \
+/* Items of one call: with at least as many items as threads (a sequence's
+ * pages, say), the items run side by side, each on one thread (one fork
+ * and join per call rather than one per item); fewer items run one after
+ * another, each on every thread. Either way an item's bits are the same:
+ * its kv heads are computed independently. */
+typedef struct item_job {
+    int (*one)(const void *a, int i);
+    const void *a;
+    atomic_int rc, bad;
+} item_job;
+
+static void item_run(void *arg, int i)
+{
+    item_job *j = arg;
+    int rc = j->one(j->a, i);
+    int zero = 0;
+    if (rc && atomic_compare_exchange_strong(&j->rc, &zero, rc))
+        atomic_store(&j->bad, i);
+}
+
+#define KVD__CPU_ATTN_OP(name, argt, ref, fast, fast1)                                             \
+    static int name##_one(const void *arg, int i)                                                  \
+    {                                                                                              \
+        const argt *a = arg;                                                                       \
+        return fast1;                                                                              \
+    }                                                                                              \
+    static int name(kvd_backend *be, int n, const argt *a, kvd_error *err)                         \
+    {                                                                                              \
+        int use_fast = kvd__cpu_fast(be), nt = kvd__cpu_threads(be);                               \
+        if (use_fast && nt > 1 && n >= nt) {                                                       \
+            item_job j = {.one = name##_one, .a = a};                                              \
+            atomic_init(&j.rc, 0);                                                                 \
+            atomic_init(&j.bad, 0);                                                                \
+            kvd__par_for(n, nt, item_run, &j);                                                     \
+            int rc = atomic_load(&j.rc);                                                           \
+            return rc ? kvd_error_set(err, rc, "attention item %d: %s", atomic_load(&j.bad),       \
+                                      kvd_strerror(rc))                                            \
+                      : 0;                                                                         \
+        }                                                                                          \
+        for (int i = 0; i < n; i++) {                                                              \
+            int rc = use_fast ? fast : ref;                                                        \
+            if (rc)                                                                                \
+                return kvd_error_set(err, rc, "attention item %d: %s", i, kvd_strerror(rc));       \
+        }                                                                                          \
+        return 0;                                                                                  \
     }
 
 KVD__CPU_ATTN_OP(cpu_dense, kvd_attn_dense_args, kvd_cpu_attn_dense_ref(&a[i]),
-                 kvd_cpu_attn_dense_fast(&a[i], nt))
+                 kvd_cpu_attn_dense_fast(&a[i], nt), kvd_cpu_attn_dense_fast(&a[i], 1))
 KVD__CPU_ATTN_OP(cpu_sparse, kvd_attn_sparse_args, kvd_cpu_attn_sparse_ref(&a[i]),
-                 kvd_cpu_attn_sparse_fast(&a[i], nt))
+                 kvd_cpu_attn_sparse_fast(&a[i], nt), kvd_cpu_attn_sparse_fast(&a[i], 1))
 KVD__CPU_ATTN_OP(cpu_quant, kvd_attn_int_args, kvd_cpu_attn_int_ref(&a[i]),
-                 kvd_cpu_attn_int_fast(&a[i], nt))
-KVD__CPU_ATTN_OP(cpu_vq, kvd_attn_vq_args, kvd_cpu_attn_vq_ref(&a[i]), kvd_cpu_attn_vq_fast(&a[i], nt))
+                 kvd_cpu_attn_int_fast(&a[i], nt), kvd_cpu_attn_int_fast(&a[i], 1))
+KVD__CPU_ATTN_OP(cpu_vq, kvd_attn_vq_args, kvd_cpu_attn_vq_ref(&a[i]),
+                 kvd_cpu_attn_vq_fast(&a[i], nt), kvd_cpu_attn_vq_fast(&a[i], 1))
 KVD__CPU_ATTN_OP(cpu_svd, kvd_attn_svd_args, kvd_cpu_attn_svd_ref(&a[i]),
-                 kvd_cpu_attn_svd_fast(&a[i], nt))
+                 kvd_cpu_attn_svd_fast(&a[i], nt), kvd_cpu_attn_svd_fast(&a[i], 1))
 KVD__CPU_ATTN_OP(cpu_merge, kvd_attn_merge_args, kvd_cpu_attn_merge_ref(&a[i]),
-                 kvd_cpu_attn_merge_fast(&a[i]))
+                 kvd_cpu_attn_merge_fast(&a[i]), kvd_cpu_attn_merge_fast(&a[i]))
 
 const struct kvd_attn_ops kvd__cpu_attn_ops = {
     .dense = cpu_dense,

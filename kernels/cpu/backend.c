@@ -3,7 +3,9 @@
  *
  * Threads: an op uses up to be->nthreads threads of the pool (par.c: its
  * caller and idle helpers, never waiting for one that has not started), and
- * only for inputs big enough to repay the hand-off (see each family).
+ * only for inputs big enough to repay the hand-off (see each family). An
+ * attention call of at least as many items as threads (a sequence's pages)
+ * runs its items side by side, one thread each (attention.c).
  *
  * Op families plug in by defining their table (kvd__cpu_<family>_ops) in
  * kernels/cpu/<family>.c, next to that family's checked wrappers. The

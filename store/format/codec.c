@@ -1867,6 +1867,37 @@ done:
     return rc;
 }
 
+/* Pages attended in one backend call at most (kvd_page_attend). */
+#define PAGE_ATTEND_BATCH 64
+
+/* Page pv's sections into ks/vs and the kind of call it takes: 1 INT keys
+ * and values, 2 raw keys and values, 0 any other (attend_one); -1 with
+ * *rc set on an error. */
+static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
+                      const kvd_attn_dims *dims, kvd_codec_section *ks, kvd_codec_section *vs,
+                      int *rc, kvd_error *err)
+{
+    const uint32_t H = pv->h.num_kv_heads, D = pv->h.head_dim;
+    if ((int)H != dims->n_kv_heads || (int)D != dims->head_dim || dims->v_dim != dims->head_dim) {
+        *rc =
+            kvd_error_set(err, KVD_EINVAL, "page of %u kv heads x %u dims, attention wants %d x %d",
+                          H, D, dims->n_kv_heads, dims->head_dim);
+        return -1;
+    }
+    if ((*rc = kvd_codec_section_parse(pv, KVD_SECTION_K, arts, ks, err)) ||
+        (*rc = kvd_codec_section_parse(pv, KVD_SECTION_V, arts, vs, err)))
+        return -1;
+    if (is_int(ks->codec) && is_int(vs->codec))
+        return 1;
+    return ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW ? 2 : 0;
+}
+
+/*
+ * Runs of consecutive INT pages, and of raw pages, go to the backend as one
+ * call of one item per page (on the CPU the items run side by side); other
+ * pages one at a time (attend_one). The pages' results are merged in page
+ * order either way, so the output is the same as page by page.
+ */
 int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
                     const kvd_codec_arts *arts, const kvd_attn_dims *dims, const float *q,
                     float *out, float *lse, kvd_error *err)
@@ -1879,24 +1910,84 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     }
     if (n == 0)
         return 0;
-    float *po = malloc(sizeof(float) * (size_t)Hq * D);
-    float *pl = malloc(sizeof(float) * (size_t)Hq);
-    int rc = 0;
-    if (!po || !pl) {
+    const size_t cap = n < PAGE_ATTEND_BATCH ? n : PAGE_ATTEND_BATCH, qf = (size_t)Hq * D;
+    float *po = malloc(sizeof(float) * cap * qf);
+    float *pl = malloc(sizeof(float) * cap * Hq);
+    kvd_codec_section *sec = malloc(2 * cap * sizeof *sec);
+    kvd_attn_int_args *ia = calloc(cap, sizeof *ia);
+    kvd_attn_dense_args *da = calloc(cap, sizeof *da);
+    int rc = 0, first = 1;
+    if (!po || !pl || !sec || !ia || !da) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
-    for (size_t i = 0; i < n && rc == 0; i++) {
-        if ((rc = attend_one(be, &pages[i], arts, dims, q, i == 0 ? out : po,
-                             i == 0 ? lse : pl, err)))
-            break;
-        if (i == 0)
+    int64_t qs[2] = {Hq, dims->head_dim}, os[2] = {Hq, D}, ls[1] = {Hq};
+    const kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, (void *)q, 2, qs);
+    for (size_t i = 0; i < n && rc == 0;) {
+        int kind = 0;
+        size_t cnt = 0;
+        while (i + cnt < n && cnt < cap) {
+            const kvd_page_view *pv = &pages[i + cnt];
+            const int k = batch_kind(pv, arts, dims, &sec[2 * cnt], &sec[2 * cnt + 1], &rc, err);
+            if (k < 0)
+                goto done;
+            if (k == 0 || (cnt > 0 && k != kind))
+                break;
+            kind = k;
+            const uint32_t H = pv->h.num_kv_heads, T = pv->h.num_tokens;
+            const kvd_tensor to = kvd_tensor_make(KVD_DTYPE_F32, po + cnt * qf, 2, os);
+            const kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, pl + cnt * Hq, 1, ls);
+            if (kind == 1) {
+                kvd_attn_int_args *a = &ia[cnt];
+                a->dims = *dims;
+                a->q = tq;
+                a->n_tokens = T;
+                a->k = sec[2 * cnt].q;
+                a->v = sec[2 * cnt + 1].q;
+                int64_t es[3] = {H, 0, dims->head_dim};
+                a->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, es);
+                a->v_tail = a->k_tail;
+                a->out = to;
+                a->lse = tl;
+            } else {
+                kvd_attn_dense_args *a = &da[cnt];
+                int64_t ksh[3] = {H, T, dims->head_dim};
+                a->dims = *dims;
+                a->q = tq;
+                a->k = kvd_tensor_make(pv->h.dtype, (void *)pv->k, 3, ksh);
+                a->v = kvd_tensor_make(pv->h.dtype, (void *)pv->v, 3, ksh);
+                a->out = to;
+                a->lse = tl;
+            }
+            cnt++;
+        }
+        if (cnt == 0) { /* VQ, SVD or mixed codecs: this page alone */
+            rc = attend_one(be, &pages[i], arts, dims, q, first ? out : po, first ? lse : pl, err);
+            if (rc == 0 && !first)
+                rc = kvd_attn_merge_into(be, Hq, D, out, lse, po, pl, err);
+            first = 0;
+            i++;
             continue;
-        rc = kvd_attn_merge_into(be, Hq, D, out, lse, po, pl, err);
+        }
+        rc = kind == 1 ? kvd_attn_quant(be, (int)cnt, ia, err)
+                       : kvd_attn_dense(be, (int)cnt, da, err);
+        for (size_t b = 0; b < cnt && rc == 0; b++) {
+            if (first) {
+                memcpy(out, po, sizeof(float) * qf);
+                memcpy(lse, pl, sizeof(float) * Hq);
+                first = 0;
+            } else {
+                rc = kvd_attn_merge_into(be, Hq, D, out, lse, po + b * qf, pl + b * Hq, err);
+            }
+        }
+        i += cnt;
     }
 done:
     free(po);
     free(pl);
+    free(sec);
+    free(ia);
+    free(da);
     return rc;
 }
 

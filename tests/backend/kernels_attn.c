@@ -237,6 +237,50 @@ static void test_dense_shapes(tu_rng *rng)
     res_free(&rr), res_free(&rf), prob_free(&p);
 }
 
+/* ---- several items in one call ------------------------------------------ */
+
+/* A call of at least as many items as the backend has threads runs its items
+ * side by side, one thread each; every item's bits are those of a call of
+ * that item alone (on every thread). The items are token ranges of one
+ * cache, as a sequence's pages are. */
+static void test_dense_items(tu_rng *rng)
+{
+    enum { NI = 5 };
+    const int Hkv = 2, Hq = 8, D = 128;
+    prob p = prob_new(rng, Hq, Hkv, D, D, 1100, KVD_DTYPE_F16, 1);
+    const int64_t cut[NI + 1] = {0, 256, 512, 600, 856, 1100};
+    res alone[NI], together[NI];
+    kvd_attn_dense_args a[NI];
+    for (int i = 0; i < NI; i++) {
+        alone[i] = res_new(Hq, D);
+        together[i] = res_new(Hq, D);
+        run_dense(be_fast, &p, &alone[i], cut[i], cut[i + 1]);
+        size_t es = kvd_dtype_size(p.dt);
+        memset(&a[i], 0, sizeof a[i]);
+        a[i].dims = dims_of(&p);
+        a[i].q = t2(KVD_DTYPE_F32, p.q, Hq, D);
+        a[i].k = t3(p.dt, p.k, Hkv, p.T, D);
+        a[i].v = t3(p.dt, p.v, Hkv, p.T, D);
+        a[i].k.data = (char *)p.k + cut[i] * D * es;
+        a[i].v.data = (char *)p.v + cut[i] * D * es;
+        a[i].k.shape[1] = a[i].v.shape[1] = cut[i + 1] - cut[i];
+        a[i].out = t2(KVD_DTYPE_F32, together[i].out.data, Hq, D);
+        a[i].lse = t1(KVD_DTYPE_F32, together[i].lse.data, Hq);
+    }
+    kvd_error err;
+    TU_CHECK(kvd_attn_dense(be_fast, NI, a, &err) == 0, "dense items: %s", err.msg);
+    for (int i = 0; i < NI; i++) {
+        TU_CHECK(memcmp(alone[i].out.data, together[i].out.data, sizeof(float) * (size_t)Hq * D) ==
+                         0 &&
+                     memcmp(alone[i].lse.data, together[i].lse.data, sizeof(float) * Hq) == 0,
+                 "dense item %d of %d: other bits than alone", i, NI);
+        TU_CHECK(tu_guard_ok(&together[i].out) && tu_guard_ok(&together[i].lse),
+                 "dense item %d: guard bytes", i);
+        res_free(&alone[i]), res_free(&together[i]);
+    }
+    prob_free(&p);
+}
+
 /* ---- merge of two halves = attention over the union ------------------- */
 
 static void test_merge(tu_rng *rng)
@@ -701,6 +745,23 @@ static void test_int(tu_rng *rng)
                      "%s: VNNI and maddubs dot products differ", what);
             res_free(&rn);
         }
+        { /* three items in one call, side by side: each item's bits alone */
+            kvd_attn_int_args m3[3];
+            res rm[3];
+            for (int k = 0; k < 3; k++) {
+                rm[k] = res_new(Hq, D);
+                m3[k] = a;
+                m3[k].out = t2(KVD_DTYPE_F32, rm[k].out.data, Hq, D);
+                m3[k].lse = t1(KVD_DTYPE_F32, rm[k].lse.data, Hq);
+            }
+            TU_CHECK(kvd_attn_quant(be_fast, 3, m3, &err) == 0, "%s: %s", what, err.msg);
+            for (int k = 0; k < 3; k++) {
+                TU_CHECK(memcmp(rm[k].out.data, rf.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
+                             memcmp(rm[k].lse.data, rf.lse.data, sizeof(float) * (size_t)Hq) == 0,
+                         "%s: item %d of 3 in one call differs from one alone", what, k);
+                res_free(&rm[k]);
+            }
+        }
         int_expected(&p, &kq, &vq, T, tail.k32, tail.v32, Tt, ex.out.data, ex.lse.data);
         /* The reference is the equation (tight); the fast path may flip a
          * p8 rounding where float and double scores straddle a .5: one step
@@ -1012,6 +1073,7 @@ int main(void)
     be_ref = tu_cpu_backend(1, 1);
     test_hand();
     test_dense_shapes(&rng);
+    test_dense_items(&rng);
     test_merge(&rng);
     test_sparse(&rng);
     test_nonfinite(&rng);
