@@ -1058,9 +1058,10 @@ done:
     return rc;
 }
 
-static int attend_vq(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
-                     const kvd_codec_section *ks, const kvd_codec_section *vs, kvd_tensor tq,
-                     kvd_tensor to, kvd_tensor tl, kvd_error *err)
+/* The fused VQ kernel's arguments for a page whose sections ks/vs are VQ. */
+static void vq_args(const kvd_page_view *pv, const kvd_attn_dims *dims, const kvd_codec_section *ks,
+                    const kvd_codec_section *vs, kvd_tensor tq, kvd_tensor to, kvd_tensor tl,
+                    kvd_attn_vq_args *out)
 {
     const int64_t H = pv->h.num_kv_heads, D = pv->h.head_dim;
     kvd_attn_vq_args a;
@@ -1085,6 +1086,15 @@ static int attend_vq(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_di
     a.v_tail = a.k_tail;
     a.out = to;
     a.lse = tl;
+    *out = a;
+}
+
+static int attend_vq(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
+                     const kvd_codec_section *ks, const kvd_codec_section *vs, kvd_tensor tq,
+                     kvd_tensor to, kvd_tensor tl, kvd_error *err)
+{
+    kvd_attn_vq_args a;
+    vq_args(pv, dims, ks, vs, tq, to, tl, &a);
     return kvd_attn_vq(be, 1, &a, err);
 }
 
@@ -1871,8 +1881,8 @@ done:
 #define PAGE_ATTEND_BATCH 64
 
 /* Page pv's sections into ks/vs and the kind of call it takes: 1 INT keys
- * and values, 2 raw keys and values, 0 any other (attend_one); -1 with
- * *rc set on an error. */
+ * and values, 2 raw keys and values, 3 VQ keys and values, 0 any other
+ * (attend_one); -1 with *rc set on an error. */
 static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
                       const kvd_attn_dims *dims, kvd_codec_section *ks, kvd_codec_section *vs,
                       int *rc, kvd_error *err)
@@ -1889,11 +1899,13 @@ static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
         return -1;
     if (is_int(ks->codec) && is_int(vs->codec))
         return 1;
+    if (ks->codec == KVD_CODEC_VQ && vs->codec == KVD_CODEC_VQ)
+        return 3;
     return ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW ? 2 : 0;
 }
 
 /*
- * Runs of consecutive INT pages, and of raw pages, go to the backend as one
+ * Runs of consecutive INT pages, of VQ pages and of raw pages go to the backend as one
  * call of one item per page (on the CPU the items run side by side); other
  * pages one at a time (attend_one). The pages' results are merged in page
  * order either way, so the output is the same as page by page.
@@ -1916,8 +1928,9 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     kvd_codec_section *sec = malloc(2 * cap * sizeof *sec);
     kvd_attn_int_args *ia = calloc(cap, sizeof *ia);
     kvd_attn_dense_args *da = calloc(cap, sizeof *da);
+    kvd_attn_vq_args *va = calloc(cap, sizeof *va);
     int rc = 0, first = 1;
-    if (!po || !pl || !sec || !ia || !da) {
+    if (!po || !pl || !sec || !ia || !da || !va) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -1949,6 +1962,8 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
                 a->v_tail = a->k_tail;
                 a->out = to;
                 a->lse = tl;
+            } else if (kind == 3) {
+                vq_args(pv, dims, &sec[2 * cnt], &sec[2 * cnt + 1], tq, to, tl, &va[cnt]);
             } else {
                 kvd_attn_dense_args *a = &da[cnt];
                 int64_t ksh[3] = {H, T, dims->head_dim};
@@ -1969,8 +1984,9 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
             i++;
             continue;
         }
-        rc = kind == 1 ? kvd_attn_quant(be, (int)cnt, ia, err)
-                       : kvd_attn_dense(be, (int)cnt, da, err);
+        rc = kind == 1   ? kvd_attn_quant(be, (int)cnt, ia, err)
+             : kind == 3 ? kvd_attn_vq(be, (int)cnt, va, err)
+                         : kvd_attn_dense(be, (int)cnt, da, err);
         for (size_t b = 0; b < cnt && rc == 0; b++) {
             if (first) {
                 memcpy(out, po, sizeof(float) * qf);
@@ -1988,6 +2004,7 @@ done:
     free(sec);
     free(ia);
     free(da);
+    free(va);
     return rc;
 }
 

@@ -932,6 +932,23 @@ static void test_vq(tu_rng *rng)
             TU_CHECK(kvd_attn_vq(fast ? be_fast : be_ref, 1, &a, &err) == 0, "%s: %s", what, err.msg);
         }
         compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
+        { /* three items in one call, side by side: each item's bits alone */
+            kvd_attn_vq_args m3[3];
+            res rm[3];
+            for (int k = 0; k < 3; k++) {
+                rm[k] = res_new(Hq, D);
+                m3[k] = a;
+                m3[k].out = t2(KVD_DTYPE_F32, rm[k].out.data, Hq, D);
+                m3[k].lse = t1(KVD_DTYPE_F32, rm[k].lse.data, Hq);
+            }
+            TU_CHECK(kvd_attn_vq(be_fast, 3, m3, &err) == 0, "%s: %s", what, err.msg);
+            for (int k = 0; k < 3; k++) {
+                TU_CHECK(memcmp(rm[k].out.data, rf.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
+                             memcmp(rm[k].lse.data, rf.lse.data, sizeof(float) * (size_t)Hq) == 0,
+                         "%s: item %d of 3 in one call differs from one alone", what, k);
+                res_free(&rm[k]);
+            }
+        }
         /* decode-then-attend: K~ from the codebook, q~ = H (q * lambda), no tail */
         if (Tt == 0) {
             prob dp = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 0);
