@@ -239,6 +239,29 @@ static void test_dense_shapes(tu_rng *rng)
 
 /* ---- several items in one call ------------------------------------------ */
 
+/* Three copies of args a in one call of op on be_fast (its items side by
+ * side): each output must have the bits of `alone`, a call of a by itself. */
+#define ITEMS_AS_ALONE(argt, op, a, alone, what, Hq, D)                                            \
+    do {                                                                                           \
+        argt m3_[3];                                                                               \
+        res rm_[3];                                                                                \
+        kvd_error e_;                                                                              \
+        const size_t on_ = sizeof(float) * (size_t)(Hq) * (D), ln_ = sizeof(float) * (size_t)(Hq); \
+        for (int k_ = 0; k_ < 3; k_++) {                                                           \
+            rm_[k_] = res_new(Hq, D);                                                              \
+            m3_[k_] = a;                                                                           \
+            m3_[k_].out = t2(KVD_DTYPE_F32, rm_[k_].out.data, Hq, D);                              \
+            m3_[k_].lse = t1(KVD_DTYPE_F32, rm_[k_].lse.data, Hq);                                 \
+        }                                                                                          \
+        TU_CHECK(op(be_fast, 3, m3_, &e_) == 0, "%s: %s", what, e_.msg);                           \
+        for (int k_ = 0; k_ < 3; k_++) {                                                           \
+            TU_CHECK(memcmp(rm_[k_].out.data, (alone).out.data, on_) == 0 &&                       \
+                         memcmp(rm_[k_].lse.data, (alone).lse.data, ln_) == 0,                     \
+                     "%s: item %d of 3 in one call differs from one alone", what, k_);             \
+            res_free(&rm_[k_]);                                                                    \
+        }                                                                                          \
+    } while (0)
+
 /* A call of at least as many items as the backend has threads runs its items
  * side by side, one thread each; every item's bits are those of a call of
  * that item alone (on every thread). The items are token ranges of one
@@ -745,23 +768,8 @@ static void test_int(tu_rng *rng)
                      "%s: VNNI and maddubs dot products differ", what);
             res_free(&rn);
         }
-        { /* three items in one call, side by side: each item's bits alone */
-            kvd_attn_int_args m3[3];
-            res rm[3];
-            for (int k = 0; k < 3; k++) {
-                rm[k] = res_new(Hq, D);
-                m3[k] = a;
-                m3[k].out = t2(KVD_DTYPE_F32, rm[k].out.data, Hq, D);
-                m3[k].lse = t1(KVD_DTYPE_F32, rm[k].lse.data, Hq);
-            }
-            TU_CHECK(kvd_attn_quant(be_fast, 3, m3, &err) == 0, "%s: %s", what, err.msg);
-            for (int k = 0; k < 3; k++) {
-                TU_CHECK(memcmp(rm[k].out.data, rf.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
-                             memcmp(rm[k].lse.data, rf.lse.data, sizeof(float) * (size_t)Hq) == 0,
-                         "%s: item %d of 3 in one call differs from one alone", what, k);
-                res_free(&rm[k]);
-            }
-        }
+        /* three items in one call, side by side: each item's bits alone */
+        ITEMS_AS_ALONE(kvd_attn_int_args, kvd_attn_quant, a, rf, what, Hq, D);
         int_expected(&p, &kq, &vq, T, tail.k32, tail.v32, Tt, ex.out.data, ex.lse.data);
         /* The reference is the equation (tight); the fast path may flip a
          * p8 rounding where float and double scores straddle a .5: one step
@@ -932,23 +940,8 @@ static void test_vq(tu_rng *rng)
             TU_CHECK(kvd_attn_vq(fast ? be_fast : be_ref, 1, &a, &err) == 0, "%s: %s", what, err.msg);
         }
         compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
-        { /* three items in one call, side by side: each item's bits alone */
-            kvd_attn_vq_args m3[3];
-            res rm[3];
-            for (int k = 0; k < 3; k++) {
-                rm[k] = res_new(Hq, D);
-                m3[k] = a;
-                m3[k].out = t2(KVD_DTYPE_F32, rm[k].out.data, Hq, D);
-                m3[k].lse = t1(KVD_DTYPE_F32, rm[k].lse.data, Hq);
-            }
-            TU_CHECK(kvd_attn_vq(be_fast, 3, m3, &err) == 0, "%s: %s", what, err.msg);
-            for (int k = 0; k < 3; k++) {
-                TU_CHECK(memcmp(rm[k].out.data, rf.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
-                             memcmp(rm[k].lse.data, rf.lse.data, sizeof(float) * (size_t)Hq) == 0,
-                         "%s: item %d of 3 in one call differs from one alone", what, k);
-                res_free(&rm[k]);
-            }
-        }
+        /* three items in one call, side by side: each item's bits alone */
+        ITEMS_AS_ALONE(kvd_attn_vq_args, kvd_attn_vq, a, rf, what, Hq, D);
         /* decode-then-attend: K~ from the codebook, q~ = H (q * lambda), no tail */
         if (Tt == 0) {
             prob dp = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 0);
