@@ -1098,9 +1098,11 @@ static int attend_vq(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_di
     return kvd_attn_vq(be, 1, &a, err);
 }
 
-static int attend_svd_raw(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
-                          const kvd_codec_section *ks, const kvd_codec_section *vs,
-                          kvd_tensor tq, kvd_tensor to, kvd_tensor tl, kvd_error *err)
+/* The reduced-width kernel's arguments for a page whose sections ks/vs are
+ * SVD with raw inner blocks. */
+static void svd_raw_args(const kvd_page_view *pv, const kvd_attn_dims *dims,
+                         const kvd_codec_section *ks, const kvd_codec_section *vs, kvd_tensor tq,
+                         kvd_tensor to, kvd_tensor tl, kvd_attn_svd_args *out)
 {
     const int64_t H = pv->h.num_kv_heads, D = pv->h.head_dim;
     kvd_attn_svd_args a;
@@ -1118,6 +1120,15 @@ static int attend_svd_raw(kvd_backend *be, const kvd_page_view *pv, const kvd_at
     a.v_red = vs->svd_block[0];
     a.out = to;
     a.lse = tl;
+    *out = a;
+}
+
+static int attend_svd_raw(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
+                          const kvd_codec_section *ks, const kvd_codec_section *vs, kvd_tensor tq,
+                          kvd_tensor to, kvd_tensor tl, kvd_error *err)
+{
+    kvd_attn_svd_args a;
+    svd_raw_args(pv, dims, ks, vs, tq, to, tl, &a);
     return kvd_attn_svd(be, 1, &a, err);
 }
 
@@ -1881,8 +1892,9 @@ done:
 #define PAGE_ATTEND_BATCH 64
 
 /* Page pv's sections into ks/vs and the kind of call it takes: 1 INT keys
- * and values, 2 raw keys and values, 3 VQ keys and values, 0 any other
- * (attend_one); -1 with *rc set on an error. */
+ * and values, 2 raw keys and values, 3 VQ keys and values, 4 SVD keys and
+ * values over raw blocks, 0 any other (attend_one); -1 with *rc set on an
+ * error. */
 static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
                       const kvd_attn_dims *dims, kvd_codec_section *ks, kvd_codec_section *vs,
                       int *rc, kvd_error *err)
@@ -1901,14 +1913,18 @@ static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
         return 1;
     if (ks->codec == KVD_CODEC_VQ && vs->codec == KVD_CODEC_VQ)
         return 3;
+    if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD && ks->inner == KVD_CODEC_RAW &&
+        vs->inner == KVD_CODEC_RAW)
+        return 4;
     return ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW ? 2 : 0;
 }
 
 /*
- * Runs of consecutive INT pages, of VQ pages and of raw pages go to the backend as one
- * call of one item per page (on the CPU the items run side by side); other
- * pages one at a time (attend_one). The pages' results are merged in page
- * order either way, so the output is the same as page by page.
+ * Runs of consecutive INT pages, of VQ pages, of SVD pages over raw blocks
+ * and of raw pages go to the backend as one call of one item per page (on
+ * the CPU the items run side by side); other pages one at a time
+ * (attend_one). The pages' results are merged in page order either way, so
+ * the output is the same as page by page.
  */
 int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
                     const kvd_codec_arts *arts, const kvd_attn_dims *dims, const float *q,
@@ -1929,8 +1945,9 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     kvd_attn_int_args *ia = calloc(cap, sizeof *ia);
     kvd_attn_dense_args *da = calloc(cap, sizeof *da);
     kvd_attn_vq_args *va = calloc(cap, sizeof *va);
+    kvd_attn_svd_args *sa = calloc(cap, sizeof *sa);
     int rc = 0, first = 1;
-    if (!po || !pl || !sec || !ia || !da || !va) {
+    if (!po || !pl || !sec || !ia || !da || !va || !sa) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -1964,6 +1981,8 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
                 a->lse = tl;
             } else if (kind == 3) {
                 vq_args(pv, dims, &sec[2 * cnt], &sec[2 * cnt + 1], tq, to, tl, &va[cnt]);
+            } else if (kind == 4) {
+                svd_raw_args(pv, dims, &sec[2 * cnt], &sec[2 * cnt + 1], tq, to, tl, &sa[cnt]);
             } else {
                 kvd_attn_dense_args *a = &da[cnt];
                 int64_t ksh[3] = {H, T, dims->head_dim};
@@ -1986,6 +2005,7 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
         }
         rc = kind == 1   ? kvd_attn_quant(be, (int)cnt, ia, err)
              : kind == 3 ? kvd_attn_vq(be, (int)cnt, va, err)
+             : kind == 4 ? kvd_attn_svd(be, (int)cnt, sa, err)
                          : kvd_attn_dense(be, (int)cnt, da, err);
         for (size_t b = 0; b < cnt && rc == 0; b++) {
             if (first) {
@@ -2005,6 +2025,7 @@ done:
     free(ia);
     free(da);
     free(va);
+    free(sa);
     return rc;
 }
 

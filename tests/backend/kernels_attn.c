@@ -1038,6 +1038,8 @@ static void test_svd(tu_rng *rng, int G)
         char what[64];
         snprintf(what, sizeof what, "SVD G=%d %s fast vs ref", G, pass ? "reduced" : "full");
         compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
+        /* three items in one call, side by side: each item's bits alone */
+        ITEMS_AS_ALONE(kvd_attn_svd_args, kvd_attn_svd, a, rf, what, Hq, D);
         if (pass == 0) {
             run_dense(be_ref, &p, &dn, 0, T);
             snprintf(what, sizeof what, "SVD G=%d full width = dense", G);
