@@ -1089,15 +1089,6 @@ static void vq_args(const kvd_page_view *pv, const kvd_attn_dims *dims, const kv
     *out = a;
 }
 
-static int attend_vq(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
-                     const kvd_codec_section *ks, const kvd_codec_section *vs, kvd_tensor tq,
-                     kvd_tensor to, kvd_tensor tl, kvd_error *err)
-{
-    kvd_attn_vq_args a;
-    vq_args(pv, dims, ks, vs, tq, to, tl, &a);
-    return kvd_attn_vq(be, 1, &a, err);
-}
-
 /* The reduced-width kernel's arguments for a page whose sections ks/vs are
  * SVD with raw inner blocks. */
 static void svd_raw_args(const kvd_page_view *pv, const kvd_attn_dims *dims,
@@ -1121,15 +1112,6 @@ static void svd_raw_args(const kvd_page_view *pv, const kvd_attn_dims *dims,
     a.out = to;
     a.lse = tl;
     *out = a;
-}
-
-static int attend_svd_raw(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
-                          const kvd_codec_section *ks, const kvd_codec_section *vs, kvd_tensor tq,
-                          kvd_tensor to, kvd_tensor tl, kvd_error *err)
-{
-    kvd_attn_svd_args a;
-    svd_raw_args(pv, dims, ks, vs, tq, to, tl, &a);
-    return kvd_attn_svd(be, 1, &a, err);
 }
 
 /* SVD+INT: per kv head, the INT kernel at the reduced widths on the
@@ -1800,77 +1782,20 @@ int kvd_page_decode_section(kvd_backend *be, const kvd_page_view *v, int which,
 
 static int is_int(uint8_t c) { return c == KVD_CODEC_INT2 || c == KVD_CODEC_INT4; }
 
-/* Attention of one page into (out, lse): the fused kernel of its codecs
- * when there is one (codec.h), else both sections decoded to f32. */
+/* Attention of one page whose sections ks/vs (parsed) take no batched
+ * kernel (kvd_page_attend) into (out, lse): SVD over INT blocks per kv head,
+ * other mixes of codecs with both sections decoded to f32. */
 static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_codec_arts *arts,
-                      const kvd_attn_dims *dims, const float *q, float *out, float *lse,
+                      const kvd_attn_dims *dims, const kvd_codec_section *ks,
+                      const kvd_codec_section *vs, const float *q, float *out, float *lse,
                       kvd_error *err)
 {
-    const uint32_t H = pv->h.num_kv_heads, T = pv->h.num_tokens, D = pv->h.head_dim;
-    if ((int)H != dims->n_kv_heads || (int)D != dims->head_dim || dims->v_dim != dims->head_dim)
-        return kvd_error_set(err, KVD_EINVAL,
-                             "page of %u kv heads x %u dims, attention wants %d x %d", H, D,
-                             dims->n_kv_heads, dims->head_dim);
-    /* Two sections on the heap: they hold a block pointer per kv head. */
-    kvd_codec_section *sec = malloc(2 * sizeof *sec);
-    if (!sec)
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
-    kvd_codec_section *ks = &sec[0], *vs = &sec[1];
-    float *kf = NULL, *vf = NULL;
-    int rc;
-    if ((rc = kvd_codec_section_parse(pv, KVD_SECTION_K, arts, ks, err)) ||
-        (rc = kvd_codec_section_parse(pv, KVD_SECTION_V, arts, vs, err)))
-        goto done;
-    int64_t qs[2] = {dims->n_q_heads, D}, ls[1] = {dims->n_q_heads};
-    kvd_tensor tq = kvd_tensor_make(KVD_DTYPE_F32, (void *)q, 2, qs);
-    kvd_tensor to = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
-    kvd_tensor tl = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
-    if (ks->codec == KVD_CODEC_VQ && vs->codec == KVD_CODEC_VQ) {
-        rc = attend_vq(be, pv, dims, ks, vs, tq, to, tl, err);
-        goto done;
-    }
-    if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD &&
-        ks->inner == KVD_CODEC_RAW && vs->inner == KVD_CODEC_RAW) {
-        rc = attend_svd_raw(be, pv, dims, ks, vs, tq, to, tl, err);
-        goto done;
-    }
     if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD && is_int(ks->inner) &&
-        is_int(vs->inner)) {
-        rc = attend_svd_int(be, pv, dims, ks, vs, q, out, lse, err);
-        goto done;
-    }
-    if (is_int(ks->codec) && is_int(vs->codec)) {
-        kvd_attn_int_args a;
-        memset(&a, 0, sizeof a);
-        a.dims = *dims;
-        a.q = tq;
-        a.n_tokens = T;
-        a.k = ks->q;
-        a.v = vs->q;
-        int64_t es[3] = {H, 0, D};
-        a.k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, es);
-        a.v_tail = a.k_tail;
-        a.out = to;
-        a.lse = tl;
-        rc = kvd_attn_quant(be, 1, &a, err);
-        goto done;
-    }
-    kvd_attn_dense_args a;
-    memset(&a, 0, sizeof a);
-    a.dims = *dims;
-    a.q = tq;
-    a.out = to;
-    a.lse = tl;
-    int64_t ksh[3] = {H, T, D};
-    if (ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW) {
-        a.k = kvd_tensor_make(pv->h.dtype, (void *)pv->k, 3, ksh);
-        a.v = kvd_tensor_make(pv->h.dtype, (void *)pv->v, 3, ksh);
-        rc = kvd_attn_dense(be, 1, &a, err);
-        goto done;
-    }
-    /* Mixed codecs: no fused kernel; decode both sides to f32. */
-    kf = malloc(sizeof(float) * H * T * D);
-    vf = malloc(sizeof(float) * H * T * D);
+        is_int(vs->inner))
+        return attend_svd_int(be, pv, dims, ks, vs, q, out, lse, err);
+    const uint32_t H = pv->h.num_kv_heads, T = pv->h.num_tokens, D = pv->h.head_dim;
+    float *kf = malloc(sizeof(float) * H * T * D), *vf = malloc(sizeof(float) * H * T * D);
+    int rc;
     if (!kf || !vf) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory decoding a page");
         goto done;
@@ -1878,13 +1803,19 @@ static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_codec_
     if ((rc = kvd_page_decode_section(be, pv, KVD_SECTION_K, arts, KVD_DTYPE_F32, kf, err)) ||
         (rc = kvd_page_decode_section(be, pv, KVD_SECTION_V, arts, KVD_DTYPE_F32, vf, err)))
         goto done;
+    int64_t qs[2] = {dims->n_q_heads, D}, ls[1] = {dims->n_q_heads}, ksh[3] = {H, T, D};
+    kvd_attn_dense_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = *dims;
+    a.q = kvd_tensor_make(KVD_DTYPE_F32, (void *)q, 2, qs);
     a.k = kvd_tensor_make(KVD_DTYPE_F32, kf, 3, ksh);
     a.v = kvd_tensor_make(KVD_DTYPE_F32, vf, 3, ksh);
+    a.out = kvd_tensor_make(KVD_DTYPE_F32, out, 2, qs);
+    a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse, 1, ls);
     rc = kvd_attn_dense(be, 1, &a, err);
 done:
     free(kf);
     free(vf);
-    free(sec);
     return rc;
 }
 
@@ -1995,8 +1926,9 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
             }
             cnt++;
         }
-        if (cnt == 0) { /* VQ, SVD or mixed codecs: this page alone */
-            rc = attend_one(be, &pages[i], arts, dims, q, first ? out : po, first ? lse : pl, err);
+        if (cnt == 0) { /* SVD over INT blocks or mixed codecs: this page alone */
+            rc = attend_one(be, &pages[i], arts, dims, &sec[0], &sec[1], q, first ? out : po,
+                            first ? lse : pl, err);
             if (rc == 0 && !first)
                 rc = kvd_attn_merge_into(be, Hq, D, out, lse, po, pl, err);
             first = 0;
