@@ -184,6 +184,8 @@ int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_seq
         memset(out, 0, sizeof *out);
     if (!c || !a)
         return kvdepot__fail(c, KVDEPOT_EINVAL, "append: NULL argument");
+    if (a->created)
+        *a->created = 0;
     if ((!a->id && a->id_len) || (!a->k && a->k_bytes) || (!a->v && a->v_bytes) ||
         (!a->token_ids && a->num_token_ids) || (!a->block_hashes && a->num_block_hashes) ||
         (!a->x && a->x_bytes))
@@ -302,7 +304,7 @@ int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_seq
     if (rc == KVDEPOT_OK) {
         if (!resp_bb) {
             rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "append: server sent no response");
-        } else if (out) {
+        } else if (out || a->created) {
             grpc_byte_buffer_reader r;
             grpc_slice s = grpc_empty_slice();
             if (grpc_byte_buffer_reader_init(&r, resp_bb)) {
@@ -315,7 +317,10 @@ int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_seq
             if (!resp) {
                 rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "append: malformed response");
             } else {
-                rc = kvdepot__info_from_pb(c, resp->sequence, out);
+                if (a->created)
+                    *a->created = resp->created;
+                if (out)
+                    rc = kvdepot__info_from_pb(c, resp->sequence, out);
                 kvdepot__v1__append_response__free_unpacked(resp, NULL);
             }
         }

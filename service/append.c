@@ -234,7 +234,7 @@ static int stat_or_create(kvd_req_ctx *ctx, append_state *st, const Kvdepot__V1_
             return rc;
         }
         kvd_error_clear(err);
-        rc = kvd_ctx_create_sequence(ctx, cr, &st->key, info, err);
+        rc = kvd_ctx_create_sequence(ctx, cr, &st->key, 1, info, err);
         if (rc == 0) {
             st->made = 1;
             st->svc = ctx->svc;
@@ -259,6 +259,7 @@ static void undo_create(append_state *st)
     kvd_error_clear(&e);
     if (kvd_undo_create_sequence(st->svc, st->made_auth, &st->key, &st->created, &e))
         KVD_LOG(KVD_LOG_WARN, "the sequence a failed Append created was kept", "reason=%s", e.msg);
+    kvd_store_seq_pending_done(st->svc->store, st->key.id, st->key.len);
 }
 
 static int begin(kvd_req_ctx *ctx, append_state *st, Kvdepot__V1__AppendHeader *h,
@@ -502,6 +503,8 @@ static int finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, kvd_
     if (rc)
         return rc;
     st->committed = 1;
+    if (st->made)
+        kvd_store_seq_pending_done(ctx->svc->store, st->key.id, st->key.len);
     KVD_METRIC_ADD(payload_bytes_stored, st->expected + info.pq_bytes_added);
     KVD_METRIC_ADD(stored_bytes, (int64_t)info.stored_bytes - (int64_t)st->old_stored_bytes);
     KVD_METRIC_ADD(pages_sealed, (int64_t)info.sealed_pages - (int64_t)st->old_sealed_pages);
@@ -516,6 +519,7 @@ static int finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply, kvd_
     Kvdepot__V1__AppendResponse resp = KVDEPOT__V1__APPEND_RESPONSE__INIT;
     resp.sequence = &si;
     resp.bytes_received = st->received;
+    resp.created = st->made;
     *reply = kvd_pack(&resp.base);
     kvd_codecs_pb_clear(&cp);
     kvd_seq_info_clear(&info);

@@ -162,7 +162,7 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
     if ((rc = kvd_ctx_seq_key(ctx, &req->sequence_id, "sequence_id", &key, err)))
         return rc;
     kvd_seq_info info;
-    if ((rc = kvd_ctx_create_sequence(ctx, req, &key, &info, err)))
+    if ((rc = kvd_ctx_create_sequence(ctx, req, &key, 0, &info, err)))
         return rc;
     Kvdepot__V1__SequenceInfo si;
     kvd_seq_info_to_pb(&info, &si);
@@ -180,10 +180,10 @@ int kvd_h_create_sequence(kvd_req_ctx *ctx, const ProtobufCMessage *msg,
 
 static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
                            const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
-                           kvd_seq_info *info, kvd_error *err);
+                           int pending, kvd_seq_info *info, kvd_error *err);
 
 int kvd_ctx_create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
-                            const kvd_seq_key *key, kvd_seq_info *info, kvd_error *err)
+                            const kvd_seq_key *key, int pending, kvd_seq_info *info, kvd_error *err)
 {
     int rc;
     memset(info, 0, sizeof *info);
@@ -210,14 +210,14 @@ int kvd_ctx_create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceR
             return rc;
         prefix = engine;
     }
-    rc = create_sequence(ctx, req, key, prefix, n_prefix, info, err);
+    rc = create_sequence(ctx, req, key, prefix, n_prefix, pending, info, err);
     free(engine);
     return rc;
 }
 
 static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
                            const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
-                           kvd_seq_info *info, kvd_error *err)
+                           int pending, kvd_seq_info *info, kvd_error *err)
 {
     int rc;
     uint32_t pt = ctx->svc->page_tokens;
@@ -258,6 +258,7 @@ static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRe
     memset(&opts, 0, sizeof opts);
     opts.codecs = &codecs;
     opts.store_activations = store_x;
+    opts.pending = pending;
     if (req->ttl_seconds)
         opts.ttl_ms = req->ttl_seconds > UINT64_MAX / 1000 ? UINT64_MAX / 2
                                                           : req->ttl_seconds * 1000;

@@ -190,9 +190,11 @@ int kvd_ctx_quota_reserve(kvd_req_ctx *ctx, const char *model, uint64_t sequence
 struct Kvdepot__V1__CreateSequenceRequest;
 /* CreateSequence's work for the sequence `key` (req->sequence_id is not
  * read): checks, quota, the store's create, the gauges. *info is the new
- * sequence (kvd_seq_info_clear it) on success. */
+ * sequence (kvd_seq_info_clear it) on success. pending: made for an append
+ * (kvd_seq_create_opts.pending; kvd_store_seq_pending_done when it ends). */
 int kvd_ctx_create_sequence(kvd_req_ctx *ctx, const struct Kvdepot__V1__CreateSequenceRequest *req,
-                            const kvd_seq_key *key, kvd_seq_info *info, kvd_error *err);
+                            const kvd_seq_key *key, int pending, kvd_seq_info *info,
+                            kvd_error *err);
 /* Undo kvd_ctx_create_sequence when the sequence is still as `was`
  * describes it (created then, no tokens added since): delete it and give
  * back its quota and gauges. 0, or why it stayed. */

@@ -435,6 +435,11 @@ int kvd_store_seq_create_ex(kvd_store *st, const void *id, size_t id_len, const 
          (rc = kvd__seq_codecs_snapshot(st, &mi, opts->codecs, &arts, &arts_len, &arts_hash,
                                         err))))
         return rc;
+    kvd__pending *pend = NULL;
+    if (opts->pending && !(pend = kvd__pending_new(id, id_len))) {
+        free(arts);
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory creating a sequence");
+    }
 
     pthread_rwlock_wrlock(&st->lock);
     kvd__model *m = kvd__model_find(st, model);
@@ -544,6 +549,9 @@ int kvd_store_seq_create_ex(kvd_store *st, const void *id, size_t id_len, const 
         for (uint32_t i = 0; i < s->layers[l].npages; i++)
             s->layers[l].pages[i]->refs++;
     m->nseqs++;
+    if (pend) /* under st->lock: a backup sees it pending or not made */
+        kvd__pending_add(st, pend);
+    pend = NULL;
     if (out)
         rc = kvd__seq_fill_info(st, s, out, err);
     s = NULL;
@@ -562,6 +570,7 @@ out:
     free(ents);
     free(rec);
     free(arts);
+    free(pend);
     return rc;
 }
 

@@ -441,6 +441,120 @@ int kvd_store_db_property(kvd_store *st, const char *name, uint64_t *out)
     return rocksdb_property_int(st->db, name, out) == 0 ? 0 : -1;
 }
 
+static void pending_free(kvd_store *st)
+{
+    while (st->pending) {
+        kvd__pending *n = st->pending->next;
+        free(st->pending);
+        st->pending = n;
+    }
+    pthread_mutex_destroy(&st->pend_mu);
+    pthread_mutex_destroy(&st->backup_mu);
+}
+
+kvd__pending *kvd__pending_new(const void *id, size_t len)
+{
+    kvd__pending *p = malloc(sizeof *p + len);
+    if (p) {
+        p->next = NULL;
+        p->done = 0;
+        p->len = len;
+        memcpy(p->id, id, len);
+    }
+    return p;
+}
+
+void kvd__pending_add(kvd_store *st, kvd__pending *p)
+{
+    pthread_mutex_lock(&st->pend_mu);
+    p->next = st->pending;
+    st->pending = p;
+    pthread_mutex_unlock(&st->pend_mu);
+}
+
+void kvd_store_seq_pending_done(kvd_store *st, const void *id, size_t id_len)
+{
+    if (!st)
+        return;
+    pthread_mutex_lock(&st->pend_mu);
+    for (kvd__pending **pp = &st->pending; *pp; pp = &(*pp)->next) {
+        kvd__pending *p = *pp;
+        if (p->done || p->len != id_len || memcmp(p->id, id, id_len))
+            continue;
+        if (st->backup_running) {
+            p->done = 1;
+        } else {
+            *pp = p->next;
+            free(p);
+        }
+        break;
+    }
+    pthread_mutex_unlock(&st->pend_mu);
+}
+
+/* The backup's start (begin = 1) and end. Under st->lock, which a create
+ * holds from its write to entering its entry: a sequence written before
+ * the checkpoint was taken is in the list by the end. At the end, the list
+ * (every entry: pending at the start, made since, done since) moves to
+ * *out, and the done entries go. */
+static int backup_mark(kvd_store *st, int begin, kvd__pending **out)
+{
+    int rc = 0;
+    pthread_rwlock_rdlock(&st->lock);
+    pthread_mutex_lock(&st->pend_mu);
+    if (begin) {
+        st->backup_running = 1;
+    } else {
+        st->backup_running = 0;
+        *out = NULL;
+        for (kvd__pending **pp = &st->pending; *pp;) {
+            kvd__pending *p = *pp, *c = kvd__pending_new(p->id, p->len);
+            if (!c) {
+                rc = KVD_ENOMEM;
+            } else {
+                c->next = *out;
+                *out = c;
+            }
+            if (p->done) {
+                *pp = p->next;
+                free(p);
+            } else {
+                pp = &p->next;
+            }
+        }
+    }
+    pthread_mutex_unlock(&st->pend_mu);
+    pthread_rwlock_unlock(&st->lock);
+    return rc;
+}
+
+/* Delete the sequences of `gone` from the store copied into dir. */
+static int backup_drop(const char *dir, const kvd__pending *gone, kvd_error *err)
+{
+    kvd_store_options o = {.data_dir = dir};
+    kvd_store *bk = NULL;
+    int rc = kvd_store_open(&o, &bk, err);
+    for (const kvd__pending *p = gone; rc == 0 && p; p = p->next) {
+        rc = kvd_store_seq_delete(bk, p->id, p->len, NULL, err);
+        if (rc == KVD_ENOTFOUND) {
+            kvd_error_clear(err);
+            rc = 0;
+        }
+    }
+    kvd_store_close(bk);
+    if (rc) {
+        char why[sizeof err->msg];
+        snprintf(why, sizeof why, "%s", err->msg);
+        return kvd_error_set(err, rc,
+                             "backup to %s: the sequences of appends in flight could not be "
+                             "taken out of it (%.300s); do not restore it",
+                             dir, why);
+    }
+    return 0;
+}
+
+static int backup_copy(kvd_store *st, const char *dir, kvd_error *err);
+
 int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *bytes,
                      kvd_error *err)
 {
@@ -448,6 +562,45 @@ int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *
         *files = 0;
     if (bytes)
         *bytes = 0;
+    if (!st)
+        return kvd_error_set(err, KVD_EINVAL, "backup: no store");
+    pthread_mutex_lock(&st->backup_mu);
+    backup_mark(st, 1, NULL);
+    int rc = backup_copy(st, dir, err);
+    kvd__pending *gone = NULL;
+    if (backup_mark(st, 0, &gone) && rc == 0)
+        rc = kvd_error_set(err, KVD_ENOMEM, "backup to %s: out of memory", dir);
+    pthread_mutex_unlock(&st->backup_mu);
+    if (rc == 0 && gone)
+        rc = backup_drop(dir, gone, err);
+    while (gone) {
+        kvd__pending *n = gone->next;
+        free(gone);
+        gone = n;
+    }
+    if (rc)
+        return rc;
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    struct stat sb;
+    while (d && (de = readdir(d))) {
+        char path[4096 + 256];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode)) {
+            if (files)
+                (*files)++;
+            if (bytes)
+                *bytes += (uint64_t)sb.st_size;
+        }
+    }
+    if (d)
+        closedir(d);
+    return 0;
+}
+
+/* The checkpoint itself. */
+static int backup_copy(kvd_store *st, const char *dir, kvd_error *err)
+{
     char parent[4096];
     size_t n = dir ? strlen(dir) : 0;
     if (n == 0 || n >= sizeof parent)
@@ -478,20 +631,6 @@ int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *
         rocksdb_free(e);
         return rc;
     }
-    DIR *d = opendir(dir);
-    struct dirent *de;
-    while (d && (de = readdir(d))) {
-        char path[4096 + 256];
-        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
-        if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode)) {
-            if (files)
-                (*files)++;
-            if (bytes)
-                *bytes += (uint64_t)sb.st_size;
-        }
-    }
-    if (d)
-        closedir(d);
     return 0;
 }
 
@@ -561,6 +700,8 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     if (!st)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
     pthread_rwlock_init(&st->lock, NULL);
+    pthread_mutex_init(&st->pend_mu, NULL);
+    pthread_mutex_init(&st->backup_mu, NULL);
     kvd__batch_pool_init(st);
     kvd__pq_cache_init(st);
     st->max_seq_tokens = opt->max_seq_tokens;
@@ -653,6 +794,7 @@ free_early: /* before RocksDB: what kvd_store_close would find not yet made */
     pthread_rwlock_destroy(&st->lock);
     kvd__batch_pool_fini(st);
     kvd__pq_cache_fini(st);
+    pending_free(st);
     free(st);
     return rc;
 }
@@ -710,6 +852,7 @@ void kvd_store_close(kvd_store *st)
     kvd_backend_free(st->own_be);
     kvd__batch_pool_fini(st);
     kvd__pq_cache_fini(st);
+    pending_free(st);
     pthread_rwlock_destroy(&st->lock);
     free(st);
 }

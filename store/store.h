@@ -264,7 +264,16 @@ typedef struct kvd_seq_create_opts {
     /* 1: store activations X from token 0 (activation.h); the model needs a
      * hidden_size (else KVD_EPRECOND) and there is no prefix (KVD_EINVAL). */
     int store_activations;
+    /* 1: the sequence is made for an append that fills it next (kvdepotd's
+     * Append with header.create). Until kvd_store_seq_pending_done names
+     * it, a backup leaves it out, so that a backup never holds the empty
+     * sequence of an append that was not acknowledged. */
+    int pending;
 } kvd_seq_create_opts;
+
+/* The append a pending sequence was made for committed, or the sequence
+ * was deleted again: a backup from now on keeps it like any other. */
+void kvd_store_seq_pending_done(kvd_store *st, const void *id, size_t id_len);
 
 /*
  * kvd_store_seq_create with the sequence's codec record (and the reference
@@ -451,8 +460,12 @@ int kvd_store_seq_set_ttl(kvd_store *st, const void *id, size_t id_len, uint64_t
 int kvd_store_db_property(kvd_store *st, const char *name, uint64_t *out);
 
 /* A consistent copy of the store in dir (must not exist; its parent must):
- * RocksDB's checkpoint after a memtable flush. *files / *bytes (may be
- * NULL) count what the directory holds. KVD_EEXIST, KVD_EPRECOND (no
+ * RocksDB's checkpoint after a memtable flush. A sequence that was pending
+ * (kvd_seq_create_opts.pending) at any moment while the checkpoint was
+ * taken is deleted from the copy: the append that made it was not
+ * acknowledged before the backup began, and the copy holds its data whole
+ * or, this way, not at all. One backup runs at a time. *files / *bytes
+ * (may be NULL) count what the directory holds. KVD_EEXIST, KVD_EPRECOND (no
  * parent), KVD_EINTERNAL (RocksDB's message). */
 int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *bytes,
                      kvd_error *err);

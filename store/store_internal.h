@@ -357,11 +357,30 @@ struct kvd_store {
     _Atomic int broken_claim; /* the first such write, which fills broken_why */
     char broken_why[512];  /* set once, before broken */
     kvd_backend be_coding; /* be limited to one thread: page coding */
+    /* Sequences made for an append not committed yet
+     * (kvd_seq_create_opts.pending). While a backup runs, those done keep
+     * their entry (done = 1), so that the backup sees every sequence that
+     * was pending at some moment of it. pend_mu after st->lock. */
+    pthread_mutex_t pend_mu, backup_mu;
+    struct kvd__pending *pending;
+    int backup_running;
     char recovery_report[1024]; /* kvd_store_recovery_report */
     kvd_recovery_loss *losses;  /* kvd_store_recovery_losses */
     int salvage;                /* kvd_store_options.salvage */
     size_t nlosses;
 };
+
+/* An entry of kvd_store.pending. */
+typedef struct kvd__pending {
+    struct kvd__pending *next;
+    int done;
+    size_t len;
+    uint8_t id[];
+} kvd__pending;
+
+/* Enter the preallocated entry p (from kvd__pending_new) in st->pending. */
+kvd__pending *kvd__pending_new(const void *id, size_t len);
+void kvd__pending_add(kvd_store *st, kvd__pending *p);
 
 uint64_t kvd__now_ms(void);
 void kvd__page_key(uint8_t key[KVD__PAGE_KEY_LEN], uint64_t id);

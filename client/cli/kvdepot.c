@@ -1211,41 +1211,35 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
                             tokens);
     }
 
-    /* Create the sequence (the usual case: no lookup first); if it exists,
-     * append at the end of the first layer of the range (the server checks
-     * every layer of it). A sequence created here is deleted again when the
-     * append fails: a failed put leaves nothing behind. */
-    uint64_t token_start = 0;
+    /* The append creates the sequence itself (Append's create), so that it
+     * exists only with its data: a failed put leaves nothing behind, and a
+     * backup taken meanwhile holds it whole or not at all. The codec flags
+     * apply only to a new sequence: with them it is looked up first. An
+     * existing sequence is appended to at the end of the first layer of the
+     * range (the server checks every layer of it). */
     kvdepot_sequence_info s;
     kvdepot_create_args ca = {.id = id, .id_len = strlen(id), .model = m.name};
     ca.ttl_seconds = opt_u64(opts, "ttl", 0, UINT64_MAX / 1000);
     cc.store_activations = with_x;
     if (with_x || want_codecs)
         ca.codecs = &cc;
-    rc = kvdepot_sequence_create(c, &ca, &s);
-    const int created = rc == KVDEPOT_OK;
-    if (rc == KVDEPOT_EEXIST && want_codecs)
-        return fail_msg("sequence %s exists: --k, --v, --pq and --raw-sink apply only when put "
-                        "creates it",
-                        id);
-    if (rc == KVDEPOT_EEXIST)
+    if (want_codecs) {
         rc = kvdepot_sequence_stat(c, id, strlen(id), &s);
-    if (rc)
-        return fail(c, rc);
-    if (strcmp(s.model, m.name) != 0) {
-        kvdepot_sequence_info_clear(&s);
-        return fail_msg("sequence %s belongs to model %s, not %s", id, s.model, m.name);
+        if (rc == KVDEPOT_OK) {
+            kvdepot_sequence_info_clear(&s);
+            return fail_msg("sequence %s exists: --k, --v, --pq and --raw-sink apply only when "
+                            "put creates it",
+                            id);
+        }
+        if (rc != KVDEPOT_ENOTFOUND)
+            return fail(c, rc);
     }
-    if (layer_start < s.num_layers)
-        token_start = s.layer_tokens[layer_start];
-    kvdepot_sequence_info_clear(&s);
-
+    int created = 0;
     kvdepot_append_args a = {
         .id = id,
         .id_len = strlen(id),
         .layer_start = layer_start,
         .num_layers = layers,
-        .token_start = token_start,
         .num_tokens = tokens,
         .dtype = m.dtype,
         .k = data,
@@ -1256,12 +1250,25 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         .num_token_ids = nids,
         .x = with_x && data ? (const uint8_t *)data + 2 * kv : NULL,
         .x_bytes = xb,
+        .create = &ca,
+        .created = &created,
     };
     char what[96];
     snprintf(what, sizeof what, "put %.80s", id);
     progress pr;
     progress_start(c, &pr, what);
     rc = kvdepot_sequence_append(c, &a, &s);
+    if (rc == KVDEPOT_EPRECOND && !want_codecs && strstr(kvdepot_errmsg(c), "token_start")) {
+        /* It exists, of this model (else create's check failed), with
+         * tokens: the server refused the header before the data went.
+         * Append at their end. */
+        rc = kvdepot_sequence_stat(c, id, strlen(id), &s);
+        if (rc == KVDEPOT_OK) {
+            a.token_start = layer_start < s.num_layers ? s.layer_tokens[layer_start] : 0;
+            kvdepot_sequence_info_clear(&s);
+            rc = kvdepot_sequence_append(c, &a, &s);
+        }
+    }
     progress_end(c, &pr);
     if (data)
         munmap(data, 2 * kv + xb);
@@ -1270,10 +1277,7 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         char msg[512];
         const char *em = kvdepot_errmsg(c);
         snprintf(msg, sizeof msg, "%s", em[0] ? em : kvdepot_strerror(rc));
-        if (created)
-            kvdepot_sequence_delete(c, id, strlen(id), NULL);
-        fprintf(stderr, "kvdepot: %s: %s%s\n", kvdepot_status_name(rc), msg,
-                created ? " (the sequence put created was deleted again)" : "");
+        fprintf(stderr, "kvdepot: %s: %s (nothing was stored)\n", kvdepot_status_name(rc), msg);
         return 1;
     }
     if (json_out) {
@@ -1281,7 +1285,7 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         jstr(o, "id", id);
         jset(o, "created", json_object_new_boolean(created));
         ju64(o, "tokens_appended", tokens);
-        ju64(o, "token_start", token_start);
+        ju64(o, "token_start", a.token_start);
         ju64(o, "layer_start", layer_start);
         ju64(o, "layers", layers);
         ju64(o, "bytes", 2 * (uint64_t)kv + xb);
@@ -1291,7 +1295,7 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
     }
     printf("appended %" PRIu64 " tokens at %" PRIu64 " to layers %u..%u of %s: %" PRIu64
            " tokens readable\n",
-           tokens, token_start, layer_start, layer_start + layers - 1, id, s.num_tokens);
+           tokens, a.token_start, layer_start, layer_start + layers - 1, id, s.num_tokens);
     kvdepot_sequence_info_clear(&s);
     return 0;
 }

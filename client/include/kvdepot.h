@@ -643,6 +643,9 @@ typedef struct kvdepot_append_args {
      * exists, create->model must be its model (else KVDEPOT_EPRECOND) and
      * the append goes on as without create. */
     const kvdepot_create_args *create;
+    /* Optional out: set to 1 when create made the sequence in this call,
+     * 0 when it existed (or the call failed). */
+    int *created;
 } kvdepot_append_args;
 
 /*

@@ -932,8 +932,11 @@ static int test_create_append(kvd_harness *h)
                              .v_bytes = bytes,
                              .create = &ca};
     kvdepot_sequence_info s;
+    int created = -1;
+    a.created = &created;
     CHECK_RC(kvdepot_sequence_append(c, &a, &s), KVDEPOT_OK);
     CHECK(s.num_tokens == 300 && strcmp(s.model, "ca-model") == 0);
+    CHECK(created == 1);
     kvdepot_sequence_info_clear(&s);
     ref_commit(&r, 0, 4, 300, k, v);
     CHECK(ref_verify(c, &r) == 0);
@@ -955,7 +958,9 @@ static int test_create_append(kvd_harness *h)
     CHECK(ref_verify(c, &r) == 0);
     /* create naming its model: the append goes on as a plain one. */
     ca.model = "ca-model";
+    created = -1;
     CHECK_RC(kvdepot_sequence_append(c, &a, NULL), KVDEPOT_OK);
+    CHECK(created == 0);
     ref_commit(&r, 0, 4, 20, k, v);
     CHECK(ref_verify(c, &r) == 0);
     CHECK(count_seqs(c, "ca-model") == 1);

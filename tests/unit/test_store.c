@@ -255,6 +255,63 @@ static void test_persistence(void)
     remove_dir();
 }
 
+/* A backup leaves out the sequences made for appends not yet done
+ * (kvd_seq_create_opts.pending): what it holds reopens with every other
+ * sequence as it was, and once the append is done, the next backup keeps
+ * the sequence. */
+static void test_backup_pending(void)
+{
+    make_dir("backup");
+    kvd_store *st = open_store(B);
+    kvd_error err;
+    put_model(st, "m1");
+    create(st, "kept", "m1");
+    CHECK(append(st, "kept", 1, 0, 0, 0, 10, NULL, &err) == 0, "append: %s", err.msg);
+    kvd_seq_create_opts po = {.pending = 1};
+    const char *ids[2] = {"open", "empty"};
+    for (int i = 0; i < 2; i++)
+        REQUIRE(kvd_store_seq_create_ex(st, ids[i], strlen(ids[i]), "m1", NULL, 0, NULL, 0, &po,
+                                        NULL, &err) == 0,
+                "pending create %s: %s", ids[i], err.msg);
+    CHECK(append(st, "open", 2, 0, 0, 0, 5, NULL, &err) == 0, "append: %s", err.msg);
+    kvd_store_seq_pending_done(st, "empty", 5); /* its append failed; it stays, empty */
+    char main_dir[sizeof dir], bk[2][sizeof dir];
+    memcpy(main_dir, dir, sizeof dir);
+    for (int b = 0; b < 2; b++) {
+        snprintf(bk[b], sizeof bk[b], "%.200s-bk%d", main_dir, b);
+        memcpy(dir, bk[b], sizeof dir);
+        remove_dir();
+        uint64_t files = 0, bytes = 0;
+        CHECK(kvd_store_backup(st, bk[b], &files, &bytes, &err) == 0, "backup %d: %s", b, err.msg);
+        CHECK(files > 0 && bytes > 0, "backup %d: %llu files, %llu bytes", b,
+              (unsigned long long)files, (unsigned long long)bytes);
+        kvd_store *cp = open_store(0);
+        CHECK(read_check(cp, "kept", 1, 0, 0, 0, 0, 1 << 20, "kept, in the backup") == 0, "kept");
+        CHECK(seq_tokens(cp, "empty", 0) == 0, "empty: tokens in backup %d", b);
+        kvd_seq_info info;
+        int rc = kvd_store_seq_stat(cp, "open", 4, &info, &err);
+        if (b == 0) {
+            CHECK(rc == KVD_ENOTFOUND, "backup 0 holds the sequence of an append in flight: %d",
+                  rc);
+        } else {
+            CHECK(rc == 0, "backup 1 lacks a sequence whose append was done: %s", err.msg);
+            CHECK(read_check(cp, "open", 2, 0, 0, 0, 0, 1 << 20, "open, in backup 1") == 0, "open");
+        }
+        if (rc == 0)
+            kvd_seq_info_clear(&info);
+        kvd_store_close(cp);
+        kvd_store_seq_pending_done(st, "open", 4); /* its append committed */
+    }
+    CHECK(kvd_store_backup(st, bk[0], NULL, NULL, &err) == KVD_EEXIST, "backup over a backup");
+    for (int b = 0; b < 2; b++) {
+        memcpy(dir, bk[b], sizeof dir);
+        remove_dir();
+    }
+    memcpy(dir, main_dir, sizeof dir);
+    kvd_store_close(st);
+    remove_dir();
+}
+
 static void test_layer_by_layer(void)
 {
     make_dir("layers");
@@ -1122,6 +1179,7 @@ int main(int argc, char **argv)
         return 6;
     }
     test_persistence();
+    test_backup_pending();
     test_layer_by_layer();
     test_validation();
     test_prefix();
