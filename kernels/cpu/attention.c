@@ -193,6 +193,23 @@ int kvd_attn_vq_check(const kvd_attn_vq_args *a, kvd_error *err)
     const kvd_attn_dims *d = &a->dims;
     if (a->n_tokens < 0)
         return kvd_error_set(err, KVD_EINVAL, "VQ attention: n_tokens %lld", (long long)a->n_tokens);
+    if (a->n_segments < 0 || (a->n_segments > 0 && !a->segments))
+        return kvd_error_set(err, KVD_EINVAL, "VQ attention: %d segments at %p", a->n_segments,
+                             (const void *)a->segments);
+    int64_t sum = 0;
+    for (int i = 0; i < a->n_segments; i++) {
+        if (a->segments[i].n_tokens < 0 || a->segments[i].n_tokens > a->n_tokens - sum)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "VQ attention: segment %d of %lld tokens (%lld before it, "
+                                 "n_tokens %lld)",
+                                 i, (long long)a->segments[i].n_tokens, (long long)sum,
+                                 (long long)a->n_tokens);
+        sum += a->segments[i].n_tokens;
+    }
+    if (a->n_segments && sum != a->n_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "VQ attention: the segments hold %lld tokens, n_tokens %lld",
+                             (long long)sum, (long long)a->n_tokens);
     if (a->n_tokens > 0) {
         int sub[2] = {a->k_sub_dim, a->v_sub_dim}, bits[2] = {a->k_bits, a->v_bits},
             W[2] = {d->head_dim, d->v_dim};
@@ -204,10 +221,19 @@ int kvd_attn_vq_check(const kvd_attn_vq_args *a, kvd_error *err)
                                      nm, sub[s], bits[s], W[s]);
             int64_t cs[3] = {d->n_kv_heads, a->n_tokens, W[s] / sub[s]};
             int64_t bs[3] = {d->n_kv_heads, (int64_t)1 << bits[s], sub[s]};
-            if ((rc = check_tensor(codes[s], bits[s] <= 8 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, 3, cs,
-                                   s ? "v_codes" : "k_codes", 0, err)) ||
-                (rc = check_tensor(cb[s], KVD_DTYPE_F32, 3, bs, s ? "v_codebook" : "k_codebook", 0, err)))
+            const kvd_dtype ct = bits[s] <= 8 ? KVD_DTYPE_U8 : KVD_DTYPE_U16;
+            if ((!a->n_segments &&
+                 (rc = check_tensor(codes[s], ct, 3, cs, s ? "v_codes" : "k_codes", 0, err))) ||
+                (rc = check_tensor(cb[s], KVD_DTYPE_F32, 3, bs, s ? "v_codebook" : "k_codebook", 0,
+                                   err)))
                 return rc;
+            for (int i = 0; i < a->n_segments; i++) {
+                const kvd_attn_vq_segment *g = &a->segments[i];
+                cs[1] = g->n_tokens;
+                if ((rc = check_tensor(s ? &g->v_codes : &g->k_codes, ct, 3, cs,
+                                       s ? "segment v_codes" : "segment k_codes", 0, err)))
+                    return rc;
+            }
         }
         if (a->k_lambda.data) {
             int64_t ls[2] = {d->n_kv_heads, d->head_dim};

@@ -76,8 +76,48 @@ static inline float tail_elem(const kvd_tensor *x, int64_t h, int64_t t, int64_t
 /* Reference: decode-free but written as the equation, in double          */
 /* ---------------------------------------------------------------------- */
 
+/* The codes of side `v` (0 K, 1 V) of a segmented call in one block
+ * (Hkv, T, positions): *t describes it, *buf is to be freed. */
+static int vq_flatten(const kvd_attn_vq_args *a, int v, kvd_tensor *t, void **buf)
+{
+    const int64_t H = a->dims.n_kv_heads, T = a->n_tokens;
+    const int bits = v ? a->v_bits : a->k_bits;
+    const int64_t np = (v ? a->dims.v_dim / a->v_sub_dim : a->dims.head_dim / a->k_sub_dim);
+    const size_t row = (size_t)np * (bits <= 8 ? 1 : 2);
+    uint8_t *p = malloc((size_t)(H * T) * row + 1);
+    if (!p)
+        return KVD_ENOMEM;
+    for (int64_t h = 0; h < H; h++) {
+        int64_t t = 0;
+        for (int i = 0; i < a->n_segments; i++) {
+            const kvd_tensor *c = v ? &a->segments[i].v_codes : &a->segments[i].k_codes;
+            for (int64_t j = 0; j < a->segments[i].n_tokens; j++, t++)
+                memcpy(p + (size_t)(h * T + t) * row,
+                       (const char *)c->data + h * c->stride[0] + j * c->stride[1], row);
+        }
+    }
+    int64_t sh[3] = {H, T, np};
+    *t = kvd_tensor_make(bits <= 8 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, p, 3, sh);
+    *buf = p;
+    return 0;
+}
+
 int kvd_cpu_attn_vq_ref(const kvd_attn_vq_args *a)
 {
+    if (a->n_segments) { /* the specification: the segments' codes in one block */
+        kvd_attn_vq_args f = *a;
+        void *kb = NULL, *vb = NULL;
+        int rc = vq_flatten(a, 0, &f.k_codes, &kb);
+        if (!rc)
+            rc = vq_flatten(a, 1, &f.v_codes, &vb);
+        f.n_segments = 0;
+        f.segments = NULL;
+        if (!rc)
+            rc = kvd_cpu_attn_vq_ref(&f);
+        free(kb);
+        free(vb);
+        return rc;
+    }
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
     int64_t T = a->n_tokens, Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0, N = T + Tt;
@@ -140,6 +180,24 @@ typedef struct vq_ctx {
     float mult[KVD__ATTN_MAXG];
     int dirty;
 } vq_ctx;
+
+/* The codes of one segment for the head (the driver's source context):
+ * LUT and A are the head's, shared by all its segments. */
+typedef struct vq_seg {
+    vq_ctx *c;
+    const char *k, *v; /* row 0 of the head */
+    int64_t krs, vrs;  /* row strides, bytes */
+} vq_seg;
+
+static inline uint32_t seg_code(const char *base, int64_t rs, int bits, int64_t t, int pos)
+{
+    const char *p = base + t * rs;
+    if (bits <= 8)
+        return ((const uint8_t *)p)[pos];
+    uint16_t v;
+    memcpy(&v, p + 2 * pos, 2);
+    return v;
+}
 
 /* Fold A into the driver's accumulator: for each position, sum over codes
  * of A[pos][c][g] * C_v[c][:], with the GP query heads in vector lanes. */
@@ -214,13 +272,13 @@ static void vq_fold(vq_ctx *c, float *acc)
 
 static void vq_rescale(void *vctx, int g, float f)
 {
-    vq_ctx *c = vctx;
+    vq_ctx *c = ((vq_seg *)vctx)->c;
     c->mult[g] *= f;
 }
 
 static void vq_finish(void *vctx, float *acc)
 {
-    vq_ctx *c = vctx;
+    vq_ctx *c = ((vq_seg *)vctx)->c;
     if (c->dirty)
         vq_fold(c, acc);
 }
@@ -228,11 +286,12 @@ static void vq_finish(void *vctx, float *acc)
 __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64_t t0, int n,
                                                                float *s, int ld)
 {
-    const vq_ctx *c = vctx;
+    const vq_seg *sg = vctx;
+    const vq_ctx *c = sg->c;
     const kvd_attn_vq_args *a = c->a;
     int kpos = c->kpos, K = c->kK, G = c->G;
-    const char *base = (const char *)a->k_codes.data + c->h * a->k_codes.stride[0];
-    int64_t rs = a->k_codes.stride[1];
+    const char *base = sg->k;
+    int64_t rs = sg->krs;
     float r[8];
     for (int i = 0; i < n; i++) {
         const char *row = base + (t0 + i) * rs;
@@ -287,13 +346,17 @@ __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64
 
 static void vq_scores_scalar(void *vctx, int64_t t0, int n, float *s, int ld)
 {
-    const vq_ctx *c = vctx;
+    const vq_seg *sg = vctx;
+    const vq_ctx *c = sg->c;
     const kvd_attn_vq_args *a = c->a;
     for (int i = 0; i < n; i++)
         for (int g = 0; g < c->G; g++) {
             float acc = 0.0f;
             for (int pos = 0; pos < c->kpos; pos++)
-                acc += c->lut[((size_t)pos * c->kK + code_at(&a->k_codes, a->k_bits, c->h, t0 + i, pos)) * c->GP + g];
+                acc += c->lut[((size_t)pos * c->kK +
+                               seg_code(sg->k, sg->krs, a->k_bits, t0 + i, pos)) *
+                                  c->GP +
+                              g];
             s[(size_t)g * ld + i] = acc;
         }
 }
@@ -301,7 +364,8 @@ static void vq_scores_scalar(void *vctx, int64_t t0, int n, float *s, int ld)
 __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64_t t0, int n,
                                                                const float *p, int ld, float *acc)
 {
-    vq_ctx *c = vctx;
+    const vq_seg *sg = vctx;
+    vq_ctx *c = sg->c;
     const kvd_attn_vq_args *a = c->a;
     int G = c->G, GP = c->GP, vpos = c->vpos, K = c->vK;
     float inv[KVD__ATTN_MAXG];
@@ -314,8 +378,8 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
     for (int g = 0; g < G; g++)
         inv[g] = 1.0f / c->mult[g];
     c->dirty = 1;
-    const char *base = (const char *)a->v_codes.data + c->h * a->v_codes.stride[0];
-    int64_t rs = a->v_codes.stride[1];
+    const char *base = sg->v;
+    int64_t rs = sg->vrs;
     float *const A = c->A;
     float pt[8] = {0};
     /* GP = 4: the probabilities of 4 tokens x 4 heads are transposed in
@@ -380,7 +444,8 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
 
 static void vq_values_scalar(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
 {
-    vq_ctx *c = vctx;
+    const vq_seg *sg = vctx;
+    vq_ctx *c = sg->c;
     const kvd_attn_vq_args *a = c->a;
     for (int g = 0; g < c->G; g++)
         if (c->mult[g] < 1e-20f) {
@@ -390,7 +455,7 @@ static void vq_values_scalar(void *vctx, int64_t t0, int n, const float *p, int 
     c->dirty = 1;
     for (int i = 0; i < n; i++)
         for (int pos = 0; pos < c->vpos; pos++) {
-            uint32_t code = code_at(&a->v_codes, a->v_bits, c->h, t0 + i, pos);
+            uint32_t code = seg_code(sg->v, sg->vrs, a->v_bits, t0 + i, pos);
             float *dst = c->A + ((size_t)pos * c->vK + code) * c->GP;
             for (int g = 0; g < c->G; g++)
                 dst[g] += p[(size_t)g * ld + i] / c->mult[g];
@@ -491,18 +556,46 @@ static void vq_head(void *arg, int h)
                 }
     }
     kvd__attn_scaled_q(d, &a->q, h, qs);
-    kvd__attn_src src[2];
-    int nsrc = 0;
-    if (a->n_tokens > 0) {
-        src[0].ctx = &c;
-        src[0].n = a->n_tokens;
-        src[0].block = KVD__ATTN_BLOCK;
-        src[0].scores = simd ? vq_scores_avx2 : vq_scores_scalar;
-        src[0].values = simd ? vq_values_avx2 : vq_values_scalar;
-        src[0].rescale = vq_rescale;
-        src[0].finish = vq_finish;
-        nsrc = 1;
+    /* One source per segment, all on the head's LUT and A; A is folded
+     * once, after the last. */
+    const int nseg = a->n_segments ? a->n_segments : 1;
+    kvd__attn_src src1[2], *src = src1;
+    vq_seg seg1, *seg = &seg1;
+    if (nseg > 1) {
+        src = malloc((size_t)(nseg + 1) * sizeof *src);
+        seg = malloc((size_t)nseg * sizeof *seg);
+        if (!src || !seg) {
+            atomic_store(&job->rc, KVD_ENOMEM);
+            if (src != src1)
+                free(src);
+            free(seg);
+            free(buf);
+            return;
+        }
     }
+    int nsrc = 0;
+    for (int i = 0; i < nseg && a->n_tokens > 0; i++) {
+        const kvd_attn_vq_segment *sp = a->n_segments ? &a->segments[i] : NULL;
+        const kvd_tensor *kc = sp ? &sp->k_codes : &a->k_codes,
+                         *vc = sp ? &sp->v_codes : &a->v_codes;
+        const int64_t n = sp ? sp->n_tokens : a->n_tokens;
+        if (n == 0)
+            continue;
+        seg[nsrc] = (vq_seg){.c = &c,
+                             .k = (const char *)kc->data + h * kc->stride[0],
+                             .v = (const char *)vc->data + h * vc->stride[0],
+                             .krs = kc->stride[1],
+                             .vrs = vc->stride[1]};
+        src[nsrc] = (kvd__attn_src){.ctx = &seg[nsrc],
+                                    .n = n,
+                                    .block = KVD__ATTN_BLOCK,
+                                    .scores = simd ? vq_scores_avx2 : vq_scores_scalar,
+                                    .values = simd ? vq_values_avx2 : vq_values_scalar,
+                                    .rescale = vq_rescale};
+        nsrc++;
+    }
+    if (nsrc)
+        src[nsrc - 1].finish = vq_finish;
     _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
     if (Tt > 0)
         kvd__attn_dense_src(&src[nsrc++], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv,
@@ -512,6 +605,10 @@ static void vq_head(void *arg, int h)
     int r = kvd__attn_head_run(src, nsrc, G, Dv, o, l, simd);
     if (r) {
         atomic_store(&job->rc, r);
+    }
+    if (src != src1) {
+        free(src);
+        free(seg);
     }
     free(buf);
 }
@@ -532,7 +629,20 @@ static int vq_part(const void *arg, int i)
     s.v_codebook = kvd__attn_rows(a->v_codebook, Hkv, h, 1);
     s.k_tail = kvd__attn_rows(a->k_tail, Hkv, h, 1);
     s.v_tail = kvd__attn_rows(a->v_tail, Hkv, h, 1);
-    return kvd_cpu_attn_vq_fast(&s, 1);
+    kvd_attn_vq_segment *segs = NULL;
+    if (a->n_segments) {
+        if (!(segs = malloc((size_t)a->n_segments * sizeof *segs)))
+            return KVD_ENOMEM;
+        for (int i = 0; i < a->n_segments; i++) {
+            segs[i] = a->segments[i];
+            segs[i].k_codes = kvd__attn_rows(a->segments[i].k_codes, Hkv, h, 1);
+            segs[i].v_codes = kvd__attn_rows(a->segments[i].v_codes, Hkv, h, 1);
+        }
+        s.segments = segs;
+    }
+    int rc = kvd_cpu_attn_vq_fast(&s, 1);
+    free(segs);
+    return rc;
 }
 
 int kvd_cpu_attn_vq_fast(const kvd_attn_vq_args *a, int nthreads)

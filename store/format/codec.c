@@ -1850,12 +1850,48 @@ static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
     return ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW ? 2 : 0;
 }
 
+/* Consecutive VQ items va[0, n) that share their codebooks become one item
+ * over their pages' codes as segments (kvd_attn_vq_args.segments, in seg),
+ * so that the score table is built and the value codebook folded once per
+ * run rather than per page; item i writes po/pl slot i. Returns the items
+ * left. */
+static size_t vq_join(kvd_attn_vq_args *va, size_t n, kvd_attn_vq_segment *seg, float *po,
+                      float *pl, size_t qf, int Hq)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i + 1;
+        while (j < n && va[j].k_codebook.data == va[i].k_codebook.data &&
+               va[j].v_codebook.data == va[i].v_codebook.data &&
+               va[j].k_lambda.data == va[i].k_lambda.data && va[j].k_sub_dim == va[i].k_sub_dim &&
+               va[j].k_bits == va[i].k_bits && va[j].v_sub_dim == va[i].v_sub_dim &&
+               va[j].v_bits == va[i].v_bits)
+            j++;
+        kvd_attn_vq_args x = va[i];
+        if (j - i > 1) {
+            x.n_tokens = 0;
+            for (size_t k = i; k < j; k++) {
+                seg[k] = (kvd_attn_vq_segment){va[k].n_tokens, va[k].k_codes, va[k].v_codes};
+                x.n_tokens += va[k].n_tokens;
+            }
+            x.n_segments = (int)(j - i);
+            x.segments = &seg[i];
+            x.k_codes = x.v_codes = (kvd_tensor){0};
+        }
+        x.out.data = po + m * qf;
+        x.lse.data = pl + m * (size_t)Hq;
+        va[m++] = x;
+        i = j;
+    }
+    return m;
+}
+
 /*
  * Runs of consecutive INT pages, of VQ pages, of SVD pages over raw blocks
  * and of raw pages go to the backend as one call of one item per page (on
- * the CPU the items run side by side); other pages one at a time
- * (attend_one). The pages' results are merged in page order either way, so
- * the output is the same as page by page.
+ * the CPU the items run side by side), a run of VQ pages on the same
+ * codebooks as one item over their codes; other pages one at a time
+ * (attend_one). The results are merged in page order.
  */
 int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
                     const kvd_codec_arts *arts, const kvd_attn_dims *dims, const float *q,
@@ -1877,8 +1913,9 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     kvd_attn_dense_args *da = calloc(cap, sizeof *da);
     kvd_attn_vq_args *va = calloc(cap, sizeof *va);
     kvd_attn_svd_args *sa = calloc(cap, sizeof *sa);
+    kvd_attn_vq_segment *vseg = calloc(cap, sizeof *vseg);
     int rc = 0, first = 1;
-    if (!po || !pl || !sec || !ia || !da || !va || !sa) {
+    if (!po || !pl || !sec || !ia || !da || !va || !sa || !vseg) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -1935,11 +1972,12 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
             i++;
             continue;
         }
+        const size_t nout = kind == 3 ? vq_join(va, cnt, vseg, po, pl, qf, Hq) : cnt;
         rc = kind == 1   ? kvd_attn_quant(be, (int)cnt, ia, err)
-             : kind == 3 ? kvd_attn_vq(be, (int)cnt, va, err)
+             : kind == 3 ? kvd_attn_vq(be, (int)nout, va, err)
              : kind == 4 ? kvd_attn_svd(be, (int)cnt, sa, err)
                          : kvd_attn_dense(be, (int)cnt, da, err);
-        for (size_t b = 0; b < cnt && rc == 0; b++) {
+        for (size_t b = 0; b < nout && rc == 0; b++) {
             if (first) {
                 memcpy(out, po, sizeof(float) * qf);
                 memcpy(lse, pl, sizeof(float) * Hq);
@@ -1958,6 +1996,7 @@ done:
     free(da);
     free(va);
     free(sa);
+    free(vseg);
     return rc;
 }
 

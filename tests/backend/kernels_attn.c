@@ -852,6 +852,25 @@ static void test_int_nan(tu_rng *rng)
 
 /* ---- VQ ---------------------------------------------------------------- */
 
+/* Tokens [t0, t1) of codes (Hkv, T, np) of es bytes each, copied into a
+ * block of their own whose rows are 3 codes longer (strided, as a page's
+ * rows are not): the tensor describes it, *buf is to be freed. */
+static kvd_tensor codes_part(const uint8_t *codes, size_t es, int Hkv, int64_t T, int np,
+                             int64_t t0, int64_t t1, uint8_t **buf)
+{
+    const int64_t n = t1 - t0, row = (int64_t)(np + 3) * (int64_t)es;
+    uint8_t *p = malloc((size_t)(Hkv * n * row) + 8);
+    for (int h = 0; h < Hkv; h++)
+        for (int64_t t = 0; t < n; t++)
+            memcpy(p + (h * n + t) * row, codes + ((h * T + t0 + t) * np) * (int64_t)es,
+                   (size_t)np * es);
+    kvd_tensor x = t3(es == 1 ? KVD_DTYPE_U8 : KVD_DTYPE_U16, p, Hkv, n, np);
+    x.stride[1] = row;
+    x.stride[0] = n * row;
+    *buf = p;
+    return x;
+}
+
 static void fwht_ref(float *x, int n)
 {
     /* H_n x with H the normalised Sylvester Hadamard matrix, O(n^2) */
@@ -942,6 +961,46 @@ static void test_vq(tu_rng *rng)
         compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
         /* three items in one call, side by side: each item's bits alone */
         ITEMS_AS_ALONE(kvd_attn_vq_args, kvd_attn_vq, a, rf, what, Hq, D);
+        /* the same codes in segments (one empty, lengths off the kernel's
+         * blocks, rows strided): the reference gives the same bits, the
+         * fast path the same result */
+        if (T > 0) {
+            const int64_t cut[5] = {0, T / 3, T / 3, T / 3 + (T - T / 3) / 2 + 1, T};
+            kvd_attn_vq_segment sg[4];
+            uint8_t *bufs[8];
+            for (int i = 0; i < 4; i++) {
+                int64_t c1 = cut[i + 1] < T ? cut[i + 1] : T;
+                sg[i].n_tokens = c1 - cut[i];
+                sg[i].k_codes = codes_part(kc, kes, Hkv, T, kpos, cut[i], c1, &bufs[2 * i]);
+                sg[i].v_codes = codes_part(vc, ves, Hkv, T, vpos, cut[i], c1, &bufs[2 * i + 1]);
+            }
+            kvd_attn_vq_args s = a;
+            s.k_codes = s.v_codes = (kvd_tensor){0};
+            s.n_segments = 4;
+            s.segments = sg;
+            res sr = res_new(Hq, D), sf = res_new(Hq, D);
+            for (int fast = 0; fast < 2; fast++) {
+                const res *r = fast ? &sf : &sr;
+                s.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
+                s.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
+                TU_CHECK(kvd_attn_vq(fast ? be_fast : be_ref, 1, &s, &err) == 0, "%s segments: %s",
+                         what, err.msg);
+            }
+            TU_CHECK(memcmp(sr.out.data, rr.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
+                         memcmp(sr.lse.data, rr.lse.data, sizeof(float) * (size_t)Hq) == 0,
+                     "%s: the reference over segments differs from one block", what);
+            char sw[128];
+            snprintf(sw, sizeof sw, "%s, in 4 segments", what);
+            compare(sw, &rr, &sf, Hq, D, 1e-9, 1e-4);
+            ITEMS_AS_ALONE(kvd_attn_vq_args, kvd_attn_vq, s, sf, sw, Hq, D);
+            /* segments that do not add up to n_tokens are refused */
+            s.n_tokens = T + 1;
+            TU_CHECK(kvd_attn_vq(be_fast, 1, &s, &err) == KVD_EINVAL, "%s: short segments taken",
+                     what);
+            res_free(&sr), res_free(&sf);
+            for (int i = 0; i < 8; i++)
+                free(bufs[i]);
+        }
         /* decode-then-attend: K~ from the codebook, q~ = H (q * lambda), no tail */
         if (Tt == 0) {
             prob dp = prob_new(rng, Hq, Hkv, D, D, T, KVD_DTYPE_F32, 0);

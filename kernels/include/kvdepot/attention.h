@@ -148,7 +148,15 @@ typedef struct kvd_attn_int_args {
  * Scores: s_t = sum_pos LUT[pos][code_t,pos] with LUT[pos][c] = q~_pos . C_k[c].
  * Output: probabilities are accumulated per (position, value code), then one
  * pass over the value codebook: out_pos = sum_c A[pos][c] * C_v[c].
- * Raw tail tokens (untransformed keys) may follow, as in the INT form. */
+ * Raw tail tokens (untransformed keys) may follow, as in the INT form.
+ * The coded tokens may also lie in several blocks (segments, e.g. the pages
+ * of a sequence): attended in order as one sequence, the score table built
+ * and the value codebook folded once for all of them. */
+typedef struct kvd_attn_vq_segment {
+    int64_t n_tokens;            /* T_i >= 0 */
+    kvd_tensor k_codes, v_codes; /* (Hkv, T_i, D/dk), (Hkv, T_i, Dv/dv) */
+} kvd_attn_vq_segment;
+
 typedef struct kvd_attn_vq_args {
     kvd_attn_dims dims;
     kvd_tensor q;          /* (Hq, D) f32, untransformed */
@@ -160,6 +168,11 @@ typedef struct kvd_attn_vq_args {
     kvd_tensor v_codes, v_codebook;
     kvd_tensor k_tail, v_tail; /* raw (Hkv, Tt, D) / (Hkv, Tt, Dv), Tt may be 0 */
     kvd_tensor out, lse;
+    /* n_segments > 0: the coded tokens are those of segments[0..n) in
+     * order (n_tokens their sum; k_codes and v_codes unused). Host memory:
+     * the CPU backend takes them, others answer KVD_EUNSUPP. */
+    int n_segments;
+    const kvd_attn_vq_segment *segments;
 } kvd_attn_vq_args;
 
 /* (d) Reduced-dimension attention (ZACK). Keys and values are stored rotated
