@@ -269,7 +269,26 @@ int kvd_attn_svd_check(const kvd_attn_svd_args *a, kvd_error *err)
             a->v_width[h] > d->v_dim)
             return kvd_error_set(err, KVD_EINVAL, "SVD attention: kv head %d widths %d/%d out of range",
                                  h, a->k_width[h], a->v_width[h]);
-    if (a->n_tokens > 0 && (!a->k_red || !a->v_red))
+    if (a->n_segments < 0 || (a->n_segments > 0 && !a->segments))
+        return kvd_error_set(err, KVD_EINVAL, "SVD attention: %d segments at %p", a->n_segments,
+                             (const void *)a->segments);
+    int64_t sum = 0;
+    for (int i = 0; i < a->n_segments; i++) {
+        const kvd_attn_svd_segment *g = &a->segments[i];
+        if (g->n_tokens < 0 || g->n_tokens > a->n_tokens - sum)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "SVD attention: segment %d of %lld tokens (%lld before it, "
+                                 "n_tokens %lld)",
+                                 i, (long long)g->n_tokens, (long long)sum, (long long)a->n_tokens);
+        if (g->n_tokens > 0 && (!g->k_red || !g->v_red))
+            return kvd_error_set(err, KVD_EINVAL, "SVD attention: segment %d data is NULL", i);
+        sum += g->n_tokens;
+    }
+    if (a->n_segments && sum != a->n_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "SVD attention: the segments hold %lld tokens, n_tokens %lld",
+                             (long long)sum, (long long)a->n_tokens);
+    if (!a->n_segments && a->n_tokens > 0 && (!a->k_red || !a->v_red))
         return kvd_error_set(err, KVD_EINVAL, "SVD attention: reduced K/V data is NULL");
     return 0;
 }

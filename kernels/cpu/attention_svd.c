@@ -21,8 +21,55 @@ static int64_t width_offset(const int32_t *w, int h)
     return o;
 }
 
+/* The reduced rows of a segmented call in one ragged block per side, as a
+ * call without segments; *kb / *vb are to be freed. */
+static int svd_flatten(const kvd_attn_svd_args *a, kvd_attn_svd_args *f, void **kb, void **vb)
+{
+    const int H = a->dims.n_kv_heads;
+    const int64_t T = a->n_tokens, es = (int64_t)kvd_dtype_size(a->dtype);
+    const int64_t wk = width_offset(a->k_width, H), wv = width_offset(a->v_width, H);
+    char *k = malloc((size_t)(T * wk * es) + 1), *v = malloc((size_t)(T * wv * es) + 1);
+    if (!k || !v) {
+        free(k), free(v);
+        return KVD_ENOMEM;
+    }
+    for (int h = 0; h < H; h++) {
+        const int64_t rk = a->k_width[h], rv = a->v_width[h];
+        char *kd = k + T * width_offset(a->k_width, h) * es;
+        char *vd = v + T * width_offset(a->v_width, h) * es;
+        for (int i = 0; i < a->n_segments; i++) {
+            const kvd_attn_svd_segment *g = &a->segments[i];
+            const int64_t n = g->n_tokens;
+            memcpy(kd, (const char *)g->k_red + n * width_offset(a->k_width, h) * es,
+                   (size_t)(n * rk * es));
+            memcpy(vd, (const char *)g->v_red + n * width_offset(a->v_width, h) * es,
+                   (size_t)(n * rv * es));
+            kd += n * rk * es;
+            vd += n * rv * es;
+        }
+    }
+    *f = *a;
+    f->k_red = k;
+    f->v_red = v;
+    f->n_segments = 0;
+    f->segments = NULL;
+    *kb = k;
+    *vb = v;
+    return 0;
+}
+
 int kvd_cpu_attn_svd_ref(const kvd_attn_svd_args *a)
 {
+    if (a->n_segments) { /* the specification: the segments' rows in one block */
+        kvd_attn_svd_args f;
+        void *kb, *vb;
+        int rc = svd_flatten(a, &f, &kb, &vb);
+        if (rc)
+            return rc;
+        rc = kvd_cpu_attn_svd_ref(&f);
+        free(kb), free(vb);
+        return rc;
+    }
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
     int64_t T = a->n_tokens;
@@ -106,23 +153,47 @@ static void svd_head(void *arg, int h)
         for (int j = 0; j < rk; j++)
             qp[(size_t)g * rk + j] *= d->softmax_scale;
     }
-    /* views of this head's ragged blocks as (1, T, r) tensors */
-    int64_t ks[3] = {1, T, rk}, vs[3] = {1, T, rv};
-    kvd_tensor kv =
-        kvd_tensor_make(a->dtype, (char *)a->k_red + T * width_offset(a->k_width, h) * es, 3, ks);
-    kvd_tensor vv =
-        kvd_tensor_make(a->dtype, (char *)a->v_red + T * width_offset(a->v_width, h) * es, 3, vs);
-    _Alignas(8) char ctx[KVD__ATTN_DENSE_CTX_BYTES];
-    kvd__attn_src src;
-    kvd__attn_dense_src(&src, ctx, &kv, &vv, NULL, T, qp, G, rk, rv, 0, simd);
+    /* views of this head's ragged blocks as (1, T_i, r) tensors, one dense
+     * source per segment (or the one block) */
+    const int nseg = a->n_segments ? a->n_segments : 1;
+    typedef struct {
+        _Alignas(8) char ctx[KVD__ATTN_DENSE_CTX_BYTES];
+        kvd_tensor k, v;
+    } seg_src;
+    seg_src one, *ss = nseg > 1 ? malloc((size_t)nseg * sizeof *ss) : &one;
+    kvd__attn_src src1, *src = nseg > 1 ? malloc((size_t)nseg * sizeof *src) : &src1;
+    if (!ss || !src) {
+        atomic_store(&job->rc, KVD_ENOMEM);
+        if (nseg > 1)
+            free(ss), free(src);
+        free(buf);
+        return;
+    }
+    const int64_t wk = width_offset(a->k_width, h), wv = width_offset(a->v_width, h);
+    int nsrc = 0;
+    for (int i = 0; i < nseg; i++) {
+        const kvd_attn_svd_segment *sg = a->n_segments ? &a->segments[i] : NULL;
+        const int64_t n = sg ? sg->n_tokens : T;
+        const char *k = sg ? sg->k_red : a->k_red, *v = sg ? sg->v_red : a->v_red;
+        if (n == 0 && nseg > 1)
+            continue;
+        int64_t ks[3] = {1, n, rk}, vs[3] = {1, n, rv};
+        ss[nsrc].k = kvd_tensor_make(a->dtype, (char *)k + n * wk * es, 3, ks);
+        ss[nsrc].v = kvd_tensor_make(a->dtype, (char *)v + n * wv * es, 3, vs);
+        kvd__attn_dense_src(&src[nsrc], ss[nsrc].ctx, &ss[nsrc].k, &ss[nsrc].v, NULL, n, qp, G, rk,
+                            rv, 0, simd);
+        nsrc++;
+    }
     float *o[KVD__ATTN_MAXG], *l[KVD__ATTN_MAXG], *ofull[KVD__ATTN_MAXG];
     kvd__attn_out_ptrs(d, &a->out, &a->lse, h, ofull, l);
     for (int g = 0; g < G; g++)
         o[g] = ored + (size_t)g * rv;
-    int r = kvd__attn_head_run(&src, 1, G, rv, o, l, simd);
+    int r = kvd__attn_head_run(src, nsrc, G, rv, o, l, simd);
     if (r) {
         atomic_store(&job->rc, r);
     }
+    if (nseg > 1)
+        free(ss), free(src);
     for (int g = 0; g < G; g++)
         for (int i = 0; i < Dv; i++) {
             float acc = 0.0f;
@@ -150,7 +221,23 @@ static int svd_part(const void *arg, int i)
     s.v_width = a->v_width + h;
     s.k_red = (const char *)a->k_red + T * width_offset(a->k_width, (int)h) * es;
     s.v_red = (const char *)a->v_red + T * width_offset(a->v_width, (int)h) * es;
-    return kvd_cpu_attn_svd_fast(&s, 1);
+    kvd_attn_svd_segment *segs = NULL;
+    if (a->n_segments) {
+        if (!(segs = malloc((size_t)a->n_segments * sizeof *segs)))
+            return KVD_ENOMEM;
+        for (int k = 0; k < a->n_segments; k++) {
+            const kvd_attn_svd_segment *g = &a->segments[k];
+            segs[k].n_tokens = g->n_tokens;
+            segs[k].k_red =
+                (const char *)g->k_red + g->n_tokens * width_offset(a->k_width, (int)h) * es;
+            segs[k].v_red =
+                (const char *)g->v_red + g->n_tokens * width_offset(a->v_width, (int)h) * es;
+        }
+        s.segments = segs;
+    }
+    int rc = kvd_cpu_attn_svd_fast(&s, 1);
+    free(segs);
+    return rc;
 }
 
 int kvd_cpu_attn_svd_fast(const kvd_attn_svd_args *a, int nthreads)

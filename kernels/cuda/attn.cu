@@ -2573,6 +2573,12 @@ int cuda_vq(kvd_backend *be, int n, const kvd_attn_vq_args *a, kvd_error *err)
  */
 int cuda_svd(kvd_backend *be, int n, const kvd_attn_svd_args *a, kvd_error *err)
 {
+    for (int i = 0; i < n; i++)
+        if (a[i].n_segments)
+            return kvd_error_set(err, KVD_EUNSUPP,
+                                 "SVD attention item %d: segmented blocks are a host-memory form "
+                                 "(the CPU backend's)",
+                                 i);
     kvd_cuda_call call;
     int rc = kvd__cuda_begin(be, &call, err);
     if (rc)

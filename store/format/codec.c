@@ -1886,11 +1886,44 @@ static size_t vq_join(kvd_attn_vq_args *va, size_t n, kvd_attn_vq_segment *seg, 
     return m;
 }
 
+/* The same for SVD items over raw blocks that share their rotations, widths
+ * and dtype: the query is projected and the output rotated back once per
+ * run. */
+static size_t svd_join(kvd_attn_svd_args *sa, size_t n, kvd_attn_svd_segment *seg, float *po,
+                       float *pl, size_t qf, int Hq)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i + 1;
+        while (j < n && sa[j].rk.data == sa[i].rk.data && sa[j].rv.data == sa[i].rv.data &&
+               sa[j].k_width == sa[i].k_width && sa[j].v_width == sa[i].v_width &&
+               sa[j].dtype == sa[i].dtype)
+            j++;
+        kvd_attn_svd_args x = sa[i];
+        if (j - i > 1) {
+            x.n_tokens = 0;
+            for (size_t k = i; k < j; k++) {
+                seg[k] = (kvd_attn_svd_segment){sa[k].n_tokens, sa[k].k_red, sa[k].v_red};
+                x.n_tokens += sa[k].n_tokens;
+            }
+            x.n_segments = (int)(j - i);
+            x.segments = &seg[i];
+            x.k_red = x.v_red = NULL;
+        }
+        x.out.data = po + m * qf;
+        x.lse.data = pl + m * (size_t)Hq;
+        sa[m++] = x;
+        i = j;
+    }
+    return m;
+}
+
 /*
  * Runs of consecutive INT pages, of VQ pages, of SVD pages over raw blocks
  * and of raw pages go to the backend as one call of one item per page (on
  * the CPU the items run side by side), a run of VQ pages on the same
- * codebooks as one item over their codes; other pages one at a time
+ * codebooks, or of SVD pages on the same rotations, as one item over their
+ * codes (segments); other pages one at a time
  * (attend_one). The results are merged in page order.
  */
 int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
@@ -1914,8 +1947,9 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     kvd_attn_vq_args *va = calloc(cap, sizeof *va);
     kvd_attn_svd_args *sa = calloc(cap, sizeof *sa);
     kvd_attn_vq_segment *vseg = calloc(cap, sizeof *vseg);
+    kvd_attn_svd_segment *sseg = calloc(cap, sizeof *sseg);
     int rc = 0, first = 1;
-    if (!po || !pl || !sec || !ia || !da || !va || !sa || !vseg) {
+    if (!po || !pl || !sec || !ia || !da || !va || !sa || !vseg || !sseg) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -1972,10 +2006,12 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
             i++;
             continue;
         }
-        const size_t nout = kind == 3 ? vq_join(va, cnt, vseg, po, pl, qf, Hq) : cnt;
+        const size_t nout = kind == 3   ? vq_join(va, cnt, vseg, po, pl, qf, Hq)
+                            : kind == 4 ? svd_join(sa, cnt, sseg, po, pl, qf, Hq)
+                                        : cnt;
         rc = kind == 1   ? kvd_attn_quant(be, (int)cnt, ia, err)
              : kind == 3 ? kvd_attn_vq(be, (int)nout, va, err)
-             : kind == 4 ? kvd_attn_svd(be, (int)cnt, sa, err)
+             : kind == 4 ? kvd_attn_svd(be, (int)nout, sa, err)
                          : kvd_attn_dense(be, (int)cnt, da, err);
         for (size_t b = 0; b < nout && rc == 0; b++) {
             if (first) {
@@ -1997,6 +2033,7 @@ done:
     free(va);
     free(sa);
     free(vseg);
+    free(sseg);
     return rc;
 }
 

@@ -1099,6 +1099,53 @@ static void test_svd(tu_rng *rng, int G)
         compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
         /* three items in one call, side by side: each item's bits alone */
         ITEMS_AS_ALONE(kvd_attn_svd_args, kvd_attn_svd, a, rf, what, Hq, D);
+        {
+            /* the same rows in segments (one empty), each ragged over its
+             * own tokens: the reference gives the same bits, the fast path
+             * the same result */
+            const int64_t cut[5] = {0, 100, 100, 257, T};
+            kvd_attn_svd_segment sg[4];
+            float *bufs[8];
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = cut[i + 1] - cut[i];
+                float *kb = malloc(sizeof(float) * (size_t)(n * (kw[0] + kw[1])) + 4);
+                float *vb = malloc(sizeof(float) * (size_t)(n * (vw[0] + vw[1])) + 4);
+                for (int h = 0, ko = 0, vo = 0; h < Hkv; ko += kw[h], vo += vw[h], h++) {
+                    memcpy(kb + n * ko, kr + T * ko + cut[i] * kw[h],
+                           sizeof(float) * (size_t)(n * kw[h]));
+                    memcpy(vb + n * vo, vr + T * vo + cut[i] * vw[h],
+                           sizeof(float) * (size_t)(n * vw[h]));
+                }
+                sg[i] = (kvd_attn_svd_segment){n, kb, vb};
+                bufs[2 * i] = kb, bufs[2 * i + 1] = vb;
+            }
+            kvd_attn_svd_args s = a;
+            s.k_red = s.v_red = NULL;
+            s.n_segments = 4;
+            s.segments = sg;
+            res sr = res_new(Hq, D), sf = res_new(Hq, D);
+            kvd_error err;
+            for (int fast = 0; fast < 2; fast++) {
+                const res *r = fast ? &sf : &sr;
+                s.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
+                s.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
+                TU_CHECK(kvd_attn_svd(fast ? be_fast : be_ref, 1, &s, &err) == 0, "%s segments: %s",
+                         what, err.msg);
+            }
+            TU_CHECK(memcmp(sr.out.data, rr.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
+                         memcmp(sr.lse.data, rr.lse.data, sizeof(float) * (size_t)Hq) == 0,
+                     "%s: the reference over segments differs from one block", what);
+            char sw[96];
+            snprintf(sw, sizeof sw, "%s, in 4 segments", what);
+            compare(sw, &rr, &sf, Hq, D, 1e-9, 1e-4);
+            ITEMS_AS_ALONE(kvd_attn_svd_args, kvd_attn_svd, s, sf, sw, Hq, D);
+            s.n_tokens = T - 1;
+            TU_CHECK(kvd_attn_svd(be_fast, 1, &s, &err) == KVD_EINVAL, "%s: long segments taken",
+                     what);
+            res_free(&sr), res_free(&sf);
+            for (int i = 0; i < 8; i++)
+                free(bufs[i]);
+        }
         if (pass == 0) {
             run_dense(be_ref, &p, &dn, 0, T);
             snprintf(what, sizeof what, "SVD G=%d full width = dense", G);

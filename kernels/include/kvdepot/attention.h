@@ -184,7 +184,15 @@ typedef struct kvd_attn_vq_args {
  * the blocks of heads 0..h-1 (element offset T * sum_{h'<h} rk_h'); the same
  * for V with rv_h. For codec compositions (SVD then INT2/VQ) callers project q
  * with kvd_svd_project(), run the codec's attention at the reduced width and
- * rotate the output back with kvd_svd_unproject(). */
+ * rotate the output back with kvd_svd_unproject(). The reduced tokens may
+ * also lie in several blocks (segments, e.g. the pages of a sequence), each
+ * ragged as above over its own tokens: attended in order as one sequence,
+ * the query projected and the output rotated back once for all of them. */
+typedef struct kvd_attn_svd_segment {
+    int64_t n_tokens;          /* T_i >= 0 */
+    const void *k_red, *v_red; /* ragged over T_i tokens */
+} kvd_attn_svd_segment;
+
 typedef struct kvd_attn_svd_args {
     kvd_attn_dims dims;    /* head_dim, v_dim: the full widths D, Dv */
     kvd_tensor q;          /* (Hq, D) f32 */
@@ -197,6 +205,11 @@ typedef struct kvd_attn_svd_args {
     const void *k_red;     /* ragged, see above */
     const void *v_red;
     kvd_tensor out, lse;
+    /* n_segments > 0: the reduced tokens are those of segments[0..n) in
+     * order (n_tokens their sum; k_red and v_red unused). Host memory: the
+     * CPU backend takes them, others answer KVD_EUNSUPP. */
+    int n_segments;
+    const kvd_attn_svd_segment *segments;
 } kvd_attn_svd_args;
 
 /* (f) Merge of two partial results over disjoint token sets:
