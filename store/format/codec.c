@@ -1114,17 +1114,21 @@ static void svd_raw_args(const kvd_page_view *pv, const kvd_attn_dims *dims,
     *out = a;
 }
 
-/* SVD+INT: per kv head, the INT kernel at the reduced widths on the
- * projected query, the output rotated back. */
-static int attend_svd_int(kvd_backend *be, const kvd_page_view *pv, const kvd_attn_dims *dims,
-                          const kvd_codec_section *ks, const kvd_codec_section *vs,
-                          const float *q, float *out, float *lse, kvd_error *err)
+/* SVD+INT over n pages on the same rotations and INT specs (sec: K and V
+ * sections of each page, in turn): per kv head, the query projected once,
+ * the INT kernel at the reduced widths with one item per page, the items'
+ * results merged in the reduced space and rotated back once. */
+static int attend_svd_int(kvd_backend *be, const kvd_page_view *pvs, const kvd_codec_section *sec,
+                          size_t n, const kvd_attn_dims *dims, const float *q, float *out,
+                          float *lse, kvd_error *err)
 {
-    const int H = (int)pv->h.num_kv_heads, D = (int)pv->h.head_dim, G = dims->n_q_heads / H;
-    const uint32_t T = pv->h.num_tokens;
-    float *qp = malloc(sizeof(float) * (size_t)G * D), *op = malloc(sizeof(float) * (size_t)G * D);
+    const int H = (int)pvs[0].h.num_kv_heads, D = (int)pvs[0].h.head_dim, G = dims->n_q_heads / H;
+    const kvd_codec_section *ks = &sec[0], *vs = &sec[1];
+    float *qp = malloc(sizeof(float) * (size_t)G * D);
+    float *op = malloc(sizeof(float) * n * (size_t)G * D), *lp = malloc(sizeof(float) * n * G);
+    kvd_attn_int_args *a = calloc(n, sizeof *a);
     int rc = 0;
-    if (!qp || !op) {
+    if (!qp || !op || !lp || !a) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -1135,32 +1139,42 @@ static int attend_svd_int(kvd_backend *be, const kvd_page_view *pv, const kvd_at
         if ((rc = kvd_svd_project(be, Rk, D, rk, q + (size_t)h * G * D, KVD_DTYPE_F32, G,
                                   (int64_t)D * 4, qp, err)))
             break;
-        kvd_attn_int_args a;
-        memset(&a, 0, sizeof a);
-        a.dims.n_q_heads = G;
-        a.dims.n_kv_heads = 1;
-        a.dims.head_dim = rk;
-        a.dims.v_dim = rv;
-        a.dims.softmax_scale = dims->softmax_scale;
         int64_t qs[2] = {G, rk}, os[2] = {G, rv}, ls[1] = {G};
         int64_t kt[3] = {1, 0, rk}, vt[3] = {1, 0, rv};
-        a.q = kvd_tensor_make(KVD_DTYPE_F32, qp, 2, qs);
-        a.n_tokens = T;
-        int_head_views(ks->svd_block[h], ks->bits, ks->group, ks->axis, T, (uint32_t)rk, NULL,
-                       &a.k);
-        int_head_views(vs->svd_block[h], vs->bits, vs->group, vs->axis, T, (uint32_t)rv, NULL,
-                       &a.v);
-        a.k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, kt);
-        a.v_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, vt);
-        a.out = kvd_tensor_make(KVD_DTYPE_F32, op, 2, os);
-        a.lse = kvd_tensor_make(KVD_DTYPE_F32, lse + (size_t)h * G, 1, ls);
-        if ((rc = kvd_attn_quant(be, 1, &a, err)))
+        for (size_t b = 0; b < n; b++) {
+            const kvd_codec_section *kb = &sec[2 * b], *vb = &sec[2 * b + 1];
+            const uint32_t T = pvs[b].h.num_tokens;
+            kvd_attn_int_args *x = &a[b];
+            memset(x, 0, sizeof *x);
+            x->dims.n_q_heads = G;
+            x->dims.n_kv_heads = 1;
+            x->dims.head_dim = rk;
+            x->dims.v_dim = rv;
+            x->dims.softmax_scale = dims->softmax_scale;
+            x->q = kvd_tensor_make(KVD_DTYPE_F32, qp, 2, qs);
+            x->n_tokens = T;
+            int_head_views(kb->svd_block[h], kb->bits, kb->group, kb->axis, T, (uint32_t)rk, NULL,
+                           &x->k);
+            int_head_views(vb->svd_block[h], vb->bits, vb->group, vb->axis, T, (uint32_t)rv, NULL,
+                           &x->v);
+            x->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, kt);
+            x->v_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, vt);
+            x->out = kvd_tensor_make(KVD_DTYPE_F32, op + b * (size_t)G * rv, 2, os);
+            x->lse = kvd_tensor_make(KVD_DTYPE_F32, lp + b * (size_t)G, 1, ls);
+        }
+        if ((rc = kvd_attn_quant(be, (int)n, a, err)))
             break;
-        rc = kvd_svd_unproject(be, Rv, D, rv, op, G, out + (size_t)h * G * D, err);
+        for (size_t b = 1; b < n && rc == 0; b++)
+            rc = kvd_attn_merge_into(be, G, rv, op, lp, op + b * (size_t)G * rv, lp + b * G, err);
+        if (rc == 0)
+            rc = kvd_svd_unproject(be, Rv, D, rv, op, G, out + (size_t)h * G * D, err);
+        memcpy(lse + (size_t)h * G, lp, sizeof(float) * (size_t)G);
     }
 done:
     free(qp);
     free(op);
+    free(lp);
+    free(a);
     return rc;
 }
 
@@ -1791,8 +1805,10 @@ static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_codec_
                       kvd_error *err)
 {
     if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD && is_int(ks->inner) &&
-        is_int(vs->inner))
-        return attend_svd_int(be, pv, dims, ks, vs, q, out, lse, err);
+        is_int(vs->inner)) {
+        const kvd_codec_section kv[2] = {*ks, *vs};
+        return attend_svd_int(be, pv, kv, 1, dims, q, out, lse, err);
+    }
     const uint32_t H = pv->h.num_kv_heads, T = pv->h.num_tokens, D = pv->h.head_dim;
     float *kf = malloc(sizeof(float) * H * T * D), *vf = malloc(sizeof(float) * H * T * D);
     int rc;
@@ -1819,13 +1835,26 @@ done:
     return rc;
 }
 
+/* Page cnt's SVD+INT sections code as page 0's (same rotations, widths and
+ * INT specs): one attend_svd_int takes both. */
+static int same_svd_int(const kvd_codec_section *sec, size_t cnt)
+{
+    for (int s = 0; s < 2; s++) {
+        const kvd_codec_section *a = &sec[s], *b = &sec[2 * cnt + s];
+        if (a->la != b->la || a->inner != b->inner || a->bits != b->bits || a->group != b->group ||
+            a->axis != b->axis)
+            return 0;
+    }
+    return 1;
+}
+
 /* Pages attended in one backend call at most (kvd_page_attend). */
 #define PAGE_ATTEND_BATCH 64
 
 /* Page pv's sections into ks/vs and the kind of call it takes: 1 INT keys
  * and values, 2 raw keys and values, 3 VQ keys and values, 4 SVD keys and
- * values over raw blocks, 0 any other (attend_one); -1 with *rc set on an
- * error. */
+ * values over raw blocks, 5 SVD keys and values over INT blocks, 0 any
+ * other (attend_one); -1 with *rc set on an error. */
 static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
                       const kvd_attn_dims *dims, kvd_codec_section *ks, kvd_codec_section *vs,
                       int *rc, kvd_error *err)
@@ -1847,6 +1876,9 @@ static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
     if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD && ks->inner == KVD_CODEC_RAW &&
         vs->inner == KVD_CODEC_RAW)
         return 4;
+    if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD && is_int(ks->inner) &&
+        is_int(vs->inner))
+        return 5;
     return ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW ? 2 : 0;
 }
 
@@ -1963,7 +1995,7 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
             const int k = batch_kind(pv, arts, dims, &sec[2 * cnt], &sec[2 * cnt + 1], &rc, err);
             if (k < 0)
                 goto done;
-            if (k == 0 || (cnt > 0 && k != kind))
+            if (k == 0 || (cnt > 0 && k != kind) || (k == 5 && cnt > 0 && !same_svd_int(sec, cnt)))
                 break;
             kind = k;
             const uint32_t H = pv->h.num_kv_heads, T = pv->h.num_tokens;
@@ -1985,6 +2017,8 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
                 vq_args(pv, dims, &sec[2 * cnt], &sec[2 * cnt + 1], tq, to, tl, &va[cnt]);
             } else if (kind == 4) {
                 svd_raw_args(pv, dims, &sec[2 * cnt], &sec[2 * cnt + 1], tq, to, tl, &sa[cnt]);
+            } else if (kind == 5) {
+                /* attend_svd_int takes the run's sections as they are */
             } else {
                 kvd_attn_dense_args *a = &da[cnt];
                 int64_t ksh[3] = {H, T, dims->head_dim};
@@ -2008,8 +2042,10 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
         }
         const size_t nout = kind == 3   ? vq_join(va, cnt, vseg, po, pl, qf, Hq)
                             : kind == 4 ? svd_join(sa, cnt, sseg, po, pl, qf, Hq)
+                            : kind == 5 ? 1
                                         : cnt;
         rc = kind == 1   ? kvd_attn_quant(be, (int)cnt, ia, err)
+             : kind == 5 ? attend_svd_int(be, &pages[i], sec, cnt, dims, q, po, pl, err)
              : kind == 3 ? kvd_attn_vq(be, (int)nout, va, err)
              : kind == 4 ? kvd_attn_svd(be, (int)nout, sa, err)
                          : kvd_attn_dense(be, (int)cnt, da, err);

@@ -322,6 +322,31 @@ static void test_arts_codecs(kvd_backend *be)
         double eo = nmse(out, ro, Hq * D), el = nmse(lse, rl, Hq);
         printf("  attention vs decoded: out NMSE %.3g, lse NMSE %.3g\n", eo, el);
         CHECK(eo <= 1e-3 && el <= 1e-5);
+        /* A run of pages (another page from other data between two of this
+         * one), attended as one call over the run, = the pages one by one,
+         * merged. */
+        {
+            uint8_t *p2 = NULL;
+            size_t len2 = 0;
+            kvd_page_view run[3], pv2;
+            CHECK(kvd_page_encode(be, &d, &ks, &vs, v, k, &p2, &len2, &err) == 0);
+            CHECK(p2 && kvd_page_decode(p2, len2, &pv2, &err) == 0);
+            run[0] = run[2] = pv;
+            run[1] = pv2;
+            float o3[8 * 64], l3[8], om[8 * 64], lm[8], o1[8 * 64], l1[8];
+            CHECK(kvd_page_attend(be, run, 3, arts, &dims, q, o3, l3, &err) == 0);
+            memcpy(om, out, sizeof om);
+            memcpy(lm, lse, sizeof lm);
+            for (int r = 1; r < 3; r++) {
+                CHECK(kvd_page_attend(be, &run[r], 1, arts, &dims, q, o1, l1, &err) == 0);
+                CHECK(kvd_attn_merge_into(be, Hq, D, om, lm, o1, l1, &err) == 0);
+            }
+            double e3 = nmse(o3, om, Hq * D), l3e = nmse(l3, lm, Hq);
+            printf("  three pages in one call vs one by one: out NMSE %.3g, lse NMSE %.3g\n", e3,
+                   l3e);
+            CHECK(e3 <= 1e-9 && l3e <= 1e-12);
+            free(p2);
+        }
         /* Without the snapshot, or with another one: FAILED_PRECONDITION. */
         CHECK(kvd_page_attend(be, &pv, 1, NULL, &dims, q, out, lse, &err) == KVD_EPRECOND);
         CHECK(kvd_page_decode_section(be, &pv, KVD_SECTION_K, NULL, KVD_DTYPE_F32, kd, &err) ==
