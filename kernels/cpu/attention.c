@@ -175,7 +175,35 @@ int kvd_attn_int_check(const kvd_attn_int_args *a, kvd_error *err)
         return kvd_error_set(err, KVD_EINVAL,
                              "INT attention: channel-grouped keys need a group dividing %d, got %d",
                              KVD__ATTN_BLOCK, a->k.group);
-    if (a->n_tokens > 0 &&
+    if (a->n_segments < 0 || (a->n_segments > 0 && !a->segments))
+        return kvd_error_set(err, KVD_EINVAL, "INT attention: %d segments at %p", a->n_segments,
+                             (const void *)a->segments);
+    int64_t sum = 0;
+    for (int i = 0; i < a->n_segments; i++) {
+        const kvd_attn_int_segment *g = &a->segments[i];
+        if (g->n_tokens < 0 || g->n_tokens > a->n_tokens - sum)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "INT attention: segment %d of %lld tokens (%lld before it, "
+                                 "n_tokens %lld)",
+                                 i, (long long)g->n_tokens, (long long)sum, (long long)a->n_tokens);
+        sum += g->n_tokens;
+        if (g->k.bits != a->k.bits || g->k.group != a->k.group || g->k.axis != a->k.axis ||
+            g->v.bits != a->v.bits || g->v.group != a->v.group || g->v.axis != a->v.axis)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "INT attention: segment %d is coded otherwise than the call "
+                                 "(bits, group, axis)",
+                                 i);
+        if (g->n_tokens > 0 && ((rc = check_qdata(&g->k, a->dims.n_kv_heads, g->n_tokens,
+                                                  a->dims.head_dim, "segment k", err)) ||
+                                (rc = check_qdata(&g->v, a->dims.n_kv_heads, g->n_tokens,
+                                                  a->dims.v_dim, "segment v", err))))
+            return rc;
+    }
+    if (a->n_segments && sum != a->n_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "INT attention: the segments hold %lld tokens, n_tokens %lld",
+                             (long long)sum, (long long)a->n_tokens);
+    if (!a->n_segments && a->n_tokens > 0 &&
         ((rc = check_qdata(&a->k, a->dims.n_kv_heads, a->n_tokens, a->dims.head_dim, "k", err)) ||
          (rc = check_qdata(&a->v, a->dims.n_kv_heads, a->n_tokens, a->dims.v_dim, "v", err))))
         return rc;

@@ -131,8 +131,49 @@ static void kchan_scores_ref(const kvd_attn_int_args *a, int h, const float *q, 
     }
 }
 
+/* The reference over segments: each segment, then the tail, as a call of
+ * its own, their results merged by log-sum-exp in order (the attention over
+ * their union). */
+static int int_ref_segments(const kvd_attn_int_args *a)
+{
+    const int64_t Hq = a->dims.n_q_heads, Dv = a->dims.v_dim;
+    float *po = malloc(sizeof(float) * (size_t)(Hq * Dv + Hq) + 4), *pl = po + Hq * Dv;
+    if (!po)
+        return KVD_ENOMEM;
+    int64_t os[2] = {Hq, Dv}, ls[1] = {Hq};
+    const kvd_tensor to = kvd_tensor_make(KVD_DTYPE_F32, po, 2, os),
+                     tl = kvd_tensor_make(KVD_DTYPE_F32, pl, 1, ls);
+    int rc = 0;
+    for (int i = 0; i <= a->n_segments && rc == 0; i++) {
+        kvd_attn_int_args s = *a;
+        s.n_segments = 0;
+        s.segments = NULL;
+        if (i < a->n_segments) { /* the tail goes with the last part */
+            s.n_tokens = a->segments[i].n_tokens;
+            s.k = a->segments[i].k;
+            s.v = a->segments[i].v;
+            s.k_tail.ndim = s.v_tail.ndim = 0;
+        } else {
+            s.n_tokens = 0;
+        }
+        if (i > 0) {
+            s.out = to;
+            s.lse = tl;
+        }
+        rc = kvd_cpu_attn_int_ref(&s);
+        if (rc == 0 && i > 0) {
+            kvd_attn_merge_args m = {a->out, a->lse, to, tl, a->out, a->lse};
+            rc = kvd_cpu_attn_merge_ref(&m);
+        }
+    }
+    free(po);
+    return rc;
+}
+
 int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
 {
+    if (a->n_segments)
+        return int_ref_segments(a);
     const kvd_attn_dims *d = &a->dims;
     int G = d->n_q_heads / d->n_kv_heads, D = d->head_dim, Dv = d->v_dim;
     int64_t T = a->n_tokens, Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0, N = T + Tt;
@@ -1369,11 +1410,41 @@ static void int_head(void *arg, int h)
         }
     }
     kvd__attn_scaled_q(d, &a->q, h, qs);
-    kvd__attn_src src[2];
+    /* One source per segment: a copy of the context (the query's set-up
+     * and scratch shared) over a copy of the arguments holding the
+     * segment's codes. */
+    const int nseg = a->n_segments ? a->n_segments : 1;
+    kvd__attn_src src1[2], *src = src1;
+    int_ctx *cs = &c;
+    kvd_attn_int_args *as = NULL;
+    if (a->n_segments) {
+        src = malloc((size_t)(nseg + 1) * sizeof *src);
+        cs = malloc((size_t)nseg * sizeof *cs);
+        as = malloc((size_t)nseg * sizeof *as);
+        if (!src || !cs || !as) {
+            atomic_store(&job->rc, KVD_ENOMEM);
+            free(src), free(cs), free(as), free(buf);
+            return;
+        }
+    }
     int nsrc = 0;
-    if (a->n_tokens > 0) {
-        src[nsrc].ctx = &c;
-        src[nsrc].n = a->n_tokens;
+    for (int i = 0; i < nseg && a->n_tokens > 0; i++) {
+        int_ctx *ci = &c;
+        if (a->n_segments) {
+            const kvd_attn_int_segment *g = &a->segments[i];
+            if (g->n_tokens == 0)
+                continue;
+            as[nsrc] = *a;
+            as[nsrc].n_tokens = g->n_tokens;
+            as[nsrc].k = g->k;
+            as[nsrc].v = g->v;
+            as[nsrc].n_segments = 0;
+            cs[nsrc] = c;
+            cs[nsrc].a = &as[nsrc];
+            ci = &cs[nsrc];
+        }
+        src[nsrc].ctx = ci;
+        src[nsrc].n = ci->a->n_tokens;
         src[nsrc].block = vblock;
         src[nsrc].scores = int_scores_cb;
         src[nsrc].values = int_values_cb;
@@ -1393,6 +1464,8 @@ static void int_head(void *arg, int h)
     if (r) {
         atomic_store(&job->rc, r);
     }
+    if (a->n_segments)
+        free(src), free(cs), free(as);
     free(buf);
 }
 
@@ -1419,7 +1492,20 @@ static int int_part(const void *arg, int i)
     s.v = qdata_head(a->v, Hkv, h);
     s.k_tail = kvd__attn_rows(a->k_tail, Hkv, h, 1);
     s.v_tail = kvd__attn_rows(a->v_tail, Hkv, h, 1);
-    return kvd_cpu_attn_int_fast(&s, 1);
+    kvd_attn_int_segment *segs = NULL;
+    if (a->n_segments) {
+        if (!(segs = malloc((size_t)a->n_segments * sizeof *segs)))
+            return KVD_ENOMEM;
+        for (int k = 0; k < a->n_segments; k++) {
+            segs[k] = a->segments[k];
+            segs[k].k = qdata_head(a->segments[k].k, Hkv, h);
+            segs[k].v = qdata_head(a->segments[k].v, Hkv, h);
+        }
+        s.segments = segs;
+    }
+    int rc = kvd_cpu_attn_int_fast(&s, 1);
+    free(segs);
+    return rc;
 }
 
 int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)

@@ -2297,6 +2297,12 @@ long long lcm_ll(long long a, long long b)
 
 int cuda_quant(kvd_backend *be, int n, const kvd_attn_int_args *a, kvd_error *err)
 {
+    for (int i = 0; i < n; i++)
+        if (a[i].n_segments)
+            return kvd_error_set(err, KVD_EUNSUPP,
+                                 "INT attention item %d: segmented codes are a host-memory form "
+                                 "(the CPU backend's)",
+                                 i);
     kvd_cuda_call call;
     int rc = kvd__cuda_begin(be, &call, err);
     if (rc)

@@ -1918,6 +1918,39 @@ static size_t vq_join(kvd_attn_vq_args *va, size_t n, kvd_attn_vq_segment *seg, 
     return m;
 }
 
+/* The same for INT items coded alike (bits, group and axis of K and of V):
+ * the query is quantized once per run. */
+static int same_qd(const kvd_attn_qdata *a, const kvd_attn_qdata *b)
+{
+    return a->bits == b->bits && a->group == b->group && a->axis == b->axis;
+}
+
+static size_t int_join(kvd_attn_int_args *ia, size_t n, kvd_attn_int_segment *seg, float *po,
+                       float *pl, size_t qf, int Hq)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i + 1;
+        while (j < n && same_qd(&ia[j].k, &ia[i].k) && same_qd(&ia[j].v, &ia[i].v))
+            j++;
+        kvd_attn_int_args x = ia[i];
+        if (j - i > 1) {
+            x.n_tokens = 0;
+            for (size_t k = i; k < j; k++) {
+                seg[k] = (kvd_attn_int_segment){ia[k].n_tokens, ia[k].k, ia[k].v};
+                x.n_tokens += ia[k].n_tokens;
+            }
+            x.n_segments = (int)(j - i);
+            x.segments = &seg[i];
+        }
+        x.out.data = po + m * qf;
+        x.lse.data = pl + m * (size_t)Hq;
+        ia[m++] = x;
+        i = j;
+    }
+    return m;
+}
+
 /* The same for SVD items over raw blocks that share their rotations, widths
  * and dtype: the query is projected and the output rotated back once per
  * run. */
@@ -1980,8 +2013,9 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     kvd_attn_svd_args *sa = calloc(cap, sizeof *sa);
     kvd_attn_vq_segment *vseg = calloc(cap, sizeof *vseg);
     kvd_attn_svd_segment *sseg = calloc(cap, sizeof *sseg);
+    kvd_attn_int_segment *iseg = calloc(cap, sizeof *iseg);
     int rc = 0, first = 1;
-    if (!po || !pl || !sec || !ia || !da || !va || !sa || !vseg || !sseg) {
+    if (!po || !pl || !sec || !ia || !da || !va || !sa || !vseg || !sseg || !iseg) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -2040,11 +2074,12 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
             i++;
             continue;
         }
-        const size_t nout = kind == 3   ? vq_join(va, cnt, vseg, po, pl, qf, Hq)
+        const size_t nout = kind == 1   ? int_join(ia, cnt, iseg, po, pl, qf, Hq)
+                            : kind == 3 ? vq_join(va, cnt, vseg, po, pl, qf, Hq)
                             : kind == 4 ? svd_join(sa, cnt, sseg, po, pl, qf, Hq)
                             : kind == 5 ? 1
                                         : cnt;
-        rc = kind == 1   ? kvd_attn_quant(be, (int)cnt, ia, err)
+        rc = kind == 1   ? kvd_attn_quant(be, (int)nout, ia, err)
              : kind == 5 ? attend_svd_int(be, &pages[i], sec, cnt, dims, q, po, pl, err)
              : kind == 3 ? kvd_attn_vq(be, (int)nout, va, err)
              : kind == 4 ? kvd_attn_svd(be, (int)nout, sa, err)
@@ -2070,6 +2105,7 @@ done:
     free(sa);
     free(vseg);
     free(sseg);
+    free(iseg);
     return rc;
 }
 

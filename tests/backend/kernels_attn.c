@@ -770,6 +770,55 @@ static void test_int(tu_rng *rng)
         }
         /* three items in one call, side by side: each item's bits alone */
         ITEMS_AS_ALONE(kvd_attn_int_args, kvd_attn_quant, a, rf, what, Hq, D);
+        /* the same tokens in segments [0, 128), [128, 128), [128, T), each
+         * quantized on its own (the same codes: every group size divides
+         * 128), as one call: the same result, reference and fast path */
+        if (T >= 256) {
+            const int64_t cut[4] = {0, 128, 128, T};
+            kvd_attn_int_segment sg[3];
+            qbuf sq[6];
+            for (int i = 0; i < 3; i++) {
+                const int64_t n = cut[i + 1] - cut[i];
+                float *xk = malloc(sizeof(float) * (size_t)(Hkv * n * D) + 4);
+                float *xv = malloc(sizeof(float) * (size_t)(Hkv * n * D) + 4);
+                for (int h = 0; h < Hkv; h++) {
+                    memcpy(xk + (size_t)h * n * D, p.k32 + ((size_t)h * T + cut[i]) * D,
+                           sizeof(float) * (size_t)(n * D));
+                    memcpy(xv + (size_t)h * n * D, p.v32 + ((size_t)h * T + cut[i]) * D,
+                           sizeof(float) * (size_t)(n * D));
+                }
+                sq[2 * i] =
+                    quantize_all(xk, Hkv, n, D, cases[ci].bits, cases[ci].kgroup, cases[ci].kaxis);
+                sq[2 * i + 1] =
+                    quantize_all(xv, Hkv, n, D, cases[ci].bits, cases[ci].vgroup, cases[ci].vaxis);
+                sg[i] = (kvd_attn_int_segment){n, sq[2 * i].qd, sq[2 * i + 1].qd};
+                free(xk), free(xv);
+            }
+            kvd_attn_int_args s = a;
+            s.k.codes = s.k.min = s.k.scale = s.k.sum = (kvd_tensor){0};
+            s.v.codes = s.v.min = s.v.scale = s.v.sum = (kvd_tensor){0};
+            s.n_segments = 3;
+            s.segments = sg;
+            res sr = res_new(Hq, D), sf = res_new(Hq, D);
+            for (int fast = 0; fast < 2; fast++) {
+                const res *r = fast ? &sf : &sr;
+                s.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
+                s.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
+                TU_CHECK(kvd_attn_quant(fast ? be_fast : be_ref, 1, &s, &err) == 0,
+                         "%s segments: %s", what, err.msg);
+            }
+            char sw[160];
+            snprintf(sw, sizeof sw, "%s, in 3 segments", what);
+            compare(sw, &rr, &sr, Hq, D, 1e-9, 1e-4);
+            compare(sw, &rf, &sf, Hq, D, 1e-6, 1e-4);
+            ITEMS_AS_ALONE(kvd_attn_int_args, kvd_attn_quant, s, sf, sw, Hq, D);
+            sg[2].k.bits = 6 - cases[ci].bits; /* a segment coded otherwise: refused */
+            TU_CHECK(kvd_attn_quant(be_fast, 1, &s, &err) == KVD_EINVAL,
+                     "%s: a segment of other bits taken", what);
+            res_free(&sr), res_free(&sf);
+            for (int i = 0; i < 6; i++)
+                qbuf_free(&sq[i]);
+        }
         int_expected(&p, &kq, &vq, T, tail.k32, tail.v32, Tt, ex.out.data, ex.lse.data);
         /* The reference is the equation (tight); the fast path may flip a
          * p8 rounding where float and double scores straddle a .5: one step

@@ -671,6 +671,30 @@ int main(void)
         for (int h = 0; h < (int)Hq; h++)
             CHECK(fabsf(l2[h] - (lse[h] + logf(2.0f))) < 1e-4f);
         CHECK(nmse(o2, out, Hq * D) < 1e-10);
+        /* A run with a page of other data in the middle, in one call, = the
+         * pages one by one, merged. */
+        {
+            uint8_t *p2 = NULL;
+            size_t len2 = 0;
+            kvd_page_view run[3], pv2;
+            CHECK(kvd_page_encode(be, &d, &ks, &vs, v, k, &p2, &len2, &err) == 0);
+            CHECK(p2 && kvd_page_decode(p2, len2, &pv2, &err) == 0);
+            run[0] = run[2] = pv;
+            run[1] = pv2;
+            float o3[8 * 64], l3[8], om[8 * 64], lm[8], o1[8 * 64], l1[8];
+            CHECK(kvd_page_attend(be, run, 3, NULL, &dims, q, o3, l3, &err) == 0);
+            memcpy(om, out, sizeof om);
+            memcpy(lm, lse, sizeof lm);
+            for (int r = 1; r < 3; r++) {
+                CHECK(kvd_page_attend(be, &run[r], 1, NULL, &dims, q, o1, l1, &err) == 0);
+                CHECK(kvd_attn_merge_into(be, Hq, D, om, lm, o1, l1, &err) == 0);
+            }
+            double e3 = nmse(o3, om, Hq * D), l3e = nmse(l3, lm, Hq);
+            printf("  three pages in one call vs one by one: out NMSE %.3g, lse NMSE %.3g\n", e3,
+                   l3e);
+            CHECK(e3 <= 1e-9 && l3e <= 1e-12);
+            free(p2);
+        }
         /* A damaged codec prefix (checksum fixed up) is DATA_LOSS. */
         if (cases[c].kc != KVD_CODEC_RAW) {
             uint8_t *bad = malloc(len);

@@ -126,6 +126,14 @@ typedef struct kvd_attn_qdata {
  * probability, out_d += (P_t*scale_tg) * c_td + P_t*min_tg, in float (there
  * is no long integer axis to multiply along).
  * Neither K nor V is ever dequantized into a buffer. */
+/* A block of quantized tokens of a segmented INT call
+ * (kvd_attn_int_args.segments): k and v over its n_tokens tokens, with the
+ * call's bits, group and axis. */
+typedef struct kvd_attn_int_segment {
+    int64_t n_tokens;
+    kvd_attn_qdata k, v;
+} kvd_attn_int_segment;
+
 typedef struct kvd_attn_int_args {
     kvd_attn_dims dims;
     kvd_tensor q;         /* (Hq, D) f32 */
@@ -136,6 +144,13 @@ typedef struct kvd_attn_int_args {
     kvd_tensor v_tail;    /* (Hkv, Tt, Dv) */
     kvd_tensor out;       /* (Hq, Dv) f32 */
     kvd_tensor lse;       /* (Hq) f32 */
+    /* n_segments > 0: the quantized tokens lie in segments[0..n), in order
+     * (e.g. the pages of a sequence; n_tokens their sum), attended as one
+     * sequence with the query prepared once; k and v then give only the
+     * bits, group and axis, their tensors unused. Host memory: the CPU
+     * backend takes them, others answer KVD_EUNSUPP. */
+    int n_segments;
+    const kvd_attn_int_segment *segments;
 } kvd_attn_int_args;
 
 /* (c) Fused VQ attention.
