@@ -1882,106 +1882,74 @@ static int batch_kind(const kvd_page_view *pv, const kvd_codec_arts *arts,
     return ks->codec == KVD_CODEC_RAW && vs->codec == KVD_CODEC_RAW ? 2 : 0;
 }
 
-/* Consecutive VQ items va[0, n) that share their codebooks become one item
- * over their pages' codes as segments (kvd_attn_vq_args.segments, in seg),
- * so that the score table is built and the value codebook folded once per
- * run rather than per page; item i writes po/pl slot i. Returns the items
- * left. */
-static size_t vq_join(kvd_attn_vq_args *va, size_t n, kvd_attn_vq_segment *seg, float *po,
-                      float *pl, size_t qf, int Hq)
+/* Whether two items of a run can be one item over both pages' codes: the
+ * same codebooks (VQ), rotations and widths (SVD), or coding (INT). */
+static int vq_same(const kvd_attn_vq_args *x, const kvd_attn_vq_args *y)
 {
-    size_t m = 0;
-    for (size_t i = 0; i < n;) {
-        size_t j = i + 1;
-        while (j < n && va[j].k_codebook.data == va[i].k_codebook.data &&
-               va[j].v_codebook.data == va[i].v_codebook.data &&
-               va[j].k_lambda.data == va[i].k_lambda.data && va[j].k_sub_dim == va[i].k_sub_dim &&
-               va[j].k_bits == va[i].k_bits && va[j].v_sub_dim == va[i].v_sub_dim &&
-               va[j].v_bits == va[i].v_bits)
-            j++;
-        kvd_attn_vq_args x = va[i];
-        if (j - i > 1) {
-            x.n_tokens = 0;
-            for (size_t k = i; k < j; k++) {
-                seg[k] = (kvd_attn_vq_segment){va[k].n_tokens, va[k].k_codes, va[k].v_codes};
-                x.n_tokens += va[k].n_tokens;
-            }
-            x.n_segments = (int)(j - i);
-            x.segments = &seg[i];
-            x.k_codes = x.v_codes = (kvd_tensor){0};
-        }
-        x.out.data = po + m * qf;
-        x.lse.data = pl + m * (size_t)Hq;
-        va[m++] = x;
-        i = j;
-    }
-    return m;
+    return x->k_codebook.data == y->k_codebook.data && x->v_codebook.data == y->v_codebook.data &&
+           x->k_lambda.data == y->k_lambda.data && x->k_sub_dim == y->k_sub_dim &&
+           x->k_bits == y->k_bits && x->v_sub_dim == y->v_sub_dim && x->v_bits == y->v_bits;
 }
 
-/* The same for INT items coded alike (bits, group and axis of K and of V):
- * the query is quantized once per run. */
-static int same_qd(const kvd_attn_qdata *a, const kvd_attn_qdata *b)
+static int svd_same(const kvd_attn_svd_args *x, const kvd_attn_svd_args *y)
+{
+    return x->rk.data == y->rk.data && x->rv.data == y->rv.data && x->k_width == y->k_width &&
+           x->v_width == y->v_width && x->dtype == y->dtype;
+}
+
+static int qd_same(const kvd_attn_qdata *a, const kvd_attn_qdata *b)
 {
     return a->bits == b->bits && a->group == b->group && a->axis == b->axis;
 }
 
-static size_t int_join(kvd_attn_int_args *ia, size_t n, kvd_attn_int_segment *seg, float *po,
-                       float *pl, size_t qf, int Hq)
+static int int_same(const kvd_attn_int_args *x, const kvd_attn_int_args *y)
 {
-    size_t m = 0;
-    for (size_t i = 0; i < n;) {
-        size_t j = i + 1;
-        while (j < n && same_qd(&ia[j].k, &ia[i].k) && same_qd(&ia[j].v, &ia[i].v))
-            j++;
-        kvd_attn_int_args x = ia[i];
-        if (j - i > 1) {
-            x.n_tokens = 0;
-            for (size_t k = i; k < j; k++) {
-                seg[k] = (kvd_attn_int_segment){ia[k].n_tokens, ia[k].k, ia[k].v};
-                x.n_tokens += ia[k].n_tokens;
-            }
-            x.n_segments = (int)(j - i);
-            x.segments = &seg[i];
-        }
-        x.out.data = po + m * qf;
-        x.lse.data = pl + m * (size_t)Hq;
-        ia[m++] = x;
-        i = j;
-    }
-    return m;
+    return qd_same(&x->k, &y->k) && qd_same(&x->v, &y->v);
 }
 
-/* The same for SVD items over raw blocks that share their rotations, widths
- * and dtype: the query is projected and the output rotated back once per
- * run. */
-static size_t svd_join(kvd_attn_svd_args *sa, size_t n, kvd_attn_svd_segment *seg, float *po,
-                       float *pl, size_t qf, int Hq)
-{
-    size_t m = 0;
-    for (size_t i = 0; i < n;) {
-        size_t j = i + 1;
-        while (j < n && sa[j].rk.data == sa[i].rk.data && sa[j].rv.data == sa[i].rv.data &&
-               sa[j].k_width == sa[i].k_width && sa[j].v_width == sa[i].v_width &&
-               sa[j].dtype == sa[i].dtype)
-            j++;
-        kvd_attn_svd_args x = sa[i];
-        if (j - i > 1) {
-            x.n_tokens = 0;
-            for (size_t k = i; k < j; k++) {
-                seg[k] = (kvd_attn_svd_segment){sa[k].n_tokens, sa[k].k_red, sa[k].v_red};
-                x.n_tokens += sa[k].n_tokens;
-            }
-            x.n_segments = (int)(j - i);
-            x.segments = &seg[i];
-            x.k_red = x.v_red = NULL;
-        }
-        x.out.data = po + m * qf;
-        x.lse.data = pl + m * (size_t)Hq;
-        sa[m++] = x;
-        i = j;
+/* A page's codes as a segment, and an item's own codes cleared once it
+ * takes segments. */
+#define VQ_SEG(x) ((kvd_attn_vq_segment){(x)->n_tokens, (x)->k_codes, (x)->v_codes})
+#define VQ_CLEAR(x) ((x)->k_codes = (x)->v_codes = (kvd_tensor){0})
+#define SVD_SEG(x) ((kvd_attn_svd_segment){(x)->n_tokens, (x)->k_red, (x)->v_red})
+#define SVD_CLEAR(x) ((x)->k_red = (x)->v_red = NULL)
+#define INT_SEG(x) ((kvd_attn_int_segment){(x)->n_tokens, (x)->k, (x)->v})
+#define INT_CLEAR(x) ((void)(x)) /* k and v keep the coding the segments share */
+
+/* name(a, n, seg, po, pl, qf, Hq): consecutive items of a[0, n) that SAME
+ * joins become one item over their pages' codes as segments (in seg), so
+ * that the kernel prepares the query once per run rather than per page;
+ * item i then writes po/pl slot i. Returns the items left. */
+#define DEFINE_JOIN(name, argt, segt, SAME, SEG, CLEAR)                                            \
+    static size_t name(argt *a, size_t n, segt *seg, float *po, float *pl, size_t qf, int Hq)      \
+    {                                                                                              \
+        size_t m = 0;                                                                              \
+        for (size_t i = 0; i < n;) {                                                               \
+            size_t j = i + 1;                                                                      \
+            while (j < n && SAME(&a[j], &a[i]))                                                    \
+                j++;                                                                               \
+            argt x = a[i];                                                                         \
+            if (j - i > 1) {                                                                       \
+                x.n_tokens = 0;                                                                    \
+                for (size_t k = i; k < j; k++) {                                                   \
+                    seg[k] = SEG(&a[k]);                                                           \
+                    x.n_tokens += a[k].n_tokens;                                                   \
+                }                                                                                  \
+                x.n_segments = (int)(j - i);                                                       \
+                x.segments = &seg[i];                                                              \
+                CLEAR(&x);                                                                         \
+            }                                                                                      \
+            x.out.data = po + m * qf;                                                              \
+            x.lse.data = pl + m * (size_t)Hq;                                                      \
+            a[m++] = x;                                                                            \
+            i = j;                                                                                 \
+        }                                                                                          \
+        return m;                                                                                  \
     }
-    return m;
-}
+
+DEFINE_JOIN(vq_join, kvd_attn_vq_args, kvd_attn_vq_segment, vq_same, VQ_SEG, VQ_CLEAR)
+DEFINE_JOIN(svd_join, kvd_attn_svd_args, kvd_attn_svd_segment, svd_same, SVD_SEG, SVD_CLEAR)
+DEFINE_JOIN(int_join, kvd_attn_int_args, kvd_attn_int_segment, int_same, INT_SEG, INT_CLEAR)
 
 /*
  * Runs of consecutive INT pages, of VQ pages, of SVD pages over raw blocks

@@ -262,6 +262,41 @@ static void test_dense_shapes(tu_rng *rng)
         }                                                                                          \
     } while (0)
 
+/* The call `s` over segments (its out/lse set here), on the reference and
+ * the fast backend: with `exact`, the reference gives the bits of rr (the
+ * same tokens in one block) and the fast path rr within 1e-9; otherwise the
+ * reference is within 1e-9 of rr and the fast path within 1e-6 of rf. Each
+ * item of a three-item call has its bits alone, and segments that do not
+ * add up to n_tokens are refused. */
+#define SEGMENTS_AS_ONE(argt, op, s, rr, rf, exact, what, Hq, D)                                   \
+    do {                                                                                           \
+        res sr_ = res_new(Hq, D), sf_ = res_new(Hq, D);                                            \
+        kvd_error e_;                                                                              \
+        for (int fast_ = 0; fast_ < 2; fast_++) {                                                  \
+            const res *r_ = fast_ ? &sf_ : &sr_;                                                   \
+            (s).out = t2(KVD_DTYPE_F32, r_->out.data, Hq, D);                                      \
+            (s).lse = t1(KVD_DTYPE_F32, r_->lse.data, Hq);                                         \
+            TU_CHECK(op(fast_ ? be_fast : be_ref, 1, &(s), &e_) == 0, "%s segments: %s", what,     \
+                     e_.msg);                                                                      \
+        }                                                                                          \
+        char sw_[192];                                                                             \
+        snprintf(sw_, sizeof sw_, "%s, in %d segments", what, (s).n_segments);                     \
+        if (exact)                                                                                 \
+            TU_CHECK(memcmp(sr_.out.data, (rr).out.data, sizeof(float) * (size_t)(Hq) * (D)) ==    \
+                             0 &&                                                                  \
+                         memcmp(sr_.lse.data, (rr).lse.data, sizeof(float) * (size_t)(Hq)) == 0,   \
+                     "%s: the reference differs from one block", sw_);                             \
+        else                                                                                       \
+            compare(sw_, &(rr), &sr_, Hq, D, 1e-9, 1e-4);                                          \
+        compare(sw_, (exact) ? &(rr) : &(rf), &sf_, Hq, D, (exact) ? 1e-9 : 1e-6, 1e-4);           \
+        ITEMS_AS_ALONE(argt, op, s, sf_, sw_, Hq, D);                                              \
+        (s).n_tokens += 1;                                                                         \
+        TU_CHECK(op(be_fast, 1, &(s), &e_) == KVD_EINVAL, "%s: n_tokens past the segments taken",  \
+                 sw_);                                                                             \
+        (s).n_tokens -= 1;                                                                         \
+        res_free(&sr_), res_free(&sf_);                                                            \
+    } while (0)
+
 /* A call of at least as many items as the backend has threads runs its items
  * side by side, one thread each; every item's bits are those of a call of
  * that item alone (on every thread). The items are token ranges of one
@@ -799,23 +834,10 @@ static void test_int(tu_rng *rng)
             s.v.codes = s.v.min = s.v.scale = s.v.sum = (kvd_tensor){0};
             s.n_segments = 3;
             s.segments = sg;
-            res sr = res_new(Hq, D), sf = res_new(Hq, D);
-            for (int fast = 0; fast < 2; fast++) {
-                const res *r = fast ? &sf : &sr;
-                s.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
-                s.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
-                TU_CHECK(kvd_attn_quant(fast ? be_fast : be_ref, 1, &s, &err) == 0,
-                         "%s segments: %s", what, err.msg);
-            }
-            char sw[160];
-            snprintf(sw, sizeof sw, "%s, in 3 segments", what);
-            compare(sw, &rr, &sr, Hq, D, 1e-9, 1e-4);
-            compare(sw, &rf, &sf, Hq, D, 1e-6, 1e-4);
-            ITEMS_AS_ALONE(kvd_attn_int_args, kvd_attn_quant, s, sf, sw, Hq, D);
+            SEGMENTS_AS_ONE(kvd_attn_int_args, kvd_attn_quant, s, rr, rf, 0, what, Hq, D);
             sg[2].k.bits = 6 - cases[ci].bits; /* a segment coded otherwise: refused */
             TU_CHECK(kvd_attn_quant(be_fast, 1, &s, &err) == KVD_EINVAL,
                      "%s: a segment of other bits taken", what);
-            res_free(&sr), res_free(&sf);
             for (int i = 0; i < 6; i++)
                 qbuf_free(&sq[i]);
         }
@@ -1027,26 +1049,7 @@ static void test_vq(tu_rng *rng)
             s.k_codes = s.v_codes = (kvd_tensor){0};
             s.n_segments = 4;
             s.segments = sg;
-            res sr = res_new(Hq, D), sf = res_new(Hq, D);
-            for (int fast = 0; fast < 2; fast++) {
-                const res *r = fast ? &sf : &sr;
-                s.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
-                s.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
-                TU_CHECK(kvd_attn_vq(fast ? be_fast : be_ref, 1, &s, &err) == 0, "%s segments: %s",
-                         what, err.msg);
-            }
-            TU_CHECK(memcmp(sr.out.data, rr.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
-                         memcmp(sr.lse.data, rr.lse.data, sizeof(float) * (size_t)Hq) == 0,
-                     "%s: the reference over segments differs from one block", what);
-            char sw[128];
-            snprintf(sw, sizeof sw, "%s, in 4 segments", what);
-            compare(sw, &rr, &sf, Hq, D, 1e-9, 1e-4);
-            ITEMS_AS_ALONE(kvd_attn_vq_args, kvd_attn_vq, s, sf, sw, Hq, D);
-            /* segments that do not add up to n_tokens are refused */
-            s.n_tokens = T + 1;
-            TU_CHECK(kvd_attn_vq(be_fast, 1, &s, &err) == KVD_EINVAL, "%s: short segments taken",
-                     what);
-            res_free(&sr), res_free(&sf);
+            SEGMENTS_AS_ONE(kvd_attn_vq_args, kvd_attn_vq, s, rr, rf, 1, what, Hq, D);
             for (int i = 0; i < 8; i++)
                 free(bufs[i]);
         }
@@ -1172,26 +1175,7 @@ static void test_svd(tu_rng *rng, int G)
             s.k_red = s.v_red = NULL;
             s.n_segments = 4;
             s.segments = sg;
-            res sr = res_new(Hq, D), sf = res_new(Hq, D);
-            kvd_error err;
-            for (int fast = 0; fast < 2; fast++) {
-                const res *r = fast ? &sf : &sr;
-                s.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
-                s.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
-                TU_CHECK(kvd_attn_svd(fast ? be_fast : be_ref, 1, &s, &err) == 0, "%s segments: %s",
-                         what, err.msg);
-            }
-            TU_CHECK(memcmp(sr.out.data, rr.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
-                         memcmp(sr.lse.data, rr.lse.data, sizeof(float) * (size_t)Hq) == 0,
-                     "%s: the reference over segments differs from one block", what);
-            char sw[96];
-            snprintf(sw, sizeof sw, "%s, in 4 segments", what);
-            compare(sw, &rr, &sf, Hq, D, 1e-9, 1e-4);
-            ITEMS_AS_ALONE(kvd_attn_svd_args, kvd_attn_svd, s, sf, sw, Hq, D);
-            s.n_tokens = T - 1;
-            TU_CHECK(kvd_attn_svd(be_fast, 1, &s, &err) == KVD_EINVAL, "%s: long segments taken",
-                     what);
-            res_free(&sr), res_free(&sf);
+            SEGMENTS_AS_ONE(kvd_attn_svd_args, kvd_attn_svd, s, rr, rf, 1, what, Hq, D);
             for (int i = 0; i < 8; i++)
                 free(bufs[i]);
         }

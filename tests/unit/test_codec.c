@@ -189,6 +189,39 @@ static uint8_t *patched(const uint8_t *page, size_t len, size_t off, uint8_t val
     return bad;
 }
 
+/* Pages pv, then one coded as pv from other data (v and k swapped), then
+ * pv again, attended in one call (the kernels take a run of pages coded
+ * alike as one item), = the three one by one, merged; out/lse: pv's own. */
+static void check_run(kvd_backend *be, const kvd_page_desc *d, const kvd_codec_spec *ks,
+                      const kvd_codec_spec *vs, const uint16_t *k, const uint16_t *v,
+                      const kvd_page_view *pv, const kvd_codec_arts *arts,
+                      const kvd_attn_dims *dims, const float *q, const float *out, const float *lse)
+{
+    const int Hq = dims->n_q_heads, D = dims->v_dim;
+    kvd_error err;
+    uint8_t *p2 = NULL;
+    size_t len2 = 0;
+    kvd_page_view run[3], pv2;
+    CHECK(kvd_page_encode(be, d, ks, vs, v, k, &p2, &len2, &err) == 0);
+    CHECK(p2 && kvd_page_decode(p2, len2, &pv2, &err) == 0);
+    if (!p2)
+        return;
+    run[0] = run[2] = *pv;
+    run[1] = pv2;
+    float o3[8 * 64], l3[8], om[8 * 64], lm[8], o1[8 * 64], l1[8];
+    CHECK(kvd_page_attend(be, run, 3, arts, dims, q, o3, l3, &err) == 0);
+    memcpy(om, out, sizeof(float) * (size_t)Hq * D);
+    memcpy(lm, lse, sizeof(float) * (size_t)Hq);
+    for (int r = 1; r < 3; r++) {
+        CHECK(kvd_page_attend(be, &run[r], 1, arts, dims, q, o1, l1, &err) == 0);
+        CHECK(kvd_attn_merge_into(be, Hq, D, om, lm, o1, l1, &err) == 0);
+    }
+    double e3 = nmse(o3, om, (size_t)Hq * D), l3e = nmse(l3, lm, (size_t)Hq);
+    printf("  three pages in one call vs one by one: out NMSE %.3g, lse NMSE %.3g\n", e3, l3e);
+    CHECK(e3 <= 1e-9 && l3e <= 1e-12);
+    free(p2);
+}
+
 static void test_arts_codecs(kvd_backend *be)
 {
     const uint32_t B = 256, H = 2, D = 64, Hq = 8;
@@ -322,31 +355,9 @@ static void test_arts_codecs(kvd_backend *be)
         double eo = nmse(out, ro, Hq * D), el = nmse(lse, rl, Hq);
         printf("  attention vs decoded: out NMSE %.3g, lse NMSE %.3g\n", eo, el);
         CHECK(eo <= 1e-3 && el <= 1e-5);
-        /* A run of pages (another page from other data between two of this
-         * one), attended as one call over the run, = the pages one by one,
-         * merged. */
-        {
-            uint8_t *p2 = NULL;
-            size_t len2 = 0;
-            kvd_page_view run[3], pv2;
-            CHECK(kvd_page_encode(be, &d, &ks, &vs, v, k, &p2, &len2, &err) == 0);
-            CHECK(p2 && kvd_page_decode(p2, len2, &pv2, &err) == 0);
-            run[0] = run[2] = pv;
-            run[1] = pv2;
-            float o3[8 * 64], l3[8], om[8 * 64], lm[8], o1[8 * 64], l1[8];
-            CHECK(kvd_page_attend(be, run, 3, arts, &dims, q, o3, l3, &err) == 0);
-            memcpy(om, out, sizeof om);
-            memcpy(lm, lse, sizeof lm);
-            for (int r = 1; r < 3; r++) {
-                CHECK(kvd_page_attend(be, &run[r], 1, arts, &dims, q, o1, l1, &err) == 0);
-                CHECK(kvd_attn_merge_into(be, Hq, D, om, lm, o1, l1, &err) == 0);
-            }
-            double e3 = nmse(o3, om, Hq * D), l3e = nmse(l3, lm, Hq);
-            printf("  three pages in one call vs one by one: out NMSE %.3g, lse NMSE %.3g\n", e3,
-                   l3e);
-            CHECK(e3 <= 1e-9 && l3e <= 1e-12);
-            free(p2);
-        }
+        /* A run of pages coded alike (another page from other data between
+         * two of this one), in one call. */
+        check_run(be, &d, &ks, &vs, k, v, &pv, arts, &dims, q, out, lse);
         /* Without the snapshot, or with another one: FAILED_PRECONDITION. */
         CHECK(kvd_page_attend(be, &pv, 1, NULL, &dims, q, out, lse, &err) == KVD_EPRECOND);
         CHECK(kvd_page_decode_section(be, &pv, KVD_SECTION_K, NULL, KVD_DTYPE_F32, kd, &err) ==
@@ -671,30 +682,8 @@ int main(void)
         for (int h = 0; h < (int)Hq; h++)
             CHECK(fabsf(l2[h] - (lse[h] + logf(2.0f))) < 1e-4f);
         CHECK(nmse(o2, out, Hq * D) < 1e-10);
-        /* A run with a page of other data in the middle, in one call, = the
-         * pages one by one, merged. */
-        {
-            uint8_t *p2 = NULL;
-            size_t len2 = 0;
-            kvd_page_view run[3], pv2;
-            CHECK(kvd_page_encode(be, &d, &ks, &vs, v, k, &p2, &len2, &err) == 0);
-            CHECK(p2 && kvd_page_decode(p2, len2, &pv2, &err) == 0);
-            run[0] = run[2] = pv;
-            run[1] = pv2;
-            float o3[8 * 64], l3[8], om[8 * 64], lm[8], o1[8 * 64], l1[8];
-            CHECK(kvd_page_attend(be, run, 3, NULL, &dims, q, o3, l3, &err) == 0);
-            memcpy(om, out, sizeof om);
-            memcpy(lm, lse, sizeof lm);
-            for (int r = 1; r < 3; r++) {
-                CHECK(kvd_page_attend(be, &run[r], 1, NULL, &dims, q, o1, l1, &err) == 0);
-                CHECK(kvd_attn_merge_into(be, Hq, D, om, lm, o1, l1, &err) == 0);
-            }
-            double e3 = nmse(o3, om, Hq * D), l3e = nmse(l3, lm, Hq);
-            printf("  three pages in one call vs one by one: out NMSE %.3g, lse NMSE %.3g\n", e3,
-                   l3e);
-            CHECK(e3 <= 1e-9 && l3e <= 1e-12);
-            free(p2);
-        }
+        /* A run with a page of other data in the middle, in one call. */
+        check_run(be, &d, &ks, &vs, k, v, &pv, NULL, &dims, q, out, lse);
         /* A damaged codec prefix (checksum fixed up) is DATA_LOSS. */
         if (cases[c].kc != KVD_CODEC_RAW) {
             uint8_t *bad = malloc(len);
