@@ -1115,66 +1115,78 @@ static void svd_raw_args(const kvd_page_view *pv, const kvd_attn_dims *dims,
 }
 
 /* SVD+INT over n pages on the same rotations and INT specs (sec: K and V
- * sections of each page, in turn): per kv head, the query projected once,
- * the INT kernel at the reduced widths with one item per page, the items'
- * results merged in the reduced space and rotated back once. */
+ * sections of each page, in turn): the query projected once per kv head,
+ * one INT item per kv head at its reduced widths over the pages' blocks of
+ * that head (segments), the outputs rotated back once. */
 static int attend_svd_int(kvd_backend *be, const kvd_page_view *pvs, const kvd_codec_section *sec,
                           size_t n, const kvd_attn_dims *dims, const float *q, float *out,
                           float *lse, kvd_error *err)
 {
     const int H = (int)pvs[0].h.num_kv_heads, D = (int)pvs[0].h.head_dim, G = dims->n_q_heads / H;
     const kvd_codec_section *ks = &sec[0], *vs = &sec[1];
-    float *qp = malloc(sizeof(float) * (size_t)G * D);
-    float *op = malloc(sizeof(float) * n * (size_t)G * D), *lp = malloc(sizeof(float) * n * G);
-    kvd_attn_int_args *a = calloc(n, sizeof *a);
+    float *qp = malloc(sizeof(float) * (size_t)H * G * D);
+    float *op = malloc(sizeof(float) * (size_t)H * G * D);
+    kvd_attn_int_args *a = calloc((size_t)H, sizeof *a);
+    kvd_attn_int_segment *sg = n > 1 ? calloc((size_t)H * n, sizeof *sg) : NULL;
     int rc = 0;
-    if (!qp || !op || !lp || !a) {
+    if (!qp || !op || !a || (n > 1 && !sg)) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
+    uint64_t T = 0;
+    for (size_t b = 0; b < n; b++)
+        T += pvs[b].h.num_tokens;
     for (int h = 0; h < H && rc == 0; h++) {
         const int rk = ks->la->widths[h], rv = vs->la->widths[h];
-        const float *Rk = ks->la->rotation + (size_t)h * D * D;
-        const float *Rv = vs->la->rotation + (size_t)h * D * D;
-        if ((rc = kvd_svd_project(be, Rk, D, rk, q + (size_t)h * G * D, KVD_DTYPE_F32, G,
-                                  (int64_t)D * 4, qp, err)))
+        float *qh = qp + (size_t)h * G * D;
+        if ((rc =
+                 kvd_svd_project(be, ks->la->rotation + (size_t)h * D * D, D, rk,
+                                 q + (size_t)h * G * D, KVD_DTYPE_F32, G, (int64_t)D * 4, qh, err)))
             break;
         int64_t qs[2] = {G, rk}, os[2] = {G, rv}, ls[1] = {G};
         int64_t kt[3] = {1, 0, rk}, vt[3] = {1, 0, rv};
+        kvd_attn_int_args *x = &a[h];
+        x->dims.n_q_heads = G;
+        x->dims.n_kv_heads = 1;
+        x->dims.head_dim = rk;
+        x->dims.v_dim = rv;
+        x->dims.softmax_scale = dims->softmax_scale;
+        x->q = kvd_tensor_make(KVD_DTYPE_F32, qh, 2, qs);
+        x->n_tokens = (int64_t)T;
         for (size_t b = 0; b < n; b++) {
             const kvd_codec_section *kb = &sec[2 * b], *vb = &sec[2 * b + 1];
-            const uint32_t T = pvs[b].h.num_tokens;
-            kvd_attn_int_args *x = &a[b];
-            memset(x, 0, sizeof *x);
-            x->dims.n_q_heads = G;
-            x->dims.n_kv_heads = 1;
-            x->dims.head_dim = rk;
-            x->dims.v_dim = rv;
-            x->dims.softmax_scale = dims->softmax_scale;
-            x->q = kvd_tensor_make(KVD_DTYPE_F32, qp, 2, qs);
-            x->n_tokens = T;
-            int_head_views(kb->svd_block[h], kb->bits, kb->group, kb->axis, T, (uint32_t)rk, NULL,
-                           &x->k);
-            int_head_views(vb->svd_block[h], vb->bits, vb->group, vb->axis, T, (uint32_t)rv, NULL,
-                           &x->v);
-            x->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, kt);
-            x->v_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, vt);
-            x->out = kvd_tensor_make(KVD_DTYPE_F32, op + b * (size_t)G * rv, 2, os);
-            x->lse = kvd_tensor_make(KVD_DTYPE_F32, lp + b * (size_t)G, 1, ls);
+            const uint32_t Tb = pvs[b].h.num_tokens;
+            kvd_attn_qdata kq, vq;
+            int_head_views(kb->svd_block[h], kb->bits, kb->group, kb->axis, Tb, (uint32_t)rk, NULL,
+                           &kq);
+            int_head_views(vb->svd_block[h], vb->bits, vb->group, vb->axis, Tb, (uint32_t)rv, NULL,
+                           &vq);
+            if (b == 0) {
+                x->k = kq;
+                x->v = vq;
+            }
+            if (sg)
+                sg[(size_t)h * n + b] = (kvd_attn_int_segment){Tb, kq, vq};
         }
-        if ((rc = kvd_attn_quant(be, (int)n, a, err)))
-            break;
-        for (size_t b = 1; b < n && rc == 0; b++)
-            rc = kvd_attn_merge_into(be, G, rv, op, lp, op + b * (size_t)G * rv, lp + b * G, err);
-        if (rc == 0)
-            rc = kvd_svd_unproject(be, Rv, D, rv, op, G, out + (size_t)h * G * D, err);
-        memcpy(lse + (size_t)h * G, lp, sizeof(float) * (size_t)G);
+        if (sg) {
+            x->n_segments = (int)n;
+            x->segments = &sg[(size_t)h * n];
+        }
+        x->k_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, kt);
+        x->v_tail = kvd_tensor_make(KVD_DTYPE_F32, NULL, 3, vt);
+        x->out = kvd_tensor_make(KVD_DTYPE_F32, op + (size_t)h * G * D, 2, os);
+        x->lse = kvd_tensor_make(KVD_DTYPE_F32, lse + (size_t)h * G, 1, ls);
     }
+    if (rc == 0)
+        rc = kvd_attn_quant(be, H, a, err);
+    for (int h = 0; h < H && rc == 0; h++)
+        rc = kvd_svd_unproject(be, vs->la->rotation + (size_t)h * D * D, D, vs->la->widths[h],
+                               op + (size_t)h * G * D, G, out + (size_t)h * G * D, err);
 done:
     free(qp);
     free(op);
-    free(lp);
     free(a);
+    free(sg);
     return rc;
 }
 
