@@ -549,8 +549,10 @@ int kvd_store_seq_create_ex(kvd_store *st, const void *id, size_t id_len, const 
         for (uint32_t i = 0; i < s->layers[l].npages; i++)
             s->layers[l].pages[i]->refs++;
     m->nseqs++;
-    if (pend) /* under st->lock: a backup sees it pending or not made */
+    if (pend) { /* under st->lock: a backup sees it pending or not made */
+        pend->created_ms = s->created_ms;
         kvd__pending_add(st, pend);
+    }
     pend = NULL;
     if (out)
         rc = kvd__seq_fill_info(st, s, out, err);

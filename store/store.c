@@ -458,6 +458,7 @@ kvd__pending *kvd__pending_new(const void *id, size_t len)
     if (p) {
         p->next = NULL;
         p->done = 0;
+        p->created_ms = 0;
         p->len = len;
         memcpy(p->id, id, len);
     }
@@ -512,6 +513,7 @@ static int backup_mark(kvd_store *st, int begin, kvd__pending **out)
             if (!c) {
                 rc = KVD_ENOMEM;
             } else {
+                c->created_ms = p->created_ms;
                 c->next = *out;
                 *out = c;
             }
@@ -528,14 +530,21 @@ static int backup_mark(kvd_store *st, int begin, kvd__pending **out)
     return rc;
 }
 
-/* Delete the sequences of `gone` from the store copied into dir. */
+/* Delete the sequences of `gone` from the store copied into dir (each
+ * only while it is the one that was pending: made then). */
 static int backup_drop(const char *dir, const kvd__pending *gone, kvd_error *err)
 {
     kvd_store_options o = {.data_dir = dir};
     kvd_store *bk = NULL;
     int rc = kvd_store_open(&o, &bk, err);
     for (const kvd__pending *p = gone; rc == 0 && p; p = p->next) {
-        rc = kvd_store_seq_delete(bk, p->id, p->len, NULL, err);
+        kvd_seq_info si;
+        rc = kvd_store_seq_stat(bk, p->id, p->len, &si, err);
+        const int same = rc == 0 && si.created_unix_ms == p->created_ms;
+        if (rc == 0)
+            kvd_seq_info_clear(&si);
+        if (same)
+            rc = kvd_store_seq_delete(bk, p->id, p->len, NULL, err);
         if (rc == KVD_ENOTFOUND) {
             kvd_error_clear(err);
             rc = 0;

@@ -374,6 +374,7 @@ struct kvd_store {
 typedef struct kvd__pending {
     struct kvd__pending *next;
     int done;
+    uint64_t created_ms; /* the sequence's: a later one of the same id is another */
     size_t len;
     uint8_t id[];
 } kvd__pending;

@@ -275,6 +275,15 @@ static void test_backup_pending(void)
                 "pending create %s: %s", ids[i], err.msg);
     CHECK(append(st, "open", 2, 0, 0, 0, 5, NULL, &err) == 0, "append: %s", err.msg);
     kvd_store_seq_pending_done(st, "empty", 5); /* its append failed; it stays, empty */
+    /* made pending, deleted, made again by a plain create (a millisecond
+     * later) and filled while the first append is still open: the backup
+     * keeps the second one */
+    REQUIRE(kvd_store_seq_create_ex(st, "again", 5, "m1", NULL, 0, NULL, 0, &po, NULL, &err) == 0,
+            "pending create again: %s", err.msg);
+    CHECK(kvd_store_seq_delete(st, "again", 5, NULL, &err) == 0, "delete: %s", err.msg);
+    usleep(2000);
+    create(st, "again", "m1");
+    CHECK(append(st, "again", 3, 0, 0, 0, 6, NULL, &err) == 0, "append: %s", err.msg);
     char main_dir[sizeof dir], bk[2][sizeof dir];
     memcpy(main_dir, dir, sizeof dir);
     for (int b = 0; b < 2; b++) {
@@ -288,6 +297,8 @@ static void test_backup_pending(void)
         kvd_store *cp = open_store(0);
         CHECK(read_check(cp, "kept", 1, 0, 0, 0, 0, 1 << 20, "kept, in the backup") == 0, "kept");
         CHECK(seq_tokens(cp, "empty", 0) == 0, "empty: tokens in backup %d", b);
+        CHECK(read_check(cp, "again", 3, 0, 0, 0, 0, 1 << 20, "again, in the backup") == 0,
+              "again");
         kvd_seq_info info;
         int rc = kvd_store_seq_stat(cp, "open", 4, &info, &err);
         if (b == 0) {
@@ -301,6 +312,7 @@ static void test_backup_pending(void)
             kvd_seq_info_clear(&info);
         kvd_store_close(cp);
         kvd_store_seq_pending_done(st, "open", 4); /* its append committed */
+        kvd_store_seq_pending_done(st, "again", 5); /* the first append ended */
     }
     CHECK(kvd_store_backup(st, bk[0], NULL, NULL, &err) == KVD_EEXIST, "backup over a backup");
     for (int b = 0; b < 2; b++) {
