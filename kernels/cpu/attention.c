@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -164,6 +165,34 @@ static int check_qdata(const kvd_attn_qdata *qd, int Hkv, int64_t T, int W, cons
     return 0;
 }
 
+/* The segments of a call (segs: n structs of `size` bytes, each starting
+ * with its n_tokens) must add up to the call's n_tokens. */
+_Static_assert(offsetof(kvd_attn_int_segment, n_tokens) == 0, "n_tokens first");
+_Static_assert(offsetof(kvd_attn_vq_segment, n_tokens) == 0, "n_tokens first");
+_Static_assert(offsetof(kvd_attn_svd_segment, n_tokens) == 0, "n_tokens first");
+static int check_segment_tokens(const char *form, const void *segs, size_t size, int n,
+                                int64_t n_tokens, kvd_error *err)
+{
+    if (n < 0 || (n > 0 && !segs))
+        return kvd_error_set(err, KVD_EINVAL, "%s attention: %d segments at %p", form, n, segs);
+    int64_t sum = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t t;
+        memcpy(&t, (const char *)segs + (size_t)i * size, sizeof t);
+        if (t < 0 || t > n_tokens - sum)
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "%s attention: segment %d of %lld tokens (%lld before it, "
+                                 "n_tokens %lld)",
+                                 form, i, (long long)t, (long long)sum, (long long)n_tokens);
+        sum += t;
+    }
+    if (n && sum != n_tokens)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "%s attention: the segments hold %lld tokens, n_tokens %lld", form,
+                             (long long)sum, (long long)n_tokens);
+    return 0;
+}
+
 int kvd_attn_int_check(const kvd_attn_int_args *a, kvd_error *err)
 {
     int rc = check_qol(&a->dims, &a->q, &a->out, &a->lse, 0, err);
@@ -175,18 +204,11 @@ int kvd_attn_int_check(const kvd_attn_int_args *a, kvd_error *err)
         return kvd_error_set(err, KVD_EINVAL,
                              "INT attention: channel-grouped keys need a group dividing %d, got %d",
                              KVD__ATTN_BLOCK, a->k.group);
-    if (a->n_segments < 0 || (a->n_segments > 0 && !a->segments))
-        return kvd_error_set(err, KVD_EINVAL, "INT attention: %d segments at %p", a->n_segments,
-                             (const void *)a->segments);
-    int64_t sum = 0;
+    if ((rc = check_segment_tokens("INT", a->segments, sizeof *a->segments, a->n_segments,
+                                   a->n_tokens, err)))
+        return rc;
     for (int i = 0; i < a->n_segments; i++) {
         const kvd_attn_int_segment *g = &a->segments[i];
-        if (g->n_tokens < 0 || g->n_tokens > a->n_tokens - sum)
-            return kvd_error_set(err, KVD_EINVAL,
-                                 "INT attention: segment %d of %lld tokens (%lld before it, "
-                                 "n_tokens %lld)",
-                                 i, (long long)g->n_tokens, (long long)sum, (long long)a->n_tokens);
-        sum += g->n_tokens;
         if (g->k.bits != a->k.bits || g->k.group != a->k.group || g->k.axis != a->k.axis ||
             g->v.bits != a->v.bits || g->v.group != a->v.group || g->v.axis != a->v.axis)
             return kvd_error_set(err, KVD_EINVAL,
@@ -199,10 +221,6 @@ int kvd_attn_int_check(const kvd_attn_int_args *a, kvd_error *err)
                                                   a->dims.v_dim, "segment v", err))))
             return rc;
     }
-    if (a->n_segments && sum != a->n_tokens)
-        return kvd_error_set(err, KVD_EINVAL,
-                             "INT attention: the segments hold %lld tokens, n_tokens %lld",
-                             (long long)sum, (long long)a->n_tokens);
     if (!a->n_segments && a->n_tokens > 0 &&
         ((rc = check_qdata(&a->k, a->dims.n_kv_heads, a->n_tokens, a->dims.head_dim, "k", err)) ||
          (rc = check_qdata(&a->v, a->dims.n_kv_heads, a->n_tokens, a->dims.v_dim, "v", err))))
@@ -221,23 +239,9 @@ int kvd_attn_vq_check(const kvd_attn_vq_args *a, kvd_error *err)
     const kvd_attn_dims *d = &a->dims;
     if (a->n_tokens < 0)
         return kvd_error_set(err, KVD_EINVAL, "VQ attention: n_tokens %lld", (long long)a->n_tokens);
-    if (a->n_segments < 0 || (a->n_segments > 0 && !a->segments))
-        return kvd_error_set(err, KVD_EINVAL, "VQ attention: %d segments at %p", a->n_segments,
-                             (const void *)a->segments);
-    int64_t sum = 0;
-    for (int i = 0; i < a->n_segments; i++) {
-        if (a->segments[i].n_tokens < 0 || a->segments[i].n_tokens > a->n_tokens - sum)
-            return kvd_error_set(err, KVD_EINVAL,
-                                 "VQ attention: segment %d of %lld tokens (%lld before it, "
-                                 "n_tokens %lld)",
-                                 i, (long long)a->segments[i].n_tokens, (long long)sum,
-                                 (long long)a->n_tokens);
-        sum += a->segments[i].n_tokens;
-    }
-    if (a->n_segments && sum != a->n_tokens)
-        return kvd_error_set(err, KVD_EINVAL,
-                             "VQ attention: the segments hold %lld tokens, n_tokens %lld",
-                             (long long)sum, (long long)a->n_tokens);
+    if ((rc = check_segment_tokens("VQ", a->segments, sizeof *a->segments, a->n_segments,
+                                   a->n_tokens, err)))
+        return rc;
     if (a->n_tokens > 0) {
         int sub[2] = {a->k_sub_dim, a->v_sub_dim}, bits[2] = {a->k_bits, a->v_bits},
             W[2] = {d->head_dim, d->v_dim};
@@ -297,25 +301,12 @@ int kvd_attn_svd_check(const kvd_attn_svd_args *a, kvd_error *err)
             a->v_width[h] > d->v_dim)
             return kvd_error_set(err, KVD_EINVAL, "SVD attention: kv head %d widths %d/%d out of range",
                                  h, a->k_width[h], a->v_width[h]);
-    if (a->n_segments < 0 || (a->n_segments > 0 && !a->segments))
-        return kvd_error_set(err, KVD_EINVAL, "SVD attention: %d segments at %p", a->n_segments,
-                             (const void *)a->segments);
-    int64_t sum = 0;
-    for (int i = 0; i < a->n_segments; i++) {
-        const kvd_attn_svd_segment *g = &a->segments[i];
-        if (g->n_tokens < 0 || g->n_tokens > a->n_tokens - sum)
-            return kvd_error_set(err, KVD_EINVAL,
-                                 "SVD attention: segment %d of %lld tokens (%lld before it, "
-                                 "n_tokens %lld)",
-                                 i, (long long)g->n_tokens, (long long)sum, (long long)a->n_tokens);
-        if (g->n_tokens > 0 && (!g->k_red || !g->v_red))
+    if ((rc = check_segment_tokens("SVD", a->segments, sizeof *a->segments, a->n_segments,
+                                   a->n_tokens, err)))
+        return rc;
+    for (int i = 0; i < a->n_segments; i++)
+        if (a->segments[i].n_tokens > 0 && (!a->segments[i].k_red || !a->segments[i].v_red))
             return kvd_error_set(err, KVD_EINVAL, "SVD attention: segment %d data is NULL", i);
-        sum += g->n_tokens;
-    }
-    if (a->n_segments && sum != a->n_tokens)
-        return kvd_error_set(err, KVD_EINVAL,
-                             "SVD attention: the segments hold %lld tokens, n_tokens %lld",
-                             (long long)sum, (long long)a->n_tokens);
     if (!a->n_segments && a->n_tokens > 0 && (!a->k_red || !a->v_red))
         return kvd_error_set(err, KVD_EINVAL, "SVD attention: reduced K/V data is NULL");
     return 0;

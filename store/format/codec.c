@@ -1808,19 +1808,12 @@ int kvd_page_decode_section(kvd_backend *be, const kvd_page_view *v, int which,
 
 static int is_int(uint8_t c) { return c == KVD_CODEC_INT2 || c == KVD_CODEC_INT4; }
 
-/* Attention of one page whose sections ks/vs (parsed) take no batched
- * kernel (kvd_page_attend) into (out, lse): SVD over INT blocks per kv head,
- * other mixes of codecs with both sections decoded to f32. */
+/* Attention of one page whose codecs no kernel takes together (a mix,
+ * kvd_page_attend) into (out, lse): both sections decoded to f32. */
 static int attend_one(kvd_backend *be, const kvd_page_view *pv, const kvd_codec_arts *arts,
-                      const kvd_attn_dims *dims, const kvd_codec_section *ks,
-                      const kvd_codec_section *vs, const float *q, float *out, float *lse,
+                      const kvd_attn_dims *dims, const float *q, float *out, float *lse,
                       kvd_error *err)
 {
-    if (ks->codec == KVD_CODEC_SVD && vs->codec == KVD_CODEC_SVD && is_int(ks->inner) &&
-        is_int(vs->inner)) {
-        const kvd_codec_section kv[2] = {*ks, *vs};
-        return attend_svd_int(be, pv, kv, 1, dims, q, out, lse, err);
-    }
     const uint32_t H = pv->h.num_kv_heads, T = pv->h.num_tokens, D = pv->h.head_dim;
     float *kf = malloc(sizeof(float) * H * T * D), *vf = malloc(sizeof(float) * H * T * D);
     int rc;
@@ -1964,11 +1957,11 @@ DEFINE_JOIN(svd_join, kvd_attn_svd_args, kvd_attn_svd_segment, svd_same, SVD_SEG
 DEFINE_JOIN(int_join, kvd_attn_int_args, kvd_attn_int_segment, int_same, INT_SEG, INT_CLEAR)
 
 /*
- * Runs of consecutive INT pages, of VQ pages, of SVD pages over raw blocks
- * and of raw pages go to the backend as one call of one item per page (on
- * the CPU the items run side by side), a run of VQ pages on the same
- * codebooks, or of SVD pages on the same rotations, as one item over their
- * codes (segments); other pages one at a time
+ * Runs of consecutive pages of one kind go to the backend as one call: raw
+ * pages as one item per page (on the CPU the items run side by side); INT,
+ * VQ and SVD-over-raw pages coded alike as one item over their codes
+ * (segments: the query is prepared once per run); SVD-over-INT pages per kv
+ * head (attend_svd_int). Pages of mixed codecs go one at a time
  * (attend_one). The results are merged in page order.
  */
 int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
@@ -1991,11 +1984,14 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
     kvd_attn_dense_args *da = calloc(cap, sizeof *da);
     kvd_attn_vq_args *va = calloc(cap, sizeof *va);
     kvd_attn_svd_args *sa = calloc(cap, sizeof *sa);
-    kvd_attn_vq_segment *vseg = calloc(cap, sizeof *vseg);
-    kvd_attn_svd_segment *sseg = calloc(cap, sizeof *sseg);
-    kvd_attn_int_segment *iseg = calloc(cap, sizeof *iseg);
+    /* the segments of a run's joined items, as an array of its kind's */
+    void *seg = calloc(cap, sizeof(union {
+                           kvd_attn_vq_segment vq;
+                           kvd_attn_svd_segment svd;
+                           kvd_attn_int_segment in;
+                       }));
     int rc = 0, first = 1;
-    if (!po || !pl || !sec || !ia || !da || !va || !sa || !vseg || !sseg || !iseg) {
+    if (!po || !pl || !sec || !ia || !da || !va || !sa || !seg) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
         goto done;
     }
@@ -2045,18 +2041,17 @@ int kvd_page_attend(kvd_backend *be, const kvd_page_view *pages, size_t n,
             }
             cnt++;
         }
-        if (cnt == 0) { /* SVD over INT blocks or mixed codecs: this page alone */
-            rc = attend_one(be, &pages[i], arts, dims, &sec[0], &sec[1], q, first ? out : po,
-                            first ? lse : pl, err);
+        if (cnt == 0) { /* mixed codecs: this page alone */
+            rc = attend_one(be, &pages[i], arts, dims, q, first ? out : po, first ? lse : pl, err);
             if (rc == 0 && !first)
                 rc = kvd_attn_merge_into(be, Hq, D, out, lse, po, pl, err);
             first = 0;
             i++;
             continue;
         }
-        const size_t nout = kind == 1   ? int_join(ia, cnt, iseg, po, pl, qf, Hq)
-                            : kind == 3 ? vq_join(va, cnt, vseg, po, pl, qf, Hq)
-                            : kind == 4 ? svd_join(sa, cnt, sseg, po, pl, qf, Hq)
+        const size_t nout = kind == 1   ? int_join(ia, cnt, seg, po, pl, qf, Hq)
+                            : kind == 3 ? vq_join(va, cnt, seg, po, pl, qf, Hq)
+                            : kind == 4 ? svd_join(sa, cnt, seg, po, pl, qf, Hq)
                             : kind == 5 ? 1
                                         : cnt;
         rc = kind == 1   ? kvd_attn_quant(be, (int)nout, ia, err)
@@ -2083,9 +2078,7 @@ done:
     free(da);
     free(va);
     free(sa);
-    free(vseg);
-    free(sseg);
-    free(iseg);
+    free(seg);
     return rc;
 }
 
