@@ -1258,15 +1258,21 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
     progress pr;
     progress_start(c, &pr, what);
     rc = kvdepot_sequence_append(c, &a, &s);
-    if (rc == KVDEPOT_EPRECOND && !want_codecs && strstr(kvdepot_errmsg(c), "token_start")) {
-        /* It exists, of this model (else create's check failed), with
-         * tokens: the server refused the header before the data went.
-         * Append at their end. */
-        rc = kvdepot_sequence_stat(c, id, strlen(id), &s);
-        if (rc == KVDEPOT_OK) {
-            a.token_start = layer_start < s.num_layers ? s.layer_tokens[layer_start] : 0;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", rc ? kvdepot_errmsg(c) : "");
+    if (rc == KVDEPOT_EPRECOND && !want_codecs) {
+        /* It may exist with tokens (the server refused the header before
+         * the data went): append at their end. Any other precondition
+         * stands as it was answered. */
+        uint64_t end = 0;
+        if (kvdepot_sequence_stat(c, id, strlen(id), &s) == KVDEPOT_OK) {
+            end = layer_start < s.num_layers ? s.layer_tokens[layer_start] : 0;
             kvdepot_sequence_info_clear(&s);
+        }
+        if (end) {
+            a.token_start = end;
             rc = kvdepot_sequence_append(c, &a, &s);
+            snprintf(msg, sizeof msg, "%s", rc ? kvdepot_errmsg(c) : "");
         }
     }
     progress_end(c, &pr);
@@ -1274,10 +1280,8 @@ static int cmd_put(kvdepot_client *c, int argc, char **argv)
         munmap(data, 2 * kv + xb);
     free(ids);
     if (rc) {
-        char msg[512];
-        const char *em = kvdepot_errmsg(c);
-        snprintf(msg, sizeof msg, "%s", em[0] ? em : kvdepot_strerror(rc));
-        fprintf(stderr, "kvdepot: %s: %s (nothing was stored)\n", kvdepot_status_name(rc), msg);
+        fprintf(stderr, "kvdepot: %s: %s (nothing was stored)\n", kvdepot_status_name(rc),
+                msg[0] ? msg : kvdepot_strerror(rc));
         return 1;
     }
     if (json_out) {
