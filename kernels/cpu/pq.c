@@ -1008,14 +1008,21 @@ VBMI_TARGET static void scan_vbmi(int m, const uint8_t *codes, const float *lut,
 #undef SCAN_VBMI
 
 /*
- * The 4-bit filter with AVX2 only (CPUs without VBMI), m = 2, 4, 8, 16:
+ * The filter with AVX2 only (CPUs without VBMI), m = 2, 4, 8, 16, b = 4..8:
  * 16-byte groups of code rows (16 / m tokens a group), 32 groups a step
  * (lane 0 of register k: group k, lane 1: group 16 + k), are transposed in
  * registers, four rounds of byte interleaves (after which register k holds
- * byte k of every group, byte w of a lane group w), so that one pshufb per
- * register looks its sub-space's 16-entry table up (a code of 128 or more
- * reads 0, one of 16 or more its low bits: either bounds that token's
- * -inf); sums in u16 lanes, even and odd groups apart.
+ * byte k of every group, byte w of a lane group w), so that pshufb looks
+ * each register's codes up in its sub-space's quantized table where they
+ * lie. A 4-bit code takes one pshufb on the sub-space's 16 entries. A
+ * b-bit code takes one pshufb on each 16-entry part of the table (entries
+ * 16 h .. 16 h + 15, h = the code's bits 4 and up) and a tree of byte blends
+ * on bits 4 .. b - 1 (bit 7's parts read the code without it, since pshufb
+ * reads 0 for an index with bit 7 set): 2^(b-4) lookups and 2^(b-4) - 1
+ * blends for 32 codes, where the float scan gathers 32 entries. A code of
+ * 2^b or more (an entry of -inf, ranked last) reads 0 or a real entry:
+ * either bounds that token's -inf. Sums in u16 lanes, even and odd groups
+ * apart.
  */
 __attribute__((target("avx2,fma"), always_inline)) static inline void t4_round(const __m256i in[16],
                                                                                __m256i out[16])
@@ -1036,15 +1043,46 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void t4_transpo
     t4_round(t, r);
 }
 
+/* The quantized entries of the codes c (one sub-space) from its B-bit table,
+ * tabs[h] = entries 16 h .. 16 h + 15 in both lanes. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256i
+q_lookup(const int B, const __m256i *tabs, __m256i c)
+{
+    if (B == 4)
+        return _mm256_shuffle_epi8(tabs[0], c);
+    enum { MAXT = 16 };
+    const int nt = 1 << (B - 4);
+    const __m256i c7 = B == 8 ? _mm256_and_si256(c, _mm256_set1_epi8(0x7F)) : c;
+    __m256i v[MAXT];
+#pragma GCC unroll 16
+    for (int h = 0; h < nt; h++) {
+        v[h] = _mm256_shuffle_epi8(tabs[h], h >= 8 ? c7 : c);
+    }
+    /* level l joins parts that differ in bit 4 + l (blendv reads bit 7 of
+     * each byte: the code shifted left by 3 - l within its 16-bit word) */
+#pragma GCC unroll 4
+    for (int l = 0, w = nt; l < B - 4; l++, w /= 2) {
+        const __m256i sel = l == 3 ? c : _mm256_slli_epi16(c, 3 - l);
+#pragma GCC unroll 8
+        for (int h = 0; h < w / 2; h++)
+            v[h] = _mm256_blendv_epi8(v[2 * h], v[2 * h + 1], sel);
+    }
+    return v[0];
+}
+
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-scan_avx2q4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, int64_t i0,
-              int64_t i1, topk_buf *tb)
+scan_avx2q_m(int M, const int B, const uint8_t *codes, const float *lut, const pq_qlut *ql,
+             int64_t i0, int64_t i1, topk_buf *tb)
 {
     const int g = 16 / M; /* tokens a group */
     const int S = 32 * g; /* tokens a step */
-    __m256i tab[16];
-    for (int k = 0; k < 16; k++)
-        tab[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ql->q[k % M]));
+    const int nt = 1 << (B - 4);
+    /* tabs[j][h]: sub-space j's entries 16 h .. 16 h + 15 in both lanes */
+    __m256i tabs[16][16];
+    for (int j = 0; j < M; j++)
+        for (int h = 0; h < nt; h++)
+            tabs[j][h] =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(ql->q[j] + 16 * h)));
     const __m256i lo8 = _mm256_set1_epi16(0x00FF);
     int qthr = qlut_threshold(ql, tb->thr);
     __m256i vq = _mm256_set1_epi16((short)qthr);
@@ -1065,7 +1103,7 @@ scan_avx2q4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, 
             ae[u] = ao[u] = _mm256_setzero_si256();
 #pragma GCC unroll 16
             for (int k = u * M; k < u * M + M; k++) {
-                __m256i x = _mm256_shuffle_epi8(tab[k], r[k]);
+                __m256i x = q_lookup(B, tabs[k % M], r[k]);
                 ae[u] = _mm256_add_epi16(ae[u], _mm256_and_si256(x, lo8));
                 ao[u] = _mm256_add_epi16(ao[u], _mm256_srli_epi16(x, 8));
             }
@@ -1102,25 +1140,38 @@ scan_avx2q4_m(int M, const uint8_t *codes, const float *lut, const pq_qlut *ql, 
     scan_avx2(M, codes, lut, i, i1, tb);
 }
 
-__attribute__((target("avx2,fma"))) static void scan_avx2q4(int m, const uint8_t *codes,
-                                                            const float *lut, const pq_qlut *ql,
-                                                            int64_t i0, int64_t i1, topk_buf *tb)
+#define SCAN_AVX2Q(B)                                                                              \
+    do {                                                                                           \
+        switch (m) {                                                                               \
+        case 2:                                                                                    \
+            scan_avx2q_m(2, B, codes, lut, ql, i0, i1, tb);                                        \
+            break;                                                                                 \
+        case 4:                                                                                    \
+            scan_avx2q_m(4, B, codes, lut, ql, i0, i1, tb);                                        \
+            break;                                                                                 \
+        case 8:                                                                                    \
+            scan_avx2q_m(8, B, codes, lut, ql, i0, i1, tb);                                        \
+            break;                                                                                 \
+        default:                                                                                   \
+            scan_avx2q_m(16, B, codes, lut, ql, i0, i1, tb);                                       \
+            break;                                                                                 \
+        }                                                                                          \
+    } while (0)
+/* m in {2, 4, 8, 16}, b = ql->b in 4..8 (one copy per b; 6 and 8 are the
+ * usual widths besides 4, and 5 and 7 go through the 6- and 8-bit trees,
+ * whose extra parts hold zeros) */
+__attribute__((target("avx2,fma"))) static void scan_avx2q(int m, const uint8_t *codes,
+                                                           const float *lut, const pq_qlut *ql,
+                                                           int64_t i0, int64_t i1, topk_buf *tb)
 {
-    switch (m) {
-    case 2:
-        scan_avx2q4_m(2, codes, lut, ql, i0, i1, tb);
-        break;
-    case 4:
-        scan_avx2q4_m(4, codes, lut, ql, i0, i1, tb);
-        break;
-    case 8:
-        scan_avx2q4_m(8, codes, lut, ql, i0, i1, tb);
-        break;
-    default:
-        scan_avx2q4_m(16, codes, lut, ql, i0, i1, tb);
-        break;
-    }
+    if (ql->b == 4)
+        SCAN_AVX2Q(4);
+    else if (ql->b <= 6)
+        SCAN_AVX2Q(6);
+    else
+        SCAN_AVX2Q(8);
 }
+#undef SCAN_AVX2Q
 
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
 
@@ -1132,7 +1183,7 @@ typedef struct scan_job {
     const uint8_t *codes;
     const float *luts;
     const pq_qlut *ql;
-    int ql_vbmi; /* ql is scanned by scan_vbmi (else scan_avx2q4) */
+    int ql_vbmi; /* ql is scanned by scan_vbmi (else scan_avx2q) */
     int use_simd;
     int64_t lo, hi, per;
     uint64_t *bufs;
@@ -1150,7 +1201,7 @@ static void scan_part(void *arg, int t)
         if (j->ql && !isnan(tb.thr) && j->ql_vbmi)
             scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);
         else if (j->ql && !isnan(tb.thr))
-            scan_avx2q4(j->m, j->codes, j->luts, j->ql, a, e, &tb);
+            scan_avx2q(j->m, j->codes, j->luts, j->ql, a, e, &tb);
         else if (j->use_simd)
             scan_avx2(j->m, j->codes, j->luts, a, e, &tb);
         else
@@ -1206,12 +1257,10 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     }
     int use_simd = simd && p->agg != KVD_PQ_AGG_MAX && simd_ok(m);
     float thr0 = k > 0 ? guess_threshold(m, G, p->agg, codes, luts, lo, nm, k) : NAN;
-    /* quantized tables: the VBMI scans (m = 2, 4, 8, 16), or AVX2's for
-     * 4-bit codes (m = 8, 16) */
+    /* quantized tables: the VBMI scans, else AVX2's (m = 2, 4, 8, 16) */
     pq_qlut *ql = NULL;
     const int ql_vbmi = allow_vbmi && (m == 2 || m == 4 || m == 8 || m == 16) && has_vbmi();
-    if (use_simd && !isnan(thr0) &&
-        (ql_vbmi || (b == 4 && (m == 2 || m == 4 || m == 8 || m == 16)))) {
+    if (use_simd && !isnan(thr0) && b >= 4 && b <= 8 && (m == 2 || m == 4 || m == 8 || m == 16)) {
         ql = malloc(sizeof *ql);
         if (ql && !build_qlut(m, b, luts, ql)) {
             free(ql);

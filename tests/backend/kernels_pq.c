@@ -445,57 +445,59 @@ static void test_rising(void)
 
 /*
  * Codes of 2^b or more are not checked per search: they read an entry of
- * -inf and rank last, on every path. 4-bit codes with stray high bits (the
- * in-place lookup reads their low 4 bits for its bound) against the
- * reference, each m the fast scans take.
+ * -inf and rank last, on every path. 4- and 6-bit codes with stray high bits
+ * (the quantized lookups read their low bits, or 0 with bit 7, for their
+ * bound) against the reference, each m the fast scans take.
  */
 static void test_stray_codes(void)
 {
     tu_rng r;
     tu_rng_seed(&r, 11);
-    const int D = 128, b = 4, G = 4;
+    const int D = 128, G = 4;
     const int64_t n = 40000;
     const int ms[] = {2, 4, 8, 16};
-    for (int mi = 0; mi < 4; mi++) {
-        int m = ms[mi];
-        float *C = malloc(sizeof(float) * m * 16 * (D / m));
-        uint8_t *codes = malloc((size_t)n * m);
-        float Q[4 * 128];
-        gen(&r, m, b, D, G, n, 0, C, codes, Q);
-        /* one row in 8 has a stray code; rows 100..163 (one step) all do */
-        for (int64_t i = 0; i < n; i++)
-            if (i % 8 == 3 || (i >= 100 && i < 164))
-                codes[i * m + tu_rng_below(&r, (uint32_t)m)] |=
-                    (uint8_t)(16 << tu_rng_below(&r, 4));
-        const int64_t ks[] = {256, 2048};
-        for (int ki = 0; ki < 2; ki++) {
-            kvd_pq_search_params p = {ks[ki], 0, 0, KVD_PQ_AGG_SUM};
-            int64_t rn = 0, fn = 0;
-            uint32_t *ri = malloc(4 * ks[ki]), *fi = malloc(4 * ks[ki]);
-            float *rs = malloc(4 * ks[ki]), *fs = malloc(4 * ks[ki]);
-            kvd_pq_search_ref(n, m, b, D, C, codes, G, Q, &p, ri, rs, &rn);
-            int stray = 0;
-            for (int64_t i = 0; i < rn; i++)
-                stray += ri[i] % 8 == 3 || (ri[i] >= 100 && ri[i] < 164);
-            TU_CHECK(rn == ks[ki] && stray == 0, "stray codes m=%d: ref kept %d of them", m, stray);
-            for (int simd = 1; simd <= 2; simd++) {
-                kvd__pq_search_cpu(1, simd, n, m, b, D, C, codes, G, Q, &p, fi, fs, &fn);
-                TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
-                         "stray codes m=%d k=%lld simd=%d: fast != reference", m, (long long)ks[ki],
-                         simd);
+    for (int b = 4; b <= 6; b += 2)
+        for (int mi = 0; mi < 4; mi++) {
+            int m = ms[mi];
+            float *C = malloc(sizeof(float) * m * (1 << b) * (D / m));
+            uint8_t *codes = malloc((size_t)n * m);
+            float Q[4 * 128];
+            gen(&r, m, b, D, G, n, 0, C, codes, Q);
+            /* one row in 8 has a stray code; rows 100..163 (one step) all do */
+            for (int64_t i = 0; i < n; i++)
+                if (i % 8 == 3 || (i >= 100 && i < 164))
+                    codes[i * m + tu_rng_below(&r, (uint32_t)m)] |=
+                        (uint8_t)((1 << b) << tu_rng_below(&r, 8 - b));
+            const int64_t ks[] = {256, 2048};
+            for (int ki = 0; ki < 2; ki++) {
+                kvd_pq_search_params p = {ks[ki], 0, 0, KVD_PQ_AGG_SUM};
+                int64_t rn = 0, fn = 0;
+                uint32_t *ri = malloc(4 * ks[ki]), *fi = malloc(4 * ks[ki]);
+                float *rs = malloc(4 * ks[ki]), *fs = malloc(4 * ks[ki]);
+                kvd_pq_search_ref(n, m, b, D, C, codes, G, Q, &p, ri, rs, &rn);
+                int stray = 0;
+                for (int64_t i = 0; i < rn; i++)
+                    stray += ri[i] % 8 == 3 || (ri[i] >= 100 && ri[i] < 164);
+                TU_CHECK(rn == ks[ki] && stray == 0, "stray codes m=%d b=%d: ref kept %d of them",
+                         m, b, stray);
+                for (int simd = 1; simd <= 2; simd++) {
+                    kvd__pq_search_cpu(1, simd, n, m, b, D, C, codes, G, Q, &p, fi, fs, &fn);
+                    TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
+                             "stray codes m=%d b=%d k=%lld simd=%d: fast != reference", m, b,
+                             (long long)ks[ki], simd);
+                }
+                free(ri);
+                free(fi);
+                free(rs);
+                free(fs);
             }
-            free(ri);
-            free(fi);
-            free(rs);
-            free(fs);
+            free(C);
+            free(codes);
         }
-        free(C);
-        free(codes);
-    }
 }
 
 /*
- * The quantized-table scans (AVX-512 VBMI: every b; AVX2 only: b = 4) must
+ * The quantized-table scans (AVX-512 VBMI or AVX2 only, every b) must
  * filter well, which exact results alone do not show: a bound that reads
  * the wrong table entry mostly makes a start that admits too few tokens,
  * which is caught and scanned again without the filter. On every m and b
@@ -528,7 +530,7 @@ static void test_filter_tight(void)
             int64_t rn = 0, fn = 0;
             kvd_pq_search_ref(n, m, b, D, C, codes, G, Q, &p, ri, rs, &rn);
             for (int simd = 1; simd <= 2; simd++) {
-                if (simd == 1 ? !vbmi : !(avx2 && b == 4))
+                if (simd == 1 ? !vbmi : !avx2)
                     continue;
                 const int64_t step = simd == 1 ? 64 : 32 * 16 / m;
                 kvd__pq_counters c0, c1;

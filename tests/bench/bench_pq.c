@@ -1,6 +1,6 @@
 /*
  * PQ top-k search benchmark: one kv head, head_dim 128, a GQA group of 4
- * query heads, n in {32K, 128K}, m in {2, 4, 8, 16}, b in {8, 4},
+ * query heads, n in {32K, 128K}, m in {2, 4, 8, 16}, b in {8, 6, 4},
  * k in {256, 2048}. Prints M codes/s (n * m / seconds, best of --reps runs)
  * with one thread and with all threads, and checks every result against the
  * scalar reference (a brute-force scan of the same codes).
@@ -121,10 +121,10 @@ int main(int argc, char **argv)
     printf("%7s %3s %2s %5s | %12s %12s %14s | %s\n", "n", "m", "b", "k", "1 thr Mc/s",
            "all Mc/s", "AVX2 1thr Mc/s", "= brute force");
 
-    const int ms[] = {2, 4, 8, 16}, bs[] = {8, 4}, ks[] = {256, 2048};
+    const int ms[] = {2, 4, 8, 16}, bs[] = {8, 6, 4}, ks[] = {256, 2048};
     const int64_t ns[] = {32768, 131072};
     int bad = 0;
-    for (int bi = 0; bi < 2; bi++)
+    for (int bi = 0; bi < 3; bi++)
         for (int mi = 0; mi < 4; mi++) {
             int m = ms[mi], b = bs[bi], ksub = 1 << b;
             float *cent = malloc(sizeof(float) * (size_t)ksub * D);

@@ -4,8 +4,8 @@
     pq_faiss.py measure DUMP_DIR REPS OUT.csv
         With the FAISS importable by this interpreter: loads the centroids,
         codes and queries bench_pq dumped, puts the very same centroids and
-        codes into FAISS indexes (IndexPQ, 8-bit, and IndexPQFastScan built
-        from a 4-bit IndexPQ), times index.search() (best of REPS, one thread
+        codes into FAISS indexes (IndexPQ, 8- and 6-bit, and IndexPQFastScan
+        built from a 4-bit IndexPQ), times index.search() (best of REPS, one thread
         and all threads), checks that FAISS ranks the same codes like a NumPy
         brute force, and writes one CSV row per case with the FAISS version
         and compile options.
@@ -47,7 +47,7 @@ def measure(dump, reps, out_csv):
         qbar = (qbar + q[h]).astype(np.float32)
     qbar = qbar.reshape(1, D)
     rows = []
-    for b in (8, 4):
+    for b in (8, 6, 4):
         for m in (2, 4, 8, 16):
             ksub = 1 << b
             cent = np.fromfile(os.path.join(dump, f"pq_m{m}_b{b}.centroids"), dtype=np.float32)
@@ -62,12 +62,27 @@ def measure(dump, reps, out_csv):
                 base.is_trained = True
                 if b == 8:
                     packed = codes
+                elif b == 6:  # a bit string, first code lowest: 8 codes in 6 bytes
+                    c = codes.astype(np.uint64)
+                    if m == 2:
+                        packed = (c[:, 0] | (c[:, 1] << 6)).astype("<u2").view(np.uint8)
+                    else:
+                        words = []
+                        for g0 in range(0, m, min(m, 8)):
+                            w = np.zeros(n, dtype=np.uint64)
+                            for j in range(min(m, 8)):
+                                w |= c[:, g0 + j] << np.uint64(6 * j)
+                            nbytes = min(m, 8) * 6 // 8
+                            words.append(w.astype("<u8").view(np.uint8).reshape(n, 8)[:, :nbytes])
+                        packed = np.concatenate(words, axis=1)
                 else:  # FAISS packs 4-bit codes two per byte, first one low
                     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+                packed = np.ascontiguousarray(packed, dtype=np.uint8)
+                assert packed.shape == (n, base.code_size), (packed.shape, base.code_size)
                 faiss.copy_array_to_vector(np.ascontiguousarray(packed).ravel(), base.codes)
                 base.ntotal = n
-                index = base if b == 8 else faiss.IndexPQFastScan(base, 32)
-                name = "IndexPQ" if b == 8 else "IndexPQFastScan"
+                index = base if b != 4 else faiss.IndexPQFastScan(base, 32)
+                name = "IndexPQ" if b != 4 else "IndexPQFastScan"
                 exact = np.zeros(n, dtype=np.float64)
                 for j in range(m):
                     exact += lut[j, codes[:, j]]
@@ -148,7 +163,8 @@ def report(ours_csv, faiss_csvs):
             alls.append(float(r["mcodes_all"]) if r else NAN)
             agrees.append(float(r["agree"]) if r else NAN)
             target = ("IndexPQ k=256 >= 2x" if b == 8 and k == 256 else
-                      "IndexPQ k=2048 >= 4x" if b == 8 else "FastScan 4-bit >= 2x")
+                      "IndexPQ k=2048 >= 4x" if b == 8 else
+                      "FastScan 4-bit >= 2x" if b == 4 else "IndexPQ 6-bit (no target)")
             ratios.setdefault((i, target), []).append((n, o1 / f1, o2 / f1))
         line += f" {oa:.0f} | " + " | ".join(f"{a:.0f}" for a in alls)
         line += " | " + " | ".join(f"{a:.3f}" for a in agrees) + " |"

@@ -153,9 +153,11 @@ int kvd_pq_search_ref(int64_t n, int m, int b, int D, const float *centroids,
 void kvd_pq_encode_ref(int64_t n, int m, int b, int D, const float *keys, const float *centroids,
                        uint8_t *codes);
 
-/* The CPU backend's paths: AVX2 gathers (or, where the CPU has AVX-512
- * VBMI, quantized tables with exact re-scoring) + threshold-pruned top-k,
- * nthreads threads over tokens. Bitwise the reference's result.
+/* The CPU backend's paths: quantized tables looked up in registers with
+ * exact re-scoring (AVX-512 VBMI where the CPU has it, else AVX2 pshufb;
+ * m = 2, 4, 8, 16 once a starting threshold is known), AVX2 gathers
+ * otherwise, + threshold-pruned top-k, nthreads threads over tokens.
+ * Bitwise the reference's result.
  * kvd__pq_search_cpu: simd 0 = scalar scan, 1 = the best the CPU has,
  * 2 = AVX2 only (tests and benchmarks). */
 int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
