@@ -133,35 +133,22 @@ static void select_topk(uint64_t *keys, int64_t n, int64_t k)
     }
 }
 
-static int cmp_desc(const void *a, const void *b)
+/* Sort keys[0..n) largest first by LSD radix passes (8 bits each) over
+ * bits [lo, lo + 32) of the complemented keys; the counts of every pass are
+ * taken in one read, and passes where every key has the same byte are
+ * skipped. tmp holds n keys. */
+static void radix_desc(uint64_t *keys, int64_t n, uint64_t *tmp, int lo)
 {
-    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
-/* Sort keys largest first: LSD radix sort of the complemented score halves
- * (the high 32 bits), 8 bits a pass, the counts of every pass taken in one
- * read and passes where every key has the same byte skipped; then each run
- * of equal scores is put in token order (by insertion; qsort for the long
- * runs of the reference's sort of every token when m and b are small). The
- * token halves get no passes of their own: they would double the passes for
- * the few ties of a top-k. */
-static void sort_desc(uint64_t *keys, int64_t n, uint64_t *tmp)
-{
-    if (n < 64) {
-        insertion_desc(keys, n);
-        return;
-    }
     int64_t cnts[4][256];
     memset(cnts, 0, sizeof cnts);
     for (int64_t i = 0; i < n; i++) {
-        const uint32_t x = ~(uint32_t)(keys[i] >> 32);
+        const uint32_t x = (uint32_t)(~keys[i] >> lo);
         for (int pass = 0; pass < 4; pass++)
             cnts[pass][(x >> (pass * 8)) & 0xFF]++;
     }
     uint64_t *src = keys, *dst = tmp;
     for (int pass = 0; pass < 4; pass++) {
-        const int shift = 32 + pass * 8;
+        const int shift = lo + pass * 8;
         int64_t *cnt = cnts[pass];
         if (cnt[(~src[0] >> shift) & 0xFF] == n) /* every key has this byte */
             continue;
@@ -179,12 +166,27 @@ static void sort_desc(uint64_t *keys, int64_t n, uint64_t *tmp)
     }
     if (src != keys)
         memcpy(keys, src, sizeof(uint64_t) * (size_t)n);
+}
+
+/* Sort keys largest first: radix passes over the score halves (the high 32
+ * bits); then each run of equal scores is put in token order, by insertion,
+ * or by radix passes over the token halves for the long runs (few distinct
+ * scores when m and b are small: the ties of a large k, or the reference's
+ * sort of every token). The token halves get no passes over all keys: they
+ * would double the passes for the few ties of a top-k. */
+static void sort_desc(uint64_t *keys, int64_t n, uint64_t *tmp)
+{
+    if (n < 64) {
+        insertion_desc(keys, n);
+        return;
+    }
+    radix_desc(keys, n, tmp, 32);
     for (int64_t i = 0; i < n;) {
         int64_t e = i + 1;
         while (e < n && keys[e] >> 32 == keys[i] >> 32)
             e++;
-        if (e - i > 64) /* the brute-force reference sorts every token */
-            qsort(keys + i, (size_t)(e - i), sizeof *keys, cmp_desc);
+        if (e - i > 64)
+            radix_desc(keys + i, e - i, tmp, 0);
         else if (e - i > 1)
             insertion_desc(keys + i, e - i);
         i = e;
