@@ -65,7 +65,7 @@ def measure(dump, reps, out_csv):
                 elif b == 6:  # a bit string, first code lowest: 8 codes in 6 bytes
                     c = codes.astype(np.uint64)
                     if m == 2:
-                        packed = (c[:, 0] | (c[:, 1] << 6)).astype("<u2").view(np.uint8)
+                        packed = (c[:, 0] | (c[:, 1] << 6)).astype("<u2").view(np.uint8).reshape(n, 2)
                     else:
                         words = []
                         for g0 in range(0, m, min(m, 8)):
