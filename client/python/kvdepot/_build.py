@@ -170,6 +170,7 @@ typedef struct kvdepot_append_args {
     size_t num_token_ids;
     kvdepot_engine_hashes engine_hashes;
     const kvdepot_create_args *create;
+    int *created;
     ...;
 } kvdepot_append_args;
 

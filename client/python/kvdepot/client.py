@@ -66,6 +66,9 @@ class SequenceInfo:
     # SVD width of every (layer, kv head) of K and of V, layer-major.
     artifacts_fingerprint: int = 0
     svd_widths: Tuple[List[int], List[int]] = ((), ())
+    # Appends with create= only: whether that call made the sequence (False:
+    # it existed, and the append went on as without create); None elsewhere.
+    created: Optional[bool] = None
 
 
 @dataclass
@@ -464,6 +467,13 @@ def transfer_threads(n: int) -> None:
         _raise(rc)
 
 
+def _set_created(info: "SequenceInfo", a) -> "SequenceInfo":
+    """info.created from an append's kvdepot_append_args (create= only)."""
+    if a.created != ffi.NULL:
+        info.created = bool(a.created[0])
+    return info
+
+
 class Transfer:
     """An append or read in flight (Client.append_start, read_start): done()
     polls, wait() blocks until it completed and raises its error (appends
@@ -486,6 +496,8 @@ class Transfer:
         try:
             self._c._check(lib.kvdepot_transfer_wait(t, info))
             self._result = _info_of(info) if self._append else None
+            if self._append:
+                _set_created(self._result, self._keep[0])
             return self._result
         finally:
             lib.kvdepot_sequence_info_clear(info)
@@ -734,10 +746,11 @@ class Client:
         takes them (one round trip to store a new object); a sequence so
         created is deleted again if the append fails. When the sequence
         exists it must be of that model (else FailedPrecondition), and the
-        append goes on as without create."""
+        append goes on as without create. The SequenceInfo's `created` says
+        which happened."""
         a, keep = self._append_args(sid, k, v, token_start, layer_start, dtype, token_ids,
                                     engine_hashes, create, ttl_seconds, codecs)
-        return self._info_call(lib.kvdepot_sequence_append, a)
+        return _set_created(self._info_call(lib.kvdepot_sequence_append, a), a)
 
     def append_start(self, sid: Id, k, v, *, token_start: int, layer_start: int = 0,
                      dtype: Optional[str] = None, token_ids: Optional[Sequence[int]] = None,
@@ -792,7 +805,9 @@ class Client:
             if cc is not None:
                 ca.codecs = cc
             a.create = ca
-            made = (ca, mb, cc)
+            cr = ffi.new("int *")
+            a.created = cr
+            made = (ca, mb, cc, cr)
         return a, (b, idb, ka, va, kb, vb, ids, engine_hashes, made)
 
     def _read_into_args(self, sid, k_out, v_out, layer_start, token_start, num_tokens):

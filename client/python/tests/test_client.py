@@ -86,13 +86,14 @@ def test_errors_are_typed(client):
 def test_append_creates(client):
     k, v = kv(40, 11), kv(40, 12)
     info = client.append("ca1", k, v, token_start=0, create="py", ttl_seconds=600)
-    assert info.num_tokens == 40 and info.id == b"ca1"
+    assert info.num_tokens == 40 and info.id == b"ca1" and info.created is True
     k2, v2 = client.read("ca1")
     assert np.array_equal(k2, k) and np.array_equal(v2, v)
     with pytest.raises(kvdepot.FailedPrecondition):  # the retry of a stored append
         client.append("ca1", k, v, token_start=0, create="py")
     info = client.append("ca1", k, v, token_start=40, create="py")
-    assert info.num_tokens == 80
+    assert info.num_tokens == 80 and info.created is False
+    assert client.append("ca1", k, v, token_start=80).created is None  # no create=
     # a failed append leaves no sequence behind
     with pytest.raises(kvdepot.FailedPrecondition):
         client.append("ca2", k, v, token_start=3, create="py")
@@ -105,8 +106,10 @@ def test_append_creates(client):
     with pytest.raises(kvdepot.NotFound):
         client.stat("ca2")
     t = client.append_start("ca3", k, v, token_start=0, create="py")
-    assert t.wait().num_tokens == 40
-    assert np.array_equal(client.read("ca3")[0], k)
+    info = t.wait()
+    assert info.num_tokens == 40 and info.created is True
+    assert client.append_start("ca3", k, v, token_start=40, create="py").wait().created is False
+    assert np.array_equal(client.read("ca3", num_tokens=40)[0], k)
 
 
 def test_attend_matches_reference(client):
