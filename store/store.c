@@ -7,6 +7,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -556,10 +557,38 @@ static int backup_drop(const char *dir, const kvd__pending *gone, kvd_error *err
         snprintf(why, sizeof why, "%s", err->msg);
         return kvd_error_set(err, rc,
                              "backup to %s: the sequences of appends in flight could not be "
-                             "taken out of it (%.300s); do not restore it",
+                             "taken out of it (%.300s)",
                              dir, why);
     }
     return 0;
+}
+
+static int discard_entry(const char *path, const struct stat *sb, int type, struct FTW *ftw)
+{
+    (void)sb;
+    (void)type;
+    (void)ftw;
+    return remove(path) == 0 || errno == ENOENT ? 0 : -1;
+}
+
+/* A backup that failed after its checkpoint was written: its directory
+ * (made by this backup, which refuses an existing one) is removed, so that
+ * no copy that must not be restored is left; err's message says so. */
+static void backup_discard(const char *dir, int rc, kvd_error *err)
+{
+    const int ok = nftw(dir, discard_entry, 16, FTW_DEPTH | FTW_PHYS) == 0;
+    const int eno = errno;
+    if (!err)
+        return;
+    char why[sizeof err->msg];
+    snprintf(why, sizeof why, "%s", err->msg);
+    if (ok)
+        kvd_error_set(err, rc, "%.400s; the backup was removed", why);
+    else
+        kvd_error_set(err, rc,
+                      "%.300s; removing the backup failed too (%s): delete %.100s, do not "
+                      "restore it",
+                      why, strerror(eno), dir);
 }
 
 static int backup_copy(kvd_store *st, const char *dir, kvd_error *err);
@@ -576,6 +605,7 @@ int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *
     pthread_mutex_lock(&st->backup_mu);
     backup_mark(st, 1, NULL);
     int rc = backup_copy(st, dir, err);
+    const int copied = rc == 0;
     kvd__pending *gone = NULL;
     if (backup_mark(st, 0, &gone) && rc == 0)
         rc = kvd_error_set(err, KVD_ENOMEM, "backup to %s: out of memory", dir);
@@ -587,8 +617,11 @@ int kvd_store_backup(kvd_store *st, const char *dir, uint64_t *files, uint64_t *
         free(gone);
         gone = n;
     }
-    if (rc)
+    if (rc) {
+        if (copied)
+            backup_discard(dir, rc, err);
         return rc;
+    }
     DIR *d = opendir(dir);
     struct dirent *de;
     struct stat sb;

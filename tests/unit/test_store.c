@@ -6,6 +6,7 @@
  * Every test uses a fresh directory under $TMPDIR (or /tmp) and a small
  * page size (4 tokens) so that pages seal and tails rewrite often.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
@@ -13,12 +14,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <rocksdb/c.h>
 
 #include "store.h"
+#include "store_internal.h"
 
 static int failures;
 
@@ -315,6 +318,21 @@ static void test_backup_pending(void)
         kvd_store_seq_pending_done(st, "again", 5); /* the first append ended */
     }
     CHECK(kvd_store_backup(st, bk[0], NULL, NULL, &err) == KVD_EEXIST, "backup over a backup");
+    /* a backup whose pending sequences cannot be taken out (its write to
+     * the copy fails) fails, and leaves no directory to restore */
+    REQUIRE(kvd_store_seq_create_ex(st, "late", 4, "m1", NULL, 0, NULL, 0, &po, NULL, &err) == 0,
+            "pending create late: %s", err.msg);
+    CHECK(append(st, "late", 4, 0, 0, 0, 3, NULL, &err) == 0, "append: %s", err.msg);
+    memcpy(dir, bk[0], sizeof dir);
+    remove_dir();
+    atomic_store(&kvd__fault_db_write, 1);
+    int frc = kvd_store_backup(st, bk[0], NULL, NULL, &err);
+    atomic_store(&kvd__fault_db_write, 0);
+    struct stat sb;
+    CHECK(frc == KVD_EINTERNAL && strstr(err.msg, "the backup was removed"),
+          "backup with a failed drop: %d %s", frc, err.msg);
+    CHECK(lstat(bk[0], &sb) != 0 && errno == ENOENT, "the failed backup's directory is left");
+    kvd_store_seq_pending_done(st, "late", 4);
     for (int b = 0; b < 2; b++) {
         memcpy(dir, bk[b], sizeof dir);
         remove_dir();
