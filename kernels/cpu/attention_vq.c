@@ -293,6 +293,40 @@ __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64
     const char *base = sg->k;
     int64_t rs = sg->krs;
     float r[8];
+    if (c->GP == 4 && a->k_bits <= 8 && n <= KVD__ATTN_BLOCK && kpos % 4 == 0) {
+        /* the LUT (kpos x K x 4 floats, 128 KB for d4b8) a chunk of 4
+         * positions (16 KB) at a time over the block's tokens, as the value
+         * side does with A */
+        __m128 acc[KVD__ATTN_BLOCK];
+        for (int pos0 = 0; pos0 < kpos; pos0 += 4) {
+            const float *Lp = c->lut + (size_t)pos0 * K * 4;
+            const uint8_t *cr = (const uint8_t *)(base + t0 * rs) + pos0;
+            for (int t = 0; t < n; t++, cr += rs) {
+                uint32_t w;
+                memcpy(&w, cr, 4);
+                __m128 v = _mm_add_ps(
+                    _mm_add_ps(_mm_loadu_ps(Lp + (size_t)(w & 255) * 4),
+                               _mm_loadu_ps(Lp + (size_t)K * 4 + (size_t)((w >> 8) & 255) * 4)),
+                    _mm_add_ps(_mm_loadu_ps(Lp + (size_t)K * 8 + (size_t)((w >> 16) & 255) * 4),
+                               _mm_loadu_ps(Lp + (size_t)K * 12 + (size_t)(w >> 24) * 4)));
+                acc[t] = pos0 == 0 ? v : _mm_add_ps(acc[t], v);
+            }
+        }
+        int i = 0;
+        for (; i + 4 <= n; i += 4) { /* 4 tokens x 4 heads, transposed */
+            __m128 r0 = acc[i], r1 = acc[i + 1], r2 = acc[i + 2], r3 = acc[i + 3];
+            _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+            const __m128 rr[4] = {r0, r1, r2, r3};
+            for (int g = 0; g < G; g++)
+                _mm_storeu_ps(s + (size_t)g * ld + i, rr[g]);
+        }
+        for (; i < n; i++) {
+            _mm_storeu_ps(r, acc[i]);
+            for (int g = 0; g < G; g++)
+                s[(size_t)g * ld + i] = r[g];
+        }
+        return;
+    }
     for (int i = 0; i < n; i++) {
         const char *row = base + (t0 + i) * rs;
         if (c->GP == 8) {
@@ -381,6 +415,56 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
     const char *base = sg->v;
     int64_t rs = sg->vrs;
     float *const A = c->A;
+    if (GP == 4 && a->v_bits <= 8 && n <= KVD__ATTN_BLOCK) {
+        /* A is vpos x K x 4 floats (128 KB for d4b8), beyond L1: a token's
+         * 32 updates would each miss it. The block's tokens instead take
+         * the positions a chunk at a time, so that the chunk's part of A
+         * (VQ_PC positions, 16 KB) stays in L1 over the block. Each entry
+         * still receives its tokens in token order: the same sums. */
+        enum { VQ_PC = 4 };
+        __m128 pv[KVD__ATTN_BLOCK];
+        const __m128 inv4 = _mm_setr_ps(inv[0], G > 1 ? inv[1] : 0.0f, G > 2 ? inv[2] : 0.0f,
+                                        G > 3 ? inv[3] : 0.0f);
+        int i = 0;
+        for (; i + 4 <= n; i += 4) {
+            __m128 r[4];
+            for (int g = 0; g < 4; g++)
+                r[g] = g < G ? _mm_loadu_ps(p + (size_t)g * ld + i) : _mm_setzero_ps();
+            _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+            for (int k = 0; k < 4; k++)
+                pv[i + k] = _mm_mul_ps(r[k], inv4);
+        }
+        for (; i < n; i++) {
+            float pt4[4] = {0};
+            for (int g = 0; g < G; g++)
+                pt4[g] = p[(size_t)g * ld + i] * inv[g];
+            pv[i] = _mm_loadu_ps(pt4);
+        }
+        int pos0 = 0;
+        for (; pos0 + VQ_PC <= vpos; pos0 += VQ_PC) {
+            float *Ap = A + (size_t)pos0 * K * 4;
+            const uint8_t *cr = (const uint8_t *)(base + t0 * rs) + pos0;
+            for (int t = 0; t < n; t++, cr += rs) {
+                uint32_t w;
+                memcpy(&w, cr, 4);
+                float *d0 = Ap + (size_t)(w & 255) * 4,
+                      *d1 = Ap + (size_t)K * 4 + (size_t)((w >> 8) & 255) * 4;
+                float *d2 = Ap + (size_t)K * 8 + (size_t)((w >> 16) & 255) * 4;
+                float *d3 = Ap + (size_t)K * 12 + (size_t)(w >> 24) * 4;
+                _mm_storeu_ps(d0, _mm_add_ps(_mm_loadu_ps(d0), pv[t]));
+                _mm_storeu_ps(d1, _mm_add_ps(_mm_loadu_ps(d1), pv[t]));
+                _mm_storeu_ps(d2, _mm_add_ps(_mm_loadu_ps(d2), pv[t]));
+                _mm_storeu_ps(d3, _mm_add_ps(_mm_loadu_ps(d3), pv[t]));
+            }
+        }
+        for (; pos0 < vpos; pos0++)
+            for (int t = 0; t < n; t++) {
+                const uint8_t *cr = (const uint8_t *)(base + (t0 + t) * rs);
+                float *dst = A + ((size_t)pos0 * K + cr[pos0]) * 4;
+                _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), pv[t]));
+            }
+        return;
+    }
     float pt[8] = {0};
     /* GP = 4: the probabilities of 4 tokens x 4 heads are transposed in
      * registers (writing pt[] with scalar stores and reading it back as one
@@ -408,35 +492,12 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
                 _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), pv));
             }
         } else {
+            /* 16-bit codes (8-bit ones took the chunked path above) */
             __m128 pv = i < (n & ~3) ? p4[i & 3] : _mm_loadu_ps(pt);
-            if (a->v_bits <= 8) {
-                const uint8_t *cr = (const uint8_t *)row;
-                /* A in a local (stores through dst would otherwise make the
-                 * compiler reload c->A), 4 positions per step, pointer to
-                 * the position's slice advanced instead of pos * K */
-                float *Ap = A;
-                int pos = 0;
-                for (; pos + 4 <= vpos; pos += 4, Ap += (size_t)4 * K * 4) {
-                    uint32_t w;
-                    memcpy(&w, cr + pos, 4);
-                    float *d0 = Ap + (size_t)(w & 255) * 4, *d1 = Ap + (size_t)K * 4 + (size_t)((w >> 8) & 255) * 4;
-                    float *d2 = Ap + (size_t)K * 8 + (size_t)((w >> 16) & 255) * 4;
-                    float *d3 = Ap + (size_t)K * 12 + (size_t)(w >> 24) * 4;
-                    _mm_storeu_ps(d0, _mm_add_ps(_mm_loadu_ps(d0), pv));
-                    _mm_storeu_ps(d1, _mm_add_ps(_mm_loadu_ps(d1), pv));
-                    _mm_storeu_ps(d2, _mm_add_ps(_mm_loadu_ps(d2), pv));
-                    _mm_storeu_ps(d3, _mm_add_ps(_mm_loadu_ps(d3), pv));
-                }
-                for (; pos < vpos; pos++) {
-                    float *dst = A + ((size_t)pos * K + cr[pos]) * 4;
-                    _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), pv));
-                }
-            } else {
-                const uint16_t *cr = (const uint16_t *)row;
-                for (int pos = 0; pos < vpos; pos++) {
-                    float *dst = c->A + ((size_t)pos * K + cr[pos]) * 4;
-                    _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), pv));
-                }
+            const uint16_t *cr = (const uint16_t *)row;
+            for (int pos = 0; pos < vpos; pos++) {
+                float *dst = A + ((size_t)pos * K + cr[pos]) * 4;
+                _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), pv));
             }
         }
     }
