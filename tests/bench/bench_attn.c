@@ -10,6 +10,9 @@
  *
  *   bench_attn [max_tokens]      (default 131072)
  *
+ * BENCH_FORMS=a,b (environment) times only the forms whose names contain
+ * one of the comma-separated strings (fp16 always runs: it is the yardstick).
+ *
  * Timings are the minimum over repetitions (the machine may be shared);
  * "cpu ms" is the minimum process CPU time of a step (all threads), and
  * "cpu ratio" the fp16 CPU time over the form's: less disturbed than wall
@@ -103,6 +106,26 @@ static double cpu_now(void)
 }
 
 static double last_cpu; /* min CPU seconds (all threads) over the repetitions */
+
+/* Whether BENCH_FORMS selects the form `name` (see the head comment). */
+static int form_on(const char *name)
+{
+    const char *f = getenv("BENCH_FORMS");
+    if (!f || !*f)
+        return 1;
+    while (*f) {
+        size_t n = strcspn(f, ",");
+        char part[64];
+        if (n > 0 && n < sizeof part) {
+            memcpy(part, f, n);
+            part[n] = '\0';
+            if (strstr(name, part))
+                return 1;
+        }
+        f += n + (f[n] == ',');
+    }
+    return 0;
+}
 
 static double time_step(kvd_backend *be, step_fn fn, void *arg)
 {
@@ -302,6 +325,8 @@ int main(int argc, char **argv)
             printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "fp16", (long long)T, threads[th], t16 * 1e3, last_cpu * 1e3,
                    b16 / t16 / 1e9, 1.0, 1.0);
             for (int f = 0; f < NIF; f++) {
+                if (!form_on(iforms[f].name))
+                    continue;
                 kvd_attn_int_args ia;
                 memset(&ia, 0, sizeof ia);
                 ia.dims = dims;
@@ -316,17 +341,21 @@ int main(int argc, char **argv)
                 printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", iforms[f].name, (long long)T, threads[th], t * 1e3, last_cpu * 1e3,
                        b / t / 1e9, t16 / t, c16 / last_cpu);
             }
-            if (npg > 0) {
+            if (npg > 0 && form_on("int2/32 paged")) {
                 double tp = time_step(be, step_paged, &pg);
                 printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "int2/32 paged", (long long)T, threads[th],
                        tp * 1e3, last_cpu * 1e3, pg_bytes / tp / 1e9, t16 / tp, c16 / last_cpu);
             }
-            double tv = time_step(be, step_vq, &va);
-            printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "vq d4b8", (long long)T, threads[th], tv * 1e3, last_cpu * 1e3,
-                   vq_bytes / tv / 1e9, t16 / tv, c16 / last_cpu);
-            double ts = time_step(be, step_svd, &ss);
-            printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "svd64+int2/32", (long long)T, threads[th], ts * 1e3, last_cpu * 1e3,
-                   (sk.bytes + sv.bytes) / ts / 1e9, t16 / ts, c16 / last_cpu);
+            double tv = form_on("vq d4b8") ? time_step(be, step_vq, &va) : 0;
+            if (tv > 0)
+                printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "vq d4b8",
+                       (long long)T, threads[th], tv * 1e3, last_cpu * 1e3, vq_bytes / tv / 1e9,
+                       t16 / tv, c16 / last_cpu);
+            double ts = form_on("svd64+int2/32") ? time_step(be, step_svd, &ss) : 0;
+            if (ts > 0)
+                printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "svd64+int2/32",
+                       (long long)T, threads[th], ts * 1e3, last_cpu * 1e3,
+                       (sk.bytes + sv.bytes) / ts / 1e9, t16 / ts, c16 / last_cpu);
             fflush(stdout);
             kvd_backend_free(be);
         }
