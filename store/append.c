@@ -67,6 +67,12 @@ struct kvd_append {
         size_t len;
     } *given;
     size_t ngiven;
+    /* Payload ranges counted without their bytes (kvd_store_append_skip):
+     * [off, off + len) of buf holds nothing. */
+    struct skipped_range {
+        uint64_t off, len;
+    } * skipped;
+    size_t nskipped;
     /* Activations (activation.c): the bytes carry X from x_off on. */
     int with_x;
     uint64_t x_off;
@@ -88,6 +94,24 @@ int kvd_store_append_give_page(kvd_append *ap, uint32_t layer, uint64_t block,
     g[ap->ngiven].len = len;
     ap->ngiven++;
     return 0;
+}
+
+/* Whether any byte of buf's [off, off + len) was skipped. */
+static int skipped(const kvd_append *ap, uint64_t off, uint64_t len)
+{
+    for (size_t i = 0; i < ap->nskipped; i++)
+        if (off < ap->skipped[i].off + ap->skipped[i].len && ap->skipped[i].off < off + len)
+            return 1;
+    return 0;
+}
+
+/* Whether any byte of tokens [t0, t1) of layer l, K or V, was skipped. */
+static int tokens_skipped(const kvd_append *ap, uint32_t l, uint64_t t0, uint64_t t1)
+{
+    const uint64_t tb = (uint64_t)ap->H * ap->D * ap->es, half = (uint64_t)ap->nl * ap->n * tb;
+    const uint64_t off = ((uint64_t)(l - ap->ls) * ap->n + (t0 - ap->ts)) * tb,
+                   len = (t1 - t0) * tb;
+    return ap->nskipped && t1 > t0 && (skipped(ap, off, len) || skipped(ap, half + off, len));
 }
 
 static const struct given_page *given_page(const kvd_append *ap, uint32_t layer, uint64_t block)
@@ -295,6 +319,7 @@ void kvd_store_append_abort(kvd_append *ap)
     for (size_t i = 0; i < ap->ngiven; i++)
         free(ap->given[i].bytes);
     free(ap->given);
+    free(ap->skipped);
     kvd__pq_append_free(ap->pq);
     free(ap->ids);
     free(ap->bh);
@@ -432,10 +457,9 @@ fail:
     return rc;
 }
 
-int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_error *err)
+/* Room in buf for len more bytes: 0, or an error with the append failed. */
+static int append_room(kvd_append *ap, size_t len, kvd_error *err)
 {
-    if (!ap || (len && !data))
-        return kvd_error_set(err, KVD_EINVAL, "append write: NULL argument");
     if (ap->failed)
         return kvd_error_set(err, KVD_EINVAL, "append already failed");
     if (len > ap->expected - ap->have) {
@@ -481,7 +505,43 @@ int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_err
         ap->buf = nb;
         ap->cap = ncap;
     }
+    return 0;
+}
+
+int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_error *err)
+{
+    if (!ap || (len && !data))
+        return kvd_error_set(err, KVD_EINVAL, "append write: NULL argument");
+    int rc = append_room(ap, len, err);
+    if (rc)
+        return rc;
     memcpy(ap->buf + ap->have, data, len);
+    ap->have += len;
+    return 0;
+}
+
+int kvd_store_append_skip(kvd_append *ap, size_t len, kvd_error *err)
+{
+    if (!ap)
+        return kvd_error_set(err, KVD_EINVAL, "append skip: NULL append");
+    int rc = append_room(ap, len, err);
+    if (rc || len == 0)
+        return rc;
+    if (ap->with_x && ap->have + len > ap->x_off) {
+        ap->failed = 1;
+        return kvd_error_set(err, KVD_EINVAL, "append skip: activation bytes cannot be skipped");
+    }
+    struct skipped_range *r = NULL;
+    if (ap->nskipped && ap->skipped[ap->nskipped - 1].off + ap->skipped[ap->nskipped - 1].len ==
+                            ap->have) { /* extends the last range */
+        ap->skipped[ap->nskipped - 1].len += len;
+    } else if ((r = realloc(ap->skipped, (ap->nskipped + 1) * sizeof *r)) == NULL) {
+        ap->failed = 1;
+        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    } else {
+        ap->skipped = r;
+        ap->skipped[ap->nskipped++] = (struct skipped_range){ap->have, len};
+    }
     ap->have += len;
     return 0;
 }
@@ -677,12 +737,24 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
     nl->npages = nl->cap = (uint32_t)npages;
     if (first)
         memcpy(nl->pages, L->pages, first * sizeof *nl->pages);
+    /* Pages given whole are not built, and their bytes not read, unless
+     * their keys make PQ codes; every byte read must have been received. */
+    if (pq && ap->nskipped)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "append: payload bytes were skipped, but layer %u needs every key "
+                             "for its PQ index",
+                             l);
 
     /* Wire K and V blocks of this layer. */
     const uint8_t *wk = ap->buf + (size_t)(l - ap->ls) * ap->n * tok_bytes;
     const uint8_t *wv = wk + (size_t)ap->nl * ap->n * tok_bytes;
 
     if (tail && end < (first + 1) * B && tail->nfrags < KVD__MAX_FRAGS) {
+        if (tokens_skipped(ap, l, ap->ts, end))
+            return kvd_error_set(err, KVD_EINVAL,
+                                 "append: the bytes of layer %u tokens %llu..%llu were skipped, "
+                                 "but no page was given for them",
+                                 l, (unsigned long long)ap->ts, (unsigned long long)end);
         kvd_page_desc d = {.dtype = ap->dtype,
                            .layer = l,
                            .token_start = ap->ts,
@@ -789,15 +861,25 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
              * unless the client encoded it (given_page). */
             given[at] = d.num_tokens == B ? given_page(ap, l, pi) : NULL;
             code_it[at] = ap->coded && d.num_tokens == B && p0 >= ap->sink_end && !given[at];
+            /* A page given whole is stored as given: built only for its
+             * PQ codes. */
+            const int build = !given[at] || pq;
+            if (build && tokens_skipped(ap, l, p0 > ap->ts ? p0 : ap->ts, p1)) {
+                rc = kvd_error_set(err, KVD_EINVAL,
+                                   "append: the bytes of layer %u tokens %llu..%llu were "
+                                   "skipped, but no page was given for them",
+                                   l, (unsigned long long)p0, (unsigned long long)p1);
+                break;
+            }
             /* A page stored as built (raw, no PQ section) is built where
              * the batch holds it; the others in a window buffer. */
             const int direct = !given[at] && !code_it[at] && !(pq && d.num_tokens == B);
             kvd__page *np = calloc(1, sizeof *np);
             /* One buffer per window slot, sized for a full page, serves
              * every page built there: the batch keeps its own copy. */
-            if (!direct && !raw[at])
+            if (build && !direct && !raw[at])
                 raw[at] = malloc(full_size);
-            if (!np || (!direct && !raw[at])) {
+            if (!np || (build && !direct && !raw[at])) {
                 free(np);
                 rc = kvd_error_set(err, KVD_ENOMEM, "out of memory building pages");
                 break;
@@ -819,12 +901,14 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
                 }
                 in_batch[at] = (size_t)(dst - wb->buf);
             }
-            uint8_t *kp, *vp;
-            if ((rc = kvd_page_init_raw(&d, dst, (size_t)size, &kp, &vp, err)))
-                break;
-            fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
-            fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
-            kvd_page_finish(dst, (size_t)size);
+            uint8_t *kp = NULL, *vp = NULL;
+            if (build) {
+                if ((rc = kvd_page_init_raw(&d, dst, (size_t)size, &kp, &vp, err)))
+                    break;
+                fill_section(ap, kp, p0, p1, old.k, tail_n, p0, L->tokens, wk);
+                fill_section(ap, vp, p0, p1, old.v, tail_n, p0, L->tokens, wv);
+                kvd_page_finish(dst, (size_t)size);
+            }
             ds[at] = d;
             kps[at] = kp; /* (used only for pages not built in the batch) */
             if (code_it[at]) {

@@ -341,6 +341,13 @@ int kvd_store_append_begin(kvd_store *st, const kvd_append_spec *spec, kvd_appen
 uint64_t kvd_store_append_index_bound(const kvd_append *ap);
 /* Feed the next bytes (any split). More bytes than expected: KVD_EINVAL. */
 int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_error *err);
+/* Count the next len bytes as received without their contents: the tokens
+ * of pages given whole (kvd_store_append_give_page), which the commit does
+ * not read unless the sequence keeps a PQ index. A commit that would read a
+ * skipped byte (a page built from it, or a layer whose keys make PQ codes)
+ * fails with KVD_EINVAL and stores nothing. Activation bytes cannot be
+ * skipped. */
+int kvd_store_append_skip(kvd_append *ap, size_t len, kvd_error *err);
 /* Make the append durable and visible atomically. Fewer bytes than expected:
  * KVD_EINVAL. Fills *info (if not NULL). Frees ap in every case. */
 int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err);

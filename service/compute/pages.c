@@ -7,10 +7,11 @@
  *      with other artifacts KVD_EPRECOND);
  *   2. the pages tile one token range on contiguous layers, starting at each
  *      layer's stored token count (KVD_EPRECOND) and the same on every layer;
- *   3. the decoded tokens go through the ordinary append transaction, with
- *      every sealed page handed over as is: the stored bytes are the
- *      client's, except the PQ section of a sequence with a PQ index, which
- *      the store writes from the decoded keys (store/pqindex.h).
+ *   3. the pages go through the ordinary append transaction, every sealed
+ *      page handed over as is: the stored bytes are the client's, except
+ *      the PQ section of a sequence with a PQ index, which the store writes
+ *      from the decoded keys (store/pqindex.h). Only the tokens the store
+ *      reads are decoded: those of partial pages, and with a PQ index all.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -153,36 +154,43 @@ static int check_tiling(in_page *pg, size_t np, const uint64_t *layer_tokens, ui
     return 0;
 }
 
-/* Step 3a: the decoded tokens of every page into the wire layout (K then V,
- * each [layer][token][kv_head][head_dim]) of wire, 2 * nl * n rows. */
-static int decode_to_wire(const kvd_compute *c, const in_page *pg, size_t np,
-                          const kvd_model_info *m, const kvd_codec_arts *arts, uint32_t l0,
-                          uint64_t t0, uint64_t n, size_t half, uint8_t *wire, kvd_error *err)
+/* Step 3: the payload of the append, in its order (K then V, each
+ * [layer][token][kv_head][head_dim]): the pages' decoded tokens, page by
+ * page. The tokens of sealed pages are skipped instead when skip_sealed
+ * (the store stores those pages as given and does not read them). */
+static int feed_pages(const kvd_compute *c, kvd_append *ap, const in_page *pg, size_t np,
+                      const kvd_model_info *m, const kvd_codec_arts *arts, int skip_sealed,
+                      kvd_error *err)
 {
     const uint32_t B = kvd_store_page_tokens(c->store);
     const size_t es = kvd_dtype_size(m->dtype), row = (size_t)m->num_kv_heads * m->head_dim * es;
-    uint8_t *tmp = malloc((size_t)B * row);
-    if (!tmp)
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+    uint8_t *tmp = NULL, *rows = NULL;
     int rc = 0;
-    for (size_t j = 0; j < np && rc == 0; j++) {
-        const kvd_page_view *v = &pg[j].view;
-        uint32_t T = v->h.num_tokens, H = v->h.num_kv_heads;
-        size_t hrow = (size_t)v->h.head_dim * es;
-        for (int which = 0; which < 2 && rc == 0; which++) {
+    for (int which = 0; which < 2 && rc == 0; which++)
+        for (size_t j = 0; j < np && rc == 0; j++) {
+            const kvd_page_view *v = &pg[j].view;
+            const uint32_t T = v->h.num_tokens, H = v->h.num_kv_heads;
+            const size_t hrow = (size_t)v->h.head_dim * es;
+            if (skip_sealed && (v->h.flags & KVD_PAGE_SEALED)) {
+                rc = kvd_store_append_skip(ap, (size_t)T * row, err);
+                continue;
+            }
+            if (!tmp && (!(tmp = malloc((size_t)B * row)) || !(rows = malloc((size_t)B * row)))) {
+                rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                break;
+            }
             if ((rc = kvd_page_decode_section(kvd_store_coding_backend(c->store), v,
                                               which ? KVD_SECTION_V : KVD_SECTION_K, arts, m->dtype,
                                               tmp, err)))
                 break;
-            uint8_t *dst = wire + (size_t)which * half +
-                           ((size_t)(v->h.layer - l0) * n + (v->h.token_start - t0)) * row;
             for (uint32_t t = 0; t < T; t++)
                 for (uint32_t hh = 0; hh < H; hh++)
-                    memcpy(dst + (size_t)t * row + hh * hrow, tmp + ((size_t)hh * T + t) * hrow,
+                    memcpy(rows + (size_t)t * row + hh * hrow, tmp + ((size_t)hh * T + t) * hrow,
                            hrow);
+            rc = kvd_store_append_write(ap, rows, (size_t)T * row, err);
         }
-    }
     free(tmp);
+    free(rows);
     return rc;
 }
 
@@ -203,7 +211,6 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
     kvd_seq_codecs codecs;
     memset(&codecs, 0, sizeof codecs);
     in_page *pg = NULL;
-    uint8_t *wire = NULL;
     int found = 0;
     if ((rc = kvd_store_seq_stat(store, a->id, a->id_len, &info, err)))
         return rc;
@@ -225,14 +232,6 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
     uint64_t t0 = 0, n = 0;
     if ((rc = check_each(pg, a->n, &m, &codecs, B, err)) ||
         (rc = check_tiling(pg, a->n, info.layer_tokens, &l0, &nl, &t0, &n, err)))
-        goto out;
-    const size_t row = (size_t)m.num_kv_heads * m.head_dim * kvd_dtype_size(m.dtype);
-    const size_t half = (size_t)nl * n * row;
-    if (!(wire = malloc(half > 0 ? 2 * half : 1))) {
-        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
-        goto out;
-    }
-    if ((rc = decode_to_wire(c, pg, a->n, &m, codecs.arts, l0, t0, n, half, wire, err)))
         goto out;
     kvd_append_spec spec = {a->id,
                             a->id_len,
@@ -263,8 +262,10 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
             rc = kvd_store_append_give_page(ap, v->h.layer, v->h.token_start / B, pg[j].bytes,
                                             pg[j].len, err);
     }
+    /* Without a PQ index the store keeps sealed pages as sent and never
+     * reads their tokens: only partial pages are decoded (they are raw). */
     if (rc == 0)
-        rc = kvd_store_append_write(ap, wire, 2 * half, err);
+        rc = feed_pages(c, ap, pg, a->n, &m, codecs.arts, !codecs.pq_m, err);
     if (rc) {
         kvd_store_append_abort(ap);
     } else {
@@ -284,7 +285,6 @@ int kvd_compute_append_pages(const kvd_compute *c, const kvd_pages_args *a, kvd_
     if (rc && reserved && g && g->release)
         g->release(g->arg, m.name, expected);
 out:
-    free(wire);
     free(pg);
     kvd_seq_codecs_clear(&codecs);
     kvd_seq_info_clear(&info);

@@ -20,6 +20,8 @@
 
 #include <rocksdb/c.h>
 
+#include "page.h"
+#include "seqcodec.h"
 #include "store.h"
 #include "store_internal.h"
 
@@ -1164,6 +1166,122 @@ static void test_fragments(void)
 }
 
 /* Peak virtual memory of this process in KiB (0 when unknown). */
+/* A raw page of layer l, block blk, holding the values of sequence `salt`
+ * (malloc'd; *len its size). */
+static uint8_t *raw_page(int salt, uint32_t l, uint64_t blk, size_t *len)
+{
+    kvd_page_desc d = {.dtype = KVD_DTYPE_F16,
+                       .layer = l,
+                       .token_start = blk * B,
+                       .num_tokens = B,
+                       .page_tokens = B,
+                       .num_kv_heads = H,
+                       .head_dim = D};
+    uint16_t k[H * B * D], v[H * B * D];
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t t = 0; t < B; t++)
+            for (uint32_t x = 0; x < D; x++) {
+                k[(h * B + t) * D + x] = val(salt, 0, l, blk * B + t, h, x);
+                v[(h * B + t) * D + x] = val(salt, 1, l, blk * B + t, h, x);
+            }
+    uint8_t *p;
+    kvd_error err;
+    REQUIRE(kvd_page_encode_raw(&d, k, v, &p, len, &err) == 0, "encode: %s", err.msg);
+    return p;
+}
+
+/* An append of tokens [0, 10) of every layer (blocks 0 and 1 seal, block 2
+ * holds 2 tokens) with the pages of layer `gl` blocks 0 and 1 given (values
+ * of sequence 9) and the payload bytes of layer `sl` tokens [s0, s1) skipped
+ * (K and V); the rest of the payload is sequence 5's. The commit's status. */
+static int append_given(kvd_store *st, const char *id, uint32_t gl, uint32_t sl, uint64_t s0,
+                        uint64_t s1, kvd_error *err)
+{
+    const uint64_t n = 10;
+    kvd_append_spec sp = {.seq_id = id,
+                          .seq_id_len = strlen(id),
+                          .layer_start = 0,
+                          .num_layers = L,
+                          .token_start = 0,
+                          .num_tokens = n,
+                          .dtype = KVD_DTYPE_F16};
+    kvd_append *ap;
+    uint64_t exp;
+    int rc = kvd_store_append_begin(st, &sp, &ap, &exp, err);
+    if (rc)
+        return rc;
+    for (uint64_t blk = 0; blk < 2 && rc == 0; blk++) {
+        size_t len;
+        uint8_t *p = raw_page(9, gl, blk, &len);
+        rc = kvd_store_append_give_page(ap, gl, blk, p, len, err);
+        free(p);
+    }
+    size_t bytes;
+    uint16_t *w = wire(5, 0, L, 0, n, &bytes);
+    const size_t tok = (size_t)H * D * 2;
+    for (int part = 0; part < 2 && rc == 0; part++)
+        for (uint32_t l = 0; l < L && rc == 0; l++) {
+            const uint8_t *row = (const uint8_t *)w + ((size_t)part * L + l) * n * tok;
+            if (l != sl) {
+                rc = kvd_store_append_write(ap, row, n * tok, err);
+                continue;
+            }
+            rc = kvd_store_append_write(ap, row, s0 * tok, err);
+            if (rc == 0)
+                rc = kvd_store_append_skip(ap, (s1 - s0) * tok, err);
+            if (rc == 0)
+                rc = kvd_store_append_write(ap, row + s1 * tok, (n - s1) * tok, err);
+        }
+    free(w);
+    if (rc) {
+        kvd_store_append_abort(ap);
+        return rc;
+    }
+    return kvd_store_append_commit(ap, NULL, err);
+}
+
+/* Pages given whole with their payload bytes skipped (AppendPages on a
+ * sequence without a PQ index): stored as given; a skip that a built page
+ * would read fails the append, which stores nothing. */
+static void test_skip_given(void)
+{
+    make_dir("skip");
+    kvd_store *st = open_store(B);
+    put_model(st, "m");
+    kvd_error err;
+    create(st, "sk", "m");
+    int rc = append_given(st, "sk", 1, 1, 0, 8, &err);
+    CHECK(rc == 0, "given pages, their bytes skipped: %s", err.msg);
+    CHECK(read_check(st, "sk", 5, 0, 1, 0, 10, 4096, "layer 0") == 0, "read layer 0");
+    CHECK(read_check(st, "sk", 9, 1, 1, 0, 8, 4096, "given pages") == 0, "read given pages");
+    CHECK(read_check(st, "sk", 5, 1, 1, 8, 2, 4096, "layer 1 tail") == 0, "read layer 1 tail");
+    CHECK(read_check(st, "sk", 5, 2, 1, 0, 10, 4096, "layer 2") == 0, "read layer 2");
+    /* given, not skipped: the given pages all the same */
+    create(st, "sk1", "m");
+    CHECK(append_given(st, "sk1", 2, 0, 0, 0, &err) == 0, "given pages, bytes sent: %s", err.msg);
+    CHECK(read_check(st, "sk1", 9, 2, 1, 0, 8, 4096, "given pages") == 0, "read given pages");
+    CHECK(read_check(st, "sk1", 5, 0, 2, 0, 10, 4096, "layers 0-1") == 0, "read layers 0-1");
+    /* skipped where no page is given: a sealed page, the partial one, one
+     * token of each half */
+    const struct {
+        uint32_t gl, sl;
+        uint64_t s0, s1;
+    } bad[] = {{1, 0, 0, 4}, {1, 1, 8, 10}, {1, 1, 0, 9}, {1, 2, 7, 8}, {0, 1, 3, 5}};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "bad%zu", i);
+        create(st, id, "m");
+        rc = append_given(st, id, bad[i].gl, bad[i].sl, bad[i].s0, bad[i].s1, &err);
+        CHECK(rc == KVD_EINVAL && strstr(err.msg, "skipped"),
+              "%s: skip of layer %u tokens %llu..%llu with layer %u given: %d %s", id, bad[i].sl,
+              (unsigned long long)bad[i].s0, (unsigned long long)bad[i].s1, bad[i].gl, rc,
+              rc ? err.msg : "");
+        CHECK(seq_tokens(st, id, UINT32_MAX) == 0, "%s: stored tokens after a failed append", id);
+    }
+    kvd_store_close(st);
+    remove_dir();
+}
+
 static uint64_t vm_peak_kib(void)
 {
     FILE *f = fopen("/proc/self/status", "r");
@@ -1219,6 +1337,7 @@ int main(int argc, char **argv)
     test_limits();
     test_crash();
     test_fragments();
+    test_skip_given();
     test_huge_header();
     test_concurrency();
     if (failures) {
