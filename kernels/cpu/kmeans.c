@@ -271,7 +271,8 @@ near_block_avx2_d(const int d, const float *xt, const near_tab *t, float *b1o, f
 {
     __m256 b1[4], b2[4];
     __m256i i1[4];
-    for (int j = 0; j < 4; j++) {
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)
+    {
         b1[j] = b2[j] = _mm256_set1_ps(INFINITY);
         i1[j] = _mm256_setzero_si256();
     }
@@ -284,10 +285,11 @@ near_block_avx2_d(const int d, const float *xt, const near_tab *t, float *b1o, f
 #pragma GCC unroll 8
         for (int q = 0; q < d; q++) {
             __m256 w = _mm256_broadcast_ss(m2 + q);
-            for (int j = 0; j < 4; j++)
-                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xt + q * NEAR_BLOCK + 8 * j), w, a[j]);
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) a[j] =
+                _mm256_fmadd_ps(_mm256_loadu_ps(xt + q * NEAR_BLOCK + 8 * j), w, a[j]);
         }
-        for (int j = 0; j < 4; j++) {
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)
+        {
             __m256 lt = _mm256_cmp_ps(a[j], b1[j], _CMP_LT_OQ);
             b2[j] = _mm256_min_ps(b2[j], _mm256_max_ps(a[j], b1[j]));
             i1[j] = _mm256_castps_si256(
@@ -296,7 +298,8 @@ near_block_avx2_d(const int d, const float *xt, const near_tab *t, float *b1o, f
         }
         ci = _mm256_add_epi32(ci, one);
     }
-    for (int j = 0; j < 4; j++) {
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)
+    {
         _mm256_storeu_ps(b1o + 8 * j, b1[j]);
         _mm256_storeu_ps(b2o + 8 * j, b2[j]);
         _mm256_storeu_si256((__m256i *)(i1o + 8 * j), i1[j]);
