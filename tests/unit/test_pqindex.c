@@ -997,6 +997,29 @@ static void t_given_page(void)
     }
     kvd_store_page_release(st, &ph);
     kvd_pq_centroids_clear(&c);
+    /* The same append with the given page's payload skipped: the layer's
+     * PQ codes need its keys, so the commit refuses it and stores nothing. */
+    create(st, "g2", NULL, 0);
+    sp.seq_id = "g2";
+    sp.seq_id_len = 2;
+    REQUIRE(kvd_store_append_begin(st, &sp, &ap, &exp, &err) == 0, "begin: %s", err.msg);
+    REQUIRE(kvd_store_append_give_page(ap, 0, 0, bogus, blen, &err) == 0, "give: %s", err.msg);
+    const size_t lay = (size_t)B * H * D; /* elements of one layer's K or V */
+    int rc = 0;
+    for (int part = 0; part < 2 && rc == 0; part++)
+        for (uint32_t l = 0; l < L && rc == 0; l++)
+            rc = l == 0
+                     ? kvd_store_append_skip(ap, lay * 2, &err)
+                     : kvd_store_append_write(ap, w + ((size_t)part * L + l) * lay, lay * 2, &err);
+    REQUIRE(rc == 0, "write: %s", err.msg);
+    rc = kvd_store_append_commit(ap, NULL, &err);
+    CHECK(rc == KVD_EINVAL && strstr(err.msg, "PQ index"), "skip with a PQ index: %d %s", rc,
+          rc ? err.msg : "");
+    kvd_seq_info gi;
+    REQUIRE(kvd_store_seq_stat(st, "g2", 2, &gi, &err) == 0, "stat: %s", err.msg);
+    CHECK(gi.num_tokens == 0, "g2 holds %llu tokens after a refused append",
+          (unsigned long long)gi.num_tokens);
+    kvd_seq_info_clear(&gi);
     free(w);
     free(k);
     free(v);

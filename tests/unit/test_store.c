@@ -1261,6 +1261,35 @@ static void test_skip_given(void)
     CHECK(append_given(st, "sk1", 2, 0, 0, 0, &err) == 0, "given pages, bytes sent: %s", err.msg);
     CHECK(read_check(st, "sk1", 9, 2, 1, 0, 8, 4096, "given pages") == 0, "read given pages");
     CHECK(read_check(st, "sk1", 5, 0, 2, 0, 10, 4096, "layers 0-1") == 0, "read layers 0-1");
+    /* the layers' partial pages grow by a token, layer 1's from skipped
+     * bytes: refused, nothing stored */
+    {
+        kvd_append_spec sp = {.seq_id = "sk",
+                              .seq_id_len = 2,
+                              .layer_start = 0,
+                              .num_layers = L,
+                              .token_start = 10,
+                              .num_tokens = 1,
+                              .dtype = KVD_DTYPE_F16};
+        kvd_append *ap;
+        uint64_t exp;
+        REQUIRE(kvd_store_append_begin(st, &sp, &ap, &exp, &err) == 0, "begin: %s", err.msg);
+        size_t bytes;
+        uint16_t *w = wire(5, 0, L, 10, 1, &bytes);
+        const size_t tok = (size_t)H * D * 2;
+        rc = kvd_store_append_write(ap, w, tok, &err);
+        if (rc == 0)
+            rc = kvd_store_append_skip(ap, tok, &err);
+        if (rc == 0)
+            rc = kvd_store_append_write(ap, (uint8_t *)w + 2 * tok, bytes - 2 * tok, &err);
+        free(w);
+        REQUIRE(rc == 0, "write: %s", err.msg);
+        rc = kvd_store_append_commit(ap, NULL, &err);
+        CHECK(rc == KVD_EINVAL && strstr(err.msg, "skipped"),
+              "a tail fragment from skipped bytes: %d %s", rc, rc ? err.msg : "");
+        CHECK(seq_tokens(st, "sk", UINT32_MAX) == 10, "tokens after a failed append");
+        CHECK(read_check(st, "sk", 5, 1, 1, 8, 2, 4096, "layer 1 tail") == 0, "layer 1 tail");
+    }
     /* skipped where no page is given: a sealed page, the partial one, one
      * token of each half */
     const struct {
