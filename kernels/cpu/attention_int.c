@@ -689,52 +689,62 @@ kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const in
     const int64_t cst = ct->stride[1];
     float ss = a->dims.softmax_scale;
     /* GP query heads per pass share the loads and the plane unpacking of
-     * every code pair */
+     * every code pair. Their int16 sums stay in registers: KP planes at a
+     * time (GP * KP <= 8 accumulators), the pairs read again for the next
+     * KP (from L1). */
+    const int KP = GP * PER > 8 ? 8 / GP : PER;
     for (int c0 = 0; c0 < n; c0 += TPR) {
         int gA = c0 / P, gB = (c0 + TPL) / P;
         for (int g0 = 0; g0 < G; g0 += GP) {
             const int16_t *wA[4], *wB[4];
             _Alignas(32) int32_t a32[4][4][16];
-            __m256i acc[4][4];
-            for (int h = 0; h < GP; h++) {
+            _Pragma("GCC unroll 4") for (int h = 0; h < GP; h++)
+            {
                 wA[h] = (const int16_t *)(c->kw8 + ((size_t)gA * G + g0 + h) * D);
                 wB[h] = (const int16_t *)(c->kw8 + ((size_t)gB * G + g0 + h) * D);
-                for (int k = 0; k < PER; k++) {
-                    acc[h][k] = _mm256_setzero_si256();
-                    memset(a32[h][k], 0, sizeof a32[h][k]);
-                }
+                memset(a32[h], 0, sizeof a32[h]);
             }
-            for (int pr = 0, cnt = 0; pr < D / 2; pr++) {
-                const uint8_t *r0 = cbase + (int64_t)(2 * pr) * cst + c0 / PER;
-                __m128i x0 = _mm_loadu_si128((const __m128i *)r0), x1 = _mm_loadu_si128((const __m128i *)(r0 + cst));
-                __m256i X = _mm256_set_m128i(_mm_unpackhi_epi8(x0, x1), _mm_unpacklo_epi8(x0, x1));
-                __m256i pl[4];
-                for (int k = 0; k < PER; k++)
-                    pl[k] = _mm256_and_si256(_mm256_srli_epi16(X, k * BITS), mask);
-                for (int h = 0; h < GP; h++) {
-                    int16_t pa, pb;
-                    memcpy(&pa, wA[h] + pr, 2);
-                    memcpy(&pb, wB[h] + pr, 2);
-                    __m256i W = _mm256_set_m128i(_mm_set1_epi16(pb), _mm_set1_epi16(pa));
-                    for (int k = 0; k < PER; k++)
-                        acc[h][k] = _mm256_add_epi16(acc[h][k], _mm256_maddubs_epi16(pl[k], W));
-                }
-                if (++cnt == FLUSH || pr + 1 == D / 2) {
-                    for (int h = 0; h < GP; h++)
-                        for (int k = 0; k < PER; k++) {
+            for (int k0 = 0; k0 < PER; k0 += KP) {
+                __m256i acc[4][4];
+                _Pragma("GCC unroll 4") for (int h = 0; h < GP; h++)
+                    _Pragma("GCC unroll 4") for (int k = 0; k < KP; k++) acc[h][k] =
+                        _mm256_setzero_si256();
+                for (int pr = 0, cnt = 0; pr < D / 2; pr++) {
+                    const uint8_t *r0 = cbase + (int64_t)(2 * pr) * cst + c0 / PER;
+                    __m128i x0 = _mm_loadu_si128((const __m128i *)r0),
+                            x1 = _mm_loadu_si128((const __m128i *)(r0 + cst));
+                    __m256i X =
+                        _mm256_set_m128i(_mm_unpackhi_epi8(x0, x1), _mm_unpacklo_epi8(x0, x1));
+                    __m256i pl[4];
+                    _Pragma("GCC unroll 4") for (int k = 0; k < KP; k++) pl[k] =
+                        _mm256_and_si256(_mm256_srli_epi16(X, (k0 + k) * BITS), mask);
+                    _Pragma("GCC unroll 4") for (int h = 0; h < GP; h++)
+                    {
+                        int16_t pa, pb;
+                        memcpy(&pa, wA[h] + pr, 2);
+                        memcpy(&pb, wB[h] + pr, 2);
+                        __m256i W = _mm256_set_m128i(_mm_set1_epi16(pb), _mm_set1_epi16(pa));
+                        _Pragma("GCC unroll 4") for (int k = 0; k < KP; k++) acc[h][k] =
+                            _mm256_add_epi16(acc[h][k], _mm256_maddubs_epi16(pl[k], W));
+                    }
+                    if (++cnt == FLUSH || pr + 1 == D / 2) {
+                        _Pragma("GCC unroll 4") for (int h = 0; h < GP; h++)
+                            _Pragma("GCC unroll 4") for (int k = 0; k < KP; k++)
+                        {
+                            int32_t *o = a32[h][k0 + k];
                             __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[h][k]));
                             __m256i hi =
                                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[h][k], 1));
                             _mm256_store_si256(
-                                (__m256i *)a32[h][k],
-                                _mm256_add_epi32(_mm256_load_si256((__m256i *)a32[h][k]), lo));
+                                (__m256i *)o,
+                                _mm256_add_epi32(_mm256_load_si256((__m256i *)o), lo));
                             _mm256_store_si256(
-                                (__m256i *)(a32[h][k] + 8),
-                                _mm256_add_epi32(_mm256_load_si256((__m256i *)(a32[h][k] + 8)),
-                                                 hi));
+                                (__m256i *)(o + 8),
+                                _mm256_add_epi32(_mm256_load_si256((__m256i *)(o + 8)), hi));
                             acc[h][k] = _mm256_setzero_si256();
                         }
-                    cnt = 0;
+                        cnt = 0;
+                    }
                 }
             }
             for (int h = 0; h < GP; h++) {
