@@ -905,6 +905,16 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 param_col(const kv
     return integer ? _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v)) : _mm256_cvtph_ps(v);
 }
 
+/* The u16 at p, p + st, ..., p + 7 st, in one vector. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m128i gather8_u16(const char *p,
+                                                                           int64_t st)
+{
+    uint16_t x[8];
+    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) memcpy(&x[r], p + r * st, 2);
+    return _mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4],
+                          (short)x[5], (short)x[6], (short)x[7]);
+}
+
 /* Code columns of 8 channel rows (COLS dwords each from `rows[r]`),
  * transposed so lane r of X[c] is dword c of row r. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
@@ -1167,15 +1177,12 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
         const char *mp =
             (const char *)tm->data + c->h * tm->stride[0] + t0 * tm->stride[1] + grp * 2;
         int i = 0;
-        /* scales and mins of 8 tokens at a time (strided f16 words) */
+        /* scales and mins of 8 tokens at a time (strided f16 words,
+         * assembled in registers: a store/reload would stall store
+         * forwarding) */
         for (; i + 8 <= n; i += 8) {
-            uint16_t xs[8], xm[8];
-            for (int r = 0; r < 8; r++) {
-                memcpy(&xs[r], sp + (i + r) * ts->stride[1], 2);
-                memcpy(&xm[r], mp + (i + r) * tm->stride[1], 2);
-            }
-            __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)xs));
-            __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)xm));
+            __m256 sc = _mm256_cvtph_ps(gather8_u16(sp + i * ts->stride[1], ts->stride[1]));
+            __m256 mn = _mm256_cvtph_ps(gather8_u16(mp + i * tm->stride[1], tm->stride[1]));
             _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
             {
                 __m256 pg = _mm256_loadu_ps(p + (size_t)g * ld + i);
@@ -1198,7 +1205,50 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
                 bias[g] += pg * mn;
             }
         }
-        for (int d0 = grp * P; d0 < (grp + 1) * P; d0 += 8) {
+        int d0 = grp * P;
+        /* Up to 4 heads: tiles of 16 channels, whose 8 sums stay in
+         * registers; the codes of a token's 16 channels unpack from one
+         * broadcast (INT2) or two (INT4), and each weight is broadcast once
+         * for both halves. */
+        for (; GG <= 4 && P % 16 == 0 && d0 < (grp + 1) * P; d0 += 16) {
+            __m256 o[4][2];
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++)
+            {
+                o[g][0] = _mm256_setzero_ps();
+                o[g][1] = _mm256_setzero_ps();
+            }
+            const uint8_t *cp =
+                (const uint8_t *)tc->data + c->h * tc->stride[0] + t0 * tc->stride[1] + d0 / PER;
+            const int64_t rs = tc->stride[1];
+            const __m256i shi = _mm256_add_epi32(shifts, _mm256_set1_epi32(16));
+            for (int t = 0; t < n; t++, cp += rs) {
+                uint32_t x0, x1 = 0;
+                memcpy(&x0, cp, 4);
+                if (BITS == 4)
+                    memcpy(&x1, cp + 4, 4);
+                const __m256i v0 = _mm256_set1_epi32((int)x0);
+                const __m256i v1 = BITS == 2 ? v0 : _mm256_set1_epi32((int)x1);
+                const __m256 c0 =
+                    _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v0, shifts), mask));
+                const __m256 c1 = _mm256_cvtepi32_ps(
+                    _mm256_and_si256(_mm256_srlv_epi32(v1, BITS == 2 ? shi : shifts), mask));
+                _Pragma("GCC unroll 4") for (int g = 0; g < GG; g++)
+                {
+                    const __m256 wb = _mm256_broadcast_ss(&w[g][t]);
+                    o[g][0] = _mm256_fmadd_ps(wb, c0, o[g][0]);
+                    o[g][1] = _mm256_fmadd_ps(wb, c1, o[g][1]);
+                }
+            }
+            _Pragma("GCC unroll 4") for (int g = 0; g < GG; g++)
+            {
+                float *ag = acc + (size_t)g * Dv + d0;
+                const __m256 b = _mm256_set1_ps(bias[g]);
+                _mm256_storeu_ps(ag, _mm256_add_ps(_mm256_loadu_ps(ag), _mm256_add_ps(o[g][0], b)));
+                _mm256_storeu_ps(ag + 8,
+                                 _mm256_add_ps(_mm256_loadu_ps(ag + 8), _mm256_add_ps(o[g][1], b)));
+            }
+        }
+        for (; d0 < (grp + 1) * P; d0 += 8) {
             /* two accumulators per head when there are few heads: more
              * independent FMA chains than the FMA latency needs */
             __m256 o[8], o2[8];
