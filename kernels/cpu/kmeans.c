@@ -197,6 +197,70 @@ static void argmin_update(int nthreads, int simd, int64_t n, int d, const float 
     kvd__par_ranges(nblocks, 1, nt, simd ? argmin_simd_part : argmin_scalar_part, &j);
 }
 
+/* Points [0, n) transposed by blocks of KM_BLOCK for argmin_block_avx2
+ * (block b at xt + b * d * KM_BLOCK; a short tail repeats its last point):
+ * made once for the k-means++ seeding, whose every step compares all
+ * points with one new centroid. NULL when out of memory. */
+static float *transpose_blocks(int64_t n, int d, const float *x, int64_t ldx)
+{
+    const int64_t nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
+    float *xt = malloc(sizeof(float) * (size_t)(nblocks > 0 ? nblocks : 1) * d * KM_BLOCK);
+    for (int64_t blk = 0; xt && blk < nblocks; blk++) {
+        const int64_t i0 = blk * KM_BLOCK, nb = n - i0 < KM_BLOCK ? n - i0 : KM_BLOCK;
+        float *bt = xt + blk * d * KM_BLOCK;
+        for (int l = 0; l < KM_BLOCK; l++) {
+            const float *xr = x + (i0 + (l < nb ? l : nb - 1)) * ldx;
+            for (int t = 0; t < d; t++)
+                bt[t * KM_BLOCK + l] = xr[t];
+        }
+    }
+    return xt;
+}
+
+/* Blocks [b0, b1) of argmin_update_t (kvd__par_ranges). */
+typedef struct argmin_t_job {
+    int64_t n;
+    int d, c0, nc;
+    const float *xt, *centroids;
+    float *best;
+    uint32_t *bidx;
+} argmin_t_job;
+
+static void argmin_t_part(void *arg, int64_t b0, int64_t b1)
+{
+    const argmin_t_job *j = arg;
+    for (int64_t blk = b0; blk < b1; blk++) {
+        const int64_t i0 = blk * KM_BLOCK, nb = j->n - i0 < KM_BLOCK ? j->n - i0 : KM_BLOCK;
+        const float *bt = j->xt + blk * j->d * KM_BLOCK;
+        if (nb == KM_BLOCK) {
+            argmin_block_avx2(j->d, bt, j->c0, j->nc, j->centroids, j->best + i0, j->bidx + i0);
+            continue;
+        }
+        float bb[KM_BLOCK];
+        uint32_t bi[KM_BLOCK];
+        for (int l = 0; l < KM_BLOCK; l++) {
+            bb[l] = l < nb ? j->best[i0 + l] : INFINITY;
+            bi[l] = l < nb ? j->bidx[i0 + l] : 0;
+        }
+        argmin_block_avx2(j->d, bt, j->c0, j->nc, j->centroids, bb, bi);
+        memcpy(j->best + i0, bb, sizeof(float) * (size_t)nb);
+        memcpy(j->bidx + i0, bi, sizeof(uint32_t) * (size_t)nb);
+    }
+}
+
+/* argmin_update with simd on points transposed by transpose_blocks: the
+ * same bits. */
+static void argmin_update_t(int nthreads, int64_t n, int d, const float *xt, int c0, int nc,
+                            const float *centroids, float *best, uint32_t *bidx)
+{
+    int64_t nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
+    int nt = nthreads;
+    if ((int64_t)nc * n * d < 200000 || nblocks < 2)
+        nt = 1;
+    argmin_t_job j = {n, d, c0, nc, xt, centroids, best, bidx};
+    kvd__par_ranges(nblocks, 1, nt, argmin_t_part, &j);
+}
+
 /* ---- nearest centroid by the expanded form ----------------------------- */
 
 /*
@@ -619,7 +683,9 @@ static int kmeans_driver(int nthreads, int simd, const kvd_kmeans_params *p, int
         goto out;
     }
 
-    /* 2. k-means++ seeding (D^2 sampling). */
+    /* 2. k-means++ seeding (D^2 sampling). With SIMD the points are
+     * transposed once for all k steps. */
+    float *xt = simd ? transpose_blocks(ns, d, xs, lds) : NULL;
     int64_t first = (int64_t)(km_next(&rng) % (uint64_t)ns);
     memcpy(centroids, xs + first * lds, sizeof(float) * (size_t)d);
     int chosen = 1;
@@ -627,7 +693,10 @@ static int kmeans_driver(int nthreads, int simd, const kvd_kmeans_params *p, int
         mind[i] = INFINITY;
         asg[i] = 0;
     }
-    argmin_update(nthreads, simd, ns, d, xs, lds, 0, 1, centroids, mind, asg);
+    if (xt)
+        argmin_update_t(nthreads, ns, d, xt, 0, 1, centroids, mind, asg);
+    else
+        argmin_update(nthreads, simd, ns, d, xs, lds, 0, 1, centroids, mind, asg);
     while (chosen < k) {
         double total = 0.0;
         for (int64_t i = 0; i < ns; i++)
@@ -645,9 +714,13 @@ static int kmeans_driver(int nthreads, int simd, const kvd_kmeans_params *p, int
                 break;
         }
         memcpy(centroids + (int64_t)chosen * d, xs + pick * lds, sizeof(float) * (size_t)d);
-        argmin_update(nthreads, simd, ns, d, xs, lds, chosen, 1, centroids, mind, asg);
+        if (xt)
+            argmin_update_t(nthreads, ns, d, xt, chosen, 1, centroids, mind, asg);
+        else
+            argmin_update(nthreads, simd, ns, d, xs, lds, chosen, 1, centroids, mind, asg);
         chosen++;
     }
+    free(xt);
     if (chosen < k) { /* fewer distinct points than k: fill by splitting */
         for (int c = 0; c < k; c++)
             count[c] = c < chosen ? 1 : 0;
