@@ -7,7 +7,9 @@
  * One block is T tokens x 128 dims of one kv head (default T = 4096, 1 MiB
  * of fp16). Each op runs on the CPU backend with 1 thread and with all
  * threads; "ref" rows run the scalar reference for scale. Quote ratios from
- * one run: the machine's load moves absolute figures.
+ * one run: the machine's load moves absolute figures. The kmeans_train rows
+ * (a PQ sub-space's and a VQ codebook's training) give the time of one
+ * training in their detail and have no reference timing.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +18,7 @@
 
 #include "kvdepot/backend.h"
 #include "kvdepot/convert.h"
+#include "kvdepot/kmeans.h"
 #include "kvdepot/quant.h"
 #include "kvdepot/svd.h"
 #include "kvdepot/vq.h"
@@ -126,6 +129,19 @@ static int run_vq(kvd_backend *be, void *a)
 {
     varg *p = a;
     return kvd_vq_encode(be, &p->x, &p->cb, &p->codes, NULL);
+}
+
+typedef struct karg {
+    kvd_kmeans_params p;
+    kvd_tensor x, c;
+} karg;
+
+/* K-means training (a PQ sub-space's or a VQ codebook's centroids). */
+static int run_kmeans(kvd_backend *be, void *a)
+{
+    karg *p = a;
+    double inertia;
+    return kvd_kmeans_train(be, &p->p, &p->x, &p->c, &inertia, NULL);
 }
 
 static void row(const char *op, const char *detail, int threads, double bytes, timing t,
@@ -274,6 +290,29 @@ int main(int argc, char **argv)
             free(cb);
         }
         free(codes);
+    }
+    /* K-means training on 32K sub-vectors of the block, 4 Lloyd steps
+     * after the k-means++ seeding: a PQ sub-space of m = 16 (d = 8, 6-bit
+     * codes) and a VQ d4b8 codebook. GB/s of the points' f32 bytes. */
+    {
+        const int ds[2] = {8, 4}, ks[2] = {64, 256};
+        for (int i = 0; i < 2; i++) {
+            const int64_t np = (int64_t)(n / ds[i]) < 32768 ? (int64_t)(n / ds[i]) : 32768;
+            float *cb = malloc(sizeof(float) * (size_t)ks[i] * ds[i]);
+            int64_t xs[2] = {np, ds[i]}, cs[2] = {ks[i], ds[i]};
+            karg a = {{ks[i], 4, 7, 0},
+                      kvd_tensor_make(KVD_DTYPE_F32, xf, 2, xs),
+                      kvd_tensor_make(KVD_DTYPE_F32, cb, 2, cs)};
+            const timing none = {0, 0};
+            for (int th = 0; th < 2; th++) {
+                const timing t = time_op(th ? all : one, run_kmeans, &a);
+                char detail[64];
+                snprintf(detail, sizeof detail, "d%d k%d 32K pts: %.1f ms", ds[i], ks[i],
+                         t.wall * 1e3);
+                row("kmeans_train", detail, th ? nall : 1, (double)np * ds[i] * 4, t, none);
+            }
+            free(cb);
+        }
     }
     /* SVD encode (ZACK): a rotation from the block's own Gram matrix. */
     {
