@@ -130,11 +130,24 @@ __attribute__((target("avx2,fma"))) static void argmin_block_avx2(int d, const f
     _mm256_storeu_si256((__m256i *)(bidx + 24), i3);
 }
 
-/* Blocks [b0, b1) of argmin_update's points (kvd__par_ranges). */
+/* Block blk of points [0, n) transposed into xt (row t holds dimension t
+ * of the block's KM_BLOCK points); a short tail repeats its last point. */
+static void transpose_block(const float *x, int64_t ldx, int d, int64_t n, int64_t blk, float *xt)
+{
+    const int64_t i0 = blk * KM_BLOCK, nb = n - i0 < KM_BLOCK ? n - i0 : KM_BLOCK;
+    for (int l = 0; l < KM_BLOCK; l++) {
+        const float *xr = x + (i0 + (l < nb ? l : nb - 1)) * ldx;
+        for (int t = 0; t < d; t++)
+            xt[t * KM_BLOCK + l] = xr[t];
+    }
+}
+
+/* Blocks [b0, b1) of argmin_update's points (kvd__par_ranges). xt_all: the
+ * points transposed block by block (transpose_blocks), or NULL. */
 typedef struct argmin_job {
     int64_t n, ldx;
     int d, c0, nc;
-    const float *x, *centroids;
+    const float *x, *xt_all, *centroids;
     float *best;
     uint32_t *bidx;
 } argmin_job;
@@ -154,26 +167,29 @@ static void argmin_simd_part(void *arg, int64_t b0, int64_t b1)
 {
     const argmin_job *j = arg;
     const int d = j->d;
-    float *xt = malloc(sizeof(float) * (size_t)d * KM_BLOCK);
+    float *xt = j->xt_all ? NULL : malloc(sizeof(float) * (size_t)d * KM_BLOCK);
     float bb[KM_BLOCK];
     uint32_t bi[KM_BLOCK];
     for (int64_t blk = b0; blk < b1; blk++) {
         int64_t i0 = blk * KM_BLOCK;
         int64_t nb = j->n - i0 < KM_BLOCK ? j->n - i0 : KM_BLOCK;
-        if (!xt) { /* no scratch: the scalar kernel gives the same bits */
+        const float *bt = j->xt_all ? j->xt_all + blk * d * KM_BLOCK : xt;
+        if (!bt) { /* no scratch: the scalar kernel gives the same bits */
             argmin_rows_scalar(nb, d, j->x + i0 * j->ldx, j->ldx, j->c0, j->nc, j->centroids,
                                j->best + i0, j->bidx + i0);
             continue;
         }
-        /* Transpose the block; a short tail repeats its last point. */
+        if (!j->xt_all)
+            transpose_block(j->x, j->ldx, d, j->n, blk, xt);
+        if (nb == KM_BLOCK) {
+            argmin_block_avx2(d, bt, j->c0, j->nc, j->centroids, j->best + i0, j->bidx + i0);
+            continue;
+        }
         for (int l = 0; l < KM_BLOCK; l++) {
-            const float *xr = j->x + (i0 + (l < nb ? l : nb - 1)) * j->ldx;
-            for (int t = 0; t < d; t++)
-                xt[t * KM_BLOCK + l] = xr[t];
             bb[l] = l < nb ? j->best[i0 + l] : INFINITY;
             bi[l] = l < nb ? j->bidx[i0 + l] : 0;
         }
-        argmin_block_avx2(d, xt, j->c0, j->nc, j->centroids, bb, bi);
+        argmin_block_avx2(d, bt, j->c0, j->nc, j->centroids, bb, bi);
         memcpy(j->best + i0, bb, sizeof(float) * (size_t)nb);
         memcpy(j->bidx + i0, bi, sizeof(uint32_t) * (size_t)nb);
     }
@@ -187,78 +203,28 @@ static void argmin_simd_part(void *arg, int64_t b0, int64_t b1)
  * KM_BLOCK, through the compute pool).
  */
 static void argmin_update(int nthreads, int simd, int64_t n, int d, const float *x, int64_t ldx,
-                          int c0, int nc, const float *centroids, float *best, uint32_t *bidx)
+                          const float *xt_all, int c0, int nc, const float *centroids, float *best,
+                          uint32_t *bidx)
 {
     int64_t nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
     int nt = nthreads;
     if ((int64_t)nc * n * d < 200000 || nblocks < 2)
         nt = 1;
-    argmin_job j = {n, ldx, d, c0, nc, x, centroids, best, bidx};
+    argmin_job j = {n, ldx, d, c0, nc, x, simd ? xt_all : NULL, centroids, best, bidx};
     kvd__par_ranges(nblocks, 1, nt, simd ? argmin_simd_part : argmin_scalar_part, &j);
 }
 
-/* Points [0, n) transposed by blocks of KM_BLOCK for argmin_block_avx2
- * (block b at xt + b * d * KM_BLOCK; a short tail repeats its last point):
- * made once for the k-means++ seeding, whose every step compares all
- * points with one new centroid. NULL when out of memory. */
+/* Points [0, n) transposed block by block (transpose_block; block b at
+ * xt + b * d * KM_BLOCK): made once for the k-means++ seeding, whose every
+ * step compares all points with one new centroid. NULL when out of
+ * memory. */
 static float *transpose_blocks(int64_t n, int d, const float *x, int64_t ldx)
 {
     const int64_t nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
     float *xt = malloc(sizeof(float) * (size_t)(nblocks > 0 ? nblocks : 1) * d * KM_BLOCK);
-    for (int64_t blk = 0; xt && blk < nblocks; blk++) {
-        const int64_t i0 = blk * KM_BLOCK, nb = n - i0 < KM_BLOCK ? n - i0 : KM_BLOCK;
-        float *bt = xt + blk * d * KM_BLOCK;
-        for (int l = 0; l < KM_BLOCK; l++) {
-            const float *xr = x + (i0 + (l < nb ? l : nb - 1)) * ldx;
-            for (int t = 0; t < d; t++)
-                bt[t * KM_BLOCK + l] = xr[t];
-        }
-    }
+    for (int64_t blk = 0; xt && blk < nblocks; blk++)
+        transpose_block(x, ldx, d, n, blk, xt + blk * d * KM_BLOCK);
     return xt;
-}
-
-/* Blocks [b0, b1) of argmin_update_t (kvd__par_ranges). */
-typedef struct argmin_t_job {
-    int64_t n;
-    int d, c0, nc;
-    const float *xt, *centroids;
-    float *best;
-    uint32_t *bidx;
-} argmin_t_job;
-
-static void argmin_t_part(void *arg, int64_t b0, int64_t b1)
-{
-    const argmin_t_job *j = arg;
-    for (int64_t blk = b0; blk < b1; blk++) {
-        const int64_t i0 = blk * KM_BLOCK, nb = j->n - i0 < KM_BLOCK ? j->n - i0 : KM_BLOCK;
-        const float *bt = j->xt + blk * j->d * KM_BLOCK;
-        if (nb == KM_BLOCK) {
-            argmin_block_avx2(j->d, bt, j->c0, j->nc, j->centroids, j->best + i0, j->bidx + i0);
-            continue;
-        }
-        float bb[KM_BLOCK];
-        uint32_t bi[KM_BLOCK];
-        for (int l = 0; l < KM_BLOCK; l++) {
-            bb[l] = l < nb ? j->best[i0 + l] : INFINITY;
-            bi[l] = l < nb ? j->bidx[i0 + l] : 0;
-        }
-        argmin_block_avx2(j->d, bt, j->c0, j->nc, j->centroids, bb, bi);
-        memcpy(j->best + i0, bb, sizeof(float) * (size_t)nb);
-        memcpy(j->bidx + i0, bi, sizeof(uint32_t) * (size_t)nb);
-    }
-}
-
-/* argmin_update with simd on points transposed by transpose_blocks: the
- * same bits. */
-static void argmin_update_t(int nthreads, int64_t n, int d, const float *xt, int c0, int nc,
-                            const float *centroids, float *best, uint32_t *bidx)
-{
-    int64_t nblocks = (n + KM_BLOCK - 1) / KM_BLOCK;
-    int nt = nthreads;
-    if ((int64_t)nc * n * d < 200000 || nblocks < 2)
-        nt = 1;
-    argmin_t_job j = {n, d, c0, nc, xt, centroids, best, bidx};
-    kvd__par_ranges(nblocks, 1, nt, argmin_t_part, &j);
 }
 
 /* ---- nearest centroid by the expanded form ----------------------------- */
@@ -328,6 +294,7 @@ static void near_tab_free(near_tab *t)
 
 /* One lane set of the block kernels: best b1 (index i1) and second b2. */
 #define NEAR_BLOCK 32
+_Static_assert(NEAR_BLOCK == KM_BLOCK, "near_part transposes with transpose_block");
 
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 near_block_avx2_d(const int d, const float *xt, const near_tab *t, float *b1o, float *b2o,
@@ -524,12 +491,7 @@ static void near_part(void *arg, int64_t blk0, int64_t blk1)
         const int64_t i0 = blk * NEAR_BLOCK;
         const int64_t nb = j->n - i0 < NEAR_BLOCK ? j->n - i0 : NEAR_BLOCK;
         if (xt) {
-            /* Transpose the block; a short tail repeats its last point. */
-            for (int l = 0; l < NEAR_BLOCK; l++) {
-                const float *xr = j->x + (i0 + (l < nb ? l : nb - 1)) * j->ldx;
-                for (int q = 0; q < d; q++)
-                    xt[q * NEAR_BLOCK + l] = xr[q];
-            }
+            transpose_block(j->x, j->ldx, d, j->n, blk, xt);
             block(xt, j->t, b1, b2, i1, xx);
             decided = near_decide_block(&nbd, b1, b2, xx);
         }
@@ -602,7 +564,7 @@ static void assign_impl(int nthreads, int simd, int64_t n, int d, const float *x
         best[i] = INFINITY;
         assign[i] = 0;
     }
-    argmin_update(nthreads, simd, n, d, x, ldx, 0, k, centroids, best, assign);
+    argmin_update(nthreads, simd, n, d, x, ldx, NULL, 0, k, centroids, best, assign);
     free(tmp);
 }
 
@@ -693,10 +655,7 @@ static int kmeans_driver(int nthreads, int simd, const kvd_kmeans_params *p, int
         mind[i] = INFINITY;
         asg[i] = 0;
     }
-    if (xt)
-        argmin_update_t(nthreads, ns, d, xt, 0, 1, centroids, mind, asg);
-    else
-        argmin_update(nthreads, simd, ns, d, xs, lds, 0, 1, centroids, mind, asg);
+    argmin_update(nthreads, simd, ns, d, xs, lds, xt, 0, 1, centroids, mind, asg);
     while (chosen < k) {
         double total = 0.0;
         for (int64_t i = 0; i < ns; i++)
@@ -714,10 +673,7 @@ static int kmeans_driver(int nthreads, int simd, const kvd_kmeans_params *p, int
                 break;
         }
         memcpy(centroids + (int64_t)chosen * d, xs + pick * lds, sizeof(float) * (size_t)d);
-        if (xt)
-            argmin_update_t(nthreads, ns, d, xt, chosen, 1, centroids, mind, asg);
-        else
-            argmin_update(nthreads, simd, ns, d, xs, lds, chosen, 1, centroids, mind, asg);
+        argmin_update(nthreads, simd, ns, d, xs, lds, xt, chosen, 1, centroids, mind, asg);
         chosen++;
     }
     free(xt);
