@@ -513,7 +513,7 @@ int kvd_store_append_write(kvd_append *ap, const void *data, size_t len, kvd_err
     if (!ap || (len && !data))
         return kvd_error_set(err, KVD_EINVAL, "append write: NULL argument");
     int rc = append_room(ap, len, err);
-    if (rc)
+    if (rc || len == 0)
         return rc;
     memcpy(ap->buf + ap->have, data, len);
     ap->have += len;
@@ -739,22 +739,26 @@ static int build_layer(kvd_append *ap, uint32_t l, const id_plan *pl, kvd__batch
         memcpy(nl->pages, L->pages, first * sizeof *nl->pages);
     /* Pages given whole are not built, and their bytes not read, unless
      * their keys make PQ codes; every byte read must have been received. */
-    if (pq && ap->nskipped)
-        return kvd_error_set(err, KVD_EINVAL,
-                             "append: payload bytes were skipped, but layer %u needs every key "
-                             "for its PQ index",
-                             l);
+    if (pq && ap->nskipped) {
+        rc = kvd_error_set(err, KVD_EINVAL,
+                           "append: payload bytes were skipped, but layer %u needs every key for "
+                           "its PQ index",
+                           l);
+        goto fail;
+    }
 
     /* Wire K and V blocks of this layer. */
     const uint8_t *wk = ap->buf + (size_t)(l - ap->ls) * ap->n * tok_bytes;
     const uint8_t *wv = wk + (size_t)ap->nl * ap->n * tok_bytes;
 
     if (tail && end < (first + 1) * B && tail->nfrags < KVD__MAX_FRAGS) {
-        if (tokens_skipped(ap, l, ap->ts, end))
-            return kvd_error_set(err, KVD_EINVAL,
-                                 "append: the bytes of layer %u tokens %llu..%llu were skipped, "
-                                 "but no page was given for them",
-                                 l, (unsigned long long)ap->ts, (unsigned long long)end);
+        if (tokens_skipped(ap, l, ap->ts, end)) {
+            rc = kvd_error_set(err, KVD_EINVAL,
+                               "append: the bytes of layer %u tokens %llu..%llu were skipped, "
+                               "but no page was given for them",
+                               l, (unsigned long long)ap->ts, (unsigned long long)end);
+            goto fail;
+        }
         kvd_page_desc d = {.dtype = ap->dtype,
                            .layer = l,
                            .token_start = ap->ts,
