@@ -381,6 +381,18 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 f16x8(const void *
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* The u16 at p, p + st, ..., p + 7 st, in one vector (assembled in
+ * registers: eight word stores and a vector reload would stall store
+ * forwarding). */
+__attribute__((target("avx2,fma,f16c"))) static inline __m128i gather8_u16(const char *p,
+                                                                           int64_t st)
+{
+    uint16_t x[8];
+    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) memcpy(&x[r], p + r * st, 2);
+    return _mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4],
+                          (short)x[5], (short)x[6], (short)x[7]);
+}
+
 /* Scales (or mins) of 8 consecutive tokens, group grp, as one vector. When
  * a token row holds 1 or 2 groups and rows are contiguous, these are 8 or 16
  * consecutive f16 (deinterleaved for 2). */
@@ -396,11 +408,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 params8(const kvd_
         __m256 e = grp ? _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)) : _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
         return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
     }
-    uint16_t x[8];
-    for (int r = 0; r < 8; r++)
-        memcpy(&x[r], base + r * t->stride[1] + grp * 2, 2);
-    return _mm256_cvtph_ps(_mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4],
-                                          (short)x[5], (short)x[6], (short)x[7]));
+    return _mm256_cvtph_ps(gather8_u16(base + grp * 2, t->stride[1]));
 }
 
 /* Eight rows of nw consecutive u16 (rows `stride` bytes apart, nw = 2, 4 or
@@ -896,23 +904,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 param_col(const kv
                                                                         int64_t grp, int integer)
 {
     const char *b = (const char *)t->data + h * t->stride[0] + d0 * t->stride[1] + grp * 2;
-    int64_t st = t->stride[1];
-    uint16_t x[8];
-    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)
-        memcpy(&x[r], b + r * st, 2);
-    __m128i v = _mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4], (short)x[5],
-                               (short)x[6], (short)x[7]);
+    const __m128i v = gather8_u16(b, t->stride[1]);
     return integer ? _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v)) : _mm256_cvtph_ps(v);
-}
-
-/* The u16 at p, p + st, ..., p + 7 st, in one vector. */
-__attribute__((target("avx2,fma,f16c"))) static inline __m128i gather8_u16(const char *p,
-                                                                           int64_t st)
-{
-    uint16_t x[8];
-    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) memcpy(&x[r], p + r * st, 2);
-    return _mm_setr_epi16((short)x[0], (short)x[1], (short)x[2], (short)x[3], (short)x[4],
-                          (short)x[5], (short)x[6], (short)x[7]);
 }
 
 /* Code columns of 8 channel rows (COLS dwords each from `rows[r]`),
@@ -1177,12 +1170,11 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
         const char *mp =
             (const char *)tm->data + c->h * tm->stride[0] + t0 * tm->stride[1] + grp * 2;
         int i = 0;
-        /* scales and mins of 8 tokens at a time (strided f16 words,
-         * assembled in registers: a store/reload would stall store
-         * forwarding) */
+        /* scales and mins of 8 tokens at a time (params8: assembled in
+         * registers, as a store/reload would stall store forwarding) */
         for (; i + 8 <= n; i += 8) {
-            __m256 sc = _mm256_cvtph_ps(gather8_u16(sp + i * ts->stride[1], ts->stride[1]));
-            __m256 mn = _mm256_cvtph_ps(gather8_u16(mp + i * tm->stride[1], tm->stride[1]));
+            __m256 sc = params8(ts, c->h, t0 + i, grp, ng);
+            __m256 mn = params8(tm, c->h, t0 + i, grp, ng);
             _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
             {
                 __m256 pg = _mm256_loadu_ps(p + (size_t)g * ld + i);
