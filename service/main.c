@@ -177,7 +177,9 @@ static kvd_backend *open_backends(int cuda, int index, int threads, kvd_backend 
 {
     kvd_backend *cpu = NULL;
     *dev = NULL;
-    kvd_cpu_options opt = {threads, 0};
+    /* All requests together compute on one thread more than the machine
+     * (its cgroup quota included) has CPUs, whatever one op may use. */
+    kvd_cpu_options opt = {threads, 0, (int)kvd_machine_cpus("/sys/fs/cgroup") + 1};
     if (kvd_backend_cpu_create(&opt, &cpu, err) != 0)
         return NULL;
     kvd_error cerr;

@@ -25,6 +25,8 @@
  */
 #include "server.h"
 
+#include "kvdepot/backend.h"
+
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -663,6 +665,7 @@ static void *worker_main(void *arg)
             continue;
         uintptr_t tag = (uintptr_t)ev.tag;
         kvd_call *c = (kvd_call *)(tag & ~(uintptr_t)1);
+        kvd_cpu_task_begin(); /* the CPU slots favour what has computed least */
         if (tag & 1)
             on_close(c);
         else

@@ -51,8 +51,9 @@ void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg);
 typedef void (*kvd__par_range_fn)(void *arg, int64_t lo, int64_t hi);
 void kvd__par_ranges(int64_t n, int64_t grain, int threads, kvd__par_range_fn fn, void *arg);
 /* A CPU backend of `threads` threads exists: the pool may hold threads - 1
- * helpers and let that many threads compute at once (the largest asked). */
-void kvd__par_size(int threads);
+ * helpers, and `slots` threads (at least `threads`) may compute at once,
+ * callers and helpers together (the largest asked of each). */
+void kvd__par_size(int threads, int slots);
 /* Helpers started so far (on first use), 0 when none. */
 int kvd__par_pool_threads(void);
 

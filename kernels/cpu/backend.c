@@ -139,6 +139,18 @@ static const kvd_backend_iface cpu_iface = {
     .attn = &kvd__cpu_attn_ops,
 };
 
+/* CPUs this process may run on (cpusets of containers included), falling
+ * back to the online count. */
+static int cpus_allowed(void)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
 int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_error *err)
 {
     if (!out)
@@ -148,18 +160,13 @@ int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_er
     if (nthreads < 0)
         return kvd_error_set(err, KVD_EINVAL, "cpu: nthreads must be >= 0 (0 = all CPUs), got %d",
                              nthreads);
-    if (nthreads == 0) {
-        /* CPUs this process may run on (cpusets of containers included),
-         * falling back to the online count. */
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
-            nthreads = CPU_COUNT(&set);
-        } else {
-            long n = sysconf(_SC_NPROCESSORS_ONLN);
-            nthreads = n > 0 ? (int)n : 1;
-        }
-    }
+    const int nslots = opt ? opt->slots : 0;
+    if (nslots < 0)
+        return kvd_error_set(err, KVD_EINVAL, "cpu: slots must be >= 0 (0 = all CPUs), got %d",
+                             nslots);
+    const int ncpu = cpus_allowed();
+    if (nthreads == 0)
+        nthreads = ncpu;
     kvd_backend *be = calloc(1, sizeof *be);
     kvd__cpu_ctx *ctx = calloc(1, sizeof *ctx);
     if (!be || !ctx) {
@@ -172,7 +179,7 @@ int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_er
     be->iface = &cpu_iface;
     be->ctx = ctx;
     be->nthreads = nthreads;
-    kvd__par_size(nthreads);
+    kvd__par_size(nthreads, nslots ? nslots : ncpu + 1);
     *out = be;
     return KVD_OK;
 }

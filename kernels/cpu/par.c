@@ -11,17 +11,45 @@
  * items under way. On a busy machine a helper that is not scheduled costs
  * nothing (an OpenMP barrier waited for it a time slice, ~10 ms). Idle
  * helpers sleep on a condition variable; nothing spins.
+ *
+ * Slots: at most `slots` threads compute at once, callers and helpers
+ * together (kvd_cpu_options.slots: by default one more than the CPUs, as a
+ * thread a slot is handed to takes a while to be woken, and the one more
+ * keeps the CPUs busy meanwhile; with exactly as many, 16 % of the CPU time
+ * of four clients' Attend calls went idle). A caller beyond them waits, and
+ * the slots go first to the task that ranks least: by the computing it has
+ * done since kvd_cpu_task_begin (least attained service) or expects
+ * (kvd_cpu_task_expect), whichever is more, up to LONG; tasks ranked LONG
+ * go in the order they began. A thread holding a slot gives it up between
+ * two items when a waiting task ranks QUANTUM ahead of its own, and waits
+ * in turn. So a short request (a decode step) that arrives while long ones
+ * (batches over 32K tokens) fill the CPUs starts after one item of theirs,
+ * rather than sharing the CPUs with all of them for its whole length, and
+ * the long ones finish in the order they came rather than all together.
  */
 #include "common/cpu_internal.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "kvdepot/backend.h"
+
+/* A holder yields to a waiter that has computed this much less (ns). */
+#define QUANTUM 2000000
+/* Beyond this much computing (ns) a task is long: the long rank alike. */
+#define LONG 20000000
+/* kvd_cpu_task_expect: the bytes a task reads per ns of computing. */
+#define EXPECT_BYTES_PER_NS 2
 
 typedef struct par_job {
     kvd__par_fn fn;
     void *arg;
     int n;
     int max_helpers;     /* threads - 1 */
+    int64_t served0, t0; /* its caller's task: computed before the job, and when the job began */
+    int64_t expect;      /* and the computing it expected (kvd_cpu_task_expect) */
     atomic_int next;     /* the next item to take */
     int helpers;         /* helpers inside (under mu) */
     struct par_job *nxt; /* in the list of jobs with items left (under mu) */
@@ -33,12 +61,149 @@ static pthread_cond_t left = PTHREAD_COND_INITIALIZER; /* a helper left a job */
 static par_job *jobs;
 static int idle;         /* helpers waiting for work */
 static int pool_threads; /* helpers started */
-static int cpus;         /* threads that may compute at once: the most a backend asked for */
-static int computing;    /* callers inside kvd__par_for and helpers inside a job */
+static int cpus;         /* threads one op may use: the most a backend asked for */
+static int slots;        /* threads that may compute at once (kvd__par_size) */
+static int computing;    /* slots held: callers inside kvd__par_for and helpers inside a job */
 
-static void run_items(par_job *j)
+/* A caller waiting for a slot; the list is ordered by key, least first. */
+typedef struct par_waiter {
+    int64_t key;   /* its task's computing time (ns), at most LONG */
+    int64_t begun; /* when its task began: the order among equal keys */
+    int granted;   /* a slot was handed over to it */
+    pthread_cond_t cv;
+    struct par_waiter *nxt;
+} par_waiter;
+static par_waiter *waiters;
+static atomic_llong head_key = INT64_MAX; /* waiters->key, INT64_MAX when none */
+
+static _Thread_local int depth;      /* > 0: this thread holds a slot (or helps) */
+static _Thread_local int64_t served; /* ns this thread's task computed, slot by slot */
+static _Thread_local int64_t t_slot; /* when it took the slot it holds */
+static _Thread_local int64_t begun;  /* when its task began (0: never said) */
+static _Thread_local int64_t expect; /* ns of computing its task expects */
+
+static int64_t now_ns(void)
 {
-    for (;;) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void kvd_cpu_task_begin(void)
+{
+    served = 0;
+    expect = 0;
+    begun = now_ns();
+    if (depth)
+        t_slot = begun;
+}
+
+void kvd_cpu_task_expect(uint64_t bytes)
+{
+    const uint64_t ns = bytes / EXPECT_BYTES_PER_NS;
+    expect = ns < LONG ? (int64_t)ns : LONG;
+}
+
+/* A task's rank: the computing it did or expects, whichever is more, at
+ * most LONG. */
+static int64_t rank(int64_t ns, int64_t expected)
+{
+    if (ns < expected)
+        ns = expected;
+    return ns < LONG ? ns : LONG;
+}
+
+/* Give a slot up: to the first waiter, or free (under mu). */
+static void slot_release(void)
+{
+    par_waiter *w = waiters;
+    if (!w) {
+        computing--;
+        return;
+    }
+    waiters = w->nxt;
+    atomic_store_explicit(&head_key, waiters ? waiters->key : INT64_MAX, memory_order_relaxed);
+    w->granted = 1;
+    pthread_cond_signal(&w->cv);
+}
+
+/* Take a slot, waiting in rank order while all are held (under mu). */
+static void slot_take(int64_t ns)
+{
+    if (computing < slots && !waiters) {
+        computing++;
+        return;
+    }
+    par_waiter w = {.key = rank(ns, expect), .begun = begun};
+    pthread_cond_init(&w.cv, NULL);
+    par_waiter **p = &waiters;
+    while (*p && ((*p)->key < w.key || ((*p)->key == w.key && (*p)->begun <= w.begun)))
+        p = &(*p)->nxt;
+    w.nxt = *p;
+    *p = &w;
+    atomic_store_explicit(&head_key, waiters->key, memory_order_relaxed);
+    while (!w.granted)
+        pthread_cond_wait(&w.cv, &mu);
+    pthread_cond_destroy(&w.cv);
+}
+
+/* A waiter ranks QUANTUM ahead of a task that has computed ns: cheap, no
+ * lock. */
+static int outranked(int64_t ns, int64_t expected)
+{
+    const int64_t h = atomic_load_explicit(&head_key, memory_order_relaxed);
+    return h != INT64_MAX && h + QUANTUM < rank(ns, expected);
+}
+
+/* Between two items of the slot holder's own work: hand the slot to a
+ * waiter that has computed QUANTUM less, and wait for it again. */
+static void maybe_yield(void)
+{
+    if (atomic_load_explicit(&head_key, memory_order_relaxed) == INT64_MAX)
+        return;
+    const int64_t t = now_ns(), key = served + (t - t_slot);
+    if (!outranked(key, expect))
+        return;
+    pthread_mutex_lock(&mu);
+    if (waiters && waiters->key + QUANTUM < rank(key, expect)) {
+        served = key;
+        slot_release();
+        slot_take(key);
+        t_slot = now_ns();
+    }
+    pthread_mutex_unlock(&mu);
+}
+
+/* The outermost kvd__par_for of a thread takes a slot for its work. */
+static void gate_enter(void)
+{
+    if (depth++)
+        return;
+    pthread_mutex_lock(&mu);
+    slot_take(served);
+    pthread_mutex_unlock(&mu);
+    t_slot = now_ns();
+}
+
+static void gate_leave(void)
+{
+    if (--depth)
+        return;
+    served += now_ns() - t_slot;
+    pthread_mutex_lock(&mu);
+    slot_release();
+    pthread_mutex_unlock(&mu);
+}
+
+/* The items of j until none is left; a helper also stops when a waiter
+ * has computed QUANTUM less than j's task. */
+static void run_items(par_job *j, int helper, int outer)
+{
+    for (int k = 0;; k++) {
+        if (k && helper && outranked(j->served0 + (now_ns() - j->t0), j->expect))
+            return;
+        if (k && outer)
+            maybe_yield();
         int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->n)
             return;
@@ -52,7 +217,7 @@ static void run_items(par_job *j)
  * of them would wait for. */
 static par_job *pick(void)
 {
-    if (computing >= cpus)
+    if (computing >= slots || waiters)
         return NULL;
     for (par_job *j = jobs; j; j = j->nxt)
         if (j->helpers < j->max_helpers &&
@@ -76,20 +241,30 @@ static void *helper_main(void *unused)
         j->helpers++;
         computing++;
         pthread_mutex_unlock(&mu);
-        run_items(j);
+        depth = 1; /* an item's own kvd__par_for runs in this slot */
+        run_items(j, 1, 0);
+        depth = 0;
         pthread_mutex_lock(&mu);
-        computing--;
+        slot_release();
         if (--j->helpers == 0)
             pthread_cond_broadcast(&left);
     }
     return NULL;
 }
 
-void kvd__par_size(int threads)
+void kvd__par_size(int threads, int nslots)
 {
     pthread_mutex_lock(&mu);
     if (threads > cpus)
         cpus = threads > 256 ? 256 : threads;
+    if (nslots < cpus)
+        nslots = cpus;
+    if (nslots > slots)
+        slots = nslots > 1024 ? 1024 : nslots;
+    while (waiters && computing < slots) { /* the new slots, to the first waiters */
+        computing++;
+        slot_release();
+    }
     pthread_mutex_unlock(&mu);
 }
 
@@ -118,50 +293,68 @@ int kvd__par_pool_threads(void)
     return n;
 }
 
+static void run_serial(int n, kvd__par_fn fn, void *arg, int outer)
+{
+    for (int i = 0; i < n; i++) {
+        if (i && outer)
+            maybe_yield();
+        fn(arg, i);
+    }
+}
+
 void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg)
 {
     if (n <= 0)
         return;
+    const int outer = depth == 0;
+    gate_enter();
     if (n == 1 || threads <= 1) {
-        for (int i = 0; i < n; i++)
-            fn(arg, i);
+        run_serial(n, fn, arg, outer);
+        gate_leave();
         return;
     }
     par_job j = {.fn = fn, .arg = arg, .n = n, .max_helpers = threads - 1};
     atomic_init(&j.next, 0);
+    j.t0 = now_ns();
+    j.served0 = served + (j.t0 - t_slot);
+    j.expect = expect;
     pthread_mutex_lock(&mu);
     if (grow_pool() == 0) { /* no helper could start */
         pthread_mutex_unlock(&mu);
-        for (int i = 0; i < n; i++)
-            fn(arg, i);
+        run_serial(n, fn, arg, outer);
+        gate_leave();
         return;
     }
     j.nxt = jobs;
     jobs = &j;
-    computing++;
     int wake = j.max_helpers < n - 1 ? j.max_helpers : n - 1;
     if (wake > idle)
         wake = idle;
-    if (wake > cpus - computing)
-        wake = cpus - computing > 0 ? cpus - computing : 0;
+    if (wake > slots - computing)
+        wake = slots - computing > 0 ? slots - computing : 0;
     for (int w = 0; w < wake; w++)
         pthread_cond_signal(&work);
     pthread_mutex_unlock(&mu);
 
-    run_items(&j);
+    run_items(&j, 0, outer);
 
     /* No helper joins once the job is off the list; wait for those in it
-     * to finish the items they took. */
+     * to finish the items they took, the caller's slot given up meanwhile
+     * (an item's own kvd__par_for keeps its slot). */
+    if (outer)
+        served += now_ns() - t_slot;
     pthread_mutex_lock(&mu);
-    computing--;
     for (par_job **p = &jobs; *p; p = &(*p)->nxt)
         if (*p == &j) {
             *p = j.nxt;
             break;
         }
+    if (outer)
+        slot_release();
     while (j.helpers)
         pthread_cond_wait(&left, &mu);
     pthread_mutex_unlock(&mu);
+    depth--;
 }
 
 typedef struct par_ranges {
@@ -188,7 +381,9 @@ void kvd__par_ranges(int64_t n, int64_t grain, int threads, kvd__par_range_fn fn
     if (parts > (n + grain - 1) / grain)
         parts = (n + grain - 1) / grain;
     if (parts <= 1) {
+        gate_enter();
         fn(arg, 0, n);
+        gate_leave();
         return;
     }
     par_ranges r = {fn, arg, n, (n + parts - 1) / parts};

@@ -452,6 +452,10 @@ int kvd_compute_attend(const kvd_compute *c, uint32_t layer, float scale,
         if ((rc = kvd__token_range(field, qy->token_start, &count[i], sc[i].layer_tokens, err)))
             goto done;
     }
+    uint64_t kv_bytes = 0; /* what the CPU slots rank the request by */
+    for (size_t i = 0; i < n; i++)
+        kv_bytes += count[i] * sc[i].model.num_kv_heads * sc[i].model.head_dim * 4;
+    kvd_cpu_task_expect(kv_bytes);
     for (size_t i = 0; i < n; i++) {
         const kvd_model_info *m = &sc[i].model;
         res[i].num_q_heads = m->num_q_heads;

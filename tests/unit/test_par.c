@@ -6,7 +6,11 @@
  *  - a caller never waits for a helper that is busy elsewhere: with every
  *    helper held inside another job, a job still finishes, on its caller
  *    alone (an OpenMP team would wait for its threads at the barrier; here
- *    that would hang, and the alarm fails the test).
+ *    that would hang, and the alarm fails the test);
+ *  - no more threads run items at once than there are slots;
+ *  - a new task (kvd_cpu_task_begin) that finds every slot held by tasks
+ *    that have computed longer gets a slot between two of their items: it
+ *    finishes while each of them still has work left.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -17,6 +21,7 @@
 #include <unistd.h>
 
 #include "common/cpu_internal.h"
+#include "kvdepot/backend.h"
 
 static int failures;
 #define CHECK(cond)                                                                                \
@@ -28,6 +33,7 @@ static int failures;
     } while (0)
 
 #define THREADS 4 /* the pool: 3 helpers, whatever the machine */
+#define SLOTS 5   /* threads computing at once: a caller beside a full job */
 #define N 5000
 
 typedef struct counts {
@@ -136,13 +142,86 @@ static void test_never_waits_for_busy_helpers(void)
     pthread_join(t, NULL);
 }
 
+/* Threads inside an item now, and the most seen. */
+static atomic_int inside, most_inside;
+
+static void busy_item(void *arg, int i)
+{
+    (void)arg;
+    (void)i;
+    int now = atomic_fetch_add(&inside, 1) + 1;
+    for (int m = atomic_load(&most_inside);
+         now > m && !atomic_compare_exchange_weak(&most_inside, &m, now);)
+        ;
+    usleep(50);
+    atomic_fetch_sub(&inside, 1);
+}
+
+static void *busy_main(void *arg)
+{
+    kvd__par_for(200, (int)(intptr_t)arg, busy_item, NULL);
+    return NULL;
+}
+
+static void test_slots_bound(void)
+{
+    pthread_t t[2 * SLOTS];
+    for (int k = 0; k < 2 * SLOTS; k++) /* serial callers and callers with helpers */
+        pthread_create(&t[k], NULL, busy_main, (void *)(intptr_t)(k % 2 ? THREADS : 1));
+    for (int k = 0; k < 2 * SLOTS; k++)
+        pthread_join(t[k], NULL);
+    CHECK(atomic_load(&most_inside) >= 2); /* they did overlap */
+    CHECK(atomic_load(&most_inside) <= SLOTS);
+}
+
+#define LONG_TASKS (SLOTS + 3) /* three of them wait for a slot at any time */
+#define LONG_ITEMS 500
+static atomic_int long_done[LONG_TASKS];
+
+static void long_item(void *arg, int i)
+{
+    (void)i;
+    usleep(200);
+    atomic_fetch_add((atomic_int *)arg, 1);
+}
+
+static void *long_main(void *arg)
+{
+    kvd_cpu_task_begin();
+    kvd__par_for(LONG_ITEMS, 1, long_item, arg);
+    return NULL;
+}
+
+static void test_least_served_first(void)
+{
+    pthread_t t[LONG_TASKS];
+    for (int k = 0; k < LONG_TASKS; k++)
+        pthread_create(&t[k], NULL, long_main, &long_done[k]);
+    /* every long task has computed a while (some wait for a slot now) */
+    for (int k = 0; k < LONG_TASKS; k++)
+        while (atomic_load(&long_done[k]) < 20)
+            usleep(1000);
+    atomic_int mine = 0;
+    kvd_cpu_task_begin();
+    kvd__par_for(5, 1, long_item, &mine);
+    int finished = 0;
+    for (int k = 0; k < LONG_TASKS; k++)
+        finished += atomic_load(&long_done[k]) == LONG_ITEMS;
+    CHECK(atomic_load(&mine) == 5);
+    CHECK(finished == 0); /* it did not wait for a whole long task */
+    for (int k = 0; k < LONG_TASKS; k++)
+        pthread_join(t[k], NULL);
+}
+
 int main(void)
 {
     alarm(60); /* a caller waiting for a busy helper hangs: fail instead */
-    kvd__par_size(THREADS);
+    kvd__par_size(THREADS, SLOTS);
     test_helped();
     test_each_once();
     test_never_waits_for_busy_helpers();
+    test_slots_bound();
+    test_least_served_first();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

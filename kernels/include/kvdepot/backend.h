@@ -104,9 +104,29 @@ struct kvd_backend {
 };
 
 typedef struct kvd_cpu_options {
-    int nthreads;  /* 0 = number of online CPUs */
+    int nthreads;  /* threads one op may use; 0 = the CPUs the process may run on */
     int force_ref; /* 1 = use the scalar reference for every op (tests) */
+    int slots;     /* threads of the process that compute at once, all ops and
+                      backends together (at least nthreads; the largest asked
+                      holds); 0 = one more than the CPUs the process may run
+                      on (kernels/cpu/par.c says why) */
 } kvd_cpu_options;
+
+/*
+ * The calling thread starts a new task (a request): its computing time,
+ * which orders the CPU slots (the task that has computed least goes first),
+ * counts from zero again. A thread that never calls it keeps counting, and
+ * so yields to every new task (background work).
+ */
+void kvd_cpu_task_begin(void);
+
+/*
+ * The calling thread's task will read about `bytes` bytes of data (an
+ * Attend: the f16 K/V of the tokens it attends): it ranks as long as that
+ * takes from its start, so that a long request does not go ahead of short
+ * ones before it has computed long enough to tell.
+ */
+void kvd_cpu_task_expect(uint64_t bytes);
 
 /* Create the CPU backend. *out is NULL on failure. Free with kvd_backend_free. */
 int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_error *err);
