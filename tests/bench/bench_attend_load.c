@@ -3,7 +3,7 @@
  * prints a table (and CSV).
  *
  *   bench_attend_load SERVER_BIN [--clients 1,4,16] [--seconds S]
- *                     [--load N] [--csv FILE]
+ *                     [--warmup W] [--load N] [--csv FILE]
  *
  * Starts kvdepotd on loopback (tests/e2e/harness; KVDEPOT_* in the
  * environment reach it, e.g. KVDEPOT_COMPUTE_THREADS=1), stores one layer of
@@ -11,7 +11,9 @@
  * then for each form and client count runs that many clients, each on its
  * own client and thread, calling Attend back to back for S seconds
  * (default 5), alternating a decode step (1 query over the first 4K tokens)
- * and a batch (8 queries over all 32K). Per row: calls, p50, p99 and
+ * and a batch (8 queries over all 32K), the odd clients batch first. Calls
+ * begun in the first W seconds (default 1) are not counted: all clients
+ * start at once, which no steady load does. Per row: calls, p50, p99 and
  * p99/p50 of each call kind. --load N keeps N other processes busy
  * spinning on the machine meanwhile (a loaded machine).
  */
@@ -39,7 +41,8 @@ typedef struct client_run {
     const kvd_harness *h;
     const char *seq;
     const float *q;
-    double seconds;
+    double seconds, warmup;
+    int first;      /* the first call's kind */
     double *lat[2]; /* [0] decode steps, [1] batches: seconds per call */
     size_t n[2];
     int failed;
@@ -53,8 +56,8 @@ static void *client_main(void *arg)
         r->failed = 1;
         return NULL;
     }
-    const double end = bench_now() + r->seconds;
-    for (int kind = 0; bench_now() < end && !r->failed; kind ^= 1) {
+    const double from = bench_now() + r->warmup, end = from + r->seconds;
+    for (int kind = r->first; bench_now() < end && !r->failed; kind ^= 1) {
         const int nb = kind ? 8 : 1;
         const uint64_t n = kind ? TOKENS : 4096;
         kvdepot_attend_query qs[8];
@@ -70,7 +73,7 @@ static void *client_main(void *arg)
         }
         double dt = bench_now() - t0;
         kvdepot_attend_results_free(res, (size_t)nb);
-        if (r->n[kind] < MAX_CALLS)
+        if (t0 >= from && r->n[kind] < MAX_CALLS)
             r->lat[kind][r->n[kind]++] = dt;
     }
     kvdepot_close(c);
@@ -96,12 +99,13 @@ int main(int argc, char **argv)
 {
     if (argc < 2) {
         fprintf(stderr,
-                "usage: %s SERVER_BIN [--clients 1,4,16] [--seconds S] [--load N] [--csv FILE]\n",
+                "usage: %s SERVER_BIN [--clients 1,4,16] [--seconds S] [--warmup W] [--load N] "
+                "[--csv FILE]\n",
                 argv[0]);
         return 2;
     }
     int clients[8] = {1, 4, 16}, nclients = 3, load = 0;
-    double seconds = 5;
+    double seconds = 5, warmup = 1;
     FILE *csv = NULL;
     for (int i = 2; i < argc; i++) {
         if (strcmp(argv[i], "--clients") == 0 && i + 1 < argc) {
@@ -117,6 +121,8 @@ int main(int argc, char **argv)
             }
         } else if (strcmp(argv[i], "--seconds") == 0 && i + 1 < argc) {
             seconds = atof(argv[++i]);
+        } else if (strcmp(argv[i], "--warmup") == 0 && i + 1 < argc) {
+            warmup = atof(argv[++i]);
         } else if (strcmp(argv[i], "--load") == 0 && i + 1 < argc) {
             load = atoi(argv[++i]);
         } else if (strcmp(argv[i], "--csv") == 0 && i + 1 < argc) {
@@ -172,9 +178,9 @@ int main(int argc, char **argv)
     const char *ct = getenv("KVDEPOT_COMPUTE_THREADS");
     double la[1];
     printf("Attend under concurrency: %ld CPUs, %d busy processes beside, compute-threads %s, "
-           "load %.2f\n",
+           "load %.2f; calls of %g s counted after %g s\n",
            sysconf(_SC_NPROCESSORS_ONLN), nbusy, ct ? ct : "default",
-           getloadavg(la, 1) == 1 ? la[0] : -1.0);
+           getloadavg(la, 1) == 1 ? la[0] : -1.0, seconds, warmup);
     printf("| cache | clients | calls | 1 x 4K p50 ms | p99 ms | p99/p50 | 8 x 32K p50 ms | p99 ms "
            "| p99/p50 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     if (csv)
@@ -188,7 +194,8 @@ int main(int argc, char **argv)
             pthread_t th[MAX_CLIENTS];
             memset(runs, 0, sizeof runs);
             for (int i = 0; i < nc; i++) {
-                runs[i] = (client_run){&h, names[f], q, seconds, {NULL, NULL}, {0, 0}, 0};
+                runs[i] =
+                    (client_run){&h, names[f], q, seconds, warmup, i & 1, {NULL, NULL}, {0, 0}, 0};
                 runs[i].lat[0] = malloc(sizeof(double) * MAX_CALLS);
                 runs[i].lat[1] = malloc(sizeof(double) * MAX_CALLS);
                 pthread_create(&th[i], NULL, client_main, &runs[i]);
