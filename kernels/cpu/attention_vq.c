@@ -322,7 +322,7 @@ __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64
         }
         for (; i < n; i++) {
             _mm_storeu_ps(r, acc[i]);
-            for (int g = 0; g < G; g++)
+            for (int g = 0; g < G && g < 4; g++) /* G <= GP = 4 */
                 s[(size_t)g * ld + i] = r[g];
         }
         return;
