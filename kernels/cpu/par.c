@@ -130,7 +130,7 @@ static void slot_release(void)
 /* Take a slot, waiting in rank order while all are held (under mu). */
 static void slot_take(int64_t ns)
 {
-    if (computing < slots && !waiters) {
+    if ((computing < slots || slots == 0) && !waiters) { /* 0: no backend said */
         computing++;
         return;
     }

@@ -45,6 +45,12 @@ static void count_item(void *arg, int i)
     atomic_fetch_add(&((counts *)arg)->c[i], 1);
 }
 
+static void count_range(void *arg, int64_t lo, int64_t hi)
+{
+    for (int64_t i = lo; i < hi; i++)
+        count_item(arg, (int)i);
+}
+
 static void *caller_main(void *arg)
 {
     for (int rep = 0; rep < 20; rep++)
@@ -216,6 +222,15 @@ static void test_least_served_first(void)
 int main(void)
 {
     alarm(60); /* a caller waiting for a busy helper hangs: fail instead */
+    /* before any backend has sized the pool: items run, on the caller */
+    counts *c0 = calloc(1, sizeof *c0);
+    kvd__par_for(N, THREADS, count_item, c0);
+    kvd__par_ranges(1, 1, 1, count_range, c0);
+    int bad0 = 0;
+    for (int i = 0; i < N; i++)
+        bad0 += atomic_load(&c0->c[i]) != 1 + (i == 0);
+    CHECK(bad0 == 0);
+    free(c0);
     kvd__par_size(THREADS, SLOTS);
     test_helped();
     test_each_once();
