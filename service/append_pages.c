@@ -1,8 +1,9 @@
 /*
  * AppendPages: client-streamed pages the client encoded (kvdepot.proto). The
- * pages are collected as they arrive (bounded by max-append-bytes); when the
- * stream ends, service/compute checks them as a whole and appends them in
- * one transaction (kvd_compute_append_pages).
+ * pages are collected as they arrive (bounded by max-append-bytes), in the
+ * unpacked messages that carry them (no copy of their own); when the stream
+ * ends, service/compute checks them as a whole and appends them in one
+ * transaction (kvd_compute_append_pages).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -11,13 +12,14 @@
 #include "rpc.h"
 
 typedef struct ap_page {
-    uint8_t *bytes;
+    const uint8_t *bytes; /* in one of msgs */
     size_t len;
 } ap_page;
 
 typedef struct pages_state {
-    Kvdepot__V1__AppendPagesHeader *hdr; /* from the first message (owned) */
-    Kvdepot__V1__AppendPagesRequest *first;
+    Kvdepot__V1__AppendPagesHeader *hdr;    /* from the first message, msgs[0] */
+    Kvdepot__V1__AppendPagesRequest **msgs; /* every message received (owned) */
+    size_t nmsg, capmsg;
     ap_page *pages;
     size_t n, cap;
     uint64_t bytes;
@@ -28,11 +30,10 @@ static void pages_release(void *state)
     pages_state *st = state;
     if (!st)
         return;
-    for (size_t i = 0; i < st->n; i++)
-        free(st->pages[i].bytes);
+    for (size_t i = 0; i < st->nmsg; i++)
+        protobuf_c_message_free_unpacked(&st->msgs[i]->base, NULL);
+    free(st->msgs);
     free(st->pages);
-    if (st->first)
-        protobuf_c_message_free_unpacked(&st->first->base, NULL);
     free(st);
 }
 
@@ -53,17 +54,25 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
                    ? err->code
                    : kvd_error_set(err, KVD_EINVAL,
                                    "message %zu does not parse as AppendPagesRequest", st->n);
-    int rc = 0;
-    if (!st->first) {
-        if (!m->header) {
+    if (st->nmsg == st->capmsg) {
+        size_t nc = st->capmsg ? 2 * st->capmsg : 16;
+        Kvdepot__V1__AppendPagesRequest **nm = realloc(st->msgs, nc * sizeof *nm);
+        if (!nm) {
             protobuf_c_message_free_unpacked(&m->base, NULL);
-            return kvd_error_set(err, KVD_EINVAL, "the first message carries no header");
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
         }
-        st->first = m;
+        st->msgs = nm;
+        st->capmsg = nc;
+    }
+    st->msgs[st->nmsg++] = m; /* freed with the state */
+    if (st->nmsg == 1) {
+        if (!m->header)
+            return kvd_error_set(err, KVD_EINVAL, "the first message carries no header");
         st->hdr = m->header;
     } else if (m->header) {
-        rc = kvd_error_set(err, KVD_EINVAL, "header repeated after the first message");
+        return kvd_error_set(err, KVD_EINVAL, "header repeated after the first message");
     }
+    int rc = 0;
     for (size_t i = 0; rc == 0 && i < m->n_pages; i++) {
         st->bytes += m->pages[i].len;
         if (st->bytes > ctx->svc->cfg->max_append_bytes) {
@@ -81,19 +90,10 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
             st->pages = np;
             st->cap = nc;
         }
-        ap_page *p = &st->pages[st->n];
-        memset(p, 0, sizeof *p);
-        p->bytes = malloc(m->pages[i].len ? m->pages[i].len : 1);
-        if (!p->bytes) {
-            rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
-            break;
-        }
-        memcpy(p->bytes, m->pages[i].data, m->pages[i].len);
-        p->len = m->pages[i].len;
-        st->n++;
+        /* an empty page (no data) is refused with the others, never read */
+        static const uint8_t none[1];
+        st->pages[st->n++] = (ap_page){m->pages[i].data ? m->pages[i].data : none, m->pages[i].len};
     }
-    if (m != st->first)
-        protobuf_c_message_free_unpacked(&m->base, NULL);
     return rc;
 }
 

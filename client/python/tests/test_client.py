@@ -349,6 +349,11 @@ def test_pages_encoded_here(client):
         bad[-1] ^= 1
         client.create_sequence("pg3", "py", codecs=codecs)
         client.append_pages("pg3", [bytes(bad)])
+    # an empty page among good ones: refused, nothing stored
+    client.create_sequence("pg4", "py", codecs=codecs)
+    with pytest.raises(kvdepot.DataLoss, match="0 bytes"):
+        client.append_pages("pg4", [pages[0], b"", pages[1]])
+    assert client.stat("pg4").num_tokens == 0
 
 
 def test_artifacts_and_calibrate(client):
