@@ -777,26 +777,48 @@ static const ProtobufCMessage *pages_msg(size_t i, void *ctx)
 int kvdepot_append_pages(kvdepot_client *c, const void *id, size_t id_len,
                          const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out)
 {
+    kvdepot_append_pages_args a = {.id = id, .id_len = id_len, .pages = pages, .count = count};
+    return kvdepot_sequence_append_pages(c, &a, out);
+}
+
+int kvdepot_sequence_append_pages(kvdepot_client *c, const kvdepot_append_pages_args *a,
+                                  kvdepot_sequence_info *out)
+{
     kvdepot__clear_error();
     if (out)
         memset(out, 0, sizeof *out);
-    if (!c || (!id && id_len) || (!pages && count))
+    if (a && a->created)
+        *a->created = 0;
+    if (!c || !a || (!a->id && a->id_len) || (!a->pages && a->count))
         return kvdepot__fail(c, KVDEPOT_EINVAL, "append pages: NULL argument");
     if (c->cluster)
-        return kvdepot__cluster_append_pages(c, id, id_len, pages, count, out);
+        return kvdepot__cluster_append_pages(c, a, out);
     /* One message per page (pages are at most a few MiB), the header with
      * the first. */
-    struct pages_msgs x = {.hdr = KVDEPOT__V1__APPEND_PAGES_HEADER__INIT,
-                           .pages = pages,
-                           .count = count};
-    x.hdr.sequence_id.data = (uint8_t *)id;
-    x.hdr.sequence_id.len = id_len;
+    struct pages_msgs x = {
+        .hdr = KVDEPOT__V1__APPEND_PAGES_HEADER__INIT, .pages = a->pages, .count = a->count};
+    x.hdr.sequence_id.data = (uint8_t *)a->id;
+    x.hdr.sequence_id.len = a->id_len;
+    Kvdepot__V1__CreateSequenceRequest cr;
+    kvdepot__codecs_pb cpb;
+    kvdepot__v1__create_sequence_request__init(&cr);
+    int rc;
+    if (a->create) {
+        if ((rc = kvdepot__create_pb(c, a->create, "append pages: create", &cr, &cpb)))
+            return rc;
+        cr.sequence_id.data = NULL; /* the header's id serves for both */
+        cr.sequence_id.len = 0;
+        x.hdr.create = &cr;
+    }
     ProtobufCMessage *resp;
-    int rc = kvdepot__call_messages(c, "append pages", PATH_APPEND_PAGES, count ? count : 1,
-                                    pages_msg, &x,
-                                    &kvdepot__v1__append_pages_response__descriptor, &resp);
+    rc = kvdepot__call_messages(c, "append pages", PATH_APPEND_PAGES, a->count ? a->count : 1,
+                                pages_msg, &x, &kvdepot__v1__append_pages_response__descriptor,
+                                &resp);
+    free(cr.engine_prefix_hashes);
     if (rc == KVDEPOT_OK) {
         Kvdepot__V1__AppendPagesResponse *r = (Kvdepot__V1__AppendPagesResponse *)resp;
+        if (a->created)
+            *a->created = r->created;
         if (out && r->sequence)
             rc = kvdepot__info_from_pb(c, r->sequence, out);
         protobuf_c_message_free_unpacked(resp, NULL);

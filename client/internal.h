@@ -169,8 +169,7 @@ int kvdepot__cluster_sparse_attend(kvdepot_client *c, const kvdepot_search_args 
                                    kvdepot_attend_result *out, kvdepot_search_result *tokens);
 int kvdepot__cluster_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
                                 kvdepot_page **pages, size_t *count);
-int kvdepot__cluster_append_pages(kvdepot_client *c, const void *id, size_t id_len,
-                                  const kvdepot_page *pages, size_t count,
+int kvdepot__cluster_append_pages(kvdepot_client *c, const kvdepot_append_pages_args *a,
                                   kvdepot_sequence_info *out);
 int kvdepot__cluster_artifacts_upload(kvdepot_client *c, const char *model,
                                       const kvdepot_artifact *a, size_t count, uint32_t *stored);

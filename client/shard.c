@@ -1414,10 +1414,7 @@ struct pages_ctx {
     const kvdepot_read_args *read;
     kvdepot_page **pages;
     size_t *count;
-    const void *id;
-    size_t id_len;
-    const kvdepot_page *in;
-    size_t n;
+    const kvdepot_append_pages_args *append;
     kvdepot_sequence_info *info;
 };
 
@@ -1430,7 +1427,7 @@ static int op_read_pages(kvdepot_client *m, void *p)
 static int op_append_pages(kvdepot_client *m, void *p)
 {
     struct pages_ctx *x = p;
-    return kvdepot_append_pages(m, x->id, x->id_len, x->in, x->n, x->info);
+    return kvdepot_sequence_append_pages(m, x->append, x->info);
 }
 
 int kvdepot__cluster_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
@@ -1440,12 +1437,11 @@ int kvdepot__cluster_read_pages(kvdepot_client *c, const kvdepot_read_args *a,
     return as_miss(c, run_for_id(c, a->id, a->id_len, op_read_pages, &x));
 }
 
-int kvdepot__cluster_append_pages(kvdepot_client *c, const void *id, size_t id_len,
-                                  const kvdepot_page *pages, size_t count,
+int kvdepot__cluster_append_pages(kvdepot_client *c, const kvdepot_append_pages_args *a,
                                   kvdepot_sequence_info *out)
 {
-    struct pages_ctx x = {.id = id, .id_len = id_len, .in = pages, .n = count, .info = out};
-    return run_for_id(c, id, id_len, op_append_pages, &x);
+    struct pages_ctx x = {.append = a, .info = out};
+    return run_for_id(c, a->id, a->id_len, op_append_pages, &x);
 }
 
 /*

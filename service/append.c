@@ -208,45 +208,21 @@ static int write_piece(void *arg, const uint8_t *p, size_t len, kvd_error *err)
 
 /* ---- the handler ------------------------------------------------------- */
 
-/* The sequence of an Append with header.create: stat it, or create it from
- * the request when it does not exist (*info is then the new sequence and
- * st->made is set). */
+/* The sequence of an Append with header.create (kvd_ctx_stat_or_create);
+ * one it made is kept in st, to be undone unless the append commits. */
 static int stat_or_create(kvd_req_ctx *ctx, append_state *st, const Kvdepot__V1__AppendHeader *h,
                           kvd_seq_info *info, kvd_error *err)
 {
-    const Kvdepot__V1__CreateSequenceRequest *cr = h->create;
-    if (cr->sequence_id.len &&
-        (cr->sequence_id.len != h->sequence_id.len ||
-         memcmp(cr->sequence_id.data, h->sequence_id.data, cr->sequence_id.len)))
-        return kvd_error_set(err, KVD_EINVAL,
-                             "header.create.sequence_id: differs from header.sequence_id (leave "
-                             "it empty)");
-    for (int tries = 0;; tries++) {
-        int rc = kvd_store_seq_stat(ctx->svc->store, st->key.id, st->key.len, info, err);
-        if (rc != KVD_ENOTFOUND) {
-            if (rc == 0 && strcmp(info->model, cr->model ? cr->model : "")) {
-                rc = kvd_error_set(err, KVD_EPRECOND,
-                                   "header.create: the sequence exists, of model \"%s\", not "
-                                   "\"%s\"",
-                                   info->model, cr->model ? cr->model : "");
-                kvd_seq_info_clear(info);
-            }
-            return rc;
+    int rc =
+        kvd_ctx_stat_or_create(ctx, h->create, &h->sequence_id, &st->key, info, &st->made, err);
+    if (rc == 0 && st->made) {
+        st->svc = ctx->svc;
+        if (ctx->auth) {
+            kvd_auth_ref(ctx->auth);
+            st->made_auth = ctx->auth;
         }
-        kvd_error_clear(err);
-        rc = kvd_ctx_create_sequence(ctx, cr, &st->key, 1, info, err);
-        if (rc == 0) {
-            st->made = 1;
-            st->svc = ctx->svc;
-            if (ctx->auth) {
-                kvd_auth_ref(ctx->auth);
-                st->made_auth = ctx->auth;
-            }
-        }
-        if (rc != KVD_EEXIST || tries)
-            return rc;
-        kvd_error_clear(err); /* another call created it meanwhile: append to it */
     }
+    return rc;
 }
 
 /* A sequence this Append created goes again when the append fails. */

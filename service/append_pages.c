@@ -115,6 +115,16 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
         free(in);
         return rc;
     }
+    kvd_seq_info was; /* with header.create: the sequence as this call made it */
+    memset(&was, 0, sizeof was);
+    int made = 0;
+    if (h->create &&
+        (rc = kvd_ctx_stat_or_create(ctx, h->create, &h->sequence_id, &key, &was, &made, err))) {
+        free(in);
+        return rc;
+    }
+    if (h->create && !made)
+        kvd_seq_info_clear(&was);
     kvd_pages_args a = {key.id,          key.len,          in, st->n, h->token_ids, h->n_token_ids,
                         h->block_hashes, h->n_block_hashes};
     kvd_compute_guard g;
@@ -123,6 +133,15 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
     kvd_seq_info info;
     rc = kvd_compute_append_pages(&c, &a, &info, err);
     free(in);
+    if (made) { /* refused pages leave no sequence behind */
+        kvd_error e;
+        kvd_error_clear(&e);
+        if (rc && kvd_undo_create_sequence(ctx->svc, ctx->auth, &key, &was, &e))
+            KVD_LOG(KVD_LOG_WARN, "the sequence a failed AppendPages created was kept", "reason=%s",
+                    e.msg);
+        kvd_store_seq_pending_done(ctx->svc->store, key.id, key.len);
+        kvd_seq_info_clear(&was);
+    }
     if (rc)
         return rc;
     Kvdepot__V1__SequenceInfo si;
@@ -135,6 +154,7 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
     resp.sequence = &si;
     resp.pages_received = st->n;
     resp.bytes_received = st->bytes;
+    resp.created = made;
     *reply = kvd_pack(&resp.base);
     if (!*reply)
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");

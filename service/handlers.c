@@ -215,6 +215,38 @@ int kvd_ctx_create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceR
     return rc;
 }
 
+int kvd_ctx_stat_or_create(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *cr,
+                           const ProtobufCBinaryData *wire_id, const kvd_seq_key *key,
+                           kvd_seq_info *info, int *made, kvd_error *err)
+{
+    *made = 0;
+    if (cr->sequence_id.len && (cr->sequence_id.len != wire_id->len ||
+                                memcmp(cr->sequence_id.data, wire_id->data, wire_id->len)))
+        return kvd_error_set(err, KVD_EINVAL,
+                             "header.create.sequence_id: differs from header.sequence_id (leave "
+                             "it empty)");
+    for (int tries = 0;; tries++) {
+        int rc = kvd_store_seq_stat(ctx->svc->store, key->id, key->len, info, err);
+        if (rc != KVD_ENOTFOUND) {
+            if (rc == 0 && strcmp(info->model, cr->model ? cr->model : "")) {
+                rc = kvd_error_set(err, KVD_EPRECOND,
+                                   "header.create: the sequence exists, of model \"%s\", not "
+                                   "\"%s\"",
+                                   info->model, cr->model ? cr->model : "");
+                kvd_seq_info_clear(info);
+            }
+            return rc;
+        }
+        kvd_error_clear(err);
+        rc = kvd_ctx_create_sequence(ctx, cr, key, 1, info, err);
+        if (rc == 0)
+            *made = 1;
+        if (rc != KVD_EEXIST || tries)
+            return rc;
+        kvd_error_clear(err); /* another call created it meanwhile: append to it */
+    }
+}
+
 static int create_sequence(kvd_req_ctx *ctx, const Kvdepot__V1__CreateSequenceRequest *req,
                            const kvd_seq_key *kp, const uint64_t *prefix, size_t n_prefix,
                            int pending, kvd_seq_info *info, kvd_error *err)

@@ -195,6 +195,15 @@ struct Kvdepot__V1__CreateSequenceRequest;
 int kvd_ctx_create_sequence(kvd_req_ctx *ctx, const struct Kvdepot__V1__CreateSequenceRequest *req,
                             const kvd_seq_key *key, int pending, kvd_seq_info *info,
                             kvd_error *err);
+/* The sequence `key` of an append with header.create: stat it, or create
+ * it from `create` (pending) when it does not exist: *made is then 1 and
+ * *info the new sequence, else *info as it is (kvd_seq_info_clear it
+ * either way on success). create->sequence_id, when not empty, must be
+ * the header's `wire_id`; an existing sequence must be of create->model
+ * (else KVD_EPRECOND). */
+int kvd_ctx_stat_or_create(kvd_req_ctx *ctx, const struct Kvdepot__V1__CreateSequenceRequest *cr,
+                           const ProtobufCBinaryData *wire_id, const kvd_seq_key *key,
+                           kvd_seq_info *info, int *made, kvd_error *err);
 /* Undo kvd_ctx_create_sequence when the sequence is still as `was`
  * describes it (created then, no tokens added since): delete it and give
  * back its quota and gauges. 0, or why it stayed. */

@@ -1350,6 +1350,29 @@ int kvdepot_sequence_read_pages(kvdepot_client *client, const kvdepot_read_args 
 int kvdepot_append_pages(kvdepot_client *client, const void *id, size_t id_len,
                          const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out);
 
+/* Arguments of kvdepot_sequence_append_pages. Zero-initialise, then set. */
+typedef struct kvdepot_append_pages_args {
+    const void *id;
+    size_t id_len;
+    const kvdepot_page *pages;
+    size_t count;
+    /* Optional: create the sequence in the same call when it does not
+     * exist, as in kvdepot_append_args (its id is not read), so that a new
+     * object of pages encoded here is stored in one round trip; if the
+     * pages are refused, the sequence is deleted again before the call
+     * returns. When it exists, create->model must be its model (else
+     * KVDEPOT_EPRECOND). */
+    const kvdepot_create_args *create;
+    /* Optional out: 1 when create made the sequence in this call, 0 when it
+     * existed (or the call failed). */
+    int *created;
+} kvdepot_append_pages_args;
+
+/* kvdepot_append_pages with its arguments in a struct, and create. The same
+ * returns, and those of kvdepot_sequence_create for args->create. */
+int kvdepot_sequence_append_pages(kvdepot_client *client, const kvdepot_append_pages_args *args,
+                                  kvdepot_sequence_info *out);
+
 /* ---- model artifacts ------------------------------------------------------ */
 
 /* What an artifact holds; values equal kvdepot.v1.ArtifactKind. Every

@@ -310,6 +310,16 @@ int kvdepot_sequence_read_pages(kvdepot_client *client, const kvdepot_read_args 
                                 kvdepot_page **pages, size_t *count);
 int kvdepot_append_pages(kvdepot_client *client, const void *id, size_t id_len,
                          const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out);
+typedef struct kvdepot_append_pages_args {
+    const void *id;
+    size_t id_len;
+    const kvdepot_page *pages;
+    size_t count;
+    const kvdepot_create_args *create;
+    int *created;
+} kvdepot_append_pages_args;
+int kvdepot_sequence_append_pages(kvdepot_client *client, const kvdepot_append_pages_args *args,
+                                  kvdepot_sequence_info *out);
 int kvdepot_artifacts_upload(kvdepot_client *client, const char *model,
                              const kvdepot_artifact *a, size_t count, uint32_t *stored);
 int kvdepot_artifacts_get(kvdepot_client *client, const char *model, const int *kinds,

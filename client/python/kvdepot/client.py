@@ -467,6 +467,25 @@ def transfer_threads(n: int) -> None:
         _raise(rc)
 
 
+def _create_into(a, create, ttl_seconds, codecs):
+    """An append's create= into its C arguments a (create and created); what
+    must stay alive with them, or None without create."""
+    if create is None:
+        if ttl_seconds or codecs is not None:
+            raise _bad("ttl_seconds and codecs are for create=")
+        return None
+    ca = ffi.new("kvdepot_create_args *")
+    mb = ffi.new("char[]", create.encode())
+    ca.model, ca.ttl_seconds = mb, ttl_seconds
+    cc = _codecs_c(codecs) if codecs is not None else None
+    if cc is not None:
+        ca.codecs = cc
+    a.create = ca
+    cr = ffi.new("int *")
+    a.created = cr
+    return (ca, mb, cc, cr)
+
+
 def _set_created(info: "SequenceInfo", a) -> "SequenceInfo":
     """info.created from an append's kvdepot_append_args (create= only)."""
     if a.created != ffi.NULL:
@@ -769,8 +788,6 @@ class Client:
 
     def _append_args(self, sid, k, v, token_start, layer_start, dtype, token_ids, engine_hashes,
                      create=None, ttl_seconds=0, codecs=None):
-        if create is None and (ttl_seconds or codecs is not None):
-            raise _bad("ttl_seconds and codecs are for create=")
         b = _id(sid)
         ka, va = _kv_array(k, "k"), _kv_array(v, "v")
         if ka.shape != va.shape or ka.dtype != va.dtype:
@@ -796,18 +813,7 @@ class Client:
                 len(ids)
         if engine_hashes is not None:
             engine_hashes._fill(a.engine_hashes)
-        made = None
-        if create is not None:
-            ca = ffi.new("kvdepot_create_args *")
-            mb = ffi.new("char[]", create.encode())
-            ca.model, ca.ttl_seconds = mb, ttl_seconds
-            cc = _codecs_c(codecs) if codecs is not None else None
-            if cc is not None:
-                ca.codecs = cc
-            a.create = ca
-            cr = ffi.new("int *")
-            a.created = cr
-            made = (ca, mb, cc, cr)
+        made = _create_into(a, create, ttl_seconds, codecs)
         return a, (b, idb, ka, va, kb, vb, ids, engine_hashes, made)
 
     def _read_into_args(self, sid, k_out, v_out, layer_start, token_start, num_tokens):
@@ -887,9 +893,14 @@ class Client:
         self._check(lib.kvdepot_sequence_read_pages(self._client(), a, pages, count))
         return _pages_out(pages, count)
 
-    def append_pages(self, sid: Id, pages: Sequence[bytes]) -> SequenceInfo:
+    def append_pages(self, sid: Id, pages: Sequence[bytes], *, create: Optional[str] = None,
+                     ttl_seconds: int = 0, codecs: Optional[Codecs] = None) -> SequenceInfo:
         """Store pages encoded here (encode_pages): only their bytes cross
-        the network; each is checked before any is stored."""
+        the network; each is checked before any is stored. create: as for
+        append(), the sequence is created in the same call when it does not
+        exist (its codecs must be those the pages were encoded with), and
+        deleted again if the pages are refused; the SequenceInfo's
+        `created` says which happened."""
         b = _id(sid)
         arr = ffi.new("kvdepot_page[]", max(len(pages), 1))
         keep = []
@@ -897,8 +908,11 @@ class Client:
             buf = ffi.from_buffer(bytes(p))
             keep.append(buf)
             arr[i].data, arr[i].len = buf, len(p)
-        return self._info_call(lib.kvdepot_append_pages, ffi.from_buffer(b), len(b), arr,
-                               len(pages))
+        a = ffi.new("kvdepot_append_pages_args *")
+        idb = ffi.from_buffer(b)
+        a.id, a.id_len, a.pages, a.count = idb, len(b), arr, len(pages)
+        keep.append(_create_into(a, create, ttl_seconds, codecs))
+        return _set_created(self._info_call(lib.kvdepot_sequence_append_pages, a), a)
 
     def upload_artifacts(self, model: str, artifacts: Sequence[Artifact]) -> int:
         """Store calibration artifacts of a model (all or nothing); the count."""

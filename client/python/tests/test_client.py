@@ -349,6 +349,22 @@ def test_pages_encoded_here(client):
         bad[-1] ^= 1
         client.create_sequence("pg3", "py", codecs=codecs)
         client.append_pages("pg3", [bytes(bad)])
+    # create= stores a new object in one call; refused pages leave none
+    info = client.append_pages("pgc", pages, create="py", codecs=codecs)
+    assert info.created and info.num_tokens == 600
+    assert sorted(client.read_pages("pgc")) == sorted(pages)
+    with pytest.raises(kvdepot.FailedPrecondition, match="of model"):
+        client.append_pages("pgc", pages, create="other")
+    with pytest.raises(kvdepot.DataLoss):
+        client.append_pages("pgd", [pages[0], bytes(bad)], create="py", codecs=codecs)
+    with pytest.raises(kvdepot.NotFound):
+        client.stat("pgd")
+    first = [pages[3 * layer] for layer in range(L)]  # each layer's first block
+    second = [pages[3 * layer + 1] for layer in range(L)]
+    info = client.append_pages("pge", first, create="py", codecs=codecs)
+    assert info.created and info.num_tokens == 256
+    info = client.append_pages("pge", second, create="py")  # exists: appended to
+    assert not info.created and info.num_tokens == 512
     # an empty page among good ones: refused, nothing stored
     client.create_sequence("pg4", "py", codecs=codecs)
     with pytest.raises(kvdepot.DataLoss, match="0 bytes"):
