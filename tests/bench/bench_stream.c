@@ -11,9 +11,9 @@
  *               server: put = one Append of f16 creating the sequence; get =
  *               Read of the decoded f16 (lossy: its error is reported)
  *   int2-pages  kvdepot, INT2 pages coded by the client: put =
- *               kvdepot_encode_pages + CreateSequence + AppendPages (only the
- *               coded bytes cross the wire); get = Read in page format (the
- *               stored pages, not decoded here)
+ *               kvdepot_encode_pages + one AppendPages creating the sequence
+ *               (only the coded bytes cross the wire); get = Read in page
+ *               format (the stored pages, not decoded here)
  *   redis       Redis SET / GET of the same bytes (bit-exact)
  *
  * An object of S MiB is K+V in f16 of an 8B-class model (8 KV heads x 128):
@@ -373,8 +373,9 @@ static void tag_payload(bench *b, int sys, int i)
 }
 
 /* Encodes every layer of the payload into INT2 pages and sends them in one
- * AppendPages. */
-static int put_pages(bench *b, const shape *s, const kvdepot_codecs *codecs, const char *id)
+ * AppendPages that creates the sequence (ca). */
+static int put_pages(bench *b, const shape *s, const kvdepot_codecs *codecs,
+                     const kvdepot_create_args *ca)
 {
     uint32_t layers = s->model->num_layers;
     size_t layer_bytes = s->half / layers;
@@ -395,7 +396,9 @@ static int put_pages(bench *b, const shape *s, const kvdepot_codecs *codecs, con
             memcpy(all + at, per[l], nper[l] * sizeof *all);
             at += nper[l];
         }
-        err = kvdepot_append_pages(b->kv, id, strlen(id), all, n_all, NULL);
+        kvdepot_append_pages_args pa = {
+            .id = ca->id, .id_len = ca->id_len, .pages = all, .count = n_all, .create = ca};
+        err = kvdepot_sequence_append_pages(b->kv, &pa, NULL);
     }
     free(all); /* a shallow copy: the bytes belong to per[] */
     for (uint32_t l = 0; l < layers && l < 32; l++)
@@ -423,9 +426,7 @@ static int put_one(bench *b, int sys, const shape *s, unsigned mib, int i)
                               .codecs = sys == SYS_RAW ? NULL : &int2};
     if (sys == SYS_INT2_PAGES) {
         /* The encoding is part of the put: it is the client's work. */
-        int err = kvdepot_sequence_create(b->kv, &ca, NULL);
-        if (err == 0)
-            err = put_pages(b, s, &int2, id);
+        int err = put_pages(b, s, &int2, &ca);
         return err ? kv_fail(b, "put pages", id, err) : 0;
     }
     kvdepot_append_args aa = {.id = id,
