@@ -375,6 +375,7 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
                              sa->k, (unsigned long long)r->n);
     const int H = (int)m->num_kv_heads, D = (int)m->head_dim;
     const int M = (int)r->codecs.pq_m, nb = r->codecs.pq_bits, K = 1 << nb;
+    kvd_cpu_task_expect(r->n * (uint64_t)H * (uint64_t)M); /* the codes scanned: the slots' rank */
     kvd_pq_search_params sp = {sa->k, sa->initial_tokens, sa->recent_tokens, KVD_PQ_AGG_SUM};
     r->per_head = kvd_pq_search_count((int64_t)r->n, &sp);
     size_t cap = (size_t)(r->per_head ? r->per_head : 1);
@@ -806,6 +807,9 @@ int kvd_compute_sparse_attend(const kvd_compute *c, const kvd_search_args *sa, f
         search_run_free(&r);
         return rc;
     }
+    /* the slots' rank: the codes scanned and the f16 K/V rows attended */
+    const uint64_t kvh = r.sc.model.num_kv_heads, codes = r.n * kvh * r.codecs.pq_m;
+    kvd_cpu_task_expect(codes + (uint64_t)r.per_head * kvh * r.sc.model.head_dim * 4);
     kvd_backend *dev = c->dev ? kvd_store_device(c->store) : NULL;
     if (dev) {
         const kvd_model_info *m = &r.sc.model;
