@@ -36,7 +36,7 @@
 
 #include "kvdepot/backend.h"
 
-/* A holder yields to a waiter that has computed this much less (ns). */
+/* A holder yields to a waiter that ranks this much (ns) ahead of it. */
 #define QUANTUM 2000000
 /* Beyond this much computing (ns) a task is long: the long rank alike. */
 #define LONG 20000000
@@ -67,7 +67,7 @@ static int computing;    /* slots held: callers inside kvd__par_for and helpers 
 
 /* A caller waiting for a slot; the list is ordered by key, least first. */
 typedef struct par_waiter {
-    int64_t key;   /* its task's computing time (ns), at most LONG */
+    int64_t key;   /* its task's rank (rank()) */
     int64_t begun; /* when its task began: the order among equal keys */
     int granted;   /* a slot was handed over to it */
     pthread_cond_t cv;
@@ -156,7 +156,7 @@ static int outranked(int64_t ns, int64_t expected)
 }
 
 /* Between two items of the slot holder's own work: hand the slot to a
- * waiter that has computed QUANTUM less, and wait for it again. */
+ * waiter that ranks QUANTUM ahead, and wait for it again. */
 static void maybe_yield(void)
 {
     if (atomic_load_explicit(&head_key, memory_order_relaxed) == INT64_MAX)
@@ -196,7 +196,7 @@ static void gate_leave(void)
 }
 
 /* The items of j until none is left; a helper also stops when a waiter
- * has computed QUANTUM less than j's task. */
+ * ranks QUANTUM ahead of j's task. */
 static void run_items(par_job *j, int helper, int outer)
 {
     for (int k = 0;; k++) {

@@ -114,9 +114,10 @@ typedef struct kvd_cpu_options {
 
 /*
  * The calling thread starts a new task (a request): its computing time,
- * which orders the CPU slots (the task that has computed least goes first),
- * counts from zero again. A thread that never calls it keeps counting, and
- * so yields to every new task (background work).
+ * which ranks it for the CPU slots (the task that has computed least goes
+ * first, up to 20 ms; longer ones in the order they began), counts from
+ * zero again. A thread that never calls it keeps counting from its first
+ * computing, so new tasks go ahead of it.
  */
 void kvd_cpu_task_begin(void);
 
