@@ -17,7 +17,6 @@ typedef struct ap_page {
 } ap_page;
 
 typedef struct pages_state {
-    Kvdepot__V1__AppendPagesHeader *hdr;    /* from the first message, msgs[0] */
     Kvdepot__V1__AppendPagesRequest **msgs; /* every message received (owned) */
     size_t nmsg, capmsg;
     ap_page *pages;
@@ -65,13 +64,10 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
         st->capmsg = nc;
     }
     st->msgs[st->nmsg++] = m; /* freed with the state */
-    if (st->nmsg == 1) {
-        if (!m->header)
-            return kvd_error_set(err, KVD_EINVAL, "the first message carries no header");
-        st->hdr = m->header;
-    } else if (m->header) {
+    if (st->nmsg == 1 && !m->header)
+        return kvd_error_set(err, KVD_EINVAL, "the first message carries no header");
+    if (st->nmsg > 1 && m->header)
         return kvd_error_set(err, KVD_EINVAL, "header repeated after the first message");
-    }
     int rc = 0;
     for (size_t i = 0; rc == 0 && i < m->n_pages; i++) {
         st->bytes += m->pages[i].len;
@@ -101,9 +97,9 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
                         kvd_error *err)
 {
     pages_state *st = *state;
-    if (!st || !st->hdr)
+    if (!st || !st->nmsg || !st->msgs[0]->header)
         return kvd_error_set(err, KVD_EINVAL, "empty AppendPages stream");
-    const Kvdepot__V1__AppendPagesHeader *h = st->hdr;
+    const Kvdepot__V1__AppendPagesHeader *h = st->msgs[0]->header;
     kvd_page_in *in = calloc(st->n ? st->n : 1, sizeof *in);
     if (!in)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory");
@@ -123,8 +119,6 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
         free(in);
         return rc;
     }
-    if (h->create && !made)
-        kvd_seq_info_clear(&was);
     kvd_pages_args a = {key.id,          key.len,          in, st->n, h->token_ids, h->n_token_ids,
                         h->block_hashes, h->n_block_hashes};
     kvd_compute_guard g;
@@ -140,8 +134,8 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
             KVD_LOG(KVD_LOG_WARN, "the sequence a failed AppendPages created was kept", "reason=%s",
                     e.msg);
         kvd_store_seq_pending_done(ctx->svc->store, key.id, key.len);
-        kvd_seq_info_clear(&was);
     }
+    kvd_seq_info_clear(&was);
     if (rc)
         return rc;
     Kvdepot__V1__SequenceInfo si;
