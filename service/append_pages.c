@@ -1,6 +1,7 @@
 /*
  * AppendPages: client-streamed pages the client encoded (kvdepot.proto). The
- * pages are collected as they arrive (bounded by max-append-bytes), in the
+ * pages are collected as they arrive (bounded by max-append-bytes, and
+ * charged to append-memory-bytes with the appends in flight), in the
  * unpacked messages that carry them (no copy of their own); when the stream
  * ends, service/compute checks them as a whole and appends them in one
  * transaction (kvd_compute_append_pages).
@@ -22,6 +23,8 @@ typedef struct pages_state {
     ap_page *pages;
     size_t n, cap;
     uint64_t bytes;
+    kvd_store *store; /* charged with the pages' bytes (append-memory-bytes) */
+    uint64_t charged;
 } pages_state;
 
 static void pages_release(void *state)
@@ -31,6 +34,7 @@ static void pages_release(void *state)
         return;
     for (size_t i = 0; i < st->nmsg; i++)
         protobuf_c_message_free_unpacked(&st->msgs[i]->base, NULL);
+    kvd_store_append_memory_give(st->store, st->charged);
     free(st->msgs);
     free(st->pages);
     free(st);
@@ -43,6 +47,7 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
         st = calloc(1, sizeof *st);
         if (!st)
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        st->store = ctx->svc->store;
         *state = st;
     }
     kvd_error_clear(err);
@@ -68,7 +73,15 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
         return kvd_error_set(err, KVD_EINVAL, "the first message carries no header");
     if (st->nmsg > 1 && m->header)
         return kvd_error_set(err, KVD_EINVAL, "header repeated after the first message");
-    int rc = 0;
+    /* the pages are held until the stream ends: within what calls in
+     * flight may hold together */
+    uint64_t held = 0;
+    for (size_t i = 0; i < m->n_pages; i++)
+        held += m->pages[i].len;
+    int rc = kvd_store_append_memory_take(st->store, held, err);
+    if (rc)
+        return rc;
+    st->charged += held;
     for (size_t i = 0; rc == 0 && i < m->n_pages; i++) {
         st->bytes += m->pages[i].len;
         if (st->bytes > ctx->svc->cfg->max_append_bytes) {

@@ -19,6 +19,8 @@ typedef struct upload_state {
     kvd_artifact *a;
     size_t n, cap;
     uint64_t bytes;
+    kvd_store *store; /* charged with the artifacts' bytes (append-memory-bytes) */
+    uint64_t charged;
 } upload_state;
 
 static void upload_release(void *state)
@@ -27,6 +29,7 @@ static void upload_release(void *state)
     if (!st)
         return;
     kvd_artifacts_free(st->a, st->n);
+    kvd_store_append_memory_give(st->store, st->charged);
     free(st);
 }
 
@@ -106,8 +109,13 @@ static int upload_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kv
         if (st->bytes > ctx->svc->cfg->max_append_bytes)
             rc = kvd_error_set(err, KVD_ENOMEM, "artifacts exceed max-append-bytes (%llu)",
                                (unsigned long long)ctx->svc->cfg->max_append_bytes);
-        else
+        else if ((rc = kvd_store_append_memory_take(ctx->svc->store, m->artifacts[i]->data.len,
+                                                    err)) == 0) {
+            /* held until the stream ends, with the appends in flight */
+            st->store = ctx->svc->store;
+            st->charged += m->artifacts[i]->data.len;
             rc = take(st, m->artifacts[i], err);
+        }
     }
     protobuf_c_message_free_unpacked(&m->base, NULL);
     return rc;

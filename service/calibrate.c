@@ -60,6 +60,8 @@ typedef struct cal_state {
     uint32_t eval_queries;
     int exhaustive;
     cal_layer *layers;
+    kvd_store *store; /* charged with the kept samples (append-memory-bytes) */
+    uint64_t charged;
 } cal_state;
 
 static void cal_release(void *state)
@@ -73,6 +75,7 @@ static void cal_release(void *state)
         free(st->layers[l].q);
     }
     free(st->layers);
+    kvd_store_append_memory_give(st->store, st->charged);
     free(st);
 }
 
@@ -190,6 +193,12 @@ static int sample(kvd_req_ctx *ctx, cal_state *st, const Kvdepot__V1__CalibrateS
                                  "calibration samples would take %llu bytes, over the limit "
                                  "(4 x max-append-bytes); lower max_samples",
                                  (unsigned long long)(st->kept_bytes + more));
+        /* held until the stream ends, with the appends in flight */
+        int rc = kvd_store_append_memory_take(ctx->svc->store, more, err);
+        if (rc)
+            return rc;
+        st->store = ctx->svc->store;
+        st->charged += more;
         float *nk = realloc(L->k, rows * krow * sizeof(float));
         if (nk)
             L->k = nk;

@@ -125,8 +125,9 @@ static const setting settings[] = {
      "host-memory tier below the device tier; 0 = none; auto = 1/8 of the machine's memory "
      "(its cgroup limit when lower), 1/4 up to 64GiB with a GPU (pinned memory)"},
     {"append-memory-bytes", T_SIZE_AUTO, F(append_memory_bytes), "auto", 0, 1ull << 50, "SIZE",
-     "host memory the buffers of appends in flight may hold together; an append past it fails "
-     "with RESOURCE_EXHAUSTED (0 = unlimited; auto = 1/8 of the memory kvdepotd may use)"},
+     "host memory the calls in flight may hold together (append buffers, AppendPages' pages, "
+     "uploaded artifacts, calibration samples); a call past it fails with RESOURCE_EXHAUSTED "
+     "(0 = unlimited; auto = 1/8 of the memory kvdepotd may use)"},
     {"disk-bytes", T_SIZE, F(disk_bytes), "0", 0, 1ull << 60, "SIZE",
      "page bytes RocksDB may hold (0 = unlimited); beyond it an Append fails with "
      "RESOURCE_EXHAUSTED, or under durability none LRU sequences are dropped"},

@@ -457,6 +457,28 @@ fail:
     return rc;
 }
 
+int kvd_store_append_memory_take(kvd_store *st, uint64_t bytes, kvd_error *err)
+{
+    /* charged first, so that calls in flight cannot pass the cap together */
+    const uint64_t had = atomic_fetch_add(&st->append_buf_bytes, bytes);
+    if (st->append_limit && (had + bytes > st->append_limit || had + bytes < had)) {
+        atomic_fetch_sub(&st->append_buf_bytes, bytes);
+        return kvd_error_set(err, KVD_ENOMEM,
+                             "calls in flight hold %llu bytes of buffers; %llu more for this "
+                             "one exceed append-memory-bytes (%llu): retry later, or send "
+                             "less in one call",
+                             (unsigned long long)had, (unsigned long long)bytes,
+                             (unsigned long long)st->append_limit);
+    }
+    return 0;
+}
+
+void kvd_store_append_memory_give(kvd_store *st, uint64_t bytes)
+{
+    if (st && bytes)
+        atomic_fetch_sub(&st->append_buf_bytes, bytes);
+}
+
 /* Room in buf for len more bytes: 0, or an error with the append failed. */
 static int append_room(kvd_append *ap, size_t len, kvd_error *err)
 {
@@ -475,20 +497,12 @@ static int append_room(kvd_append *ap, size_t len, kvd_error *err)
             nc *= 2;
         if (nc > ap->expected)
             nc = ap->expected;
-        /* Within what appends in flight may hold together: charged first,
-         * so that concurrent appends cannot pass the cap together. */
+        /* Within what calls in flight may hold together. */
         kvd_store *st = ap->st;
         const uint64_t more = nc - ap->cap;
-        const uint64_t had = atomic_fetch_add(&st->append_buf_bytes, more);
-        if (st->append_limit && had + more > st->append_limit) {
-            atomic_fetch_sub(&st->append_buf_bytes, more);
+        if (kvd_store_append_memory_take(st, more, err)) {
             ap->failed = 1;
-            return kvd_error_set(err, KVD_ENOMEM,
-                                 "appends in flight hold %llu bytes of buffers; %llu more for "
-                                 "this one exceed append-memory-bytes (%llu): retry later, or "
-                                 "append in smaller calls",
-                                 (unsigned long long)had, (unsigned long long)more,
-                                 (unsigned long long)st->append_limit);
+            return KVD_ENOMEM;
         }
         size_t ncap = (size_t)nc;
         uint8_t *nb = nc > SIZE_MAX ? NULL

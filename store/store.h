@@ -46,8 +46,10 @@ typedef struct kvd_store_options {
     uint64_t device_tier_bytes; /* size of the device pool, allocated once at open */
     uint64_t host_tier_bytes;   /* host-memory tier below it */
     uint64_t disk_bytes;        /* page bytes RocksDB may hold; 0 = unlimited */
-    uint64_t append_memory_bytes; /* what the buffers of appends in flight may hold together;
-                                   * 0 = unlimited (kvd_store_append_write) */
+    uint64_t append_memory_bytes; /* what the buffers of appends in flight may hold together
+                                   * (kvd_store_append_write, and what the service's
+                                   * streams take: kvd_store_append_memory_take);
+                                   * 0 = unlimited */
     int durability;             /* a kvd_durability; sync_writes = 1 means SYNC */
     uint32_t prefetch_pages;    /* read-ahead of a Read cursor, pages; 0 = none */
     /* A WAL record that fails its checksum: 0 = the open fails with
@@ -353,6 +355,15 @@ int kvd_store_append_skip(kvd_append *ap, size_t len, kvd_error *err);
 int kvd_store_append_commit(kvd_append *ap, kvd_seq_info *info, kvd_error *err);
 /* Drop an append; nothing becomes visible. NULL is a no-op. */
 void kvd_store_append_abort(kvd_append *ap);
+
+/* Memory that a call in flight holds outside an append's buffer (the pages
+ * of an AppendPages stream, uploaded artifacts, calibration samples),
+ * charged to the same cap as the appends' buffers (append_memory_bytes), so
+ * that calls in flight together never hold more. 0, or KVD_ENOMEM naming
+ * the cap, with nothing charged. Every byte taken is given back with
+ * kvd_store_append_memory_give when the call ends. */
+int kvd_store_append_memory_take(kvd_store *st, uint64_t bytes, kvd_error *err);
+void kvd_store_append_memory_give(kvd_store *st, uint64_t bytes);
 
 /* ---- read: a cursor producing bytes ------------------------------------- */
 

@@ -1130,7 +1130,7 @@ typedef struct kvdepot_stats {
                                      * where they were coded (not copied up again) */
     /* The server's memory by part, now (0 for a tenant's token): */
     uint64_t mem_rss_bytes;         /* its resident set */
-    uint64_t mem_appends_bytes;     /* buffers of appends in flight */
+    uint64_t mem_appends_bytes;     /* what calls in flight hold (append-memory-bytes) */
     uint64_t mem_memtables_bytes;   /* RocksDB's memtables */
     uint64_t mem_block_cache_bytes; /* RocksDB's block cache */
 } kvdepot_stats;

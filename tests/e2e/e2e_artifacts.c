@@ -549,11 +549,74 @@ static int t_calibrate(kvd_harness *h)
     return 0;
 }
 
+/* Uploaded artifacts are held until the stream ends, so they count against
+ * --append-memory-bytes (here 64 KiB, through the environment) with the
+ * appends in flight: an upload past it is RESOURCE_EXHAUSTED naming the
+ * setting and stores none of its artifacts; one under it is stored. */
+static int memory_body(kvd_harness *h)
+{
+    REQUIRE(harness_stop(h) == 0);
+    setenv("KVDEPOT_APPEND_MEMORY_BYTES", "64KiB", 1);
+    REQUIRE(harness_start(h) == 0);
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    REQUIRE_RC(put_model(c, "cap", 2, 2, 16), KVDEPOT_OK);
+    kvdepot_artifact a[] = {
+        make(KVDEPOT_ARTIFACT_KEY_SMOOTHING, 0, 0, 16, 0, 1),
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_V, 1, 0, 4096, 8, 2), /* 128 KiB */
+        make(KVDEPOT_ARTIFACT_VQ_CODEBOOK_K, 0, 1, 256, 4, 3),  /* 4 KiB */
+    };
+    CHECK_RC(kvdepot_artifacts_upload(c, "cap", a, 3, NULL), KVDEPOT_ENOMEM);
+    CHECK(strstr(kvdepot_errmsg(c), "append-memory-bytes") != NULL);
+    CHECK(expect(c, "cap", NULL, 0));
+    kvdepot_artifact fit[] = {a[0], a[2]};
+    CHECK_RC(kvdepot_artifacts_upload(c, "cap", fit, 2, NULL), KVDEPOT_OK);
+    CHECK(expect(c, "cap", fit, 2));
+    /* what the two calls held was given back: the same upload again */
+    CHECK_RC(kvdepot_artifacts_upload(c, "cap", fit, 2, NULL), KVDEPOT_OK);
+    free_all(a, 3);
+
+    /* Calibration samples too: 600 tokens of K, V and Q (512 bytes a
+     * token as the server keeps them) pass 64 KiB, 100 tokens do not. */
+    const uint32_t H = 2, Hq = 4, D = 16;
+    REQUIRE_RC(put_model_gqa(c, "capcal", 1, H, Hq, D), KVDEPOT_OK);
+    float *k, *v, *q;
+    make_samples(600, H, Hq, D, 7, &k, &v, &q);
+    kvdepot_calibrate_sample smp = {.layer = 0,
+                                    .num_tokens = 600,
+                                    .k = k,
+                                    .v = v,
+                                    .q = q,
+                                    .kv_bytes = 600 * H * D * 4,
+                                    .q_bytes = 600 * Hq * D * 4};
+    kvdepot_calibrate_args ca = {.model = "capcal", .vq_sub_dim = 4, .vq_bits = 4, .seed = 11};
+    kvdepot_calibrate_result res;
+    CHECK_RC(kvdepot_calibrate(c, &ca, &smp, 1, &res), KVDEPOT_ENOMEM);
+    CHECK(strstr(kvdepot_errmsg(c), "append-memory-bytes") != NULL);
+    CHECK(expect(c, "capcal", NULL, 0));
+    smp.num_tokens = 100;
+    smp.kv_bytes = 100 * H * D * 4;
+    smp.q_bytes = 100 * Hq * D * 4;
+    CHECK_RC(kvdepot_calibrate(c, &ca, &smp, 1, &res), KVDEPOT_OK);
+    CHECK(res.samples == 100);
+    kvdepot_calibrate_result_clear(&res);
+    free(k);
+    free(v);
+    free(q);
+    kvdepot_close(c);
+    return 0;
+}
+
+static int t_memory(kvd_harness *h)
+{
+    int rc = memory_body(h);
+    unsetenv("KVDEPOT_APPEND_MEMORY_BYTES");
+    return rc;
+}
+
 static const kvd_test tests[] = {
-    {"calibrate", t_calibrate},
-    {"advise", t_advise},
-    {"roundtrip", t_roundtrip},
-    {"errors", t_errors},
+    {"calibrate", t_calibrate}, {"advise", t_advise}, {"roundtrip", t_roundtrip},
+    {"errors", t_errors},       {"memory", t_memory},
 };
 
 int main(int argc, char **argv)

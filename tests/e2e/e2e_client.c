@@ -1902,6 +1902,86 @@ static int test_limit(kvd_harness *h)
     return rc;
 }
 
+/* The appends' buffers in flight, from Stats. */
+static uint64_t mem_appends(kvdepot_client *c)
+{
+    kvdepot_stats s;
+    memset(&s, 0, sizeof s);
+    if (kvdepot_stats_get(c, &s) != KVDEPOT_OK)
+        return UINT64_MAX;
+    return s.mem_appends_bytes;
+}
+
+/* The pages of an AppendPages stream are held until it ends, so they count
+ * against --append-memory-bytes (here 1 MiB, through the environment) with
+ * the appends in flight: pages over it are RESOURCE_EXHAUSTED naming the
+ * setting and store nothing (a sequence the call would create included),
+ * what was charged is given back, and pages under it go in. */
+static int append_memory_body(kvd_harness *h)
+{
+    REQUIRE(harness_stop(h) == 0);
+    setenv("KVDEPOT_APPEND_MEMORY_BYTES", "1MiB", 1);
+    REQUIRE(harness_start(h) == 0);
+    kvdepot_client *c = harness_client(h);
+    REQUIRE(c);
+    kvdepot_model m = small_model("capmem");
+    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
+    /* 1024 bytes of K+V per token over 4 layers. The commit of raw pages
+     * holds their tokens once more, decoded, while the pages are still
+     * held: the pages of 400 tokens (410 KB) fit in 1 MiB with their
+     * decoding, those of 600 tokens (615 KB) do not, though the decoded
+     * tokens alone would. */
+    const char *ids[2] = {"small", "large"};
+    ref_seq r[2];
+    for (int i = 0; i < 2; i++) {
+        REQUIRE_RC(create_seq(c, ids[i], "capmem"), KVDEPOT_OK);
+        REQUIRE(ref_init(&r[i], ids[i], &m, 2048) == 0);
+        REQUIRE_RC(ref_append(c, &r[i], 0, 4, i ? 600 : 400, i + 1, NULL), KVDEPOT_OK);
+    }
+    CHECK(mem_appends(c) == 0);
+    kvdepot_page *pages[2] = {NULL, NULL};
+    size_t np[2] = {0, 0}, bytes[2] = {0, 0};
+    for (int i = 0; i < 2; i++) {
+        kvdepot_read_args ra;
+        memset(&ra, 0, sizeof ra);
+        ra.id = ids[i];
+        ra.id_len = strlen(ids[i]);
+        REQUIRE_RC(kvdepot_sequence_read_pages(c, &ra, &pages[i], &np[i]), KVDEPOT_OK);
+        for (size_t j = 0; j < np[i]; j++)
+            bytes[i] += pages[i][j].len;
+    }
+    CHECK(2 * bytes[0] < (1u << 20) && 2 * bytes[1] > (1u << 20) && bytes[1] < (1u << 20));
+    kvdepot_create_args ca = {.model = "capmem"};
+    int created = -1;
+    kvdepot_append_pages_args pa = {"copy", 4, pages[1], np[1], &ca, &created};
+    CHECK_RC(kvdepot_sequence_append_pages(c, &pa, NULL), KVDEPOT_ENOMEM);
+    CHECK(strstr(kvdepot_errmsg(c), "append-memory-bytes") != NULL);
+    kvdepot_sequence_info si;
+    CHECK_RC(kvdepot_sequence_stat(c, "copy", 4, &si), KVDEPOT_ENOTFOUND);
+    CHECK(mem_appends(c) == 0);
+    /* Under the cap: the copy reads back as the original. */
+    pa.pages = pages[0];
+    pa.count = np[0];
+    CHECK_RC(kvdepot_sequence_append_pages(c, &pa, NULL), KVDEPOT_OK);
+    CHECK(created == 1);
+    CHECK(mem_appends(c) == 0);
+    snprintf(r[0].id, sizeof r[0].id, "copy");
+    CHECK(ref_verify(c, &r[0]) == 0);
+    for (int i = 0; i < 2; i++) {
+        kvdepot_pages_free(pages[i], np[i]);
+        ref_free(&r[i]);
+    }
+    kvdepot_close(c);
+    return 0;
+}
+
+static int test_append_memory(kvd_harness *h)
+{
+    int rc = append_memory_body(h);
+    unsetenv("KVDEPOT_APPEND_MEMORY_BYTES");
+    return rc;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Racing appends on one sequence, with a reader running alongside           */
 /* ------------------------------------------------------------------------ */
@@ -2108,6 +2188,7 @@ static const kvd_test tests[] = {
     {"many", test_many},
     {"crash", test_crash},
     {"limit", test_limit},
+    {"append_memory", test_append_memory},
     {"errors", test_errors},
 };
 
