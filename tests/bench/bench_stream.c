@@ -3,10 +3,13 @@
  * (through libkvdepot) next to Redis (through hiredis), with per-call
  * latency percentiles, throughput, accuracy and server memory.
  *
- * Systems (--systems, comma separated; default raw,int2,int2-pages,redis):
+ * Systems (--systems, comma separated; default all):
  *   raw         kvdepot, raw pages: put = one Append of the f16 K/V that
  *               creates its sequence (one call, as SET); get = Read
  *               (bit-exact)
+ *   raw-pages   kvdepot, raw pages made by the client: put =
+ *               kvdepot_encode_pages + one AppendPages creating the sequence;
+ *               get = Read in page format (the stored pages)
  *   int2        kvdepot, K and V INT2 (group 64, the defaults) coded by the
  *               server: put = one Append of f16 creating the sequence; get =
  *               Read of the decoded f16 (lossy: its error is reported)
@@ -54,10 +57,10 @@
 #define MAX_REPS 1000
 #define LAYER_MAX_MIB 16 /* objects up to this size are one layer */
 
-enum { SYS_RAW, SYS_INT2, SYS_INT2_PAGES, SYS_REDIS, NUM_SYS };
-static const char *const sys_names[NUM_SYS] = {"raw", "int2", "int2-pages", "redis"};
-static const char *const sys_labels[NUM_SYS] = {"kvdepot raw", "kvdepot INT2", "kvdepot INT2 pages",
-                                                "Redis"};
+enum { SYS_RAW, SYS_RAW_PAGES, SYS_INT2, SYS_INT2_PAGES, SYS_REDIS, NUM_SYS };
+static const char *const sys_names[NUM_SYS] = {"raw", "raw-pages", "int2", "int2-pages", "redis"};
+static const char *const sys_labels[NUM_SYS] = {"kvdepot raw", "kvdepot raw pages", "kvdepot INT2",
+                                                "kvdepot INT2 pages", "Redis"};
 
 typedef struct bench_opts {
     const char *kvdepot_addr;
@@ -184,7 +187,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: bench_stream --kvdepot HOST:PORT --redis HOST:PORT [options]\n"
-            "  --systems LIST   raw,int2,int2-pages,redis (default: all)\n"
+            "  --systems LIST   raw,raw-pages,int2,int2-pages,redis (default: all)\n"
             "  --sizes LIST     object MiB, comma separated (default 1,4,16,64); up to 16 MiB\n"
             "                   an object is one layer, above it a whole request\n"
             "  --reps N         objects per size (default: 100 up to 4 MiB, 64 at 16, 16 at 64)\n"
@@ -372,8 +375,8 @@ static void tag_payload(bench *b, int sys, int i)
         memcpy(b->payload, &tag, 2);
 }
 
-/* Encodes every layer of the payload into INT2 pages and sends them in one
- * AppendPages that creates the sequence (ca). */
+/* Encodes every layer of the payload into pages (codecs; NULL = raw) and
+ * sends them in one AppendPages that creates the sequence (ca). */
 static int put_pages(bench *b, const shape *s, const kvdepot_codecs *codecs,
                      const kvdepot_create_args *ca)
 {
@@ -424,9 +427,10 @@ static int put_one(bench *b, int sys, const shape *s, unsigned mib, int i)
                               .id_len = idlen,
                               .model = s->model->name,
                               .codecs = sys == SYS_RAW ? NULL : &int2};
-    if (sys == SYS_INT2_PAGES) {
+    if (sys == SYS_INT2_PAGES || sys == SYS_RAW_PAGES) {
         /* The encoding is part of the put: it is the client's work. */
-        int err = put_pages(b, s, &int2, &ca);
+        ca.codecs = sys == SYS_RAW_PAGES ? NULL : &int2;
+        int err = put_pages(b, s, ca.codecs, &ca);
         return err ? kv_fail(b, "put pages", id, err) : 0;
     }
     kvdepot_append_args aa = {.id = id,
@@ -457,7 +461,7 @@ static int get_one(bench *b, int sys, const shape *s, unsigned mib, int i, doubl
         return redis_do(b->rc, "GET", r, b->payload, 2 * s->half);
     }
     kvdepot_read_args ra = {.id = id, .id_len = idlen};
-    if (sys == SYS_INT2_PAGES) {
+    if (sys == SYS_INT2_PAGES || sys == SYS_RAW_PAGES) {
         kvdepot_page *pg = NULL;
         size_t np = 0;
         int err = kvdepot_sequence_read_pages(b->kv, &ra, &pg, &np);
