@@ -4,7 +4,9 @@
  * tokens, for every cache form: fp16 (the vectorised yardstick), INT2 with
  * P = 32/64/128, INT4, keys or values grouped per channel or per token
  * (KIVI: keys per channel, values per token), VQ d4b8, SVD (half width) +
- * INT2. Prints time per
+ * INT2; INT2 P=32 also as the store holds it, in pages of 256 tokens: one
+ * item a page merged after ("paged"), and the pages as segments of one item
+ * ("segs", as the server attends a run of pages). Prints time per
  * step, GB/s of cache bytes read, and the speedup over fp16, with one thread
  * and with all threads.
  *
@@ -94,6 +96,8 @@ typedef struct paged {
     kvd_attn_int_args *items;
     qcache *pk, *pv;
     float *outs, *lses; /* (n, HQ, D), (n, HQ) */
+    kvd_attn_int_segment *segs;
+    kvd_attn_int_args seq; /* the pages as segments of one item */
 } paged;
 
 #include <time.h>
@@ -158,6 +162,14 @@ static int step_int(kvd_backend *be, void *arg)
 static int step_vq(kvd_backend *be, void *arg)
 {
     return kvd_attn_vq(be, 1, arg, NULL);
+}
+
+/* The pages as the server attends a run of them: one item, the pages its
+ * segments. */
+static int step_segments(kvd_backend *be, void *arg)
+{
+    paged *p = arg;
+    return kvd_attn_quant(be, 1, &p->seq, NULL);
 }
 
 /* One call over every page, then the pages' results merged into page 0's. */
@@ -253,6 +265,7 @@ int main(int argc, char **argv)
         pg.pv = calloc((size_t)npg, sizeof *pg.pv);
         pg.outs = malloc(sizeof(float) * (size_t)npg * HQ * D);
         pg.lses = malloc(sizeof(float) * (size_t)npg * HQ);
+        pg.segs = calloc((size_t)npg, sizeof *pg.segs);
         size_t pg_bytes = 0;
         for (int64_t i = 0; i < npg; i++) {
             pg.pk[i] = make_q(&rng, 256, D, 2, 32, KVD_ATTN_AXIS_TOKEN);
@@ -266,7 +279,12 @@ int main(int argc, char **argv)
             ia->v = pg.pv[i].qd;
             ia->out = tn(KVD_DTYPE_F32, pg.outs + (size_t)i * HQ * D, 2, HQ, D, 0);
             ia->lse = tn(KVD_DTYPE_F32, pg.lses + (size_t)i * HQ, 1, HQ, 0, 0);
+            pg.segs[i] = (kvd_attn_int_segment){256, pg.pk[i].qd, pg.pv[i].qd};
         }
+        pg.seq = pg.items[0];
+        pg.seq.n_tokens = npg * 256;
+        pg.seq.n_segments = (int)npg;
+        pg.seq.segments = pg.segs;
         /* VQ d4b8 */
         uint8_t *kc = malloc((size_t)HKV * T * (D / 4)), *vc = malloc((size_t)HKV * T * (D / 4));
         fill_bytes(&rng, kc, (size_t)HKV * T * (D / 4));
@@ -346,6 +364,12 @@ int main(int argc, char **argv)
                 printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "int2/32 paged", (long long)T, threads[th],
                        tp * 1e3, last_cpu * 1e3, pg_bytes / tp / 1e9, t16 / tp, c16 / last_cpu);
             }
+            if (npg > 0 && form_on("int2/32 segments")) {
+                double tp = time_step(be, step_segments, &pg);
+                printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "int2/32 segs",
+                       (long long)T, threads[th], tp * 1e3, last_cpu * 1e3, pg_bytes / tp / 1e9,
+                       t16 / tp, c16 / last_cpu);
+            }
             double tv = form_on("vq d4b8") ? time_step(be, step_vq, &va) : 0;
             if (tv > 0)
                 printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "vq d4b8",
@@ -365,7 +389,7 @@ int main(int argc, char **argv)
             free(kq[f].mem), free(vq[f].mem);
         for (int64_t i = 0; i < npg; i++)
             free(pg.pk[i].mem), free(pg.pv[i].mem);
-        free(pg.items), free(pg.pk), free(pg.pv), free(pg.outs), free(pg.lses);
+        free(pg.items), free(pg.pk), free(pg.pv), free(pg.outs), free(pg.lses), free(pg.segs);
     }
     free(q), free(out);
     return 0;
