@@ -1345,7 +1345,8 @@ int kvdepot_sequence_read_pages(kvdepot_client *client, const kvdepot_read_args 
  * @return KVDEPOT_OK; KVDEPOT_ECORRUPT (a page failed its checksum or its
  *         coded sections are malformed); KVDEPOT_EINVAL (shape, codecs,
  *         tiling); KVDEPOT_EPRECOND (not at the layer's end);
- *         KVDEPOT_ENOTFOUND; KVDEPOT_ENOMEM (max-append-bytes).
+ *         KVDEPOT_ENOTFOUND; KVDEPOT_ENOMEM (max-append-bytes, or the
+ *         server's append-memory-bytes with the calls in flight: retry).
  */
 int kvdepot_append_pages(kvdepot_client *client, const void *id, size_t id_len,
                          const kvdepot_page *pages, size_t count, kvdepot_sequence_info *out);
@@ -1407,7 +1408,8 @@ typedef struct kvdepot_artifact {
  * @param[out] stored    artifacts stored (may be NULL)
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (a malformed artifact; nothing stored);
  *         KVDEPOT_ENOTFOUND (no such model); KVDEPOT_EPERM; KVDEPOT_ENOMEM
- *         (over max-append-bytes); KVDEPOT_EUNSUPP on a client over several
+ *         (over max-append-bytes, or the server's append-memory-bytes with
+ *         the calls in flight); KVDEPOT_EUNSUPP on a client over several
  *         servers.
  */
 int kvdepot_artifacts_upload(kvdepot_client *client, const char *model,
@@ -1521,7 +1523,8 @@ typedef struct kvdepot_calibrate_result {
  * @return KVDEPOT_OK; KVDEPOT_EINVAL (VQ spec, sample shape or layer,
  *         non-finite values, no samples); KVDEPOT_ENOTFOUND (model);
  *         KVDEPOT_EPERM; KVDEPOT_ENOMEM (sample memory over the server's
- *         limit).
+ *         limit: 4 x max-append-bytes a call, and append-memory-bytes with
+ *         the calls in flight).
  */
 int kvdepot_calibrate(kvdepot_client *client, const kvdepot_calibrate_args *a,
                       const kvdepot_calibrate_sample *samples, size_t count,
