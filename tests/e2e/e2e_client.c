@@ -1867,18 +1867,35 @@ static int test_crash(kvd_harness *h)
     return rc;
 }
 
+/* The server restarted with the environment variable var set to val (the
+ * caller unsets it when done), and a client to it with the small model
+ * `model` put (*m); NULL when any step fails. */
+static kvdepot_client *restarted_with(kvd_harness *h, const char *var, const char *val,
+                                      const char *model, kvdepot_model *m)
+{
+    if (harness_stop(h) != 0)
+        return NULL;
+    setenv(var, val, 1);
+    if (harness_start(h) != 0)
+        return NULL;
+    kvdepot_client *c = harness_client(h);
+    *m = small_model(model);
+    if (c && kvdepot_model_put(c, m, 0, NULL, NULL) != KVDEPOT_OK) {
+        fprintf(stderr, "  model_put %s: %s\n", model, kvdepot_errmsg(c));
+        kvdepot_close(c);
+        return NULL;
+    }
+    return c;
+}
+
 /* An Append over the server's --max-append-bytes (here 1 MiB, through the
  * environment) is RESOURCE_EXHAUSTED and changes nothing; one under it
  * goes in. */
 static int limit_body(kvd_harness *h)
 {
-    REQUIRE(harness_stop(h) == 0);
-    setenv("KVDEPOT_MAX_APPEND_BYTES", "1MiB", 1);
-    REQUIRE(harness_start(h) == 0);
-    kvdepot_client *c = harness_client(h);
+    kvdepot_model m;
+    kvdepot_client *c = restarted_with(h, "KVDEPOT_MAX_APPEND_BYTES", "1MiB", "limited", &m);
     REQUIRE(c);
-    kvdepot_model m = small_model("limited");
-    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
     REQUIRE_RC(create_seq(c, "l", "limited"), KVDEPOT_OK);
     ref_seq r;
     REQUIRE(ref_init(&r, "l", &m, 8192) == 0);
@@ -1919,13 +1936,9 @@ static uint64_t mem_appends(kvdepot_client *c)
  * what was charged is given back, and pages under it go in. */
 static int append_memory_body(kvd_harness *h)
 {
-    REQUIRE(harness_stop(h) == 0);
-    setenv("KVDEPOT_APPEND_MEMORY_BYTES", "1MiB", 1);
-    REQUIRE(harness_start(h) == 0);
-    kvdepot_client *c = harness_client(h);
+    kvdepot_model m;
+    kvdepot_client *c = restarted_with(h, "KVDEPOT_APPEND_MEMORY_BYTES", "1MiB", "capmem", &m);
     REQUIRE(c);
-    kvdepot_model m = small_model("capmem");
-    REQUIRE_RC(kvdepot_model_put(c, &m, 0, NULL, NULL), KVDEPOT_OK);
     /* 1024 bytes of K+V per token over 4 layers. The commit of raw pages
      * holds their tokens once more, decoded, while the pages are still
      * held: the pages of 400 tokens (410 KB) fit in 1 MiB with their
