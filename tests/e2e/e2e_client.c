@@ -1939,11 +1939,10 @@ static int append_memory_body(kvd_harness *h)
     kvdepot_model m;
     kvdepot_client *c = restarted_with(h, "KVDEPOT_APPEND_MEMORY_BYTES", "1MiB", "capmem", &m);
     REQUIRE(c);
-    /* 1024 bytes of K+V per token over 4 layers. The commit of raw pages
-     * holds their tokens once more, decoded, while the pages are still
-     * held: the pages of 400 tokens (410 KB) fit in 1 MiB with their
-     * decoding, those of 600 tokens (615 KB) do not, though the decoded
-     * tokens alone would. */
+    /* 1024 bytes of K+V per token over 4 layers. The commit reserves the
+     * pages' f16 size (the append it opens) while the pages are still
+     * held: the pages of 400 tokens (410 KB) fit in 1 MiB with that, those
+     * of 600 tokens (615 KB) do not, though either alone would. */
     const char *ids[2] = {"small", "large"};
     ref_seq r[2];
     for (int i = 0; i < 2; i++) {
