@@ -364,7 +364,7 @@ int main(int argc, char **argv)
                 printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "int2/32 paged", (long long)T, threads[th],
                        tp * 1e3, last_cpu * 1e3, pg_bytes / tp / 1e9, t16 / tp, c16 / last_cpu);
             }
-            if (npg > 0 && form_on("int2/32 segments")) {
+            if (npg > 0 && form_on("int2/32 segs")) {
                 double tp = time_step(be, step_segments, &pg);
                 printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "int2/32 segs",
                        (long long)T, threads[th], tp * 1e3, last_cpu * 1e3, pg_bytes / tp / 1e9,

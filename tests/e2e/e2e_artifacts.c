@@ -549,10 +549,11 @@ static int t_calibrate(kvd_harness *h)
     return 0;
 }
 
-/* Uploaded artifacts are held until the stream ends, so they count against
- * --append-memory-bytes (here 64 KiB, through the environment) with the
- * appends in flight: an upload past it is RESOURCE_EXHAUSTED naming the
- * setting and stores none of its artifacts; one under it is stored. */
+/* Uploaded artifacts and Calibrate's kept samples are held until the stream
+ * ends, so they count against --append-memory-bytes (here 64 KiB, through
+ * the environment) with the appends in flight: a call past it is
+ * RESOURCE_EXHAUSTED naming the setting and stores nothing; one under it
+ * goes through. */
 static int memory_body(kvd_harness *h)
 {
     REQUIRE(harness_stop(h) == 0);
@@ -615,8 +616,11 @@ static int t_memory(kvd_harness *h)
 }
 
 static const kvd_test tests[] = {
-    {"calibrate", t_calibrate}, {"advise", t_advise}, {"roundtrip", t_roundtrip},
-    {"errors", t_errors},       {"memory", t_memory},
+    {"calibrate", t_calibrate},
+    {"advise", t_advise},
+    {"roundtrip", t_roundtrip},
+    {"errors", t_errors},
+    {"memory", t_memory},
 };
 
 int main(int argc, char **argv)
