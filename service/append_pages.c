@@ -12,15 +12,10 @@
 #include "convert.h"
 #include "rpc.h"
 
-typedef struct ap_page {
-    const uint8_t *bytes; /* in one of msgs */
-    size_t len;
-} ap_page;
-
 typedef struct pages_state {
     Kvdepot__V1__AppendPagesRequest **msgs; /* every message received (owned) */
     size_t nmsg, capmsg;
-    ap_page *pages;
+    kvd_page_in *pages; /* their bytes lie in msgs */
     size_t n, cap;
     uint64_t bytes;
     kvd_store *store; /* charged with the pages' bytes (append-memory-bytes) */
@@ -91,7 +86,7 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
         }
         if (st->n == st->cap) {
             size_t nc = st->cap ? 2 * st->cap : 16;
-            ap_page *np = realloc(st->pages, nc * sizeof *np);
+            kvd_page_in *np = realloc(st->pages, nc * sizeof *np);
             if (!np) {
                 rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
                 break;
@@ -101,7 +96,8 @@ static int pages_recv(kvd_req_ctx *ctx, void **state, grpc_byte_buffer *msg, kvd
         }
         /* an empty page (no data) is refused with the others, never read */
         static const uint8_t none[1];
-        st->pages[st->n++] = (ap_page){m->pages[i].data ? m->pages[i].data : none, m->pages[i].len};
+        st->pages[st->n++] =
+            (kvd_page_in){m->pages[i].data ? m->pages[i].data : none, m->pages[i].len};
     }
     return rc;
 }
@@ -113,33 +109,23 @@ static int pages_finish(kvd_req_ctx *ctx, void **state, grpc_byte_buffer **reply
     if (!st || !st->nmsg || !st->msgs[0]->header)
         return kvd_error_set(err, KVD_EINVAL, "empty AppendPages stream");
     const Kvdepot__V1__AppendPagesHeader *h = st->msgs[0]->header;
-    kvd_page_in *in = calloc(st->n ? st->n : 1, sizeof *in);
-    if (!in)
-        return kvd_error_set(err, KVD_ENOMEM, "out of memory");
-    for (size_t i = 0; i < st->n; i++)
-        in[i] = (kvd_page_in){st->pages[i].bytes, st->pages[i].len};
     kvd_seq_key key;
     int rc = kvd_ctx_seq_key(ctx, &h->sequence_id, "header.sequence_id", &key, err);
-    if (rc) {
-        free(in);
+    if (rc)
         return rc;
-    }
     kvd_seq_info was; /* with header.create: the sequence as this call made it */
     memset(&was, 0, sizeof was);
     int made = 0;
     if (h->create &&
-        (rc = kvd_ctx_stat_or_create(ctx, h->create, &h->sequence_id, &key, &was, &made, err))) {
-        free(in);
+        (rc = kvd_ctx_stat_or_create(ctx, h->create, &h->sequence_id, &key, &was, &made, err)))
         return rc;
-    }
-    kvd_pages_args a = {key.id,          key.len,          in, st->n, h->token_ids, h->n_token_ids,
-                        h->block_hashes, h->n_block_hashes};
+    kvd_pages_args a = {key.id,       key.len,        st->pages,       st->n,
+                        h->token_ids, h->n_token_ids, h->block_hashes, h->n_block_hashes};
     kvd_compute_guard g;
     kvd_compute c;
     kvd_ctx_compute(ctx, &g, &c);
     kvd_seq_info info;
     rc = kvd_compute_append_pages(&c, &a, &info, err);
-    free(in);
     if (made) { /* refused pages leave no sequence behind */
         kvd_error e;
         kvd_error_clear(&e);
