@@ -18,6 +18,13 @@
  *               (only the coded bytes cross the wire); get = Read in page
  *               format (the stored pages, not decoded here)
  *   redis       Redis SET / GET of the same bytes (bit-exact)
+ *   redis-aof   the same against a second Redis (--redis-aof) that keeps an
+ *               append-only file written before each reply and not fsynced
+ *               (appendonly yes, appendfsync no): the promise of kvdepotd's
+ *               default durability (spill), which writes every Append to
+ *               RocksDB's log before its reply. Its put column "x AOF" is a
+ *               put's throughput over this Redis's. Runs only with
+ *               --redis-aof.
  *
  * An object of S MiB is K+V in f16 of an 8B-class model (8 KV heads x 128):
  * per layer when S <= 16 (one layer, S*256 tokens: a model of 1 layer),
@@ -57,20 +64,22 @@
 #define MAX_REPS 1000
 #define LAYER_MAX_MIB 16 /* objects up to this size are one layer */
 
-enum { SYS_RAW, SYS_RAW_PAGES, SYS_INT2, SYS_INT2_PAGES, SYS_REDIS, NUM_SYS };
-static const char *const sys_names[NUM_SYS] = {"raw", "raw-pages", "int2", "int2-pages", "redis"};
-static const char *const sys_labels[NUM_SYS] = {"kvdepot raw", "kvdepot raw pages", "kvdepot INT2",
-                                                "kvdepot INT2 pages", "Redis"};
+enum { SYS_RAW, SYS_RAW_PAGES, SYS_INT2, SYS_INT2_PAGES, SYS_REDIS, SYS_REDIS_AOF, NUM_SYS };
+static const char *const sys_names[NUM_SYS] = {"raw",        "raw-pages", "int2",
+                                               "int2-pages", "redis",     "redis-aof"};
+static const char *const sys_labels[NUM_SYS] = {
+    "kvdepot raw", "kvdepot raw pages", "kvdepot INT2", "kvdepot INT2 pages", "Redis", "Redis AOF"};
 
 typedef struct bench_opts {
     const char *kvdepot_addr;
     const char *redis_addr;
+    const char *redis_aof_addr; /* NULL: no redis-aof system */
     unsigned sizes_mib[MAX_SIZES];
     int num_sizes;
     int reps; /* 0 = by size */
     int systems[NUM_SYS];
     unsigned mem_mib;
-    long kvdepot_pid, redis_pid;
+    long kvdepot_pid, redis_pid, redis_aof_pid;
     const char *csv_path;
 } bench_opts;
 
@@ -95,7 +104,7 @@ typedef struct row {
 typedef struct bench {
     const bench_opts *o;
     kvdepot_client *kv;
-    redisContext *rc;
+    redisContext *rc, *rc_aof;
     kvdepot_model layer_model, request_model;
     uint32_t page_tokens;
     uint8_t *payload, *back;
@@ -187,13 +196,16 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: bench_stream --kvdepot HOST:PORT --redis HOST:PORT [options]\n"
-            "  --systems LIST   raw,raw-pages,int2,int2-pages,redis (default: all)\n"
+            "  --systems LIST   raw,raw-pages,int2,int2-pages,redis,redis-aof (default: all;\n"
+            "                   redis-aof only with --redis-aof)\n"
+            "  --redis-aof HOST:PORT  a second Redis, with appendonly yes, appendfsync no\n"
             "  --sizes LIST     object MiB, comma separated (default 1,4,16,64); up to 16 MiB\n"
             "                   an object is one layer, above it a whole request\n"
             "  --reps N         objects per size (default: 100 up to 4 MiB, 64 at 16, 16 at 64)\n"
             "  --mem-mib N      MiB stored for the memory figure (default 1024; 0 = skip)\n"
             "  --kvdepot-pid P  kvdepotd's pid, for its resident memory (first kvdepot system)\n"
             "  --redis-pid P    redis-server's pid, likewise\n"
+            "  --redis-aof-pid P  the second redis-server's pid, likewise\n"
             "  --csv FILE       also write the results as CSV\n"
             "Both servers must listen on loopback addresses.\n");
 }
@@ -263,6 +275,8 @@ static int parse_args(int argc, char **argv, bench_opts *o)
             o->kvdepot_addr = val;
         else if (strcmp(a, "--redis") == 0)
             o->redis_addr = val;
+        else if (strcmp(a, "--redis-aof") == 0)
+            o->redis_aof_addr = val;
         else if (strcmp(a, "--sizes") == 0)
             bad = sizes_given++ || parse_list(val, size_item, o);
         else if (strcmp(a, "--systems") == 0)
@@ -275,6 +289,8 @@ static int parse_args(int argc, char **argv, bench_opts *o)
             bad = parse_uint(val, 1ul << 30, &v) || ((o->kvdepot_pid = (long)v), 0);
         else if (strcmp(a, "--redis-pid") == 0)
             bad = parse_uint(val, 1ul << 30, &v) || ((o->redis_pid = (long)v), 0);
+        else if (strcmp(a, "--redis-aof-pid") == 0)
+            bad = parse_uint(val, 1ul << 30, &v) || ((o->redis_aof_pid = (long)v), 0);
         else if (strcmp(a, "--csv") == 0)
             o->csv_path = val;
         else
@@ -291,12 +307,17 @@ static int parse_args(int argc, char **argv, bench_opts *o)
     }
     if (!systems_given)
         for (int s = 0; s < NUM_SYS; s++)
-            o->systems[s] = 1;
+            o->systems[s] = s != SYS_REDIS_AOF || o->redis_aof_addr;
     if (o->kvdepot_addr == NULL || o->redis_addr == NULL) {
         usage(stderr);
         return -1;
     }
-    if (!is_loopback(o->kvdepot_addr) || !is_loopback(o->redis_addr)) {
+    if (o->systems[SYS_REDIS_AOF] && !o->redis_aof_addr) {
+        fprintf(stderr, "bench_stream: the system redis-aof needs --redis-aof HOST:PORT\n");
+        return -1;
+    }
+    if (!is_loopback(o->kvdepot_addr) || !is_loopback(o->redis_addr) ||
+        (o->redis_aof_addr && !is_loopback(o->redis_aof_addr))) {
         fprintf(stderr, "bench_stream: only loopback addresses are allowed\n");
         return -1;
     }
@@ -371,7 +392,7 @@ static void object_id(char *id, size_t cap, int sys, unsigned mib, int i)
 static void tag_payload(bench *b, int sys, int i)
 {
     uint16_t tag = (uint16_t)(0x6000 | (i & 0x3ff)); /* 512 + i */
-    if (sys == SYS_RAW || sys == SYS_REDIS)
+    if (sys == SYS_RAW || sys == SYS_REDIS || sys == SYS_REDIS_AOF)
         memcpy(b->payload, &tag, 2);
 }
 
@@ -415,11 +436,13 @@ static int put_one(bench *b, int sys, const shape *s, unsigned mib, int i)
     object_id(id, sizeof id, sys, mib, i);
     size_t idlen = strlen(id);
     tag_payload(b, sys, i);
-    if (sys == SYS_REDIS)
+    if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
+        redisContext *rc = sys == SYS_REDIS ? b->rc : b->rc_aof;
         return redis_do(
-            b->rc, "SET",
-            redisCommand(b->rc, "SET %b %b", id, idlen, (const char *)b->payload, 2 * s->half),
-            NULL, 0);
+            rc, "SET",
+            redisCommand(rc, "SET %b %b", id, idlen, (const char *)b->payload, 2 * s->half), NULL,
+            0);
+    }
     kvdepot_codecs int2;
     memset(&int2, 0, sizeof int2);
     int2.k.codec = int2.v.codec = KVDEPOT_CODEC_INT2;
@@ -455,10 +478,11 @@ static int get_one(bench *b, int sys, const shape *s, unsigned mib, int i, doubl
     size_t idlen = strlen(id);
     tag_payload(b, sys, i);
     double t0 = now_s();
-    if (sys == SYS_REDIS) {
-        redisReply *r = redisCommand(b->rc, "GET %b", id, idlen);
+    if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
+        redisContext *rc = sys == SYS_REDIS ? b->rc : b->rc_aof;
+        redisReply *r = redisCommand(rc, "GET %b", id, idlen);
         *t = now_s() - t0;
-        return redis_do(b->rc, "GET", r, b->payload, 2 * s->half);
+        return redis_do(rc, "GET", r, b->payload, 2 * s->half);
     }
     kvdepot_read_args ra = {.id = id, .id_len = idlen};
     if (sys == SYS_INT2_PAGES || sys == SYS_RAW_PAGES) {
@@ -497,8 +521,10 @@ static int delete_one(bench *b, int sys, unsigned mib, int i)
 {
     char id[96];
     object_id(id, sizeof id, sys, mib, i);
-    if (sys == SYS_REDIS)
-        return redis_do(b->rc, "DEL", redisCommand(b->rc, "DEL %s", id), NULL, 0);
+    if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
+        redisContext *rc = sys == SYS_REDIS ? b->rc : b->rc_aof;
+        return redis_do(rc, "DEL", redisCommand(rc, "DEL %s", id), NULL, 0);
+    }
     int err = kvdepot_sequence_delete(b->kv, id, strlen(id), NULL);
     return err ? kv_fail(b, "delete", id, err) : 0;
 }
@@ -558,7 +584,9 @@ static int bench_size(bench *b, int sys, unsigned mib, row *out)
  * objects, then deleted. */
 static int bench_memory(bench *b, int sys)
 {
-    long pid = sys == SYS_REDIS ? b->o->redis_pid : b->o->kvdepot_pid;
+    long pid = sys == SYS_REDIS       ? b->o->redis_pid
+               : sys == SYS_REDIS_AOF ? b->o->redis_aof_pid
+                                      : b->o->kvdepot_pid;
     b->mem_per_gib[sys] = NAN;
     if (pid == 0 || b->o->mem_mib == 0)
         return 0;
@@ -617,18 +645,20 @@ static void print_rows(const bench *b, const row *rows, int n, FILE *csv)
 {
     printf("put/get over loopback, objects of K+V f16 (8 KV heads x 128; 'layer' = one layer, "
            "'request' = 32 layers); latency in ms, MB/s at p50\n");
-    printf("%-19s %7s %-7s %4s | %8s %8s %7s %7s | %8s %8s %7s %7s | %9s | %10s\n", "system",
-           "object", "shape", "n", "put p50", "put p99", "MB/s", "x Redis", "get p50", "get p99",
-           "MB/s", "x Redis", "rel. RMS", "RSS/GiB");
+    printf("%-19s %7s %-7s %4s | %8s %8s %7s %7s %7s | %8s %8s %7s %7s | %9s | %10s\n", "system",
+           "object", "shape", "n", "put p50", "put p99", "MB/s", "x Redis", "x AOF", "get p50",
+           "get p99", "MB/s", "x Redis", "rel. RMS", "RSS/GiB");
     for (int i = 0; i < n; i++) {
         const row *r = &rows[i];
         double bytes = (double)r->mib * MiB;
         /* throughput over Redis's for the same object size, this run */
-        char xput[16] = "-", xget[16] = "-";
+        char xput[16] = "-", xget[16] = "-", xaof[16] = "-";
         for (int k = 0; k < n; k++)
             if (rows[k].sys == SYS_REDIS && rows[k].mib == r->mib) {
                 snprintf(xput, sizeof xput, "%.2f", rows[k].put_p50 / r->put_p50);
                 snprintf(xget, sizeof xget, "%.2f", rows[k].get_p50 / r->get_p50);
+            } else if (rows[k].sys == SYS_REDIS_AOF && rows[k].mib == r->mib) {
+                snprintf(xaof, sizeof xaof, "%.2f", rows[k].put_p50 / r->put_p50);
             }
         char err[16] = "exact", mem[16] = "-";
         if (r->sys == SYS_INT2_PAGES)
@@ -637,10 +667,10 @@ static void print_rows(const bench *b, const row *rows, int n, FILE *csv)
             snprintf(err, sizeof err, "%.4f", r->rel_rms);
         if (!isnan(b->mem_per_gib[r->sys]))
             snprintf(mem, sizeof mem, "%.2f GiB", b->mem_per_gib[r->sys] / (1024.0 * MiB));
-        printf("%-19s %4u MiB %-7s %4d | %8.2f %8.2f %7.0f %7s | %8.2f %8.2f %7.0f %7s | %9s | "
-               "%10s\n",
+        printf("%-19s %4u MiB %-7s %4d | %8.2f %8.2f %7.0f %7s %7s | %8.2f %8.2f %7.0f %7s | %9s "
+               "| %10s\n",
                sys_labels[r->sys], r->mib, r->kind, r->reps, r->put_p50 * 1e3, r->put_p99 * 1e3,
-               bytes / r->put_p50 / 1e6, xput, r->get_p50 * 1e3, r->get_p99 * 1e3,
+               bytes / r->put_p50 / 1e6, xput, xaof, r->get_p50 * 1e3, r->get_p99 * 1e3,
                bytes / r->get_p50 / 1e6, xget, err, mem);
         if (csv)
             for (int op = 0; op < 2; op++)
@@ -676,7 +706,9 @@ int main(int argc, char **argv)
         return 1;
     }
     b.rc = redis_open(o.redis_addr);
-    int rc_main = b.rc == NULL;
+    if (o.redis_aof_addr && b.rc)
+        b.rc_aof = redis_open(o.redis_aof_addr);
+    int rc_main = b.rc == NULL || (o.redis_aof_addr && b.rc_aof == NULL);
     if (rc_main == 0 &&
         (put_model(&b, &b.layer_model, "bench-layer-8x128", 1) ||
          put_model(&b, &b.request_model, "bench-request-32x8x128", 32) || probe_page_tokens(&b)))
@@ -700,7 +732,7 @@ int main(int argc, char **argv)
         /* The memory of kvdepotd is measured for its first system only: the
          * next ones would reuse what the first freed. */
         b.mem_per_gib[sys] = NAN;
-        if ((sys == SYS_REDIS || !kv_measured++) && bench_memory(&b, sys))
+        if ((sys == SYS_REDIS || sys == SYS_REDIS_AOF || !kv_measured++) && bench_memory(&b, sys))
             rc_main = 1;
         for (int i = 0; rc_main == 0 && i < o.num_sizes; i++)
             if (bench_size(&b, sys, o.sizes_mib[i], &rows[nrows++]))
@@ -730,6 +762,8 @@ int main(int argc, char **argv)
     free(b.back);
     if (b.rc)
         redisFree(b.rc);
+    if (b.rc_aof)
+        redisFree(b.rc_aof);
     kvdepot_close(b.kv);
     return rc_main;
 }
