@@ -362,6 +362,12 @@ static int redis_do(redisContext *c, const char *what, redisReply *r, const void
     return ok ? 0 : -1;
 }
 
+/* The connection of a Redis system. */
+static redisContext *redis_of(const bench *b, int sys)
+{
+    return sys == SYS_REDIS_AOF ? b->rc_aof : b->rc;
+}
+
 static int kv_fail(bench *b, const char *what, const char *id, int err)
 {
     fprintf(stderr, "bench_stream: %s %s: %s: %s\n", what, id, kvdepot_status_name(err),
@@ -437,7 +443,7 @@ static int put_one(bench *b, int sys, const shape *s, unsigned mib, int i)
     size_t idlen = strlen(id);
     tag_payload(b, sys, i);
     if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
-        redisContext *rc = sys == SYS_REDIS ? b->rc : b->rc_aof;
+        redisContext *rc = redis_of(b, sys);
         return redis_do(
             rc, "SET",
             redisCommand(rc, "SET %b %b", id, idlen, (const char *)b->payload, 2 * s->half), NULL,
@@ -479,7 +485,7 @@ static int get_one(bench *b, int sys, const shape *s, unsigned mib, int i, doubl
     tag_payload(b, sys, i);
     double t0 = now_s();
     if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
-        redisContext *rc = sys == SYS_REDIS ? b->rc : b->rc_aof;
+        redisContext *rc = redis_of(b, sys);
         redisReply *r = redisCommand(rc, "GET %b", id, idlen);
         *t = now_s() - t0;
         return redis_do(rc, "GET", r, b->payload, 2 * s->half);
@@ -522,7 +528,7 @@ static int delete_one(bench *b, int sys, unsigned mib, int i)
     char id[96];
     object_id(id, sizeof id, sys, mib, i);
     if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
-        redisContext *rc = sys == SYS_REDIS ? b->rc : b->rc_aof;
+        redisContext *rc = redis_of(b, sys);
         return redis_do(rc, "DEL", redisCommand(rc, "DEL %s", id), NULL, 0);
     }
     int err = kvdepot_sequence_delete(b->kv, id, strlen(id), NULL);
