@@ -362,6 +362,11 @@ static int redis_do(redisContext *c, const char *what, redisReply *r, const void
     return ok ? 0 : -1;
 }
 
+static int is_redis(int sys)
+{
+    return sys == SYS_REDIS || sys == SYS_REDIS_AOF;
+}
+
 /* The connection of a Redis system. */
 static redisContext *redis_of(const bench *b, int sys)
 {
@@ -398,7 +403,7 @@ static void object_id(char *id, size_t cap, int sys, unsigned mib, int i)
 static void tag_payload(bench *b, int sys, int i)
 {
     uint16_t tag = (uint16_t)(0x6000 | (i & 0x3ff)); /* 512 + i */
-    if (sys == SYS_RAW || sys == SYS_REDIS || sys == SYS_REDIS_AOF)
+    if (sys == SYS_RAW || is_redis(sys))
         memcpy(b->payload, &tag, 2);
 }
 
@@ -442,7 +447,7 @@ static int put_one(bench *b, int sys, const shape *s, unsigned mib, int i)
     object_id(id, sizeof id, sys, mib, i);
     size_t idlen = strlen(id);
     tag_payload(b, sys, i);
-    if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
+    if (is_redis(sys)) {
         redisContext *rc = redis_of(b, sys);
         return redis_do(
             rc, "SET",
@@ -484,7 +489,7 @@ static int get_one(bench *b, int sys, const shape *s, unsigned mib, int i, doubl
     size_t idlen = strlen(id);
     tag_payload(b, sys, i);
     double t0 = now_s();
-    if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
+    if (is_redis(sys)) {
         redisContext *rc = redis_of(b, sys);
         redisReply *r = redisCommand(rc, "GET %b", id, idlen);
         *t = now_s() - t0;
@@ -527,7 +532,7 @@ static int delete_one(bench *b, int sys, unsigned mib, int i)
 {
     char id[96];
     object_id(id, sizeof id, sys, mib, i);
-    if (sys == SYS_REDIS || sys == SYS_REDIS_AOF) {
+    if (is_redis(sys)) {
         redisContext *rc = redis_of(b, sys);
         return redis_do(rc, "DEL", redisCommand(rc, "DEL %s", id), NULL, 0);
     }
@@ -738,7 +743,7 @@ int main(int argc, char **argv)
         /* The memory of kvdepotd is measured for its first system only: the
          * next ones would reuse what the first freed. */
         b.mem_per_gib[sys] = NAN;
-        if ((sys == SYS_REDIS || sys == SYS_REDIS_AOF || !kv_measured++) && bench_memory(&b, sys))
+        if ((is_redis(sys) || !kv_measured++) && bench_memory(&b, sys))
             rc_main = 1;
         for (int i = 0; rc_main == 0 && i < o.num_sizes; i++)
             if (bench_size(&b, sys, o.sizes_mib[i], &rows[nrows++]))
