@@ -217,6 +217,11 @@ typedef struct kvd__pool {
     uint8_t *base;
     kvd__free_range *freel; /* free ranges, sorted by offset */
     size_t nfree, capfree;
+    uint64_t size;
+    /* Ranges have been handed out up to reach; [0, mapped) is mapped ahead of
+     * it by the cache's prefault thread, which grow (non-NULL) wakes. */
+    uint64_t reach, mapped;
+    pthread_cond_t *grow;
 } kvd__pool;
 
 typedef struct kvd__prefetch_item {
@@ -251,6 +256,14 @@ typedef struct kvd__cache {
     pthread_cond_t moved; /* an entry stopped moving */
     kvd__prefetch_item queue[KVD__PREFETCH_QUEUE];
     size_t qhead, qlen;
+
+    /* The CPU's device tier is memory the kernel maps at first touch: a
+     * thread maps dpool ahead of its reach (tier.c, prefault_main), so that
+     * the Appends that fill a fresh server's tier do not take the page
+     * faults. */
+    pthread_t prefault;
+    int prefault_started;
+    pthread_cond_t prefault_cv;
 } kvd__cache;
 
 int kvd__cache_init(kvd_store *st, const kvd_store_options *opt, kvd_error *err);

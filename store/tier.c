@@ -15,6 +15,13 @@
  * pinned block of host_tier_bytes from it (kvd_backend_host_alloc), carved
  * the same way, so that pages move up and down by direct DMA; otherwise one
  * mapping per page.
+ * On the CPU backend the device pool is memory the kernel maps at first
+ * touch, zeroing each page: a thread keeps PREFAULT_AHEAD bytes beyond the
+ * furthest range the pool has handed out mapped (MADV_POPULATE_WRITE, which
+ * leaves the contents of mapped pages alone), so that the copies of Appends
+ * into a fresh server's tier do not take the faults (a fifth of a 1 MiB
+ * Append's server time). Resident memory runs at most that far ahead of the
+ * tier's reach, never past the tier.
  * Each tier keeps an LRU list; to make room, the least recently used entry
  * that nobody has pinned moves down: device -> host, host -> out of memory
  * (RocksDB still holds it). A pinned entry is never moved or freed; one
@@ -47,6 +54,10 @@
 #include <unistd.h>
 
 #define GRANULE 64u
+/* The prefault thread maps this far beyond the pool's reach, 1 MiB a step
+ * (the mmap lock is held for one step at a time). */
+#define PREFAULT_AHEAD (32ull << 20)
+#define PREFAULT_STEP (1ull << 20)
 
 /* ---- logging --------------------------------------------------------------- */
 
@@ -100,6 +111,11 @@ static int pool_alloc(kvd__pool *pl, uint64_t len, uint64_t *off)
         if (pl->freel[i].len < len)
             continue;
         *off = pl->freel[i].off;
+        if (*off + len > pl->reach) {
+            pl->reach = *off + len;
+            if (pl->grow && pl->reach + PREFAULT_AHEAD / 2 > pl->mapped)
+                pthread_cond_signal(pl->grow);
+        }
         pl->freel[i].off += len;
         pl->freel[i].len -= len;
         if (pl->freel[i].len == 0) {
@@ -155,6 +171,7 @@ static void pool_free(kvd__pool *pl, uint64_t off, uint64_t len)
 
 static int pool_init(kvd__pool *pl, uint64_t bytes)
 {
+    pl->size = bytes;
     pl->freel = malloc(sizeof *pl->freel);
     if (!pl->freel)
         return -1;
@@ -1181,12 +1198,72 @@ int kvd_store_device_fallback(kvd_store *st, int rc, kvd_error *err)
     return 1;
 }
 
+/* Map pool bytes [from, to), by pages: from the page that holds from to the
+ * one that holds to, not included (the next call's first; a page below the
+ * pool's first byte is the allocation's too). 0, or -1 when the kernel
+ * cannot (MADV_POPULATE_WRITE is Linux 5.14 or later). */
+static int prefault_range(const kvd__pool *pl, uint64_t from, uint64_t to)
+{
+#ifdef MADV_POPULATE_WRITE
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = (uintptr_t)(pl->base + from) & ~(page - 1);
+    const uintptr_t b = (uintptr_t)(pl->base + to) & ~(page - 1);
+    if (b <= a)
+        return 0;
+    return madvise((void *)a, b - a, MADV_POPULATE_WRITE) == 0 ? 0 : -1;
+#else
+    (void)pl, (void)from, (void)to;
+    return -1;
+#endif
+}
+
+static void *prefault_main(void *arg)
+{
+    kvd__cache *c = arg;
+    kvd__pool *pl = &c->dpool;
+    pthread_mutex_lock(&c->mu);
+    while (!c->stop) {
+        uint64_t want =
+            pl->reach + PREFAULT_AHEAD < pl->size ? pl->reach + PREFAULT_AHEAD : pl->size;
+        if (pl->mapped >= want) {
+            pthread_cond_wait(&c->prefault_cv, &c->mu);
+            continue;
+        }
+        const uint64_t from = pl->mapped;
+        if (want - from > PREFAULT_STEP)
+            want = from + PREFAULT_STEP;
+        pthread_mutex_unlock(&c->mu);
+        const int rc = prefault_range(pl, from, want);
+        pthread_mutex_lock(&c->mu);
+        if (rc) /* the first touch maps what is left */
+            break;
+        pl->mapped = want;
+    }
+    pl->grow = NULL;
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
 int kvd__cache_start(kvd_store *st, kvd_error *err)
 {
     kvd__cache *c = &st->tiers;
     if (pthread_create(&c->thread, NULL, bg_main, st) != 0)
         return kvd_error_set(err, KVD_EINTERNAL, "cannot start the store's background thread");
     c->thread_started = 1;
+    if (c->pool_host && c->dpool.base) {
+        pthread_cond_init(&c->prefault_cv, NULL);
+        pthread_mutex_lock(&c->mu);
+        c->dpool.grow = &c->prefault_cv;
+        pthread_mutex_unlock(&c->mu);
+        if (pthread_create(&c->prefault, NULL, prefault_main, c) == 0) {
+            c->prefault_started = 1;
+        } else { /* the first touch maps the tier */
+            pthread_mutex_lock(&c->mu);
+            c->dpool.grow = NULL;
+            pthread_mutex_unlock(&c->mu);
+            pthread_cond_destroy(&c->prefault_cv);
+        }
+    }
     return 0;
 }
 
@@ -1197,9 +1274,16 @@ void kvd__cache_fini(kvd_store *st)
         pthread_mutex_lock(&c->mu);
         c->stop = 1;
         pthread_cond_signal(&c->cv);
+        if (c->prefault_started)
+            pthread_cond_signal(&c->prefault_cv);
         pthread_mutex_unlock(&c->mu);
         pthread_join(c->thread, NULL);
         c->thread_started = 0;
+    }
+    if (c->prefault_started) {
+        pthread_join(c->prefault, NULL);
+        pthread_cond_destroy(&c->prefault_cv);
+        c->prefault_started = 0;
     }
     for (size_t i = 0; i < c->map.cap; i++) {
         kvd__centry *e = c->map.vals[i];

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "page.h"
@@ -731,6 +732,76 @@ static void test_slots(const char *dir)
     free(page);
 }
 
+/* Pages of the pool [from, to) (whole pages inside): how many are resident
+ * and how many are not, in *absent; -1 when mincore fails. */
+static long pool_resident(kvd_store *st, uint64_t from, uint64_t to, long *absent)
+{
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)st->tiers.dpool.base + from + pg - 1) & ~(pg - 1);
+    const uintptr_t b = ((uintptr_t)st->tiers.dpool.base + to) & ~(pg - 1);
+    *absent = 0;
+    if (b <= a)
+        return 0;
+    unsigned char *vec = malloc((b - a) / pg);
+    if (!vec || mincore((void *)a, b - a, vec) != 0) {
+        free(vec);
+        return -1;
+    }
+    long in = 0;
+    for (size_t i = 0; i < (b - a) / pg; i++) {
+        in += vec[i] & 1;
+        *absent += !(vec[i] & 1);
+    }
+    free(vec);
+    return in;
+}
+
+/* Wait (up to 20 s) until the pool's [from, to) is resident: the pages
+ * still absent then. */
+static long pool_wait_resident(kvd_store *st, uint64_t from, uint64_t to)
+{
+    long absent = 0;
+    for (int i = 0; i < 2000; i++) {
+        if (pool_resident(st, from, to, &absent) < 0)
+            return -1;
+        if (!absent)
+            break;
+        usleep(10000);
+    }
+    return absent;
+}
+
+/* The CPU's device tier is mapped ahead of what it holds, never further
+ * than 32 MiB past the furthest page it gave out: at open, the first 32 MiB
+ * of a 48 MiB tier and nothing of its last 12; after pages filled 20 MiB of
+ * it, all of it (20 + 32 > 48). The pages read back as written. */
+static void test_prefault(const char *dir)
+{
+    const uint64_t MiB = 1u << 20, size = 48 * MiB;
+    kvd_store *st = open_store(dir, size, 0);
+    CHECK(st);
+    if (!st)
+        return;
+    if (!st->tiers.pool_host) { /* a device's memory: mapped by its driver */
+        kvd_store_close(st);
+        return;
+    }
+    CHECK(pool_wait_resident(st, 0, 32 * MiB) == 0);
+    usleep(100000); /* time to go further than it should */
+    long absent;
+    CHECK(pool_resident(st, 36 * MiB, size, &absent) == 0 && absent > 0);
+    /* 2 x 2 x 20480 tokens x 128 bytes = 10 MiB a sequence */
+    CHECK(create(st, 0) == 0 && create(st, 1) == 0);
+    CHECK(append_gen(st, 0, 0, 20480) == 0 && append_gen(st, 1, 0, 20480) == 0);
+    kvd_store_stats s;
+    kvd_store_stats_get(st, &s);
+    CHECK(s.tier_bytes[KVD_TIER_DEVICE] >= 20 * MiB);
+    CHECK(pool_wait_resident(st, 0, size) == 0);
+    for (uint32_t q = 0; q < 2; q++)
+        CHECK(check_gen(st, q, 0, 20480) == 0);
+    kvd_store_close(st);
+}
+
 /* The store's memory beside its tiers: an append's buffer is counted from
  * its first bytes until it commits or aborts; the memtables hold what was
  * committed. */
@@ -823,19 +894,21 @@ int main(void)
             return 1;
         }
     }
-    char d1[128], d2[128], d3[128], d4[128], d5[128], d6[128], cmd[200];
+    char d1[128], d2[128], d3[128], d4[128], d5[128], d6[128], d7[128], cmd[200];
     snprintf(d1, sizeof d1, "%s/lru", root);
     snprintf(d2, sizeof d2, "%s/threads", root);
     snprintf(d3, sizeof d3, "%s/batch", root);
     snprintf(d4, sizeof d4, "%s/storm", root);
     snprintf(d5, sizeof d5, "%s/slots", root);
     snprintf(d6, sizeof d6, "%s/memory", root);
+    snprintf(d7, sizeof d7, "%s/prefault", root);
     test_lru(d1);
     test_batch(d3);
     test_threads(d2);
     test_storm(d4);
     test_slots(d5);
     test_memory(d6);
+    test_prefault(d7);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0)
         fprintf(stderr, "could not remove %s\n", root);
