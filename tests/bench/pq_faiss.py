@@ -11,7 +11,11 @@
         and compile options.
     pq_faiss.py report OURS.csv FAISS.csv [FAISS.csv ...]
         One table: kvdepot's figures (bench_pq's CSV) next to every FAISS
-        build measured, with the ratios, and the targets.
+        build measured, with the ratios, and the targets. Each argument may
+        be a comma-separated list of one system's CSVs from rounds run in
+        turn with the others' (run_pq_bench.sh): each case keeps its best
+        round, so that a machine whose speed drifts over seconds does not
+        favour the side that happened to run in its fast moments.
 
 FAISS searches one query per kv head: the sum of the GQA group's 4 query
 heads, which is exactly the query kvdepot's default aggregation ranks by, so
@@ -106,25 +110,44 @@ def measure(dump, reps, out_csv):
     print(f"pq_faiss: measured {build}, {len(rows)} cases", file=sys.stderr)
 
 
-def load_ours(path):
+def load_ours(paths):
+    """bench_pq's CSVs (comma-separated rounds): each case's best."""
     ours = {}
-    with open(path) as f:
-        for r in csv.DictReader(f):
-            key = (int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"]))
-            th = r["threads"]
-            label = "1" if th == "1" else ("avx2" if th == "avx2" else "all")
-            ours.setdefault(key, {})[label] = float(r["mcodes_per_s"])
+    for path in paths.split(","):
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                key = (int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"]))
+                th = r["threads"]
+                label = "1" if th == "1" else ("avx2" if th == "avx2" else "all")
+                v = float(r["mcodes_per_s"])
+                case = ours.setdefault(key, {})
+                case[label] = max(case.get(label, v), v)
     return ours
+
+
+def load_faiss(paths):
+    """measure's CSVs of one FAISS build (comma-separated rounds): each
+    case's row with the best of its rounds' figures."""
+    best = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                key = (int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"]))
+                if key not in best:
+                    best[key] = dict(r)
+                    continue
+                for col in ("mcodes_1thr", "mcodes_all"):
+                    best[key][col] = str(max(float(best[key][col]), float(r[col])))
+    return best
 
 
 def report(ours_csv, faiss_csvs):
     ours = load_ours(ours_csv)
     builds = []
-    for path in faiss_csvs:
-        with open(path) as f:
-            rows = list(csv.DictReader(f))
-        builds.append(({(int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"])): r for r in rows},
-                       rows[0]["build"], rows[0]["threads"]))
+    for paths in faiss_csvs:
+        rows = load_faiss(paths)
+        one = next(iter(rows.values()))
+        builds.append((rows, one["build"], one["threads"]))
     keys = sorted({k for b in builds for k in b[0]}, key=lambda k: (-k[2], k[0], k[1], k[3]))
 
     print()
@@ -192,7 +215,7 @@ def main():
         report(sys.argv[2], sys.argv[3:])
     else:
         sys.exit("usage: pq_faiss.py measure DUMP_DIR REPS OUT.csv | "
-                 "report OURS.csv FAISS.csv [FAISS.csv ...]")
+                 "report OURS.csv[,...] FAISS.csv[,...] [FAISS.csv[,...] ...]")
 
 
 if __name__ == "__main__":
