@@ -113,8 +113,6 @@ static double cpu_now(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static double last_cpu; /* min CPU seconds (all threads) over the repetitions */
-
 /* Whether BENCH_FORMS selects the form `name` (see the head comment). */
 static int form_on(const char *name)
 {
@@ -135,24 +133,34 @@ static int form_on(const char *name)
     return 0;
 }
 
-static double time_step(kvd_backend *be, step_fn fn, void *arg)
+/* Minimum wall and CPU times (all threads; the CPU minimum independently
+ * of the wall-clock one) of n steps, called in turn repetition by
+ * repetition for about 0.6 s a step (3 to 50 repetitions). */
+static void time_steps(kvd_backend *be, int n, const step_fn *fns, void *const *args, double *t,
+                       double *c)
 {
-    if (fn(be, arg) != 0) {
-        fprintf(stderr, "step failed\n");
-        exit(1);
+    for (int s = 0; s < n; s++) {
+        if (fns[s](be, args[s]) != 0) {
+            fprintf(stderr, "step failed\n");
+            exit(1);
+        }
+        t[s] = c[s] = 1e30;
     }
-    double best = 1e30, total = 0;
-    for (int rep = 0; rep < 50 && (rep < 3 || total < 0.6); rep++) {
-        double t0 = tu_now(), c0 = cpu_now();
-        fn(be, arg);
-        double dt = tu_now() - t0, dc = cpu_now() - c0;
-        total += dt;
-        if (dt < best)
-            best = dt;
-        if (rep == 0 || dc < last_cpu)
-            last_cpu = dc; /* min CPU time, independently of the wall-clock min */
-    }
-    return best;
+    double total = 0;
+    for (int rep = 0; rep < 50 && (rep < 3 || total < 0.6 * n); rep++)
+        for (int s = 0; s < n; s++) {
+            double t0 = tu_now(), c0 = cpu_now();
+            if (fns[s](be, args[s]) != 0) {
+                fprintf(stderr, "step failed\n");
+                exit(1);
+            }
+            double dt = tu_now() - t0, dc = cpu_now() - c0;
+            total += dt;
+            if (dt < t[s])
+                t[s] = dt;
+            if (dc < c[s])
+                c[s] = dc;
+        }
 }
 
 /* Minimum wall and CPU times of fp16's step and a form's, alternated. */
@@ -162,28 +170,11 @@ typedef struct pair_time {
 
 static pair_time time_pair(kvd_backend *be, step_fn f16, void *a16, step_fn fn, void *arg)
 {
-    if (f16(be, a16) != 0 || fn(be, arg) != 0) {
-        fprintf(stderr, "step failed\n");
-        exit(1);
-    }
-    pair_time p = {1e30, 1e30, 1e30, 1e30};
-    double total = 0;
-    for (int rep = 0; rep < 50 && (rep < 3 || total < 1.2); rep++)
-        for (int form = 0; form < 2; form++) {
-            double t0 = tu_now(), c0 = cpu_now();
-            if ((form ? fn(be, arg) : f16(be, a16)) != 0) {
-                fprintf(stderr, "step failed\n");
-                exit(1);
-            }
-            double dt = tu_now() - t0, dc = cpu_now() - c0;
-            total += dt;
-            double *bt = form ? &p.t : &p.t16, *bc = form ? &p.c : &p.c16;
-            if (dt < *bt)
-                *bt = dt;
-            if (dc < *bc)
-                *bc = dc;
-        }
-    return p;
+    const step_fn fns[2] = {f16, fn};
+    void *const args[2] = {a16, arg};
+    double t[2], c[2];
+    time_steps(be, 2, fns, args, t, c);
+    return (pair_time){t[0], c[0], t[1], c[1]};
 }
 
 /* One row: the form's minima and its ratios to fp16 from the same run. */
@@ -380,10 +371,13 @@ int main(int argc, char **argv)
             if (th == 1 && threads[1] == 1)
                 break;
             kvd_backend *be = tu_cpu_backend(threads[th], 0);
-            double t16 = time_step(be, step_dense, &da);
+            const step_fn f16[1] = {step_dense};
+            void *const a16[1] = {&da};
+            double t16, c16;
+            time_steps(be, 1, f16, a16, &t16, &c16);
             size_t b16 = 2 * nkv * 2;
-            printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "fp16", (long long)T, threads[th], t16 * 1e3, last_cpu * 1e3,
-                   b16 / t16 / 1e9, 1.0, 1.0);
+            printf("%-14s %8lld %3d %10.3f %10.3f %8.2f %8.2fx %8.2fx\n", "fp16", (long long)T,
+                   threads[th], t16 * 1e3, c16 * 1e3, b16 / t16 / 1e9, 1.0, 1.0);
             for (int f = 0; f < NIF; f++) {
                 if (!form_on(iforms[f].name))
                     continue;
