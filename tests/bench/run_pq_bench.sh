@@ -7,8 +7,10 @@
 # inputs and prints one table with both and the ratios. FAISS_PYTHON=PY adds
 # the FAISS that interpreter imports (a virtual environment with PyPI's
 # faiss-cpu, the SIMD build users run; tests/bench/peers/run_peers.sh makes
-# one); without python3-faiss, that one alone. The systems run in turn ROUNDS times (default 3) and each case keeps
-# its best round: this machine's speed may drift over seconds.
+# one); without python3-faiss, that one alone. The systems run in turn
+# ROUNDS times (default 3) and each case keeps its best round: this
+# machine's speed may drift over seconds. PQ_OUT=DIR keeps every round's
+# CSVs and bench_pq's output there.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 build=${1:-build}
@@ -30,7 +32,8 @@ while [ "$r" -le "$rounds" ]; do
     dump=
     [ "$r" -gt 1 ] || dump="--dump $work"
     # shellcheck disable=SC2086 # $dump: an option and its argument, or nothing
-    "$build/tests/bench_pq" --reps "$reps" --csv "$work/ours.$r.csv" $dump >/dev/null
+    "$build/tests/bench_pq" --reps "$reps" --csv "$work/ours.$r.csv" $dump \
+        >"$work/ours.$r.txt"
     ours=${ours:+$ours,}$work/ours.$r.csv
     if [ "$have_debian" = 1 ]; then
         /usr/bin/python3 "$here/pq_faiss.py" measure "$work" "$reps" "$work/faiss-debian.$r.csv"
@@ -44,3 +47,4 @@ while [ "$r" -le "$rounds" ]; do
 done
 # shellcheck disable=SC2086 # $debian, $pypi: one argument each, or nothing
 /usr/bin/python3 "$here/pq_faiss.py" report "$ours" $debian $pypi
+[ -z "${PQ_OUT:-}" ] || cp "$work"/*.csv "$work"/*.txt "$PQ_OUT"/

@@ -217,23 +217,9 @@ stop_all
 # ---- PQ search ---------------------------------------------------------------
 if ! skipped faiss; then
     echo "run_peers: PQ search" >&2
-    # the three in turn, 3 rounds; each case keeps its best (the machine's
-    # speed drifts over seconds)
-    ours=() debian=() pypi=()
-    for r in 1 2 3; do
-        dump=()
-        [ "$r" -gt 1 ] || dump=(--dump "$work")
-        "$build/tests/bench_pq" --reps "$pq_reps" --csv "$out/pq-kvdepot.$r.csv" "${dump[@]}" \
-            >"$out/pq-kvdepot.$r.txt"
-        "$py" "$here/../pq_faiss.py" measure "$work" "$pq_reps" "$out/pq-faiss-debian.$r.csv"
-        "$envs/peers/bin/python" "$here/../pq_faiss.py" measure "$work" "$pq_reps" \
-            "$out/pq-faiss-pypi.$r.csv"
-        ours+=("$out/pq-kvdepot.$r.csv")
-        debian+=("$out/pq-faiss-debian.$r.csv")
-        pypi+=("$out/pq-faiss-pypi.$r.csv")
-    done
-    "$py" "$here/../pq_faiss.py" report "$(IFS=,; echo "${ours[*]}")" \
-        "$(IFS=,; echo "${debian[*]}")" "$(IFS=,; echo "${pypi[*]}")" | tee "$out/pq.md"
+    # Debian's FAISS and PyPI's beside kvdepot, in turn, 3 rounds
+    FAISS_PYTHON="$envs/peers/bin/python" PQ_OUT="$out" \
+        "$here/../run_pq_bench.sh" "$build" "$pq_reps" 3 | tee "$out/pq.md"
 fi
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
 echo "run_peers: results in $out" >&2
