@@ -25,6 +25,10 @@
  *     scored exactly (scan_vbmi; 4-bit codes are looked up where they lie,
  *     four sub-spaces to a register table, scan_vbmi4_m); the AVX2 scan is the
  *     path everywhere else;
+ *   - 4-bit codes packed in blocks of 32 tokens (kvd_pq_pack4) are scanned
+ *     as they lie, two sub-spaces a 32-byte load, their nibbles looked up in
+ *     16-entry tables held in registers (scan_packed4), with the same
+ *     quantized bound and exact re-scoring;
  *   - threads split the middle tokens into contiguous ranges, each with its
  *     own buffer; the per-thread winners are merged by one more selection.
  *     Selection is exact, so the result does not depend on the split.
@@ -328,7 +332,119 @@ static void sum_queries(int G, int D, const float *q, float *qbar)
     }
 }
 
+/* ---- packed 4-bit codes ------------------------------------------------ */
+
+int64_t kvd_pq_packed4_bytes(int64_t n, int m)
+{
+    if (n <= 0 || m <= 0)
+        return 0;
+    return (n + 31) / 32 * 16 * (int64_t)(m + (m & 1));
+}
+
+void kvd_pq_pack4(int64_t n, int m, const uint8_t *codes, uint8_t *packed)
+{
+    const int64_t bsz = 16 * (int64_t)(m + (m & 1));
+    memset(packed, 0, (size_t)kvd_pq_packed4_bytes(n, m));
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *blk = packed + i / 32 * bsz + i % 16;
+        const int sh = (int)(i % 32 / 16) * 4;
+        for (int j = 0; j < m; j++)
+            blk[16 * j] |= (uint8_t)((codes[i * m + j] & 15) << sh);
+    }
+}
+
+/* Code j of token i lies at byte 16 j + i % 16 of its block (the pairs'
+ * 32 bytes one after the other), in the high nibble for i % 32 >= 16. */
+static void unpack4_row(const uint8_t *packed, int m, int64_t i, uint8_t *row)
+{
+    const uint8_t *blk = packed + i / 32 * 16 * (int64_t)(m + (m & 1)) + i % 16;
+    const int sh = (int)(i % 32 / 16) * 4;
+    for (int j = 0; j < m; j++)
+        row[j] = (uint8_t)((blk[16 * j] >> sh) & 15);
+}
+
+/* Where a search reads its codes: rows (n, m), or packed 4-bit blocks
+ * (m <= 16) unpacked a row at a time into a caller's 16 bytes. */
+typedef struct code_src {
+    const uint8_t *rows, *packed;
+    int m;
+} code_src;
+
+static inline const uint8_t *src_row(const code_src *src, int64_t i, uint8_t *buf)
+{
+    if (src->rows)
+        return src->rows + i * src->m;
+    unpack4_row(src->packed, src->m, i, buf);
+    return buf;
+}
+
 /* ---- scores ------------------------------------------------------------ */
+
+/* score_one of packed token t. */
+__attribute__((target("avx2,fma"), always_inline)) static inline float
+score_packed1(int m, const uint8_t *packed, int64_t t, const float *lut)
+{
+    const uint8_t *bp = packed + t / 32 * 16 * (int64_t)(m + (m & 1)) + t % 16;
+    const int sh = (int)(t % 32 / 16) * 4;
+    float s = lut[(bp[0] >> sh) & 15];
+    for (int j = 1; j < m; j++)
+        s = s + lut[j * 256 + ((bp[16 * j] >> sh) & 15)];
+    return s;
+}
+
+/* Exact scores of the packed tokens tok[0..7], eight chains of adds
+ * interleaved (each is score_one's sum in sub-space order), in named
+ * variables so that the sums stay in registers. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+score_packed8(int m, const uint8_t *packed, const int64_t *tok, const float *lut, float *out)
+{
+    const int64_t bsz = 16 * (int64_t)(m + (m & 1));
+#define PK_LANE(l)                                                                                 \
+    const uint8_t *b##l = packed + tok[l] / 32 * bsz + tok[l] % 16;                                \
+    const int h##l = (int)(tok[l] % 32 / 16) * 4;                                                  \
+    float s##l = lut[(b##l[0] >> h##l) & 15]
+    PK_LANE(0);
+    PK_LANE(1);
+    PK_LANE(2);
+    PK_LANE(3);
+    PK_LANE(4);
+    PK_LANE(5);
+    PK_LANE(6);
+    PK_LANE(7);
+#undef PK_LANE
+    for (int j = 1; j < m; j++) {
+        const float *t = lut + j * 256;
+        const int o = 16 * j;
+        s0 = s0 + t[(b0[o] >> h0) & 15];
+        s1 = s1 + t[(b1[o] >> h1) & 15];
+        s2 = s2 + t[(b2[o] >> h2) & 15];
+        s3 = s3 + t[(b3[o] >> h3) & 15];
+        s4 = s4 + t[(b4[o] >> h4) & 15];
+        s5 = s5 + t[(b5[o] >> h5) & 15];
+        s6 = s6 + t[(b6[o] >> h6) & 15];
+        s7 = s7 + t[(b7[o] >> h7) & 15];
+    }
+    out[0] = s0;
+    out[1] = s1;
+    out[2] = s2;
+    out[3] = s3;
+    out[4] = s4;
+    out[5] = s5;
+    out[6] = s6;
+    out[7] = s7;
+}
+
+/* score_one of the packed tokens tok[0..n). */
+__attribute__((target("avx2,fma"))) static void score_packed_n(int m, const uint8_t *packed,
+                                                               const int64_t *tok, int64_t n,
+                                                               const float *lut, float *out)
+{
+    const int64_t n8 = n / 8 * 8;
+    for (int64_t i = 0; i < n8; i += 8)
+        score_packed8(m, packed, tok + i, lut, out + i);
+    for (int64_t i = n8; i < n; i++)
+        out[i] = score_packed1(m, packed, tok[i], lut);
+}
 
 static inline float score_one(int m, const uint8_t *code, const float *lut)
 {
@@ -415,9 +531,9 @@ int64_t kvd_pq_search_count(int64_t n, const kvd_pq_search_params *p)
 
 /* Forced tokens + the middle's winners -> sorted output. mid holds nmid keys
  * (already cut to k). */
-static int finish(int64_t n, int m, int G, kvd_pq_agg agg, const uint8_t *codes,
-                  const float *luts, const kvd_pq_search_params *p, const uint64_t *mid,
-                  int64_t nmid, uint32_t *idx, float *scores, int64_t *nout)
+static int finish(int64_t n, int m, int G, kvd_pq_agg agg, const code_src *src, const float *luts,
+                  const kvd_pq_search_params *p, const uint64_t *mid, int64_t nmid, uint32_t *idx,
+                  float *scores, int64_t *nout)
 {
     int64_t s = p->sink < n ? (p->sink > 0 ? p->sink : 0) : n;
     int64_t w = p->window < n - s ? (p->window > 0 ? p->window : 0) : n - s;
@@ -426,10 +542,11 @@ static int finish(int64_t n, int m, int G, kvd_pq_agg agg, const uint8_t *codes,
     if (!all)
         return KVD_ENOMEM;
     int64_t c = 0;
+    uint8_t rb[16];
     for (int64_t i = 0; i < s; i++)
-        all[c++] = make_key(score_agg(m, G, agg, codes + i * m, luts), (uint32_t)i);
+        all[c++] = make_key(score_agg(m, G, agg, src_row(src, i, rb), luts), (uint32_t)i);
     for (int64_t i = n - w; i < n; i++)
-        all[c++] = make_key(score_agg(m, G, agg, codes + i * m, luts), (uint32_t)i);
+        all[c++] = make_key(score_agg(m, G, agg, src_row(src, i, rb), luts), (uint32_t)i);
     memcpy(all + c, mid, sizeof(uint64_t) * (size_t)nmid);
     c += nmid;
     sort_desc(all, c, all + total);
@@ -468,7 +585,8 @@ int kvd_pq_search_ref(int64_t n, int m, int b, int D, const float *centroids,
     for (int64_t i = lo; i < hi; i++)
         keys[i - lo] = make_key(score_agg(m, G, p->agg, codes + i * m, luts), (uint32_t)i);
     sort_desc(keys, nm, keys + nm);
-    rc = finish(n, m, G, p->agg, codes, luts, p, keys, k, idx, scores, nout);
+    const code_src src = {codes, NULL, m};
+    rc = finish(n, m, G, p->agg, &src, luts, p, keys, k, idx, scores, nout);
     free(keys);
     free(luts);
     return rc;
@@ -608,8 +726,8 @@ __attribute__((target("avx2,fma"))) static void scan_avx2(int m, const uint8_t *
  * every token). The guess is only a filter: the caller checks that at least
  * k tokens passed it and rescans from scratch otherwise. NaN = no guess.
  */
-static float guess_threshold(int m, int G, kvd_pq_agg agg, const uint8_t *codes,
-                             const float *luts, int64_t lo, int64_t nm, int64_t k)
+static float guess_threshold(int m, int G, kvd_pq_agg agg, const code_src *src, const float *luts,
+                             int64_t lo, int64_t nm, int64_t k)
 {
     enum { S = 1024 };
     if (nm < 16 * S)
@@ -620,12 +738,22 @@ static float guess_threshold(int m, int G, kvd_pq_agg agg, const uint8_t *codes,
         return NAN;
     uint64_t keys[S];
     int64_t step = nm / S;
-    for (int64_t i = 0; i < S; i += 4) {
+    if (src->packed) {
+        int64_t t[S];
+        float sc[S];
+        for (int64_t i = 0; i < S; i++)
+            t[i] = lo + i * step + step / 2;
+        score_packed_n(m, src->packed, t, S, luts, sc);
+        for (int64_t i = 0; i < S; i++)
+            keys[i] = make_key(sc[i], (uint32_t)t[i]);
+    }
+    for (int64_t i = 0; i < S && !src->packed; i += 4) {
         int64_t t[4];
         const uint8_t *rows[4];
+        uint8_t rb[4][16];
         for (int l = 0; l < 4; l++) {
             t[l] = lo + (i + l) * step + step / 2;
-            rows[l] = codes + t[l] * m;
+            rows[l] = src_row(src, t[l], rb[l]);
         }
         float sc[4];
         if (agg == KVD_PQ_AGG_MAX)
@@ -1175,6 +1303,201 @@ __attribute__((target("avx2,fma"))) static void scan_avx2q(int m, const uint8_t 
 }
 #undef SCAN_AVX2Q
 
+/* State of a packed scan: tables, threshold, candidates waiting. */
+typedef struct pk_scan {
+    __m256i tabs[8], vq;
+    int m, P, qthr, np;
+    int64_t bsz, i0, i1;
+    const uint8_t *packed;
+    const float *lut;
+    const pq_qlut *ql;
+    int64_t pend[8]; /* candidates waiting to be scored eight at a time */
+} pk_scan;
+
+/* The threshold masks of the block at bp: bit 2 l of *me (*mo) set when
+ * token 16 (l / 8) + 2 (l % 8) (+ 1) has a quantized sum above the
+ * threshold's. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+pk_block(const pk_scan *ps, const int P, const uint8_t *bp, uint32_t *me, uint32_t *mo)
+{
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m256i a = _mm256_setzero_si256(), ao = a, b = a, bo = a;
+#pragma GCC unroll 8
+    for (int p = 0; p < P; p++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + 32 * p));
+        const __m256i x = _mm256_shuffle_epi8(ps->tabs[p], _mm256_and_si256(v, nib));
+        const __m256i y =
+            _mm256_shuffle_epi8(ps->tabs[p], _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+        a = _mm256_add_epi16(a, x);
+        ao = _mm256_add_epi16(ao, _mm256_srli_epi16(x, 8));
+        b = _mm256_add_epi16(b, y);
+        bo = _mm256_add_epi16(bo, _mm256_srli_epi16(y, 8));
+    }
+    const __m256i ae = _mm256_sub_epi16(a, _mm256_slli_epi16(ao, 8));
+    const __m256i be = _mm256_sub_epi16(b, _mm256_slli_epi16(bo, 8));
+    const __m256i ev = _mm256_add_epi16(_mm256_permute2x128_si256(ae, be, 0x20),
+                                        _mm256_permute2x128_si256(ae, be, 0x31));
+    const __m256i od = _mm256_add_epi16(_mm256_permute2x128_si256(ao, bo, 0x20),
+                                        _mm256_permute2x128_si256(ao, bo, 0x31));
+    *me = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(ev, ps->vq));
+    *mo = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(od, ps->vq));
+}
+
+/* The tokens of the block of tokens base.. (masks of pk_block) that lie in
+ * [i0, i1), appended to cand; returns their number. */
+static inline int pk_cands(const pk_scan *ps, int64_t base, uint32_t me, uint32_t mo, int64_t *cand)
+{
+    int nc = 0;
+    for (int odd = 0; odd < 2; odd++) {
+        uint32_t mk = (odd ? mo : me) & 0x55555555u;
+        while (mk) {
+            int l = __builtin_ctz(mk) / 2;
+            mk &= mk - 1;
+            int64_t t = base + (l / 8) * 16 + 2 * (l % 8) + odd;
+            cand[nc] = t;
+            nc += t >= ps->i0 && t < ps->i1;
+        }
+    }
+    return nc;
+}
+
+/* Score the candidates cand[0..nc) exactly; those above the threshold
+ * enter tb (which has room for nc + 8). */
+__attribute__((target("avx2,fma"))) static void pk_take(pk_scan *ps, const int64_t *cand, int nc,
+                                                        topk_buf *tb)
+{
+    const int m = ps->m;
+    if (m <= 4) { /* chains of up to 4 adds: scored at once */
+        tb->rescored += (uint64_t)nc;
+        for (int c = 0; c < nc; c++) {
+            float sc = score_packed1(m, ps->packed, cand[c], ps->lut);
+            if (!(sc <= tb->thr))
+                tb_push(tb, sc, (uint32_t)cand[c]);
+        }
+        return;
+    }
+    for (int c = 0; c < nc; c++) {
+        ps->pend[ps->np++] = cand[c];
+        if (ps->np == 8) {
+            float sc[8];
+            tb->rescored += 8;
+            score_packed8(m, ps->packed, ps->pend, ps->lut, sc);
+            for (int l = 0; l < 8; l++)
+                if (!(sc[l] <= tb->thr))
+                    tb_push(tb, sc[l], (uint32_t)ps->pend[l]);
+            ps->np = 0;
+        }
+    }
+}
+
+/* Blocks [bi, be) of a packed scan, U blocks a step (be - bi a multiple of
+ * U): one branch for a step whose blocks have no candidate. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+pk_blocks(pk_scan *ps, const int P, const int U, int64_t bi, int64_t be, topk_buf *tb)
+{
+    for (; bi < be; bi += U) {
+        uint32_t me[8], mo[8], any = 0;
+#pragma GCC unroll 8
+        for (int u = 0; u < U; u++) {
+            pk_block(ps, P, ps->packed + (bi + u) * ps->bsz, &me[u], &mo[u]);
+            any |= me[u] | mo[u];
+        }
+        if (__builtin_expect(any == 0, 1))
+            continue;
+        if (tb->n + 32 * U + 8 > tb->cap) {
+            tb_compact(tb);
+            ps->qthr = qlut_threshold(ps->ql, tb->thr);
+            ps->vq = _mm256_set1_epi16((short)ps->qthr);
+        }
+        int64_t cand[256];
+        int nc = 0;
+        for (int u = 0; u < U; u++)
+            nc += pk_cands(ps, (bi + u) * 32, me[u], mo[u], cand + nc);
+        pk_take(ps, cand, nc, tb);
+    }
+}
+
+/*
+ * Scan of packed 4-bit codes (kvd_pq_pack4), m <= 16, tokens [i0, i1), on
+ * the quantized tables: a block of 32 tokens is m / 2 loads of 32 bytes,
+ * whose low and high nibbles (tokens 0-15 and 16-31) index, with one pshufb
+ * each, sub-space 2p's table in the low lane and 2p + 1's in the high one.
+ * The byte results are summed as u16 words (a word holds an even token's
+ * byte and the next odd token's) and, separately, shifted down (the odd
+ * bytes alone); the even sums are the difference, exact modulo 2^16 since
+ * no sum passes 16 x 255. Tokens whose sum passes the threshold's Q are
+ * scored exactly, as in scan_avx2q; tokens of an edge block outside
+ * [i0, i1) are skipped. With no threshold yet (NaN) every token is a
+ * candidate until the buffer's first cut sets one. Small m take several
+ * blocks a step (256 tokens for m <= 2), so that a step without candidates
+ * costs one branch.
+ */
+__attribute__((target("avx2,fma"))) static void scan_packed4(int m, const uint8_t *packed,
+                                                             const float *lut, const pq_qlut *ql,
+                                                             int64_t i0, int64_t i1, topk_buf *tb)
+{
+    pk_scan ps = {
+        .m = m, .P = (m + 1) / 2, .packed = packed, .lut = lut, .ql = ql, .i0 = i0, .i1 = i1};
+    ps.bsz = 32 * (int64_t)ps.P;
+    for (int p = 0; p < ps.P; p++) {
+        __m128i lo = _mm_loadu_si128((const __m128i *)ql->q[2 * p]);
+        __m128i hi = 2 * p + 1 < m ? _mm_loadu_si128((const __m128i *)ql->q[2 * p + 1])
+                                   : _mm_setzero_si128();
+        ps.tabs[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    ps.qthr = qlut_threshold(ql, tb->thr);
+    ps.vq = _mm256_set1_epi16((short)ps.qthr);
+    const int64_t b0 = i0 / 32, b1 = (i1 + 31) / 32;
+    const int U = ps.P >= 8 ? 1 : 8 / ps.P;
+    const int64_t bm = b0 + (b1 - b0) / U * U;
+    switch (ps.P) {
+    case 1:
+        pk_blocks(&ps, 1, 8, b0, bm, tb);
+        break;
+    case 2:
+        pk_blocks(&ps, 2, 4, b0, bm, tb);
+        break;
+    case 3:
+        pk_blocks(&ps, 3, 2, b0, bm, tb);
+        break;
+    case 4:
+        pk_blocks(&ps, 4, 2, b0, bm, tb);
+        break;
+    case 5:
+        pk_blocks(&ps, 5, 1, b0, bm, tb);
+        break;
+    case 6:
+        pk_blocks(&ps, 6, 1, b0, bm, tb);
+        break;
+    case 7:
+        pk_blocks(&ps, 7, 1, b0, bm, tb);
+        break;
+    default:
+        pk_blocks(&ps, 8, 1, b0, bm, tb);
+        break;
+    }
+    for (int64_t bi = bm; bi < b1; bi++) { /* the blocks short of a step */
+        uint32_t me, mo;
+        pk_block(&ps, ps.P, packed + bi * ps.bsz, &me, &mo);
+        if (me | mo) {
+            if (tb->n + 40 > tb->cap) {
+                tb_compact(tb);
+                ps.qthr = qlut_threshold(ql, tb->thr);
+                ps.vq = _mm256_set1_epi16((short)ps.qthr);
+            }
+            int64_t cand[32];
+            pk_take(&ps, cand, pk_cands(&ps, bi * 32, me, mo, cand), tb);
+        }
+    }
+    for (int c = 0; c < ps.np; c++) {
+        float sc = score_packed1(m, packed, ps.pend[c], lut);
+        if (!(sc <= tb->thr))
+            tb_push(tb, sc, (uint32_t)ps.pend[c]);
+    }
+    tb->rescored += (uint64_t)ps.np;
+    tb->steps += (uint64_t)((i1 - i0 + 63) / 64);
+}
+
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
 
 /* One part of the scan of kvd__pq_search_cpu (kvd__par_for): part t scans
@@ -1182,7 +1505,7 @@ static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024)
 typedef struct scan_job {
     int m, G;
     kvd_pq_agg agg;
-    const uint8_t *codes;
+    const uint8_t *codes, *packed; /* one of the two */
     const float *luts;
     const pq_qlut *ql;
     int ql_vbmi; /* ql is scanned by scan_vbmi (else scan_avx2q) */
@@ -1200,7 +1523,9 @@ static void scan_part(void *arg, int t)
     int64_t a = j->lo + (int64_t)t * j->per, e = a + j->per < j->hi ? a + j->per : j->hi;
     topk_buf tb = {.keys = j->bufs + (int64_t)t * j->cap, .cap = j->cap, .k = j->k, .thr = j->thr0};
     if (a < e) {
-        if (j->ql && !isnan(tb.thr) && j->ql_vbmi)
+        if (j->packed)
+            scan_packed4(j->m, j->packed, j->luts, j->ql, a, e, &tb);
+        else if (j->ql && !isnan(tb.thr) && j->ql_vbmi)
             scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);
         else if (j->ql && !isnan(tb.thr))
             scan_avx2q(j->m, j->codes, j->luts, j->ql, a, e, &tb);
@@ -1217,11 +1542,16 @@ static void scan_part(void *arg, int t)
     }
 }
 
-int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
-                       const float *centroids, const uint8_t *codes, int G,
-                       const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
-                       float *scores, int64_t *nout)
+/* search_cpu's answer for packed codes whose tables cannot be quantized */
+#define NO_QLUT 1
+
+/* kvd__pq_search_cpu on codes given as rows or (src->packed: m <= 16, b = 4,
+ * AGG_SUM, simd on a CPU with AVX2) packed. */
+static int search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
+                      const float *centroids, const code_src *src, int G, const float *queries,
+                      const kvd_pq_search_params *p, uint32_t *idx, float *scores, int64_t *nout)
 {
+    const uint8_t *codes = src->rows;
     *nout = 0;
     int allow_vbmi = simd == 1; /* 2 = AVX2 only (tests, benchmarks) */
     simd = simd && kvd_cpu_has_avx2_fma();
@@ -1258,11 +1588,24 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         return KVD_ENOMEM;
     }
     int use_simd = simd && p->agg != KVD_PQ_AGG_MAX && simd_ok(m);
-    float thr0 = k > 0 ? guess_threshold(m, G, p->agg, codes, luts, lo, nm, k) : NAN;
+    float thr0 = k > 0 ? guess_threshold(m, G, p->agg, src, luts, lo, nm, k) : NAN;
     /* quantized tables: the VBMI scans, else AVX2's (m = 2, 4, 8, 16) */
     pq_qlut *ql = NULL;
     const int ql_vbmi = allow_vbmi && (m == 2 || m == 4 || m == 8 || m == 16) && has_vbmi();
-    if (use_simd && !isnan(thr0) && b >= 4 && b <= 8 && (m == 2 || m == 4 || m == 8 || m == 16)) {
+    if (src->packed) {
+        /* the packed scan needs its tables: without them (non-finite
+         * entries) the caller unpacks the codes and searches the rows */
+        ql = malloc(sizeof *ql);
+        if (!ql || !build_qlut(m, 4, luts, ql)) {
+            rc = ql ? NO_QLUT : KVD_ENOMEM;
+            free(ql);
+            free(bufs);
+            free(counts);
+            free(luts);
+            return rc;
+        }
+    } else if (use_simd && !isnan(thr0) && b >= 4 && b <= 8 &&
+               (m == 2 || m == 4 || m == 8 || m == 16)) {
         ql = malloc(sizeof *ql);
         if (ql && !build_qlut(m, b, luts, ql)) {
             free(ql);
@@ -1270,8 +1613,8 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         }
     }
     for (int attempt = 0; k > 0 && attempt < 2; attempt++) {
-        scan_job job = {m,  G,  p->agg, codes, luts, ql, ql_vbmi, use_simd,
-                        lo, hi, per,    bufs,  cap,  k,  thr0,    counts};
+        scan_job job = {m,  G,  p->agg, codes, src->packed, luts, ql,   ql_vbmi, use_simd,
+                        lo, hi, per,    bufs,  cap,         k,    thr0, counts};
         kvd__par_for(nt, nt, scan_part, &job);
         int64_t total = 0;
         for (int t = 0; t < nt; t++)
@@ -1295,11 +1638,45 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         select_topk(bufs, c, k);
     if (c > k)
         c = k;
-    rc = finish(n, m, G, p->agg, codes, luts, p, bufs, c, idx, scores, nout);
+    rc = finish(n, m, G, p->agg, src, luts, p, bufs, c, idx, scores, nout);
     free(ql);
     free(bufs);
     free(counts);
     free(luts);
+    return rc;
+}
+
+int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
+                       const float *centroids, const uint8_t *codes, int G, const float *queries,
+                       const kvd_pq_search_params *p, uint32_t *idx, float *scores, int64_t *nout)
+{
+    const code_src src = {codes, NULL, m};
+    return search_cpu(nthreads, simd, n, m, b, D, centroids, &src, G, queries, p, idx, scores,
+                      nout);
+}
+
+int kvd__pq_search_packed4_cpu(int nthreads, int simd, int64_t n, int m, int D,
+                               const float *centroids, const uint8_t *packed, int G,
+                               const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
+                               float *scores, int64_t *nout)
+{
+    *nout = 0;
+    if (simd && kvd_cpu_has_avx2_fma() && m <= 16 && p->agg == KVD_PQ_AGG_SUM) {
+        const code_src src = {NULL, packed, m};
+        int rc = search_cpu(nthreads, simd, n, m, 4, D, centroids, &src, G, queries, p, idx, scores,
+                            nout);
+        if (rc != NO_QLUT)
+            return rc;
+    }
+    /* the rows path: every other case gives the same result from rows */
+    uint8_t *rows = malloc((size_t)(n > 0 ? n : 1) * (size_t)m);
+    if (!rows)
+        return KVD_ENOMEM;
+    for (int64_t i = 0; i < n; i++)
+        unpack4_row(packed, m, i, rows + i * m);
+    int rc = kvd__pq_search_cpu(nthreads, simd, n, m, 4, D, centroids, rows, G, queries, p, idx,
+                                scores, nout);
+    free(rows);
     return rc;
 }
 

@@ -161,6 +161,22 @@ static void one_case(tu_rng *r, int64_t n, int m, int b, int D, int G, int64_t k
                          (long long)n, m, b, G, (long long)k, (long long)sink, (long long)window,
                          ties, threads, simd, agg);
             TU_CHECK(tu_guard_ok(&oi) && tu_guard_ok(&os), "guard bytes");
+            if (b == 4) { /* the same codes packed: the same result */
+                uint8_t *pk = malloc((size_t)kvd_pq_packed4_bytes(n, m) + 1);
+                kvd_pq_pack4(n, m, codes, pk);
+                memset(oi.data, 0xEE, sizeof(uint32_t) * cap);
+                fn = -1;
+                rc = kvd__pq_search_packed4_cpu(threads, simd, n, m, D, C, pk, G, Q, &p, oi.data,
+                                                os.data, &fn);
+                TU_CHECK(rc == 0 && fn == bn && memcmp(oi.data, bi, sizeof(uint32_t) * bn) == 0 &&
+                             same_scores(os.data, bs, bn),
+                         "packed != brute n=%lld m=%d G=%d k=%lld s=%lld w=%lld ties=%d thr=%d "
+                         "simd=%d agg=%d: rc %d, %lld results",
+                         (long long)n, m, G, (long long)k, (long long)sink, (long long)window, ties,
+                         threads, simd, agg, rc, (long long)fn);
+                TU_CHECK(tu_guard_ok(&oi) && tu_guard_ok(&os), "guard bytes (packed)");
+                free(pk);
+            }
             tu_buf_free(&oi);
             tu_buf_free(&os);
         }
@@ -225,6 +241,35 @@ static void test_search_large(void)
     /* forced ranges covering everything, overlapping each other */
     one_case(&r, 100, 4, 8, 128, 4, 10, 60, 60, KVD_PQ_AGG_SUM, 1, 0);
     one_case(&r, 100, 4, 8, 128, 4, 2048, 200, 0, KVD_PQ_AGG_SUM, 1, 0);
+}
+
+/* The packed layout as kvdepot/pq.h writes it down, byte by byte: 33
+ * tokens, 3 sub-spaces (one padding sub-space), two blocks. */
+static void test_pack_layout(void)
+{
+    enum { N = 33, M = 3 };
+    uint8_t codes[N * M], pk[2 * 64 + 1];
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < M; j++)
+            codes[i * M + j] = (uint8_t)(((i * 7 + j * 3) & 15) | 0x30); /* stray high bits */
+    TU_CHECK(kvd_pq_packed4_bytes(N, M) == 128 && kvd_pq_packed4_bytes(0, M) == 0 &&
+                 kvd_pq_packed4_bytes(64, 16) == 512,
+             "packed sizes %lld", (long long)kvd_pq_packed4_bytes(N, M));
+    memset(pk, 0xAB, sizeof pk);
+    kvd_pq_pack4(N, M, codes, pk);
+    int bad = 0;
+    for (int blk = 0; blk < 2; blk++)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 16; i++) {
+                int lo_t = 32 * blk + i, hi_t = lo_t + 16, want = 0;
+                if (j < M && lo_t < N)
+                    want |= codes[lo_t * M + j] & 15;
+                if (j < M && hi_t < N)
+                    want |= (codes[hi_t * M + j] & 15) << 4;
+                bad += pk[blk * 64 + 16 * j + i] != want;
+            }
+    TU_CHECK(bad == 0 && pk[128] == 0xAB, "packed layout: %d bytes differ, guard %02x", bad,
+             pk[128]);
 }
 
 /* 2 sub-spaces of 1 dim, 16 centroids c = value of the index: hand-checked. */
@@ -550,6 +595,25 @@ static void test_filter_tight(void)
                 TU_CHECK(rescored <= 1800, "filter m=%d b=%d simd=%d: %llu tokens re-scored", m, b,
                          simd, (unsigned long long)rescored);
             }
+            if (b == 4 && avx2) { /* the packed scan: every block once, as tight */
+                uint8_t *pk = malloc((size_t)kvd_pq_packed4_bytes(n, m));
+                kvd_pq_pack4(n, m, codes, pk);
+                kvd__pq_counters c0, c1;
+                kvd__pq_counters_get(&c0);
+                kvd__pq_search_packed4_cpu(1, 1, n, m, D, C, pk, G, Q, &p, fi, fs, &fn);
+                kvd__pq_counters_get(&c1);
+                uint64_t steps = c1.steps - c0.steps, rescored = c1.rescored - c0.rescored;
+                TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
+                         "filter m=%d packed: fast != reference", m);
+                TU_CHECK(steps == (uint64_t)((n + 63) / 64) && c1.rescans == c0.rescans &&
+                             rescored <= 1800,
+                         "filter m=%d packed: %llu blocks of 64 tokens, %llu rescans, %llu tokens "
+                         "re-scored",
+                         m, (unsigned long long)steps,
+                         (unsigned long long)(c1.rescans - c0.rescans),
+                         (unsigned long long)rescored);
+                free(pk);
+            }
             free(C);
             free(codes);
         }
@@ -646,6 +710,7 @@ int main(void)
     test_rising();
     test_all_equal();
     test_hand();
+    test_pack_layout();
     test_search_shapes();
     test_search_large();
     test_stray_codes();

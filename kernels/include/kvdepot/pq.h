@@ -164,6 +164,27 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
                        const float *centroids, const uint8_t *codes, int G,
                        const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
                        float *scores, int64_t *nout);
+/*
+ * Packed 4-bit codes (b = 4), the layout of the CPU's blocked scan: tokens in
+ * blocks of 32, block t = tokens 32 t .. 32 t + 31 (the last one padded with
+ * code 0), 16 bytes a sub-space, m rounded up to even (a padding sub-space
+ * of zeros). Byte i < 16 of sub-space j holds code j of token 32 t + i in its
+ * low nibble and of token 32 t + 16 + i in its high nibble. Half the bytes of
+ * rows, and each pair of sub-spaces is one 32-byte load whose nibbles index
+ * 16-entry tables held in registers.
+ * kvd_pq_packed4_bytes: the size for n tokens; kvd_pq_pack4 packs rows
+ * (n, m) of codes < 16 (the low 4 bits of each code are kept).
+ * kvd__pq_search_packed4_cpu: kvd__pq_search_cpu with b = 4 on packed codes;
+ * bitwise the reference's result on the rows that were packed. The blocked
+ * scan runs for m <= 16 and KVD_PQ_AGG_SUM with AVX2 (simd 1 or 2); other
+ * cases unpack the codes and search the rows.
+ */
+int64_t kvd_pq_packed4_bytes(int64_t n, int m);
+void kvd_pq_pack4(int64_t n, int m, const uint8_t *codes, uint8_t *packed);
+int kvd__pq_search_packed4_cpu(int nthreads, int simd, int64_t n, int m, int D,
+                               const float *centroids, const uint8_t *packed, int G,
+                               const float *queries, const kvd_pq_search_params *p, uint32_t *idx,
+                               float *scores, int64_t *nout);
 /* What the quantized-table scans did since the process started (tests:
  * their filter must stay tight, which results alone do not show, since a
  * start that admits too few tokens is caught and scanned again).
