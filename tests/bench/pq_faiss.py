@@ -118,7 +118,7 @@ def load_ours(paths):
             for r in csv.DictReader(f):
                 key = (int(r["n"]), int(r["m"]), int(r["b"]), int(r["k"]))
                 th = r["threads"]
-                label = "1" if th == "1" else ("avx2" if th == "avx2" else "all")
+                label = th if th in ("1", "avx2", "packed") else "all"
                 v = float(r["mcodes_per_s"])
                 case = ours.setdefault(key, {})
                 case[label] = max(case.get(label, v), v)
@@ -153,42 +153,44 @@ def report(ours_csv, faiss_csvs):
     print()
     print(f"PQ top-k search, one kv head, head_dim {D}, GQA group {G} (FAISS: the summed query);")
     print("M codes/s = n*m / best search time; ratio = kvdepot / FAISS, one thread; "
-          "AVX2 = kvdepot's AVX2-only path, one thread")
+          "AVX2 = kvdepot's AVX2-only path, one thread; packed = 4-bit codes packed in blocks "
+          "of 32 tokens (kvd_pq_pack4, as FastScan packs its codes), one thread")
     for i, (_, name, threads) in enumerate(builds):
         print(f"  F{i + 1} = {name}, all = {threads} threads")
     print("F@k = share of that FAISS build's top-k inside the exact top-k of the same codes "
           "(FastScan ranks with 8-bit quantized tables); kvdepot's equals the exact top-k "
           "(bench_pq checks it against a brute-force scan)")
     print()
-    head = "| n | m | b | k | index | kvdepot 1 thr | kvdepot AVX2 |"
-    sep = "|---:|---:|---:|---:|---|---:|---:|"
+    head = "| n | m | b | k | index | kvdepot 1 thr | kvdepot AVX2 | kvdepot packed |"
+    sep = "|---:|---:|---:|---:|---|---:|---:|---:|"
     for i in range(len(builds)):
-        head += f" F{i + 1} 1 thr | ratio | ratio AVX2 |"
-        sep += "---:|---:|---:|"
+        head += f" F{i + 1} 1 thr | ratio | ratio AVX2 | ratio packed |"
+        sep += "---:|---:|---:|---:|"
     head += " kvdepot all | " + " | ".join(f"F{i + 1} all" for i in range(len(builds))) + \
             " | " + " | ".join(f"F{i + 1}@k" for i in range(len(builds))) + " |"
     sep += "---:|" + "---:|" * (2 * len(builds))
     print(head)
     print(sep)
-    ratios = {}  # (build, target) -> [(n, kvdepot/FAISS, AVX2 path/FAISS)]
+    ratios = {}  # (build, target) -> [(n, kvdepot/FAISS, AVX2 path/FAISS, packed/FAISS)]
     for key in keys:
         n, m, b, k = key
         o = ours.get(key, {})
         o1, o2, oa = o.get("1", NAN), o.get("avx2", NAN), o.get("all", NAN)
+        o3 = o.get("packed", NAN)
         first = next((bd[0][key] for bd in builds if key in bd[0]), None)
         line = (f"| {n} | {m} | {b} | {k} | {first['index'] if first else '?'} | {o1:.0f} |"
-                f" {o2:.0f} |")
+                f" {o2:.0f} | {o3:.0f} |")
         alls, agrees = [], []
         for i, (rows, _, _) in enumerate(builds):
             r = rows.get(key)
             f1 = float(r["mcodes_1thr"]) if r else NAN
-            line += f" {f1:.0f} | {o1 / f1:.2f} | {o2 / f1:.2f} |"
+            line += f" {f1:.0f} | {o1 / f1:.2f} | {o2 / f1:.2f} | {o3 / f1:.2f} |"
             alls.append(float(r["mcodes_all"]) if r else NAN)
             agrees.append(float(r["agree"]) if r else NAN)
             target = ("IndexPQ k=256 >= 2x" if b == 8 and k == 256 else
                       "IndexPQ k=2048 >= 4x" if b == 8 else
                       "FastScan 4-bit >= 2x" if b == 4 else "IndexPQ 6-bit (no target)")
-            ratios.setdefault((i, target), []).append((n, o1 / f1, o2 / f1))
+            ratios.setdefault((i, target), []).append((n, o1 / f1, o2 / f1, o3 / f1))
         line += f" {oa:.0f} | " + " | ".join(f"{a:.0f}" for a in alls)
         line += " | " + " | ".join(f"{a:.3f}" for a in agrees) + " |"
         print(line)
@@ -203,9 +205,13 @@ def report(ours_csv, faiss_csvs):
         for target in ("IndexPQ k=256 >= 2x", "IndexPQ k=2048 >= 4x", "FastScan 4-bit >= 2x"):
             rs = ratios.get((i, target), [])
             big = [r for r in rs if r[0] == NMAX]
-            print(f"  vs F{i + 1} {target:<21}: {low(r[1] for r in big):.2f}x "
-                  f"[{low(r[1] for r in rs):.2f}x]   AVX2-only path: "
-                  f"{low(r[2] for r in big):.2f}x [{low(r[2] for r in rs):.2f}x]")
+            line = (f"  vs F{i + 1} {target:<21}: {low(r[1] for r in big):.2f}x "
+                    f"[{low(r[1] for r in rs):.2f}x]   AVX2-only path: "
+                    f"{low(r[2] for r in big):.2f}x [{low(r[2] for r in rs):.2f}x]")
+            if target.startswith("FastScan"):
+                line += (f"   packed: {low(r[3] for r in big):.2f}x "
+                         f"[{low(r[3] for r in rs):.2f}x]")
+            print(line)
 
 
 def main():
