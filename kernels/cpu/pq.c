@@ -384,8 +384,9 @@ static inline const uint8_t *src_row(const code_src *src, int64_t i, uint8_t *bu
 __attribute__((target("avx2,fma"), always_inline)) static inline float
 score_packed1(int m, const uint8_t *packed, int64_t t, const float *lut)
 {
-    const uint8_t *bp = packed + t / 32 * 16 * (int64_t)(m + (m & 1)) + t % 16;
-    const int sh = (int)(t % 32 / 16) * 4;
+    const uint64_t u = (uint64_t)t; /* t >= 0: shifts, not signed divisions */
+    const uint8_t *bp = packed + (u >> 5) * 16 * (uint64_t)(m + (m & 1)) + (u & 15);
+    const int sh = (int)(u >> 2 & 4);
     float s = lut[(bp[0] >> sh) & 15];
     for (int j = 1; j < m; j++)
         s = s + lut[j * 256 + ((bp[16 * j] >> sh) & 15)];
@@ -398,10 +399,10 @@ score_packed1(int m, const uint8_t *packed, int64_t t, const float *lut)
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 score_packed8(int m, const uint8_t *packed, const int64_t *tok, const float *lut, float *out)
 {
-    const int64_t bsz = 16 * (int64_t)(m + (m & 1));
+    const uint64_t bsz = 16 * (uint64_t)(m + (m & 1));
 #define PK_LANE(l)                                                                                 \
-    const uint8_t *b##l = packed + tok[l] / 32 * bsz + tok[l] % 16;                                \
-    const int h##l = (int)(tok[l] % 32 / 16) * 4;                                                  \
+    const uint8_t *b##l = packed + ((uint64_t)tok[l] >> 5) * bsz + ((uint64_t)tok[l] & 15);        \
+    const int h##l = (int)((uint64_t)tok[l] >> 2 & 4);                                             \
     float s##l = lut[(b##l[0] >> h##l) & 15]
     PK_LANE(0);
     PK_LANE(1);
@@ -1367,12 +1368,15 @@ __attribute__((target("avx2,fma"))) static void pk_take(pk_scan *ps, const int64
                                                         topk_buf *tb)
 {
     const int m = ps->m;
-    if (m <= 4) { /* chains of up to 4 adds: scored at once */
+    if (m <= 4) { /* chains of up to 4 adds: scored at once; the key is
+                   * written always and kept by the count, without a branch
+                   * that a candidate's score would mispredict */
         tb->rescored += (uint64_t)nc;
+        const float thr = tb->thr;
         for (int c = 0; c < nc; c++) {
             float sc = score_packed1(m, ps->packed, cand[c], ps->lut);
-            if (!(sc <= tb->thr))
-                tb_push(tb, sc, (uint32_t)cand[c]);
+            tb->keys[tb->n] = make_key(sc, (uint32_t)cand[c]);
+            tb->n += !(sc <= thr);
         }
         return;
     }
