@@ -47,4 +47,4 @@ while [ "$r" -le "$rounds" ]; do
 done
 # shellcheck disable=SC2086 # $debian, $pypi: one argument each, or nothing
 /usr/bin/python3 "$here/pq_faiss.py" report "$ours" $debian $pypi
-[ -z "${PQ_OUT:-}" ] || cp "$work"/*.csv "$work"/*.txt "$PQ_OUT"/
+[ -z "${PQ_OUT:-}" ] || { mkdir -p "$PQ_OUT" && cp "$work"/*.csv "$work"/*.txt "$PQ_OUT"/; }
