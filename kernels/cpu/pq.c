@@ -1422,6 +1422,104 @@ pk_blocks(pk_scan *ps, const int P, const int U, int64_t bi, int64_t be, topk_bu
 }
 
 /*
+ * m <= 2: a token's score is one of 256 sums lut[0][a] + lut[1][b], so the
+ * threshold test itself is a table: pass[a] bit b = !(score(a, b) <= thr),
+ * with score_one's floats (m = 1: lut[0][a] alone). Rows a of the table are
+ * two 16-entry byte tables (b < 8, b >= 8) looked up by code a; a third
+ * gives the bit of code b. Exact: only tokens that beat the threshold are
+ * candidates, where the 8-bit bound also let through every token tied with
+ * it or near it (a few per cent of all at m = 2). Rebuilt at each cut of the
+ * buffer, when the threshold rises.
+ */
+typedef struct pk_pass2 {
+    __m256i lo, hi, bit;
+} pk_pass2;
+
+__attribute__((target("avx2,fma"))) static void pk_pass2_build(int m, const float *lut, float thr,
+                                                               pk_pass2 *pt)
+{
+    uint8_t lo[16], hi[16], bit[16];
+    for (int a = 0; a < 16; a++) {
+        unsigned row = 0;
+        for (int b = 0; b < 16; b++) {
+            float sc = lut[a];
+            if (m == 2)
+                sc = sc + lut[256 + b];
+            row |= (unsigned)!(sc <= thr) << b;
+        }
+        lo[a] = (uint8_t)row;
+        hi[a] = (uint8_t)(row >> 8);
+        bit[a] = (uint8_t)(1u << (a & 7));
+    }
+    pt->lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo));
+    pt->hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi));
+    pt->bit = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bit));
+}
+
+/* Bit i set when token i of the block at bp passes (pk_pass2). */
+__attribute__((target("avx2,fma"), always_inline)) static inline uint32_t
+pk_pass2_block(const pk_pass2 *pt, const uint8_t *bp)
+{
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)bp);
+    const __m256i lo = _mm256_and_si256(v, nib);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    /* a: sub-space 0's codes of tokens 0-15 | 16-31; b: sub-space 1's */
+    const __m256i a = _mm256_permute2x128_si256(lo, hi, 0x20);
+    const __m256i b = _mm256_permute2x128_si256(lo, hi, 0x31);
+    const __m256i row =
+        _mm256_blendv_epi8(_mm256_shuffle_epi8(pt->lo, a), _mm256_shuffle_epi8(pt->hi, a),
+                           _mm256_slli_epi16(b, 4)); /* bit 3 -> bit 7 */
+    const __m256i hit = _mm256_and_si256(row, _mm256_shuffle_epi8(pt->bit, b));
+    return ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(hit, _mm256_setzero_si256()));
+}
+
+/* Blocks [b0, b1) of packed codes with m <= 2 through pk_pass2, eight
+ * blocks a step. */
+__attribute__((target("avx2,fma"))) static void scan_packed4_m2(int m, const uint8_t *packed,
+                                                                const float *lut, int64_t i0,
+                                                                int64_t i1, topk_buf *tb)
+{
+    pk_pass2 pt;
+    pk_pass2_build(m, lut, tb->thr, &pt);
+    const int64_t b0 = i0 / 32, b1 = (i1 + 31) / 32;
+    for (int64_t bi = b0; bi < b1; bi += 8) {
+        const int nb = b1 - bi < 8 ? (int)(b1 - bi) : 8;
+        uint32_t mk[8], any = 0;
+        for (int u = 0; u < nb; u++) {
+            mk[u] = pk_pass2_block(&pt, packed + (bi + u) * 32);
+            any |= mk[u];
+        }
+        if (__builtin_expect(any == 0, 1))
+            continue;
+        if (tb->n + 256 > tb->cap) {
+            const float thr = tb->thr;
+            tb_compact(tb);
+            if (!(tb->thr == thr)) {
+                /* the threshold rose: tokens of this step it now drops
+                 * are dropped below by the exact test */
+                pk_pass2_build(m, lut, tb->thr, &pt);
+            }
+        }
+        const float thr = tb->thr;
+        for (int u = 0; u < nb; u++) {
+            uint32_t w = mk[u];
+            while (w) {
+                const int64_t t = (bi + u) * 32 + __builtin_ctz(w);
+                w &= w - 1;
+                if (t < i0 || t >= i1)
+                    continue;
+                tb->rescored++;
+                const float sc = score_packed1(m, packed, t, lut);
+                tb->keys[tb->n] = make_key(sc, (uint32_t)t);
+                tb->n += !(sc <= thr);
+            }
+        }
+    }
+    tb->steps += (uint64_t)((i1 - i0 + 63) / 64);
+}
+
+/*
  * Scan of packed 4-bit codes (kvd_pq_pack4), m <= 16, tokens [i0, i1), on
  * the quantized tables: a block of 32 tokens is m / 2 loads of 32 bytes,
  * whose low and high nibbles (tokens 0-15 and 16-31) index, with one pshufb
@@ -1527,7 +1625,9 @@ static void scan_part(void *arg, int t)
     int64_t a = j->lo + (int64_t)t * j->per, e = a + j->per < j->hi ? a + j->per : j->hi;
     topk_buf tb = {.keys = j->bufs + (int64_t)t * j->cap, .cap = j->cap, .k = j->k, .thr = j->thr0};
     if (a < e) {
-        if (j->packed)
+        if (j->packed && j->m <= 2)
+            scan_packed4_m2(j->m, j->packed, j->luts, a, e, &tb);
+        else if (j->packed)
             scan_packed4(j->m, j->packed, j->luts, j->ql, a, e, &tb);
         else if (j->ql && !isnan(tb.thr) && j->ql_vbmi)
             scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);

@@ -617,6 +617,34 @@ static void test_filter_tight(void)
             free(C);
             free(codes);
         }
+    /* m <= 2 packed, too short for a starting threshold: every token
+     * passes until the first cut, then only those above the rising one */
+    for (int m = 1; m <= 2; m++) {
+        const int64_t ns = 16000;
+        float *C = malloc(sizeof(float) * m * 16 * (D / m));
+        uint8_t *codes = malloc((size_t)ns * m), *pk = malloc((size_t)kvd_pq_packed4_bytes(ns, m));
+        float Q[4 * 128];
+        gen(&r, m, 4, D, G, ns, 0, C, codes, Q);
+        kvd_pq_pack4(ns, m, codes, pk);
+        kvd_pq_search_params p = {16, 0, 0, KVD_PQ_AGG_SUM};
+        uint32_t ri[16], fi[16];
+        float rs[16], fs[16];
+        int64_t rn = 0, fn = 0;
+        kvd_pq_search_ref(ns, m, 4, D, C, codes, G, Q, &p, ri, rs, &rn);
+        kvd__pq_counters c0, c1;
+        kvd__pq_counters_get(&c0);
+        kvd__pq_search_packed4_cpu(1, 1, ns, m, D, C, pk, G, Q, &p, fi, fs, &fn);
+        kvd__pq_counters_get(&c1);
+        uint64_t rescored = c1.rescored - c0.rescored;
+        TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn),
+                 "filter m=%d packed, no start: fast != reference", m);
+        if (avx2)
+            TU_CHECK(rescored < 4000, "filter m=%d packed, no start: %llu of %lld tokens scored", m,
+                     (unsigned long long)rescored, (long long)ns);
+        free(C);
+        free(codes);
+        free(pk);
+    }
 }
 
 /*
