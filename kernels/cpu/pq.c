@@ -1519,6 +1519,66 @@ __attribute__((target("avx2,fma"))) static void scan_packed4_m2(int m, const uin
     tb->steps += (uint64_t)((i1 - i0 + 63) / 64);
 }
 
+/* Rows (n, 2) of 4-bit codes through pk_pass2: 16 tokens a 32-byte load
+ * (a token's two codes are the bytes of one u16 word), eight loads a step.
+ * A code of 16 or more (not validated per search) is looked up by its low
+ * bits; its token scores -inf (or NaN), which never beats a threshold that
+ * is a number, and with none yet (NaN) every token passes. */
+__attribute__((target("avx2,fma"))) static void scan_rows_m2(const uint8_t *codes, const float *lut,
+                                                             int64_t i0, int64_t i1, topk_buf *tb)
+{
+    pk_pass2 pt;
+    pk_pass2_build(2, lut, tb->thr, &pt);
+    const __m256i lo4 = _mm256_set1_epi16(0x000F), lob = _mm256_set1_epi16(0x00FF);
+    int64_t i = i0;
+    for (; i < i1; i += 128) {
+        const int nl = i1 - i >= 128 ? 8 : (int)((i1 - i) / 16);
+        uint32_t mk[8], any = 0;
+        for (int u = 0; u < nl; u++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 2 * (i + 16 * u)));
+            const __m256i a = _mm256_and_si256(v, lo4);
+            const __m256i b = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo4);
+            const __m256i row =
+                _mm256_blendv_epi8(_mm256_shuffle_epi8(pt.lo, a), _mm256_shuffle_epi8(pt.hi, a),
+                                   _mm256_slli_epi16(b, 4));
+            const __m256i hit =
+                _mm256_and_si256(_mm256_and_si256(row, lob), _mm256_shuffle_epi8(pt.bit, b));
+            mk[u] =
+                ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(hit, _mm256_setzero_si256())) &
+                0x55555555u;
+            any |= mk[u];
+        }
+        if (nl < 8 && i + 16 * nl < i1) { /* the last tokens, short of a load */
+            mk[nl] = 0;
+            for (int l = 0; i + 16 * nl + l < i1; l++)
+                mk[nl] |= 1u << (2 * l);
+            any |= mk[nl];
+        }
+        if (__builtin_expect(any == 0, 1))
+            continue;
+        if (tb->n + 128 > tb->cap) {
+            const float thr = tb->thr;
+            tb_compact(tb);
+            if (!(tb->thr == thr))
+                pk_pass2_build(2, lut, tb->thr, &pt);
+        }
+        const float thr = tb->thr;
+        const int nu = nl < 8 && i + 16 * nl < i1 ? nl + 1 : nl;
+        for (int u = 0; u < nu; u++) {
+            uint32_t w = mk[u];
+            while (w) {
+                const int64_t t = i + 16 * u + __builtin_ctz(w) / 2;
+                w &= w - 1;
+                tb->rescored++;
+                const float sc = score_one(2, codes + 2 * t, lut);
+                tb->keys[tb->n] = make_key(sc, (uint32_t)t);
+                tb->n += !(sc <= thr);
+            }
+        }
+    }
+    tb->steps += (uint64_t)((i1 - i0 + 63) / 64);
+}
+
 /*
  * Scan of packed 4-bit codes (kvd_pq_pack4), m <= 16, tokens [i0, i1), on
  * the quantized tables: a block of 32 tokens is m / 2 loads of 32 bytes,
@@ -1612,6 +1672,7 @@ typedef struct scan_job {
     const pq_qlut *ql;
     int ql_vbmi; /* ql is scanned by scan_vbmi (else scan_avx2q) */
     int use_simd;
+    int rows_m2; /* rows of m = 2, b = 4: scan_rows_m2 */
     int64_t lo, hi, per;
     uint64_t *bufs;
     int64_t cap, k;
@@ -1629,6 +1690,8 @@ static void scan_part(void *arg, int t)
             scan_packed4_m2(j->m, j->packed, j->luts, a, e, &tb);
         else if (j->packed)
             scan_packed4(j->m, j->packed, j->luts, j->ql, a, e, &tb);
+        else if (j->rows_m2)
+            scan_rows_m2(j->codes, j->luts, a, e, &tb);
         else if (j->ql && !isnan(tb.thr) && j->ql_vbmi)
             scan_vbmi(j->m, j->codes, j->luts, j->ql, a, e, &tb);
         else if (j->ql && !isnan(tb.thr))
@@ -1696,6 +1759,7 @@ static int search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     /* quantized tables: the VBMI scans, else AVX2's (m = 2, 4, 8, 16) */
     pq_qlut *ql = NULL;
     const int ql_vbmi = allow_vbmi && (m == 2 || m == 4 || m == 8 || m == 16) && has_vbmi();
+    const int rows_m2 = !src->packed && use_simd && m == 2 && b == 4;
     if (src->packed) {
         /* the packed scan needs its tables: without them (non-finite
          * entries) the caller unpacks the codes and searches the rows */
@@ -1717,8 +1781,8 @@ static int search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         }
     }
     for (int attempt = 0; k > 0 && attempt < 2; attempt++) {
-        scan_job job = {m,  G,  p->agg, codes, src->packed, luts, ql,   ql_vbmi, use_simd,
-                        lo, hi, per,    bufs,  cap,         k,    thr0, counts};
+        scan_job job = {m,       G,  p->agg, codes, src->packed, luts, ql, ql_vbmi, use_simd,
+                        rows_m2, lo, hi,     per,   bufs,        cap,  k,  thr0,    counts};
         kvd__par_for(nt, nt, scan_part, &job);
         int64_t total = 0;
         for (int t = 0; t < nt; t++)
