@@ -25,6 +25,9 @@
  *     scored exactly (scan_vbmi; 4-bit codes are looked up where they lie,
  *     four sub-spaces to a register table, scan_vbmi4_m); the AVX2 scan is the
  *     path everywhere else;
+ *   - m <= 2 with 4-bit codes: whether a token beats the threshold is looked
+ *     up exactly in a 16 x 16 bit table of its codes (pk_pass2; rows and
+ *     packed codes), so only tokens that beat it are scored;
  *   - 4-bit codes packed in blocks of 32 tokens (kvd_pq_pack4) are scanned
  *     as they lie, two sub-spaces a 32-byte load, their nibbles looked up in
  *     16-entry tables held in registers (scan_packed4), with the same

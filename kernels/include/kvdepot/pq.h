@@ -155,8 +155,10 @@ void kvd_pq_encode_ref(int64_t n, int m, int b, int D, const float *keys, const 
 
 /* The CPU backend's paths: quantized tables looked up in registers with
  * exact re-scoring (AVX-512 VBMI where the CPU has it, else AVX2 pshufb;
- * m = 2, 4, 8, 16 once a starting threshold is known), AVX2 gathers
- * otherwise, + threshold-pruned top-k, nthreads threads over tokens.
+ * m = 2, 4, 8, 16 once a starting threshold is known; m = 2 with b = 4
+ * tests each token against the threshold exactly, through a table of the
+ * 256 possible scores), AVX2 gathers otherwise, + threshold-pruned top-k,
+ * nthreads threads over tokens.
  * Bitwise the reference's result.
  * kvd__pq_search_cpu: simd 0 = scalar scan, 1 = the best the CPU has,
  * 2 = AVX2 only (tests and benchmarks). */
