@@ -1613,12 +1613,9 @@ __attribute__((target("avx2,fma"))) static void scan_packed4(int m, const uint8_
     ps.qthr = qlut_threshold(ql, tb->thr);
     ps.vq = _mm256_set1_epi16((short)ps.qthr);
     const int64_t b0 = i0 / 32, b1 = (i1 + 31) / 32;
-    const int U = ps.P >= 8 ? 1 : 8 / ps.P;
+    const int U = ps.P >= 2 && ps.P <= 4 ? 8 / ps.P : 1;
     const int64_t bm = b0 + (b1 - b0) / U * U;
-    switch (ps.P) {
-    case 1:
-        pk_blocks(&ps, 1, 8, b0, bm, tb);
-        break;
+    switch (ps.P) { /* m <= 2 (P = 1) takes scan_packed4_m2, not this */
     case 2:
         pk_blocks(&ps, 2, 4, b0, bm, tb);
         break;
@@ -1637,8 +1634,11 @@ __attribute__((target("avx2,fma"))) static void scan_packed4(int m, const uint8_
     case 7:
         pk_blocks(&ps, 7, 1, b0, bm, tb);
         break;
-    default:
+    case 8:
         pk_blocks(&ps, 8, 1, b0, bm, tb);
+        break;
+    default:
+        pk_blocks(&ps, ps.P, 1, b0, bm, tb);
         break;
     }
     for (int64_t bi = bm; bi < b1; bi++) { /* the blocks short of a step */

@@ -63,34 +63,21 @@ static double time_search(kvd_backend *be, const kvd_tensor *tc, const kvd_tenso
     return best;
 }
 
-/* The AVX2-only path (what CPUs without AVX-512 VBMI run), one thread. */
-static double time_avx2(int64_t n, int m, int b, const float *cent, const uint8_t *codes,
-                        const float *q, const kvd_pq_search_params *p, uint32_t *idx, float *sc,
-                        int reps)
+/* One thread, no backend: rows on the AVX2-only path (what CPUs without
+ * AVX-512 VBMI run), or 4-bit codes packed by kvd_pq_pack4. */
+static double time_cpu(int64_t n, int m, int b, const float *cent, const uint8_t *codes, int packed,
+                       const float *q, const kvd_pq_search_params *p, uint32_t *idx, float *sc,
+                       int reps)
 {
     double best = 1e30;
     int64_t nout;
     for (int r = 0; r < reps; r++) {
         double t0 = tu_now();
-        kvd__pq_search_cpu(1, 2, n, m, b, D, cent, codes, G, q, p, idx, sc, &nout);
-        double t = tu_now() - t0;
-        if (t < best)
-            best = t;
-    }
-    return best;
-}
-
-/* Packed 4-bit codes (kvd_pq_pack4), one thread. */
-static double time_packed(int64_t n, int m, const float *cent, const uint8_t *packed,
-                          const float *q, const kvd_pq_search_params *p, uint32_t *idx, float *sc,
-                          int reps)
-{
-    double best = 1e30;
-    int64_t nout;
-    for (int r = 0; r < reps; r++) {
-        double t0 = tu_now();
-        if (kvd__pq_search_packed4_cpu(1, 1, n, m, D, cent, packed, G, q, p, idx, sc, &nout)) {
-            fprintf(stderr, "bench_pq: packed search failed\n");
+        int rc =
+            packed ? kvd__pq_search_packed4_cpu(1, 1, n, m, D, cent, codes, G, q, p, idx, sc, &nout)
+                   : kvd__pq_search_cpu(1, 2, n, m, b, D, cent, codes, G, q, p, idx, sc, &nout);
+        if (rc) {
+            fprintf(stderr, "bench_pq: search failed (%d)\n", rc);
             exit(1);
         }
         double t = tu_now() - t0;
@@ -189,13 +176,13 @@ int main(int argc, char **argv)
                     kvd_tensor ts = kvd_tensor_make(KVD_DTYPE_F32, sc, 1, &kk);
                     double t1 = time_search(be1, &tc, &tcn, &tq, &p, &ti, &ts, reps);
                     double ta = time_search(bea, &tc, &tcn, &tq, &p, &ti, &ts, reps);
-                    double t2 = time_avx2(n, m, b, cent, codes, q, &p, idx, sc, reps);
+                    double t2 = time_cpu(n, m, b, cent, codes, 0, q, &p, idx, sc, reps);
                     int64_t rn = 0;
                     kvd_pq_search_ref(n, m, b, D, cent, codes, G, q, &p, ridx, rsc, &rn);
                     int ok = rn == kk && !memcmp(ridx, idx, 4 * kk) && !memcmp(rsc, sc, 4 * kk);
                     double t3 = 0;
                     if (packed) { /* the first n tokens of the packed blocks */
-                        t3 = time_packed(n, m, cent, packed, q, &p, idx, sc, reps);
+                        t3 = time_cpu(n, m, b, cent, packed, 1, q, &p, idx, sc, reps);
                         ok = ok && !memcmp(ridx, idx, 4 * kk) && !memcmp(rsc, sc, 4 * kk);
                     }
                     bad += !ok;
