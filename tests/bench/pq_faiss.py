@@ -179,12 +179,13 @@ def report(ours_csv, faiss_csvs):
         o3 = o.get("packed", NAN)
         first = next((bd[0][key] for bd in builds if key in bd[0]), None)
         line = (f"| {n} | {m} | {b} | {k} | {first['index'] if first else '?'} | {o1:.0f} |"
-                f" {o2:.0f} | {o3:.0f} |")
+                f" {o2:.0f} | " + (f"{o3:.0f}" if o3 == o3 else "-") + " |")
         alls, agrees = [], []
         for i, (rows, _, _) in enumerate(builds):
             r = rows.get(key)
             f1 = float(r["mcodes_1thr"]) if r else NAN
-            line += f" {f1:.0f} | {o1 / f1:.2f} | {o2 / f1:.2f} | {o3 / f1:.2f} |"
+            line += f" {f1:.0f} | {o1 / f1:.2f} | {o2 / f1:.2f} |"
+            line += f" {o3 / f1:.2f} |" if o3 == o3 else " - |"
             alls.append(float(r["mcodes_all"]) if r else NAN)
             agrees.append(float(r["agree"]) if r else NAN)
             target = ("IndexPQ k=256 >= 2x" if b == 8 and k == 256 else
