@@ -544,9 +544,9 @@ static void test_stray_codes(void)
 /*
  * The quantized-table scans (AVX-512 VBMI or AVX2 only, every b; the exact
  * table of m = 2, b = 4) must filter well, which exact results alone do not
- * show: a bound that reads
- * the wrong table entry mostly makes a start that admits too few tokens,
- * which is caught and scanned again without the filter. On every m and b
+ * show: a bound that reads the wrong table entry mostly makes a start that
+ * admits too few tokens, which is caught and scanned again without the
+ * filter. On every m and b
  * they take, one search scans every full step (64 tokens with VBMI, 32
  * groups of 16 bytes with AVX2) once, never again, and re-scores exactly no
  * more than a few times the tokens above the starting threshold.
@@ -620,8 +620,9 @@ static void test_filter_tight(void)
             free(C);
             free(codes);
         }
-    /* m <= 2 packed, too short for a starting threshold: every token
-     * passes until the first cut, then only those above the rising one */
+    /* the exact tables of m <= 2 (packed; rows at m = 2), on a range too
+     * short for a starting threshold: every token passes until the first
+     * cut, then only those above the rising threshold */
     for (int m = 1; m <= 2; m++) {
         const int64_t ns = 16000;
         float *C = malloc(sizeof(float) * m * 16 * (D / m));
@@ -644,6 +645,16 @@ static void test_filter_tight(void)
         if (avx2)
             TU_CHECK(rescored < 4000, "filter m=%d packed, no start: %llu of %lld tokens scored", m,
                      (unsigned long long)rescored, (long long)ns);
+        if (m == 2 && avx2) {
+            kvd__pq_counters_get(&c0);
+            kvd__pq_search_cpu(1, 2, ns, m, 4, D, C, codes, G, Q, &p, fi, fs, &fn);
+            kvd__pq_counters_get(&c1);
+            rescored = c1.rescored - c0.rescored;
+            TU_CHECK(rn == fn && !memcmp(ri, fi, 4 * rn) && !memcmp(rs, fs, 4 * rn) &&
+                         rescored < 4000,
+                     "filter m=2 rows, no start: %llu of %lld tokens scored",
+                     (unsigned long long)rescored, (long long)ns);
+        }
         free(C);
         free(codes);
         free(pk);
