@@ -1593,9 +1593,9 @@ __attribute__((target("avx2,fma"))) static void scan_rows_m2(const uint8_t *code
  * no sum passes 16 x 255. Tokens whose sum passes the threshold's Q are
  * scored exactly, as in scan_avx2q; tokens of an edge block outside
  * [i0, i1) are skipped. With no threshold yet (NaN) every token is a
- * candidate until the buffer's first cut sets one. Small m take several
- * blocks a step (256 tokens for m <= 2), so that a step without candidates
- * costs one branch.
+ * candidate until the buffer's first cut sets one. m of 3 to 8 take
+ * several blocks a step (128 tokens for m <= 4), so that a step without
+ * candidates costs one branch.
  */
 __attribute__((target("avx2,fma"))) static void scan_packed4(int m, const uint8_t *packed,
                                                              const float *lut, const pq_qlut *ql,
