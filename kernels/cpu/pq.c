@@ -344,24 +344,31 @@ int64_t kvd_pq_packed4_bytes(int64_t n, int m)
     return (n + 31) / 32 * 16 * (int64_t)(m + (m & 1));
 }
 
+/* Code j of token t (>= 0) lies at byte pk_off + 16 j of the packed codes
+ * (block t / 32, the sub-spaces' 16 bytes one after the other, byte t % 16),
+ * in the nibble at bit *sh: 4 for t % 32 >= 16. Shifts, not divisions. */
+static inline uint64_t pk_off(int m, int64_t t, int *sh)
+{
+    const uint64_t u = (uint64_t)t;
+    *sh = (int)(u >> 2 & 4);
+    return (u >> 5) * 16 * (uint64_t)(m + (m & 1)) + (u & 15);
+}
+
 void kvd_pq_pack4(int64_t n, int m, const uint8_t *codes, uint8_t *packed)
 {
-    const int64_t bsz = 16 * (int64_t)(m + (m & 1));
     memset(packed, 0, (size_t)kvd_pq_packed4_bytes(n, m));
     for (int64_t i = 0; i < n; i++) {
-        uint8_t *blk = packed + i / 32 * bsz + i % 16;
-        const int sh = (int)(i % 32 / 16) * 4;
+        int sh;
+        uint8_t *blk = packed + pk_off(m, i, &sh);
         for (int j = 0; j < m; j++)
             blk[16 * j] |= (uint8_t)((codes[i * m + j] & 15) << sh);
     }
 }
 
-/* Code j of token i lies at byte 16 j + i % 16 of its block (the pairs'
- * 32 bytes one after the other), in the high nibble for i % 32 >= 16. */
 static void unpack4_row(const uint8_t *packed, int m, int64_t i, uint8_t *row)
 {
-    const uint8_t *blk = packed + i / 32 * 16 * (int64_t)(m + (m & 1)) + i % 16;
-    const int sh = (int)(i % 32 / 16) * 4;
+    int sh;
+    const uint8_t *blk = packed + pk_off(m, i, &sh);
     for (int j = 0; j < m; j++)
         row[j] = (uint8_t)((blk[16 * j] >> sh) & 15);
 }
@@ -387,9 +394,8 @@ static inline const uint8_t *src_row(const code_src *src, int64_t i, uint8_t *bu
 __attribute__((target("avx2,fma"), always_inline)) static inline float
 score_packed1(int m, const uint8_t *packed, int64_t t, const float *lut)
 {
-    const uint64_t u = (uint64_t)t; /* t >= 0: shifts, not signed divisions */
-    const uint8_t *bp = packed + (u >> 5) * 16 * (uint64_t)(m + (m & 1)) + (u & 15);
-    const int sh = (int)(u >> 2 & 4);
+    int sh;
+    const uint8_t *bp = packed + pk_off(m, t, &sh);
     float s = lut[(bp[0] >> sh) & 15];
     for (int j = 1; j < m; j++)
         s = s + lut[j * 256 + ((bp[16 * j] >> sh) & 15)];
@@ -402,10 +408,9 @@ score_packed1(int m, const uint8_t *packed, int64_t t, const float *lut)
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 score_packed8(int m, const uint8_t *packed, const int64_t *tok, const float *lut, float *out)
 {
-    const uint64_t bsz = 16 * (uint64_t)(m + (m & 1));
 #define PK_LANE(l)                                                                                 \
-    const uint8_t *b##l = packed + ((uint64_t)tok[l] >> 5) * bsz + ((uint64_t)tok[l] & 15);        \
-    const int h##l = (int)((uint64_t)tok[l] >> 2 & 4);                                             \
+    int h##l;                                                                                      \
+    const uint8_t *b##l = packed + pk_off(m, tok[l], &h##l);                                       \
     float s##l = lut[(b##l[0] >> h##l) & 15]
     PK_LANE(0);
     PK_LANE(1);
@@ -750,23 +755,23 @@ static float guess_threshold(int m, int G, kvd_pq_agg agg, const code_src *src, 
         score_packed_n(m, src->packed, t, S, luts, sc);
         for (int64_t i = 0; i < S; i++)
             keys[i] = make_key(sc[i], (uint32_t)t[i]);
-    }
-    for (int64_t i = 0; i < S && !src->packed; i += 4) {
-        int64_t t[4];
-        const uint8_t *rows[4];
-        uint8_t rb[4][16];
-        for (int l = 0; l < 4; l++) {
-            t[l] = lo + (i + l) * step + step / 2;
-            rows[l] = src_row(src, t[l], rb[l]);
-        }
-        float sc[4];
-        if (agg == KVD_PQ_AGG_MAX)
+    } else {
+        for (int64_t i = 0; i < S; i += 4) {
+            int64_t t[4];
+            const uint8_t *rows[4];
+            for (int l = 0; l < 4; l++) {
+                t[l] = lo + (i + l) * step + step / 2;
+                rows[l] = src->rows + t[l] * m;
+            }
+            float sc[4];
+            if (agg == KVD_PQ_AGG_MAX)
+                for (int l = 0; l < 4; l++)
+                    sc[l] = score_max(m, G, rows[l], luts);
+            else
+                score_four(m, rows, luts, sc);
             for (int l = 0; l < 4; l++)
-                sc[l] = score_max(m, G, rows[l], luts);
-        else
-            score_four(m, rows, luts, sc);
-        for (int l = 0; l < 4; l++)
-            keys[i + l] = make_key(sc[l], (uint32_t)t[l]);
+                keys[i + l] = make_key(sc[l], (uint32_t)t[l]);
+        }
     }
     select_topk(keys, S, r);
     if ((keys[r - 1] >> 32) == 0)
@@ -1309,14 +1314,21 @@ __attribute__((target("avx2,fma"))) static void scan_avx2q(int m, const uint8_t 
 
 /* State of a packed scan: tables, threshold, candidates waiting. */
 typedef struct pk_scan {
-    __m256i tabs[8], vq;
-    int m, P, qthr, np;
+    __m256i tabs[8], vq; /* vq: the threshold's Q in every u16 lane */
+    int m, P, np;
     int64_t bsz, i0, i1;
     const uint8_t *packed;
     const float *lut;
     const pq_qlut *ql;
     int64_t pend[8]; /* candidates waiting to be scored eight at a time */
 } pk_scan;
+
+/* Cut tb back to its k best and take the threshold it leaves. */
+__attribute__((target("avx2,fma"))) static void pk_cut(pk_scan *ps, topk_buf *tb)
+{
+    tb_compact(tb);
+    ps->vq = _mm256_set1_epi16((short)qlut_threshold(ps->ql, tb->thr));
+}
 
 /* The threshold masks of the block at bp: bit 2 l of *me (*mo) set when
  * token 16 (l / 8) + 2 (l % 8) (+ 1) has a quantized sum above the
@@ -1411,11 +1423,8 @@ pk_blocks(pk_scan *ps, const int P, const int U, int64_t bi, int64_t be, topk_bu
         }
         if (__builtin_expect(any == 0, 1))
             continue;
-        if (tb->n + 32 * U + 8 > tb->cap) {
-            tb_compact(tb);
-            ps->qthr = qlut_threshold(ps->ql, tb->thr);
-            ps->vq = _mm256_set1_epi16((short)ps->qthr);
-        }
+        if (tb->n + 32 * U + 8 > tb->cap)
+            pk_cut(ps, tb);
         int64_t cand[256];
         int nc = 0;
         for (int u = 0; u < U; u++)
@@ -1610,8 +1619,7 @@ __attribute__((target("avx2,fma"))) static void scan_packed4(int m, const uint8_
                                    : _mm_setzero_si128();
         ps.tabs[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
     }
-    ps.qthr = qlut_threshold(ql, tb->thr);
-    ps.vq = _mm256_set1_epi16((short)ps.qthr);
+    ps.vq = _mm256_set1_epi16((short)qlut_threshold(ql, tb->thr));
     const int64_t b0 = i0 / 32, b1 = (i1 + 31) / 32;
     const int U = ps.P >= 2 && ps.P <= 4 ? 8 / ps.P : 1;
     const int64_t bm = b0 + (b1 - b0) / U * U;
@@ -1645,11 +1653,8 @@ __attribute__((target("avx2,fma"))) static void scan_packed4(int m, const uint8_
         uint32_t me, mo;
         pk_block(&ps, ps.P, packed + bi * ps.bsz, &me, &mo);
         if (me | mo) {
-            if (tb->n + 40 > tb->cap) {
-                tb_compact(tb);
-                ps.qthr = qlut_threshold(ql, tb->thr);
-                ps.vq = _mm256_set1_epi16((short)ps.qthr);
-            }
+            if (tb->n + 40 > tb->cap)
+                pk_cut(&ps, tb);
             int64_t cand[32];
             pk_take(&ps, cand, pk_cands(&ps, bi * 32, me, mo, cand), tb);
         }
@@ -1763,7 +1768,9 @@ static int search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
     pq_qlut *ql = NULL;
     const int ql_vbmi = allow_vbmi && (m == 2 || m == 4 || m == 8 || m == 16) && has_vbmi();
     const int rows_m2 = !src->packed && use_simd && m == 2 && b == 4;
-    if (src->packed) {
+    /* m <= 2, b = 4 (rows or packed) is tested with the exact table of
+     * pk_pass2 and needs no quantized tables */
+    if (src->packed && m > 2) {
         /* the packed scan needs its tables: without them (non-finite
          * entries) the caller unpacks the codes and searches the rows */
         ql = malloc(sizeof *ql);
@@ -1775,7 +1782,7 @@ static int search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
             free(luts);
             return rc;
         }
-    } else if (use_simd && !isnan(thr0) && b >= 4 && b <= 8 &&
+    } else if (!src->packed && !rows_m2 && use_simd && !isnan(thr0) && b >= 4 && b <= 8 &&
                (m == 2 || m == 4 || m == 8 || m == 16)) {
         ql = malloc(sizeof *ql);
         if (ql && !build_qlut(m, b, luts, ql)) {
