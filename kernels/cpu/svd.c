@@ -220,22 +220,42 @@ __attribute__((target("avx2,fma"))) static void project_rows_avx2(const float *R
     }
 }
 
+/* The first r / 16 blocks of 16 columns of R, each block's D rows of 16
+ * side by side (Rp[(j / 16) * 16 * D + i * 16 + j % 16] = R[i * D + j]).
+ * In R itself a block's rows lie D floats apart; at D = 128 (512 bytes)
+ * they fall into 8 of the 64 sets of a 32 KiB L1 cache and evict each
+ * other, so every load of the tile loop came from L2. NULL when r < 16 or
+ * out of memory: the tiles then read R as it is. */
+static float *pack_blocks16(const float *R, int D, int r)
+{
+    const int nb = r / 16;
+    float *Rp = nb ? malloc(sizeof(float) * 16 * (size_t)D * (size_t)nb) : NULL;
+    for (int b = 0; Rp && b < nb; b++)
+        for (int i = 0; i < D; i++)
+            memcpy(Rp + ((size_t)b * D + (size_t)i) * 16, R + (size_t)i * D + (size_t)b * 16,
+                   sizeof(float) * 16);
+    return Rp;
+}
+
 /* Four rows at once (x: 4 rows of D, y: 4 rows of r): every load of a row
  * of R serves the four tokens and every broadcast of x 16 columns, with
  * the 4 x 16 sums in registers; columns past the last multiple of 8 are
  * summed one by one. A product and a sum, each rounded, per input dimension
  * in order from 0 (no FMA): the bits of the one-row path, and of the CUDA
- * backend's projection, so a page codes to the same bytes everywhere. */
-__attribute__((target("avx2"))) static void project4_avx2(const float *R, int D, int r,
-                                                          const float *x, float *y)
+ * backend's projection, so a page codes to the same bytes everywhere. Rp:
+ * R's 16-column blocks packed (pack_blocks16), or NULL. */
+__attribute__((target("avx2"))) static void project4_avx2(const float *R, const float *Rp, int D,
+                                                          int r, const float *x, float *y)
 {
     const float *x0 = x, *x1 = x + D, *x2 = x + 2 * (size_t)D, *x3 = x + 3 * (size_t)D;
+    const size_t rs = Rp ? 16 : (size_t)D;
     int j = 0;
     for (; j + 16 <= r; j += 16) {
+        const float *Rb = Rp ? Rp + (size_t)j * D : R + j;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
                a7 = a0;
         for (int i = 0; i < D; i++) {
-            const float *Ri = R + (size_t)i * D + j;
+            const float *Ri = Rb + (size_t)i * rs;
             const __m256 r0 = _mm256_loadu_ps(Ri), r1 = _mm256_loadu_ps(Ri + 8);
             __m256 s = _mm256_broadcast_ss(x0 + i);
             a0 = _mm256_add_ps(a0, _mm256_mul_ps(s, r0));
@@ -316,7 +336,7 @@ static void project_rows_plain(const float *R, int D, int r, const float *x, flo
 
 /* Rows [lo, hi) of kvd_cpu_svd_project_fast (kvd__par_ranges). */
 typedef struct project_job {
-    const float *R;
+    const float *R, *Rp;
     int D, r, simd;
     const void *x;
     kvd_dtype dtype;
@@ -336,7 +356,7 @@ static void project_part(void *arg, int64_t lo, int64_t hi)
             for (int k = 0; k < 4; k++)
                 load_row_avx2((const char *)j->x + (t + k) * j->x_stride, j->dtype, D,
                               tile + (size_t)k * D);
-            project4_avx2(j->R, D, r, tile, j->y + t * r);
+            project4_avx2(j->R, j->Rp, D, r, tile, j->y + t * r);
         }
         if (tile)
             lo = hi - (hi - lo) % 4; /* the rows left over go one by one */
@@ -366,8 +386,12 @@ static void project_part(void *arg, int64_t lo, int64_t hi)
 void kvd_cpu_svd_project_fast(const float *R, int D, int r, const void *x, kvd_dtype dtype,
                               int64_t n, int64_t x_stride, float *y, int nthreads)
 {
-    project_job j = {R, D, r, kvd__cpu_has_avx2_fma_f16c(), x, dtype, x_stride, y};
+    const int simd = kvd__cpu_has_avx2_fma_f16c();
+    /* Packing costs a pass over r x D floats: worth it past a few tiles. */
+    float *Rp = simd && n >= 16 ? pack_blocks16(R, D, r) : NULL;
+    project_job j = {R, Rp, D, r, simd, x, dtype, x_stride, y};
     kvd__par_ranges(n, 64, nthreads > 1 && n >= 256 ? nthreads : 1, project_part, &j);
+    free(Rp);
 }
 
 void kvd_cpu_svd_unproject_ref(const float *R, int D, int r, const float *y, int64_t n, float *x)

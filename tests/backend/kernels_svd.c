@@ -79,6 +79,23 @@ static void test_project(tu_rng *rng, kvd_backend *fast, kvd_backend *ref)
     /* full width: unproject(project(x)) = x; energy is kept (R orthonormal) */
     TU_CHECK(kvd_svd_unproject(fast, R, D, D, y1, n, xb, NULL) == 0, "unproject");
     TU_CHECK(tu_max_abs_diff(x, xb, (size_t)n * D) < 1e-4, "round trip");
+    /* The tiles of four rows (R's 16-column blocks packed, 8-column
+     * blocks and the column tail read in place) give the bits of the
+     * one-row path, row by row. */
+    {
+        const int rb[] = {64, 37};
+        for (int ri = 0; ri < 2; ri++) {
+            const int r = rb[ri];
+            TU_CHECK(kvd_svd_project(fast, R, D, r, x, KVD_DTYPE_F32, n, 4 * D, y1, NULL) == 0,
+                     "project tiles");
+            for (int64_t t = 0; t < n; t++)
+                TU_CHECK(kvd_svd_project(fast, R, D, r, x + t * D, KVD_DTYPE_F32, 1, 4 * D,
+                                         y2 + t * r, NULL) == 0,
+                         "project one row");
+            TU_CHECK(memcmp(y1, y2, sizeof(float) * (size_t)n * r) == 0,
+                     "project r=%d: tiles = one row at a time, bit for bit", r);
+        }
+    }
     /* f16 input equals f32 input of the same values */
     uint16_t *xh = malloc(2u * n * D);
     tu_f32_to_f16(xh, x, (size_t)n * D);
