@@ -405,6 +405,101 @@ void kvd_cpu_svd_unproject_ref(const float *R, int D, int r, const float *y, int
         }
 }
 
+/* R[:, :r]^T in blocks of 8 output dimensions: Rb[(i / 8) * 8 r + j * 8 +
+ * i % 8] = R[i * D + j], for the first D / 8 * 8 rows of R. */
+static float *pack_rows8(const float *R, int D, int r)
+{
+    const int nb = D / 8;
+    float *Rb = nb && r ? malloc(sizeof(float) * 8 * (size_t)r * (size_t)nb) : NULL;
+    for (int b = 0; Rb && b < nb; b++)
+        for (int j = 0; j < r; j++)
+            for (int l = 0; l < 8; l++)
+                Rb[((size_t)b * r + (size_t)j) * 8 + (size_t)l] = R[(size_t)(8 * b + l) * D + j];
+    return Rb;
+}
+
+/* Four rows of x, 8 output dimensions (one block of pack_rows8) at a time:
+ * yd holds the four rows of y in double. The product of two floats is
+ * exact in double, so an FMA rounds as the reference's product and sum do,
+ * and every sum runs over j from 0 as the reference's: the same bits. */
+__attribute__((target("avx2,fma"))) static void unproject4_avx2(const float *Rb, int r,
+                                                                const double *yd, float *x, int D)
+{
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int j = 0; j < r; j++) {
+        const __m256 rv = _mm256_loadu_ps(Rb + (size_t)j * 8);
+        const __m256d r0 = _mm256_cvtps_pd(_mm256_castps256_ps128(rv));
+        const __m256d r1 = _mm256_cvtps_pd(_mm256_extractf128_ps(rv, 1));
+        __m256d s = _mm256_broadcast_sd(yd + j);
+        a0 = _mm256_fmadd_pd(s, r0, a0);
+        a1 = _mm256_fmadd_pd(s, r1, a1);
+        s = _mm256_broadcast_sd(yd + r + j);
+        a2 = _mm256_fmadd_pd(s, r0, a2);
+        a3 = _mm256_fmadd_pd(s, r1, a3);
+        s = _mm256_broadcast_sd(yd + 2 * (size_t)r + j);
+        a4 = _mm256_fmadd_pd(s, r0, a4);
+        a5 = _mm256_fmadd_pd(s, r1, a5);
+        s = _mm256_broadcast_sd(yd + 3 * (size_t)r + j);
+        a6 = _mm256_fmadd_pd(s, r0, a6);
+        a7 = _mm256_fmadd_pd(s, r1, a7);
+    }
+    _mm_storeu_ps(x, _mm256_cvtpd_ps(a0));
+    _mm_storeu_ps(x + 4, _mm256_cvtpd_ps(a1));
+    _mm_storeu_ps(x + D, _mm256_cvtpd_ps(a2));
+    _mm_storeu_ps(x + D + 4, _mm256_cvtpd_ps(a3));
+    _mm_storeu_ps(x + 2 * (size_t)D, _mm256_cvtpd_ps(a4));
+    _mm_storeu_ps(x + 2 * (size_t)D + 4, _mm256_cvtpd_ps(a5));
+    _mm_storeu_ps(x + 3 * (size_t)D, _mm256_cvtpd_ps(a6));
+    _mm_storeu_ps(x + 3 * (size_t)D + 4, _mm256_cvtpd_ps(a7));
+}
+
+/* Rows [lo, hi) of kvd_cpu_svd_unproject_fast (kvd__par_ranges). */
+typedef struct unproject_job {
+    const float *R, *Rb, *y;
+    int D, r;
+    float *x;
+} unproject_job;
+
+static void unproject_part(void *arg, int64_t lo, int64_t hi)
+{
+    const unproject_job *j = arg;
+    const int D = j->D, r = j->r, nb = D / 8;
+    double *yd = j->Rb ? malloc(sizeof(double) * 4 * (size_t)r) : NULL;
+    for (int64_t t = lo; yd && t + 4 <= hi; t += 4) {
+        for (size_t i = 0; i < 4 * (size_t)r; i++)
+            yd[i] = j->y[t * r + (int64_t)i];
+        float *xt = j->x + t * D;
+        for (int b = 0; b < nb; b++)
+            unproject4_avx2(j->Rb + (size_t)b * 8 * r, r, yd, xt + 8 * b, D);
+        /* output dimensions past the last block of 8: as the reference */
+        for (int k = 0; k < 4; k++)
+            for (int i = 8 * nb; i < D; i++) {
+                double acc = 0.0;
+                for (int jj = 0; jj < r; jj++)
+                    acc += yd[(size_t)k * r + jj] * j->R[(size_t)i * D + jj];
+                xt[(size_t)k * D + i] = (float)acc;
+            }
+    }
+    if (yd)
+        lo = hi - (hi - lo) % 4; /* the rows left over go through the reference */
+    free(yd);
+    if (lo < hi)
+        kvd_cpu_svd_unproject_ref(j->R, D, r, j->y + lo * r, hi - lo, j->x + lo * D);
+}
+
+void kvd_cpu_svd_unproject_fast(const float *R, int D, int r, const float *y, int64_t n, float *x,
+                                int nthreads)
+{
+    float *Rb = n >= 4 && kvd__cpu_has_avx2_fma_f16c() ? pack_rows8(R, D, r) : NULL;
+    if (!Rb) { /* no AVX2, no memory, r = 0, D < 8 or fewer than 4 rows */
+        kvd_cpu_svd_unproject_ref(R, D, r, y, n, x);
+        return;
+    }
+    unproject_job j = {R, Rb, y, D, r, x};
+    kvd__par_ranges(n, 64, nthreads > 1 && n >= 256 ? nthreads : 1, unproject_part, &j);
+    free(Rb);
+}
+
 static int check_proj(const float *R, int D, int r, const void *a, const void *b, int64_t n,
                       kvd_error *err)
 {
@@ -428,9 +523,11 @@ static int cpu_project(kvd_backend *be, const float *R, int D, int r, const void
 static int cpu_unproject(kvd_backend *be, const float *R, int D, int r, const float *y, int64_t n,
                          float *x, kvd_error *err)
 {
-    (void)be;
     (void)err;
-    kvd_cpu_svd_unproject_ref(R, D, r, y, n, x);
+    if (kvd__cpu_fast(be))
+        kvd_cpu_svd_unproject_fast(R, D, r, y, n, x, kvd__cpu_threads(be));
+    else
+        kvd_cpu_svd_unproject_ref(R, D, r, y, n, x);
     return 0;
 }
 

@@ -79,6 +79,42 @@ static void test_project(tu_rng *rng, kvd_backend *fast, kvd_backend *ref)
     /* full width: unproject(project(x)) = x; energy is kept (R orthonormal) */
     TU_CHECK(kvd_svd_unproject(fast, R, D, D, y1, n, xb, NULL) == 0, "unproject");
     TU_CHECK(tu_max_abs_diff(x, xb, (size_t)n * D) < 1e-4, "round trip");
+    /* The fast back-projection (tiles of four rows, blocks of 8 output
+     * dimensions, the rows and dimensions left over) gives the reference's
+     * bits: widths 0, 1, 37 and D; an odd head_dim below. */
+    {
+        const int ru[] = {0, 1, 37, 128};
+        float *z = malloc(sizeof(float) * n * D);
+        for (int ri = 0; ri < 4; ri++) {
+            TU_CHECK(kvd_svd_unproject(fast, R, D, ru[ri], y1, n, xb, NULL) == 0, "unproject fast");
+            TU_CHECK(kvd_svd_unproject(ref, R, D, ru[ri], y1, n, z, NULL) == 0, "unproject ref");
+            TU_CHECK(memcmp(xb, z, sizeof(float) * (size_t)n * D) == 0,
+                     "unproject r=%d: fast = reference, bit for bit", ru[ri]);
+        }
+        const int Do = 44, ro = 27;
+        const int64_t no = 11;
+        float *Ro = malloc(sizeof(float) * Do * Do), *yo = malloc(sizeof(float) * no * ro);
+        float *xo = malloc(sizeof(float) * no * Do);
+        tu_fill_normal(rng, Ro, (size_t)Do * Do, 0.3f);
+        tu_fill_normal(rng, yo, (size_t)no * ro, 1.0f);
+        TU_CHECK(kvd_svd_unproject(fast, Ro, Do, ro, yo, no, xo, NULL) == 0, "unproject odd fast");
+        kvd_cpu_svd_unproject_ref(Ro, Do, ro, yo, no, z);
+        TU_CHECK(memcmp(xo, z, sizeof(float) * (size_t)no * Do) == 0,
+                 "unproject D=44 r=27: fast = reference, bit for bit");
+        free(Ro), free(yo), free(xo), free(z);
+        /* Sums that cancel: 1e20 - 1e20 + 1 is 1 only summed from j = 0. */
+        float Rc[16 * 16] = {0}, yc[4 * 3], xc[4 * 16];
+        for (int i = 0; i < 16; i++)
+            for (int jj = 0; jj < 3; jj++)
+                Rc[i * 16 + jj] = 1.0f;
+        for (int t = 0; t < 4; t++)
+            yc[t * 3] = 1e20f, yc[t * 3 + 1] = -1e20f, yc[t * 3 + 2] = 1.0f;
+        TU_CHECK(kvd_svd_unproject(fast, Rc, 16, 3, yc, 4, xc, NULL) == 0, "unproject cancel");
+        int ones = 0;
+        for (int i = 0; i < 4 * 16; i++)
+            ones += xc[i] == 1.0f;
+        TU_CHECK(ones == 4 * 16, "unproject sums in the reference's order (%d of 64 are 1)", ones);
+    }
     /* The tiles of four rows (R's 16-column blocks packed, 8-column
      * blocks and the column tail read in place) give the bits of the
      * one-row path, row by row. */

@@ -9,7 +9,9 @@
  * threads; "ref" rows run the scalar reference for scale. Quote ratios from
  * one run: the machine's load moves absolute figures. The kmeans_train rows
  * (a PQ sub-space's and a VQ codebook's training) give the time of one
- * training in their detail and have no reference timing.
+ * training in their detail and have no reference timing. The
+ * svd_unproject rows (the decode of SVD-coded rows) count the f16 bytes of
+ * their output.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,7 +111,7 @@ typedef struct sarg {
     int r;
     const uint16_t *x;
     int64_t T;
-    float *y;
+    float *y, *out;
 } sarg;
 
 /* SVD encode: fp16 rows projected on the first r columns of R (D = 128). */
@@ -117,6 +119,14 @@ static int run_svd(kvd_backend *be, void *a)
 {
     sarg *p = a;
     return kvd_svd_project(be, p->R, 128, p->r, p->x, KVD_DTYPE_F16, p->T, 2 * 128, p->y, NULL);
+}
+
+/* SVD decode: the r-wide rows back-projected to D = 128 (into x's bytes,
+ * as f32: the rows a page's decode turns into f16). */
+static int run_unsvd(kvd_backend *be, void *a)
+{
+    sarg *p = a;
+    return kvd_svd_unproject(be, p->R, 128, p->r, p->y, p->T, p->out, NULL);
 }
 
 typedef struct varg {
@@ -316,20 +326,25 @@ int main(int argc, char **argv)
     }
     /* SVD encode (ZACK): a rotation from the block's own Gram matrix. */
     {
-        float *R = malloc(sizeof(float) * D * D), sv[128];
+        float *R = malloc(sizeof(float) * D * D), sv[128], *ob = malloc(sizeof(float) * n);
         double *g = calloc((size_t)D * D, sizeof(double));
         kvd_svd_gram_accumulate(g, (int)D, xf, KVD_DTYPE_F32, T, 4 * D, 1.0, NULL);
         kvd_svd_rotation(g, (int)D, R, sv, NULL);
         const int rs[3] = {32, 64, 128};
         for (int i = 0; i < 3; i++) {
-            sarg a = {R, rs[i], xh, T, yf};
+            sarg a = {R, rs[i], xh, T, yf, ob};
             char detail[64];
             snprintf(detail, sizeof detail, "f16 -> f32, width %d", rs[i]);
             timing tr = time_op(ref, run_svd, &a);
             row("svd_project", detail, 1, (double)n * 2, time_op(one, run_svd, &a), tr);
             row("svd_project", detail, nall, (double)n * 2, time_op(all, run_svd, &a), tr);
+            snprintf(detail, sizeof detail, "width %d -> f32", rs[i]);
+            tr = time_op(ref, run_unsvd, &a);
+            row("svd_unproject", detail, 1, (double)n * 2, time_op(one, run_unsvd, &a), tr);
+            row("svd_unproject", detail, nall, (double)n * 2, time_op(all, run_unsvd, &a), tr);
         }
         free(R);
+        free(ob);
         free(g);
     }
     if (!csv)

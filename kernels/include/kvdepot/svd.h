@@ -76,5 +76,8 @@ void kvd_cpu_svd_project_ref(const float *R, int D, int r, const void *x, kvd_dt
 void kvd_cpu_svd_project_fast(const float *R, int D, int r, const void *x, kvd_dtype dtype,
                               int64_t n, int64_t x_stride, float *y, int nthreads);
 void kvd_cpu_svd_unproject_ref(const float *R, int D, int r, const float *y, int64_t n, float *x);
+/* The reference's bits: sums in double, in the same order. */
+void kvd_cpu_svd_unproject_fast(const float *R, int D, int r, const float *y, int64_t n, float *x,
+                                int nthreads);
 
 #endif /* KVDEPOT_SVD_H */
