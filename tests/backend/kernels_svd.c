@@ -56,6 +56,37 @@ static void test_eigen(tu_rng *rng)
 
 }
 
+/* The Gram matrix, accumulated onto what it held, equals the plain loop's
+ * sums bit for bit: weight != 1, an odd width, zero entries skipped. */
+static void test_gram_bits(tu_rng *rng)
+{
+    const int D = 37, n = 50;
+    const double w = 0.7;
+    float *x = malloc(sizeof(float) * n * D);
+    double *g = malloc(sizeof(double) * D * D), *want = malloc(sizeof(double) * D * D);
+    tu_fill_normal(rng, x, (size_t)n * D, 1.0f);
+    x[5] = 0.0f;
+    for (int i = 0; i < D * D; i++)
+        g[i] = want[i] = 0.25 * (i % 7);
+    for (int i = 0; i < D; i++) /* symmetric start: the sums read the upper triangle */
+        for (int j = 0; j < i; j++)
+            g[i * D + j] = want[i * D + j] = g[j * D + i];
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < D; i++) {
+            double wi = w * (double)x[t * D + i];
+            if (wi == 0.0)
+                continue;
+            for (int j = i; j < D; j++)
+                want[i * D + j] += wi * (double)x[t * D + j];
+        }
+    for (int i = 0; i < D; i++)
+        for (int j = 0; j < i; j++)
+            want[i * D + j] = want[j * D + i];
+    TU_CHECK(kvd_svd_gram_accumulate(g, D, x, KVD_DTYPE_F32, n, 4 * D, w, NULL) == 0, "gram");
+    TU_CHECK(memcmp(g, want, sizeof(double) * D * D) == 0, "gram = the plain loop, bit for bit");
+    free(x), free(g), free(want);
+}
+
 static void test_project(tu_rng *rng, kvd_backend *fast, kvd_backend *ref)
 {
     const int D = 128;
@@ -185,6 +216,7 @@ int main(void)
     tu_rng_seed(&rng, 77);
     kvd_backend *fast = tu_cpu_backend(2, 0), *ref = tu_cpu_backend(1, 1);
     test_eigen(&rng);
+    test_gram_bits(&rng);
     test_project(&rng, fast, ref);
     kvd_backend_free(fast);
     kvd_backend_free(ref);
