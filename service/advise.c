@@ -176,7 +176,7 @@ static int recon_head(ev *e, const cand *c, int side, uint32_t h, const float *x
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
         const float *src = x;
         if (!side) { /* keys: smoothed and rotated, as the store codes them */
-            kvd_vq_transform_keys_ref(n, D, x, lambda, e->t1);
+            kvd__vq_transform_keys_cpu(1, n, D, x, lambda, e->t1);
             src = e->t1;
         }
         kvd__vq_encode_cpu(1, 1, n, D, d, b, src, cb, c8, c16);
@@ -186,7 +186,7 @@ static int recon_head(ev *e, const cand *c, int side, uint32_t h, const float *x
         if (rc)
             return kvd_error_set(err, rc, "VQ decode of held-out samples failed");
         if (!side) {
-            kvd_vq_transform_keys_ref(n, D, e->t2, NULL, y);
+            kvd__vq_transform_keys_cpu(1, n, D, e->t2, NULL, y);
             for (int64_t t = 0; t < n; t++)
                 for (int i = 0; i < D; i++)
                     y[t * D + i] *= lambda[i];
@@ -195,8 +195,9 @@ static int recon_head(ev *e, const cand *c, int side, uint32_t h, const float *x
     }
     const float *R = side ? L->rot_v[h] : L->rot_k[h];
     int r = svd_width(e, side ? L->sv_v[h] : L->sv_k[h]);
-    kvd_cpu_svd_project_ref(R, D, r, x, KVD_DTYPE_F32, n, (int64_t)D * 4, e->t1);
-    kvd_cpu_svd_unproject_ref(R, D, r, e->t1, n, y);
+    /* the store's CPU kernels: its bits */
+    kvd_cpu_svd_project_fast(R, D, r, x, KVD_DTYPE_F32, n, (int64_t)D * 4, e->t1, 1);
+    kvd_cpu_svd_unproject_fast(R, D, r, e->t1, n, y, 1);
     return 0;
 }
 

@@ -311,8 +311,8 @@ static int vq_fit(const cal_state *st, uint64_t seed, const float *x, uint64_t n
 static double svd_err(const float *R, uint32_t D, int r, const float *x, uint64_t n,
                       size_t stride, float *tmp)
 {
-    kvd_cpu_svd_project_ref(R, (int)D, r, x, KVD_DTYPE_F32, (int64_t)n,
-                            (int64_t)(stride * sizeof(float)), tmp);
+    kvd_cpu_svd_project_fast(R, (int)D, r, x, KVD_DTYPE_F32, (int64_t)n,
+                             (int64_t)(stride * sizeof(float)), tmp, 1);
     double tot = 0, kept = 0;
     for (uint64_t t = 0; t < n; t++)
         for (uint32_t i = 0; i < D; i++)
@@ -390,10 +390,10 @@ static int calibrate_head(const cal_state *st, uint32_t l, uint32_t h, cal_out *
         }
         /* Keys: train in the smoothed + rotated space; measure the error
          * after rotating back (H_D is its own inverse) and re-scaling. */
-        kvd_vq_transform_keys_ref((int64_t)n, (int)D, kx, lambda, t1);
+        kvd__vq_transform_keys_cpu(1, (int64_t)n, (int)D, kx, lambda, t1);
         if ((rc = vq_fit(st, seed, t1, n, cbk, t2, err)))
             goto out;
-        kvd_vq_transform_keys_ref((int64_t)n, (int)D, t2, NULL, t1);
+        kvd__vq_transform_keys_cpu(1, (int64_t)n, (int)D, t2, NULL, t1);
         for (uint64_t t = 0; t < n; t++)
             for (uint32_t i = 0; i < D; i++)
                 t1[t * D + i] *= lambda[i];
