@@ -413,15 +413,21 @@ void kvd_cpu_svd_project_fast(const float *R, int D, int r, const void *x, kvd_d
     free(Rp);
 }
 
+/* Output dimension i of one row: y (r values) times row i of R, summed in
+ * double over j from 0. Both paths below compute every output this way. */
+static float unproject_one(const float *R, int D, int r, const float *y, int i)
+{
+    double acc = 0.0;
+    for (int j = 0; j < r; j++)
+        acc += (double)y[j] * R[(size_t)i * D + j];
+    return (float)acc;
+}
+
 void kvd_cpu_svd_unproject_ref(const float *R, int D, int r, const float *y, int64_t n, float *x)
 {
     for (int64_t t = 0; t < n; t++)
-        for (int i = 0; i < D; i++) {
-            double acc = 0.0;
-            for (int j = 0; j < r; j++)
-                acc += (double)y[t * r + j] * R[(size_t)i * D + j];
-            x[t * D + i] = (float)acc;
-        }
+        for (int i = 0; i < D; i++)
+            x[t * D + i] = unproject_one(R, D, r, y + t * r, i);
 }
 
 /* R[:, :r]^T in blocks of 8 output dimensions: Rb[(i / 8) * 8 r + j * 8 +
@@ -492,12 +498,8 @@ static void unproject_part(void *arg, int64_t lo, int64_t hi)
             unproject4_avx2(j->Rb + (size_t)b * 8 * r, r, yd, xt + 8 * b, D);
         /* output dimensions past the last block of 8: as the reference */
         for (int k = 0; k < 4; k++)
-            for (int i = 8 * nb; i < D; i++) {
-                double acc = 0.0;
-                for (int jj = 0; jj < r; jj++)
-                    acc += yd[(size_t)k * r + jj] * j->R[(size_t)i * D + jj];
-                xt[(size_t)k * D + i] = (float)acc;
-            }
+            for (int i = 8 * nb; i < D; i++)
+                xt[(size_t)k * D + i] = unproject_one(j->R, D, r, j->y + (t + k) * r, i);
     }
     if (yd)
         lo = hi - (hi - lo) % 4; /* the rows left over go through the reference */
