@@ -206,9 +206,10 @@ int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_ms
                       size_t n, int cancel, void **resp, size_t *resp_len);
 
 /*
- * A unary or client-streaming call of n protobuf messages, sent through
- * kvdepot__call_raw: msg(i, ctx) gives message i, packed before message i+1
- * is asked for (so msg may reuse its storage). The one response is unpacked
+ * A unary or client-streaming call of n protobuf messages, sent as
+ * kvdepot__call_raw sends: msg(i, ctx) gives message i, packed straight into
+ * the slice that is sent, while message i-1 is on its way, and before
+ * message i+1 is asked for (so msg may reuse its storage). The one response is unpacked
  * with rdesc into *resp (free with protobuf_c_message_free_unpacked); `what`
  * names the call in error messages.
  */

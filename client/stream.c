@@ -697,49 +697,15 @@ int kvdepot__read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot_read_re
 /* Unary and client-streaming calls of protobuf messages                     */
 /* ------------------------------------------------------------------------ */
 
-int kvdepot__call_messages(kvdepot_client *c, const char *what, const char *path, size_t n,
-                           kvdepot__msg_fn msg, void *ctx, const ProtobufCMessageDescriptor *rdesc,
-                           ProtobufCMessage **resp)
-{
-    *resp = NULL;
-    kvdepot__raw_msg *msgs = calloc(n ? n : 1, sizeof *msgs);
-    if (!msgs)
-        return kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: out of memory", what);
-    int rc = KVDEPOT_OK;
-    for (size_t i = 0; i < n; i++) {
-        const ProtobufCMessage *m = msg(i, ctx);
-        size_t len = protobuf_c_message_get_packed_size(m);
-        uint8_t *buf = malloc(len ? len : 1);
-        if (!buf) {
-            rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "%s: out of memory", what);
-            break;
-        }
-        protobuf_c_message_pack(m, buf);
-        msgs[i].data = buf;
-        msgs[i].len = len;
-    }
-    void *rb = NULL;
-    size_t rlen = 0;
-    if (rc == KVDEPOT_OK)
-        rc = kvdepot__call_raw(c, path, msgs, n, 0, &rb, &rlen);
-    for (size_t i = 0; i < n; i++)
-        free((void *)msgs[i].data);
-    free(msgs);
-    if (rc == KVDEPOT_OK) {
-        *resp = protobuf_c_message_unpack(rdesc, NULL, rlen, rb);
-        if (!*resp)
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
-    }
-    free(rb);
-    return rc;
-}
+/* Message i of a call_slices call, in a slice the caller then owns. */
+typedef grpc_slice (*next_slice_fn)(size_t i, void *ctx);
 
-/* ------------------------------------------------------------------------ */
-/* Raw calls                                                                 */
-/* ------------------------------------------------------------------------ */
-
-int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_msg *msgs, size_t n,
-                      int cancel, void **resp, size_t *resp_len)
+/* A client-streaming or unary call of n messages, each asked of next(i)
+ * while message i-1 is on its way (gRPC takes one send at a time): so a
+ * message is built while the previous one is sent. The response as
+ * kvdepot__call_raw gives it. */
+static int call_slices(kvdepot_client *c, const char *path, size_t n, next_slice_fn next, void *ctx,
+                       int cancel, void **resp, size_t *resp_len)
 {
     kvdepot__clear_error();
     if (resp)
@@ -773,20 +739,40 @@ int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_ms
     op0.flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
     kvdepot__initial_md(c, &op0);
     int ok = kvdepot__call_batch(&k, &op0, 1, &tag_send) == 1;
+    grpc_byte_buffer *in_flight = NULL;
     for (size_t i = 0; ok && i < n; i++) {
-        grpc_slice s = grpc_slice_from_copied_buffer(msgs[i].data, msgs[i].len);
+        grpc_slice s = next(i, ctx);
         grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
         grpc_slice_unref(s);
+        if (in_flight) {
+            ok = kvdepot__call_wait(&k, &tag_send) == 1;
+            grpc_byte_buffer_destroy(in_flight);
+            in_flight = NULL;
+            if (!ok) {
+                grpc_byte_buffer_destroy(bb);
+                break;
+            }
+        }
         grpc_op op;
         memset(&op, 0, sizeof op);
         op.op = GRPC_OP_SEND_MESSAGE;
         op.data.send_message.send_message = bb;
-        ok = kvdepot__call_batch(&k, &op, 1, &tag_send) == 1;
-        grpc_byte_buffer_destroy(bb);
+        if (kvdepot__call_start_batch(&k, &op, 1, &tag_send) != 0) {
+            grpc_byte_buffer_destroy(bb);
+            ok = 0;
+            break;
+        }
+        in_flight = bb;
     }
-    if (cancel) {
+    if (in_flight) {
+        ok = kvdepot__call_wait(&k, &tag_send) == 1 && ok;
+        grpc_byte_buffer_destroy(in_flight);
+    }
+    if (cancel || !ok) {
+        /* after a failed send nothing else would end the call: the server
+         * waits for more */
         grpc_call_cancel(k.call, NULL);
-    } else if (ok) {
+    } else {
         grpc_op op;
         memset(&op, 0, sizeof op);
         op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -814,6 +800,51 @@ int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_ms
     return rc;
 }
 
+static grpc_slice copied_slice(size_t i, void *ctx)
+{
+    const kvdepot__raw_msg *msgs = ctx;
+    return grpc_slice_from_copied_buffer(msgs[i].data, msgs[i].len);
+}
+
+int kvdepot__call_raw(kvdepot_client *c, const char *path, const kvdepot__raw_msg *msgs, size_t n,
+                      int cancel, void **resp, size_t *resp_len)
+{
+    return call_slices(c, path, n, copied_slice, (void *)msgs, cancel, resp, resp_len);
+}
+
+typedef struct packed_msgs {
+    kvdepot__msg_fn msg;
+    void *ctx;
+} packed_msgs;
+
+/* Message i packed by protobuf-c straight into the slice that is sent. */
+static grpc_slice packed_slice(size_t i, void *ctx)
+{
+    const packed_msgs *x = ctx;
+    const ProtobufCMessage *m = x->msg(i, x->ctx);
+    grpc_slice s = grpc_slice_malloc_large(protobuf_c_message_get_packed_size(m));
+    protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(s)); /* (gRPC aborts when out of memory) */
+    return s;
+}
+
+int kvdepot__call_messages(kvdepot_client *c, const char *what, const char *path, size_t n,
+                           kvdepot__msg_fn msg, void *ctx, const ProtobufCMessageDescriptor *rdesc,
+                           ProtobufCMessage **resp)
+{
+    *resp = NULL;
+    packed_msgs x = {msg, ctx};
+    void *rb = NULL;
+    size_t rlen = 0;
+    int rc = call_slices(c, path, n, packed_slice, &x, 0, &rb, &rlen);
+    if (rc == KVDEPOT_OK) {
+        *resp = protobuf_c_message_unpack(rdesc, NULL, rlen, rb);
+        if (!*resp)
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
+    }
+    free(rb);
+    return rc;
+}
+
 /* The bytes of a received message, malloc'd (caller frees); NULL on ENOMEM. */
 static uint8_t *bb_bytes(grpc_byte_buffer *bb, size_t *len)
 {
@@ -831,10 +862,98 @@ static uint8_t *bb_bytes(grpc_byte_buffer *bb, size_t *len)
     return p;
 }
 
+static void sink_copy(void *user, const uint8_t *p, size_t n)
+{
+    uint8_t **dst = user;
+    memcpy(*dst, p, n);
+    *dst += n;
+}
+
+/* The page of a page-format Read's data message, copied once from the
+ * transport's slices into *page (malloc'd): the message is walked at the
+ * wire level, as read_message does. A data field given twice keeps the
+ * last, as protobuf's merge does. 0 or a status with the error set. */
+static int page_data(kvdepot_client *c, grpc_byte_buffer *bb, uint8_t **page, size_t *page_len)
+{
+    bb_cursor cu;
+    *page = NULL;
+    *page_len = 0;
+    if (cur_init(&cu, bb) != 0)
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: cannot read a response message");
+    int rc = KVDEPOT_OK;
+    while (rc == KVDEPOT_OK && cur_fill(&cu)) {
+        uint64_t key, len;
+        if (cur_varint(&cu, &key) != 0) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
+            break;
+        }
+        const uint32_t field = (uint32_t)(key >> 3), wt = (uint32_t)(key & 7);
+        if (wt == 0) {
+            if (cur_varint(&cu, &len) != 0)
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
+            continue;
+        }
+        if (wt == 1 || wt == 5) {
+            if (cur_take(&cu, wt == 1 ? 8 : 4, NULL, NULL) != 0)
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
+            continue;
+        }
+        if (wt != 2 || cur_varint(&cu, &len) != 0) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
+            break;
+        }
+        if (field == 1) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: message without one page");
+        } else if (field == 2) {
+            uint8_t *d = len <= SIZE_MAX ? malloc(len ? (size_t)len : 1) : NULL, *at = d;
+            if (!d) {
+                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
+            } else if (cur_take(&cu, len, sink_copy, &at) != 0) {
+                free(d);
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: truncated page");
+            } else {
+                free(*page);
+                *page = d;
+                *page_len = (size_t)len;
+            }
+        } else if (cur_take(&cu, len, NULL, NULL) != 0) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
+        }
+    }
+    cur_destroy(&cu);
+    if (rc == KVDEPOT_OK && *page_len == 0)
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: message without one page");
+    if (rc != KVDEPOT_OK) {
+        free(*page);
+        *page = NULL;
+        *page_len = 0;
+    }
+    return rc;
+}
+
 /* Keep one page message of a page-format Read. 0 or a status with the error set. */
 static int pages_message(kvdepot_client *c, grpc_byte_buffer *bb, int first,
                          kvdepot_page **pages, size_t *count, size_t *cap)
 {
+    if (!first) {
+        if (*count == *cap) {
+            size_t ncap = *cap ? 2 * *cap : 16;
+            kvdepot_page *np = realloc(*pages, ncap * sizeof *np);
+            if (!np)
+                return kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
+            *pages = np;
+            *cap = ncap;
+        }
+        uint8_t *d;
+        size_t len;
+        int rc = page_data(c, bb, &d, &len);
+        if (rc == KVDEPOT_OK) {
+            (*pages)[*count].data = d;
+            (*pages)[*count].len = len;
+            (*count)++;
+        }
+        return rc;
+    }
     size_t len;
     uint8_t *raw = bb_bytes(bb, &len);
     if (!raw)
@@ -844,34 +963,8 @@ static int pages_message(kvdepot_client *c, grpc_byte_buffer *bb, int first,
     if (!r)
         return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
     int rc = KVDEPOT_OK;
-    if (first) {
-        if (!r->header || r->header->format != KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES)
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: no page-format header");
-    } else if (r->header || r->data.len == 0) {
-        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: message without one page");
-    } else {
-        if (*count == *cap) {
-            size_t ncap = *cap ? 2 * *cap : 16;
-            kvdepot_page *np = realloc(*pages, ncap * sizeof *np);
-            if (!np)
-                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
-            else {
-                *pages = np;
-                *cap = ncap;
-            }
-        }
-        if (rc == KVDEPOT_OK) {
-            void *d = malloc(r->data.len);
-            if (!d)
-                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
-            else {
-                memcpy(d, r->data.data, r->data.len);
-                (*pages)[*count].data = d;
-                (*pages)[*count].len = r->data.len;
-                (*count)++;
-            }
-        }
-    }
+    if (!r->header || r->header->format != KVDEPOT__V1__READ_FORMAT__READ_FORMAT_PAGES)
+        rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: no page-format header");
     kvdepot__v1__read_response__free_unpacked(r, NULL);
     return rc;
 }
