@@ -95,8 +95,7 @@ int kvd_bb_flatten(grpc_byte_buffer *bb, grpc_slice *out)
     return 0;
 }
 
-/* One varint at p[*i] (bounds-checked); 0 when malformed. */
-static int read_varint(const uint8_t *p, size_t n, size_t *i, uint64_t *v)
+int kvd_wire_varint(const uint8_t *p, size_t n, size_t *i, uint64_t *v)
 {
     *v = 0;
     for (int shift = 0; shift < 64 && *i < n; shift += 7) {
@@ -154,11 +153,11 @@ static int check_wire_strings(const ProtobufCMessageDescriptor *d, const uint8_t
     size_t i = 0;
     while (i < n) {
         uint64_t tag, len;
-        if (!read_varint(p, n, &i, &tag))
+        if (!kvd_wire_varint(p, n, &i, &tag))
             return 0; /* protobuf-c parsed it: nothing of ours to say */
         switch (tag & 7) {
         case 0:
-            if (!read_varint(p, n, &i, &len))
+            if (!kvd_wire_varint(p, n, &i, &len))
                 return 0;
             continue;
         case 1:
@@ -172,7 +171,7 @@ static int check_wire_strings(const ProtobufCMessageDescriptor *d, const uint8_t
         default:
             return 0;
         }
-        if (!read_varint(p, n, &i, &len) || len > n - i)
+        if (!kvd_wire_varint(p, n, &i, &len) || len > n - i)
             return 0;
         const ProtobufCFieldDescriptor *f =
             tag >> 3 <= UINT32_MAX
@@ -202,19 +201,24 @@ static int check_wire_strings(const ProtobufCMessageDescriptor *d, const uint8_t
     return 0;
 }
 
+ProtobufCMessage *kvd_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n,
+                             const char *path, kvd_error *why)
+{
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, n, p);
+    if (m && check_wire_strings(desc, p, n, path, 0, why)) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        m = NULL;
+    }
+    return m;
+}
+
 ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb,
                                 kvd_error *why)
 {
     grpc_slice s;
     if (kvd_bb_flatten(bb, &s) != 0)
         return NULL;
-    const uint8_t *p = GRPC_SLICE_START_PTR(s);
-    size_t n = GRPC_SLICE_LENGTH(s);
-    ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, n, p);
-    if (m && check_wire_strings(desc, p, n, "", 0, why)) {
-        protobuf_c_message_free_unpacked(m, NULL);
-        m = NULL;
-    }
+    ProtobufCMessage *m = kvd_unpack(desc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), "", why);
     grpc_slice_unref(s);
     return m;
 }

@@ -71,4 +71,13 @@ int kvd_bb_flatten(grpc_byte_buffer *bb, grpc_slice *out);
 ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb,
                                 kvd_error *why);
 
+/* kvd_bb_unpack of the message in p[0, n); a string field found wrong is
+ * named under `path` (e.g. "header": "header.create.model"; "" for none). */
+ProtobufCMessage *kvd_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n,
+                             const char *path, kvd_error *why);
+
+/* One protobuf varint at p[*i], bounds-checked, *i moved past it: 1, or 0
+ * when it is malformed or runs past n. */
+int kvd_wire_varint(const uint8_t *p, size_t n, size_t *i, uint64_t *v);
+
 #endif /* KVDEPOT_SERVICE_CONVERT_H */

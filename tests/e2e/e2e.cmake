@@ -24,7 +24,7 @@ add_executable(e2e_big ${KVD_E2E_DIR}/e2e_big.c)
 target_link_libraries(e2e_big PRIVATE kvd_e2e_harness PkgConfig::XXHASH)
 
 foreach(name models chunks reconnect dtypes layers prefix engine transfers progress create_append bad_models bad_sequences bad_appends
-             bad_streams bad_reads threads race many crash limit append_memory errors)
+             bad_streams bad_reads bad_pages threads race many crash limit append_memory errors)
   add_test(NAME e2e_${name} COMMAND e2e_client ${KVD_E2E_SERVER} ${name})
   set_tests_properties(e2e_${name} PROPERTIES LABELS e2e TIMEOUT 300)
 endforeach()

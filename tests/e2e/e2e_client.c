@@ -1995,6 +1995,196 @@ static int test_append_memory(kvd_harness *h)
 }
 
 /* ------------------------------------------------------------------------ */
+/* AppendPages streams built by hand                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Appends field `field` (wire type 2) of len bytes at p to the buffer. */
+static void put_field(uint8_t **buf, size_t *len, uint32_t field, const void *p, size_t n)
+{
+    uint8_t head[16];
+    size_t h = 0;
+    uint64_t v = (uint64_t)field << 3 | 2;
+    for (int k = 0; k < 2; k++) {
+        do {
+            head[h++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+            v >>= 7;
+        } while (v);
+        v = n;
+    }
+    *buf = realloc(*buf, *len + h + n);
+    memcpy(*buf + *len, head, h);
+    memcpy(*buf + *len + h, p, n);
+    *len += h + n;
+}
+
+/* The packed AppendPagesHeader for sequence `id` created with `model`. */
+static uint8_t *pages_header(const char *id, const char *model, size_t *len)
+{
+    Kvdepot__V1__CreateSequenceRequest cr = KVDEPOT__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    cr.model = (char *)model;
+    Kvdepot__V1__AppendPagesHeader h = KVDEPOT__V1__APPEND_PAGES_HEADER__INIT;
+    h.sequence_id.data = (uint8_t *)id;
+    h.sequence_id.len = strlen(id);
+    h.create = &cr;
+    *len = kvdepot__v1__append_pages_header__get_packed_size(&h);
+    uint8_t *b = malloc(*len);
+    kvdepot__v1__append_pages_header__pack(&h, b);
+    return b;
+}
+
+/* The pages of `id` read back equal `want`, byte for byte. */
+static int same_pages(kvdepot_client *c, const char *id, const kvdepot_page *want, size_t n)
+{
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = id;
+    ra.id_len = strlen(id);
+    kvdepot_page *got = NULL;
+    size_t ng = 0;
+    if (kvdepot_sequence_read_pages(c, &ra, &got, &ng) != KVDEPOT_OK)
+        return -1;
+    int same = ng == n;
+    for (size_t i = 0; same && i < n; i++)
+        same = got[i].len == want[i].len && memcmp(got[i].data, want[i].data, want[i].len) == 0;
+    kvdepot_pages_free(got, ng);
+    return same ? 0 : -1;
+}
+
+static int test_bad_pages(kvd_harness *h)
+{
+    bad_env e;
+    REQUIRE(bad_setup(h, &e) == 0);
+    kvdepot_client *c = e.c;
+    const char *PAGES = "/kvdepot.v1.KVDepot/AppendPages";
+    /* The victim's pages: 4 layers, a sealed page and a partial one each. */
+    kvdepot_read_args ra;
+    memset(&ra, 0, sizeof ra);
+    ra.id = "victim";
+    ra.id_len = 6;
+    kvdepot_page *pg = NULL;
+    size_t np = 0;
+    REQUIRE_RC(kvdepot_sequence_read_pages(c, &ra, &pg, &np), KVDEPOT_OK);
+    REQUIRE(np == 8);
+    const uint8_t unknown[] = {9 << 3 | 0,  0x96, 0x01,                   /* field 9, varint */
+                               10 << 3 | 1, 1,    2,    3, 4, 5, 6, 7, 8, /* field 10, fixed64 */
+                               11 << 3 | 5, 1,    2,    3, 4};            /* field 11, fixed32 */
+    size_t hl;
+    kvdepot__raw_msg m[3];
+    uint8_t *b[3] = {NULL, NULL, NULL};
+    size_t bl[3] = {0, 0, 0};
+
+    /* Well formed: the header and 3 pages, then 5 pages among fields the
+     * server does not know, then an empty message; stored as sent. */
+    uint8_t *hd = pages_header("copy1", "victim-model", &hl);
+    put_field(&b[0], &bl[0], 1, hd, hl);
+    for (size_t i = 0; i < 3; i++)
+        put_field(&b[0], &bl[0], 2, pg[i].data, pg[i].len);
+    for (size_t i = 3; i < np; i++) {
+        b[1] = realloc(b[1], bl[1] + sizeof unknown);
+        memcpy(b[1] + bl[1], unknown, sizeof unknown);
+        bl[1] += sizeof unknown;
+        put_field(&b[1], &bl[1], 2, pg[i].data, pg[i].len);
+    }
+    put_field(&b[1], &bl[1], 12, "skip", 4); /* an unknown field of wire type 2 */
+    for (int i = 0; i < 3; i++)
+        m[i] = (kvdepot__raw_msg){b[i], bl[i]};
+    void *resp = NULL;
+    size_t rl = 0;
+    CHECK_RC(kvdepot__call_raw(c, PAGES, m, 3, 0, &resp, &rl), KVDEPOT_OK);
+    Kvdepot__V1__AppendPagesResponse *r =
+        kvdepot__v1__append_pages_response__unpack(NULL, rl, resp);
+    CHECK(r && r->pages_received == np && r->created);
+    if (r)
+        kvdepot__v1__append_pages_response__free_unpacked(r, NULL);
+    free(resp);
+    CHECK(same_pages(c, "copy1", pg, np) == 0);
+
+    /* The header given twice in the first message: merged (the id from the
+     * first, the create from the second), as protobuf merges. */
+    Kvdepot__V1__AppendPagesHeader h1 = KVDEPOT__V1__APPEND_PAGES_HEADER__INIT;
+    h1.sequence_id.data = (uint8_t *)"copy2";
+    h1.sequence_id.len = 5;
+    uint8_t h1b[64];
+    size_t h1l = kvdepot__v1__append_pages_header__pack(&h1, h1b);
+    free(hd);
+    hd = pages_header("", "victim-model", &hl);
+    free(b[0]);
+    b[0] = NULL;
+    bl[0] = 0;
+    put_field(&b[0], &bl[0], 1, h1b, h1l);
+    put_field(&b[0], &bl[0], 1, hd, hl);
+    for (size_t i = 0; i < np; i++)
+        put_field(&b[0], &bl[0], 2, pg[i].data, pg[i].len);
+    m[0] = (kvdepot__raw_msg){b[0], bl[0]};
+    CHECK_RC(kvdepot__call_raw(c, PAGES, m, 1, 0, NULL, NULL), KVDEPOT_OK);
+    CHECK(same_pages(c, "copy2", pg, np) == 0);
+
+    /* Refused, and nothing stored: */
+    kvdepot_sequence_info si;
+    free(hd);
+    hd = pages_header("copy3", "victim-model", &hl);
+    uint8_t *ok0 = NULL, *ok1 = NULL;
+    size_t ok0l = 0, ok1l = 0;
+    put_field(&ok0, &ok0l, 1, hd, hl);
+    put_field(&ok0, &ok0l, 2, pg[0].data, pg[0].len);
+    put_field(&ok1, &ok1l, 2, pg[1].data, pg[1].len);
+    /* a header again in the second message */
+    free(b[1]);
+    b[1] = NULL;
+    bl[1] = 0;
+    put_field(&b[1], &bl[1], 1, hd, hl);
+    put_field(&b[1], &bl[1], 2, pg[1].data, pg[1].len);
+    m[0] = (kvdepot__raw_msg){ok0, ok0l};
+    m[1] = (kvdepot__raw_msg){b[1], bl[1]};
+    CHECK_RC(kvdepot__call_raw(c, PAGES, m, 2, 0, NULL, NULL), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(c), "header repeated") != NULL);
+    CHECK_RC(kvdepot_sequence_stat(c, "copy3", 5, &si), KVDEPOT_ENOTFOUND);
+    /* a first message without a header */
+    m[0] = (kvdepot__raw_msg){ok1, ok1l};
+    CHECK_RC(kvdepot__call_raw(c, PAGES, m, 1, 0, NULL, NULL), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(c), "no header") != NULL);
+    /* a page whose length runs past the end of its message */
+    m[0] = (kvdepot__raw_msg){ok0, ok0l - 1};
+    CHECK_RC(kvdepot__call_raw(c, PAGES, m, 1, 0, NULL, NULL), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(c), "does not parse") != NULL);
+    CHECK_RC(kvdepot_sequence_stat(c, "copy3", 5, &si), KVDEPOT_ENOTFOUND);
+    /* a page, then pages as a varint */
+    uint8_t *bad = NULL;
+    size_t badl = 0;
+    put_field(&bad, &badl, 1, hd, hl);
+    put_field(&bad, &badl, 2, pg[0].data, pg[0].len);
+    const uint8_t varint_page[] = {2 << 3 | 0, 5};
+    bad = realloc(bad, badl + 2);
+    memcpy(bad + badl, varint_page, 2);
+    m[0] = (kvdepot__raw_msg){bad, badl + 2};
+    CHECK_RC(kvdepot__call_raw(c, PAGES, m, 1, 0, NULL, NULL), KVDEPOT_EINVAL);
+    CHECK_RC(kvdepot_sequence_stat(c, "copy3", 5, &si), KVDEPOT_ENOTFOUND);
+    /* a model name that is not UTF-8, named by its path */
+    free(hd);
+    hd = pages_header("copy3", "vict\xffim", &hl);
+    free(bad);
+    bad = NULL;
+    badl = 0;
+    put_field(&bad, &badl, 1, hd, hl);
+    put_field(&bad, &badl, 2, pg[0].data, pg[0].len);
+    m[0] = (kvdepot__raw_msg){bad, badl};
+    CHECK_RC(kvdepot__call_raw(c, PAGES, m, 1, 0, NULL, NULL), KVDEPOT_EINVAL);
+    CHECK(strstr(kvdepot_errmsg(c), "header.create.model") != NULL);
+    CHECK_RC(kvdepot_sequence_stat(c, "copy3", 5, &si), KVDEPOT_ENOTFOUND);
+    UNCHANGED(&e);
+
+    free(bad);
+    free(ok0);
+    free(ok1);
+    free(hd);
+    for (int i = 0; i < 3; i++)
+        free(b[i]);
+    kvdepot_pages_free(pg, np);
+    bad_teardown(&e);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Racing appends on one sequence, with a reader running alongside           */
 /* ------------------------------------------------------------------------ */
 
@@ -2195,6 +2385,7 @@ static const kvd_test tests[] = {
     {"bad_appends", test_bad_appends},
     {"bad_streams", test_bad_streams},
     {"bad_reads", test_bad_reads},
+    {"bad_pages", test_bad_pages},
     {"threads", test_threads},
     {"race", test_race},
     {"many", test_many},
