@@ -175,18 +175,23 @@ static int recon_head(ev *e, const cand *c, int side, uint32_t h, const float *x
         if (!c8 && !c16)
             return kvd_error_set(err, KVD_ENOMEM, "out of memory");
         const float *src = x;
+        int rc = 0;
         if (!side) { /* keys: smoothed and rotated, as the store codes them */
-            kvd__vq_transform_keys_cpu(1, n, D, x, lambda, e->t1);
+            rc = kvd_advise_rotate_keys(e->p->be, n, D, x, lambda, e->t1, err);
             src = e->t1;
         }
-        kvd__vq_encode_cpu(1, 1, n, D, d, b, src, cb, c8, c16);
-        int rc = kvd_vq_decode_ref(n, D, d, b, c8, c16, cb, side ? y : e->t2);
+        if (rc == 0) {
+            kvd__vq_encode_cpu(1, 1, n, D, d, b, src, cb, c8, c16);
+            if ((rc = kvd_vq_decode_ref(n, D, d, b, c8, c16, cb, side ? y : e->t2)))
+                kvd_error_set(err, rc, "VQ decode of held-out samples failed");
+        }
         free(c8);
         free(c16);
         if (rc)
-            return kvd_error_set(err, rc, "VQ decode of held-out samples failed");
+            return rc;
         if (!side) {
-            kvd__vq_transform_keys_cpu(1, n, D, e->t2, NULL, y);
+            if ((rc = kvd_advise_rotate_keys(e->p->be, n, D, e->t2, NULL, y, err)))
+                return rc;
             for (int64_t t = 0; t < n; t++)
                 for (int i = 0; i < D; i++)
                     y[t * D + i] *= lambda[i];
@@ -478,6 +483,16 @@ void kvd_advice_free(kvd_advice *a)
         free(m);
     }
     memset(a, 0, sizeof *a);
+}
+
+int kvd_advise_rotate_keys(kvd_backend *be, int64_t n, int D, const float *k, const float *lambda,
+                           float *out, kvd_error *err)
+{
+    int64_t rows[2] = {n, D}, ch[1] = {D};
+    kvd_tensor kt = kvd_tensor_make(KVD_DTYPE_F32, (void *)k, 2, rows);
+    kvd_tensor ot = kvd_tensor_make(KVD_DTYPE_F32, out, 2, rows);
+    kvd_tensor lt = kvd_tensor_make(KVD_DTYPE_F32, (void *)lambda, 1, ch);
+    return kvd_vq_transform_keys(be, &kt, lambda ? &lt : NULL, &ot, err);
 }
 
 int kvd_advise(const kvd_advise_params *p, const kvd_advise_layer *layers, uint32_t nlayers,

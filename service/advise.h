@@ -11,6 +11,7 @@
 
 #include <stdint.h>
 
+#include "kvdepot/backend.h"
 #include "kvdepot/status.h"
 #include "kvdepot/tensor.h"
 #include "kvdepot/v1/kvdepot.pb-c.h"
@@ -35,6 +36,7 @@ typedef struct kvd_advise_params {
     double budget;
     uint32_t queries; /* held-out queries per layer */
     int exhaustive;
+    kvd_backend *be; /* one-thread CPU backend: the VQ keys' rotation */
 } kvd_advise_params;
 
 /* The advice and the memory its messages point into. */
@@ -42,6 +44,12 @@ typedef struct kvd_advice {
     Kvdepot__V1__CodecAdvice msg;
     void *mem; /* private */
 } kvd_advice;
+
+/* K~ = (K / lambda) H_D of n rows of D floats (lambda NULL: H_D alone)
+ * on be (kvd_vq_transform_keys): Calibrate rotates the VQ keys with the
+ * CPU backend's bits, those the store codes them with. out may not alias k. */
+int kvd_advise_rotate_keys(kvd_backend *be, int64_t n, int D, const float *k, const float *lambda,
+                           float *out, kvd_error *err);
 
 /* Fill out (free with kvd_advice_free, also after a failure). 0,
  * KVD_ENOMEM, or the status of a kernel that refused (message in err). */

@@ -62,6 +62,7 @@ typedef struct cal_state {
     cal_layer *layers;
     kvd_store *store; /* charged with the kept samples (append-memory-bytes) */
     uint64_t charged;
+    kvd_backend be; /* the store's CPU backend on one thread */
 } cal_state;
 
 static void cal_release(void *state)
@@ -113,6 +114,7 @@ static int header(kvd_req_ctx *ctx, cal_state *st, const Kvdepot__V1__CalibrateH
     int rc = kvd_ctx_check_model(ctx, h->model, err);
     if (rc || (rc = kvd_store_model_get(ctx->svc->store, h->model, &st->model, err)))
         return rc;
+    st->be = kvd_backend_narrow(kvd_store_backend(ctx->svc->store), 1);
     uint32_t D = st->model.head_dim;
     if (h->vq && (h->vq->sub_dim || h->vq->bits)) {
         uint32_t d = h->vq->sub_dim, b = h->vq->bits;
@@ -390,10 +392,11 @@ static int calibrate_head(const cal_state *st, uint32_t l, uint32_t h, cal_out *
         }
         /* Keys: train in the smoothed + rotated space; measure the error
          * after rotating back (H_D is its own inverse) and re-scaling. */
-        kvd__vq_transform_keys_cpu(1, (int64_t)n, (int)D, kx, lambda, t1);
-        if ((rc = vq_fit(st, seed, t1, n, cbk, t2, err)))
+        kvd_backend *be = (kvd_backend *)&st->be;
+        if ((rc = kvd_advise_rotate_keys(be, (int64_t)n, (int)D, kx, lambda, t1, err)) ||
+            (rc = vq_fit(st, seed, t1, n, cbk, t2, err)) ||
+            (rc = kvd_advise_rotate_keys(be, (int64_t)n, (int)D, t2, NULL, t1, err)))
             goto out;
-        kvd__vq_transform_keys_cpu(1, (int64_t)n, (int)D, t2, NULL, t1);
         for (uint64_t t = 0; t < n; t++)
             for (uint32_t i = 0; i < D; i++)
                 t1[t * D + i] *= lambda[i];
@@ -504,7 +507,8 @@ static int advise(const cal_state *st, const cal_out *o, kvd_advice *adv, kvd_er
                            .svd = st->svd,
                            .budget = st->budget,
                            .queries = st->eval_queries,
-                           .exhaustive = st->exhaustive};
+                           .exhaustive = st->exhaustive,
+                           .be = (kvd_backend *)&st->be};
     int rc = kvd_advise(&p, ls, n, adv, err);
     free(ls);
     free(arts);

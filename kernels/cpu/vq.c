@@ -109,24 +109,6 @@ int kvd_vq_decode_ref(int64_t T, int D, int d, int b, const uint8_t *codes8,
 
 /* ---- CPU paths --------------------------------------------------------- */
 
-void kvd__vq_transform_keys_cpu(int simd, int64_t T, int D, const float *k, const float *lambda,
-                                float *out)
-{
-    if (!simd || D < 8 || (D & (D - 1)) || !kvd__cpu_has_avx2_fma_f16c()) {
-        kvd_vq_transform_keys_ref(T, D, k, lambda, out);
-        return;
-    }
-    const float norm = (float)(1.0 / sqrt((double)D));
-    for (int64_t t = 0; t < T; t++) {
-        float *row = out + t * D;
-        if (lambda)
-            kvd__scale_row_avx2(row, k + t * D, lambda, D, 1);
-        else if (row != k + t * D)
-            memcpy(row, k + t * D, sizeof(float) * (size_t)D);
-        kvd__fwht_avx2(row, D, norm);
-    }
-}
-
 void kvd__vq_encode_cpu(int nthreads, int simd, int64_t T, int D, int d, int b, const float *x,
                         const float *codebook, uint8_t *codes8, uint16_t *codes16)
 {

@@ -135,11 +135,5 @@ void kvd__vq_encode_cpu(int nthreads, int simd, int64_t T, int D, int d, int b, 
                         const float *codebook, uint8_t *codes8, uint16_t *codes16);
 int kvd__vq_decode_cpu(int nthreads, int64_t T, int D, int d, int b, const uint8_t *codes8,
                        const uint16_t *codes16, const float *codebook, float *out);
-/* kvd_vq_transform_keys on the CPU backend's path, one thread, f32 rows
- * (lambda NULL: the rotation alone): the channel scale, then the
- * Walsh-Hadamard butterflies (the reference's matrix product when simd is
- * 0, AVX2 is missing or D is below 8). */
-void kvd__vq_transform_keys_cpu(int simd, int64_t T, int D, const float *k, const float *lambda,
-                                float *out);
 
 #endif /* KVDEPOT_VQ_H */
