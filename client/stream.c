@@ -168,6 +168,46 @@ void *kvdepot__encode_append(const kvdepot_append_args *a, const void *data, siz
     return p;
 }
 
+/* Send the message bb once the one in flight (*in_flight) has gone: gRPC
+ * takes one send at a time, so a caller builds the next message while the
+ * previous one is on its way. With md, the call's initial metadata go in
+ * the same batch. Returns 1 when bb is on its way (now *in_flight); 0 when
+ * the previous send failed (the call is over: its status says why); -1
+ * when gRPC refused the batch (the call is cancelled: nothing else would
+ * end it, the server waits for more). bb is destroyed unless on its way. */
+static int send_next(kvdepot_client *c, kvdepot__call *k, grpc_byte_buffer **in_flight, int md,
+                     grpc_byte_buffer *bb)
+{
+    if (*in_flight) {
+        int ok = kvdepot__call_wait(k, &tag_send) == 1;
+        grpc_byte_buffer_destroy(*in_flight);
+        *in_flight = NULL;
+        if (!ok) {
+            grpc_byte_buffer_destroy(bb);
+            return 0;
+        }
+    }
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    size_t nops = 0;
+    if (md) {
+        ops[nops].op = GRPC_OP_SEND_INITIAL_METADATA;
+        ops[nops].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+        kvdepot__initial_md(c, &ops[nops]);
+        nops++;
+    }
+    ops[nops].op = GRPC_OP_SEND_MESSAGE;
+    ops[nops].data.send_message.send_message = bb;
+    nops++;
+    if (kvdepot__call_start_batch(k, ops, nops, &tag_send) != 0) {
+        grpc_byte_buffer_destroy(bb);
+        grpc_call_cancel(k->call, NULL);
+        return -1;
+    }
+    *in_flight = bb;
+    return 1;
+}
+
 int kvdepot_sequence_append(kvdepot_client *c, const kvdepot_append_args *a,
                             kvdepot_sequence_info *out)
 {
@@ -233,7 +273,7 @@ int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_seq
                   .x_bytes = a->x ? a->x_bytes : 0};
     uint64_t total = (uint64_t)a->k_bytes + a->v_bytes + src.x_bytes;
     uint64_t off = 0;
-    int first = 1, send_ok = 1, started = 0;
+    int first = 1, send_ok = 1;
     grpc_byte_buffer *in_flight = NULL;
     /* A header too big to share a message with a full chunk goes alone. */
     int header_alone = hlen + 16 + c->chunk_bytes > c->max_message_bytes;
@@ -246,38 +286,9 @@ int kvdepot__append(kvdepot_client *c, const kvdepot_append_args *a, kvdepot_seq
         append_msg_write(GRPC_SLICE_START_PTR(s), hdr, hlen, first, &src, off, dlen);
         grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
         grpc_slice_unref(s);
-        /* The next message was built while the previous one was on its way;
-         * gRPC takes one send at a time, so wait for it now. */
-        if (in_flight) {
-            send_ok = kvdepot__call_wait(&k, &tag_send) == 1;
-            grpc_byte_buffer_destroy(in_flight);
-            in_flight = NULL;
-            if (!send_ok) {
-                grpc_byte_buffer_destroy(bb);
-                break;
-            }
-        }
-        grpc_op ops[2];
-        memset(ops, 0, sizeof ops);
-        size_t nops = 0;
-        if (!started) {
-            ops[nops].op = GRPC_OP_SEND_INITIAL_METADATA;
-            ops[nops].flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
-            kvdepot__initial_md(c, &ops[nops]);
-            nops++;
-            started = 1;
-        }
-        ops[nops].op = GRPC_OP_SEND_MESSAGE;
-        ops[nops].data.send_message.send_message = bb;
-        nops++;
-        if (kvdepot__call_start_batch(&k, ops, nops, &tag_send) != 0) {
-            grpc_byte_buffer_destroy(bb);
-            /* Nothing else would end the call: the server waits for data. */
-            grpc_call_cancel(k.call, NULL);
-            send_ok = 0;
+        send_ok = send_next(c, &k, &in_flight, first, bb) == 1;
+        if (!send_ok)
             break;
-        }
-        in_flight = bb;
         off += dlen;
         first = 0;
         if (progress && off < total)
@@ -518,89 +529,98 @@ static int read_header(read_state *st, const kvdepot_read_args *a, const Kvdepot
     return KVDEPOT_OK;
 }
 
-/* Parse one ReadResponse. Returns 0 or a status with the error set. */
-static int read_message(read_state *st, const kvdepot_read_args *a, grpc_byte_buffer *bb)
+/* A length-delimited field of a received message: fn consumes its len
+ * bytes from cu (or skips them). Returns 0 or a status with the error set. */
+typedef int (*field_fn)(void *user, bb_cursor *cu, uint32_t field, uint64_t len);
+
+/* Walk a received message field by field at the wire level: numbers and
+ * fixed-width fields are skipped, every length-delimited one goes to fn.
+ * `what` prefixes the errors ("read"). 0 or a status with the error set. */
+static int walk_message(kvdepot_client *c, grpc_byte_buffer *bb, const char *what, field_fn fn,
+                        void *user)
 {
-    kvdepot_client *c = st->c;
     bb_cursor cu;
     if (cur_init(&cu, bb) != 0)
-        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: cannot read a response message");
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: cannot read a response message", what);
     int rc = KVDEPOT_OK;
     while (rc == KVDEPOT_OK && cur_fill(&cu)) {
         uint64_t key, len;
         if (cur_varint(&cu, &key) != 0) {
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
             break;
         }
-        uint32_t field = (uint32_t)(key >> 3), wt = (uint32_t)(key & 7);
-        if (wt == 2) {
-            if (cur_varint(&cu, &len) != 0) {
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
-                break;
-            }
-        } else if (wt == 0) {
+        const uint32_t wt = (uint32_t)(key & 7);
+        if (wt == 0 || wt == 1 || wt == 5) {
             uint64_t ignored;
-            if (cur_varint(&cu, &ignored) != 0)
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
-            continue;
-        } else if (wt == 1 || wt == 5) {
-            len = wt == 1 ? 8 : 4;
-            if (cur_take(&cu, len, NULL, NULL) != 0)
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
-            continue;
+            if (wt == 0 ? cur_varint(&cu, &ignored) != 0
+                        : cur_take(&cu, wt == 1 ? 8 : 4, NULL, NULL) != 0)
+                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
+        } else if (wt != 2) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response (wire type %u)", what,
+                               wt);
+        } else if (cur_varint(&cu, &len) != 0) {
+            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
         } else {
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response (wire type %u)", wt);
-            break;
-        }
-        if (field == 1) {
-            if (st->have_header) {
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: server sent a second header");
-                break;
-            }
-            if (len > (1u << 20)) {
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: oversized header");
-                break;
-            }
-            st->hdr_buf = malloc(len ? len : 1);
-            st->hdr_len = 0;
-            if (!st->hdr_buf) {
-                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read: out of memory");
-                break;
-            }
-            if (cur_take(&cu, len, sink_header, st) != 0) {
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: truncated header");
-                break;
-            }
-            Kvdepot__V1__ReadHeader *h = kvdepot__v1__read_header__unpack(NULL, st->hdr_len, st->hdr_buf);
-            free(st->hdr_buf);
-            st->hdr_buf = NULL;
-            if (!h) {
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed header");
-                break;
-            }
-            rc = read_header(st, a, h);
-            kvdepot__v1__read_header__free_unpacked(h, NULL);
-        } else if (field == 2) {
-            if (!st->have_header) {
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: data before the header");
-                break;
-            }
-            if (len > st->total - st->received) {
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL,
-                                   "read: server sent more than the %llu bytes it announced",
-                                   (unsigned long long)st->total);
-                break;
-            }
-            if (cur_take(&cu, len, sink_data, st) != 0)
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: truncated data");
-        } else if (cur_take(&cu, len, NULL, NULL) != 0) {
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+            rc = fn(user, &cu, (uint32_t)(key >> 3), len);
         }
     }
-    free(st->hdr_buf);
-    st->hdr_buf = NULL;
     cur_destroy(&cu);
     return rc;
+}
+
+typedef struct read_msg {
+    read_state *st;
+    const kvdepot_read_args *a;
+} read_msg;
+
+/* One field of a ReadResponse: the header (1) or a chunk of data (2). */
+static int read_field(void *user, bb_cursor *cu, uint32_t field, uint64_t len)
+{
+    read_state *st = ((read_msg *)user)->st;
+    kvdepot_client *c = st->c;
+    if (field == 1) {
+        if (st->have_header)
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: server sent a second header");
+        if (len > (1u << 20))
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: oversized header");
+        st->hdr_buf = malloc(len ? len : 1);
+        st->hdr_len = 0;
+        if (!st->hdr_buf)
+            return kvdepot__fail(c, KVDEPOT_ENOMEM, "read: out of memory");
+        int rc = cur_take(cu, len, sink_header, st);
+        Kvdepot__V1__ReadHeader *h =
+            rc ? NULL : kvdepot__v1__read_header__unpack(NULL, st->hdr_len, st->hdr_buf);
+        free(st->hdr_buf);
+        st->hdr_buf = NULL;
+        if (rc)
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: truncated header");
+        if (!h)
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed header");
+        rc = read_header(st, ((read_msg *)user)->a, h);
+        kvdepot__v1__read_header__free_unpacked(h, NULL);
+        return rc;
+    }
+    if (field == 2) {
+        if (!st->have_header)
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: data before the header");
+        if (len > st->total - st->received)
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL,
+                                 "read: server sent more than the %llu bytes it announced",
+                                 (unsigned long long)st->total);
+        if (cur_take(cu, len, sink_data, st) != 0)
+            return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: truncated data");
+        return KVDEPOT_OK;
+    }
+    if (cur_take(cu, len, NULL, NULL) != 0)
+        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
+    return KVDEPOT_OK;
+}
+
+/* Parse one ReadResponse. Returns 0 or a status with the error set. */
+static int read_message(read_state *st, const kvdepot_read_args *a, grpc_byte_buffer *bb)
+{
+    read_msg m = {st, a};
+    return walk_message(st->c, bb, "read", read_field, &m);
 }
 
 int kvdepot_sequence_read(kvdepot_client *c, const kvdepot_read_args *a, kvdepot_read_result *out)
@@ -733,46 +753,30 @@ static int call_slices(kvdepot_client *c, const char *path, size_t n, next_slice
         kvdepot__call_end(&k);
         return kvdepot__fail(c, KVDEPOT_EINTERNAL, "raw call: gRPC refused the call");
     }
-    grpc_op op0;
-    memset(&op0, 0, sizeof op0);
-    op0.op = GRPC_OP_SEND_INITIAL_METADATA;
-    op0.flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
-    kvdepot__initial_md(c, &op0);
-    int ok = kvdepot__call_batch(&k, &op0, 1, &tag_send) == 1;
+    int ok = 1, sent = 0;
     grpc_byte_buffer *in_flight = NULL;
+    if (n == 0) { /* no message: the initial metadata alone */
+        grpc_op op0;
+        memset(&op0, 0, sizeof op0);
+        op0.op = GRPC_OP_SEND_INITIAL_METADATA;
+        op0.flags = c->wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+        kvdepot__initial_md(c, &op0);
+        ok = kvdepot__call_batch(&k, &op0, 1, &tag_send) == 1;
+    }
     for (size_t i = 0; ok && i < n; i++) {
         grpc_slice s = next(i, ctx);
         grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
         grpc_slice_unref(s);
-        if (in_flight) {
-            ok = kvdepot__call_wait(&k, &tag_send) == 1;
-            grpc_byte_buffer_destroy(in_flight);
-            in_flight = NULL;
-            if (!ok) {
-                grpc_byte_buffer_destroy(bb);
-                break;
-            }
-        }
-        grpc_op op;
-        memset(&op, 0, sizeof op);
-        op.op = GRPC_OP_SEND_MESSAGE;
-        op.data.send_message.send_message = bb;
-        if (kvdepot__call_start_batch(&k, &op, 1, &tag_send) != 0) {
-            grpc_byte_buffer_destroy(bb);
-            ok = 0;
-            break;
-        }
-        in_flight = bb;
+        sent = send_next(c, &k, &in_flight, i == 0, bb);
+        ok = sent == 1;
     }
     if (in_flight) {
         ok = kvdepot__call_wait(&k, &tag_send) == 1 && ok;
         grpc_byte_buffer_destroy(in_flight);
     }
-    if (cancel || !ok) {
-        /* after a failed send nothing else would end the call: the server
-         * waits for more */
+    if (cancel && sent >= 0) {
         grpc_call_cancel(k.call, NULL);
-    } else {
+    } else if (ok) {
         grpc_op op;
         memset(&op, 0, sizeof op);
         op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -869,65 +873,53 @@ static void sink_copy(void *user, const uint8_t *p, size_t n)
     *dst += n;
 }
 
-/* The page of a page-format Read's data message, copied once from the
- * transport's slices into *page (malloc'd): the message is walked at the
- * wire level, as read_message does. A data field given twice keeps the
- * last, as protobuf's merge does. 0 or a status with the error set. */
+typedef struct page_msg {
+    kvdepot_client *c;
+    uint8_t *page; /* malloc'd */
+    size_t len;
+} page_msg;
+
+/* One field of a page-format Read's data message: the page (2) is copied
+ * once from the transport's slices; a header (1) is refused. A page given
+ * twice keeps the last, as protobuf's merge does. */
+static int page_field(void *user, bb_cursor *cu, uint32_t field, uint64_t len)
+{
+    page_msg *m = user;
+    if (field == 1)
+        return kvdepot__fail(m->c, KVDEPOT_EINTERNAL, "read pages: message without one page");
+    if (field != 2) {
+        if (cur_take(cu, len, NULL, NULL) != 0)
+            return kvdepot__fail(m->c, KVDEPOT_EINTERNAL, "read pages: malformed response");
+        return KVDEPOT_OK;
+    }
+    uint8_t *d = len <= SIZE_MAX ? malloc(len ? (size_t)len : 1) : NULL, *at = d;
+    if (!d)
+        return kvdepot__fail(m->c, KVDEPOT_ENOMEM, "read pages: out of memory");
+    if (cur_take(cu, len, sink_copy, &at) != 0) {
+        free(d);
+        return kvdepot__fail(m->c, KVDEPOT_EINTERNAL, "read pages: truncated page");
+    }
+    free(m->page);
+    m->page = d;
+    m->len = (size_t)len;
+    return KVDEPOT_OK;
+}
+
+/* The page of a page-format Read's data message, in *page (malloc'd). 0 or
+ * a status with the error set. */
 static int page_data(kvdepot_client *c, grpc_byte_buffer *bb, uint8_t **page, size_t *page_len)
 {
-    bb_cursor cu;
-    *page = NULL;
-    *page_len = 0;
-    if (cur_init(&cu, bb) != 0)
-        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: cannot read a response message");
-    int rc = KVDEPOT_OK;
-    while (rc == KVDEPOT_OK && cur_fill(&cu)) {
-        uint64_t key, len;
-        if (cur_varint(&cu, &key) != 0) {
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
-            break;
-        }
-        const uint32_t field = (uint32_t)(key >> 3), wt = (uint32_t)(key & 7);
-        if (wt == 0) {
-            if (cur_varint(&cu, &len) != 0)
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
-            continue;
-        }
-        if (wt == 1 || wt == 5) {
-            if (cur_take(&cu, wt == 1 ? 8 : 4, NULL, NULL) != 0)
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
-            continue;
-        }
-        if (wt != 2 || cur_varint(&cu, &len) != 0) {
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
-            break;
-        }
-        if (field == 1) {
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: message without one page");
-        } else if (field == 2) {
-            uint8_t *d = len <= SIZE_MAX ? malloc(len ? (size_t)len : 1) : NULL, *at = d;
-            if (!d) {
-                rc = kvdepot__fail(c, KVDEPOT_ENOMEM, "read pages: out of memory");
-            } else if (cur_take(&cu, len, sink_copy, &at) != 0) {
-                free(d);
-                rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: truncated page");
-            } else {
-                free(*page);
-                *page = d;
-                *page_len = (size_t)len;
-            }
-        } else if (cur_take(&cu, len, NULL, NULL) != 0) {
-            rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: malformed response");
-        }
-    }
-    cur_destroy(&cu);
-    if (rc == KVDEPOT_OK && *page_len == 0)
+    page_msg m = {c, NULL, 0};
+    int rc = walk_message(c, bb, "read pages", page_field, &m);
+    if (rc == KVDEPOT_OK && m.len == 0)
         rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "read pages: message without one page");
     if (rc != KVDEPOT_OK) {
-        free(*page);
-        *page = NULL;
-        *page_len = 0;
+        free(m.page);
+        m.page = NULL;
+        m.len = 0;
     }
+    *page = m.page;
+    *page_len = m.len;
     return rc;
 }
 
