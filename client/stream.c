@@ -530,7 +530,9 @@ static int read_header(read_state *st, const kvdepot_read_args *a, const Kvdepot
 }
 
 /* A length-delimited field of a received message: fn consumes its len
- * bytes from cu (or skips them). Returns 0 or a status with the error set. */
+ * bytes from cu. Returns 0, a status with the error set, or FIELD_SKIP for
+ * a field it does not read (walk_message skips its bytes). */
+#define FIELD_SKIP 1 /* (statuses are 0 or negative) */
 typedef int (*field_fn)(void *user, bb_cursor *cu, uint32_t field, uint64_t len);
 
 /* Walk a received message field by field at the wire level: numbers and
@@ -560,8 +562,10 @@ static int walk_message(kvdepot_client *c, grpc_byte_buffer *bb, const char *wha
                                wt);
         } else if (cur_varint(&cu, &len) != 0) {
             rc = kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
-        } else {
-            rc = fn(user, &cu, (uint32_t)(key >> 3), len);
+        } else if ((rc = fn(user, &cu, (uint32_t)(key >> 3), len)) == FIELD_SKIP) {
+            rc = cur_take(&cu, len, NULL, NULL) == 0
+                     ? KVDEPOT_OK
+                     : kvdepot__fail(c, KVDEPOT_EINTERNAL, "%s: malformed response", what);
         }
     }
     cur_destroy(&cu);
@@ -611,9 +615,7 @@ static int read_field(void *user, bb_cursor *cu, uint32_t field, uint64_t len)
             return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: truncated data");
         return KVDEPOT_OK;
     }
-    if (cur_take(cu, len, NULL, NULL) != 0)
-        return kvdepot__fail(c, KVDEPOT_EINTERNAL, "read: malformed response");
-    return KVDEPOT_OK;
+    return FIELD_SKIP;
 }
 
 /* Parse one ReadResponse. Returns 0 or a status with the error set. */
@@ -887,11 +889,8 @@ static int page_field(void *user, bb_cursor *cu, uint32_t field, uint64_t len)
     page_msg *m = user;
     if (field == 1)
         return kvdepot__fail(m->c, KVDEPOT_EINTERNAL, "read pages: message without one page");
-    if (field != 2) {
-        if (cur_take(cu, len, NULL, NULL) != 0)
-            return kvdepot__fail(m->c, KVDEPOT_EINTERNAL, "read pages: malformed response");
-        return KVDEPOT_OK;
-    }
+    if (field != 2)
+        return FIELD_SKIP;
     uint8_t *d = len <= SIZE_MAX ? malloc(len ? (size_t)len : 1) : NULL, *at = d;
     if (!d)
         return kvdepot__fail(m->c, KVDEPOT_ENOMEM, "read pages: out of memory");

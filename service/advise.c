@@ -189,13 +189,8 @@ static int recon_head(ev *e, const cand *c, int side, uint32_t h, const float *x
         free(c16);
         if (rc)
             return rc;
-        if (!side) {
-            if ((rc = kvd_advise_rotate_keys(e->p->be, n, D, e->t2, NULL, y, err)))
-                return rc;
-            for (int64_t t = 0; t < n; t++)
-                for (int i = 0; i < D; i++)
-                    y[t * D + i] *= lambda[i];
-        }
+        if (!side && (rc = kvd_advise_unrotate_keys(e->p->be, n, D, e->t2, lambda, y, err)))
+            return rc;
         return 0;
     }
     const float *R = side ? L->rot_v[h] : L->rot_k[h];
@@ -493,6 +488,16 @@ int kvd_advise_rotate_keys(kvd_backend *be, int64_t n, int D, const float *k, co
     kvd_tensor ot = kvd_tensor_make(KVD_DTYPE_F32, out, 2, rows);
     kvd_tensor lt = kvd_tensor_make(KVD_DTYPE_F32, (void *)lambda, 1, ch);
     return kvd_vq_transform_keys(be, &kt, lambda ? &lt : NULL, &ot, err);
+}
+
+int kvd_advise_unrotate_keys(kvd_backend *be, int64_t n, int D, const float *k, const float *lambda,
+                             float *out, kvd_error *err)
+{
+    int rc = kvd_advise_rotate_keys(be, n, D, k, NULL, out, err);
+    for (int64_t t = 0; rc == 0 && t < n; t++)
+        for (int i = 0; i < D; i++)
+            out[t * D + i] *= lambda[i];
+    return rc;
 }
 
 int kvd_advise(const kvd_advise_params *p, const kvd_advise_layer *layers, uint32_t nlayers,

@@ -51,6 +51,10 @@ typedef struct kvd_advice {
 int kvd_advise_rotate_keys(kvd_backend *be, int64_t n, int D, const float *k, const float *lambda,
                            float *out, kvd_error *err);
 
+/* The inverse on be: K = (K~ H_D) * lambda, H_D being its own inverse. */
+int kvd_advise_unrotate_keys(kvd_backend *be, int64_t n, int D, const float *k, const float *lambda,
+                             float *out, kvd_error *err);
+
 /* Fill out (free with kvd_advice_free, also after a failure). 0,
  * KVD_ENOMEM, or the status of a kernel that refused (message in err). */
 int kvd_advise(const kvd_advise_params *p, const kvd_advise_layer *layers, uint32_t nlayers,

@@ -395,11 +395,8 @@ static int calibrate_head(const cal_state *st, uint32_t l, uint32_t h, cal_out *
         kvd_backend *be = (kvd_backend *)&st->be;
         if ((rc = kvd_advise_rotate_keys(be, (int64_t)n, (int)D, kx, lambda, t1, err)) ||
             (rc = vq_fit(st, seed, t1, n, cbk, t2, err)) ||
-            (rc = kvd_advise_rotate_keys(be, (int64_t)n, (int)D, t2, NULL, t1, err)))
+            (rc = kvd_advise_unrotate_keys(be, (int64_t)n, (int)D, t2, lambda, t1, err)))
             goto out;
-        for (uint64_t t = 0; t < n; t++)
-            for (uint32_t i = 0; i < D; i++)
-                t1[t * D + i] *= lambda[i];
         e->vq_k = rel_err(kx, t1, n * D);
         if ((rc = vq_fit(st, seed + 1, vx, n, cbv, t2, err)))
             goto out;
