@@ -872,6 +872,17 @@ static int qlut_threshold(const pq_qlut *ql, float thr)
     return x > 32767.0 ? 32767 : (int)x;
 }
 
+static int has_avx512bw(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
 
 static int has_vbmi(void)
 {
@@ -1314,6 +1325,7 @@ __attribute__((target("avx2,fma"))) static void scan_avx2q(int m, const uint8_t 
 
 /* State of a packed scan: tables, threshold, candidates waiting. */
 typedef struct pk_scan {
+    __m512i tabs4[4];    /* pk_block512: sub-spaces 4 q .. 4 q + 3 */
     __m256i tabs[8], vq; /* vq: the threshold's Q in every u16 lane */
     int m, P, np;
     int64_t bsz, i0, i1;
@@ -1330,25 +1342,26 @@ __attribute__((target("avx2,fma"))) static void pk_cut(pk_scan *ps, topk_buf *tb
     ps->vq = _mm256_set1_epi16((short)qlut_threshold(ps->ql, tb->thr));
 }
 
-/* The threshold masks of the block at bp: bit 2 l of *me (*mo) set when
- * token 16 (l / 8) + 2 (l % 8) (+ 1) has a quantized sum above the
- * threshold's. */
+/* One pair of sub-spaces of a block (32 bytes v, tables tab) into the u16
+ * sums: a, b of the low and high nibbles' bytes, ao, bo of their odd bytes
+ * alone. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-pk_block(const pk_scan *ps, const int P, const uint8_t *bp, uint32_t *me, uint32_t *mo)
+pk_pair(__m256i tab, __m256i v, __m256i *a, __m256i *ao, __m256i *b, __m256i *bo)
 {
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m256i a = _mm256_setzero_si256(), ao = a, b = a, bo = a;
-#pragma GCC unroll 8
-    for (int p = 0; p < P; p++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + 32 * p));
-        const __m256i x = _mm256_shuffle_epi8(ps->tabs[p], _mm256_and_si256(v, nib));
-        const __m256i y =
-            _mm256_shuffle_epi8(ps->tabs[p], _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
-        a = _mm256_add_epi16(a, x);
-        ao = _mm256_add_epi16(ao, _mm256_srli_epi16(x, 8));
-        b = _mm256_add_epi16(b, y);
-        bo = _mm256_add_epi16(bo, _mm256_srli_epi16(y, 8));
-    }
+    const __m256i x = _mm256_shuffle_epi8(tab, _mm256_and_si256(v, nib));
+    const __m256i y = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+    *a = _mm256_add_epi16(*a, x);
+    *ao = _mm256_add_epi16(*ao, _mm256_srli_epi16(x, 8));
+    *b = _mm256_add_epi16(*b, y);
+    *bo = _mm256_add_epi16(*bo, _mm256_srli_epi16(y, 8));
+}
+
+/* The masks of pk_block from its sums (the lanes: even and odd sub-spaces). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+pk_masks(const pk_scan *ps, __m256i a, __m256i ao, __m256i b, __m256i bo, uint32_t *me,
+         uint32_t *mo)
+{
     const __m256i ae = _mm256_sub_epi16(a, _mm256_slli_epi16(ao, 8));
     const __m256i be = _mm256_sub_epi16(b, _mm256_slli_epi16(bo, 8));
     const __m256i ev = _mm256_add_epi16(_mm256_permute2x128_si256(ae, be, 0x20),
@@ -1357,6 +1370,50 @@ pk_block(const pk_scan *ps, const int P, const uint8_t *bp, uint32_t *me, uint32
                                         _mm256_permute2x128_si256(ao, bo, 0x31));
     *me = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(ev, ps->vq));
     *mo = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(od, ps->vq));
+}
+
+/* The threshold masks of the block at bp: bit 2 l of *me (*mo) set when
+ * token 16 (l / 8) + 2 (l % 8) (+ 1) has a quantized sum above the
+ * threshold's. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+pk_block(const pk_scan *ps, const int P, const uint8_t *bp, uint32_t *me, uint32_t *mo)
+{
+    __m256i a = _mm256_setzero_si256(), ao = a, b = a, bo = a;
+#pragma GCC unroll 8
+    for (int p = 0; p < P; p++)
+        pk_pair(ps->tabs[p], _mm256_loadu_si256((const __m256i *)(bp + 32 * p)), &a, &ao, &b, &bo);
+    pk_masks(ps, a, ao, b, bo, me, mo);
+}
+
+#define PK512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,bmi2")))
+
+/* pk_block with AVX-512BW: four sub-spaces a 64-byte load (ps->tabs4[q]:
+ * sub-space 4 q + s in lane s), the last pair of an odd P as in pk_block.
+ * The four lanes' sums are folded to two (sums modulo 2^16, in any order)
+ * before pk_masks: the same masks. */
+PK512_TARGET __attribute__((always_inline)) static inline void
+pk_block512(const pk_scan *ps, const int P, const uint8_t *bp, uint32_t *me, uint32_t *mo)
+{
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    __m512i a = _mm512_setzero_si512(), ao = a, b = a, bo = a;
+#pragma GCC unroll 4
+    for (int q = 0; q < P / 2; q++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(bp + 64 * q));
+        const __m512i x = _mm512_shuffle_epi8(ps->tabs4[q], _mm512_and_si512(v, nib));
+        const __m512i y =
+            _mm512_shuffle_epi8(ps->tabs4[q], _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+        a = _mm512_add_epi16(a, x);
+        ao = _mm512_add_epi16(ao, _mm512_srli_epi16(x, 8));
+        b = _mm512_add_epi16(b, y);
+        bo = _mm512_add_epi16(bo, _mm512_srli_epi16(y, 8));
+    }
+#define PK_FOLD(z) _mm256_add_epi16(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1))
+    __m256i a2 = PK_FOLD(a), ao2 = PK_FOLD(ao), b2 = PK_FOLD(b), bo2 = PK_FOLD(bo);
+#undef PK_FOLD
+    if (P & 1)
+        pk_pair(ps->tabs[P - 1], _mm256_loadu_si256((const __m256i *)(bp + 32 * (P - 1))), &a2,
+                &ao2, &b2, &bo2);
+    pk_masks(ps, a2, ao2, b2, bo2, me, mo);
 }
 
 /* The tokens of the block of tokens base.. (masks of pk_block) that lie in
@@ -1410,28 +1467,33 @@ __attribute__((target("avx2,fma"))) static void pk_take(pk_scan *ps, const int64
 }
 
 /* Blocks [bi, be) of a packed scan, U blocks a step (be - bi a multiple of
- * U): one branch for a step whose blocks have no candidate. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void
-pk_blocks(pk_scan *ps, const int P, const int U, int64_t bi, int64_t be, topk_buf *tb)
-{
-    for (; bi < be; bi += U) {
-        uint32_t me[8], mo[8], any = 0;
-#pragma GCC unroll 8
-        for (int u = 0; u < U; u++) {
-            pk_block(ps, P, ps->packed + (bi + u) * ps->bsz, &me[u], &mo[u]);
-            any |= me[u] | mo[u];
-        }
-        if (__builtin_expect(any == 0, 1))
-            continue;
-        if (tb->n + 32 * U + 8 > tb->cap)
-            pk_cut(ps, tb);
-        int64_t cand[256];
-        int nc = 0;
-        for (int u = 0; u < U; u++)
-            nc += pk_cands(ps, (bi + u) * 32, me[u], mo[u], cand + nc);
-        pk_take(ps, cand, nc, tb);
+ * U): one branch for a step whose blocks have no candidate. BLOCK is
+ * pk_block or pk_block512, TARGET its target. */
+#define PK_BLOCKS(NAME, BLOCK, TARGET)                                                             \
+    TARGET __attribute__((always_inline)) static inline void NAME(                                 \
+        pk_scan *ps, const int P, const int U, int64_t bi, int64_t be, topk_buf *tb)               \
+    {                                                                                              \
+        for (; bi < be; bi += U) {                                                                 \
+            uint32_t me[8], mo[8], any = 0;                                                        \
+            _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                    \
+            {                                                                                      \
+                BLOCK(ps, P, ps->packed + (bi + u) * ps->bsz, &me[u], &mo[u]);                     \
+                any |= me[u] | mo[u];                                                              \
+            }                                                                                      \
+            if (__builtin_expect(any == 0, 1))                                                     \
+                continue;                                                                          \
+            if (tb->n + 32 * U + 8 > tb->cap)                                                      \
+                pk_cut(ps, tb);                                                                    \
+            int64_t cand[256];                                                                     \
+            int nc = 0;                                                                            \
+            for (int u = 0; u < U; u++)                                                            \
+                nc += pk_cands(ps, (bi + u) * 32, me[u], mo[u], cand + nc);                        \
+            pk_take(ps, cand, nc, tb);                                                             \
+        }                                                                                          \
     }
-}
+PK_BLOCKS(pk_blocks, pk_block, __attribute__((target("avx2,fma"))))
+PK_BLOCKS(pk_blocks512, pk_block512, PK512_TARGET)
+#undef PK_BLOCKS
 
 /*
  * m <= 2: a token's score is one of 256 sums lut[0][a] + lut[1][b], so the
@@ -1604,69 +1666,83 @@ __attribute__((target("avx2,fma"))) static void scan_rows_m2(const uint8_t *code
  * [i0, i1) are skipped. With no threshold yet (NaN) every token is a
  * candidate until the buffer's first cut sets one. m of 3 to 8 take
  * several blocks a step (128 tokens for m <= 4), so that a step without
- * candidates costs one branch.
+ * candidates costs one branch. scan_packed4_512 (CPUs with AVX-512BW) is the
+ * same scan on pk_block512: four sub-spaces a load.
  */
-__attribute__((target("avx2,fma"))) static void scan_packed4(int m, const uint8_t *packed,
-                                                             const float *lut, const pq_qlut *ql,
-                                                             int64_t i0, int64_t i1, topk_buf *tb)
-{
-    pk_scan ps = {
-        .m = m, .P = (m + 1) / 2, .packed = packed, .lut = lut, .ql = ql, .i0 = i0, .i1 = i1};
-    ps.bsz = 32 * (int64_t)ps.P;
-    for (int p = 0; p < ps.P; p++) {
-        __m128i lo = _mm_loadu_si128((const __m128i *)ql->q[2 * p]);
-        __m128i hi = 2 * p + 1 < m ? _mm_loadu_si128((const __m128i *)ql->q[2 * p + 1])
-                                   : _mm_setzero_si128();
-        ps.tabs[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+#define SCAN_PACKED4(NAME, BLOCKS, BLOCK, TARGET, TABS4)                                           \
+    TARGET static void NAME(int m, const uint8_t *packed, const float *lut, const pq_qlut *ql,     \
+                            int64_t i0, int64_t i1, topk_buf *tb)                                  \
+    {                                                                                              \
+        pk_scan ps = {                                                                             \
+            .m = m, .P = (m + 1) / 2, .packed = packed, .lut = lut, .ql = ql, .i0 = i0, .i1 = i1}; \
+        ps.bsz = 32 * (int64_t)ps.P;                                                               \
+        for (int p = 0; p < ps.P; p++) {                                                           \
+            __m128i lo = _mm_loadu_si128((const __m128i *)ql->q[2 * p]);                           \
+            __m128i hi = 2 * p + 1 < m ? _mm_loadu_si128((const __m128i *)ql->q[2 * p + 1])        \
+                                       : _mm_setzero_si128();                                      \
+            ps.tabs[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);               \
+        }                                                                                          \
+        TABS4(ps);                                                                                 \
+        ps.vq = _mm256_set1_epi16((short)qlut_threshold(ql, tb->thr));                             \
+        const int64_t b0 = i0 / 32, b1 = (i1 + 31) / 32;                                           \
+        const int U = ps.P >= 2 && ps.P <= 4 ? 8 / ps.P : 1;                                       \
+        const int64_t bm = b0 + (b1 - b0) / U * U;                                                 \
+        switch (ps.P) { /* m <= 2 (P = 1) takes scan_packed4_m2, not this */                       \
+        case 2:                                                                                    \
+            BLOCKS(&ps, 2, 4, b0, bm, tb);                                                         \
+            break;                                                                                 \
+        case 3:                                                                                    \
+            BLOCKS(&ps, 3, 2, b0, bm, tb);                                                         \
+            break;                                                                                 \
+        case 4:                                                                                    \
+            BLOCKS(&ps, 4, 2, b0, bm, tb);                                                         \
+            break;                                                                                 \
+        case 5:                                                                                    \
+            BLOCKS(&ps, 5, 1, b0, bm, tb);                                                         \
+            break;                                                                                 \
+        case 6:                                                                                    \
+            BLOCKS(&ps, 6, 1, b0, bm, tb);                                                         \
+            break;                                                                                 \
+        case 7:                                                                                    \
+            BLOCKS(&ps, 7, 1, b0, bm, tb);                                                         \
+            break;                                                                                 \
+        case 8:                                                                                    \
+            BLOCKS(&ps, 8, 1, b0, bm, tb);                                                         \
+            break;                                                                                 \
+        default:                                                                                   \
+            BLOCKS(&ps, ps.P, 1, b0, bm, tb);                                                      \
+            break;                                                                                 \
+        }                                                                                          \
+        for (int64_t bi = bm; bi < b1; bi++) { /* the blocks short of a step */                    \
+            uint32_t me, mo;                                                                       \
+            BLOCK(&ps, ps.P, packed + bi * ps.bsz, &me, &mo);                                      \
+            if (me | mo) {                                                                         \
+                if (tb->n + 40 > tb->cap)                                                          \
+                    pk_cut(&ps, tb);                                                               \
+                int64_t cand[32];                                                                  \
+                pk_take(&ps, cand, pk_cands(&ps, bi * 32, me, mo, cand), tb);                      \
+            }                                                                                      \
+        }                                                                                          \
+        for (int c = 0; c < ps.np; c++) {                                                          \
+            float sc = score_packed1(m, packed, ps.pend[c], lut);                                  \
+            if (!(sc <= tb->thr))                                                                  \
+                tb_push(tb, sc, (uint32_t)ps.pend[c]);                                             \
+        }                                                                                          \
+        tb->rescored += (uint64_t)ps.np;                                                           \
+        tb->steps += (uint64_t)((i1 - i0 + 63) / 64);                                              \
     }
-    ps.vq = _mm256_set1_epi16((short)qlut_threshold(ql, tb->thr));
-    const int64_t b0 = i0 / 32, b1 = (i1 + 31) / 32;
-    const int U = ps.P >= 2 && ps.P <= 4 ? 8 / ps.P : 1;
-    const int64_t bm = b0 + (b1 - b0) / U * U;
-    switch (ps.P) { /* m <= 2 (P = 1) takes scan_packed4_m2, not this */
-    case 2:
-        pk_blocks(&ps, 2, 4, b0, bm, tb);
-        break;
-    case 3:
-        pk_blocks(&ps, 3, 2, b0, bm, tb);
-        break;
-    case 4:
-        pk_blocks(&ps, 4, 2, b0, bm, tb);
-        break;
-    case 5:
-        pk_blocks(&ps, 5, 1, b0, bm, tb);
-        break;
-    case 6:
-        pk_blocks(&ps, 6, 1, b0, bm, tb);
-        break;
-    case 7:
-        pk_blocks(&ps, 7, 1, b0, bm, tb);
-        break;
-    case 8:
-        pk_blocks(&ps, 8, 1, b0, bm, tb);
-        break;
-    default:
-        pk_blocks(&ps, ps.P, 1, b0, bm, tb);
-        break;
-    }
-    for (int64_t bi = bm; bi < b1; bi++) { /* the blocks short of a step */
-        uint32_t me, mo;
-        pk_block(&ps, ps.P, packed + bi * ps.bsz, &me, &mo);
-        if (me | mo) {
-            if (tb->n + 40 > tb->cap)
-                pk_cut(&ps, tb);
-            int64_t cand[32];
-            pk_take(&ps, cand, pk_cands(&ps, bi * 32, me, mo, cand), tb);
-        }
-    }
-    for (int c = 0; c < ps.np; c++) {
-        float sc = score_packed1(m, packed, ps.pend[c], lut);
-        if (!(sc <= tb->thr))
-            tb_push(tb, sc, (uint32_t)ps.pend[c]);
-    }
-    tb->rescored += (uint64_t)ps.np;
-    tb->steps += (uint64_t)((i1 - i0 + 63) / 64);
-}
+/* pk_block512's tables: sub-spaces 4 q .. 4 q + 3 (pairs 2 q, 2 q + 1); an
+ * odd P's last pair stays in tabs */
+#define PK_TABS4(ps)                                                                               \
+    for (int q = 0; q < (ps).P / 2; q++)                                                           \
+    (ps).tabs4[q] =                                                                                \
+        _mm512_inserti64x4(_mm512_castsi256_si512((ps).tabs[2 * q]), (ps).tabs[2 * q + 1], 1)
+#define PK_NO_TABS4(ps) (void)0
+SCAN_PACKED4(scan_packed4, pk_blocks, pk_block, __attribute__((target("avx2,fma"))), PK_NO_TABS4)
+SCAN_PACKED4(scan_packed4_512, pk_blocks512, pk_block512, PK512_TARGET, PK_TABS4)
+#undef PK_TABS4
+#undef PK_NO_TABS4
+#undef SCAN_PACKED4
 
 static int simd_ok(int m) { return m == 1 || m == 2 || (m % 4 == 0 && m <= 1024); }
 
@@ -1679,6 +1755,7 @@ typedef struct scan_job {
     const float *luts;
     const pq_qlut *ql;
     int ql_vbmi; /* ql is scanned by scan_vbmi (else scan_avx2q) */
+    int pk512;   /* packed codes are scanned by scan_packed4_512 */
     int use_simd;
     int rows_m2; /* rows of m = 2, b = 4: scan_rows_m2 */
     int64_t lo, hi, per;
@@ -1696,6 +1773,8 @@ static void scan_part(void *arg, int t)
     if (a < e) {
         if (j->packed && j->m <= 2)
             scan_packed4_m2(j->m, j->packed, j->luts, a, e, &tb);
+        else if (j->packed && j->pk512)
+            scan_packed4_512(j->m, j->packed, j->luts, j->ql, a, e, &tb);
         else if (j->packed)
             scan_packed4(j->m, j->packed, j->luts, j->ql, a, e, &tb);
         else if (j->rows_m2)
@@ -1791,8 +1870,25 @@ static int search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
         }
     }
     for (int attempt = 0; k > 0 && attempt < 2; attempt++) {
-        scan_job job = {m,       G,  p->agg, codes, src->packed, luts, ql, ql_vbmi, use_simd,
-                        rows_m2, lo, hi,     per,   bufs,        cap,  k,  thr0,    counts};
+        scan_job job = {.m = m,
+                        .G = G,
+                        .agg = p->agg,
+                        .codes = codes,
+                        .packed = src->packed,
+                        .luts = luts,
+                        .ql = ql,
+                        .ql_vbmi = ql_vbmi,
+                        .pk512 = allow_vbmi && has_avx512bw(),
+                        .use_simd = use_simd,
+                        .rows_m2 = rows_m2,
+                        .lo = lo,
+                        .hi = hi,
+                        .per = per,
+                        .bufs = bufs,
+                        .cap = cap,
+                        .k = k,
+                        .thr0 = thr0,
+                        .counts = counts};
         kvd__par_for(nt, nt, scan_part, &job);
         int64_t total = 0;
         for (int t = 0; t < nt; t++)

@@ -400,11 +400,15 @@ int main(int argc, char **argv)
     float *q8 = malloc(sizeof(float) * HQ * D);
     for (int i = 0; i < HQ * D; i++)
         q8[i] = 8.0f * q[i];
+    /* BENCH_PQ_BITS: the codes' bits, 4, 6 (default) or 8 */
+    const char *bits_env = getenv("BENCH_PQ_BITS");
+    const int pq_bits =
+        bits_env && (atoi(bits_env) == 4 || atoi(bits_env) == 8) ? atoi(bits_env) : 6;
     if (strchr(tables, '4')) {
         printf("\n4. SparseAttend vs full Attend, one sequence, %d q heads / %d kv heads x %d; "
-               "PQ m=16 b=6 (4 K-means steps), k = n/16, 16 initial + 256 recent tokens; "
+               "PQ m=16 b=%d (4 K-means steps), k = n/16, 16 initial + 256 recent tokens; "
                "peaked query (logit std ~3)\n\n",
-               HQ, H, D);
+               HQ, H, D, pq_bits);
         printf("| tokens | Attend ms | Search ms | SparseAttend ms | SparseAttend x faster | "
                "tokens attended per head | out NMSE vs full |\n");
         printf("|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -412,7 +416,7 @@ int main(int argc, char **argv)
     kvdepot_codecs pq;
     memset(&pq, 0, sizeof pq);
     pq.pq_m = 16;
-    pq.pq_bits = 6;
+    pq.pq_bits = (uint32_t)pq_bits;
     pq.pq_iterations = 4;
     const uint64_t sizes[] = {4096, 32768};
     for (int si = 0; si < 2; si++) {
