@@ -30,7 +30,8 @@
  *     packed codes), so only tokens that beat it are scored;
  *   - 4-bit codes packed in blocks of 32 tokens (kvd_pq_pack4) are scanned
  *     as they lie, two sub-spaces a 32-byte load, their nibbles looked up in
- *     16-entry tables held in registers (scan_packed4), with the same
+ *     16-entry tables held in registers (scan_packed4; with AVX-512BW four
+ *     sub-spaces a 64-byte load, scan_packed4_512), with the same
  *     quantized bound and exact re-scoring;
  *   - threads split the middle tokens into contiguous ranges, each with its
  *     own buffer; the per-thread winners are merged by one more selection.

@@ -178,7 +178,8 @@ int kvd__pq_search_cpu(int nthreads, int simd, int64_t n, int m, int b, int D,
  * (n, m) of codes < 16 (the low 4 bits of each code are kept).
  * kvd__pq_search_packed4_cpu: kvd__pq_search_cpu with b = 4 on packed codes;
  * bitwise the reference's result on the rows that were packed. The blocked
- * scan runs for m <= 16 and KVD_PQ_AGG_SUM with AVX2 (simd 1 or 2); other
+ * scan runs for m <= 16 and KVD_PQ_AGG_SUM with AVX2 (simd 1 or 2; with
+ * simd 1 on a CPU with AVX-512BW, four sub-spaces a 64-byte load); other
  * cases unpack the codes and search the rows.
  */
 int64_t kvd_pq_packed4_bytes(int64_t n, int m);
