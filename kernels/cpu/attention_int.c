@@ -284,6 +284,7 @@ int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
 typedef struct int_ctx {
     const kvd_attn_int_args *a;
     int h, G, D, Dv, simd, vnni;
+    int v512;                        /* channel-axis values in 16-channel AVX-512 tiles (vnni512) */
     int kbits, kper, kP, kng, kcols; /* kcols: 32-bit code columns per K row */
     float *sq;                       /* (G) s_q * softmax_scale */
     int8_t *q8;                      /* (G, D) */
@@ -451,6 +452,45 @@ __attribute__((target("avx2,fma,f16c"))) static inline void load_t8_u16(const ch
     }
 }
 
+#define INT512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+/* Two 8-lane halves as one 16-lane vector. */
+#define CAT512I(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)
+#define CAT512F(lo, hi)                                                                            \
+    _mm512_castpd_ps(                                                                              \
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1))
+
+/* The code columns of K rows t .. t + 7, transposed: X[col] lane r = dword
+ * col of row t + r. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+load_k8(const int_ctx *c, int64_t t, __m256i *X)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int cols = c->kcols;
+    for (int c0 = 0; c0 < cols; c0 += 8) {
+        if (cols - c0 >= 8) {
+            for (int r = 0; r < 8; r++)
+                X[c0 + r] =
+                    _mm256_loadu_si256((const __m256i *)(qrow(&a->k.codes, c->h, t + r) + 4 * c0));
+            transpose8x8(X + c0);
+        } else {
+            int32_t tmp[8][8];
+            for (int cc = c0; cc < cols; cc++)
+                for (int r = 0; r < 8; r++)
+                    memcpy(&tmp[cc - c0][r], qrow(&a->k.codes, c->h, t + r) + 4 * cc, 4);
+            for (int cc = c0; cc < cols; cc++)
+                X[cc] = _mm256_loadu_si256((const __m256i *)tmp[cc - c0]);
+        }
+    }
+}
+
+/* Whether a block's key parameters are read as load_t8_u16 transposes
+ * (else params8). */
+static inline int kparams_t8(const int_ctx *c)
+{
+    const int ng = c->kng;
+    return ng == 4 || ng == 8 || (ng == 2 && c->a->k.scale.stride[1] != 4);
+}
+
 /*
  * Scores of a block, BITS a compile-time constant. cols 32-bit code columns
  * per row, cpg per group.
@@ -467,26 +507,12 @@ int_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int 
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         int64_t t = t0 + i;
-        /* columns of the 8 rows, transposed: X[col] lane r = dword col of row r */
-        for (int c0 = 0; c0 < cols; c0 += 8) {
-            if (cols - c0 >= 8) {
-                for (int r = 0; r < 8; r++)
-                    X[c0 + r] = _mm256_loadu_si256((const __m256i *)(qrow(&a->k.codes, c->h, t + r) + 4 * c0));
-                transpose8x8(X + c0);
-            } else {
-                int32_t tmp[8][8];
-                for (int cc = c0; cc < cols; cc++)
-                    for (int r = 0; r < 8; r++)
-                        memcpy(&tmp[cc - c0][r], qrow(&a->k.codes, c->h, t + r) + 4 * cc, 4);
-                for (int cc = c0; cc < cols; cc++)
-                    X[cc] = _mm256_loadu_si256((const __m256i *)tmp[cc - c0]);
-            }
-        }
+        load_k8(c, t, X);
         for (int cc = 0; cc < cols; cc++)
             _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
                 PL[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(X[cc], pl * BITS), mask);
         __m256 sc[8], mn[8]; /* ng <= 8 on this path */
-        if (ng == 4 || ng == 8 || (ng == 2 && a->k.scale.stride[1] != 4)) {
+        if (kparams_t8(c)) {
             __m128i ts[8], tm[8];
             load_t8_u16((const char *)a->k.scale.data + c->h * a->k.scale.stride[0] + t * a->k.scale.stride[1],
                         a->k.scale.stride[1], ng, ts);
@@ -804,6 +830,8 @@ static void prefetch_rows(const kvd_tensor *t, int h, int64_t r0, int64_t n, int
     }
 }
 
+INT512_TARGET static void int_scores_512(const int_ctx *c, int64_t t0, int n, float *s, int ld);
+
 static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
 {
     const int_ctx *c = vctx;
@@ -826,9 +854,12 @@ static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
         return;
     }
     if (c->simd && (c->D * c->kbits) % 32 == 0 && (c->kP * c->kbits) % 32 == 0 &&
-        c->kcols <= KVD__INT_MAXCOLS && c->kng <= 8)
-        int_scores_avx2(vctx, t0, n, s, ld);
-    else
+        c->kcols <= KVD__INT_MAXCOLS && c->kng <= 8) {
+        if (c->v512)
+            int_scores_512(c, t0, n, s, ld);
+        else
+            int_scores_avx2(vctx, t0, n, s, ld);
+    } else
         int_scores_scalar(c, t0, n, s, ld);
 }
 
@@ -942,33 +973,36 @@ load_cols(const uint8_t *const *rows, __m256i *X, const int COLS)
     }
 }
 
+/* The part of a block's value pass shared by its tile loops (int_values_tpl,
+ * int_values512_tpl): per group of the block and query head, the uint8 P
+ * patterns (into c->vpatv) and the float corrections; and the prefetch of the
+ * next block's code and parameter lines. */
+typedef struct values_prep {
+    float mP[KVD__ATTN_BLOCK / 32][KVD__ATTN_MAXG], sP[KVD__ATTN_BLOCK / 32][KVD__ATTN_MAXG],
+        corr[KVD__ATTN_BLOCK / 32][KVD__ATTN_MAXG];
+} values_prep;
+
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc, const int BITS,
-               const int P, const int VNNI, const int GT)
+int_values_prep(const int_ctx *c, int64_t t0, int n, const float *p, int ld, const int BITS,
+                const int P, values_prep *vr)
 {
     const kvd_attn_int_args *a = c->a;
-    /* GT: the query heads per kv head as a compile-time constant (0: read
-     * c->G), so a tile's G output vectors stay in registers over the groups
-     * of the block */
-    const int GG = GT ? GT : c->G;
-    const int PER = 8 / BITS, COLS = P * BITS / 32, FLUSH = BITS == 2 ? 4 : 2;
-    const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
-    enum { NGMAX = KVD__ATTN_BLOCK / 32 };
+    const int PER = 8 / BITS, COLS = P * BITS / 32;
     _Alignas(32) uint8_t p8[128];
     /* per group of the block and query head: uint8 P patterns and the float
-     * corrections, computed once; then every 8-channel tile walks all groups
-     * of the block, so the tile's code rows (T*bits/8 bytes apart: a
-     * power-of-two stride that maps them all to the same cache sets) are
-     * read once per block as whole cache lines */
+     * corrections, computed once; then every tile walks all groups of the
+     * block, so the tile's code rows (T*bits/8 bytes apart: a power-of-two
+     * stride that maps them all to the same cache sets) are read once per
+     * block as whole cache lines */
     /* [gi][g][COLS * PER] dwords, broadcast where used */
     int32_t *vp = (int32_t *)c->vpatv;
-    float mP[NGMAX][KVD__ATTN_MAXG], sP[NGMAX][KVD__ATTN_MAXG], corr[NGMAX][KVD__ATTN_MAXG];
     const kvd_tensor *ct = &a->v.codes;
     int ngb = n / P;
     for (int gi = 0; gi < ngb; gi++)
         for (int g = 0; g < c->G; g++) {
             int sum8;
-            quantize_p8_avx2(p + (size_t)g * ld + gi * P, P, p8, &mP[gi][g], &sP[gi][g], &sum8);
+            quantize_p8_avx2(p + (size_t)g * ld + gi * P, P, p8, &vr->mP[gi][g], &vr->sP[gi][g],
+                             &sum8);
             /* plane-order patterns (as build_patterns_i8) with one byte shuffle
              * per 16 bytes: out byte 4k+b of a column = in byte b*PER+k */
             int32_t *pat = vp + ((size_t)gi * c->G + g) * COLS * PER;
@@ -977,7 +1011,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
             for (int i = 0; i < P; i += 16)
                 _mm_storeu_si128((__m128i *)(pat + i / 4),
                                  _mm_shuffle_epi8(_mm_load_si128((const __m128i *)(p8 + i)), perm));
-            corr[gi][g] = sP[gi][g] * (float)sum8 + (float)P * mP[gi][g];
+            vr->corr[gi][g] = vr->sP[gi][g] * (float)sum8 + (float)P * vr->mP[gi][g];
         }
     const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
     const int64_t cst = ct->stride[1];
@@ -1001,6 +1035,28 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
                              (t0 + n) / P * 2,
                          _MM_HINT_T0);
         }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc,
+               const int BITS, const int P, const int VNNI, const int GT)
+{
+    const kvd_attn_int_args *a = c->a;
+    /* GT: the query heads per kv head as a compile-time constant (0: read
+     * c->G), so a tile's G output vectors stay in registers over the groups
+     * of the block */
+    const int GG = GT ? GT : c->G;
+    const int PER = 8 / BITS, COLS = P * BITS / 32, FLUSH = BITS == 2 ? 4 : 2;
+    const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
+    values_prep vr;
+    int_values_prep(c, t0, n, p, ld, BITS, P, &vr);
+    const int32_t *vp = (const int32_t *)c->vpatv;
+    const float(*mP)[KVD__ATTN_MAXG] = vr.mP, (*sP)[KVD__ATTN_MAXG] = vr.sP,
+          (*corr)[KVD__ATTN_MAXG] = vr.corr;
+    const kvd_tensor *ct = &a->v.codes;
+    const int ngb = n / P;
+    const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
+    const int64_t cst = ct->stride[1];
     /* a tile's parameters for every group of the block at once: the ngb
      * consecutive u16 of each of its 8 channel rows, transposed */
     const int tparams = ngb == 2 || ngb == 4 || ngb == 8;
@@ -1077,10 +1133,199 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
     }
 }
 
+/*
+ * int_values_tpl's VNNI path in 16-channel tiles on AVX-512 (VNNI, BW):
+ * two 8-row halves loaded and transposed as there, then joined, so that the
+ * planes' masks, the dot products (512-bit vpdpbusd) and the float updates
+ * take one instruction for 16 channels. Each lane computes what
+ * int_values_tpl's does, in the same order: the same bits.
+ */
+INT512_TARGET __attribute__((always_inline)) static inline void
+int_values512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc,
+                  const int BITS, const int P, const int GT)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int GG = GT ? GT : c->G;
+    const int PER = 8 / BITS, COLS = P * BITS / 32;
+    const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1));
+    values_prep vr;
+    int_values_prep(c, t0, n, p, ld, BITS, P, &vr);
+    const int32_t *vp = (const int32_t *)c->vpatv;
+    const kvd_tensor *ct = &a->v.codes;
+    const int ngb = n / P;
+    const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
+    const int64_t cst = ct->stride[1];
+    const int tparams = ngb == 2 || ngb == 4 || ngb == 8;
+    const kvd_tensor *pt[3] = {&a->v.scale, &a->v.min, &a->v.sum};
+    for (int d0 = 0; d0 < c->Dv; d0 += 16) {
+        __m128i tp[3][2][8]; /* scale, min, sum; channels d0.., d0 + 8..; group */
+        __m512 o[KVD__ATTN_MAXG];
+        for (int k = 0; tparams && k < 3; k++)
+            for (int hf = 0; hf < 2; hf++)
+                load_t8_u16((const char *)pt[k]->data + c->h * pt[k]->stride[0] +
+                                (d0 + 8 * hf) * pt[k]->stride[1] + (t0 / P) * 2,
+                            pt[k]->stride[1], ngb, tp[k][hf]);
+        for (int gi = 0; gi < ngb; gi++) {
+            int64_t grp = t0 / P + gi;
+            const uint8_t *rows[16];
+            const uint8_t *r0 = cbase + d0 * cst + gi * (P / PER);
+            _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) rows[r] = r0 + r * cst;
+            __m512 vsc, vmn, vcs;
+            if (tparams) {
+                vsc = _mm512_cvtph_ps(_mm256_set_m128i(tp[0][1][gi], tp[0][0][gi]));
+                vmn = _mm512_cvtph_ps(_mm256_set_m128i(tp[1][1][gi], tp[1][0][gi]));
+                vcs = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu16_epi32(_mm256_set_m128i(tp[2][1][gi], tp[2][0][gi])));
+            } else {
+                vsc = CAT512F(param_col(pt[0], c->h, d0, grp, 0),
+                              param_col(pt[0], c->h, d0 + 8, grp, 0));
+                vmn = CAT512F(param_col(pt[1], c->h, d0, grp, 0),
+                              param_col(pt[1], c->h, d0 + 8, grp, 0));
+                vcs = CAT512F(param_col(pt[2], c->h, d0, grp, 1),
+                              param_col(pt[2], c->h, d0 + 8, grp, 1));
+            }
+            __m256i X0[16], X1[16];
+            __m512i PL[16][4];
+            if (gi == 0)
+                for (int g = 0; g < GG; g++)
+                    o[g] = _mm512_loadu_ps(acc + (size_t)g * c->Dv + d0);
+            load_cols(rows, X0, COLS);
+            load_cols(rows + 8, X1, COLS);
+            _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
+            {
+                const __m512i x = CAT512I(X0[cc], X1[cc]);
+                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) PL[cc][pl] =
+                    _mm512_and_si512(_mm512_srli_epi16(x, pl * BITS), mask);
+            }
+            for (int g = 0; g < GG; g++) {
+                const int32_t *pat = vp + ((size_t)gi * GG + g) * COLS * PER;
+                __m512i ap[4], acc32 = _mm512_setzero_si512();
+                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) ap[pl] =
+                    _mm512_setzero_si512();
+                _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++) _Pragma(
+                    "GCC unroll 4") for (int pl = 0; pl < PER; pl++) ap[pl] =
+                    _mm512_dpbusd_epi32(ap[pl], _mm512_set1_epi32(pat[cc * PER + pl]), PL[cc][pl]);
+                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) acc32 =
+                    _mm512_add_epi32(acc32, ap[pl]);
+                /* sc * (sP*S + mP*cs) + mn * (sP*sum8 + P*mP) */
+                __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(vr.sP[gi][g]), _mm512_cvtepi32_ps(acc32),
+                                           _mm512_mul_ps(_mm512_set1_ps(vr.mP[gi][g]), vcs));
+                o[g] = _mm512_fmadd_ps(vsc, t, o[g]);
+                o[g] = _mm512_fmadd_ps(vmn, _mm512_set1_ps(vr.corr[gi][g]), o[g]);
+            }
+        }
+        for (int g = 0; g < GG && ngb > 0; g++)
+            _mm512_storeu_ps(acc + (size_t)g * c->Dv + d0, o[g]);
+    }
+}
+
+INT512_TARGET static void int_values_channel_512(const int_ctx *c, int64_t t0, int n,
+                                                 const float *p, int ld, float *acc)
+{
+    const int bits = c->a->v.bits, P = c->a->v.group;
+#define KVD__VT(B, PP)                                                                             \
+    else if (bits == B && P == PP)                                                                 \
+    {                                                                                              \
+        if (c->G == 4)                                                                             \
+            int_values512_tpl(c, t0, n, p, ld, acc, B, PP, 4);                                     \
+        else                                                                                       \
+            int_values512_tpl(c, t0, n, p, ld, acc, B, PP, 0);                                     \
+    }
+    if (0) {
+    }
+    KVD__VT(2, 32) KVD__VT(2, 64) KVD__VT(2, 128) KVD__VT(4, 32) KVD__VT(4, 64) KVD__VT(4, 128)
+#undef KVD__VT
+}
+
+/*
+ * int_scores_tpl's VNNI path on AVX-512 (VNNI, BW): 16 tokens a step, two
+ * 8-row halves loaded and transposed as there, then joined, so that the
+ * planes' masks, the dot products and the float sums take one instruction
+ * for 16 tokens; the tokens short of 16 go through int_scores_avx2. Each
+ * lane computes what int_scores_tpl's does, in the same order: the same
+ * bits.
+ */
+INT512_TARGET __attribute__((always_inline)) static inline void
+int_scores512_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int BITS)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int PER = 8 / BITS;
+    const int cols = c->kcols, ng = c->kng, cpg = cols / ng;
+    const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1));
+    __m256i X0[KVD__INT_MAXCOLS], X1[KVD__INT_MAXCOLS];
+    __m512i PL[KVD__INT_MAXCOLS][PER];
+    const int t8 = kparams_t8(c);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const int64_t t = t0 + i;
+        load_k8(c, t, X0);
+        load_k8(c, t + 8, X1);
+        for (int cc = 0; cc < cols; cc++) {
+            const __m512i x = CAT512I(X0[cc], X1[cc]);
+            _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) PL[cc][pl] =
+                _mm512_and_si512(_mm512_srli_epi16(x, pl * BITS), mask);
+        }
+        __m512 sc[8], mn[8]; /* ng <= 8 on this path */
+        if (t8) {
+            __m128i ts[2][8], tm[2][8];
+            for (int hf = 0; hf < 2; hf++) {
+                load_t8_u16((const char *)a->k.scale.data + c->h * a->k.scale.stride[0] +
+                                (t + 8 * hf) * a->k.scale.stride[1],
+                            a->k.scale.stride[1], ng, ts[hf]);
+                load_t8_u16((const char *)a->k.min.data + c->h * a->k.min.stride[0] +
+                                (t + 8 * hf) * a->k.min.stride[1],
+                            a->k.min.stride[1], ng, tm[hf]);
+            }
+            for (int grp = 0; grp < ng; grp++) {
+                sc[grp] = _mm512_cvtph_ps(_mm256_set_m128i(ts[1][grp], ts[0][grp]));
+                mn[grp] = _mm512_cvtph_ps(_mm256_set_m128i(tm[1][grp], tm[0][grp]));
+            }
+        } else
+            for (int grp = 0; grp < ng; grp++) {
+                sc[grp] = CAT512F(params8(&a->k.scale, c->h, t, grp, ng),
+                                  params8(&a->k.scale, c->h, t + 8, grp, ng));
+                mn[grp] = CAT512F(params8(&a->k.min, c->h, t, grp, ng),
+                                  params8(&a->k.min, c->h, t + 8, grp, ng));
+            }
+        for (int g = 0; g < c->G; g++) {
+            const int32_t *pat = c->qpat + (size_t)g * cols * PER;
+            __m512 dot = _mm512_setzero_ps();
+            for (int grp = 0; grp < ng; grp++) {
+                __m512i ap[4], acc32 = _mm512_setzero_si512();
+                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) ap[pl] =
+                    _mm512_setzero_si512();
+                for (int cc = grp * cpg; cc < (grp + 1) * cpg; cc++)
+                    _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) ap[pl] =
+                        _mm512_dpbusd_epi32(ap[pl], PL[cc][pl],
+                                            _mm512_set1_epi32(pat[cc * PER + pl]));
+                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) acc32 =
+                    _mm512_add_epi32(acc32, ap[pl]);
+                dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc32), sc[grp], dot);
+                dot = _mm512_fmadd_ps(_mm512_set1_ps(c->qsum[g * ng + grp]), mn[grp], dot);
+            }
+            _mm512_storeu_ps(s + (size_t)g * ld + i, _mm512_mul_ps(dot, _mm512_set1_ps(c->sq[g])));
+        }
+    }
+    if (i < n)
+        int_scores_avx2((void *)c, t0 + i, n - i, s + i, ld);
+}
+
+INT512_TARGET static void int_scores_512(const int_ctx *c, int64_t t0, int n, float *s, int ld)
+{
+    if (c->kbits == 2)
+        int_scores512_tpl(c, t0, n, s, ld, 2);
+    else
+        int_scores512_tpl(c, t0, n, s, ld, 4);
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void
 int_values_channel_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc)
 {
     int bits = c->a->v.bits, P = c->a->v.group;
+    if (c->v512 && (bits == 2 || bits == 4) && (P == 32 || P == 64 || P == 128)) {
+        int_values_channel_512(c, t0, n, p, ld, acc);
+        return;
+    }
 #define KVD__VT(B, PP)                                                                             \
     else if (bits == B && P == PP)                                                                 \
     {                                                                                              \
@@ -1357,6 +1602,21 @@ static int vnni_form(void)
     return getenv("KVD_NO_VNNI") ? 0 : f;
 }
 
+/* Whether the CPU runs 512-bit vpdpbusd with AVX-512BW (int_values512_tpl;
+ * taken only where vnni_form is not 0: KVD_NO_VNNI turns it off too). */
+static int vnni512(void)
+{
+    static atomic_int ok = -1;
+    int v = atomic_load(&ok);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        atomic_store(&ok, v);
+    }
+    return v;
+}
+
 /* One kv head of kvd_cpu_attn_int_fast (kvd__par_for). */
 typedef struct int_job {
     const kvd_attn_int_args *a;
@@ -1382,6 +1642,7 @@ static void int_head(void *arg, int h)
     c.Dv = Dv;
     c.simd = simd;
     c.vnni = vnni;
+    c.v512 = simd && vnni && Dv % 16 == 0 && vnni512();
     int kb = a->k.bits ? a->k.bits : 2;
     c.kbits = kb;
     c.kper = 8 / kb;
