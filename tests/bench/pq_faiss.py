@@ -8,7 +8,9 @@
         built from a 4-bit IndexPQ), times index.search() (best of REPS, one thread
         and all threads), checks that FAISS ranks the same codes like a NumPy
         brute force, and writes one CSV row per case with the FAISS version
-        and compile options.
+        and compile options. PQ_FAISS_SIMD=AVX2 (or another level the
+        build holds) picks the SIMD level of a build with dynamic dispatch;
+        auto (or unset) leaves it the CPU's best.
     pq_faiss.py report OURS.csv FAISS.csv [FAISS.csv ...]
         One table: kvdepot's figures (bench_pq's CSV) next to every FAISS
         build measured, with the ratios, and the targets. Each argument may
@@ -44,7 +46,19 @@ def measure(dump, reps, out_csv):
     import faiss
 
     nall = os.cpu_count() or 1
-    build = f"FAISS {faiss.__version__} ({faiss.get_compile_options().strip()})"
+    # A build with dynamic dispatch (PyPI's faiss-cpu from 1.12 on) holds
+    # several SIMD levels and picks the CPU's best; PQ_FAISS_SIMD=AVX2
+    # (say) measures another one of them. (Not FAISS_SIMD_LEVEL, which FAISS
+    # itself reads at import and which knows no "auto".)
+    level, simd = os.environ.get("PQ_FAISS_SIMD"), ""
+    if hasattr(faiss, "SIMDConfig") and faiss.SIMDConfig.has_dynamic_dispatch():
+        if level and level != "auto":  # auto: the CPU's best, as by default
+            faiss.SIMDConfig.set_level(faiss.to_simd_level(level.upper()))
+        simd = f"; SIMD level {faiss.to_string(faiss.SIMDConfig.get_level())}"
+    elif level and level != "auto":
+        sys.exit(f"pq_faiss: PQ_FAISS_SIMD={level}, but FAISS {faiss.__version__} "
+                 "has no dynamic dispatch: it runs the level it was built for")
+    build = f"FAISS {faiss.__version__} ({faiss.get_compile_options().strip()}{simd})"
     q = np.fromfile(os.path.join(dump, "queries.f32"), dtype=np.float32).reshape(G, D)
     qbar = q[0].copy()
     for h in range(1, G):

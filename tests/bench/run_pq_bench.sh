@@ -9,8 +9,11 @@
 # faiss-cpu, the SIMD build users run; tests/bench/peers/run_peers.sh makes
 # one); without python3-faiss, that one alone. The systems run in turn
 # ROUNDS times (default 3) and each case keeps its best round: this
-# machine's speed may drift over seconds. PQ_OUT=DIR keeps every round's
-# CSVs and bench_pq's output there.
+# machine's speed may drift over seconds. FAISS_LEVELS="AVX2 auto"
+# measures FAISS_PYTHON's FAISS at each of these SIMD levels (a build with
+# dynamic dispatch, as PyPI's faiss-cpu is from 1.12 on, holds several and
+# otherwise runs the CPU's best: auto), each as one system. PQ_OUT=DIR keeps every
+# round's CSVs and bench_pq's output there.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 build=${1:-build}
@@ -39,12 +42,29 @@ while [ "$r" -le "$rounds" ]; do
         /usr/bin/python3 "$here/pq_faiss.py" measure "$work" "$reps" "$work/faiss-debian.$r.csv"
         debian=${debian:+$debian,}$work/faiss-debian.$r.csv
     fi
-    if [ -n "${FAISS_PYTHON:-}" ]; then
+    if [ -n "${FAISS_PYTHON:-}" ] && [ -z "${FAISS_LEVELS:-}" ]; then
         "$FAISS_PYTHON" "$here/pq_faiss.py" measure "$work" "$reps" "$work/faiss-pypi.$r.csv"
         pypi=${pypi:+$pypi,}$work/faiss-pypi.$r.csv
     fi
+    i=0
+    for lv in ${FAISS_PYTHON:+${FAISS_LEVELS:-}}; do
+        i=$((i + 1))
+        PQ_FAISS_SIMD=$lv "$FAISS_PYTHON" "$here/pq_faiss.py" measure "$work" "$reps" \
+            "$work/faiss-pypi-$i.$r.csv"
+    done
     r=$((r + 1))
 done
-# shellcheck disable=SC2086 # $debian, $pypi: one argument each, or nothing
+# one argument per SIMD level: its rounds' CSVs, comma-separated
+i=0
+for lv in ${FAISS_PYTHON:+${FAISS_LEVELS:-}}; do
+    i=$((i + 1))
+    list='' r=1
+    while [ "$r" -le "$rounds" ]; do
+        list=${list:+$list,}$work/faiss-pypi-$i.$r.csv
+        r=$((r + 1))
+    done
+    pypi=${pypi:+$pypi }$list
+done
+# shellcheck disable=SC2086 # $debian: one argument or nothing; $pypi: one a level
 /usr/bin/python3 "$here/pq_faiss.py" report "$ours" $debian $pypi
 [ -z "${PQ_OUT:-}" ] || { mkdir -p "$PQ_OUT" && cp "$work"/*.csv "$work"/*.txt "$PQ_OUT"/; }

@@ -217,8 +217,9 @@ stop_all
 # ---- PQ search ---------------------------------------------------------------
 if ! skipped faiss; then
     echo "run_peers: PQ search" >&2
-    # Debian's FAISS and PyPI's beside kvdepot, in turn, 3 rounds
-    FAISS_PYTHON="$envs/peers/bin/python" PQ_OUT="$out" \
+    # Debian's FAISS and PyPI's beside kvdepot, in turn, 3 rounds; PyPI's
+    # at its AVX2 level and at the CPU's best (AVX-512 where there is one)
+    FAISS_PYTHON="$envs/peers/bin/python" FAISS_LEVELS="AVX2 auto" PQ_OUT="$out" \
         "$here/../run_pq_bench.sh" "$build" "$pq_reps" 3 | tee "$out/pq.md"
 fi
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
