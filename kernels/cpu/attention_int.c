@@ -459,6 +459,33 @@ __attribute__((target("avx2,fma,f16c"))) static inline void load_t8_u16(const ch
     _mm512_castpd_ps(                                                                              \
         _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1))
 
+/* Ask for the K code and parameter lines of tokens t + KVD__K_AHEAD ..
+ * t + KVD__K_AHEAD + ntok - 1 (rows stored one after the other), a step of
+ * the score loops at a time: a whole block asked for at once, at its start,
+ * left the loads of the codes waiting on memory. */
+#define KVD__K_AHEAD 128
+static inline void prefetch_k_ahead(const int_ctx *c, int64_t t, int ntok)
+{
+    const kvd_attn_qdata *k = &c->a->k;
+    const int64_t r = t + KVD__K_AHEAD;
+    if (r + ntok > k->codes.shape[1])
+        return;
+    const int64_t cb = k->codes.shape[2];
+    if (k->codes.stride[1] == cb) {
+        const char *p = (const char *)qrow(&k->codes, c->h, r);
+        for (int64_t o = 0; o < ntok * cb; o += 64)
+            __builtin_prefetch(p + o);
+    }
+    const kvd_tensor *pt[2] = {&k->scale, &k->min};
+    for (int j = 0; j < 2; j++)
+        if (pt[j]->stride[1] == 2 * pt[j]->shape[2]) {
+            const char *p =
+                (const char *)pt[j]->data + c->h * pt[j]->stride[0] + r * pt[j]->stride[1];
+            for (int64_t o = 0; o < ntok * pt[j]->stride[1]; o += 64)
+                __builtin_prefetch(p + o);
+        }
+}
+
 /* The code columns of K rows t .. t + 7, transposed: X[col] lane r = dword
  * col of row t + r. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
@@ -507,6 +534,7 @@ int_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int 
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         int64_t t = t0 + i;
+        prefetch_k_ahead(c, t, 8);
         load_k8(c, t, X);
         for (int cc = 0; cc < cols; cc++)
             _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
@@ -1258,6 +1286,7 @@ int_scores512_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const i
     int i = 0;
     for (; i + 16 <= n; i += 16) {
         const int64_t t = t0 + i;
+        prefetch_k_ahead(c, t, 16);
         load_k8(c, t, X0);
         load_k8(c, t + 8, X1);
         for (int cc = 0; cc < cols; cc++) {
