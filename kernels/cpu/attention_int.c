@@ -1001,20 +1001,45 @@ load_cols(const uint8_t *const *rows, __m256i *X, const int COLS)
     }
 }
 
+/* The channel rows of a long run are T*bits/8 bytes apart (a page of the
+ * store: 64 B, then the rows are contiguous; a whole 32K-token run: 8 KB,
+ * one 4 KB page per row, which neither the TLB nor the stride prefetcher
+ * follows). The value loops ask for the next block's code and parameter
+ * lines of channels [d0, d1) as they start that tile, so that the lines of
+ * the next block arrive while this one is computed, a tile's worth at a
+ * time (every row asked for at the block's start was too many at once). */
+static inline void prefetch_v_tile(const int_ctx *c, int64_t t0, int n, int d0, int d1,
+                                   const int BITS, const int P)
+{
+    const kvd_attn_int_args *a = c->a;
+    const kvd_tensor *ct = &a->v.codes;
+    const int64_t cst = ct->stride[1];
+    if (t0 + 2 * (int64_t)n > a->n_tokens || cst <= 64)
+        return;
+    const int PER = 8 / BITS;
+    const char *cbase = (const char *)ct->data + c->h * ct->stride[0] + (t0 + n) / PER;
+    const kvd_tensor *pt[3] = {&a->v.scale, &a->v.min, &a->v.sum};
+    for (int d = d0; d < d1; d++) {
+        for (int o = 0; o < n / PER; o += 64)
+            __builtin_prefetch(cbase + d * cst + o);
+        for (int k = 0; k < 3; k++)
+            __builtin_prefetch((const char *)pt[k]->data + c->h * pt[k]->stride[0] +
+                               d * pt[k]->stride[1] + (t0 + n) / P * 2);
+    }
+}
+
 /* The part of a block's value pass shared by its tile loops (int_values_tpl,
  * int_values512_tpl): per group of the block and query head, the uint8 P
- * patterns (into c->vpatv) and the float corrections; and the prefetch of the
- * next block's code and parameter lines. */
+ * patterns (into c->vpatv) and the float corrections. */
 typedef struct values_prep {
     float mP[KVD__ATTN_BLOCK / 32][KVD__ATTN_MAXG], sP[KVD__ATTN_BLOCK / 32][KVD__ATTN_MAXG],
         corr[KVD__ATTN_BLOCK / 32][KVD__ATTN_MAXG];
 } values_prep;
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-int_values_prep(const int_ctx *c, int64_t t0, int n, const float *p, int ld, const int BITS,
-                const int P, values_prep *vr)
+int_values_prep(const int_ctx *c, int n, const float *p, int ld, const int BITS, const int P,
+                values_prep *vr)
 {
-    const kvd_attn_int_args *a = c->a;
     const int PER = 8 / BITS, COLS = P * BITS / 32;
     _Alignas(32) uint8_t p8[128];
     /* per group of the block and query head: uint8 P patterns and the float
@@ -1024,7 +1049,6 @@ int_values_prep(const int_ctx *c, int64_t t0, int n, const float *p, int ld, con
      * block as whole cache lines */
     /* [gi][g][COLS * PER] dwords, broadcast where used */
     int32_t *vp = (int32_t *)c->vpatv;
-    const kvd_tensor *ct = &a->v.codes;
     int ngb = n / P;
     for (int gi = 0; gi < ngb; gi++)
         for (int g = 0; g < c->G; g++) {
@@ -1041,28 +1065,6 @@ int_values_prep(const int_ctx *c, int64_t t0, int n, const float *p, int ld, con
                                  _mm_shuffle_epi8(_mm_load_si128((const __m128i *)(p8 + i)), perm));
             vr->corr[gi][g] = vr->sP[gi][g] * (float)sum8 + (float)P * vr->mP[gi][g];
         }
-    const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
-    const int64_t cst = ct->stride[1];
-    /* The channel rows of a long run are T*bits/8 bytes apart (a page of the
-     * store: 64 B, then the rows are contiguous; a whole 32K-token run: 8 KB,
-     * one 4 KB page per row, which neither the TLB nor the stride
-     * prefetcher follows). Ask for the next block's code and parameter
-     * lines of every row now; they arrive while this block is computed. */
-    if (t0 + 2 * (int64_t)n <= c->a->n_tokens && cst > 64)
-        for (int d = 0; d < c->Dv; d++) {
-            const char *r = (const char *)cbase + d * cst + n / PER;
-            for (int o = 0; o < n / PER; o += 64)
-                _mm_prefetch(r + o, _MM_HINT_T0);
-            _mm_prefetch((const char *)a->v.scale.data + c->h * a->v.scale.stride[0] + d * a->v.scale.stride[1] +
-                             (t0 + n) / P * 2,
-                         _MM_HINT_T0);
-            _mm_prefetch((const char *)a->v.min.data + c->h * a->v.min.stride[0] + d * a->v.min.stride[1] +
-                             (t0 + n) / P * 2,
-                         _MM_HINT_T0);
-            _mm_prefetch((const char *)a->v.sum.data + c->h * a->v.sum.stride[0] + d * a->v.sum.stride[1] +
-                             (t0 + n) / P * 2,
-                         _MM_HINT_T0);
-        }
 }
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
@@ -1077,7 +1079,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
     const int PER = 8 / BITS, COLS = P * BITS / 32, FLUSH = BITS == 2 ? 4 : 2;
     const __m256i mask = _mm256_set1_epi8((char)((1 << BITS) - 1)), ones = _mm256_set1_epi16(1);
     values_prep vr;
-    int_values_prep(c, t0, n, p, ld, BITS, P, &vr);
+    int_values_prep(c, n, p, ld, BITS, P, &vr);
     const int32_t *vp = (const int32_t *)c->vpatv;
     const float(*mP)[KVD__ATTN_MAXG] = vr.mP, (*sP)[KVD__ATTN_MAXG] = vr.sP,
           (*corr)[KVD__ATTN_MAXG] = vr.corr;
@@ -1089,6 +1091,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
      * consecutive u16 of each of its 8 channel rows, transposed */
     const int tparams = ngb == 2 || ngb == 4 || ngb == 8;
     for (int d0 = 0; d0 < c->Dv; d0 += 8) {
+        prefetch_v_tile(c, t0, n, d0, d0 + 8, BITS, P);
         __m128i tsc[8], tmn[8], tcs[8];
         __m256 o[KVD__ATTN_MAXG]; /* acc rows g, channels d0..d0+7 */
         if (tparams) {
@@ -1177,7 +1180,7 @@ int_values512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, f
     const int PER = 8 / BITS, COLS = P * BITS / 32;
     const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1));
     values_prep vr;
-    int_values_prep(c, t0, n, p, ld, BITS, P, &vr);
+    int_values_prep(c, n, p, ld, BITS, P, &vr);
     const int32_t *vp = (const int32_t *)c->vpatv;
     const kvd_tensor *ct = &a->v.codes;
     const int ngb = n / P;
@@ -1186,6 +1189,7 @@ int_values512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, f
     const int tparams = ngb == 2 || ngb == 4 || ngb == 8;
     const kvd_tensor *pt[3] = {&a->v.scale, &a->v.min, &a->v.sum};
     for (int d0 = 0; d0 < c->Dv; d0 += 16) {
+        prefetch_v_tile(c, t0, n, d0, d0 + 16, BITS, P);
         __m128i tp[3][2][8]; /* scale, min, sum; channels d0.., d0 + 8..; group */
         __m512 o[KVD__ATTN_MAXG];
         for (int k = 0; tparams && k < 3; k++)
