@@ -755,6 +755,9 @@ kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const in
      * time (GP * KP <= 8 accumulators), the pairs read again for the next
      * KP (from L1). */
     const int KP = GP * PER > 8 ? 8 / GP : PER;
+    /* the channel rows are T*bits/8 bytes apart (a page each in a long
+     * run): the first pass over them asks for the next block's lines */
+    const int ahead = t0 + 2 * (int64_t)n <= a->n_tokens && cst > 64;
     for (int c0 = 0; c0 < n; c0 += TPR) {
         int gA = c0 / P, gB = (c0 + TPL) / P;
         for (int g0 = 0; g0 < G; g0 += GP) {
@@ -773,6 +776,12 @@ kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const in
                         _mm256_setzero_si256();
                 for (int pr = 0, cnt = 0; pr < D / 2; pr++) {
                     const uint8_t *r0 = cbase + (int64_t)(2 * pr) * cst + c0 / PER;
+                    if (ahead && c0 == 0 && g0 == 0 && k0 == 0) {
+                        for (int o = 0; o < n / PER; o += 64) {
+                            __builtin_prefetch(r0 + n / PER + o);
+                            __builtin_prefetch(r0 + cst + n / PER + o);
+                        }
+                    }
                     __m128i x0 = _mm_loadu_si128((const __m128i *)r0),
                             x1 = _mm_loadu_si128((const __m128i *)(r0 + cst));
                     __m256i X =
