@@ -284,7 +284,12 @@ int kvd_cpu_attn_int_ref(const kvd_attn_int_args *a)
 typedef struct int_ctx {
     const kvd_attn_int_args *a;
     int h, G, D, Dv, simd, vnni;
-    int v512;                        /* channel-axis values in 16-channel AVX-512 tiles (vnni512) */
+    /* AVX-512 VNNI paths (vnni512): token-axis key scores 16 tokens a step,
+     * channel-axis values in 16-channel tiles */
+    int v512;
+    /* the next segment of a run (its first block is asked for ahead of
+     * time while the last block of this one is computed), or NULL */
+    const kvd_attn_int_args *next;
     int kbits, kper, kP, kng, kcols; /* kcols: 32-bit code columns per K row */
     float *sq;                       /* (G) s_q * softmax_scale */
     int8_t *q8;                      /* (G, D) */
@@ -467,9 +472,15 @@ __attribute__((target("avx2,fma,f16c"))) static inline void load_t8_u16(const ch
 static inline void prefetch_k_ahead(const int_ctx *c, int64_t t, int ntok)
 {
     const kvd_attn_qdata *k = &c->a->k;
-    const int64_t r = t + KVD__K_AHEAD;
-    if (r + ntok > k->codes.shape[1])
-        return;
+    int64_t r = t + KVD__K_AHEAD;
+    if (r + ntok > k->codes.shape[1]) { /* past this segment: the next one's */
+        if (!c->next || r < k->codes.shape[1])
+            return;
+        r -= k->codes.shape[1];
+        k = &c->next->k;
+        if (r + ntok > k->codes.shape[1])
+            return;
+    }
     const int64_t cb = k->codes.shape[2];
     if (k->codes.stride[1] == cb) {
         const char *p = (const char *)qrow(&k->codes, c->h, r);
@@ -1021,19 +1032,28 @@ static inline void prefetch_v_tile(const int_ctx *c, int64_t t0, int n, int d0, 
                                    const int BITS, const int P)
 {
     const kvd_attn_int_args *a = c->a;
+    int64_t tn = t0 + n, nn = n; /* the next block: its first token, its tokens */
+    if (tn + n > a->n_tokens) {
+        /* this segment's last block: the first block of the next one, rows
+         * near each other or not (pages: 64 B apart, but a new page) */
+        if (!c->next)
+            return;
+        a = c->next;
+        tn = 0;
+        nn = a->n_tokens < n ? (int)a->n_tokens : n;
+    } else if (a->v.codes.stride[1] <= 64)
+        return; /* rows one after the other: the hardware follows them */
     const kvd_tensor *ct = &a->v.codes;
     const int64_t cst = ct->stride[1];
-    if (t0 + 2 * (int64_t)n > a->n_tokens || cst <= 64)
-        return;
     const int PER = 8 / BITS;
-    const char *cbase = (const char *)ct->data + c->h * ct->stride[0] + (t0 + n) / PER;
+    const char *cbase = (const char *)ct->data + c->h * ct->stride[0] + tn / PER;
     const kvd_tensor *pt[3] = {&a->v.scale, &a->v.min, &a->v.sum};
     for (int d = d0; d < d1; d++) {
-        for (int o = 0; o < n / PER; o += 64)
+        for (int o = 0; o < nn / PER; o += 64)
             __builtin_prefetch(cbase + d * cst + o);
         for (int k = 0; k < 3; k++)
             __builtin_prefetch((const char *)pt[k]->data + c->h * pt[k]->stride[0] +
-                               d * pt[k]->stride[1] + (t0 + n) / P * 2);
+                               d * pt[k]->stride[1] + tn / P * 2);
     }
 }
 
@@ -1807,6 +1827,8 @@ static void int_head(void *arg, int h)
         src[nsrc].finish = NULL;
         nsrc++;
     }
+    for (int i = 0; a->n_segments && i + 1 < nsrc; i++)
+        cs[i].next = cs[i + 1].a; /* the dense tail is added below: not a segment */
     _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
     if (Tt > 0) {
         kvd__attn_dense_src(&src[nsrc], tailctx, &a->k_tail, &a->v_tail, NULL, Tt, qs, G, D, Dv, h,
