@@ -287,6 +287,7 @@ typedef struct int_ctx {
     /* AVX-512 VNNI paths (vnni512): token-axis key scores 16 tokens a step,
      * channel-axis values in 16-channel tiles */
     int v512;
+    int kch512; /* channel-axis key scores with 512-bit vpdpbusd (vnni512, VBMI) */
     /* the next segment of a run (its first block is asked for ahead of
      * time while the last block of this one is computed), or NULL */
     const kvd_attn_int_args *next;
@@ -458,6 +459,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline void load_t8_u16(const ch
 }
 
 #define INT512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define KCH512_TARGET                                                                              \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 /* Two 8-lane halves as one 16-lane vector. */
 #define CAT512I(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)
 #define CAT512F(lo, hi)                                                                            \
@@ -844,6 +847,90 @@ kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const in
     }
 }
 
+/*
+ * kchan_scores_tpl with 512-bit vpdpbusd (AVX-512 VNNI, VBMI): four channel
+ * rows at a time, their 16 bytes of a chunk interleaved by one vpermb so
+ * that dword i holds byte i of the four rows; a plane's codes times the
+ * four channels' int8 weights sum in one instruction into int32 lanes (no
+ * int16 sums to widen). Lane i is byte i of the chunk, as in the 256-bit
+ * kernel (bytes 0-7 take group gA's weights, 8-15 gB's), and the int32
+ * sums are exact, so the scores come out of the same float expression:
+ * the same bits.
+ */
+KCH512_TARGET __attribute__((always_inline)) static inline void
+kchan_scores512_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const int BITS)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int PER = 8 / BITS, TPL = 8 * PER, TPR = 16 * PER;
+    const int P = c->kP, D = c->D, G = c->G;
+    const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1));
+    _Alignas(64) uint8_t pidx[64]; /* out byte 4 i + r = in byte 16 r + i */
+    for (int j = 0; j < 64; j++)
+        pidx[j] = (uint8_t)(16 * (j % 4) + j / 4);
+    const __m512i perm = _mm512_load_si512((const void *)pidx);
+    const kvd_tensor *ct = &a->k.codes;
+    const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
+    const int64_t cst = ct->stride[1];
+    const float ss = a->dims.softmax_scale;
+    const int ahead = t0 + 2 * (int64_t)n <= a->n_tokens && cst > 64;
+    for (int c0 = 0; c0 < n; c0 += TPR) {
+        const int gA = c0 / P, gB = (c0 + TPL) / P;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int GP = G - g0 < 4 ? G - g0 : 4;
+            __m512i acc[4][4];
+            for (int h = 0; h < 4; h++)
+                for (int k = 0; k < 4; k++)
+                    acc[h][k] = _mm512_setzero_si512();
+            for (int q = 0; q < D / 4; q++) {
+                const uint8_t *r0 = cbase + (int64_t)(4 * q) * cst + c0 / PER;
+                if (ahead && c0 == 0 && g0 == 0)
+                    for (int r = 0; r < 4; r++)
+                        for (int o = 0; o < n / PER; o += 64)
+                            __builtin_prefetch(r0 + r * cst + n / PER + o);
+                __m512i X = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r0));
+                X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + cst)), 1);
+                X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + 2 * cst)), 2);
+                X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + 3 * cst)), 3);
+                X = _mm512_permutexvar_epi8(perm, X);
+                __m512i pl[4];
+                for (int k = 0; k < PER; k++)
+                    pl[k] = _mm512_and_si512(_mm512_srli_epi16(X, k * BITS), mask);
+                for (int h = 0; h < GP; h++) {
+                    int32_t wa, wb;
+                    memcpy(&wa, c->kw8 + ((size_t)gA * G + g0 + h) * D + 4 * q, 4);
+                    memcpy(&wb, c->kw8 + ((size_t)gB * G + g0 + h) * D + 4 * q, 4);
+                    const __m512i W = _mm512_mask_blend_epi32(
+                        (__mmask16)0xFF00, _mm512_set1_epi32(wa), _mm512_set1_epi32(wb));
+                    for (int k = 0; k < PER; k++)
+                        acc[h][k] = _mm512_dpbusd_epi32(acc[h][k], pl[k], W);
+                }
+            }
+            for (int h = 0; h < GP; h++) {
+                const int g = g0 + h;
+                _Alignas(64) int32_t a32[4][16];
+                for (int k = 0; k < PER; k++)
+                    _mm512_store_si512((void *)a32[k], acc[h][k]);
+                float *sg = s + (size_t)g * ld + c0;
+                for (int L = 0; L < 2; L++) {
+                    const int gi = L ? gB : gA;
+                    const float b = c->kbias[gi * G + g], sw = c->ksw[gi * G + g];
+                    for (int k = 0; k < PER; k++)
+                        for (int i = 0; i < 8; i++)
+                            sg[L * TPL + PER * i + k] = (b + sw * (float)a32[k][L * 8 + i]) * ss;
+                }
+            }
+        }
+    }
+}
+
+KCH512_TARGET static void kchan_scores_512(const int_ctx *c, int64_t t0, int n, float *s, int ld)
+{
+    if (c->kbits == 2)
+        kchan_scores512_tpl(c, t0, n, s, ld, 2);
+    else
+        kchan_scores512_tpl(c, t0, n, s, ld, 4);
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void kchan_scores_avx2(const int_ctx *c, int64_t t0, int n,
                                                                        float *s, int ld)
 {
@@ -895,7 +982,9 @@ static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
             kchan_block_weights_avx2(c, t0, n);
         else
             kchan_block_weights(c, t0, n);
-        if (c->simd && c->D % 2 == 0 && c->kP % (8 * per) == 0 && n % (16 * per) == 0)
+        if (c->kch512 && c->D % 4 == 0 && c->kP % (8 * per) == 0 && n % (16 * per) == 0)
+            kchan_scores_512(c, t0, n, s, ld);
+        else if (c->simd && c->D % 2 == 0 && c->kP % (8 * per) == 0 && n % (16 * per) == 0)
             kchan_scores_avx2(c, t0, n, s, ld);
         else
             kchan_scores_scalar(c, t0, n, s, ld);
@@ -1679,6 +1768,18 @@ static int vnni512(void)
     return v;
 }
 
+static int has_vbmi512(void)
+{
+    static atomic_int ok = -1;
+    int v = atomic_load(&ok);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512vbmi");
+        atomic_store(&ok, v);
+    }
+    return v;
+}
+
 /* One kv head of kvd_cpu_attn_int_fast (kvd__par_for). */
 typedef struct int_job {
     const kvd_attn_int_args *a;
@@ -1705,6 +1806,7 @@ static void int_head(void *arg, int h)
     c.simd = simd;
     c.vnni = vnni;
     c.v512 = simd && vnni && Dv % 16 == 0 && vnni512();
+    c.kch512 = simd && vnni && vnni512() && has_vbmi512();
     int kb = a->k.bits ? a->k.bits : 2;
     c.kbits = kb;
     c.kper = 8 / kb;
