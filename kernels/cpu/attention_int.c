@@ -1753,8 +1753,9 @@ static int vnni_form(void)
     return getenv("KVD_NO_VNNI") ? 0 : f;
 }
 
-/* Whether the CPU runs 512-bit vpdpbusd with AVX-512BW (int_values512_tpl;
- * taken only where vnni_form is not 0: KVD_NO_VNNI turns it off too). */
+/* Whether the CPU runs 512-bit vpdpbusd with AVX-512BW (the *512 kernels;
+ * taken only where vnni_form is not 0: KVD_NO_VNNI turns them off too).
+ * KVD_NO_AVX512 set: no (tests: the 256-bit VNNI kernels on such a CPU). */
 static int vnni512(void)
 {
     static atomic_int ok = -1;
@@ -1765,7 +1766,7 @@ static int vnni512(void)
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
         atomic_store(&ok, v);
     }
-    return v;
+    return v && !getenv("KVD_NO_AVX512");
 }
 
 static int has_vbmi512(void)
