@@ -39,6 +39,17 @@ int kvd__cpu_has_avx2_fma_f16c(void);
 /* 1 when the CPU (and the OS) run AVX-512F. */
 int kvd__cpu_has_avx512f(void);
 
+/* 1 when the CPU (and the OS) have every feature of the mask (read once). */
+enum {
+    KVD__CPU_AVX512F = 1,
+    KVD__CPU_AVX512BW = 2,
+    KVD__CPU_AVX512VL = 4,
+    KVD__CPU_AVX512VBMI = 8,
+    KVD__CPU_AVX512VNNI = 16,
+    KVD__CPU_BMI2 = 32
+};
+int kvd__cpu_has(int features);
+
 /* fn(arg, i) for every i in [0, n), on the calling thread and on up to
  * threads - 1 idle threads of the process's compute pool (par.c), in no
  * particular order; returns once all are done. The caller takes every item

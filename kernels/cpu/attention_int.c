@@ -1758,27 +1758,9 @@ static int vnni_form(void)
  * KVD_NO_AVX512 set: no (tests: the 256-bit VNNI kernels on such a CPU). */
 static int vnni512(void)
 {
-    static atomic_int ok = -1;
-    int v = atomic_load(&ok);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-        atomic_store(&ok, v);
-    }
-    return v && !getenv("KVD_NO_AVX512");
-}
-
-static int has_vbmi512(void)
-{
-    static atomic_int ok = -1;
-    int v = atomic_load(&ok);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512vbmi");
-        atomic_store(&ok, v);
-    }
-    return v;
+    return kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VL |
+                        KVD__CPU_AVX512VNNI) &&
+           !getenv("KVD_NO_AVX512");
 }
 
 /* One kv head of kvd_cpu_attn_int_fast (kvd__par_for). */
@@ -1807,7 +1789,7 @@ static void int_head(void *arg, int h)
     c.simd = simd;
     c.vnni = vnni;
     c.v512 = simd && vnni && Dv % 16 == 0 && vnni512();
-    c.kch512 = simd && vnni && vnni512() && has_vbmi512();
+    c.kch512 = simd && vnni && vnni512() && kvd__cpu_has(KVD__CPU_AVX512VBMI);
     int kb = a->k.bits ? a->k.bits : 2;
     c.kbits = kb;
     c.kper = 8 / kb;

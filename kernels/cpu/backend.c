@@ -47,16 +47,26 @@ int kvd_cpu_has_avx2_fma(void)
     return v;
 }
 
-int kvd__cpu_has_avx512f(void)
+int kvd__cpu_has(int features)
 {
     static int cached = -1;
     int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
     if (v < 0) {
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f");
+        v = (__builtin_cpu_supports("avx512f") ? KVD__CPU_AVX512F : 0) |
+            (__builtin_cpu_supports("avx512bw") ? KVD__CPU_AVX512BW : 0) |
+            (__builtin_cpu_supports("avx512vl") ? KVD__CPU_AVX512VL : 0) |
+            (__builtin_cpu_supports("avx512vbmi") ? KVD__CPU_AVX512VBMI : 0) |
+            (__builtin_cpu_supports("avx512vnni") ? KVD__CPU_AVX512VNNI : 0) |
+            (__builtin_cpu_supports("bmi2") ? KVD__CPU_BMI2 : 0);
         __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
     }
-    return v;
+    return (v & features) == features;
+}
+
+int kvd__cpu_has_avx512f(void)
+{
+    return kvd__cpu_has(KVD__CPU_AVX512F);
 }
 
 int kvd__cpu_has_avx2_fma_f16c(void)

@@ -875,27 +875,12 @@ static int qlut_threshold(const pq_qlut *ql, float thr)
 
 static int has_avx512bw(void)
 {
-    static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    return kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW);
 }
 
 static int has_vbmi(void)
 {
-    static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("bmi2");
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    return kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VBMI | KVD__CPU_BMI2);
 }
 
 /* The exact scores of the candidates cand[0..nc) of the step of 64 tokens
