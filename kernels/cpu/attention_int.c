@@ -970,12 +970,6 @@ INT512_TARGET static void int_scores_512(const int_ctx *c, int64_t t0, int n, fl
 static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
 {
     const int_ctx *c = vctx;
-    if (c->a->k.axis == KVD_ATTN_AXIS_TOKEN) {
-        const kvd_attn_qdata *k = &c->a->k;
-        prefetch_rows(&k->codes, c->h, t0 + n, n, k->codes.shape[2]);
-        prefetch_rows(&k->scale, c->h, t0 + n, n, 2 * k->scale.shape[2]);
-        prefetch_rows(&k->min, c->h, t0 + n, n, 2 * k->min.shape[2]);
-    }
     if (c->a->k.axis == KVD_ATTN_AXIS_CHANNEL) {
         int per = 8 / c->kbits, ngb = n / c->kP;
         if (c->simd && c->D % 8 == 0 && (ngb == 2 || ngb == 4 || ngb == 8))
@@ -992,12 +986,18 @@ static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
     }
     if (c->simd && (c->D * c->kbits) % 32 == 0 && (c->kP * c->kbits) % 32 == 0 &&
         c->kcols <= KVD__INT_MAXCOLS && c->kng <= 8) {
+        /* these ask for their K lines ahead step by step (prefetch_k_ahead) */
         if (c->v512)
             int_scores_512(c, t0, n, s, ld);
         else
             int_scores_avx2(vctx, t0, n, s, ld);
-    } else
+    } else {
+        const kvd_attn_qdata *k = &c->a->k;
+        prefetch_rows(&k->codes, c->h, t0 + n, n, k->codes.shape[2]);
+        prefetch_rows(&k->scale, c->h, t0 + n, n, 2 * k->scale.shape[2]);
+        prefetch_rows(&k->min, c->h, t0 + n, n, 2 * k->min.shape[2]);
         int_scores_scalar(c, t0, n, s, ld);
+    }
 }
 
 /* Channel-axis values, scalar: the same equation as the reference. */
@@ -1767,6 +1767,7 @@ static int vnni512(void)
 typedef struct int_job {
     const kvd_attn_int_args *a;
     int G, D, Dv, simd, vnni, vblock;
+    int v512, kch512; /* int_ctx's, the same for every head */
     int64_t Tt;
     atomic_int rc;
 } int_job;
@@ -1788,8 +1789,8 @@ static void int_head(void *arg, int h)
     c.Dv = Dv;
     c.simd = simd;
     c.vnni = vnni;
-    c.v512 = simd && vnni && Dv % 16 == 0 && vnni512();
-    c.kch512 = simd && vnni && vnni512() && kvd__cpu_has(KVD__CPU_AVX512VBMI);
+    c.v512 = job->v512;
+    c.kch512 = job->kch512;
     int kb = a->k.bits ? a->k.bits : 2;
     c.kbits = kb;
     c.kper = 8 / kb;
@@ -1990,8 +1991,17 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     int simd = kvd__attn_simd(), rc = 0;
     int vnni = simd ? vnni_form() : 0;
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
-    int_job j = {
-        .a = a, .G = G, .D = D, .Dv = Dv, .simd = simd, .vnni = vnni, .vblock = vblock, .Tt = Tt};
+    const int w512 = vnni && vnni512();
+    int_job j = {.a = a,
+                 .G = G,
+                 .D = D,
+                 .Dv = Dv,
+                 .simd = simd,
+                 .vnni = vnni,
+                 .vblock = vblock,
+                 .v512 = w512 && Dv % 16 == 0,
+                 .kch512 = w512 && kvd__cpu_has(KVD__CPU_AVX512VBMI),
+                 .Tt = Tt};
     atomic_init(&j.rc, 0);
     kvd__par_for(d->n_kv_heads, nthreads, int_head, &j);
     rc = atomic_load(&j.rc);
