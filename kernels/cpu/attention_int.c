@@ -721,6 +721,89 @@ __attribute__((target("avx2,fma,f16c"))) static void kchan_block_weights_avx2(co
         }
 }
 
+/* quantize_q8_avx2 on 16-float vectors: the same codes (the same f32
+ * division and round-half-even, vpmovsdb's saturation inside the clamp's
+ * range). n % 16 == 0. */
+INT512_TARGET static int quantize_q8_512(const float *w, int n, int8_t *w8, float *scale)
+{
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int i = 0; i < n; i += 16) {
+        __m512 x = _mm512_loadu_ps(w + i);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); /* max_ps drops NaN */
+    }
+    if (nan)
+        return 0;
+    float amax = _mm512_reduce_max_ps(mx);
+    if (!(amax > 0.0f) || !isfinite(amax))
+        return 0;
+    float sc = amax / 127.0f;
+    const __m512 vs = _mm512_set1_ps(sc), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    for (int i = 0; i < n; i += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(w + i), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i *)(w8 + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    *scale = sc;
+    return 1;
+}
+
+/* kchan_block_weights_avx2 with 16 channels a step (two 8-channel
+ * transposes joined) and the codes by quantize_q8_512; the bias sums keep
+ * the 8-lane order of kchan_block_weights_avx2: the same bits. D % 16 == 0. */
+INT512_TARGET static void kchan_block_weights_512(const int_ctx *c, int64_t t0, int n)
+{
+    const kvd_attn_int_args *a = c->a;
+    int P = c->kP, D = c->D, G = c->G, ngb = n / P;
+    float *w = c->wtmp; /* (ngb, G, D) */
+    __m256 bias[8][KVD__ATTN_MAXG];
+    for (int gi = 0; gi < ngb; gi++)
+        for (int g = 0; g < G; g++)
+            bias[gi][g] = _mm256_setzero_ps();
+    const kvd_tensor *ts = &a->k.scale, *tm = &a->k.min;
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m128i sc[2][8], mn[2][8];
+        for (int hf = 0; hf < 2; hf++) {
+            const int64_t dd = d0 + 8 * hf;
+            load_t8_u16((const char *)ts->data + c->h * ts->stride[0] + dd * ts->stride[1] +
+                            (t0 / P) * 2,
+                        ts->stride[1], ngb, sc[hf]);
+            load_t8_u16((const char *)tm->data + c->h * tm->stride[0] + dd * tm->stride[1] +
+                            (t0 / P) * 2,
+                        tm->stride[1], ngb, mn[hf]);
+        }
+        for (int g = 0; g < G; g++) {
+            const float *qr = (const float *)((const char *)a->q.data +
+                                              (int64_t)(c->h * G + g) * a->q.stride[0]) +
+                              d0;
+            const __m512 qv = _mm512_loadu_ps(qr);
+            const __m256 q0 = _mm256_loadu_ps(qr), q1 = _mm256_loadu_ps(qr + 8);
+            for (int gi = 0; gi < ngb; gi++) {
+                const __m512 sv = _mm512_cvtph_ps(
+                    _mm256_inserti128_si256(_mm256_castsi128_si256(sc[0][gi]), sc[1][gi], 1));
+                _mm512_storeu_ps(w + ((size_t)gi * G + g) * D + d0, _mm512_mul_ps(qv, sv));
+                bias[gi][g] = _mm256_fmadd_ps(q0, _mm256_cvtph_ps(mn[0][gi]), bias[gi][g]);
+                bias[gi][g] = _mm256_fmadd_ps(q1, _mm256_cvtph_ps(mn[1][gi]), bias[gi][g]);
+            }
+        }
+    }
+    for (int gi = 0; gi < ngb; gi++)
+        for (int g = 0; g < G; g++) {
+            const float *wr = w + ((size_t)gi * G + g) * D;
+            int8_t *w8 = c->kw8 + ((size_t)gi * G + g) * D;
+            float sw;
+            if (!quantize_q8_512(wr, D, w8, &sw))
+                sw = kvd_attn_quantize_q8(wr, D, w8);
+            float b8[8];
+            _mm256_storeu_ps(b8, bias[gi][g]);
+            c->ksw[gi * G + g] = sw;
+            c->kbias[gi * G + g] =
+                ((b8[0] + b8[1]) + (b8[2] + b8[3])) + ((b8[4] + b8[5]) + (b8[6] + b8[7]));
+        }
+}
+
 /* Scores of a block from channel-grouped keys, scalar. */
 static void kchan_scores_scalar(const int_ctx *c, int64_t t0, int n, float *s, int ld)
 {
@@ -972,7 +1055,9 @@ static void int_scores_cb(void *vctx, int64_t t0, int n, float *s, int ld)
     const int_ctx *c = vctx;
     if (c->a->k.axis == KVD_ATTN_AXIS_CHANNEL) {
         int per = 8 / c->kbits, ngb = n / c->kP;
-        if (c->simd && c->D % 8 == 0 && (ngb == 2 || ngb == 4 || ngb == 8))
+        if (c->kch512 && c->D % 16 == 0 && (ngb == 2 || ngb == 4 || ngb == 8))
+            kchan_block_weights_512(c, t0, n);
+        else if (c->simd && c->D % 8 == 0 && (ngb == 2 || ngb == 4 || ngb == 8))
             kchan_block_weights_avx2(c, t0, n);
         else
             kchan_block_weights(c, t0, n);
@@ -1529,14 +1614,6 @@ static void int_values_token(const int_ctx *c, int64_t t0, int n, const float *p
     }
 }
 
-/* Token-axis values (KIVI), AVX2: out_{g,d} += sum_t (p_{g,t} sc_{t,grp}) c_{t,d}
- * + sum_t p_{g,t} mn_{t,grp}. The second sum is one number per query head
- * and channel group, added to the group's channels once per block. For each
- * group the weights p * scale of the block's tokens are formed once; then
- * every 8-channel tile keeps its GG accumulators in registers over the
- * block, unpacking each token's 8 codes once for all query heads.
- * GT: the query heads as a compile-time constant (0: the run-time gn <= 8).
- * Needs Dv % 8 == 0, group % 8 == 0. */
 /* The 8 codes at p (channels of one token row, 2 or 4 bits each, the first
  * in the lowest bits) as floats. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256
@@ -1548,6 +1625,56 @@ unpack8_codes(const uint8_t *p, __m256i shifts, __m256i mask, const int BITS)
         _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)x), shifts), mask));
 }
 
+/* The weights p * scale of the block's tokens in channel group grp (w[g][i]
+ * for head g and token i) and the sums p * min, one per head (bias[g] += ),
+ * of the token-axis values. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+vtok_weights(const int_ctx *c, int64_t t0, int n, const float *p, int ld, int grp, const int GG,
+             float (*w)[KVD__ATTN_BLOCK], float *bias)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int ng = c->Dv / a->v.group;
+    const kvd_tensor *ts = &a->v.scale, *tm = &a->v.min;
+    const char *sp = (const char *)ts->data + c->h * ts->stride[0] + t0 * ts->stride[1] + grp * 2;
+    const char *mp = (const char *)tm->data + c->h * tm->stride[0] + t0 * tm->stride[1] + grp * 2;
+    int i = 0;
+    /* scales and mins of 8 tokens at a time (params8: assembled in
+     * registers, as a store/reload would stall store forwarding) */
+    for (; i + 8 <= n; i += 8) {
+        __m256 sc = params8(ts, c->h, t0 + i, grp, ng);
+        __m256 mn = params8(tm, c->h, t0 + i, grp, ng);
+        _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
+        {
+            __m256 pg = _mm256_loadu_ps(p + (size_t)g * ld + i);
+            _mm256_store_ps(&w[g][i], _mm256_mul_ps(pg, sc));
+            __m256 b = _mm256_mul_ps(pg, mn);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            bias[g] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        }
+    }
+    for (; i < n; i++) {
+        uint16_t xs, xm;
+        memcpy(&xs, sp + i * ts->stride[1], 2);
+        memcpy(&xm, mp + i * tm->stride[1], 2);
+        float sc = kvd_f16_to_f32(xs), mn = kvd_f16_to_f32(xm);
+        _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
+        {
+            float pg = p[(size_t)g * ld + i];
+            w[g][i] = pg * sc;
+            bias[g] += pg * mn;
+        }
+    }
+}
+
+/* Token-axis values (KIVI), AVX2: out_{g,d} += sum_t (p_{g,t} sc_{t,grp}) c_{t,d}
+ * + sum_t p_{g,t} mn_{t,grp}. The second sum is one number per query head
+ * and channel group, added to the group's channels once per block. For each
+ * group the weights p * scale of the block's tokens are formed once; then
+ * every 8-channel tile keeps its GG accumulators in registers over the
+ * block, unpacking each token's 8 codes once for all query heads.
+ * GT: the query heads as a compile-time constant (0: the run-time gn <= 8).
+ * Needs Dv % 8 == 0, group % 8 == 0. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc,
                      const int BITS, const int GT, const int gn)
@@ -1557,42 +1684,11 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
     const __m256i shifts = BITS == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
                                      : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
-    const kvd_tensor *ts = &a->v.scale, *tm = &a->v.min, *tc = &a->v.codes;
+    const kvd_tensor *tc = &a->v.codes;
     _Alignas(32) float w[8][KVD__ATTN_BLOCK];
     for (int grp = 0; grp < ng; grp++) {
         float bias[8] = {0};
-        const char *sp =
-            (const char *)ts->data + c->h * ts->stride[0] + t0 * ts->stride[1] + grp * 2;
-        const char *mp =
-            (const char *)tm->data + c->h * tm->stride[0] + t0 * tm->stride[1] + grp * 2;
-        int i = 0;
-        /* scales and mins of 8 tokens at a time (params8: assembled in
-         * registers, as a store/reload would stall store forwarding) */
-        for (; i + 8 <= n; i += 8) {
-            __m256 sc = params8(ts, c->h, t0 + i, grp, ng);
-            __m256 mn = params8(tm, c->h, t0 + i, grp, ng);
-            _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
-            {
-                __m256 pg = _mm256_loadu_ps(p + (size_t)g * ld + i);
-                _mm256_store_ps(&w[g][i], _mm256_mul_ps(pg, sc));
-                __m256 b = _mm256_mul_ps(pg, mn);
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                bias[g] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-            }
-        }
-        for (; i < n; i++) {
-            uint16_t xs, xm;
-            memcpy(&xs, sp + i * ts->stride[1], 2);
-            memcpy(&xm, mp + i * tm->stride[1], 2);
-            float sc = kvd_f16_to_f32(xs), mn = kvd_f16_to_f32(xm);
-            _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
-            {
-                float pg = p[(size_t)g * ld + i];
-                w[g][i] = pg * sc;
-                bias[g] += pg * mn;
-            }
-        }
+        vtok_weights(c, t0, n, p, ld, grp, GG, w, bias);
         int d0 = grp * P;
         /* Up to 4 heads: tiles of 16 channels, whose 8 sums stay in
          * registers; the codes of a token's 16 channels unpack from one
@@ -1698,6 +1794,92 @@ int_values_token_avx2(const int_ctx *c, int64_t t0, int n, const float *p, int l
     }
 }
 
+/*
+ * int_values_token_tpl's path for up to 4 heads in tiles of 32 channels on
+ * AVX-512: each of a token's two 16-channel halves unpacks once (the code
+ * words spread over the lanes by vpermd, each lane's code turned into a float
+ * by vpermps), and each head's weight is
+ * broadcast once for both. Each lane computes what the 16-channel tiles of
+ * int_values_token_tpl do, in the same order: the same bits. P % 32 == 0.
+ */
+INT512_TARGET __attribute__((always_inline)) static inline void
+int_values_token512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, float *acc,
+                        const int BITS, const int GG)
+{
+    const kvd_attn_int_args *a = c->a;
+    const int Dv = c->Dv, P = a->v.group, ng = Dv / P, PER = 8 / BITS;
+    /* lane j of the first half: channel j of the tile, from 32-bit code
+     * word j / (32 / BITS); the second half likewise from the words after */
+    const __m512i shifts =
+        BITS == 2 ? _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+                  : _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i i0 = BITS == 2
+                           ? _mm512_set1_epi32(0)
+                           : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i i1 = BITS == 2
+                           ? _mm512_set1_epi32(1)
+                           : _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    /* a code as a float: vpermps reads the low 4 bits of each lane */
+    const __m512 lut = BITS == 2
+                           ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)
+                           : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const kvd_tensor *tc = &a->v.codes;
+    const int64_t rs = tc->stride[1];
+    _Alignas(64) float w[8][KVD__ATTN_BLOCK];
+    for (int grp = 0; grp < ng; grp++) {
+        float bias[8] = {0};
+        vtok_weights(c, t0, n, p, ld, grp, GG, w, bias);
+        for (int d0 = grp * P; d0 < (grp + 1) * P; d0 += 32) {
+            __m512 o[4][2];
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++)
+            {
+                o[g][0] = _mm512_setzero_ps();
+                o[g][1] = _mm512_setzero_ps();
+            }
+            const uint8_t *cp =
+                (const uint8_t *)tc->data + c->h * tc->stride[0] + t0 * rs + d0 / PER;
+            for (int t = 0; t < n; t++, cp += rs) {
+                const __m512i x =
+                    _mm512_castsi128_si512(BITS == 2 ? _mm_loadl_epi64((const __m128i *)cp)
+                                                     : _mm_loadu_si128((const __m128i *)cp));
+                const __m512 c0 = _mm512_permutexvar_ps(
+                    _mm512_srlv_epi32(_mm512_permutexvar_epi32(i0, x), shifts), lut);
+                const __m512 c1 = _mm512_permutexvar_ps(
+                    _mm512_srlv_epi32(_mm512_permutexvar_epi32(i1, x), shifts), lut);
+                _Pragma("GCC unroll 4") for (int g = 0; g < GG; g++)
+                {
+                    const __m512 wb = _mm512_set1_ps(w[g][t]);
+                    o[g][0] = _mm512_fmadd_ps(wb, c0, o[g][0]);
+                    o[g][1] = _mm512_fmadd_ps(wb, c1, o[g][1]);
+                }
+            }
+            _Pragma("GCC unroll 4") for (int g = 0; g < GG; g++)
+            {
+                float *ag = acc + (size_t)g * Dv + d0;
+                const __m512 b = _mm512_set1_ps(bias[g]);
+                _mm512_storeu_ps(ag, _mm512_add_ps(_mm512_loadu_ps(ag), _mm512_add_ps(o[g][0], b)));
+                _mm512_storeu_ps(
+                    ag + 16, _mm512_add_ps(_mm512_loadu_ps(ag + 16), _mm512_add_ps(o[g][1], b)));
+            }
+        }
+    }
+}
+
+INT512_TARGET static void int_values_token_512(const int_ctx *c, int64_t t0, int n, const float *p,
+                                               int ld, float *acc)
+{
+    const int bits = c->a->v.bits;
+    if (c->G == 4) {
+        if (bits == 2)
+            int_values_token512_tpl(c, t0, n, p, ld, acc, 2, 4);
+        else
+            int_values_token512_tpl(c, t0, n, p, ld, acc, 4, 4);
+    } else if (bits == 2)
+        int_values_token512_tpl(c, t0, n, p, ld, acc, 2, c->G);
+    else
+        int_values_token512_tpl(c, t0, n, p, ld, acc, 4, c->G);
+}
+
 static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
 {
     const int_ctx *c = vctx;
@@ -1708,7 +1890,10 @@ static void int_values_cb(void *vctx, int64_t t0, int n, const float *p, int ld,
             int_values_channel_scalar(c, t0, n, p, ld, acc);
     } else if (c->simd && c->Dv % 8 == 0 && c->a->v.group % 8 == 0 &&
                (c->a->v.bits == 2 || c->a->v.bits == 4)) {
-        int_values_token_avx2(c, t0, n, p, ld, acc);
+        if (c->v512 && c->G <= 4 && c->a->v.group % 32 == 0)
+            int_values_token_512(c, t0, n, p, ld, acc);
+        else
+            int_values_token_avx2(c, t0, n, p, ld, acc);
     } else {
         int_values_token(c, t0, n, p, ld, acc);
     }
