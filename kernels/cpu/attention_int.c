@@ -422,8 +422,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 params8(const kvd_
  * 8), transposed: lane r of out[j] is element j of row r (j < nw). Reads
  * exactly nw elements per row. Used for the f16 parameters of 8 tokens (K)
  * or 8 channels (V): one vector per group instead of 8 scalar loads. */
-__attribute__((target("avx2,fma,f16c"))) static inline void load_t8_u16(const char *base, int64_t stride, int nw,
-                                                                        __m128i out[8])
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+load_t8_u16(const char *base, int64_t stride, int nw, __m128i out[8])
 {
     __m128i r[8];
     for (int i = 0; i < 8; i++) {
@@ -680,13 +680,32 @@ __attribute__((target("avx2,fma"))) static int quantize_q8_avx2(const float *w, 
     return 1;
 }
 
+/* Ask for the next block's (t0 + n ..) key scales and mins of channel rows
+ * d0 .. d0 + nr (keys grouped per channel): each row's groups of a block lie
+ * in a line of their own, a row apart from the next row's, too many
+ * streams for the hardware prefetcher. */
+static inline void prefetch_kparams_next(const int_ctx *c, int64_t t0, int n, int d0, int nr)
+{
+    const kvd_attn_int_args *a = c->a;
+    if (t0 + 2 * (int64_t)n > a->n_tokens)
+        return;
+    const kvd_tensor *pt[2] = {&a->k.scale, &a->k.min};
+    for (int k = 0; k < 2; k++) {
+        const char *b = (const char *)pt[k]->data + c->h * pt[k]->stride[0] +
+                        d0 * pt[k]->stride[1] + (t0 + n) / c->kP * 2;
+        for (int r = 0; r < nr; r++)
+            __builtin_prefetch(b + r * pt[k]->stride[1]);
+    }
+}
+
 /* kchan_block_weights for blocks of 2, 4 or 8 key groups and D % 8 == 0: the
  * scales and mins of 8 channels x every group of the block come in with one
  * transpose (load_t8_u16), w = q * scale in f32 as in kchan_weights. */
-__attribute__((target("avx2,fma,f16c"))) static void kchan_block_weights_avx2(const int_ctx *c, int64_t t0, int n)
+__attribute__((target("avx2,fma,f16c"))) __attribute__((always_inline)) static inline void
+kchan_block_weights_avx2_tpl(const int_ctx *c, int64_t t0, const int ngb)
 {
     const kvd_attn_int_args *a = c->a;
-    int P = c->kP, D = c->D, G = c->G, ngb = n / P;
+    int P = c->kP, D = c->D, G = c->G;
     float *w = c->wtmp; /* (ngb, G, D) here: sized for it at allocation */
     __m256 bias[8][KVD__ATTN_MAXG];
     for (int gi = 0; gi < ngb; gi++)
@@ -695,6 +714,7 @@ __attribute__((target("avx2,fma,f16c"))) static void kchan_block_weights_avx2(co
     const kvd_tensor *ts = &a->k.scale, *tm = &a->k.min;
     for (int d0 = 0; d0 < D; d0 += 8) {
         __m128i sc[8], mn[8];
+        prefetch_kparams_next(c, t0, ngb * P, d0, 8);
         load_t8_u16((const char *)ts->data + c->h * ts->stride[0] + d0 * ts->stride[1] + (t0 / P) * 2, ts->stride[1],
                     ngb, sc);
         load_t8_u16((const char *)tm->data + c->h * tm->stride[0] + d0 * tm->stride[1] + (t0 / P) * 2, tm->stride[1],
@@ -719,6 +739,19 @@ __attribute__((target("avx2,fma,f16c"))) static void kchan_block_weights_avx2(co
             c->ksw[gi * G + g] = sw;
             c->kbias[gi * G + g] = ((b8[0] + b8[1]) + (b8[2] + b8[3])) + ((b8[4] + b8[5]) + (b8[6] + b8[7]));
         }
+}
+
+/* the group count a constant for load_t8_u16 */
+__attribute__((target("avx2,fma,f16c"))) static void kchan_block_weights_avx2(const int_ctx *c,
+                                                                              int64_t t0, int n)
+{
+    const int ngb = n / c->kP;
+    if (ngb == 8)
+        kchan_block_weights_avx2_tpl(c, t0, 8);
+    else if (ngb == 4)
+        kchan_block_weights_avx2_tpl(c, t0, 4);
+    else
+        kchan_block_weights_avx2_tpl(c, t0, 2);
 }
 
 /* quantize_q8_avx2 on 16-float vectors: the same codes (the same f32
@@ -753,10 +786,11 @@ INT512_TARGET static int quantize_q8_512(const float *w, int n, int8_t *w8, floa
 /* kchan_block_weights_avx2 with 16 channels a step (two 8-channel
  * transposes joined) and the codes by quantize_q8_512; the bias sums keep
  * the 8-lane order of kchan_block_weights_avx2: the same bits. D % 16 == 0. */
-INT512_TARGET static void kchan_block_weights_512(const int_ctx *c, int64_t t0, int n)
+INT512_TARGET __attribute__((always_inline)) static inline void
+kchan_block_weights_512_tpl(const int_ctx *c, int64_t t0, const int ngb)
 {
     const kvd_attn_int_args *a = c->a;
-    int P = c->kP, D = c->D, G = c->G, ngb = n / P;
+    int P = c->kP, D = c->D, G = c->G;
     float *w = c->wtmp; /* (ngb, G, D) */
     __m256 bias[8][KVD__ATTN_MAXG];
     for (int gi = 0; gi < ngb; gi++)
@@ -765,6 +799,7 @@ INT512_TARGET static void kchan_block_weights_512(const int_ctx *c, int64_t t0, 
     const kvd_tensor *ts = &a->k.scale, *tm = &a->k.min;
     for (int d0 = 0; d0 < D; d0 += 16) {
         __m128i sc[2][8], mn[2][8];
+        prefetch_kparams_next(c, t0, ngb * P, d0, 16);
         for (int hf = 0; hf < 2; hf++) {
             const int64_t dd = d0 + 8 * hf;
             load_t8_u16((const char *)ts->data + c->h * ts->stride[0] + dd * ts->stride[1] +
@@ -802,6 +837,18 @@ INT512_TARGET static void kchan_block_weights_512(const int_ctx *c, int64_t t0, 
             c->kbias[gi * G + g] =
                 ((b8[0] + b8[1]) + (b8[2] + b8[3])) + ((b8[4] + b8[5]) + (b8[6] + b8[7]));
         }
+}
+
+/* the group count a constant for load_t8_u16 */
+INT512_TARGET static void kchan_block_weights_512(const int_ctx *c, int64_t t0, int n)
+{
+    const int ngb = n / c->kP;
+    if (ngb == 8)
+        kchan_block_weights_512_tpl(c, t0, 8);
+    else if (ngb == 4)
+        kchan_block_weights_512_tpl(c, t0, 4);
+    else
+        kchan_block_weights_512_tpl(c, t0, 2);
 }
 
 /* Scores of a block from channel-grouped keys, scalar. */
@@ -1625,33 +1672,59 @@ unpack8_codes(const uint8_t *p, __m256i shifts, __m256i mask, const int BITS)
         _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)x), shifts), mask));
 }
 
+/* The scales and mins of the block's tokens in all ng = 2, 4 or 8 channel
+ * groups, as floats: prm[grp][i] the scale, prm[ng + grp][i] the min of
+ * token i. A token row's ng values of 8 tokens come in by one transpose
+ * (load_t8_u16). Tokens from n - n % 8 on are left to the caller. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+vtok_params(const int_ctx *c, int64_t t0, int n, int ng, float (*prm)[KVD__ATTN_BLOCK])
+{
+    const kvd_tensor *pt[2] = {&c->a->v.scale, &c->a->v.min};
+    for (int k = 0; k < 2; k++) {
+        const int64_t rs = pt[k]->stride[1];
+        const char *base = (const char *)pt[k]->data + c->h * pt[k]->stride[0] + t0 * rs;
+        for (int i = 0; i + 8 <= n; i += 8) {
+            __m128i x[8];
+            load_t8_u16(base + i * rs, rs, ng, x);
+            for (int grp = 0; grp < ng; grp++)
+                _mm256_store_ps(&prm[k * ng + grp][i], _mm256_cvtph_ps(x[grp]));
+        }
+    }
+}
+
 /* The weights p * scale of the block's tokens in channel group grp (w[g][i]
  * for head g and token i) and the sums p * min, one per head (bias[g] += ),
- * of the token-axis values. */
+ * of the token-axis values. prm: vtok_params's, or NULL (each group's
+ * parameters gathered by params8). */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 vtok_weights(const int_ctx *c, int64_t t0, int n, const float *p, int ld, int grp, const int GG,
-             float (*w)[KVD__ATTN_BLOCK], float *bias)
+             const float (*prm)[KVD__ATTN_BLOCK], float (*w)[KVD__ATTN_BLOCK], float *bias)
 {
     const kvd_attn_int_args *a = c->a;
     const int ng = c->Dv / a->v.group;
     const kvd_tensor *ts = &a->v.scale, *tm = &a->v.min;
     const char *sp = (const char *)ts->data + c->h * ts->stride[0] + t0 * ts->stride[1] + grp * 2;
     const char *mp = (const char *)tm->data + c->h * tm->stride[0] + t0 * tm->stride[1] + grp * 2;
+    __m256 bv[8];
+    _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) bv[g] = _mm256_setzero_ps();
     int i = 0;
     /* scales and mins of 8 tokens at a time (params8: assembled in
      * registers, as a store/reload would stall store forwarding) */
     for (; i + 8 <= n; i += 8) {
-        __m256 sc = params8(ts, c->h, t0 + i, grp, ng);
-        __m256 mn = params8(tm, c->h, t0 + i, grp, ng);
+        __m256 sc = prm ? _mm256_load_ps(&prm[grp][i]) : params8(ts, c->h, t0 + i, grp, ng);
+        __m256 mn = prm ? _mm256_load_ps(&prm[ng + grp][i]) : params8(tm, c->h, t0 + i, grp, ng);
         _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
         {
             __m256 pg = _mm256_loadu_ps(p + (size_t)g * ld + i);
             _mm256_store_ps(&w[g][i], _mm256_mul_ps(pg, sc));
-            __m256 b = _mm256_mul_ps(pg, mn);
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            bias[g] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+            bv[g] = _mm256_fmadd_ps(pg, mn, bv[g]);
         }
+    }
+    _Pragma("GCC unroll 8") for (int g = 0; g < GG; g++)
+    {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(bv[g]), _mm256_extractf128_ps(bv[g], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        bias[g] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
     }
     for (; i < n; i++) {
         uint16_t xs, xm;
@@ -1686,9 +1759,18 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
     const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
     const kvd_tensor *tc = &a->v.codes;
     _Alignas(32) float w[8][KVD__ATTN_BLOCK];
+    _Alignas(32) float prm[16][KVD__ATTN_BLOCK];
+    const int by_row = ng == 2 || ng == 4 || ng == 8;
+    if (ng == 4) /* the group count a constant for load_t8_u16 */
+        vtok_params(c, t0, n, 4, prm);
+    else if (ng == 2)
+        vtok_params(c, t0, n, 2, prm);
+    else if (ng == 8)
+        vtok_params(c, t0, n, 8, prm);
     for (int grp = 0; grp < ng; grp++) {
         float bias[8] = {0};
-        vtok_weights(c, t0, n, p, ld, grp, GG, w, bias);
+        vtok_weights(c, t0, n, p, ld, grp, GG, by_row ? (const float(*)[KVD__ATTN_BLOCK])prm : NULL,
+                     w, bias);
         int d0 = grp * P;
         /* Up to 4 heads: tiles of 16 channels, whose 8 sums stay in
          * registers; the codes of a token's 16 channels unpack from one
@@ -1826,9 +1908,18 @@ int_values_token512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int
     const kvd_tensor *tc = &a->v.codes;
     const int64_t rs = tc->stride[1];
     _Alignas(64) float w[8][KVD__ATTN_BLOCK];
+    _Alignas(32) float prm[16][KVD__ATTN_BLOCK];
+    const int by_row = ng == 2 || ng == 4 || ng == 8;
+    if (ng == 4) /* the group count a constant for load_t8_u16 */
+        vtok_params(c, t0, n, 4, prm);
+    else if (ng == 2)
+        vtok_params(c, t0, n, 2, prm);
+    else if (ng == 8)
+        vtok_params(c, t0, n, 8, prm);
     for (int grp = 0; grp < ng; grp++) {
         float bias[8] = {0};
-        vtok_weights(c, t0, n, p, ld, grp, GG, w, bias);
+        vtok_weights(c, t0, n, p, ld, grp, GG, by_row ? (const float(*)[KVD__ATTN_BLOCK])prm : NULL,
+                     w, bias);
         for (int d0 = grp * P; d0 < (grp + 1) * P; d0 += 32) {
             __m512 o[4][2];
             _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++)
