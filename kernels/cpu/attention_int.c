@@ -977,6 +977,60 @@ kchan_scores_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const in
     }
 }
 
+/* kchan_scores512_tpl's sums for query heads g0 .. g0 + GP of one chunk
+ * (c0): GP a constant where it can be, so that the 4 x PER int32 sums stay
+ * in registers. */
+KCH512_TARGET __attribute__((always_inline)) static inline void
+kch512_heads(const int_ctx *c, const uint8_t *cbase, int64_t cst, int c0, int n, int g0, int gA,
+             int gB, __m512i perm, __m512i mask, int ahead, float *s, int ld, const int BITS,
+             const int GP)
+{
+    const int PER = 8 / BITS, TPL = 8 * PER, D = c->D, G = c->G;
+    const float ss = c->a->dims.softmax_scale;
+    __m512i acc[4][4];
+    _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++)
+        _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) acc[h][k] = _mm512_setzero_si512();
+    for (int q = 0; q < D / 4; q++) {
+        const uint8_t *r0 = cbase + (int64_t)(4 * q) * cst + c0 / PER;
+        if (ahead && c0 == 0 && g0 == 0)
+            for (int r = 0; r < 4; r++)
+                for (int o = 0; o < n / PER; o += 64)
+                    __builtin_prefetch(r0 + r * cst + n / PER + o);
+        __m512i X = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r0));
+        X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + cst)), 1);
+        X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + 2 * cst)), 2);
+        X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + 3 * cst)), 3);
+        X = _mm512_permutexvar_epi8(perm, X);
+        __m512i pl[4];
+        _Pragma("GCC unroll 4") for (int k = 0; k < PER; k++) pl[k] =
+            _mm512_and_si512(_mm512_srli_epi16(X, k * BITS), mask);
+        _Pragma("GCC unroll 4") for (int h = 0; h < GP; h++)
+        {
+            int32_t wa, wb;
+            memcpy(&wa, c->kw8 + ((size_t)gA * G + g0 + h) * D + 4 * q, 4);
+            memcpy(&wb, c->kw8 + ((size_t)gB * G + g0 + h) * D + 4 * q, 4);
+            const __m512i W = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(wa),
+                                                      _mm512_set1_epi32(wb));
+            _Pragma("GCC unroll 4") for (int k = 0; k < PER; k++) acc[h][k] =
+                _mm512_dpbusd_epi32(acc[h][k], pl[k], W);
+        }
+    }
+    for (int h = 0; h < GP; h++) {
+        const int g = g0 + h;
+        _Alignas(64) int32_t a32[4][16];
+        for (int k = 0; k < PER; k++)
+            _mm512_store_si512((void *)a32[k], acc[h][k]);
+        float *sg = s + (size_t)g * ld + c0;
+        for (int L = 0; L < 2; L++) {
+            const int gi = L ? gB : gA;
+            const float b = c->kbias[gi * G + g], sw = c->ksw[gi * G + g];
+            for (int k = 0; k < PER; k++)
+                for (int i = 0; i < 8; i++)
+                    sg[L * TPL + PER * i + k] = (b + sw * (float)a32[k][L * 8 + i]) * ss;
+        }
+    }
+}
+
 /*
  * kchan_scores_tpl with 512-bit vpdpbusd (AVX-512 VNNI, VBMI): four channel
  * rows at a time, their 16 bytes of a chunk interleaved by one vpermb so
@@ -992,7 +1046,7 @@ kchan_scores512_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const
 {
     const kvd_attn_int_args *a = c->a;
     const int PER = 8 / BITS, TPL = 8 * PER, TPR = 16 * PER;
-    const int P = c->kP, D = c->D, G = c->G;
+    const int P = c->kP, G = c->G;
     const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1));
     _Alignas(64) uint8_t pidx[64]; /* out byte 4 i + r = in byte 16 r + i */
     for (int j = 0; j < 64; j++)
@@ -1001,54 +1055,15 @@ kchan_scores512_tpl(const int_ctx *c, int64_t t0, int n, float *s, int ld, const
     const kvd_tensor *ct = &a->k.codes;
     const uint8_t *cbase = (const uint8_t *)ct->data + c->h * ct->stride[0] + t0 / PER;
     const int64_t cst = ct->stride[1];
-    const float ss = a->dims.softmax_scale;
     const int ahead = t0 + 2 * (int64_t)n <= a->n_tokens && cst > 64;
     for (int c0 = 0; c0 < n; c0 += TPR) {
         const int gA = c0 / P, gB = (c0 + TPL) / P;
         for (int g0 = 0; g0 < G; g0 += 4) {
-            const int GP = G - g0 < 4 ? G - g0 : 4;
-            __m512i acc[4][4];
-            for (int h = 0; h < 4; h++)
-                for (int k = 0; k < 4; k++)
-                    acc[h][k] = _mm512_setzero_si512();
-            for (int q = 0; q < D / 4; q++) {
-                const uint8_t *r0 = cbase + (int64_t)(4 * q) * cst + c0 / PER;
-                if (ahead && c0 == 0 && g0 == 0)
-                    for (int r = 0; r < 4; r++)
-                        for (int o = 0; o < n / PER; o += 64)
-                            __builtin_prefetch(r0 + r * cst + n / PER + o);
-                __m512i X = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r0));
-                X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + cst)), 1);
-                X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + 2 * cst)), 2);
-                X = _mm512_inserti32x4(X, _mm_loadu_si128((const __m128i *)(r0 + 3 * cst)), 3);
-                X = _mm512_permutexvar_epi8(perm, X);
-                __m512i pl[4];
-                for (int k = 0; k < PER; k++)
-                    pl[k] = _mm512_and_si512(_mm512_srli_epi16(X, k * BITS), mask);
-                for (int h = 0; h < GP; h++) {
-                    int32_t wa, wb;
-                    memcpy(&wa, c->kw8 + ((size_t)gA * G + g0 + h) * D + 4 * q, 4);
-                    memcpy(&wb, c->kw8 + ((size_t)gB * G + g0 + h) * D + 4 * q, 4);
-                    const __m512i W = _mm512_mask_blend_epi32(
-                        (__mmask16)0xFF00, _mm512_set1_epi32(wa), _mm512_set1_epi32(wb));
-                    for (int k = 0; k < PER; k++)
-                        acc[h][k] = _mm512_dpbusd_epi32(acc[h][k], pl[k], W);
-                }
-            }
-            for (int h = 0; h < GP; h++) {
-                const int g = g0 + h;
-                _Alignas(64) int32_t a32[4][16];
-                for (int k = 0; k < PER; k++)
-                    _mm512_store_si512((void *)a32[k], acc[h][k]);
-                float *sg = s + (size_t)g * ld + c0;
-                for (int L = 0; L < 2; L++) {
-                    const int gi = L ? gB : gA;
-                    const float b = c->kbias[gi * G + g], sw = c->ksw[gi * G + g];
-                    for (int k = 0; k < PER; k++)
-                        for (int i = 0; i < 8; i++)
-                            sg[L * TPL + PER * i + k] = (b + sw * (float)a32[k][L * 8 + i]) * ss;
-                }
-            }
+            if (G - g0 >= 4)
+                kch512_heads(c, cbase, cst, c0, n, g0, gA, gB, perm, mask, ahead, s, ld, BITS, 4);
+            else
+                kch512_heads(c, cbase, cst, c0, n, g0, gA, gB, perm, mask, ahead, s, ld, BITS,
+                             G - g0);
         }
     }
 }
