@@ -12,6 +12,9 @@
  * accumulator when the running max grows; A is kept in units of a per-head
  * multiplier instead (A_true = A * mult_g) so a rescale costs nothing, and A
  * is folded into the driver's accumulator if mult_g gets tiny and at the end.
+ * With AVX-512, 8-bit value codes of sub-vectors of 4 and up to 4 query heads
+ * skip A: each token's codewords go straight into the accumulator, one
+ * 16-lane FMA per position (4 heads x 4 dimensions; vq_values_512).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -177,6 +180,7 @@ typedef struct vq_ctx {
     int kpos, vpos, kK, vK; /* positions, codebook sizes */
     float *lut;             /* (kpos, kK, GP) */
     float *A;               /* (vpos, vK, GP) */
+    float *cbx;             /* vq_values_512: (vK, 16), codeword c four times; else NULL */
     float mult[KVD__ATTN_MAXG];
     int dirty;
 } vq_ctx;
@@ -187,6 +191,7 @@ typedef struct vq_seg {
     vq_ctx *c;
     const char *k, *v; /* row 0 of the head */
     int64_t krs, vrs;  /* row strides, bytes */
+    int64_t n;         /* tokens */
 } vq_seg;
 
 static inline uint32_t seg_code(const char *base, int64_t rs, int bits, int64_t t, int pos)
@@ -302,6 +307,8 @@ __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64
             const float *Lp = c->lut + (size_t)pos0 * K * 4;
             const uint8_t *cr = (const uint8_t *)(base + t0 * rs) + pos0;
             for (int t = 0; t < n; t++, cr += rs) {
+                if (pos0 == 0 && t0 + n + t < sg->n) /* the next block's row */
+                    __builtin_prefetch(cr + n * rs);
                 uint32_t w;
                 memcpy(&w, cr, 4);
                 __m128 v = _mm_add_ps(
@@ -445,6 +452,8 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
             float *Ap = A + (size_t)pos0 * K * 4;
             const uint8_t *cr = (const uint8_t *)(base + t0 * rs) + pos0;
             for (int t = 0; t < n; t++, cr += rs) {
+                if (pos0 == 0 && t0 + n + t < sg->n) /* the next block's row */
+                    __builtin_prefetch(cr + n * rs);
                 uint32_t w;
                 memcpy(&w, cr, 4);
                 float *d0 = Ap + (size_t)(w & 255) * 4,
@@ -501,6 +510,118 @@ __attribute__((target("avx2,fma"))) static void vq_values_avx2(void *vctx, int64
             }
         }
     }
+}
+
+/*
+ * Values with sub-vectors of 4 and up to 4 query heads on AVX-512F, for a
+ * head whose value codewords are all finite: no A, the codewords straight
+ * into the output. Lane 4 g + i of a position's vector is dimension i of
+ * head g: the token's probabilities (lanes 4 g .. 4 g + 3 hold head g's)
+ * times the codeword four times over (cbx), one FMA a position and token.
+ * The block's positions go 8 at a time, their sums in registers over the
+ * block's tokens, then added into the driver's accumulator (which it
+ * rescales itself). 8-bit codes.
+ */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+vq_values_512(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
+{
+    const vq_seg *sg = vctx;
+    const vq_ctx *c = sg->c;
+    const int G = c->G, vpos = c->vpos, Dv = c->Dv;
+    const float *cbx = c->cbx;
+    _Alignas(64) float pe[KVD__ATTN_BLOCK][16];
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    int t = 0;
+    for (; t + 4 <= n; t += 4) { /* 4 tokens x 4 heads, transposed */
+        __m128 r[4];
+        for (int g = 0; g < 4; g++)
+            r[g] = g < G ? _mm_loadu_ps(p + (size_t)g * ld + t) : _mm_setzero_ps();
+        _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+        for (int k = 0; k < 4; k++)
+            _mm512_store_ps(pe[t + k], _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(r[k])));
+    }
+    for (; t < n; t++) {
+        float p4[4] = {0};
+        for (int g = 0; g < G; g++)
+            p4[g] = p[(size_t)g * ld + t];
+        _mm512_store_ps(pe[t],
+                        _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(p4))));
+    }
+    const int64_t rs = sg->vrs;
+    /* the codes as byte offsets into cbx, 16 positions a step (the FMAs
+     * then take them with one load each) */
+    _Alignas(64) uint32_t off[KVD__ATTN_BLOCK * 32];
+    const int vp16 = vpos <= 32 ? (vpos + 15) / 16 : 0;
+    for (int tt = 0; tt < n && vp16; tt++) {
+        const uint8_t *cr = (const uint8_t *)(sg->v + (t0 + tt) * rs);
+        if (t0 + n + tt < sg->n) /* the next block's row, read while this one is computed */
+            __builtin_prefetch(cr + n * rs);
+        for (int k = 0; k < vp16; k++) {
+            const int m = vpos - 16 * k < 16 ? vpos - 16 * k : 16;
+            const __m128i b = m == 16
+                                  ? _mm_loadu_si128((const __m128i *)(cr + 16 * k))
+                                  : _mm_maskz_loadu_epi8((__mmask16)((1u << m) - 1), cr + 16 * k);
+            _mm512_store_si512(off + tt * 32 + 16 * k,
+                               _mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 6));
+        }
+    }
+    enum { PC = 8 };
+    for (int pos0 = 0; pos0 < vpos; pos0 += PC) {
+        const int np = vpos - pos0 < PC ? vpos - pos0 : PC;
+        __m512 o[PC];
+        for (int j = 0; j < PC; j++)
+            o[j] = _mm512_setzero_ps();
+        const uint8_t *cr = (const uint8_t *)(sg->v + t0 * rs) + pos0;
+        if (np == PC && vp16) {
+            const char *cx = (const char *)cbx;
+            for (int tt = 0; tt < n; tt++) {
+                const __m512 pv = _mm512_load_ps(pe[tt]);
+                const uint32_t *ot = off + tt * 32 + pos0;
+                _Pragma("GCC unroll 8") for (int j = 0; j < PC; j++) o[j] =
+                    _mm512_fmadd_ps(pv, _mm512_load_ps((const float *)(cx + ot[j])), o[j]);
+            }
+        } else {
+            for (int tt = 0; tt < n; tt++, cr += rs) {
+                const __m512 pv = _mm512_load_ps(pe[tt]);
+                for (int j = 0; j < np; j++)
+                    o[j] = _mm512_fmadd_ps(pv, _mm512_load_ps(cbx + (size_t)cr[j] * 16), o[j]);
+            }
+        }
+        for (int j = 0; j < np; j++) {
+            _Alignas(64) float r[16];
+            _mm512_store_ps(r, o[j]);
+            for (int g = 0; g < G; g++) {
+                float *ag = acc + (size_t)g * Dv + (pos0 + j) * 4;
+                for (int i = 0; i < 4; i++)
+                    ag[i] += r[4 * g + i];
+            }
+        }
+    }
+}
+
+/* The value codebook of head h as vq_values_512 reads it, when that path
+ * applies (see there); else NULL. The codewords' finiteness matters: the
+ * A path adds nothing for a head whose weight is 0, where 0 x Inf would
+ * be NaN here. */
+static float *vq_cbx(const kvd_attn_vq_args *a, int h, int G, int simd)
+{
+    if (!simd || G > 4 || a->v_sub_dim != 4 || a->v_bits != 8 ||
+        a->v_codebook.dtype != KVD_DTYPE_F32 || a->v_codebook.stride[1] != 16 ||
+        !kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VL) ||
+        getenv("KVD_NO_AVX512"))
+        return NULL;
+    const float *cb =
+        (const float *)((const char *)a->v_codebook.data + h * a->v_codebook.stride[0]);
+    for (int i = 0; i < 256 * 4; i++)
+        if (!isfinite(cb[i]))
+            return NULL;
+    float *x = aligned_alloc(64, sizeof(float) * 256 * 16);
+    if (!x)
+        return NULL;
+    for (int code = 0; code < 256; code++)
+        for (int r = 0; r < 4; r++)
+            memcpy(x + code * 16 + r * 4, cb + code * 4, sizeof(float) * 4);
+    return x;
 }
 
 static void vq_values_scalar(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
@@ -617,6 +738,7 @@ static void vq_head(void *arg, int h)
                 }
     }
     kvd__attn_scaled_q(d, &a->q, h, qs);
+    c.cbx = T ? vq_cbx(a, h, G, simd) : NULL;
     /* One source per segment, all on the head's LUT and A; A is folded
      * once, after the last. */
     const int nseg = a->n_segments ? a->n_segments : 1;
@@ -631,6 +753,7 @@ static void vq_head(void *arg, int h)
                 free(src);
             free(seg);
             free(buf);
+            free(c.cbx);
             return;
         }
     }
@@ -646,16 +769,19 @@ static void vq_head(void *arg, int h)
                              .k = (const char *)kc->data + h * kc->stride[0],
                              .v = (const char *)vc->data + h * vc->stride[0],
                              .krs = kc->stride[1],
-                             .vrs = vc->stride[1]};
+                             .vrs = vc->stride[1],
+                             .n = n};
         src[nsrc] = (kvd__attn_src){.ctx = &seg[nsrc],
                                     .n = n,
                                     .block = KVD__ATTN_BLOCK,
                                     .scores = simd ? vq_scores_avx2 : vq_scores_scalar,
-                                    .values = simd ? vq_values_avx2 : vq_values_scalar,
-                                    .rescale = vq_rescale};
+                                    .values = c.cbx  ? vq_values_512
+                                              : simd ? vq_values_avx2
+                                                     : vq_values_scalar,
+                                    .rescale = c.cbx ? NULL : vq_rescale};
         nsrc++;
     }
-    if (nsrc)
+    if (nsrc && !c.cbx)
         src[nsrc - 1].finish = vq_finish;
     _Alignas(8) char tailctx[KVD__ATTN_DENSE_CTX_BYTES];
     if (Tt > 0)
@@ -672,6 +798,7 @@ static void vq_head(void *arg, int h)
         free(seg);
     }
     free(buf);
+    free(c.cbx);
 }
 
 /* More than 8 query heads per kv head: each kv head's query heads, 8 at a

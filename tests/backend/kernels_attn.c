@@ -1039,6 +1039,19 @@ static void test_vq(tu_rng *rng)
             TU_CHECK(kvd_attn_vq(fast ? be_fast : be_ref, 1, &a, &err) == 0, "%s: %s", what, err.msg);
         }
         compare(what, &rr, &rf, Hq, D, 1e-9, 1e-4);
+        /* the A path (probabilities summed per code, folded with the
+         * codebook at the end), which a CPU with AVX-512 leaves for the
+         * codewords straight into the output (KVD_NO_AVX512) */
+        {
+            res rn = res_new(Hq, D);
+            a.out = t2(KVD_DTYPE_F32, rn.out.data, Hq, D);
+            a.lse = t1(KVD_DTYPE_F32, rn.lse.data, Hq);
+            setenv("KVD_NO_AVX512", "1", 1);
+            TU_CHECK(kvd_attn_vq(be_fast, 1, &a, &err) == 0, "%s: %s", what, err.msg);
+            unsetenv("KVD_NO_AVX512");
+            compare(what, &rr, &rn, Hq, D, 1e-9, 1e-4);
+            res_free(&rn);
+        }
         /* three items in one call, side by side: each item's bits alone */
         ITEMS_AS_ALONE(kvd_attn_vq_args, kvd_attn_vq, a, rf, what, Hq, D);
         /* the same codes in segments (one empty, lengths off the kernel's
@@ -1098,6 +1111,62 @@ static void test_vq(tu_rng *rng)
         free(kc), free(vc), free(kcb), free(vcb), free(lam);
         prob_free(&p), prob_free(&tail);
     }
+}
+
+/* A value codeword with an Inf, used only by tokens whose probability is
+ * exactly 0 (their keys score thousands below the others'): such tokens add
+ * nothing, as in the reference, on every path (the AVX-512 one, which would
+ * make 0 x Inf a NaN, steps aside for a codebook that is not finite). */
+static void test_vq_inf_codeword(tu_rng *rng)
+{
+    const int Hkv = 1, G = 4, Hq = 4, D = 128, npos = D / 4;
+    const int64_t T = 64;
+    prob p = prob_new(rng, Hq, Hkv, D, D, 0, KVD_DTYPE_F32, 0);
+    for (int i = 0; i < Hq * D; i++)
+        p.q[i] = 1.0f;
+    uint8_t *kc = malloc((size_t)T * npos), *vc = malloc((size_t)T * npos);
+    float *kcb = calloc(256 * 4, sizeof(float)), *vcb = malloc(sizeof(float) * 256 * 4);
+    tu_fill_normal(rng, vcb, 256 * 4, 1.0f);
+    for (int i = 0; i < 4; i++) {
+        kcb[0 * 4 + i] = 100.0f;  /* code 0: scores far above */
+        kcb[1 * 4 + i] = -100.0f; /* code 1: far below, probability 0 */
+    }
+    vcb[5 * 4 + 0] = INFINITY;
+    for (int64_t t = 0; t < T; t++)
+        for (int pos = 0; pos < npos; pos++) {
+            kc[t * npos + pos] = (uint8_t)(t % 2);
+            vc[t * npos + pos] = (uint8_t)(t % 2 ? 5 : (t + pos) % 4);
+        }
+    kvd_attn_vq_args a;
+    memset(&a, 0, sizeof a);
+    a.dims = dims_of(&p);
+    a.q = t2(KVD_DTYPE_F32, p.q, Hq, D);
+    a.n_tokens = T;
+    a.k_sub_dim = a.v_sub_dim = 4;
+    a.k_bits = a.v_bits = 8;
+    a.k_codes = t3(KVD_DTYPE_U8, kc, Hkv, T, npos);
+    a.v_codes = t3(KVD_DTYPE_U8, vc, Hkv, T, npos);
+    a.k_codebook = t3(KVD_DTYPE_F32, kcb, Hkv, 256, 4);
+    a.v_codebook = t3(KVD_DTYPE_F32, vcb, Hkv, 256, 4);
+    res rr = res_new(Hq, D), rf = res_new(Hq, D);
+    kvd_error err;
+    for (int fast = 0; fast < 2; fast++) {
+        const res *r = fast ? &rf : &rr;
+        a.out = t2(KVD_DTYPE_F32, r->out.data, Hq, D);
+        a.lse = t1(KVD_DTYPE_F32, r->lse.data, Hq);
+        TU_CHECK(kvd_attn_vq(fast ? be_fast : be_ref, 1, &a, &err) == 0, "VQ Inf codeword: %s",
+                 err.msg);
+    }
+    int finite = 1;
+    for (int i = 0; i < Hq * D; i++)
+        finite &=
+            isfinite(((const float *)rf.out.data)[i]) && isfinite(((const float *)rr.out.data)[i]);
+    TU_CHECK(finite, "VQ Inf codeword: an unweighted token's Inf reached the output");
+    compare("VQ Inf codeword", &rr, &rf, Hq, D, 1e-9, 1e-4);
+    res_free(&rr), res_free(&rf);
+    free(kc), free(vc), free(kcb), free(vcb);
+    prob_free(&p);
+    (void)G;
 }
 
 /* ---- SVD --------------------------------------------------------------- */
@@ -1240,6 +1309,7 @@ int main(void)
     test_int(&rng);
     test_int_nan(&rng);
     test_vq(&rng);
+    test_vq_inf_codeword(&rng);
     test_svd(&rng, 4);
     test_rows(&rng);
     test_svd(&rng, 20);
