@@ -181,6 +181,7 @@ typedef struct vq_ctx {
     float *lut;             /* (kpos, kK, GP) */
     float *A;               /* (vpos, vK, GP) */
     float *cbx;             /* vq_values_512: (vK, 16), codeword c four times; else NULL */
+    int s512;               /* scores by vq_scores_512 */
     float mult[KVD__ATTN_MAXG];
     int dirty;
 } vq_ctx;
@@ -381,6 +382,66 @@ __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64
             _mm_storeu_ps(r, _mm_add_ps(_mm_add_ps(s0, s1), _mm_add_ps(s2, s3)));
         }
         for (int g = 0; g < G; g++)
+            s[(size_t)g * ld + i] = r[g];
+    }
+}
+
+/*
+ * vq_scores_avx2's chunked path on AVX-512 (BW, VL) for up to 32 positions,
+ * a multiple of 8: the block's codes first become 16-bit byte offsets into
+ * their position's table (16 codes a step), so that each lookup is one load
+ * of the offset and one add of the LUT entry from memory; positions go 8 at
+ * a time (32 KB of the LUT) over the block's tokens.
+ */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+vq_scores_512(void *vctx, int64_t t0, int n, float *s, int ld)
+{
+    const vq_seg *sg = vctx;
+    const vq_ctx *c = sg->c;
+    const int kpos = c->kpos, K = c->kK, G = c->G;
+    const int64_t rs = sg->krs;
+    _Alignas(64) uint16_t off[KVD__ATTN_BLOCK * 32];
+    for (int t = 0; t < n; t++) {
+        const uint8_t *cr = (const uint8_t *)(sg->k + (t0 + t) * rs);
+        if (t0 + n + t < sg->n) /* the next block's row */
+            __builtin_prefetch(cr + n * rs);
+        for (int k = 0; k < kpos; k += 16) {
+            const __m128i b = kpos - k >= 16 ? _mm_loadu_si128((const __m128i *)(cr + k))
+                                             : _mm_maskz_loadu_epi8((__mmask16)0xFF, cr + k);
+            _mm256_store_si256((__m256i *)(off + t * 32 + k),
+                               _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 4));
+        }
+    }
+    __m128 acc[KVD__ATTN_BLOCK];
+    for (int pos0 = 0; pos0 < kpos; pos0 += 8) {
+        const char *L[8];
+        for (int j = 0; j < 8; j++)
+            L[j] = (const char *)(c->lut + (size_t)(pos0 + j) * K * 4);
+        for (int t = 0; t < n; t++) {
+            const uint16_t *o = off + t * 32 + pos0;
+            __m128 a = _mm_loadu_ps((const float *)(L[0] + o[0])),
+                   b = _mm_loadu_ps((const float *)(L[1] + o[1]));
+            a = _mm_add_ps(a, _mm_loadu_ps((const float *)(L[2] + o[2])));
+            b = _mm_add_ps(b, _mm_loadu_ps((const float *)(L[3] + o[3])));
+            a = _mm_add_ps(a, _mm_loadu_ps((const float *)(L[4] + o[4])));
+            b = _mm_add_ps(b, _mm_loadu_ps((const float *)(L[5] + o[5])));
+            a = _mm_add_ps(a, _mm_loadu_ps((const float *)(L[6] + o[6])));
+            b = _mm_add_ps(b, _mm_loadu_ps((const float *)(L[7] + o[7])));
+            acc[t] = pos0 == 0 ? _mm_add_ps(a, b) : _mm_add_ps(acc[t], _mm_add_ps(a, b));
+        }
+    }
+    int i = 0;
+    for (; i + 4 <= n; i += 4) { /* 4 tokens x 4 heads, transposed */
+        __m128 r0 = acc[i], r1 = acc[i + 1], r2 = acc[i + 2], r3 = acc[i + 3];
+        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+        const __m128 rr[4] = {r0, r1, r2, r3};
+        for (int g = 0; g < G; g++)
+            _mm_storeu_ps(s + (size_t)g * ld + i, rr[g]);
+    }
+    for (; i < n; i++) {
+        float r[4];
+        _mm_storeu_ps(r, acc[i]);
+        for (int g = 0; g < G; g++) /* G <= GP = 4 */
             s[(size_t)g * ld + i] = r[g];
     }
 }
@@ -739,6 +800,9 @@ static void vq_head(void *arg, int h)
     }
     kvd__attn_scaled_q(d, &a->q, h, qs);
     c.cbx = T ? vq_cbx(a, h, G, simd) : NULL;
+    c.s512 = T && simd && GP == 4 && a->k_bits == 8 && c.kpos % 8 == 0 && c.kpos <= 32 &&
+             kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VL) &&
+             !getenv("KVD_NO_AVX512");
     /* One source per segment, all on the head's LUT and A; A is folded
      * once, after the last. */
     const int nseg = a->n_segments ? a->n_segments : 1;
@@ -774,7 +838,9 @@ static void vq_head(void *arg, int h)
         src[nsrc] = (kvd__attn_src){.ctx = &seg[nsrc],
                                     .n = n,
                                     .block = KVD__ATTN_BLOCK,
-                                    .scores = simd ? vq_scores_avx2 : vq_scores_scalar,
+                                    .scores = c.s512 ? vq_scores_512
+                                              : simd ? vq_scores_avx2
+                                                     : vq_scores_scalar,
                                     .values = c.cbx  ? vq_values_512
                                               : simd ? vq_values_avx2
                                                      : vq_values_scalar,
