@@ -593,8 +593,65 @@ __attribute__((target("avx2,fma"))) static float exp_sub_sum_avx2(float *p, cons
     return sum;
 }
 
+/* exp8 on 16 lanes: the same operations, so the same bits in each lane. */
+__attribute__((target("avx512f"))) static inline __m512 exp16(__m512 x)
+{
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    /* NaN x passes through, as in exp8 (max/min return the second operand
+     * when either is NaN) */
+    __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps((__mmask16)~under, y);
+}
+
+/* exp_sub_sum_avx2 16 lanes a step: the same exponentials, and the sum in
+ * exp_sub_sum_avx2's order (each half added into one 8-lane sum in turn):
+ * the same bits. */
+__attribute__((target("avx512f,avx2,fma"))) static float exp_sub_sum_512(float *p, const float *s,
+                                                                         int n, float m)
+{
+    const __m512 vm = _mm512_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+        _mm512_storeu_ps(p + i, e);
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+        acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(p + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float buf[8];
+    _mm256_storeu_ps(buf, acc);
+    float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
+    for (; i < n; i++) {
+        p[i] = expf(s[i] - m);
+        sum += p[i];
+    }
+    return sum;
+}
+
 static float exp_sub_sum(float *p, const float *s, int n, float m, int simd)
 {
+    if (simd == 2)
+        return exp_sub_sum_512(p, s, n, m);
     if (simd)
         return exp_sub_sum_avx2(p, s, n, m);
     float sum = 0.0f;
@@ -652,6 +709,9 @@ static float block_max(const float *s, int n, int simd)
 int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float *const *out,
                        float *const *lse, int simd)
 {
+    /* the softmax's exponentials 16 a step where the CPU has AVX-512 (the
+     * same bits; KVD_NO_AVX512: the 8-lane ones) */
+    const int esimd = simd && kvd__cpu_has(KVD__CPU_AVX512F) && !getenv("KVD_NO_AVX512") ? 2 : simd;
     float *s = malloc(sizeof(float) * ((size_t)2 * G * KVD__ATTN_BLOCK + (size_t)G * Dv + 16));
     if (!s)
         return KVD_ENOMEM;
@@ -688,7 +748,7 @@ int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float
                         src->rescale(src->ctx, g, f);
                     m[g] = nm;
                 }
-                l[g] += exp_sub_sum(pg, sg, n, m[g], simd);
+                l[g] += exp_sub_sum(pg, sg, n, m[g], esimd);
                 any = 1;
             }
             if (any)
