@@ -801,15 +801,16 @@ static void test_int(tu_rng *rng)
             TU_CHECK(memcmp(rn.out.data, rf.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
                          memcmp(rn.lse.data, rf.lse.data, sizeof(float) * (size_t)Hq) == 0,
                      "%s: VNNI and maddubs dot products differ", what);
-            /* and the 256-bit VNNI kernels, which a CPU with AVX-512 VNNI
-             * leaves for its 512-bit ones (KVD_NO_AVX512) */
+            /* and the 256-bit kernels (VNNI dot products, token-axis values,
+             * channel-key weights, the softmax's exponentials), which a CPU
+             * with AVX-512 leaves for its 512-bit ones (KVD_NO_AVX512) */
             setenv("KVD_NO_AVX512", "1", 1);
             rc = kvd_attn_quant(be_fast, 1, &a, &err);
             unsetenv("KVD_NO_AVX512");
             TU_CHECK(rc == 0, "%s: %s", what, err.msg);
             TU_CHECK(memcmp(rn.out.data, rf.out.data, sizeof(float) * (size_t)Hq * D) == 0 &&
                          memcmp(rn.lse.data, rf.lse.data, sizeof(float) * (size_t)Hq) == 0,
-                     "%s: 256- and 512-bit VNNI dot products differ", what);
+                     "%s: the 256- and 512-bit kernels differ", what);
             res_free(&rn);
         }
         /* three items in one call, side by side: each item's bits alone */
