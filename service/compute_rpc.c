@@ -26,7 +26,7 @@ static int reply_msg(kvd_req_ctx *ctx, const ProtobufCMessage *m, grpc_byte_buff
                              "reply of %zu bytes exceeds max-message-bytes (%llu): send fewer "
                              "queries per call",
                              n, (unsigned long long)ctx->svc->cfg->max_message_bytes);
-    *reply = kvd_pack(m);
+    *reply = kvd_pack_n(m, n);
     if (!*reply)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
     return 0;

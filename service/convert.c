@@ -225,7 +225,11 @@ ProtobufCMessage *kvd_bb_unpack(const ProtobufCMessageDescriptor *desc, grpc_byt
 
 grpc_byte_buffer *kvd_pack(const ProtobufCMessage *msg)
 {
-    size_t n = protobuf_c_message_get_packed_size(msg);
+    return kvd_pack_n(msg, protobuf_c_message_get_packed_size(msg));
+}
+
+grpc_byte_buffer *kvd_pack_n(const ProtobufCMessage *msg, size_t n)
+{
     grpc_slice s = grpc_slice_malloc(n);
     protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(s));
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);

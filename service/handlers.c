@@ -25,7 +25,7 @@ static int reply_or_oom(grpc_byte_buffer **reply, const ProtobufCMessage *m, kvd
         return kvd_error_set(err, KVD_ENOMEM,
                              "reply of %zu bytes exceeds max-message-bytes (%llu)", n,
                              (unsigned long long)ctx->svc->cfg->max_message_bytes);
-    *reply = kvd_pack(m);
+    *reply = kvd_pack_n(m, n);
     if (!*reply)
         return kvd_error_set(err, KVD_ENOMEM, "out of memory packing the reply");
     return 0;

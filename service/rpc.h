@@ -175,6 +175,9 @@ const kvd_method *kvd_method_find(const char *path, size_t len);
 /* Pack a message into a fresh byte buffer (one slice, one copy). Returns NULL
  * when out of memory. */
 grpc_byte_buffer *kvd_pack(const ProtobufCMessage *msg);
+/* kvd_pack with the packed size already known (protobuf_c_message_get_packed_size
+ * walks every element of repeated fields: a reply's tokens, once is enough). */
+grpc_byte_buffer *kvd_pack_n(const ProtobufCMessage *msg, size_t n);
 
 /* Recount quota usage and the store gauges from the store (after a forced
  * model delete took sequences with it). */
