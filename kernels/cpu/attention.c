@@ -573,6 +573,21 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x)
 /* p[i] = exp(s[i] - m) for i < n; returns sum p. */
 static float exp_sub_sum(float *p, const float *s, int n, float m, int simd);
 
+/* The 8 lanes of acc summed (pairwise), then p[i..n) = exp(s - m) one by
+ * one added: the end of exp_sub_sum_avx2 and exp_sub_sum_512. */
+__attribute__((target("avx2,fma"))) static inline float
+exp_sum_rest(__m256 acc, float *p, const float *s, int i, int n, float m)
+{
+    float buf[8];
+    _mm256_storeu_ps(buf, acc);
+    float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
+    for (; i < n; i++) {
+        p[i] = expf(s[i] - m);
+        sum += p[i];
+    }
+    return sum;
+}
+
 __attribute__((target("avx2,fma"))) static float exp_sub_sum_avx2(float *p, const float *s, int n,
                                                                   float m)
 {
@@ -583,14 +598,7 @@ __attribute__((target("avx2,fma"))) static float exp_sub_sum_avx2(float *p, cons
         _mm256_storeu_ps(p + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float buf[8];
-    _mm256_storeu_ps(buf, acc);
-    float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
-    for (; i < n; i++) {
-        p[i] = expf(s[i] - m);
-        sum += p[i];
-    }
-    return sum;
+    return exp_sum_rest(acc, p, s, i, n, m);
 }
 
 /* exp8 on 16 lanes: the same operations, so the same bits in each lane. */
@@ -638,14 +646,7 @@ __attribute__((target("avx512f,avx2,fma"))) static float exp_sub_sum_512(float *
         _mm256_storeu_ps(p + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float buf[8];
-    _mm256_storeu_ps(buf, acc);
-    float sum = ((buf[0] + buf[1]) + (buf[2] + buf[3])) + ((buf[4] + buf[5]) + (buf[6] + buf[7]));
-    for (; i < n; i++) {
-        p[i] = expf(s[i] - m);
-        sum += p[i];
-    }
-    return sum;
+    return exp_sum_rest(acc, p, s, i, n, m);
 }
 
 static float exp_sub_sum(float *p, const float *s, int n, float m, int simd)

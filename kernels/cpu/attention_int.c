@@ -680,6 +680,58 @@ __attribute__((target("avx2,fma"))) static int quantize_q8_avx2(const float *w, 
     return 1;
 }
 
+/* quantize_q8_avx2 on 16-float vectors: the same codes (the same f32
+ * division and round-half-even, vpmovsdb's saturation inside the clamp's
+ * range). n % 16 == 0. */
+INT512_TARGET static int quantize_q8_512(const float *w, int n, int8_t *w8, float *scale)
+{
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int i = 0; i < n; i += 16) {
+        __m512 x = _mm512_loadu_ps(w + i);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); /* max_ps drops NaN */
+    }
+    if (nan)
+        return 0;
+    float amax = _mm512_reduce_max_ps(mx);
+    if (!(amax > 0.0f) || !isfinite(amax))
+        return 0;
+    float sc = amax / 127.0f;
+    const __m512 vs = _mm512_set1_ps(sc), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    for (int i = 0; i < n; i += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(w + i), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i *)(w8 + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    *scale = sc;
+    return 1;
+}
+
+/* The end of the channel-key weights of a block: each group's and head's
+ * w (ngb, G, D) rounded to int8 (kw8, ksw; by quantize_q8_512 when W512,
+ * else quantize_q8_avx2) and its 8-lane bias sum folded (kbias). */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+kchan_weights_finish(const int_ctx *c, int ngb, const float *w, __m256 (*bias)[KVD__ATTN_MAXG],
+                     const int W512)
+{
+    const int G = c->G, D = c->D;
+    for (int gi = 0; gi < ngb; gi++)
+        for (int g = 0; g < G; g++) {
+            const float *wr = w + ((size_t)gi * G + g) * D;
+            int8_t *w8 = c->kw8 + ((size_t)gi * G + g) * D;
+            float sw;
+            if (!(W512 ? quantize_q8_512(wr, D, w8, &sw) : quantize_q8_avx2(wr, D, w8, &sw)))
+                sw = kvd_attn_quantize_q8(wr, D, w8);
+            float b8[8];
+            _mm256_storeu_ps(b8, bias[gi][g]);
+            c->ksw[gi * G + g] = sw;
+            c->kbias[gi * G + g] =
+                ((b8[0] + b8[1]) + (b8[2] + b8[3])) + ((b8[4] + b8[5]) + (b8[6] + b8[7]));
+        }
+}
+
 /* Ask for the next block's (t0 + n ..) key scales and mins of channel rows
  * d0 .. d0 + nr (keys grouped per channel): each row's groups of a block lie
  * in a line of their own, a row apart from the next row's, too many
@@ -727,18 +779,7 @@ kchan_block_weights_avx2_tpl(const int_ctx *c, int64_t t0, const int ngb)
             }
         }
     }
-    for (int gi = 0; gi < ngb; gi++)
-        for (int g = 0; g < G; g++) {
-            const float *wr = w + ((size_t)gi * G + g) * D;
-            int8_t *w8 = c->kw8 + ((size_t)gi * G + g) * D;
-            float sw;
-            if (!quantize_q8_avx2(wr, D, w8, &sw))
-                sw = kvd_attn_quantize_q8(wr, D, w8);
-            float b8[8];
-            _mm256_storeu_ps(b8, bias[gi][g]);
-            c->ksw[gi * G + g] = sw;
-            c->kbias[gi * G + g] = ((b8[0] + b8[1]) + (b8[2] + b8[3])) + ((b8[4] + b8[5]) + (b8[6] + b8[7]));
-        }
+    kchan_weights_finish(c, ngb, w, bias, 0);
 }
 
 /* the group count a constant for load_t8_u16 */
@@ -752,35 +793,6 @@ __attribute__((target("avx2,fma,f16c"))) static void kchan_block_weights_avx2(co
         kchan_block_weights_avx2_tpl(c, t0, 4);
     else
         kchan_block_weights_avx2_tpl(c, t0, 2);
-}
-
-/* quantize_q8_avx2 on 16-float vectors: the same codes (the same f32
- * division and round-half-even, vpmovsdb's saturation inside the clamp's
- * range). n % 16 == 0. */
-INT512_TARGET static int quantize_q8_512(const float *w, int n, int8_t *w8, float *scale)
-{
-    __m512 mx = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int i = 0; i < n; i += 16) {
-        __m512 x = _mm512_loadu_ps(w + i);
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
-        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); /* max_ps drops NaN */
-    }
-    if (nan)
-        return 0;
-    float amax = _mm512_reduce_max_ps(mx);
-    if (!(amax > 0.0f) || !isfinite(amax))
-        return 0;
-    float sc = amax / 127.0f;
-    const __m512 vs = _mm512_set1_ps(sc), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
-    for (int i = 0; i < n; i += 16) {
-        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(w + i), vs),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-        _mm_storeu_si128((__m128i *)(w8 + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
-    *scale = sc;
-    return 1;
 }
 
 /* kchan_block_weights_avx2 with 16 channels a step (two 8-channel
@@ -824,19 +836,7 @@ kchan_block_weights_512_tpl(const int_ctx *c, int64_t t0, const int ngb)
             }
         }
     }
-    for (int gi = 0; gi < ngb; gi++)
-        for (int g = 0; g < G; g++) {
-            const float *wr = w + ((size_t)gi * G + g) * D;
-            int8_t *w8 = c->kw8 + ((size_t)gi * G + g) * D;
-            float sw;
-            if (!quantize_q8_512(wr, D, w8, &sw))
-                sw = kvd_attn_quantize_q8(wr, D, w8);
-            float b8[8];
-            _mm256_storeu_ps(b8, bias[gi][g]);
-            c->ksw[gi * G + g] = sw;
-            c->kbias[gi * G + g] =
-                ((b8[0] + b8[1]) + (b8[2] + b8[3])) + ((b8[4] + b8[5]) + (b8[6] + b8[7]));
-        }
+    kchan_weights_finish(c, ngb, w, bias, 1);
 }
 
 /* the group count a constant for load_t8_u16 */
@@ -1707,6 +1707,22 @@ vtok_params(const int_ctx *c, int64_t t0, int n, int ng, float (*prm)[KVD__ATTN_
     }
 }
 
+/* vtok_params with the group count a constant (for load_t8_u16); 0 and
+ * prm untouched when it is not 2, 4 or 8. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline int
+vtok_params_any(const int_ctx *c, int64_t t0, int n, int ng, float (*prm)[KVD__ATTN_BLOCK])
+{
+    if (ng == 4)
+        vtok_params(c, t0, n, 4, prm);
+    else if (ng == 2)
+        vtok_params(c, t0, n, 2, prm);
+    else if (ng == 8)
+        vtok_params(c, t0, n, 8, prm);
+    else
+        return 0;
+    return 1;
+}
+
 /* The weights p * scale of the block's tokens in channel group grp (w[g][i]
  * for head g and token i) and the sums p * min, one per head (bias[g] += ),
  * of the token-axis values. prm: vtok_params's, or NULL (each group's
@@ -1775,13 +1791,7 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
     const kvd_tensor *tc = &a->v.codes;
     _Alignas(32) float w[8][KVD__ATTN_BLOCK];
     _Alignas(32) float prm[16][KVD__ATTN_BLOCK];
-    const int by_row = ng == 2 || ng == 4 || ng == 8;
-    if (ng == 4) /* the group count a constant for load_t8_u16 */
-        vtok_params(c, t0, n, 4, prm);
-    else if (ng == 2)
-        vtok_params(c, t0, n, 2, prm);
-    else if (ng == 8)
-        vtok_params(c, t0, n, 8, prm);
+    const int by_row = vtok_params_any(c, t0, n, ng, prm);
     for (int grp = 0; grp < ng; grp++) {
         float bias[8] = {0};
         vtok_weights(c, t0, n, p, ld, grp, GG, by_row ? (const float(*)[KVD__ATTN_BLOCK])prm : NULL,
@@ -1924,13 +1934,7 @@ int_values_token512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int
     const int64_t rs = tc->stride[1];
     _Alignas(64) float w[8][KVD__ATTN_BLOCK];
     _Alignas(32) float prm[16][KVD__ATTN_BLOCK];
-    const int by_row = ng == 2 || ng == 4 || ng == 8;
-    if (ng == 4) /* the group count a constant for load_t8_u16 */
-        vtok_params(c, t0, n, 4, prm);
-    else if (ng == 2)
-        vtok_params(c, t0, n, 2, prm);
-    else if (ng == 8)
-        vtok_params(c, t0, n, 8, prm);
+    const int by_row = vtok_params_any(c, t0, n, ng, prm);
     for (int grp = 0; grp < ng; grp++) {
         float bias[8] = {0};
         vtok_weights(c, t0, n, p, ld, grp, GG, by_row ? (const float(*)[KVD__ATTN_BLOCK])prm : NULL,

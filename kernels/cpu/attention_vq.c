@@ -289,6 +289,28 @@ static void vq_finish(void *vctx, float *acc)
         vq_fold(c, acc);
 }
 
+/* Scores of n tokens, acc[t] holding token t's for up to 4 query heads,
+ * into s (head g's row at s + g ld): 4 tokens x 4 heads transposed at a
+ * time. */
+__attribute__((target("avx2,fma"))) static void store_scores4(const __m128 *acc, int n, int G,
+                                                              float *s, int ld)
+{
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m128 r0 = acc[i], r1 = acc[i + 1], r2 = acc[i + 2], r3 = acc[i + 3];
+        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+        const __m128 rr[4] = {r0, r1, r2, r3};
+        for (int g = 0; g < G && g < 4; g++)
+            _mm_storeu_ps(s + (size_t)g * ld + i, rr[g]);
+    }
+    for (; i < n; i++) {
+        float r[4];
+        _mm_storeu_ps(r, acc[i]);
+        for (int g = 0; g < G && g < 4; g++)
+            s[(size_t)g * ld + i] = r[g];
+    }
+}
+
 __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64_t t0, int n,
                                                                float *s, int ld)
 {
@@ -320,19 +342,7 @@ __attribute__((target("avx2,fma"))) static void vq_scores_avx2(void *vctx, int64
                 acc[t] = pos0 == 0 ? v : _mm_add_ps(acc[t], v);
             }
         }
-        int i = 0;
-        for (; i + 4 <= n; i += 4) { /* 4 tokens x 4 heads, transposed */
-            __m128 r0 = acc[i], r1 = acc[i + 1], r2 = acc[i + 2], r3 = acc[i + 3];
-            _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-            const __m128 rr[4] = {r0, r1, r2, r3};
-            for (int g = 0; g < G; g++)
-                _mm_storeu_ps(s + (size_t)g * ld + i, rr[g]);
-        }
-        for (; i < n; i++) {
-            _mm_storeu_ps(r, acc[i]);
-            for (int g = 0; g < G && g < 4; g++) /* G <= GP = 4 */
-                s[(size_t)g * ld + i] = r[g];
-        }
+        store_scores4(acc, n, G, s, ld);
         return;
     }
     for (int i = 0; i < n; i++) {
@@ -430,20 +440,7 @@ vq_scores_512(void *vctx, int64_t t0, int n, float *s, int ld)
             acc[t] = pos0 == 0 ? _mm_add_ps(a, b) : _mm_add_ps(acc[t], _mm_add_ps(a, b));
         }
     }
-    int i = 0;
-    for (; i + 4 <= n; i += 4) { /* 4 tokens x 4 heads, transposed */
-        __m128 r0 = acc[i], r1 = acc[i + 1], r2 = acc[i + 2], r3 = acc[i + 3];
-        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-        const __m128 rr[4] = {r0, r1, r2, r3};
-        for (int g = 0; g < G; g++)
-            _mm_storeu_ps(s + (size_t)g * ld + i, rr[g]);
-    }
-    for (; i < n; i++) {
-        float r[4];
-        _mm_storeu_ps(r, acc[i]);
-        for (int g = 0; g < G; g++) /* G <= GP = 4 */
-            s[(size_t)g * ld + i] = r[g];
-    }
+    store_scores4(acc, n, G, s, ld);
 }
 
 static void vq_scores_scalar(void *vctx, int64_t t0, int n, float *s, int ld)
