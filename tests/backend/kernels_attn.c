@@ -1120,7 +1120,7 @@ static void test_vq(tu_rng *rng)
  * make 0 x Inf a NaN, steps aside for a codebook that is not finite). */
 static void test_vq_inf_codeword(tu_rng *rng)
 {
-    const int Hkv = 1, G = 4, Hq = 4, D = 128, npos = D / 4;
+    const int Hkv = 1, Hq = 4, D = 128, npos = D / 4; /* 4 query heads over 1 kv head */
     const int64_t T = 64;
     prob p = prob_new(rng, Hq, Hkv, D, D, 0, KVD_DTYPE_F32, 0);
     for (int i = 0; i < Hq * D; i++)
@@ -1167,7 +1167,6 @@ static void test_vq_inf_codeword(tu_rng *rng)
     res_free(&rr), res_free(&rf);
     free(kc), free(vc), free(kcb), free(vcb);
     prob_free(&p);
-    (void)G;
 }
 
 /* ---- SVD --------------------------------------------------------------- */
