@@ -710,9 +710,6 @@ static float block_max(const float *s, int n, int simd)
 int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float *const *out,
                        float *const *lse, int simd)
 {
-    /* the softmax's exponentials 16 a step where the CPU has AVX-512 (the
-     * same bits; KVD_NO_AVX512: the 8-lane ones) */
-    const int esimd = simd && kvd__cpu_has(KVD__CPU_AVX512F) && !getenv("KVD_NO_AVX512") ? 2 : simd;
     float *s = malloc(sizeof(float) * ((size_t)2 * G * KVD__ATTN_BLOCK + (size_t)G * Dv + 16));
     if (!s)
         return KVD_ENOMEM;
@@ -749,7 +746,7 @@ int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float
                         src->rescale(src->ctx, g, f);
                     m[g] = nm;
                 }
-                l[g] += exp_sub_sum(pg, sg, n, m[g], esimd);
+                l[g] += exp_sub_sum(pg, sg, n, m[g], simd);
                 any = 1;
             }
             if (any)
@@ -1047,7 +1044,12 @@ static void dense_values_scalar(void *vctx, int64_t t0, int n, const float *p, i
 
 int kvd__attn_simd(void)
 {
-    return kvd__cpu_has_avx2_fma_f16c();
+    if (!kvd__cpu_has_avx2_fma_f16c())
+        return 0;
+    return kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VL) &&
+                   !getenv("KVD_NO_AVX512")
+               ? 2
+               : 1;
 }
 
 /* Fill a dense/sparse token source for kv head h (also used for raw tails). */

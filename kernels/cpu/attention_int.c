@@ -2048,16 +2048,6 @@ static int vnni_form(void)
     return getenv("KVD_NO_VNNI") ? 0 : f;
 }
 
-/* Whether the CPU runs 512-bit vpdpbusd with AVX-512BW (the *512 kernels;
- * taken only where vnni_form is not 0: KVD_NO_VNNI turns them off too).
- * KVD_NO_AVX512 set: no (tests: the 256-bit VNNI kernels on such a CPU). */
-static int vnni512(void)
-{
-    return kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VL |
-                        KVD__CPU_AVX512VNNI) &&
-           !getenv("KVD_NO_AVX512");
-}
-
 /* One kv head of kvd_cpu_attn_int_fast (kvd__par_for). */
 typedef struct int_job {
     const kvd_attn_int_args *a;
@@ -2286,7 +2276,9 @@ int kvd_cpu_attn_int_fast(const kvd_attn_int_args *a, int nthreads)
     int simd = kvd__attn_simd(), rc = 0;
     int vnni = simd ? vnni_form() : 0;
     int64_t Tt = a->k_tail.ndim == 3 ? a->k_tail.shape[1] : 0;
-    const int w512 = vnni && vnni512();
+    /* the *512 kernels: 512-bit vpdpbusd (kvd__attn_simd's level 2, so not
+     * with KVD_NO_AVX512; nor with KVD_NO_VNNI, as vnni is 0 then) */
+    const int w512 = vnni && simd == 2 && kvd__cpu_has(KVD__CPU_AVX512VNNI);
     int_job j = {.a = a,
                  .G = G,
                  .D = D,

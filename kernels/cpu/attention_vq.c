@@ -663,10 +663,8 @@ vq_values_512(void *vctx, int64_t t0, int n, const float *p, int ld, float *acc)
  * be NaN here. */
 static float *vq_cbx(const kvd_attn_vq_args *a, int h, int G, int simd)
 {
-    if (!simd || G > 4 || a->v_sub_dim != 4 || a->v_bits != 8 ||
-        a->v_codebook.dtype != KVD_DTYPE_F32 || a->v_codebook.stride[1] != 16 ||
-        !kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VL) ||
-        getenv("KVD_NO_AVX512"))
+    if (simd != 2 || G > 4 || a->v_sub_dim != 4 || a->v_bits != 8 ||
+        a->v_codebook.dtype != KVD_DTYPE_F32 || a->v_codebook.stride[1] != 16)
         return NULL;
     const float *cb =
         (const float *)((const char *)a->v_codebook.data + h * a->v_codebook.stride[0]);
@@ -797,9 +795,7 @@ static void vq_head(void *arg, int h)
     }
     kvd__attn_scaled_q(d, &a->q, h, qs);
     c.cbx = T ? vq_cbx(a, h, G, simd) : NULL;
-    c.s512 = T && simd && GP == 4 && a->k_bits == 8 && c.kpos % 8 == 0 && c.kpos <= 32 &&
-             kvd__cpu_has(KVD__CPU_AVX512F | KVD__CPU_AVX512BW | KVD__CPU_AVX512VL) &&
-             !getenv("KVD_NO_AVX512");
+    c.s512 = T && simd == 2 && GP == 4 && a->k_bits == 8 && c.kpos % 8 == 0 && c.kpos <= 32;
     /* One source per segment, all on the head's LUT and A; A is folded
      * once, after the last. */
     const int nseg = a->n_segments ? a->n_segments : 1;

@@ -334,6 +334,9 @@ typedef struct kvd__attn_src {
 
 int kvd__attn_head_run(const kvd__attn_src *srcs, int nsrc, int G, int Dv, float *const *out,
                        float *const *lse, int simd);
+/* The CPU's attention kernels for one call: 0 scalar, 1 AVX2 + FMA + F16C,
+ * 2 those and AVX-512 F, BW and VL, unless KVD_NO_AVX512 is set in the
+ * environment (the 256-bit kernels then; read once per call). */
 int kvd__attn_simd(void);
 /* ctxbuf: at least 64 bytes, 8-aligned, alive while src is used. */
 #define KVD__ATTN_DENSE_CTX_BYTES 64
