@@ -53,7 +53,9 @@ int kvd__cpu_has(int features);
 /* fn(arg, i) for every i in [0, n), on the calling thread and on up to
  * threads - 1 idle threads of the process's compute pool (par.c), in no
  * particular order; returns once all are done. The caller takes every item
- * no helper has taken, so a helper that is not running costs nothing. */
+ * no helper has taken, so a helper that is not running costs nothing;
+ * except for a task ranked long while others compute: its items run on up
+ * to `threads` background helpers of lower priority, the caller waiting. */
 typedef void (*kvd__par_fn)(void *arg, int i);
 void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg);
 /* fn(arg, lo, hi) over [0, n) cut into ranges of at least grain (about four

@@ -10,13 +10,23 @@
  *  - no more threads run items at once than there are slots;
  *  - a new task (kvd_cpu_task_begin) that finds every slot held by tasks
  *    that have computed longer gets a slot between two of their items: it
- *    finishes while each of them still has work left.
+ *    finishes while each of them still has work left;
+ *  - a task ranked long (kvd_cpu_task_expect) that finds another computing
+ *    hands its items to the background helpers, which run at a lower
+ *    priority, and computes none itself; alone, it computes them too;
+ *  - new tasks, as many as the background helpers, that find every slot
+ *    held by those helpers and a short task get slots before the long
+ *    tasks finish, and the long tasks still finish, every item once: the
+ *    helpers that gave their slots up go on once the slots are free again.
  */
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -135,6 +145,7 @@ static void test_never_waits_for_busy_helpers(void)
         pthread_cond_wait(&gcv, &gmu);
     pthread_mutex_unlock(&gmu);
     counts *c = calloc(1, sizeof *c);
+    kvd_cpu_task_begin();                    /* not ranked long: no background lane */
     kvd__par_for(N, THREADS, count_item, c); /* returns: its caller did it all */
     int bad = 0;
     for (int i = 0; i < N; i++)
@@ -219,6 +230,153 @@ static void test_least_served_first(void)
         pthread_join(t[k], NULL);
 }
 
+/* A short task holding a slot until told to let go. */
+static atomic_int holding, let_go;
+
+static void hold_item(void *arg, int i)
+{
+    (void)arg;
+    (void)i;
+    atomic_store(&holding, 1);
+    while (!atomic_load(&let_go))
+        usleep(500);
+}
+
+static void *holder_main(void *arg)
+{
+    (void)arg;
+    kvd_cpu_task_begin();
+    kvd__par_for(1, 1, hold_item, NULL);
+    return NULL;
+}
+
+static void hold_start(pthread_t *t)
+{
+    atomic_store(&holding, 0);
+    atomic_store(&let_go, 0);
+    pthread_create(t, NULL, holder_main, NULL);
+    while (!atomic_load(&holding))
+        usleep(500);
+}
+
+static void hold_end(pthread_t t)
+{
+    atomic_store(&let_go, 1);
+    pthread_join(t, NULL);
+}
+
+static long tid(void)
+{
+    return (long)syscall(SYS_gettid);
+}
+
+#define LANE_ITEMS 64
+typedef struct lane {
+    atomic_int c[LANE_ITEMS];
+    atomic_int on_caller, lowered;
+    long caller;
+    int nice; /* the caller's */
+} lane;
+
+static void lane_item(void *arg, int i)
+{
+    lane *l = arg;
+    atomic_fetch_add(&l->c[i], 1);
+    const long me = tid();
+    if (me == l->caller)
+        atomic_fetch_add(&l->on_caller, 1);
+    errno = 0;
+    const int nice = getpriority(PRIO_PROCESS, (id_t)me);
+    if (errno == 0 && nice > l->nice)
+        atomic_fetch_add(&l->lowered, 1);
+    usleep(200);
+}
+
+/* A task ranked long from its start runs LANE_ITEMS items. */
+static void *lane_main(void *arg)
+{
+    lane *l = arg;
+    l->caller = tid();
+    l->nice = getpriority(PRIO_PROCESS, (id_t)l->caller);
+    kvd_cpu_task_begin();
+    kvd_cpu_task_expect((uint64_t)1 << 32);
+    kvd__par_for(LANE_ITEMS, THREADS, lane_item, l);
+    return NULL;
+}
+
+static int lane_bad(lane *l)
+{
+    int bad = 0;
+    for (int i = 0; i < LANE_ITEMS; i++)
+        bad += atomic_load(&l->c[i]) != 1;
+    return bad;
+}
+
+static void test_background(void)
+{
+    lane *l = calloc(2, sizeof *l);
+    pthread_t t, h;
+    pthread_create(&t, NULL, lane_main, &l[0]); /* alone */
+    pthread_join(t, NULL);
+    CHECK(lane_bad(&l[0]) == 0);
+    CHECK(atomic_load(&l[0].on_caller) > 0);
+    hold_start(&h); /* another task computes */
+    pthread_create(&t, NULL, lane_main, &l[1]);
+    pthread_join(t, NULL);
+    hold_end(h);
+    CHECK(lane_bad(&l[1]) == 0);
+    CHECK(atomic_load(&l[1].on_caller) == 0);
+    CHECK(atomic_load(&l[1].lowered) == LANE_ITEMS);
+    free(l);
+}
+
+static void *short_main(void *arg)
+{
+    kvd_cpu_task_begin();
+    kvd__par_for(5, 1, long_item, arg);
+    return NULL;
+}
+
+static void test_short_before_background(void)
+{
+    enum { LANES = 3 };
+    lane *l = calloc(LANES, sizeof *l);
+    pthread_t h, t[LANES];
+    hold_start(&h); /* with the background helpers, every slot held */
+    for (int k = 0; k < LANES; k++)
+        pthread_create(&t[k], NULL, lane_main, &l[k]);
+    int started = 0;
+    while (!started) {
+        usleep(1000);
+        for (int i = 0; i < LANE_ITEMS; i++)
+            started += atomic_load(&l[0].c[i]);
+    }
+    atomic_int mine[THREADS];
+    pthread_t st[THREADS];
+    for (int k = 0; k < THREADS; k++) {
+        atomic_init(&mine[k], 0);
+        pthread_create(&st[k], NULL, short_main, &mine[k]);
+    }
+    for (int k = 0; k < THREADS; k++)
+        pthread_join(st[k], NULL);
+    int finished = 0;
+    for (int k = 0; k < LANES; k++) {
+        int done = 0;
+        for (int i = 0; i < LANE_ITEMS; i++)
+            done += atomic_load(&l[k].c[i]);
+        finished += done == LANE_ITEMS;
+    }
+    for (int k = 0; k < THREADS; k++)
+        CHECK(atomic_load(&mine[k]) == 5);
+    CHECK(finished < LANES); /* they did not wait for every long task */
+    for (int k = 0; k < LANES; k++) {
+        pthread_join(t[k], NULL);
+        CHECK(lane_bad(&l[k]) == 0);
+    }
+    hold_end(h);
+    free(l);
+}
+
 int main(void)
 {
     alarm(60); /* a caller waiting for a busy helper hangs: fail instead */
@@ -237,6 +395,8 @@ int main(void)
     test_never_waits_for_busy_helpers();
     test_slots_bound();
     test_least_served_first();
+    test_background();
+    test_short_before_background();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

@@ -115,9 +115,10 @@ typedef struct kvd_cpu_options {
 /*
  * The calling thread starts a new task (a request): its computing time,
  * which ranks it for the CPU slots (the task that has computed least goes
- * first, up to 20 ms; longer ones in the order they began), counts from
- * zero again. A thread that never calls it keeps counting from its first
- * computing, so new tasks go ahead of it.
+ * first, up to 20 ms; longer ones in the order they began, and, while
+ * other tasks compute, on background threads of lower OS priority),
+ * counts from zero again. A thread that never calls it keeps counting from
+ * its first computing, so new tasks go ahead of it.
  */
 void kvd_cpu_task_begin(void);
 
