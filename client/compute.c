@@ -53,7 +53,7 @@ static kvd_backend *cpu_be;
  * client library should not take the caller's cores unasked. */
 static void cpu_init(void)
 {
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     if (kvd_backend_cpu_create(&opt, &cpu_be, NULL) != 0)
         cpu_be = NULL;
 }

@@ -172,14 +172,15 @@ static void size_tiers(const kvd_config *cfg, kvd_backend *device, kvd_store_opt
  * CPU serves). NULL (with err set) when a backend that was asked for cannot
  * be created.
  */
-static kvd_backend *open_backends(int cuda, int index, int threads, kvd_backend **dev,
+static kvd_backend *open_backends(int cuda, int index, int threads, int bg_nice, kvd_backend **dev,
                                   kvd_error *err)
 {
     kvd_backend *cpu = NULL;
     *dev = NULL;
     /* All requests together compute on one thread more than the machine
      * (its cgroup quota included) has CPUs, whatever one op may use. */
-    kvd_cpu_options opt = {threads, 0, (int)kvd_machine_cpus("/sys/fs/cgroup") + 1};
+    kvd_cpu_options opt = {threads, 0, (int)kvd_machine_cpus("/sys/fs/cgroup") + 1,
+                           bg_nice ? bg_nice : -1};
     if (kvd_backend_cpu_create(&opt, &cpu, err) != 0)
         return NULL;
     kvd_error cerr;
@@ -471,8 +472,8 @@ int main(int argc, char **argv)
     uint64_t nofile = raise_nofile();
     uint64_t max_connections = size_connections(&cfg, nofile, &sopt);
     kvd_backend *device = NULL;
-    kvd_backend *backend =
-        open_backends(dev_cuda, dev_index, (int)cfg.compute_threads, &device, &serr);
+    kvd_backend *backend = open_backends(dev_cuda, dev_index, (int)cfg.compute_threads,
+                                         (int)cfg.background_nice, &device, &serr);
     int rc = backend ? 0 : KVD_EINTERNAL;
     if (rc)
         fprintf(stderr, "%s: no compute backend: %s\n", prog, serr.msg);

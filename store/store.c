@@ -758,7 +758,7 @@ int kvd_store_open(const kvd_store_options *opt, kvd_store **out, kvd_error *err
     st->prefetch_pages = opt->prefetch_pages;
     st->be = opt->backend;
     if (!st->be) {
-        kvd_cpu_options copt = {0, 0, 0};
+        kvd_cpu_options copt = {0, 0, 0, 0};
         if ((rc = kvd_backend_cpu_create(&copt, &st->own_be, err)))
             goto free_early;
         st->be = st->own_be;

@@ -174,6 +174,11 @@ int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_er
     if (nslots < 0)
         return kvd_error_set(err, KVD_EINVAL, "cpu: slots must be >= 0 (0 = all CPUs), got %d",
                              nslots);
+    const int bg_nice = opt ? opt->background_nice : 0;
+    if (bg_nice < -1 || bg_nice > 19)
+        return kvd_error_set(err, KVD_EINVAL,
+                             "cpu: background_nice must be -1 (never), 0 (10) or 1..19, got %d",
+                             bg_nice);
     const int ncpu = cpus_allowed();
     if (nthreads == 0)
         nthreads = ncpu;
@@ -190,6 +195,8 @@ int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_er
     be->ctx = ctx;
     be->nthreads = nthreads;
     kvd__par_size(nthreads, nslots ? nslots : ncpu + 1);
+    if (bg_nice)
+        kvd__par_background_nice(bg_nice);
     *out = be;
     return KVD_OK;
 }

@@ -62,7 +62,8 @@
 #define LONG 20000000
 /* kvd_cpu_task_expect: the bytes a task reads per ns of computing. */
 #define EXPECT_BYTES_PER_NS 2
-/* The background helpers' nice value, above the process's own. */
+/* The background helpers' nice value, above the process's own, unless
+ * kvd__par_background_nice says otherwise. */
 #define BG_NICE 10
 
 typedef struct par_job {
@@ -89,6 +90,7 @@ static int idle;         /* helpers waiting for work */
 static int pool_threads; /* helpers started */
 static int bg_idle;      /* background helpers waiting for work */
 static int bg_threads;   /* background helpers started */
+static int bg_nice = BG_NICE; /* < 0: no background lane */
 static int cpus;         /* threads one op may use: the most a backend asked for */
 static int slots;        /* threads that may compute at once (kvd__par_size) */
 static int computing;    /* slots held: callers inside kvd__par_for and helpers inside a job */
@@ -283,8 +285,11 @@ static void *helper_main(void *arg)
         const id_t me = (id_t)syscall(SYS_gettid);
         errno = 0;
         const int nice = getpriority(PRIO_PROCESS, me);
+        pthread_mutex_lock(&mu);
+        const int more = bg_nice;
+        pthread_mutex_unlock(&mu);
         if (errno == 0)
-            (void)setpriority(PRIO_PROCESS, me, nice + BG_NICE < 19 ? nice + BG_NICE : 19);
+            (void)setpriority(PRIO_PROCESS, me, nice + more < 19 ? nice + more : 19);
     }
     pthread_mutex_lock(&mu);
     for (;;) {
@@ -325,6 +330,13 @@ void kvd__par_size(int threads, int nslots)
         computing++;
         slot_release();
     }
+    pthread_mutex_unlock(&mu);
+}
+
+void kvd__par_background_nice(int nice)
+{
+    pthread_mutex_lock(&mu);
+    bg_nice = nice < 0 ? -1 : nice > 19 ? 19 : nice;
     pthread_mutex_unlock(&mu);
 }
 
@@ -387,7 +399,7 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
     pthread_mutex_lock(&mu);
     /* Alone in the pool, it computes as any task does (a job handed over
      * costs its helpers' wake-ups, and there is nothing to give way to). */
-    if ((computing == 0 && !jobs) || grow(&bg_threads, cpus, 1) == 0) {
+    if ((computing == 0 && !jobs) || bg_nice < 0 || grow(&bg_threads, cpus, 1) == 0) {
         pthread_mutex_unlock(&mu);
         return 0;
     }

@@ -797,12 +797,19 @@ static void test_backend(void)
 {
     kvd_backend *be = NULL;
     kvd_error err;
-    kvd_cpu_options bad = {-1, 0, 0};
+    kvd_cpu_options bad = {-1, 0, 0, 0};
     TU_CHECK(kvd_backend_cpu_create(&bad, &be, &err) == KVD_EINVAL && be == NULL, "nthreads -1");
-    kvd_cpu_options bad_slots = {1, 0, -1};
+    kvd_cpu_options bad_slots = {1, 0, -1, 0};
     TU_CHECK(kvd_backend_cpu_create(&bad_slots, &be, &err) == KVD_EINVAL && be == NULL &&
                  strstr(err.msg, "slots"),
              "slots -1");
+    kvd_cpu_options bad_nice = {1, 0, 0, 20};
+    TU_CHECK(kvd_backend_cpu_create(&bad_nice, &be, &err) == KVD_EINVAL && be == NULL &&
+                 strstr(err.msg, "background_nice"),
+             "background_nice 20");
+    bad_nice.background_nice = -2;
+    TU_CHECK(kvd_backend_cpu_create(&bad_nice, &be, &err) == KVD_EINVAL && be == NULL,
+             "background_nice -2");
     TU_CHECK(kvd_backend_cpu_create(NULL, &be, &err) == KVD_OK && be && be->nthreads >= 1, "defaults");
     TU_CHECK(strcmp(be->iface->name, "cpu") == 0, "name");
     TU_CHECK(be->iface->convert && be->iface->quant, "convert and quant tables present");

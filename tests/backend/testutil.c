@@ -203,7 +203,7 @@ int tu_guard_ok(const tu_buf *b)
 
 kvd_backend *tu_cpu_backend(int nthreads, int force_ref)
 {
-    kvd_cpu_options o = {nthreads, force_ref, 0};
+    kvd_cpu_options o = {nthreads, force_ref, 0, 0};
     kvd_backend *be = NULL;
     kvd_error err;
     if (kvd_backend_cpu_create(&o, &be, &err) != KVD_OK) {

@@ -3,7 +3,7 @@
  * prints a table (and CSV).
  *
  *   bench_attend_load SERVER_BIN [--clients 1,4,16] [--seconds S]
- *                     [--warmup W] [--load N] [--csv FILE]
+ *                     [--warmup W] [--load N] [--load-shared] [--csv FILE]
  *
  * Starts kvdepotd on loopback (tests/e2e/harness; KVDEPOT_* in the
  * environment reach it, e.g. KVDEPOT_COMPUTE_THREADS=1), stores one layer of
@@ -15,7 +15,10 @@
  * begun in the first W seconds (default 1) are not counted: all clients
  * start at once, which no steady load does. Per row: calls, p50, p99 and
  * p99/p50 of each call kind. --load N keeps N other processes busy
- * spinning on the machine meanwhile (a loaded machine).
+ * spinning on the machine meanwhile (a loaded machine), each in a session
+ * of its own as other programs are (the OS weighs nice values within a
+ * session's autogroup or a cgroup); --load-shared keeps them in kvdepotd's
+ * session, where its background threads' nice value weighs against them.
  */
 #include <math.h>
 #include <pthread.h>
@@ -100,11 +103,11 @@ int main(int argc, char **argv)
     if (argc < 2) {
         fprintf(stderr,
                 "usage: %s SERVER_BIN [--clients 1,4,16] [--seconds S] [--warmup W] [--load N] "
-                "[--csv FILE]\n",
+                "[--load-shared] [--csv FILE]\n",
                 argv[0]);
         return 2;
     }
-    int clients[8] = {1, 4, 16}, nclients = 3, load = 0;
+    int clients[8] = {1, 4, 16}, nclients = 3, load = 0, load_shared = 0;
     double seconds = 5, warmup = 1;
     FILE *csv = NULL;
     for (int i = 2; i < argc; i++) {
@@ -125,6 +128,8 @@ int main(int argc, char **argv)
             warmup = atof(argv[++i]);
         } else if (strcmp(argv[i], "--load") == 0 && i + 1 < argc) {
             load = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--load-shared") == 0) {
+            load_shared = 1;
         } else if (strcmp(argv[i], "--csv") == 0 && i + 1 < argc) {
             csv = fopen(argv[++i], "w");
         } else {
@@ -170,6 +175,8 @@ int main(int argc, char **argv)
     for (int i = 0; i < nbusy; i++) {
         busy[i] = fork();
         if (busy[i] == 0) {
+            if (!load_shared)
+                (void)setsid();
             volatile unsigned long x = 0;
             for (;;)
                 x++;
@@ -177,9 +184,10 @@ int main(int argc, char **argv)
     }
     const char *ct = getenv("KVDEPOT_COMPUTE_THREADS");
     double la[1];
-    printf("Attend under concurrency: %ld CPUs, %d busy processes beside, compute-threads %s, "
-           "load %.2f; calls of %g s counted after %g s\n",
-           sysconf(_SC_NPROCESSORS_ONLN), nbusy, ct ? ct : "default",
+    printf("Attend under concurrency: %ld CPUs, %d busy processes beside (%s), compute-threads "
+           "%s, load %.2f; calls of %g s counted after %g s\n",
+           sysconf(_SC_NPROCESSORS_ONLN), nbusy,
+           load_shared ? "in kvdepotd's session" : "each in its own session", ct ? ct : "default",
            getloadavg(la, 1) == 1 ? la[0] : -1.0, seconds, warmup);
     printf("| cache | clients | calls | 1 x 4K p50 ms | p99 ms | p99/p50 | 8 x 32K p50 ms | p99 ms "
            "| p99/p50 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");

@@ -132,7 +132,7 @@ static void table_bytes_arts(kvd_backend *be, const kvd_page_desc *d, const uint
 static void table_bytes(void)
 {
     kvd_backend *be = NULL;
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     kvd_backend_cpu_create(&opt, &be, NULL);
     size_t n = (size_t)H * B * D;
     uint16_t *k = malloc(n * 2), *v = malloc(n * 2);

@@ -1014,7 +1014,7 @@ static int t_search(kvd_harness *h)
     kvdepot_read_result rr;
     REQUIRE_RC(kvdepot_sequence_read(c, &ra, &rr), KVDEPOT_OK);
     kvd_backend *be = NULL;
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0);
     float *q = make_q(&m, 11);
     float *sc = malloc(sizeof(float) * n);

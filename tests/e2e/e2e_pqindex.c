@@ -446,7 +446,7 @@ static int t_stored(kvd_harness *h)
     for (uint32_t l = 0; l < L; l++)
         REQUIRE(centroids(h, "s", l, &cent[l]) == 1);
     kvd_backend *be = NULL;
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0);
     float *keys = malloc(sizeof(float) * n * D), *want = malloc(sizeof(float) * CPH);
     for (uint32_t hh = 0; hh < H; hh++) {
@@ -622,7 +622,7 @@ static int t_sparse(kvd_harness *h)
     REQUIRE(c);
     REQUIRE_RC(put_model(c), KVDEPOT_OK);
     kvd_backend *be = NULL;
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0);
     const uint64_t n = 3 * PT + 40;
     float *q = make_q(4);

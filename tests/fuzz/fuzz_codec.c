@@ -27,7 +27,7 @@ static kvd_codec_arts *arts;
 
 static void init(void)
 {
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     if (kvd_backend_cpu_create(&opt, &be, NULL))
         abort();
     static float lam[FD], cb[32 * 4], rot[FD * FD], cbv[32 * 4];

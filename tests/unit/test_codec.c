@@ -585,7 +585,7 @@ static void test_arts_codecs(kvd_backend *be)
 int main(void)
 {
     kvd_backend *be = NULL;
-    kvd_cpu_options opt = {2, 0, 0};
+    kvd_cpu_options opt = {2, 0, 0, 0};
     if (kvd_backend_cpu_create(&opt, &be, NULL)) {
         fprintf(stderr, "no CPU backend\n");
         return 1;

@@ -146,7 +146,7 @@ static void check_images(kvd_backend *gpu, uint8_t **pages, const size_t *len,
 int main(void)
 {
     kvd_backend *cpu = NULL, *gpu = NULL;
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     kvd_error err;
     if (kvd_backend_cpu_create(&opt, &cpu, &err) || kvd_backend_cuda_create(-1, &gpu, &err)) {
         fprintf(stderr, "backends: %s\n", err.msg);

@@ -13,7 +13,8 @@
  *    finishes while each of them still has work left;
  *  - a task ranked long (kvd_cpu_task_expect) that finds another computing
  *    hands its items to the background helpers, which run at a lower
- *    priority, and computes none itself; alone, it computes them too;
+ *    priority, and computes none itself; alone, or with the lane off
+ *    (kvd__par_background_nice(-1)), it computes them too;
  *  - new tasks, as many as the background helpers, that find every slot
  *    held by those helpers and a short task get slots before the long
  *    tasks finish, and the long tasks still finish, every item once: the
@@ -327,6 +328,15 @@ static void test_background(void)
     CHECK(lane_bad(&l[1]) == 0);
     CHECK(atomic_load(&l[1].on_caller) == 0);
     CHECK(atomic_load(&l[1].lowered) == LANE_ITEMS);
+    kvd__par_background_nice(-1); /* no background lane: on the caller too */
+    memset(&l[0], 0, sizeof l[0]);
+    hold_start(&h);
+    pthread_create(&t, NULL, lane_main, &l[0]);
+    pthread_join(t, NULL);
+    hold_end(h);
+    kvd__par_background_nice(10);
+    CHECK(lane_bad(&l[0]) == 0);
+    CHECK(atomic_load(&l[0].on_caller) > 0);
     free(l);
 }
 

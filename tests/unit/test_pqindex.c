@@ -1033,7 +1033,7 @@ int main(void)
     const char *tmp = getenv("TMPDIR");
     snprintf(dir, sizeof dir, "%s/kvd-pqindex-%d", tmp && *tmp ? tmp : "/tmp", (int)getpid());
     rm_dir();
-    kvd_cpu_options opt = {1, 0, 0};
+    kvd_cpu_options opt = {1, 0, 0, 0};
     REQUIRE(kvd_backend_cpu_create(&opt, &be, NULL) == 0, "cpu backend");
     t_section();
     t_store();

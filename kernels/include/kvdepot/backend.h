@@ -110,6 +110,11 @@ typedef struct kvd_cpu_options {
                       backends together (at least nthreads; the largest asked
                       holds); 0 = one more than the CPUs the process may run
                       on (kernels/cpu/par.c says why) */
+    int background_nice; /* while other tasks compute, a task ranked long
+                            (kvd_cpu_task_begin) computes on background
+                            threads this much nicer than the process, 1..19;
+                            0 = 10; -1 = never (it computes on its own
+                            thread as any task); the last set holds */
 } kvd_cpu_options;
 
 /*
