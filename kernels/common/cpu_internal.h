@@ -67,9 +67,11 @@ void kvd__par_ranges(int64_t n, int64_t grain, int threads, kvd__par_range_fn fn
  * helpers, and `slots` threads (at least `threads`) may compute at once,
  * callers and helpers together (the largest asked of each). */
 void kvd__par_size(int threads, int slots);
-/* Background helpers this much nicer than the process (1..19), or none
- * (< 0): a long task then computes on its own thread as any other. Before
- * the pool's first background job, which starts them. */
+/* Background helpers under SCHED_IDLE (0 or KVD_CPU_BACKGROUND_IDLE, the
+ * default), this much nicer than the process (1..19), or none (< 0): a long
+ * task then computes on its own thread as any other. Helpers apply it at
+ * their next job; leaving SCHED_IDLE or a nice value for a higher priority
+ * needs the privilege to, so without it set it before the first job. */
 void kvd__par_background_nice(int nice);
 /* Helpers started so far (on first use), 0 when none. */
 int kvd__par_pool_threads(void);

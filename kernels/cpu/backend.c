@@ -175,10 +175,11 @@ int kvd_backend_cpu_create(const kvd_cpu_options *opt, kvd_backend **out, kvd_er
         return kvd_error_set(err, KVD_EINVAL, "cpu: slots must be >= 0 (0 = all CPUs), got %d",
                              nslots);
     const int bg_nice = opt ? opt->background_nice : 0;
-    if (bg_nice < -1 || bg_nice > 19)
+    if (bg_nice < -1 || bg_nice > KVD_CPU_BACKGROUND_IDLE)
         return kvd_error_set(err, KVD_EINVAL,
-                             "cpu: background_nice must be -1 (never), 0 (10) or 1..19, got %d",
-                             bg_nice);
+                             "cpu: background_nice must be -1 (never), 0 (as set before), 1..19 "
+                             "(a nice value) or %d (SCHED_IDLE), got %d",
+                             KVD_CPU_BACKGROUND_IDLE, bg_nice);
     const int ncpu = cpus_allowed();
     if (nthreads == 0)
         nthreads = ncpu;

@@ -31,22 +31,30 @@
  *
  * Background lane: a task already ranked long when it calls kvd__par_for,
  * and that finds other work in the pool, computes none of it on its own
- * thread. Its items go to background helpers, as many as the CPUs, which
- * run at a lower priority (a nice value BG_NICE above the process's, set
- * once when each starts: raising it needs no privilege), the oldest such
- * task's first; the caller sleeps until they are done. So on a busy
- * machine the OS too runs short requests' threads (their computing, and
- * the gRPC threads that carry them) ahead of long ones', which the slots
- * alone cannot do: a slot holder the OS has put aside keeps its slot. With
- * 4 clients each alternating a 1 x 4K decode step and an 8 x 32K batch on
- * 2 CPUs, this halved the decode steps' p50 and p99. Alone in the pool, a
- * long task computes as any other (handing a job over costs the helpers'
- * wake-ups, about 8 % of a lone client's INT2 batch there).
+ * thread. Its items go to background helpers, as many as the CPUs, the
+ * oldest such task's first; the caller sleeps until they are done. So on a
+ * busy machine the OS too runs short requests' threads (their computing,
+ * and the gRPC threads that carry them) ahead of long ones', which the
+ * slots alone cannot do: a slot holder the OS has put aside keeps its slot.
+ * Alone in the pool, a long task computes as any other (handing a job over
+ * costs the helpers' wake-ups, about 8 % of a lone client's INT2 batch).
+ *
+ * By default the background helpers run under SCHED_IDLE (BG_IDLE): any
+ * other thread of the process that wakes up takes their CPU at once, where
+ * a nice value only weighs their share and lets them run out their time
+ * slice first (with 4 clients on 2 CPUs, the decode steps' p99 went from
+ * 3-4 x their p50 at nice 10 to 2 x). Or, kvd__par_background_nice 1..19,
+ * a nice value that much above the process's. Neither needs a privilege:
+ * a thread may always lower its own priority. Background helpers hold
+ * slots like any helper and give them up between items and steps; as the
+ * OS may keep a SCHED_IDLE helper aside for as long as other threads want
+ * the CPUs, a short task does not wait for those for ever (slot_take).
  */
 #include "common/cpu_internal.h"
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/resource.h>
@@ -58,13 +66,19 @@
 
 /* A holder yields to a waiter that ranks this much (ns) ahead of it. */
 #define QUANTUM 2000000
+/* A short task waits at most this long (ns) for the slot of a background
+ * helper that does not move (slot_take). */
+#define STEAL 4000000
+/* A long task's caller computes its items itself when background helpers
+ * that hold slots have not moved for this long (ns) while the process
+ * computed less than half a CPU (par_background). */
+#define STARVE 200000000
 /* Beyond this much computing (ns) a task is long: the long rank alike. */
 #define LONG 20000000
 /* kvd_cpu_task_expect: the bytes a task reads per ns of computing. */
 #define EXPECT_BYTES_PER_NS 2
-/* The background helpers' nice value, above the process's own, unless
- * kvd__par_background_nice says otherwise. */
-#define BG_NICE 10
+/* kvd__par_background_nice's value for SCHED_IDLE, the default. */
+#define BG_IDLE 20
 
 typedef struct par_job {
     kvd__par_fn fn;
@@ -90,10 +104,12 @@ static int idle;              /* helpers waiting for work */
 static int pool_threads;      /* helpers started */
 static int bg_idle;           /* background helpers waiting for work */
 static int bg_threads;        /* background helpers started */
-static int bg_nice = BG_NICE; /* < 0: no background lane */
+static int bg_nice = BG_IDLE; /* < 0: no background lane; 1..19 or BG_IDLE */
 static int cpus;              /* threads one op may use: the most a backend asked for */
 static int slots;             /* threads that may compute at once (kvd__par_size) */
 static int computing;         /* slots held: callers inside kvd__par_for and helpers inside a job */
+static int bg_slots;          /* slots held by background helpers */
+static atomic_int bg_starved; /* the lane went off: its helpers were kept aside */
 
 /* A caller waiting for a slot; the list is ordered by key, least first. */
 typedef struct par_waiter {
@@ -105,6 +121,8 @@ typedef struct par_waiter {
 } par_waiter;
 static par_waiter *waiters;
 static atomic_llong head_key = INT64_MAX; /* waiters->key, INT64_MAX when none */
+static atomic_int lent;      /* computing > slots: a task took a background helper's slot */
+static atomic_llong bg_beat; /* when a background helper last passed an item or a step */
 
 static _Thread_local int depth;        /* > 0: this thread holds a slot (or helps) */
 static _Thread_local int64_t served;   /* ns this thread's task computed, slot by slot */
@@ -112,6 +130,13 @@ static _Thread_local int64_t t_slot;   /* when it took the slot it holds */
 static _Thread_local int64_t begun;    /* when its task began (0: never said) */
 static _Thread_local int64_t expect;   /* ns of computing its task expects */
 static _Thread_local par_job *helping; /* a helper: the job whose items it runs */
+
+static int64_t process_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 static int64_t now_ns(void)
 {
@@ -160,6 +185,7 @@ static void slot_release(void)
     par_waiter *w = waiters;
     if (!w) {
         computing--;
+        atomic_store_explicit(&lent, computing > slots, memory_order_relaxed);
         if (bg_idle && bg_items_left())
             pthread_cond_signal(&bg_work);
         return;
@@ -171,7 +197,17 @@ static void slot_release(void)
 }
 
 /* Take a slot, waiting in the order of key (a rank) and then of when the
- * task began while all are held (under mu). */
+ * task began while all are held (under mu). Background helpers give their
+ * slots up to a waiter that outranks them between two items or steps; but
+ * under SCHED_IDLE the OS keeps them aside for as long as other threads of
+ * the process want the CPUs, and a waiter could wait as long (the better
+ * part of a second was seen with 16 clients). So a task not ranked long
+ * that has waited STEAL while background helpers hold slots, none of which
+ * has passed an item or a step for as long, takes one anyway: one more
+ * thread computes than there are slots until a background helper gives
+ * its slot back at its next item or step. (Taken sooner, or while they are
+ * running, it made the slowest decode steps slower: more threads compute
+ * at the normal priority.) */
 static void slot_take(int64_t key, int64_t task_begun)
 {
     if ((computing < slots || slots == 0) && !waiters) { /* 0: no backend said */
@@ -179,15 +215,38 @@ static void slot_take(int64_t key, int64_t task_begun)
         return;
     }
     par_waiter w = {.key = key, .begun = task_begun};
-    pthread_cond_init(&w.cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&w.cv, &ca);
+    pthread_condattr_destroy(&ca);
     par_waiter **p = &waiters;
     while (*p && ((*p)->key < w.key || ((*p)->key == w.key && (*p)->begun <= w.begun)))
         p = &(*p)->nxt;
     w.nxt = *p;
     *p = &w;
     atomic_store_explicit(&head_key, waiters->key, memory_order_relaxed);
-    while (!w.granted)
-        pthread_cond_wait(&w.cv, &mu);
+    const int64_t until = now_ns() + STEAL;
+    while (!w.granted) {
+        if (key >= LONG || bg_slots == 0) {
+            pthread_cond_wait(&w.cv, &mu);
+            continue;
+        }
+        const int64_t beat = atomic_load_explicit(&bg_beat, memory_order_relaxed) + STEAL;
+        const int64_t at = beat > until ? beat : until;
+        const struct timespec ts = {at / 1000000000, at % 1000000000};
+        if (pthread_cond_timedwait(&w.cv, &mu, &ts) == ETIMEDOUT && !w.granted && bg_slots > 0 &&
+            now_ns() - atomic_load_explicit(&bg_beat, memory_order_relaxed) >= STEAL) {
+            for (p = &waiters; *p != &w; p = &(*p)->nxt)
+                ;
+            *p = w.nxt;
+            atomic_store_explicit(&head_key, waiters ? waiters->key : INT64_MAX,
+                                  memory_order_relaxed);
+            computing++;
+            atomic_store_explicit(&lent, 1, memory_order_relaxed);
+            break;
+        }
+    }
     pthread_cond_destroy(&w.cv);
 }
 
@@ -207,22 +266,29 @@ static int outranked(int64_t ns, int64_t expected)
  * of one waiting for a slot could wait for ever. */
 static void maybe_yield(void)
 {
-    if (atomic_load_explicit(&head_key, memory_order_relaxed) == INT64_MAX)
-        return;
     const par_job *j = helping;
     if (j && !j->outer)
+        return;
+    if (j && j->bg)
+        atomic_store_explicit(&bg_beat, now_ns(), memory_order_relaxed);
+    /* a background helper whose slot a short task took: give it back */
+    const int give_back = j && j->bg && atomic_load_explicit(&lent, memory_order_relaxed);
+    if (!give_back && atomic_load_explicit(&head_key, memory_order_relaxed) == INT64_MAX)
         return;
     const int64_t t = now_ns();
     const int64_t ns = j ? j->served0 + (t - j->t0) : served + (t - t_slot);
     const int64_t exp = j ? j->expect : expect;
-    if (!outranked(ns, exp))
+    if (!give_back && !outranked(ns, exp))
         return;
     pthread_mutex_lock(&mu);
-    if (waiters && waiters->key + QUANTUM < rank(ns, exp)) {
+    if ((waiters && waiters->key + QUANTUM < rank(ns, exp)) || (j && j->bg && computing > slots)) {
         if (!j)
             served = ns;
+        const int bg = j && j->bg;
+        bg_slots -= bg;
         slot_release();
         slot_take(rank(ns, exp), j ? j->begun : begun);
+        bg_slots += bg;
         if (!j)
             t_slot = now_ns();
     }
@@ -255,8 +321,14 @@ static void gate_leave(void)
 static void run_items(par_job *j, int helper)
 {
     for (int k = 0;; k++) {
-        if (k && helper && outranked(j->served0 + (now_ns() - j->t0), j->expect))
-            return;
+        if (k && helper) {
+            const int64_t t = now_ns();
+            if (j->bg)
+                atomic_store_explicit(&bg_beat, t, memory_order_relaxed);
+            if (outranked(j->served0 + (t - j->t0), j->expect) ||
+                (j->bg && atomic_load_explicit(&lent, memory_order_relaxed)))
+                return;
+        }
         if (k && !helper)
             maybe_yield();
         int i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
@@ -285,20 +357,35 @@ static par_job *pick(int bg)
     return best;
 }
 
-/* A helper; a background one (arg not NULL) lowers its priority first, by
- * BG_NICE (best effort: a failure leaves it at the process's). */
+/* A background helper's priority for the lane's setting `mode` (BG_IDLE,
+ * or a nice value above the process's: base, its nice at the start), best
+ * effort: a failure leaves it where it was. Lowering is always allowed;
+ * going back up (a setting changed while helpers exist: tests) only with
+ * the privilege to. */
+static void bg_priority(int mode, int base)
+{
+    const id_t me = (id_t)syscall(SYS_gettid);
+    struct sched_param sp = {0};
+    if (mode == BG_IDLE) {
+        (void)sched_setscheduler(0, SCHED_IDLE, &sp);
+        return;
+    }
+    if (sched_getscheduler(0) != SCHED_OTHER)
+        (void)sched_setscheduler(0, SCHED_OTHER, &sp);
+    (void)setpriority(PRIO_PROCESS, me, base + mode < 19 ? base + mode : 19);
+}
+
+/* A helper; a background one (arg not NULL) sets its priority for the
+ * lane's setting before its first job and whenever the setting changed. */
 static void *helper_main(void *arg)
 {
     const int bg = arg != NULL;
+    int base = 0, mode = 0; /* the process's nice; the setting applied (0: none yet) */
     if (bg) {
-        const id_t me = (id_t)syscall(SYS_gettid);
         errno = 0;
-        const int nice = getpriority(PRIO_PROCESS, me);
-        pthread_mutex_lock(&mu);
-        const int more = bg_nice;
-        pthread_mutex_unlock(&mu);
-        if (errno == 0)
-            (void)setpriority(PRIO_PROCESS, me, nice + more < 19 ? nice + more : 19);
+        base = getpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid));
+        if (errno)
+            base = 0;
     }
     pthread_mutex_lock(&mu);
     for (;;) {
@@ -310,8 +397,13 @@ static void *helper_main(void *arg)
             (*n_idle)--;
             continue;
         }
+        if (bg && bg_nice > 0 && mode != bg_nice) {
+            mode = bg_nice;
+            bg_priority(mode, base);
+        }
         j->helpers++;
         computing++;
+        bg_slots += bg;
         pthread_mutex_unlock(&mu);
         depth = 1; /* an item's own kvd__par_for runs in this slot */
         helping = j;
@@ -319,6 +411,7 @@ static void *helper_main(void *arg)
         helping = NULL;
         depth = 0;
         pthread_mutex_lock(&mu);
+        bg_slots -= bg;
         slot_release();
         if (--j->helpers == 0)
             pthread_cond_broadcast(&left);
@@ -345,8 +438,14 @@ void kvd__par_size(int threads, int nslots)
 void kvd__par_background_nice(int nice)
 {
     pthread_mutex_lock(&mu);
-    bg_nice = nice < 0 ? -1 : nice > 19 ? 19 : nice;
+    bg_nice = nice < 0 ? -1 : nice == 0 || nice >= BG_IDLE ? BG_IDLE : nice;
+    atomic_store_explicit(&bg_starved, 0, memory_order_relaxed);
     pthread_mutex_unlock(&mu);
+}
+
+int kvd_cpu_background_starved(void)
+{
+    return atomic_load_explicit(&bg_starved, memory_order_relaxed);
 }
 
 /* Start helpers of a lane up to want (under mu); the number running. */
@@ -419,8 +518,64 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
         wake = slots - computing;
     for (int w = 0; w < wake && w < bg_idle; w++)
         pthread_cond_signal(&bg_work);
-    while (atomic_load_explicit(&j.next, memory_order_relaxed) < n || j.helpers)
-        pthread_cond_wait(&left, &mu);
+    /* the helpers' last sign of life seen, since when, and the process's
+     * CPU time then */
+    int64_t seen = atomic_load_explicit(&bg_beat, memory_order_relaxed), t_win = now_ns(),
+            cpu_win = process_cpu_ns();
+    while (atomic_load_explicit(&j.next, memory_order_relaxed) < n || j.helpers) {
+        if (atomic_load_explicit(&j.next, memory_order_relaxed) >= n) {
+            pthread_cond_wait(&left, &mu);
+            continue;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts); /* left's clock */
+        ts.tv_nsec += STARVE / 4;
+        ts.tv_sec += ts.tv_nsec / 1000000000;
+        ts.tv_nsec %= 1000000000;
+        pthread_cond_timedwait(&left, &mu, &ts);
+        if (bg_slots == 0 || atomic_load_explicit(&j.next, memory_order_relaxed) >= n)
+            continue;
+        const int64_t beat = atomic_load_explicit(&bg_beat, memory_order_relaxed), t = now_ns();
+        if (beat != seen || t - t_win < STARVE) {
+            if (beat != seen) {
+                seen = beat;
+                t_win = t;
+                cpu_win = process_cpu_ns();
+            }
+            continue;
+        }
+        /* No background helper has moved for STARVE. Kept aside by the
+         * process's own threads (short requests), as meant, the process
+         * computed meanwhile; if it did not, something else had the CPUs. */
+        const int64_t cpu = process_cpu_ns();
+        if (cpu - cpu_win >= (t - t_win) / 2) {
+            t_win = t;
+            cpu_win = cpu;
+            continue;
+        }
+        /* Background helpers hold slots and do not move, while the
+         * process hardly computes: the OS keeps them aside for other
+         * processes, as it does a SCHED_IDLE thread for as long as
+         * other threads of its group (processes in the session or
+         * cgroup) want the CPUs. The caller computes the items left at
+         * its own priority, taking a slot the way a short task does
+         * past STEAL (slot_take), and the lane goes off: later long
+         * tasks compute on their own threads, as with it off. The
+         * items the helpers hold finish when the OS runs them. */
+        if (bg_nice >= 0) {
+            bg_nice = -1;
+            atomic_store_explicit(&bg_starved, 1, memory_order_relaxed);
+        }
+        computing++;
+        atomic_store_explicit(&lent, computing > slots, memory_order_relaxed);
+        pthread_mutex_unlock(&mu);
+        depth = 1;
+        t_slot = now_ns();
+        run_items(&j, 0);
+        depth = 0;
+        pthread_mutex_lock(&mu);
+        slot_release();
+    }
     for (par_job **p = &jobs; *p; p = &(*p)->nxt)
         if (*p == &j) {
             *p = j.nxt;

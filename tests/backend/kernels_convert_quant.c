@@ -803,10 +803,10 @@ static void test_backend(void)
     TU_CHECK(kvd_backend_cpu_create(&bad_slots, &be, &err) == KVD_EINVAL && be == NULL &&
                  strstr(err.msg, "slots"),
              "slots -1");
-    kvd_cpu_options bad_nice = {1, 0, 0, 20};
+    kvd_cpu_options bad_nice = {1, 0, 0, KVD_CPU_BACKGROUND_IDLE + 1};
     TU_CHECK(kvd_backend_cpu_create(&bad_nice, &be, &err) == KVD_EINVAL && be == NULL &&
                  strstr(err.msg, "background_nice"),
-             "background_nice 20");
+             "background_nice 21");
     bad_nice.background_nice = -2;
     TU_CHECK(kvd_backend_cpu_create(&bad_nice, &be, &err) == KVD_EINVAL && be == NULL,
              "background_nice -2");

@@ -13,15 +13,24 @@
  *    finishes while each of them still has work left;
  *  - a task ranked long (kvd_cpu_task_expect) that finds another computing
  *    hands its items to the background helpers, which run at a lower
- *    priority, and computes none itself; alone, or with the lane off
- *    (kvd__par_background_nice(-1)), it computes them too;
+ *    priority (SCHED_IDLE by default, or a nice value above the caller's:
+ *    kvd__par_background_nice), and computes none itself; alone, or with
+ *    the lane off (kvd__par_background_nice(-1)), it computes them too;
  *  - new tasks, as many as the background helpers, that find every slot
  *    held by those helpers and a short task get slots before the long
  *    tasks finish, and the long tasks still finish, every item once: the
- *    helpers that gave their slots up go on once the slots are free again.
+ *    helpers that gave their slots up go on once the slots are free again;
+ *  - a short task that finds every slot held, background helpers among the
+ *    holders, does not wait for them: background helpers that never reach
+ *    the end of an item (as the OS may keep a SCHED_IDLE thread aside) do
+ *    not keep it from finishing;
+ *  - nor do they keep their own long task from finishing the items they
+ *    have not taken: its caller computes those, and the lane goes off
+ *    (kvd_cpu_background_starved) until it is set again.
  */
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -274,7 +283,7 @@ static long tid(void)
 #define LANE_ITEMS 64
 typedef struct lane {
     atomic_int c[LANE_ITEMS];
-    atomic_int on_caller, lowered;
+    atomic_int on_caller, lowered, idled;
     long caller;
     int nice; /* the caller's */
 } lane;
@@ -290,6 +299,8 @@ static void lane_item(void *arg, int i)
     const int nice = getpriority(PRIO_PROCESS, (id_t)me);
     if (errno == 0 && nice > l->nice)
         atomic_fetch_add(&l->lowered, 1);
+    if (sched_getscheduler(0) == SCHED_IDLE)
+        atomic_fetch_add(&l->idled, 1);
     usleep(200);
 }
 
@@ -313,30 +324,41 @@ static int lane_bad(lane *l)
     return bad;
 }
 
+/* A long task beside another computing: its items on the background
+ * helpers only. */
+static void run_lane(lane *l)
+{
+    pthread_t t, h;
+    memset(l, 0, sizeof *l);
+    hold_start(&h); /* another task computes */
+    pthread_create(&t, NULL, lane_main, l);
+    pthread_join(t, NULL);
+    hold_end(h);
+    CHECK(lane_bad(l) == 0);
+}
+
 static void test_background(void)
 {
-    lane *l = calloc(2, sizeof *l);
-    pthread_t t, h;
-    pthread_create(&t, NULL, lane_main, &l[0]); /* alone */
+    lane *l = calloc(1, sizeof *l);
+    pthread_t t;
+    pthread_create(&t, NULL, lane_main, l); /* alone */
     pthread_join(t, NULL);
-    CHECK(lane_bad(&l[0]) == 0);
-    CHECK(atomic_load(&l[0].on_caller) > 0);
-    hold_start(&h); /* another task computes */
-    pthread_create(&t, NULL, lane_main, &l[1]);
-    pthread_join(t, NULL);
-    hold_end(h);
-    CHECK(lane_bad(&l[1]) == 0);
-    CHECK(atomic_load(&l[1].on_caller) == 0);
-    CHECK(atomic_load(&l[1].lowered) == LANE_ITEMS);
-    kvd__par_background_nice(-1); /* no background lane: on the caller too */
-    memset(&l[0], 0, sizeof l[0]);
-    hold_start(&h);
-    pthread_create(&t, NULL, lane_main, &l[0]);
-    pthread_join(t, NULL);
-    hold_end(h);
+    CHECK(lane_bad(l) == 0);
+    CHECK(atomic_load(&l->on_caller) > 0);
+    /* a nice value first: a helper under SCHED_IDLE may not leave it
+     * without the privilege to */
     kvd__par_background_nice(10);
-    CHECK(lane_bad(&l[0]) == 0);
-    CHECK(atomic_load(&l[0].on_caller) > 0);
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) == 0);
+    CHECK(atomic_load(&l->lowered) == LANE_ITEMS);
+    CHECK(atomic_load(&l->idled) == 0);
+    kvd__par_background_nice(-1); /* no background lane: on the caller too */
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) > 0);
+    kvd__par_background_nice(0); /* the default: SCHED_IDLE */
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) == 0);
+    CHECK(atomic_load(&l->idled) == LANE_ITEMS);
     free(l);
 }
 
@@ -387,6 +409,121 @@ static void test_short_before_background(void)
     free(l);
 }
 
+/* Background items that stay inside until let out: a helper the OS keeps
+ * aside. */
+static atomic_int stuck_in, unstick;
+
+static void stuck_item(void *arg, int i)
+{
+    lane *l = arg;
+    atomic_fetch_add(&l->c[i], 1);
+    atomic_fetch_add(&stuck_in, 1);
+    while (!atomic_load(&unstick))
+        usleep(200);
+}
+
+static void *stuck_main(void *arg)
+{
+    kvd_cpu_task_begin();
+    kvd_cpu_task_expect((uint64_t)1 << 32);
+    kvd__par_for(LANE_ITEMS, THREADS, stuck_item, arg);
+    return NULL;
+}
+
+typedef struct short_run {
+    atomic_int n, done;
+} short_run;
+
+static void *short_done_main(void *arg)
+{
+    short_run *r = arg;
+    kvd_cpu_task_begin();
+    kvd__par_for(5, 1, long_item, &r->n);
+    atomic_store(&r->done, 1);
+    return NULL;
+}
+
+static void test_short_takes_background_slot(void)
+{
+    lane *l = calloc(1, sizeof *l);
+    short_run r;
+    atomic_init(&r.n, 0);
+    atomic_init(&r.done, 0);
+    pthread_t h, t, s;
+    hold_start(&h); /* with the background helpers below, every slot held */
+    pthread_create(&t, NULL, stuck_main, l);
+    while (atomic_load(&stuck_in) < THREADS)
+        usleep(500);
+    pthread_create(&s, NULL, short_done_main, &r);
+    for (int ms = 0; ms < 5000 && !atomic_load(&r.done); ms++)
+        usleep(1000);
+    CHECK(atomic_load(&r.done) == 1); /* while the helpers stayed inside */
+    atomic_store(&unstick, 1);
+    pthread_join(s, NULL);
+    pthread_join(t, NULL);
+    hold_end(h);
+    CHECK(atomic_load(&r.n) == 5);
+    CHECK(lane_bad(l) == 0);
+    free(l);
+}
+
+/* Items that stay inside on a background helper until let out. */
+static void stuck_bg_item(void *arg, int i)
+{
+    lane *l = arg;
+    atomic_fetch_add(&l->c[i], 1);
+    if (tid() == l->caller) {
+        atomic_fetch_add(&l->on_caller, 1);
+        return;
+    }
+    atomic_fetch_add(&stuck_in, 1);
+    while (!atomic_load(&unstick))
+        usleep(200);
+}
+
+static void *stuck_bg_main(void *arg)
+{
+    lane *l = arg;
+    l->caller = tid();
+    kvd_cpu_task_begin();
+    kvd_cpu_task_expect((uint64_t)1 << 32);
+    kvd__par_for(LANE_ITEMS, THREADS, stuck_bg_item, l);
+    return NULL;
+}
+
+static void test_starved_background(void)
+{
+    kvd__par_background_nice(0);
+    CHECK(kvd_cpu_background_starved() == 0);
+    atomic_store(&stuck_in, 0);
+    atomic_store(&unstick, 0);
+    lane *l = calloc(1, sizeof *l);
+    pthread_t h, t;
+    hold_start(&h); /* another task computes: the long one goes to the background */
+    pthread_create(&t, NULL, stuck_bg_main, l);
+    int done = 0;
+    for (int ms = 0; ms < 5000 && done < LANE_ITEMS; ms++) {
+        usleep(1000);
+        done = 0;
+        for (int i = 0; i < LANE_ITEMS; i++)
+            done += atomic_load(&l->c[i]);
+    }
+    CHECK(done == LANE_ITEMS); /* the items no helper took: on the caller */
+    CHECK(atomic_load(&l->on_caller) > 0);
+    CHECK(atomic_load(&l->on_caller) + atomic_load(&stuck_in) == LANE_ITEMS);
+    CHECK(kvd_cpu_background_starved() == 1);
+    atomic_store(&unstick, 1);
+    pthread_join(t, NULL);
+    hold_end(h);
+    CHECK(lane_bad(l) == 0);
+    /* the lane is off: the next long task computes on its caller */
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) > 0);
+    kvd__par_background_nice(0);
+    CHECK(kvd_cpu_background_starved() == 0);
+    free(l);
+}
+
 int main(void)
 {
     alarm(60); /* a caller waiting for a busy helper hangs: fail instead */
@@ -407,6 +544,8 @@ int main(void)
     test_least_served_first();
     test_background();
     test_short_before_background();
+    test_short_takes_background_slot();
+    test_starved_background();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

@@ -112,10 +112,25 @@ typedef struct kvd_cpu_options {
                       on (kernels/cpu/par.c says why) */
     int background_nice; /* while other tasks compute, a task ranked long
                             (kvd_cpu_task_begin) computes on background
-                            threads this much nicer than the process, 1..19;
-                            0 = 10; -1 = never (it computes on its own
-                            thread as any task); the last set holds */
+                            threads of lower priority: SCHED_IDLE
+                            (KVD_CPU_BACKGROUND_IDLE), or this much nicer
+                            than the process (1..19); -1 = never (it
+                            computes on its own thread as any task); 0 =
+                            as set before (SCHED_IDLE until then); the last
+                            set holds */
 } kvd_cpu_options;
+
+/* kvd_cpu_options.background_nice: background threads under SCHED_IDLE, the
+ * lowest priority (any other thread of the process takes their CPU at once). */
+#define KVD_CPU_BACKGROUND_IDLE 20
+
+/* 1 when the background lane went off by itself: its helpers held CPU
+ * slots and had not moved for 200 ms while the process computed less than
+ * half a CPU (the OS kept them aside for other busy processes in the
+ * process's cgroup or session: SCHED_IDLE or a high nice value gave them
+ * next to no CPU). Long tasks then compute on their own threads, as with
+ * background_nice -1; 0 otherwise. */
+int kvd_cpu_background_starved(void);
 
 /*
  * The calling thread starts a new task (a request): its computing time,
