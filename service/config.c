@@ -49,11 +49,12 @@ static const setting settings[] = {
      "threads that compute (attention, search) at once, one pool shared by every request; "
      "a request alone uses them all (0 = the CPUs the process may use, its cgroup's CPU quota "
      "when lower; 1 = each request on its own worker thread)"},
-    {"background-nice", T_UINT, F(background_nice), "10", 0, 19, "N",
+    {"background-priority", T_STRING, F(background_priority), "idle", 0, 0, "P",
      "while other requests compute, a long one (beyond 20 ms of computing) computes on "
-     "background threads this much nicer than kvdepotd, so that the OS too runs the short ones "
-     "first (0 = never: long requests compute on their own threads). Nice values weigh within "
-     "kvdepotd's cgroup or session only: set 0 where busy processes share them"},
+     "background threads of lower priority, so that the OS too runs the short ones first: idle "
+     "(SCHED_IDLE: any other thread of kvdepotd takes their CPU at once), 1..19 (a nice value "
+     "that much above kvdepotd's) or off (long requests compute on their own threads). Both weigh "
+     "within kvdepotd's cgroup or session only: use off where busy processes share them"},
     {"page-tokens", T_UINT, F(page_tokens), "0", 0, 65536, "N",
      "tokens per page of a new data directory (0 = 256); an existing directory keeps its own "
      "and refuses a different non-zero value"},

@@ -21,7 +21,7 @@ typedef struct kvd_config {
     char *data_dir;
     uint64_t threads;           /* 0 until resolved = number of CPUs */
     uint64_t compute_threads;   /* CPU threads one compute op may use; 0 = number of CPUs */
-    uint64_t background_nice;   /* long requests' compute threads this much nicer; 0 = none */
+    char *background_priority;  /* long requests' compute threads: idle, 1..19 (nice) or off */
     uint64_t page_tokens;
     int sync;                   /* fsync the WAL before acknowledging an append */
     uint64_t max_message_bytes; /* max receive and send message length */

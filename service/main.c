@@ -6,6 +6,7 @@
  * thread, so shutdown work and the SIGHUP reload of the tokens file never
  * run inside a signal handler.
  */
+#include <ctype.h>
 #include <errno.h>
 #include <malloc.h>
 #include <poll.h>
@@ -13,8 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/signalfd.h>
 #include <sys/resource.h>
+#include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -179,8 +180,7 @@ static kvd_backend *open_backends(int cuda, int index, int threads, int bg_nice,
     *dev = NULL;
     /* All requests together compute on one thread more than the machine
      * (its cgroup quota included) has CPUs, whatever one op may use. */
-    kvd_cpu_options opt = {threads, 0, (int)kvd_machine_cpus("/sys/fs/cgroup") + 1,
-                           bg_nice ? bg_nice : -1};
+    kvd_cpu_options opt = {threads, 0, (int)kvd_machine_cpus("/sys/fs/cgroup") + 1, bg_nice};
     if (kvd_backend_cpu_create(&opt, &cpu, err) != 0)
         return NULL;
     kvd_error cerr;
@@ -454,6 +454,25 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 2;
     }
+    /* --background-priority: kvd_cpu_options.background_nice */
+    int background = KVD_CPU_BACKGROUND_IDLE;
+    if (strcmp(cfg.background_priority, "off") == 0) {
+        background = -1;
+    } else if (strcmp(cfg.background_priority, "idle") != 0) {
+        char *end = NULL;
+        long n = strtol(cfg.background_priority, &end, 10);
+        if (!isdigit((unsigned char)cfg.background_priority[0]) || *end || n < 1 || n > 19) {
+            fprintf(stderr,
+                    "%s: background-priority: '%s' is not idle, off or a nice value 1..19\n", prog,
+                    cfg.background_priority);
+            kvd_http_stop(http);
+            kvd_auth_unref(auth);
+            close(sfd);
+            kvd_config_free(&cfg);
+            return 2;
+        }
+        background = (int)n;
+    }
     if (cfg.sync && sopt.durability == KVD_DURABILITY_NONE) {
         fprintf(stderr, "%s: --sync contradicts --durability none\n", prog);
         kvd_http_stop(http);
@@ -472,8 +491,8 @@ int main(int argc, char **argv)
     uint64_t nofile = raise_nofile();
     uint64_t max_connections = size_connections(&cfg, nofile, &sopt);
     kvd_backend *device = NULL;
-    kvd_backend *backend = open_backends(dev_cuda, dev_index, (int)cfg.compute_threads,
-                                         (int)cfg.background_nice, &device, &serr);
+    kvd_backend *backend =
+        open_backends(dev_cuda, dev_index, (int)cfg.compute_threads, background, &device, &serr);
     int rc = backend ? 0 : KVD_EINTERNAL;
     if (rc)
         fprintf(stderr, "%s: no compute backend: %s\n", prog, serr.msg);

@@ -162,6 +162,13 @@ static void render_tiers(buf *b)
         "%zu\n",
         kvd_store_recovery_losses(st, &loss));
     put(b,
+        "# HELP kvdepot_background_lane_starved 1 when long requests' background compute "
+        "threads were kept off the CPUs (busy processes share kvdepotd's cgroup or session) and "
+        "the lane went off: long requests now compute on their own threads; set "
+        "--background-priority off there\n"
+        "# TYPE kvdepot_background_lane_starved gauge\nkvdepot_background_lane_starved %d\n",
+        kvd_cpu_background_starved());
+    put(b,
         "# HELP kvdepot_durability_info durability setting in force\n"
         "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",
         dn[s.durability]);

@@ -18,7 +18,8 @@
  * spinning on the machine meanwhile (a loaded machine), each in a session
  * of its own as other programs are (the OS weighs nice values within a
  * session's autogroup or a cgroup); --load-shared keeps them in kvdepotd's
- * session, where its background threads' nice value weighs against them.
+ * session, where its background threads' priority (--background-priority)
+ * weighs against them.
  */
 #include <math.h>
 #include <pthread.h>
