@@ -404,6 +404,8 @@ static void *helper_main(void *arg)
         j->helpers++;
         computing++;
         bg_slots += bg;
+        if (bg)
+            atomic_store_explicit(&bg_beat, now_ns(), memory_order_relaxed);
         pthread_mutex_unlock(&mu);
         depth = 1; /* an item's own kvd__par_for runs in this slot */
         helping = j;
