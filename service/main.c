@@ -592,10 +592,12 @@ int main(int argc, char **argv)
         kvd_log_quote(qlisten, sizeof qlisten, cfg.listen, strlen(cfg.listen));
         kvd_log_quote(qdir, sizeof qdir, cfg.data_dir, strlen(cfg.data_dir));
         KVD_LOG(KVD_LOG_INFO, "serving",
-                "listen=%s port=%d data_dir=%s threads=%llu page_tokens=%u durability=%s "
-                "max_message_bytes=%llu tls=%s auth=%s metrics_port=%d version=%s store_format=%d",
-                qlisten, port, qdir, (unsigned long long)cfg.threads, svc.page_tokens,
-                cfg.sync ? "sync" : cfg.durability, (unsigned long long)cfg.max_message_bytes,
+                "listen=%s port=%d data_dir=%s threads=%llu background_priority=%s page_tokens=%u "
+                "durability=%s max_message_bytes=%llu tls=%s auth=%s metrics_port=%d version=%s "
+                "store_format=%d",
+                qlisten, port, qdir, (unsigned long long)cfg.threads, cfg.background_priority,
+                svc.page_tokens, cfg.sync ? "sync" : cfg.durability,
+                (unsigned long long)cfg.max_message_bytes,
                 !cfg.tls_cert       ? "off"
                 : cfg.tls_client_ca ? "mtls"
                                     : "on",

@@ -429,6 +429,14 @@ EOF
     rc=0
     "$server" --config missing.yaml --print-config >/dev/null 2>err || rc=$?
     [ "$rc" -eq 2 ] || fail "missing config file: exit $rc, want 2"
+    # A value the setting does not take stops the start with exit 2, naming it.
+    for bad in 0 20 nice x7; do
+        rc=0
+        "$server" --data-dir "$work/bp" --listen 127.0.0.1:0 --metrics-listen '' \
+            --background-priority "$bad" >/dev/null 2>err || rc=$?
+        [ "$rc" -eq 2 ] || fail "--background-priority $bad: exit $rc, want 2"
+        grep -q "background-priority: '$bad'" err || fail "--background-priority $bad: $(cat err)"
+    done
     # A real start from the file: the config names the data dir and log level.
     printf 'data-dir: %s\nlog-level: debug\n' "$work/data" >run.yaml
     start --config run.yaml
