@@ -131,18 +131,21 @@ static _Thread_local int64_t begun;    /* when its task began (0: never said) */
 static _Thread_local int64_t expect;   /* ns of computing its task expects */
 static _Thread_local par_job *helping; /* a helper: the job whose items it runs */
 
-static int64_t process_cpu_ns(void)
+static int64_t clock_ns(clockid_t clock)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    clock_gettime(clock, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
 static int64_t now_ns(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    return clock_ns(CLOCK_MONOTONIC);
+}
+
+static int64_t process_cpu_ns(void)
+{
+    return clock_ns(CLOCK_PROCESS_CPUTIME_ID);
 }
 
 void kvd_cpu_task_begin(void)
@@ -196,6 +199,14 @@ static void slot_release(void)
     pthread_cond_signal(&w->cv);
 }
 
+/* Take a slot beyond the count, in place of a background helper's (under
+ * mu): the helpers give theirs back at their next item or step. */
+static void slot_borrow(void)
+{
+    computing++;
+    atomic_store_explicit(&lent, computing > slots, memory_order_relaxed);
+}
+
 /* Take a slot, waiting in the order of key (a rank) and then of when the
  * task began while all are held (under mu). Background helpers give their
  * slots up to a waiter that outranks them between two items or steps; but
@@ -242,8 +253,7 @@ static void slot_take(int64_t key, int64_t task_begun)
             *p = w.nxt;
             atomic_store_explicit(&head_key, waiters ? waiters->key : INT64_MAX,
                                   memory_order_relaxed);
-            computing++;
-            atomic_store_explicit(&lent, 1, memory_order_relaxed);
+            slot_borrow();
             break;
         }
     }
@@ -269,22 +279,26 @@ static void maybe_yield(void)
     const par_job *j = helping;
     if (j && !j->outer)
         return;
-    if (j && j->bg)
-        atomic_store_explicit(&bg_beat, now_ns(), memory_order_relaxed);
+    const int bg = j && j->bg;
+    int64_t t = 0;
+    if (bg) {
+        t = now_ns();
+        atomic_store_explicit(&bg_beat, t, memory_order_relaxed);
+    }
     /* a background helper whose slot a short task took: give it back */
-    const int give_back = j && j->bg && atomic_load_explicit(&lent, memory_order_relaxed);
+    const int give_back = bg && atomic_load_explicit(&lent, memory_order_relaxed);
     if (!give_back && atomic_load_explicit(&head_key, memory_order_relaxed) == INT64_MAX)
         return;
-    const int64_t t = now_ns();
+    if (!bg)
+        t = now_ns();
     const int64_t ns = j ? j->served0 + (t - j->t0) : served + (t - t_slot);
     const int64_t exp = j ? j->expect : expect;
     if (!give_back && !outranked(ns, exp))
         return;
     pthread_mutex_lock(&mu);
-    if ((waiters && waiters->key + QUANTUM < rank(ns, exp)) || (j && j->bg && computing > slots)) {
+    if ((waiters && waiters->key + QUANTUM < rank(ns, exp)) || (bg && computing > slots)) {
         if (!j)
             served = ns;
-        const int bg = j && j->bg;
         bg_slots -= bg;
         slot_release();
         slot_take(rank(ns, exp), j ? j->begun : begun);
@@ -568,8 +582,7 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
             bg_nice = -1;
             atomic_store_explicit(&bg_starved, 1, memory_order_relaxed);
         }
-        computing++;
-        atomic_store_explicit(&lent, computing > slots, memory_order_relaxed);
+        slot_borrow();
         pthread_mutex_unlock(&mu);
         depth = 1;
         t_slot = now_ns();
