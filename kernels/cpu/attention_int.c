@@ -1223,25 +1223,31 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 param_col(const kv
     return integer ? _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v)) : _mm256_cvtph_ps(v);
 }
 
-/* Code columns of 8 channel rows (COLS dwords each from `rows[r]`),
- * transposed so lane r of X[c] is dword c of row r. */
+/* Code columns of 8 channel rows r0 + r * cst (COLS dwords each),
+ * transposed so lane r of X[c] is dword c of row r. The row addresses are
+ * formed where they are loaded (an array of them was built in vector
+ * registers and taken out lane by lane). */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-load_cols(const uint8_t *const *rows, __m256i *X, const int COLS)
+load_cols(const uint8_t *r0, int64_t cst, __m256i *X, const int COLS)
 {
+#define KVD__ROW(r) (r0 + (r)*cst)
     if (COLS == 2) {
-        __m256 A = _mm256_castsi256_ps(_mm256_set_epi64x(*(const long long *)rows[3], *(const long long *)rows[2],
-                                                         *(const long long *)rows[1], *(const long long *)rows[0]));
-        __m256 B = _mm256_castsi256_ps(_mm256_set_epi64x(*(const long long *)rows[7], *(const long long *)rows[6],
-                                                         *(const long long *)rows[5], *(const long long *)rows[4]));
-        __m256 lo = _mm256_shuffle_ps(A, B, _MM_SHUFFLE(2, 0, 2, 0)), hi = _mm256_shuffle_ps(A, B, _MM_SHUFFLE(3, 1, 3, 1));
+        __m256 A = _mm256_castsi256_ps(
+            _mm256_set_epi64x(*(const long long *)KVD__ROW(3), *(const long long *)KVD__ROW(2),
+                              *(const long long *)KVD__ROW(1), *(const long long *)KVD__ROW(0)));
+        __m256 B = _mm256_castsi256_ps(
+            _mm256_set_epi64x(*(const long long *)KVD__ROW(7), *(const long long *)KVD__ROW(6),
+                              *(const long long *)KVD__ROW(5), *(const long long *)KVD__ROW(4)));
+        __m256 lo = _mm256_shuffle_ps(A, B, _MM_SHUFFLE(2, 0, 2, 0)),
+               hi = _mm256_shuffle_ps(A, B, _MM_SHUFFLE(3, 1, 3, 1));
         /* lo = [r0 r1 r4 r5 | r2 r3 r6 r7] */
         X[0] = _mm256_permute4x64_epi64(_mm256_castps_si256(lo), _MM_SHUFFLE(3, 1, 2, 0));
         X[1] = _mm256_permute4x64_epi64(_mm256_castps_si256(hi), _MM_SHUFFLE(3, 1, 2, 0));
     } else if (COLS == 4) {
         __m256i r[4];
         for (int i = 0; i < 4; i++)
-            r[i] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)rows[i + 4]),
-                                    _mm_loadu_si128((const __m128i *)rows[i]));
+            r[i] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)KVD__ROW(i + 4)),
+                                    _mm_loadu_si128((const __m128i *)KVD__ROW(i)));
         __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
         __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
         X[0] = _mm256_unpacklo_epi64(t0, t2);
@@ -1251,11 +1257,12 @@ load_cols(const uint8_t *const *rows, __m256i *X, const int COLS)
     } else {
         for (int c0 = 0; c0 < COLS; c0 += 8) {
             for (int r = 0; r < 8; r++)
-                X[c0 + r] = _mm256_loadu_si256((const __m256i *)(rows[r] + 4 * c0));
+                X[c0 + r] = _mm256_loadu_si256((const __m256i *)(KVD__ROW(r) + 4 * c0));
             transpose8x8(X + c0);
         }
     }
 }
+#undef KVD__ROW
 
 /* The channel rows of a long run are T*bits/8 bytes apart (a page of the
  * store: 64 B, then the rows are contiguous; a whole 32K-token run: 8 KB,
@@ -1369,10 +1376,7 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
         }
         for (int gi = 0; gi < ngb; gi++) {
             int64_t grp = t0 / P + gi;
-            const uint8_t *rows[8];
             const uint8_t *r0 = cbase + d0 * cst + gi * (P / PER);
-            _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)
-                rows[r] = r0 + r * cst;
             /* per-channel params of this group: 8 strided f16, assembled in
              * registers (a store/reload would stall store forwarding) */
             __m256 vsc, vmn, vcs;
@@ -1389,10 +1393,10 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
             if (gi == 0)
                 for (int g = 0; g < GG; g++)
                     o[g] = _mm256_loadu_ps(acc + (size_t)g * c->Dv + d0);
-            load_cols(rows, X, COLS);
+            load_cols(r0, cst, X, COLS);
             _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
-                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++)
-                    PL[cc][pl] = _mm256_and_si256(_mm256_srli_epi16(X[cc], pl * BITS), mask);
+                _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) PL[cc][pl] =
+                    _mm256_and_si256(_mm256_srli_epi16(X[cc], pl * BITS), mask);
             for (int g = 0; g < GG; g++) {
                 __m256i acc32 = _mm256_setzero_si256(), acc16 = _mm256_setzero_si256();
                 if (VNNI) {
@@ -1427,6 +1431,35 @@ int_values_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, floa
         for (int g = 0; g < GG && ngb > 0; g++)
             _mm256_storeu_ps(acc + (size_t)g * c->Dv + d0, o[g]);
     }
+}
+
+/* load_cols for 16 channel rows r0 + r * cst, r = 0..15, on 512-bit
+ * vectors: lane r of X[c] is dword c of row r. */
+INT512_TARGET __attribute__((always_inline)) static inline void
+load_cols16(const uint8_t *r0, int64_t cst, __m512i *X, const int COLS)
+{
+    if (COLS == 2) {
+        __m512i A =
+            _mm512_set_epi64(*(const long long *)(r0 + 7 * cst), *(const long long *)(r0 + 6 * cst),
+                             *(const long long *)(r0 + 5 * cst), *(const long long *)(r0 + 4 * cst),
+                             *(const long long *)(r0 + 3 * cst), *(const long long *)(r0 + 2 * cst),
+                             *(const long long *)(r0 + cst), *(const long long *)r0);
+        const uint8_t *r8 = r0 + 8 * cst;
+        __m512i B =
+            _mm512_set_epi64(*(const long long *)(r8 + 7 * cst), *(const long long *)(r8 + 6 * cst),
+                             *(const long long *)(r8 + 5 * cst), *(const long long *)(r8 + 4 * cst),
+                             *(const long long *)(r8 + 3 * cst), *(const long long *)(r8 + 2 * cst),
+                             *(const long long *)(r8 + cst), *(const long long *)r8);
+        const __m512i ev =
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        X[0] = _mm512_permutex2var_epi32(A, ev, B);
+        X[1] = _mm512_permutex2var_epi32(A, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), B);
+        return;
+    }
+    __m256i X0[16], X1[16];
+    load_cols(r0, cst, X0, COLS);
+    load_cols(r0 + 8 * cst, cst, X1, COLS);
+    _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++) X[cc] = CAT512I(X0[cc], X1[cc]);
 }
 
 /*
@@ -1464,9 +1497,7 @@ int_values512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, f
                             pt[k]->stride[1], ngb, tp[k][hf]);
         for (int gi = 0; gi < ngb; gi++) {
             int64_t grp = t0 / P + gi;
-            const uint8_t *rows[16];
             const uint8_t *r0 = cbase + d0 * cst + gi * (P / PER);
-            _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) rows[r] = r0 + r * cst;
             __m512 vsc, vmn, vcs;
             if (tparams) {
                 vsc = _mm512_cvtph_ps(_mm256_set_m128i(tp[0][1][gi], tp[0][0][gi]));
@@ -1481,16 +1512,14 @@ int_values512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld, f
                 vcs = CAT512F(param_col(pt[2], c->h, d0, grp, 1),
                               param_col(pt[2], c->h, d0 + 8, grp, 1));
             }
-            __m256i X0[16], X1[16];
-            __m512i PL[16][4];
+            __m512i X[16], PL[16][4];
             if (gi == 0)
                 for (int g = 0; g < GG; g++)
                     o[g] = _mm512_loadu_ps(acc + (size_t)g * c->Dv + d0);
-            load_cols(rows, X0, COLS);
-            load_cols(rows + 8, X1, COLS);
+            load_cols16(r0, cst, X, COLS);
             _Pragma("GCC unroll 16") for (int cc = 0; cc < COLS; cc++)
             {
-                const __m512i x = CAT512I(X0[cc], X1[cc]);
+                const __m512i x = X[cc];
                 _Pragma("GCC unroll 4") for (int pl = 0; pl < PER; pl++) PL[cc][pl] =
                     _mm512_and_si512(_mm512_srli_epi16(x, pl * BITS), mask);
             }
