@@ -162,12 +162,17 @@ static void render_tiers(buf *b)
         "%zu\n",
         kvd_store_recovery_losses(st, &loss));
     put(b,
-        "# HELP kvdepot_background_lane_starved 1 when long requests' background compute "
-        "threads were kept off the CPUs (busy processes share kvdepotd's cgroup or session) and "
-        "the lane went off: long requests now compute on their own threads; set "
-        "--background-priority off there\n"
-        "# TYPE kvdepot_background_lane_starved gauge\nkvdepot_background_lane_starved %d\n",
-        kvd_cpu_background_starved());
+        "# HELP kvdepot_background_lane_starved 1 while long requests' background compute "
+        "threads, kept off the CPUs (busy processes share kvdepotd's cgroup or session), have "
+        "turned the lane off: long requests compute on their own threads until it is tried "
+        "again (10 s later, twice as long each time it starves again soon after); where it "
+        "keeps starving, set --background-priority off\n"
+        "# TYPE kvdepot_background_lane_starved gauge\nkvdepot_background_lane_starved %d\n"
+        "# HELP kvdepot_background_lane_starvations_total times the background lane turned "
+        "itself off\n"
+        "# TYPE kvdepot_background_lane_starvations_total counter\n"
+        "kvdepot_background_lane_starvations_total %ld\n",
+        kvd_cpu_background_starved(), kvd_cpu_background_starvations());
     put(b,
         "# HELP kvdepot_durability_info durability setting in force\n"
         "# TYPE kvdepot_durability_info gauge\nkvdepot_durability_info{durability=\"%s\"} 1\n",

@@ -73,6 +73,11 @@
  * that hold slots have not moved for this long (ns) while the process
  * computed less than half a CPU (par_background). */
 #define STARVE 200000000
+/* A lane that went off for starving is tried again this long (ns) later;
+ * each time it starves again within as long as it was off, twice as long
+ * (up to RETRY_MAX). */
+#define RETRY 10000000000LL
+#define RETRY_MAX 640000000000LL
 /* Beyond this much computing (ns) a task is long: the long rank alike. */
 #define LONG 20000000
 /* kvd_cpu_task_expect: the bytes a task reads per ns of computing. */
@@ -110,6 +115,11 @@ static int slots;             /* threads that may compute at once (kvd__par_size
 static int computing;         /* slots held: callers inside kvd__par_for and helpers inside a job */
 static int bg_slots;          /* slots held by background helpers */
 static atomic_int bg_starved; /* the lane went off: its helpers were kept aside */
+static atomic_long bg_starvations; /* times it went off */
+static int bg_setting = BG_IDLE;   /* the lane as set (bg_nice, when it has not starved) */
+static int64_t bg_retry = RETRY;   /* the next pause of a lane that starves */
+static int64_t bg_back_at;         /* when a starved lane is tried again */
+static int64_t bg_on_since;        /* when it was last tried again */
 
 /* A caller waiting for a slot; the list is ordered by key, least first. */
 typedef struct par_waiter {
@@ -454,14 +464,28 @@ void kvd__par_size(int threads, int nslots)
 void kvd__par_background_nice(int nice)
 {
     pthread_mutex_lock(&mu);
-    bg_nice = nice < 0 ? -1 : nice == 0 || nice >= BG_IDLE ? BG_IDLE : nice;
+    bg_nice = bg_setting = nice < 0 ? -1 : nice == 0 || nice >= BG_IDLE ? BG_IDLE : nice;
     atomic_store_explicit(&bg_starved, 0, memory_order_relaxed);
+    bg_retry = RETRY;
+    bg_on_since = 0;
+    pthread_mutex_unlock(&mu);
+}
+
+void kvd__par_background_retry(int64_t ns)
+{
+    pthread_mutex_lock(&mu);
+    bg_retry = ns > 0 ? ns : RETRY;
     pthread_mutex_unlock(&mu);
 }
 
 int kvd_cpu_background_starved(void)
 {
     return atomic_load_explicit(&bg_starved, memory_order_relaxed);
+}
+
+long kvd_cpu_background_starvations(void)
+{
+    return atomic_load_explicit(&bg_starvations, memory_order_relaxed);
 }
 
 /* Start helpers of a lane up to want (under mu); the number running. */
@@ -521,6 +545,13 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
     atomic_init(&j.next, 0);
     j.t0 = now_ns();
     pthread_mutex_lock(&mu);
+    if (atomic_load_explicit(&bg_starved, memory_order_relaxed) && j.t0 >= bg_back_at) {
+        /* what kept the helpers aside may have gone: the lane is tried
+         * again (a lane that starves again goes off again, as below) */
+        bg_nice = bg_setting;
+        bg_on_since = j.t0;
+        atomic_store_explicit(&bg_starved, 0, memory_order_relaxed);
+    }
     /* Alone in the pool, it computes as any task does (a job handed over
      * costs its helpers' wake-ups, and there is nothing to give way to). */
     if ((computing == 0 && !jobs) || bg_nice < 0 || grow(&bg_threads, cpus, 1) == 0) {
@@ -576,11 +607,17 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
          * cgroup) want the CPUs. The caller computes the items left at
          * its own priority, taking a slot the way a short task does
          * past STEAL (slot_take), and the lane goes off: later long
-         * tasks compute on their own threads, as with it off. The
-         * items the helpers hold finish when the OS runs them. */
+         * tasks compute on their own threads, as with it off, until the
+         * lane is tried again (RETRY later, twice as long each time it
+         * starves again within as long as it was off). The items the
+         * helpers hold finish when the OS runs them. */
         if (bg_nice >= 0) {
             bg_nice = -1;
             atomic_store_explicit(&bg_starved, 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&bg_starvations, 1, memory_order_relaxed);
+            if (bg_on_since && t - bg_on_since <= bg_retry)
+                bg_retry = bg_retry * 2 < RETRY_MAX ? bg_retry * 2 : RETRY_MAX;
+            bg_back_at = t + bg_retry;
         }
         slot_borrow();
         pthread_mutex_unlock(&mu);

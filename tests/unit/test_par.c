@@ -26,7 +26,9 @@
  *    not keep it from finishing;
  *  - nor do they keep their own long task from finishing the items they
  *    have not taken: its caller computes those, and the lane goes off
- *    (kvd_cpu_background_starved) until it is set again.
+ *    (kvd_cpu_background_starved) until a long task tries it again after
+ *    a pause, twice as long each time it starves again soon after, or it
+ *    is set again.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -491,13 +493,14 @@ static void *stuck_bg_main(void *arg)
     return NULL;
 }
 
-static void test_starved_background(void)
+/* A long task whose background helpers never move: the items they did not
+ * take computed on its caller, and the lane goes off. */
+static void starve_lane(lane *l)
 {
-    kvd__par_background_nice(0);
-    CHECK(kvd_cpu_background_starved() == 0);
     atomic_store(&stuck_in, 0);
     atomic_store(&unstick, 0);
-    lane *l = calloc(1, sizeof *l);
+    memset(l, 0, sizeof *l);
+    const long before = kvd_cpu_background_starvations();
     pthread_t h, t;
     hold_start(&h); /* another task computes: the long one goes to the background */
     pthread_create(&t, NULL, stuck_bg_main, l);
@@ -512,15 +515,64 @@ static void test_starved_background(void)
     CHECK(atomic_load(&l->on_caller) > 0);
     CHECK(atomic_load(&l->on_caller) + atomic_load(&stuck_in) == LANE_ITEMS);
     CHECK(kvd_cpu_background_starved() == 1);
+    CHECK(kvd_cpu_background_starvations() == before + 1);
     atomic_store(&unstick, 1);
     pthread_join(t, NULL);
     hold_end(h);
     CHECK(lane_bad(l) == 0);
+}
+
+static int64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Sleep until `ns` past t0. */
+static void sleep_until(int64_t t0, int64_t ns)
+{
+    int64_t left = t0 + ns - mono_ns();
+    if (left > 0)
+        usleep((useconds_t)(left / 1000));
+}
+
+static void test_starved_background(void)
+{
+    enum { RETRY_MS = 1000 };
+    kvd__par_background_nice(0);
+    kvd__par_background_retry((int64_t)RETRY_MS * 1000000);
+    CHECK(kvd_cpu_background_starved() == 0);
+    lane *l = calloc(1, sizeof *l);
+    starve_lane(l);
+    int64_t off = mono_ns();
     /* the lane is off: the next long task computes on its caller */
     run_lane(l);
     CHECK(atomic_load(&l->on_caller) > 0);
+    CHECK(kvd_cpu_background_starved() == 1);
+    /* past the pause, the next long task tries the lane again */
+    sleep_until(off, (int64_t)RETRY_MS * 1000000 + 100000000);
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) == 0);
+    CHECK(atomic_load(&l->idled) == LANE_ITEMS);
+    CHECK(kvd_cpu_background_starved() == 0);
+    /* starving again soon after: off twice as long */
+    starve_lane(l);
+    off = mono_ns();
+    sleep_until(off, (int64_t)RETRY_MS * 1000000 + 100000000);
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) > 0);
+    CHECK(kvd_cpu_background_starved() == 1);
+    sleep_until(off, (int64_t)2 * RETRY_MS * 1000000 + 100000000);
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) == 0);
+    CHECK(kvd_cpu_background_starved() == 0);
+    /* set again: on at once */
+    starve_lane(l);
     kvd__par_background_nice(0);
     CHECK(kvd_cpu_background_starved() == 0);
+    run_lane(l);
+    CHECK(atomic_load(&l->on_caller) == 0);
     free(l);
 }
 

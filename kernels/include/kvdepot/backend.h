@@ -124,13 +124,17 @@ typedef struct kvd_cpu_options {
  * lowest priority (any other thread of the process takes their CPU at once). */
 #define KVD_CPU_BACKGROUND_IDLE 20
 
-/* 1 when the background lane went off by itself: its helpers held CPU
+/* 1 while the background lane is off by itself: its helpers held CPU
  * slots and had not moved for 200 ms while the process computed less than
  * half a CPU (the OS kept them aside for other busy processes in the
  * process's cgroup or session: SCHED_IDLE or a high nice value gave them
  * next to no CPU). Long tasks then compute on their own threads, as with
- * background_nice -1; 0 otherwise. */
+ * background_nice -1, until the first long task 10 s later tries the lane
+ * again; each time it starves again within as long as it was off, it
+ * stays off twice as long (at most about 10 minutes). 0 otherwise. */
 int kvd_cpu_background_starved(void);
+/* Times the background lane went off by itself since the start. */
+long kvd_cpu_background_starvations(void);
 
 /*
  * The calling thread starts a new task (a request): its computing time,
