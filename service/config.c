@@ -216,8 +216,101 @@ static int parse_bool(const char *s, int *out)
     return -1;
 }
 
-static int set_one(kvd_config *c, const setting *st, const char *value, char *err,
-                   size_t errlen)
+int kvd_config_parse_device(const char *s, int *cuda, int *index)
+{
+    *index = -1;
+    if (strcmp(s, "cpu") == 0)
+        *cuda = -1;
+    else if (strcmp(s, "auto") == 0)
+        *cuda = 0;
+    else if (strcmp(s, "cuda") == 0)
+        *cuda = 1;
+    else if (strncmp(s, "cuda:", 5) == 0 && isdigit((unsigned char)s[5]) && strlen(s) <= 8) {
+        char *end;
+        long n = strtol(s + 5, &end, 10);
+        if (*end)
+            return -1;
+        *cuda = 1;
+        *index = (int)n;
+    } else
+        return -1;
+    return 0;
+}
+
+int kvd_config_parse_background(const char *s, int *nice)
+{
+    if (strcmp(s, "off") == 0)
+        return *nice = -1, 0;
+    if (strcmp(s, "idle") == 0)
+        return *nice = 20, 0;
+    char *end = NULL;
+    long n = strtol(s, &end, 10);
+    if (!isdigit((unsigned char)s[0]) || *end || n < 1 || n > 19)
+        return -1;
+    *nice = (int)n;
+    return 0;
+}
+
+int kvd_config_parse_durability(const char *s, int *mode)
+{
+    static const char *const modes[] = {"none", "spill", "sync"};
+    for (int i = 0; i < 3; i++)
+        if (strcmp(s, modes[i]) == 0)
+            return *mode = i, 0;
+    return -1;
+}
+
+static const char *check_background(const char *v)
+{
+    int n;
+    return kvd_config_parse_background(v, &n) == 0 ? NULL : "idle, off or a nice value 1..19";
+}
+
+static const char *check_log_format(const char *v)
+{
+    return strcmp(v, "logfmt") == 0 || strcmp(v, "json") == 0 ? NULL : "logfmt or json";
+}
+
+static const char *check_durability(const char *v)
+{
+    int m;
+    return kvd_config_parse_durability(v, &m) == 0 ? NULL : "none, spill or sync";
+}
+
+static const char *check_wal_recovery(const char *v)
+{
+    return strcmp(v, "strict") == 0 || strcmp(v, "point-in-time") == 0 ? NULL
+                                                                       : "strict or point-in-time";
+}
+
+static const char *check_device(const char *v)
+{
+    int cuda, index;
+    return kvd_config_parse_device(v, &cuda, &index) == 0 ? NULL : "auto, cpu, cuda or cuda:N";
+}
+
+/* The string settings that take one of a few forms: each one's check,
+ * NULL when the value is one of them, else what the setting takes. */
+static const struct {
+    const char *name;
+    const char *(*check)(const char *value);
+} checks[] = {
+    {"background-priority", check_background},
+    {"log-format", check_log_format},
+    {"durability", check_durability},
+    {"wal-recovery", check_wal_recovery},
+    {"device", check_device},
+};
+
+static const char *check_value(const setting *st, const char *value)
+{
+    for (size_t i = 0; i < sizeof checks / sizeof checks[0]; i++)
+        if (strcmp(checks[i].name, st->name) == 0)
+            return checks[i].check(value);
+    return NULL;
+}
+
+static int set_one(kvd_config *c, const setting *st, const char *value, char *err, size_t errlen)
 {
     char *base = (char *)c + st->offset;
     switch (st->type) {
@@ -225,6 +318,9 @@ static int set_one(kvd_config *c, const setting *st, const char *value, char *er
     case T_OPTSTRING: {
         if (st->type == T_STRING && value[0] == '\0')
             return fail(err, errlen, "--%s: must not be empty", st->name);
+        const char *why = check_value(st, value);
+        if (why)
+            return fail(err, errlen, "--%s: '%s' is not %s", st->name, value, why);
         char *dup = NULL;
         if (value[0] && !(dup = strdup(value)))
             return fail(err, errlen, "--%s: out of memory", st->name);

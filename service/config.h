@@ -162,6 +162,18 @@ void kvd_config_print(FILE *f, const kvd_config *c);
 /* Parse a size as the table does ("64GiB", "4096"); 0 or -1. */
 int kvd_config_parse_size(const char *s, uint64_t *out);
 
+/* The string settings that take one of a few forms (checked as they are
+ * set, so that every source, --print-config included, rejects the same
+ * values), parsed: 0, or -1 for a value they do not take. */
+/* --device: *cuda -1 (cpu), 0 (auto: the first device if any), 1 (cuda:
+ * the first device, or *index, required); *index -1 but for cuda:N. */
+int kvd_config_parse_device(const char *s, int *cuda, int *index);
+/* --background-priority: *nice -1 (off), 1..19, or 20 (idle: SCHED_IDLE,
+ * KVD_CPU_BACKGROUND_IDLE). */
+int kvd_config_parse_background(const char *s, int *nice);
+/* --durability: *mode 0 none, 1 spill, 2 sync. */
+int kvd_config_parse_durability(const char *s, int *mode);
+
 /* Print the usage text, one paragraph per setting, to f. */
 void kvd_config_usage(FILE *f, const char *prog);
 

@@ -6,7 +6,6 @@
  * thread, so shutdown work and the SIGHUP reload of the tokens file never
  * run inside a signal handler.
  */
-#include <ctype.h>
 #include <errno.h>
 #include <malloc.h>
 #include <poll.h>
@@ -111,30 +110,6 @@ static void reload_tokens(kvd_service *svc)
     KVD_METRIC_ADD(tokens_reloads_total, 1);
     KVD_LOG(KVD_LOG_INFO, "tokens file reloaded", "tokens=%zu tenants=%zu", a->n_tokens,
             a->n_tenants);
-}
-
-/* --device: 0 and *cuda = -1 (cpu), 0 (auto: the first device if any),
- * 1 (cuda: the first device, required) with *index the device (-1 = first);
- * -1 for anything else. */
-static int parse_device(const char *s, int *cuda, int *index)
-{
-    *index = -1;
-    if (strcmp(s, "cpu") == 0)
-        *cuda = -1;
-    else if (strcmp(s, "auto") == 0)
-        *cuda = 0;
-    else if (strcmp(s, "cuda") == 0)
-        *cuda = 1;
-    else if (strncmp(s, "cuda:", 5) == 0 && s[5] >= '0' && s[5] <= '9' && strlen(s) <= 8) {
-        char *end;
-        long n = strtol(s + 5, &end, 10);
-        if (*end)
-            return -1;
-        *cuda = 1;
-        *index = (int)n;
-    } else
-        return -1;
-    return 0;
 }
 
 /*
@@ -334,13 +309,7 @@ int main(int argc, char **argv)
         kvd_config_free(&cfg);
         return 0;
     }
-    if (strcmp(cfg.log_format, "json") == 0) {
-        kvd_log_json = 1;
-    } else if (strcmp(cfg.log_format, "logfmt") != 0) {
-        fprintf(stderr, "%s: log-format: '%s' is not logfmt or json\n", prog, cfg.log_format);
-        kvd_config_free(&cfg);
-        return 2;
-    }
+    kvd_log_json = strcmp(cfg.log_format, "json") == 0;
     if ((repair || restore) && action == KVD_CONFIG_RUN) {
         kvd_log_threshold = cfg.log_level;
         int rc = repair ? kvd_repair_run(&cfg, prog) : kvd_restore_run(&cfg, backup, prog);
@@ -421,58 +390,15 @@ int main(int argc, char **argv)
         .disk_bytes = cfg.disk_bytes,
         .prefetch_pages = (uint32_t)cfg.prefetch_pages,
     };
-    if (strcmp(cfg.durability, "none") == 0)
-        sopt.durability = KVD_DURABILITY_NONE;
-    else if (strcmp(cfg.durability, "sync") == 0)
-        sopt.durability = KVD_DURABILITY_SYNC;
-    else if (strcmp(cfg.durability, "spill") != 0) {
-        fprintf(stderr, "%s: durability: '%s' is not none, spill or sync\n", prog,
-                cfg.durability);
-        kvd_http_stop(http);
-        kvd_auth_unref(auth);
-        close(sfd);
-        kvd_config_free(&cfg);
-        return 2;
-    }
-    if (strcmp(cfg.wal_recovery, "point-in-time") == 0) {
-        sopt.wal_point_in_time = 1;
-    } else if (strcmp(cfg.wal_recovery, "strict") != 0) {
-        fprintf(stderr, "%s: wal-recovery: '%s' is not strict or point-in-time\n", prog,
-                cfg.wal_recovery);
-        kvd_http_stop(http);
-        kvd_auth_unref(auth);
-        close(sfd);
-        kvd_config_free(&cfg);
-        return 2;
-    }
-    int dev_cuda, dev_index;
-    if (parse_device(cfg.device, &dev_cuda, &dev_index) != 0) {
-        fprintf(stderr, "%s: device: '%s' is not auto, cpu, cuda or cuda:N\n", prog, cfg.device);
-        kvd_http_stop(http);
-        kvd_auth_unref(auth);
-        close(sfd);
-        kvd_config_free(&cfg);
-        return 2;
-    }
-    /* --background-priority: kvd_cpu_options.background_nice */
-    int background = KVD_CPU_BACKGROUND_IDLE;
-    if (strcmp(cfg.background_priority, "off") == 0) {
-        background = -1;
-    } else if (strcmp(cfg.background_priority, "idle") != 0) {
-        char *end = NULL;
-        long n = strtol(cfg.background_priority, &end, 10);
-        if (!isdigit((unsigned char)cfg.background_priority[0]) || *end || n < 1 || n > 19) {
-            fprintf(stderr,
-                    "%s: background-priority: '%s' is not idle, off or a nice value 1..19\n", prog,
-                    cfg.background_priority);
-            kvd_http_stop(http);
-            kvd_auth_unref(auth);
-            close(sfd);
-            kvd_config_free(&cfg);
-            return 2;
-        }
-        background = (int)n;
-    }
+    /* the string settings were checked as they were set (kvd_config_set) */
+    int mode = 1, dev_cuda = 0, dev_index = -1, background = KVD_CPU_BACKGROUND_IDLE;
+    kvd_config_parse_durability(cfg.durability, &mode);
+    sopt.durability = mode == 0   ? KVD_DURABILITY_NONE
+                      : mode == 2 ? KVD_DURABILITY_SYNC
+                                  : KVD_DURABILITY_SPILL;
+    sopt.wal_point_in_time = strcmp(cfg.wal_recovery, "point-in-time") == 0;
+    kvd_config_parse_device(cfg.device, &dev_cuda, &dev_index);
+    kvd_config_parse_background(cfg.background_priority, &background); /* --background-priority */
     if (cfg.sync && sopt.durability == KVD_DURABILITY_NONE) {
         fprintf(stderr, "%s: --sync contradicts --durability none\n", prog);
         kvd_http_stop(http);

@@ -437,6 +437,17 @@ EOF
         [ "$rc" -eq 2 ] || fail "--background-priority $bad: exit $rc, want 2"
         grep -q "background-priority: '$bad'" err || fail "--background-priority $bad: $(cat err)"
     done
+    # --print-config refuses the same values, from the environment too.
+    for kv in durability=fast device=gpu wal-recovery=lenient log-format=xml \
+        background-priority=20; do
+        rc=0
+        "$server" --print-config "--$kv" >/dev/null 2>err || rc=$?
+        [ "$rc" -eq 2 ] && grep -q "${kv%%=*}: '${kv#*=}'" err ||
+            fail "--print-config --$kv: exit $rc, $(cat err)"
+    done
+    rc=0
+    KVDEPOT_DEVICE=gpu "$server" --print-config >/dev/null 2>err || rc=$?
+    [ "$rc" -eq 2 ] && grep -q "KVDEPOT_DEVICE" err || fail "KVDEPOT_DEVICE=gpu: exit $rc, $(cat err)"
     # A real start from the file: the config names the data dir and log level.
     printf 'data-dir: %s\nlog-level: debug\n' "$work/data" >run.yaml
     start --config run.yaml

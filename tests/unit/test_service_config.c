@@ -145,6 +145,18 @@ static void test_bad_values(void)
         {"--no-listen", NULL, "no-listen"},
         {"stray", NULL, "stray"},
         {"--listen", NULL, "listen"}, /* missing value */
+        {"--durability", "fast", "durability"},
+        {"--wal-recovery", "lenient", "wal-recovery"},
+        {"--log-format", "xml", "log-format"},
+        {"--device", "gpu", "device"},
+        {"--device", "cuda:", "device"},
+        {"--device", "cuda:x", "device"},
+        {"--device", "cuda:12345", "device"},
+        {"--background-priority", "0", "background-priority"},
+        {"--background-priority", "20", "background-priority"},
+        {"--background-priority", "-1", "background-priority"},
+        {"--background-priority", "5x", "background-priority"},
+        {"--background-priority", "IDLE", "background-priority"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int rc = bad[i].b ? parse(&c, &action, err, sizeof err, bad[i].a, bad[i].b, NULL)
@@ -159,6 +171,42 @@ static void test_bad_values(void)
     CHECK(kvd_config_set(&c, "threads", "7", err, sizeof err) == 0 && c.threads == 7);
     CHECK(kvd_config_set(&c, "threads", "700", err, sizeof err) == -1 && c.threads == 7);
     CHECK(kvd_config_set(&c, "nonsense", "1", err, sizeof err) == -1);
+    /* the string settings of a few forms take each of them, and keep the
+     * old value when refused */
+    const char *good[][2] = {
+        {"durability", "none"},
+        {"durability", "spill"},
+        {"durability", "sync"},
+        {"wal-recovery", "strict"},
+        {"wal-recovery", "point-in-time"},
+        {"log-format", "json"},
+        {"log-format", "logfmt"},
+        {"device", "auto"},
+        {"device", "cpu"},
+        {"device", "cuda"},
+        {"device", "cuda:0"},
+        {"device", "cuda:15"},
+        {"background-priority", "idle"},
+        {"background-priority", "off"},
+        {"background-priority", "1"},
+        {"background-priority", "19"},
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++)
+        if (kvd_config_set(&c, good[i][0], good[i][1], err, sizeof err) != 0) {
+            fprintf(stderr, "refused: --%s %s: %s\n", good[i][0], good[i][1], err);
+            failures++;
+        }
+    CHECK(kvd_config_set(&c, "durability", "fast", err, sizeof err) == -1 &&
+          strcmp(c.durability, "sync") == 0);
+    int v = 0, cuda = 0, index = 0;
+    CHECK(kvd_config_parse_background("idle", &v) == 0 && v == 20);
+    CHECK(kvd_config_parse_background("off", &v) == 0 && v == -1);
+    CHECK(kvd_config_parse_background("7", &v) == 0 && v == 7);
+    CHECK(kvd_config_parse_durability("none", &v) == 0 && v == 0);
+    CHECK(kvd_config_parse_durability("sync", &v) == 0 && v == 2);
+    CHECK(kvd_config_parse_device("cpu", &cuda, &index) == 0 && cuda == -1 && index == -1);
+    CHECK(kvd_config_parse_device("auto", &cuda, &index) == 0 && cuda == 0 && index == -1);
+    CHECK(kvd_config_parse_device("cuda:3", &cuda, &index) == 0 && cuda == 1 && index == 3);
     kvd_config_free(&c);
 }
 
