@@ -132,11 +132,17 @@ int main(int argc, char **argv)
            "all Mc/s", "AVX2 1thr Mc/s", "packed 1thr Mc/s", "= brute force");
 
     const int ms[] = {2, 4, 8, 16}, bs[] = {8, 6, 4}, ks[] = {256, 2048};
+    /* BENCH_PQ_ONLY="B M": only b-bit codes with m sub-spaces (for perf) */
+    int only_b = 0, only_m = 0;
+    if (getenv("BENCH_PQ_ONLY"))
+        sscanf(getenv("BENCH_PQ_ONLY"), "%d %d", &only_b, &only_m);
     const int64_t ns[] = {32768, 131072};
     int bad = 0;
     for (int bi = 0; bi < 3; bi++)
         for (int mi = 0; mi < 4; mi++) {
             int m = ms[mi], b = bs[bi], ksub = 1 << b;
+            if ((only_b && b != only_b) || (only_m && m != only_m))
+                continue;
             float *cent = malloc(sizeof(float) * (size_t)ksub * D);
             uint8_t *codes = malloc((size_t)NMAX * m);
             int64_t cs[3] = {m, ksub, D / m}, kshape[2] = {NMAX, D}, cds[2] = {NMAX, m};
