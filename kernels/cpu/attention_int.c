@@ -1736,6 +1736,27 @@ vtok_params(const int_ctx *c, int64_t t0, int n, int ng, float (*prm)[KVD__ATTN_
     }
 }
 
+/* The token-axis value code rows of the block after [t0, t0 + n): *rows
+ * the first, *rs apart, *count of them (0: none). That block is in this
+ * segment, or the first of the next (a run's pages). */
+static inline void vtok_next_rows(const int_ctx *c, int64_t t0, int n, const uint8_t **rows,
+                                  int64_t *rs, int64_t *count)
+{
+    const kvd_attn_int_args *a = c->a;
+    int64_t first = t0 + n, left = a->n_tokens - first;
+    if (left <= 0) {
+        if (!c->next)
+            return;
+        a = c->next;
+        first = 0;
+        left = a->n_tokens;
+    }
+    const kvd_tensor *tc = &a->v.codes;
+    *rs = tc->stride[1];
+    *rows = (const uint8_t *)tc->data + c->h * tc->stride[0] + first * *rs;
+    *count = left < n ? left : n;
+}
+
 /* vtok_params with the group count a constant (for load_t8_u16); 0 and
  * prm untouched when it is not 2, 4 or 8. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline int
@@ -1841,7 +1862,14 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
                 (const uint8_t *)tc->data + c->h * tc->stride[0] + t0 * tc->stride[1] + d0 / PER;
             const int64_t rs = tc->stride[1];
             const __m256i shi = _mm256_add_epi32(shifts, _mm256_set1_epi32(16));
+            /* the next block's code rows, asked for by the first tile */
+            const uint8_t *nx = NULL;
+            int64_t nrs = rs, ahead = 0;
+            if (d0 == 0)
+                vtok_next_rows(c, t0, n, &nx, &nrs, &ahead);
             for (int t = 0; t < n; t++, cp += rs) {
+                if (t < ahead)
+                    __builtin_prefetch(nx + t * nrs);
                 uint32_t x0, x1 = 0;
                 memcpy(&x0, cp, 4);
                 if (BITS == 4)
@@ -1880,6 +1908,13 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
             const uint8_t *cp =
                 (const uint8_t *)tc->data + c->h * tc->stride[0] + t0 * tc->stride[1] + d0 / PER;
             const int64_t rs = tc->stride[1];
+            if (d0 == 0) { /* the next block's code rows, asked for by the first tile */
+                const uint8_t *nx = NULL;
+                int64_t nrs = rs, ahead = 0;
+                vtok_next_rows(c, t0, n, &nx, &nrs, &ahead);
+                for (int64_t t = 0; t < ahead; t++)
+                    __builtin_prefetch(nx + t * nrs);
+            }
             int t = 0;
             for (; GG <= 4 && t + 2 <= n; t += 2, cp += 2 * rs) {
                 __m256 c0 = unpack8_codes(cp, shifts, mask, BITS),
@@ -1977,7 +2012,15 @@ int_values_token512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int
             }
             const uint8_t *cp =
                 (const uint8_t *)tc->data + c->h * tc->stride[0] + t0 * rs + d0 / PER;
+            /* the first tile asks for the next block's code rows, read
+             * while this block is computed (the rows' first loads missed) */
+            const uint8_t *nx = NULL;
+            int64_t nrs = rs, ahead = 0;
+            if (d0 == 0)
+                vtok_next_rows(c, t0, n, &nx, &nrs, &ahead);
             for (int t = 0; t < n; t++, cp += rs) {
+                if (t < ahead)
+                    __builtin_prefetch(nx + t * nrs);
                 const __m512i x =
                     _mm512_castsi128_si512(BITS == 2 ? _mm_loadl_epi64((const __m128i *)cp)
                                                      : _mm_loadu_si128((const __m128i *)cp));
