@@ -1757,6 +1757,33 @@ static inline void vtok_next_rows(const int_ctx *c, int64_t t0, int n, const uin
     *count = left < n ? left : n;
 }
 
+/* Ask for the scales and mins of the block after [t0, t0 + n) (as
+ * vtok_next_rows finds it): their first loads missed as well. */
+static inline void vtok_prefetch_next_params(const int_ctx *c, int64_t t0, int n)
+{
+    const kvd_attn_int_args *a = c->a;
+    int64_t first = t0 + n, left = a->n_tokens - first;
+    if (left <= 0) {
+        if (!c->next)
+            return;
+        a = c->next;
+        first = 0;
+        left = a->n_tokens;
+    }
+    const int64_t cnt = left < n ? left : n;
+    const kvd_tensor *pt[2] = {&a->v.scale, &a->v.min};
+    for (int k = 0; k < 2; k++) {
+        const int64_t rs = pt[k]->stride[1];
+        const char *b = (const char *)pt[k]->data + c->h * pt[k]->stride[0] + first * rs;
+        if (rs <= 64)
+            for (int64_t o = 0; o < cnt * rs; o += 64)
+                __builtin_prefetch(b + o);
+        else
+            for (int64_t r = 0; r < cnt; r++)
+                __builtin_prefetch(b + r * rs);
+    }
+}
+
 /* vtok_params with the group count a constant (for load_t8_u16); 0 and
  * prm untouched when it is not 2, 4 or 8. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline int
@@ -1841,6 +1868,7 @@ int_values_token_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int ld
     const kvd_tensor *tc = &a->v.codes;
     _Alignas(32) float w[8][KVD__ATTN_BLOCK];
     _Alignas(32) float prm[16][KVD__ATTN_BLOCK];
+    vtok_prefetch_next_params(c, t0, n);
     const int by_row = vtok_params_any(c, t0, n, ng, prm);
     for (int grp = 0; grp < ng; grp++) {
         float bias[8] = {0};
@@ -1998,6 +2026,7 @@ int_values_token512_tpl(const int_ctx *c, int64_t t0, int n, const float *p, int
     const int64_t rs = tc->stride[1];
     _Alignas(64) float w[8][KVD__ATTN_BLOCK];
     _Alignas(32) float prm[16][KVD__ATTN_BLOCK];
+    vtok_prefetch_next_params(c, t0, n);
     const int by_row = vtok_params_any(c, t0, n, ng, prm);
     for (int grp = 0; grp < ng; grp++) {
         float bias[8] = {0};
