@@ -165,7 +165,7 @@ static void render_tiers(buf *b)
         "# HELP kvdepot_background_lane_starved 1 while long requests' background compute "
         "threads, kept off the CPUs (busy processes share kvdepotd's cgroup or session), have "
         "turned the lane off: long requests compute on their own threads until it is tried "
-        "again (10 s later, twice as long each time it starves again soon after); where it "
+        "again (30 s later, twice as long each time it starves again soon after); where it "
         "keeps starving, set --background-priority off\n"
         "# TYPE kvdepot_background_lane_starved gauge\nkvdepot_background_lane_starved %d\n"
         "# HELP kvdepot_background_lane_starvations_total times the background lane turned "

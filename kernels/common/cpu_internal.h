@@ -74,7 +74,7 @@ void kvd__par_size(int threads, int slots);
  * needs the privilege to, so without it set it before the first job. */
 void kvd__par_background_nice(int nice);
 /* How long (ns) a lane that went off for starving stays off before it is
- * tried again, the first time (10 s by default, for tests; 0: the
+ * tried again, the first time (30 s by default, for tests; 0: the
  * default); kvd__par_background_nice sets it back. */
 void kvd__par_background_retry(int64_t ns);
 /* Helpers started so far (on first use), 0 when none. */

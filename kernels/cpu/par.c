@@ -75,9 +75,11 @@
 #define STARVE 200000000
 /* A lane that went off for starving is tried again this long (ns) later;
  * each time it starves again within as long as it was off, twice as long
- * (up to RETRY_MAX). */
-#define RETRY 10000000000LL
-#define RETRY_MAX 640000000000LL
+ * (up to RETRY_MAX). A try costs the long task that makes it: it waits
+ * STARVE, and for the items its helpers took until the OS runs them
+ * (up to 1.9 s measured with two busy processes beside). */
+#define RETRY 30000000000LL
+#define RETRY_MAX 1920000000000LL
 /* Beyond this much computing (ns) a task is long: the long rank alike. */
 #define LONG 20000000
 /* kvd_cpu_task_expect: the bytes a task reads per ns of computing. */

@@ -129,9 +129,9 @@ typedef struct kvd_cpu_options {
  * half a CPU (the OS kept them aside for other busy processes in the
  * process's cgroup or session: SCHED_IDLE or a high nice value gave them
  * next to no CPU). Long tasks then compute on their own threads, as with
- * background_nice -1, until the first long task 10 s later tries the lane
+ * background_nice -1, until the first long task 30 s later tries the lane
  * again; each time it starves again within as long as it was off, it
- * stays off twice as long (at most about 10 minutes). 0 otherwise. */
+ * stays off twice as long (at most 32 minutes). 0 otherwise. */
 int kvd_cpu_background_starved(void);
 /* Times the background lane went off by itself since the start. */
 long kvd_cpu_background_starvations(void);
