@@ -1291,10 +1291,13 @@ static inline void prefetch_v_tile(const int_ctx *c, int64_t t0, int n, int d0, 
     const int PER = 8 / BITS;
     const char *cbase = (const char *)ct->data + c->h * ct->stride[0] + tn / PER;
     const kvd_tensor *pt[3] = {&a->v.scale, &a->v.min, &a->v.sum};
+    /* the parameters' lines hold 32 groups: asked for when the next
+     * block's first group starts a line it does not share with this one */
+    const int new_line = a != c->a || (tn / P * 2) / 64 != ((tn - n) / P * 2) / 64;
     for (int d = d0; d < d1; d++) {
         for (int o = 0; o < nn / PER; o += 64)
             __builtin_prefetch(cbase + d * cst + o);
-        for (int k = 0; k < 3; k++)
+        for (int k = 0; new_line && k < 3; k++)
             __builtin_prefetch((const char *)pt[k]->data + c->h * pt[k]->stride[0] +
                                d * pt[k]->stride[1] + tn / P * 2);
     }
