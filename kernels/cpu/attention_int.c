@@ -1739,41 +1739,50 @@ vtok_params(const int_ctx *c, int64_t t0, int n, int ng, float (*prm)[KVD__ATTN_
     }
 }
 
-/* The token-axis value code rows of the block after [t0, t0 + n): *rows
- * the first, *rs apart, *count of them (0: none). That block is in this
- * segment, or the first of the next (a run's pages). */
+/* The block after [t0, t0 + n): in this segment, or the first of the next
+ * (a run's pages): its segment, first token and token count; 0 when there
+ * is none. */
+static inline int next_block(const int_ctx *c, int64_t t0, int n, const kvd_attn_int_args **seg,
+                             int64_t *first, int64_t *count)
+{
+    const kvd_attn_int_args *a = c->a;
+    int64_t f = t0 + n, left = a->n_tokens - f;
+    if (left <= 0) {
+        if (!c->next)
+            return 0;
+        a = c->next;
+        f = 0;
+        left = a->n_tokens;
+    }
+    *seg = a;
+    *first = f;
+    *count = left < n ? left : n;
+    return *count > 0;
+}
+
+/* The token-axis value code rows of the block after [t0, t0 + n)
+ * (next_block): *rows the first, *rs apart, *count of them (0: none). */
 static inline void vtok_next_rows(const int_ctx *c, int64_t t0, int n, const uint8_t **rows,
                                   int64_t *rs, int64_t *count)
 {
-    const kvd_attn_int_args *a = c->a;
-    int64_t first = t0 + n, left = a->n_tokens - first;
-    if (left <= 0) {
-        if (!c->next)
-            return;
-        a = c->next;
-        first = 0;
-        left = a->n_tokens;
-    }
+    const kvd_attn_int_args *a;
+    int64_t first, cnt;
+    if (!next_block(c, t0, n, &a, &first, &cnt))
+        return;
     const kvd_tensor *tc = &a->v.codes;
     *rs = tc->stride[1];
     *rows = (const uint8_t *)tc->data + c->h * tc->stride[0] + first * *rs;
-    *count = left < n ? left : n;
+    *count = cnt;
 }
 
-/* Ask for the scales and mins of the block after [t0, t0 + n) (as
- * vtok_next_rows finds it): their first loads missed as well. */
+/* Ask for the scales and mins of the block after [t0, t0 + n)
+ * (next_block): their first loads missed as well. */
 static inline void vtok_prefetch_next_params(const int_ctx *c, int64_t t0, int n)
 {
-    const kvd_attn_int_args *a = c->a;
-    int64_t first = t0 + n, left = a->n_tokens - first;
-    if (left <= 0) {
-        if (!c->next)
-            return;
-        a = c->next;
-        first = 0;
-        left = a->n_tokens;
-    }
-    const int64_t cnt = left < n ? left : n;
+    const kvd_attn_int_args *a;
+    int64_t first, cnt;
+    if (!next_block(c, t0, n, &a, &first, &cnt))
+        return;
     const kvd_tensor *pt[2] = {&a->v.scale, &a->v.min};
     for (int k = 0; k < 2; k++) {
         const int64_t rs = pt[k]->stride[1];
