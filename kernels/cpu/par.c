@@ -116,9 +116,8 @@ static int cpus;              /* threads one op may use: the most a backend aske
 static int slots;             /* threads that may compute at once (kvd__par_size) */
 static int computing;         /* slots held: callers inside kvd__par_for and helpers inside a job */
 static int bg_slots;          /* slots held by background helpers */
-static atomic_int bg_starved; /* the lane went off: its helpers were kept aside */
-static atomic_long bg_starvations; /* times it went off */
-static int bg_setting = BG_IDLE;   /* the lane as set (bg_nice, when it has not starved) */
+static atomic_long bg_starvations; /* times the lane went off: its helpers were kept aside */
+static int bg_setting = BG_IDLE;   /* the lane as set: bg_nice but while it has starved */
 static int64_t bg_retry = RETRY;   /* the next pause of a lane that starves */
 static int64_t bg_back_at;         /* when a starved lane is tried again */
 static int64_t bg_on_since;        /* when it was last tried again */
@@ -467,7 +466,6 @@ void kvd__par_background_nice(int nice)
 {
     pthread_mutex_lock(&mu);
     bg_nice = bg_setting = nice < 0 ? -1 : nice == 0 || nice >= BG_IDLE ? BG_IDLE : nice;
-    atomic_store_explicit(&bg_starved, 0, memory_order_relaxed);
     bg_retry = RETRY;
     bg_on_since = 0;
     pthread_mutex_unlock(&mu);
@@ -482,7 +480,10 @@ void kvd__par_background_retry(int64_t ns)
 
 int kvd_cpu_background_starved(void)
 {
-    return atomic_load_explicit(&bg_starved, memory_order_relaxed);
+    pthread_mutex_lock(&mu);
+    const int off = bg_nice != bg_setting;
+    pthread_mutex_unlock(&mu);
+    return off;
 }
 
 long kvd_cpu_background_starvations(void)
@@ -547,12 +548,11 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
     atomic_init(&j.next, 0);
     j.t0 = now_ns();
     pthread_mutex_lock(&mu);
-    if (atomic_load_explicit(&bg_starved, memory_order_relaxed) && j.t0 >= bg_back_at) {
+    if (bg_nice != bg_setting && j.t0 >= bg_back_at) {
         /* what kept the helpers aside may have gone: the lane is tried
          * again (a lane that starves again goes off again, as below) */
         bg_nice = bg_setting;
         bg_on_since = j.t0;
-        atomic_store_explicit(&bg_starved, 0, memory_order_relaxed);
     }
     /* Alone in the pool, it computes as any task does (a job handed over
      * costs its helpers' wake-ups, and there is nothing to give way to). */
@@ -615,7 +615,6 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
          * helpers hold finish when the OS runs them. */
         if (bg_nice >= 0) {
             bg_nice = -1;
-            atomic_store_explicit(&bg_starved, 1, memory_order_relaxed);
             atomic_fetch_add_explicit(&bg_starvations, 1, memory_order_relaxed);
             if (bg_on_since && t - bg_on_since <= bg_retry)
                 bg_retry = bg_retry * 2 < RETRY_MAX ? bg_retry * 2 : RETRY_MAX;
