@@ -104,7 +104,7 @@ typedef struct par_job {
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t work = PTHREAD_COND_INITIALIZER;    /* a job was added */
-static pthread_cond_t left = PTHREAD_COND_INITIALIZER;    /* a helper left a job */
+static pthread_cond_t left; /* a helper left a job (left_init: on the monotonic clock) */
 static pthread_cond_t bg_work = PTHREAD_COND_INITIALIZER; /* a background job, or a slot, is free */
 static par_job *jobs;
 static int idle;              /* helpers waiting for work */
@@ -577,7 +577,7 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
             continue;
         }
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts); /* left's clock */
+        clock_gettime(CLOCK_MONOTONIC, &ts); /* left's clock */
         ts.tv_nsec += STARVE / 4;
         ts.tv_sec += ts.tv_nsec / 1000000000;
         ts.tv_nsec %= 1000000000;
@@ -639,10 +639,23 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
     return 1;
 }
 
+/* `left` takes timed waits (a long task's starvation guard): on the
+ * monotonic clock, so that the wall clock set back cannot stretch them. */
+static pthread_once_t left_once = PTHREAD_ONCE_INIT;
+static void left_init(void)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&left, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg)
 {
     if (n <= 0)
         return;
+    pthread_once(&left_once, left_init); /* before any use of left: helpers start below */
     const int outer = depth == 0;
     if (outer && rank(served, expect) >= LONG && par_background(n, threads, fn, arg))
         return;
