@@ -700,22 +700,18 @@ int kvdepot_encode_pages_with_artifacts(const kvdepot_model *m, const kvdepot_co
     const size_t row = (size_t)H * D * es, hrow = (size_t)D * es;
     size_t np = 0, cap = (size_t)(num_tokens / B + 2);
     kvdepot_page *out = calloc(cap, sizeof *out);
-    uint8_t *hk = malloc((size_t)B * row), *hv = malloc((size_t)B * row);
+    uint8_t *hk = NULL, *hv = NULL; /* head-major K and V for the codecs, when a page is coded */
     int rc = KVDEPOT_OK;
-    if (!out || !hk || !hv) {
+    if (!out) {
         rc = kvdepot__fail(NULL, KVDEPOT_ENOMEM, "encode pages: out of memory");
         goto done;
     }
+    /* both sides raw (no codec, no SVD): every page is written in place */
+    const int all_raw =
+        ks.codec == KVD_CODEC_RAW && vs.codec == KVD_CODEC_RAW && !ks.svd && !vs.svd;
     for (uint64_t t = token_start; t < end; np++) {
         uint64_t bend = (t / B + 1) * B, pe = bend < end ? bend : end;
         uint32_t T = (uint32_t)(pe - t);
-        /* wire [token][head][dim] -> head-major [head][token][dim] */
-        for (uint32_t i = 0; i < T; i++)
-            for (uint32_t h = 0; h < H; h++) {
-                size_t src = (size_t)(t - token_start + i) * row + h * hrow;
-                memcpy(hk + ((size_t)h * T + i) * hrow, (const uint8_t *)k + src, hrow);
-                memcpy(hv + ((size_t)h * T + i) * hrow, (const uint8_t *)v + src, hrow);
-            }
         kvd_page_desc d = {.dtype = (kvd_dtype)m->dtype,
                            .layer = layer,
                            .token_start = t,
@@ -723,13 +719,40 @@ int kvdepot_encode_pages_with_artifacts(const kvdepot_model *m, const kvdepot_co
                            .page_tokens = page_tokens,
                            .num_kv_heads = H,
                            .head_dim = D};
-        kvd_codec_spec raw;
-        memset(&raw, 0, sizeof raw);
-        int keep_raw = t < sink_end || T < B;
-        uint8_t *page;
-        size_t len;
-        if (kvd_page_encode(be, &d, keep_raw ? &raw : &ks, keep_raw ? &raw : &vs, hk, hv, &page,
-                            &len, &err)) {
+        int keep_raw = t < sink_end || T < B || all_raw;
+        uint8_t *dk, *dv, *page = NULL;
+        size_t len = 0;
+        if (keep_raw) { /* the page's own K and V sections take the rows */
+            const uint64_t total = kvd_page_raw_size(&d);
+            page = total <= SIZE_MAX ? malloc((size_t)total) : NULL;
+            if (!page) {
+                rc = kvdepot__fail(NULL, KVDEPOT_ENOMEM, "encode pages: out of memory");
+                goto done;
+            }
+            if (kvd_page_init_raw(&d, page, (size_t)total, &dk, &dv, &err)) {
+                free(page);
+                rc = kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: %s", err.msg);
+                goto done;
+            }
+            len = (size_t)total;
+        } else {
+            if (!hk && (!(hk = malloc((size_t)B * row)) || !(hv = malloc((size_t)B * row)))) {
+                rc = kvdepot__fail(NULL, KVDEPOT_ENOMEM, "encode pages: out of memory");
+                goto done;
+            }
+            dk = hk;
+            dv = hv;
+        }
+        /* wire [token][head][dim] -> head-major [head][token][dim] */
+        for (uint32_t i = 0; i < T; i++)
+            for (uint32_t h = 0; h < H; h++) {
+                size_t src = (size_t)(t - token_start + i) * row + h * hrow;
+                memcpy(dk + ((size_t)h * T + i) * hrow, (const uint8_t *)k + src, hrow);
+                memcpy(dv + ((size_t)h * T + i) * hrow, (const uint8_t *)v + src, hrow);
+            }
+        if (keep_raw) {
+            kvd_page_finish(page, len);
+        } else if (kvd_page_encode(be, &d, &ks, &vs, hk, hv, &page, &len, &err)) {
             rc = kvdepot__fail(NULL, KVDEPOT_EINVAL, "encode pages: %s", err.msg);
             goto done;
         }
