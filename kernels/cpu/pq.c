@@ -2083,12 +2083,17 @@ typedef struct batch_job {
     kvd_pq_search_job *jobs;
     const kvd_pq_search_params *p;
     int *rcs;
+    unsigned char *fill_failed; /* rcs[i] from job i's fill */
 } batch_job;
 
 static void batch_part(void *arg, int i)
 {
     const batch_job *b = arg;
     kvd_pq_search_job *j = &b->jobs[i];
+    if (j->fill && (b->rcs[i] = j->fill(j->fill_arg)) != 0) {
+        b->fill_failed[i] = 1;
+        return;
+    }
     pq_shape sh = {0};
     check_centroids(j->centroids, &sh, NULL);
     const kvd_tensor *c = j->centroids, *codes = j->codes, *q = j->queries;
@@ -2115,24 +2120,34 @@ static int cpu_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t nj
     if (nt < 2 || njobs < nt || njobs > INT32_MAX) {
         for (int64_t i = 0; i < njobs; i++) {
             kvd_pq_search_job *j = &jobs[i];
-            int rc = cpu_search(be, j->centroids, j->codes, j->queries, p, j->indices, j->scores,
-                                &j->nout, err);
+            int rc = j->fill ? j->fill(j->fill_arg) : 0;
+            if (rc)
+                return kvd_error_set(err, rc, "pq: filling the codes of job %lld: %s", (long long)i,
+                                     kvd_strerror(rc));
+            rc = cpu_search(be, j->centroids, j->codes, j->queries, p, j->indices, j->scores,
+                            &j->nout, err);
             if (rc)
                 return rc;
         }
         return KVD_OK;
     }
     int *rcs = calloc((size_t)njobs, sizeof(int));
-    if (!rcs)
+    unsigned char *fill_failed = calloc((size_t)njobs, 1);
+    if (!rcs || !fill_failed) {
+        free(rcs);
+        free(fill_failed);
         return kvd_error_set(err, KVD_ENOMEM, "pq: search: out of memory");
-    batch_job b = {be, jobs, p, rcs};
+    }
+    batch_job b = {be, jobs, p, rcs, fill_failed};
     kvd__par_for((int)njobs, nt, batch_part, &b);
     int rc = KVD_OK;
     for (int64_t i = 0; i < njobs && rc == KVD_OK; i++)
         if (rcs[i])
-            rc = kvd_error_set(err, rcs[i], "pq: search of job %lld: %s", (long long)i,
+            rc = kvd_error_set(err, rcs[i], "pq: %s of job %lld: %s",
+                               fill_failed[i] ? "filling the codes" : "search", (long long)i,
                                kvd_strerror(rcs[i]));
     free(rcs);
+    free(fill_failed);
     return rc;
 }
 
@@ -2300,6 +2315,12 @@ int kvd_pq_search_batch(kvd_backend *be, kvd_pq_search_job *jobs, int64_t njobs,
     for (int64_t i = 0; i < njobs; i++)
         if ((rc = check_job(&jobs[i], i, p, &first, jobs[0].queries->shape[0], err)))
             return rc;
+    /* the CPU's batch fills each job on the thread that searches it; other
+     * backends get their codes filled here, before the batch */
+    for (int64_t i = 0; ops->search_batch != cpu_search_batch && i < njobs; i++)
+        if (jobs[i].fill && (rc = jobs[i].fill(jobs[i].fill_arg)) != 0)
+            return kvd_error_set(err, rc, "pq: filling the codes of job %lld: %s", (long long)i,
+                                 kvd_strerror(rc));
     if (!ops->search_batch) { /* backends without a batched kernel: one search each */
         if (!ops->search)
             return kvd_error_set(err, KVD_EUNSUPP, "pq: search not supported by the %s backend",

@@ -569,7 +569,7 @@ int cuda_search(kvd_backend *be, const kvd_tensor *centroids, const kvd_tensor *
                 const kvd_tensor *queries, const kvd_pq_search_params *p, kvd_tensor *indices,
                 kvd_tensor *scores, int64_t *nout, kvd_error *err)
 {
-    kvd_pq_search_job job = {centroids, codes, queries, indices, scores, 0};
+    kvd_pq_search_job job = {centroids, codes, queries, indices, scores, 0, NULL, NULL};
     int rc = cuda_search_batch(be, &job, 1, p, err);
     *nout = rc ? 0 : job.nout;
     return rc;

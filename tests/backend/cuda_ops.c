@@ -901,7 +901,8 @@ static void test_pq_batch(void)
         tq[j] = mk(KVD_DTYPE_F32, dptr(&bq[j]), 2, G, D, 0);
         tdi[j] = mk(KVD_DTYPE_U32, dptr(&bi[j]), 1, cap, 0, 0);
         tds[j] = mk(KVD_DTYPE_F32, dptr(&bs[j]), 1, cap, 0, 0);
-        jobs[j] = (kvd_pq_search_job){&tdc, &tcodes[j], &tq[j], &tdi[j], j % 3 ? &tds[j] : NULL, -1};
+        jobs[j] = (kvd_pq_search_job){&tdc, &tcodes[j], &tq[j], &tdi[j], j % 3 ? &tds[j] : NULL,
+                                      -1,   NULL,       NULL};
     }
     kvd_error e;
     TU_CHECK(kvd_pq_search_batch(dut, jobs, J, &p, &e) == 0, "batch: %s", e.msg);
@@ -933,7 +934,8 @@ static void test_pq_batch(void)
     kvd_tensor tc0 = mk(KVD_DTYPE_U8, dptr(&dcent), 2, 0, m, 0);
     uint32_t dummy_idx;
     kvd_tensor ti = mk(KVD_DTYPE_U32, &dummy_idx, 1, 1, 0, 0);
-    kvd_pq_search_job two[2] = {{&tdc, &tc0, &tq[0], &ti, NULL, 0}, {&tdc, &tc0, &bad_q, &ti, NULL, 0}};
+    kvd_pq_search_job two[2] = {{&tdc, &tc0, &tq[0], &ti, NULL, 0, NULL, NULL},
+                                {&tdc, &tc0, &bad_q, &ti, NULL, 0, NULL, NULL}};
     (void)tq;
     TU_CHECK(kvd_pq_search_batch(dut, two, 2, &p, NULL) == KVD_EINVAL, "batch shape mismatch");
     free(cent);

@@ -668,6 +668,26 @@ static void test_filter_tight(void)
  * jobs of different lengths, a job without scores; a job that fails its
  * checks fails the batch with every nout 0.
  */
+/* A batch job's fill: its codes copied in before its search reads them
+ * (the caller of a batch gathering codes from pages). */
+typedef struct fill_arg {
+    uint8_t *dst;
+    const uint8_t *src;
+    size_t len;
+    int rc; /* returned instead, when not 0 */
+    int calls;
+} fill_arg;
+
+static int fill_codes(void *arg)
+{
+    fill_arg *f = arg;
+    __atomic_fetch_add(&f->calls, 1, __ATOMIC_RELAXED);
+    if (f->rc)
+        return f->rc;
+    memcpy(f->dst, f->src, f->len);
+    return 0;
+}
+
 static void test_batch(void)
 {
     tu_rng r;
@@ -709,7 +729,8 @@ static void test_batch(void)
                 int rc = kvd_pq_search(be, &t[j][0], &t[j][1], &t[j][2], &p, &wi, &ws, &nout, NULL);
                 TU_CHECK(rc == 0 && nout == cnt, "batch: single search %d: rc %d", j, rc);
                 jobs[j] = (kvd_pq_search_job){
-                    &t[j][0], &t[j][1], &t[j][2], &t[j][3], j == 2 ? NULL : &t[j][4], -1};
+                    &t[j][0], &t[j][1], &t[j][2], &t[j][3], j == 2 ? NULL : &t[j][4],
+                    -1,       NULL,     NULL};
             }
             kvd_error err;
             int rc = kvd_pq_search_batch(be, jobs, J, &p, &err);
@@ -722,6 +743,39 @@ static void test_batch(void)
                          fr, j);
             }
             /* job 3's indices too short: the whole batch fails, nothing out */
+            /* the codes filled by each job's fill, on the thread that
+             * searches it: the same results; a failing fill fails the batch */
+            uint8_t *blank[J];
+            fill_arg fa[J];
+            kvd_tensor tb[J];
+            for (int j = 0; j < J; j++) {
+                int64_t ds[2] = {ns[j], m};
+                blank[j] = calloc((size_t)ns[j], m);
+                fa[j] = (fill_arg){blank[j], codes[j], (size_t)ns[j] * m, 0, 0};
+                tb[j] = kvd_tensor_make(KVD_DTYPE_U8, blank[j], 2, ds);
+                jobs[j].codes = &tb[j];
+                jobs[j].fill = fill_codes;
+                jobs[j].fill_arg = &fa[j];
+                memset(idx[j], 0, 4 * (size_t)kvd_pq_search_count(ns[j], &p));
+            }
+            rc = kvd_pq_search_batch(be, jobs, J, &p, &err);
+            TU_CHECK(rc == 0, "batch with fills, threads=%d ref=%d: %s", threads[ti], fr, err.msg);
+            for (int j = 0; j < J && rc == 0; j++) {
+                int64_t cnt = kvd_pq_search_count(ns[j], &p);
+                TU_CHECK(fa[j].calls == 1 && jobs[j].nout == cnt &&
+                             !memcmp(idx[j], want_i[j], 4 * cnt),
+                         "batch with fills, threads=%d ref=%d: job %d (%d calls)", threads[ti], fr,
+                         j, fa[j].calls);
+            }
+            fa[2].rc = KVD_ECORRUPT;
+            rc = kvd_pq_search_batch(be, jobs, J, &p, &err);
+            TU_CHECK(rc == KVD_ECORRUPT && strstr(err.msg, "fill") && strstr(err.msg, "2"),
+                     "batch with a failing fill: rc %d, %s", rc, err.msg);
+            for (int j = 0; j < J; j++) {
+                jobs[j].codes = &t[j][1];
+                jobs[j].fill = NULL;
+                free(blank[j]);
+            }
             int64_t one[1] = {1};
             t[3][3] = kvd_tensor_make(KVD_DTYPE_U32, idx[3], 1, one);
             rc = kvd_pq_search_batch(be, jobs, J, &p, &err);

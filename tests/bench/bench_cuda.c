@@ -306,7 +306,8 @@ static void bench_pq(int quick)
         for (int j = 0; j < J; j++) {
             tcodes[j] = kvd_tensor_make(KVD_DTYPE_U8, (char *)dcodes + (size_t)(n * m) * j, 2, shc);
             tidx[j] = kvd_tensor_make(KVD_DTYPE_U32, (char *)didx + (size_t)4 * 4096 * j, 1, sho);
-            jobs[j] = (kvd_pq_search_job){&tc[0], &tcodes[j], &tq[0], &tidx[j], NULL, 0};
+            jobs[j] =
+                (kvd_pq_search_job){&tc[0], &tcodes[j], &tq[0], &tidx[j], NULL, 0, NULL, NULL};
         }
         for (int ki = 0; ki < 4; ki++) {
             search_arg a;

@@ -84,6 +84,13 @@ typedef struct kvd_pq_search_job {
     kvd_tensor *indices;         /* (cap) u32 */
     kvd_tensor *scores;          /* (cap) f32, or NULL */
     int64_t nout;                /* [out] entries written */
+    /* Optional (NULL: none): called once before the job's search reads its
+     * codes, on the thread that then runs the search where the backend has
+     * threads (the CPU's: so a caller that gathers the codes from elsewhere
+     * has them in that thread's caches), else before the batch starts.
+     * Returns 0, or a KVD_* code that fails the batch. Appended members. */
+    int (*fill)(void *arg);
+    void *fill_arg;
 } kvd_pq_search_job;
 
 /* Number of entries a search returns for n tokens. */
