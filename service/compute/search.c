@@ -64,6 +64,80 @@ typedef struct search_index {
     uint8_t *codes; /* (H, n, M) */
 } search_index;
 
+/* Codes a search on the host copies kv head by kv head on the thread that
+ * searches that head (search_heads' fill): then they are in its caches when
+ * its scan reads them. Pieces of pages held in the tiers (pinned until the
+ * search is done; a page read from below the tiers is copied at once and
+ * let go, so the call holds no more than the tiers' own memory) and of the
+ * layer's early codes record. */
+typedef struct code_piece {
+    const uint8_t *src; /* kv head 0's codes of the piece */
+    size_t hstride;     /* from one kv head's codes to the next's */
+    size_t dst;         /* where the piece goes in a head's codes of the range */
+    size_t len;         /* bytes */
+} code_piece;
+
+typedef struct code_plan {
+    code_piece *pieces;
+    size_t n, cap;
+    kvd_page_handle *held;
+    size_t nheld, capheld;
+} code_plan;
+
+static int plan_piece(code_plan *pl, const uint8_t *src, size_t hstride, size_t dst, size_t len)
+{
+    if (pl->n == pl->cap) {
+        size_t cap = pl->cap ? 2 * pl->cap : 64;
+        code_piece *p = realloc(pl->pieces, cap * sizeof *p);
+        if (!p)
+            return -1;
+        pl->pieces = p;
+        pl->cap = cap;
+    }
+    pl->pieces[pl->n++] = (code_piece){src, hstride, dst, len};
+    return 0;
+}
+
+static int plan_hold(code_plan *pl, const kvd_page_handle *h)
+{
+    if (pl->nheld == pl->capheld) {
+        size_t cap = pl->capheld ? 2 * pl->capheld : 64;
+        kvd_page_handle *p = realloc(pl->held, cap * sizeof *p);
+        if (!p)
+            return -1;
+        pl->held = p;
+        pl->capheld = cap;
+    }
+    pl->held[pl->nheld++] = *h;
+    return 0;
+}
+
+static void plan_release(kvd_store *st, code_plan *pl)
+{
+    for (size_t i = 0; i < pl->nheld; i++)
+        kvd_store_page_release(st, &pl->held[i]);
+    free(pl->held);
+    free(pl->pieces);
+    memset(pl, 0, sizeof *pl);
+}
+
+/* One kv head's pieces into its codes of the range (a search job's fill). */
+typedef struct head_fill {
+    const code_plan *plan;
+    uint8_t *codes;
+    size_t h;
+} head_fill;
+
+static int fill_head(void *arg)
+{
+    const head_fill *f = arg;
+    for (size_t i = 0; i < f->plan->n; i++) {
+        const code_piece *c = &f->plan->pieces[i];
+        memcpy(f->codes + c->dst, c->src + f->h * c->hstride, c->len);
+    }
+    return 0;
+}
+
 /* Pages whose PQ codes lie in the device tier (a device search): copied
  * into the device's index of the range, pinned until the search is done. */
 typedef struct dev_codes {
@@ -165,7 +239,7 @@ done:
  */
 static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const search_run *r,
                         search_index *ix, uint64_t centroids_id, const kvd_pq_codes *early,
-                        dev_codes *dc, kvd_error *err)
+                        dev_codes *dc, code_plan *plan, kvd_error *err)
 {
     kvd_store *st = c->store;
     const uint64_t B = kvd_store_page_tokens(st), end = r->start + r->n;
@@ -204,23 +278,41 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
                          kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
                          pq.m == (uint32_t)M && pq.bits == (uint32_t)ix->nb &&
                          v.h.num_kv_heads == (uint32_t)H && v.h.num_tokens == B;
-            if (usable) {
+            int held = 0;
+            const size_t dst = (size_t)(t0 - r->start) * M, len = (size_t)(t1 - t0) * M;
+            if (usable && plan && kvd_store_page_in_tier(ph)) {
+                /* copied head by head by the search (fill_head) */
+                if (plan_piece(plan, pq.codes + (size_t)(t0 - blk * B) * M, (size_t)B * M, dst,
+                               len) ||
+                    plan_hold(plan, ph)) {
+                    rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                    break; /* hs[i] is still this loop's to release */
+                }
+                held = 1;
+            } else if (usable) {
                 /* section (kv_head, token, m) -> index (kv_head, range token, m) */
                 for (int h = 0; h < H; h++)
-                    memcpy(ix->codes + ((size_t)h * r->n + (t0 - r->start)) * M,
-                           pq.codes + ((size_t)h * B + (t0 - blk * B)) * M, (size_t)(t1 - t0) * M);
+                    memcpy(ix->codes + (size_t)h * r->n * M + dst,
+                           pq.codes + ((size_t)h * B + (t0 - blk * B)) * M, len);
             } else if (early && early->centroids_id == centroids_id &&
                        blk * B >= early->token_start &&
                        blk * B + B <= early->token_start + early->num_tokens) {
                 /* a page sealed before the layer was trained: the codes record */
                 usable = 1;
-                for (int h = 0; h < H; h++)
-                    memcpy(ix->codes + ((size_t)h * r->n + (t0 - r->start)) * M,
-                           early->codes +
-                               ((size_t)h * early->num_tokens + (t0 - early->token_start)) * M,
-                           (size_t)(t1 - t0) * M);
+                const uint8_t *src = early->codes + (size_t)(t0 - early->token_start) * M;
+                const size_t hs = (size_t)early->num_tokens * M;
+                if (plan) {
+                    if (plan_piece(plan, src, hs, dst, len)) {
+                        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                        break; /* hs[i] is still this loop's to release */
+                    }
+                } else {
+                    for (int h = 0; h < H; h++)
+                        memcpy(ix->codes + (size_t)h * r->n * M + dst, src + h * hs, len);
+                }
             }
-            kvd_store_page_release(st, ph);
+            if (!held)
+                kvd_store_page_release(st, ph);
             if (!usable)
                 continue;
             if (todo < t0)
@@ -245,16 +337,18 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
  * r->per_head of them.
  */
 static int search_heads(kvd_backend *be, const search_index *ix, const search_run *r,
-                        const kvd_pq_search_params *sp, const float *cent, const uint8_t *codes,
-                        const float *q, uint32_t *idx, float *sc, kvd_error *err)
+                        const kvd_pq_search_params *sp, const float *cent, uint8_t *codes,
+                        const code_plan *plan, const float *q, uint32_t *idx, float *sc,
+                        kvd_error *err)
 {
     const size_t H = (size_t)ix->H, M = (size_t)ix->M, K = (size_t)1 << ix->nb;
     const size_t D = (size_t)ix->D, G = r->sc.model.num_q_heads / H, n = r->n;
     const size_t cap = (size_t)(r->per_head ? r->per_head : 1), pc = M * K * (D / M);
     kvd_pq_search_job *jobs = calloc(H, sizeof *jobs);
     kvd_tensor *t = calloc(5 * H, sizeof *t);
+    head_fill *hf = plan && plan->n ? calloc(H, sizeof *hf) : NULL;
     int rc = 0;
-    if (!jobs || !t)
+    if (!jobs || !t || (plan && plan->n && !hf))
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
     for (size_t h = 0; h < H && rc == 0; h++) {
         int64_t cs[3] = {(int64_t)M, (int64_t)K, (int64_t)(D / M)},
@@ -266,7 +360,12 @@ static int search_heads(kvd_backend *be, const search_index *ix, const search_ru
         th[2] = kvd_tensor_make(KVD_DTYPE_F32, (void *)(q + h * G * D), 2, qs);
         th[3] = kvd_tensor_make(KVD_DTYPE_U32, idx + h * cap, 1, os);
         th[4] = kvd_tensor_make(KVD_DTYPE_F32, sc + h * cap, 1, os);
-        jobs[h] = (kvd_pq_search_job){&th[0], &th[1], &th[2], &th[3], &th[4], 0};
+        jobs[h] = (kvd_pq_search_job){&th[0], &th[1], &th[2], &th[3], &th[4], 0, NULL, NULL};
+        if (hf) {
+            hf[h] = (head_fill){plan, codes + h * n * M, h};
+            jobs[h].fill = fill_head;
+            jobs[h].fill_arg = &hf[h];
+        }
     }
     if (rc == 0)
         rc = kvd_pq_search_batch(be, jobs, (int64_t)H, sp, err);
@@ -276,6 +375,7 @@ static int search_heads(kvd_backend *be, const search_index *ix, const search_ru
                                (long long)jobs[h].nout, (long long)r->per_head);
     free(jobs);
     free(t);
+    free(hf);
     return rc;
 }
 
@@ -320,7 +420,7 @@ static int search_device(kvd_backend *dev, const kvd_search_args *sa, search_run
         rc = kvd_backend_copy2d(dev, codes + (t0 - r->start) * M, n * M, src, B * M, (t1 - t0) * M,
                                 H, err);
     }
-    if (rc || (rc = search_heads(dev, ix, r, sp, cent, codes, q, idx, sc, err)))
+    if (rc || (rc = search_heads(dev, ix, r, sp, cent, codes, NULL, q, idx, sc, err)))
         goto done;
     if ((rc = kvd_backend_download(dev, uidx, idx, sizeof(uint32_t) * H * cap, err)) ||
         (rc = kvd_backend_download(dev, r->scores, sc, sizeof(float) * H * cap, err)))
@@ -401,21 +501,24 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
     uint32_t *uidx = malloc(sizeof(uint32_t) * cap * H);
     dev_codes dc;
     memset(&dc, 0, sizeof dc);
+    code_plan plan;
+    memset(&plan, 0, sizeof plan);
+    kvd_pq_codes early = {0};
     if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token search",
                            (unsigned long long)r->n);
         goto done;
     }
-    kvd_pq_codes early = {0};
     int have_early = 0;
     if (stored && (rc = kvd_store_pq_codes_get(c->store, sa->id, sa->id_len, sa->layer, &early,
                                                &have_early, err)))
         goto done;
     if (have_early && (early.num_kv_heads != (uint32_t)H || early.m != (uint32_t)M))
         have_early = 0; /* not of this index: its tokens are encoded at call time */
+    /* on the host the codes of pages held in the tiers (and of the early
+     * record, kept until then) are copied by each head's search */
     rc = gather_codes(c, sa, r, &ix, stored ? pc.id : 0, have_early ? &early : NULL,
-                      dev ? &dc : NULL, err);
-    kvd_pq_codes_clear(&early);
+                      dev ? &dc : NULL, dev ? NULL : &plan, err);
     if (rc)
         goto done;
     if (dev) {
@@ -423,11 +526,14 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
         goto done;
     }
     /* one batch: the backend shares the kv heads among its threads */
-    if ((rc = search_heads(c->be, &ix, r, &sp, ix.cent, ix.codes, sa->q, uidx, r->scores, err)))
+    if ((rc = search_heads(c->be, &ix, r, &sp, ix.cent, ix.codes, &plan, sa->q, uidx, r->scores,
+                           err)))
         goto done;
     for (size_t i = 0; i < (size_t)H * r->per_head; i++)
         r->idx[i] = (int32_t)uidx[i];
 done:
+    plan_release(c->store, &plan);
+    kvd_pq_codes_clear(&early);
     dev_codes_release(c->store, &dc);
     if (stored)
         kvd_pq_centroids_clear(&pc);
