@@ -84,30 +84,32 @@ typedef struct code_plan {
     size_t nheld, capheld;
 } code_plan;
 
+/* Room for one more element of `size` bytes in *arr (n of *cap used). */
+static int room_for_one(void **arr, size_t n, size_t *cap, size_t size)
+{
+    if (n < *cap)
+        return 0;
+    size_t c = *cap ? 2 * *cap : 64;
+    void *p = realloc(*arr, c * size);
+    if (!p)
+        return -1;
+    *arr = p;
+    *cap = c;
+    return 0;
+}
+
 static int plan_piece(code_plan *pl, const uint8_t *src, size_t hstride, size_t dst, size_t len)
 {
-    if (pl->n == pl->cap) {
-        size_t cap = pl->cap ? 2 * pl->cap : 64;
-        code_piece *p = realloc(pl->pieces, cap * sizeof *p);
-        if (!p)
-            return -1;
-        pl->pieces = p;
-        pl->cap = cap;
-    }
+    if (room_for_one((void **)&pl->pieces, pl->n, &pl->cap, sizeof *pl->pieces))
+        return -1;
     pl->pieces[pl->n++] = (code_piece){src, hstride, dst, len};
     return 0;
 }
 
 static int plan_hold(code_plan *pl, const kvd_page_handle *h)
 {
-    if (pl->nheld == pl->capheld) {
-        size_t cap = pl->capheld ? 2 * pl->capheld : 64;
-        kvd_page_handle *p = realloc(pl->held, cap * sizeof *p);
-        if (!p)
-            return -1;
-        pl->held = p;
-        pl->capheld = cap;
-    }
+    if (room_for_one((void **)&pl->held, pl->nheld, &pl->capheld, sizeof *pl->held))
+        return -1;
     pl->held[pl->nheld++] = *h;
     return 0;
 }
