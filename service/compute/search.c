@@ -615,18 +615,21 @@ static int sort_by_block(sel_entry **pe, size_t n, uint64_t b0, uint64_t nb, uin
 {
     size_t *at = calloc(nb + 1, sizeof *at);
     sel_entry *out = malloc(sizeof *out * (n ? n : 1)), *e = *pe;
-    if (!at || !out) {
+    uint32_t *bi = malloc(sizeof *bi * (n ? n : 1)); /* each entry's block: one division */
+    if (!at || !out || !bi || nb > UINT32_MAX) {
         free(at);
         free(out);
+        free(bi);
         return -1;
     }
     for (size_t x = 0; x < n; x++)
-        at[e[x].t / B - b0 + 1]++;
+        at[(bi[x] = (uint32_t)(e[x].t / B - b0)) + 1]++;
     for (uint64_t b = 0; b < nb; b++)
         at[b + 1] += at[b];
     for (size_t x = 0; x < n; x++)
-        out[at[e[x].t / B - b0]++] = e[x];
+        out[at[bi[x]]++] = e[x];
     free(at);
+    free(bi);
     free(e);
     *pe = out;
     return 0;
@@ -738,7 +741,8 @@ static int gather_selected(const kvd_compute *c, const kvd_search_args *sa, sear
     for (size_t x = 0; x <= n_sel && rc == 0;) {
         uint64_t blk = x < n_sel ? e[x].t / B : UINT64_MAX;
         size_t y = x;
-        while (y < n_sel && e[y].t / B == blk)
+        /* the entries are in block order: the block's run ends at its end */
+        while (y < n_sel && e[y].t < (blk + 1) * B)
             y++;
         int in_place = 0;
         if (blk < sealed && r->addr) {
