@@ -302,15 +302,15 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
                 /* a page sealed before the layer was trained: the codes record */
                 usable = 1;
                 const uint8_t *src = early->codes + (size_t)(t0 - early->token_start) * M;
-                const size_t hs = (size_t)early->num_tokens * M;
+                const size_t hstride = (size_t)early->num_tokens * M;
                 if (plan) {
-                    if (plan_piece(plan, src, hs, dst, len)) {
+                    if (plan_piece(plan, src, hstride, dst, len)) {
                         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
                         break; /* hs[i] is still this loop's to release */
                     }
                 } else {
                     for (int h = 0; h < H; h++)
-                        memcpy(ix->codes + (size_t)h * r->n * M + dst, src + h * hs, len);
+                        memcpy(ix->codes + (size_t)h * r->n * M + dst, src + h * hstride, len);
                 }
             }
             if (!held)
