@@ -64,12 +64,51 @@ typedef struct search_index {
     uint8_t *codes; /* (H, n, M) */
 } search_index;
 
+/* Pages held pinned until a search is done, with their blocks: those whose
+ * PQ codes lie in the device tier (a device search: copied into the
+ * device's index of the range), or in a host tier (a host search's fills). */
+typedef struct dev_codes {
+    kvd_page_handle *hs;
+    uint64_t *blk;
+    size_t n, cap;
+} dev_codes;
+
+static void dev_codes_release(kvd_store *st, dev_codes *dc)
+{
+    for (size_t i = 0; i < dc->n; i++)
+        kvd_store_page_release(st, &dc->hs[i]);
+    free(dc->hs);
+    free(dc->blk);
+    memset(dc, 0, sizeof *dc);
+}
+
+/* Keep h (pinned); 0 or KVD_ENOMEM. */
+static int dev_codes_add(dev_codes *dc, const kvd_page_handle *h, uint64_t blk, kvd_error *err)
+{
+    if (dc->n == dc->cap) {
+        size_t cap = dc->cap ? 2 * dc->cap : 64;
+        kvd_page_handle *hs = realloc(dc->hs, cap * sizeof *hs);
+        if (hs)
+            dc->hs = hs;
+        uint64_t *b = realloc(dc->blk, cap * sizeof *b);
+        if (b)
+            dc->blk = b;
+        if (!hs || !b)
+            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
+        dc->cap = cap;
+    }
+    dc->hs[dc->n] = *h;
+    dc->blk[dc->n++] = blk;
+    return 0;
+}
+
 /* Codes a search on the host copies kv head by kv head on the thread that
  * searches that head (search_heads' fill): then they are in its caches when
  * its scan reads them. Pieces of pages held in the tiers (pinned until the
  * search is done; a page read from below the tiers is copied at once and
  * let go, so the call holds no more than the tiers' own memory) and of the
- * layer's early codes record. */
+ * layer's early codes record: at most one a page of the range, room for
+ * which is made up front. */
 typedef struct code_piece {
     const uint8_t *src; /* kv head 0's codes of the piece */
     size_t hstride;     /* from one kv head's codes to the next's */
@@ -79,46 +118,13 @@ typedef struct code_piece {
 
 typedef struct code_plan {
     code_piece *pieces;
-    size_t n, cap;
-    kvd_page_handle *held;
-    size_t nheld, capheld;
+    size_t n;
+    dev_codes held; /* the pages the pieces lie in */
 } code_plan;
-
-/* Room for one more element of `size` bytes in *arr (n of *cap used). */
-static int room_for_one(void **arr, size_t n, size_t *cap, size_t size)
-{
-    if (n < *cap)
-        return 0;
-    size_t c = *cap ? 2 * *cap : 64;
-    void *p = realloc(*arr, c * size);
-    if (!p)
-        return -1;
-    *arr = p;
-    *cap = c;
-    return 0;
-}
-
-static int plan_piece(code_plan *pl, const uint8_t *src, size_t hstride, size_t dst, size_t len)
-{
-    if (room_for_one((void **)&pl->pieces, pl->n, &pl->cap, sizeof *pl->pieces))
-        return -1;
-    pl->pieces[pl->n++] = (code_piece){src, hstride, dst, len};
-    return 0;
-}
-
-static int plan_hold(code_plan *pl, const kvd_page_handle *h)
-{
-    if (room_for_one((void **)&pl->held, pl->nheld, &pl->capheld, sizeof *pl->held))
-        return -1;
-    pl->held[pl->nheld++] = *h;
-    return 0;
-}
 
 static void plan_release(kvd_store *st, code_plan *pl)
 {
-    for (size_t i = 0; i < pl->nheld; i++)
-        kvd_store_page_release(st, &pl->held[i]);
-    free(pl->held);
+    dev_codes_release(st, &pl->held);
     free(pl->pieces);
     memset(pl, 0, sizeof *pl);
 }
@@ -137,43 +143,6 @@ static int fill_head(void *arg)
         const code_piece *c = &f->plan->pieces[i];
         memcpy(f->codes + c->dst, c->src + f->h * c->hstride, c->len);
     }
-    return 0;
-}
-
-/* Pages whose PQ codes lie in the device tier (a device search): copied
- * into the device's index of the range, pinned until the search is done. */
-typedef struct dev_codes {
-    kvd_page_handle *hs;
-    uint64_t *blk;
-    size_t n, cap;
-} dev_codes;
-
-static void dev_codes_release(kvd_store *st, dev_codes *dc)
-{
-    for (size_t i = 0; i < dc->n; i++)
-        kvd_store_page_release(st, &dc->hs[i]);
-    free(dc->hs);
-    free(dc->blk);
-    memset(dc, 0, sizeof *dc);
-}
-
-/* Keep h (pinned) for the device index; 0 or KVD_ENOMEM. */
-static int dev_codes_add(dev_codes *dc, const kvd_page_handle *h, uint64_t blk, kvd_error *err)
-{
-    if (dc->n == dc->cap) {
-        size_t cap = dc->cap ? 2 * dc->cap : 64;
-        kvd_page_handle *hs = realloc(dc->hs, cap * sizeof *hs);
-        if (hs)
-            dc->hs = hs;
-        uint64_t *b = realloc(dc->blk, cap * sizeof *b);
-        if (b)
-            dc->blk = b;
-        if (!hs || !b)
-            return kvd_error_set(err, KVD_ENOMEM, "out of memory");
-        dc->cap = cap;
-    }
-    dc->hs[dc->n] = *h;
-    dc->blk[dc->n++] = blk;
     return 0;
 }
 
@@ -284,12 +253,10 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
             const size_t dst = (size_t)(t0 - r->start) * M, len = (size_t)(t1 - t0) * M;
             if (usable && plan && kvd_store_page_in_tier(ph)) {
                 /* copied head by head by the search (fill_head) */
-                if (plan_piece(plan, pq.codes + (size_t)(t0 - blk * B) * M, (size_t)B * M, dst,
-                               len) ||
-                    plan_hold(plan, ph)) {
-                    rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
+                if ((rc = dev_codes_add(&plan->held, ph, blk, err)))
                     break; /* hs[i] is still this loop's to release */
-                }
+                plan->pieces[plan->n++] =
+                    (code_piece){pq.codes + (size_t)(t0 - blk * B) * M, (size_t)B * M, dst, len};
                 held = 1;
             } else if (usable) {
                 /* section (kv_head, token, m) -> index (kv_head, range token, m) */
@@ -304,10 +271,7 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
                 const uint8_t *src = early->codes + (size_t)(t0 - early->token_start) * M;
                 const size_t hstride = (size_t)early->num_tokens * M;
                 if (plan) {
-                    if (plan_piece(plan, src, hstride, dst, len)) {
-                        rc = kvd_error_set(err, KVD_ENOMEM, "out of memory");
-                        break; /* hs[i] is still this loop's to release */
-                    }
+                    plan->pieces[plan->n++] = (code_piece){src, hstride, dst, len};
                 } else {
                     for (int h = 0; h < H; h++)
                         memcpy(ix->codes + (size_t)h * r->n * M + dst, src + h * hstride, len);
@@ -506,7 +470,11 @@ static int run_search(const kvd_compute *c, kvd_backend *dev, const kvd_search_a
     code_plan plan;
     memset(&plan, 0, sizeof plan);
     kvd_pq_codes early = {0};
-    if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx) {
+    /* a host search's pieces: at most one a page of the range */
+    if (!dev)
+        plan.pieces =
+            malloc(sizeof *plan.pieces * (size_t)(r->n / kvd_store_page_tokens(c->store) + 2));
+    if (!ix.cent || !ix.codes || !r->idx || !r->scores || !uidx || (!dev && !plan.pieces)) {
         rc = kvd_error_set(err, KVD_ENOMEM, "out of memory for a %llu-token search",
                            (unsigned long long)r->n);
         goto done;
