@@ -122,6 +122,16 @@ static int64_t bg_retry = RETRY;   /* the next pause of a lane that starves */
 static int64_t bg_back_at;         /* when a starved lane is tried again */
 static int64_t bg_on_since;        /* when it was last tried again */
 
+/* A condition variable whose timed waits run on the monotonic clock. */
+static void cond_init_monotonic(pthread_cond_t *cv)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 /* A caller waiting for a slot; the list is ordered by key, least first. */
 typedef struct par_waiter {
     int64_t key;   /* its task's rank (rank()) */
@@ -237,11 +247,7 @@ static void slot_take(int64_t key, int64_t task_begun)
         return;
     }
     par_waiter w = {.key = key, .begun = task_begun};
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w.cv, &ca);
-    pthread_condattr_destroy(&ca);
+    cond_init_monotonic(&w.cv);
     par_waiter **p = &waiters;
     while (*p && ((*p)->key < w.key || ((*p)->key == w.key && (*p)->begun <= w.begun)))
         p = &(*p)->nxt;
@@ -644,11 +650,7 @@ static int par_background(int n, int threads, kvd__par_fn fn, void *arg)
 static pthread_once_t left_once = PTHREAD_ONCE_INIT;
 static void left_init(void)
 {
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&left, &ca);
-    pthread_condattr_destroy(&ca);
+    cond_init_monotonic(&left);
 }
 
 void kvd__par_for(int n, int threads, kvd__par_fn fn, void *arg)
