@@ -6,6 +6,11 @@
 /* The streaming state lives on the stack; its layout is in the header. */
 #define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
+#ifdef KVD_HAVE_XXH_DISPATCH
+/* XXH3_64bits_update becomes the library's run-time dispatched update (its
+ * AVX2 / AVX-512 loops where the CPU has them); same hash. */
+#include <xxh_x86dispatch.h>
+#endif
 
 /* ---- little-endian access, independent of the host byte order ---------- */
 
