@@ -728,10 +728,11 @@ __attribute__((target("avx2,fma"))) static void scan_avx2(int m, const uint8_t *
 
 /*
  * Starting threshold for the scan, from the exact scores of a strided sample
- * of 1024 middle tokens: the sample's r-th best, with r = e + 3.5 sqrt(e) + 4
- * where e = k * 1024 / nm sample tokens are expected above the true k-th
+ * of S middle tokens (1024, or one in 16 of fewer than 16K, at least 128):
+ * the sample's r-th best, with r = e + 3.5 sqrt(e) + 4
+ * where e = k * S / nm sample tokens are expected above the true k-th
  * best (a guess too high is then a ~1-in-5000 event). Starting there, only
- * about k + 3.5 sqrt(k n / 1024) tokens enter the buffer whatever the order
+ * about k + 3.5 sqrt(k n / S) tokens enter the buffer whatever the order
  * of the scores (a rising trend along positions would otherwise push nearly
  * every token). The guess is only a filter: the caller checks that at least
  * k tokens passed it and rescans from scratch otherwise. NaN = no guess.
@@ -739,18 +740,19 @@ __attribute__((target("avx2,fma"))) static void scan_avx2(int m, const uint8_t *
 static float guess_threshold(int m, int G, kvd_pq_agg agg, const code_src *src, const float *luts,
                              int64_t lo, int64_t nm, int64_t k)
 {
-    enum { S = 1024 };
-    if (nm < 16 * S)
+    enum { SMAX = 1024 };
+    const int64_t S = nm >= 16 * SMAX ? SMAX : (nm / 16) & ~(int64_t)3; /* 4 scored a step */
+    if (S < 128)
         return NAN;
     double e = (double)S * (double)k / (double)nm;
     int64_t r = (int64_t)ceil(e + 3.5 * sqrt(e) + 4.0);
     if (r > S / 2)
         return NAN;
-    uint64_t keys[S];
+    uint64_t keys[SMAX];
     int64_t step = nm / S;
     if (src->packed) {
-        int64_t t[S];
-        float sc[S];
+        int64_t t[SMAX];
+        float sc[SMAX];
         for (int64_t i = 0; i < S; i++)
             t[i] = lo + i * step + step / 2;
         score_packed_n(m, src->packed, t, S, luts, sc);
