@@ -129,6 +129,12 @@ static void plan_release(kvd_store *st, code_plan *pl)
     memset(pl, 0, sizeof *pl);
 }
 
+/* Kv head h's part of piece c into that head's codes of the range. */
+static void piece_copy(uint8_t *head_codes, const code_piece *c, size_t h)
+{
+    memcpy(head_codes + c->dst, c->src + h * c->hstride, c->len);
+}
+
 /* One kv head's pieces into its codes of the range (a search job's fill). */
 typedef struct head_fill {
     const code_plan *plan;
@@ -139,10 +145,8 @@ typedef struct head_fill {
 static int fill_head(void *arg)
 {
     const head_fill *f = arg;
-    for (size_t i = 0; i < f->plan->n; i++) {
-        const code_piece *c = &f->plan->pieces[i];
-        memcpy(f->codes + c->dst, c->src + f->h * c->hstride, c->len);
-    }
+    for (size_t i = 0; i < f->plan->n; i++)
+        piece_copy(f->codes, &f->plan->pieces[i], f->h);
     return 0;
 }
 
@@ -249,34 +253,28 @@ static int gather_codes(const kvd_compute *c, const kvd_search_args *sa, const s
                          kvd_page_pq_get(&v, &pq) && pq.centroids_id == centroids_id &&
                          pq.m == (uint32_t)M && pq.bits == (uint32_t)ix->nb &&
                          v.h.num_kv_heads == (uint32_t)H && v.h.num_tokens == B;
-            int held = 0;
-            const size_t dst = (size_t)(t0 - r->start) * M, len = (size_t)(t1 - t0) * M;
+            int held = 0, later = 0; /* later: copied by the search (fill_head) */
+            /* section (kv_head, token, m) -> index (kv_head, range token, m) */
+            code_piece pc = {usable ? pq.codes + (size_t)(t0 - blk * B) * M : NULL, (size_t)B * M,
+                             (size_t)(t0 - r->start) * M, (size_t)(t1 - t0) * M};
             if (usable && plan && kvd_store_page_in_tier(ph)) {
-                /* copied head by head by the search (fill_head) */
                 if ((rc = dev_codes_add(&plan->held, ph, blk, err)))
                     break; /* hs[i] is still this loop's to release */
-                plan->pieces[plan->n++] =
-                    (code_piece){pq.codes + (size_t)(t0 - blk * B) * M, (size_t)B * M, dst, len};
-                held = 1;
-            } else if (usable) {
-                /* section (kv_head, token, m) -> index (kv_head, range token, m) */
-                for (int h = 0; h < H; h++)
-                    memcpy(ix->codes + (size_t)h * r->n * M + dst,
-                           pq.codes + ((size_t)h * B + (t0 - blk * B)) * M, len);
-            } else if (early && early->centroids_id == centroids_id &&
+                held = later = 1;
+            } else if (!usable && early && early->centroids_id == centroids_id &&
                        blk * B >= early->token_start &&
                        blk * B + B <= early->token_start + early->num_tokens) {
                 /* a page sealed before the layer was trained: the codes record */
                 usable = 1;
-                const uint8_t *src = early->codes + (size_t)(t0 - early->token_start) * M;
-                const size_t hstride = (size_t)early->num_tokens * M;
-                if (plan) {
-                    plan->pieces[plan->n++] = (code_piece){src, hstride, dst, len};
-                } else {
-                    for (int h = 0; h < H; h++)
-                        memcpy(ix->codes + (size_t)h * r->n * M + dst, src + h * hstride, len);
-                }
+                later = plan != NULL;
+                pc.src = early->codes + (size_t)(t0 - early->token_start) * M;
+                pc.hstride = (size_t)early->num_tokens * M;
             }
+            if (later)
+                plan->pieces[plan->n++] = pc;
+            else if (usable)
+                for (int h = 0; h < H; h++)
+                    piece_copy(ix->codes + (size_t)h * r->n * M, &pc, (size_t)h);
             if (!held)
                 kvd_store_page_release(st, ph);
             if (!usable)
